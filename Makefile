@@ -1,0 +1,29 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+
+# torch==2.13.0 first: pip takes the local CPU wheel; an unpinned torch would pull a CUDA build.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e ".[all,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python scripts/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,51 @@
+"""Write files atomically: a temp file beside the target, renamed over it only on success.
+
+A crash, an exception or a refused overwrite leaves no partial file and the old one intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def atomic_path(target: str | os.PathLike, *, protect: tuple[str | os.PathLike, ...] = ()) -> Iterator[Path]:
+    """Yield a temporary path in ``target``'s folder; on success rename it to ``target``.
+
+    ``protect`` lists input paths that must never be overwritten (``ValueError`` if ``target``
+    is one of them).
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> with atomic_path(d / "out.txt") as tmp:
+    ...     _ = tmp.write_text("done")
+    >>> (d / "out.txt").read_text()
+    'done'
+    """
+    target = Path(target)
+    for p in protect:
+        if Path(p).exists() and target.exists() and os.path.samefile(p, target):
+            raise ValueError(f"refusing to overwrite the input {p}; choose another output path")
+        if Path(os.path.abspath(p)) == Path(os.path.abspath(target)):
+            raise ValueError(f"refusing to overwrite the input {p}; choose another output path")
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        raise FileNotFoundError(f"output folder {folder} does not exist")
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomically(target: str | os.PathLike, text: str) -> Path:
+    with atomic_path(target) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(target)

@@ -1,0 +1,98 @@
+"""The ``recal`` command line.
+
+The core owns ``check`` and ``schema``; backends add commands (``train``,
+``quantize-qat-export``) through the ``recal.commands`` entry-point group, so the core
+never imports a framework. Every failure ends with one clear line and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from importlib.metadata import entry_points
+from typing import Callable, Sequence
+
+from .atomic import write_text_atomically
+from .errors import RecipeError
+from .recipe import load_recipe, recipe_json_schema
+from .report import format_table, plot_schedule
+
+log = logging.getLogger(__name__)
+
+EXIT_BAD_INPUT = 2
+
+
+def _check(args: argparse.Namespace) -> int:
+    recipe = load_recipe(args.recipe)
+    schedule = recipe.bind(args.steps_per_epoch)
+    print(format_table(schedule))
+    if args.plot:
+        path = plot_schedule(schedule, args.plot)
+        print(f"wrote {path}")
+    return 0
+
+
+def _schema(args: argparse.Namespace) -> int:
+    text = json.dumps(recipe_json_schema(), indent=2) + "\n"
+    if args.output:
+        write_text_atomically(args.output, text)
+        print(f"wrote {args.output}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="recal", description="Scheduled pruning, QAT and LR recipes "
+                                     "for PyTorch and TensorFlow; int8 ONNX export.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    check = sub.add_parser("check", help="validate a recipe and print what it does per epoch")
+    check.add_argument("recipe", help="recipe file (.yaml or .md with front matter)")
+    check.add_argument("--steps-per-epoch", type=_positive_int, default=1,
+                       help="optimizer steps per epoch (default 1: one row per epoch step)")
+    check.add_argument("--plot", metavar="OUT.png", help="also write the sparsity and LR curves")
+    check.set_defaults(func=_check)
+
+    schema = sub.add_parser("schema", help="print the JSON Schema of the recipe format")
+    schema.add_argument("--output", "-o", help="write it to this file instead of stdout")
+    schema.set_defaults(func=_schema)
+
+    for ep in entry_points(group="recal.commands"):
+        try:
+            register: Callable[[argparse._SubParsersAction], None] = ep.load()
+        except ImportError as exc:  # a backend whose framework is not installed
+            log.debug("recal command %s unavailable: %s", ep.name, exc)
+            continue
+        register(sub)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except RecipeError as exc:
+        print(f"recal: invalid recipe: {exc}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"recal {args.command}: {exc}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

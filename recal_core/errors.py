@@ -1,0 +1,81 @@
+"""The one exception a recipe can raise, with every problem located precisely.
+
+A person fixing a recipe needs to know *where* (file, line, column), *what*
+(modifier tag and field), the value found and what was expected; and needs all
+problems at once, not one per run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field as dataclass_field
+from typing import Any
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Location:
+    """A place in a recipe source; ``line`` and ``column`` are 1-based."""
+
+    source: str = "<string>"
+    line: int | None = None
+    column: int | None = None
+
+    def __str__(self) -> str:
+        parts = [self.source]
+        if self.line is not None:
+            parts.append(str(self.line))
+            if self.column is not None:
+                parts.append(str(self.column))
+        return ":".join(parts)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a recipe."""
+
+    location: Location
+    message: str
+    modifier: str | None = None  # e.g. "!GradualKSModifier (modifier #2)"
+    field: str | None = None
+    value: Any = dataclass_field(default=_MISSING, compare=False)
+    expected: str | None = None
+
+    def __str__(self) -> str:
+        text = f"{self.location}: "
+        if self.modifier:
+            text += self.modifier
+            text += f", field '{self.field}'" if self.field else ""
+            text += ": "
+        elif self.field:
+            text += f"'{self.field}': "
+        text += self.message
+        if self.value is not _MISSING:
+            text += f"; got {_short(self.value)}"
+        if self.expected:
+            text += f"; expected {self.expected}"
+        return text
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class RecipeError(ValueError):
+    """A recipe is invalid, or cannot be applied; ``problems`` lists every reason."""
+
+    def __init__(self, problems: list[Problem] | Problem | str):
+        if isinstance(problems, str):
+            problems = [Problem(Location(), problems)]
+        elif isinstance(problems, Problem):
+            problems = [problems]
+        self.problems: list[Problem] = list(problems)
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        if len(self.problems) == 1:
+            return str(self.problems[0])
+        sources = sorted({p.location.source for p in self.problems})
+        head = f"{len(self.problems)} problems in {', '.join(sources)}:"
+        return "\n".join([head] + [f"  - {p}" for p in self.problems])

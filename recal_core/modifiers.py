@@ -1,0 +1,477 @@
+"""Every recipe modifier as a frozen, validated pydantic model, and the one tag registry.
+
+The models are data: they hold what the recipe says and check it once, at load.
+What a modifier *does* at step ``k`` is computed by :mod:`recal_core.schedule`
+from these fields; masks, hooks and graph ops live in the backends.
+
+Epoch fields use SparseML's sentinel ``-1``: as a start it means "from the first
+step", as an end "until training ends" (the recipe's ``max_epochs``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, StrictBool, ValidationInfo, field_validator
+
+# --- field types -------------------------------------------------------------------------
+
+
+def _number(value: Any) -> Any:
+    """Accept ints and floats (ints where floats are expected); refuse bools and strings."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError("expected a finite number")
+    return float(value)
+
+
+Number = Annotated[float, BeforeValidator(_number)]
+ParamSpec = str | tuple[str, ...]
+"""``__ALL__``, ``__ALL_PRUNABLE__``, a name, ``re:<pattern>``, or a list of names/patterns."""
+
+ALL = "__ALL__"
+ALL_PRUNABLE = "__ALL_PRUNABLE__"
+LR_CLASSES = ("ExponentialLR", "StepLR", "MultiStepLR")
+INTER_FUNCS = ("linear", "cubic", "inverse_cubic")
+
+
+def _check_epoch(value: float, name: str, sentinel_ok: bool) -> float:
+    if value == -1 and sentinel_ok:
+        return value
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0" + (" (or -1)" if sentinel_ok else ""))
+    return value
+
+
+def _check_end(end: float, info: ValidationInfo, sentinel_ok: bool) -> float:
+    if end == -1 and sentinel_ok:
+        return end
+    _check_epoch(end, "end_epoch", sentinel_ok)
+    start = info.data.get("start_epoch")
+    if start is not None and end <= max(start, 0.0):
+        raise ValueError(f"end_epoch ({end:g}) must be greater than start_epoch ({start:g})")
+    return end
+
+
+def _check_params(value: ParamSpec) -> ParamSpec:
+    items = (value,) if isinstance(value, str) else value
+    if not items:
+        raise ValueError("params is empty; give __ALL__, __ALL_PRUNABLE__, names or re: patterns")
+    for item in items:
+        if not item.strip():
+            raise ValueError("params holds an empty name")
+        if item.startswith("re:"):
+            try:
+                re.compile(item[3:])
+            except re.error as exc:
+                raise ValueError(f"invalid regular expression {item!r}: {exc}") from None
+        if item in (ALL, ALL_PRUNABLE) and len(items) > 1:
+            raise ValueError(f"{item} selects everything; do not list it with other names")
+    return value
+
+
+def _only(value: Any, allowed: Any, explanation: str) -> Any:
+    if value != allowed:
+        raise ValueError(f"{value!r} is not supported by recal: {explanation}")
+    return value
+
+
+# --- base --------------------------------------------------------------------------------
+
+
+class Modifier(BaseModel):
+    """Base of all modifiers: immutable, unknown fields rejected, ints accepted as floats."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
+
+    tag: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()
+    # SparseML's logging hints: accepted and kept, they do not change training.
+    log_types: str | tuple[str, ...] | None = None
+
+    @property
+    def yaml_tag(self) -> str:
+        return "!" + self.tag
+
+
+class EpochRangeModifier(Modifier):
+    """The range of training epochs (``max_epochs`` comes from it and every other modifier)."""
+
+    tag: ClassVar[str] = "EpochRangeModifier"
+    start_epoch: Number
+    end_epoch: Number
+
+    @field_validator("start_epoch")
+    @classmethod
+    def _start(cls, v: float) -> float:
+        return _check_epoch(v, "start_epoch", sentinel_ok=False)
+
+    @field_validator("end_epoch")
+    @classmethod
+    def _end(cls, v: float, info: ValidationInfo) -> float:
+        return _check_end(v, info, sentinel_ok=False)
+
+
+class _PruningFields(Modifier):
+    params: ParamSpec
+
+    @field_validator("params")
+    @classmethod
+    def _params(cls, v: ParamSpec) -> ParamSpec:
+        return _check_params(v)
+
+
+class GradualKSModifier(_PruningFields):
+    """Gradual magnitude pruning from ``init_sparsity`` to ``final_sparsity`` (SparseML: GMPruningModifier)."""
+
+    tag: ClassVar[str] = "GradualKSModifier"
+    aliases: ClassVar[tuple[str, ...]] = ("GMPruningModifier",)
+    init_sparsity: Number
+    final_sparsity: Number
+    start_epoch: Number
+    end_epoch: Number
+    update_frequency: Number
+    inter_func: Literal["linear", "cubic", "inverse_cubic"] = "cubic"
+    leave_enabled: StrictBool = True
+    mask_type: Any = "unstructured"
+    global_sparsity: StrictBool = False
+    phased: StrictBool = False
+    score_type: str = "magnitude"
+
+    @field_validator("init_sparsity", "final_sparsity")
+    @classmethod
+    def _sparsity(cls, v: float, info: ValidationInfo) -> float:
+        if not 0.0 <= v < 1.0:
+            raise ValueError(f"{info.field_name} must be in [0, 1)")
+        init = info.data.get("init_sparsity")
+        if info.field_name == "final_sparsity" and init is not None and v < init:
+            raise ValueError(f"final_sparsity ({v:g}) must be >= init_sparsity ({init:g})")
+        return v
+
+    @field_validator("start_epoch")
+    @classmethod
+    def _start(cls, v: float) -> float:
+        return _check_epoch(v, "start_epoch", sentinel_ok=False)
+
+    @field_validator("end_epoch")
+    @classmethod
+    def _end(cls, v: float, info: ValidationInfo) -> float:
+        return _check_end(v, info, sentinel_ok=False)
+
+    @field_validator("update_frequency")
+    @classmethod
+    def _frequency(cls, v: float) -> float:
+        if v != -1 and v <= 0:
+            raise ValueError("update_frequency must be > 0 epochs, or -1 to update every step")
+        return v
+
+    @field_validator("mask_type")
+    @classmethod
+    def _mask_type(cls, v: Any) -> Any:
+        return _only(v, "unstructured", "only unstructured (per-weight) masks are implemented,"
+                     " not block or N:M masks")
+
+    @field_validator("global_sparsity")
+    @classmethod
+    def _global(cls, v: bool) -> bool:
+        return _only(v, False, "sparsity is applied per layer; global_sparsity must be false")
+
+    @field_validator("phased")
+    @classmethod
+    def _phased(cls, v: bool) -> bool:
+        return _only(v, False, "phased pruning is not implemented")
+
+    @field_validator("score_type")
+    @classmethod
+    def _score(cls, v: str) -> str:
+        return _only(v, "magnitude", "pruning scores are weight magnitudes")
+
+
+class ConstantKSModifier(_PruningFields):
+    """Keep the existing zeros of already-pruned parameters (SparseML: ConstantPruningModifier)."""
+
+    tag: ClassVar[str] = "ConstantKSModifier"
+    aliases: ClassVar[tuple[str, ...]] = ("ConstantPruningModifier",)
+    start_epoch: Number = -1.0
+    end_epoch: Number = -1.0
+
+    @field_validator("start_epoch")
+    @classmethod
+    def _start(cls, v: float) -> float:
+        return _check_epoch(v, "start_epoch", sentinel_ok=True)
+
+    @field_validator("end_epoch")
+    @classmethod
+    def _end(cls, v: float, info: ValidationInfo) -> float:
+        return _check_end(v, info, sentinel_ok=True)
+
+
+class QuantizationModifier(Modifier):
+    """Quantization-aware training from ``start_epoch`` on; it cannot be switched off."""
+
+    tag: ClassVar[str] = "QuantizationModifier"
+    start_epoch: Number
+    submodules: tuple[str, ...] | None = None
+    freeze_bn_stats_epoch: Number | None = None
+    disable_quantization_observer_epoch: Number | None = None
+    end_epoch: Number = -1.0
+
+    @field_validator("start_epoch")
+    @classmethod
+    def _start(cls, v: float) -> float:
+        return _check_epoch(v, "start_epoch", sentinel_ok=True)
+
+    @field_validator("submodules")
+    @classmethod
+    def _submodules(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if v is not None and (not v or any(not s.strip() for s in v)):
+            raise ValueError("submodules must be a non-empty list of module names")
+        return v
+
+    @field_validator("freeze_bn_stats_epoch", "disable_quantization_observer_epoch")
+    @classmethod
+    def _after_start(cls, v: float | None, info: ValidationInfo) -> float | None:
+        start = info.data.get("start_epoch")
+        if v is not None and start is not None and v < max(start, 0.0):
+            raise ValueError(f"{info.field_name} ({v:g}) must be >= start_epoch ({start:g})")
+        return v
+
+    @field_validator("end_epoch")
+    @classmethod
+    def _end(cls, v: float) -> float:
+        return _only(v, -1.0, "quantization cannot be disabled once started (leave end_epoch out)")
+
+
+class SetLearningRateModifier(Modifier):
+    """Set the learning rate to ``learning_rate`` from ``start_epoch`` (-1: from the first step)."""
+
+    tag: ClassVar[str] = "SetLearningRateModifier"
+    start_epoch: Number = -1.0
+    learning_rate: Number
+    end_epoch: Number = -1.0
+    constant_logging: StrictBool = False
+
+    @field_validator("start_epoch")
+    @classmethod
+    def _start(cls, v: float) -> float:
+        return _check_epoch(v, "start_epoch", sentinel_ok=True)
+
+    @field_validator("learning_rate")
+    @classmethod
+    def _lr(cls, v: float) -> float:
+        if v <= 0:
+            raise ValueError("learning_rate must be > 0")
+        return v
+
+    @field_validator("end_epoch")
+    @classmethod
+    def _end(cls, v: float) -> float:
+        return _only(v, -1.0, "the learning rate holds until another LR modifier starts")
+
+
+class LearningRateModifier(Modifier):
+    """An epoch-wise LR schedule (ExponentialLR, StepLR or MultiStepLR) over ``[start_epoch, end_epoch)``."""
+
+    tag: ClassVar[str] = "LearningRateModifier"
+    start_epoch: Number
+    end_epoch: Number = -1.0
+    lr_class: str
+    lr_kwargs: dict[str, Any]
+    init_lr: Number | None = None
+    update_frequency: Number = -1.0
+    constant_logging: StrictBool = False
+
+    @field_validator("start_epoch")
+    @classmethod
+    def _start(cls, v: float) -> float:
+        return _check_epoch(v, "start_epoch", sentinel_ok=True)
+
+    @field_validator("end_epoch")
+    @classmethod
+    def _end(cls, v: float, info: ValidationInfo) -> float:
+        return _check_end(v, info, sentinel_ok=True)
+
+    @field_validator("lr_class")
+    @classmethod
+    def _lr_class(cls, v: str) -> str:
+        if v not in LR_CLASSES:
+            raise ValueError(f"lr_class {v!r} is not supported; use one of {', '.join(LR_CLASSES)}")
+        return v
+
+    @field_validator("lr_kwargs")
+    @classmethod
+    def _lr_kwargs(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        lr_class = info.data.get("lr_class")
+        if lr_class is None:
+            return v
+        return _normalise_lr_kwargs(lr_class, v, info.data.get("start_epoch"), info.data.get("end_epoch"))
+
+    @field_validator("init_lr")
+    @classmethod
+    def _init_lr(cls, v: float | None) -> float | None:
+        if v is not None and v <= 0:
+            raise ValueError("init_lr must be > 0")
+        return v
+
+    @field_validator("update_frequency")
+    @classmethod
+    def _frequency(cls, v: float) -> float:
+        return _only(v, -1.0, "LR schedules step per epoch (leave update_frequency out)")
+
+
+def _normalise_lr_kwargs(lr_class: str, kwargs: dict[str, Any], start: float | None,
+                         end: float | None) -> dict[str, Any]:
+    kwargs = dict(kwargs)
+    if lr_class == "StepLR" and "step_size" in kwargs and "step" not in kwargs:
+        kwargs["step"] = kwargs.pop("step_size")
+    required = {"ExponentialLR": ("gamma",), "StepLR": ("gamma", "step"),
+                "MultiStepLR": ("gamma", "milestones")}[lr_class]
+    missing = [k for k in required if k not in kwargs]
+    unknown = sorted(set(kwargs) - set(required))
+    if missing or unknown:
+        parts = []
+        if missing:
+            parts.append("missing " + ", ".join(repr(k) for k in missing))
+        if unknown:
+            parts.append("unknown " + ", ".join(repr(k) for k in unknown))
+        raise ValueError(f"lr_kwargs for {lr_class} takes exactly {', '.join(required)}: {'; '.join(parts)}")
+    gamma = _number(kwargs["gamma"])
+    if gamma <= 0:
+        raise ValueError("lr_kwargs.gamma must be > 0")
+    out: dict[str, Any] = {"gamma": gamma}
+    if lr_class == "StepLR":
+        step = _number(kwargs["step"])
+        if step <= 0:
+            raise ValueError("lr_kwargs.step must be > 0 epochs")
+        out["step"] = step
+    if lr_class == "MultiStepLR":
+        milestones = kwargs["milestones"]
+        if not isinstance(milestones, (list, tuple)) or not milestones:
+            raise ValueError("lr_kwargs.milestones must be a non-empty list of epochs")
+        values = [_number(m) for m in milestones]
+        lo = max(start, 0.0) if start is not None else 0.0
+        for m in values:
+            if m < lo or (end is not None and end != -1 and m >= end):
+                hi = "end_epoch" if end not in (None, -1) else "the end of training"
+                raise ValueError(f"milestone {m:g} is outside [start_epoch, {hi}) = [{lo:g}, "
+                                 f"{end if end not in (None, -1) else 'inf'})")
+        if values != sorted(set(values)):
+            raise ValueError("lr_kwargs.milestones must be strictly increasing")
+        out["milestones"] = values
+    return out
+
+
+class TrainableParamsModifier(Modifier):
+    """Mark ``params`` trainable (or frozen) over ``[start_epoch, end_epoch)``; restored at the end."""
+
+    tag: ClassVar[str] = "TrainableParamsModifier"
+    params: ParamSpec
+    trainable: StrictBool = True
+    params_strict: StrictBool = True
+    start_epoch: Number = -1.0
+    end_epoch: Number = -1.0
+
+    @field_validator("params")
+    @classmethod
+    def _params(cls, v: ParamSpec) -> ParamSpec:
+        return _check_params(v)
+
+    @field_validator("params_strict")
+    @classmethod
+    def _strict(cls, v: bool) -> bool:
+        return _only(v, True, "a params entry that matches nothing is always an error")
+
+    @field_validator("start_epoch")
+    @classmethod
+    def _start(cls, v: float) -> float:
+        return _check_epoch(v, "start_epoch", sentinel_ok=True)
+
+    @field_validator("end_epoch")
+    @classmethod
+    def _end(cls, v: float, info: ValidationInfo) -> float:
+        return _check_end(v, info, sentinel_ok=True)
+
+
+class SetWeightDecayModifier(Modifier):
+    """Set the optimizer's weight decay from ``start_epoch`` (-1: from the first step)."""
+
+    tag: ClassVar[str] = "SetWeightDecayModifier"
+    start_epoch: Number = -1.0
+    weight_decay: Number
+    param_groups: Any = None
+    end_epoch: Number = -1.0
+    constant_logging: StrictBool = False
+
+    @field_validator("start_epoch")
+    @classmethod
+    def _start(cls, v: float) -> float:
+        return _check_epoch(v, "start_epoch", sentinel_ok=True)
+
+    @field_validator("param_groups")
+    @classmethod
+    def _groups(cls, v: Any) -> Any:
+        return _only(v, None, "weight decay is set on every param group")
+
+    @field_validator("weight_decay")
+    @classmethod
+    def _wd(cls, v: float) -> float:
+        if v < 0:
+            raise ValueError("weight_decay must be >= 0")
+        return v
+
+    @field_validator("end_epoch")
+    @classmethod
+    def _end(cls, v: float) -> float:
+        return _only(v, -1.0, "the weight decay holds until another SetWeightDecayModifier starts")
+
+
+# --- registry ----------------------------------------------------------------------------
+
+MODIFIER_TYPES: tuple[type[Modifier], ...] = (
+    EpochRangeModifier, GradualKSModifier, ConstantKSModifier, QuantizationModifier,
+    SetLearningRateModifier, LearningRateModifier, TrainableParamsModifier, SetWeightDecayModifier,
+)
+REGISTRY: dict[str, type[Modifier]] = {}
+for _cls in MODIFIER_TYPES:
+    for _name in (_cls.tag, *_cls.aliases):
+        REGISTRY[_name] = _cls
+
+FRAMEWORK_PREFIXES = ("pytorch.", "tensorflow.", "tensorflow_v1.", "keras.")
+
+# SparseML modifiers recal knows of but does not implement, with what to do instead.
+NOT_SUPPORTED: dict[str, str] = {
+    "LearningRateFunctionModifier": "use LearningRateModifier or SetLearningRateModifier",
+    "GlobalMagnitudePruningModifier": "global sparsity is not implemented; use GradualKSModifier (per layer)",
+    "MagnitudePruningModifier": "use GradualKSModifier",
+    "OBSPruningModifier": "second-order (oBERT) pruning is not implemented; use GradualKSModifier",
+    "MFACPruningModifier": "M-FAC pruning is not implemented; use GradualKSModifier",
+    "ACDCPruningModifier": "AC/DC pruning is not implemented; use GradualKSModifier",
+    "MovementPruningModifier": "movement pruning is not implemented; use GradualKSModifier",
+    "LayerPruningModifier": "layer removal is not implemented",
+    "DistillationModifier": "knowledge distillation is not implemented",
+    "LegacyQuantizationModifier": "use QuantizationModifier",
+    "SparseGPTModifier": "one-shot SparseGPT is not implemented",
+    "GPTQModifier": "one-shot GPTQ is not implemented",
+    "SmoothQuantModifier": "SmoothQuant is not implemented",
+}
+
+
+def lookup_tag(tag: str) -> type[Modifier]:
+    """Return the modifier class for a YAML tag (``!GMPruningModifier``, ``!pytorch.X`` ...).
+
+    Raises ``KeyError`` with a message that lists the known tags.
+    """
+    name = tag[1:] if tag.startswith("!") else tag
+    for prefix in FRAMEWORK_PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    if name in REGISTRY:
+        return REGISTRY[name]
+    if name in NOT_SUPPORTED:
+        raise KeyError(f"{name} is a SparseML modifier that recal does not support: {NOT_SUPPORTED[name]}")
+    known = ", ".join("!" + n for n in REGISTRY)
+    raise KeyError(f"unknown modifier tag {tag!r}; known tags: {known}")

@@ -1,0 +1,388 @@
+"""A recipe: a version and an ordered tuple of validated modifiers, loaded once, located always.
+
+``load_recipe`` accepts a path (YAML or Markdown with front matter) or a YAML string,
+reports *every* problem at once in one :class:`~recal_core.errors.RecipeError`, and
+never lets any other exception out, whatever the input.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, PrivateAttr, SerializeAsAny, ValidationError
+
+from . import modifiers as M
+from .errors import Location, Problem, RecipeError
+from .expressions import ExpressionError, evaluate, is_expression, resolve_variables
+from .yaml_source import ParsedYaml, TaggedMapping, parse_yaml, read_recipe_text
+
+SUPPORTED_MAJOR_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModifierSource:
+    """Where a modifier came from: the recipe list it was in, its index, its YAML node."""
+
+    list_key: str
+    index: int
+    node: TaggedMapping | None
+
+    def describe(self, tag: str) -> str:
+        return f"{tag} ({self.list_key}[{self.index}])"
+
+
+class Recipe(BaseModel):
+    """A validated recipe. Equality compares the version and the modifiers, not where they came from.
+
+    >>> r = load_recipe("- !EpochRangeModifier {start_epoch: 0, end_epoch: 3}")
+    >>> r.max_epochs
+    3
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    version: str = "1.0.0"
+    modifiers: tuple[SerializeAsAny[M.Modifier], ...]
+    _source: str = PrivateAttr(default="<recipe>")
+    _origins: tuple[ModifierSource | None, ...] = PrivateAttr(default=())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Recipe):
+            return NotImplemented
+        return self.version == other.version and self.modifiers == other.modifiers
+
+    __hash__ = None  # type: ignore[assignment]
+
+    # --- where things are ---------------------------------------------------------------
+
+    @property
+    def source(self) -> str:
+        return self._source
+
+    def describe(self, index: int) -> str:
+        """``!GradualKSModifier (modifiers[2])``: how errors name a modifier."""
+        mod = self.modifiers[index]
+        origin = self._origins[index] if index < len(self._origins) else None
+        return origin.describe(mod.yaml_tag) if origin else f"{mod.yaml_tag} (modifier #{index})"
+
+    def location(self, index: int, field: str | None = None) -> Location:
+        origin = self._origins[index] if index < len(self._origins) else None
+        if origin is None or origin.node is None:
+            return Location(self._source)
+        if field is not None and field in origin.node.field_locations:
+            return origin.node.field_locations[field]
+        return origin.node.location
+
+    def problem(self, index: int, field: str | None, message: str, *, value: Any = None,
+                expected: str | None = None) -> Problem:
+        """A :class:`Problem` located at ``field`` of modifier ``index`` (used by the backends)."""
+        extra = {} if value is None else {"value": value}
+        return Problem(self.location(index, field), message, self.describe(index), field,
+                       expected=expected, **extra)
+
+    # --- derived facts --------------------------------------------------------------------
+
+    def of_type(self, cls: type[M.Modifier] | tuple[type[M.Modifier], ...]) -> Iterator[tuple[int, Any]]:
+        """(index, modifier) pairs of the given type(s), in recipe order."""
+        return ((i, m) for i, m in enumerate(self.modifiers) if isinstance(m, cls))
+
+    @property
+    def max_epochs_exact(self) -> float:
+        """The last epoch any modifier mentions (EpochRangeModifier end, any end, start, milestone)."""
+        return max(_epoch_marks(self.modifiers), default=0.0)
+
+    @property
+    def max_epochs(self) -> int:
+        """Number of epochs to train: ``ceil`` of :attr:`max_epochs_exact` (an int, for ``range``)."""
+        return int(math.ceil(self.max_epochs_exact - 1e-9))
+
+    @property
+    def min_epochs(self) -> int:
+        """The first epoch any modifier starts at (``-1`` starts count as 0)."""
+        starts = [max(getattr(m, "start_epoch", 0.0), 0.0) for m in self.modifiers]
+        return int(math.floor(min(starts, default=0.0)))
+
+    def bind(self, steps_per_epoch: int):
+        """Turn epochs into steps: the :class:`~recal_core.schedule.RecipeSchedule` every backend queries."""
+        from .schedule import RecipeSchedule
+
+        return RecipeSchedule(self, steps_per_epoch)
+
+    # --- writing --------------------------------------------------------------------------
+
+    def to_yaml(self) -> str:
+        """YAML that :func:`load_recipe` reads back to an equal recipe (canonical tags, defaults left out)."""
+        doc = {"version": self.version, "modifiers": list(self.modifiers)}
+        return yaml.dump(doc, Dumper=_RecipeDumper, sort_keys=False, default_flow_style=None)
+
+
+def _epoch_marks(modifiers: Sequence[M.Modifier]) -> Iterator[float]:
+    for m in modifiers:
+        for name in ("start_epoch", "end_epoch", "freeze_bn_stats_epoch", "disable_quantization_observer_epoch"):
+            value = getattr(m, name, None)
+            if value is not None and value >= 0:
+                yield value
+
+
+class _RecipeDumper(yaml.SafeDumper):
+    """SafeDumper subclass that writes modifiers with their tag; PyYAML's dumper is untouched."""
+
+
+def _represent_modifier(dumper: yaml.SafeDumper, mod: M.Modifier) -> yaml.Node:
+    return dumper.represent_mapping(mod.yaml_tag, mod.model_dump(mode="json", exclude_defaults=True))
+
+
+for _cls in M.MODIFIER_TYPES:
+    _RecipeDumper.add_representer(_cls, _represent_modifier)
+
+
+# --- loading ------------------------------------------------------------------------------
+
+
+def load_recipe(source: str | os.PathLike | Recipe) -> Recipe:
+    """Load and validate a recipe from a path, a YAML/Markdown string, or return a Recipe as is.
+
+    Raises :class:`RecipeError` listing every problem (file, line, column, modifier, field).
+    """
+    if isinstance(source, Recipe):
+        return source
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"load_recipe takes a path or a YAML string, not {type(source).__name__}")
+    try:
+        return _Builder(parse_yaml(read_recipe_text(source))).build()
+    except RecipeError:
+        raise
+    except RecursionError:
+        raise RecipeError(Problem(Location(_source_name(source)), "the recipe contains a structure that "
+                                  "contains itself (a recursive alias)", expected="plain nested data")) from None
+    except Exception as exc:  # noqa: BLE001 - the loader's contract: RecipeError for any input
+        raise RecipeError(Problem(
+            Location(_source_name(source)),
+            f"internal error while reading the recipe ({type(exc).__name__}: {exc}); please report it")) from exc
+
+
+def _source_name(source: str | os.PathLike) -> str:
+    if isinstance(source, os.PathLike):
+        return str(source)
+    return "<string>" if "\n" in source or not os.path.exists(source) else source
+
+
+class _Builder:
+    def __init__(self, parsed: ParsedYaml):
+        self.parsed = parsed
+        self.source = parsed.text.source
+        self.problems: list[Problem] = []
+
+    def _where(self, key: str | None = None) -> Location:
+        if key is not None and key in self.parsed.key_locations:
+            return self.parsed.key_locations[key]
+        return self.parsed.root_location
+
+    def build(self) -> Recipe:
+        data = self.parsed.data
+        version = "1.0.0"
+        raw_variables: dict[str, Any] = {}
+        lists: list[tuple[str, Any]] = []
+        if isinstance(data, list):
+            lists.append(("modifiers", data))
+        elif isinstance(data, dict):
+            version = self._version(data.get("version", "1.0.0"))
+            for key, value in data.items():
+                if key == "version":
+                    continue
+                if isinstance(key, str) and key.endswith("modifiers"):
+                    lists.append((key, value))
+                elif isinstance(value, dict) and any(str(k).endswith("modifiers") for k in value):
+                    self.problems.append(Problem(
+                        self._where(key), f"staged recipes are not supported (stage {key!r})",
+                        expected="one recipe with its modifiers under 'modifiers' (or '*_modifiers') keys"))
+                elif _contains_tagged(value):
+                    self.problems.append(Problem(
+                        self._where(key), f"modifiers found under {key!r}",
+                        expected="modifiers in a list under a key that ends in 'modifiers'"))
+                else:
+                    raw_variables[str(key)] = value
+        else:
+            hint = ("; if this was meant as a file path, the file does not exist"
+                    if self.source == "<string>" and isinstance(data, str) else "")
+            raise RecipeError(Problem(self.parsed.root_location,
+                                      f"a recipe is a mapping or a list, not {type(data).__name__}{hint}",
+                                      expected="'version' and 'modifiers: [...]', or a list of modifiers"))
+
+        variables, failures = resolve_variables(raw_variables)
+        for name, reason in failures.items():
+            self.problems.append(Problem(self._where(name), reason, field=name))
+
+        mods: list[M.Modifier] = []
+        origins: list[ModifierSource] = []
+        for key, items in lists:
+            if isinstance(items, dict):
+                names = ", ".join(map(str, items))
+                self.problems.append(Problem(
+                    self._where(key), f"untagged modifiers under {key!r} ({names}) are not supported",
+                    expected="a list of tagged modifiers, e.g. '- !GradualKSModifier'"))
+                continue
+            if not isinstance(items, list):
+                self.problems.append(Problem(self._where(key), f"{key!r} must be a list of modifiers",
+                                             value=items, expected="a YAML list of '!Tag' mappings"))
+                continue
+            for index, item in enumerate(items):
+                origin = ModifierSource(key, index, item if isinstance(item, TaggedMapping) else None)
+                mod = self._modifier(item, origin, variables)
+                if mod is not None:
+                    mods.append(mod)
+                    origins.append(origin)
+        if not mods and not self.problems:
+            self.problems.append(Problem(self.parsed.root_location, "the recipe has no modifiers",
+                                         expected="at least one '- !Tag' modifier under 'modifiers'"))
+        if self.problems:
+            raise RecipeError(self.problems)
+        recipe = Recipe(version=version, modifiers=tuple(mods))
+        recipe._source = self.source
+        recipe._origins = tuple(origins)
+        _check_across_modifiers(recipe)
+        return recipe
+
+    def _version(self, value: Any) -> str:
+        text = str(value)
+        major = text.split(".")[0]
+        if not major.isdigit():
+            self.problems.append(Problem(self._where("version"), "invalid version", field="version",
+                                         value=value, expected="a version such as 1.0.0"))
+        elif int(major) != SUPPORTED_MAJOR_VERSION:
+            self.problems.append(Problem(self._where("version"), f"unsupported recipe version {text}",
+                                         field="version", expected=f"major version {SUPPORTED_MAJOR_VERSION}"))
+        return text
+
+    def _modifier(self, item: Any, origin: ModifierSource, variables: dict[str, Any]) -> M.Modifier | None:
+        if not isinstance(item, TaggedMapping):
+            self.problems.append(Problem(
+                self._where(origin.list_key), f"{origin.list_key}[{origin.index}] is not a tagged modifier",
+                value=item, expected="a mapping tagged with a modifier, e.g. '- !GradualKSModifier'"))
+            return None
+        described = origin.describe(item.tag)
+        self.problems.extend(Problem(p.location, p.message, described, p.field, expected=p.expected)
+                             for p in item.problems)
+        try:
+            cls = M.lookup_tag(item.tag)
+        except KeyError as exc:
+            self.problems.append(Problem(item.location, exc.args[0], described))
+            return None
+        if item.fields is None:
+            self.problems.append(Problem(item.location, "a modifier must be a mapping of fields", described,
+                                         expected=f"fields such as {', '.join(list(cls.model_fields)[1:4])}"))
+            return None
+        fields: dict[str, Any] = {}
+        failed = False
+        for name, value in item.fields.items():
+            try:
+                fields[name] = _evaluate_all(value, variables)
+            except ExpressionError as exc:
+                self.problems.append(Problem(item.field_locations.get(name, item.location), str(exc),
+                                             described, name))
+                failed = True
+        if failed:
+            return None
+        try:
+            return cls.model_validate(fields)
+        except ValidationError as exc:
+            self._validation_problems(exc, cls, item, described)
+            return None
+
+    def _validation_problems(self, exc: ValidationError, cls: type[M.Modifier], item: TaggedMapping,
+                             described: str) -> None:
+        allowed = [f for f in cls.model_fields]
+        for err in exc.errors(include_url=False):
+            loc = err.get("loc", ())
+            field = str(loc[0]) if loc else None
+            where = item.field_locations.get(field, item.location) if field else item.location
+            kind = err.get("type")
+            if kind == "extra_forbidden":
+                self.problems.append(Problem(where, "unknown field", described, field,
+                                             expected="one of " + ", ".join(allowed)))
+            elif kind == "missing":
+                self.problems.append(Problem(item.location, f"required field '{field}' is missing",
+                                             described, field))
+            else:
+                message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+                inner = ".".join(str(p) for p in loc[1:])
+                if inner and not isinstance(loc[-1], int):
+                    message = f"{inner}: {message}"
+                self.problems.append(Problem(where, message, described, field,
+                                             value=item.fields.get(field) if field else None))
+
+
+def _contains_tagged(value: Any) -> bool:
+    if isinstance(value, TaggedMapping):
+        return True
+    if isinstance(value, list):
+        return any(_contains_tagged(v) for v in value)
+    if isinstance(value, dict):
+        return any(_contains_tagged(v) for v in value.values())
+    return False
+
+
+def _evaluate_all(value: Any, variables: dict[str, Any]) -> Any:
+    if is_expression(value):
+        return evaluate(value, variables)
+    if isinstance(value, list):
+        return [_evaluate_all(v, variables) for v in value]
+    if isinstance(value, dict):
+        return {k: _evaluate_all(v, variables) for k, v in value.items()}
+    if isinstance(value, TaggedMapping):
+        raise ExpressionError(f"a modifier ({value.tag}) cannot be used as a field value")
+    return value
+
+
+def _check_across_modifiers(recipe: Recipe) -> None:
+    """Rules that involve several modifiers; every violation is reported."""
+    problems: list[Problem] = []
+    whole_model_qat = [i for i, m in recipe.of_type(M.QuantizationModifier) if m.submodules is None]
+    if len(whole_model_qat) > 1:
+        for i in whole_model_qat[1:]:
+            problems.append(recipe.problem(i, None, "a second QuantizationModifier over the whole model",
+                                           expected="one QuantizationModifier, or give each its own submodules"))
+    horizon = recipe.max_epochs_exact
+    for i, m in recipe.of_type(M.LearningRateModifier):
+        if m.lr_class == "MultiStepLR" and m.end_epoch == -1:
+            late = [x for x in m.lr_kwargs["milestones"] if x >= horizon]
+            if late:
+                problems.append(recipe.problem(i, "lr_kwargs", f"milestones {late} fall after training ends",
+                                               expected=f"milestones before epoch {horizon:g}"))
+    if problems:
+        raise RecipeError(problems)
+
+
+def recipe_json_schema() -> dict[str, Any]:
+    """A JSON Schema (draft 2020-12) of the recipe format, for editors (``recal schema``).
+
+    YAML tags are not part of JSON Schema: each modifier mapping is validated against the
+    union of the modifier shapes; editors should declare the tags as custom tags.
+    """
+    defs: dict[str, Any] = {}
+    variants = []
+    for cls in M.MODIFIER_TYPES:
+        schema = cls.model_json_schema(ref_template="#/$defs/{model}")
+        defs.update(schema.pop("$defs", {}))
+        schema["title"] = "!" + cls.tag
+        schema["description"] = (cls.__doc__ or "").strip().splitlines()[0]
+        defs[cls.tag] = schema
+        variants.append({"$ref": f"#/$defs/{cls.tag}"})
+    modifier_list = {"type": "array", "items": {"anyOf": variants}}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "recal recipe",
+        "description": "A version and lists of modifiers under keys ending in 'modifiers'. "
+                       "Each modifier is a YAML mapping tagged with its name, e.g. !GradualKSModifier.",
+        "oneOf": [
+            {"type": "object",
+             "properties": {"version": {"type": ["string", "number"]}, "modifiers": modifier_list},
+             "patternProperties": {".*modifiers$": modifier_list}},
+            modifier_list,
+        ],
+        "$defs": defs,
+    }

@@ -1,0 +1,209 @@
+"""A recipe bound to ``steps_per_epoch``: every modifier's state as a function of the step.
+
+This is the single source of truth both backends query: after ``k`` optimizer steps
+the mask sparsity, LR, weight decay, trainable set and QAT state in force are the
+values returned here for ``k``. A modifier is active for ``[start_step, end_step)``
+with ``start_step = epoch_to_step(start_epoch)``; ``end_epoch`` is exclusive, a ``-1``
+start means step 0 and a ``-1`` end means the end of training
+(``epoch_to_step(recipe.max_epochs)``).
+
+When several LR modifiers have started, the one that started last is in force (a tie
+goes to the later one in the recipe); a LearningRateModifier holds its last value after
+its ``end_epoch``. Weight decay follows the same rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from . import modifiers as M
+from . import schedules as S
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Span:
+    """A modifier's active steps ``[start, end)``; ``end`` is None for "until training ends"."""
+
+    start: int
+    end: int | None
+
+    def contains(self, k: int) -> bool:
+        return k >= self.start and (self.end is None or k < self.end)
+
+
+@dataclass(frozen=True)
+class PruningSchedule:
+    """One pruning modifier, bound: which steps update the mask and the sparsity then."""
+
+    index: int
+    modifier: M.GradualKSModifier | M.ConstantKSModifier
+    span: Span
+    sparsity: Callable[[int], float | None]  # None: no mask in force at k (GradualKS)
+    is_update: Callable[[int], bool]
+
+    @property
+    def constant(self) -> bool:
+        """ConstantKS keeps the zeros found at its start; it sets no target of its own."""
+        return isinstance(self.modifier, M.ConstantKSModifier)
+
+    def mask_in_force(self, k: int) -> bool:
+        if self.constant:
+            return self.span.contains(k)
+        return self.sparsity(k) is not None
+
+
+@dataclass(frozen=True)
+class QATState:
+    """Quantization-aware training switches in force after ``k`` steps."""
+
+    enabled: bool = False
+    bn_frozen: bool = False
+    observers_frozen: bool = False
+
+
+class RecipeSchedule:
+    """``recipe.bind(steps_per_epoch)``: query any modifier's value at step ``k``.
+
+    >>> from recal_core import load_recipe
+    >>> r = load_recipe('''
+    ... - !EpochRangeModifier {start_epoch: 0, end_epoch: 4}
+    ... - !SetLearningRateModifier {start_epoch: 1, learning_rate: 0.5}''')
+    >>> s = r.bind(steps_per_epoch=10)
+    >>> s.total_steps, s.lr(9, base_lr=0.1), s.lr(10, base_lr=0.1)
+    (40, None, 0.5)
+    """
+
+    def __init__(self, recipe: Recipe, steps_per_epoch: int):
+        if isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) or steps_per_epoch <= 0:
+            raise ValueError(f"steps_per_epoch must be a positive int, got {steps_per_epoch!r}")
+        self.recipe = recipe
+        self.steps_per_epoch = steps_per_epoch
+        self.total_steps = self.step(recipe.max_epochs)
+        self.pruning = tuple(self._pruning(i, m) for i, m in recipe.of_type(
+            (M.GradualKSModifier, M.ConstantKSModifier)))
+        self._lr = sorted(((self._start(m), i, m) for i, m in recipe.of_type(
+            (M.SetLearningRateModifier, M.LearningRateModifier))), key=lambda t: (t[0], t[1]))
+        self._wd = sorted(((self._start(m), i, m) for i, m in recipe.of_type(M.SetWeightDecayModifier)),
+                          key=lambda t: (t[0], t[1]))
+        self.trainable = tuple((i, m, self.span(m)) for i, m in recipe.of_type(M.TrainableParamsModifier))
+        self.quantization = tuple((i, m) for i, m in recipe.of_type(M.QuantizationModifier))
+
+    # --- epochs to steps --------------------------------------------------------------------
+
+    def step(self, epoch: float) -> int:
+        return S.epoch_to_step(epoch, self.steps_per_epoch)
+
+    def _start(self, m: M.Modifier) -> int:
+        start = getattr(m, "start_epoch", -1.0)
+        return 0 if start == -1 else self.step(start)
+
+    def span(self, m: M.Modifier) -> Span:
+        end = getattr(m, "end_epoch", -1.0)
+        return Span(self._start(m), None if end == -1 else self.step(end))
+
+    def epoch_of(self, k: int) -> float:
+        return k / self.steps_per_epoch
+
+    # --- pruning ----------------------------------------------------------------------------
+
+    def _pruning(self, index: int, m: M.GradualKSModifier | M.ConstantKSModifier) -> PruningSchedule:
+        span = self.span(m)
+        if isinstance(m, M.ConstantKSModifier):
+            return PruningSchedule(index, m, span, lambda k: None, lambda k, s=span.start: k == s)
+        every = 1 if m.update_frequency == -1 else max(1, self.step(m.update_frequency))
+        end = span.end if span.end is not None else self.total_steps
+        return PruningSchedule(
+            index, m, span,
+            S.gradual_sparsity(m.init_sparsity, m.final_sparsity, span.start, end, every,
+                               m.inter_func, m.leave_enabled),
+            S.update_steps(span.start, end, every),
+        )
+
+    # --- learning rate and weight decay -----------------------------------------------------
+
+    def lr(self, k: int, base_lr: float | None = None) -> float | None:
+        """The LR in force after ``k`` steps, or None if no LR modifier has started yet.
+
+        ``base_lr`` (the optimizer's own LR) seeds a LearningRateModifier without ``init_lr``
+        that no earlier LR modifier precedes.
+        """
+        started = [entry for entry in self._lr if entry[0] <= k]
+        if not started:
+            return None
+        start, _, m = started[-1]
+        if isinstance(m, M.SetLearningRateModifier):
+            return m.learning_rate
+        init = m.init_lr
+        if init is None:
+            init = self.lr(start - 1, base_lr) if start > 0 else None
+            init = base_lr if init is None else init
+            if init is None:
+                raise ValueError(f"{m.yaml_tag} has no init_lr and no earlier LR to start from; "
+                                 "give init_lr or the optimizer's LR")
+        span = self.span(m)
+        end = span.end if span.end is not None else self.total_steps
+        return self._lr_function(m, init, start)(min(k, max(end - 1, start)))
+
+    def _lr_function(self, m: M.LearningRateModifier, init: float, start: int) -> S.Schedule:
+        kw = m.lr_kwargs
+        if m.lr_class == "ExponentialLR":
+            return S.exponential_lr(init, kw["gamma"], start, self.steps_per_epoch)
+        if m.lr_class == "StepLR":
+            return S.step_lr(init, kw["gamma"], start, max(1, self.step(kw["step"])))
+        return S.multistep_lr(init, kw["gamma"], [self.step(e) for e in kw["milestones"]])
+
+    def needs_base_lr(self) -> bool:
+        """True when some LR value depends on the optimizer's own LR (no init_lr, nothing before)."""
+        for pos, (start, _, m) in enumerate(self._lr):
+            if isinstance(m, M.LearningRateModifier) and m.init_lr is None:
+                if not any(s < start for s, _, _ in self._lr[:pos]):
+                    return True
+        return False
+
+    def weight_decay(self, k: int) -> float | None:
+        """The weight decay in force after ``k`` steps, or None before any SetWeightDecayModifier."""
+        started = [m for start, _, m in self._wd if start <= k]
+        return started[-1].weight_decay if started else None
+
+    # --- trainable and quantization ---------------------------------------------------------
+
+    def trainable_rules(self, k: int) -> list[tuple[int, M.TrainableParamsModifier]]:
+        """TrainableParamsModifiers in force at ``k``, earliest first (a later start overrides)."""
+        active = [(span.start, i, m) for i, m, span in self.trainable if span.contains(k)]
+        return [(i, m) for _, i, m in sorted(active, key=lambda t: (t[0], t[1]))]
+
+    def qat(self, index: int, k: int) -> QATState:
+        """State of QuantizationModifier ``index`` (its position in the recipe) after ``k`` steps."""
+        m = self.recipe.modifiers[index]
+        if not isinstance(m, M.QuantizationModifier):
+            raise ValueError(f"modifier {index} is {m.yaml_tag}, not a QuantizationModifier")
+        enabled = k >= self._start(m)
+        return QATState(
+            enabled,
+            enabled and m.freeze_bn_stats_epoch is not None and k >= self.step(m.freeze_bn_stats_epoch),
+            enabled and m.disable_quantization_observer_epoch is not None
+            and k >= self.step(m.disable_quantization_observer_epoch),
+        )
+
+    # --- tables -----------------------------------------------------------------------------
+
+    def boundaries(self) -> list[int]:
+        """Every step at which some modifier's state can change (sorted, within training)."""
+        steps: set[int] = {0, self.total_steps}
+        for p in self.pruning:
+            steps.add(p.span.start)
+            if p.span.end is not None:
+                steps.update((p.span.end, p.span.end + 1))
+            if not p.constant:
+                steps.update(k for k in range(p.span.start, (p.span.end or self.total_steps) + 1) if p.is_update(k))
+        for start, _, m in self._lr + self._wd:
+            steps.add(start)
+        for _, m, span in self.trainable:
+            steps.add(span.start)
+            if span.end is not None:
+                steps.add(span.end)
+        return sorted(s for s in steps if 0 <= s <= self.total_steps)

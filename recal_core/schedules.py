@@ -1,0 +1,112 @@
+"""Schedule factories: check arguments once, return a pure function ``step -> value``.
+
+The step convention (shared by every backend): after ``k`` optimizer steps, the
+value in force is ``schedule(k)``. Epochs become steps with :func:`epoch_to_step`
+(round half up), once, when a recipe is bound to ``steps_per_epoch``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+Schedule = Callable[[int], float]
+
+INTERPOLATION_EXPONENTS = {"linear": 1.0, "cubic": 3.0, "inverse_cubic": 1.0 / 3.0}
+
+
+def epoch_to_step(epoch: float, steps_per_epoch: int) -> int:
+    """The step at which ``epoch`` begins: ``floor(epoch * steps_per_epoch + 0.5)``.
+
+    >>> epoch_to_step(2.5, 3)
+    8
+    """
+    if steps_per_epoch <= 0:
+        raise ValueError(f"steps_per_epoch must be > 0, got {steps_per_epoch}")
+    return int(math.floor(epoch * steps_per_epoch + 0.5 + 1e-9))
+
+
+def interpolate(progress: float, init: float, final: float, inter_func: str) -> float:
+    """``init + (final - init) * (1 - (1 - p)^e)``, p clipped to [0, 1]; e = 1, 3, 1/3."""
+    if inter_func not in INTERPOLATION_EXPONENTS:
+        raise ValueError(f"inter_func must be one of {sorted(INTERPOLATION_EXPONENTS)}, got {inter_func!r}")
+    p = min(max(progress, 0.0), 1.0)
+    value = init + (final - init) * (1.0 - (1.0 - p) ** INTERPOLATION_EXPONENTS[inter_func])
+    return min(max(value, min(init, final)), max(init, final))
+
+
+def update_steps(start_step: int, end_step: int, every: int) -> Callable[[int], bool]:
+    """Whether a mask update happens at step ``k``: at start, every ``every`` steps, and at end."""
+    if every < 1:
+        raise ValueError(f"update interval must be >= 1 step, got {every}")
+
+    def is_update(k: int) -> bool:
+        return start_step <= k <= end_step and ((k - start_step) % every == 0 or k == end_step)
+
+    return is_update
+
+
+def gradual_sparsity(init: float, final: float, start_step: int, end_step: int, every: int,
+                     inter_func: str = "cubic", leave_enabled: bool = True) -> Callable[[int], float | None]:
+    """Target sparsity in force after ``k`` steps, or ``None`` when no mask is in force.
+
+    Before ``start_step``: None. From ``start_step``, the value of the last update step
+    ``u <= k`` with progress ``(u - start) / (end - start)``. At ``end_step``: ``final``,
+    held afterwards when ``leave_enabled``, else None after ``end_step``.
+
+    >>> s = gradual_sparsity(0.0, 0.8, 0, 10, 5, "linear")
+    >>> [s(k) for k in (0, 4, 5, 9, 10, 11)]
+    [0.0, 0.0, 0.4, 0.4, 0.8, 0.8]
+    """
+    if not (0.0 <= init <= final < 1.0):
+        raise ValueError(f"need 0 <= init ({init}) <= final ({final}) < 1")
+    if start_step < 0 or every < 1:
+        raise ValueError(f"need start_step >= 0 and every >= 1, got {start_step}, {every}")
+    end_step = max(end_step, start_step)
+    span = end_step - start_step
+
+    def sparsity(k: int) -> float | None:
+        if k < start_step:
+            return None
+        if k >= end_step:
+            return final if (k == end_step or leave_enabled) else None
+        u = start_step + ((k - start_step) // every) * every
+        return interpolate((u - start_step) / span, init, final, inter_func)
+
+    return sparsity
+
+
+def constant(value: float) -> Schedule:
+    """A schedule that is ``value`` at every step."""
+    return lambda k: value
+
+
+def exponential_lr(init_lr: float, gamma: float, start_step: int, steps_per_epoch: int) -> Schedule:
+    """``init_lr * gamma ** completed_epochs`` (epochs counted from ``start_step``)."""
+    _check_lr(init_lr, gamma)
+    return lambda k: init_lr * gamma ** max(0, (k - start_step) // steps_per_epoch)
+
+
+def step_lr(init_lr: float, gamma: float, start_step: int, step_size_steps: int) -> Schedule:
+    """``init_lr * gamma ** (completed step periods)``; a period is ``step_size_steps`` steps."""
+    _check_lr(init_lr, gamma)
+    if step_size_steps < 1:
+        raise ValueError(f"step size must be >= 1 step, got {step_size_steps}")
+    return lambda k: init_lr * gamma ** max(0, (k - start_step) // step_size_steps)
+
+
+def multistep_lr(init_lr: float, gamma: float, milestone_steps: Sequence[int]) -> Schedule:
+    """``init_lr * gamma ** (number of milestones reached)``; a milestone at step m applies from m."""
+    _check_lr(init_lr, gamma)
+    milestones = sorted(milestone_steps)
+    return lambda k: init_lr * gamma ** sum(1 for m in milestones if m <= k)
+
+
+def _check_lr(init_lr: float, gamma: float) -> None:
+    if init_lr <= 0 or gamma <= 0:
+        raise ValueError(f"need init_lr > 0 and gamma > 0, got {init_lr}, {gamma}")
+
+
+def pruned_count(sparsity: float, numel: int) -> int:
+    """How many of ``numel`` weights are zero at ``sparsity``: round half up, exact for both backends."""
+    return min(numel, int(math.floor(sparsity * numel + 0.5)))

@@ -1,0 +1,14 @@
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = ROOT / "scripts" / "recipes"
+# The compatibility corpus lives beside the checkout in shared/ (CI clones main with shared/ beside it).
+CORPUS = Path(os.environ.get("RECAL_COMPAT_CORPUS", ROOT.parent / "shared" / "compat" / "sparseml-recipes"))
+
+
+@pytest.fixture
+def seed_recipe_text() -> str:
+    return (RECIPES / "seed_prune_all.yaml").read_text()
