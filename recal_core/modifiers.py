@@ -141,6 +141,14 @@ class GradualKSModifier(_PruningFields):
     phased: StrictBool = False
     score_type: str = "magnitude"
 
+    @field_validator("final_sparsity", mode="before")
+    @classmethod
+    def _no_sparsity_map(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            raise ValueError("a mapping of sparsity -> params is not supported by recal;"
+                             " write one GradualKSModifier per target sparsity")
+        return v
+
     @field_validator("init_sparsity", "final_sparsity")
     @classmethod
     def _sparsity(cls, v: float, info: ValidationInfo) -> float:

@@ -101,7 +101,12 @@ class ParsedYaml:
 
 def parse_yaml(text: RecipeText) -> ParsedYaml:
     """Parse one YAML document; any YAML error becomes a located :class:`RecipeError`."""
-    loader = _RecipeLoader(text.yaml)
+    try:
+        loader = _RecipeLoader(text.yaml)
+    except yaml.reader.ReaderError as exc:
+        raise RecipeError(Problem(Location(text.source), f"invalid character in the recipe: {exc.reason}",
+                                  value=chr(exc.character) if isinstance(exc.character, int) else exc.character,
+                                  expected="printable text")) from None
     loader.recipe_text = text
     try:
         node = loader.get_single_node()
@@ -120,7 +125,7 @@ def parse_yaml(text: RecipeText) -> ParsedYaml:
         reason = " ".join(s for s in (exc.context, exc.problem) if s) or "invalid YAML"
         raise RecipeError(Problem(text.location(mark), f"YAML error: {reason}")) from None
     except yaml.YAMLError as exc:  # e.g. a reader error for bad characters
-        raise RecipeError(Problem(Location(text.source), f"YAML error: {exc}")) from None
+        raise RecipeError(Problem(Location(text.source), f"YAML error: {' '.join(str(exc).split())}")) from None
     except RecursionError:
         raise RecipeError(Problem(Location(text.source), "YAML nesting too deep")) from None
     finally:

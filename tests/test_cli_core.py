@@ -1,0 +1,80 @@
+"""`recal check` and `recal schema`; the core imports no framework."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from recal_core import load_recipe, recipe_json_schema
+from recal_core.cli import main
+
+from .conftest import RECIPES
+
+
+def test_check_prints_the_seed_table(capsys):
+    assert main(["check", str(RECIPES / "seed_prune_all.yaml")]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()[:1].isdigit()}
+    assert lines["4"][2] == "-"  # not pruning yet
+    assert lines["5"][2] == "0.0500"  # init_sparsity at start_epoch
+    # cubic: 0.05 + 0.75 * (1 - (1 - 1/15)^3) at epoch 6
+    assert lines["6"][2] == f"{0.05 + 0.75 * (1 - (14 / 15) ** 3):.4f}"
+    assert lines["20"][2] == lines["25"][2] == "0.8000"
+    assert "max_epochs=25" in out
+
+
+def test_check_with_steps_and_plot(tmp_path, capsys):
+    out_png = tmp_path / "curves.png"
+    assert main(["check", str(RECIPES / "prune_quant.yaml"), "--steps-per-epoch", "8", "--plot", str(out_png)]) == 0
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["curves.png"]  # no temp files left
+    out = capsys.readouterr().out
+    assert "on (bn-frozen, obs-frozen)" in out and "0.005" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["check", "missing.yaml"], "recipe file not found"),
+    (["check", "scripts/recipes/seed_prune_all.yaml", "--plot", "/nonexistent-dir/x.png"], "does not exist"),
+])
+def test_check_errors_are_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_check_invalid_recipe_lists_problems(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- !EpochRangeModifier {start_epoch: 3, end_epoch: 1}\n- !Nope {}\n")
+    assert main(["check", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:1:" in err and f"{bad}:2:" in err
+
+
+def test_console_script_runs():
+    exe = [sys.executable, "-m", "recal_core.cli", "check", str(RECIPES / "seed_lr_schedule.yaml")]
+    out = subprocess.run(exe, capture_output=True, text=True, check=True).stdout
+    assert "0.09" in out  # 0.1 * 0.9 after the first milestone (5.5 -> step 6)
+
+
+def test_schema_is_json_and_validates_shipped_recipes(tmp_path):
+    jsonschema = pytest.importorskip("jsonschema")
+    out = tmp_path / "schema.json"
+    assert main(["schema", "-o", str(out)]) == 0
+    schema = json.loads(out.read_text())
+    assert schema == json.loads(json.dumps(recipe_json_schema()))
+    validator = jsonschema.Draft202012Validator(schema)
+    for path in RECIPES.glob("*.yaml"):
+        r = load_recipe(path)
+        doc = {"version": r.version,
+               "modifiers": [m.model_dump(mode="json", exclude_defaults=True) for m in r.modifiers]}
+        validator.validate(doc)
+    with pytest.raises(jsonschema.ValidationError):
+        validator.validate({"modifiers": [{"start_epoch": "x"}]})
+
+
+def test_core_imports_no_framework():
+    code = ("import sys, recal_core, recal_core.cli, recal_core.report; "
+            "bad = [m for m in ('torch', 'tensorflow', 'onnx', 'onnxruntime', 'matplotlib') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,135 @@
+"""Every field of every modifier has a failing case, located at that field."""
+
+import pytest
+
+from recal_core import RecipeError, load_recipe
+from recal_core.modifiers import MODIFIER_TYPES
+
+VALID = {
+    "EpochRangeModifier": {"start_epoch": 0, "end_epoch": 5},
+    "GradualKSModifier": {"params": "__ALL__", "init_sparsity": 0.05, "final_sparsity": 0.8,
+                          "start_epoch": 1, "end_epoch": 4, "update_frequency": 1},
+    "ConstantKSModifier": {"params": ["conv1.weight"]},
+    "QuantizationModifier": {"start_epoch": 2, "freeze_bn_stats_epoch": 3,
+                             "disable_quantization_observer_epoch": 4},
+    "SetLearningRateModifier": {"start_epoch": 0, "learning_rate": 0.1},
+    "LearningRateModifier": {"start_epoch": 0, "end_epoch": 10, "lr_class": "MultiStepLR",
+                             "lr_kwargs": {"gamma": 0.1, "milestones": [2, 5]}, "init_lr": 0.1},
+    "TrainableParamsModifier": {"params": "re:.*conv.*", "trainable": False, "start_epoch": 0, "end_epoch": 3},
+    "SetWeightDecayModifier": {"start_epoch": 1, "weight_decay": 0.0},
+}
+
+# (modifier, field, bad value, words the message must contain)
+BAD = [
+    ("EpochRangeModifier", "start_epoch", -1, ">= 0"),
+    ("EpochRangeModifier", "start_epoch", "zero", "number"),
+    ("EpochRangeModifier", "end_epoch", 0, "greater than start_epoch"),
+    ("GradualKSModifier", "params", [], "empty"),
+    ("GradualKSModifier", "params", ["re:(unclosed"], "invalid regular expression"),
+    ("GradualKSModifier", "params", ["__ALL__", "x"], "selects everything"),
+    ("GradualKSModifier", "params", 5, "string"),
+    ("GradualKSModifier", "init_sparsity", 1.0, "[0, 1)"),
+    ("GradualKSModifier", "init_sparsity", -0.1, "[0, 1)"),
+    ("GradualKSModifier", "final_sparsity", 0.01, ">= init_sparsity"),
+    ("GradualKSModifier", "final_sparsity", 1.5, "[0, 1)"),
+    ("GradualKSModifier", "start_epoch", -1, ">= 0"),
+    ("GradualKSModifier", "end_epoch", 1, "greater than start_epoch"),
+    ("GradualKSModifier", "update_frequency", 0, "> 0"),
+    ("GradualKSModifier", "update_frequency", -2, "> 0"),
+    ("GradualKSModifier", "inter_func", "quadratic", "linear"),
+    ("GradualKSModifier", "leave_enabled", "yes", "bool"),
+    ("GradualKSModifier", "mask_type", "block4", "not supported"),
+    ("GradualKSModifier", "global_sparsity", True, "not supported"),
+    ("GradualKSModifier", "phased", True, "not supported"),
+    ("GradualKSModifier", "score_type", "movement", "not supported"),
+    ("GradualKSModifier", "final_sparsity", {0.9: ["a"]}, "mapping of sparsity"),
+    ("ConstantKSModifier", "params", "", "empty name"),
+    ("ConstantKSModifier", "start_epoch", -2, ">= 0"),
+    ("ConstantKSModifier", "end_epoch", -5, ">= 0"),
+    ("QuantizationModifier", "start_epoch", -3, ">= 0"),
+    ("QuantizationModifier", "submodules", [], "non-empty"),
+    ("QuantizationModifier", "freeze_bn_stats_epoch", 1, ">= start_epoch"),
+    ("QuantizationModifier", "disable_quantization_observer_epoch", 0.5, ">= start_epoch"),
+    ("QuantizationModifier", "end_epoch", 10, "cannot be disabled"),
+    ("SetLearningRateModifier", "start_epoch", -0.5, ">= 0"),
+    ("SetLearningRateModifier", "learning_rate", 0, "> 0"),
+    ("SetLearningRateModifier", "end_epoch", 3, "not supported"),
+    ("SetLearningRateModifier", "constant_logging", "on", "bool"),
+    ("LearningRateModifier", "start_epoch", -4, ">= 0"),
+    ("LearningRateModifier", "end_epoch", 0, "greater than start_epoch"),
+    ("LearningRateModifier", "lr_class", "CosineAnnealingWarmRestarts", "ExponentialLR, StepLR, MultiStepLR"),
+    ("LearningRateModifier", "lr_kwargs", {"gamma": 0.1}, "missing 'milestones'"),
+    ("LearningRateModifier", "lr_kwargs", {"gamma": 0.1, "milestones": [2, 12]}, "outside"),
+    ("LearningRateModifier", "lr_kwargs", {"gamma": 0.1, "milestones": [5, 2]}, "strictly increasing"),
+    ("LearningRateModifier", "lr_kwargs", {"gamma": -1, "milestones": [2]}, "gamma must be > 0"),
+    ("LearningRateModifier", "lr_kwargs", {"gamma": 0.1, "milestones": [2], "eta": 1}, "unknown 'eta'"),
+    ("LearningRateModifier", "init_lr", -0.1, "> 0"),
+    ("LearningRateModifier", "update_frequency", 1, "not supported"),
+    ("LearningRateModifier", "constant_logging", 2, "bool"),
+    ("TrainableParamsModifier", "params", [], "empty"),
+    ("TrainableParamsModifier", "trainable", "no", "bool"),
+    ("TrainableParamsModifier", "params_strict", False, "not supported"),
+    ("TrainableParamsModifier", "start_epoch", -7, ">= 0"),
+    ("TrainableParamsModifier", "end_epoch", 0, "greater than start_epoch"),
+    ("SetWeightDecayModifier", "start_epoch", -9, ">= 0"),
+    ("SetWeightDecayModifier", "weight_decay", -0.1, ">= 0"),
+    ("SetWeightDecayModifier", "param_groups", [0], "not supported"),
+    ("SetWeightDecayModifier", "end_epoch", 4, "not supported"),
+    ("SetWeightDecayModifier", "constant_logging", "x", "bool"),
+] + [(tag, "log_types", 3, "string") for tag in sorted(VALID)]
+
+
+def _recipe(tag: str, fields: dict) -> str:
+    import yaml
+
+    body = yaml.safe_dump(fields, default_flow_style=False, sort_keys=False)
+    return f"modifiers:\n  - !{tag}\n" + "".join(f"    {line}\n" for line in body.splitlines())
+
+
+@pytest.mark.parametrize("tag", sorted(VALID))
+def test_valid_baselines_load(tag):
+    load_recipe(_recipe(tag, VALID[tag]))
+
+
+@pytest.mark.parametrize("tag, field, value, words", BAD, ids=[f"{t}.{f}={v!r}" for t, f, v, _ in BAD])
+def test_bad_field_is_a_located_error(tag, field, value, words):
+    fields = dict(VALID[tag], **{field: value})
+    text = _recipe(tag, fields)
+    with pytest.raises(RecipeError) as err:
+        load_recipe(text)
+    problems = [p for p in err.value.problems if p.field == field]
+    assert problems, str(err.value)
+    line = next(i for i, l in enumerate(text.splitlines(), 1) if l.strip().startswith(f"{field}:"))
+    assert problems[0].location.line in (line, line + 1), str(err.value)
+    assert words in str(err.value), str(err.value)
+    assert f"!{tag} (modifiers[0])" in str(err.value)
+
+
+def test_every_field_of_every_modifier_has_a_failing_case():
+    covered = {(t, f) for t, f, _, _ in BAD}
+    for cls in MODIFIER_TYPES:
+        for name in cls.model_fields:
+            assert (cls.tag, name) in covered, f"no failing case for {cls.tag}.{name}"
+
+
+@pytest.mark.parametrize("tag", sorted(VALID))
+def test_unknown_field_lists_the_known_ones(tag):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(_recipe(tag, dict(VALID[tag], typo_field=1)))
+    assert "field 'typo_field': unknown field" in str(err.value)
+
+
+@pytest.mark.parametrize("tag", sorted(VALID))
+def test_missing_required_fields(tag):
+    cls = next(c for c in MODIFIER_TYPES if c.tag == tag)
+    required = [n for n, f in cls.model_fields.items() if f.is_required()]
+    for name in required:
+        fields = {k: v for k, v in VALID[tag].items() if k != name}
+        with pytest.raises(RecipeError, match=f"required field '{name}' is missing"):
+            load_recipe(_recipe(tag, fields))
+
+
+def test_step_size_is_accepted_for_step():
+    r = load_recipe(_recipe("LearningRateModifier", {"start_epoch": 0, "end_epoch": 4, "lr_class": "StepLR",
+                                                     "lr_kwargs": {"gamma": 0.5, "step_size": 2}}))
+    assert r.modifiers[0].lr_kwargs == {"gamma": 0.5, "step": 2.0}
