@@ -1,0 +1,150 @@
+"""ONNX export: a float model as is (its pruned zeros intact), a QAT model as QuantizeLinear/DequantizeLinear.
+
+QAT modules are replaced, in a copy of the model, by export modules whose quantization
+parameters are constants and whose BatchNorm is already folded into the conv weight and
+bias, so runtimes see ``DQ(x), DQ(w_int8) -> Conv -> (Relu) -> Q`` and fuse it.
+
+Under the default (dynamo) exporter the quantize/dequantize steps are written with
+``torch.ops.quantized_decomposed`` (``torch.fake_quantize_*`` does not export there);
+under ``dynamo=False`` with ``torch.fake_quantize_*``, which that exporter turns into QDQ.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recal_core.atomic import atomic_path
+
+from .model_params import unwrap
+from .qat import ACT_QMAX, ACT_QMIN, W_LEVELS, W_QMAX, W_QMIN, QATConv, QATModule, qat_modules
+
+log = logging.getLogger(__name__)
+
+MIN_DYNAMO_OPSET = 18
+
+
+def _decomposed_ops():
+    # Registers torch.ops.quantized_decomposed (used only to express QDQ for the dynamo exporter).
+    import torch.ao.quantization.fx._decomposed  # noqa: F401
+
+    return torch.ops.quantized_decomposed
+
+
+class QuantizedExportModule(nn.Module):
+    """A QAT conv/linear frozen for export: constant qparams, folded int8 weight, float bias."""
+
+    def __init__(self, qat: QATModule, dynamo: bool):
+        super().__init__()
+        self.dynamo = dynamo
+        self.is_conv = isinstance(qat, QATConv)
+        if self.is_conv:
+            self.stride, self.padding, self.dilation, self.groups, self.dims = (
+                qat.stride, qat.padding, qat.dilation, qat.groups, qat.dims)
+        self.relu = qat.relu
+        with torch.no_grad():
+            weight, bias = qat.folded_weight_and_bias()
+            scale, _ = qat.weight_fake_quant.qparams(weight)
+            shape = (-1,) + (1,) * (weight.dim() - 1)
+            q = torch.clamp(torch.round(weight / scale.reshape(shape)), -W_LEVELS, W_LEVELS)
+        self.register_buffer("weight_int8", q.to(torch.int8))
+        self.register_buffer("weight_scale", scale.detach().clone())
+        self.register_buffer("weight_zero_point", torch.zeros_like(scale, dtype=torch.int32))
+        self.register_buffer("weight_dequantized", (q * scale.reshape(shape)).detach().clone())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.input_qparams = _qparams(qat.input_fake_quant)
+        self.output_qparams = _qparams(qat.activation_post_process)
+
+    def _qdq(self, x: torch.Tensor, qparams: tuple[float, int]) -> torch.Tensor:
+        scale, zero_point = qparams
+        if self.dynamo:
+            ops = _decomposed_ops()
+            q = ops.quantize_per_tensor(x, scale, zero_point, ACT_QMIN, ACT_QMAX, torch.uint8)
+            return ops.dequantize_per_tensor(q, scale, zero_point, ACT_QMIN, ACT_QMAX, torch.uint8)
+        return torch.fake_quantize_per_tensor_affine(x, scale, zero_point, ACT_QMIN, ACT_QMAX)
+
+    def _weight(self) -> torch.Tensor:
+        if self.dynamo:
+            return _decomposed_ops().dequantize_per_channel(
+                self.weight_int8, self.weight_scale, self.weight_zero_point, 0, W_QMIN, W_QMAX, torch.int8)
+        return torch.fake_quantize_per_channel_affine(
+            self.weight_dequantized, self.weight_scale, self.weight_zero_point, 0, W_QMIN, W_QMAX)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_qparams is not None:
+            x = self._qdq(x, self.input_qparams)
+        weight = self._weight()
+        if self.is_conv:
+            conv = (F.conv1d, F.conv2d, F.conv3d)[self.dims - 1]
+            y = conv(x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+        else:
+            y = F.linear(x, weight, self.bias)
+        if self.relu:
+            y = F.relu(y)
+        return self._qdq(y, self.output_qparams)
+
+
+def _qparams(fq) -> tuple[float, int] | None:
+    if fq is None:
+        return None
+    return float(fq.scale), int(fq.zero_point)
+
+
+def to_export_model(model: nn.Module, dynamo: bool = True) -> nn.Module:
+    """An eval-mode copy of ``model`` whose QAT modules are export modules (the model is not changed)."""
+    model = unwrap(model)
+    exported = copy.deepcopy(model)
+    exported.eval()
+    for name, module in list(exported.named_modules()):
+        if isinstance(module, QATModule):
+            parent_name, _, child = name.rpartition(".")
+            parent = exported.get_submodule(parent_name) if parent_name else exported
+            setattr(parent, child, QuantizedExportModule(module, dynamo))
+    return exported
+
+
+def export_onnx(model: nn.Module, sample_input: torch.Tensor | Sequence[torch.Tensor], path: str | os.PathLike,
+                opset: int = 17, *, dynamo: bool = True, input_names: Sequence[str] = ("input",),
+                output_names: Sequence[str] = ("output",), dynamic_batch: bool = True) -> Path:
+    """Export ``model`` to ONNX at ``path`` (atomically); QAT models become QDQ models.
+
+    ``dynamo=True`` (torch's default exporter) writes opset ``max(opset, 18)``, the lowest it
+    implements; ``dynamo=False`` writes ``opset`` (13 or later for per-channel weights).
+
+    >>> import torch, tempfile, os
+    >>> m = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    >>> p = export_onnx(m, torch.randn(1, 4), os.path.join(tempfile.mkdtemp(), "m.onnx"), dynamo=False)
+    >>> p.suffix
+    '.onnx'
+    """
+    if isinstance(model, QATModule):
+        raise TypeError("export the model that contains the QAT module, not the module itself")
+    inputs = tuple(sample_input) if isinstance(sample_input, (list, tuple)) else (sample_input,)
+    if dynamo:
+        _decomposed_ops()  # before export: the exporter's registry maps these ops only if they exist
+    export_model = to_export_model(model, dynamo)
+    kwargs: dict = {"opset_version": opset, "input_names": list(input_names), "output_names": list(output_names)}
+    if dynamo:
+        # torch's dynamo exporter implements opset 18 and later; converting down fails for QDQ models.
+        kwargs["opset_version"] = max(opset, MIN_DYNAMO_OPSET)
+        kwargs["verbose"] = False
+        if dynamic_batch:
+            kwargs["dynamic_shapes"] = tuple({0: torch.export.Dim.DYNAMIC} for _ in inputs)
+    elif dynamic_batch:
+        kwargs["dynamic_axes"] = {name: {0: "batch"} for name in [*input_names, *output_names]}
+    with atomic_path(path) as tmp, warnings.catch_warnings():
+        # torch's exporters warn about their own internals (opset conversion, TorchScript deprecation).
+        warnings.filterwarnings("ignore", module=r"torch\..*")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        with torch.no_grad():
+            torch.onnx.export(export_model, inputs, str(tmp), dynamo=dynamo, **kwargs)
+    log.info("exported %s model to %s", "QAT" if qat_modules(model) else "float", path)
+    return Path(path)

@@ -1,0 +1,44 @@
+"""Describe a torch model's parameters to the core (name, layer, prunable)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from recal_core.params import ParamInfo
+
+PRUNABLE_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                   nn.ConvTranspose3d, nn.Linear)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DistributedDataParallel / DataParallel wrapper (or the model itself)."""
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    return model
+
+
+def is_prunable(module: nn.Module, param_name: str) -> bool:
+    from .qat import QATModule  # QAT modules keep the kernel they were built from
+
+    return param_name == "weight" and isinstance(module, (*PRUNABLE_LAYERS, QATModule))
+
+
+def describe_parameters(model: nn.Module) -> tuple[list[ParamInfo], dict[str, nn.Parameter]]:
+    """Every parameter of ``model`` as a :class:`ParamInfo`, and the Parameter objects by name."""
+    infos: list[ParamInfo] = []
+    by_name: dict[str, nn.Parameter] = {}
+    seen: set[int] = set()
+    for layer_name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue  # shared (tied) parameters are selected once, under their first name
+            seen.add(id(param))
+            full = f"{layer_name}.{pname}" if layer_name else pname
+            infos.append(ParamInfo(full, layer_name, is_prunable(module, pname)))
+            by_name[full] = param
+    return infos, by_name
+
+
+def sparsity(tensor: torch.Tensor) -> float:
+    return float((tensor == 0).sum().item()) / max(1, tensor.numel())

@@ -1,0 +1,374 @@
+"""Quantization-aware training without ``torch.ao``: fake-quant modules and Conv-BN-ReLU fusion.
+
+- Activations: uint8, asymmetric, per tensor, moving-average min/max observers.
+- Weights: int8, symmetric (zero point 0, scale ``max|w| / 127``), per output channel.
+- ``Conv(-BN)(-ReLU)`` and ``Linear(-ReLU)`` become one QAT module that simulates the
+  BatchNorm-folded weights, so the exported model is already folded and runtimes fuse it.
+
+The model is changed in place: each QAT module adopts the float module's Parameter
+objects (the optimizer and its momentum/Adam state carry on), the BatchNorm becomes a
+:class:`FoldedBatchNorm` that keeps its parameters and statistics under the same names
+but passes its input through, and a fused ReLU becomes ``nn.Identity``.
+
+Which outputs are quantized is read off a ``torch.fx`` trace of the model: every QAT
+module quantizes its output, and its input only when that input does not already come
+from a QAT module through quantization-preserving ops (max-pool, flatten, ReLU ...).
+A model that cannot be traced still gets QAT, with input quantizers everywhere and
+BatchNorm left unfolded (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+ACT_QMIN, ACT_QMAX = 0, 255
+W_QMIN, W_QMAX = -128, 127
+W_LEVELS = 127.0  # symmetric: |q| <= 127, so -128 is never used
+EPS = torch.finfo(torch.float32).eps
+
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+NORMS = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.BatchNorm3d}
+
+
+# --- quantization parameters (shared with the exporter and the tests) ---------------------
+
+
+def activation_qparams(min_val: torch.Tensor, max_val: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 asymmetric scale and zero point for a range that is widened to include 0."""
+    min_neg = torch.clamp(min_val, max=0.0)
+    max_pos = torch.clamp(max_val, min=0.0)
+    scale = torch.clamp((max_pos - min_neg) / float(ACT_QMAX - ACT_QMIN), min=EPS)
+    zero_point = torch.clamp(ACT_QMIN - torch.round(min_neg / scale), ACT_QMIN, ACT_QMAX).to(torch.int32)
+    return scale.to(torch.float32), zero_point
+
+
+def weight_qparams(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 symmetric per-output-channel (axis 0) scale and zero point (always 0)."""
+    amax = weight.detach().abs().flatten(1).amax(dim=1)
+    scale = torch.clamp(amax / W_LEVELS, min=EPS).to(torch.float32)
+    return scale, torch.zeros_like(scale, dtype=torch.int32)
+
+
+# --- fake quantizers -----------------------------------------------------------------------
+
+
+class ActivationFakeQuantize(nn.Module):
+    """uint8 per-tensor fake quantization with a moving-average min/max observer.
+
+    Under ``torch.distributed`` the batch min/max are reduced across ranks, so every rank
+    holds the same scale.
+    """
+
+    def __init__(self, averaging_constant: float = 0.01):
+        super().__init__()
+        self.averaging_constant = averaging_constant
+        self.observer_enabled = True
+        self.register_buffer("min_val", torch.tensor(float("inf")))
+        self.register_buffer("max_val", torch.tensor(float("-inf")))
+        self.register_buffer("scale", torch.tensor(1.0))
+        self.register_buffer("zero_point", torch.tensor(0, dtype=torch.int32))
+
+    @torch.no_grad()
+    def observe(self, x: torch.Tensor) -> None:
+        lo, hi = torch.aminmax(x.detach().float())
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(lo, op=torch.distributed.ReduceOp.MIN)
+            torch.distributed.all_reduce(hi, op=torch.distributed.ReduceOp.MAX)
+        if torch.isinf(self.min_val).item():
+            self.min_val.copy_(lo)
+            self.max_val.copy_(hi)
+        else:
+            c = self.averaging_constant
+            self.min_val.add_(c * (lo - self.min_val))
+            self.max_val.add_(c * (hi - self.max_val))
+        scale, zero_point = activation_qparams(self.min_val, self.max_val)
+        self.scale.copy_(scale)
+        self.zero_point.copy_(zero_point)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.observer_enabled:
+            self.observe(x)
+        return torch.fake_quantize_per_tensor_affine(x, self.scale, self.zero_point, ACT_QMIN, ACT_QMAX)
+
+    def extra_repr(self) -> str:
+        return f"uint8 per-tensor, observer={'on' if self.observer_enabled else 'frozen'}"
+
+
+class WeightFakeQuantize(nn.Module):
+    """int8 symmetric per-channel fake quantization; the scale follows the weights until frozen."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.observer_enabled = True
+        self.register_buffer("scale", torch.ones(channels))
+        self.register_buffer("zero_point", torch.zeros(channels, dtype=torch.int32))
+
+    def qparams(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scale and zero point this quantizer applies to ``weight`` now."""
+        if self.observer_enabled:
+            with torch.no_grad():
+                scale, zero_point = weight_qparams(weight)
+                self.scale.copy_(scale)
+                self.zero_point.copy_(zero_point)
+        return self.scale, self.zero_point
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        scale, zero_point = self.qparams(weight)
+        return torch.fake_quantize_per_channel_affine(weight, scale, zero_point, 0, W_QMIN, W_QMAX)
+
+    def extra_repr(self) -> str:
+        return f"int8 symmetric per-channel, observer={'on' if self.observer_enabled else 'frozen'}"
+
+
+# --- fused QAT modules ---------------------------------------------------------------------
+
+
+class FoldedBatchNorm(nn.Module):
+    """A BatchNorm folded into the QAT conv before it: same parameters and statistics, identity forward."""
+
+    def __init__(self, bn: nn.modules.batchnorm._BatchNorm):
+        super().__init__()
+        self.num_features, self.eps, self.momentum = bn.num_features, bn.eps, bn.momentum
+        self.affine, self.track_running_stats = bn.affine, bn.track_running_stats
+        self.original_type = type(bn)
+        for name, param in bn.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, buf in bn.named_buffers(recurse=False):
+            self.register_buffer(name, buf)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, folded into the preceding QAT conv"
+
+
+class QATModule(nn.Module):
+    """Base of the QAT conv and linear: weight/bias are the float module's own Parameters."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def __init__(self, float_module: nn.Module, relu: bool, quantize_input: bool):
+        super().__init__()
+        self.float_type = type(float_module)
+        self.weight = float_module.weight
+        self.register_parameter("bias", float_module.bias)
+        self.relu = relu
+        self.input_fake_quant = ActivationFakeQuantize() if quantize_input else None
+        self.weight_fake_quant = WeightFakeQuantize(self.weight.shape[0])
+        self.activation_post_process = ActivationFakeQuantize()
+        self.bn_frozen = False
+        device = self.weight.device
+        self.to(device)
+
+    def fake_quants(self) -> list[nn.Module]:
+        return [m for m in (self.input_fake_quant, self.weight_fake_quant, self.activation_post_process) if m is not None]
+
+    def set_observers(self, enabled: bool) -> None:
+        for fq in self.fake_quants():
+            fq.observer_enabled = enabled
+
+    def folded_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias with any BatchNorm folded in, from its running statistics."""
+        return self.weight, self.bias
+
+    def _finish(self, y: torch.Tensor) -> torch.Tensor:
+        if self.relu:
+            y = F.relu(y)
+        return self.activation_post_process(y)
+
+
+class QATConv(QATModule):
+    """Conv(-BN)(-ReLU) with fake-quantized input (optional), BN-folded weights and output."""
+
+    def __init__(self, conv: nn.modules.conv._ConvNd, bn: FoldedBatchNorm | None, relu: bool,
+                 quantize_input: bool):
+        super().__init__(conv, relu, quantize_input)
+        self.stride, self.padding, self.dilation, self.groups = conv.stride, conv.padding, conv.dilation, conv.groups
+        self.dims = len(conv.kernel_size)
+        object.__setattr__(self, "folded_bn", bn)  # owned by the parent model, not a child here
+
+    def _conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        conv = (F.conv1d, F.conv2d, F.conv3d)[self.dims - 1]
+        return conv(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+
+    def _bn_scale(self) -> torch.Tensor:
+        bn = self.folded_bn
+        gamma = bn.weight if bn.affine else torch.ones_like(bn.running_var)
+        return gamma / torch.sqrt(bn.running_var + bn.eps)
+
+    def folded_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        bn = self.folded_bn
+        if bn is None:
+            return self.weight, self.bias
+        factor = self._bn_scale()
+        weight = self.weight * factor.reshape(-1, *([1] * (self.weight.dim() - 1)))
+        beta = bn.bias if bn.affine else torch.zeros_like(bn.running_mean)
+        bias = self.bias if self.bias is not None else torch.zeros_like(bn.running_mean)
+        return weight, beta + (bias - bn.running_mean) * factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_fake_quant is not None:
+            x = self.input_fake_quant(x)
+        bn = self.folded_bn
+        if bn is None:
+            return self._finish(self._conv(x, self.weight_fake_quant(self.weight), self.bias))
+        # Simulated folding: conv with quantized BN-scaled weights, then undo the scale and run
+        # BatchNorm, which uses batch statistics while training (and updates the running ones).
+        factor = self._bn_scale()
+        shape = [1] * (self.weight.dim() - 1)
+        y = self._conv(x, self.weight_fake_quant(self.weight * factor.reshape(-1, *shape)), None)
+        y = y / factor.reshape(1, -1, *shape[1:])
+        if self.bias is not None:
+            y = y + self.bias.reshape(1, -1, *shape[1:])
+        update = self.training and not self.bn_frozen and bn.track_running_stats
+        momentum = bn.momentum
+        if update:
+            bn.num_batches_tracked.add_(1)
+            if momentum is None:
+                momentum = 1.0 / float(bn.num_batches_tracked)
+        y = F.batch_norm(y, bn.running_mean, bn.running_var, bn.weight, bn.bias,
+                         training=self.training and not self.bn_frozen, momentum=momentum or 0.0, eps=bn.eps)
+        return self._finish(y)
+
+    def extra_repr(self) -> str:
+        parts = [self.float_type.__name__]
+        parts += ["BatchNorm (folded)"] if self.folded_bn is not None else []
+        parts += ["ReLU"] if self.relu else []
+        return "-".join(parts) + f", weight {tuple(self.weight.shape)}"
+
+
+class QATLinear(QATModule):
+    """Linear(-ReLU) with fake-quantized input (optional), weight and output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_fake_quant is not None:
+            x = self.input_fake_quant(x)
+        return self._finish(F.linear(x, self.weight_fake_quant(self.weight), self.bias))
+
+    def extra_repr(self) -> str:
+        return f"Linear{'-ReLU' if self.relu else ''}, weight {tuple(self.weight.shape)}"
+
+
+# --- preparing a model ---------------------------------------------------------------------
+
+_PRESERVING_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.ReLU, nn.Flatten, nn.Unflatten,
+                       nn.Dropout, nn.Identity, FoldedBatchNorm)
+_PRESERVING_FUNCTIONS = {torch.flatten, torch.reshape, torch.relu, F.relu, F.max_pool1d, F.max_pool2d,
+                         F.max_pool3d, torch.squeeze, torch.unsqueeze, F.dropout}
+_PRESERVING_METHODS = {"view", "reshape", "flatten", "relu", "contiguous", "squeeze", "unsqueeze", "relu_"}
+
+
+@dataclass
+class _Plan:
+    target: str
+    bn: str | None = None
+    relu: str | None = None
+    quantize_input: bool = True
+
+
+def quantizable_layers(root: nn.Module) -> list[str]:
+    """Names of the Conv1d/2d/3d (zero padding) and Linear modules QAT can quantize."""
+    return [n for n, m in root.named_modules()
+            if (isinstance(m, CONVS) and m.padding_mode == "zeros") or type(m) is nn.Linear]
+
+
+def prepare_qat(root: nn.Module) -> list[QATModule]:
+    """Turn ``root``'s quantizable layers into QAT modules, in place; return them."""
+    modules = dict(root.named_modules())
+    try:
+        plans = _plan_from_trace(root, modules)
+    except Exception as exc:  # noqa: BLE001 - any tracing failure falls back to unfused QAT
+        log.warning("QAT: torch.fx could not trace %s (%s: %s); quantizing every conv/linear input and "
+                    "leaving BatchNorm unfolded", type(root).__name__, type(exc).__name__, exc)
+        plans = [_Plan(name) for name in quantizable_layers(root)]
+    created = []
+    for plan in plans:
+        float_module = modules[plan.target]
+        bn = None
+        if plan.bn is not None:
+            bn = FoldedBatchNorm(modules[plan.bn])
+            _replace(root, plan.bn, bn)
+        if plan.relu is not None:
+            _replace(root, plan.relu, nn.Identity())
+        if isinstance(float_module, CONVS):
+            qat: QATModule = QATConv(float_module, bn, plan.relu is not None, plan.quantize_input)
+        else:
+            qat = QATLinear(float_module, plan.relu is not None, plan.quantize_input)
+        qat.train(float_module.training)
+        _replace(root, plan.target, qat)
+        created.append(qat)
+    return created
+
+
+def _replace(root: nn.Module, target: str, new: nn.Module) -> None:
+    parent_name, _, child = target.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)
+
+
+def _plan_from_trace(root: nn.Module, modules: dict[str, nn.Module]) -> list[_Plan]:
+    graph = torch.fx.symbolic_trace(root).graph
+    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    quantizable = set(quantizable_layers(root))
+
+    def module_of(node: torch.fx.Node) -> nn.Module | None:
+        return modules.get(node.target) if node.op == "call_module" else None
+
+    def only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+        users = list(node.users)
+        return users[0] if len(users) == 1 else None
+
+    plans: dict[torch.fx.Node, _Plan] = {}
+    ends: dict[torch.fx.Node, _Plan] = {}
+    for node in graph.nodes:
+        layer = module_of(node)
+        if layer is None or node.target not in quantizable or calls[node.target] != 1:
+            continue
+        plan = _Plan(node.target)
+        end = node
+        nxt = only_user(node)
+        if isinstance(layer, CONVS) and nxt is not None and type(module_of(nxt)) is NORMS[type(layer)] \
+                and calls[nxt.target] == 1 and len(nxt.args) == 1:
+            plan.bn, end, nxt = nxt.target, nxt, only_user(nxt)
+        if nxt is not None and isinstance(module_of(nxt), nn.ReLU) and calls[nxt.target] == 1:
+            plan.relu, end = nxt.target, nxt
+        plans[node] = plan
+        ends[end] = plan
+
+    def from_quantized(node: object) -> bool:
+        while isinstance(node, torch.fx.Node):
+            if node in ends:
+                return True
+            if not _preserves_quantization(node, module_of(node)) or not node.args:
+                return False
+            node = node.args[0]
+        return False
+
+    for node, plan in plans.items():
+        plan.quantize_input = not (node.args and from_quantized(node.args[0]))
+    return list(plans.values())
+
+
+def _preserves_quantization(node: torch.fx.Node, module: nn.Module | None) -> bool:
+    if node.op == "call_module":
+        return isinstance(module, _PRESERVING_MODULES)
+    if node.op == "call_function":
+        return node.target in _PRESERVING_FUNCTIONS
+    if node.op == "call_method":
+        return node.target in _PRESERVING_METHODS
+    return False
+
+
+def qat_modules(model: nn.Module) -> list[QATModule]:
+    return [m for m in model.modules() if isinstance(m, QATModule)]
