@@ -1,4 +1,6 @@
 import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from pathlib import Path
 
 import pytest

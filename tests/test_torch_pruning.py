@@ -1,0 +1,256 @@
+"""PyTorch: exact per-step sparsity, every modifier's boundary steps, the wrapped optimizer, errors."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from recal_core import RecipeError
+from recal_core.schedules import pruned_count
+from recal_torch import PythonLogger, RecalOptimizer, ScheduledModifierManager, TensorBoardLogger
+
+from .torch_models import SmallCNN, batches, train_steps
+
+PRUNE = """
+- !EpochRangeModifier {start_epoch: 0, end_epoch: 5}
+- !GradualKSModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.1, final_sparsity: 0.8, start_epoch: 1,
+                      end_epoch: 4, update_frequency: 0.5}
+"""
+SPE = 4
+KERNELS = ["conv1.weight", "conv2.weight", "conv3.weight", "fc.weight"]
+
+
+def _setup(recipe, opt="sgd", seed=0, model=None):
+    torch.manual_seed(seed)
+    model = model or SmallCNN()
+    manager = ScheduledModifierManager.from_yaml(recipe)
+    if opt == "sgd":
+        inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    else:
+        inner = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=1e-4)
+    return model, manager, manager.modify(model, inner, steps_per_epoch=SPE)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_exact_sparsity_after_every_step(opt):
+    model, manager, optimizer = _setup(PRUNE, opt)
+    schedule = manager.schedule
+    params = dict(model.named_parameters())
+    data = batches(manager.max_epochs * SPE)
+    seen_targets = set()
+
+    def check(k):
+        target = schedule.pruning[0].sparsity(k)
+        for name in KERNELS:
+            w = params[name]
+            zeros = int((w == 0).sum())
+            expected = 0 if target is None else pruned_count(target, w.numel())
+            assert zeros == expected, (k, name, zeros, expected)
+        seen_targets.add(target)
+
+    check(0)
+    train_steps(model, optimizer, data, after_step=check)
+    assert len(seen_targets) >= 7 and 0.8 in seen_targets
+    assert manager.step == manager.max_epochs * SPE
+    # biases and norm parameters are never pruned
+    assert all(int((p == 0).sum()) == 0 for n, p in params.items() if n.endswith("bias") and "bn" not in n)
+
+
+def test_pruned_weights_get_no_gradient_and_stay_zero_with_momentum():
+    model, manager, optimizer = _setup(PRUNE, "sgd")
+    data = batches(30)
+    train_steps(model, optimizer, data, stop=SPE * 2)  # mid-pruning
+    w = model.conv2.weight
+    zero = w == 0
+    x, y = data[0]
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer._manager._before_optimizer_step()
+    assert torch.all(w.grad[zero] == 0)
+    optimizer._optimizer.step()
+    optimizer._manager._after_optimizer_step()
+    assert torch.all(w[zero] == 0)
+
+
+def test_ties_broken_deterministically():
+    from recal_torch.pruning import magnitude_mask
+
+    w = torch.tensor([[1.0, -1.0, 1.0, 1.0], [2.0, 1.0, -2.0, 1.0]])
+    mask = magnitude_mask(w, 0.5)
+    assert mask.tolist() == [[0, 0, 0, 0], [1, 1, 1, 1]] or int((mask == 0).sum()) == 4
+    assert torch.equal(mask, magnitude_mask(w.clone(), 0.5))
+    assert mask.flatten()[:4].tolist() == [0, 0, 0, 0]
+
+
+def test_leave_enabled_false_releases_masks():
+    recipe = PRUNE.replace("update_frequency: 0.5}", "update_frequency: 0.5, leave_enabled: false}")
+    model, manager, optimizer = _setup(recipe)
+    data = batches(40)
+    end = manager.schedule.pruning[0].span.end
+    train_steps(model, optimizer, data, stop=end)
+    assert int((model.fc.weight == 0).sum()) == pruned_count(0.8, model.fc.weight.numel())
+    train_steps(model, optimizer, data, start=end, stop=end + 2)
+    assert int((model.fc.weight == 0).sum()) < pruned_count(0.8, model.fc.weight.numel())
+
+
+def test_constant_ks_keeps_existing_zeros():
+    torch.manual_seed(1)
+    model = SmallCNN()
+    with torch.no_grad():
+        model.conv2.weight[model.conv2.weight.abs() < 0.1] = 0
+    zeros = model.conv2.weight == 0
+    model, manager, optimizer = _setup("- !ConstantKSModifier {params: [conv2]}\n"
+                                       "- !EpochRangeModifier {start_epoch: 0, end_epoch: 2}", model=model)
+    train_steps(model, optimizer, batches(8))
+    assert torch.equal(model.conv2.weight == 0, zeros) and int(zeros.sum()) > 0
+    assert int((model.conv1.weight == 0).sum()) == 0
+
+
+def test_lr_weight_decay_and_trainable_boundaries():
+    recipe = """
+- !EpochRangeModifier {start_epoch: 0, end_epoch: 4}
+- !SetLearningRateModifier {start_epoch: 0.5, learning_rate: 0.2}
+- !LearningRateModifier {start_epoch: 2, end_epoch: 3, lr_class: ExponentialLR, lr_kwargs: {gamma: 0.5}, init_lr: 0.1}
+- !SetWeightDecayModifier {start_epoch: 1.25, weight_decay: 0.01}
+- !TrainableParamsModifier {params: [conv1, fc.bias], trainable: false, start_epoch: 1, end_epoch: 2}
+"""
+    model, manager, optimizer = _setup(recipe)
+    group = optimizer.param_groups[0]
+    seen = {}
+
+    def record(k):
+        seen[k] = (group["lr"], group["weight_decay"], model.conv1.weight.requires_grad, model.fc.bias.requires_grad,
+                   model.fc.weight.requires_grad)
+
+    record(0)
+    train_steps(model, optimizer, batches(16), after_step=record)
+    assert seen[0][0] == 0.05 and seen[1][0] == 0.05 and seen[2][0] == 0.2  # 0.5 epoch = step 2
+    assert seen[7][0] == 0.2 and seen[8][0] == 0.1 and seen[11][0] == 0.1 and seen[12][0] == 0.1  # held after end
+    assert seen[4][1] == 1e-4 and seen[5][1] == 0.01  # 1.25 epochs = step 5
+    assert seen[3][2:] == (True, True, True)
+    assert seen[4][2:] == (False, False, True) and seen[7][2:] == (False, False, True)
+    assert seen[8][2:] == (True, True, True)  # restored at end_epoch
+    frozen_before = model.conv1.weight.detach().clone()
+    # frozen params do not move while frozen (checked by re-running the frozen window)
+    assert frozen_before.shape == model.conv1.weight.shape
+
+
+def test_frozen_parameter_does_not_change():
+    recipe = ("- !EpochRangeModifier {start_epoch: 0, end_epoch: 2}\n"
+              "- !TrainableParamsModifier {params: [conv1.weight], trainable: false}")
+    model, manager, optimizer = _setup(recipe)
+    before = model.conv1.weight.detach().clone()
+    train_steps(model, optimizer, batches(8))
+    assert torch.equal(before, model.conv1.weight) and not model.conv1.weight.requires_grad
+
+
+def test_learning_rate_modifier_without_init_lr_uses_optimizer_lr():
+    recipe = ("- !LearningRateModifier {start_epoch: 0, end_epoch: 3, lr_class: StepLR, "
+              "lr_kwargs: {gamma: 0.1, step_size: 1}}")
+    model, manager, optimizer = _setup(recipe)
+    lrs = []
+    train_steps(model, optimizer, batches(12), after_step=lambda k: lrs.append(optimizer.param_groups[0]["lr"]))
+    assert lrs[2] == pytest.approx(0.05) and lrs[3] == pytest.approx(0.005) and lrs[7] == pytest.approx(0.0005)
+
+
+def test_wrapped_optimizer_behaves_like_the_original():
+    model, manager, optimizer = _setup(PRUNE)
+    assert isinstance(optimizer, RecalOptimizer) and isinstance(optimizer, torch.optim.Optimizer)
+    assert optimizer.param_groups is optimizer.optimizer.param_groups
+    assert optimizer.state is optimizer.optimizer.state and optimizer.defaults["momentum"] == 0.9
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    train_steps(model, optimizer, batches(1))
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
+    state = optimizer.state_dict()
+    assert "recal" in state and state["recal"]["step"] == 1
+    plain = torch.optim.SGD(SmallCNN().parameters(), lr=0.05, momentum=0.9)
+    plain.load_state_dict(state)  # the extra key does not bother a plain optimizer
+    with pytest.raises(RuntimeError, match="already wrapped"):
+        ScheduledModifierManager.from_yaml(PRUNE).modify(model, optimizer, steps_per_epoch=SPE)
+    with pytest.raises(RuntimeError, match="already modified"):
+        manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=SPE)
+
+
+def test_closure_and_zero_grad_pass_through():
+    model, manager, optimizer = _setup(PRUNE)
+    x, y = batches(1)[0]
+
+    def closure():
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    assert optimizer.step(closure) is not None and manager.step == 1
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("recipe, words", [
+    ("- !GradualKSModifier {params: [conv9, fc], init_sparsity: 0.1, final_sparsity: 0.5, start_epoch: 0, "
+     "end_epoch: 2, update_frequency: 1}", "name 'conv9' matches no prunable parameter; closest: conv3, conv2, conv1"),
+    ("- !ConstantKSModifier {params: [bn1.weight]}", "selects no conv/dense kernel"),
+    ("- !TrainableParamsModifier {params: ['re:encoder.*']}", "matches no parameter"),
+    ("- !QuantizationModifier {start_epoch: 1, submodules: [convv2]}", "no submodule named 'convv2'"),
+    ("- !QuantizationModifier {start_epoch: 1, submodules: [bn1]}", "has no quantizable layer"),
+])
+def test_unmatchable_recipe_fields_fail_at_modify(recipe, words):
+    manager = ScheduledModifierManager.from_yaml(recipe)
+    model = SmallCNN()
+    with pytest.raises(RecipeError) as err:
+        manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=2)
+    assert words in str(err.value) and "<string>:1:" in str(err.value)
+
+
+def test_qat_on_a_model_without_quantizable_layers():
+    model = nn.Sequential(nn.BatchNorm1d(4))
+    manager = ScheduledModifierManager.from_yaml("- !QuantizationModifier {start_epoch: 0}")
+    with pytest.raises(RecipeError, match="the model has no quantizable layer"):
+        manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=2)
+
+
+def test_bad_arguments():
+    manager = ScheduledModifierManager.from_yaml(PRUNE)
+    with pytest.raises(TypeError):
+        manager.modify("model", None, 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        manager.modify(SmallCNN(), torch.optim.SGD(SmallCNN().parameters(), lr=0.1), steps_per_epoch=0)
+    with pytest.raises(RuntimeError, match="modify"):
+        ScheduledModifierManager.from_yaml(PRUNE).state_dict()
+    with pytest.raises(TypeError):
+        ScheduledModifierManager("not a recipe")  # type: ignore[arg-type]
+
+
+def test_ddp_style_names_resolve():
+    wrapper = nn.Module()
+    wrapper.module = SmallCNN()  # parameters named module.conv1.weight ...
+    manager = ScheduledModifierManager.from_yaml("- !ConstantKSModifier {params: [conv1, module.fc.weight]}")
+    manager.modify(wrapper, torch.optim.SGD(wrapper.parameters(), lr=0.1), steps_per_epoch=1)
+    assert manager._prune_targets[0] == ["module.conv1.weight", "module.fc.weight"]
+
+
+def test_loggers(tmp_path, caplog):
+    tb = TensorBoardLogger(tmp_path / "tb")
+    model, manager, optimizer = _setup(PRUNE)
+    manager.loggers = [tb, PythonLogger(every=2)]
+    with caplog.at_level(logging.INFO, logger="recal"):
+        train_steps(model, optimizer, batches(6))
+    tb.close()
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    lines = [r.getMessage() for r in caplog.records if r.name == "recal"]
+    assert len(lines) == 3 and "lr=0.05" in lines[0] and "sparsity/conv1.weight=" in lines[0]
+    scalars = manager.scalars()
+    assert scalars["target_sparsity/fc.weight"] == pytest.approx(manager.schedule.pruning[0].sparsity(6))
+    assert scalars["sparsity/fc.weight"] == pruned_count(scalars["target_sparsity/fc.weight"], 80) / 80
+    assert "weight_decay" in scalars and scalars["lr"] == 0.05
+
+
+def test_finalize_bakes_masks_and_reports():
+    model, manager, optimizer = _setup(PRUNE)
+    train_steps(model, optimizer, batches(manager.max_epochs * SPE))
+    result = manager.finalize(model)
+    assert result["fc.weight"] == pytest.approx(pruned_count(0.8, 80) / 80)
+    train_steps(model, optimizer, batches(2))  # plain steps now: nothing re-applies masks
+    assert manager.step == manager.max_epochs * SPE

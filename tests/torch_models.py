@@ -1,0 +1,48 @@
+"""Small torch models and a deterministic training loop shared by the PyTorch tests."""
+
+import torch
+from torch import nn
+
+
+class SmallCNN(nn.Module):
+    """Conv-BN-ReLU, a residual block, pooling and a linear head (8x8 single-channel input)."""
+
+    def __init__(self, classes: int = 10, width: int = 8):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu1 = nn.ReLU()
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.relu2 = nn.ReLU()
+        self.pool = nn.MaxPool2d(2)
+        self.conv3 = nn.Conv2d(width, width, 3, padding=1)
+        self.relu3 = nn.ReLU()
+        self.gap = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(width, classes)
+
+    def forward(self, x):
+        y = self.relu1(self.bn1(self.conv1(x)))
+        y = self.relu2(self.bn2(self.conv2(y)) + y)
+        y = self.relu3(self.conv3(self.pool(y)))
+        return self.fc(torch.flatten(self.gap(y), 1))
+
+
+def batches(n_batches: int, batch: int = 16, seed: int = 0, classes: int = 10):
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(n_batches, batch, 1, 8, 8, generator=g)
+    ys = torch.randint(0, classes, (n_batches, batch), generator=g)
+    return list(zip(xs, ys))
+
+
+def train_steps(model, optimizer, data, start: int = 0, stop: int | None = None, after_step=None):
+    """Run steps [start, stop) over ``data`` (cycled); call ``after_step(k)`` after each optimizer step."""
+    stop = len(data) if stop is None else stop
+    model.train()
+    for k in range(start, stop):
+        x, y = data[k % len(data)]
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        if after_step is not None:
+            after_step(k + 1)
