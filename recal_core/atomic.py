@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -43,6 +44,27 @@ def atomic_path(target: str | os.PathLike, *, protect: tuple[str | os.PathLike, 
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_folder(destination: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty temporary folder inside ``destination``; on success move its files there.
+
+    For writers that produce several files that refer to each other by name (an ONNX model and
+    its external data): they are written under their final names, then moved (data files first,
+    so a reader never sees a model whose data is missing). On failure nothing is moved.
+    """
+    destination = Path(destination) if str(destination) else Path(".")
+    if not destination.is_dir():
+        raise FileNotFoundError(f"output folder {destination} does not exist")
+    folder = Path(tempfile.mkdtemp(prefix=".recal-", dir=destination))
+    try:
+        yield folder
+        files = sorted(folder.iterdir(), key=lambda p: p.suffix == ".onnx")
+        for item in files:
+            os.replace(item, destination / item.name)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def write_text_atomically(target: str | os.PathLike, text: str) -> Path:

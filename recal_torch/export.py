@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recal_core.atomic import atomic_path
+from recal_core.atomic import atomic_folder
 
 from .model_params import unwrap
 from .qat import ACT_QMAX, ACT_QMIN, W_LEVELS, W_QMAX, W_QMIN, QATConv, QATModule, qat_modules
@@ -30,6 +30,12 @@ from .qat import ACT_QMAX, ACT_QMIN, W_LEVELS, W_QMAX, W_QMIN, QATConv, QATModul
 log = logging.getLogger(__name__)
 
 MIN_DYNAMO_OPSET = 18
+EXTERNAL_DATA_BYTES = 1_800_000_000
+
+
+def _parameter_bytes(model: nn.Module) -> int:
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _decomposed_ops():
@@ -138,13 +144,16 @@ def export_onnx(model: nn.Module, sample_input: torch.Tensor | Sequence[torch.Te
         kwargs["verbose"] = False
         if dynamic_batch:
             kwargs["dynamic_shapes"] = tuple({0: torch.export.Dim.DYNAMIC} for _ in inputs)
+        # One file unless the weights need ONNX external data (protobuf's 2 GB limit).
+        kwargs["external_data"] = _parameter_bytes(export_model) > EXTERNAL_DATA_BYTES
     elif dynamic_batch:
         kwargs["dynamic_axes"] = {name: {0: "batch"} for name in [*input_names, *output_names]}
-    with atomic_path(path) as tmp, warnings.catch_warnings():
+    target = Path(path)
+    with atomic_folder(target.parent) as folder, warnings.catch_warnings():
         # torch's exporters warn about their own internals (opset conversion, TorchScript deprecation).
         warnings.filterwarnings("ignore", module=r"torch\..*")
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         with torch.no_grad():
-            torch.onnx.export(export_model, inputs, str(tmp), dynamo=dynamo, **kwargs)
+            torch.onnx.export(export_model, inputs, str(folder / target.name), dynamo=dynamo, **kwargs)
     log.info("exported %s model to %s", "QAT" if qat_modules(model) else "float", path)
     return Path(path)

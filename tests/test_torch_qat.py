@@ -1,0 +1,286 @@
+"""PyTorch QAT: numbers against a numpy reference, fusion, sparsity through QAT, resume, export."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+from recal_core.schedules import pruned_count
+from recal_torch import QATConv, QATLinear, ScheduledModifierManager, export_onnx, prepare_qat
+from recal_torch.export import to_export_model
+from recal_torch.qat import ActivationFakeQuantize, FoldedBatchNorm, WeightFakeQuantize
+
+from .torch_models import SmallCNN, batches, train_steps
+
+SPE = 4
+PRUNE_QAT = """
+- !EpochRangeModifier {start_epoch: 0, end_epoch: 5}
+- !GradualKSModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.2, final_sparsity: 0.7, start_epoch: 0,
+                      end_epoch: 2, update_frequency: 0.5}
+- !QuantizationModifier {start_epoch: 2.5, freeze_bn_stats_epoch: 3.5, disable_quantization_observer_epoch: 4}
+- !SetLearningRateModifier {start_epoch: 2.5, learning_rate: 0.01}
+"""
+
+
+def np_fake_quant(x, scale, zero_point, qmin, qmax, axis=None):
+    x = np.asarray(x, dtype=np.float32)
+    if axis is not None:
+        shape = [1] * x.ndim
+        shape[axis] = -1
+        scale = np.asarray(scale, np.float32).reshape(shape)
+        zero_point = np.asarray(zero_point).reshape(shape)
+    scale = np.asarray(scale, dtype=np.float32)
+    inv_scale = (np.float32(1.0) / scale).astype(np.float32)  # torch multiplies by the float32 inverse
+    q = np.clip(np.rint(x * inv_scale) + zero_point, qmin, qmax)
+    return ((q - zero_point) * scale).astype(np.float32)
+
+
+def test_activation_fake_quant_matches_numpy():
+    torch.manual_seed(0)
+    fq = ActivationFakeQuantize(averaging_constant=0.1)
+    xs = [torch.randn(64) * 3 + 1 for _ in range(3)]
+    lo, hi = float(xs[0].min()), float(xs[0].max())
+    for x in xs[1:]:
+        fq(xs[0]) if lo is None else None
+        break
+    fq = ActivationFakeQuantize(averaging_constant=0.1)
+    lo = hi = None
+    for x in xs:
+        out = fq(x)
+        xl, xh = float(x.min()), float(x.max())
+        lo, hi = (xl, xh) if lo is None else (lo + 0.1 * (xl - lo), hi + 0.1 * (xh - hi))
+        lo_neg, hi_pos = min(lo, 0.0), max(hi, 0.0)
+        scale = np.float32((hi_pos - lo_neg) / 255)
+        zp = int(np.clip(0 - np.rint(lo_neg / scale), 0, 255))
+        assert float(fq.scale) == pytest.approx(scale, rel=1e-5) and int(fq.zero_point) == zp
+        np.testing.assert_allclose(out.numpy(), np_fake_quant(x.numpy(), float(fq.scale), zp, 0, 255), atol=1e-6)
+    fq.eval()
+    before = float(fq.scale)
+    fq(torch.randn(64) * 100)
+    assert float(fq.scale) == before  # eval mode does not observe
+
+
+def test_weight_fake_quant_is_symmetric_per_channel_and_keeps_zeros():
+    torch.manual_seed(0)
+    w = torch.randn(4, 3, 3, 3)
+    w[0, 0] = 0
+    fq = WeightFakeQuantize(4)
+    out = fq(w)
+    scale = w.abs().flatten(1).amax(1).numpy() / 127
+    np.testing.assert_allclose(fq.scale.numpy(), scale, rtol=1e-6)
+    np.testing.assert_allclose(out.numpy(), np_fake_quant(w.numpy(), scale, np.zeros(4), -128, 127, axis=0), atol=1e-6)
+    assert torch.all(out[0, 0] == 0)
+    q = np.rint(w.numpy() / scale.reshape(-1, 1, 1, 1))
+    assert q.max() <= 127 and q.min() >= -127
+
+
+def test_prepare_qat_fuses_conv_bn_relu_in_place_and_keeps_parameters():
+    torch.manual_seed(0)
+    model = SmallCNN()
+    params_before = {n: p for n, p in model.named_parameters()}
+    created = prepare_qat(model)
+    assert isinstance(model.conv1, QATConv) and isinstance(model.bn1, FoldedBatchNorm)
+    assert isinstance(model.relu1, nn.Identity)  # fused
+    assert isinstance(model.conv2, QATConv) and isinstance(model.relu2, nn.ReLU)  # residual add before relu2
+    assert isinstance(model.conv3, QATConv) and model.conv3.relu and isinstance(model.fc, QATLinear)
+    assert len(created) == 4
+    # same Parameter objects under the same names
+    assert {n: p for n, p in model.named_parameters()} == params_before
+    # conv1 quantizes the model input; conv2's input is conv1's quantized output; conv3 follows max-pool of
+    # a float add, so it quantizes its input; fc follows average pooling
+    assert model.conv1.input_fake_quant is not None and model.conv2.input_fake_quant is None
+    assert model.conv3.input_fake_quant is not None and model.fc.input_fake_quant is not None
+
+
+def test_qat_conv_bn_eval_equals_folded_float_computation():
+    torch.manual_seed(0)
+    model = SmallCNN()
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), batches(3))
+    reference = SmallCNN()
+    reference.load_state_dict(model.state_dict())
+    prepare_qat(model)
+    model.train()
+    for x, _ in batches(5, seed=1):
+        model(x)  # observers see data
+    model.eval()
+    x = batches(1, seed=2)[0][0]
+    conv = model.conv1
+    w, b = conv.folded_weight_and_bias()
+    scale = (w.detach().abs().flatten(1).amax(1) / 127).numpy()  # the observer follows the folded weight
+    wq = np_fake_quant(w.detach().numpy(), scale, np.zeros_like(scale), -128, 127, axis=0)
+    xin = np_fake_quant(x.numpy(), float(conv.input_fake_quant.scale), int(conv.input_fake_quant.zero_point), 0, 255)
+    y = nn.functional.conv2d(torch.from_numpy(xin), torch.from_numpy(wq), b, padding=1).clamp(min=0)
+    post = conv.activation_post_process
+    expected = np_fake_quant(y.detach().numpy(), float(post.scale), int(post.zero_point), 0, 255)
+    with torch.no_grad():
+        got = conv(x)
+    # equal up to float rounding: at most one quantum, at rare rounding boundaries
+    assert np.abs(got.numpy() - expected).max() <= float(post.scale) * 1.001
+    assert (np.abs(got.numpy() - expected) > 1e-5).mean() < 0.01
+
+
+def _run_prune_qat(stop=None, seed=0, opt="sgd"):
+    torch.manual_seed(seed)
+    model = SmallCNN()
+    manager = ScheduledModifierManager.from_yaml(PRUNE_QAT)
+    inner = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if opt == "sgd"
+             else torch.optim.Adam(model.parameters(), lr=0.005))
+    optimizer = manager.modify(model, inner, steps_per_epoch=SPE)
+    return model, manager, optimizer
+
+
+def test_qat_switch_keeps_optimizer_state_and_sparsity():
+    model, manager, optimizer = _run_prune_qat(opt="adam")
+    data = batches(20)
+    weight = model.conv2.weight
+    start = manager.schedule.step(2.5)
+    train_steps(model, optimizer, data, stop=start - 1)
+    assert not isinstance(model.conv2, QATConv)
+    exp_avg = optimizer.state[weight]["exp_avg"].clone()
+    train_steps(model, optimizer, data, start=start - 1, stop=start)
+    assert isinstance(model.conv2, QATConv) and model.conv2.weight is weight
+    assert not torch.equal(optimizer.state[weight]["exp_avg"], exp_avg)  # same state entry kept updating
+    assert optimizer.param_groups[0]["lr"] == 0.01
+    train_steps(model, optimizer, data, start=start, stop=manager.max_epochs * SPE)
+    for name in ("conv1", "conv2", "conv3", "fc"):
+        w = getattr(model, name).weight
+        assert int((w == 0).sum()) == pruned_count(0.7, w.numel()), name
+    assert model.conv2.bn_frozen and not model.conv2.activation_post_process.observer_enabled
+    exported = to_export_model(model)
+    for name in ("conv1", "conv2", "conv3", "fc"):
+        q = getattr(exported, name).weight_int8
+        assert torch.equal(q == 0, getattr(model, name).weight == 0) or bool(
+            torch.all(q[getattr(model, name).weight == 0] == 0)), name
+
+
+def test_observers_and_bn_freeze_at_their_epochs():
+    model, manager, optimizer = _run_prune_qat()
+    data = batches(20)
+    seen = {}
+
+    def record(k):
+        if isinstance(model.conv2, QATConv):
+            seen[k] = (model.conv2.bn_frozen, model.conv2.activation_post_process.observer_enabled)
+
+    train_steps(model, optimizer, data, stop=manager.max_epochs * SPE, after_step=record)
+    assert min(seen) == 10  # 2.5 epochs * 4
+    assert seen[13] == (False, True) and seen[14] == (True, True) and seen[16] == (True, False)
+
+
+def _checkpoint(model, optimizer):
+    import copy
+
+    return copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+
+
+@pytest.mark.parametrize("resume_at", [3, 6, 11, 15])
+def test_resume_is_bit_identical(resume_at):
+    data = batches(24)
+    total = 5 * SPE
+    model_a, manager_a, opt_a = _run_prune_qat()
+    ckpt = {}
+    train_steps(model_a, opt_a, data, stop=total,
+                after_step=lambda k: ckpt.update(_checkpoint(model_a, opt_a)) if k == resume_at else None)
+    import copy
+    ckpt = copy.deepcopy(ckpt)
+
+    model_b, manager_b, opt_b = _run_prune_qat(seed=123)  # different init: everything must come from ckpt
+    opt_b.load_state_dict(ckpt["optimizer"])  # restores recal state first (re-creates QAT modules)
+    model_b.load_state_dict(ckpt["model"])
+    assert manager_b.step == resume_at
+    train_steps(model_b, opt_b, data, start=resume_at, stop=total)
+    for (na, pa), (nb, pb) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
+        assert na == nb and torch.equal(pa, pb), na
+    assert opt_a.param_groups[0]["lr"] == opt_b.param_groups[0]["lr"]
+    for name in manager_a._effective:
+        assert torch.equal(manager_a._effective[name], manager_b._effective[name])
+
+
+def test_resume_refuses_other_recipe_or_steps():
+    model, manager, optimizer = _run_prune_qat()
+    state = manager.state_dict()
+    other = ScheduledModifierManager.from_yaml(PRUNE_QAT.replace("0.7", "0.6"))
+    m = SmallCNN()
+    other.modify(m, torch.optim.SGD(m.parameters(), lr=0.1), steps_per_epoch=SPE)
+    with pytest.raises(ValueError, match="different recipe"):
+        other.load_state_dict(state)
+    again = ScheduledModifierManager.from_yaml(PRUNE_QAT)
+    m = SmallCNN()
+    again.modify(m, torch.optim.SGD(m.parameters(), lr=0.1), steps_per_epoch=SPE + 1)
+    with pytest.raises(ValueError, match="steps_per_epoch"):
+        again.load_state_dict(state)
+
+
+def _trained_qat_model():
+    model, manager, optimizer = _run_prune_qat()
+    train_steps(model, optimizer, batches(24), stop=manager.max_epochs * SPE)
+    manager.finalize(model)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def qat_model():
+    return _trained_qat_model()
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_qat_export_matches_pytorch_in_onnxruntime(qat_model, dynamo, tmp_path):
+    path = export_onnx(qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=dynamo)
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model)
+    ops = [n.op_type for n in model.graph.node]
+    assert "BatchNormalization" not in ops and ops.count("QuantizeLinear") >= 4
+    # every Conv reads dequantized input and weight and feeds a QuantizeLinear (directly or via Relu)
+    producers = {o: n for n in model.graph.node for o in n.output}
+    consumers = {}
+    for n in model.graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    for conv in (n for n in model.graph.node if n.op_type == "Conv"):
+        assert producers[conv.input[0]].op_type == "DequantizeLinear"
+        assert producers[conv.input[1]].op_type == "DequantizeLinear"
+        nxt = consumers[conv.output[0]][0]
+        if nxt.op_type == "Relu":
+            nxt = consumers[nxt.output[0]][0]
+        assert nxt.op_type in ("QuantizeLinear",), nxt.op_type
+    session = ort.InferenceSession(str(path))  # default optimization level
+    x = torch.randn(1000, 1, 8, 8, generator=torch.Generator().manual_seed(3))
+    got = session.run(None, {"input": x.numpy()})[0]
+    with torch.no_grad():
+        ref = qat_model(x).numpy()
+    agreement = float((got.argmax(1) == ref.argmax(1)).mean())
+    max_diff = float(np.abs(got - ref).max())
+    print(f"dynamo={dynamo}: argmax agreement {agreement:.4f}, max abs diff {max_diff:.5f}")
+    assert agreement >= 0.995
+    assert list(tmp_path.iterdir()) == [path]
+
+
+def test_float_export_keeps_pruned_zeros(tmp_path):
+    from onnx import numpy_helper
+
+    torch.manual_seed(0)
+    model = SmallCNN()
+    manager = ScheduledModifierManager.from_yaml("- !GradualKSModifier {params: [fc], init_sparsity: 0.5, "
+                                                 "final_sparsity: 0.5, start_epoch: 0, end_epoch: 1, update_frequency: 1}")
+    manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=1)
+    model.eval()
+    path = export_onnx(model, torch.randn(2, 1, 8, 8), tmp_path / "f.onnx", dynamo=False)
+    weights = [numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer]
+    fc = next(w for w in weights if w.shape == (10, 8))
+    assert int((fc == 0).sum()) == 40
+    session = ort.InferenceSession(str(path))
+    x = torch.randn(5, 1, 8, 8)
+    np.testing.assert_allclose(session.run(None, {"input": x.numpy()})[0], model(x).detach().numpy(), atol=1e-5)
+
+
+def test_export_failure_leaves_no_file(tmp_path):
+    class Broken(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    target = tmp_path / "m.onnx"
+    with pytest.raises(Exception):
+        export_onnx(Broken(), torch.randn(1, 2), target, dynamo=False)
+    assert list(tmp_path.iterdir()) == []
