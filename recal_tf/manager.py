@@ -1,0 +1,343 @@
+"""Apply a recipe to a ``tf.compat.v1`` training graph: ``create_ops``, ``initialize_session``, ``complete_graph``.
+
+Schedules are not re-derived here: every per-step value (mask update points and exact zero
+counts, whether a mask is in force, the LR, the weight decay) is tabulated from the core's
+bound schedule and looked up in the graph with the global step ``k``. Run the returned ops once
+per training step, after the optimizer: they recompute a mask whenever the schedule's last
+update point ``<= k`` changed since the mask was computed, and set ``w <- w * mask``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+
+from recal_core import RecipeError, load_recipe
+from recal_core import modifiers as M
+from recal_core.params import resolve_params
+from recal_core.recipe import Recipe
+from recal_core.schedule import PruningSchedule, RecipeSchedule
+from recal_core.schedules import pruned_count
+
+from .graph_params import describe_variables
+from .utils import tf_compat
+
+log = logging.getLogger(__name__)
+
+EXTRAS_KEY_SUMMARIES = "summaries"
+EXTRAS_KEY_LEARNING_RATE = "learning_rate"
+EXTRAS_KEY_VAR_LIST = "var_list"
+EXTRAS_KEY_WEIGHT_DECAY = "weight_decay_loss"  # the penalty to add to the loss
+EXTRAS_KEY_WEIGHT_DECAY_RATE = "weight_decay"  # the rate in force (a scalar tensor)
+RECAL_VARIABLES = "recal_variables"
+RECAL_GRAPH_MARK = "recal_create_ops"
+
+
+class RecalWarning(UserWarning):
+    """A recipe feature is set up in a way that will not have its effect."""
+
+
+@dataclass
+class _PrunedVariable:
+    name: str
+    variable: tf.Variable
+    masks: list[tuple[int, tf.Variable, tf.Variable]]  # (modifier index, mask, update-id)
+
+
+class ScheduledModifierManager:
+    """Holds a recipe and modifies a TensorFlow graph with it (the seed's ``neuralmagicML`` API)."""
+
+    def __init__(self, recipe: Recipe):
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"ScheduledModifierManager takes a Recipe, not {type(recipe).__name__}; "
+                            "use ScheduledModifierManager.from_yaml(path_or_text)")
+        self.recipe = recipe
+        self.schedule: RecipeSchedule | None = None
+        self._graph: tf.Graph | None = None
+        self._ops: list[tf.Operation] = []
+        self._extras: dict = {}
+        self._variables: list[tf.Variable] = []
+        self._summaries: list[tf.Tensor] = []
+        self._original_trainable: list[tf.Variable] | None = None
+        self._pruned: list[_PrunedVariable] = []
+        self._completed = False
+
+    @classmethod
+    def from_yaml(cls, source: str | os.PathLike | Recipe) -> ScheduledModifierManager:
+        return cls(load_recipe(source))
+
+    @property
+    def max_epochs(self) -> int:
+        return self.recipe.max_epochs
+
+    @property
+    def min_epochs(self) -> int:
+        return self.recipe.min_epochs
+
+    # --- create_ops ---------------------------------------------------------------------------
+
+    def create_ops(self, steps_per_epoch: int, global_step: tf.Variable | None = None,
+                   graph: tf.Graph | None = None, base_lr: float | None = None) -> tuple[list, dict]:
+        """Add recal's ops to ``graph`` (the default graph); return ``(mod_ops, mod_extras)``.
+
+        Call it while building the graph, outside any session, once per graph. ``base_lr`` is the
+        LR to use before the recipe's first LR modifier starts (needed only if one starts later
+        than epoch 0 or has no ``init_lr``).
+        """
+        graph = graph or tf_compat.get_default_graph()
+        if tf_compat.get_default_session() is not None:
+            raise RuntimeError("create_ops() must be called while building the graph, outside any session; "
+                               "open the session after create_ops()")
+        if self._graph is not None or graph.get_collection(RECAL_GRAPH_MARK):
+            raise RuntimeError("create_ops() was already called for this graph (or by this manager); "
+                               "call it once per graph, with one manager")
+        schedule = self.recipe.bind(steps_per_epoch)
+        with graph.as_default():
+            variables = list(tf_compat.trainable_variables())
+            infos, by_name = describe_variables(graph, variables)
+            problems, targets, trainable_targets = self._check(schedule, infos)
+            lr_table, lr_problems = self._lr_table(schedule, base_lr)
+            problems += lr_problems
+            if problems:
+                raise RecipeError(problems)
+            self.schedule = schedule
+            self._graph = graph
+            graph.add_to_collection(RECAL_GRAPH_MARK, tf.constant(True, name="recal/marker"))
+            if global_step is None:
+                global_step = tf_compat.train.get_or_create_global_step()
+            with tf_compat.name_scope("recal"):
+                k = tf.minimum(tf.cast(global_step, tf.int64), schedule.total_steps, name="step")
+                prune_ops = self._pruning_ops(schedule, targets, by_name, k)
+                extras = {EXTRAS_KEY_SUMMARIES: self._summaries}
+                if lr_table is not None:
+                    lr = tf.gather(tf.constant(lr_table, tf.float32), k, name="learning_rate")
+                    extras[EXTRAS_KEY_LEARNING_RATE] = lr
+                    self._summaries.append(tf_compat.summary.scalar("Modifier_LR/learning_rate", lr))
+                if any(True for _ in self.recipe.of_type(M.SetWeightDecayModifier)):
+                    table = [schedule.weight_decay(s) or 0.0 for s in range(schedule.total_steps + 1)]
+                    rate = tf.gather(tf.constant(table, tf.float32), k, name="weight_decay")
+                    penalty = rate * tf.add_n([tf.nn.l2_loss(tf.cast(v, tf.float32)) for v in variables])
+                    extras[EXTRAS_KEY_WEIGHT_DECAY_RATE] = rate
+                    extras[EXTRAS_KEY_WEIGHT_DECAY] = tf.identity(penalty, name="weight_decay_loss")
+                    self._summaries.append(tf_compat.summary.scalar("Modifier_WeightDecay/weight_decay", rate))
+            extras[EXTRAS_KEY_VAR_LIST] = self._apply_trainable(graph, trainable_targets, by_name)
+        self._ops = prune_ops
+        self._extras = extras
+        return list(prune_ops), dict(extras)
+
+    def _check(self, schedule: RecipeSchedule, infos) -> tuple[list, dict[int, list[str]], dict[int, list[str]]]:
+        problems = []
+        for index, _ in schedule.quantization:
+            problems.append(self.recipe.problem(
+                index, None, "quantization-aware training is not yet available in TensorFlow",
+                expected="run this recipe's QuantizationModifier with recal_torch, or remove it for TensorFlow"))
+        targets: dict[int, list[str]] = {}
+        for ps in schedule.pruning:
+            try:
+                targets[ps.index] = [p.name for p in resolve_params(self.recipe, ps.index, infos, pruning=True)]
+            except RecipeError as err:
+                problems += err.problems
+        trainable: dict[int, list[str]] = {}
+        for index, m, span in schedule.trainable:
+            if span.start != 0 or span.end is not None:
+                field = "start_epoch" if span.start != 0 else "end_epoch"
+                problems.append(self.recipe.problem(
+                    index, field, "TensorFlow fixes the trainable variables when the optimizer is built",
+                    value=getattr(m, field), expected="start_epoch -1 (or 0) and end_epoch -1 in TensorFlow"))
+                continue
+            try:
+                trainable[index] = [p.name for p in resolve_params(self.recipe, index, infos, pruning=False)]
+            except RecipeError as err:
+                problems += err.problems
+        return problems, targets, trainable
+
+    def _lr_table(self, schedule: RecipeSchedule, base_lr: float | None) -> tuple[list[float] | None, list]:
+        lr_modifiers = list(self.recipe.of_type((M.SetLearningRateModifier, M.LearningRateModifier)))
+        if not lr_modifiers:
+            return None, []
+        try:
+            table = [schedule.lr(k, base_lr=base_lr) for k in range(schedule.total_steps + 1)]
+        except ValueError as exc:
+            index = next(i for i, m in lr_modifiers if isinstance(m, M.LearningRateModifier) and m.init_lr is None)
+            return None, [self.recipe.problem(index, "init_lr", str(exc).split(";")[0],
+                                              expected="init_lr, or create_ops(..., base_lr=<the optimizer's LR>)")]
+        if any(v is None for v in table):
+            if base_lr is None:
+                first = min(lr_modifiers, key=lambda t: schedule.span(t[1]).start)[0]
+                return None, [self.recipe.problem(
+                    first, "start_epoch", "the learning rate before the first LR modifier starts is not set",
+                    expected="an LR modifier from epoch 0, or create_ops(..., base_lr=<the LR to start with>)")]
+            table = [base_lr if v is None else v for v in table]
+        return table, []
+
+    def _variable(self, name: str, shape, dtype, initializer) -> tf.Variable:
+        var = tf_compat.get_variable(name, shape=shape, dtype=dtype, initializer=initializer, trainable=False,
+                                     use_resource=True,
+                                     collections=[tf_compat.GraphKeys.GLOBAL_VARIABLES, RECAL_VARIABLES])
+        self._variables.append(var)
+        return var
+
+    def _pruning_ops(self, schedule: RecipeSchedule, targets: dict[int, list[str]], by_name, k) -> list:
+        per_variable: dict[str, list[PruningSchedule]] = {}
+        for ps in schedule.pruning:
+            for name in targets[ps.index]:
+                per_variable.setdefault(name, []).append(ps)
+        tables = {ps.index: _update_tables(ps, schedule.total_steps) for ps in schedule.pruning}
+        ops = []
+        for name, schedules in per_variable.items():
+            variable = by_name[name]
+            numel = int(np.prod(variable.shape.as_list()))
+            effective = None
+            entry = _PrunedVariable(name, variable, [])
+            with tf_compat.variable_scope(f"recal/masks/{name}", reuse=False):
+                for ps in schedules:
+                    update_ids, in_force, update_steps = tables[ps.index]
+                    mask = self._variable(f"mask_{ps.index}", variable.shape, variable.dtype.base_dtype,
+                                          tf_compat.ones_initializer())
+                    mask_id = self._variable(f"update_{ps.index}", [], tf.int64, tf_compat.constant_initializer(-1))
+                    entry.masks.append((ps.index, mask, mask_id))
+                    counts = [pruned_count(ps.sparsity(u), numel) if not ps.constant else 0 for u in update_steps]
+                    new_mask = _mask_update(variable, mask, mask_id, ps.constant, update_ids, counts, k)
+                    in_force_now = tf.gather(tf.constant(in_force), k)
+                    masked = tf.where(in_force_now, new_mask, tf.ones_like(new_mask))
+                    effective = masked if effective is None else effective * masked
+            self._pruned.append(entry)
+            ops.append(variable.assign(variable * effective, read_value=False))
+            self._summaries.append(tf_compat.summary.scalar(f"Modifier_Pruning/{name}", tf.nn.zero_fraction(variable)))
+        return [tf.group(*ops, name="recal/modifier_ops")] if ops else []
+
+    def _apply_trainable(self, graph: tf.Graph, targets: dict[int, list[str]], by_name) -> list[tf.Variable]:
+        collection = graph.get_collection_ref(tf_compat.GraphKeys.TRAINABLE_VARIABLES)
+        self._original_trainable = list(collection)
+        if not targets:
+            return list(collection)
+        desired = {id(v): True for v in collection}
+        for index, m, _ in self.schedule.trainable:
+            for name in targets.get(index, []):
+                desired[id(by_name[name])] = m.trainable
+        keep = [v for v in collection if desired.get(id(v), True)]
+        collection[:] = keep
+        return list(keep)
+
+    # --- sessions -------------------------------------------------------------------------------
+
+    def _session(self, sess):
+        sess = sess or tf_compat.get_default_session()
+        if sess is None:
+            raise RuntimeError("no session: pass one, or call this inside `with tf_compat.Session() as sess:`")
+        return sess
+
+    def _require_ops(self, what: str) -> None:
+        if self._graph is None:
+            raise RuntimeError(f"call manager.create_ops(...) before {what}()")
+
+    def initialize_session(self, sess=None) -> None:
+        """Initialise the variables ``create_ops`` made (only those not yet initialised, so a restored
+        checkpoint is kept) and apply the masks in force now, before the first forward pass."""
+        self._require_ops("initialize_session")
+        sess = self._session(sess)
+        self._warn_unused_learning_rate()
+        with self._graph.as_default():
+            names = set(sess.run(tf_compat.report_uninitialized_variables(self._variables)))
+            pending = [v for v in self._variables if v.op.name.encode() in names]
+            if pending:
+                sess.run(tf_compat.variables_initializer(pending))
+        if self._ops:
+            sess.run(self._ops)
+
+    def session_run_hook(self) -> tf_compat.train.SessionRunHook:
+        """A hook for ``MonitoredTrainingSession``: initialises recal's variables and runs the ops after each step."""
+        self._require_ops("session_run_hook")
+        return ModifierSessionRunHook(self)
+
+    def complete_graph(self, graph: tf.Graph | None = None, sess=None) -> dict[str, float]:
+        """Bake every mask into its weight and restore the graph to a plain model.
+
+        After it, recal's variables leave the graph's collections (a new ``Saver()`` and
+        ``global_variables_initializer()`` ignore them), the trainable-variables collection is
+        restored and recal's summaries are removed. Returns the sparsity of each pruned variable.
+        """
+        self._require_ops("complete_graph")
+        graph = graph or tf_compat.get_default_graph()
+        if graph is not self._graph:
+            raise ValueError("complete_graph() got a different graph from the one create_ops() modified")
+        sess = self._session(sess)
+        self._warn_unused_learning_rate()
+        if self._ops:
+            sess.run(self._ops)
+        result = {}
+        for entry in self._pruned:
+            value = sess.run(entry.variable)
+            result[entry.name] = float((value == 0).sum()) / value.size
+        ours = {id(v) for v in self._variables}
+        for key in (tf_compat.GraphKeys.GLOBAL_VARIABLES, RECAL_VARIABLES):
+            collection = graph.get_collection_ref(key)
+            collection[:] = [v for v in collection if id(v) not in ours]
+        summaries = graph.get_collection_ref(tf_compat.GraphKeys.SUMMARIES)
+        summaries[:] = [s for s in summaries if all(s is not ours_s for ours_s in self._summaries)]
+        if self._original_trainable is not None:
+            graph.get_collection_ref(tf_compat.GraphKeys.TRAINABLE_VARIABLES)[:] = self._original_trainable
+        self._completed = True
+        return result
+
+    def _warn_unused_learning_rate(self) -> None:
+        lr = self._extras.get(EXTRAS_KEY_LEARNING_RATE)
+        if lr is None:
+            return
+        summary_ops = {s.op for s in self._summaries}
+        if not [op for op in lr.consumers() if op not in summary_ops]:
+            warnings.warn("the recipe has LR modifiers, but nothing uses mod_extras[EXTRAS_KEY_LEARNING_RATE]: "
+                          "pass it to your optimizer (learning_rate=mod_extras[EXTRAS_KEY_LEARNING_RATE])",
+                          RecalWarning, stacklevel=3)
+
+
+class ModifierSessionRunHook(tf_compat.train.SessionRunHook):
+    """Runs a manager's ops after every training step (for ``MonitoredTrainingSession`` / Estimators)."""
+
+    def __init__(self, manager: ScheduledModifierManager):
+        self.manager = manager
+
+    def after_create_session(self, session, coord) -> None:
+        self.manager.initialize_session(session)
+
+    def after_run(self, run_context, run_values) -> None:
+        if self.manager._ops:
+            run_context.session.run(self.manager._ops)
+
+
+def _update_tables(ps: PruningSchedule, total: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Per step: the id of the last mask update ``<= k`` (-1 before any), and whether a mask is in force."""
+    update_steps = [k for k in range(total + 1) if ps.is_update(k)]
+    ids = np.full(total + 1, -1, dtype=np.int64)
+    for j, step in enumerate(update_steps):
+        ids[step:] = j
+    in_force = np.array([ps.mask_in_force(k) for k in range(total + 1)], dtype=bool)
+    return ids, in_force, update_steps
+
+
+def _mask_update(variable, mask, mask_id, constant: bool, update_ids, counts, k):
+    """The mask in force at ``k``: recomputed (and stored) when the last update point changed."""
+    update_id = tf.gather(tf.constant(update_ids), k)
+    needed = tf.logical_and(tf.not_equal(update_id, mask_id.read_value()), update_id >= 0)
+
+    def recompute():
+        weight = variable.read_value()
+        if constant:
+            new = tf.cast(tf.not_equal(weight, 0), weight.dtype)
+        else:
+            count = tf.gather(tf.constant(counts or [0], tf.int64), tf.maximum(update_id, 0))
+            flat = tf.reshape(tf.abs(weight), [-1])
+            order = tf.argsort(flat, stable=True)  # ties broken by flat index, as in recal_torch
+            pruned = tf.expand_dims(order[:count], 1)
+            new = tf.reshape(tf.tensor_scatter_nd_update(tf.ones_like(flat), pruned,
+                                                         tf.zeros(tf.shape(pruned)[:1], flat.dtype)),
+                             tf.shape(weight))
+        with tf.control_dependencies([mask.assign(new, read_value=False), mask_id.assign(update_id, read_value=False)]):
+            return tf.identity(new)
+
+    return tf.cond(needed, recompute, mask.read_value)

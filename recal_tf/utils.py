@@ -1,0 +1,12 @@
+"""TensorFlow 1.x-style helpers on TensorFlow 2: ``tf_compat`` and the seed's loss."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+tf_compat = tf.compat.v1
+
+
+def batch_cross_entropy_loss(logits: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+    """Mean softmax cross entropy of ``logits`` against one-hot ``labels``."""
+    return tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=tf.stop_gradient(labels), logits=logits))
