@@ -63,6 +63,7 @@ class ScheduledModifierManager:
         self._extras: dict = {}
         self._variables: list[tf.Variable] = []
         self._summaries: list[tf.Tensor] = []
+        self._is_initialized: list[tf.Tensor] = []
         self._original_trainable: list[tf.Variable] | None = None
         self._pruned: list[_PrunedVariable] = []
         self._completed = False
@@ -126,6 +127,8 @@ class ScheduledModifierManager:
                     extras[EXTRAS_KEY_WEIGHT_DECAY] = tf.identity(penalty, name="weight_decay_loss")
                     self._summaries.append(tf_compat.summary.scalar("Modifier_WeightDecay/weight_decay", rate))
             extras[EXTRAS_KEY_VAR_LIST] = self._apply_trainable(graph, trainable_targets, by_name)
+            # built now: MonitoredTrainingSession finalizes the graph before initialize_session runs
+            self._is_initialized = [tf_compat.is_variable_initialized(v) for v in self._variables]
         self._ops = prune_ops
         self._extras = extras
         return list(prune_ops), dict(extras)
@@ -242,11 +245,11 @@ class ScheduledModifierManager:
         self._require_ops("initialize_session")
         sess = self._session(sess)
         self._warn_unused_learning_rate()
-        with self._graph.as_default():
-            names = set(sess.run(tf_compat.report_uninitialized_variables(self._variables)))
-            pending = [v for v in self._variables if v.op.name.encode() in names]
+        if self._variables:
+            initialized = sess.run(self._is_initialized)
+            pending = [v.initializer for v, done in zip(self._variables, initialized) if not done]
             if pending:
-                sess.run(tf_compat.variables_initializer(pending))
+                sess.run(pending)
         if self._ops:
             sess.run(self._ops)
 
