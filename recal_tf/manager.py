@@ -43,10 +43,24 @@ class RecalWarning(UserWarning):
 
 
 @dataclass
-class _PrunedVariable:
+class _Mask:
+    """One variable's mask under one pruning modifier; ``counts[j]``: zeros at the modifier's update j."""
+
     name: str
     variable: tf.Variable
-    masks: list[tuple[int, tf.Variable, tf.Variable]]  # (modifier index, mask, update-id)
+    mask: tf.Variable
+    counts: list[int]
+
+
+@dataclass
+class _MaskGroup:
+    """One pruning modifier's masks, updated together, with its per-step tables."""
+
+    constant: bool
+    update_id: tf.Variable  # the update point the masks were computed at (-1: never)
+    update_ids: np.ndarray  # per step: the last update point <= k (-1 before the first)
+    in_force: np.ndarray  # per step: whether the masks are enforced
+    masks: list[_Mask]
 
 
 class ScheduledModifierManager:
@@ -65,7 +79,8 @@ class ScheduledModifierManager:
         self._summaries: list[tf.Tensor] = []
         self._is_initialized: list[tf.Tensor] = []
         self._original_trainable: list[tf.Variable] | None = None
-        self._pruned: list[_PrunedVariable] = []
+        self._groups: list[_MaskGroup] = []
+        self._pruned: dict[str, tf.Variable] = {}
         self._completed = False
 
     @classmethod
@@ -128,7 +143,7 @@ class ScheduledModifierManager:
                     self._summaries.append(tf_compat.summary.scalar("Modifier_WeightDecay/weight_decay", rate))
             extras[EXTRAS_KEY_VAR_LIST] = self._apply_trainable(graph, trainable_targets, by_name)
             # built now: MonitoredTrainingSession finalizes the graph before initialize_session runs
-            self._is_initialized = [tf_compat.is_variable_initialized(v) for v in self._variables]
+            self._is_initialized = [tf.raw_ops.VarIsInitializedOp(resource=v.handle) for v in self._variables]
         self._ops = prune_ops
         self._extras = extras
         return list(prune_ops), dict(extras)
@@ -186,33 +201,57 @@ class ScheduledModifierManager:
         return var
 
     def _pruning_ops(self, schedule: RecipeSchedule, targets: dict[int, list[str]], by_name, k) -> list:
-        per_variable: dict[str, list[PruningSchedule]] = {}
+        """Create the mask variables, then the ops that update and apply them at step ``k``."""
         for ps in schedule.pruning:
-            for name in targets[ps.index]:
-                per_variable.setdefault(name, []).append(ps)
-        tables = {ps.index: _update_tables(ps, schedule.total_steps) for ps in schedule.pruning}
-        ops = []
-        for name, schedules in per_variable.items():
-            variable = by_name[name]
-            numel = int(np.prod(variable.shape.as_list()))
-            effective = None
-            entry = _PrunedVariable(name, variable, [])
-            with tf_compat.variable_scope(f"recal/masks/{name}", reuse=False):
-                for ps in schedules:
-                    update_ids, in_force, update_steps = tables[ps.index]
-                    mask = self._variable(f"mask_{ps.index}", variable.shape, variable.dtype.base_dtype,
+            update_ids, in_force, update_steps = _update_tables(ps, schedule.total_steps)
+            with tf_compat.variable_scope(f"recal/pruning_{ps.index}", reuse=False):
+                group = _MaskGroup(ps.constant, self._variable("update_id", [], tf.int64,
+                                                                tf_compat.constant_initializer(-1)),
+                                   update_ids, in_force, [])
+                for name in targets[ps.index]:
+                    variable = by_name[name]
+                    numel = int(np.prod(variable.shape.as_list()))
+                    mask = self._variable(f"masks/{name}", variable.shape, variable.dtype.base_dtype,
                                           tf_compat.ones_initializer())
-                    mask_id = self._variable(f"update_{ps.index}", [], tf.int64, tf_compat.constant_initializer(-1))
-                    entry.masks.append((ps.index, mask, mask_id))
-                    counts = [pruned_count(ps.sparsity(u), numel) if not ps.constant else 0 for u in update_steps]
-                    new_mask = _mask_update(variable, mask, mask_id, ps.constant, update_ids, counts, k)
-                    in_force_now = tf.gather(tf.constant(in_force), k)
-                    masked = tf.where(in_force_now, new_mask, tf.ones_like(new_mask))
-                    effective = masked if effective is None else effective * masked
-            self._pruned.append(entry)
-            ops.append(variable.assign(variable * effective, read_value=False))
+                    counts = [0 if ps.constant else pruned_count(ps.sparsity(u), numel) for u in update_steps]
+                    group.masks.append(_Mask(name, variable, mask, counts))
+            self._groups.append(group)
+        for name in dict.fromkeys(m.name for g in self._groups for m in g.masks):
+            variable = by_name[name]
+            self._pruned[name] = variable
             self._summaries.append(tf_compat.summary.scalar(f"Modifier_Pruning/{name}", tf.nn.zero_fraction(variable)))
-        return [tf.group(*ops, name="recal/modifier_ops")] if ops else []
+        return self._mask_ops(k)
+
+    def _mask_ops(self, k) -> list:
+        """Per pruning modifier one conditional update of all its masks, then ``w <- w * mask`` per variable."""
+        factors: dict[str, list[tf.Tensor]] = {}
+        for group in self._groups:
+            masks = _group_update(group, k)
+            in_force = tf.cast(tf.gather(tf.constant(group.in_force), k), tf.float32)
+            for m, mask in zip(group.masks, masks):
+                # in force: the mask; released (leave_enabled: false) or not yet started: ones
+                factors.setdefault(m.name, []).append(1.0 - tf.cast(in_force, mask.dtype) * (1.0 - mask))
+        ops = []
+        for name, parts in factors.items():
+            variable = self._pruned[name]
+            effective = parts[0]
+            for part in parts[1:]:
+                effective = effective * part
+            ops.append(variable.assign(variable * effective, read_value=False))
+        return [tf.group(*ops, name="modifier_ops")] if ops else []
+
+    def train_op_with_ops(self, train_op) -> tf.Operation:
+        """One op that runs ``train_op`` and then recal's ops: a single ``sess.run`` per step.
+
+        Equivalent to ``sess.run(train_op); sess.run(mod_ops)``, minus one session call.
+        """
+        self._require_ops("train_op_with_ops")
+        with self._graph.as_default(), tf_compat.control_dependencies([train_op]), tf_compat.name_scope("recal"):
+            step = tf_compat.train.get_global_step(self._graph)
+            k = tf.minimum(tf.cast(step.read_value() if hasattr(step, "read_value") else step, tf.int64),
+                           self.schedule.total_steps)
+            ops = self._mask_ops(k)
+            return tf.group(train_op, *ops, name="train_with_recal")
 
     def _apply_trainable(self, graph: tf.Graph, targets: dict[int, list[str]], by_name) -> list[tf.Variable]:
         collection = graph.get_collection_ref(tf_compat.GraphKeys.TRAINABLE_VARIABLES)
@@ -274,9 +313,9 @@ class ScheduledModifierManager:
         if self._ops:
             sess.run(self._ops)
         result = {}
-        for entry in self._pruned:
-            value = sess.run(entry.variable)
-            result[entry.name] = float((value == 0).sum()) / value.size
+        for name, variable in self._pruned.items():
+            value = sess.run(variable)
+            result[name] = float((value == 0).sum()) / value.size
         ours = {id(v) for v in self._variables}
         for key in (tf_compat.GraphKeys.GLOBAL_VARIABLES, RECAL_VARIABLES):
             collection = graph.get_collection_ref(key)
@@ -323,24 +362,32 @@ def _update_tables(ps: PruningSchedule, total: int) -> tuple[np.ndarray, np.ndar
     return ids, in_force, update_steps
 
 
-def _mask_update(variable, mask, mask_id, constant: bool, update_ids, counts, k):
-    """The mask in force at ``k``: recomputed (and stored) when the last update point changed."""
-    update_id = tf.gather(tf.constant(update_ids), k)
-    needed = tf.logical_and(tf.not_equal(update_id, mask_id.read_value()), update_id >= 0)
+def _group_update(group: _MaskGroup, k) -> list[tf.Tensor]:
+    """The masks in force at ``k``: all recomputed (and stored) when the last update point changed."""
+    update_id = tf.gather(tf.constant(group.update_ids), k)
+    needed = tf.logical_and(tf.not_equal(update_id, group.update_id.read_value()), update_id >= 0)
 
     def recompute():
-        weight = variable.read_value()
-        if constant:
-            new = tf.cast(tf.not_equal(weight, 0), weight.dtype)
-        else:
-            count = tf.gather(tf.constant(counts or [0], tf.int64), tf.maximum(update_id, 0))
-            flat = tf.reshape(tf.abs(weight), [-1])
-            order = tf.argsort(flat, stable=True)  # ties broken by flat index, as in recal_torch
-            pruned = tf.expand_dims(order[:count], 1)
-            new = tf.reshape(tf.tensor_scatter_nd_update(tf.ones_like(flat), pruned,
-                                                         tf.zeros(tf.shape(pruned)[:1], flat.dtype)),
-                             tf.shape(weight))
-        with tf.control_dependencies([mask.assign(new, read_value=False), mask_id.assign(update_id, read_value=False)]):
-            return tf.identity(new)
+        new_masks, assigns = [], []
+        for m in group.masks:
+            weight = m.variable.read_value()
+            if group.constant:
+                new = tf.cast(tf.not_equal(weight, 0), weight.dtype)
+            else:
+                count = tf.gather(tf.constant(m.counts or [0], tf.int64), tf.maximum(update_id, 0))
+                flat = tf.reshape(tf.abs(weight), [-1])
+                order = tf.argsort(flat, stable=True)  # ties broken by flat index, as in recal_torch
+                pruned = tf.expand_dims(order[:count], 1)
+                new = tf.reshape(tf.tensor_scatter_nd_update(tf.ones_like(flat), pruned,
+                                                             tf.zeros(tf.shape(pruned)[:1], flat.dtype)),
+                                 tf.shape(weight))
+            new_masks.append(new)
+            assigns.append(m.mask.assign(new, read_value=False))
+        assigns.append(group.update_id.assign(update_id, read_value=False))
+        with tf.control_dependencies(assigns):
+            return [tf.identity(n) for n in new_masks]
 
-    return tf.cond(needed, recompute, mask.read_value)
+    def keep():
+        return [m.mask.read_value() for m in group.masks]
+
+    return tf.cond(needed, recompute, keep)

@@ -340,3 +340,17 @@ def test_seed_example_runs_as_written():
     assert float(lines["test accuracy"]) > 0.6  # chance is 0.1
     for name in KERNELS:
         assert float(lines[f"sparsity {name}"]) == pytest.approx(0.8, abs=1e-4)
+
+
+def test_train_op_with_ops_is_one_call_per_step():
+    g = Graph(PRUNE)
+    with g.graph.as_default():
+        fused = g.manager.train_op_with_ops(g.train_op)
+    schedule = g.manager.schedule
+    with g.session() as sess:
+        sess.run(g.init)
+        for k, (x, y) in enumerate(_data(schedule.total_steps), start=1):
+            sess.run(fused, {g.inputs: x, g.labels: y})
+            target = schedule.pruning[0].sparsity(k)
+            w = sess.run(g.variables[KERNELS[1]])
+            assert int((w == 0).sum()) == (0 if target is None else pruned_count(target, w.size)), k
