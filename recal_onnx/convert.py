@@ -1,0 +1,173 @@
+"""``quantize_qat_export``: a QAT (QuantizeLinear/DequantizeLinear) ONNX model to a fully quantized one.
+
+The driver runs the passes in this order, then removes dead nodes and initializers, sorts the
+graph, and runs ``onnx.checker`` and shape inference:
+
+1. ``constants_to_initializers``, ``remove_identities``, ``fold_constants`` (weights' Q becomes int8)
+2. ``fold_conv_affine`` (Div / Mul / Add / BatchNormalization after a conv into its weight and bias)
+3. ``scalar_activation_qparams``, ``activations_to_uint8`` (int8 activation QDQ -> uint8, same values)
+4. ``remove_redundant_qdq``
+5. format ``qoperator``: ``int8_passthrough``, ``conv_to_qlinearconv``, ``gemm_to_qgemm``,
+   ``add_to_qlinearadd``, ``pool_to_qlinear``, ``remove_redundant_qdq``, repeated until nothing changes;
+   format ``qdq``: ``bias_to_int32``.
+
+Whatever stays float between a DequantizeLinear and a QuantizeLinear is listed in a
+:class:`UnconvertedOpsWarning`. With ``verify`` both models run in onnxruntime on the same inputs;
+beyond tolerance nothing is written and :class:`VerificationError` says by how much.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from recal_core.atomic import atomic_folder
+
+from .graph import Graph
+from .passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
+from .passes.add_to_qlinearadd import add_to_qlinearadd
+from .passes.bias_to_int32 import bias_to_int32
+from .passes.constants import constants_to_initializers, fold_constants, remove_identities
+from .passes.conv_to_qlinearconv import conv_to_qlinearconv
+from .passes.fold_conv_affine import fold_conv_affine
+from .passes.gemm_to_qgemm import gemm_to_qgemm
+from .passes.int8_passthrough import int8_passthrough
+from .passes.pool_to_qlinear import pool_to_qlinear
+from .passes.redundant_qdq import remove_redundant_qdq
+from .qdq import activation
+from .verify import Verification, verify_models
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("qoperator", "qdq")
+EXTERNAL_DATA_BYTES = 1_800_000_000
+QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
+
+
+class UnconvertedOpsWarning(UserWarning):
+    """Some ops between a DequantizeLinear and a QuantizeLinear were left in float."""
+
+
+class VerificationError(ValueError):
+    """The converted model's outputs differ from the input model's beyond tolerance."""
+
+
+@dataclass
+class ConversionResult:
+    model: onnx.ModelProto
+    path: Path | None
+    rewrites: dict[str, int] = field(default_factory=dict)
+    unconverted: list[tuple[str, str]] = field(default_factory=list)  # (op type, node name)
+    verification: Verification | None = None
+    seconds: float = 0.0
+
+
+def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, output_path: str | os.PathLike | None = None,
+                        format: str = "qoperator", verify: bool = True, inputs: dict[str, np.ndarray] | None = None,
+                        tolerance: float | None = None, min_agreement: float = 0.99) -> ConversionResult:
+    """Convert a QAT ONNX model into a fully quantized one (``qoperator``) or a folded, clean QDQ one.
+
+    ``model_or_path`` is never modified; ``output_path`` (optional) is written atomically and may not
+    be the input file. ``inputs`` feeds the verification (generated when absent); ``tolerance`` is the
+    largest max-abs-difference accepted (default 10% of the reference outputs' range) and
+    ``min_agreement`` the lowest argmax agreement for 2-D outputs.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    started = time.perf_counter()
+    source = _load(model_or_path)
+    if output_path is not None and isinstance(model_or_path, (str, os.PathLike)) \
+            and Path(output_path).resolve() == Path(model_or_path).resolve():
+        raise ValueError(f"refusing to overwrite the input model {model_or_path}; choose another output path")
+    if not any(n.op_type in QDQ_OPS for n in source.graph.node):
+        name = model_or_path if isinstance(model_or_path, (str, os.PathLike)) else "the model"
+        raise ValueError(f"{name} is not a QAT model: it has no QuantizeLinear/DequantizeLinear nodes")
+
+    model = onnx.ModelProto()
+    model.CopyFrom(source)
+    model = onnx.shape_inference.infer_shapes(model)
+    g = Graph(model)
+    rewrites: dict[str, int] = {}
+
+    def run(pass_fn) -> int:
+        n = pass_fn(g)
+        rewrites[pass_fn.__name__] = rewrites.get(pass_fn.__name__, 0) + n
+        return n
+
+    for pass_fn in (constants_to_initializers, remove_identities, fold_constants, fold_conv_affine,
+                    scalar_activation_qparams, activations_to_uint8, remove_redundant_qdq):
+        run(pass_fn)
+    if format == "qoperator":
+        while sum(run(p) for p in (int8_passthrough, conv_to_qlinearconv, gemm_to_qgemm, add_to_qlinearadd,
+                                   pool_to_qlinear, remove_redundant_qdq)):
+            pass
+    else:
+        run(bias_to_int32)
+    unconverted = _float_islands(g)
+    rewrites["remove_dead"] = g.remove_dead()
+    g.commit()
+    onnx.checker.check_model(model)
+    model = onnx.shape_inference.infer_shapes(model)
+    if unconverted:
+        listed = ", ".join(f"{op} {name!r}" for op, name in unconverted)
+        warnings.warn(f"left in float between DequantizeLinear and QuantizeLinear: {listed}",
+                      UnconvertedOpsWarning, stacklevel=2)
+    result = ConversionResult(model, None, rewrites, unconverted)
+    if verify:
+        result.verification = verify_models(source, model, inputs)
+        problem = result.verification.problem(tolerance, min_agreement)
+        if problem:
+            raise VerificationError(f"the converted model does not match the input model: {problem}; "
+                                    "nothing was written")
+    if output_path is not None:
+        result.path = save_model_atomically(model, output_path)
+    result.seconds = time.perf_counter() - started
+    log.info("quantize_qat_export: %s in %.2fs", {k: v for k, v in rewrites.items() if v}, result.seconds)
+    return result
+
+
+def _load(model_or_path) -> onnx.ModelProto:
+    if isinstance(model_or_path, onnx.ModelProto):
+        return model_or_path
+    if not isinstance(model_or_path, (str, os.PathLike)):
+        raise TypeError(f"expected an onnx.ModelProto or a path, not {type(model_or_path).__name__}")
+    path = Path(model_or_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such ONNX file")
+    try:
+        model = onnx.load(str(path))
+    except Exception as exc:  # noqa: BLE001 - protobuf raises several types for a bad file
+        raise ValueError(f"{path} is not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+    if not model.graph.node:
+        raise ValueError(f"{path} is not a readable ONNX model (no graph nodes; truncated or not ONNX?)")
+    return model
+
+
+def _float_islands(g: Graph) -> list[tuple[str, str]]:
+    """Non-QDQ nodes that read a dequantized activation and feed a QuantizeLinear."""
+    found = []
+    for node in g.nodes:
+        if node.op_type in QDQ_OPS or not node.input:
+            continue
+        reads_quantized = any(activation(g, i) is not None for i in node.input if i)
+        feeds_q = any(c.op_type == "QuantizeLinear" for o in node.output for c in g.consumers.get(o, []))
+        if reads_quantized and feeds_q:
+            found.append((node.op_type, node.name))
+    return found
+
+
+def save_model_atomically(model: onnx.ModelProto, output_path: str | os.PathLike) -> Path:
+    """Write ``model`` to ``output_path`` atomically; above ~1.8 GB its tensors go to ``<name>.data``."""
+    target = Path(output_path)
+    large = model.ByteSize() > EXTERNAL_DATA_BYTES if model.ByteSize() >= 0 else True
+    with atomic_folder(target.parent) as folder:
+        onnx.save_model(model, str(folder / target.name), save_as_external_data=large,
+                        all_tensors_to_one_file=True, location=target.name + ".data")
+    return target

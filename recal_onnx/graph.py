@@ -1,0 +1,170 @@
+"""A small mutable view of an ONNX graph for rewrite passes: nodes, constants, producers, consumers.
+
+Initializers stay ``TensorProto`` until a pass reads one (``const``), so a large model is not
+copied into numpy wholesale; a pass that changes a constant stores a new initializer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+MS_DOMAIN = "com.microsoft"
+
+
+class Graph:
+    """Wraps ``model.graph``; call :meth:`commit` to write the nodes back (topologically sorted)."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        self.graph = model.graph
+        self.nodes: list[onnx.NodeProto] = list(self.graph.node)
+        self.initializers: dict[str, onnx.TensorProto] = {t.name: t for t in self.graph.initializer}
+        self._arrays: dict[str, np.ndarray] = {}
+        self._names = itertools.count()
+        self.ranks: dict[str, int] = {}  # from shape inference, for the tensors it could type
+        for info in [*self.graph.input, *self.graph.value_info, *self.graph.output]:
+            tensor_type = info.type.tensor_type
+            if tensor_type.HasField("shape"):
+                self.ranks[info.name] = len(tensor_type.shape.dim)
+        self.refresh()
+
+    # --- lookups ----------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Rebuild the producer/consumer maps after nodes were added or removed."""
+        self.producer: dict[str, onnx.NodeProto] = {}
+        self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        for node in self.nodes:
+            for out in node.output:
+                if out:
+                    self.producer[out] = node
+            for inp in node.input:
+                if inp:
+                    self.consumers[inp].append(node)
+        self.outputs = {o.name for o in self.graph.output}
+
+    def is_const(self, name: str) -> bool:
+        return name in self.initializers
+
+    def const(self, name: str) -> np.ndarray | None:
+        """The initializer ``name`` as numpy (cached), or None if it is not a constant."""
+        if name not in self.initializers:
+            return None
+        if name not in self._arrays:
+            self._arrays[name] = numpy_helper.to_array(self.initializers[name])
+        return self._arrays[name]
+
+    def uses(self, name: str) -> int:
+        return len(self.consumers.get(name, ())) + (name in self.outputs)
+
+    def only_consumer(self, name: str) -> onnx.NodeProto | None:
+        users = self.consumers.get(name, [])
+        return users[0] if len(users) == 1 and name not in self.outputs else None
+
+    # --- edits ------------------------------------------------------------------------------
+    def fresh(self, base: str) -> str:
+        while True:
+            name = f"{base}__recal{next(self._names)}"
+            if name not in self.initializers and name not in self.producer:
+                return name
+
+    def add_const(self, base: str, value: np.ndarray) -> str:
+        name = self.fresh(base)
+        self.set_const(name, value)
+        return name
+
+    def set_const(self, name: str, value: np.ndarray) -> None:
+        value = np.asarray(value)
+        self.initializers[name] = numpy_helper.from_array(value, name)
+        self._arrays[name] = value
+
+    def add_node(self, op_type: str, inputs: list[str], outputs: list[str], name: str = "",
+                 domain: str = "", **attrs) -> onnx.NodeProto:
+        node = helper.make_node(op_type, inputs, outputs, name=name or self.fresh(op_type), domain=domain or None,
+                                **attrs)
+        self.nodes.append(node)
+        for out in outputs:
+            self.producer[out] = node
+        for inp in inputs:
+            if inp:
+                self.consumers[inp].append(node)
+        return node
+
+    def remove(self, *nodes: onnx.NodeProto) -> None:
+        gone = {id(n) for n in nodes}
+        self.nodes = [n for n in self.nodes if id(n) not in gone]
+        self.refresh()
+
+    def rename_input(self, node: onnx.NodeProto, old: str, new: str) -> None:
+        for i, name in enumerate(node.input):
+            if name == old:
+                node.input[i] = new
+        self.refresh()
+
+    def replace_uses(self, old: str, new: str) -> None:
+        """Every consumer of ``old`` reads ``new`` instead (graph outputs keep their names)."""
+        for node in self.nodes:
+            for i, name in enumerate(node.input):
+                if name == old:
+                    node.input[i] = new
+        self.refresh()
+
+    # --- finishing --------------------------------------------------------------------------
+    def remove_dead(self) -> int:
+        """Drop nodes whose outputs nobody reads, and unused initializers; return how many nodes went."""
+        removed = 0
+        while True:
+            live = [n for n in self.nodes if any(self.uses(o) for o in n.output if o)]
+            if len(live) == len(self.nodes):
+                break
+            removed += len(self.nodes) - len(live)
+            self.nodes = live
+            self.refresh()
+        used = {i for n in self.nodes for i in n.input} | self.outputs
+        for name in list(self.initializers):
+            if name not in used:
+                del self.initializers[name]
+                self._arrays.pop(name, None)
+        return removed
+
+    def sorted_nodes(self) -> list[onnx.NodeProto]:
+        available = {i.name for i in self.graph.input} | set(self.initializers) | {""}
+        pending = list(self.nodes)
+        ordered = []
+        while pending:
+            ready = [n for n in pending if all(i in available for i in n.input)]
+            if not ready:
+                names = ", ".join(f"{n.op_type} {n.name}" for n in pending[:5])
+                raise ValueError(f"the graph has a cycle or a missing input near: {names}")
+            ready_ids = {id(n) for n in ready}
+            pending = [n for n in pending if id(n) not in ready_ids]
+            for n in ready:
+                ordered.append(n)
+                available.update(n.output)
+        return ordered
+
+    def commit(self) -> onnx.ModelProto:
+        self.remove_dead()
+        ordered = self.sorted_nodes()
+        del self.graph.node[:]
+        self.graph.node.extend(ordered)
+        del self.graph.initializer[:]
+        self.graph.initializer.extend(self.initializers.values())
+        names = {i.name for i in self.graph.initializer}
+        kept_inputs = [i for i in self.graph.input if i.name not in names or i.name in self.initializers]
+        del self.graph.input[:]
+        self.graph.input.extend(kept_inputs)
+        if any(n.domain == MS_DOMAIN for n in ordered) and not any(o.domain == MS_DOMAIN for o in self.model.opset_import):
+            self.model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+        return self.model
+
+
+def attr(node: onnx.NodeProto, name: str, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default

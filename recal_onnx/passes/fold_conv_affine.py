@@ -1,0 +1,171 @@
+"""Fold per-channel Div / Mul / Add / Sub / BatchNormalization after a Conv or Gemm into its weight and bias.
+
+Before::  x, W -> Conv -> Div(c) -> Add(b) -> BatchNormalization(gamma, beta, mean, var) -> y
+After::   x, W' -> Conv(bias') -> y        with W' = W * a per output channel, bias' = a * bias + d
+
+This is what PyTorch's eager QAT exports (``torch.ao`` ConvBn modules) and what keeps runtimes
+from fusing QDQ convolutions. A quantized weight ``DQ(q, s, 0)`` is folded exactly by scaling its
+per-channel scale ``s`` (and negating ``q`` where a factor is negative); the int8 values never change.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+
+from ..graph import Graph, attr
+from ..qdq import weight as weight_dq
+
+log = logging.getLogger(__name__)
+
+
+def fold_conv_affine(g: Graph) -> int:
+    count = 0
+    for node in list(g.nodes):
+        if node.op_type not in ("Conv", "Gemm") or node not in g.nodes:
+            continue
+        while True:
+            nxt = g.only_consumer(node.output[0])
+            if nxt is None:
+                break
+            channels = _channels(g, node)
+            if channels is None:
+                break
+            affine = _affine_of(g, nxt, node.output[0], channels, node.op_type)
+            if affine is None or not _apply(g, node, *affine):
+                break
+            g.nodes.remove(nxt)
+            g.refresh()
+            if nxt.output[0] in g.outputs:
+                _rename_output(g, node, nxt.output[0])
+            else:
+                g.replace_uses(nxt.output[0], node.output[0])
+            count += 1
+    return count
+
+
+def _rename_output(g: Graph, node: onnx.NodeProto, name: str) -> None:
+    old = node.output[0]
+    node.output[0] = name
+    g.refresh()
+    g.replace_uses(old, name)
+
+
+def _weight_layout(g: Graph, node: onnx.NodeProto) -> int | None:
+    """The weight axis that holds output channels: 0 for Conv and Gemm(transB=1), 1 for Gemm(transB=0)."""
+    if node.op_type == "Conv":
+        return 0
+    if attr(node, "transA", 0) or attr(node, "alpha", 1.0) != 1.0 or attr(node, "beta", 1.0) != 1.0:
+        return None
+    return 0 if attr(node, "transB", 0) else 1
+
+
+def _channels(g: Graph, node: onnx.NodeProto) -> int | None:
+    axis = _weight_layout(g, node)
+    if axis is None:
+        return None
+    w = g.const(node.input[1])
+    if w is None:
+        dq = weight_dq(g, node.input[1])
+        if dq is None or g.uses(node.input[1]) != 1:
+            return None
+        w = dq.q
+    return int(w.shape[axis])
+
+
+def _per_channel(value: np.ndarray, channels: int, op_type: str) -> np.ndarray | None:
+    """A constant that broadcasts per output channel of a Conv ([1, C, 1..]) or Gemm ([C]); else None."""
+    v = np.asarray(value, dtype=np.float64)
+    if v.size == 1:
+        return np.full(channels, float(v.reshape(-1)[0]))
+    if op_type == "Conv" and v.ndim >= 2 and v.shape[1] == channels and v.size == channels:
+        return v.reshape(channels)
+    if op_type == "Gemm" and v.size == channels and v.shape[-1] == channels:
+        return v.reshape(channels)
+    return None
+
+
+def _affine_of(g: Graph, node: onnx.NodeProto, source: str, channels: int, op_type: str):
+    """``(a, d)`` such that ``node(source) = a * source + d`` per channel, or None."""
+    if node.op_type in ("Div", "Mul", "Add", "Sub") and node.input[0] == source and g.is_const(node.input[1]):
+        c = _per_channel(g.const(node.input[1]), channels, op_type)
+        if c is None:
+            return None
+        ones, zeros = np.ones(channels), np.zeros(channels)
+        if node.op_type == "Div":
+            return (None, None) if np.any(c == 0) else (1.0 / c, zeros)
+        return {"Mul": (c, zeros), "Add": (ones, c), "Sub": (ones, -c)}[node.op_type]
+    if node.op_type == "BatchNormalization" and node.input[0] == source and all(g.is_const(i) for i in node.input[1:5]) \
+            and not attr(node, "training_mode", 0) and len([o for o in node.output if o]) == 1:
+        gamma, beta, mean, var = (np.asarray(g.const(i), dtype=np.float64).reshape(-1) for i in node.input[1:5])
+        if gamma.size != channels:
+            return None
+        a = gamma / np.sqrt(var + attr(node, "epsilon", 1e-5))
+        return a, beta - mean * a
+    return None
+
+
+def _apply(g: Graph, node: onnx.NodeProto, a: np.ndarray | None, d: np.ndarray | None) -> bool:
+    if a is None:
+        return False
+    axis = _weight_layout(g, node)
+    w_name = node.input[1]
+    w = g.const(w_name)
+    if w is not None:  # a float weight: scale it (a new initializer, so a shared weight stays intact)
+        shape = [1] * w.ndim
+        shape[axis] = -1
+        node.input[1] = g.add_const(w_name, (w * a.reshape(shape)).astype(w.dtype))
+        dtype = w.dtype
+    else:
+        dq = weight_dq(g, w_name)
+        if dq is None or not _fold_into_dq(g, dq, a, axis):
+            return False
+        dtype = g.const(dq.dq.input[1]).dtype
+    bias = g.const(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+    if len(node.input) > 2 and node.input[2] and bias is None:
+        return False
+    bias = np.zeros(len(a)) if bias is None else np.asarray(bias, dtype=np.float64).reshape(-1)
+    new_bias = g.add_const((node.input[2] if len(node.input) > 2 and node.input[2] else node.name) + "_bias",
+                           (a * bias + d).astype(dtype))
+    if len(node.input) > 2:
+        node.input[2] = new_bias
+    else:
+        node.input.append(new_bias)
+    g.refresh()
+    return True
+
+
+def _fold_into_dq(g: Graph, dq, a: np.ndarray, axis: int) -> bool:
+    """Scale a quantized weight per output channel by ``a`` by changing its scale (and signs)."""
+    if dq.axis != axis and dq.scale.size != 1:
+        return False
+    if np.any(a < 0) and np.any(dq.zero_point != 0):
+        return False
+    channels = dq.q.shape[axis]
+    scale = np.broadcast_to(dq.scale.reshape(-1), (channels,)).astype(np.float64) * np.abs(a)
+    q = dq.q
+    if np.any(a < 0):
+        shape = [1] * q.ndim
+        shape[axis] = -1
+        sign = np.where(a < 0, -1, 1).reshape(shape)
+        info = np.iinfo(q.dtype)
+        flipped = q.astype(np.int32) * sign
+        if flipped.max() > info.max or flipped.min() < info.min:
+            log.warning("fold: weight %s clipped while negating a channel (int8 -128)", dq.dq.input[0])
+        q = np.clip(flipped, info.min, info.max).astype(q.dtype)
+    zp = np.broadcast_to(dq.zero_point.reshape(-1), (channels,)).astype(dq.zero_point.dtype)
+    node = dq.dq
+    node.input[0] = g.add_const(node.input[0], q)
+    node.input[1] = g.add_const(node.input[1], scale.astype(g.const(node.input[1]).dtype))
+    zp_name = g.add_const(node.input[2] if len(node.input) > 2 and node.input[2] else "zero_point", zp)
+    if len(node.input) > 2:
+        node.input[2] = zp_name
+    else:
+        node.input.append(zp_name)
+    for a_ in list(node.attribute):
+        if a_.name == "axis":
+            node.attribute.remove(a_)
+    node.attribute.append(onnx.helper.make_attribute("axis", axis))
+    return True

@@ -1,0 +1,86 @@
+"""Quantized dense layers: Gemm (and 2-D MatMul + bias) become QGemm; other MatMuls MatMulIntegerToFloat.
+
+Before::  DQ(q_a, s_a, zp_a), DQ(w_int8, s_w, 0) -> Gemm(bias) -> [Relu] -> QuantizeLinear(s_y, zp_y) -> q_y
+After::   q_a, w_int8 -> QGemm(s_a, zp_a, s_w, 0, int32 bias, s_y, zp_y) -> [Max(., zp_y)] -> q_y
+
+Without a QuantizeLinear after it, QGemm returns float (a model's logits). A MatMul whose input is
+not known to be 2-D (e.g. [batch, tokens, hidden]) becomes MatMulIntegerToFloat with a float bias.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from ..graph import MS_DOMAIN, Graph, attr
+from ..qdq import activation, weight
+from .conv_to_qlinearconv import add_integer_relu, integer_output, output_tail, quantized_bias, weight_inputs
+
+
+def gemm_to_qgemm(g: Graph) -> int:
+    count = 0
+    for node in list(g.nodes):
+        if node not in g.nodes:
+            continue
+        if node.op_type == "Gemm":
+            count += _gemm(g, node)
+        elif node.op_type == "MatMul":
+            count += _matmul(g, node)
+    return count
+
+
+def _gemm(g: Graph, node: onnx.NodeProto) -> int:
+    if attr(node, "transA", 0) or attr(node, "alpha", 1.0) != 1.0 or attr(node, "beta", 1.0) != 1.0:
+        return 0
+    a, w = activation(g, node.input[0]), weight(g, node.input[1])
+    if a is None or w is None:
+        return 0
+    trans_b = attr(node, "transB", 0)
+    return _emit_qgemm(g, node, a, w, trans_b, node, bias_index=2)
+
+
+def _matmul(g: Graph, node: onnx.NodeProto) -> int:
+    a, w = activation(g, node.input[0]), weight(g, node.input[1])
+    if a is None or w is None or w.q.ndim != 2:
+        return 0
+    add = g.only_consumer(node.output[0])
+    has_bias = add is not None and add.op_type == "Add" and add.input[0] == node.output[0] \
+        and g.is_const(add.input[1]) and g.const(add.input[1]).size == w.q.shape[1]
+    if g.ranks.get(node.input[0]) == 2:
+        if has_bias:  # treat MatMul + Add as one Gemm(bias)
+            return _emit_qgemm(g, node, a, w, 0, add, bias_index=1, extra=[add])
+        return _emit_qgemm(g, node, a, w, 0, node, bias_index=None)
+    w_inputs = weight_inputs(g, w, 1)
+    if w_inputs is None:
+        return 0
+    inputs = [a.q, w_inputs[0], a.scale, w_inputs[1], a.zero_point, w_inputs[2]]
+    if has_bias:
+        inputs.append(g.add_const(add.input[1] + "_f32", g.const(add.input[1]).astype(np.float32).reshape(-1)))
+    out = add.output[0] if has_bias else node.output[0]
+    g.remove(*([node, add] if has_bias else [node]))
+    g.add_node("MatMulIntegerToFloat", inputs, [out], name=node.name + "_quant", domain=MS_DOMAIN)
+    return 1
+
+
+def _emit_qgemm(g: Graph, node, a, w, trans_b: int, last, bias_index, extra=()) -> int:
+    w_inputs = weight_inputs(g, w, 0 if trans_b else 1)
+    if w_inputs is None:
+        return 0
+    bias = quantized_bias(g, last, a, w, bias_index) if bias_index is not None else ""
+    if bias is None:
+        return 0
+    relu, q = output_tail(g, last.output[0])
+    inputs = [a.q, a.scale, a.zero_point, *w_inputs, bias]
+    removed = [node, *extra]
+    if q is None:  # float output
+        out = last.output[0]
+    else:
+        inputs += [q.input[1], q.input[2]]
+        out = integer_output(g, relu, q)
+        removed += [n for n in (relu, q) if n is not None]
+    g.remove(*removed)
+    g.add_node("QGemm", inputs, [out], name=node.name + "_quant", domain=MS_DOMAIN, transB=trans_b)
+    if q is not None:
+        add_integer_relu(g, relu, q, out)
+    return 1
+

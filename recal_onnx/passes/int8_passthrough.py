@@ -1,0 +1,60 @@
+"""Ops that do not change quantized values run on the integers.
+
+Before::  q -> DequantizeLinear(s, zp) -> MaxPool -> y
+After::   q -> MaxPool -> q' -> DequantizeLinear(s, zp) -> y
+
+For MaxPool, Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Identity. ``Relu`` becomes nothing
+when ``zp`` is the lowest value (every integer is already >= the real 0) and ``Max(q, zp)``
+otherwise. A GlobalAveragePool / AveragePool / spatial ReduceMean that no QuantizeLinear follows
+keeps its input's scale (an average stays inside its inputs' range) as QLinearGlobalAveragePool /
+QLinearAveragePool.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import helper
+
+from ..graph import Graph
+from ..qdq import activation, quantize_node_of
+from .pool_to_qlinear import average_pool_kind, make_qlinear_pool
+
+PASSTHROUGH = {"MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity"}
+
+
+def int8_passthrough(g: Graph) -> int:
+    count = 0
+    changed = True
+    while changed:
+        changed = False
+        for node in list(g.nodes):
+            if node not in g.nodes or not node.input:
+                continue
+            x = activation(g, node.input[0])
+            if x is None:
+                continue
+            if node.op_type == "MaxPool" and len([o for o in node.output if o]) > 1:
+                continue  # the Indices output has no integer meaning
+            out = node.output[0]
+            if node.op_type in PASSTHROUGH:
+                q_out = g.fresh(out + "_q")
+                g.add_node(node.op_type, [x.q, *node.input[1:]], [q_out], name=node.name + "_int8",
+                           **{a.name: helper.get_attribute_value(a) for a in node.attribute})
+            elif node.op_type == "Relu":
+                zp = g.const(x.zero_point)
+                lowest = np.iinfo(zp.dtype).min
+                if int(zp.reshape(-1)[0]) == lowest:
+                    q_out = x.q
+                else:
+                    q_out = g.fresh(out + "_q")
+                    g.add_node("Max", [x.q, x.zero_point], [q_out], name=node.name + "_int8")
+            elif average_pool_kind(g, node) and quantize_node_of(g, out) is None:
+                q_out = g.fresh(out + "_q")
+                make_qlinear_pool(g, node, x, x.scale, x.zero_point, q_out)
+            else:
+                continue
+            g.remove(node)
+            g.add_node("DequantizeLinear", [q_out, x.scale, x.zero_point], [out], name=node.name + "_dq")
+            count += 1
+            changed = True
+    return count
