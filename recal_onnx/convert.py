@@ -129,7 +129,7 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     if output_path is not None:
         result.path = save_model_atomically(model, output_path)
     result.seconds = time.perf_counter() - started
-    log.info("quantize_qat_export: %s in %.2fs", {k: v for k, v in rewrites.items() if v}, result.seconds)
+    log.debug("quantize_qat_export: %s in %.2fs", {k: v for k, v in rewrites.items() if v}, result.seconds)
     return result
 
 

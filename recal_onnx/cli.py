@@ -1,0 +1,38 @@
+"""``recal quantize-qat-export IN OUT``: the command-line face of :func:`quantize_qat_export`."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+from .convert import UnconvertedOpsWarning, quantize_qat_export
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("quantize-qat-export", help="turn a QAT (QDQ) ONNX model into a fully quantized one",
+                            description=quantize_qat_export.__doc__.splitlines()[0])
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("input", help="QAT ONNX model (QuantizeLinear/DequantizeLinear)")
+    parser.add_argument("output", help="where to write the quantized model (not the input)")
+    parser.add_argument("--format", choices=("qoperator", "qdq"), default="qoperator",
+                        help="qoperator: QLinearConv/QGemm/... (default); qdq: folded, cleaned QDQ")
+    parser.add_argument("--no-verify", action="store_true", help="skip the onnxruntime comparison")
+    parser.add_argument("--tolerance", type=float, help="largest accepted max-abs difference")
+
+
+def run(args: argparse.Namespace) -> int:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnconvertedOpsWarning)
+        result = quantize_qat_export(args.input, args.output, format=args.format, verify=not args.no_verify,
+                                     tolerance=args.tolerance)
+    for w in caught:
+        print(f"warning: {w.message}")
+    done = ", ".join(f"{k} {v}" for k, v in result.rewrites.items() if v)
+    print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB) in {result.seconds:.2f}s: {done}")
+    if result.verification is not None:
+        print(f"verified in onnxruntime: {result.verification}")
+    return 0

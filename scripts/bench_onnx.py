@@ -1,0 +1,292 @@
+"""onnxruntime latency and size: fp32 vs QAT export vs recal's int8 outputs vs onnxruntime's quantize_static.
+
+Models: a ResNet-18-style CNN at 224x224 and a stack of BERT-base-sized Linear layers (hidden 768),
+QAT-trained a few steps on synthetic data (so observers hold real ranges), exported with recal_torch.
+Prints one table per model: median latency at 1 and 2 threads, batch 1 and 16; model size;
+conversion time and the converter's peak memory (resident, above its imports, in a fresh process);
+argmax agreement of each ONNX model with its PyTorch model (the QAT model; fp32 and quantize_static:
+the float model). Data are synthetic but learnable (class templates plus noise), so logits separate.
+Last, a ResNet-50-sized QAT export is converted alone: time and peak memory against its size.
+
+    python scripts/bench_onnx.py [--quick] [--repeat 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from torch import nn
+
+from recal_torch import ScheduledModifierManager, export_onnx
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu1 = nn.ReLU()
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu2 = nn.ReLU()
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = self.bn2(self.conv2(self.relu1(self.bn1(self.conv1(x)))))
+        return self.relu2(y + (x if self.down is None else self.down(x)))
+
+
+class ResNet18(nn.Module):
+    def __init__(self, classes: int = 1000):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU()
+        self.pool = nn.MaxPool2d(3, 2, 1)
+        layers, cin = [], 64
+        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+            cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.gap = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x):
+        x = self.pool(self.relu(self.bn1(self.conv1(x))))
+        return self.fc(torch.flatten(self.gap(self.layers(x)), 1))
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, cin: int, width: int, stride: int):
+        super().__init__()
+        cout = 4 * width
+        self.conv1, self.bn1 = nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv3, self.bn3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
+        self.relu1, self.relu2, self.relu3 = nn.ReLU(), nn.ReLU(), nn.ReLU()
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = self.relu2(self.bn2(self.conv2(self.relu1(self.bn1(self.conv1(x))))))
+        return self.relu3(self.bn3(self.conv3(y)) + (x if self.down is None else self.down(x)))
+
+
+class ResNet50(nn.Module):
+    def __init__(self, classes: int = 1000):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                                  nn.MaxPool2d(3, 2, 1))
+        layers, cin = [], 64
+        for width, count, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+            for i in range(count):
+                layers.append(Bottleneck(cin, width, stride if i == 0 else 1))
+                cin = 4 * width
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
+
+
+class LinearStack(nn.Module):
+    """BERT-base-sized feed-forward blocks: 768 -> 3072 -> 768, ``depth`` times, and a 2-way head."""
+
+    def __init__(self, hidden: int = 768, depth: int = 4):
+        super().__init__()
+        blocks = []
+        for _ in range(depth):
+            blocks += [nn.Linear(hidden, 4 * hidden), nn.ReLU(), nn.Linear(4 * hidden, hidden), nn.ReLU()]
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(hidden, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+QAT_RECIPE = """
+- !EpochRangeModifier {start_epoch: 0, end_epoch: 1}
+- !QuantizationModifier {start_epoch: 0, freeze_bn_stats_epoch: 0.5}
+"""
+
+
+def qat_train(model: nn.Module, make_batch, steps: int) -> nn.Module:
+    manager = ScheduledModifierManager.from_yaml(QAT_RECIPE)
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), steps_per_epoch=steps)
+    model.train()
+    for _ in range(steps):
+        x, y = make_batch()
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    manager.finalize(model)
+    return model.eval()
+
+
+def latency(path: Path, feed: np.ndarray, threads: int, repeat: int) -> float:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    for _ in range(3):
+        session.run(None, {name: feed})
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        session.run(None, {name: feed})
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def agreement(path: Path, model: nn.Module, inputs: torch.Tensor) -> float:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run(None, {session.get_inputs()[0].name: inputs.numpy()})[0]
+    with torch.no_grad():
+        ref = model(inputs).numpy()
+    return float((got.argmax(-1) == ref.argmax(-1)).mean())
+
+
+_CONVERT = """
+import resource, sys, time, warnings
+import numpy, onnx, onnxruntime
+from recal_onnx import quantize_qat_export
+with open("/proc/self/statm") as f:
+    base = int(f.read().split()[1]) * resource.getpagesize() // 1024  # resident now, in KiB
+t0 = time.perf_counter()
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    quantize_qat_export(sys.argv[1], sys.argv[2], format=sys.argv[3], verify=False)
+seconds = time.perf_counter() - t0
+print(seconds, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+"""
+
+
+def convert_measured(src: Path, dst: Path, fmt: str) -> tuple[float, float]:
+    """Convert in a fresh process; return seconds and peak resident memory above the imports (bytes)."""
+    out = subprocess.run([sys.executable, "-c", _CONVERT, str(src), str(dst), fmt], capture_output=True, text=True,
+                         check=True)
+    seconds, peak = out.stdout.split()[-2:]
+    return float(seconds), float(peak)
+
+
+def bench(name: str, float_model: nn.Module, qat_model: nn.Module, sample: torch.Tensor, check_inputs: torch.Tensor,
+          batches: tuple[int, ...], repeat: int, folder: Path) -> None:
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    paths = {"fp32": folder / f"{name}.fp32.onnx", "QAT export (QDQ)": folder / f"{name}.qat.onnx",
+             "recal qoperator": folder / f"{name}.int8.onnx", "recal qdq": folder / f"{name}.qdq.onnx",
+             "ort quantize_static": folder / f"{name}.static.onnx"}
+    export_onnx(float_model.eval(), sample, paths["fp32"], dynamo=False)
+    export_onnx(qat_model, sample, paths["QAT export (QDQ)"], dynamo=False)
+    conversion = {"recal qoperator": convert_measured(paths["QAT export (QDQ)"], paths["recal qoperator"], "qoperator"),
+                  "recal qdq": convert_measured(paths["QAT export (QDQ)"], paths["recal qdq"], "qdq")}
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.items = iter([{"input": check_inputs[i: i + 8].numpy()} for i in range(0, 64, 8)])
+
+        def get_next(self):
+            return next(self.items, None)
+
+    t0 = time.perf_counter()
+    quantize_static(str(paths["fp32"]), str(paths["ort quantize_static"]), Reader(), quant_format=QuantFormat.QDQ,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True)
+    conversion["ort quantize_static"] = (time.perf_counter() - t0, float("nan"))
+
+    fp32_size = paths["fp32"].stat().st_size
+    columns = [(t, b) for t in (1, 2) for b in batches]
+    header = f"{'model':22s} {'MB':>7s} {'x fp32':>7s} " + " ".join(f"{f't{t} b{b} ms':>11s}" for t, b in columns) \
+        + f" {'speedup t1b1':>12s} {'agree':>6s} {'convert s':>9s} {'peak MB':>8s}"
+    print(f"\n{name}: onnxruntime {ort.__version__}, median of {repeat} runs")
+    print(header)
+    base = None
+    for label, path in paths.items():
+        reference = float_model if label in ("fp32", "ort quantize_static") else qat_model
+        times = [latency(path, torch.cat([sample] * b).numpy() if b > 1 else sample.numpy(), t, repeat)
+                 for t, b in columns]
+        base = times[0] if label == "fp32" else base
+        size = path.stat().st_size
+        sec, peak = conversion.get(label, (float("nan"), float("nan")))
+        print(f"{label:22s} {size / 1e6:7.2f} {size / fp32_size:7.3f} " + " ".join(f"{v * 1e3:11.2f}" for v in times)
+              + f" {base / times[0]:11.2f}x {agreement(path, reference, check_inputs):6.3f}"
+              + f" {sec:9.2f} {peak / 1e6:8.1f}")
+
+
+def templates(shape: tuple[int, ...], classes: int, seed: int = 0):
+    """A sampler of (x, y): ``x = template[y] + noise``, learnable in a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(classes, *shape, generator=g)
+
+    def sample(n: int):
+        y = torch.randint(0, classes, (n,), generator=g)
+        return base[y] + 0.5 * torch.randn(n, *shape, generator=g), y
+
+    return sample
+
+
+def train_float(model: nn.Module, sample, steps: int, batch: int) -> nn.Module:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model.train()
+    for _ in range(steps):
+        x, y = sample(batch)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model.eval()
+
+
+def conversion_only(folder: Path, size: int) -> None:
+    model = ResNet50(classes=10)
+    sample = templates((3, size, size), 10)
+    qat_train(model, lambda: sample(2), steps=2)
+    path = folder / "resnet50.qat.onnx"
+    export_onnx(model, sample(1)[0], path, dynamo=False)
+    seconds, peak = convert_measured(path, folder / "resnet50.int8.onnx", "qoperator")
+    mb = path.stat().st_size / 1e6
+    print(f"\nresnet50-sized QAT export ({mb:.1f} MB): converted in {seconds:.2f}s, peak memory "
+          f"{peak / 1e6:.1f} MB = {peak / 1e6 / mb:.2f}x the model")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="112x112 and one batch size (a smoke test)")
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    size = 112 if args.quick else 224
+    folder = Path(tempfile.mkdtemp(prefix="recal-bench-"))
+    sample = templates((3, size, size), 10)
+    cnn_float = train_float(ResNet18(classes=10), sample, steps=6, batch=8)
+    cnn_qat = ResNet18(classes=10)
+    cnn_qat.load_state_dict(cnn_float.state_dict())
+    qat_train(cnn_qat, lambda: sample(8), steps=4 if args.quick else 8)
+    check = sample(64)[0]
+    bench("resnet18", cnn_float, cnn_qat, check[:1], check, (1,) if args.quick else (1, 16), args.repeat, folder)
+    sample = templates((768,), 2)
+    mlp_float = train_float(LinearStack(), sample, steps=20, batch=64)
+    mlp_qat = LinearStack()
+    mlp_qat.load_state_dict(mlp_float.state_dict())
+    qat_train(mlp_qat, lambda: sample(64), steps=8)
+    check = sample(64)[0]
+    bench("linear768", mlp_float, mlp_qat, check[:1], check, (1, 16), args.repeat, folder)
+    conversion_only(folder, size)
+    print(f"\nmodels in {folder}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
