@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 FORMATS = ("qoperator", "qdq")
 EXTERNAL_DATA_BYTES = 1_800_000_000
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
+# ops that runtimes (onnxruntime, TensorRT) run quantized when they sit between DQ and Q in a QDQ model
+QDQ_FUSIBLE = {"Conv", "Gemm", "MatMul", "Add", "Mul", "Relu", "MaxPool", "AveragePool", "GlobalAveragePool",
+               "ReduceMean", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Concat", "Resize"}
 
 
 class UnconvertedOpsWarning(UserWarning):
@@ -71,7 +74,7 @@ class ConversionResult:
 
 def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, output_path: str | os.PathLike | None = None,
                         format: str = "qoperator", verify: bool = True, inputs: dict[str, np.ndarray] | None = None,
-                        tolerance: float | None = None, min_agreement: float = 0.99) -> ConversionResult:
+                        tolerance: float | None = None, min_agreement: float = 0.98) -> ConversionResult:
     """Convert a QAT ONNX model into a fully quantized one (``qoperator``) or a folded, clean QDQ one.
 
     ``model_or_path`` is never modified; ``output_path`` (optional) is written atomically and may not
@@ -110,7 +113,7 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
             pass
     else:
         run(bias_to_int32)
-    unconverted = _float_islands(g)
+    unconverted = _float_islands(g, QDQ_FUSIBLE if format == "qdq" else set())
     rewrites["remove_dead"] = g.remove_dead()
     g.commit()
     onnx.checker.check_model(model)
@@ -150,11 +153,11 @@ def _load(model_or_path) -> onnx.ModelProto:
     return model
 
 
-def _float_islands(g: Graph) -> list[tuple[str, str]]:
-    """Non-QDQ nodes that read a dequantized activation and feed a QuantizeLinear."""
+def _float_islands(g: Graph, expected: set[str]) -> list[tuple[str, str]]:
+    """Nodes (not Q/DQ, not ``expected``) that read a dequantized activation and feed a QuantizeLinear."""
     found = []
     for node in g.nodes:
-        if node.op_type in QDQ_OPS or not node.input:
+        if node.op_type in QDQ_OPS or node.op_type in expected or not node.input:
             continue
         reads_quantized = any(activation(g, i) is not None for i in node.input if i)
         feeds_q = any(c.op_type == "QuantizeLinear" for o in node.output for c in g.consumers.get(o, []))

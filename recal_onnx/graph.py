@@ -154,6 +154,7 @@ class Graph:
         self.graph.node.extend(ordered)
         del self.graph.initializer[:]
         self.graph.initializer.extend(self.initializers.values())
+        del self.graph.value_info[:]  # stale after rewrites (types change); shape inference refills it
         names = {i.name for i in self.graph.initializer}
         kept_inputs = [i for i in self.graph.input if i.name not in names or i.name in self.initializers]
         del self.graph.input[:]

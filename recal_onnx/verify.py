@@ -56,7 +56,7 @@ def reference_session(model: onnx.ModelProto):
         return session(model, level=ort.GraphOptimizationLevel.ORT_ENABLE_BASIC)
 
 
-def generated_inputs(model: onnx.ModelProto, batch: int = 64, seed: int = 0) -> dict[str, np.ndarray]:
+def generated_inputs(model: onnx.ModelProto, batch: int = 256, seed: int = 0) -> dict[str, np.ndarray]:
     """Standard-normal float inputs (uniform integers for integer inputs); symbolic dims become ``batch``/1."""
     rng = np.random.default_rng(seed)
     initializers = {t.name for t in model.graph.initializer}

@@ -25,7 +25,7 @@ from torch import nn
 from recal_core.atomic import atomic_folder
 
 from .model_params import unwrap
-from .qat import ACT_QMAX, ACT_QMIN, W_LEVELS, W_QMAX, W_QMIN, QATConv, QATModule, qat_modules
+from .qat import ACT_QMAX, ACT_QMIN, W_LEVELS, W_QMAX, W_QMIN, QATConv, QATModule, QuantizedReLU, qat_modules
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +70,7 @@ class QuantizedExportModule(nn.Module):
         self.output_qparams = _qparams(qat.activation_post_process)
 
     def _qdq(self, x: torch.Tensor, qparams: tuple[float, int]) -> torch.Tensor:
-        scale, zero_point = qparams
-        if self.dynamo:
-            ops = _decomposed_ops()
-            q = ops.quantize_per_tensor(x, scale, zero_point, ACT_QMIN, ACT_QMAX, torch.uint8)
-            return ops.dequantize_per_tensor(q, scale, zero_point, ACT_QMIN, ACT_QMAX, torch.uint8)
-        return torch.fake_quantize_per_tensor_affine(x, scale, zero_point, ACT_QMIN, ACT_QMAX)
+        return _qdq(x, qparams, self.dynamo)
 
     def _weight(self) -> torch.Tensor:
         if self.dynamo:
@@ -98,6 +93,28 @@ class QuantizedExportModule(nn.Module):
         return self._qdq(y, self.output_qparams)
 
 
+class QuantizedReLUExport(nn.Module):
+    """A :class:`QuantizedReLU` frozen for export: QDQ with constant parameters, then ReLU."""
+
+    def __init__(self, module: QuantizedReLU, dynamo: bool):
+        super().__init__()
+        self.dynamo = dynamo
+        self.qparams = _qparams(module.input_fake_quant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(_qdq(x, self.qparams, self.dynamo))
+
+
+def _qdq(x: torch.Tensor, qparams: tuple[float, int], dynamo: bool) -> torch.Tensor:
+    """uint8 quantize-dequantize, written as the ops each exporter turns into QuantizeLinear/DequantizeLinear."""
+    scale, zero_point = qparams
+    if dynamo:
+        ops = _decomposed_ops()
+        q = ops.quantize_per_tensor(x, scale, zero_point, ACT_QMIN, ACT_QMAX, torch.uint8)
+        return ops.dequantize_per_tensor(q, scale, zero_point, ACT_QMIN, ACT_QMAX, torch.uint8)
+    return torch.fake_quantize_per_tensor_affine(x, scale, zero_point, ACT_QMIN, ACT_QMAX)
+
+
 def _qparams(fq) -> tuple[float, int] | None:
     if fq is None:
         return None
@@ -110,10 +127,12 @@ def to_export_model(model: nn.Module, dynamo: bool = True) -> nn.Module:
     exported = copy.deepcopy(model)
     exported.eval()
     for name, module in list(exported.named_modules()):
-        if isinstance(module, QATModule):
+        if isinstance(module, (QATModule, QuantizedReLU)):
             parent_name, _, child = name.rpartition(".")
             parent = exported.get_submodule(parent_name) if parent_name else exported
-            setattr(parent, child, QuantizedExportModule(module, dynamo))
+            replacement = (QuantizedExportModule(module, dynamo) if isinstance(module, QATModule)
+                           else QuantizedReLUExport(module, dynamo))
+            setattr(parent, child, replacement)
     return exported
 
 

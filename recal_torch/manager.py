@@ -25,7 +25,7 @@ from recal_core.schedule import RecipeSchedule
 from .model_params import describe_parameters, unwrap
 from .optimizer import RecalOptimizer
 from .pruning import magnitude_mask, nonzero_mask
-from .qat import QATModule, prepare_qat, qat_modules, quantizable_layers
+from .qat import fake_quantizers, prepare_qat, qat_modules, quantizable_layers
 
 log = logging.getLogger(__name__)
 
@@ -221,9 +221,11 @@ class ScheduledModifierManager:
                 self._prepare_qat(index)
             flags = (state.bn_frozen, state.observers_frozen)
             if self._qat_applied.get(index) != flags:
-                for module in self._qat_modules(index):
-                    module.bn_frozen = state.bn_frozen
-                    module.set_observers(not state.observers_frozen)
+                for root in self._qat_roots_modules(index):
+                    for module in qat_modules(root):
+                        module.bn_frozen = state.bn_frozen
+                    for fq in fake_quantizers(root):
+                        fq.observer_enabled = not state.observers_frozen
                 self._qat_applied[index] = flags
 
     def _prepare_qat(self, index: int) -> None:
@@ -233,9 +235,9 @@ class ScheduledModifierManager:
             log.info("QAT on %s: %d layers quantized (step %d)", name or type(root).__name__, len(created), self._step)
         self._qat_prepared.add(index)
 
-    def _qat_modules(self, index: int) -> list[QATModule]:
+    def _qat_roots_modules(self, index: int) -> list[nn.Module]:
         root = unwrap(self._model)
-        return [m for name in self._qat_roots[index] for m in qat_modules(root.get_submodule(name))]
+        return [root.get_submodule(name) for name in self._qat_roots[index]]
 
     @torch.no_grad()
     def _update_masks(self, k: int) -> None:
@@ -375,7 +377,8 @@ class ScheduledModifierManager:
                 result[name] = float((weight == 0).sum()) / weight.numel()
         for module in qat_modules(unwrap(self._model)):
             module.bn_frozen = True
-            module.set_observers(False)
+        for fq in fake_quantizers(unwrap(self._model)):
+            fq.observer_enabled = False
         self._masks, self._effective = {}, {}
         self._finalized = True
         return result

@@ -5,6 +5,9 @@
 - ``Conv(-BN)(-ReLU)`` and ``Linear(-ReLU)`` become one QAT module that simulates the
   BatchNorm-folded weights, so the exported model is already folded and runtimes fuse it.
 
+A ``nn.ReLU`` module that follows a residual addition becomes a :class:`QuantizedReLU`, which
+quantizes the sum, so the addition runs in int8 too.
+
 The model is changed in place: each QAT module adopts the float module's Parameter
 objects (the optimizer and its momentum/Adam state carry on), the BatchNorm becomes a
 :class:`FoldedBatchNorm` that keeps its parameters and statistics under the same names
@@ -20,6 +23,7 @@ BatchNorm left unfolded (logged).
 from __future__ import annotations
 
 import logging
+import operator
 from collections import Counter
 from dataclasses import dataclass
 
@@ -171,13 +175,6 @@ class QATModule(nn.Module):
         device = self.weight.device
         self.to(device)
 
-    def fake_quants(self) -> list[nn.Module]:
-        return [m for m in (self.input_fake_quant, self.weight_fake_quant, self.activation_post_process) if m is not None]
-
-    def set_observers(self, enabled: bool) -> None:
-        for fq in self.fake_quants():
-            fq.observer_enabled = enabled
-
     def folded_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight and bias with any BatchNorm folded in, from its running statistics."""
         return self.weight, self.bias
@@ -260,10 +257,25 @@ class QATLinear(QATModule):
         return f"Linear{'-ReLU' if self.relu else ''}, weight {tuple(self.weight.shape)}"
 
 
+class QuantizedReLU(nn.Module):
+    """A ReLU whose input, a residual sum ``a + b``, is fake-quantized: runtimes then add in int8.
+
+    Swapped in for a ``nn.ReLU`` module that only follows an addition (ResNet blocks).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.input_fake_quant = ActivationFakeQuantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.input_fake_quant(x))
+
+
 # --- preparing a model ---------------------------------------------------------------------
 
 _PRESERVING_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.ReLU, nn.Flatten, nn.Unflatten,
-                       nn.Dropout, nn.Identity, FoldedBatchNorm)
+                       nn.Dropout, nn.Identity, FoldedBatchNorm, QuantizedReLU)
+_ADDS = {operator.add, torch.add}
 _PRESERVING_FUNCTIONS = {torch.flatten, torch.reshape, torch.relu, F.relu, F.max_pool1d, F.max_pool2d,
                          F.max_pool3d, torch.squeeze, torch.unsqueeze, F.dropout}
 _PRESERVING_METHODS = {"view", "reshape", "flatten", "relu", "contiguous", "squeeze", "unsqueeze", "relu_"}
@@ -287,11 +299,13 @@ def prepare_qat(root: nn.Module) -> list[QATModule]:
     """Turn ``root``'s quantizable layers into QAT modules, in place; return them."""
     modules = dict(root.named_modules())
     try:
-        plans = _plan_from_trace(root, modules)
+        plans, residual_relus = _plan_from_trace(root, modules)
     except Exception as exc:  # noqa: BLE001 - any tracing failure falls back to unfused QAT
         log.warning("QAT: torch.fx could not trace %s (%s: %s); quantizing every conv/linear input and "
                     "leaving BatchNorm unfolded", type(root).__name__, type(exc).__name__, exc)
-        plans = [_Plan(name) for name in quantizable_layers(root)]
+        plans, residual_relus = [_Plan(name) for name in quantizable_layers(root)], []
+    for name in residual_relus:
+        _replace(root, name, QuantizedReLU().to(_device_of(root)))
     created = []
     for plan in plans:
         float_module = modules[plan.target]
@@ -311,13 +325,18 @@ def prepare_qat(root: nn.Module) -> list[QATModule]:
     return created
 
 
+def _device_of(module: nn.Module) -> torch.device:
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
+
+
 def _replace(root: nn.Module, target: str, new: nn.Module) -> None:
     parent_name, _, child = target.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
     setattr(parent, child, new)
 
 
-def _plan_from_trace(root: nn.Module, modules: dict[str, nn.Module]) -> list[_Plan]:
+def _plan_from_trace(root: nn.Module, modules: dict[str, nn.Module]) -> tuple[list[_Plan], list[str]]:
+    """The fusion plans, and the ReLU modules that follow a residual addition."""
     graph = torch.fx.symbolic_trace(root).graph
     calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
     quantizable = set(quantizable_layers(root))
@@ -345,6 +364,16 @@ def _plan_from_trace(root: nn.Module, modules: dict[str, nn.Module]) -> list[_Pl
             plan.relu, end = nxt.target, nxt
         plans[node] = plan
         ends[end] = plan
+    fused_relus = {p.relu for p in plans.values()}
+    residual_relus = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _ADDS and len(node.args) == 2 \
+                and all(isinstance(a, torch.fx.Node) for a in node.args):
+            relu = only_user(node)
+            if relu is not None and type(module_of(relu)) is nn.ReLU and calls[relu.target] == 1 \
+                    and relu.target not in fused_relus:
+                residual_relus.append(relu.target)
+                ends[relu] = None
 
     def from_quantized(node: object) -> bool:
         while isinstance(node, torch.fx.Node):
@@ -357,7 +386,7 @@ def _plan_from_trace(root: nn.Module, modules: dict[str, nn.Module]) -> list[_Pl
 
     for node, plan in plans.items():
         plan.quantize_input = not (node.args and from_quantized(node.args[0]))
-    return list(plans.values())
+    return list(plans.values()), residual_relus
 
 
 def _preserves_quantization(node: torch.fx.Node, module: nn.Module | None) -> bool:
@@ -372,3 +401,8 @@ def _preserves_quantization(node: torch.fx.Node, module: nn.Module | None) -> bo
 
 def qat_modules(model: nn.Module) -> list[QATModule]:
     return [m for m in model.modules() if isinstance(m, QATModule)]
+
+
+def fake_quantizers(model: nn.Module) -> list[nn.Module]:
+    """Every activation and weight fake-quantizer in ``model`` (to freeze their observers)."""
+    return [m for m in model.modules() if isinstance(m, (ActivationFakeQuantize, WeightFakeQuantize))]

@@ -1,0 +1,74 @@
+"""Tiny QDQ graphs built with onnx.helper, and running them in onnxruntime."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 17
+
+
+class Builder:
+    def __init__(self, seed: int = 0):
+        self.nodes, self.inits = [], []
+        self.rng = np.random.default_rng(seed)
+        self.n = 0
+
+    def name(self, base):
+        self.n += 1
+        return f"{base}{self.n}"
+
+    def const(self, value, base="c"):
+        name = self.name(base)
+        self.inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def node(self, op, inputs, domain=None, **attrs):
+        out = self.name(op.lower())
+        self.nodes.append(helper.make_node(op, inputs, [out], name=self.name(op), domain=domain, **attrs))
+        return out
+
+    def qdq(self, x, scale, zp, dtype=np.uint8):
+        s, z = self.const(np.float32(scale)), self.const(np.array(zp, dtype=dtype))
+        return self.node("DequantizeLinear", [self.node("QuantizeLinear", [x, s, z]), s, z])
+
+    def weight(self, shape, axis=0, per_channel=True):
+        w = self.rng.standard_normal(shape).astype(np.float32) * 0.3
+        if per_channel:
+            scale = (np.abs(w).reshape(shape[axis], -1) if axis == 0 else np.abs(np.moveaxis(w, axis, 0)).reshape(
+                shape[axis], -1)).max(1) / 127
+        else:
+            scale = np.float32(np.abs(w).max() / 127)
+        shape_b = [1] * len(shape)
+        if per_channel:
+            shape_b[axis] = -1
+        q = np.clip(np.round(w / np.reshape(scale, shape_b if per_channel else ())), -127, 127).astype(np.int8)
+        zp = np.zeros(np.shape(scale), np.int8)
+        attrs = {"axis": axis} if per_channel else {}
+        return self.node("DequantizeLinear", [self.const(q, "w"), self.const(np.asarray(scale, np.float32), "ws"),
+                                              self.const(zp, "wz")], **attrs)
+
+    def model(self, inputs, outputs):
+        graph = helper.make_graph(
+            self.nodes, "test",
+            [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+            [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs], self.inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+        model.ir_version = 8
+        return model
+
+
+def run(model: onnx.ModelProto, feeds, level=None):
+    options = ort.SessionOptions()
+    if level is not None:
+        options.graph_optimization_level = level
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def reference(model, feeds):
+    """The QDQ model simulated in float (no fusion): the numbers every rewrite must keep."""
+    return run(model, feeds, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+
+
+def ops(model):
+    return [n.op_type for n in model.graph.node]

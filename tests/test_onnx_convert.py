@@ -1,0 +1,177 @@
+"""quantize_qat_export end to end: recal_torch exports (both exporters), torch.ao eager QAT exports,
+residual adds, int8 zero points, errors, atomic writes, the CLI."""
+
+import hashlib
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+from recal_onnx import UnconvertedOpsWarning, VerificationError, quantize_qat_export
+from recal_torch import ScheduledModifierManager, export_onnx
+
+from .conftest import ROOT
+from .onnx_graphs import Builder, ops
+from .torch_models import SmallCNN, batches, train_steps
+
+QAT = """
+- !EpochRangeModifier {start_epoch: 0, end_epoch: 3}
+- !GradualKSModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.3, final_sparsity: 0.6, start_epoch: 0,
+                      end_epoch: 1, update_frequency: 0.5}
+- !QuantizationModifier {start_epoch: 1, freeze_bn_stats_epoch: 2}
+"""
+
+
+@pytest.fixture(scope="module")
+def recal_qat_model():
+    torch.manual_seed(0)
+    model = SmallCNN()
+    manager = ScheduledModifierManager.from_yaml(QAT)
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), steps_per_epoch=4)
+    train_steps(model, optimizer, batches(12))
+    manager.finalize(model)
+    return model.eval()
+
+
+def _agreement(path, model, n=1000):
+    x = torch.randn(n, 1, 8, 8, generator=torch.Generator().manual_seed(5))
+    session = ort.InferenceSession(str(path))  # default options: what users get
+    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+    with torch.no_grad():
+        ref = model(x).numpy()
+    return float((got.argmax(1) == ref.argmax(1)).mean()), float(np.abs(got - ref).max())
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+@pytest.mark.parametrize("fmt", ["qoperator", "qdq"])
+def test_recal_torch_exports_convert(recal_qat_model, tmp_path, dynamo, fmt):
+    src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=dynamo)
+    digest = hashlib.sha256(src.read_bytes()).hexdigest()
+    result = quantize_qat_export(src, tmp_path / "int8.onnx", format=fmt)
+    assert hashlib.sha256(src.read_bytes()).hexdigest() == digest  # the input is never modified
+    names = ops(onnx.load(str(result.path)))
+    if fmt == "qoperator":
+        assert names.count("QLinearConv") == 3 and "Conv" not in names and "QGemm" in names
+    else:
+        assert "Conv" in names and "QLinearConv" not in names
+    assert "BatchNormalization" not in names
+    agreement, max_diff = _agreement(result.path, recal_qat_model)
+    print(f"dynamo={dynamo} {fmt}: agreement {agreement:.4f}, max abs diff {max_diff:.4f}, {result.verification}")
+    assert agreement >= 0.995
+    int8_bytes = sum(t.ByteSize() for t in onnx.load(str(result.path)).graph.initializer)
+    float_bytes = sum(p.numel() * 4 for p in SmallCNN().parameters())
+    assert int8_bytes < 0.6 * float_bytes  # tiny model: scales and biases weigh in; the benchmark measures size
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["int8.onnx", "qat.onnx"]
+
+
+def _ao_model(activation_dtype=torch.quint8):
+    import torch.ao.quantization as tq
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant, self.dequant = tq.QuantStub(), tq.DeQuantStub()
+            self.conv1, self.bn1, self.relu1 = nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()
+            self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+            self.add = nn.quantized.FloatFunctional()
+            self.relu2, self.pool = nn.ReLU(), nn.MaxPool2d(2)
+            self.gap, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(8, 10)
+
+        def forward(self, x):
+            x = self.quant(x)
+            y = self.relu1(self.bn1(self.conv1(x)))
+            y = self.relu2(self.add.add(self.bn2(self.conv2(y)), y))
+            y = torch.flatten(self.gap(self.pool(y)), 1)
+            return self.dequant(self.fc(y))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model = Net().train()
+        low, high = (0, 255) if activation_dtype == torch.quint8 else (-128, 127)
+        model.qconfig = tq.QConfig(
+            activation=tq.FakeQuantize.with_args(observer=tq.MovingAverageMinMaxObserver, quant_min=low,
+                                                 quant_max=high, dtype=activation_dtype),
+            weight=tq.FakeQuantize.with_args(observer=tq.MovingAveragePerChannelMinMaxObserver, quant_min=-128,
+                                             quant_max=127, dtype=torch.qint8, qscheme=torch.per_channel_symmetric))
+        tq.fuse_modules_qat(model, [["conv1", "bn1", "relu1"], ["conv2", "bn2"]], inplace=True)
+        tq.prepare_qat(model, inplace=True)
+        train_steps(model, torch.optim.SGD(model.parameters(), lr=0.05), batches(10))
+        model.apply(tq.disable_observer)
+        model.apply(torch.ao.nn.intrinsic.qat.freeze_bn_stats)
+    return model.eval()
+
+
+@pytest.mark.parametrize("activation_dtype", [torch.quint8, torch.qint8])
+def test_torch_ao_eager_qat_export_converts(tmp_path, activation_dtype):
+    model = _ao_model(activation_dtype)
+    src = tmp_path / "ao.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.randn(1, 1, 8, 8),), str(src), dynamo=False, opset_version=17,
+                          input_names=["input"], output_names=["output"], dynamic_axes={"input": {0: "b"}})
+    assert {"Div", "BatchNormalization"} <= set(ops(onnx.load(str(src))))
+    result = quantize_qat_export(src, tmp_path / "int8.onnx")
+    names = ops(result.model)
+    assert not {"Div", "BatchNormalization", "Conv", "Gemm", "Add"} & set(names)
+    assert {"QLinearConv", "QLinearAdd", "QGemm"} <= set(names)
+    for init in result.model.graph.initializer:  # activations are uint8 in the output, weights int8
+        if init.name.endswith(("_u8",)):
+            assert init.data_type == onnx.TensorProto.UINT8
+    agreement, _ = _agreement(result.path, model)
+    assert agreement >= 0.99
+
+
+def test_not_a_qat_model(tmp_path):
+    path = export_onnx(SmallCNN().eval(), torch.randn(1, 1, 8, 8), tmp_path / "float.onnx", dynamo=False)
+    with pytest.raises(ValueError, match="not a QAT model"):
+        quantize_qat_export(path, tmp_path / "out.onnx")
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_truncated_and_missing_files(tmp_path, recal_qat_model):
+    src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
+    bad = tmp_path / "truncated.onnx"
+    bad.write_bytes(src.read_bytes()[:200])
+    with pytest.raises(ValueError, match="truncated.onnx"):
+        quantize_qat_export(bad, tmp_path / "out.onnx")
+    with pytest.raises(FileNotFoundError, match="nope.onnx"):
+        quantize_qat_export(tmp_path / "nope.onnx")
+    with pytest.raises(ValueError, match="refusing to overwrite"):
+        quantize_qat_export(src, src)
+
+
+def test_verification_failure_writes_nothing(tmp_path, recal_qat_model):
+    src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
+    with pytest.raises(VerificationError, match="nothing was written"):
+        quantize_qat_export(src, tmp_path / "out.onnx", tolerance=-1.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["qat.onnx"]
+
+
+def test_unconverted_ops_are_listed():
+    b = Builder()
+    y = b.node("Sigmoid", [b.qdq("x", 0.03, 128)])
+    model = b.model([("x", [2, 4])], [b.qdq(y, 0.004, 0)])
+    with pytest.warns(UnconvertedOpsWarning, match="Sigmoid"):
+        result = quantize_qat_export(model)
+    assert result.unconverted and result.unconverted[0][0] == "Sigmoid"
+
+
+def test_cli_and_script(tmp_path, recal_qat_model):
+    src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
+    exe = [sys.executable, "-m", "recal_core.cli", "quantize-qat-export", str(src), str(tmp_path / "a.onnx")]
+    out = subprocess.run(exe, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "wrote" in out.stdout and "verified in onnxruntime" in out.stdout
+    script = [sys.executable, str(ROOT / "scripts" / "quantize_qat_export.py"), str(src), str(tmp_path / "b.onnx"),
+              "--format", "qdq"]
+    assert subprocess.run(script, capture_output=True, text=True).returncode == 0
+    bad = subprocess.run([*exe[:4], str(tmp_path / "missing.onnx"), str(tmp_path / "c.onnx")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "missing.onnx" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -1,0 +1,225 @@
+"""Each rewrite pass on a tiny graph: how many rewrites, the op types after, numbers in onnxruntime."""
+
+import numpy as np
+import onnx
+import pytest
+
+from recal_onnx.graph import Graph
+from recal_onnx.passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
+from recal_onnx.passes.add_to_qlinearadd import add_to_qlinearadd
+from recal_onnx.passes.bias_to_int32 import bias_to_int32
+from recal_onnx.passes.constants import constants_to_initializers, fold_constants, remove_identities
+from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
+from recal_onnx.passes.fold_conv_affine import fold_conv_affine
+from recal_onnx.passes.gemm_to_qgemm import gemm_to_qgemm
+from recal_onnx.passes.int8_passthrough import int8_passthrough
+from recal_onnx.passes.pool_to_qlinear import pool_to_qlinear
+from recal_onnx.passes.redundant_qdq import remove_redundant_qdq
+
+from .onnx_graphs import Builder, ops, reference, run
+
+
+def _apply(model, *passes):
+    model = onnx.shape_inference.infer_shapes(model)
+    g = Graph(model)
+    counts = [p(g) for p in passes]
+    g.commit()
+    onnx.checker.check_model(model)
+    return model, counts
+
+
+def _x(shape, seed=1):
+    return {"x": np.random.default_rng(seed).standard_normal(shape).astype(np.float32)}
+
+
+def _conv_graph(relu=False, bias=True, out_zp=0, extra=None):
+    b = Builder()
+    x = b.qdq("x", 0.03, 128)
+    w = b.weight((4, 3, 3, 3))
+    inputs = [x, w] + ([b.const(b.rng.standard_normal(4).astype(np.float32) * 0.1, "bias")] if bias else [])
+    y = b.node("Conv", inputs, pads=[1, 1, 1, 1])
+    if extra:
+        y = extra(b, y)
+    if relu:
+        y = b.node("Relu", [y])
+    y = b.qdq(y, 0.02, out_zp)
+    return b.model([("x", [2, 3, 6, 6])], [y])
+
+
+@pytest.mark.parametrize("relu, out_zp", [(False, 100), (True, 0), (True, 40)])
+def test_conv_to_qlinearconv(relu, out_zp):
+    model = _conv_graph(relu=relu, out_zp=out_zp)
+    feeds = _x([2, 3, 6, 6])
+    expected = reference(model, feeds)[0]
+    converted, (n,) = _apply(model, conv_to_qlinearconv)
+    assert n == 1
+    assert "QLinearConv" in ops(converted) and "Conv" not in ops(converted) and "Relu" not in ops(converted)
+    assert ("Max" in ops(converted)) == (relu and out_zp != 0)
+    got = run(converted, feeds)[0]
+    assert np.abs(got - expected).max() <= 0.02 + 1e-6  # at most one output quantum (bias rounding)
+
+
+def test_conv_to_qlinearconv_zero_rewrites_for_a_float_weight():
+    b = Builder()
+    y = b.node("Conv", [b.qdq("x", 0.03, 128), b.const(np.ones((2, 3, 1, 1), np.float32))])
+    model = b.model([("x", [1, 3, 4, 4])], [b.qdq(y, 0.1, 0)])
+    _, (n,) = _apply(model, conv_to_qlinearconv)
+    assert n == 0
+
+
+def test_fold_conv_affine_div_add_batchnorm():
+    def chain(b, y):
+        c = b.rng.uniform(0.5, 2.0, (1, 4, 1, 1)).astype(np.float32)
+        y = b.node("Div", [y, b.const(c)])
+        y = b.node("Add", [y, b.const(b.rng.standard_normal((1, 4, 1, 1)).astype(np.float32))])
+        gamma = np.array([1.5, -0.7, 0.9, 1.1], np.float32)  # a negative scale flips a channel's int8 signs
+        stats = [gamma, np.float32([0.1, 0.2, -0.3, 0.0]), np.float32([0.5, -0.2, 0.1, 0.0]),
+                 np.float32([1.2, 0.8, 2.0, 0.5])]
+        return b.node("BatchNormalization", [y, *[b.const(s) for s in stats]], epsilon=1e-5)
+
+    model = _conv_graph(bias=False, extra=chain)
+    feeds = _x([2, 3, 6, 6])
+    expected = reference(model, feeds)[0]
+    folded, (n,) = _apply(model, fold_conv_affine)
+    assert n == 3
+    assert not {"Div", "Add", "BatchNormalization"} & set(ops(folded))
+    np.testing.assert_allclose(reference(folded, feeds)[0], expected, atol=0.02 + 1e-6)
+    converted, (m,) = _apply(folded, conv_to_qlinearconv)
+    assert m == 1 and np.abs(run(converted, feeds)[0] - expected).max() <= 0.02 * 2
+
+
+def test_fold_conv_affine_zero_rewrites():
+    model = _conv_graph(relu=True)
+    _, (n,) = _apply(model, fold_conv_affine)
+    assert n == 0
+
+
+def test_fold_constants_turns_weight_quantize_into_int8():
+    b = Builder()
+    w = b.node("Mul", [b.const(np.full((2, 3, 1, 1), 0.5, np.float32)), b.const(np.float32(2.0))])
+    s, z = b.const(np.float32(0.01)), b.const(np.int8(0))
+    wq = b.node("DequantizeLinear", [b.node("QuantizeLinear", [w, s, z]), s, z])
+    y = b.node("Conv", [b.qdq("x", 0.05, 128), b.node("Identity", [wq])])
+    model = b.model([("x", [1, 3, 2, 2])], [y])
+    folded, counts = _apply(model, constants_to_initializers, remove_identities, fold_constants)
+    assert counts[1] == 1 and counts[2] == 2
+    assert ops(folded).count("QuantizeLinear") == 1  # only the activation's
+    _, again = _apply(folded, fold_constants)
+    assert again == [0]
+
+
+def test_gemm_to_qgemm_quantized_and_float_outputs():
+    b = Builder()
+    a = b.qdq("x", 0.05, 120)
+    h = b.node("Gemm", [a, b.weight((16, 8)), b.const(np.zeros(16, np.float32) + 0.1)], transB=1)
+    h = b.qdq(b.node("Relu", [h]), 0.04, 0)
+    logits = b.node("Gemm", [h, b.weight((16, 4), axis=1), b.const(np.float32([0.1, -0.2, 0.3, 0.0]))])
+    model = b.model([("x", [5, 8])], [logits])
+    feeds = _x([5, 8])
+    expected = reference(model, feeds)[0]
+    converted, (n,) = _apply(model, gemm_to_qgemm)
+    assert n == 2 and ops(converted).count("QGemm") == 2 and "Gemm" not in ops(converted)
+    np.testing.assert_allclose(run(converted, feeds)[0], expected, atol=0.05)
+
+
+def test_matmul_3d_to_matmul_integer_to_float():
+    b = Builder()
+    a = b.qdq("x", 0.05, 128)
+    y = b.node("Add", [b.node("MatMul", [a, b.weight((8, 6), axis=1)]), b.const(np.full(6, 0.2, np.float32))])
+    model = b.model([("x", [2, 3, 8])], [b.qdq(y, 0.05, 128)])
+    feeds = _x([2, 3, 8])
+    expected = reference(model, feeds)[0]
+    converted, (n,) = _apply(model, gemm_to_qgemm)
+    assert n == 1 and "MatMulIntegerToFloat" in ops(converted)
+    np.testing.assert_allclose(run(converted, feeds)[0], expected, atol=0.05 + 1e-6)
+
+
+def test_add_to_qlinearadd_and_zero_case():
+    b = Builder()
+    y = b.node("Add", [b.qdq("x", 0.03, 128), b.qdq("x", 0.05, 100)])
+    model = b.model([("x", [2, 4, 3, 3])], [b.qdq(b.node("Relu", [y]), 0.06, 10)])
+    feeds = _x([2, 4, 3, 3])
+    expected = reference(model, feeds)[0]
+    converted, (n,) = _apply(model, add_to_qlinearadd)
+    assert n == 1 and ops(converted).count("QLinearAdd") == 1 and "Max" in ops(converted)
+    assert np.abs(run(converted, feeds)[0] - expected).max() <= 0.06 + 1e-6
+
+    b = Builder()
+    y = b.node("Add", [b.qdq("x", 0.03, 128), b.node("Relu", ["x"])])  # one input is float
+    model = b.model([("x", [1, 2])], [b.qdq(y, 0.06, 10)])
+    _, (n,) = _apply(model, add_to_qlinearadd)
+    assert n == 0
+
+
+@pytest.mark.parametrize("op", ["GlobalAveragePool", "ReduceMean", "AveragePool"])
+def test_pool_to_qlinear(op):
+    b = Builder()
+    x = b.qdq("x", 0.03, 128)
+    if op == "ReduceMean":
+        y = b.node(op, [x], axes=[2, 3], keepdims=1)
+    elif op == "AveragePool":
+        y = b.node(op, [x], kernel_shape=[2, 2], strides=[2, 2])
+    else:
+        y = b.node(op, [x])
+    model = b.model([("x", [2, 3, 4, 4])], [b.qdq(y, 0.01, 128)])
+    feeds = _x([2, 3, 4, 4])
+    expected = reference(model, feeds)[0]
+    converted, (n,) = _apply(model, pool_to_qlinear)
+    assert n == 1 and op not in ops(converted)
+    assert np.abs(run(converted, feeds)[0] - expected).max() <= 0.01 + 1e-6
+
+
+def test_int8_passthrough_maxpool_reshape_relu():
+    b = Builder()
+    x = b.qdq("x", 0.03, 128)
+    y = b.node("MaxPool", [x], kernel_shape=[2, 2], strides=[2, 2])
+    y = b.node("Relu", [y])  # zp 128: becomes Max(q, 128)
+    y = b.node("Flatten", [y])
+    model = b.model([("x", [2, 3, 4, 4])], [y])
+    feeds = _x([2, 3, 4, 4])
+    expected = reference(model, feeds)[0]
+    converted, (n,) = _apply(model, int8_passthrough)
+    assert n == 3 and ops(converted) == ["QuantizeLinear", "MaxPool", "Max", "Flatten", "DequantizeLinear"]
+    np.testing.assert_array_equal(run(converted, feeds)[0], expected)
+
+
+def test_int8_passthrough_zero_case():
+    b = Builder()
+    y = b.node("Sigmoid", [b.qdq("x", 0.03, 128)])
+    model = b.model([("x", [1, 4])], [y])
+    _, (n,) = _apply(model, int8_passthrough)
+    assert n == 0
+
+
+def test_remove_redundant_qdq():
+    b = Builder()
+    s, z = b.const(np.float32(0.03)), b.const(np.uint8(128))
+    q1 = b.node("QuantizeLinear", ["x", s, z])
+    q2 = b.node("QuantizeLinear", [b.node("DequantizeLinear", [q1, s, z]), s, z])
+    model = b.model([("x", [1, 4])], [b.node("DequantizeLinear", [q2, s, z])])
+    converted, (n,) = _apply(model, remove_redundant_qdq)
+    assert n == 1 and ops(converted) == ["QuantizeLinear", "DequantizeLinear"]
+    _, (m,) = _apply(converted, remove_redundant_qdq)
+    assert m == 0
+
+
+def test_activations_to_uint8_keeps_values():
+    b = Builder()
+    s, z = b.const(np.float32(0.02)), b.const(np.int8(-5))
+    y = b.node("DequantizeLinear", [b.node("QuantizeLinear", ["x", s, z]), s, z])
+    model = b.model([("x", [3, 5])], [y])
+    feeds = _x([3, 5])
+    converted, counts = _apply(model, scalar_activation_qparams, activations_to_uint8)
+    assert counts[1] == 1
+    zps = [onnx.numpy_helper.to_array(t) for t in converted.graph.initializer if t.data_type == onnx.TensorProto.UINT8]
+    assert zps and int(zps[0]) == 123
+    np.testing.assert_array_equal(run(converted, feeds)[0], reference(model, feeds)[0])
+
+
+def test_bias_to_int32_for_qdq_format():
+    model = _conv_graph()
+    feeds = _x([2, 3, 6, 6])
+    expected = reference(model, feeds)[0]
+    converted, (n,) = _apply(model, bias_to_int32)
+    assert n == 1 and ops(converted).count("DequantizeLinear") == 4
+    assert np.abs(run(converted, feeds)[0] - expected).max() <= 0.02 + 1e-6
