@@ -94,15 +94,15 @@ class QuantizedExportModule(nn.Module):
 
 
 class QuantizedReLUExport(nn.Module):
-    """A :class:`QuantizedReLU` frozen for export: QDQ with constant parameters, then ReLU."""
+    """A :class:`QuantizedReLU` frozen for export: ReLU, then QDQ with constant parameters."""
 
     def __init__(self, module: QuantizedReLU, dynamo: bool):
         super().__init__()
         self.dynamo = dynamo
-        self.qparams = _qparams(module.input_fake_quant)
+        self.qparams = _qparams(module.activation_post_process)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(_qdq(x, self.qparams, self.dynamo))
+        return _qdq(F.relu(x), self.qparams, self.dynamo)
 
 
 def _qdq(x: torch.Tensor, qparams: tuple[float, int], dynamo: bool) -> torch.Tensor:

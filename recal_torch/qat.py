@@ -258,17 +258,18 @@ class QATLinear(QATModule):
 
 
 class QuantizedReLU(nn.Module):
-    """A ReLU whose input, a residual sum ``a + b``, is fake-quantized: runtimes then add in int8.
+    """A ReLU after a residual sum ``a + b`` whose output is fake-quantized: runtimes then add in int8
+    (the ReLU is the clamp of the add's uint8 output, whose zero point is 0).
 
     Swapped in for a ``nn.ReLU`` module that only follows an addition (ResNet blocks).
     """
 
     def __init__(self):
         super().__init__()
-        self.input_fake_quant = ActivationFakeQuantize()
+        self.activation_post_process = ActivationFakeQuantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(self.input_fake_quant(x))
+        return self.activation_post_process(F.relu(x))
 
 
 # --- preparing a model ---------------------------------------------------------------------

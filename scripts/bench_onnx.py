@@ -161,22 +161,37 @@ def agreement(path: Path, model: nn.Module, inputs: torch.Tensor) -> float:
 
 
 _CONVERT = """
-import resource, sys, time, warnings
+import sys, threading, time, warnings
 import numpy, onnx, onnxruntime
 from recal_onnx import quantize_qat_export
-with open("/proc/self/statm") as f:
-    base = int(f.read().split()[1]) * resource.getpagesize() // 1024  # resident now, in KiB
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+base, peak, done = rss(), [0], threading.Event()
+
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.002)
+
+thread = threading.Thread(target=sample)
+thread.start()
 t0 = time.perf_counter()
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     quantize_qat_export(sys.argv[1], sys.argv[2], format=sys.argv[3], verify=False)
 seconds = time.perf_counter() - t0
-print(seconds, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+done.set()
+thread.join()
+print(seconds, max(peak[0], rss()) - base)
 """
 
 
 def convert_measured(src: Path, dst: Path, fmt: str) -> tuple[float, float]:
-    """Convert in a fresh process; return seconds and peak resident memory above the imports (bytes)."""
+    """Convert in a fresh process; return seconds and the peak resident memory above its imports (bytes,
+    sampled every 2 ms)."""
     out = subprocess.run([sys.executable, "-c", _CONVERT, str(src), str(dst), fmt], capture_output=True, text=True,
                          check=True)
     seconds, peak = out.stdout.split()[-2:]
