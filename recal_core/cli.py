@@ -34,6 +34,21 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from .training import artefact_row, train
+
+    recipe = load_recipe(args.recipe)
+    run = train(recipe, args.framework, args.output, epochs=args.epochs, seed=args.seed, resume=args.resume,
+                progress=not args.no_progress)
+    print(f"\n{args.framework}: trained {run.epochs} epochs under {args.recipe}")
+    print("| artefact | accuracy | sparsity | size | latency (batch 1) | measured in | path |")
+    for artefact in run.artefacts:
+        print(artefact_row(artefact))
+    print(f"report: {args.output}/report.md, plot: {args.output}/schedule.png, "
+          f"TensorBoard: tensorboard --logdir {args.output}/tensorboard")
+    return 0
+
+
 def _schema(args: argparse.Namespace) -> int:
     text = json.dumps(recipe_json_schema(), indent=2) + "\n"
     if args.output:
@@ -56,6 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="optimizer steps per epoch (default 1: one row per epoch step)")
     check.add_argument("--plot", metavar="OUT.png", help="also write the sparsity and LR curves")
     check.set_defaults(func=_check)
+
+    train = sub.add_parser("train", help="train the bundled digits classifier under a recipe (PyTorch or TensorFlow)")
+    train.add_argument("--framework", choices=("torch", "tf"), required=True)
+    train.add_argument("--recipe", required=True, help="recipe file")
+    train.add_argument("--output", default="runs/recal", help="output folder (default runs/recal)")
+    train.add_argument("--epochs", type=_positive_int, help="epochs to train (default: the recipe's max_epochs)")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
+    train.add_argument("--no-progress", action="store_true", help="no progress bars")
+    train.set_defaults(func=_train)
 
     schema = sub.add_parser("schema", help="print the JSON Schema of the recipe format")
     schema.add_argument("--output", "-o", help="write it to this file instead of stdout")

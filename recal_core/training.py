@@ -1,0 +1,150 @@
+"""``recal train``: train the bundled digits classifier under a recipe and report every artefact.
+
+The core owns the command, the report and the plot; the framework work is done by plug-ins
+found through entry points, so the core imports no framework:
+
+- ``recal.trainers``: ``torch`` / ``tf`` -> a :class:`Trainer` (trains, checkpoints, exports);
+- ``recal.onnx``: ``evaluate`` (accuracy, sparsity, latency in onnxruntime) and ``quantize``
+  (``quantize_qat_export``), applied to the ONNX artefacts a trainer returns.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from .atomic import write_text_atomically
+from .recipe import Recipe
+from .report import plot_schedule
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EpochRecord:
+    epoch: int  # epochs completed
+    loss: float
+    train_accuracy: float
+    test_accuracy: float
+    sparsity: float  # over the prunable weights
+    lr: float | None
+
+
+@dataclass
+class Artefact:
+    name: str
+    framework: str
+    path: str
+    accuracy: float | None = None
+    sparsity: float | None = None
+    layer_sparsity: dict[str, float] = field(default_factory=dict)
+    size_bytes: int = 0
+    latency_ms: float | None = None  # median, batch 1
+    runtime: str = ""  # what measured accuracy and latency
+    qat: bool = False  # an ONNX export of a QAT model (to be quantized)
+
+
+@dataclass
+class TrainingRun:
+    framework: str
+    recipe_source: str
+    out_dir: str
+    epochs: int
+    seed: int
+    steps_per_epoch: int
+    history: list[EpochRecord] = field(default_factory=list)
+    artefacts: list[Artefact] = field(default_factory=list)
+
+
+class Trainer(Protocol):
+    def __call__(self, recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool,
+                 progress: bool) -> TrainingRun: ...
+
+
+def plugin(group: str, name: str) -> Callable[..., Any]:
+    """The entry point ``name`` of ``group`` (e.g. ``recal.trainers``/``torch``), loaded."""
+    found = {ep.name: ep for ep in entry_points(group=group)}
+    if name not in found:
+        raise RuntimeError(f"no {group} plug-in named {name!r} is installed (have: {', '.join(sorted(found)) or 'none'}); "
+                           "install recal with its extras: pip install -e '.[all]'")
+    try:
+        return found[name].load()
+    except ImportError as exc:
+        raise RuntimeError(f"the {name!r} plug-in needs a package that is missing: {exc}") from None
+
+
+def check_writable(out_dir: Path) -> None:
+    """Create ``out_dir`` if needed and prove it is writable, before any training starts."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".recal-write-test-"):
+            pass
+    except OSError as exc:
+        raise OSError(f"output folder {out_dir} is not writable: {exc.strerror or exc}") from None
+
+
+def train(recipe: Recipe, framework: str, out_dir: str | os.PathLike, *, epochs: int | None = None, seed: int = 0,
+          resume: bool = False, progress: bool = True, quantize: bool = True) -> TrainingRun:
+    """Train under ``recipe``; write checkpoints, TensorBoard events, artefacts, report and plot to ``out_dir``."""
+    out = Path(out_dir)
+    check_writable(out)
+    trainer: Trainer = plugin("recal.trainers", framework)
+    total = epochs if epochs is not None else recipe.max_epochs
+    if total < 1:
+        raise ValueError(f"nothing to train: {total} epochs (give --epochs, or an EpochRangeModifier)")
+    if total < recipe.max_epochs:
+        log.warning("training %d epochs, but the recipe's schedule runs to epoch %d", total, recipe.max_epochs)
+    run = trainer(recipe, out, epochs=total, seed=seed, resume=resume, progress=progress)
+    onnx_artefacts = [a for a in run.artefacts if a.path.endswith(".onnx")]
+    if onnx_artefacts:
+        evaluate = plugin("recal.onnx", "evaluate")
+        for artefact in onnx_artefacts:
+            evaluate(artefact)
+        qat = next((a for a in onnx_artefacts if a.qat), None)
+        if qat is not None and quantize:
+            int8 = Artefact("int8 ONNX (quantize_qat_export)", run.framework, str(out / "model.int8.onnx"))
+            plugin("recal.onnx", "quantize")(qat.path, int8.path)
+            evaluate(int8)
+            run.artefacts.append(int8)
+    write_report(run, recipe)
+    schedule = recipe.bind(run.steps_per_epoch)
+    measured = {"epoch": [h.epoch for h in run.history], "sparsity": [h.sparsity for h in run.history],
+                "accuracy": [h.test_accuracy for h in run.history]}
+    plot_schedule(schedule, out / "schedule.png", measured=measured)
+    return run
+
+
+def write_report(run: TrainingRun, recipe: Recipe) -> None:
+    out = Path(run.out_dir)
+    write_text_atomically(out / "report.json", json.dumps(asdict(run), indent=2) + "\n")
+    lines = [f"# recal training report ({run.framework})", "",
+             f"- recipe: `{run.recipe_source}` ({len(recipe.modifiers)} modifiers)",
+             f"- epochs: {run.epochs}, steps per epoch: {run.steps_per_epoch}, seed: {run.seed}",
+             f"- final test accuracy (training framework): {run.history[-1].test_accuracy:.4f}" if run.history else "",
+             "", "| artefact | accuracy | sparsity | size | latency (batch 1) | measured in | path |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [artefact_row(a) for a in run.artefacts]
+    lines += ["", "## Per-layer sparsity", ""]
+    for a in run.artefacts:
+        if a.layer_sparsity:
+            lines.append(f"**{a.name}**: " + ", ".join(f"`{k}` {v:.3f}" for k, v in a.layer_sparsity.items()))
+            lines.append("")
+    lines += ["## Per epoch", "", "| epoch | loss | train acc | test acc | sparsity | lr |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {h.epoch} | {h.loss:.4f} | {h.train_accuracy:.4f} | {h.test_accuracy:.4f} | {h.sparsity:.4f} | "
+              f"{'-' if h.lr is None else f'{h.lr:.4g}'} |" for h in run.history]
+    write_text_atomically(out / "report.md", "\n".join(lines) + "\n")
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def artefact_row(a: Artefact) -> str:
+    return (f"| {a.name} | {_fmt(a.accuracy, '{:.4f}')} | {_fmt(a.sparsity, '{:.3f}')} | "
+            f"{a.size_bytes / 1024:.1f} KiB | {_fmt(a.latency_ms, '{:.3f} ms')} | {a.runtime} | `{a.path}` |")

@@ -1,0 +1,171 @@
+"""The PyTorch trainer behind ``recal train --framework torch``: the digits classifier under a recipe.
+
+Checkpoints (``checkpoints/epoch-N.pt``: model, optimizer with recal's state, history) are written
+after every epoch; ``resume`` continues from the last one with the same data order, so the result
+is the one an uninterrupted run gives.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from recal_core.atomic import atomic_path
+from recal_core.datasets import load_digits
+from recal_core.recipe import Recipe
+from recal_core.training import Artefact, EpochRecord, TrainingRun
+
+from .export import export_onnx
+from .loggers import TensorBoardLogger
+from .manager import ScheduledModifierManager
+from .model_params import sparsity
+from .qat import qat_modules
+
+log = logging.getLogger(__name__)
+
+BATCH = 32
+LR = 0.05
+
+
+class DigitsNet(nn.Module):
+    """Conv-BN-ReLU x2, max-pool, Conv-BN-ReLU, global average pool, linear: for 1x8x8 digits."""
+
+    def __init__(self, width: int = 32, classes: int = 10):
+        super().__init__()
+        self.conv1, self.bn1, self.relu1 = nn.Conv2d(1, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
+        self.conv2, self.bn2, self.relu2 = nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
+        self.pool = nn.MaxPool2d(2)
+        self.conv3, self.bn3, self.relu3 = (nn.Conv2d(width, 2 * width, 3, padding=1, bias=False),
+                                            nn.BatchNorm2d(2 * width), nn.ReLU())
+        self.gap = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(2 * width, classes)
+
+    def forward(self, x):
+        x = self.relu2(self.bn2(self.conv2(self.relu1(self.bn1(self.conv1(x))))))
+        x = self.relu3(self.bn3(self.conv3(self.pool(x))))
+        return self.fc(torch.flatten(self.gap(x), 1))
+
+
+def _tensors():
+    digits = load_digits()
+    return (torch.from_numpy(digits.train_images[:, None]), torch.from_numpy(digits.train_labels),
+            torch.from_numpy(digits.test_images[:, None]), torch.from_numpy(digits.test_labels))
+
+
+def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    training = model.training
+    model.eval()
+    with torch.no_grad():
+        correct = float((model(x).argmax(1) == y).float().mean())
+    model.train(training)
+    return correct
+
+
+def _kernel_sparsity(model: nn.Module) -> tuple[float, dict[str, float]]:
+    layers = {f"{name}.weight": sparsity(m.weight) for name, m in model.named_modules()
+              if isinstance(m, (nn.Conv2d, nn.Linear)) or type(m).__name__ in ("QATConv", "QATLinear")}
+    sizes = {f"{name}.weight": m.weight.numel() for name, m in model.named_modules() if f"{name}.weight" in layers}
+    total = sum(sizes.values())
+    return sum(layers[k] * sizes[k] for k in layers) / total, layers
+
+
+def _checkpoints(folder: Path) -> list[Path]:
+    return sorted(folder.glob("epoch-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+
+
+def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool, progress: bool) -> TrainingRun:
+    from tqdm import tqdm
+
+    x_train, y_train, x_test, y_test = _tensors()
+    steps_per_epoch = math.ceil(len(x_train) / BATCH)
+    torch.manual_seed(seed)
+    model = DigitsNet()
+    manager = ScheduledModifierManager(recipe)
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=5e-5),
+                               steps_per_epoch=steps_per_epoch)
+    run = TrainingRun("torch", recipe.source, str(out_dir), epochs, seed, steps_per_epoch)
+    ckpt_dir = out_dir / "checkpoints"
+    start = 0
+    if resume:
+        found = _checkpoints(ckpt_dir)
+        if not found:
+            raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}")
+        state = torch.load(found[-1], weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])  # recal's state first: it re-creates QAT modules
+        model.load_state_dict(state["model"])
+        run.history = [EpochRecord(**h) for h in state["history"]]
+        start = state["epoch"]
+        torch.set_rng_state(state["torch_rng"])
+        log.info("resumed from %s (epoch %d, step %d)", found[-1], start, manager.step)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    tensorboard = TensorBoardLogger(out_dir / "tensorboard")
+    manager.loggers = [tensorboard]
+    loss_fn = nn.CrossEntropyLoss()
+    try:
+        for epoch in range(start, epochs):
+            order = torch.from_numpy(np.random.default_rng(seed * 100_003 + epoch).permutation(len(x_train)))
+            bar = tqdm(range(steps_per_epoch), desc=f"torch epoch {epoch + 1}/{epochs}", disable=not progress,
+                       leave=False, dynamic_ncols=True)
+            losses, correct = [], 0
+            model.train()
+            for b in bar:
+                index = order[b * BATCH:(b + 1) * BATCH]
+                optimizer.zero_grad()
+                logits = model(x_train[index])
+                loss = loss_fn(logits, y_train[index])
+                loss.backward()
+                optimizer.step()
+                losses.append(float(loss))
+                correct += int((logits.argmax(1) == y_train[index]).sum())
+                if b % 5 == 0 or b == steps_per_epoch - 1:
+                    bar.set_postfix(loss=f"{statistics.fmean(losses):.3f}", sparsity=f"{_kernel_sparsity(model)[0]:.3f}",
+                                    lr=f"{optimizer.param_groups[0]['lr']:.4g}")
+            record = EpochRecord(epoch + 1, statistics.fmean(losses), correct / len(x_train),
+                                 _accuracy(model, x_test, y_test), _kernel_sparsity(model)[0],
+                                 float(optimizer.param_groups[0]["lr"]))
+            run.history.append(record)
+            for key in ("loss", "train_accuracy", "test_accuracy", "sparsity"):
+                tensorboard.writer.add_scalar(f"epoch/{key}", getattr(record, key), record.epoch)
+            if progress:
+                tqdm.write(f"torch epoch {record.epoch}/{epochs}: loss {record.loss:.4f}, test accuracy "
+                           f"{record.test_accuracy:.4f}, sparsity {record.sparsity:.3f}, lr {record.lr:.4g}")
+            with atomic_path(ckpt_dir / f"epoch-{epoch + 1}.pt") as tmp:
+                torch.save({"epoch": epoch + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                            "history": [vars(h) for h in run.history], "torch_rng": torch.get_rng_state()}, tmp)
+    finally:
+        tensorboard.close()
+    manager.finalize(model)
+    model.eval()
+    run.artefacts = _artefacts(model, out_dir, x_test, y_test)
+    return run
+
+
+def _artefacts(model: nn.Module, out_dir: Path, x_test: torch.Tensor, y_test: torch.Tensor) -> list[Artefact]:
+    quantized = bool(qat_modules(model))
+    overall, layers = _kernel_sparsity(model)
+    with atomic_path(out_dir / "model.pt") as tmp:
+        torch.save(model.state_dict(), tmp)
+    one = x_test[:1]
+    with torch.no_grad():
+        for _ in range(10):
+            model(one)
+        times = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            model(one)
+            times.append(time.perf_counter() - t0)
+    torch_artefact = Artefact("PyTorch model" + (" (QAT, fake-quantized)" if quantized else ""), "torch",
+                              str(out_dir / "model.pt"), _accuracy(model, x_test, y_test), overall, layers,
+                              (out_dir / "model.pt").stat().st_size, statistics.median(times) * 1e3,
+                              f"torch {torch.__version__}")
+    onnx_path = export_onnx(model, one, out_dir / "model.onnx")
+    onnx_artefact = Artefact("QAT ONNX export (QDQ)" if quantized else "ONNX export (fp32)", "torch", str(onnx_path),
+                             qat=quantized)
+    return [torch_artefact, onnx_artefact]
