@@ -109,7 +109,9 @@ def _positive_int(text: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # other libraries: warnings only
+    for name in ("recal", "recal_core", "recal_torch", "recal_tf", "recal_onnx"):
+        logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return int(args.func(args) or 0)
     except RecipeError as exc:

@@ -1,0 +1,148 @@
+"""The TensorFlow trainer behind ``recal train --framework tf``: the digits classifier under a recipe.
+
+A ``tf.compat.v1`` graph with the seed's API: ``create_ops``, one ``train_op_with_ops`` per step,
+summaries to TensorBoard, a ``Saver`` checkpoint per epoch (``--resume`` restores the last one and
+continues the schedule exactly), and at the end ``complete_graph`` and a frozen inference graph.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+from recal_core.atomic import atomic_path, write_text_atomically
+from recal_core.datasets import load_digits
+from recal_core.recipe import Recipe
+from recal_core.training import Artefact, EpochRecord, TrainingRun
+
+from .manager import EXTRAS_KEY_LEARNING_RATE, EXTRAS_KEY_WEIGHT_DECAY, ScheduledModifierManager
+from .models import digits_net
+from .utils import batch_cross_entropy_loss, tf_compat
+
+log = logging.getLogger(__name__)
+
+BATCH = 32
+LR = 0.05
+
+
+def _kernel_sparsity(values: dict[str, np.ndarray]) -> tuple[float, dict[str, float]]:
+    layers = {name: float((v == 0).sum()) / v.size for name, v in values.items()}
+    total = sum(v.size for v in values.values())
+    return sum(layers[n] * values[n].size for n in values) / total, layers
+
+
+def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool, progress: bool) -> TrainingRun:
+    from tqdm import tqdm
+
+    digits = load_digits()
+    x_train, y_train = digits.train_images[..., None], digits.train_labels
+    x_test, y_test = digits.test_images[..., None], digits.test_labels
+    steps_per_epoch = math.ceil(len(x_train) / BATCH)
+    run = TrainingRun("tf", recipe.source, str(out_dir), epochs, seed, steps_per_epoch)
+    graph = tf_compat.Graph()
+    with graph.as_default():
+        tf_compat.set_random_seed(seed)
+        inputs = tf_compat.placeholder(tf.float32, [None, 8, 8, 1], name="inputs")
+        labels = tf_compat.placeholder(tf.int64, [None], name="labels")
+        logits = digits_net(inputs)
+        loss = batch_cross_entropy_loss(logits, tf.one_hot(labels, 10))
+        global_step = tf_compat.train.get_or_create_global_step()
+        manager = ScheduledModifierManager(recipe)
+        mod_ops, extras = manager.create_ops(steps_per_epoch=steps_per_epoch, base_lr=LR)
+        total_loss = loss + extras[EXTRAS_KEY_WEIGHT_DECAY] if EXTRAS_KEY_WEIGHT_DECAY in extras else loss
+        lr = extras.get(EXTRAS_KEY_LEARNING_RATE, tf.constant(LR))
+        train_op = tf_compat.train.MomentumOptimizer(lr, 0.9).minimize(
+            total_loss, global_step=global_step, var_list=tf_compat.trainable_variables())
+        step_op = manager.train_op_with_ops(train_op)
+        kernels = {v.op.name: v for v in tf_compat.trainable_variables() if v.op.name.endswith("weight")}
+        summaries = tf_compat.summary.merge_all()
+        saver = tf_compat.train.Saver(max_to_keep=3)
+        init = tf_compat.global_variables_initializer()
+    with graph.as_default():  # Saver, FileWriter and session ops need the graph as default under TF2
+        ckpt_dir = out_dir / "checkpoints"
+        sess = tf_compat.Session(graph=graph)
+        start = 0
+        if resume:
+            latest = tf_compat.train.latest_checkpoint(str(ckpt_dir))
+            if latest is None:
+                raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}")
+            saver.restore(sess, latest)
+            manager.initialize_session(sess)
+            state = json.loads((ckpt_dir / "history.json").read_text())
+            run.history = [EpochRecord(**h) for h in state["history"]]
+            start = state["epoch"]
+        else:
+            sess.run(init)
+            manager.initialize_session(sess)
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        writer = tf_compat.summary.FileWriter(str(out_dir / "tensorboard"), graph)
+        try:
+            for epoch in range(start, epochs):
+                order = np.random.default_rng(seed * 100_003 + epoch).permutation(len(x_train))
+                bar = tqdm(range(steps_per_epoch), desc=f"tf epoch {epoch + 1}/{epochs}", disable=not progress,
+                           leave=False, dynamic_ncols=True)
+                losses, correct = [], 0
+                for b in bar:
+                    index = order[b * BATCH:(b + 1) * BATCH]
+                    feed = {inputs: x_train[index], labels: y_train[index]}
+                    _, batch_loss, batch_logits, summary, step = sess.run([step_op, loss, logits, summaries, global_step],
+                                                                          feed)
+                    writer.add_summary(summary, step)
+                    losses.append(float(batch_loss))
+                    correct += int((batch_logits.argmax(1) == y_train[index]).sum())
+                    if b % 5 == 0 or b == steps_per_epoch - 1:
+                        bar.set_postfix(loss=f"{statistics.fmean(losses):.3f}",
+                                        sparsity=f"{_kernel_sparsity(sess.run(kernels))[0]:.3f}",
+                                        lr=f"{float(sess.run(lr)):.4g}")
+                test_logits = sess.run(logits, {inputs: x_test})
+                record = EpochRecord(epoch + 1, statistics.fmean(losses), correct / len(x_train),
+                                     float((test_logits.argmax(1) == y_test).mean()),
+                                     _kernel_sparsity(sess.run(kernels))[0], float(sess.run(lr)))
+                run.history.append(record)
+                if progress:
+                    tqdm.write(f"tf epoch {record.epoch}/{epochs}: loss {record.loss:.4f}, test accuracy "
+                               f"{record.test_accuracy:.4f}, sparsity {record.sparsity:.3f}, lr {record.lr:.4g}")
+                saver.save(sess, str(ckpt_dir / "model.ckpt"), global_step=epoch + 1)
+                write_text_atomically(ckpt_dir / "history.json", json.dumps(
+                    {"epoch": epoch + 1, "history": [vars(h) for h in run.history]}))
+            writer.flush()
+            manager.complete_graph(graph, sess)
+            frozen = tf_compat.graph_util.convert_variables_to_constants(sess, graph.as_graph_def(),
+                                                                         ["digits_net/logits"])
+            overall, layers = _kernel_sparsity(sess.run(kernels))
+            accuracy = float((sess.run(logits, {inputs: x_test}).argmax(1) == y_test).mean())
+        finally:
+            writer.close()
+            sess.close()
+    run.artefacts = [_frozen_artefact(frozen, out_dir, x_test, accuracy, overall, layers)]
+    return run
+
+
+def _frozen_artefact(frozen, out_dir: Path, x_test: np.ndarray, accuracy: float, overall: float,
+                     layers: dict[str, float]) -> Artefact:
+    path = out_dir / "model.pb"
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(frozen.SerializeToString())
+    with tf_compat.Graph().as_default() as inference, tf_compat.Session(graph=inference) as sess:
+        tf_compat.import_graph_def(frozen, name="")
+        one = {"inputs:0": x_test[:1]}
+        for _ in range(10):
+            sess.run("digits_net/logits:0", one)
+        times = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            sess.run("digits_net/logits:0", one)
+            times.append(time.perf_counter() - t0)
+        frozen_accuracy = float((sess.run("digits_net/logits:0", {"inputs:0": x_test}).argmax(1)
+                                 == load_digits().test_labels).mean())
+    if abs(frozen_accuracy - accuracy) > 1e-9:
+        log.warning("frozen graph accuracy %.4f differs from the session's %.4f", frozen_accuracy, accuracy)
+    return Artefact("TensorFlow frozen graph (GraphDef)", "tf", str(path), frozen_accuracy, overall, layers,
+                    path.stat().st_size, statistics.median(times) * 1e3, f"tensorflow {tf.__version__}")
