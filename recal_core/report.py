@@ -122,6 +122,10 @@ def plot_schedule(schedule: RecipeSchedule, path: str | os.PathLike, *, measured
         ax_acc.plot(measured["epoch"], measured["accuracy"], "s--", color="tab:green", label="test accuracy")
         ax_acc.set_ylabel("accuracy")
         ax_acc.legend(loc="lower right")
+    for index, m in schedule.quantization:
+        start = schedule.epoch_of(schedule.span(m).start)
+        ax_s.axvspan(start, schedule.epoch_of(schedule.total_steps), color="tab:purple", alpha=0.08,
+                     label="QAT" if index == schedule.quantization[0][0] else None)
     ax_s.set_ylabel("sparsity")
     ax_s.set_ylim(0, 1)
     ax_s.grid(alpha=0.3)

@@ -41,6 +41,7 @@ def _kernel_sparsity(values: dict[str, np.ndarray]) -> tuple[float, dict[str, fl
 def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool, progress: bool) -> TrainingRun:
     from tqdm import tqdm
 
+    tf.get_logger().setLevel(logging.ERROR)  # TF's notices that v1 graph APIs are deprecated
     digits = load_digits()
     x_train, y_train = digits.train_images[..., None], digits.train_labels
     x_test, y_test = digits.test_images[..., None], digits.test_labels
