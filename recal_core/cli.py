@@ -115,7 +115,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except RecipeError as exc:
-        print(f"recal: invalid recipe: {exc}", file=sys.stderr)
+        if args.command == "check" or len(exc.problems) == 1:
+            print(f"recal {args.command}: invalid recipe: {exc}", file=sys.stderr)
+        else:  # one line; `recal check` lists them all
+            print(f"recal {args.command}: invalid recipe: {exc.problems[0]} (and {len(exc.problems) - 1} more "
+                  f"problems: run `recal check` on the recipe to list them)", file=sys.stderr)
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"recal {args.command}: {exc}", file=sys.stderr)
     return EXIT_BAD_INPUT

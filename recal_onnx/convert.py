@@ -85,17 +85,20 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     started = time.perf_counter()
-    source = _load(model_or_path)
-    if output_path is not None and isinstance(model_or_path, (str, os.PathLike)) \
-            and Path(output_path).resolve() == Path(model_or_path).resolve():
+    from_path = isinstance(model_or_path, (str, os.PathLike))
+    if output_path is not None and from_path and Path(output_path).resolve() == Path(model_or_path).resolve():
         raise ValueError(f"refusing to overwrite the input model {model_or_path}; choose another output path")
-    if not any(n.op_type in QDQ_OPS for n in source.graph.node):
-        name = model_or_path if isinstance(model_or_path, (str, os.PathLike)) else "the model"
+    model = _load(model_or_path)
+    if not any(n.op_type in QDQ_OPS for n in model.graph.node):
+        name = model_or_path if from_path else "the model"
         raise ValueError(f"{name} is not a QAT model: it has no QuantizeLinear/DequantizeLinear nodes")
-
-    model = onnx.ModelProto()
-    model.CopyFrom(source)
-    model = onnx.shape_inference.infer_shapes(model)
+    if from_path:
+        reference: onnx.ModelProto | str = str(model_or_path)  # the file stays as it is; no second copy
+    else:
+        reference = model_or_path
+        model = onnx.ModelProto()
+        model.CopyFrom(model_or_path)  # never modify the caller's model
+    infer_shapes_in_place(model)
     g = Graph(model)
     rewrites: dict[str, int] = {}
 
@@ -116,15 +119,14 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     unconverted = _float_islands(g, QDQ_FUSIBLE if format == "qdq" else set())
     rewrites["remove_dead"] = g.remove_dead()
     g.commit()
-    onnx.checker.check_model(model)
-    model = onnx.shape_inference.infer_shapes(model)
+    infer_shapes_in_place(model, check=True)
     if unconverted:
         listed = ", ".join(f"{op} {name!r}" for op, name in unconverted)
         warnings.warn(f"left in float between DequantizeLinear and QuantizeLinear: {listed}",
                       UnconvertedOpsWarning, stacklevel=2)
     result = ConversionResult(model, None, rewrites, unconverted)
     if verify:
-        result.verification = verify_models(source, model, inputs)
+        result.verification = verify_models(reference, model, inputs)
         problem = result.verification.problem(tolerance, min_agreement)
         if problem:
             raise VerificationError(f"the converted model does not match the input model: {problem}; "
@@ -134,6 +136,29 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     result.seconds = time.perf_counter() - started
     log.debug("quantize_qat_export: %s in %.2fs", {k: v for k, v in rewrites.items() if v}, result.seconds)
     return result
+
+
+def infer_shapes_in_place(model: onnx.ModelProto, check: bool = False) -> None:
+    """Shape inference (and ``onnx.checker`` with ``check``) on a weightless skeleton of ``model``, so
+    large initializers are never copied; the inferred value_info is written back into ``model``."""
+    from onnx import helper
+
+    graph = model.graph
+    small, big = [], []
+    for tensor in graph.initializer:
+        (big if tensor.ByteSize() > 4096 else small).append(tensor)
+    stand_ins = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in big]
+    given = {i.name for i in graph.input}
+    skeleton = helper.make_model(
+        helper.make_graph(list(graph.node), graph.name or "graph", list(graph.input) + [v for v in stand_ins
+                                                                                         if v.name not in given],
+                          list(graph.output), small),
+        opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    inferred = onnx.shape_inference.infer_shapes(skeleton)
+    if check:
+        onnx.checker.check_model(inferred)
+    del graph.value_info[:]
+    graph.value_info.extend(inferred.graph.value_info)
 
 
 def _load(model_or_path) -> onnx.ModelProto:

@@ -24,6 +24,7 @@ class Graph:
         self.graph = model.graph
         self.nodes: list[onnx.NodeProto] = list(self.graph.node)
         self.initializers: dict[str, onnx.TensorProto] = {t.name: t for t in self.graph.initializer}
+        self._original_initializers = set(self.initializers)
         self._arrays: dict[str, np.ndarray] = {}
         self._names = itertools.count()
         self.ranks: dict[str, int] = {}  # from shape inference, for the tensors it could type
@@ -57,6 +58,17 @@ class Graph:
         if name not in self._arrays:
             self._arrays[name] = numpy_helper.to_array(self.initializers[name])
         return self._arrays[name]
+
+    def drop_if_unused(self, *names: str) -> None:
+        """Forget constants nothing reads any more (keeps memory flat while passes fold weights)."""
+        for name in names:
+            if name in self.initializers and not self.uses(name):
+                del self.initializers[name]
+                self._arrays.pop(name, None)
+
+    def release_arrays(self) -> None:
+        """Drop the numpy copies of constants (the TensorProtos stay)."""
+        self._arrays.clear()
 
     def uses(self, name: str) -> int:
         return len(self.consumers.get(name, ())) + (name in self.outputs)
@@ -149,14 +161,19 @@ class Graph:
 
     def commit(self) -> onnx.ModelProto:
         self.remove_dead()
+        self.release_arrays()
         ordered = self.sorted_nodes()
         del self.graph.node[:]
         self.graph.node.extend(ordered)
+        tensors = list(self.initializers.values())
+        kept = set(self.initializers)
+        self.initializers.clear()
         del self.graph.initializer[:]
-        self.graph.initializer.extend(self.initializers.values())
+        while tensors:  # move one at a time, so the old and new lists never both hold every weight
+            self.graph.initializer.append(tensors.pop(0))
         del self.graph.value_info[:]  # stale after rewrites (types change); shape inference refills it
-        names = {i.name for i in self.graph.initializer}
-        kept_inputs = [i for i in self.graph.input if i.name not in names or i.name in self.initializers]
+        # graph inputs that named an initializer this rewrite removed go too
+        kept_inputs = [i for i in self.graph.input if i.name not in self._original_initializers or i.name in kept]
         del self.graph.input[:]
         self.graph.input.extend(kept_inputs)
         if any(n.domain == MS_DOMAIN for n in ordered) and not any(o.domain == MS_DOMAIN for o in self.model.opset_import):

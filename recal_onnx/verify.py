@@ -33,7 +33,7 @@ class Verification:
         return f"max abs diff {self.max_abs_diff:.4g} (output range {self.output_range:.4g}){agree} on {self.samples} samples"
 
 
-def session(model: onnx.ModelProto, threads: int | None = None, level=None):
+def session(model: onnx.ModelProto | str, threads: int | None = None, level=None):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -42,10 +42,11 @@ def session(model: onnx.ModelProto, threads: int | None = None, level=None):
     if threads:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    source = model if isinstance(model, str) else model.SerializeToString()
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
 
-def reference_session(model: onnx.ModelProto):
+def reference_session(model: onnx.ModelProto | str):
     """A session for an input QDQ model; onnxruntime 1.31 fails to load some QDQ models with residual
     Adds at the default level (a QLinearAdd type-inference error), so fall back to basic optimizations."""
     import onnxruntime as ort
@@ -75,9 +76,10 @@ def generated_inputs(model: onnx.ModelProto, batch: int = 256, seed: int = 0) ->
     return feeds
 
 
-def verify_models(reference: onnx.ModelProto, candidate: onnx.ModelProto,
+def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
                   inputs: dict[str, np.ndarray] | None = None) -> Verification:
-    feeds = inputs if inputs is not None else generated_inputs(reference)
+    """Compare ``candidate`` with ``reference`` (a model or a path) on ``inputs`` (generated if None)."""
+    feeds = inputs if inputs is not None else generated_inputs(candidate)
     ref = reference_session(reference).run(None, feeds)
     got = session(candidate).run(None, feeds)  # the converted model must load with default options
     diff = max(float(np.max(np.abs(r.astype(np.float64) - c.astype(np.float64)))) if r.size else 0.0

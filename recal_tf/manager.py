@@ -223,10 +223,20 @@ class ScheduledModifierManager:
         return self._mask_ops(k)
 
     def _mask_ops(self, k) -> list:
-        """Per pruning modifier one conditional update of all its masks, then ``w <- w * mask`` per variable."""
+        """Per pruning modifier one conditional update of all its masks, then ``w <- w * mask`` per variable.
+
+        As in recal_torch, new masks rank the weights with the masks of step ``k - 1`` applied, so a
+        weight pruned earlier (and moved by the optimizer since) is never ranked back in.
+        """
+        previous = tf.maximum(k - 1, 0)
+        masked: dict[str, tf.Tensor] = {name: variable.read_value() for name, variable in self._pruned.items()}
+        for group in self._groups:
+            was_in_force = tf.gather(tf.constant(group.in_force), previous)
+            for m in group.masks:
+                masked[m.name] = masked[m.name] * tf.where(was_in_force, m.mask.read_value(), tf.ones_like(m.mask))
         factors: dict[str, list[tf.Tensor]] = {}
         for group in self._groups:
-            masks = _group_update(group, k)
+            masks = _group_update(group, k, masked)
             in_force = tf.cast(tf.gather(tf.constant(group.in_force), k), tf.float32)
             for m, mask in zip(group.masks, masks):
                 # in force: the mask; released (leave_enabled: false) or not yet started: ones
@@ -239,6 +249,27 @@ class ScheduledModifierManager:
                 effective = effective * part
             ops.append(variable.assign(variable * effective, read_value=False))
         return [tf.group(*ops, name="modifier_ops")] if ops else []
+
+    def mask_gradients(self, grads_and_vars: list[tuple[tf.Tensor, tf.Variable]]) -> list[tuple[tf.Tensor, tf.Variable]]:
+        """Multiply each pruned variable's gradient by its mask in force, so pruned weights get no
+        update and no momentum (``opt.apply_gradients(manager.mask_gradients(opt.compute_gradients(loss)))``)."""
+        self._require_ops("mask_gradients")
+        by_variable: dict[str, list[tf.Tensor]] = {}
+        with self._graph.as_default(), tf_compat.name_scope("recal/mask_gradients"):
+            step = tf.minimum(tf.cast(tf_compat.train.get_global_step(self._graph), tf.int64), self.schedule.total_steps)
+            for group in self._groups:
+                in_force = tf.gather(tf.constant(group.in_force), step)
+                for m in group.masks:
+                    factor = tf.where(in_force, m.mask.read_value(), tf.ones_like(m.mask))
+                    by_variable.setdefault(m.name, []).append(factor)
+            masked = []
+            for grad, var in grads_and_vars:
+                factors = by_variable.get(var.op.name)
+                if grad is not None and factors:
+                    for factor in factors:
+                        grad = grad * factor
+                masked.append((grad, var))
+        return masked
 
     def train_op_with_ops(self, train_op) -> tf.Operation:
         """One op that runs ``train_op`` and then recal's ops: a single ``sess.run`` per step.
@@ -362,15 +393,19 @@ def _update_tables(ps: PruningSchedule, total: int) -> tuple[np.ndarray, np.ndar
     return ids, in_force, update_steps
 
 
-def _group_update(group: _MaskGroup, k) -> list[tf.Tensor]:
-    """The masks in force at ``k``: all recomputed (and stored) when the last update point changed."""
+def _group_update(group: _MaskGroup, k, masked: dict[str, tf.Tensor]) -> list[tf.Tensor]:
+    """The masks in force at ``k``: all recomputed (and stored) when the last update point changed.
+
+    GradualKS ranks ``masked[name]`` (the weights with earlier masks applied); ConstantKS keeps the
+    zeros of the raw weights.
+    """
     update_id = tf.gather(tf.constant(group.update_ids), k)
     needed = tf.logical_and(tf.not_equal(update_id, group.update_id.read_value()), update_id >= 0)
 
     def recompute():
         new_masks, assigns = [], []
         for m in group.masks:
-            weight = m.variable.read_value()
+            weight = m.variable.read_value() if group.constant else masked[m.name]
             if group.constant:
                 new = tf.cast(tf.not_equal(weight, 0), weight.dtype)
             else:

@@ -22,10 +22,16 @@ def _conv(x: tf.Tensor, name: str, filters: int, kernel: int, stride: int, initi
         return tf.nn.relu(y, name="relu")
 
 
-def _dense(x: tf.Tensor, name: str, units: int) -> tf.Tensor:
+def _torch_default():
+    """PyTorch's default conv/linear initialisation, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), so the digits
+    networks of both backends start alike (with BatchNorm the weight scale sets the effective LR)."""
+    return tf_compat.variance_scaling_initializer(scale=1.0 / 3.0, mode="fan_in", distribution="uniform")
+
+
+def _dense(x: tf.Tensor, name: str, units: int, initializer=None) -> tf.Tensor:
     with tf_compat.variable_scope(name):
         weight = tf_compat.get_variable("weight", [int(x.shape[-1]), units],
-                                        initializer=tf_compat.glorot_uniform_initializer())
+                                        initializer=initializer or tf_compat.glorot_uniform_initializer())
         bias = tf_compat.get_variable("bias", [units], initializer=tf_compat.zeros_initializer())
         return tf.nn.bias_add(tf.matmul(x, weight), bias)
 
@@ -42,19 +48,57 @@ def mnist_net(inputs: tf.Tensor, num_classes: int = 10) -> tf.Tensor:
             x = _conv(x, "conv1", 32, 5, 2)
         with tf_compat.variable_scope("dense"):
             x = tf.reshape(x, [-1, int(x.shape[1]) * int(x.shape[2]) * int(x.shape[3])])
-            logits = _dense(x, "fc", num_classes)
+            logits = _dense(x, "fc", num_classes, _torch_default())
         return tf.identity(logits, name="logits")
 
 
-def digits_net(inputs: tf.Tensor, num_classes: int = 10) -> tf.Tensor:
-    """A small CNN for the ``[N, 8, 8, 1]`` digits; returns logits (the tensor ``digits_net/logits``)."""
+def _batch_norm(x: tf.Tensor, training: tf.Tensor, momentum: float = 0.9, epsilon: float = 1e-5) -> tf.Tensor:
+    """Batch normalization (NHWC): batch statistics while ``training``, moving averages otherwise.
+
+    The moving-average updates go to ``tf.compat.v1.GraphKeys.UPDATE_OPS``; run them with the train op.
+    """
+    channels = int(x.shape[-1])
+    with tf_compat.variable_scope("bn"):
+        gamma = tf_compat.get_variable("gamma", [channels], initializer=tf_compat.ones_initializer())
+        beta = tf_compat.get_variable("beta", [channels], initializer=tf_compat.zeros_initializer())
+        mean = tf_compat.get_variable("moving_mean", [channels], initializer=tf_compat.zeros_initializer(),
+                                      trainable=False)
+        variance = tf_compat.get_variable("moving_variance", [channels], initializer=tf_compat.ones_initializer(),
+                                          trainable=False)
+    y_train, batch_mean, batch_variance = tf_compat.nn.fused_batch_norm(x, gamma, beta, epsilon=epsilon,
+                                                                          is_training=True)
+    y_infer, _, _ = tf_compat.nn.fused_batch_norm(x, gamma, beta, mean=mean, variance=variance, epsilon=epsilon,
+                                                  is_training=False)
+    for moving, batch in ((mean, batch_mean), (variance, batch_variance)):
+        tf_compat.add_to_collection(tf_compat.GraphKeys.UPDATE_OPS,
+                                    moving.assign_sub((moving - batch) * (1.0 - momentum), read_value=False))
+    return tf.where(training, y_train, y_infer)
+
+
+def _conv_bn_relu(x: tf.Tensor, name: str, filters: int, training: tf.Tensor) -> tf.Tensor:
+    with tf_compat.variable_scope(name):
+        with tf_compat.variable_scope("conv"):
+            weight = tf_compat.get_variable("weight", [3, 3, int(x.shape[-1]), filters], initializer=_he())
+            y = tf.nn.conv2d(x, weight, strides=[1, 1, 1, 1], padding="SAME")
+        return tf.nn.relu(_batch_norm(y, training), name="relu")
+
+
+def digits_net(inputs: tf.Tensor, num_classes: int = 10, training: tf.Tensor | None = None) -> tf.Tensor:
+    """Conv-BN-ReLU x2, max-pool, Conv-BN-ReLU, global average pool, dense: for ``[N, 8, 8, 1]`` digits
+    (the same network as ``recal_torch.train.DigitsNet``). Returns logits (``digits_net/logits``).
+
+    ``training`` is a boolean tensor (default: a ``placeholder_with_default(False)`` named
+    ``digits_net/training``); feed ``True`` while training and run the ``UPDATE_OPS`` with the train op.
+    """
     with tf_compat.variable_scope("digits_net", reuse=tf_compat.AUTO_REUSE):
+        if training is None:
+            training = tf_compat.placeholder_with_default(False, [], name="training")
         with tf_compat.variable_scope("blocks"):
-            x = _conv(inputs, "conv0", 32, 3, 1, _he())
-            x = _conv(x, "conv1", 32, 3, 1, _he())
+            x = _conv_bn_relu(inputs, "conv0", 32, training)
+            x = _conv_bn_relu(x, "conv1", 32, training)
             x = tf.nn.max_pool2d(x, 2, 2, "VALID")
-            x = _conv(x, "conv2", 64, 3, 1, _he())
+            x = _conv_bn_relu(x, "conv2", 64, training)
         with tf_compat.variable_scope("dense"):
             x = tf.reduce_mean(x, axis=[1, 2])
-            logits = _dense(x, "fc", num_classes)
+            logits = _dense(x, "fc", num_classes, _torch_default())
         return tf.identity(logits, name="logits")

@@ -52,17 +52,20 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
         tf_compat.set_random_seed(seed)
         inputs = tf_compat.placeholder(tf.float32, [None, 8, 8, 1], name="inputs")
         labels = tf_compat.placeholder(tf.int64, [None], name="labels")
-        logits = digits_net(inputs)
+        training = tf_compat.placeholder_with_default(False, [], name="training")
+        logits = digits_net(inputs, training=training)
         loss = batch_cross_entropy_loss(logits, tf.one_hot(labels, 10))
         global_step = tf_compat.train.get_or_create_global_step()
         manager = ScheduledModifierManager(recipe)
         mod_ops, extras = manager.create_ops(steps_per_epoch=steps_per_epoch, base_lr=LR)
         total_loss = loss + extras[EXTRAS_KEY_WEIGHT_DECAY] if EXTRAS_KEY_WEIGHT_DECAY in extras else loss
         lr = extras.get(EXTRAS_KEY_LEARNING_RATE, tf.constant(LR))
-        train_op = tf_compat.train.MomentumOptimizer(lr, 0.9).minimize(
-            total_loss, global_step=global_step, var_list=tf_compat.trainable_variables())
+        with tf_compat.control_dependencies(tf_compat.get_collection(tf_compat.GraphKeys.UPDATE_OPS)):
+            optimizer = tf_compat.train.MomentumOptimizer(lr, 0.9)
+            grads = optimizer.compute_gradients(total_loss, var_list=tf_compat.trainable_variables())
+            train_op = optimizer.apply_gradients(manager.mask_gradients(grads), global_step=global_step)
         step_op = manager.train_op_with_ops(train_op)
-        kernels = {v.op.name: v for v in tf_compat.trainable_variables() if v.op.name.endswith("weight")}
+        kernels = {v.op.name: v for v in tf_compat.trainable_variables() if v.op.name.endswith("/weight")}
         summaries = tf_compat.summary.merge_all()
         saver = tf_compat.train.Saver(max_to_keep=3)
         init = tf_compat.global_variables_initializer()
@@ -92,7 +95,7 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
                 losses, correct = [], 0
                 for b in bar:
                     index = order[b * BATCH:(b + 1) * BATCH]
-                    feed = {inputs: x_train[index], labels: y_train[index]}
+                    feed = {inputs: x_train[index], labels: y_train[index], training: True}
                     _, batch_loss, batch_logits, summary, step = sess.run([step_op, loss, logits, summaries, global_step],
                                                                           feed)
                     writer.add_summary(summary, step)

@@ -354,3 +354,39 @@ def test_train_op_with_ops_is_one_call_per_step():
             target = schedule.pruning[0].sparsity(k)
             w = sess.run(g.variables[KERNELS[1]])
             assert int((w == 0).sum()) == (0 if target is None else pruned_count(target, w.size)), k
+
+
+def test_pruned_weights_are_never_ranked_back_in():
+    g = Graph(PRUNE, "momentum")  # the seed's API: no gradient masking, momentum moves pruned weights
+    with g.session() as sess:
+        sess.run(g.init)
+        previous = None
+        for batch in _data(g.manager.schedule.total_steps):
+            g.step(sess, batch)
+            zeros = sess.run(g.variables[KERNELS[2]]) == 0
+            if previous is not None:
+                assert np.all(zeros[previous]), "a pruned weight came back"
+            previous = zeros
+
+
+def test_mask_gradients_keeps_pruned_weights_out_of_the_optimizer():
+    graph = tf_compat.Graph()
+    with graph.as_default():
+        inputs = tf_compat.placeholder(tf.float32, [None, 28, 28, 1])
+        labels = tf_compat.placeholder(tf.float32, [None, 10])
+        loss = batch_cross_entropy_loss(mnist_net(inputs), labels)
+        step = tf_compat.train.get_or_create_global_step()
+        manager = ScheduledModifierManager.from_yaml(PRUNE)
+        manager.create_ops(steps_per_epoch=SPE)
+        opt = tf_compat.train.MomentumOptimizer(0.1, 0.9)
+        train = manager.train_op_with_ops(opt.apply_gradients(manager.mask_gradients(opt.compute_gradients(loss)),
+                                                              global_step=step))
+        fc = [v for v in tf_compat.global_variables() if v.op.name == KERNELS[2]][0]
+        slot = opt.get_slot(fc, "momentum")
+        with tf_compat.Session() as sess:
+            sess.run(tf_compat.global_variables_initializer())
+            for x, y in _data(SPE * 2):
+                sess.run(train, {inputs: x, labels: y})
+            w, momentum = sess.run([fc, slot])
+    pruned = w == 0
+    assert pruned.sum() > 0 and np.all(momentum[pruned] == 0)

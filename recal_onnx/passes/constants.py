@@ -63,6 +63,7 @@ def fold_constants(g: Graph) -> int:
                 g.set_const(name, value)
             g.nodes.remove(node)
             g.refresh()
+            g.drop_if_unused(*node.input)
             count += 1
             changed = True
     return count

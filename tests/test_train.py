@@ -1,0 +1,136 @@
+"""`recal train` end to end (small recipes, few epochs): artefacts, report, resume, bad input."""
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from recal_core import load_recipe
+from recal_core.training import train
+
+from .conftest import ROOT
+
+PRUNE_QAT = """
+- !EpochRangeModifier {start_epoch: 0, end_epoch: 4}
+- !LearningRateModifier {start_epoch: 0, end_epoch: 3, lr_class: ExponentialLR, lr_kwargs: {gamma: 0.7}, init_lr: 0.05}
+- !GradualKSModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.2, final_sparsity: 0.6, start_epoch: 0,
+                      end_epoch: 2, update_frequency: 0.5}
+- !QuantizationModifier {start_epoch: 3}
+"""
+PRUNE = """
+- !EpochRangeModifier {start_epoch: 0, end_epoch: 3}
+- !GradualKSModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.2, final_sparsity: 0.6, start_epoch: 0,
+                      end_epoch: 2, update_frequency: 0.5}
+"""
+
+
+def _recipe(tmp_path, text, name="recipe.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return load_recipe(path)
+
+
+@pytest.mark.slow
+def test_torch_train_writes_every_artefact(tmp_path):
+    out = tmp_path / "out"
+    run = train(_recipe(tmp_path, PRUNE_QAT), "torch", out, progress=False)
+    names = {a.name: a for a in run.artefacts}
+    assert set(names) == {"PyTorch model (QAT, fake-quantized)", "QAT ONNX export (QDQ)",
+                          "int8 ONNX (quantize_qat_export)"}
+    for a in run.artefacts:
+        assert a.accuracy > 0.8 and a.sparsity == pytest.approx(0.6, abs=0.01) and a.latency_ms > 0
+    assert names["int8 ONNX (quantize_qat_export)"].runtime.startswith("onnxruntime")
+    for f in ("model.pt", "model.onnx", "model.int8.onnx", "report.json", "report.md", "schedule.png"):
+        assert (out / f).is_file(), f
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"epoch-{i}.pt" for i in range(1, 5)]
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["history"]) == 4 and report["artefacts"][2]["accuracy"] > 0.8
+    assert "| int8 ONNX (quantize_qat_export) |" in (out / "report.md").read_text()
+    assert not list(out.glob(".*"))  # no temp files left
+
+
+@pytest.mark.slow
+def test_torch_resume_gives_the_uninterrupted_result(tmp_path):
+    recipe = _recipe(tmp_path, PRUNE_QAT)
+    train(recipe, "torch", tmp_path / "a", progress=False, quantize=False)
+    train(recipe, "torch", tmp_path / "b", epochs=2, progress=False, quantize=False)  # stops early
+    run = train(recipe, "torch", tmp_path / "b", resume=True, progress=False, quantize=False)
+    assert [h.epoch for h in run.history] == [1, 2, 3, 4]
+    a = torch.load(tmp_path / "a" / "model.pt")
+    b = torch.load(tmp_path / "b" / "model.pt")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.slow
+def test_tf_train_and_resume(tmp_path):
+    pytest.importorskip("tensorflow")
+    recipe = _recipe(tmp_path, PRUNE)
+    full = train(recipe, "tf", tmp_path / "a", progress=False)
+    (artefact,) = full.artefacts
+    assert artefact.path.endswith("model.pb") and artefact.accuracy > 0.8
+    assert artefact.sparsity == pytest.approx(0.6, abs=0.01)
+    assert list((tmp_path / "a" / "tensorboard").glob("events.out.tfevents.*"))
+    train(recipe, "tf", tmp_path / "b", epochs=2, progress=False)
+    resumed = train(recipe, "tf", tmp_path / "b", resume=True, progress=False)
+    assert [h.epoch for h in resumed.history] == [1, 2, 3]
+    assert resumed.artefacts[0].sparsity == artefact.sparsity
+    assert resumed.history[-1].test_accuracy == pytest.approx(full.history[-1].test_accuracy, abs=0.02)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "recal_core.cli", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_bad_input_is_one_line_and_keeps_earlier_outputs(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.md").write_text("earlier run")
+    before = hashlib.sha256((out / "report.md").read_bytes()).hexdigest()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- !GradualKSModifier {params: __ALL__, init_sparsity: 2, final_sparsity: 3, start_epoch: 0, "
+                   "end_epoch: 1, update_frequency: 1}\n")
+    wrong_layers = tmp_path / "layers.yaml"
+    wrong_layers.write_text("- !EpochRangeModifier {start_epoch: 0, end_epoch: 1}\n"
+                            "- !ConstantKSModifier {params: [encoder.layer.0]}\n")
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    cases = [
+        (["--recipe", str(tmp_path / "missing.yaml")], "recipe file not found"),
+        (["--recipe", str(bad)], "bad.yaml:1:"),
+        (["--recipe", str(wrong_layers)], "matches no prunable parameter"),
+        (["--recipe", str(ROOT / "scripts/recipes/dense.yaml"), "--output", str(a_file / "sub")], "not writable"),
+        (["--recipe", str(wrong_layers), "--resume"], "matches no prunable parameter"),
+    ]
+    for extra, words in cases:
+        args = ["train", "--framework", "torch", "--output", str(out), "--no-progress", *extra]
+        result = _cli(*args)
+        assert result.returncode != 0, extra
+        err = result.stderr.strip().splitlines()
+        assert len(err) == 1 and words in err[0], (extra, result.stderr)
+    assert hashlib.sha256((out / "report.md").read_bytes()).hexdigest() == before
+    assert sorted(p.name for p in out.iterdir()) == ["report.md"]
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
+    result = _cli("train", "--framework", "torch", "--recipe", str(ROOT / "scripts/recipes/dense.yaml"),
+                  "--output", str(tmp_path / "empty"), "--resume", "--no-progress")
+    assert result.returncode == 2 and "no checkpoint" in result.stderr
+
+
+@pytest.mark.slow
+def test_make_demo_script(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--output", str(tmp_path / "demo"),
+                             "--no-progress"], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = [line for line in result.stdout.splitlines() if line.startswith(("torch ", "tf "))]
+    assert len(table) == 6
+    for line in table:
+        accuracy = float(line.split()[-4])
+        assert accuracy > 0.9, line
+    assert (tmp_path / "demo" / "torch-prune-quant" / "model.int8.onnx").is_file()
