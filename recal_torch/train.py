@@ -122,7 +122,7 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
                 loss = loss_fn(logits, y_train[index])
                 loss.backward()
                 optimizer.step()
-                losses.append(float(loss))
+                losses.append(loss.item())
                 correct += int((logits.argmax(1) == y_train[index]).sum())
                 if b % 5 == 0 or b == steps_per_epoch - 1:
                     bar.set_postfix(loss=f"{statistics.fmean(losses):.3f}", sparsity=f"{_kernel_sparsity(model)[0]:.3f}",
