@@ -117,6 +117,7 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     else:
         run(bias_to_int32)
     unconverted = _float_islands(g, QDQ_FUSIBLE if format == "qdq" else set())
+    output_step = _output_quantum(g)
     rewrites["remove_dead"] = g.remove_dead()
     g.commit()
     infer_shapes_in_place(model, check=True)
@@ -127,7 +128,7 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     result = ConversionResult(model, None, rewrites, unconverted)
     if verify:
         result.verification = verify_models(reference, model, inputs)
-        problem = result.verification.problem(tolerance, min_agreement)
+        problem = result.verification.problem(tolerance, min_agreement, output_step)
         if problem:
             raise VerificationError(f"the converted model does not match the input model: {problem}; "
                                     "nothing was written")
@@ -176,6 +177,16 @@ def _load(model_or_path) -> onnx.ModelProto:
     if not model.graph.node:
         raise ValueError(f"{path} is not a readable ONNX model (no graph nodes; truncated or not ONNX?)")
     return model
+
+
+def _output_quantum(g: Graph) -> float:
+    """The largest quantization step of a graph output that is a DequantizeLinear (0 if none is)."""
+    steps = [0.0]
+    for name in g.outputs:
+        node = g.producer.get(name)
+        if node is not None and node.op_type == "DequantizeLinear" and g.is_const(node.input[1]):
+            steps.append(float(np.max(g.const(node.input[1]))))
+    return max(steps)
 
 
 def _float_islands(g: Graph, expected: set[str]) -> list[tuple[str, str]]:
