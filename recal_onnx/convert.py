@@ -47,7 +47,8 @@ from .verify import Verification, verify_models
 log = logging.getLogger(__name__)
 
 FORMATS = ("qoperator", "qdq")
-EXTERNAL_DATA_BYTES = 1_800_000_000
+EXTERNAL_DATA_BYTES = 1_800_000_000  # above this a model's tensors go to <name>.data (protobuf's limit is 2 GB)
+EXTERNAL_TENSOR_BYTES = 1024  # ... those of at least this size
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
 # ops that runtimes (onnxruntime, TensorRT) run quantized when they sit between DQ and Q in a QDQ model
 QDQ_FUSIBLE = {"Conv", "Gemm", "MatMul", "Add", "Mul", "Relu", "MaxPool", "AveragePool", "GlobalAveragePool",
@@ -208,5 +209,6 @@ def save_model_atomically(model: onnx.ModelProto, output_path: str | os.PathLike
     large = model.ByteSize() > EXTERNAL_DATA_BYTES if model.ByteSize() >= 0 else True
     with atomic_folder(target.parent) as folder:
         onnx.save_model(model, str(folder / target.name), save_as_external_data=large,
-                        all_tensors_to_one_file=True, location=target.name + ".data")
+                        all_tensors_to_one_file=True, location=target.name + ".data",
+                        size_threshold=EXTERNAL_TENSOR_BYTES)
     return target

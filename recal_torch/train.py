@@ -125,7 +125,9 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
                 losses.append(loss.item())
                 correct += int((logits.argmax(1) == y_train[index]).sum())
                 if b % 5 == 0 or b == steps_per_epoch - 1:
-                    bar.set_postfix(loss=f"{statistics.fmean(losses):.3f}", sparsity=f"{_kernel_sparsity(model)[0]:.3f}",
+                    bar.set_postfix(loss=f"{statistics.fmean(losses):.3f}",
+                                    acc=f"{correct / min(len(x_train), (b + 1) * BATCH):.3f}",
+                                    sparsity=f"{_kernel_sparsity(model)[0]:.3f}",
                                     lr=f"{optimizer.param_groups[0]['lr']:.4g}")
             record = EpochRecord(epoch + 1, statistics.fmean(losses), correct / len(x_train),
                                  _accuracy(model, x_test, y_test), _kernel_sparsity(model)[0],

@@ -175,3 +175,18 @@ def test_cli_and_script(tmp_path, recal_qat_model):
     bad = subprocess.run([*exe[:4], str(tmp_path / "missing.onnx"), str(tmp_path / "c.onnx")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "missing.onnx" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_large_models_use_external_data(tmp_path, recal_qat_model, monkeypatch):
+    import recal_onnx.convert as convert
+
+    src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
+    # store the input with external data too, as a > 2 GB export would be
+    onnx.save_model(onnx.load(str(src)), str(tmp_path / "big.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="big.onnx.data", size_threshold=0)
+    monkeypatch.setattr(convert, "EXTERNAL_DATA_BYTES", 1)  # pretend the output is above the limit
+    monkeypatch.setattr(convert, "EXTERNAL_TENSOR_BYTES", 0)
+    result = quantize_qat_export(tmp_path / "big.onnx", tmp_path / "out.onnx")
+    assert (tmp_path / "out.onnx.data").is_file()
+    session = ort.InferenceSession(str(result.path))
+    assert session.run(None, {"input": np.zeros((2, 1, 8, 8), np.float32)})[0].shape == (2, 10)

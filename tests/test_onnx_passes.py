@@ -223,3 +223,13 @@ def test_bias_to_int32_for_qdq_format():
     converted, (n,) = _apply(model, bias_to_int32)
     assert n == 1 and ops(converted).count("DequantizeLinear") == 4
     assert np.abs(run(converted, feeds)[0] - expected).max() <= 0.02 + 1e-6
+
+
+def test_conv_with_per_tensor_weight_scale():
+    b = Builder()
+    y = b.node("Conv", [b.qdq("x", 0.03, 128), b.weight((4, 3, 3, 3), per_channel=False)], pads=[1, 1, 1, 1])
+    model = b.model([("x", [1, 3, 5, 5])], [b.qdq(y, 0.05, 120)])
+    feeds = _x([1, 3, 5, 5])
+    expected = reference(model, feeds)[0]
+    converted, (n,) = _apply(model, conv_to_qlinearconv)
+    assert n == 1 and np.abs(run(converted, feeds)[0] - expected).max() <= 0.05 + 1e-6
