@@ -10,14 +10,14 @@ update point ``<= k`` changed since the mask was computed, and set ``w <- w * ma
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import tensorflow as tf
 
-from recal_core import RecipeError, load_recipe
+from recal_core import RecipeError
+from recal_core.manager import RecipeManager
 from recal_core import modifiers as M
 from recal_core.params import resolve_params
 from recal_core.recipe import Recipe
@@ -63,14 +63,11 @@ class _MaskGroup:
     masks: list[_Mask]
 
 
-class ScheduledModifierManager:
+class ScheduledModifierManager(RecipeManager):
     """Holds a recipe and modifies a TensorFlow graph with it (the seed's ``neuralmagicML`` API)."""
 
     def __init__(self, recipe: Recipe):
-        if not isinstance(recipe, Recipe):
-            raise TypeError(f"ScheduledModifierManager takes a Recipe, not {type(recipe).__name__}; "
-                            "use ScheduledModifierManager.from_yaml(path_or_text)")
-        self.recipe = recipe
+        super().__init__(recipe)
         self.schedule: RecipeSchedule | None = None
         self._graph: tf.Graph | None = None
         self._ops: list[tf.Operation] = []
@@ -82,18 +79,6 @@ class ScheduledModifierManager:
         self._groups: list[_MaskGroup] = []
         self._pruned: dict[str, tf.Variable] = {}
         self._completed = False
-
-    @classmethod
-    def from_yaml(cls, source: str | os.PathLike | Recipe) -> ScheduledModifierManager:
-        return cls(load_recipe(source))
-
-    @property
-    def max_epochs(self) -> int:
-        return self.recipe.max_epochs
-
-    @property
-    def min_epochs(self) -> int:
-        return self.recipe.min_epochs
 
     # --- create_ops ---------------------------------------------------------------------------
 

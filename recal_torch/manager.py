@@ -9,13 +9,13 @@ decay, trainable flags and QAT state of step ``k`` are in force for the next for
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from recal_core import RecipeError, load_recipe
+from recal_core.manager import RecipeManager
 from recal_core import modifiers as M
 from recal_core.loggers import RecalLogger
 from recal_core.params import ParamInfo, resolve_params, strip_wrapper
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 STATE_VERSION = 1
 
 
-class ScheduledModifierManager:
+class ScheduledModifierManager(RecipeManager):
     """Holds a recipe and applies it to one model and optimizer.
 
     >>> import torch
@@ -47,29 +47,13 @@ class ScheduledModifierManager:
     """
 
     def __init__(self, recipe: Recipe):
-        if not isinstance(recipe, Recipe):
-            raise TypeError(f"ScheduledModifierManager takes a Recipe, not {type(recipe).__name__}; "
-                            "use ScheduledModifierManager.from_yaml(path_or_text)")
-        self.recipe = recipe
+        super().__init__(recipe)
         self.schedule: RecipeSchedule | None = None
         self.loggers: list[RecalLogger] = []
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._finalized = False
         self._step = 0
-
-    @classmethod
-    def from_yaml(cls, source: str | os.PathLike | Recipe) -> ScheduledModifierManager:
-        """Load a recipe (path, YAML string or Markdown) into a new manager."""
-        return cls(load_recipe(source))
-
-    @property
-    def max_epochs(self) -> int:
-        return self.recipe.max_epochs
-
-    @property
-    def min_epochs(self) -> int:
-        return self.recipe.min_epochs
 
     @property
     def step(self) -> int:
