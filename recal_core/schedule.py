@@ -188,22 +188,3 @@ class RecipeSchedule:
             enabled and m.disable_quantization_observer_epoch is not None
             and k >= self.step(m.disable_quantization_observer_epoch),
         )
-
-    # --- tables -----------------------------------------------------------------------------
-
-    def boundaries(self) -> list[int]:
-        """Every step at which some modifier's state can change (sorted, within training)."""
-        steps: set[int] = {0, self.total_steps}
-        for p in self.pruning:
-            steps.add(p.span.start)
-            if p.span.end is not None:
-                steps.update((p.span.end, p.span.end + 1))
-            if not p.constant:
-                steps.update(k for k in range(p.span.start, (p.span.end or self.total_steps) + 1) if p.is_update(k))
-        for start, _, m in self._lr + self._wd:
-            steps.add(start)
-        for _, m, span in self.trainable:
-            steps.add(span.start)
-            if span.end is not None:
-                steps.add(span.end)
-        return sorted(s for s in steps if 0 <= s <= self.total_steps)
