@@ -395,3 +395,16 @@ def test_mask_gradients_keeps_pruned_weights_out_of_the_optimizer():
     # a pruned weight's gradient is masked: its momentum only decays (v <- 0.9 v + 0)
     assert pruned.sum() > 0
     np.testing.assert_allclose(after[pruned], 0.9 * before[pruned], rtol=1e-5, atol=1e-12)
+
+
+def test_ties_broken_by_position_as_in_torch():
+    recipe = PRUNE.replace("start_epoch: 0.34,", "start_epoch: 0,")
+    g = Graph(recipe)
+    with g.session() as sess:
+        sess.run(g.init)
+        fc = g.variables[KERNELS[2]]
+        sess.run(fc.assign(tf.ones_like(fc)))
+        g.manager.initialize_session(sess)
+        flat = sess.run(fc).reshape(-1)
+    count = pruned_count(0.1, flat.size)
+    assert np.all(flat[:count] == 0) and np.all(flat[count:] == 1)
