@@ -118,6 +118,9 @@ def _qdq(x: torch.Tensor, qparams: tuple[float, int], dynamo: bool) -> torch.Ten
 def _qparams(fq) -> tuple[float, int] | None:
     if fq is None:
         return None
+    if not fq.has_observed:
+        raise ValueError("a QAT activation quantizer has not observed any data yet (its range is unknown): "
+                         "train at least one step with quantization on before exporting")
     return float(fq.scale), int(fq.zero_point)
 
 

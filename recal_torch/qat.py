@@ -87,7 +87,7 @@ class ActivationFakeQuantize(nn.Module):
                 and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(lo, op=torch.distributed.ReduceOp.MIN)
             torch.distributed.all_reduce(hi, op=torch.distributed.ReduceOp.MAX)
-        if torch.isinf(self.min_val).item():
+        if not self.has_observed:
             self.min_val.copy_(lo)
             self.max_val.copy_(hi)
         else:
@@ -98,9 +98,15 @@ class ActivationFakeQuantize(nn.Module):
         self.scale.copy_(scale)
         self.zero_point.copy_(zero_point)
 
+    @property
+    def has_observed(self) -> bool:
+        return not bool(torch.isinf(self.min_val).item())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and self.observer_enabled:
             self.observe(x)
+        if not self.has_observed:  # just switched on, no range yet: an evaluation now sees float values
+            return x
         return torch.fake_quantize_per_tensor_affine(x, self.scale, self.zero_point, ACT_QMIN, ACT_QMAX)
 
     def extra_repr(self) -> str:

@@ -290,3 +290,19 @@ def test_export_failure_leaves_no_file(tmp_path):
     with pytest.raises(Exception):
         export_onnx(Broken(), torch.randn(1, 2), target, dynamo=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fresh_quantizers_pass_values_through_and_refuse_export(tmp_path):
+    torch.manual_seed(0)
+    model = SmallCNN()
+    prepare_qat(model)
+    model.eval()
+    x = torch.randn(4, 1, 8, 8)
+    reference = SmallCNN()
+    torch.manual_seed(0)
+    reference = SmallCNN().eval()
+    # no observation yet: activations are not quantized (weights are), so outputs stay close to float
+    assert torch.allclose(model(x), reference(x), atol=0.05)
+    with pytest.raises(ValueError, match="has not observed any data"):
+        export_onnx(model, x[:1], tmp_path / "m.onnx", dynamo=False)
+    assert not list(tmp_path.iterdir())
