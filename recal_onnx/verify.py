@@ -19,14 +19,16 @@ class Verification:
     argmax_agreement: float | None  # for 2-D outputs
     samples: int
 
-    def problem(self, tolerance: float | None, min_agreement: float, output_step: float = 0.0) -> str | None:
+    def problem(self, tolerance: float | None, min_agreement: float | None = None,
+                output_step: float = 0.0) -> str | None:
         """Why the candidate fails, or None. The default tolerance is 10% of the outputs' range, but at
         least 3 steps of a quantized output (rounding differs by a step where values sit on a boundary)."""
         limit = tolerance if tolerance is not None else max(0.1 * self.output_range, 3 * output_step, 1e-4)
         parts = []
         if not np.isfinite(self.max_abs_diff) or self.max_abs_diff > limit:
             parts.append(f"max abs difference {self.max_abs_diff:.4g} > {limit:.4g}")
-        if self.argmax_agreement is not None and self.argmax_agreement < min_agreement:
+        if min_agreement is not None and self.argmax_agreement is not None \
+                and self.argmax_agreement < min_agreement:
             parts.append(f"argmax agreement {self.argmax_agreement:.4f} < {min_agreement}")
         return "; ".join(parts) or None
 

@@ -149,9 +149,29 @@ def test_truncated_and_missing_files(tmp_path, recal_qat_model):
 
 def test_verification_failure_writes_nothing(tmp_path, recal_qat_model):
     src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
-    with pytest.raises(VerificationError, match="nothing was written"):
+    with pytest.raises(VerificationError, match="max abs difference .* nothing was written"):
         quantize_qat_export(src, tmp_path / "out.onnx", tolerance=-1.0)
+    with pytest.raises(VerificationError, match="argmax agreement"):
+        quantize_qat_export(src, tmp_path / "out.onnx", min_agreement=1.01)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["qat.onnx"]
+
+
+def test_verification_catches_a_wrong_conversion(tmp_path, recal_qat_model, monkeypatch):
+    import recal_onnx.passes.conv_to_qlinearconv as conv_pass
+
+    src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
+    real = conv_pass.quantized_bias
+
+    def wrong_bias(g, node, x, w, index):  # a converter bug: biases 8x too large
+        name = real(g, node, x, w, index)
+        if name:
+            g.set_const(name, g.const(name) * 8)
+        return name
+
+    monkeypatch.setattr(conv_pass, "quantized_bias", wrong_bias)
+    with pytest.raises(VerificationError, match="max abs difference"):
+        quantize_qat_export(src, tmp_path / "out.onnx")
+    assert not (tmp_path / "out.onnx").exists()
 
 
 def test_unconverted_ops_are_listed():
