@@ -13,17 +13,50 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Callable, Protocol
+
+import numpy as np
 
 from .atomic import write_text_atomically
 from .recipe import Recipe
 from .report import plot_schedule
 
 log = logging.getLogger(__name__)
+
+# Both trainers use these, so PyTorch and TensorFlow runs of one recipe see the same data, in the
+# same order, with the same steps per epoch and base LR.
+BATCH_SIZE = 32
+LEARNING_RATE = 0.05
+
+
+def epoch_order(size: int, seed: int, epoch: int) -> np.ndarray:
+    """The order of the ``size`` training examples in ``epoch`` (a function of seed and epoch, so a
+    resumed run sees exactly the batches an uninterrupted one would)."""
+    return np.random.default_rng(seed * 100_003 + epoch).permutation(size)
+
+
+def median_latency_ms(call: Callable[[], Any], repeat: int = 200, warmup: int = 10) -> float:
+    """Median wall time of ``call()`` in milliseconds, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def overall_sparsity(layers: dict[str, float], sizes: dict[str, int]) -> float:
+    """Zero fraction over all the layers together (each layer weighted by its size)."""
+    total = sum(sizes[name] for name in layers)
+    return sum(layers[name] * sizes[name] for name in layers) / total if total else 0.0
 
 
 @dataclass

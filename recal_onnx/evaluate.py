@@ -3,8 +3,6 @@ sparsity, file size and median batch-1 latency, all in onnxruntime (default sess
 
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +10,7 @@ import onnx
 from onnx import numpy_helper
 
 from recal_core.datasets import load_digits
+from recal_core.training import median_latency_ms, overall_sparsity
 
 WEIGHT_INPUTS = {"Conv": (1,), "Gemm": (1,), "MatMul": (1,), "QLinearConv": (3,), "QGemm": (3,),
                  "QLinearMatMul": (3,), "MatMulIntegerToFloat": (1,), "DequantizeLinear": (0,)}
@@ -44,20 +43,12 @@ def evaluate(artefact, repeat: int = 200) -> None:
     images = digits.test_images.reshape([len(digits.test_images), *shape[1:]]).astype(np.float32)
     logits = session.run(None, {meta.name: images})[0]
     artefact.accuracy = float((logits.argmax(1) == digits.test_labels).mean())
-    one = images[:1]
-    for _ in range(10):
-        session.run(None, {meta.name: one})
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        session.run(None, {meta.name: one})
-        times.append(time.perf_counter() - t0)
-    artefact.latency_ms = statistics.median(times) * 1e3
+    one = {meta.name: images[:1]}
+    artefact.latency_ms = median_latency_ms(lambda: session.run(None, one), repeat=repeat)
     layers = weight_sparsity(model)
     sizes = {t.name: int(np.prod(t.dims)) for t in model.graph.initializer if t.name in layers}
-    total = sum(sizes.values())
     artefact.layer_sparsity = layers
-    artefact.sparsity = sum(layers[n] * sizes[n] for n in layers) / total if total else 0.0
+    artefact.sparsity = overall_sparsity(layers, sizes)
     artefact.size_bytes = path.stat().st_size
     artefact.runtime = f"onnxruntime {ort.__version__}"
 

@@ -111,12 +111,6 @@ class Graph:
         self.nodes = [n for n in self.nodes if id(n) not in gone]
         self.refresh()
 
-    def rename_input(self, node: onnx.NodeProto, old: str, new: str) -> None:
-        for i, name in enumerate(node.input):
-            if name == old:
-                node.input[i] = new
-        self.refresh()
-
     def replace_uses(self, old: str, new: str) -> None:
         """Every consumer of ``old`` reads ``new`` instead (graph outputs keep their names)."""
         for node in self.nodes:

@@ -75,6 +75,7 @@ class ScheduledModifierManager(RecipeManager):
         self._variables: list[tf.Variable] = []
         self._summaries: list[tf.Tensor] = []
         self._is_initialized: list[tf.Tensor] = []
+        self._global_step: tf.Variable | None = None
         self._original_trainable: list[tf.Variable] | None = None
         self._groups: list[_MaskGroup] = []
         self._pruned: dict[str, tf.Variable] = {}
@@ -109,10 +110,9 @@ class ScheduledModifierManager(RecipeManager):
             self.schedule = schedule
             self._graph = graph
             graph.add_to_collection(RECAL_GRAPH_MARK, tf.constant(True, name="recal/marker"))
-            if global_step is None:
-                global_step = tf_compat.train.get_or_create_global_step()
+            self._global_step = global_step if global_step is not None else tf_compat.train.get_or_create_global_step()
             with tf_compat.name_scope("recal"):
-                k = tf.minimum(tf.cast(global_step, tf.int64), schedule.total_steps, name="step")
+                k = self._step_tensor()
                 prune_ops = self._pruning_ops(schedule, targets, by_name, k)
                 extras = {EXTRAS_KEY_SUMMARIES: self._summaries}
                 if lr_table is not None:
@@ -241,7 +241,7 @@ class ScheduledModifierManager(RecipeManager):
         self._require_ops("mask_gradients")
         by_variable: dict[str, list[tf.Tensor]] = {}
         with self._graph.as_default(), tf_compat.name_scope("recal/mask_gradients"):
-            step = tf.minimum(tf.cast(tf_compat.train.get_global_step(self._graph), tf.int64), self.schedule.total_steps)
+            step = self._step_tensor()
             for group in self._groups:
                 in_force = tf.gather(tf.constant(group.in_force), step)
                 for m in group.masks:
@@ -263,11 +263,14 @@ class ScheduledModifierManager(RecipeManager):
         """
         self._require_ops("train_op_with_ops")
         with self._graph.as_default(), tf_compat.control_dependencies([train_op]), tf_compat.name_scope("recal"):
-            step = tf_compat.train.get_global_step(self._graph)
-            k = tf.minimum(tf.cast(step.read_value() if hasattr(step, "read_value") else step, tf.int64),
-                           self.schedule.total_steps)
-            ops = self._mask_ops(k)
+            ops = self._mask_ops(self._step_tensor())
             return tf.group(train_op, *ops, name="train_with_recal")
+
+    def _step_tensor(self) -> tf.Tensor:
+        """The step ``k`` the tables are read at: the global step (read where this is built, so under
+        a control dependency it is read after the optimizer's increment), clipped to the last step."""
+        value = self._global_step.read_value() if hasattr(self._global_step, "read_value") else self._global_step
+        return tf.minimum(tf.cast(value, tf.int64), self.schedule.total_steps, name="step")
 
     def _apply_trainable(self, graph: tf.Graph, targets: dict[int, list[str]], by_name) -> list[tf.Variable]:
         collection = graph.get_collection_ref(tf_compat.GraphKeys.TRAINABLE_VARIABLES)

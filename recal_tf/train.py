@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,22 +19,19 @@ import tensorflow as tf
 from recal_core.atomic import atomic_path, write_text_atomically
 from recal_core.datasets import load_digits
 from recal_core.recipe import Recipe
-from recal_core.training import Artefact, EpochRecord, TrainingRun
+from recal_core.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, epoch_order,
+                                 median_latency_ms, overall_sparsity)
 
+from .graph_params import describe_variables
 from .manager import EXTRAS_KEY_LEARNING_RATE, EXTRAS_KEY_WEIGHT_DECAY, ScheduledModifierManager
 from .models import digits_net
 from .utils import batch_cross_entropy_loss, tf_compat
 
 log = logging.getLogger(__name__)
 
-BATCH = 32
-LR = 0.05
-
-
 def _kernel_sparsity(values: dict[str, np.ndarray]) -> tuple[float, dict[str, float]]:
     layers = {name: float((v == 0).sum()) / v.size for name, v in values.items()}
-    total = sum(v.size for v in values.values())
-    return sum(layers[n] * values[n].size for n in values) / total, layers
+    return overall_sparsity(layers, {name: v.size for name, v in values.items()}), layers
 
 
 def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool, progress: bool) -> TrainingRun:
@@ -45,7 +41,7 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
     digits = load_digits()
     x_train, y_train = digits.train_images[..., None], digits.train_labels
     x_test, y_test = digits.test_images[..., None], digits.test_labels
-    steps_per_epoch = math.ceil(len(x_train) / BATCH)
+    steps_per_epoch = math.ceil(len(x_train) / BATCH_SIZE)
     run = TrainingRun("tf", recipe.source, str(out_dir), epochs, seed, steps_per_epoch)
     graph = tf_compat.Graph()
     with graph.as_default():
@@ -57,15 +53,16 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
         loss = batch_cross_entropy_loss(logits, tf.one_hot(labels, 10))
         global_step = tf_compat.train.get_or_create_global_step()
         manager = ScheduledModifierManager(recipe)
-        mod_ops, extras = manager.create_ops(steps_per_epoch=steps_per_epoch, base_lr=LR)
+        mod_ops, extras = manager.create_ops(steps_per_epoch=steps_per_epoch, base_lr=LEARNING_RATE)
         total_loss = loss + extras[EXTRAS_KEY_WEIGHT_DECAY] if EXTRAS_KEY_WEIGHT_DECAY in extras else loss
-        lr = extras.get(EXTRAS_KEY_LEARNING_RATE, tf.constant(LR))
+        lr = extras.get(EXTRAS_KEY_LEARNING_RATE, tf.constant(LEARNING_RATE))
         with tf_compat.control_dependencies(tf_compat.get_collection(tf_compat.GraphKeys.UPDATE_OPS)):
             optimizer = tf_compat.train.MomentumOptimizer(lr, 0.9)
             grads = optimizer.compute_gradients(total_loss, var_list=tf_compat.trainable_variables())
             train_op = optimizer.apply_gradients(manager.mask_gradients(grads), global_step=global_step)
         step_op = manager.train_op_with_ops(train_op)
-        kernels = {v.op.name: v for v in tf_compat.trainable_variables() if v.op.name.endswith("/weight")}
+        infos, variables = describe_variables(graph, tf_compat.trainable_variables())
+        kernels = {p.name: variables[p.name] for p in infos if p.prunable}  # as the core selects them
         summaries = tf_compat.summary.merge_all()
         saver = tf_compat.train.Saver(max_to_keep=3)
         init = tf_compat.global_variables_initializer()
@@ -89,12 +86,12 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
         writer = tf_compat.summary.FileWriter(str(out_dir / "tensorboard"), graph)
         try:
             for epoch in range(start, epochs):
-                order = np.random.default_rng(seed * 100_003 + epoch).permutation(len(x_train))
+                order = epoch_order(len(x_train), seed, epoch)
                 bar = tqdm(range(steps_per_epoch), desc=f"tf epoch {epoch + 1}/{epochs}", disable=not progress,
                            leave=False, dynamic_ncols=True)
                 losses, correct = [], 0
                 for b in bar:
-                    index = order[b * BATCH:(b + 1) * BATCH]
+                    index = order[b * BATCH_SIZE:(b + 1) * BATCH_SIZE]
                     feed = {inputs: x_train[index], labels: y_train[index], training: True}
                     _, batch_loss, batch_logits, summary, step = sess.run([step_op, loss, logits, summaries, global_step],
                                                                           feed)
@@ -137,16 +134,10 @@ def _frozen_artefact(frozen, out_dir: Path, x_test: np.ndarray, accuracy: float,
     with tf_compat.Graph().as_default() as inference, tf_compat.Session(graph=inference) as sess:
         tf_compat.import_graph_def(frozen, name="")
         one = {"inputs:0": x_test[:1]}
-        for _ in range(10):
-            sess.run("digits_net/logits:0", one)
-        times = []
-        for _ in range(200):
-            t0 = time.perf_counter()
-            sess.run("digits_net/logits:0", one)
-            times.append(time.perf_counter() - t0)
+        latency = median_latency_ms(lambda: sess.run("digits_net/logits:0", one))
         frozen_accuracy = float((sess.run("digits_net/logits:0", {"inputs:0": x_test}).argmax(1)
                                  == load_digits().test_labels).mean())
     if abs(frozen_accuracy - accuracy) > 1e-9:
         log.warning("frozen graph accuracy %.4f differs from the session's %.4f", frozen_accuracy, accuracy)
     return Artefact("TensorFlow frozen graph (GraphDef)", "tf", str(path), frozen_accuracy, overall, layers,
-                    path.stat().st_size, statistics.median(times) * 1e3, f"tensorflow {tf.__version__}")
+                    path.stat().st_size, latency, f"tensorflow {tf.__version__}")

@@ -61,10 +61,14 @@ class QuantizedExportModule(nn.Module):
             scale, _ = qat.weight_fake_quant.qparams(weight)
             shape = (-1,) + (1,) * (weight.dim() - 1)
             q = torch.clamp(torch.round(weight / scale.reshape(shape)), -W_LEVELS, W_LEVELS)
-        self.register_buffer("weight_int8", q.to(torch.int8))
+        # each exporter reads the weight its own way: int8 behind a dequantize op, or the dequantized
+        # floats behind fake_quantize (which the TorchScript exporter turns into Q/DQ)
+        if dynamo:
+            self.register_buffer("weight_int8", q.to(torch.int8))
+        else:
+            self.register_buffer("weight_dequantized", (q * scale.reshape(shape)).detach().clone())
         self.register_buffer("weight_scale", scale.detach().clone())
         self.register_buffer("weight_zero_point", torch.zeros_like(scale, dtype=torch.int32))
-        self.register_buffer("weight_dequantized", (q * scale.reshape(shape)).detach().clone())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.input_qparams = _qparams(qat.input_fake_quant)
         self.output_qparams = _qparams(qat.activation_post_process)

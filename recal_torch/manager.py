@@ -22,7 +22,7 @@ from recal_core.params import ParamInfo, resolve_params, strip_wrapper
 from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
-from .model_params import describe_parameters, unwrap
+from .model_params import describe_parameters, sparsity, unwrap
 from .optimizer import RecalOptimizer
 from .pruning import magnitude_mask, nonzero_mask
 from .qat import fake_quantizers, prepare_qat, qat_modules, quantizable_layers
@@ -241,15 +241,20 @@ class ScheduledModifierManager(RecipeManager):
                         weight, ps.sparsity(k))
                     changed.add(name)
         for name in changed:
-            masks = list(self._masks[name].values())
-            if not masks:
-                self._effective.pop(name, None)
-                continue
-            effective = masks[0]
-            for mask in masks[1:]:
-                effective = effective * mask
-            self._effective[name] = effective
-            self._params[name].data.mul_(effective)
+            if self._combine(name):
+                self._params[name].data.mul_(self._effective[name])
+
+    def _combine(self, name: str) -> bool:
+        """Set the effective mask of ``name`` (the product of the masks in force); False if none is."""
+        masks = list(self._masks.get(name, {}).values())
+        if not masks:
+            self._effective.pop(name, None)
+            return False
+        effective = masks[0]
+        for mask in masks[1:]:
+            effective = effective * mask
+        self._effective[name] = effective
+        return True
 
     # --- logging --------------------------------------------------------------------------------
 
@@ -260,8 +265,7 @@ class ScheduledModifierManager(RecipeManager):
         for ps in self.schedule.pruning:
             target = None if ps.constant else ps.sparsity(k)
             for name in self._prune_targets[ps.index]:
-                weight = self._params[name]
-                out[f"sparsity/{name}"] = float((weight == 0).sum()) / weight.numel()
+                out[f"sparsity/{name}"] = sparsity(self._params[name])
                 if target is not None:
                     out[f"target_sparsity/{name}"] = target
         for i, group in enumerate(self._optimizer.param_groups):
@@ -322,12 +326,8 @@ class ScheduledModifierManager(RecipeManager):
             device = self._params[name].device
             self._masks[name] = {int(i): m.to(device) for i, m in per.items()}
         self._effective = {}
-        for name, per in self._masks.items():
-            if per:
-                effective = None
-                for mask in per.values():
-                    effective = mask if effective is None else effective * mask
-                self._effective[name] = effective
+        for name in self._masks:
+            self._combine(name)
         self._trainable_rules = None
         self._qat_applied = {}
         for index in state["qat_prepared"]:
@@ -357,8 +357,7 @@ class ScheduledModifierManager(RecipeManager):
         result = {}
         for names in self._prune_targets.values():
             for name in names:
-                weight = self._params[name]
-                result[name] = float((weight == 0).sum()) / weight.numel()
+                result[name] = sparsity(self._params[name])
         for module in qat_modules(unwrap(self._model)):
             module.bn_frozen = True
         for fq in fake_quantizers(unwrap(self._model)):

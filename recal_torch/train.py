@@ -10,28 +10,24 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 from recal_core.atomic import atomic_path
 from recal_core.datasets import load_digits
 from recal_core.recipe import Recipe
-from recal_core.training import Artefact, EpochRecord, TrainingRun
+from recal_core.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, epoch_order,
+                                 median_latency_ms, overall_sparsity)
 
 from .export import export_onnx
 from .loggers import TensorBoardLogger
 from .manager import ScheduledModifierManager
-from .model_params import sparsity
+from .model_params import describe_parameters, sparsity
 from .qat import qat_modules
 
 log = logging.getLogger(__name__)
-
-BATCH = 32
-LR = 0.05
 
 
 class DigitsNet(nn.Module):
@@ -68,12 +64,15 @@ def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return correct
 
 
-def _kernel_sparsity(model: nn.Module) -> tuple[float, dict[str, float]]:
-    layers = {f"{name}.weight": sparsity(m.weight) for name, m in model.named_modules()
-              if isinstance(m, (nn.Conv2d, nn.Linear)) or type(m).__name__ in ("QATConv", "QATLinear")}
-    sizes = {f"{name}.weight": m.weight.numel() for name, m in model.named_modules() if f"{name}.weight" in layers}
-    total = sum(sizes.values())
-    return sum(layers[k] * sizes[k] for k in layers) / total, layers
+def _kernels(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The conv/dense kernels, as the core selects them (the same Parameters before and after QAT)."""
+    infos, params = describe_parameters(model)
+    return {p.name: params[p.name] for p in infos if p.prunable}
+
+
+def _kernel_sparsity(kernels: dict[str, nn.Parameter]) -> tuple[float, dict[str, float]]:
+    layers = {name: sparsity(p) for name, p in kernels.items()}
+    return overall_sparsity(layers, {name: p.numel() for name, p in kernels.items()}), layers
 
 
 def _checkpoints(folder: Path) -> list[Path]:
@@ -84,12 +83,13 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
     from tqdm import tqdm
 
     x_train, y_train, x_test, y_test = _tensors()
-    steps_per_epoch = math.ceil(len(x_train) / BATCH)
+    steps_per_epoch = math.ceil(len(x_train) / BATCH_SIZE)
     torch.manual_seed(seed)
     model = DigitsNet()
+    kernels = _kernels(model)
     manager = ScheduledModifierManager(recipe)
-    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=5e-5),
-                               steps_per_epoch=steps_per_epoch)
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=0.9,
+                                                      weight_decay=5e-5), steps_per_epoch=steps_per_epoch)
     run = TrainingRun("torch", recipe.source, str(out_dir), epochs, seed, steps_per_epoch)
     ckpt_dir = out_dir / "checkpoints"
     start = 0
@@ -110,13 +110,13 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
     loss_fn = nn.CrossEntropyLoss()
     try:
         for epoch in range(start, epochs):
-            order = torch.from_numpy(np.random.default_rng(seed * 100_003 + epoch).permutation(len(x_train)))
+            order = torch.from_numpy(epoch_order(len(x_train), seed, epoch))
             bar = tqdm(range(steps_per_epoch), desc=f"torch epoch {epoch + 1}/{epochs}", disable=not progress,
                        leave=False, dynamic_ncols=True)
             losses, correct = [], 0
             model.train()
             for b in bar:
-                index = order[b * BATCH:(b + 1) * BATCH]
+                index = order[b * BATCH_SIZE:(b + 1) * BATCH_SIZE]
                 optimizer.zero_grad()
                 logits = model(x_train[index])
                 loss = loss_fn(logits, y_train[index])
@@ -126,11 +126,11 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
                 correct += int((logits.argmax(1) == y_train[index]).sum())
                 if b % 5 == 0 or b == steps_per_epoch - 1:
                     bar.set_postfix(loss=f"{statistics.fmean(losses):.3f}",
-                                    acc=f"{correct / min(len(x_train), (b + 1) * BATCH):.3f}",
-                                    sparsity=f"{_kernel_sparsity(model)[0]:.3f}",
+                                    acc=f"{correct / min(len(x_train), (b + 1) * BATCH_SIZE):.3f}",
+                                    sparsity=f"{_kernel_sparsity(kernels)[0]:.3f}",
                                     lr=f"{optimizer.param_groups[0]['lr']:.4g}")
             record = EpochRecord(epoch + 1, statistics.fmean(losses), correct / len(x_train),
-                                 _accuracy(model, x_test, y_test), _kernel_sparsity(model)[0],
+                                 _accuracy(model, x_test, y_test), _kernel_sparsity(kernels)[0],
                                  float(optimizer.param_groups[0]["lr"]))
             run.history.append(record)
             for key in ("loss", "train_accuracy", "test_accuracy", "sparsity"):
@@ -145,28 +145,22 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
         tensorboard.close()
     manager.finalize(model)
     model.eval()
-    run.artefacts = _artefacts(model, out_dir, x_test, y_test)
+    run.artefacts = _artefacts(model, kernels, out_dir, x_test, y_test)
     return run
 
 
-def _artefacts(model: nn.Module, out_dir: Path, x_test: torch.Tensor, y_test: torch.Tensor) -> list[Artefact]:
+def _artefacts(model: nn.Module, kernels: dict[str, nn.Parameter], out_dir: Path, x_test: torch.Tensor,
+               y_test: torch.Tensor) -> list[Artefact]:
     quantized = bool(qat_modules(model))
-    overall, layers = _kernel_sparsity(model)
+    overall, layers = _kernel_sparsity(kernels)
     with atomic_path(out_dir / "model.pt") as tmp:
         torch.save(model.state_dict(), tmp)
     one = x_test[:1]
     with torch.no_grad():
-        for _ in range(10):
-            model(one)
-        times = []
-        for _ in range(200):
-            t0 = time.perf_counter()
-            model(one)
-            times.append(time.perf_counter() - t0)
+        latency = median_latency_ms(lambda: model(one))
     torch_artefact = Artefact("PyTorch model" + (" (QAT, fake-quantized)" if quantized else ""), "torch",
                               str(out_dir / "model.pt"), _accuracy(model, x_test, y_test), overall, layers,
-                              (out_dir / "model.pt").stat().st_size, statistics.median(times) * 1e3,
-                              f"torch {torch.__version__}")
+                              (out_dir / "model.pt").stat().st_size, latency, f"torch {torch.__version__}")
     onnx_path = export_onnx(model, one, out_dir / "model.onnx")
     onnx_artefact = Artefact("QAT ONNX export (QDQ)" if quantized else "ONNX export (fp32)", "torch", str(onnx_path),
                              qat=quantized)

@@ -249,18 +249,23 @@ def test_summaries_created_and_collected():
         assert all(s in tf_compat.get_collection(tf_compat.GraphKeys.SUMMARIES) for s in summaries)
 
 
+def _model_with_ops(recipe):
+    """Inside a new default graph: mnist_net, its loss, the global step, and recal's ops for ``recipe``
+    (for tests that build their own optimizer)."""
+    inputs = tf_compat.placeholder(tf.float32, [None, 28, 28, 1])
+    labels = tf_compat.placeholder(tf.float32, [None, 10])
+    loss = batch_cross_entropy_loss(mnist_net(inputs), labels)
+    global_step = tf_compat.train.get_or_create_global_step()
+    manager = ScheduledModifierManager.from_yaml(recipe)
+    manager.create_ops(steps_per_epoch=SPE)
+    fc = [v for v in tf_compat.global_variables() if v.op.name == KERNELS[2]][0]
+    return inputs, labels, loss, global_step, manager, fc
+
+
 def test_session_run_hook_with_monitored_training_session():
-    g_recipe = PRUNE
-    graph = tf_compat.Graph()
-    with graph.as_default():
-        inputs = tf_compat.placeholder(tf.float32, [None, 28, 28, 1])
-        labels = tf_compat.placeholder(tf.float32, [None, 10])
-        loss = batch_cross_entropy_loss(mnist_net(inputs), labels)
-        global_step = tf_compat.train.get_or_create_global_step()
-        manager = ScheduledModifierManager.from_yaml(g_recipe)
-        manager.create_ops(steps_per_epoch=SPE)
+    with tf_compat.Graph().as_default():
+        inputs, labels, loss, global_step, manager, fc = _model_with_ops(PRUNE)
         train_op = tf_compat.train.AdamOptimizer(1e-3).minimize(loss, global_step=global_step)
-        fc = [v for v in tf_compat.global_variables() if v.op.name == KERNELS[2]][0]
         with tf_compat.train.MonitoredTrainingSession(hooks=[manager.session_run_hook()]) as sess:
             for x, y in _data(SPE * 3):
                 sess.run(train_op, {inputs: x, labels: y})
@@ -370,18 +375,11 @@ def test_pruned_weights_are_never_ranked_back_in():
 
 
 def test_mask_gradients_keeps_pruned_weights_out_of_the_optimizer():
-    graph = tf_compat.Graph()
-    with graph.as_default():
-        inputs = tf_compat.placeholder(tf.float32, [None, 28, 28, 1])
-        labels = tf_compat.placeholder(tf.float32, [None, 10])
-        loss = batch_cross_entropy_loss(mnist_net(inputs), labels)
-        step = tf_compat.train.get_or_create_global_step()
-        manager = ScheduledModifierManager.from_yaml(PRUNE)
-        manager.create_ops(steps_per_epoch=SPE)
+    with tf_compat.Graph().as_default():
+        inputs, labels, loss, step, manager, fc = _model_with_ops(PRUNE)
         opt = tf_compat.train.MomentumOptimizer(0.1, 0.9)
         train = manager.train_op_with_ops(opt.apply_gradients(manager.mask_gradients(opt.compute_gradients(loss)),
                                                               global_step=step))
-        fc = [v for v in tf_compat.global_variables() if v.op.name == KERNELS[2]][0]
         slot = opt.get_slot(fc, "momentum")
         with tf_compat.Session() as sess:
             sess.run(tf_compat.global_variables_initializer())
@@ -408,3 +406,25 @@ def test_ties_broken_by_position_as_in_torch():
         flat = sess.run(fc).reshape(-1)
     count = pruned_count(0.1, flat.size)
     assert np.all(flat[:count] == 0) and np.all(flat[count:] == 1)
+
+
+def test_a_custom_global_step_drives_every_op():
+    with tf_compat.Graph().as_default():
+        inputs = tf_compat.placeholder(tf.float32, [None, 28, 28, 1])
+        labels = tf_compat.placeholder(tf.float32, [None, 10])
+        loss = batch_cross_entropy_loss(mnist_net(inputs), labels)
+        my_step = tf_compat.get_variable("my_step", [], tf.int64, tf_compat.zeros_initializer(), trainable=False)
+        manager = ScheduledModifierManager.from_yaml(PRUNE)
+        manager.create_ops(steps_per_epoch=SPE, global_step=my_step)
+        opt = tf_compat.train.MomentumOptimizer(0.1, 0.9)
+        train = manager.train_op_with_ops(opt.apply_gradients(manager.mask_gradients(opt.compute_gradients(loss)),
+                                                              global_step=my_step))
+        assert tf_compat.train.get_global_step() is None  # recal did not create another step
+        fc = [v for v in tf_compat.global_variables() if v.op.name == KERNELS[2]][0]
+        with tf_compat.Session() as sess:
+            sess.run(tf_compat.global_variables_initializer())
+            for k, (x, y) in enumerate(_data(SPE * 2), start=1):
+                sess.run(train, {inputs: x, labels: y})
+                target = manager.schedule.pruning[0].sparsity(k)
+                w = sess.run(fc)
+                assert int((w == 0).sum()) == (0 if target is None else pruned_count(target, w.size)), k

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..graph import MS_DOMAIN, Graph
 from ..qdq import activation
-from .conv_to_qlinearconv import add_integer_relu, integer_output, output_tail
+from ..quantized_ops import output_tail, replace_with_quantized
 
 
 def add_to_qlinearadd(g: Graph) -> int:
@@ -22,10 +22,8 @@ def add_to_qlinearadd(g: Graph) -> int:
         relu, q = output_tail(g, node.output[0])
         if q is None:
             continue
-        out = integer_output(g, relu, q)
-        g.remove(*(n for n in (node, relu, q) if n is not None))
-        g.add_node("QLinearAdd", [a.q, a.scale, a.zero_point, b.q, b.scale, b.zero_point, q.input[1], q.input[2]],
-                   [out], name=node.name + "_quant", domain=MS_DOMAIN)
-        add_integer_relu(g, relu, q, out)
+        replace_with_quantized(g, [node], relu, q, "QLinearAdd",
+                               [a.q, a.scale, a.zero_point, b.q, b.scale, b.zero_point, q.input[1], q.input[2]],
+                               name=node.name + "_quant", domain=MS_DOMAIN)
         count += 1
     return count

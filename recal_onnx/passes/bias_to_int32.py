@@ -10,7 +10,7 @@ import numpy as np
 
 from ..graph import Graph
 from ..qdq import activation, scalar, weight
-from .conv_to_qlinearconv import quantized_bias
+from ..quantized_ops import quantized_bias
 
 
 def bias_to_int32(g: Graph) -> int:

@@ -14,7 +14,7 @@ import onnx
 
 from ..graph import MS_DOMAIN, Graph, attr
 from ..qdq import activation, weight
-from .conv_to_qlinearconv import add_integer_relu, integer_output, output_tail, quantized_bias, weight_inputs
+from ..quantized_ops import output_tail, quantized_bias, replace_with_quantized, weight_inputs
 
 
 def gemm_to_qgemm(g: Graph) -> int:
@@ -71,16 +71,11 @@ def _emit_qgemm(g: Graph, node, a, w, trans_b: int, last, bias_index, extra=()) 
         return 0
     relu, q = output_tail(g, last.output[0])
     inputs = [a.q, a.scale, a.zero_point, *w_inputs, bias]
-    removed = [node, *extra]
-    if q is None:  # float output
-        out = last.output[0]
+    if q is None:  # float output (a model's logits); a ReLU after it stays float
+        g.remove(node, *extra)
+        g.add_node("QGemm", inputs, [last.output[0]], name=node.name + "_quant", domain=MS_DOMAIN, transB=trans_b)
     else:
-        inputs += [q.input[1], q.input[2]]
-        out = integer_output(g, relu, q)
-        removed += [n for n in (relu, q) if n is not None]
-    g.remove(*removed)
-    g.add_node("QGemm", inputs, [out], name=node.name + "_quant", domain=MS_DOMAIN, transB=trans_b)
-    if q is not None:
-        add_integer_relu(g, relu, q, out)
+        replace_with_quantized(g, [node, *extra], relu, q, "QGemm", [*inputs, q.input[1], q.input[2]],
+                               name=node.name + "_quant", domain=MS_DOMAIN, transB=trans_b)
     return 1
 

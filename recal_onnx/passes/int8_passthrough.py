@@ -12,11 +12,11 @@ QLinearAveragePool.
 
 from __future__ import annotations
 
-import numpy as np
 from onnx import helper
 
 from ..graph import Graph
 from ..qdq import activation, quantize_node_of
+from ..quantized_ops import zero_point_is_lowest
 from .pool_to_qlinear import average_pool_kind, make_qlinear_pool
 
 PASSTHROUGH = {"MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity"}
@@ -41,9 +41,7 @@ def int8_passthrough(g: Graph) -> int:
                 g.add_node(node.op_type, [x.q, *node.input[1:]], [q_out], name=node.name + "_int8",
                            **{a.name: helper.get_attribute_value(a) for a in node.attribute})
             elif node.op_type == "Relu":
-                zp = g.const(x.zero_point)
-                lowest = np.iinfo(zp.dtype).min
-                if int(zp.reshape(-1)[0]) == lowest:
+                if zero_point_is_lowest(g, x.zero_point):
                     q_out = x.q
                 else:
                     q_out = g.fresh(out + "_q")
