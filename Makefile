@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast bench check-wheel clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,17 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# every benchmark script, each printing its table (several minutes on 2 cores)
+bench: $(STAMP)
+	$(BIN)/python scripts/bench_torch_overhead.py --steps 60
+	$(BIN)/python scripts/bench_tf_overhead.py
+	$(BIN)/python scripts/bench_onnx.py --quick
+	$(BIN)/python scripts/bench_accuracy.py
+
+# the wheel installed with each extra into a fresh venv runs that extra's README quick start
+check-wheel:
+	PY=$(PY) scripts/check_wheel.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -5,30 +5,32 @@ What a modifier *does* at step ``k`` is computed by :mod:`recal_core.schedule`
 from these fields; masks, hooks and graph ops live in the backends.
 
 Epoch fields use SparseML's sentinel ``-1``: as a start it means "from the first
-step", as an end "until training ends" (the recipe's ``max_epochs``).
+step", as an end "until training ends" (the recipe's ``max_epochs``). The rules for
+``start_epoch`` / ``end_epoch`` are written once, on :class:`Modifier`; each modifier says
+with two class variables whether it accepts the sentinel.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, StrictBool, ValidationInfo, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, TypeAdapter, ValidationError,
+                      ValidationInfo, field_validator)
 
 # --- field types -------------------------------------------------------------------------
 
+Number = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+"""A finite number; ints are accepted (as floats), bools and strings are not."""
+PositiveNumber = Annotated[StrictFloat, Field(allow_inf_nan=False, gt=0)]
+NonNegativeNumber = Annotated[StrictFloat, Field(allow_inf_nan=False, ge=0)]
+_NUMBER = TypeAdapter(Number)
 
-def _number(value: Any) -> Any:
-    """Accept ints and floats (ints where floats are expected); refuse bools and strings."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"expected a number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError("expected a finite number")
-    return float(value)
+def _unsupported(default: Any, why: str) -> Any:
+    """A field recal accepts only at ``default``; ``why`` is the message for any other value."""
+    return Field(default, description=f"not supported by recal: {why}")
 
 
-Number = Annotated[float, BeforeValidator(_number)]
 ParamSpec = str | tuple[str, ...]
 """``__ALL__``, ``__ALL_PRUNABLE__``, a name, ``re:<pattern>``, or a list of names/patterns."""
 
@@ -36,24 +38,6 @@ ALL = "__ALL__"
 ALL_PRUNABLE = "__ALL_PRUNABLE__"
 LR_CLASSES = ("ExponentialLR", "StepLR", "MultiStepLR")
 INTER_FUNCS = ("linear", "cubic", "inverse_cubic")
-
-
-def _check_epoch(value: float, name: str, sentinel_ok: bool) -> float:
-    if value == -1 and sentinel_ok:
-        return value
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0" + (" (or -1)" if sentinel_ok else ""))
-    return value
-
-
-def _check_end(end: float, info: ValidationInfo, sentinel_ok: bool) -> float:
-    if end == -1 and sentinel_ok:
-        return end
-    _check_epoch(end, "end_epoch", sentinel_ok)
-    start = info.data.get("start_epoch")
-    if start is not None and end <= max(start, 0.0):
-        raise ValueError(f"end_epoch ({end:g}) must be greater than start_epoch ({start:g})")
-    return end
 
 
 def _check_params(value: ParamSpec) -> ParamSpec:
@@ -73,12 +57,6 @@ def _check_params(value: ParamSpec) -> ParamSpec:
     return value
 
 
-def _only(value: Any, allowed: Any, explanation: str) -> Any:
-    if value != allowed:
-        raise ValueError(f"{value!r} is not supported by recal: {explanation}")
-    return value
-
-
 # --- base --------------------------------------------------------------------------------
 
 
@@ -89,6 +67,8 @@ class Modifier(BaseModel):
 
     tag: ClassVar[str]
     aliases: ClassVar[tuple[str, ...]] = ()
+    start_sentinel: ClassVar[bool] = True  # whether start_epoch may be -1 ("from the first step")
+    end_sentinel: ClassVar[bool] = True  # whether end_epoch may be -1 ("until training ends")
     # SparseML's logging hints: accepted and kept, they do not change training.
     log_types: str | tuple[str, ...] | None = None
 
@@ -96,39 +76,51 @@ class Modifier(BaseModel):
     def yaml_tag(self) -> str:
         return "!" + self.tag
 
+    @field_validator("start_epoch", check_fields=False)
+    @classmethod
+    def _check_start(cls, value: float) -> float:
+        if value == -1 and cls.start_sentinel:
+            return value
+        if value < 0:
+            raise ValueError("start_epoch must be >= 0" + (" (or -1)" if cls.start_sentinel else ""))
+        return value
+
+    @field_validator("end_epoch", check_fields=False)
+    @classmethod
+    def _check_end(cls, value: float, info: ValidationInfo) -> float:
+        if value == -1 and cls.end_sentinel:
+            return value
+        if value < 0:
+            raise ValueError("end_epoch must be >= 0" + (" (or -1)" if cls.end_sentinel else ""))
+        start = info.data.get("start_epoch")
+        if start is not None and value <= max(start, 0.0):
+            raise ValueError(f"end_epoch ({value:g}) must be greater than start_epoch ({start:g})")
+        return value
+
+    @field_validator("params", check_fields=False)
+    @classmethod
+    def _check_params(cls, value: ParamSpec) -> ParamSpec:
+        return _check_params(value)
+
 
 class EpochRangeModifier(Modifier):
     """The range of training epochs (``max_epochs`` comes from it and every other modifier)."""
 
     tag: ClassVar[str] = "EpochRangeModifier"
+    start_sentinel: ClassVar[bool] = False
+    end_sentinel: ClassVar[bool] = False
     start_epoch: Number
     end_epoch: Number
 
-    @field_validator("start_epoch")
-    @classmethod
-    def _start(cls, v: float) -> float:
-        return _check_epoch(v, "start_epoch", sentinel_ok=False)
 
-    @field_validator("end_epoch")
-    @classmethod
-    def _end(cls, v: float, info: ValidationInfo) -> float:
-        return _check_end(v, info, sentinel_ok=False)
-
-
-class _PruningFields(Modifier):
-    params: ParamSpec
-
-    @field_validator("params")
-    @classmethod
-    def _params(cls, v: ParamSpec) -> ParamSpec:
-        return _check_params(v)
-
-
-class GradualKSModifier(_PruningFields):
+class GradualKSModifier(Modifier):
     """Gradual magnitude pruning from ``init_sparsity`` to ``final_sparsity`` (SparseML: GMPruningModifier)."""
 
     tag: ClassVar[str] = "GradualKSModifier"
     aliases: ClassVar[tuple[str, ...]] = ("GMPruningModifier",)
+    start_sentinel: ClassVar[bool] = False
+    end_sentinel: ClassVar[bool] = False
+    params: ParamSpec
     init_sparsity: Number
     final_sparsity: Number
     start_epoch: Number
@@ -136,10 +128,11 @@ class GradualKSModifier(_PruningFields):
     update_frequency: Number
     inter_func: Literal["linear", "cubic", "inverse_cubic"] = "cubic"
     leave_enabled: StrictBool = True
-    mask_type: Any = "unstructured"
-    global_sparsity: StrictBool = False
-    phased: StrictBool = False
-    score_type: str = "magnitude"
+    mask_type: Literal["unstructured"] = _unsupported(
+        "unstructured", "only unstructured (per-weight) masks are implemented, not block or N:M masks")
+    global_sparsity: Literal[False] = _unsupported(False, "sparsity is applied per layer; global_sparsity must be false")
+    phased: Literal[False] = _unsupported(False, "phased pruning is not implemented")
+    score_type: Literal["magnitude"] = _unsupported("magnitude", "pruning scores are weight magnitudes")
 
     @field_validator("final_sparsity", mode="before")
     @classmethod
@@ -159,16 +152,6 @@ class GradualKSModifier(_PruningFields):
             raise ValueError(f"final_sparsity ({v:g}) must be >= init_sparsity ({init:g})")
         return v
 
-    @field_validator("start_epoch")
-    @classmethod
-    def _start(cls, v: float) -> float:
-        return _check_epoch(v, "start_epoch", sentinel_ok=False)
-
-    @field_validator("end_epoch")
-    @classmethod
-    def _end(cls, v: float, info: ValidationInfo) -> float:
-        return _check_end(v, info, sentinel_ok=False)
-
     @field_validator("update_frequency")
     @classmethod
     def _frequency(cls, v: float) -> float:
@@ -176,45 +159,15 @@ class GradualKSModifier(_PruningFields):
             raise ValueError("update_frequency must be > 0 epochs, or -1 to update every step")
         return v
 
-    @field_validator("mask_type")
-    @classmethod
-    def _mask_type(cls, v: Any) -> Any:
-        return _only(v, "unstructured", "only unstructured (per-weight) masks are implemented,"
-                     " not block or N:M masks")
 
-    @field_validator("global_sparsity")
-    @classmethod
-    def _global(cls, v: bool) -> bool:
-        return _only(v, False, "sparsity is applied per layer; global_sparsity must be false")
-
-    @field_validator("phased")
-    @classmethod
-    def _phased(cls, v: bool) -> bool:
-        return _only(v, False, "phased pruning is not implemented")
-
-    @field_validator("score_type")
-    @classmethod
-    def _score(cls, v: str) -> str:
-        return _only(v, "magnitude", "pruning scores are weight magnitudes")
-
-
-class ConstantKSModifier(_PruningFields):
+class ConstantKSModifier(Modifier):
     """Keep the existing zeros of already-pruned parameters (SparseML: ConstantPruningModifier)."""
 
     tag: ClassVar[str] = "ConstantKSModifier"
     aliases: ClassVar[tuple[str, ...]] = ("ConstantPruningModifier",)
+    params: ParamSpec
     start_epoch: Number = -1.0
     end_epoch: Number = -1.0
-
-    @field_validator("start_epoch")
-    @classmethod
-    def _start(cls, v: float) -> float:
-        return _check_epoch(v, "start_epoch", sentinel_ok=True)
-
-    @field_validator("end_epoch")
-    @classmethod
-    def _end(cls, v: float, info: ValidationInfo) -> float:
-        return _check_end(v, info, sentinel_ok=True)
 
 
 class QuantizationModifier(Modifier):
@@ -225,12 +178,7 @@ class QuantizationModifier(Modifier):
     submodules: tuple[str, ...] | None = None
     freeze_bn_stats_epoch: Number | None = None
     disable_quantization_observer_epoch: Number | None = None
-    end_epoch: Number = -1.0
-
-    @field_validator("start_epoch")
-    @classmethod
-    def _start(cls, v: float) -> float:
-        return _check_epoch(v, "start_epoch", sentinel_ok=True)
+    end_epoch: Literal[-1.0] = _unsupported(-1.0, "quantization cannot be disabled once started (leave end_epoch out)")
 
     @field_validator("submodules")
     @classmethod
@@ -247,37 +195,15 @@ class QuantizationModifier(Modifier):
             raise ValueError(f"{info.field_name} ({v:g}) must be >= start_epoch ({start:g})")
         return v
 
-    @field_validator("end_epoch")
-    @classmethod
-    def _end(cls, v: float) -> float:
-        return _only(v, -1.0, "quantization cannot be disabled once started (leave end_epoch out)")
-
 
 class SetLearningRateModifier(Modifier):
     """Set the learning rate to ``learning_rate`` from ``start_epoch`` (-1: from the first step)."""
 
     tag: ClassVar[str] = "SetLearningRateModifier"
     start_epoch: Number = -1.0
-    learning_rate: Number
-    end_epoch: Number = -1.0
+    learning_rate: PositiveNumber
+    end_epoch: Literal[-1.0] = _unsupported(-1.0, "the learning rate holds until another LR modifier starts")
     constant_logging: StrictBool = False
-
-    @field_validator("start_epoch")
-    @classmethod
-    def _start(cls, v: float) -> float:
-        return _check_epoch(v, "start_epoch", sentinel_ok=True)
-
-    @field_validator("learning_rate")
-    @classmethod
-    def _lr(cls, v: float) -> float:
-        if v <= 0:
-            raise ValueError("learning_rate must be > 0")
-        return v
-
-    @field_validator("end_epoch")
-    @classmethod
-    def _end(cls, v: float) -> float:
-        return _only(v, -1.0, "the learning rate holds until another LR modifier starts")
 
 
 class LearningRateModifier(Modifier):
@@ -288,19 +214,9 @@ class LearningRateModifier(Modifier):
     end_epoch: Number = -1.0
     lr_class: str
     lr_kwargs: dict[str, Any]
-    init_lr: Number | None = None
-    update_frequency: Number = -1.0
+    init_lr: PositiveNumber | None = None
+    update_frequency: Literal[-1.0] = _unsupported(-1.0, "LR schedules step per epoch (leave update_frequency out)")
     constant_logging: StrictBool = False
-
-    @field_validator("start_epoch")
-    @classmethod
-    def _start(cls, v: float) -> float:
-        return _check_epoch(v, "start_epoch", sentinel_ok=True)
-
-    @field_validator("end_epoch")
-    @classmethod
-    def _end(cls, v: float, info: ValidationInfo) -> float:
-        return _check_end(v, info, sentinel_ok=True)
 
     @field_validator("lr_class")
     @classmethod
@@ -317,17 +233,13 @@ class LearningRateModifier(Modifier):
             return v
         return _normalise_lr_kwargs(lr_class, v, info.data.get("start_epoch"), info.data.get("end_epoch"))
 
-    @field_validator("init_lr")
-    @classmethod
-    def _init_lr(cls, v: float | None) -> float | None:
-        if v is not None and v <= 0:
-            raise ValueError("init_lr must be > 0")
-        return v
 
-    @field_validator("update_frequency")
-    @classmethod
-    def _frequency(cls, v: float) -> float:
-        return _only(v, -1.0, "LR schedules step per epoch (leave update_frequency out)")
+def _number(value: Any, name: str) -> float:
+    """``value`` as a :data:`Number` (for numbers nested in a mapping such as ``lr_kwargs``)."""
+    try:
+        return _NUMBER.validate_python(value)
+    except ValidationError as exc:
+        raise ValueError(f"{name}: {exc.errors()[0]['msg']}") from None
 
 
 def _normalise_lr_kwargs(lr_class: str, kwargs: dict[str, Any], start: float | None,
@@ -346,12 +258,12 @@ def _normalise_lr_kwargs(lr_class: str, kwargs: dict[str, Any], start: float | N
         if unknown:
             parts.append("unknown " + ", ".join(repr(k) for k in unknown))
         raise ValueError(f"lr_kwargs for {lr_class} takes exactly {', '.join(required)}: {'; '.join(parts)}")
-    gamma = _number(kwargs["gamma"])
+    gamma = _number(kwargs["gamma"], "lr_kwargs.gamma")
     if gamma <= 0:
         raise ValueError("lr_kwargs.gamma must be > 0")
     out: dict[str, Any] = {"gamma": gamma}
     if lr_class == "StepLR":
-        step = _number(kwargs["step"])
+        step = _number(kwargs["step"], "lr_kwargs.step")
         if step <= 0:
             raise ValueError("lr_kwargs.step must be > 0 epochs")
         out["step"] = step
@@ -359,7 +271,7 @@ def _normalise_lr_kwargs(lr_class: str, kwargs: dict[str, Any], start: float | N
         milestones = kwargs["milestones"]
         if not isinstance(milestones, (list, tuple)) or not milestones:
             raise ValueError("lr_kwargs.milestones must be a non-empty list of epochs")
-        values = [_number(m) for m in milestones]
+        values = [_number(m, "lr_kwargs.milestones") for m in milestones]
         lo = max(start, 0.0) if start is not None else 0.0
         for m in values:
             if m < lo or (end is not None and end != -1 and m >= end):
@@ -378,62 +290,32 @@ class TrainableParamsModifier(Modifier):
     tag: ClassVar[str] = "TrainableParamsModifier"
     params: ParamSpec
     trainable: StrictBool = True
-    params_strict: StrictBool = True
+    params_strict: Literal[True] = _unsupported(True, "a params entry that matches nothing is always an error")
     start_epoch: Number = -1.0
     end_epoch: Number = -1.0
-
-    @field_validator("params")
-    @classmethod
-    def _params(cls, v: ParamSpec) -> ParamSpec:
-        return _check_params(v)
-
-    @field_validator("params_strict")
-    @classmethod
-    def _strict(cls, v: bool) -> bool:
-        return _only(v, True, "a params entry that matches nothing is always an error")
-
-    @field_validator("start_epoch")
-    @classmethod
-    def _start(cls, v: float) -> float:
-        return _check_epoch(v, "start_epoch", sentinel_ok=True)
-
-    @field_validator("end_epoch")
-    @classmethod
-    def _end(cls, v: float, info: ValidationInfo) -> float:
-        return _check_end(v, info, sentinel_ok=True)
 
 
 class SetWeightDecayModifier(Modifier):
-    """Set the optimizer's weight decay from ``start_epoch`` (-1: from the first step)."""
+    """Set the optimizer's weight decay from ``start_epoch`` (-1: from the first step).
+
+    ``param_groups`` (optimizer param-group indices) names the groups to set; by default every
+    group whose weight decay was not 0 when the recipe was applied (groups a user keeps free of
+    decay, such as biases and norms, stay so).
+    """
 
     tag: ClassVar[str] = "SetWeightDecayModifier"
     start_epoch: Number = -1.0
-    weight_decay: Number
-    param_groups: Any = None
-    end_epoch: Number = -1.0
+    weight_decay: NonNegativeNumber
+    param_groups: tuple[Annotated[int, Field(strict=True, ge=0)], ...] | None = None
+    end_epoch: Literal[-1.0] = _unsupported(-1.0, "the weight decay holds until another SetWeightDecayModifier starts")
     constant_logging: StrictBool = False
-
-    @field_validator("start_epoch")
-    @classmethod
-    def _start(cls, v: float) -> float:
-        return _check_epoch(v, "start_epoch", sentinel_ok=True)
 
     @field_validator("param_groups")
     @classmethod
-    def _groups(cls, v: Any) -> Any:
-        return _only(v, None, "weight decay is set on every param group")
-
-    @field_validator("weight_decay")
-    @classmethod
-    def _wd(cls, v: float) -> float:
-        if v < 0:
-            raise ValueError("weight_decay must be >= 0")
+    def _groups(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is not None and (not v or len(set(v)) != len(v)):
+            raise ValueError("param_groups must be a non-empty list of distinct param-group indices")
         return v
-
-    @field_validator("end_epoch")
-    @classmethod
-    def _end(cls, v: float) -> float:
-        return _only(v, -1.0, "the weight decay holds until another SetWeightDecayModifier starts")
 
 
 # --- registry ----------------------------------------------------------------------------

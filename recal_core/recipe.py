@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, PrivateAttr, SerializeAsAny, ValidationError
+from pydantic import BaseModel, ConfigDict, PrivateAttr, SerializeAsAny, ValidationError, ValidationInfo, model_validator
 
 from . import modifiers as M
 from .errors import Location, Problem, RecipeError
 from .expressions import ExpressionError, evaluate, is_expression, resolve_variables
+from .schedule import RecipeSchedule
 from .yaml_source import ParsedYaml, TaggedMapping, parse_yaml, read_recipe_text
 
 SUPPORTED_MAJOR_VERSION = 1
@@ -49,6 +50,19 @@ class Recipe(BaseModel):
     modifiers: tuple[SerializeAsAny[M.Modifier], ...]
     _source: str = PrivateAttr(default="<recipe>")
     _origins: tuple[ModifierSource | None, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="after")
+    def _across_modifiers(self, info: ValidationInfo) -> "Recipe":
+        """Rules that involve several modifiers: checked however the recipe is built.
+
+        :func:`load_recipe` passes where each modifier came from in the validation context, so
+        the problems are located; a ``Recipe(...)`` built in code gets them without lines.
+        """
+        context = info.context or {}
+        self._source = context.get("source", self._source)
+        self._origins = tuple(context.get("origins", self._origins))
+        _check_across_modifiers(self)
+        return self
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Recipe):
@@ -106,10 +120,8 @@ class Recipe(BaseModel):
         starts = [max(getattr(m, "start_epoch", 0.0), 0.0) for m in self.modifiers]
         return int(math.floor(min(starts, default=0.0)))
 
-    def bind(self, steps_per_epoch: int):
+    def bind(self, steps_per_epoch: int) -> RecipeSchedule:
         """Turn epochs into steps: the :class:`~recal_core.schedule.RecipeSchedule` every backend queries."""
-        from .schedule import RecipeSchedule
-
         return RecipeSchedule(self, steps_per_epoch)
 
     # --- writing --------------------------------------------------------------------------
@@ -241,11 +253,11 @@ class _Builder:
                                          expected="at least one '- !Tag' modifier under 'modifiers'"))
         if self.problems:
             raise RecipeError(self.problems)
-        recipe = Recipe(version=version, modifiers=tuple(mods))
-        recipe._source = self.source
-        recipe._origins = tuple(origins)
-        _check_across_modifiers(recipe)
-        return recipe
+        try:
+            return Recipe.model_validate({"version": version, "modifiers": tuple(mods)},
+                                         context={"source": self.source, "origins": tuple(origins)})
+        except ValidationError as exc:
+            raise _recipe_error(exc) from None
 
     def _version(self, value: Any) -> str:
         text = str(value)
@@ -307,6 +319,10 @@ class _Builder:
             elif kind == "missing":
                 self.problems.append(Problem(item.location, f"required field '{field}' is missing",
                                              described, field))
+            elif kind == "literal_error" and _unsupported_why(cls, field):
+                value = item.fields.get(field)
+                self.problems.append(Problem(where, f"{value!r} is not supported by recal: "
+                                                    f"{_unsupported_why(cls, field)}", described, field))
             else:
                 message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
                 inner = ".".join(str(p) for p in loc[1:])
@@ -314,6 +330,23 @@ class _Builder:
                     message = f"{inner}: {message}"
                 self.problems.append(Problem(where, message, described, field,
                                              value=item.fields.get(field) if field else None))
+
+
+def _unsupported_why(cls: type[M.Modifier], field: str | None) -> str | None:
+    """Why a field accepts only its default (its description), or None for an ordinary field."""
+    info = cls.model_fields.get(field or "")
+    description = (info.description or "") if info else ""
+    prefix = "not supported by recal: "
+    return description[len(prefix):] if description.startswith(prefix) else None
+
+
+def _recipe_error(exc: ValidationError) -> RecipeError:
+    """The RecipeError a model validator raised, out of pydantic's wrapper (or a plain one)."""
+    for err in exc.errors(include_url=False):
+        inner = (err.get("ctx") or {}).get("error")
+        if isinstance(inner, RecipeError):
+            return inner
+    return RecipeError(str(exc))
 
 
 def _contains_tagged(value: Any) -> bool:

@@ -15,13 +15,24 @@ its ``end_epoch``. Weight decay follows the same rule.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Iterator, Protocol
+
+import numpy as np
 
 from . import modifiers as M
 from . import schedules as S
+from .errors import Problem, RecipeError
 
-if TYPE_CHECKING:
-    from .recipe import Recipe
+
+class _Recipe(Protocol):
+    """What a schedule reads of a :class:`~recal_core.recipe.Recipe` (which imports this module, not back)."""
+
+    modifiers: tuple[M.Modifier, ...]
+    max_epochs: int
+
+    def of_type(self, cls: Any) -> Iterator[tuple[int, Any]]: ...
+
+    def problem(self, index: int, field: str | None, message: str, **kw: Any) -> Problem: ...
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,16 @@ class PruningSchedule:
             return self.span.contains(k)
         return self.sparsity(k) is not None
 
+    def tables(self, total_steps: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """For graph backends: per step ``0..total_steps`` the index of the last mask update ``<= k``
+        (-1 before the first) and whether a mask is in force; and the update steps themselves."""
+        update_steps = [k for k in range(total_steps + 1) if self.is_update(k)]
+        ids = np.full(total_steps + 1, -1, dtype=np.int64)
+        for j, step in enumerate(update_steps):
+            ids[step:] = j
+        in_force = np.array([self.mask_in_force(k) for k in range(total_steps + 1)], dtype=bool)
+        return ids, in_force, update_steps
+
 
 @dataclass(frozen=True)
 class QATState:
@@ -77,7 +98,7 @@ class RecipeSchedule:
     (40, None, 0.5)
     """
 
-    def __init__(self, recipe: Recipe, steps_per_epoch: int):
+    def __init__(self, recipe: _Recipe, steps_per_epoch: int):
         if isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) or steps_per_epoch <= 0:
             raise ValueError(f"steps_per_epoch must be a positive int, got {steps_per_epoch!r}")
         self.recipe = recipe
@@ -148,6 +169,36 @@ class RecipeSchedule:
         end = span.end if span.end is not None else self.total_steps
         return self._lr_function(m, init, start)(min(k, max(end - 1, start)))
 
+    def lr_function(self, base_lr: float | None) -> Callable[[int], float | None]:
+        """The LR in force after ``k`` steps for a param group whose own LR is ``base_lr`` (None
+        before any LR modifier starts). Checked once: if a value needs ``base_lr`` and it is None,
+        a :class:`RecipeError` located at the LearningRateModifier's ``init_lr`` says so."""
+        if base_lr is None and self.needs_base_lr():
+            index = next(i for s, i, m in self._lr
+                         if isinstance(m, M.LearningRateModifier) and m.init_lr is None)
+            raise RecipeError(self.recipe.problem(
+                index, "init_lr", "no init_lr and no earlier LR modifier to start from",
+                expected="init_lr, or the optimizer's own LR (base_lr)"))
+        return lambda k: self.lr(k, base_lr=base_lr)
+
+    def weight_decay_function(self, group: int, bases: list[float | None]) -> Callable[[int], float | None]:
+        """The weight decay in force after ``k`` steps for param group ``group`` (None: leave it as is).
+
+        A SetWeightDecayModifier with ``param_groups`` sets the groups it names. Without, it sets every
+        group whose own weight decay (``bases``; None: unknown) is not 0, or every group when all are 0:
+        groups a user keeps free of decay stay so.
+        """
+        zero = [b == 0 for b in bases]
+        default = (not zero[group]) or all(zero)
+        applies = [(start, m) for start, _, m in self._wd
+                   if (group in m.param_groups if m.param_groups is not None else default)]
+
+        def weight_decay(k: int) -> float | None:
+            started = [m for start, m in applies if start <= k]
+            return started[-1].weight_decay if started else None
+
+        return weight_decay
+
     def _lr_function(self, m: M.LearningRateModifier, init: float, start: int) -> S.Schedule:
         kw = m.lr_kwargs
         if m.lr_class == "ExponentialLR":
@@ -155,6 +206,11 @@ class RecipeSchedule:
         if m.lr_class == "StepLR":
             return S.step_lr(init, kw["gamma"], start, max(1, self.step(kw["step"])))
         return S.multistep_lr(init, kw["gamma"], [self.step(e) for e in kw["milestones"]])
+
+    @property
+    def controls_lr(self) -> bool:
+        """Whether the recipe has LR modifiers (it sets the LR from the first one's start)."""
+        return bool(self._lr)
 
     def needs_base_lr(self) -> bool:
         """True when some LR value depends on the optimizer's own LR (no init_lr, nothing before)."""

@@ -9,7 +9,10 @@ graph, and runs ``onnx.checker`` and shape inference:
 4. ``remove_redundant_qdq``
 5. format ``qoperator``: ``int8_passthrough``, ``conv_to_qlinearconv``, ``gemm_to_qgemm``,
    ``add_to_qlinearadd``, ``pool_to_qlinear``, ``remove_redundant_qdq``, repeated until nothing changes;
-   format ``qdq``: ``bias_to_int32``.
+   format ``qdq``: ``bias_to_int32``, ``saturation_free_weights``.
+
+Int8 weights beyond +-64 are written as uint8 with zero point 128 in both formats, so onnxruntime's
+x86 kernels without VNNI (which add uint8 x int8 pairs in int16) cannot saturate.
 
 Whatever stays float between a DequantizeLinear and a QuantizeLinear is listed in a
 :class:`UnconvertedOpsWarning`. With ``verify`` both models run in onnxruntime on the same inputs;
@@ -41,6 +44,7 @@ from .passes.gemm_to_qgemm import gemm_to_qgemm
 from .passes.int8_passthrough import int8_passthrough
 from .passes.pool_to_qlinear import pool_to_qlinear
 from .passes.redundant_qdq import remove_redundant_qdq
+from .passes.saturation_free_weights import saturation_free_weights
 from .qdq import activation
 from .verify import Verification, verify_models
 
@@ -119,6 +123,7 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
             pass
     else:
         run(bias_to_int32)
+        run(saturation_free_weights)
     unconverted = _float_islands(g, QDQ_FUSIBLE if format == "qdq" else set())
     output_step = _output_quantum(g)
     rewrites["remove_dead"] = g.remove_dead()

@@ -12,21 +12,32 @@ from onnx import numpy_helper
 from recal_core.datasets import load_digits
 from recal_core.training import median_latency_ms, overall_sparsity
 
-WEIGHT_INPUTS = {"Conv": (1,), "Gemm": (1,), "MatMul": (1,), "QLinearConv": (3,), "QGemm": (3,),
-                 "QLinearMatMul": (3,), "MatMulIntegerToFloat": (1,), "DequantizeLinear": (0,)}
+# op -> (index of its weight input, index of that weight's zero point or None)
+WEIGHT_INPUTS = {"Conv": (1, None), "Gemm": (1, None), "MatMul": (1, None), "QLinearConv": (3, 5),
+                 "QGemm": (3, 5), "QLinearMatMul": (3, 5), "MatMulIntegerToFloat": (1, 5),
+                 "DequantizeLinear": (0, 2)}
 
 
 def weight_sparsity(model: onnx.ModelProto) -> dict[str, float]:
-    """Zero fraction of every weight initializer (>= 2-D) read by a conv, dense or weight-dequantize node."""
+    """Zero fraction of every weight initializer (>= 2-D) read by a conv, dense or weight-dequantize node.
+
+    A quantized weight is zero where it equals its zero point (uint8 weights hold zero as 128).
+    """
     initializers = {t.name: t for t in model.graph.initializer}
     result = {}
     for node in model.graph.node:
-        for index in WEIGHT_INPUTS.get(node.op_type, ()):
-            name = node.input[index] if index < len(node.input) else ""
-            tensor = initializers.get(name)
-            if tensor is not None and len(tensor.dims) >= 2 and name not in result:
-                value = numpy_helper.to_array(tensor)
-                result[name] = float((value == 0).sum()) / value.size
+        index, zp_index = WEIGHT_INPUTS.get(node.op_type, (None, None))
+        name = node.input[index] if index is not None and index < len(node.input) else ""
+        tensor = initializers.get(name)
+        if tensor is None or len(tensor.dims) < 2 or name in result:
+            continue
+        value = numpy_helper.to_array(tensor)
+        zp_name = node.input[zp_index] if zp_index is not None and zp_index < len(node.input) else ""
+        zero = numpy_helper.to_array(initializers[zp_name]) if zp_name in initializers else np.zeros(())
+        if zero.size > 1:  # per channel: along the axis whose length matches
+            axis = next(a for a, n in enumerate(value.shape) if n == zero.size)
+            zero = zero.reshape([-1 if a == axis else 1 for a in range(value.ndim)])
+        result[name] = float((value == zero).sum()) / value.size
     return result
 
 

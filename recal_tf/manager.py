@@ -19,10 +19,9 @@ import tensorflow as tf
 from recal_core import RecipeError
 from recal_core.manager import RecipeManager
 from recal_core import modifiers as M
-from recal_core.params import resolve_params
+from recal_core.model_plan import ModelPlan, plan_model
 from recal_core.recipe import Recipe
-from recal_core.schedule import PruningSchedule, RecipeSchedule
-from recal_core.schedules import pruned_count
+from recal_core.schedule import RecipeSchedule
 
 from .graph_params import describe_variables
 from .utils import tf_compat
@@ -102,81 +101,72 @@ class ScheduledModifierManager(RecipeManager):
         with graph.as_default():
             variables = list(tf_compat.trainable_variables())
             infos, by_name = describe_variables(graph, variables)
-            problems, targets, trainable_targets = self._check(schedule, infos)
-            lr_table, lr_problems = self._lr_table(schedule, base_lr)
-            problems += lr_problems
-            if problems:
-                raise RecipeError(problems)
+            sizes = {name: int(np.prod(v.shape.as_list())) for name, v in by_name.items()}
+            plan = self._plan(schedule, infos, sizes, base_lr)
+            lr_table = self._lr_table(plan, base_lr)
             self.schedule = schedule
             self._graph = graph
             graph.add_to_collection(RECAL_GRAPH_MARK, tf.constant(True, name="recal/marker"))
             self._global_step = global_step if global_step is not None else tf_compat.train.get_or_create_global_step()
             with tf_compat.name_scope("recal"):
                 k = self._step_tensor()
-                prune_ops = self._pruning_ops(schedule, targets, by_name, k)
+                prune_ops = self._pruning_ops(plan, by_name, k)
                 extras = {EXTRAS_KEY_SUMMARIES: self._summaries}
                 if lr_table is not None:
                     lr = tf.gather(tf.constant(lr_table, tf.float32), k, name="learning_rate")
                     extras[EXTRAS_KEY_LEARNING_RATE] = lr
                     self._summaries.append(tf_compat.summary.scalar("Modifier_LR/learning_rate", lr))
                 if any(True for _ in self.recipe.of_type(M.SetWeightDecayModifier)):
-                    table = [schedule.weight_decay(s) or 0.0 for s in range(schedule.total_steps + 1)]
+                    decay = plan.groups[0].weight_decay
+                    table = [decay(s) or 0.0 for s in range(schedule.total_steps + 1)]
                     rate = tf.gather(tf.constant(table, tf.float32), k, name="weight_decay")
                     penalty = rate * tf.add_n([tf.nn.l2_loss(tf.cast(v, tf.float32)) for v in variables])
                     extras[EXTRAS_KEY_WEIGHT_DECAY_RATE] = rate
                     extras[EXTRAS_KEY_WEIGHT_DECAY] = tf.identity(penalty, name="weight_decay_loss")
                     self._summaries.append(tf_compat.summary.scalar("Modifier_WeightDecay/weight_decay", rate))
-            extras[EXTRAS_KEY_VAR_LIST] = self._apply_trainable(graph, trainable_targets, by_name)
+            extras[EXTRAS_KEY_VAR_LIST] = self._apply_trainable(graph, plan, by_name)
             # built now: MonitoredTrainingSession finalizes the graph before initialize_session runs
             self._is_initialized = [tf.raw_ops.VarIsInitializedOp(resource=v.handle) for v in self._variables]
         self._ops = prune_ops
         self._extras = extras
         return list(prune_ops), dict(extras)
 
-    def _check(self, schedule: RecipeSchedule, infos) -> tuple[list, dict[int, list[str]], dict[int, list[str]]]:
+    def _plan(self, schedule: RecipeSchedule, infos, sizes, base_lr: float | None) -> ModelPlan:
+        """The core's plan for this graph's variables; plus TensorFlow's own limits, every problem at once."""
         problems = []
         for index, _ in schedule.quantization:
             problems.append(self.recipe.problem(
                 index, None, "quantization-aware training is not yet available in TensorFlow",
                 expected="run this recipe's QuantizationModifier with recal_torch, or remove it for TensorFlow"))
-        targets: dict[int, list[str]] = {}
-        for ps in schedule.pruning:
-            try:
-                targets[ps.index] = [p.name for p in resolve_params(self.recipe, ps.index, infos, pruning=True)]
-            except RecipeError as err:
-                problems += err.problems
-        trainable: dict[int, list[str]] = {}
         for index, m, span in schedule.trainable:
             if span.start != 0 or span.end is not None:
                 field = "start_epoch" if span.start != 0 else "end_epoch"
                 problems.append(self.recipe.problem(
                     index, field, "TensorFlow fixes the trainable variables when the optimizer is built",
                     value=getattr(m, field), expected="start_epoch -1 (or 0) and end_epoch -1 in TensorFlow"))
-                continue
-            try:
-                trainable[index] = [p.name for p in resolve_params(self.recipe, index, infos, pruning=False)]
-            except RecipeError as err:
-                problems += err.problems
-        return problems, targets, trainable
-
-    def _lr_table(self, schedule: RecipeSchedule, base_lr: float | None) -> tuple[list[float] | None, list]:
-        lr_modifiers = list(self.recipe.of_type((M.SetLearningRateModifier, M.LearningRateModifier)))
-        if not lr_modifiers:
-            return None, []
         try:
-            table = [schedule.lr(k, base_lr=base_lr) for k in range(schedule.total_steps + 1)]
-        except ValueError as exc:
-            index = next(i for i, m in lr_modifiers if isinstance(m, M.LearningRateModifier) and m.init_lr is None)
-            return None, [self.recipe.problem(index, "init_lr", str(exc).split(";")[0],
-                                              expected="init_lr, or create_ops(..., base_lr=<the optimizer's LR>)")]
+            plan = plan_model(schedule, infos, sizes, groups=[(base_lr, None)])
+        except RecipeError as err:
+            problems += err.problems
+        if problems:
+            raise RecipeError(problems)
+        return plan
+
+    def _lr_table(self, plan: ModelPlan, base_lr: float | None) -> list[float] | None:
+        """The LR per step, or None when the recipe sets none."""
+        schedule = plan.schedule
+        if not schedule.controls_lr:
+            return None
+        table = [plan.groups[0].lr(k) for k in range(schedule.total_steps + 1)]
         if any(v is None for v in table):
             if base_lr is None:
-                first = min(lr_modifiers, key=lambda t: schedule.span(t[1]).start)[0]
-                return None, [self.recipe.problem(
+                first = min(self.recipe.of_type((M.SetLearningRateModifier, M.LearningRateModifier)),
+                            key=lambda t: schedule.span(t[1]).start)[0]
+                raise RecipeError(self.recipe.problem(
                     first, "start_epoch", "the learning rate before the first LR modifier starts is not set",
-                    expected="an LR modifier from epoch 0, or create_ops(..., base_lr=<the LR to start with>)")]
+                    expected="an LR modifier from epoch 0, or create_ops(..., base_lr=<the LR to start with>)"))
             table = [base_lr if v is None else v for v in table]
-        return table, []
+        return table
 
     def _variable(self, name: str, shape, dtype, initializer) -> tf.Variable:
         var = tf_compat.get_variable(name, shape=shape, dtype=dtype, initializer=initializer, trainable=False,
@@ -185,23 +175,23 @@ class ScheduledModifierManager(RecipeManager):
         self._variables.append(var)
         return var
 
-    def _pruning_ops(self, schedule: RecipeSchedule, targets: dict[int, list[str]], by_name, k) -> list:
+    def _pruning_ops(self, plan: ModelPlan, by_name, k) -> list:
         """Create the mask variables, then the ops that update and apply them at step ``k``."""
-        for ps in schedule.pruning:
-            update_ids, in_force, update_steps = _update_tables(ps, schedule.total_steps)
+        total = plan.schedule.total_steps
+        for ps in plan.schedule.pruning:
+            update_ids, in_force, update_steps = ps.tables(total)
             with tf_compat.variable_scope(f"recal/pruning_{ps.index}", reuse=False):
                 group = _MaskGroup(ps.constant, self._variable("update_id", [], tf.int64,
                                                                 tf_compat.constant_initializer(-1)),
                                    update_ids, in_force, [])
-                for name in targets[ps.index]:
+                for name in plan.prune_targets[ps.index]:
                     variable = by_name[name]
-                    numel = int(np.prod(variable.shape.as_list()))
                     mask = self._variable(f"masks/{name}", variable.shape, variable.dtype.base_dtype,
                                           tf_compat.ones_initializer())
-                    counts = [0 if ps.constant else pruned_count(ps.sparsity(u), numel) for u in update_steps]
+                    counts = [plan.masks[name].count(ps, u) or 0 for u in update_steps]
                     group.masks.append(_Mask(name, variable, mask, counts))
             self._groups.append(group)
-        for name in dict.fromkeys(m.name for g in self._groups for m in g.masks):
+        for name in plan.masks:
             variable = by_name[name]
             self._pruned[name] = variable
             self._summaries.append(tf_compat.summary.scalar(f"Modifier_Pruning/{name}", tf.nn.zero_fraction(variable)))
@@ -210,8 +200,9 @@ class ScheduledModifierManager(RecipeManager):
     def _mask_ops(self, k) -> list:
         """Per pruning modifier one conditional update of all its masks, then ``w <- w * mask`` per variable.
 
-        As in recal_torch, new masks rank the weights with the masks of step ``k - 1`` applied, so a
-        weight pruned earlier (and moved by the optimizer since) is never ranked back in.
+        New masks rank (and ConstantKS reads) the weights with the masks of step ``k - 1`` applied,
+        as the core's :mod:`recal_core.model_plan` says, so a weight pruned earlier (and moved by the
+        optimizer since) is never ranked back in.
         """
         previous = tf.maximum(k - 1, 0)
         masked: dict[str, tf.Tensor] = {name: variable.read_value() for name, variable in self._pruned.items()}
@@ -272,16 +263,15 @@ class ScheduledModifierManager(RecipeManager):
         value = self._global_step.read_value() if hasattr(self._global_step, "read_value") else self._global_step
         return tf.minimum(tf.cast(value, tf.int64), self.schedule.total_steps, name="step")
 
-    def _apply_trainable(self, graph: tf.Graph, targets: dict[int, list[str]], by_name) -> list[tf.Variable]:
+    def _apply_trainable(self, graph: tf.Graph, plan: ModelPlan, by_name) -> list[tf.Variable]:
+        """The trainable-variables collection as the plan says at step 0 (it spans the whole run here)."""
         collection = graph.get_collection_ref(tf_compat.GraphKeys.TRAINABLE_VARIABLES)
         self._original_trainable = list(collection)
-        if not targets:
+        flags = plan.trainable(0, {name: True for name in plan.trainable_names})
+        if not flags:
             return list(collection)
-        desired = {id(v): True for v in collection}
-        for index, m, _ in self.schedule.trainable:
-            for name in targets.get(index, []):
-                desired[id(by_name[name])] = m.trainable
-        keep = [v for v in collection if desired.get(id(v), True)]
+        frozen = {id(by_name[name]) for name, flag in flags.items() if not flag}
+        keep = [v for v in collection if id(v) not in frozen]
         collection[:] = keep
         return list(keep)
 
@@ -371,21 +361,11 @@ class ModifierSessionRunHook(tf_compat.train.SessionRunHook):
             run_context.session.run(self.manager._ops)
 
 
-def _update_tables(ps: PruningSchedule, total: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """Per step: the id of the last mask update ``<= k`` (-1 before any), and whether a mask is in force."""
-    update_steps = [k for k in range(total + 1) if ps.is_update(k)]
-    ids = np.full(total + 1, -1, dtype=np.int64)
-    for j, step in enumerate(update_steps):
-        ids[step:] = j
-    in_force = np.array([ps.mask_in_force(k) for k in range(total + 1)], dtype=bool)
-    return ids, in_force, update_steps
-
-
 def _group_update(group: _MaskGroup, k, masked: dict[str, tf.Tensor]) -> list[tf.Tensor]:
     """The masks in force at ``k``: all recomputed (and stored) when the last update point changed.
 
-    GradualKS ranks ``masked[name]`` (the weights with earlier masks applied); ConstantKS keeps the
-    zeros of the raw weights.
+    GradualKS ranks ``masked[name]`` (the weights with the masks of step ``k - 1`` applied);
+    ConstantKS keeps that tensor's zeros.
     """
     update_id = tf.gather(tf.constant(group.update_ids), k)
     needed = tf.logical_and(tf.not_equal(update_id, group.update_id.read_value()), update_id >= 0)
@@ -393,7 +373,7 @@ def _group_update(group: _MaskGroup, k, masked: dict[str, tf.Tensor]) -> list[tf
     def recompute():
         new_masks, assigns = [], []
         for m in group.masks:
-            weight = m.variable.read_value() if group.constant else masked[m.name]
+            weight = masked[m.name]
             if group.constant:
                 new = tf.cast(tf.not_equal(weight, 0), weight.dtype)
             else:

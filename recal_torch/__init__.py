@@ -10,10 +10,9 @@ from recal_core.loggers import PythonLogger, RecalLogger
 from .export import export_onnx, to_export_model
 from .loggers import TensorBoardLogger
 from .manager import ScheduledModifierManager
-from .optimizer import RecalOptimizer
-from .qat import QATConv, QATLinear, QATModule, prepare_qat
+from .qat import QATConv, QATLinear, QATModule, fake_quantize_model
 
 __all__ = [
-    "PythonLogger", "QATConv", "QATLinear", "QATModule", "RecalLogger", "RecalOptimizer",
-    "ScheduledModifierManager", "TensorBoardLogger", "export_onnx", "prepare_qat", "to_export_model",
+    "PythonLogger", "QATConv", "QATLinear", "QATModule", "RecalLogger", "ScheduledModifierManager",
+    "TensorBoardLogger", "export_onnx", "fake_quantize_model", "to_export_model",
 ]

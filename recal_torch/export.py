@@ -29,7 +29,8 @@ from .qat import ACT_QMAX, ACT_QMIN, W_LEVELS, W_QMAX, W_QMIN, QATConv, QATModul
 
 log = logging.getLogger(__name__)
 
-MIN_DYNAMO_OPSET = 18
+MIN_DYNAMO_OPSET = 18  # the lowest opset torch's dynamo exporter implements (converting down fails for QDQ)
+DEFAULT_TORCHSCRIPT_OPSET = 17
 EXTERNAL_DATA_BYTES = 1_800_000_000
 
 
@@ -144,12 +145,13 @@ def to_export_model(model: nn.Module, dynamo: bool = True) -> nn.Module:
 
 
 def export_onnx(model: nn.Module, sample_input: torch.Tensor | Sequence[torch.Tensor], path: str | os.PathLike,
-                opset: int = 17, *, dynamo: bool = True, input_names: Sequence[str] = ("input",),
+                opset: int | None = None, *, dynamo: bool = True, input_names: Sequence[str] = ("input",),
                 output_names: Sequence[str] = ("output",), dynamic_batch: bool = True) -> Path:
     """Export ``model`` to ONNX at ``path`` (atomically); QAT models become QDQ models.
 
-    ``dynamo=True`` (torch's default exporter) writes opset ``max(opset, 18)``, the lowest it
-    implements; ``dynamo=False`` writes ``opset`` (13 or later for per-channel weights).
+    ``opset`` defaults to 18 under ``dynamo=True`` (torch's default exporter, which implements
+    opset 18 and later: an older one is an error, not a silent upgrade) and to 17 under
+    ``dynamo=False`` (13 or later for per-channel weights).
 
     >>> import torch, tempfile, os
     >>> m = torch.nn.Sequential(torch.nn.Linear(4, 2))
@@ -159,14 +161,17 @@ def export_onnx(model: nn.Module, sample_input: torch.Tensor | Sequence[torch.Te
     """
     if isinstance(model, QATModule):
         raise TypeError("export the model that contains the QAT module, not the module itself")
+    if opset is None:
+        opset = MIN_DYNAMO_OPSET if dynamo else DEFAULT_TORCHSCRIPT_OPSET
+    if dynamo and opset < MIN_DYNAMO_OPSET:
+        raise ValueError(f"torch's default (dynamo) exporter writes opset {MIN_DYNAMO_OPSET} or later, not {opset}; "
+                         f"pass opset>={MIN_DYNAMO_OPSET}, or dynamo=False for opset {opset}")
     inputs = tuple(sample_input) if isinstance(sample_input, (list, tuple)) else (sample_input,)
     if dynamo:
         _decomposed_ops()  # before export: the exporter's registry maps these ops only if they exist
     export_model = to_export_model(model, dynamo)
     kwargs: dict = {"opset_version": opset, "input_names": list(input_names), "output_names": list(output_names)}
     if dynamo:
-        # torch's dynamo exporter implements opset 18 and later; converting down fails for QDQ models.
-        kwargs["opset_version"] = max(opset, MIN_DYNAMO_OPSET)
         kwargs["verbose"] = False
         if dynamic_batch:
             kwargs["dynamic_shapes"] = tuple({0: torch.export.Dim.DYNAMIC} for _ in inputs)

@@ -1,35 +1,43 @@
 """Apply a recipe to a PyTorch training loop: one changed line, ``optimizer = manager.modify(...)``.
 
-Every value comes from the core's bound schedule (:class:`recal_core.schedule.RecipeSchedule`);
-this module only turns them into tensor operations. After ``k`` calls of ``optimizer.step()``:
-masks hold the target sparsity of step ``k`` (exact count per layer), and the LR, weight
-decay, trainable flags and QAT state of step ``k`` are in force for the next forward pass.
+``modify`` returns the user's own optimizer with hooks registered on it (step pre/post hooks,
+state-dict hooks), so ``copy.deepcopy``, ``pickle``, ``torch.compile`` and checkpointing behave as
+they do without recal. After ``k`` calls of ``optimizer.step()``: the masks hold the target
+sparsity of step ``k`` (exact count per layer), and the LR, weight decay, trainable flags and QAT
+state of step ``k`` are in force for the next forward pass. What those values are is decided by
+the core (:mod:`recal_core.model_plan`); the parts here apply them:
+
+- :class:`~recal_torch.masks.MaskState`: masks, gradient masking;
+- :class:`~recal_torch.param_groups.ParamGroupSettings`: LR and weight decay per param group;
+- :class:`~recal_torch.trainable.TrainableFlags`: ``requires_grad``;
+- :class:`~recal_torch.qat_control.QATControl`: QAT modules and their switches.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Iterable, Sequence
+import weakref
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from recal_core import RecipeError, load_recipe
-from recal_core.manager import RecipeManager
-from recal_core import modifiers as M
 from recal_core.loggers import RecalLogger
-from recal_core.params import ParamInfo, resolve_params, strip_wrapper
+from recal_core.manager import RecipeManager
+from recal_core.model_plan import ModelPlan, plan_groups, plan_model
 from recal_core.recipe import Recipe
-from recal_core.schedule import RecipeSchedule
 
+from .masks import MaskState
 from .model_params import describe_parameters, sparsity, unwrap
-from .optimizer import RecalOptimizer
-from .pruning import magnitude_mask, nonzero_mask
-from .qat import fake_quantizers, prepare_qat, qat_modules, quantizable_layers
+from .param_groups import ParamGroupSettings, group_bases
+from .qat_control import QATControl, qat_roots
+from .trainable import TrainableFlags
 
-log = logging.getLogger(__name__)
+STATE_VERSION = 2
+RECAL_STATE_KEY = "recal"
 
-STATE_VERSION = 1
+# models and optimizers under a manager now: applying a second recipe on top is an error
+_MODIFIED: "weakref.WeakKeyDictionary[Any, ScheduledModifierManager]" = weakref.WeakKeyDictionary()
 
 
 class ScheduledModifierManager(RecipeManager):
@@ -41,230 +49,126 @@ class ScheduledModifierManager(RecipeManager):
     ... - !GradualKSModifier {params: __ALL__, init_sparsity: 0.5, final_sparsity: 0.75,
     ...                       start_epoch: 0, end_epoch: 1, update_frequency: 1}''')
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8))
-    >>> optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=2)
+    >>> sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> manager.modify(model, sgd, steps_per_epoch=2) is sgd
+    True
     >>> float((model[0].weight == 0).float().mean())
     0.5
     """
 
     def __init__(self, recipe: Recipe):
         super().__init__(recipe)
-        self.schedule: RecipeSchedule | None = None
         self.loggers: list[RecalLogger] = []
+        self.plan: ModelPlan | None = None
+        self.masks: MaskState | None = None
+        self.param_groups: ParamGroupSettings | None = None
+        self.trainable: TrainableFlags | None = None
+        self.qat: QATControl | None = None
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        self._finalized = False
+        self._params: dict[str, nn.Parameter] = {}
+        self._hooks: list[Any] = []
+        self._bases: list[tuple[float | None, float | None]] = []  # each group's own (lr, weight decay)
         self._step = 0
+        self._finalized = False
 
     @property
     def step(self) -> int:
         """Optimizer steps taken under this manager."""
         return self._step
 
+    @property
+    def schedule(self):
+        """The recipe bound to ``steps_per_epoch`` (:class:`~recal_core.schedule.RecipeSchedule`)."""
+        return None if self.plan is None else self.plan.schedule
+
     # --- modify ---------------------------------------------------------------------------------
 
     def modify(self, model: nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int,
-               loggers: Iterable[RecalLogger] = ()) -> RecalOptimizer:
-        """Bind the recipe to ``model`` and ``optimizer``; return the optimizer to train with.
+               loggers: Iterable[RecalLogger] = ()) -> torch.optim.Optimizer:
+        """Bind the recipe to ``model`` and ``optimizer``; return ``optimizer`` (hooked, not wrapped).
 
         Every ``params`` / ``submodules`` entry is resolved now: one that matches nothing is a
         :class:`RecipeError` here, not at some later step.
         """
         if self._model is not None:
             raise RuntimeError("this manager already modified a model; create a new manager per model")
-        if isinstance(optimizer, RecalOptimizer):
-            raise RuntimeError("this optimizer is already wrapped by a recal manager; pass the original")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
+        for thing, what in ((unwrap(model), "model"), (optimizer, "optimizer")):
+            if thing in _MODIFIED:
+                raise RuntimeError(f"this {what} is already modified by another recal manager; finalize() that "
+                                   "one first, or apply one recipe that holds every modifier")
         schedule = self.recipe.bind(steps_per_epoch)
-        infos, by_name = describe_parameters(model)
+        infos, params = describe_parameters(model)
+        sizes = {name: p.numel() for name, p in params.items()}
         problems = []
-        self._prune_targets: dict[int, list[str]] = {}
-        for ps in schedule.pruning:
-            problems += self._resolve(ps.index, infos, pruning=True, into=self._prune_targets)
-        self._trainable_targets: dict[int, list[str]] = {}
-        for index, _, _ in schedule.trainable:
-            problems += self._resolve(index, infos, pruning=False, into=self._trainable_targets)
-        self._qat_roots: dict[int, list[str]] = {}
-        for index, m in schedule.quantization:
-            problems += self._check_qat(index, m, unwrap(model))
+        try:
+            plan = plan_model(schedule, infos, sizes, groups=group_bases(optimizer))
+        except RecipeError as err:
+            problems += err.problems
+        roots, qat_problems = qat_roots(self.recipe, unwrap(model))
+        problems += qat_problems
         if problems:
             raise RecipeError(problems)
-
-        self.schedule = schedule
-        self._model = model
-        self._params = by_name
-        self._optimizer = optimizer
+        if any("initial_lr" in g for g in optimizer.param_groups) and schedule.controls_lr:
+            raise RuntimeError("a torch LR scheduler is already attached to this optimizer, and the recipe has "
+                               "LR modifiers: they would compound; use either the recipe's LR modifiers or the "
+                               "scheduler")
+        self.plan = plan
+        self._bases = group_bases(optimizer)
+        self._model, self._optimizer, self._params = model, optimizer, params
+        self.masks = MaskState(plan.masks, params)
+        self.param_groups = ParamGroupSettings(optimizer, plan.groups)
+        self.trainable = TrainableFlags(plan, params)
+        self.qat = QATControl(unwrap(model), roots)
         self.loggers = list(loggers)
-        self._base_lrs = [group["lr"] for group in optimizer.param_groups]
-        if schedule.needs_base_lr() and any(lr is None for lr in self._base_lrs):
-            raise ValueError("a LearningRateModifier without init_lr needs the optimizer's lr")
-        trainable_names = {n for names in self._trainable_targets.values() for n in names}
-        self._original_trainable = {n: by_name[n].requires_grad for n in trainable_names}
-        self._masks: dict[str, dict[int, torch.Tensor]] = {}
-        self._effective: dict[str, torch.Tensor] = {}
-        self._qat_prepared: set[int] = set()
-        self._qat_applied: dict[int, tuple[bool, bool]] = {}
-        self._trainable_rules: tuple[int, ...] | None = None
-        self._step = 0
-        wrapped = RecalOptimizer(optimizer, self)
+        self._hooks = [
+            optimizer.register_step_pre_hook(_StepPreHook(self)),
+            optimizer.register_step_post_hook(_StepPostHook(self)),
+            optimizer.register_state_dict_post_hook(_StateDictHook(self)),
+            optimizer.register_load_state_dict_pre_hook(_LoadStateDictHook(self)),
+        ]
+        _MODIFIED[unwrap(model)] = self
+        _MODIFIED[optimizer] = self
         self._apply_state(0)
-        self._update_masks(0)
-        return wrapped
-
-    def _resolve(self, index: int, infos: Sequence[ParamInfo], pruning: bool, into: dict[int, list[str]]) -> list:
-        try:
-            into[index] = [p.name for p in resolve_params(self.recipe, index, infos, pruning=pruning)]
-            return []
-        except RecipeError as err:
-            return err.problems
-
-    def _check_qat(self, index: int, m: M.QuantizationModifier, root: nn.Module) -> list:
-        names = [strip_wrapper(n) for n in (m.submodules or [""])]
-        problems = []
-        available = {n for n, _ in root.named_modules()}
-        for name in names:
-            if name not in available:
-                import difflib
-
-                close = difflib.get_close_matches(name, sorted(available), n=5, cutoff=0.4)
-                problems.append(self.recipe.problem(index, "submodules", f"no submodule named {name!r}",
-                                                    expected="one of " + (", ".join(close) or "the model's modules")))
-            elif not quantizable_layers(root.get_submodule(name)):
-                problems.append(self.recipe.problem(
-                    index, "submodules" if name else None,
-                    f"{'submodule ' + repr(name) if name else 'the model'} has no quantizable layer",
-                    expected="Conv1d/2d/3d (zero padding) or Linear layers to quantize"))
-        self._qat_roots[index] = names
-        return problems
+        self.masks.update(0)
+        return optimizer
 
     # --- the step -------------------------------------------------------------------------------
 
-    def _before_optimizer_step(self) -> None:
-        if self._finalized or not self._effective:
-            return
-        grads, masks = [], []
-        for name, mask in self._effective.items():
-            grad = self._params[name].grad
-            if grad is not None:
-                grads.append(grad)
-                masks.append(mask)
-        if grads:
-            torch._foreach_mul_(grads, masks)
+    def _before_step(self) -> None:
+        self.param_groups.check_untouched(self._step)
+        self.masks.mask_gradients()
 
-    def _after_optimizer_step(self) -> None:
-        if self._finalized:
-            return
-        self._apply_masks()
+    def _after_step(self) -> None:
+        self.masks.apply()
         self._step += 1
         self._apply_state(self._step)
-        self._update_masks(self._step)
+        self.masks.update(self._step)
         if self.loggers:
-            self._log(self._step)
-
-    @torch.no_grad()
-    def _apply_masks(self) -> None:
-        if self._effective:
-            names = list(self._effective)
-            torch._foreach_mul_([self._params[n].data for n in names], [self._effective[n] for n in names])
+            scalars = self.scalars()
+            for logger in self.loggers:
+                logger.log_scalars(self._step, self.plan.schedule.epoch_of(self._step), scalars)
 
     def _apply_state(self, k: int) -> None:
         """LR, weight decay, trainable flags and QAT switches in force at step ``k``."""
-        schedule = self.schedule
-        for group, base in zip(self._optimizer.param_groups, self._base_lrs):
-            lr = schedule.lr(k, base_lr=base)
-            if lr is not None:
-                group["lr"] = lr
-        wd = schedule.weight_decay(k)
-        if wd is not None:
-            for group in self._optimizer.param_groups:
-                group["weight_decay"] = wd
-        self._apply_trainable(k)
-        self._apply_qat(k)
-
-    def _apply_trainable(self, k: int) -> None:
-        rules = self.schedule.trainable_rules(k)
-        key = tuple(i for i, _ in rules)
-        if key == self._trainable_rules:
-            return
-        self._trainable_rules = key
-        desired = dict(self._original_trainable)
-        for index, m in rules:
-            for name in self._trainable_targets[index]:
-                desired[name] = m.trainable
-        for name, flag in desired.items():
-            self._params[name].requires_grad_(flag)
-
-    def _apply_qat(self, k: int) -> None:
-        for index, _ in self.schedule.quantization:
-            state = self.schedule.qat(index, k)
-            if not state.enabled:
-                continue
-            if index not in self._qat_prepared:
-                self._prepare_qat(index)
-            flags = (state.bn_frozen, state.observers_frozen)
-            if self._qat_applied.get(index) != flags:
-                for root in self._qat_roots_modules(index):
-                    for module in qat_modules(root):
-                        module.bn_frozen = state.bn_frozen
-                    for fq in fake_quantizers(root):
-                        fq.observer_enabled = not state.observers_frozen
-                self._qat_applied[index] = flags
-
-    def _prepare_qat(self, index: int) -> None:
-        root = unwrap(self._model)
-        for name in self._qat_roots[index]:
-            created = prepare_qat(root.get_submodule(name))
-            log.info("QAT on %s: %d layers quantized (step %d)", name or type(root).__name__, len(created), self._step)
-        self._qat_prepared.add(index)
-
-    def _qat_roots_modules(self, index: int) -> list[nn.Module]:
-        root = unwrap(self._model)
-        return [root.get_submodule(name) for name in self._qat_roots[index]]
-
-    @torch.no_grad()
-    def _update_masks(self, k: int) -> None:
-        changed: set[str] = set()
-        for ps in self.schedule.pruning:
-            names = self._prune_targets[ps.index]
-            in_force = ps.mask_in_force(k)
-            for name in names:
-                per_modifier = self._masks.setdefault(name, {})
-                if not in_force:
-                    if per_modifier.pop(ps.index, None) is not None:
-                        changed.add(name)
-                    continue
-                if ps.is_update(k) or ps.index not in per_modifier:
-                    weight = self._params[name].data
-                    per_modifier[ps.index] = nonzero_mask(weight) if ps.constant else magnitude_mask(
-                        weight, ps.sparsity(k))
-                    changed.add(name)
-        for name in changed:
-            if self._combine(name):
-                self._params[name].data.mul_(self._effective[name])
-
-    def _combine(self, name: str) -> bool:
-        """Set the effective mask of ``name`` (the product of the masks in force); False if none is."""
-        masks = list(self._masks.get(name, {}).values())
-        if not masks:
-            self._effective.pop(name, None)
-            return False
-        effective = masks[0]
-        for mask in masks[1:]:
-            effective = effective * mask
-        self._effective[name] = effective
-        return True
+        self.param_groups.apply(k)
+        self.trainable.apply(k)
+        self.qat.apply(self.plan.qat(k), k)
 
     # --- logging --------------------------------------------------------------------------------
 
     def scalars(self) -> dict[str, float]:
         """What is in force now: measured and target sparsity per layer, LR, weight decay, QAT state."""
+        self._require_modified("scalars")
         k = self._step
         out: dict[str, float] = {}
-        for ps in self.schedule.pruning:
+        for ps in self.plan.schedule.pruning:
             target = None if ps.constant else ps.sparsity(k)
-            for name in self._prune_targets[ps.index]:
+            for name in self.plan.prune_targets[ps.index]:
                 out[f"sparsity/{name}"] = sparsity(self._params[name])
                 if target is not None:
                     out[f"target_sparsity/{name}"] = target
@@ -273,68 +177,79 @@ class ScheduledModifierManager(RecipeManager):
             out["lr" + suffix] = float(group["lr"])
             if "weight_decay" in group:
                 out["weight_decay" + suffix] = float(group["weight_decay"])
-        for index, _ in self.schedule.quantization:
-            state = self.schedule.qat(index, k)
+        for index, state in self.plan.qat(k):
             out[f"qat/{index}/enabled"] = float(state.enabled)
             out[f"qat/{index}/bn_frozen"] = float(state.bn_frozen)
             out[f"qat/{index}/observers_frozen"] = float(state.observers_frozen)
         return out
 
-    def _log(self, k: int) -> None:
-        scalars = self.scalars()
-        for logger in self.loggers:
-            logger.log_scalars(k, self.schedule.epoch_of(k), scalars)
-
     # --- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume exactly: step, masks, base LRs, trainable flags, QAT state.
+        """Everything needed to resume exactly: step, masks, trainable flags, QAT state (tensors and
+        plain containers only, so ``torch.load(weights_only=True)`` reads it back).
 
-        Model weights and observer statistics are in ``model.state_dict()``; load them *after*
-        :meth:`load_state_dict` (which re-creates the QAT modules whose buffers they fill).
+        It is also inside ``optimizer.state_dict()`` under ``"recal"``. Model weights and observer
+        statistics are in ``model.state_dict()``; load them *after* :meth:`load_state_dict` (which
+        re-creates the QAT modules whose buffers they fill).
         """
         self._require_modified("state_dict")
         return {
             "version": STATE_VERSION,
             "recipe": self.recipe.to_yaml(),
-            "steps_per_epoch": self.schedule.steps_per_epoch,
+            "steps_per_epoch": self.plan.schedule.steps_per_epoch,
             "step": self._step,
-            "base_lrs": list(self._base_lrs),
-            "original_trainable": dict(self._original_trainable),
-            "masks": {name: {i: m.clone() for i, m in per.items()} for name, per in self._masks.items()},
-            "qat_prepared": sorted(self._qat_prepared),
+            "group_bases": [list(b) for b in self._bases],
+            "original_trainable": dict(self.trainable.original),
+            "masks": self.masks.state_dict(),
+            "qat_prepared": sorted(self.qat.prepared),
             "finalized": self._finalized,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` into a manager that has already called :meth:`modify`."""
+        """Restore :meth:`state_dict` into a manager that has already called :meth:`modify`.
+
+        Everything is checked before anything changes: a checkpoint that does not fit leaves the
+        manager as it was and raises ``ValueError`` saying what does not match.
+        """
         self._require_modified("load_state_dict")
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"unsupported recal state version {state.get('version')!r}")
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            found = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"unsupported recal state version {found!r} (this recal writes {STATE_VERSION})")
+        missing = [k for k in ("recipe", "steps_per_epoch", "step", "group_bases", "original_trainable", "masks",
+                               "qat_prepared") if k not in state]
+        if missing:
+            raise ValueError(f"the recal state lacks {', '.join(missing)}")
         if load_recipe(state["recipe"]) != self.recipe:
             raise ValueError("the checkpoint was taken under a different recipe than this manager's")
-        if state["steps_per_epoch"] != self.schedule.steps_per_epoch:
+        if state["steps_per_epoch"] != self.plan.schedule.steps_per_epoch:
             raise ValueError(f"the checkpoint used steps_per_epoch={state['steps_per_epoch']}, "
-                             f"this run {self.schedule.steps_per_epoch}")
-        self._step = int(state["step"])
-        self._base_lrs = list(state["base_lrs"])
-        self._original_trainable = dict(state["original_trainable"])
-        self._masks = {}
-        for name, per in state["masks"].items():
-            if name not in self._params:
-                raise ValueError(f"the checkpoint masks parameter {name!r}, which this model does not have")
-            device = self._params[name].device
-            self._masks[name] = {int(i): m.to(device) for i, m in per.items()}
-        self._effective = {}
-        for name in self._masks:
-            self._combine(name)
-        self._trainable_rules = None
-        self._qat_applied = {}
+                             f"this run {self.plan.schedule.steps_per_epoch}")
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"the checkpoint's step is {step!r}, not a step count")
+        self.masks.check_state_dict(state["masks"])
+        unknown_qat = set(state["qat_prepared"]) - set(self.qat.roots)
+        if unknown_qat:
+            raise ValueError(f"the checkpoint has QAT state for modifiers {sorted(unknown_qat)}, which this recipe lacks")
+        bases = [tuple(b) for b in state["group_bases"]]
+        if len(bases) != len(self._optimizer.param_groups):
+            raise ValueError(f"the checkpoint's optimizer had {len(bases)} param groups, this one "
+                             f"{len(self._optimizer.param_groups)}")
+        groups = plan_groups(self.plan.schedule, bases) if bases != self._bases else None
+        # checked: now change
+        if groups is not None:
+            self._bases = bases
+            self.param_groups = ParamGroupSettings(self._optimizer, groups)
+        self._step = step
+        self.trainable.reset(state["original_trainable"])
+        self.masks.load_state_dict(state["masks"])
         for index in state["qat_prepared"]:
-            if index not in self._qat_prepared:
-                self._prepare_qat(index)
+            if index not in self.qat.prepared:
+                self.qat.prepare(index, step)
+        self.qat.reset()
         self._apply_state(self._step)
-        self._apply_masks()
+        self.masks.apply()
         self._finalized = bool(state.get("finalized", False))
 
     def _require_modified(self, what: str) -> None:
@@ -344,24 +259,74 @@ class ScheduledModifierManager(RecipeManager):
     # --- the end --------------------------------------------------------------------------------
 
     def finalize(self, model: nn.Module | None = None) -> dict[str, float]:
-        """End training under the recipe: masks are baked into the weights and released.
+        """End training under the recipe: masks are baked into the weights and released, recal's hooks
+        are removed from the optimizer (later steps are plain steps), and the model may be modified again.
 
         QAT modules are kept (so :func:`recal_torch.export_onnx` writes a QDQ model) with their
         observers and BatchNorm statistics frozen. Returns the final sparsity per pruned parameter.
-        Later ``optimizer.step()`` calls step the wrapped optimizer only.
         """
         self._require_modified("finalize")
         if model is not None and unwrap(model) is not unwrap(self._model):
             raise ValueError("finalize() got a different model from the one passed to modify()")
-        self._apply_masks()
-        result = {}
-        for names in self._prune_targets.values():
-            for name in names:
-                result[name] = sparsity(self._params[name])
-        for module in qat_modules(unwrap(self._model)):
-            module.bn_frozen = True
-        for fq in fake_quantizers(unwrap(self._model)):
-            fq.observer_enabled = False
-        self._masks, self._effective = {}, {}
+        self.masks.apply()
+        result = {name: sparsity(self._params[name])
+                  for names in self.plan.prune_targets.values() for name in names}
+        self.qat.freeze()
+        self.masks.release()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        _MODIFIED.pop(unwrap(self._model), None)
+        _MODIFIED.pop(self._optimizer, None)
         self._finalized = True
         return result
+
+
+# --- hooks: small picklable callables that call back into the manager ---------------------------
+
+
+class _Hook:
+    def __init__(self, manager: ScheduledModifierManager):
+        self.manager = manager
+
+
+class _StepPreHook(_Hook):
+    """Checks the LR, masks the gradients; wraps a closure so the gradients it computes are masked too."""
+
+    def __call__(self, optimizer, args, kwargs):
+        # ``args`` holds the optimizer itself first, then step()'s own positional arguments
+        manager = self.manager
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        manager._before_step()
+        if closure is None:
+            return None
+
+        def masked_closure():
+            with torch.enable_grad():
+                loss = closure()
+            manager.masks.mask_gradients()
+            return loss
+
+        return args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": masked_closure}
+
+
+class _StepPostHook(_Hook):
+    def __call__(self, optimizer, args, kwargs):
+        self.manager._after_step()
+
+
+class _StateDictHook(_Hook):
+    def __call__(self, optimizer, state_dict):
+        state_dict[RECAL_STATE_KEY] = self.manager.state_dict()
+        return state_dict
+
+
+class _LoadStateDictHook(_Hook):
+    """Loads recal's part (first: it re-creates QAT modules) and hands the optimizer the rest."""
+
+    def __call__(self, optimizer, state_dict):
+        if RECAL_STATE_KEY not in state_dict:
+            return None
+        rest = {k: v for k, v in state_dict.items() if k != RECAL_STATE_KEY}
+        self.manager.load_state_dict(state_dict[RECAL_STATE_KEY])
+        return rest

@@ -1,19 +1,19 @@
-"""Unstructured magnitude masks for torch parameters, exact to the target count."""
+"""Unstructured magnitude masks for torch parameters, exact to the count the core asks for."""
 
 from __future__ import annotations
 
 import torch
 
-from recal_core.schedules import pruned_count
-
 
 @torch.no_grad()
-def magnitude_mask(weight: torch.Tensor, sparsity: float) -> torch.Tensor:
-    """A 0/1 mask (weight's dtype) that zeroes exactly ``pruned_count(sparsity, n)`` smallest-magnitude weights.
+def magnitude_mask(weight: torch.Tensor, count: int) -> torch.Tensor:
+    """A 0/1 mask (weight's dtype) that zeroes exactly the ``count`` smallest-magnitude weights.
 
     Ties are broken by flat index (a stable sort), so every process computes the same mask.
+
+    >>> magnitude_mask(torch.tensor([3.0, -1.0, 2.0, 1.0]), 2).tolist()
+    [1.0, 0.0, 1.0, 0.0]
     """
-    count = pruned_count(sparsity, weight.numel())
     mask = torch.ones(weight.numel(), dtype=weight.dtype, device=weight.device)
     if count:
         order = torch.argsort(weight.detach().abs().flatten(), stable=True)

@@ -302,8 +302,14 @@ def quantizable_layers(root: nn.Module) -> list[str]:
             if (isinstance(m, CONVS) and m.padding_mode == "zeros") or type(m) is nn.Linear]
 
 
-def prepare_qat(root: nn.Module) -> list[QATModule]:
-    """Turn ``root``'s quantizable layers into QAT modules, in place; return them."""
+def fake_quantize_model(root: nn.Module) -> list[QATModule]:
+    """Turn ``root``'s quantizable layers into QAT modules, in place; return them.
+
+    Not torch.ao's ``prepare_qat``: Conv(-BN)(-ReLU) and Linear(-ReLU) are fused into one QAT
+    module each (BatchNorm folded into the simulated weights) that keeps the float module's
+    Parameter objects, and the fake-quantizers are recal's own (uint8 activations, int8
+    symmetric per-channel weights). The recipe's QuantizationModifier calls this at its start.
+    """
     modules = dict(root.named_modules())
     try:
         plans, residual_relus = _plan_from_trace(root, modules)

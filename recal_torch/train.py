@@ -97,7 +97,7 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
         found = _checkpoints(ckpt_dir)
         if not found:
             raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}")
-        state = torch.load(found[-1], weights_only=False)
+        state = torch.load(found[-1], weights_only=True)  # data only: a crafted checkpoint runs no code
         optimizer.load_state_dict(state["optimizer"])  # recal's state first: it re-creates QAT modules
         model.load_state_dict(state["model"])
         run.history = [EpochRecord(**h) for h in state["history"]]

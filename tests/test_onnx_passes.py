@@ -15,6 +15,7 @@ from recal_onnx.passes.gemm_to_qgemm import gemm_to_qgemm
 from recal_onnx.passes.int8_passthrough import int8_passthrough
 from recal_onnx.passes.pool_to_qlinear import pool_to_qlinear
 from recal_onnx.passes.redundant_qdq import remove_redundant_qdq
+from recal_onnx.passes.saturation_free_weights import saturation_free_weights
 
 from .onnx_graphs import Builder, ops, reference, run
 
@@ -220,9 +221,31 @@ def test_bias_to_int32_for_qdq_format():
     model = _conv_graph()
     feeds = _x([2, 3, 6, 6])
     expected = reference(model, feeds)[0]
-    converted, (n,) = _apply(model, bias_to_int32)
+    converted, (n, _) = _apply(model, bias_to_int32, saturation_free_weights)
     assert n == 1 and ops(converted).count("DequantizeLinear") == 4
     assert np.abs(run(converted, feeds)[0] - expected).max() <= 0.02 + 1e-6
+
+
+def test_saturation_free_weights():
+    """Weights beyond +-64 become uint8 (zero point 128): exact in onnxruntime on every x86 CPU,
+    with or without VNNI (u8s8 kernels without it add uint8 x int8 pairs in int16 and saturate)."""
+    model = _conv_graph()
+    feeds = _x([2, 3, 6, 6])
+    expected = reference(model, feeds)[0]
+    converted, (n,) = _apply(model, saturation_free_weights)
+    assert n == 1
+    weights = [onnx.numpy_helper.to_array(t) for t in converted.graph.initializer if t.dims[:1] == [4] and
+               len(t.dims) == 4]
+    assert weights and weights[0].dtype == np.uint8
+    assert np.abs(run(converted, feeds)[0] - expected).max() <= 0.02 + 1e-6
+    small = Builder()
+    w = small.weight((4, 3, 3, 3))
+    scale = [i for i in small.inits if i.name.startswith("w") and i.data_type == onnx.TensorProto.INT8][0]
+    scale.CopyFrom(onnx.numpy_helper.from_array(
+        (onnx.numpy_helper.to_array(scale) // 2).astype(np.int8), scale.name))  # within +-64: left int8
+    y = small.node("Conv", [small.qdq("x", 0.03, 128), w], pads=[1, 1, 1, 1])
+    _, (n,) = _apply(small.model([("x", [2, 3, 6, 6])], [small.qdq(y, 0.02, 0)]), saturation_free_weights)
+    assert n == 0
 
 
 def test_conv_with_per_tensor_weight_scale():

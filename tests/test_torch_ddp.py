@@ -36,8 +36,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     data = batches(12, seed=rank)  # each rank its own shard
     train_steps(model, optimizer, data)
     state = {n: p.detach().clone() for n, p in model.module.state_dict().items()}
-    torch.save({"state": state, "masks": {k: v.clone() for k, v in manager._effective.items()},
-                "targets": manager._prune_targets}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save({"state": state, "masks": {k: v.clone() for k, v in manager.masks.effective.items()},
+                "targets": manager.plan.prune_targets}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 

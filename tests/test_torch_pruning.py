@@ -8,7 +8,7 @@ from torch import nn
 
 from recal_core import RecipeError
 from recal_core.schedules import pruned_count
-from recal_torch import PythonLogger, RecalOptimizer, ScheduledModifierManager, TensorBoardLogger
+from recal_torch import PythonLogger, ScheduledModifierManager, TensorBoardLogger
 
 from .torch_models import SmallCNN, batches, train_steps
 
@@ -64,23 +64,23 @@ def test_pruned_weights_get_no_gradient_and_stay_zero_with_momentum():
     w = model.conv2.weight
     zero = w == 0
     x, y = data[0]
+    seen = []  # a pre-hook registered after recal's sees the gradients the optimizer will use
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(w.grad[zero].abs().max().item()))
     optimizer.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
-    optimizer._manager._before_optimizer_step()
-    assert torch.all(w.grad[zero] == 0)
-    optimizer._optimizer.step()
-    optimizer._manager._after_optimizer_step()
-    assert torch.all(w[zero] == 0)
+    assert w.grad[zero].abs().max() > 0
+    optimizer.step()
+    assert seen == [0.0] and torch.all(w[zero] == 0)
 
 
 def test_ties_broken_deterministically():
     from recal_torch.pruning import magnitude_mask
 
     w = torch.tensor([[1.0, -1.0, 1.0, 1.0], [2.0, 1.0, -2.0, 1.0]])
-    mask = magnitude_mask(w, 0.5)
+    mask = magnitude_mask(w, 4)
     assert mask.tolist() == [[0, 0, 0, 0], [1, 1, 1, 1]]  # equal magnitudes: the earlier positions go first
-    assert torch.equal(mask, magnitude_mask(w.clone(), 0.5))
-    assert magnitude_mask(torch.ones(2, 4), 0.25).tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
+    assert torch.equal(mask, magnitude_mask(w.clone(), 4))
+    assert magnitude_mask(torch.ones(2, 4), 2).tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
 
 
 def test_leave_enabled_false_releases_masks():
@@ -154,23 +154,87 @@ def test_learning_rate_modifier_without_init_lr_uses_optimizer_lr():
     assert lrs[2] == pytest.approx(0.05) and lrs[3] == pytest.approx(0.005) and lrs[7] == pytest.approx(0.0005)
 
 
-def test_wrapped_optimizer_behaves_like_the_original():
+def test_modify_returns_the_users_optimizer_which_copies_and_pickles():
+    import copy
+    import pickle
+
     model, manager, optimizer = _setup(PRUNE)
-    assert isinstance(optimizer, RecalOptimizer) and isinstance(optimizer, torch.optim.Optimizer)
-    assert optimizer.param_groups is optimizer.optimizer.param_groups
-    assert optimizer.state is optimizer.optimizer.state and optimizer.defaults["momentum"] == 0.9
+    assert type(optimizer) is torch.optim.SGD
+    train_steps(model, optimizer, batches(2))
+    for clone in (copy.deepcopy(optimizer), pickle.loads(pickle.dumps(optimizer))):
+        assert type(clone) is torch.optim.SGD and clone.param_groups[0]["lr"] == 0.05
+        assert not clone._optimizer_step_pre_hooks  # a copy is a plain optimizer: recal's hooks stay behind
+    state = optimizer.state_dict()
+    assert "recal" in state and state["recal"]["step"] == 2
+    plain = torch.optim.SGD(SmallCNN().parameters(), lr=0.05, momentum=0.9)
+    plain.load_state_dict(state)  # the extra key does not bother a plain optimizer
+    assert manager.step == 2
+
+
+def test_a_torch_lr_scheduler_works_alone_and_is_refused_beside_recipe_lr_modifiers():
+    model, manager, optimizer = _setup(PRUNE)  # no LR modifiers: the scheduler owns the LR
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     train_steps(model, optimizer, batches(1))
     scheduler.step()
+    train_steps(model, optimizer, batches(1))
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
-    state = optimizer.state_dict()
-    assert "recal" in state and state["recal"]["step"] == 1
-    plain = torch.optim.SGD(SmallCNN().parameters(), lr=0.05, momentum=0.9)
-    plain.load_state_dict(state)  # the extra key does not bother a plain optimizer
-    with pytest.raises(RuntimeError, match="already wrapped"):
-        ScheduledModifierManager.from_yaml(PRUNE).modify(model, optimizer, steps_per_epoch=SPE)
-    with pytest.raises(RuntimeError, match="already modified"):
-        manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=SPE)
+    recipe = PRUNE + "- !SetLearningRateModifier {start_epoch: 0, learning_rate: 0.5}\n"
+    model, manager, optimizer = _setup(recipe)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.1)
+    train_steps(model, optimizer, batches(1))
+    scheduler.step()  # 0.5 -> 0.05 behind the recipe's back: the next step says so
+    with pytest.raises(RuntimeError, match="lr is 0.05, but recal's recipe set it to 0.5 .* LR scheduler"):
+        train_steps(model, optimizer, batches(1))
+    model = SmallCNN()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(sgd, step_size=1)
+    with pytest.raises(RuntimeError, match="LR scheduler is already attached"):
+        ScheduledModifierManager.from_yaml(recipe).modify(model, sgd, steps_per_epoch=SPE)
+
+
+def test_modifying_twice_is_an_error_until_finalize():
+    model, manager, optimizer = _setup(PRUNE)
+    with pytest.raises(RuntimeError, match="already modified by another recal manager"):
+        ScheduledModifierManager.from_yaml(PRUNE).modify(model, torch.optim.SGD(model.parameters(), lr=0.1), SPE)
+    with pytest.raises(RuntimeError, match="already modified by another recal manager"):
+        ScheduledModifierManager.from_yaml(PRUNE).modify(SmallCNN(), optimizer, SPE)
+    with pytest.raises(RuntimeError, match="already modified a model"):
+        manager.modify(SmallCNN(), torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=SPE)
+    manager.finalize(model)
+    assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+    ScheduledModifierManager.from_yaml(PRUNE).modify(model, optimizer, steps_per_epoch=SPE)  # a next stage
+
+
+def test_weight_decay_keeps_groups_the_user_left_without_decay():
+    recipe = "- !SetWeightDecayModifier {start_epoch: 0, weight_decay: 0.01}\n" \
+             "- !EpochRangeModifier {start_epoch: 0, end_epoch: 1}"
+    model = SmallCNN()
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "bn" not in n]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "bn" not in n)]
+    sgd = torch.optim.SGD([{"params": decay, "weight_decay": 1e-4}, {"params": rest, "weight_decay": 0.0}], lr=0.1)
+    ScheduledModifierManager.from_yaml(recipe).modify(model, sgd, steps_per_epoch=SPE)
+    assert [g["weight_decay"] for g in sgd.param_groups] == [0.01, 0.0]
+    named = recipe.replace("weight_decay: 0.01}", "weight_decay: 0.01, param_groups: [1]}")
+    model = SmallCNN()
+    sgd = torch.optim.SGD([{"params": list(model.parameters())[:2], "weight_decay": 1e-4},
+                           {"params": list(model.parameters())[2:], "weight_decay": 0.0}], lr=0.1)
+    ScheduledModifierManager.from_yaml(named).modify(model, sgd, steps_per_epoch=SPE)
+    assert [g["weight_decay"] for g in sgd.param_groups] == [1e-4, 0.01]
+    model = SmallCNN()  # no group has decay: the recipe sets them all
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    ScheduledModifierManager.from_yaml(recipe).modify(model, sgd, steps_per_epoch=SPE)
+    assert sgd.param_groups[0]["weight_decay"] == 0.01
+    with pytest.raises(RecipeError, match="there is no param group 1"):
+        model = SmallCNN()
+        ScheduledModifierManager.from_yaml(named).modify(model, torch.optim.SGD(model.parameters(), lr=0.1), SPE)
+
+
+def test_torch_compile_model_trains_under_the_recipe():
+    model, manager, optimizer = _setup(PRUNE)
+    compiled = torch.compile(model, backend="aot_eager")
+    data = batches(manager.max_epochs * SPE)
+    train_steps(compiled, optimizer, data)
+    assert int((model.fc.weight == 0).sum()) == pruned_count(0.8, model.fc.weight.numel())
 
 
 def test_closure_and_zero_grad_pass_through():
@@ -183,7 +247,13 @@ def test_closure_and_zero_grad_pass_through():
         loss.backward()
         return loss
 
-    assert optimizer.step(closure) is not None and manager.step == 1
+    w = model.conv2.weight
+    train_steps(model, optimizer, batches(SPE * 2))  # into pruning: some zeros
+    zero = w == 0
+    seen = []
+    optimizer.register_step_post_hook(lambda *a: seen.append(w.grad[zero].abs().max().item()))
+    assert optimizer.step(closure) is not None and manager.step == SPE * 2 + 1
+    assert seen == [0.0]  # the gradients the closure computed were masked
     optimizer.zero_grad()
     assert all(p.grad is None for p in model.parameters())
 
@@ -228,7 +298,7 @@ def test_ddp_style_names_resolve():
     wrapper.module = SmallCNN()  # parameters named module.conv1.weight ...
     manager = ScheduledModifierManager.from_yaml("- !ConstantKSModifier {params: [conv1, module.fc.weight]}")
     manager.modify(wrapper, torch.optim.SGD(wrapper.parameters(), lr=0.1), steps_per_epoch=1)
-    assert manager._prune_targets[0] == ["module.conv1.weight", "module.fc.weight"]
+    assert manager.plan.prune_targets[0] == ["module.conv1.weight", "module.fc.weight"]
 
 
 def test_loggers(tmp_path, caplog):

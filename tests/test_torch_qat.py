@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from recal_core.schedules import pruned_count
-from recal_torch import QATConv, QATLinear, ScheduledModifierManager, export_onnx, prepare_qat
+from recal_torch import QATConv, QATLinear, ScheduledModifierManager, export_onnx, fake_quantize_model
 from recal_torch.export import to_export_model
 from recal_torch.qat import ActivationFakeQuantize, FoldedBatchNorm, QuantizedReLU, WeightFakeQuantize
 
@@ -76,11 +76,11 @@ def test_weight_fake_quant_is_symmetric_per_channel_and_keeps_zeros():
     assert q.max() <= 127 and q.min() >= -127
 
 
-def test_prepare_qat_fuses_conv_bn_relu_in_place_and_keeps_parameters():
+def test_fake_quantize_model_fuses_conv_bn_relu_in_place_and_keeps_parameters():
     torch.manual_seed(0)
     model = SmallCNN()
     params_before = {n: p for n, p in model.named_parameters()}
-    created = prepare_qat(model)
+    created = fake_quantize_model(model)
     assert isinstance(model.conv1, QATConv) and isinstance(model.bn1, FoldedBatchNorm)
     assert isinstance(model.relu1, nn.Identity)  # fused
     assert isinstance(model.conv2, QATConv) and isinstance(model.relu2, QuantizedReLU)  # quantizes the residual sum
@@ -100,7 +100,7 @@ def test_qat_conv_bn_eval_equals_folded_float_computation():
     train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), batches(3))
     reference = SmallCNN()
     reference.load_state_dict(model.state_dict())
-    prepare_qat(model)
+    fake_quantize_model(model)
     model.train()
     for x, _ in batches(5, seed=1):
         model(x)  # observers see data
@@ -194,8 +194,8 @@ def test_resume_is_bit_identical(resume_at):
     for (na, pa), (nb, pb) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
         assert na == nb and torch.equal(pa, pb), na
     assert opt_a.param_groups[0]["lr"] == opt_b.param_groups[0]["lr"]
-    for name in manager_a._effective:
-        assert torch.equal(manager_a._effective[name], manager_b._effective[name])
+    for name in manager_a.masks.effective:
+        assert torch.equal(manager_a.masks.effective[name], manager_b.masks.effective[name])
 
 
 def test_resume_refuses_other_recipe_or_steps():
@@ -295,7 +295,7 @@ def test_export_failure_leaves_no_file(tmp_path):
 def test_fresh_quantizers_pass_values_through_and_refuse_export(tmp_path):
     torch.manual_seed(0)
     model = SmallCNN()
-    prepare_qat(model)
+    fake_quantize_model(model)
     model.eval()
     x = torch.randn(4, 1, 8, 8)
     reference = SmallCNN()

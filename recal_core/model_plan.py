@@ -1,0 +1,168 @@
+"""A recipe bound to one model: what every backend applies at step ``k``, decided here, once.
+
+A backend describes its parameters (:class:`~recal_core.params.ParamInfo` and sizes) and its
+optimizer's param groups (their own LR and weight decay); :func:`plan_model` resolves every
+modifier's ``params`` (every failure in one located :class:`~recal_core.errors.RecipeError`) and
+returns a :class:`ModelPlan`, whose queries are pure functions of the step. Backends only apply
+the values.
+
+How modifiers combine (the same in every backend):
+
+- **masks**: a parameter's mask in force at ``k`` is the product of the masks of the pruning
+  modifiers in force at ``k``. A modifier's mask is recomputed at its update steps from the weight
+  *with the masks in force at* ``k - 1`` *applied* (so a weight pruned earlier and moved by the
+  optimizer since is never ranked back in): GradualKS zeroes the ``count`` smallest magnitudes (ties
+  broken by flat position), ConstantKS keeps that weight's zeros.
+- **trainable**: a parameter's flag at ``k`` is the one of the TrainableParamsModifier in force at
+  ``k`` that started last (a tie goes to the later one in the recipe), else its own original flag.
+- **learning rate** and **weight decay**: per param group, functions of the step from the group's
+  own values (:meth:`~recal_core.schedule.RecipeSchedule.lr_function`,
+  :meth:`~recal_core.schedule.RecipeSchedule.weight_decay_function`).
+- **QAT**: each QuantizationModifier's switches at ``k`` (:meth:`~recal_core.schedule.RecipeSchedule.qat`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from .errors import Problem, RecipeError
+from .modifiers import SetWeightDecayModifier
+from .params import ParamInfo, resolve_params
+from .schedule import PruningSchedule, QATState, RecipeSchedule
+from .schedules import pruned_count
+
+
+@dataclass(frozen=True)
+class MaskUpdate:
+    """One pruning modifier's mask on one parameter, recomputed at a step."""
+
+    modifier: int  # the modifier's index in the recipe
+    count: int | None  # zeros the mask holds (smallest magnitudes); None: keep the weight's zeros
+
+
+@dataclass(frozen=True)
+class MaskPlan:
+    """The pruning modifiers that mask one parameter, and how their masks combine."""
+
+    name: str
+    numel: int
+    sources: tuple[PruningSchedule, ...]
+
+    def in_force(self, k: int) -> tuple[int, ...]:
+        """Indices of the modifiers whose masks multiply into the mask in force at ``k``."""
+        return tuple(ps.index for ps in self.sources if ps.mask_in_force(k))
+
+    def updates(self, k: int) -> tuple[MaskUpdate, ...]:
+        """The masks recomputed at ``k`` (rank the weight with the masks of ``in_force(k - 1)`` applied)."""
+        return tuple(MaskUpdate(ps.index, self.count(ps, k)) for ps in self.sources
+                     if ps.is_update(k) and ps.mask_in_force(k))
+
+    def count(self, ps: PruningSchedule, k: int) -> int | None:
+        """Zeros of ``ps``'s mask after an update at ``k`` (None for ConstantKS)."""
+        return None if ps.constant else pruned_count(ps.sparsity(k), self.numel)
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One optimizer param group's LR and weight decay as functions of the step (None: leave as is)."""
+
+    lr: Callable[[int], float | None]
+    weight_decay: Callable[[int], float | None]
+
+
+class ModelPlan:
+    """A :class:`RecipeSchedule` resolved against one model's parameters and param groups."""
+
+    def __init__(self, schedule: RecipeSchedule, masks: dict[str, MaskPlan], prune_targets: dict[int, list[str]],
+                 trainable_targets: dict[int, list[str]], groups: list[GroupPlan]):
+        self.schedule = schedule
+        self.masks = masks  # parameter name -> its plan, model order
+        self.prune_targets = prune_targets  # pruning modifier index -> parameter names
+        self.trainable_targets = trainable_targets  # TrainableParamsModifier index -> parameter names
+        self.groups = groups
+
+    @property
+    def trainable_names(self) -> list[str]:
+        """Every parameter some TrainableParamsModifier names (their flags are the plan's to set)."""
+        return list(dict.fromkeys(n for names in self.trainable_targets.values() for n in names))
+
+    def trainable_rules(self, k: int) -> tuple[int, ...]:
+        """The TrainableParamsModifiers in force at ``k``: the flags change only when this does."""
+        return tuple(i for i, _ in self.schedule.trainable_rules(k))
+
+    def trainable(self, k: int, original: Mapping[str, bool]) -> dict[str, bool]:
+        """The flag of every parameter in :attr:`trainable_names` at ``k`` (``original``: its own flag)."""
+        flags = {name: original[name] for name in self.trainable_names}
+        for index, m in self.schedule.trainable_rules(k):
+            for name in self.trainable_targets[index]:
+                flags[name] = m.trainable
+        return flags
+
+    def qat(self, k: int) -> list[tuple[int, QATState]]:
+        """Each QuantizationModifier's index and switches at ``k``."""
+        return [(index, self.schedule.qat(index, k)) for index, _ in self.schedule.quantization]
+
+
+def plan_groups(schedule: RecipeSchedule,
+                groups: Sequence[tuple[float | None, float | None]]) -> list[GroupPlan]:
+    """Each param group's LR and weight decay from its own ``(lr, weight_decay)``; a located
+    :class:`RecipeError` when a value needs an LR the group lacks or a recipe names a missing group."""
+    problems: list[Problem] = []
+    recipe = schedule.recipe
+    plans = []
+    for g, (base_lr, _) in enumerate(groups):
+        try:
+            lr = schedule.lr_function(base_lr)
+        except RecipeError as err:
+            problems.extend(p for p in err.problems if p not in problems)
+            continue
+        plans.append(GroupPlan(lr, schedule.weight_decay_function(g, [wd for _, wd in groups])))
+    for index, m in recipe.of_type(SetWeightDecayModifier):
+        missing = [g for g in (m.param_groups or ()) if g >= len(groups)]
+        if missing:
+            problems.append(recipe.problem(index, "param_groups", f"there is no param group {missing[0]}",
+                                           expected=f"indices below {len(groups)} (the optimizer's param groups)"))
+    if problems:
+        raise RecipeError(problems)
+    return plans
+
+
+def plan_model(schedule: RecipeSchedule, params: Sequence[ParamInfo], sizes: Mapping[str, int], *,
+               groups: Sequence[tuple[float | None, float | None]] = ((None, None),)) -> ModelPlan:
+    """Resolve ``schedule``'s recipe against a model; every problem at once in one :class:`RecipeError`.
+
+    ``groups``: each optimizer param group's own ``(lr, weight_decay)`` (None: unknown or absent).
+
+    >>> from recal_core import load_recipe
+    >>> r = load_recipe("- !GradualKSModifier {params: [fc], init_sparsity: 0.5, final_sparsity: 0.5, "
+    ...                 "start_epoch: 0, end_epoch: 1, update_frequency: 1}")
+    >>> plan = plan_model(r.bind(2), [ParamInfo("fc.weight", "fc", True)], {"fc.weight": 10})
+    >>> plan.masks["fc.weight"].updates(0)
+    (MaskUpdate(modifier=0, count=5),)
+    """
+    problems: list[Problem] = []
+    recipe = schedule.recipe
+
+    def resolve(index: int, pruning: bool) -> list[str]:
+        try:
+            return [p.name for p in resolve_params(recipe, index, params, pruning=pruning)]
+        except RecipeError as err:
+            problems.extend(err.problems)
+            return []
+
+    prune_targets = {ps.index: resolve(ps.index, True) for ps in schedule.pruning}
+    trainable_targets = {index: resolve(index, False) for index, _, _ in schedule.trainable}
+    try:
+        group_plans = plan_groups(schedule, groups)
+    except RecipeError as err:
+        problems.extend(err.problems)
+    if problems:
+        raise RecipeError(problems)
+    by_param: dict[str, list[PruningSchedule]] = {}
+    for ps in schedule.pruning:
+        for name in prune_targets[ps.index]:
+            by_param.setdefault(name, []).append(ps)
+    masks = {p.name: MaskPlan(p.name, int(sizes[p.name]), tuple(by_param[p.name])) for p in params
+             if p.name in by_param}
+    return ModelPlan(schedule, masks, prune_targets, trainable_targets, group_plans)

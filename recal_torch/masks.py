@@ -1,0 +1,119 @@
+"""The masks of a model's pruned parameters: recomputed when the core's plan says, applied after every step.
+
+The rules (which masks, when, from which weights, how they combine) are the core's
+(:class:`recal_core.model_plan.MaskPlan`); this module only does the tensor work, with one
+``torch._foreach_mul_`` over every pruned parameter per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from recal_core.model_plan import MaskPlan
+
+from .pruning import magnitude_mask, nonzero_mask
+
+
+class MaskState:
+    """Per parameter, the mask of each pruning modifier in force and their product (the effective mask)."""
+
+    def __init__(self, plans: Mapping[str, MaskPlan], params: Mapping[str, nn.Parameter]):
+        self.plans = dict(plans)
+        self.params = {name: params[name] for name in self.plans}
+        self.masks: dict[str, dict[int, torch.Tensor]] = {name: {} for name in self.plans}
+        self.effective: dict[str, torch.Tensor] = {}
+        # every pruning modifier once: between its updates a step costs two calls per modifier
+        self._sources = list({ps.index: ps for plan in self.plans.values() for ps in plan.sources}.values())
+        self._in_force: tuple[bool, ...] | None = None  # per source, at the last update()
+
+    @torch.no_grad()
+    def mask_gradients(self) -> None:
+        """Zero the gradients of pruned weights, so the optimizer's state does not move them."""
+        grads, masks = [], []
+        for name, mask in self.effective.items():
+            grad = self.params[name].grad
+            if grad is not None:
+                grads.append(grad)
+                masks.append(mask)
+        if grads:
+            torch._foreach_mul_(grads, masks)
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """``w <- w * mask`` for every parameter with a mask in force."""
+        if self.effective:
+            names = list(self.effective)
+            torch._foreach_mul_([self.params[n].data for n in names], [self.effective[n] for n in names])
+
+    @torch.no_grad()
+    def update(self, k: int) -> None:
+        """Recompute the masks the plan updates at ``k``, drop those no longer in force, and apply."""
+        signature = tuple(ps.mask_in_force(k) for ps in self._sources)
+        if signature == self._in_force and not any(ps.is_update(k) for ps in self._sources):
+            return
+        self._in_force = signature
+        for name, plan in self.plans.items():
+            per_modifier = self.masks[name]
+            in_force = set(plan.in_force(k))
+            changed = False
+            for index in [i for i in per_modifier if i not in in_force]:
+                del per_modifier[index]
+                changed = True
+            weight = self.params[name].data  # already carries the masks of step k - 1
+            for u in plan.updates(k):
+                per_modifier[u.modifier] = nonzero_mask(weight) if u.count is None else magnitude_mask(weight, u.count)
+                changed = True
+            if changed and self._combine(name):
+                weight.mul_(self.effective[name])
+
+    def _combine(self, name: str) -> bool:
+        masks = list(self.masks[name].values())
+        if not masks:
+            self.effective.pop(name, None)
+            return False
+        effective = masks[0]
+        for mask in masks[1:]:
+            effective = effective * mask
+        self.effective[name] = effective
+        return True
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, dict[int, torch.Tensor]]:
+        return {name: {i: m.clone() for i, m in per.items()} for name, per in self.masks.items() if per}
+
+    def check_state_dict(self, state: Any) -> None:
+        """Raise ValueError (and change nothing) unless ``state`` fits these parameters."""
+        if not isinstance(state, dict):
+            raise ValueError(f"the checkpoint's masks are a {type(state).__name__}, not a dict")
+        for name, per in state.items():
+            if name not in self.params:
+                raise ValueError(f"the checkpoint masks parameter {name!r}, which this recipe does not prune "
+                                 f"in this model")
+            if not isinstance(per, dict):
+                raise ValueError(f"the checkpoint's masks of {name!r} are not a dict")
+            shape = tuple(self.params[name].shape)
+            for index, mask in per.items():
+                if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != shape:
+                    got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+                    raise ValueError(f"the checkpoint's mask of {name!r} (modifier {index}) has shape {got}, "
+                                     f"the parameter {shape}")
+
+    def load_state_dict(self, state: dict[str, dict[int, torch.Tensor]]) -> None:
+        self.check_state_dict(state)
+        self.masks = {name: {} for name in self.plans}
+        self.effective = {}
+        self._in_force = None
+        for name, per in state.items():
+            param = self.params[name]
+            self.masks[name] = {int(i): m.to(device=param.device, dtype=param.dtype) for i, m in per.items()}
+            self._combine(name)
+
+    def release(self) -> None:
+        self.masks = {name: {} for name in self.plans}
+        self.effective = {}
+        self._in_force = None
+

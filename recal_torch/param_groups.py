@@ -1,0 +1,66 @@
+"""The LR and weight decay of each optimizer param group, set from the core's plan after every step.
+
+The recipe owns a group's LR once one of its LR modifiers has started. A torch LR scheduler (or
+any code) that changes that LR afterwards would silently compound with the recipe's value, so the
+next step refuses it with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from recal_core.model_plan import GroupPlan
+
+
+def group_bases(optimizer: torch.optim.Optimizer) -> list[tuple[float | None, float | None]]:
+    """Each param group's own ``(lr, weight_decay)``, as the core's plan takes them."""
+    return [(_number(g.get("lr")), _number(g.get("weight_decay"))) for g in optimizer.param_groups]
+
+
+def _number(value) -> float | None:
+    if isinstance(value, torch.Tensor):
+        return float(value)
+    return None if value is None else float(value)
+
+
+class ParamGroupSettings:
+    """Sets ``lr`` and ``weight_decay`` of every param group at step ``k``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, plans: list[GroupPlan]):
+        if len(plans) != len(optimizer.param_groups):
+            raise ValueError(f"{len(plans)} group plans for {len(optimizer.param_groups)} param groups")
+        for g, (group, plan) in enumerate(zip(optimizer.param_groups, plans)):
+            if "weight_decay" not in group and plan.weight_decay(2**62) is not None:
+                raise ValueError(f"the recipe sets the weight decay of param group {g}, but "
+                                 f"{type(optimizer).__name__} has no weight_decay; remove the "
+                                 "SetWeightDecayModifier or name other param_groups")
+        self.optimizer = optimizer
+        self.plans = plans
+        self.recipe_lrs: list[float | None] = [None] * len(plans)  # the LR recal last set, per group
+
+    def check_untouched(self, k: int) -> None:
+        """Raise if a group's LR is no longer the one the recipe set (an LR scheduler on the same optimizer)."""
+        for g, (group, expected) in enumerate(zip(self.optimizer.param_groups, self.recipe_lrs)):
+            if expected is not None and float(group["lr"]) != expected:
+                raise RuntimeError(
+                    f"param group {g}'s lr is {float(group['lr']):.6g}, but recal's recipe set it to {expected:.6g} "
+                    f"at step {k}: something else changed it (a torch LR scheduler?). The recipe's LR modifiers own "
+                    "the LR while they run; use either them or a torch LR scheduler, not both")
+
+    def apply(self, k: int) -> None:
+        for g, (group, plan) in enumerate(zip(self.optimizer.param_groups, self.plans)):
+            lr = plan.lr(k)
+            if lr is not None:
+                _set(group, "lr", lr)
+                self.recipe_lrs[g] = lr
+            wd = plan.weight_decay(k)
+            if wd is not None:
+                _set(group, "weight_decay", wd)
+
+
+def _set(group: dict, key: str, value: float) -> None:
+    current = group[key]
+    if isinstance(current, torch.Tensor):  # tensor LRs (capturable / compiled optimizers) stay tensors
+        current.fill_(value)
+    else:
+        group[key] = value
