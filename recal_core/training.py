@@ -41,6 +41,23 @@ def epoch_order(size: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng(seed * 100_003 + epoch).permutation(size)
 
 
+def progress_bar(iterable, desc: str, enabled: bool):
+    """A live tqdm bar on a terminal; nothing in a log or a pipe (trainers print one line per epoch there)."""
+    import sys
+
+    from tqdm import tqdm
+
+    live = enabled and sys.stderr.isatty()
+    return tqdm(iterable, desc=desc, disable=not live, leave=False, dynamic_ncols=True, mininterval=0.5)
+
+
+def epoch_line(framework: str, record: "EpochRecord", epochs: int) -> str:
+    """The one line per epoch both trainers print."""
+    lr = "-" if record.lr is None else f"{record.lr:.4g}"
+    return (f"{framework} epoch {record.epoch}/{epochs}: loss {record.loss:.4f}, test accuracy "
+            f"{record.test_accuracy:.4f}, sparsity {record.sparsity:.3f}, lr {lr}")
+
+
 def median_latency_ms(call: Callable[[], Any], repeat: int = 200, warmup: int = 10) -> float:
     """Median wall time of ``call()`` in milliseconds, after ``warmup`` untimed calls."""
     for _ in range(warmup):

@@ -19,8 +19,8 @@ import tensorflow as tf
 from recal_core.atomic import atomic_path, write_text_atomically
 from recal_core.datasets import load_digits
 from recal_core.recipe import Recipe
-from recal_core.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, epoch_order,
-                                 median_latency_ms, overall_sparsity)
+from recal_core.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, epoch_line,
+                                 epoch_order, median_latency_ms, overall_sparsity, progress_bar)
 
 from .graph_params import describe_variables
 from .manager import EXTRAS_KEY_LEARNING_RATE, EXTRAS_KEY_WEIGHT_DECAY, ScheduledModifierManager
@@ -35,8 +35,6 @@ def _kernel_sparsity(values: dict[str, np.ndarray]) -> tuple[float, dict[str, fl
 
 
 def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool, progress: bool) -> TrainingRun:
-    from tqdm import tqdm
-
     tf.get_logger().setLevel(logging.ERROR)  # TF's notices that v1 graph APIs are deprecated
     digits = load_digits()
     x_train, y_train = digits.train_images[..., None], digits.train_labels
@@ -87,8 +85,7 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
         try:
             for epoch in range(start, epochs):
                 order = epoch_order(len(x_train), seed, epoch)
-                bar = tqdm(range(steps_per_epoch), desc=f"tf epoch {epoch + 1}/{epochs}", disable=not progress,
-                           leave=False, dynamic_ncols=True)
+                bar = progress_bar(range(steps_per_epoch), f"tf epoch {epoch + 1}/{epochs}", progress)
                 losses, correct = [], 0
                 for b in bar:
                     index = order[b * BATCH_SIZE:(b + 1) * BATCH_SIZE]
@@ -108,8 +105,7 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
                                      _kernel_sparsity(sess.run(kernels))[0], float(sess.run(lr)))
                 run.history.append(record)
                 if progress:
-                    tqdm.write(f"tf epoch {record.epoch}/{epochs}: loss {record.loss:.4f}, test accuracy "
-                               f"{record.test_accuracy:.4f}, sparsity {record.sparsity:.3f}, lr {record.lr:.4g}")
+                    print(epoch_line("tf", record, epochs), flush=True)
                 saver.save(sess, str(ckpt_dir / "model.ckpt"), global_step=epoch + 1)
                 write_text_atomically(ckpt_dir / "history.json", json.dumps(
                     {"epoch": epoch + 1, "history": [vars(h) for h in run.history]}))

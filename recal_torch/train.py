@@ -18,8 +18,8 @@ from torch import nn
 from recal_core.atomic import atomic_path
 from recal_core.datasets import load_digits
 from recal_core.recipe import Recipe
-from recal_core.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, epoch_order,
-                                 median_latency_ms, overall_sparsity)
+from recal_core.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, epoch_line,
+                                 epoch_order, median_latency_ms, overall_sparsity, progress_bar)
 
 from .export import export_onnx
 from .loggers import TensorBoardLogger
@@ -80,8 +80,6 @@ def _checkpoints(folder: Path) -> list[Path]:
 
 
 def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool, progress: bool) -> TrainingRun:
-    from tqdm import tqdm
-
     x_train, y_train, x_test, y_test = _tensors()
     steps_per_epoch = math.ceil(len(x_train) / BATCH_SIZE)
     torch.manual_seed(seed)
@@ -111,8 +109,7 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
     try:
         for epoch in range(start, epochs):
             order = torch.from_numpy(epoch_order(len(x_train), seed, epoch))
-            bar = tqdm(range(steps_per_epoch), desc=f"torch epoch {epoch + 1}/{epochs}", disable=not progress,
-                       leave=False, dynamic_ncols=True)
+            bar = progress_bar(range(steps_per_epoch), f"torch epoch {epoch + 1}/{epochs}", progress)
             losses, correct = [], 0
             model.train()
             for b in bar:
@@ -136,8 +133,7 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
             for key in ("loss", "train_accuracy", "test_accuracy", "sparsity"):
                 tensorboard.writer.add_scalar(f"epoch/{key}", getattr(record, key), record.epoch)
             if progress:
-                tqdm.write(f"torch epoch {record.epoch}/{epochs}: loss {record.loss:.4f}, test accuracy "
-                           f"{record.test_accuracy:.4f}, sparsity {record.sparsity:.3f}, lr {record.lr:.4g}")
+                print(epoch_line("torch", record, epochs), flush=True)
             with atomic_path(ckpt_dir / f"epoch-{epoch + 1}.pt") as tmp:
                 torch.save({"epoch": epoch + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                             "history": [vars(h) for h in run.history], "torch_rng": torch.get_rng_state()}, tmp)

@@ -18,8 +18,8 @@ fresh() {  # fresh NAME: a new venv with an up-to-date pip
     "$work/$1/bin/python" -m pip install --quiet --upgrade pip
 }
 quickstart() {  # quickstart VENV HEADING: run the README's block under HEADING in the scratch folder
-    "$PY" scripts/readme_example.py "$2" > "$work/$1.py"
-    (cd "$work/run" && "$work/$1/bin/python" "$work/$1.py")
+    "$PY" scripts/readme_example.py "$2" > "$work/quickstart_$1.py"
+    (cd "$work/run" && "$work/$1/bin/python" "$work/quickstart_$1.py")
     echo "ok: recal[$1] runs the README's '$2'"
 }
 

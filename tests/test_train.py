@@ -134,3 +134,29 @@ def test_make_demo_script(tmp_path):
         accuracy = float(line.split()[-4])
         assert accuracy > 0.9, line
     assert (tmp_path / "demo" / "torch-prune-quant" / "model.int8.onnx").is_file()
+    assert "1. accuracy on real data" in result.stdout and "2. speed on synthetic inputs" in result.stdout
+    speed = {line.split(" (")[0]: line.split() for line in result.stdout.splitlines()
+             if line.startswith(("fp32 (", "recal int8 (", "onnxruntime quantize_static"))}
+    assert len(speed) == 3, result.stdout
+    recal = speed["recal int8"]
+    assert float(recal[-4]) <= 0.27 and float(recal[-2].removesuffix("ms")) > 0  # a quarter of fp32's size
+    assert "CPU:" in result.stdout
+
+
+def test_progress_in_a_log_is_one_line_per_epoch(tmp_path):
+    """Not a terminal (a pipe, as in CI logs): no live bars, one line per epoch on stdout."""
+    result = _cli("train", "--framework", "torch", "--recipe", str(ROOT / "scripts/recipes/dense.yaml"),
+                  "--output", str(tmp_path / "run"), "--epochs", "2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    epochs = [line for line in result.stdout.splitlines() if line.startswith("torch epoch")]
+    assert [line.split(":")[0] for line in epochs] == ["torch epoch 1/2", "torch epoch 2/2"]
+    assert "\r" not in result.stderr and "it/s" not in result.stderr
+
+
+def test_progress_bar_is_live_on_a_terminal(monkeypatch):
+    from recal_core.training import progress_bar
+
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    assert not progress_bar(range(3), "x", True).disable
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False)
+    assert progress_bar(range(3), "x", True).disable and progress_bar(range(3), "x", False).disable
