@@ -6,11 +6,40 @@ A crash, an exception or a refused overwrite leaves no partial file and the old 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
+
+TEMP_PREFIX = ".recal-"  # every temporary file and folder recal writes starts so (stale ones are removable)
+LOW_DISK_BYTES = 16 * 1024 * 1024
+
+
+def _umask_mode(mode: int = 0o666) -> int:
+    """``mode`` less the process umask: the mode an ordinary ``open()`` would give a new file."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mode & ~mask
+
+
+@contextlib.contextmanager
+def _disk_full_is_said(folder: Path, target: Path) -> Iterator[None]:
+    """A write that fails on a full disk raises one plain OSError saying so (torch and onnx report it
+    in their own words, or as a RuntimeError)."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        full = getattr(exc, "errno", None) == errno.ENOSPC
+        try:
+            full = full or shutil.disk_usage(folder).free < LOW_DISK_BYTES
+        except OSError:
+            pass
+        if full:
+            raise OSError(errno.ENOSPC, f"no space left on the device of {folder} while writing {target.name}; "
+                                        "nothing was written") from exc
+        raise
 
 
 @contextlib.contextmanager
@@ -36,11 +65,13 @@ def atomic_path(target: str | os.PathLike, *, protect: tuple[str | os.PathLike, 
     folder = target.parent if str(target.parent) else Path(".")
     if not folder.is_dir():
         raise FileNotFoundError(f"output folder {folder} does not exist")
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+    fd, tmp_name = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{target.name}.", suffix=".tmp", dir=folder)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        yield tmp
+        with _disk_full_is_said(folder, target):
+            yield tmp
+        os.chmod(tmp, _umask_mode())  # mkstemp makes 0600; outputs get the mode any new file would
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
@@ -57,14 +88,32 @@ def atomic_folder(destination: str | os.PathLike) -> Iterator[Path]:
     destination = Path(destination) if str(destination) else Path(".")
     if not destination.is_dir():
         raise FileNotFoundError(f"output folder {destination} does not exist")
-    folder = Path(tempfile.mkdtemp(prefix=".recal-", dir=destination))
+    folder = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=destination))
     try:
-        yield folder
+        with _disk_full_is_said(destination, folder):
+            yield folder
         files = sorted(folder.iterdir(), key=lambda p: p.suffix == ".onnx")
         for item in files:
             os.replace(item, destination / item.name)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """Remove recal's temporary files and folders left in ``folder`` by a killed process; return them.
+
+    Call it only where no other recal process writes (e.g. under :func:`recal_core.run_lock.locked`).
+    """
+    removed = []
+    for item in Path(folder).glob(TEMP_PREFIX + "*"):
+        if item.is_dir() and not item.is_symlink():
+            shutil.rmtree(item, ignore_errors=True)
+        elif item.name.endswith(".tmp"):
+            item.unlink(missing_ok=True)
+        else:
+            continue
+        removed.append(item)
+    return removed
 
 
 def write_text_atomically(target: str | os.PathLike, text: str) -> Path:

@@ -15,13 +15,15 @@ from importlib.metadata import entry_points
 from typing import Callable, Sequence
 
 from .atomic import write_text_atomically
-from .errors import RecipeError
+from .errors import RecipeError, VerificationFailed
 from .recipe import load_recipe, recipe_json_schema
 from .report import format_table, plot_schedule
 
 log = logging.getLogger(__name__)
 
+EXIT_VERIFICATION_FAILED = 1
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -59,15 +61,22 @@ def _schema(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (and exit 2), like every other failure."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="recal", description="Scheduled pruning, QAT and LR recipes "
+    parser = _Parser(prog="recal", description="Scheduled pruning, QAT and LR recipes "
                                      "for PyTorch and TensorFlow; int8 ONNX export.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", required=True)
 
     check = sub.add_parser("check", help="validate a recipe and print what it does per epoch")
     check.add_argument("recipe", help="recipe file (.yaml or .md with front matter)")
-    check.add_argument("--steps-per-epoch", type=_positive_int, default=1,
+    check.add_argument("--steps-per-epoch", type=_steps_per_epoch, default=1,
                        help="optimizer steps per epoch (default 1: one row per epoch step)")
     check.add_argument("--plot", metavar="OUT.png", help="also write the sparsity and LR curves")
     check.set_defaults(func=_check)
@@ -96,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _steps_per_epoch(text: str) -> int:
+    value = _positive_int(text)
+    if value > 10**9:
+        raise argparse.ArgumentTypeError(f"expected at most 1,000,000,000 steps per epoch, got {value}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -116,13 +132,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except RecipeError as exc:
         if args.command == "check" or len(exc.problems) == 1:
-            print(f"recal {args.command}: invalid recipe: {exc}", file=sys.stderr)
+            _fail(args, f"invalid recipe: {exc}")
         else:  # one line; `recal check` lists them all
-            print(f"recal {args.command}: invalid recipe: {exc.problems[0]} (and {len(exc.problems) - 1} more "
-                  f"problems: run `recal check` on the recipe to list them)", file=sys.stderr)
-    except (ValueError, OSError, RuntimeError) as exc:
-        print(f"recal {args.command}: {exc}", file=sys.stderr)
+            _fail(args, f"invalid recipe: {exc.problems[0]} (and {len(exc.problems) - 1} more "
+                        f"problems: run `recal check` on the recipe to list them)")
+    except VerificationFailed as exc:
+        _fail(args, str(exc))
+        return EXIT_VERIFICATION_FAILED
+    except KeyboardInterrupt:
+        kept = "; the last complete checkpoint is kept (continue with --resume)" if args.command == "train" else ""
+        _fail(args, f"interrupted{kept}")
+        return EXIT_INTERRUPTED
+    except ImportError as exc:
+        name = getattr(exc, "name", None) or str(exc)
+        _fail(args, f"needs the Python package {name!r}, which is not installed "
+                    "(pip install 'recal[torch]', 'recal[tf-cpu]' or 'recal[onnx]', as the command needs)")
+    except MemoryError:
+        _fail(args, "out of memory")
+    except (ValueError, OSError, RuntimeError, TypeError) as exc:
+        _fail(args, str(exc))
+    except Exception as exc:  # noqa: BLE001 - the command line's contract: one line, never a traceback
+        if args.verbose:
+            raise
+        _fail(args, f"internal error ({type(exc).__name__}: {exc}); run with -v for the traceback and please "
+                    "report it")
     return EXIT_BAD_INPUT
+
+
+def _fail(args: argparse.Namespace, message: str) -> None:
+    """One line on stderr (a message that spans lines is folded onto one)."""
+    text = message if args.command == "check" else " ".join(message.split())
+    print(f"recal {args.command}: {text}", file=sys.stderr)
 
 
 if __name__ == "__main__":

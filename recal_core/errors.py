@@ -79,3 +79,7 @@ class RecipeError(ValueError):
         sources = sorted({p.location.source for p in self.problems})
         head = f"{len(self.problems)} problems in {', '.join(sources)}:"
         return "\n".join([head] + [f"  - {p}" for p in self.problems])
+
+
+class VerificationFailed(ValueError):
+    """A produced model does not match the model it came from (the CLI exits with 1, not 2)."""

@@ -27,6 +27,12 @@ _FUNCTIONS: dict[str, Callable[..., Any]] = {
 }
 
 
+# Limits: an expression computes a recipe value, never a large object (no "10**10**10", no "x" * 10**10).
+MAX_INT = 2**63
+MAX_LENGTH = 10_000  # of a string or list result
+MAX_EXPONENT = 64
+
+
 class ExpressionError(ValueError):
     """An ``eval(...)`` value that cannot be computed; the message says why."""
 
@@ -58,7 +64,7 @@ def evaluate(value: str, variables: Mapping[str, Any]) -> Any:
 def _eval_node(node: ast.AST, variables: Mapping[str, Any], source: str) -> Any:
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, str)) \
             and not isinstance(node.value, bool):
-        return node.value
+        return _bounded(node.value, source)
     if isinstance(node, ast.Name):
         if node.id not in variables:
             known = ", ".join(sorted(variables)) or "none"
@@ -66,32 +72,60 @@ def _eval_node(node: ast.AST, variables: Mapping[str, Any], source: str) -> Any:
                                   f" (top-level variables: {known})")
         return variables[node.id]
     if isinstance(node, (ast.List, ast.Tuple)):
-        return [_eval_node(e, variables, source) for e in node.elts]
+        return _bounded([_eval_node(e, variables, source) for e in node.elts], source)
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left = _eval_node(node.left, variables, source)
         right = _eval_node(node.right, variables, source)
-        if isinstance(node.op, ast.Pow) and isinstance(right, (int, float)) and abs(right) > 64:
-            raise ExpressionError(f"{source!r}: exponent too large")
+        _check_operands(node.op, left, right, source)
         try:
-            return _BINARY[type(node.op)](left, right)
+            result = _BINARY[type(node.op)](left, right)
         except (TypeError, ZeroDivisionError, OverflowError, ValueError) as exc:
             raise ExpressionError(f"{source!r} cannot be computed: {exc}") from None
+        return _bounded(result, source)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         operand = _eval_node(node.operand, variables, source)
         try:
-            return _UNARY[type(node.op)](operand)
+            result = _UNARY[type(node.op)](operand)
         except TypeError as exc:
             raise ExpressionError(f"{source!r} cannot be computed: {exc}") from None
+        return _bounded(result, source)
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS \
             and not node.keywords:
         args = [_eval_node(a, variables, source) for a in node.args]
+        if node.func.id == "round" and len(args) > 1 and isinstance(args[1], int) and abs(args[1]) > 32:
+            raise ExpressionError(f"{source!r}: round() to more than 32 digits")
         try:
-            return _FUNCTIONS[node.func.id](*args)
+            result = _FUNCTIONS[node.func.id](*args)
         except (TypeError, ValueError, OverflowError) as exc:
             raise ExpressionError(f"{source!r} cannot be computed: {exc}") from None
+        return _bounded(result, source)
     raise ExpressionError(
         f"{source!r} uses {type(node).__name__}, which recipes do not allow"
         " (numbers, variables, lists, + - * / // % **, min/max/round/int/float/abs only)")
+
+
+def _check_operands(op: ast.operator, left: Any, right: Any, source: str) -> None:
+    """Refuse, before computing, what would make a huge result: big exponents, long repetitions."""
+    if isinstance(op, ast.Pow) and isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT:
+        raise ExpressionError(f"{source!r}: exponent {right:g} is beyond the limit of {MAX_EXPONENT}")
+    if isinstance(op, ast.Mult):
+        for seq, times in ((left, right), (right, left)):
+            if isinstance(seq, (str, list)) and isinstance(times, int) and len(seq) * max(times, 0) > MAX_LENGTH:
+                raise ExpressionError(f"{source!r}: the result would hold more than {MAX_LENGTH:,} items")
+
+
+def _bounded(value: Any, source: str) -> Any:
+    """``value`` if it is a recipe-sized value: an int below 2**63, a finite float, a short string or list."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and abs(value) >= MAX_INT:
+        raise ExpressionError(f"{source!r}: an intermediate value has {len(str(abs(value)))} digits, beyond "
+                              f"recal's limit of 2**63")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ExpressionError(f"{source!r}: an intermediate value is not a finite number")
+    if isinstance(value, (str, list)) and len(value) > MAX_LENGTH:
+        raise ExpressionError(f"{source!r}: an intermediate value holds more than {MAX_LENGTH:,} items")
+    return value
 
 
 def _names_used(value: str) -> set[str]:

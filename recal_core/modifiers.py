@@ -12,9 +12,9 @@ with two class variables whether it accepts the sentinel.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, ClassVar, Literal
 
+import regex
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, TypeAdapter, ValidationError,
                       ValidationInfo, field_validator)
 
@@ -22,6 +22,9 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Typ
 
 Number = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 """A finite number; ints are accepted (as floats), bools and strings are not."""
+MAX_EPOCH = 100_000  # no training runs longer; a larger epoch is a typo, or a file meant to exhaust memory
+Epoch = Annotated[StrictFloat, Field(allow_inf_nan=False, le=MAX_EPOCH)]
+"""An epoch (or a span of epochs): a finite number up to :data:`MAX_EPOCH`."""
 PositiveNumber = Annotated[StrictFloat, Field(allow_inf_nan=False, gt=0)]
 NonNegativeNumber = Annotated[StrictFloat, Field(allow_inf_nan=False, ge=0)]
 _NUMBER = TypeAdapter(Number)
@@ -49,8 +52,8 @@ def _check_params(value: ParamSpec) -> ParamSpec:
             raise ValueError("params holds an empty name")
         if item.startswith("re:"):
             try:
-                re.compile(item[3:])
-            except re.error as exc:
+                regex.compile(item[3:])
+            except regex.error as exc:
                 raise ValueError(f"invalid regular expression {item!r}: {exc}") from None
         if item in (ALL, ALL_PRUNABLE) and len(items) > 1:
             raise ValueError(f"{item} selects everything; do not list it with other names")
@@ -109,8 +112,8 @@ class EpochRangeModifier(Modifier):
     tag: ClassVar[str] = "EpochRangeModifier"
     start_sentinel: ClassVar[bool] = False
     end_sentinel: ClassVar[bool] = False
-    start_epoch: Number
-    end_epoch: Number
+    start_epoch: Epoch
+    end_epoch: Epoch
 
 
 class GradualKSModifier(Modifier):
@@ -123,9 +126,9 @@ class GradualKSModifier(Modifier):
     params: ParamSpec
     init_sparsity: Number
     final_sparsity: Number
-    start_epoch: Number
-    end_epoch: Number
-    update_frequency: Number
+    start_epoch: Epoch
+    end_epoch: Epoch
+    update_frequency: Epoch
     inter_func: Literal["linear", "cubic", "inverse_cubic"] = "cubic"
     leave_enabled: StrictBool = True
     mask_type: Literal["unstructured"] = _unsupported(
@@ -166,18 +169,18 @@ class ConstantKSModifier(Modifier):
     tag: ClassVar[str] = "ConstantKSModifier"
     aliases: ClassVar[tuple[str, ...]] = ("ConstantPruningModifier",)
     params: ParamSpec
-    start_epoch: Number = -1.0
-    end_epoch: Number = -1.0
+    start_epoch: Epoch = -1.0
+    end_epoch: Epoch = -1.0
 
 
 class QuantizationModifier(Modifier):
     """Quantization-aware training from ``start_epoch`` on; it cannot be switched off."""
 
     tag: ClassVar[str] = "QuantizationModifier"
-    start_epoch: Number
+    start_epoch: Epoch
     submodules: tuple[str, ...] | None = None
-    freeze_bn_stats_epoch: Number | None = None
-    disable_quantization_observer_epoch: Number | None = None
+    freeze_bn_stats_epoch: Epoch | None = None
+    disable_quantization_observer_epoch: Epoch | None = None
     end_epoch: Literal[-1.0] = _unsupported(-1.0, "quantization cannot be disabled once started (leave end_epoch out)")
 
     @field_validator("submodules")
@@ -200,7 +203,7 @@ class SetLearningRateModifier(Modifier):
     """Set the learning rate to ``learning_rate`` from ``start_epoch`` (-1: from the first step)."""
 
     tag: ClassVar[str] = "SetLearningRateModifier"
-    start_epoch: Number = -1.0
+    start_epoch: Epoch = -1.0
     learning_rate: PositiveNumber
     end_epoch: Literal[-1.0] = _unsupported(-1.0, "the learning rate holds until another LR modifier starts")
     constant_logging: StrictBool = False
@@ -210,8 +213,8 @@ class LearningRateModifier(Modifier):
     """An epoch-wise LR schedule (ExponentialLR, StepLR or MultiStepLR) over ``[start_epoch, end_epoch)``."""
 
     tag: ClassVar[str] = "LearningRateModifier"
-    start_epoch: Number
-    end_epoch: Number = -1.0
+    start_epoch: Epoch
+    end_epoch: Epoch = -1.0
     lr_class: str
     lr_kwargs: dict[str, Any]
     init_lr: PositiveNumber | None = None
@@ -264,14 +267,16 @@ def _normalise_lr_kwargs(lr_class: str, kwargs: dict[str, Any], start: float | N
     out: dict[str, Any] = {"gamma": gamma}
     if lr_class == "StepLR":
         step = _number(kwargs["step"], "lr_kwargs.step")
-        if step <= 0:
-            raise ValueError("lr_kwargs.step must be > 0 epochs")
+        if not 0 < step <= MAX_EPOCH:
+            raise ValueError(f"lr_kwargs.step must be > 0 epochs and at most {MAX_EPOCH}")
         out["step"] = step
     if lr_class == "MultiStepLR":
         milestones = kwargs["milestones"]
         if not isinstance(milestones, (list, tuple)) or not milestones:
             raise ValueError("lr_kwargs.milestones must be a non-empty list of epochs")
         values = [_number(m, "lr_kwargs.milestones") for m in milestones]
+        if any(m > MAX_EPOCH for m in values):
+            raise ValueError(f"lr_kwargs.milestones must be epochs up to {MAX_EPOCH}")
         lo = max(start, 0.0) if start is not None else 0.0
         for m in values:
             if m < lo or (end is not None and end != -1 and m >= end):
@@ -291,8 +296,8 @@ class TrainableParamsModifier(Modifier):
     params: ParamSpec
     trainable: StrictBool = True
     params_strict: Literal[True] = _unsupported(True, "a params entry that matches nothing is always an error")
-    start_epoch: Number = -1.0
-    end_epoch: Number = -1.0
+    start_epoch: Epoch = -1.0
+    end_epoch: Epoch = -1.0
 
 
 class SetWeightDecayModifier(Modifier):
@@ -304,7 +309,7 @@ class SetWeightDecayModifier(Modifier):
     """
 
     tag: ClassVar[str] = "SetWeightDecayModifier"
-    start_epoch: Number = -1.0
+    start_epoch: Epoch = -1.0
     weight_decay: NonNegativeNumber
     param_groups: tuple[Annotated[int, Field(strict=True, ge=0)], ...] | None = None
     end_epoch: Literal[-1.0] = _unsupported(-1.0, "the weight decay holds until another SetWeightDecayModifier starts")

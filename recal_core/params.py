@@ -16,14 +16,17 @@ Every entry must select something; otherwise a :class:`RecipeError` names the cl
 from __future__ import annotations
 
 import difflib
-import re
+import time
 from dataclasses import dataclass
 from typing import Sequence
+
+import regex
 
 from .errors import RecipeError
 from .modifiers import ALL, ALL_PRUNABLE, ParamSpec
 
 WRAPPER_PREFIX = "module."
+PATTERN_SECONDS = 1.0  # the time one re: pattern may take over all of a model's names
 
 
 @dataclass(frozen=True)
@@ -45,13 +48,31 @@ def spec_entries(spec: ParamSpec) -> tuple[str, ...]:
     return (spec,) if isinstance(spec, str) else tuple(spec)
 
 
-def _matches(entry: str, p: ParamInfo) -> bool:
-    name, layer = strip_wrapper(p.name), strip_wrapper(p.layer)
-    if entry.startswith("re:"):
-        pattern = re.compile(entry[3:])
-        return any(pattern.fullmatch(candidate) for candidate in (name, layer, p.name, p.layer))
-    entry = strip_wrapper(entry)
-    return entry in (name, layer)
+class PatternTimeout(ValueError):
+    """A ``re:`` pattern took longer than :data:`PATTERN_SECONDS` over a model's names."""
+
+
+def _matcher(entry: str):
+    """A function ``ParamInfo -> bool`` for one params entry; ``re:`` patterns run under a time budget
+    (a pattern such as ``(a+)+$`` is exponential on some names: it fails with :class:`PatternTimeout`)."""
+    if not entry.startswith("re:"):
+        wanted = strip_wrapper(entry)
+        return lambda p: wanted in (strip_wrapper(p.name), strip_wrapper(p.layer))
+    pattern = regex.compile(entry[3:])
+    deadline = time.monotonic() + PATTERN_SECONDS
+
+    def matches(p: ParamInfo) -> bool:
+        for candidate in dict.fromkeys((strip_wrapper(p.name), strip_wrapper(p.layer), p.name, p.layer)):
+            try:
+                if pattern.fullmatch(candidate, timeout=max(deadline - time.monotonic(), 1e-3)):
+                    return True
+            except TimeoutError:
+                raise PatternTimeout(f"pattern {entry!r} took over {PATTERN_SECONDS:g} s to match the model's "
+                                     f"names (at {candidate!r}); simplify it (nested quantifiers such as "
+                                     "'(a+)+' take exponential time)") from None
+        return False
+
+    return matches
 
 
 def select(spec: ParamSpec, params: Sequence[ParamInfo], *, pruning: bool) -> tuple[list[ParamInfo], list[str]]:
@@ -68,7 +89,12 @@ def select(spec: ParamSpec, params: Sequence[ParamInfo], *, pruning: bool) -> tu
         elif entry == ALL:
             hits = list(params)
         else:
-            hits = [p for p in params if _matches(entry, p)]
+            matches = _matcher(entry)
+            try:
+                hits = [p for p in params if matches(p)]
+            except PatternTimeout as exc:
+                failures.append(str(exc))
+                continue
             if pruning and hits and not any(p.prunable for p in hits):
                 failures.append(f"{entry!r} selects no conv/dense kernel, only "
                                 f"{', '.join(p.name for p in hits[:4])}")

@@ -95,6 +95,22 @@ def format_table(schedule: RecipeSchedule) -> str:
     return "\n".join(lines)
 
 
+MAX_PLOT_POINTS = 4000
+
+
+def sample_steps(schedule: RecipeSchedule) -> list[int]:
+    """The steps a plot draws: every step of a short run; for a long one, evenly spaced steps plus every
+    epoch start and every mask update near them, so memory does not grow with the number of steps."""
+    total = schedule.total_steps
+    if total + 1 <= MAX_PLOT_POINTS:
+        return list(range(total + 1))
+    stride = -(-(total + 1) // MAX_PLOT_POINTS)
+    marks = set(range(0, total + 1, stride)) | {total}
+    if schedule.recipe.max_epochs < MAX_PLOT_POINTS:
+        marks |= {min(total, schedule.step(e)) for e in range(schedule.recipe.max_epochs + 1)}
+    return sorted(marks)
+
+
 def plot_schedule(schedule: RecipeSchedule, path: str | os.PathLike, *, measured: dict | None = None) -> Path:
     """Write a PNG of every pruning target and the LR per step (atomically).
 
@@ -106,7 +122,7 @@ def plot_schedule(schedule: RecipeSchedule, path: str | os.PathLike, *, measured
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = list(range(schedule.total_steps + 1))
+    steps = sample_steps(schedule)
     epochs = [schedule.epoch_of(k) for k in steps]
     fig, (ax_s, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     for n, p in enumerate(schedule.pruning, 1):

@@ -14,6 +14,8 @@ its ``end_epoch``. Weight decay follows the same rule.
 
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
@@ -112,6 +114,30 @@ class RecipeSchedule:
                           key=lambda t: (t[0], t[1]))
         self.trainable = tuple((i, m, self.span(m)) for i, m in recipe.of_type(M.TrainableParamsModifier))
         self.quantization = tuple((i, m) for i, m in recipe.of_type(M.QuantizationModifier))
+        self._check_lr_range()
+
+    def _check_lr_range(self) -> None:
+        """An LR schedule whose value underflows to 0 or overflows (``gamma: 1e-300``, ``1e300``) is a
+        located error at bind time, not a run that silently stops learning or dies on an OverflowError."""
+        problems = []
+        for start, index, m in self._lr:
+            if not isinstance(m, M.LearningRateModifier):
+                continue
+            init = m.init_lr if m.init_lr is not None else 1.0  # without init_lr: the factor on the base LR
+            span = self.span(m)
+            end = span.end if span.end is not None else self.total_steps
+            try:
+                last = self._lr_function(m, init, start)(max(end - 1, start))
+            except OverflowError:
+                last = math.inf
+            if not (sys.float_info.min <= last < math.inf):
+                what = "underflows to 0" if last < sys.float_info.min else "overflows"
+                problems.append(self.recipe.problem(
+                    index, "lr_kwargs", f"the learning rate {what} by the end of this schedule "
+                    f"({'init_lr' if m.init_lr is not None else 'the optimizer LR'} x {m.lr_class} at epoch "
+                    f"{self.epoch_of(end):g})", expected="a gamma and span that keep the LR a positive float"))
+        if problems:
+            raise RecipeError(problems)
 
     # --- epochs to steps --------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ found through entry points, so the core imports no framework:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -23,9 +24,10 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from .atomic import write_text_atomically
+from .atomic import TEMP_PREFIX, remove_stale_temporaries, write_text_atomically
 from .recipe import Recipe
 from .report import plot_schedule
+from .run_lock import LOCK_NAME, RUN_FILE, check_fresh, check_resume, locked, run_identity
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +135,7 @@ def check_writable(out_dir: Path) -> None:
     """Create ``out_dir`` if needed and prove it is writable, before any training starts."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".recal-write-test-"):
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=TEMP_PREFIX + "write-test-", suffix=".tmp"):
             pass
     except OSError as exc:
         raise OSError(f"output folder {out_dir} is not writable: {exc.strerror or exc}") from None
@@ -141,15 +143,53 @@ def check_writable(out_dir: Path) -> None:
 
 def train(recipe: Recipe, framework: str, out_dir: str | os.PathLike, *, epochs: int | None = None, seed: int = 0,
           resume: bool = False, progress: bool = True, quantize: bool = True) -> TrainingRun:
-    """Train under ``recipe``; write checkpoints, TensorBoard events, artefacts, report and plot to ``out_dir``."""
+    """Train under ``recipe``; write checkpoints, TensorBoard events, artefacts, report and plot to ``out_dir``.
+
+    Everything that can be checked is checked before the folder is touched. While the run writes,
+    ``out_dir`` is locked (a second run there fails at once); a fresh run refuses a folder that holds
+    another run's checkpoints, and a resume refuses checkpoints of another framework, seed or recipe.
+    """
     out = Path(out_dir)
-    check_writable(out)
     trainer: Trainer = plugin("recal.trainers", framework)
     total = epochs if epochs is not None else recipe.max_epochs
     if total < 1:
         raise ValueError(f"nothing to train: {total} epochs (give --epochs, or an EpochRangeModifier)")
     if total < recipe.max_epochs:
         log.warning("training %d epochs, but the recipe's schedule runs to epoch %d", total, recipe.max_epochs)
+    checkpoints = out / "checkpoints"
+    made = [p for p in (out, out / LOCK_NAME, checkpoints) if not p.exists()]  # what a failed start removes
+    check_writable(out)
+    try:
+        with locked(out):
+            for folder in (out, checkpoints):
+                if folder.is_dir():
+                    remove_stale_temporaries(folder)
+            identity = run_identity(framework, seed, recipe.to_yaml(), total)
+            if resume:
+                check_resume(checkpoints, identity)
+            else:
+                check_fresh(checkpoints)
+                checkpoints.mkdir(parents=True, exist_ok=True)
+                write_text_atomically(checkpoints / RUN_FILE, json.dumps(identity, indent=2) + "\n")
+                made.append(checkpoints / RUN_FILE)
+            return _train_locked(recipe, trainer, out, total, seed, resume, progress, quantize)
+    except BaseException:
+        _undo_start(made, checkpoints)
+        raise
+
+
+def _undo_start(made: list[Path], checkpoints: Path) -> None:
+    """After a failure before the first checkpoint: remove what this run's start created (its run
+    description, the checkpoints folder, the lock file, the output folder), so bad input leaves nothing."""
+    if checkpoints.is_dir() and any(p.name != RUN_FILE for p in checkpoints.iterdir()):
+        return  # an epoch completed: its checkpoint (and what resumes it) stays
+    for path in reversed(made):
+        with contextlib.suppress(OSError):
+            path.rmdir() if path.is_dir() else path.unlink()
+
+
+def _train_locked(recipe: Recipe, trainer: Trainer, out: Path, total: int, seed: int, resume: bool,
+                  progress: bool, quantize: bool) -> TrainingRun:
     run = trainer(recipe, out, epochs=total, seed=seed, resume=resume, progress=progress)
     onnx_artefacts = [a for a in run.artefacts if a.path.endswith(".onnx")]
     if onnx_artefacts:

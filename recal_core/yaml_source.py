@@ -44,18 +44,80 @@ class RecipeText:
         return Location(self.source, mark.line + 1 + self.line_offset, mark.column + 1)
 
 
-# YAML 1.1 (PyYAML) reads ``8e-5`` as a string; recipes mean a float (YAML 1.2 does too).
-_FLOAT_WITHOUT_DOT = re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$")
+# Limits: a recipe is a small file; these keep a hostile one from taking unbounded time or memory.
+MAX_RECIPE_BYTES = 1_000_000
+MAX_DEPTH = 64  # nesting of mappings and lists
+MAX_NODES = 200_000  # values after expanding every alias (a "billion laughs" file is refused)
 
 
 class _RecipeLoader(yaml.SafeLoader):
-    """SafeLoader subclass: recipe tags, scientific floats, and a source for positions.
+    """SafeLoader subclass: recipe tags, YAML 1.2 scalars, duplicate keys refused, bounded size.
 
-    ``add_constructor`` / ``add_implicit_resolver`` copy the class tables on first use
-    in a subclass, so ``yaml.SafeLoader`` itself stays untouched.
+    Plain scalars resolve as in YAML 1.2's core schema, not PyYAML's YAML 1.1: ``1:30`` is a string
+    (not 90), ``yes``/``on`` are strings (not booleans), ``010`` is 10 (not 8) and ``8e-5`` is a
+    float. ``add_constructor`` copies the class tables on first use in a subclass, and the resolver
+    table is this class's own, so ``yaml.SafeLoader`` itself stays untouched.
     """
 
     recipe_text: RecipeText
+    yaml_implicit_resolvers: dict = {}  # this class's own table (filled below), not SafeLoader's
+
+    def compose_node(self, parent, index):
+        depth = getattr(self, "_depth", 0)
+        if depth >= MAX_DEPTH:
+            raise yaml.composer.ComposerError(None, None, f"nesting deeper than {MAX_DEPTH} levels",
+                                              self.peek_event().start_mark)
+        self._depth = depth + 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth = depth
+
+    def construct_mapping(self, node, deep=False):
+        """Every key once: a second ``modifiers:`` or a repeated ``lr_kwargs`` key is an error, never
+        a silent last-one-wins."""
+        if isinstance(node, yaml.MappingNode):
+            self.flatten_mapping(node)
+            seen: dict[Any, yaml.Mark] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:
+                    continue  # an unhashable key: SafeConstructor reports it
+                if first is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} given twice (first at line {first.line + 1 + self.recipe_text.line_offset})",
+                        key_node.start_mark)
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+_YAML12_RESOLVERS = [
+    ("tag:yaml.org,2002:null", r"^(?:~|null|Null|NULL|)$", list("~nN") + [""]),
+    ("tag:yaml.org,2002:bool", r"^(?:true|True|TRUE|false|False|FALSE)$", list("tTfF")),
+    ("tag:yaml.org,2002:int", r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", list("-+0123456789")),
+    ("tag:yaml.org,2002:float",
+     r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",
+     list("-+0123456789.")),
+]
+for _tag, _pattern, _first in _YAML12_RESOLVERS:
+    _RecipeLoader.add_implicit_resolver(_tag, re.compile(_pattern), _first)
+
+
+def _construct_int(loader: _RecipeLoader, node: yaml.Node) -> int:
+    """YAML 1.2 integers: decimal (leading zeros are decimal), ``0o`` octal, ``0x`` hex."""
+    text = loader.construct_scalar(node)
+    try:
+        if text.startswith(("0o", "0x")):
+            return int(text[2:], 8 if text[1] == "o" else 16)
+        return int(text, 10)
+    except ValueError:  # more digits than Python converts
+        raise yaml.constructor.ConstructorError(None, None, f"integer of {len(text):,} digits is out of range",
+                                                node.start_mark) from None
+
+
+_RecipeLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
 
 def _construct_tagged(loader: _RecipeLoader, tag_suffix: str, node: yaml.Node) -> TaggedMapping:
@@ -86,7 +148,39 @@ def _construct_tagged(loader: _RecipeLoader, tag_suffix: str, node: yaml.Node) -
 
 
 _RecipeLoader.add_multi_constructor("!", _construct_tagged)
-_RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_WITHOUT_DOT, list("-+0123456789"))
+
+
+def _expanded_size(root: yaml.Node, text: RecipeText) -> int:
+    """How many values the document holds once every alias is expanded (shared nodes counted once per
+    use), computed in time linear in the *distinct* nodes; a node that contains itself is an error."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if done:
+            active.discard(key)
+            children = _children(node)
+            sizes[key] = min(MAX_NODES + 1, 1 + sum(sizes[id(c)] for c in children))
+            continue
+        if key in sizes:
+            continue
+        if key in active:
+            raise RecipeError(Problem(text.location(node.start_mark), "a value contains itself (a recursive alias)",
+                                      expected="plain nested data"))
+        active.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in _children(node) if id(c) not in sizes)
+    return sizes[id(root)]
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
 
 
 @dataclass
@@ -113,6 +207,11 @@ def parse_yaml(text: RecipeText) -> ParsedYaml:
         if node is None:
             raise RecipeError(Problem(Location(text.source, 1 + text.line_offset, 1),
                                       "the recipe is empty", expected="a YAML mapping or list of modifiers"))
+        size = _expanded_size(node, text)
+        if size > MAX_NODES:
+            raise RecipeError(Problem(text.location(node.start_mark),
+                                      f"the recipe expands to more than {MAX_NODES:,} values (through aliases)",
+                                      expected="a recipe that spells out fewer values"))
         key_locations: dict[str, Location] = {}
         if isinstance(node, yaml.MappingNode):
             for key_node, _ in node.value:
@@ -127,7 +226,8 @@ def parse_yaml(text: RecipeText) -> ParsedYaml:
     except yaml.YAMLError as exc:  # e.g. a reader error for bad characters
         raise RecipeError(Problem(Location(text.source), f"YAML error: {' '.join(str(exc).split())}")) from None
     except RecursionError:
-        raise RecipeError(Problem(Location(text.source), "YAML nesting too deep")) from None
+        raise RecipeError(Problem(text.location(loader.get_mark()), "YAML nesting too deep",
+                                  expected=f"at most {MAX_DEPTH} levels")) from None
     finally:
         loader.dispose()
 
@@ -168,6 +268,10 @@ def read_recipe_text(source: str | os.PathLike) -> RecipeText:
     if isinstance(source, os.PathLike) or (isinstance(source, str) and _looks_like_path(source)):
         path = Path(source)
         try:
+            size = path.stat().st_size
+            if size > MAX_RECIPE_BYTES:
+                raise RecipeError(Problem(Location(str(path)), f"the recipe file is {size:,} bytes",
+                                          expected=f"a recipe of at most {MAX_RECIPE_BYTES:,} bytes"))
             raw = path.read_bytes()
         except FileNotFoundError:
             raise RecipeError(Problem(Location(str(path)), "recipe file not found")) from None
@@ -182,6 +286,9 @@ def read_recipe_text(source: str | os.PathLike) -> RecipeText:
         return split_front_matter(text, str(path), markdown)
     if not isinstance(source, str):
         raise TypeError(f"a recipe is a path or a YAML string, not {type(source).__name__}")
+    if len(source) > MAX_RECIPE_BYTES:
+        raise RecipeError(Problem(Location("<string>"), f"the recipe text is {len(source):,} characters",
+                                  expected=f"a recipe of at most {MAX_RECIPE_BYTES:,} characters"))
     return split_front_matter(source, "<string>")
 
 

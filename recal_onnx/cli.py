@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import warnings
 
 from .convert import UnconvertedOpsWarning, quantize_qat_export
@@ -21,7 +22,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("qoperator", "qdq"), default="qoperator",
                         help="qoperator: QLinearConv/QGemm/... (default); qdq: folded, cleaned QDQ")
     parser.add_argument("--no-verify", action="store_true", help="skip the onnxruntime comparison")
-    parser.add_argument("--tolerance", type=float, help="largest accepted max-abs difference")
+    parser.add_argument("--tolerance", type=_tolerance, help="largest accepted max-abs difference (a finite number >= 0)")
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ beyond tolerance nothing is written and :class:`VerificationError` says by how m
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import warnings
@@ -32,6 +33,7 @@ import numpy as np
 import onnx
 
 from recal_core.atomic import atomic_folder
+from recal_core.errors import VerificationFailed
 
 from .graph import Graph
 from .passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
@@ -63,8 +65,12 @@ class UnconvertedOpsWarning(UserWarning):
     """Some ops between a DequantizeLinear and a QuantizeLinear were left in float."""
 
 
-class VerificationError(ValueError):
+class VerificationError(VerificationFailed):
     """The converted model's outputs differ from the input model's beyond tolerance."""
+
+
+class ModelError(ValueError):
+    """The input is not an ONNX model this converter can read, run or convert; the message says why."""
 
 
 @dataclass
@@ -91,20 +97,33 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    for name, value, upper in (("tolerance", tolerance, math.inf), ("min_agreement", min_agreement, 1.0)):
+        if value is not None and not (isinstance(value, (int, float)) and 0 <= value <= upper
+                                      and not math.isnan(value)):
+            raise ValueError(f"{name} must be a number in [0, {upper:g}], got {value!r}")
     started = time.perf_counter()
     from_path = isinstance(model_or_path, (str, os.PathLike))
-    if output_path is not None and from_path and Path(output_path).resolve() == Path(model_or_path).resolve():
-        raise ValueError(f"refusing to overwrite the input model {model_or_path}; choose another output path")
-    model = _load(model_or_path)
-    if not any(n.op_type in QDQ_OPS for n in model.graph.node):
-        name = model_or_path if from_path else "the model"
-        raise ValueError(f"{name} is not a QAT model: it has no QuantizeLinear/DequantizeLinear nodes")
+    model, reads = _load(model_or_path)
+    if output_path is not None:
+        _refuse_overwriting(Path(output_path), reads)
+    _check_input(model, str(model_or_path) if from_path else "the model")
     if from_path:
         reference: onnx.ModelProto | str = str(model_or_path)  # the file stays as it is; no second copy
     else:
         reference = model_or_path
         model = onnx.ModelProto()
         model.CopyFrom(model_or_path)  # never modify the caller's model
+    try:
+        return _convert(model, reference, output_path, format, verify, inputs, tolerance, min_agreement, started)
+    except (VerificationError, ModelError, OSError, MemoryError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a malformed model must end in one clear error, not a traceback
+        raise ModelError(f"cannot convert {model_or_path if from_path else 'the model'}: "
+                         f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}") from exc
+
+
+def _convert(model, reference, output_path, format, verify, inputs, tolerance, min_agreement,
+             started) -> ConversionResult:
     infer_shapes_in_place(model)
     g = Graph(model)
     rewrites: dict[str, int] = {}
@@ -132,7 +151,7 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     if unconverted:
         listed = ", ".join(f"{op} {name!r}" for op, name in unconverted)
         warnings.warn(f"left in float between DequantizeLinear and QuantizeLinear: {listed}",
-                      UnconvertedOpsWarning, stacklevel=2)
+                      UnconvertedOpsWarning, stacklevel=3)
     result = ConversionResult(model, None, rewrites, unconverted)
     if verify:
         result.verification = verify_models(reference, model, inputs)
@@ -170,21 +189,71 @@ def infer_shapes_in_place(model: onnx.ModelProto, check: bool = False) -> None:
     graph.value_info.extend(inferred.graph.value_info)
 
 
-def _load(model_or_path) -> onnx.ModelProto:
+def _load(model_or_path) -> tuple[onnx.ModelProto, set[Path]]:
+    """The model, and the files it was read from (the model file and its external data), resolved."""
     if isinstance(model_or_path, onnx.ModelProto):
-        return model_or_path
+        return model_or_path, set()
     if not isinstance(model_or_path, (str, os.PathLike)):
         raise TypeError(f"expected an onnx.ModelProto or a path, not {type(model_or_path).__name__}")
     path = Path(model_or_path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such ONNX file")
     try:
-        model = onnx.load(str(path))
+        model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # noqa: BLE001 - protobuf raises several types for a bad file
-        raise ValueError(f"{path} is not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+        raise ModelError(f"{path} is not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+    reads = {path.resolve()}
+    for tensor in _tensors(model.graph):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+            reads.add((path.parent / location).resolve())
+    if len(reads) > 1:
+        try:
+            onnx.load_external_data_for_model(model, str(path.parent))
+        except Exception as exc:  # noqa: BLE001 - a missing, short or escaping data file
+            raise ModelError(f"{path}: cannot read its external data ({type(exc).__name__}: {exc})") from None
     if not model.graph.node:
-        raise ValueError(f"{path} is not a readable ONNX model (no graph nodes; truncated or not ONNX?)")
-    return model
+        raise ModelError(f"{path} is not a readable ONNX model (no graph nodes; truncated or not ONNX?)")
+    return model, reads
+
+
+def _tensors(graph: onnx.GraphProto):
+    yield from graph.initializer
+    for node in graph.node:
+        for a in node.attribute:
+            if a.HasField("t"):
+                yield a.t
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                yield from _tensors(sub)
+
+
+def _refuse_overwriting(target: Path, reads: set[Path]) -> None:
+    """The output (and the external data file it may get) must be none of the files the input reads."""
+    for candidate in (target, target.with_name(target.name + ".data")):
+        if candidate.resolve() in reads:
+            raise ValueError(f"refusing to write {candidate}: the input model reads that file (the model or its "
+                             "external data); choose another output path")
+
+
+# onnxruntime runs the default domain's opsets in this range (QuantizeLinear needs 10, per-channel 13)
+MIN_OPSET = 10
+KNOWN_DOMAINS = {"", "ai.onnx", "com.microsoft", "ai.onnx.ml"}
+
+
+def _check_input(model: onnx.ModelProto, name: str) -> None:
+    """What the converter cannot take, said before any work: opsets, foreign ops, not a QAT model."""
+    opsets = {o.domain or "": o.version for o in model.opset_import}
+    version = opsets.get("", opsets.get("ai.onnx"))
+    newest = onnx.defs.onnx_opset_version()
+    if version is None or not MIN_OPSET <= version <= newest:
+        raise ModelError(f"{name} uses opset {version} of the default ONNX domain; the converter takes "
+                         f"opsets {MIN_OPSET} to {newest} (QuantizeLinear needs 10, per-channel weights 13)")
+    foreign = sorted({(n.domain, n.op_type) for n in model.graph.node if n.domain not in KNOWN_DOMAINS})
+    if foreign:
+        listed = ", ".join(f"{op} ({domain})" for domain, op in foreign[:5])
+        raise ModelError(f"{name} has ops of custom domains, which onnxruntime cannot run: {listed}")
+    if not any(n.op_type in QDQ_OPS for n in model.graph.node):
+        raise ModelError(f"{name} is not a QAT model: it has no QuantizeLinear/DequantizeLinear nodes")
 
 
 def _output_quantum(g: Graph) -> float:

@@ -34,6 +34,7 @@ EXTRAS_KEY_VAR_LIST = "var_list"
 EXTRAS_KEY_WEIGHT_DECAY = "weight_decay_loss"  # the penalty to add to the loss
 EXTRAS_KEY_WEIGHT_DECAY_RATE = "weight_decay"  # the rate in force (a scalar tensor)
 RECAL_VARIABLES = "recal_variables"
+MAX_TABLE_STEPS = 10_000_000  # the graph holds per-step tables (mask update ids, LR, weight decay)
 RECAL_GRAPH_MARK = "recal_create_ops"
 
 
@@ -98,6 +99,10 @@ class ScheduledModifierManager(RecipeManager):
             raise RuntimeError("create_ops() was already called for this graph (or by this manager); "
                                "call it once per graph, with one manager")
         schedule = self.recipe.bind(steps_per_epoch)
+        if schedule.total_steps > MAX_TABLE_STEPS:
+            raise ValueError(f"the recipe runs {schedule.total_steps:,} steps ({self.recipe.max_epochs} epochs x "
+                             f"{steps_per_epoch:,}); recal_tf tabulates per-step values in the graph and takes at "
+                             f"most {MAX_TABLE_STEPS:,} steps")
         with graph.as_default():
             variables = list(tf_compat.trainable_variables())
             infos, by_name = describe_variables(graph, variables)

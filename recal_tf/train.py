@@ -34,6 +34,22 @@ def _kernel_sparsity(values: dict[str, np.ndarray]) -> tuple[float, dict[str, fl
     return overall_sparsity(layers, {name: v.size for name, v in values.items()}), layers
 
 
+def _read_history(ckpt_dir: Path) -> dict:
+    path = ckpt_dir / "history.json"
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--resume: {path} is unreadable ({exc})") from None
+    missing = [k for k in ("epoch", "checkpoint", "history") if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(f"--resume: {path} lacks {', '.join(missing)}")
+    if not (ckpt_dir / (state["checkpoint"] + ".index")).is_file() or "/" in state["checkpoint"]:
+        raise FileNotFoundError(f"--resume: {path} names checkpoint {state['checkpoint']!r}, which is not in {ckpt_dir}")
+    return state
+
+
 def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool, progress: bool) -> TrainingRun:
     tf.get_logger().setLevel(logging.ERROR)  # TF's notices that v1 graph APIs are deprecated
     digits = load_digits()
@@ -69,12 +85,11 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
         sess = tf_compat.Session(graph=graph)
         start = 0
         if resume:
-            latest = tf_compat.train.latest_checkpoint(str(ckpt_dir))
-            if latest is None:
-                raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}")
-            saver.restore(sess, latest)
+            # history.json is the commit point: it names the checkpoint of the last complete epoch (a
+            # checkpoint saved after it, by a run killed before history.json was written, is ignored)
+            state = _read_history(ckpt_dir)
+            saver.restore(sess, str(ckpt_dir / state["checkpoint"]))
             manager.initialize_session(sess)
-            state = json.loads((ckpt_dir / "history.json").read_text())
             run.history = [EpochRecord(**h) for h in state["history"]]
             start = state["epoch"]
         else:
@@ -104,11 +119,11 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
                                      float((test_logits.argmax(1) == y_test).mean()),
                                      _kernel_sparsity(sess.run(kernels))[0], float(sess.run(lr)))
                 run.history.append(record)
-                if progress:
-                    print(epoch_line("tf", record, epochs), flush=True)
-                saver.save(sess, str(ckpt_dir / "model.ckpt"), global_step=epoch + 1)
+                prefix = saver.save(sess, str(ckpt_dir / "model.ckpt"), global_step=epoch + 1)
                 write_text_atomically(ckpt_dir / "history.json", json.dumps(
-                    {"epoch": epoch + 1, "history": [vars(h) for h in run.history]}))
+                    {"epoch": epoch + 1, "checkpoint": Path(prefix).name, "history": [vars(h) for h in run.history]}))
+                if progress:  # after the commit point: a printed epoch is a saved one
+                    print(epoch_line("tf", record, epochs), flush=True)
             writer.flush()
             manager.complete_graph(graph, sess)
             frozen = tf_compat.graph_util.convert_variables_to_constants(sess, graph.as_graph_def(),

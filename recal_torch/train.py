@@ -79,6 +79,22 @@ def _checkpoints(folder: Path) -> list[Path]:
     return sorted(folder.glob("epoch-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
 
 
+CHECKPOINT_KEYS = ("epoch", "model", "optimizer", "history", "torch_rng")
+
+
+def _read_checkpoint(path: Path) -> dict:
+    """A checkpoint as data (``weights_only``: a crafted file runs no code), with every key it needs."""
+    try:
+        state = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # noqa: BLE001 - unpickling refuses code, a truncated zip, ... in its own types
+        raise ValueError(f"{path} is not a recal checkpoint that loads as data "
+                         f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
+    missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(f"{path} is not a complete recal checkpoint: it lacks {', '.join(missing)}")
+    return state
+
+
 def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool, progress: bool) -> TrainingRun:
     x_train, y_train, x_test, y_test = _tensors()
     steps_per_epoch = math.ceil(len(x_train) / BATCH_SIZE)
@@ -95,9 +111,13 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
         found = _checkpoints(ckpt_dir)
         if not found:
             raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}")
-        state = torch.load(found[-1], weights_only=True)  # data only: a crafted checkpoint runs no code
+        state = _read_checkpoint(found[-1])
         optimizer.load_state_dict(state["optimizer"])  # recal's state first: it re-creates QAT modules
-        model.load_state_dict(state["model"])
+        try:
+            model.load_state_dict(state["model"])
+        except RuntimeError as exc:
+            raise ValueError(f"{found[-1]}: the model weights do not fit this model "
+                             f"({' '.join(str(exc).split())[:300]})") from None
         run.history = [EpochRecord(**h) for h in state["history"]]
         start = state["epoch"]
         torch.set_rng_state(state["torch_rng"])
@@ -132,11 +152,11 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
             run.history.append(record)
             for key in ("loss", "train_accuracy", "test_accuracy", "sparsity"):
                 tensorboard.writer.add_scalar(f"epoch/{key}", getattr(record, key), record.epoch)
-            if progress:
-                print(epoch_line("torch", record, epochs), flush=True)
             with atomic_path(ckpt_dir / f"epoch-{epoch + 1}.pt") as tmp:
                 torch.save({"epoch": epoch + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                             "history": [vars(h) for h in run.history], "torch_rng": torch.get_rng_state()}, tmp)
+            if progress:  # after the checkpoint: a printed epoch is a saved one
+                print(epoch_line("torch", record, epochs), flush=True)
     finally:
         tensorboard.close()
     manager.finalize(model)

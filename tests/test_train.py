@@ -46,11 +46,11 @@ def test_torch_train_writes_every_artefact(tmp_path):
     for f in ("model.pt", "model.onnx", "model.int8.onnx", "report.json", "report.md", "schedule.png"):
         assert (out / f).is_file(), f
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"epoch-{i}.pt" for i in range(1, 5)]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"epoch-{i}.pt" for i in range(1, 5)] + ["run.json"]
     report = json.loads((out / "report.json").read_text())
     assert len(report["history"]) == 4 and report["artefacts"][2]["accuracy"] > 0.8
     assert "| int8 ONNX (quantize_qat_export) |" in (out / "report.md").read_text()
-    assert not list(out.glob(".*"))  # no temp files left
+    assert not list(out.glob(".recal-*"))  # no temp files left (the lock file .recal.lock stays)
 
 
 @pytest.mark.slow
@@ -105,7 +105,7 @@ def test_bad_input_is_one_line_and_keeps_earlier_outputs(tmp_path):
         (["--recipe", str(bad)], "bad.yaml:1:"),
         (["--recipe", str(wrong_layers)], "matches no prunable parameter"),
         (["--recipe", str(ROOT / "scripts/recipes/dense.yaml"), "--output", str(a_file / "sub")], "not writable"),
-        (["--recipe", str(wrong_layers), "--resume"], "matches no prunable parameter"),
+        (["--recipe", str(wrong_layers), "--resume"], "no checkpoint"),
     ]
     for extra, words in cases:
         args = ["train", "--framework", "torch", "--output", str(out), "--no-progress", *extra]
@@ -139,7 +139,7 @@ def test_make_demo_script(tmp_path):
              if line.startswith(("fp32 (", "recal int8 (", "onnxruntime quantize_static"))}
     assert len(speed) == 3, result.stdout
     recal = speed["recal int8"]
-    assert float(recal[-4]) <= 0.27 and float(recal[-2].removesuffix("ms")) > 0  # a quarter of fp32's size
+    assert float(recal[-3]) <= 0.27 and float(recal[-2].removesuffix("ms")) > 0  # a quarter of fp32's size
     assert "CPU:" in result.stdout
 
 

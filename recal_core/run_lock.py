@@ -1,0 +1,67 @@
+"""One run per output folder: a lock held while a run writes there, and the run's identity for resumes.
+
+Two runs writing one folder would leave a mix (one run's report, the other's model); a resume under
+another seed, recipe or framework would continue someone else's schedule. Both are refused with one
+line that says what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+LOCK_NAME = ".recal.lock"
+RUN_FILE = "run.json"
+
+
+@contextlib.contextmanager
+def locked(folder: Path) -> Iterator[None]:
+    """Hold ``folder``'s lock (an advisory ``flock``, released when the process ends, even by kill -9)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no advisory locks; runs are not protected from each other
+        yield
+        return
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"another recal run is writing {folder}; wait for it to end, or give another "
+                               "--output") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def run_identity(framework: str, seed: int, recipe_yaml: str, epochs: int) -> dict[str, Any]:
+    return {"framework": framework, "seed": seed, "recipe": recipe_yaml, "epochs": epochs}
+
+
+def check_resume(checkpoints: Path, identity: dict[str, Any]) -> None:
+    """Refuse a resume whose framework, seed or recipe differs from the run that wrote ``checkpoints``."""
+    path = checkpoints / RUN_FILE
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--resume: no checkpoint in {checkpoints} (no {RUN_FILE})") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--resume: {path} is unreadable ({exc})") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"--resume: {path} is not a recal run description")
+    for key, label in (("framework", "--framework"), ("seed", "--seed"), ("recipe", "recipe")):
+        if saved.get(key) != identity[key]:
+            shown = "a different recipe" if key == "recipe" else f"{label} {saved.get(key)!r}"
+            raise ValueError(f"--resume: the checkpoints in {checkpoints} were written with {shown}, this run "
+                             f"has {'another' if key == 'recipe' else repr(identity[key])}; resume with the same "
+                             f"{label}, or give another --output")
+
+
+def check_fresh(checkpoints: Path) -> None:
+    """A new run must not mix with an earlier run's checkpoints (a later --resume would pick them up)."""
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        raise RuntimeError(f"{checkpoints} holds an earlier run's checkpoints; continue it with --resume, or give "
+                           "another --output")

@@ -1,0 +1,362 @@
+"""Hostile files and faults: no code from data, no lost input, bounded time and memory, one clear line.
+
+Each test here failed before its fix (the red-team list in the README's reliability section).
+"""
+
+import hashlib
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from recal_core import RecipeError, load_recipe
+from recal_core.run_lock import RUN_FILE, locked, run_identity
+from recal_core.training import train
+from recal_onnx import ModelError, quantize_qat_export
+from recal_torch import ScheduledModifierManager, export_onnx
+
+from .conftest import ROOT
+from .torch_models import SmallCNN, batches, train_steps
+
+DENSE = ROOT / "scripts" / "recipes" / "dense.yaml"
+
+
+def _cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "recal_core.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=600, **kw)
+
+
+def _one_line(result, code=2):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == code and len(lines) == 1, (result.returncode, result.stderr[-2000:])
+    return lines[0]
+
+
+def _loads_quickly(text, seconds=3.0):
+    started = time.perf_counter()
+    with pytest.raises(RecipeError) as err:
+        load_recipe(text).bind(100)
+    assert time.perf_counter() - started < seconds
+    assert "internal error" not in str(err.value)
+    return str(err.value)
+
+
+# --- security and data loss ----------------------------------------------------------------------
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
+def test_a_crafted_checkpoint_runs_no_code(tmp_path):
+    out, marker = tmp_path / "run", tmp_path / "pwned"
+    (out / "checkpoints").mkdir(parents=True)
+    recipe = load_recipe(DENSE)
+    identity = run_identity("torch", 0, recipe.to_yaml(), recipe.max_epochs)
+    (out / "checkpoints" / RUN_FILE).write_text(json.dumps(identity))
+    with open(out / "checkpoints" / "epoch-99.pt", "wb") as f:
+        pickle.dump({"epoch": 99, "model": _Evil(marker)}, f)
+    with pytest.raises(ValueError, match="not a recal checkpoint that loads as data"):
+        train(recipe, "torch", out, resume=True, progress=False)
+    assert not marker.exists()
+
+
+def test_a_checkpoint_missing_keys_is_one_line(tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    recipe = load_recipe(DENSE)
+    (out / "checkpoints" / RUN_FILE).write_text(json.dumps(run_identity("torch", 0, recipe.to_yaml(), 1)))
+    torch.save({"epoch": 1, "model": {}}, out / "checkpoints" / "epoch-1.pt")
+    line = _one_line(_cli("train", "--framework", "torch", "--recipe", str(DENSE), "--output", str(out), "--resume"))
+    assert "epoch-1.pt is not a complete recal checkpoint: it lacks optimizer, history, torch_rng" in line
+
+
+@pytest.fixture(scope="module")
+def qat_model():
+    torch.manual_seed(0)
+    model = SmallCNN()
+    manager = ScheduledModifierManager.from_yaml("- !QuantizationModifier {start_epoch: 0}\n"
+                                                 "- !EpochRangeModifier {start_epoch: 0, end_epoch: 1}")
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.01), steps_per_epoch=4)
+    train_steps(model, optimizer, batches(4))
+    manager.finalize(model)
+    return model.eval()
+
+
+def test_the_converter_never_overwrites_what_the_input_reads(tmp_path, qat_model):
+    folder = tmp_path / "model_dir"
+    folder.mkdir()
+    src = export_onnx(qat_model, torch.randn(1, 1, 8, 8), tmp_path / "plain.onnx", dynamo=False)
+    model = onnx.load(str(src))
+    onnx.save_model(model, str(folder / "qat.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="weights.bin", size_threshold=0)
+    digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+    for target in (folder / "weights.bin", folder / "qat.onnx", tmp_path / ".." / tmp_path.name / "model_dir" / "qat.onnx"):
+        with pytest.raises(ValueError, match="the input model reads that file"):
+            quantize_qat_export(folder / "qat.onnx", target)
+    onnx.save_model(onnx.load(str(src)), str(folder / "other.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="out.onnx.data", size_threshold=0)
+    digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+    with pytest.raises(ValueError, match="out.onnx.data: the input model reads"):  # out.onnx's data file
+        quantize_qat_export(folder / "other.onnx", folder / "out.onnx")
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()} == digests
+    result = quantize_qat_export(folder / "qat.onnx", folder / "int8.onnx")  # beside it is fine
+    assert result.path.is_file()
+
+
+def test_one_run_per_output_folder_and_resumes_match_their_run(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    recipe = load_recipe(DENSE)
+    with locked(out):  # another run is writing
+        line = _one_line(_cli("train", "--framework", "torch", "--recipe", str(DENSE), "--output", str(out)))
+        assert "another recal run is writing" in line
+    train(recipe, "torch", out, epochs=1, progress=False, quantize=False)
+    line = _one_line(_cli("train", "--framework", "torch", "--recipe", str(DENSE), "--output", str(out)))
+    assert "holds an earlier run's checkpoints; continue it with --resume" in line
+    for extra, words in ((["--seed", "1"], "--seed 0"), (["--framework", "tf"], "--framework 'torch'")):
+        args = ["train", "--framework", "torch", "--recipe", str(DENSE), "--output", str(out), "--resume", *extra]
+        if "--framework" in extra:
+            args = args[:1] + args[3:]
+        line = _one_line(_cli(*args))
+        assert f"were written with {words}" in line, line
+
+
+@pytest.mark.slow
+def test_tf_resume_after_a_kill_between_checkpoint_and_history_is_exact(tmp_path, monkeypatch):
+    import recal_tf.train as tf_train
+
+    recipe = load_recipe(ROOT / "scripts" / "recipes" / "prune.yaml")
+    a = train(recipe, "tf", tmp_path / "a", epochs=3, progress=False)
+    calls = {"n": 0}
+    real = tf_train.write_text_atomically
+
+    def killed_after_the_third_save(path, text):
+        calls["n"] += 1
+        if calls["n"] == 3:  # epoch 3's checkpoint is saved, its history.json never written
+            raise KeyboardInterrupt
+        return real(path, text)
+
+    monkeypatch.setattr(tf_train, "write_text_atomically", killed_after_the_third_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(recipe, "tf", tmp_path / "b", epochs=3, progress=False)
+    monkeypatch.setattr(tf_train, "write_text_atomically", real)
+    b = train(recipe, "tf", tmp_path / "b", epochs=3, resume=True, progress=False)
+    assert [h.loss for h in a.history] == [h.loss for h in b.history]
+    assert _frozen_weights(tmp_path / "a" / "model.pb") == _frozen_weights(tmp_path / "b" / "model.pb")
+
+
+def _frozen_weights(path):
+    """The constants of a frozen graph, as bytes (two identical runs serialise the GraphDef differently)."""
+    import tensorflow as tf
+
+    graph = tf.compat.v1.GraphDef()
+    graph.ParseFromString(path.read_bytes())
+    return {n.name: n.attr["value"].tensor.tensor_content for n in graph.node if n.op == "Const"}
+
+
+def test_outputs_get_the_mode_of_any_new_file_and_stale_temporaries_go(tmp_path):
+    from recal_core.atomic import TEMP_PREFIX, write_text_atomically
+
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    write_text_atomically(tmp_path / "atomic.txt", "x")
+    assert (tmp_path / "atomic.txt").stat().st_mode == plain.stat().st_mode
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    stale = [out / f"{TEMP_PREFIX}report.json.abc.tmp", out / "checkpoints" / f"{TEMP_PREFIX}epoch-1.pt.x.tmp"]
+    for path in stale:
+        path.write_bytes(b"")  # what kill -9 leaves
+    (out / "checkpoints" / "keep.txt").write_text("not recal's")
+    with pytest.raises(RuntimeError, match="earlier run"):  # refused, but the stale files are cleaned first
+        train(load_recipe(DENSE), "torch", out, epochs=1, progress=False)
+    assert not any(p.exists() for p in stale) and (out / "checkpoints" / "keep.txt").exists()
+
+
+def test_bad_input_leaves_no_folder_behind(tmp_path):
+    recipe = tmp_path / "layers.yaml"
+    recipe.write_text("- !EpochRangeModifier {start_epoch: 0, end_epoch: 1}\n- !ConstantKSModifier {params: [nope]}\n")
+    _one_line(_cli("train", "--framework", "torch", "--recipe", str(recipe), "--output", str(tmp_path / "new")))
+    assert not (tmp_path / "new").exists()
+
+
+# --- unbounded time or memory from a small file --------------------------------------------------
+
+
+def test_alias_bombs_recursion_and_deep_nesting_are_located_and_fast():
+    levels = ["a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    for i, name in enumerate("bcdefghi"):
+        prev = "abcdefghi"[i]
+        levels.append(f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 10) + "]")
+    bomb = "\n".join(levels) + "\nmodifiers: []\n"  # 10**9 leaves in 1 KB
+    assert "expands to more than 200,000 values" in _loads_quickly(bomb)
+    assert "<string>:1:4: a value contains itself" in _loads_quickly("a: &a [1, *a]\nmodifiers: []")
+    assert "nesting deeper than 64 levels" in _loads_quickly("x: " + "[" * 5000 + "]" * 5000)
+    assert _loads_quickly("x: " + "[" * 5000 + "]" * 5000).startswith("<string>:1:")
+
+
+@pytest.mark.parametrize("expr, words", [
+    ("((((10**64)**64)**64)**64)**64", "beyond recal's limit of 2**63"),
+    ("'x' * 10**10", "more than 10,000 items"),
+    ("9**9**9", "exponent"),
+    ("1e300 * 1e300", "not a finite number"),
+])
+def test_eval_cannot_build_huge_values(expr, words):
+    text = f"n: eval({expr})\nmodifiers:\n- !EpochRangeModifier {{start_epoch: 0, end_epoch: 3}}\n"
+    assert words in _loads_quickly(text)
+
+
+def test_a_catastrophic_regex_is_cut_off_with_its_location():
+    from recal_core.params import ParamInfo, resolve_params
+
+    recipe = load_recipe("- !ConstantKSModifier {params: ['re:(a|aa)+$']}")
+    params = [ParamInfo("a" * 60 + "b", "a" * 60, True)]
+    started = time.perf_counter()
+    with pytest.raises(RecipeError, match=r"<string>:1:\d+: .*field 'params': pattern 're:\(a\|aa\)\+\$' took over 1 s"):
+        resolve_params(recipe, 0, params, pruning=True)
+    assert time.perf_counter() - started < 5
+
+
+def test_huge_epochs_and_huge_files_are_refused_before_they_cost(tmp_path):
+    assert "less than or equal to 100000" in _loads_quickly("- !EpochRangeModifier {start_epoch: 0, end_epoch: 1e12}")
+    big = tmp_path / "big.yaml"
+    big.write_text("x: [" + "1, " * 1_000_000 + "1]\nmodifiers: []\n")
+    started = time.perf_counter()
+    with pytest.raises(RecipeError, match="big.yaml: the recipe file is .* bytes; expected a recipe of at most"):
+        load_recipe(big)
+    assert time.perf_counter() - started < 1
+    line = _one_line(_cli("check", str(ROOT / "scripts/recipes/prune.yaml"), "--steps-per-epoch", "100000000000"))
+    assert "at most 1,000,000,000 steps per epoch" in line
+
+
+def test_check_plots_a_long_schedule_with_bounded_points(tmp_path):
+    from recal_core.report import MAX_PLOT_POINTS, sample_steps
+
+    schedule = load_recipe("- !EpochRangeModifier {start_epoch: 0, end_epoch: 100000}").bind(100_000)
+    assert len(sample_steps(schedule)) <= 4 * MAX_PLOT_POINTS + 1
+
+
+# --- silent nonsense ------------------------------------------------------------------------------
+
+
+def test_duplicate_keys_and_yaml11_surprises_are_errors():
+    assert "key 'modifiers' given twice (first at line 1)" in _loads_quickly(
+        "modifiers:\n- !EpochRangeModifier {start_epoch: 0, end_epoch: 3}\n"
+        "modifiers:\n- !EpochRangeModifier {start_epoch: 0, end_epoch: 300}\n")
+    assert "key 'gamma' given twice" in _loads_quickly(
+        "- !LearningRateModifier {start_epoch: 0, lr_class: ExponentialLR, lr_kwargs: {gamma: 0.9, gamma: 0.5}, "
+        "init_lr: 0.1}\n- !EpochRangeModifier {start_epoch: 0, end_epoch: 3}")
+    assert "key 'epochs' given twice" in _loads_quickly(
+        "epochs: 3\nepochs: 30\nmodifiers:\n- !EpochRangeModifier {start_epoch: 0, end_epoch: eval(epochs)}")
+    assert "field 'end_epoch': Input should be a valid number; got '1:30'" in _loads_quickly(
+        "- !EpochRangeModifier {start_epoch: 0, end_epoch: 1:30}")
+    assert "Input should be a valid boolean; got 'yes'" in _loads_quickly(
+        "- !ConstantKSModifier {params: __ALL__}\n- !TrainableParamsModifier {params: __ALL__, trainable: yes}")
+    assert load_recipe("- !EpochRangeModifier {start_epoch: 0, end_epoch: 010}").max_epochs == 10  # not octal 8
+
+
+def test_an_lr_that_underflows_or_overflows_is_a_located_error():
+    for gamma, words in (("1e-300", "underflows to 0"), ("1e300", "overflows")):
+        text = ("- !LearningRateModifier {start_epoch: 0, end_epoch: 50, lr_class: ExponentialLR, "
+                f"lr_kwargs: {{gamma: {gamma}}}, init_lr: 0.1}}")
+        assert f"<string>:1:" in _loads_quickly(text) and words in _loads_quickly(text)
+    path = ROOT / "scripts" / "recipes" / "seed_lr_schedule.yaml"
+    bad = path.read_text().replace("gamma: 0.9", "gamma: 1e300") if "gamma: 0.9" in path.read_text() else None
+    if bad is not None:
+        assert "overflows" in _loads_quickly(bad)
+
+
+def test_verification_cannot_be_switched_off_by_nan(tmp_path, qat_model):
+    src = export_onnx(qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
+    for value in ("nan", "-1", "inf"):
+        line = _one_line(_cli("quantize-qat-export", str(src), str(tmp_path / "o.onnx"), "--tolerance", value))
+        assert "expected a finite number >= 0" in line
+    line = _one_line(_cli("quantize-qat-export", str(src), str(tmp_path / "o.onnx"), "--tolerance", "0"), code=1)
+    assert "does not match the input model" in line and not (tmp_path / "o.onnx").exists()
+
+
+def test_a_checkpoint_that_does_not_fit_changes_nothing():
+    model = SmallCNN()
+    recipe = ("- !GradualKSModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.3, final_sparsity: 0.6, "
+              "start_epoch: 0, end_epoch: 2, update_frequency: 1}")
+    manager = ScheduledModifierManager.from_yaml(recipe)
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=2)
+    train_steps(model, optimizer, batches(3))
+    state = manager.state_dict()
+    state["step"] = 1
+    state["masks"]["fc.weight"] = {0: torch.ones(3, 3)}
+    before = (manager.step, {k: v.clone() for k, v in manager.masks.effective.items()})
+    with pytest.raises(ValueError, match=r"mask of 'fc.weight' \(modifier 0\) has shape \(3, 3\)"):
+        optimizer.load_state_dict({**optimizer.state_dict(), "recal": state})
+    assert manager.step == before[0] == 3
+    assert all(torch.equal(before[1][k], v) for k, v in manager.masks.effective.items())
+
+
+# --- not one line -----------------------------------------------------------------------------------
+
+
+def _qdq_model(opset=17, domain=""):
+    from .onnx_graphs import Builder
+
+    b = Builder()
+    y = b.node("Relu", [b.qdq("x", 0.1, 0)], domain=domain or None)
+    model = b.model([("x", [1, 4])], [b.qdq(y, 0.1, 0)])
+    model.opset_import[0].version = opset
+    if domain:
+        model.opset_import.append(onnx.helper.make_opsetid(domain, 1))
+    return model
+
+
+@pytest.mark.parametrize("opset, domain, words", [
+    (9, "", "uses opset 9 of the default ONNX domain; the converter takes opsets 10 to"),
+    (99, "", "uses opset 99"),
+    (17, "my.company", "ops of custom domains, which onnxruntime cannot run: Relu (my.company)"),
+])
+def test_converter_input_it_cannot_take_is_one_line(tmp_path, opset, domain, words):
+    path = tmp_path / "in.onnx"
+    onnx.save(_qdq_model(opset, domain), str(path))
+    line = _one_line(_cli("quantize-qat-export", str(path), str(tmp_path / "out.onnx")))
+    assert words in line
+    with pytest.raises(ModelError):
+        quantize_qat_export(path, tmp_path / "out.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.onnx"]
+
+
+def test_a_missing_optional_package_is_one_line(tmp_path):
+    code = ("import sys; sys.modules['matplotlib'] = None; from recal_core.cli import main; "
+            f"sys.exit(main(['check', {str(DENSE)!r}, '--plot', {str(tmp_path / 'p.png')!r}]))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert "needs the Python package 'matplotlib'" in _one_line(result)
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_the_last_checkpoint_and_exits_130(tmp_path):
+    out = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "recal_core.cli", "train", "--framework", "torch", "--recipe",
+                                str(DENSE), "--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, cwd=ROOT)
+    for line in process.stdout:  # wait for the first epoch to complete
+        if line.startswith("torch epoch 1/"):
+            break
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=300)
+    lines = stderr.strip().splitlines()
+    assert process.returncode == 130 and lines[-1].startswith("recal train: interrupted; the last complete checkpoint")
+    assert (out / "checkpoints" / "epoch-1.pt").is_file()
+    assert not list(out.rglob(".recal-*"))
+    resumed = _cli("train", "--framework", "torch", "--recipe", str(DENSE), "--output", str(out), "--resume",
+                   "--epochs", "2", "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
