@@ -171,6 +171,9 @@ def load_recipe(source: str | os.PathLike | Recipe) -> Recipe:
     except RecursionError:
         raise RecipeError(Problem(Location(_source_name(source)), "the recipe contains a structure that "
                                   "contains itself (a recursive alias)", expected="plain nested data")) from None
+    except MemoryError:
+        raise RecipeError(Problem(Location(_source_name(source)), "out of memory while reading the recipe",
+                                  expected="a recipe within recal's limits (see the README's reliability section)"))
     except Exception as exc:  # noqa: BLE001 - the loader's contract: RecipeError for any input
         raise RecipeError(Problem(
             Location(_source_name(source)),

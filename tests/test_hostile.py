@@ -186,6 +186,21 @@ def test_outputs_get_the_mode_of_any_new_file_and_stale_temporaries_go(tmp_path)
     assert not any(p.exists() for p in stale) and (out / "checkpoints" / "keep.txt").exists()
 
 
+def test_a_full_disk_is_said_plainly_and_leaves_nothing(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from recal_core.atomic import atomic_path
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9, 0))
+    with pytest.raises(OSError, match="no space left on the device of .* while writing epoch-1.pt"):
+        with atomic_path(tmp_path / "epoch-1.pt") as tmp:
+            tmp.write_bytes(b"partial")
+            raise RuntimeError("[enforce fail at inline_container.cc:664] PytorchStreamWriter failed writing file")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_input_leaves_no_folder_behind(tmp_path):
     recipe = tmp_path / "layers.yaml"
     recipe.write_text("- !EpochRangeModifier {start_epoch: 0, end_epoch: 1}\n- !ConstantKSModifier {params: [nope]}\n")
