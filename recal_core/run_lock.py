@@ -41,17 +41,24 @@ def run_identity(framework: str, seed: int, recipe_yaml: str, epochs: int) -> di
     return {"framework": framework, "seed": seed, "recipe": recipe_yaml, "epochs": epochs}
 
 
-def check_resume(checkpoints: Path, identity: dict[str, Any]) -> None:
-    """Refuse a resume whose framework, seed or recipe differs from the run that wrote ``checkpoints``."""
-    path = checkpoints / RUN_FILE
+def read_resume_record(path: Path, required: tuple[str, ...]) -> dict[str, Any]:
+    """A JSON record a resume reads (``run.json``, TF's ``history.json``), with ``required`` keys; one clear
+    error when it is missing, unreadable or incomplete."""
     try:
         saved = json.loads(path.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"--resume: no checkpoint in {checkpoints} (no {RUN_FILE})") from None
+        raise FileNotFoundError(f"--resume: no checkpoint in {path.parent} (no {path.name})") from None
     except (OSError, ValueError) as exc:
         raise ValueError(f"--resume: {path} is unreadable ({exc})") from None
-    if not isinstance(saved, dict):
-        raise ValueError(f"--resume: {path} is not a recal run description")
+    missing = [k for k in required if not isinstance(saved, dict) or k not in saved]
+    if missing:
+        raise ValueError(f"--resume: {path} lacks {', '.join(missing)}")
+    return saved
+
+
+def check_resume(checkpoints: Path, identity: dict[str, Any]) -> None:
+    """Refuse a resume whose framework, seed or recipe differs from the run that wrote ``checkpoints``."""
+    saved = read_resume_record(checkpoints / RUN_FILE, ("framework", "seed", "recipe"))
     for key, label in (("framework", "--framework"), ("seed", "--seed"), ("recipe", "recipe")):
         if saved.get(key) != identity[key]:
             shown = "a different recipe" if key == "recipe" else f"{label} {saved.get(key)!r}"

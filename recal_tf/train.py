@@ -19,6 +19,7 @@ import tensorflow as tf
 from recal_core.atomic import atomic_path, write_text_atomically
 from recal_core.datasets import load_digits
 from recal_core.recipe import Recipe
+from recal_core.run_lock import read_resume_record
 from recal_core.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, epoch_line,
                                  epoch_order, median_latency_ms, overall_sparsity, progress_bar)
 
@@ -36,15 +37,7 @@ def _kernel_sparsity(values: dict[str, np.ndarray]) -> tuple[float, dict[str, fl
 
 def _read_history(ckpt_dir: Path) -> dict:
     path = ckpt_dir / "history.json"
-    try:
-        state = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}") from None
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--resume: {path} is unreadable ({exc})") from None
-    missing = [k for k in ("epoch", "checkpoint", "history") if not isinstance(state, dict) or k not in state]
-    if missing:
-        raise ValueError(f"--resume: {path} lacks {', '.join(missing)}")
+    state = read_resume_record(path, ("epoch", "checkpoint", "history"))
     if not (ckpt_dir / (state["checkpoint"] + ".index")).is_file() or "/" in state["checkpoint"]:
         raise FileNotFoundError(f"--resume: {path} names checkpoint {state['checkpoint']!r}, which is not in {ckpt_dir}")
     return state

@@ -29,7 +29,7 @@ from torch import nn
 
 from recal_torch import ScheduledModifierManager, export_onnx
 
-from zoo import LinearStack, ResNet18, ResNet50, templates
+from zoo import LinearStack, ResNet18, ResNet50, templates, train_steps
 
 
 QAT_RECIPE = """
@@ -157,14 +157,7 @@ def bench(name: str, float_model: nn.Module, qat_model: nn.Module, sample: torch
 
 
 def train_float(model: nn.Module, sample, steps: int, batch: int) -> nn.Module:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    model.train()
-    for _ in range(steps):
-        x, y = sample(batch)
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
-    return model.eval()
+    return train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), sample, steps, batch)
 
 
 def conversion_only(folder: Path, size: int) -> None:

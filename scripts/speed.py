@@ -21,13 +21,12 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
-from torch import nn
 
 from recal_onnx import quantize_qat_export
 from recal_torch import ScheduledModifierManager, export_onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from zoo import ResNet18, templates  # noqa: E402
+from zoo import ResNet18, templates, train_steps  # noqa: E402
 
 QAT_RECIPE = """
 - !EpochRangeModifier {start_epoch: 0, end_epoch: 1}
@@ -47,15 +46,6 @@ class SpeedRow:
         return self.path.stat().st_size / 1e6
 
 
-def _train(model: nn.Module, optimizer: torch.optim.Optimizer, sample, steps: int, batch: int) -> None:
-    model.train()
-    for _ in range(steps):
-        x, y = sample(batch)
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
-
-
 def build_models(folder: Path, size: int = 224, float_steps: int = 3, qat_steps: int = 4, batch: int = 8,
                  log=print) -> tuple[dict[str, Path], list[dict[str, np.ndarray]]]:
     """Train, export and convert; return the ONNX paths by label and a few synthetic inputs."""
@@ -63,7 +53,7 @@ def build_models(folder: Path, size: int = 224, float_steps: int = 3, qat_steps:
     sample = templates((3, size, size), 10)
     model = ResNet18(classes=10)
     started = time.perf_counter()
-    _train(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), sample, float_steps, batch)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), sample, float_steps, batch)
     paths = {"fp32": folder / "resnet18.fp32.onnx", "QAT": folder / "resnet18.qat.onnx",
              "recal": folder / "resnet18.int8.onnx", "ort": folder / "resnet18.quantize_static.onnx"}
     one = sample(1)[0]
@@ -71,7 +61,7 @@ def build_models(folder: Path, size: int = 224, float_steps: int = 3, qat_steps:
     manager = ScheduledModifierManager.from_yaml(QAT_RECIPE)
     optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
                                steps_per_epoch=qat_steps)
-    _train(model, optimizer, sample, qat_steps, batch)
+    train_steps(model, optimizer, sample, qat_steps, batch)
     manager.finalize(model)
     export_onnx(model.eval(), one, paths["QAT"], dynamo=False)
     log(f"  ResNet-18 at {size}x{size}: {float_steps} float + {qat_steps} QAT steps, exported "

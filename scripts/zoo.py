@@ -108,3 +108,14 @@ def templates(shape: tuple[int, ...], classes: int, seed: int = 0):
         return base[y] + 0.5 * torch.randn(n, *shape, generator=g), y
 
     return sample
+
+
+def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, sample, steps: int, batch: int) -> nn.Module:
+    """``steps`` optimizer steps on batches of ``sample(batch)``, cross-entropy; returns the model in eval mode."""
+    model.train()
+    for _ in range(steps):
+        x, y = sample(batch)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model.eval()

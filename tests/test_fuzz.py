@@ -76,18 +76,11 @@ CONVERT_SECONDS = 30.0
 def qat_bytes(tmp_path_factory):
     import torch
 
-    from recal_torch import ScheduledModifierManager, export_onnx
+    from recal_torch import export_onnx
 
-    from .torch_models import SmallCNN, batches, train_steps
+    from .torch_models import qat_small_cnn
 
-    torch.manual_seed(0)
-    model = SmallCNN()
-    manager = ScheduledModifierManager.from_yaml("- !QuantizationModifier {start_epoch: 0}\n"
-                                                 "- !EpochRangeModifier {start_epoch: 0, end_epoch: 1}")
-    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.01), steps_per_epoch=3)
-    train_steps(model, optimizer, batches(3))
-    manager.finalize(model)
-    path = export_onnx(model.eval(), torch.randn(1, 1, 8, 8), tmp_path_factory.mktemp("qat") / "qat.onnx",
+    path = export_onnx(qat_small_cnn(), torch.randn(1, 1, 8, 8), tmp_path_factory.mktemp("qat") / "qat.onnx",
                        dynamo=False)
     return path.read_bytes()
 

@@ -24,7 +24,7 @@ from recal_onnx import ModelError, quantize_qat_export
 from recal_torch import ScheduledModifierManager, export_onnx
 
 from .conftest import ROOT
-from .torch_models import SmallCNN, batches, train_steps
+from .torch_models import SmallCNN, batches, qat_small_cnn, train_steps
 
 DENSE = ROOT / "scripts" / "recipes" / "dense.yaml"
 
@@ -86,14 +86,7 @@ def test_a_checkpoint_missing_keys_is_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def qat_model():
-    torch.manual_seed(0)
-    model = SmallCNN()
-    manager = ScheduledModifierManager.from_yaml("- !QuantizationModifier {start_epoch: 0}\n"
-                                                 "- !EpochRangeModifier {start_epoch: 0, end_epoch: 1}")
-    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.01), steps_per_epoch=4)
-    train_steps(model, optimizer, batches(4))
-    manager.finalize(model)
-    return model.eval()
+    return qat_small_cnn(4)
 
 
 def test_the_converter_never_overwrites_what_the_input_reads(tmp_path, qat_model):

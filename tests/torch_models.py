@@ -46,3 +46,17 @@ def train_steps(model, optimizer, data, start: int = 0, stop: int | None = None,
         optimizer.step()
         if after_step is not None:
             after_step(k + 1)
+
+
+def qat_small_cnn(steps: int = 3):
+    """A SmallCNN after a few QAT steps under recal (observers hold ranges), finalized, in eval mode."""
+    from recal_torch import ScheduledModifierManager
+
+    torch.manual_seed(0)
+    model = SmallCNN()
+    manager = ScheduledModifierManager.from_yaml("- !QuantizationModifier {start_epoch: 0}\n"
+                                                 "- !EpochRangeModifier {start_epoch: 0, end_epoch: 1}")
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.01), steps_per_epoch=steps)
+    train_steps(model, optimizer, batches(steps))
+    manager.finalize(model)
+    return model.eval()
