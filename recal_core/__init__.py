@@ -8,6 +8,7 @@ from .modifiers import (
     ConstantKSModifier,
     EpochRangeModifier,
     GradualKSModifier,
+    LearningRateFunctionModifier,
     LearningRateModifier,
     Modifier,
     QuantizationModifier,
@@ -18,7 +19,7 @@ from .modifiers import (
 from .recipe import Recipe, load_recipe, recipe_json_schema
 
 __all__ = [
-    "ConstantKSModifier", "EpochRangeModifier", "GradualKSModifier", "LearningRateModifier",
+    "ConstantKSModifier", "EpochRangeModifier", "GradualKSModifier", "LearningRateFunctionModifier", "LearningRateModifier",
     "Location", "Modifier", "Problem", "QuantizationModifier", "Recipe", "RecipeError",
     "SetLearningRateModifier", "SetWeightDecayModifier", "TrainableParamsModifier",
     "load_recipe", "recipe_json_schema",

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from .errors import Problem, RecipeError
-from .modifiers import SetWeightDecayModifier
+from .modifiers import LearningRateFunctionModifier, SetLearningRateModifier, SetWeightDecayModifier
 from .params import ParamInfo, resolve_params
 from .schedule import PruningSchedule, QATState, RecipeSchedule
 from .schedules import pruned_count
@@ -113,12 +113,12 @@ def plan_groups(schedule: RecipeSchedule,
     plans = []
     for g, (base_lr, _) in enumerate(groups):
         try:
-            lr = schedule.lr_function(base_lr)
+            lr = schedule.lr_function(base_lr, g)
         except RecipeError as err:
             problems.extend(p for p in err.problems if p not in problems)
             continue
         plans.append(GroupPlan(lr, schedule.weight_decay_function(g, [wd for _, wd in groups])))
-    for index, m in recipe.of_type(SetWeightDecayModifier):
+    for index, m in recipe.of_type((SetWeightDecayModifier, SetLearningRateModifier, LearningRateFunctionModifier)):
         missing = [g for g in (m.param_groups or ()) if g >= len(groups)]
         if missing:
             problems.append(recipe.problem(index, "param_groups", f"there is no param group {missing[0]}",

@@ -34,12 +34,14 @@ def _unsupported(default: Any, why: str) -> Any:
     return Field(default, description=f"not supported by recal: {why}")
 
 
+ParamGroups = tuple[Annotated[int, Field(strict=True, ge=0)], ...] | None
+"""Optimizer param-group indices a modifier sets (None: its default groups)."""
 ParamSpec = str | tuple[str, ...]
 """``__ALL__``, ``__ALL_PRUNABLE__``, a name, ``re:<pattern>``, or a list of names/patterns."""
 
 ALL = "__ALL__"
 ALL_PRUNABLE = "__ALL_PRUNABLE__"
-LR_CLASSES = ("ExponentialLR", "StepLR", "MultiStepLR")
+LR_CLASSES = ("ExponentialLR", "StepLR", "MultiStepLR", "CosineAnnealingWarmRestarts")
 INTER_FUNCS = ("linear", "cubic", "inverse_cubic")
 
 
@@ -98,6 +100,13 @@ class Modifier(BaseModel):
         start = info.data.get("start_epoch")
         if start is not None and value <= max(start, 0.0):
             raise ValueError(f"end_epoch ({value:g}) must be greater than start_epoch ({start:g})")
+        return value
+
+    @field_validator("param_groups", check_fields=False)
+    @classmethod
+    def _check_param_groups(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if value is not None and (not value or len(set(value)) != len(value)):
+            raise ValueError("param_groups must be a non-empty list of distinct param-group indices")
         return value
 
     @field_validator("params", check_fields=False)
@@ -205,6 +214,7 @@ class SetLearningRateModifier(Modifier):
     tag: ClassVar[str] = "SetLearningRateModifier"
     start_epoch: Epoch = -1.0
     learning_rate: PositiveNumber
+    param_groups: ParamGroups = None
     end_epoch: Literal[-1.0] = _unsupported(-1.0, "the learning rate holds until another LR modifier starts")
     constant_logging: StrictBool = False
 
@@ -250,6 +260,8 @@ def _normalise_lr_kwargs(lr_class: str, kwargs: dict[str, Any], start: float | N
     kwargs = dict(kwargs)
     if lr_class == "StepLR" and "step_size" in kwargs and "step" not in kwargs:
         kwargs["step"] = kwargs.pop("step_size")
+    if lr_class == "CosineAnnealingWarmRestarts":
+        return _warm_restarts_kwargs(kwargs)
     required = {"ExponentialLR": ("gamma",), "StepLR": ("gamma", "step"),
                 "MultiStepLR": ("gamma", "milestones")}[lr_class]
     missing = [k for k in required if k not in kwargs]
@@ -289,6 +301,62 @@ def _normalise_lr_kwargs(lr_class: str, kwargs: dict[str, Any], start: float | N
     return out
 
 
+# CosineAnnealingWarmRestarts: torch's argument names, or SparseML's (cycle_epochs, lr_min)
+_WARM_RESTART_NAMES = {"T_0": "cycle_epochs", "cycle_epochs": "cycle_epochs", "T_mult": "T_mult",
+                       "eta_min": "lr_min", "lr_min": "lr_min"}
+
+
+def _warm_restarts_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        name = _WARM_RESTART_NAMES.get(key)
+        if name is None:
+            raise ValueError(f"lr_kwargs for CosineAnnealingWarmRestarts takes cycle_epochs (or T_0), T_mult, "
+                             f"lr_min (or eta_min): unknown {key!r}")
+        if name in out:
+            raise ValueError(f"lr_kwargs gives {name} twice (as {key!r} and another name)")
+        out[name] = value
+    if "cycle_epochs" not in out:
+        raise ValueError("lr_kwargs for CosineAnnealingWarmRestarts needs cycle_epochs (or T_0): the epochs of the "
+                         "first cycle")
+    cycle = _number(out["cycle_epochs"], "lr_kwargs.cycle_epochs")
+    if not 0 < cycle <= MAX_EPOCH:
+        raise ValueError(f"lr_kwargs.cycle_epochs must be > 0 and at most {MAX_EPOCH}")
+    t_mult = out.get("T_mult", 1)
+    if isinstance(t_mult, bool) or not isinstance(t_mult, int) or not 1 <= t_mult <= 16:
+        raise ValueError("lr_kwargs.T_mult must be an integer from 1 to 16")
+    lr_min = _number(out.get("lr_min", 0.0), "lr_kwargs.lr_min")
+    if lr_min < 0:
+        raise ValueError("lr_kwargs.lr_min must be >= 0")
+    return {"cycle_epochs": cycle, "T_mult": t_mult, "lr_min": lr_min}
+
+
+class LearningRateFunctionModifier(Modifier):
+    """The LR from ``init_lr`` to ``final_lr`` over ``[start_epoch, end_epoch)`` along ``lr_func``:
+    ``linear``, ``cosine``, or ``cyclic_linear`` (linear, restarting every ``cycle_epochs``)."""
+
+    tag: ClassVar[str] = "LearningRateFunctionModifier"
+    start_sentinel: ClassVar[bool] = False
+    end_sentinel: ClassVar[bool] = False
+    lr_func: Literal["linear", "cosine", "cyclic_linear"]
+    init_lr: NonNegativeNumber  # 0: a warm-up from 0
+    final_lr: NonNegativeNumber
+    start_epoch: Epoch
+    end_epoch: Epoch
+    cycle_epochs: Epoch = -1.0
+    param_groups: ParamGroups = None
+    update_frequency: Literal[-1.0] = _unsupported(-1.0, "the LR is updated every step (leave update_frequency out)")
+
+    @field_validator("cycle_epochs")
+    @classmethod
+    def _cycle(cls, v: float, info: ValidationInfo) -> float:
+        if v != -1 and v <= 0:
+            raise ValueError("cycle_epochs must be > 0 epochs (or -1: the whole span)")
+        if v != -1 and info.data.get("lr_func") != "cyclic_linear":
+            raise ValueError(f"cycle_epochs applies to lr_func cyclic_linear, not {info.data.get('lr_func')!r}")
+        return v
+
+
 class TrainableParamsModifier(Modifier):
     """Mark ``params`` trainable (or frozen) over ``[start_epoch, end_epoch)``; restored at the end."""
 
@@ -311,23 +379,18 @@ class SetWeightDecayModifier(Modifier):
     tag: ClassVar[str] = "SetWeightDecayModifier"
     start_epoch: Epoch = -1.0
     weight_decay: NonNegativeNumber
-    param_groups: tuple[Annotated[int, Field(strict=True, ge=0)], ...] | None = None
+    param_groups: ParamGroups = None
     end_epoch: Literal[-1.0] = _unsupported(-1.0, "the weight decay holds until another SetWeightDecayModifier starts")
     constant_logging: StrictBool = False
 
-    @field_validator("param_groups")
-    @classmethod
-    def _groups(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        if v is not None and (not v or len(set(v)) != len(v)):
-            raise ValueError("param_groups must be a non-empty list of distinct param-group indices")
-        return v
 
 
 # --- registry ----------------------------------------------------------------------------
 
 MODIFIER_TYPES: tuple[type[Modifier], ...] = (
     EpochRangeModifier, GradualKSModifier, ConstantKSModifier, QuantizationModifier,
-    SetLearningRateModifier, LearningRateModifier, TrainableParamsModifier, SetWeightDecayModifier,
+    SetLearningRateModifier, LearningRateModifier, LearningRateFunctionModifier, TrainableParamsModifier,
+    SetWeightDecayModifier,
 )
 REGISTRY: dict[str, type[Modifier]] = {}
 for _cls in MODIFIER_TYPES:
@@ -338,7 +401,6 @@ FRAMEWORK_PREFIXES = ("pytorch.", "tensorflow.", "tensorflow_v1.", "keras.")
 
 # SparseML modifiers recal knows of but does not implement, with what to do instead.
 NOT_SUPPORTED: dict[str, str] = {
-    "LearningRateFunctionModifier": "use LearningRateModifier or SetLearningRateModifier",
     "GlobalMagnitudePruningModifier": "global sparsity is not implemented; use GradualKSModifier (per layer)",
     "MagnitudePruningModifier": "use GradualKSModifier",
     "OBSPruningModifier": "second-order (oBERT) pruning is not implemented; use GradualKSModifier",

@@ -205,16 +205,21 @@ class _Builder:
         if isinstance(data, list):
             lists.append(("modifiers", data))
         elif isinstance(data, dict):
+            stages = [k for k, v in data.items() if isinstance(v, dict) and any(str(x).endswith("modifiers") for x in v)]
+            if stages:
+                names = ", ".join(repr(str(k)) for k in stages)
+                raise RecipeError(Problem(
+                    self._where(stages[0]),
+                    f"a staged recipe (stages {names}): SparseML's one-shot LLM format (SparseGPT, GPTQ, SmoothQuant "
+                    "...), applied once to a trained model by llm-compressor's oneshot(), not during training",
+                    expected="llm-compressor for this recipe; for recal, a training-time recipe: one list of "
+                             "modifiers under 'modifiers' (or '*_modifiers')"))
             version = self._version(data.get("version", "1.0.0"))
             for key, value in data.items():
                 if key == "version":
                     continue
                 if isinstance(key, str) and key.endswith("modifiers"):
                     lists.append((key, value))
-                elif isinstance(value, dict) and any(str(k).endswith("modifiers") for k in value):
-                    self.problems.append(Problem(
-                        self._where(key), f"staged recipes are not supported (stage {key!r})",
-                        expected="one recipe with its modifiers under 'modifiers' (or '*_modifiers') keys"))
                 elif _contains_tagged(value):
                     self.problems.append(Problem(
                         self._where(key), f"modifiers found under {key!r}",

@@ -26,6 +26,11 @@ from . import schedules as S
 from .errors import Problem, RecipeError
 
 
+def _sets_group(m: M.Modifier, group: int) -> bool:
+    groups = getattr(m, "param_groups", None)
+    return groups is None or group in groups
+
+
 class _Recipe(Protocol):
     """What a schedule reads of a :class:`~recal_core.recipe.Recipe` (which imports this module, not back)."""
 
@@ -109,7 +114,8 @@ class RecipeSchedule:
         self.pruning = tuple(self._pruning(i, m) for i, m in recipe.of_type(
             (M.GradualKSModifier, M.ConstantKSModifier)))
         self._lr = sorted(((self._start(m), i, m) for i, m in recipe.of_type(
-            (M.SetLearningRateModifier, M.LearningRateModifier))), key=lambda t: (t[0], t[1]))
+            (M.SetLearningRateModifier, M.LearningRateModifier, M.LearningRateFunctionModifier))),
+            key=lambda t: (t[0], t[1]))
         self._wd = sorted(((self._start(m), i, m) for i, m in recipe.of_type(M.SetWeightDecayModifier)),
                           key=lambda t: (t[0], t[1]))
         self.trainable = tuple((i, m, self.span(m)) for i, m in recipe.of_type(M.TrainableParamsModifier))
@@ -172,21 +178,26 @@ class RecipeSchedule:
 
     # --- learning rate and weight decay -----------------------------------------------------
 
-    def lr(self, k: int, base_lr: float | None = None) -> float | None:
-        """The LR in force after ``k`` steps, or None if no LR modifier has started yet.
+    def lr(self, k: int, base_lr: float | None = None, group: int = 0) -> float | None:
+        """The LR of param group ``group`` in force after ``k`` steps, or None if no LR modifier for that
+        group has started yet (a modifier with ``param_groups`` sets only the groups it names).
 
-        ``base_lr`` (the optimizer's own LR) seeds a LearningRateModifier without ``init_lr``
+        ``base_lr`` (the group's own LR) seeds a LearningRateModifier without ``init_lr``
         that no earlier LR modifier precedes.
         """
-        started = [entry for entry in self._lr if entry[0] <= k]
+        started = [entry for entry in self._lr if entry[0] <= k and _sets_group(entry[2], group)]
         if not started:
             return None
         start, _, m = started[-1]
         if isinstance(m, M.SetLearningRateModifier):
             return m.learning_rate
+        if isinstance(m, M.LearningRateFunctionModifier):
+            span = self.span(m)
+            cycle = None if m.cycle_epochs == -1 else max(1, self.step(m.cycle_epochs))
+            return S.function_lr(m.init_lr, m.final_lr, start, max(span.end, start + 1), m.lr_func, cycle)(k)
         init = m.init_lr
         if init is None:
-            init = self.lr(start - 1, base_lr) if start > 0 else None
+            init = self.lr(start - 1, base_lr, group) if start > 0 else None
             init = base_lr if init is None else init
             if init is None:
                 raise ValueError(f"{m.yaml_tag} has no init_lr and no earlier LR to start from; "
@@ -195,7 +206,7 @@ class RecipeSchedule:
         end = span.end if span.end is not None else self.total_steps
         return self._lr_function(m, init, start)(min(k, max(end - 1, start)))
 
-    def lr_function(self, base_lr: float | None) -> Callable[[int], float | None]:
+    def lr_function(self, base_lr: float | None, group: int = 0) -> Callable[[int], float | None]:
         """The LR in force after ``k`` steps for a param group whose own LR is ``base_lr`` (None
         before any LR modifier starts). Checked once: if a value needs ``base_lr`` and it is None,
         a :class:`RecipeError` located at the LearningRateModifier's ``init_lr`` says so."""
@@ -205,7 +216,7 @@ class RecipeSchedule:
             raise RecipeError(self.recipe.problem(
                 index, "init_lr", "no init_lr and no earlier LR modifier to start from",
                 expected="init_lr, or the optimizer's own LR (base_lr)"))
-        return lambda k: self.lr(k, base_lr=base_lr)
+        return lambda k: self.lr(k, base_lr=base_lr, group=group)
 
     def weight_decay_function(self, group: int, bases: list[float | None]) -> Callable[[int], float | None]:
         """The weight decay in force after ``k`` steps for param group ``group`` (None: leave it as is).
@@ -227,6 +238,9 @@ class RecipeSchedule:
 
     def _lr_function(self, m: M.LearningRateModifier, init: float, start: int) -> S.Schedule:
         kw = m.lr_kwargs
+        if m.lr_class == "CosineAnnealingWarmRestarts":
+            return S.cosine_warm_restarts_lr(init, min(kw["lr_min"], init), start,
+                                             max(1, self.step(kw["cycle_epochs"])), kw["T_mult"])
         if m.lr_class == "ExponentialLR":
             return S.exponential_lr(init, kw["gamma"], start, self.steps_per_epoch)
         if m.lr_class == "StepLR":

@@ -102,6 +102,66 @@ def multistep_lr(init_lr: float, gamma: float, milestone_steps: Sequence[int]) -
     return lambda k: init_lr * gamma ** sum(1 for m in milestones if m <= k)
 
 
+def cosine_warm_restarts_lr(init_lr: float, eta_min: float, start_step: int, cycle_steps: int,
+                           t_mult: int = 1) -> Schedule:
+    """SGDR (torch's ``CosineAnnealingWarmRestarts``), per step: within a cycle of ``T_i`` steps the LR
+    falls from ``init_lr`` to ``eta_min`` along half a cosine, then restarts; cycles grow ``t_mult``-fold.
+
+    >>> s = cosine_warm_restarts_lr(1.0, 0.0, 0, 4)
+    >>> [round(s(k), 3) for k in (0, 2, 4, 6)]
+    [1.0, 0.5, 1.0, 0.5]
+    """
+    if init_lr <= 0 or eta_min < 0 or eta_min > init_lr:
+        raise ValueError(f"need init_lr > 0 and 0 <= eta_min <= init_lr, got {init_lr}, {eta_min}")
+    if cycle_steps < 1 or t_mult < 1:
+        raise ValueError(f"need cycle_steps >= 1 and t_mult >= 1, got {cycle_steps}, {t_mult}")
+
+    def lr(k: int) -> float:
+        t, length = max(0, k - start_step), cycle_steps
+        if t_mult == 1:
+            t %= length
+        else:
+            while t >= length:
+                t, length = t - length, length * t_mult
+        return eta_min + (init_lr - eta_min) * (1 + math.cos(math.pi * t / length)) / 2
+
+    return lr
+
+
+LR_FUNCTIONS = ("linear", "cosine", "cyclic_linear")
+
+
+def function_lr(init_lr: float, final_lr: float, start_step: int, end_step: int, lr_func: str,
+                cycle_steps: int | None = None) -> Schedule:
+    """SparseML's ``LearningRateFunctionModifier``, per step: from ``init_lr`` at ``start_step`` to
+    ``final_lr`` at the last step of a cycle (``end_step - 1`` for one cycle), linearly or along half a
+    cosine; ``cyclic_linear`` restarts from ``init_lr`` every ``cycle_steps``. Before start: ``init_lr``;
+    after the span: the last value.
+
+    >>> s = function_lr(1.0, 0.0, 0, 5, "linear")
+    >>> [s(k) for k in (0, 2, 4, 9)]
+    [1.0, 0.5, 0.0, 0.0]
+    """
+    if lr_func not in LR_FUNCTIONS:
+        raise ValueError(f"lr_func must be one of {LR_FUNCTIONS}, got {lr_func!r}")
+    if init_lr < 0 or final_lr < 0 or end_step <= start_step:
+        raise ValueError(f"need LRs >= 0 and end_step > start_step, got {init_lr}, {final_lr}, "
+                         f"{start_step}, {end_step}")
+    span = end_step - start_step
+    cycle = span if lr_func != "cyclic_linear" or not cycle_steps else max(1, min(cycle_steps, span))
+
+    def lr(k: int) -> float:
+        t = min(max(0, k - start_step), span - 1)
+        within = t % cycle
+        length = min(cycle, span - (t - within))  # the last cycle may be cut short by the end
+        p = within / max(1, length - 1)
+        if lr_func == "cosine":
+            return final_lr + (init_lr - final_lr) * (1 + math.cos(math.pi * p)) / 2
+        return init_lr + (final_lr - init_lr) * p
+
+    return lr
+
+
 def _check_lr(init_lr: float, gamma: float) -> None:
     if init_lr <= 0 or gamma <= 0:
         raise ValueError(f"need init_lr > 0 and gamma > 0, got {init_lr}, {gamma}")

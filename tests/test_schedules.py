@@ -147,3 +147,58 @@ def test_bind_rejects_bad_steps_per_epoch():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError):
             recipe.bind(bad)
+
+
+# --- LearningRateFunctionModifier and CosineAnnealingWarmRestarts ------------------------------------
+
+def test_function_lr_closed_forms_at_begin_end_and_after():
+    import math
+
+    from recal_core.schedules import function_lr
+
+    linear = function_lr(0.1, 0.01, 10, 20, "linear")
+    assert linear(0) == 0.1 and linear(10) == 0.1 and linear(19) == pytest.approx(0.01) and linear(25) == linear(19)
+    values = [linear(k) for k in range(10, 20)]
+    assert all(a > b for a, b in zip(values, values[1:]))  # strictly down
+    cosine = function_lr(0.1, 0.0, 0, 11, "cosine")
+    assert cosine(0) == 0.1 and cosine(5) == pytest.approx(0.05) and cosine(10) == pytest.approx(0.0)
+    assert cosine(3) == pytest.approx(0.05 * (1 + math.cos(math.pi * 0.3)))
+    cyclic = function_lr(1.0, 0.0, 0, 10, "cyclic_linear", cycle_steps=4)
+    assert [cyclic(k) for k in range(10)] == pytest.approx([1, 2 / 3, 1 / 3, 0, 1, 2 / 3, 1 / 3, 0, 1, 0])
+    warmup = function_lr(0.0, 0.1, 0, 5, "linear")  # from 0: a warm-up
+    assert warmup(0) == 0.0 and warmup(4) == pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        function_lr(0.1, 0.01, 5, 5, "linear")
+    with pytest.raises(ValueError):
+        function_lr(0.1, 0.01, 0, 5, "exponential")
+
+
+def test_cosine_warm_restarts_matches_torch():
+    import torch
+
+    from recal_core.schedules import cosine_warm_restarts_lr
+
+    for t_mult in (1, 2):
+        ours = cosine_warm_restarts_lr(0.1, 0.001, 0, 5, t_mult)
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        sched = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=5, T_mult=t_mult, eta_min=0.001)
+        for k in range(40):
+            assert ours(k) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-9), (t_mult, k)
+            opt.step()
+            sched.step()
+
+
+def test_sparseml_lr_function_recipes_bind_and_sets_only_named_groups():
+    recipe = load_recipe("""
+- !LearningRateFunctionModifier {start_epoch: 0, end_epoch: 2, lr_func: linear, init_lr: 0.0, final_lr: 0.1,
+                                 param_groups: [1]}
+- !LearningRateFunctionModifier {start_epoch: 0, end_epoch: 2, lr_func: cosine, init_lr: 0.1, final_lr: 0.01,
+                                 param_groups: [0]}
+- !LearningRateModifier {start_epoch: 2, end_epoch: 6, lr_class: CosineAnnealingWarmRestarts,
+                         lr_kwargs: {lr_min: 0.001, cycle_epochs: 2}, init_lr: 0.05}
+""")
+    s = recipe.bind(steps_per_epoch=5)
+    assert s.lr(0, group=1) == 0.0 and s.lr(9, group=1) == pytest.approx(0.1)
+    assert s.lr(0, group=0) == 0.1 and s.lr(9, group=0) == pytest.approx(0.01)
+    assert s.lr(10, group=0) == s.lr(10, group=1) == 0.05 and s.lr(20, group=1) == 0.05  # restarted
+    assert recipe.max_epochs == 6

@@ -324,3 +324,24 @@ def test_finalize_bakes_masks_and_reports():
     assert result["fc.weight"] == pytest.approx(pruned_count(0.8, 80) / 80)
     train_steps(model, optimizer, batches(2))  # plain steps now: nothing re-applies masks
     assert manager.step == manager.max_epochs * SPE
+
+
+def test_lr_function_modifiers_set_their_param_groups_every_step():
+    recipe = """
+- !LearningRateFunctionModifier {start_epoch: 0, end_epoch: 2, lr_func: linear, init_lr: 0.0, final_lr: 0.1,
+                                 param_groups: [1]}
+- !LearningRateFunctionModifier {start_epoch: 0, end_epoch: 3, lr_func: cyclic_linear, cycle_epochs: 1,
+                                 init_lr: 0.2, final_lr: 0.02, param_groups: [0]}
+"""
+    model = SmallCNN()
+    params = list(model.parameters())
+    sgd = torch.optim.SGD([{"params": params[:3]}, {"params": params[3:]}], lr=0.5)
+    manager = ScheduledModifierManager.from_yaml(recipe)
+    manager.modify(model, sgd, steps_per_epoch=SPE)
+    schedule = manager.schedule
+    seen = []
+    train_steps(model, sgd, batches(3 * SPE), after_step=lambda k: seen.append(
+        (k, sgd.param_groups[0]["lr"], sgd.param_groups[1]["lr"])))
+    for k, lr0, lr1 in seen:
+        assert lr0 == schedule.lr(k, group=0) and lr1 == schedule.lr(k, group=1), k
+    assert seen[SPE - 1][1] == pytest.approx(0.2)  # a new cycle at epoch 1
