@@ -23,14 +23,19 @@ How modifiers combine (the same in every backend):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from .errors import Problem, RecipeError
+from .mask_layout import MaskLayout, mask_layout
 from .modifiers import LearningRateFunctionModifier, SetLearningRateModifier, SetWeightDecayModifier
 from .params import ParamInfo, resolve_params
 from .schedule import PruningSchedule, QATState, RecipeSchedule
 from .schedules import pruned_count
+
+
+def _is_global(ps: PruningSchedule) -> bool:
+    return bool(getattr(ps.modifier, "global_sparsity", False))
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class MaskUpdate:
 
     modifier: int  # the modifier's index in the recipe
     count: int | None  # zeros the mask holds (smallest magnitudes); None: keep the weight's zeros
+    layout: MaskLayout | None = None  # a structured mask: ``count`` is then groups (N:M: per run of M)
 
 
 @dataclass(frozen=True)
@@ -48,19 +54,41 @@ class MaskPlan:
     name: str
     numel: int
     sources: tuple[PruningSchedule, ...]
+    layouts: dict[int, MaskLayout] = field(default_factory=dict)  # modifier -> structured layout
 
     def in_force(self, k: int) -> tuple[int, ...]:
         """Indices of the modifiers whose masks multiply into the mask in force at ``k``."""
         return tuple(ps.index for ps in self.sources if ps.mask_in_force(k))
 
     def updates(self, k: int) -> tuple[MaskUpdate, ...]:
-        """The masks recomputed at ``k`` (rank the weight with the masks of ``in_force(k - 1)`` applied)."""
-        return tuple(MaskUpdate(ps.index, self.count(ps, k)) for ps in self.sources
-                     if ps.is_update(k) and ps.mask_in_force(k))
+        """The masks recomputed at ``k`` (rank the weight with the masks of ``in_force(k - 1)`` applied);
+        global modifiers' masks come from :meth:`ModelPlan.global_updates` instead."""
+        return tuple(MaskUpdate(ps.index, self.count(ps, k), self.layouts.get(ps.index)) for ps in self.sources
+                     if ps.is_update(k) and ps.mask_in_force(k) and not _is_global(ps))
 
     def count(self, ps: PruningSchedule, k: int) -> int | None:
-        """Zeros of ``ps``'s mask after an update at ``k`` (None for ConstantKS)."""
-        return None if ps.constant else pruned_count(ps.sparsity(k), self.numel)
+        """Zeros of ``ps``'s mask after an update at ``k`` (None for ConstantKS); for a structured
+        mask, the groups it zeroes (N:M: the weights of every run of M)."""
+        if ps.constant:
+            return None
+        layout = self.layouts.get(ps.index)
+        return pruned_count(ps.sparsity(k), self.numel) if layout is None else layout.count(ps.sparsity(k))
+
+    def zeros(self, ps: PruningSchedule, k: int) -> int:
+        """The exact number of zeros ``ps``'s mask holds after an update at ``k``."""
+        layout = self.layouts.get(ps.index)
+        return self.count(ps, k) if layout is None else layout.zeros_at(ps.sparsity(k))
+
+
+@dataclass(frozen=True)
+class GlobalUpdate:
+    """A ``global_sparsity`` modifier's masks, recomputed together at a step: the ``count`` smallest
+    magnitudes across ``names`` (ranked on the weights with the masks of ``k - 1`` applied, the
+    parameters concatenated in model order, ties by that position)."""
+
+    modifier: int
+    names: tuple[str, ...]
+    count: int
 
 
 @dataclass(frozen=True)
@@ -81,6 +109,21 @@ class ModelPlan:
         self.prune_targets = prune_targets  # pruning modifier index -> parameter names
         self.trainable_targets = trainable_targets  # TrainableParamsModifier index -> parameter names
         self.groups = groups
+
+    def global_updates(self, k: int) -> list[GlobalUpdate]:
+        """The global modifiers whose masks are recomputed at ``k``, with the total zeros they hold."""
+        out = []
+        for ps in self.schedule.pruning:
+            if _is_global(ps) and ps.is_update(k) and ps.mask_in_force(k):
+                names = tuple(self.prune_targets[ps.index])
+                total = sum(self.masks[n].numel for n in names)
+                out.append(GlobalUpdate(ps.index, names, pruned_count(ps.sparsity(k), total)))
+        return out
+
+    def global_zeros(self, index: int, k: int) -> int:
+        """The exact zeros global modifier ``index`` holds across its layers after an update at ``k``."""
+        ps = next(p for p in self.schedule.pruning if p.index == index)
+        return pruned_count(ps.sparsity(k), sum(self.masks[n].numel for n in self.prune_targets[index]))
 
     @property
     def trainable_names(self) -> list[str]:
@@ -163,6 +206,26 @@ def plan_model(schedule: RecipeSchedule, params: Sequence[ParamInfo], sizes: Map
     for ps in schedule.pruning:
         for name in prune_targets[ps.index]:
             by_param.setdefault(name, []).append(ps)
-    masks = {p.name: MaskPlan(p.name, int(sizes[p.name]), tuple(by_param[p.name])) for p in params
-             if p.name in by_param}
+    infos = {p.name: p for p in params}
+    layouts: dict[str, dict[int, MaskLayout]] = {}
+    for ps in schedule.pruning:
+        kind = getattr(ps.modifier, "mask_type", "unstructured")
+        if kind == "unstructured":
+            continue
+        for name in prune_targets[ps.index]:
+            info = infos[name]
+            if info.kernel_axes is None or len(info.kernel_axes) != len(info.shape):
+                problems.append(recipe.problem(ps.index, "mask_type", f"{name} has no known [out, in] layout for a "
+                                               f"{kind!r} mask", expected="unstructured for this layer"))
+                continue
+            try:
+                layouts.setdefault(name, {})[ps.index] = mask_layout(
+                    kind, tuple(info.shape[a] for a in info.kernel_axes))
+            except ValueError as exc:
+                problems.append(recipe.problem(ps.index, "mask_type", f"{name}: {exc}",
+                                               expected="a mask type this layer's shape takes"))
+    if problems:
+        raise RecipeError(problems)
+    masks = {p.name: MaskPlan(p.name, int(sizes[p.name]), tuple(by_param[p.name]), layouts.get(p.name, {}))
+             for p in params if p.name in by_param}
     return ModelPlan(schedule, masks, prune_targets, trainable_targets, group_plans)

@@ -18,6 +18,8 @@ import regex
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, TypeAdapter, ValidationError,
                       ValidationInfo, field_validator)
 
+from .mask_layout import max_sparsity, normalise_mask_type
+
 # --- field types -------------------------------------------------------------------------
 
 Number = Annotated[StrictFloat, Field(allow_inf_nan=False)]
@@ -140,9 +142,8 @@ class GradualKSModifier(Modifier):
     update_frequency: Epoch
     inter_func: Literal["linear", "cubic", "inverse_cubic"] = "cubic"
     leave_enabled: StrictBool = True
-    mask_type: Literal["unstructured"] = _unsupported(
-        "unstructured", "only unstructured (per-weight) masks are implemented, not block or N:M masks")
-    global_sparsity: Literal[False] = _unsupported(False, "sparsity is applied per layer; global_sparsity must be false")
+    global_sparsity: StrictBool = False  # true: one magnitude ranking across every named layer
+    mask_type: Any = Field("unstructured", description="unstructured, filter, channel, [a, b] blocks or 'N:M'")
     phased: Literal[False] = _unsupported(False, "phased pruning is not implemented")
     score_type: Literal["magnitude"] = _unsupported("magnitude", "pruning scores are weight magnitudes")
 
@@ -150,8 +151,8 @@ class GradualKSModifier(Modifier):
     @classmethod
     def _no_sparsity_map(cls, v: Any) -> Any:
         if isinstance(v, dict):
-            raise ValueError("a mapping of sparsity -> params is not supported by recal;"
-                             " write one GradualKSModifier per target sparsity")
+            raise ValueError("a mapping of sparsity -> params is read by load_recipe (one modifier per "
+                             "sparsity); a GradualKSModifier built in code takes one final_sparsity")
         return v
 
     @field_validator("init_sparsity", "final_sparsity")
@@ -170,6 +171,26 @@ class GradualKSModifier(Modifier):
         if v != -1 and v <= 0:
             raise ValueError("update_frequency must be > 0 epochs, or -1 to update every step")
         return v
+
+    @field_validator("mask_type")
+    @classmethod
+    def _mask_type(cls, v: Any, info: ValidationInfo) -> Any:
+        kind = normalise_mask_type(v)
+        if kind != "unstructured" and info.data.get("global_sparsity"):
+            raise ValueError(f"global_sparsity ranks single weights across layers; mask_type {kind!r} is per layer")
+        final = info.data.get("final_sparsity")
+        if final is not None and final > max_sparsity(kind) + 1e-12:
+            raise ValueError(f"mask_type {kind!r} keeps at most {1 - max_sparsity(kind):g} of the weights; "
+                             f"final_sparsity {final:g} is beyond its {max_sparsity(kind):g}")
+        return kind
+
+
+class GlobalMagnitudePruningModifier(GradualKSModifier):
+    """GradualKS with one magnitude ranking across every named layer (SparseML's modifier of that name)."""
+
+    tag: ClassVar[str] = "GlobalMagnitudePruningModifier"
+    aliases: ClassVar[tuple[str, ...]] = ()
+    global_sparsity: Literal[True] = _unsupported(True, "this modifier is global (use GradualKSModifier per layer)")
 
 
 class ConstantKSModifier(Modifier):
@@ -388,7 +409,7 @@ class SetWeightDecayModifier(Modifier):
 # --- registry ----------------------------------------------------------------------------
 
 MODIFIER_TYPES: tuple[type[Modifier], ...] = (
-    EpochRangeModifier, GradualKSModifier, ConstantKSModifier, QuantizationModifier,
+    EpochRangeModifier, GradualKSModifier, GlobalMagnitudePruningModifier, ConstantKSModifier, QuantizationModifier,
     SetLearningRateModifier, LearningRateModifier, LearningRateFunctionModifier, TrainableParamsModifier,
     SetWeightDecayModifier,
 )
@@ -401,7 +422,6 @@ FRAMEWORK_PREFIXES = ("pytorch.", "tensorflow.", "tensorflow_v1.", "keras.")
 
 # SparseML modifiers recal knows of but does not implement, with what to do instead.
 NOT_SUPPORTED: dict[str, str] = {
-    "GlobalMagnitudePruningModifier": "global sparsity is not implemented; use GradualKSModifier (per layer)",
     "MagnitudePruningModifier": "use GradualKSModifier",
     "OBSPruningModifier": "second-order (oBERT) pruning is not implemented; use GradualKSModifier",
     "MFACPruningModifier": "M-FAC pruning is not implemented; use GradualKSModifier",

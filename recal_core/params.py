@@ -31,11 +31,18 @@ PATTERN_SECONDS = 1.0  # the time one re: pattern may take over all of a model's
 
 @dataclass(frozen=True)
 class ParamInfo:
-    """One model parameter as the core sees it."""
+    """One model parameter as the core sees it.
+
+    ``shape`` is as the backend stores it; ``kernel_axes`` (kernels only) orders those axes as the
+    canonical ``[out, in, *spatial]`` that structured masks are defined on (torch convs: as stored;
+    TensorFlow's HWIO: ``(3, 2, 0, 1)``; None: no known layout, structured masks refused).
+    """
 
     name: str
     layer: str
     prunable: bool  # a conv or dense kernel
+    shape: tuple[int, ...] = ()
+    kernel_axes: tuple[int, ...] | None = None
 
 
 def strip_wrapper(name: str) -> str:

@@ -252,8 +252,7 @@ class _Builder:
                 continue
             for index, item in enumerate(items):
                 origin = ModifierSource(key, index, item if isinstance(item, TaggedMapping) else None)
-                mod = self._modifier(item, origin, variables)
-                if mod is not None:
+                for mod in self._modifiers(item, origin, variables):
                     mods.append(mod)
                     origins.append(origin)
         if not mods and not self.problems:
@@ -278,7 +277,11 @@ class _Builder:
                                          field="version", expected=f"major version {SUPPORTED_MAJOR_VERSION}"))
         return text
 
-    def _modifier(self, item: Any, origin: ModifierSource, variables: dict[str, Any]) -> M.Modifier | None:
+    def _modifiers(self, item: Any, origin: ModifierSource, variables: dict[str, Any]) -> list[M.Modifier]:
+        """The modifier (or modifiers: a sparsity -> params mapping is one per sparsity) of one YAML item."""
+        return self._modifier(item, origin, variables) or []
+
+    def _modifier(self, item: Any, origin: ModifierSource, variables: dict[str, Any]) -> list[M.Modifier] | None:
         if not isinstance(item, TaggedMapping):
             self.problems.append(Problem(
                 self._where(origin.list_key), f"{origin.list_key}[{origin.index}] is not a tagged modifier",
@@ -308,9 +311,13 @@ class _Builder:
         if failed:
             return None
         try:
-            return cls.model_validate(fields)
+            return [cls.model_validate(f) for f in _split_sparsity_map(cls, fields)]
         except ValidationError as exc:
             self._validation_problems(exc, cls, item, described)
+            return None
+        except ValueError as exc:
+            self.problems.append(Problem(item.field_locations.get("final_sparsity", item.location), str(exc),
+                                         described, "final_sparsity"))
             return None
 
     def _validation_problems(self, exc: ValidationError, cls: type[M.Modifier], item: TaggedMapping,
@@ -338,6 +345,19 @@ class _Builder:
                     message = f"{inner}: {message}"
                 self.problems.append(Problem(where, message, described, field,
                                              value=item.fields.get(field) if field else None))
+
+
+def _split_sparsity_map(cls: type[M.Modifier], fields: dict[str, Any]) -> list[dict[str, Any]]:
+    """SparseML's ``final_sparsity: {0.9: [names], 0.95: [names]}`` (with ``params`` empty or absent): one
+    pruning modifier per target sparsity, each over its names."""
+    mapping = fields.get("final_sparsity")
+    if not (issubclass(cls, M.GradualKSModifier) and isinstance(mapping, dict)):
+        return [fields]
+    if fields.get("params") not in (None, [], ()):
+        raise ValueError("a sparsity -> params mapping names the params itself; leave params empty")
+    if not mapping:
+        raise ValueError("the sparsity -> params mapping is empty")
+    return [{**fields, "final_sparsity": sparsity, "params": names} for sparsity, names in mapping.items()]
 
 
 def _unsupported_why(cls: type[M.Modifier], field: str | None) -> str | None:

@@ -9,6 +9,9 @@ from recal_core.params import ParamInfo
 # op type -> index of its weight input
 KERNEL_INPUTS = {"Conv2D": 1, "Conv3D": 1, "DepthwiseConv2dNative": 1, "MatMul": 1, "Conv2DBackpropInput": 1,
                  "Conv1D": 1}
+# op type -> the kernel's axes in canonical [out, in, *spatial] order (HWIO, DHWIO, [in, out]); ops not here
+# (depthwise, transposed convs) take unstructured masks only
+CANONICAL_AXES = {"Conv2D": (3, 2, 0, 1), "Conv3D": (4, 3, 0, 1, 2), "MatMul": (1, 0)}
 _PASS_THROUGH = {"Identity", "ReadVariableOp", "Cast", "Enter"}
 _VARIABLE_OPS = {"VarHandleOp", "VariableV2", "Variable"}
 
@@ -20,15 +23,18 @@ def _variable_op(tensor: tf.Tensor) -> tf.Operation | None:
     return op if op.type in _VARIABLE_OPS else None
 
 
-def kernel_variable_ops(graph: tf.Graph) -> set[str]:
-    """Names of the variable ops that feed a conv or matmul as its weight."""
-    names = set()
+def kernel_variable_ops(graph: tf.Graph) -> dict[str, tuple[int, ...] | None]:
+    """The variable ops that feed a conv or matmul as its weight, each with its canonical axes (or None)."""
+    names: dict[str, tuple[int, ...] | None] = {}
     for op in graph.get_operations():
         index = KERNEL_INPUTS.get(op.type)
         if index is not None and len(op.inputs) > index:
             var_op = _variable_op(op.inputs[index])
             if var_op is not None:
-                names.add(var_op.name)
+                axes = CANONICAL_AXES.get(op.type)
+                if op.type == "MatMul" and (op.get_attr("transpose_b") if "transpose_b" in op.node_def.attr else False):
+                    axes = (0, 1)
+                names[var_op.name] = axes if names.get(var_op.name, axes) == axes else None
     return names
 
 
@@ -42,6 +48,7 @@ def describe_variables(graph: tf.Graph, variables: list[tf.Variable]) -> tuple[l
     infos, by_name = [], {}
     for v in variables:
         name = variable_name(v)
-        infos.append(ParamInfo(name, name.rpartition("/")[0], name in kernels))
+        shape = tuple(int(d) for d in v.shape.as_list())
+        infos.append(ParamInfo(name, name.rpartition("/")[0], name in kernels, shape, kernels.get(name)))
         by_name[name] = v
     return infos, by_name

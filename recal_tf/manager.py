@@ -19,6 +19,7 @@ import tensorflow as tf
 from recal_core import RecipeError
 from recal_core.manager import RecipeManager
 from recal_core import modifiers as M
+from recal_core.mask_layout import MaskLayout
 from recal_core.model_plan import ModelPlan, plan_model
 from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
@@ -50,6 +51,8 @@ class _Mask:
     variable: tf.Variable
     mask: tf.Variable
     counts: list[int]
+    layout: MaskLayout | None = None  # a structured mask: counts are groups (N:M: weights per run)
+    kernel_axes: tuple[int, ...] | None = None  # the variable's axes in canonical [out, in, *spatial] order
 
 
 @dataclass
@@ -57,6 +60,7 @@ class _MaskGroup:
     """One pruning modifier's masks, updated together, with its per-step tables."""
 
     constant: bool
+    global_: bool  # one magnitude ranking across all the group's variables (global_sparsity)
     update_id: tf.Variable  # the update point the masks were computed at (-1: never)
     update_ids: np.ndarray  # per step: the last update point <= k (-1 before the first)
     in_force: np.ndarray  # per step: whether the masks are enforced
@@ -115,7 +119,7 @@ class ScheduledModifierManager(RecipeManager):
             self._global_step = global_step if global_step is not None else tf_compat.train.get_or_create_global_step()
             with tf_compat.name_scope("recal"):
                 k = self._step_tensor()
-                prune_ops = self._pruning_ops(plan, by_name, k)
+                prune_ops = self._pruning_ops(plan, by_name, k, {p.name: p.kernel_axes for p in infos})
                 extras = {EXTRAS_KEY_SUMMARIES: self._summaries}
                 if lr_table is not None:
                     lr = tf.gather(tf.constant(lr_table, tf.float32), k, name="learning_rate")
@@ -180,21 +184,24 @@ class ScheduledModifierManager(RecipeManager):
         self._variables.append(var)
         return var
 
-    def _pruning_ops(self, plan: ModelPlan, by_name, k) -> list:
+    def _pruning_ops(self, plan: ModelPlan, by_name, k, kernel_axes: dict) -> list:
         """Create the mask variables, then the ops that update and apply them at step ``k``."""
         total = plan.schedule.total_steps
         for ps in plan.schedule.pruning:
             update_ids, in_force, update_steps = ps.tables(total)
             with tf_compat.variable_scope(f"recal/pruning_{ps.index}", reuse=False):
-                group = _MaskGroup(ps.constant, self._variable("update_id", [], tf.int64,
-                                                                tf_compat.constant_initializer(-1)),
+                is_global = bool(getattr(ps.modifier, "global_sparsity", False))
+                group = _MaskGroup(ps.constant, is_global, self._variable("update_id", [], tf.int64,
+                                                                           tf_compat.constant_initializer(-1)),
                                    update_ids, in_force, [])
                 for name in plan.prune_targets[ps.index]:
                     variable = by_name[name]
                     mask = self._variable(f"masks/{name}", variable.shape, variable.dtype.base_dtype,
                                           tf_compat.ones_initializer())
-                    counts = [plan.masks[name].count(ps, u) or 0 for u in update_steps]
-                    group.masks.append(_Mask(name, variable, mask, counts))
+                    counts = [plan.global_zeros(ps.index, u) if is_global else plan.masks[name].count(ps, u) or 0
+                              for u in update_steps]
+                    group.masks.append(_Mask(name, variable, mask, counts, plan.masks[name].layouts.get(ps.index),
+                                             kernel_axes.get(name)))
             self._groups.append(group)
         for name in plan.masks:
             variable = by_name[name]
@@ -377,12 +384,17 @@ def _group_update(group: _MaskGroup, k, masked: dict[str, tf.Tensor]) -> list[tf
 
     def recompute():
         new_masks, assigns = [], []
+        joint = _joint_masks(group, masked, update_id) if group.global_ else {}
         for m in group.masks:
             weight = masked[m.name]
+            count = tf.gather(tf.constant(m.counts or [0], tf.int64), tf.maximum(update_id, 0))
             if group.constant:
                 new = tf.cast(tf.not_equal(weight, 0), weight.dtype)
+            elif group.global_:
+                new = joint[m.name]
+            elif m.layout is not None:
+                new = _structured_mask(weight, m.layout, count, m.kernel_axes)
             else:
-                count = tf.gather(tf.constant(m.counts or [0], tf.int64), tf.maximum(update_id, 0))
                 flat = tf.reshape(tf.abs(weight), [-1])
                 order = tf.argsort(flat, stable=True)  # ties broken by flat index, as in recal_torch
                 pruned = tf.expand_dims(order[:count], 1)
@@ -399,3 +411,56 @@ def _group_update(group: _MaskGroup, k, masked: dict[str, tf.Tensor]) -> list[tf
         return [m.mask.read_value() for m in group.masks]
 
     return tf.cond(needed, recompute, keep)
+
+
+def _joint_masks(group: _MaskGroup, masked: dict[str, tf.Tensor], update_id) -> dict[str, tf.Tensor]:
+    """A global modifier's masks: the smallest magnitudes across all its variables (each flattened in
+    canonical [out, in, *spatial] order where known, as recal_torch does, then concatenated in order)."""
+    count = tf.gather(tf.constant(group.masks[0].counts or [0], tf.int64), tf.maximum(update_id, 0))
+    parts = []
+    for m in group.masks:
+        weight = masked[m.name]
+        canonical = tf.transpose(weight, m.kernel_axes) if m.kernel_axes else weight
+        parts.append(tf.reshape(tf.abs(canonical), [-1]))
+    flat = tf.concat(parts, 0)
+    rank = tf.argsort(tf.argsort(flat, stable=True), stable=True)
+    keep = tf.cast(rank >= tf.cast(count, rank.dtype), flat.dtype)
+    out, start = {}, 0
+    for m, part in zip(group.masks, parts):
+        weight = masked[m.name]
+        size = int(np.prod(weight.shape.as_list()))
+        piece = keep[start:start + size]
+        start += size
+        if m.kernel_axes:
+            shape = [weight.shape.as_list()[a] for a in m.kernel_axes]
+            inverse = [list(m.kernel_axes).index(i) for i in range(len(m.kernel_axes))]
+            out[m.name] = tf.transpose(tf.reshape(piece, shape), inverse)
+        else:
+            out[m.name] = tf.reshape(piece, tf.shape(weight))
+    return out
+
+
+def _structured_mask(weight: tf.Tensor, layout: MaskLayout, count: tf.Tensor, kernel_axes) -> tf.Tensor:
+    """recal_torch's ``structured_mask`` in graph ops: the same groups, scores and ties (the core's
+    :mod:`recal_core.mask_layout`), on the variable transposed to canonical ``[out, in, *spatial]``."""
+    canonical = tf.transpose(weight, kernel_axes)
+    view = tf.abs(tf.reshape(tf.transpose(canonical, layout.perm), [layout.rows, layout.cols]))
+    if layout.n_of_m is not None:
+        m = layout.n_of_m[1]
+        runs = tf.reshape(view, [-1, m])
+        order = tf.argsort(runs, axis=1, stable=True)
+        rank = tf.argsort(order, axis=1, stable=True)  # each weight's place in its run's order
+        mask_view = tf.reshape(tf.cast(rank >= tf.cast(count, rank.dtype), weight.dtype), [layout.rows, layout.cols])
+    else:
+        tiles = tf.reshape(view, [layout.rows // layout.group_rows, layout.group_rows,
+                                  layout.cols // layout.group_cols, layout.group_cols])
+        scores = (tf.sqrt(tf.reduce_sum(tf.square(tiles), axis=[1, 3])) if layout.score == "l2"
+                  else tf.reduce_mean(tiles, axis=[1, 3]))
+        order = tf.argsort(tf.reshape(scores, [-1]), stable=True)
+        rank = tf.reshape(tf.argsort(order, stable=True), tf.shape(scores))
+        keep = tf.cast(rank >= tf.cast(count, rank.dtype), weight.dtype)[:, None, :, None]
+        mask_view = tf.reshape(tf.broadcast_to(keep, tf.shape(tiles)), [layout.rows, layout.cols])
+    permuted = tf.reshape(mask_view, [canonical.shape[a] for a in layout.perm])
+    inverse = [layout.perm.index(i) for i in range(len(layout.perm))]
+    axes_inverse = [list(kernel_axes).index(i) for i in range(len(kernel_axes))]
+    return tf.transpose(tf.transpose(permuted, inverse), axes_inverse)

@@ -120,7 +120,7 @@ class ScheduledModifierManager(RecipeManager):
         self.plan = plan
         self._bases = group_bases(optimizer)
         self._model, self._optimizer, self._params = model, optimizer, params
-        self.masks = MaskState(plan.masks, params)
+        self.masks = MaskState(plan.masks, params, {p.name: p.kernel_axes for p in infos}, plan)
         self.param_groups = ParamGroupSettings(optimizer, plan.groups)
         self.trainable = TrainableFlags(plan, params)
         self.qat = QATControl(unwrap(model), roots)

@@ -14,14 +14,17 @@ from torch import nn
 
 from recal_core.model_plan import MaskPlan
 
-from .pruning import magnitude_mask, nonzero_mask
+from .pruning import joint_magnitude_masks, magnitude_mask, nonzero_mask, structured_mask
 
 
 class MaskState:
     """Per parameter, the mask of each pruning modifier in force and their product (the effective mask)."""
 
-    def __init__(self, plans: Mapping[str, MaskPlan], params: Mapping[str, nn.Parameter]):
+    def __init__(self, plans: Mapping[str, MaskPlan], params: Mapping[str, nn.Parameter],
+                 kernel_axes: Mapping[str, tuple[int, ...] | None], global_plan=None):
+        self.global_plan = global_plan  # the ModelPlan, for global modifiers' joint updates
         self.plans = dict(plans)
+        self.kernel_axes = {name: kernel_axes[name] for name in self.plans}
         self.params = {name: params[name] for name in self.plans}
         self.masks: dict[str, dict[int, torch.Tensor]] = {name: {} for name in self.plans}
         self.effective: dict[str, torch.Tensor] = {}
@@ -55,6 +58,10 @@ class MaskState:
         if signature == self._in_force and not any(ps.is_update(k) for ps in self._sources):
             return
         self._in_force = signature
+        joint = {}  # global modifiers: one ranking across their layers
+        for g in self.global_plan.global_updates(k) if self.global_plan is not None else ():
+            for name, mask in zip(g.names, joint_magnitude_masks([self.params[n].data for n in g.names], g.count)):
+                joint.setdefault(name, {})[g.modifier] = mask
         for name, plan in self.plans.items():
             per_modifier = self.masks[name]
             in_force = set(plan.in_force(k))
@@ -63,8 +70,16 @@ class MaskState:
                 del per_modifier[index]
                 changed = True
             weight = self.params[name].data  # already carries the masks of step k - 1
+            if name in joint:
+                per_modifier.update(joint[name])
+                changed = True
             for u in plan.updates(k):
-                per_modifier[u.modifier] = nonzero_mask(weight) if u.count is None else magnitude_mask(weight, u.count)
+                if u.count is None:
+                    per_modifier[u.modifier] = nonzero_mask(weight)
+                elif u.layout is None:
+                    per_modifier[u.modifier] = magnitude_mask(weight, u.count)
+                else:
+                    per_modifier[u.modifier] = structured_mask(weight, u.layout, u.count, self.kernel_axes[name])
                 changed = True
             if changed and self._combine(name):
                 weight.mul_(self.effective[name])

@@ -18,10 +18,19 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)  # weight [in, out, *k]
+
+
 def is_prunable(module: nn.Module, param_name: str) -> bool:
     from .qat import QATModule  # QAT modules keep the kernel they were built from
 
     return param_name == "weight" and isinstance(module, (*PRUNABLE_LAYERS, QATModule))
+
+
+def kernel_axes(module: nn.Module, param: torch.Tensor) -> tuple[int, ...]:
+    """The axes of a kernel in canonical ``[out, in, *spatial]`` order (transposed convs store in first)."""
+    axes = tuple(range(param.dim()))
+    return (1, 0, *axes[2:]) if isinstance(module, TRANSPOSED) else axes
 
 
 def describe_parameters(model: nn.Module) -> tuple[list[ParamInfo], dict[str, nn.Parameter]]:
@@ -35,7 +44,9 @@ def describe_parameters(model: nn.Module) -> tuple[list[ParamInfo], dict[str, nn
                 continue  # shared (tied) parameters are selected once, under their first name
             seen.add(id(param))
             full = f"{layer_name}.{pname}" if layer_name else pname
-            infos.append(ParamInfo(full, layer_name, is_prunable(module, pname)))
+            prunable = is_prunable(module, pname)
+            infos.append(ParamInfo(full, layer_name, prunable, tuple(param.shape),
+                                   kernel_axes(module, param) if prunable else None))
             by_name[full] = param
     return infos, by_name
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from recal_core.mask_layout import MaskLayout
+
 
 @torch.no_grad()
 def magnitude_mask(weight: torch.Tensor, count: int) -> torch.Tensor:
@@ -19,6 +21,52 @@ def magnitude_mask(weight: torch.Tensor, count: int) -> torch.Tensor:
         order = torch.argsort(weight.detach().abs().flatten(), stable=True)
         mask[order[:count]] = 0
     return mask.view_as(weight)
+
+
+@torch.no_grad()
+def joint_magnitude_masks(weights: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """Masks that zero the ``count`` smallest magnitudes across all ``weights`` together (one threshold;
+    ties by position in the weights concatenated in order)."""
+    flat = torch.cat([w.detach().abs().flatten() for w in weights])
+    keep = torch.ones_like(flat)
+    if count:
+        keep[torch.argsort(flat, stable=True)[:count]] = 0
+    return [part.view_as(w).to(w.dtype) for part, w in zip(keep.split([w.numel() for w in weights]), weights)]
+
+
+@torch.no_grad()
+def structured_mask(weight: torch.Tensor, layout: MaskLayout, count: int,
+                    kernel_axes: tuple[int, ...]) -> torch.Tensor:
+    """The mask of a structured ``layout`` (:mod:`recal_core.mask_layout`) zeroing ``count`` groups (N:M:
+    weights of every run), ranked by the layout's score with ties by group position, in ``weight``'s own
+    axis order (``kernel_axes`` takes it to the canonical ``[out, in, *spatial]``)."""
+    canonical = weight.detach().permute(*kernel_axes)
+    view = canonical.permute(*layout.perm).reshape(layout.rows, layout.cols).abs()
+    if layout.n_of_m is not None:
+        runs = view.reshape(-1, layout.n_of_m[1])
+        keep = torch.ones_like(runs)
+        if count:
+            order = torch.argsort(runs, dim=1, stable=True)[:, :count]
+            keep.scatter_(1, order, 0.0)
+        mask_view = keep.reshape(layout.rows, layout.cols)
+    else:
+        tiles = view.reshape(layout.rows // layout.group_rows, layout.group_rows,
+                             layout.cols // layout.group_cols, layout.group_cols)
+        scores = tiles.pow(2).sum(dim=(1, 3)).sqrt() if layout.score == "l2" else tiles.mean(dim=(1, 3))
+        flat = torch.ones(scores.numel(), dtype=weight.dtype, device=weight.device)
+        if count:
+            flat[torch.argsort(scores.flatten(), stable=True)[:count]] = 0
+        mask_view = flat.reshape(scores.shape)[:, None, :, None].expand_as(tiles).reshape(layout.rows, layout.cols)
+    permuted = mask_view.reshape([canonical.shape[a] for a in layout.perm])
+    canonical_mask = permuted.permute(*_inverse(layout.perm))
+    return canonical_mask.permute(*_inverse(kernel_axes)).contiguous().to(weight.dtype)
+
+
+def _inverse(perm: tuple[int, ...]) -> list[int]:
+    out = [0] * len(perm)
+    for i, p in enumerate(perm):
+        out[p] = i
+    return out
 
 
 @torch.no_grad()

@@ -205,10 +205,13 @@ def test_unsupported_sparseml_fields_are_named():
     with pytest.raises(RecipeError) as err:
         load_recipe("""
 - !GMPruningModifier {params: __ALL__, init_sparsity: 0, final_sparsity: 0.5, start_epoch: 0, end_epoch: 2,
-                      update_frequency: 1, mask_type: [1, 4], global_sparsity: true}
+                      update_frequency: 1, phased: true, score_type: movement}
 """)
     text = str(err.value)
-    assert "mask_type" in text and "not supported by recal" in text and "global_sparsity" in text
+    assert "phased" in text and "not supported by recal" in text and "score_type" in text
+    with pytest.raises(RecipeError, match="global_sparsity ranks single weights across layers; mask_type"):
+        load_recipe("- !GMPruningModifier {params: __ALL__, init_sparsity: 0, final_sparsity: 0.5, start_epoch: 0, "
+                    "end_epoch: 2, update_frequency: 1, mask_type: [1, 4], global_sparsity: true}")
 
 
 def test_informational_log_types_accepted():
@@ -230,7 +233,7 @@ def test_unsupported_sparseml_modifier_names_the_construct():
     ("42", "a recipe is a mapping or a list"),
     ("", "the recipe is empty"),
     ("modifiers: [!EpochRangeModifier {start_epoch: 0, end_epoch: 1, start_epoch: 0}]", "field given twice"),
-    ("stage:\n  pruning_modifiers:\n    ConstantPruningModifier: {}", "staged recipes are not supported"),
+    ("stage:\n  pruning_modifiers:\n    ConstantPruningModifier: {}", "a staged recipe"),
     ("pruning_modifiers:\n  ConstantPruningModifier: {targets: x}", "untagged modifiers"),
     ("modifiers: [\n", "YAML error"),
     ("a: !!python/object:os.system {}\nmodifiers: []", "YAML error"),
@@ -289,3 +292,17 @@ def test_shipped_recipes_load():
 def test_two_whole_model_quantization_modifiers_rejected():
     with pytest.raises(RecipeError, match="second QuantizationModifier"):
         load_recipe("- !QuantizationModifier {start_epoch: 0}\n- !QuantizationModifier {start_epoch: 1}")
+
+
+def test_a_sparsity_to_params_mapping_is_one_modifier_per_sparsity():
+    recipe = load_recipe("""
+targets: &targets
+  0.9: [conv1, conv2]
+  0.95: [fc]
+modifiers:
+  - !GMPruningModifier {params: [], init_sparsity: 0.1, final_sparsity: *targets, start_epoch: 0, end_epoch: 2,
+                        update_frequency: 1}
+""")
+    assert [(m.final_sparsity, m.params) for m in recipe.modifiers] == [(0.9, ("conv1", "conv2")), (0.95, ("fc",))]
+    assert recipe.describe(1) == "!GradualKSModifier (modifiers[0])"
+    assert load_recipe(recipe.to_yaml()) == recipe
