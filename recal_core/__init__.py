@@ -6,6 +6,7 @@ Imports no ML framework; both backends call these functions and re-derive nothin
 from .errors import Location, Problem, RecipeError
 from .modifiers import (
     ConstantKSModifier,
+    DistillationModifier,
     EpochRangeModifier,
     GradualKSModifier,
     LearningRateFunctionModifier,
@@ -19,7 +20,7 @@ from .modifiers import (
 from .recipe import Recipe, load_recipe, recipe_json_schema
 
 __all__ = [
-    "ConstantKSModifier", "EpochRangeModifier", "GradualKSModifier", "LearningRateFunctionModifier", "LearningRateModifier",
+    "ConstantKSModifier", "DistillationModifier", "EpochRangeModifier", "GradualKSModifier", "LearningRateFunctionModifier", "LearningRateModifier",
     "Location", "Modifier", "Problem", "QuantizationModifier", "Recipe", "RecipeError",
     "SetLearningRateModifier", "SetWeightDecayModifier", "TrainableParamsModifier",
     "load_recipe", "recipe_json_schema",

@@ -378,6 +378,27 @@ class LearningRateFunctionModifier(Modifier):
         return v
 
 
+class DistillationModifier(Modifier):
+    """Knowledge distillation from a teacher model over ``[start_epoch, end_epoch)``: the training loss
+    becomes ``hardness * KD + (1 - hardness) * loss``, KD the temperature-softened KL divergence of the
+    student's outputs (those under ``distill_output_keys``) from the teacher's, times ``temperature**2``."""
+
+    tag: ClassVar[str] = "DistillationModifier"
+    start_epoch: Epoch = -1.0
+    end_epoch: Epoch = -1.0
+    hardness: Annotated[StrictFloat, Field(ge=0, le=1)] = 0.5
+    temperature: PositiveNumber = 2.0
+    distill_output_keys: tuple[str, ...] | None = None
+    update_frequency: Literal[-1.0] = _unsupported(-1.0, "distillation applies to every step")
+
+    @field_validator("distill_output_keys")
+    @classmethod
+    def _keys(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if v is not None and (not v or any(not k.strip() for k in v) or len(set(v)) != len(v)):
+            raise ValueError("distill_output_keys must be a non-empty list of distinct output names")
+        return v
+
+
 class TrainableParamsModifier(Modifier):
     """Mark ``params`` trainable (or frozen) over ``[start_epoch, end_epoch)``; restored at the end."""
 
@@ -411,7 +432,7 @@ class SetWeightDecayModifier(Modifier):
 MODIFIER_TYPES: tuple[type[Modifier], ...] = (
     EpochRangeModifier, GradualKSModifier, GlobalMagnitudePruningModifier, ConstantKSModifier, QuantizationModifier,
     SetLearningRateModifier, LearningRateModifier, LearningRateFunctionModifier, TrainableParamsModifier,
-    SetWeightDecayModifier,
+    SetWeightDecayModifier, DistillationModifier,
 )
 REGISTRY: dict[str, type[Modifier]] = {}
 for _cls in MODIFIER_TYPES:
@@ -428,7 +449,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "ACDCPruningModifier": "AC/DC pruning is not implemented; use GradualKSModifier",
     "MovementPruningModifier": "movement pruning is not implemented; use GradualKSModifier",
     "LayerPruningModifier": "layer removal is not implemented",
-    "DistillationModifier": "knowledge distillation is not implemented",
     "LegacyQuantizationModifier": "use QuantizationModifier",
     "SparseGPTModifier": "one-shot SparseGPT is not implemented",
     "GPTQModifier": "one-shot GPTQ is not implemented",

@@ -120,6 +120,7 @@ class RecipeSchedule:
                           key=lambda t: (t[0], t[1]))
         self.trainable = tuple((i, m, self.span(m)) for i, m in recipe.of_type(M.TrainableParamsModifier))
         self.quantization = tuple((i, m) for i, m in recipe.of_type(M.QuantizationModifier))
+        self.distillation = tuple((i, m, self.span(m)) for i, m in recipe.of_type(M.DistillationModifier))
         self._check_lr_range()
 
     def _check_lr_range(self) -> None:
@@ -271,6 +272,11 @@ class RecipeSchedule:
         """TrainableParamsModifiers in force at ``k``, earliest first (a later start overrides)."""
         active = [(span.start, i, m) for i, m, span in self.trainable if span.contains(k)]
         return [(i, m) for _, i, m in sorted(active, key=lambda t: (t[0], t[1]))]
+
+    def distillation_at(self, k: int) -> M.DistillationModifier | None:
+        """The DistillationModifier in force at step ``k`` (the one that started last), or None."""
+        active = [(span.start, i, m) for i, m, span in self.distillation if span.contains(k)]
+        return max(active, key=lambda t: (t[0], t[1]))[2] if active else None
 
     def qat(self, index: int, k: int) -> QATState:
         """State of QuantizationModifier ``index`` (its position in the recipe) after ``k`` steps."""

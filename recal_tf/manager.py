@@ -147,6 +147,10 @@ class ScheduledModifierManager(RecipeManager):
             problems.append(self.recipe.problem(
                 index, None, "quantization-aware training is not yet available in TensorFlow",
                 expected="run this recipe's QuantizationModifier with recal_torch, or remove it for TensorFlow"))
+        for index, _, _ in schedule.distillation:
+            problems.append(self.recipe.problem(
+                index, None, "knowledge distillation is not available in the TensorFlow graph API",
+                expected="run this recipe's DistillationModifier with recal_torch, or remove it for TensorFlow"))
         for index, m, span in schedule.trainable:
             if span.start != 0 or span.end is not None:
                 field = "start_epoch" if span.start != 0 else "end_epoch"

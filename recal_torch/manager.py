@@ -27,6 +27,7 @@ from recal_core.manager import RecipeManager
 from recal_core.model_plan import ModelPlan, plan_groups, plan_model
 from recal_core.recipe import Recipe
 
+from .distillation import Teacher, distillation_loss
 from .masks import MaskState
 from .model_params import describe_parameters, sparsity, unwrap
 from .param_groups import ParamGroupSettings, group_bases
@@ -64,6 +65,7 @@ class ScheduledModifierManager(RecipeManager):
         self.param_groups: ParamGroupSettings | None = None
         self.trainable: TrainableFlags | None = None
         self.qat: QATControl | None = None
+        self.teacher: Teacher | None = None
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._params: dict[str, nn.Parameter] = {}
@@ -85,11 +87,12 @@ class ScheduledModifierManager(RecipeManager):
     # --- modify ---------------------------------------------------------------------------------
 
     def modify(self, model: nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int,
-               loggers: Iterable[RecalLogger] = ()) -> torch.optim.Optimizer:
+               loggers: Iterable[RecalLogger] = (), teacher: nn.Module | None = None) -> torch.optim.Optimizer:
         """Bind the recipe to ``model`` and ``optimizer``; return ``optimizer`` (hooked, not wrapped).
 
         Every ``params`` / ``submodules`` entry is resolved now: one that matches nothing is a
-        :class:`RecipeError` here, not at some later step.
+        :class:`RecipeError` here, not at some later step. ``teacher``: the model a DistillationModifier
+        distils from (see :meth:`loss`).
         """
         if self._model is not None:
             raise RuntimeError("this manager already modified a model; create a new manager per model")
@@ -111,6 +114,11 @@ class ScheduledModifierManager(RecipeManager):
             problems += err.problems
         roots, qat_problems = qat_roots(self.recipe, unwrap(model))
         problems += qat_problems
+        for index, _, _ in schedule.distillation:
+            if teacher is None:
+                problems.append(self.recipe.problem(index, None, "a DistillationModifier needs a teacher model",
+                                                    expected="manager.modify(..., teacher=teacher_model), then "
+                                                             "loss = manager.loss(loss, inputs, outputs)"))
         if problems:
             raise RecipeError(problems)
         if any("initial_lr" in g for g in optimizer.param_groups) and schedule.controls_lr:
@@ -124,6 +132,7 @@ class ScheduledModifierManager(RecipeManager):
         self.param_groups = ParamGroupSettings(optimizer, plan.groups)
         self.trainable = TrainableFlags(plan, params)
         self.qat = QATControl(unwrap(model), roots)
+        self.teacher = Teacher(teacher) if teacher is not None else None
         self.loggers = list(loggers)
         self._hooks = [
             optimizer.register_step_pre_hook(_StepPreHook(self)),
@@ -158,6 +167,19 @@ class ScheduledModifierManager(RecipeManager):
         self.param_groups.apply(k)
         self.trainable.apply(k)
         self.qat.apply(self.plan.qat(k), k)
+
+    def loss(self, loss: torch.Tensor, inputs: Any, student_outputs: Any) -> torch.Tensor:
+        """The loss to back-propagate at this step: ``loss`` blended with knowledge distillation while a
+        DistillationModifier is in force (:mod:`recal_torch.distillation`), else ``loss`` as is.
+
+        >>> # loss = manager.loss(criterion(outputs, labels), inputs, outputs)  # doctest: +SKIP
+        """
+        self._require_modified("loss")
+        m = self.plan.schedule.distillation_at(self._step)
+        if m is None:
+            return loss
+        teacher_outputs = self.teacher(inputs)
+        return m.hardness * distillation_loss(student_outputs, teacher_outputs, m) + (1 - m.hardness) * loss
 
     # --- logging --------------------------------------------------------------------------------
 

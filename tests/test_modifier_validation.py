@@ -21,6 +21,8 @@ VALID = {
                                      "final_lr": 0.01, "cycle_epochs": 2},
     "TrainableParamsModifier": {"params": "re:.*conv.*", "trainable": False, "start_epoch": 0, "end_epoch": 3},
     "SetWeightDecayModifier": {"start_epoch": 1, "weight_decay": 0.0},
+    "DistillationModifier": {"start_epoch": 0, "end_epoch": 3, "hardness": 1.0, "temperature": 2.0,
+                             "distill_output_keys": ["start_logits", "end_logits"]},
 }
 
 # (modifier, field, bad value, words the message must contain)
@@ -94,6 +96,12 @@ BAD = [
     ("SetWeightDecayModifier", "param_groups", [-1], "greater than or equal to 0"),
     ("SetWeightDecayModifier", "end_epoch", 4, "not supported"),
     ("SetWeightDecayModifier", "constant_logging", "x", "bool"),
+    ("DistillationModifier", "start_epoch", -2, ">= 0"),
+    ("DistillationModifier", "end_epoch", 0, "greater than start_epoch"),
+    ("DistillationModifier", "hardness", 1.5, "less than or equal to 1"),
+    ("DistillationModifier", "temperature", 0, "greater than 0"),
+    ("DistillationModifier", "distill_output_keys", [], "non-empty"),
+    ("DistillationModifier", "update_frequency", 1, "not supported"),
 ] + [(tag, "log_types", 3, "string") for tag in sorted(VALID)]
 
 
