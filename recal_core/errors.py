@@ -83,3 +83,7 @@ class RecipeError(ValueError):
 
 class VerificationFailed(ValueError):
     """A produced model does not match the model it came from (the CLI exits with 1, not 2)."""
+
+
+class RecipeWarning(UserWarning):
+    """A recipe field is accepted but does not act as written (the message says where and what happens)."""

@@ -38,6 +38,11 @@ def _is_global(ps: PruningSchedule) -> bool:
     return bool(getattr(ps.modifier, "global_sparsity", False))
 
 
+def is_second_order(ps: PruningSchedule) -> bool:
+    """An OBS modifier: its masks (and weight updates) are the backend's second-order step, not a ranking."""
+    return type(ps.modifier).__name__ == "OBSPruningModifier"
+
+
 @dataclass(frozen=True)
 class MaskUpdate:
     """One pruning modifier's mask on one parameter, recomputed at a step."""
@@ -64,7 +69,7 @@ class MaskPlan:
         """The masks recomputed at ``k`` (rank the weight with the masks of ``in_force(k - 1)`` applied);
         global modifiers' masks come from :meth:`ModelPlan.global_updates` instead."""
         return tuple(MaskUpdate(ps.index, self.count(ps, k), self.layouts.get(ps.index)) for ps in self.sources
-                     if ps.is_update(k) and ps.mask_in_force(k) and not _is_global(ps))
+                     if ps.is_update(k) and ps.mask_in_force(k) and not _is_global(ps) and not is_second_order(ps))
 
     def count(self, ps: PruningSchedule, k: int) -> int | None:
         """Zeros of ``ps``'s mask after an update at ``k`` (None for ConstantKS); for a structured
@@ -114,11 +119,17 @@ class ModelPlan:
         """The global modifiers whose masks are recomputed at ``k``, with the total zeros they hold."""
         out = []
         for ps in self.schedule.pruning:
-            if _is_global(ps) and ps.is_update(k) and ps.mask_in_force(k):
+            if _is_global(ps) and not is_second_order(ps) and ps.is_update(k) and ps.mask_in_force(k):
                 names = tuple(self.prune_targets[ps.index])
                 total = sum(self.masks[n].numel for n in names)
                 out.append(GlobalUpdate(ps.index, names, pruned_count(ps.sparsity(k), total)))
         return out
+
+    def second_order_updates(self, k: int) -> list[tuple[PruningSchedule, float]]:
+        """The OBS modifiers updating at ``k``, each with its target sparsity (the backend's OBS step removes
+        ``floor(s * groups + 0.5)`` groups, per layer or across its layers with ``global_sparsity``)."""
+        return [(ps, ps.sparsity(k)) for ps in self.schedule.pruning
+                if is_second_order(ps) and ps.is_update(k) and ps.mask_in_force(k)]
 
     def global_zeros(self, index: int, k: int) -> int:
         """The exact zeros global modifier ``index`` holds across its layers after an update at ``k``."""
@@ -210,7 +221,7 @@ def plan_model(schedule: RecipeSchedule, params: Sequence[ParamInfo], sizes: Map
     layouts: dict[str, dict[int, MaskLayout]] = {}
     for ps in schedule.pruning:
         kind = getattr(ps.modifier, "mask_type", "unstructured")
-        if kind == "unstructured":
+        if kind == "unstructured" or is_second_order(ps):  # OBS takes its blocks from the Fisher blocks
             continue
         for name in prune_targets[ps.index]:
             info = infos[name]

@@ -193,6 +193,37 @@ class GlobalMagnitudePruningModifier(GradualKSModifier):
     global_sparsity: Literal[True] = _unsupported(True, "this modifier is global (use GradualKSModifier per layer)")
 
 
+class OBSPruningModifier(GradualKSModifier):
+    """The Optimal BERT Surgeon (Kurtic et al., 2022): GradualKS whose pruned weights are the least salient
+    under an empirical, block-diagonal Fisher of the last ``num_grads`` training gradients
+    (``w^2 / (2 [F^-1]_ii)``, or ``w_Q^T ([F^-1]_QQ)^-1 w_Q / 2`` for a block ``Q``), and whose kept
+    weights take the OBS update that compensates for them. PyTorch."""
+
+    tag: ClassVar[str] = "OBSPruningModifier"
+    aliases: ClassVar[tuple[str, ...]] = ()
+    num_grads: Annotated[int, Field(strict=True, ge=1, le=100_000)] = 64
+    fisher_block_size: Annotated[int, Field(strict=True, ge=1, le=4096)] = 50
+    damp: PositiveNumber = 1e-7
+    grad_sampler_kwargs: dict[str, Any] | None = Field(
+        None, description="SparseML's sampler settings; recal takes the gradients of the training steps")
+    num_recomputations: Literal[1] = _unsupported(1, "one OBS step per update (leave num_recomputations out)")
+
+    @field_validator("mask_type")
+    @classmethod
+    def _mask_type(cls, v: Any, info: ValidationInfo) -> Any:
+        kind = normalise_mask_type(v)
+        if kind not in ("unstructured", (1, 4)):
+            raise ValueError(f"OBS prunes single weights or blocks of 4 (block4), not {kind!r}")
+        return kind
+
+    @field_validator("fisher_block_size")
+    @classmethod
+    def _block(cls, v: int, info: ValidationInfo) -> int:
+        if info.data.get("mask_type") == (1, 4) and v % 4:
+            raise ValueError(f"fisher_block_size {v} must be a multiple of the mask's block of 4")
+        return v
+
+
 class ConstantKSModifier(Modifier):
     """Keep the existing zeros of already-pruned parameters (SparseML: ConstantPruningModifier)."""
 
@@ -430,7 +461,8 @@ class SetWeightDecayModifier(Modifier):
 # --- registry ----------------------------------------------------------------------------
 
 MODIFIER_TYPES: tuple[type[Modifier], ...] = (
-    EpochRangeModifier, GradualKSModifier, GlobalMagnitudePruningModifier, ConstantKSModifier, QuantizationModifier,
+    EpochRangeModifier, GradualKSModifier, GlobalMagnitudePruningModifier, OBSPruningModifier, ConstantKSModifier,
+    QuantizationModifier,
     SetLearningRateModifier, LearningRateModifier, LearningRateFunctionModifier, TrainableParamsModifier,
     SetWeightDecayModifier, DistillationModifier,
 )
@@ -444,7 +476,6 @@ FRAMEWORK_PREFIXES = ("pytorch.", "tensorflow.", "tensorflow_v1.", "keras.")
 # SparseML modifiers recal knows of but does not implement, with what to do instead.
 NOT_SUPPORTED: dict[str, str] = {
     "MagnitudePruningModifier": "use GradualKSModifier",
-    "OBSPruningModifier": "second-order (oBERT) pruning is not implemented; use GradualKSModifier",
     "MFACPruningModifier": "M-FAC pruning is not implemented; use GradualKSModifier",
     "ACDCPruningModifier": "AC/DC pruning is not implemented; use GradualKSModifier",
     "MovementPruningModifier": "movement pruning is not implemented; use GradualKSModifier",

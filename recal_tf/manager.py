@@ -147,6 +147,11 @@ class ScheduledModifierManager(RecipeManager):
             problems.append(self.recipe.problem(
                 index, None, "quantization-aware training is not yet available in TensorFlow",
                 expected="run this recipe's QuantizationModifier with recal_torch, or remove it for TensorFlow"))
+        for ps in schedule.pruning:
+            if type(ps.modifier).__name__ == "OBSPruningModifier":
+                problems.append(self.recipe.problem(
+                    ps.index, None, "second-order (OBS) pruning is not available in the TensorFlow graph API",
+                    expected="run this recipe's OBSPruningModifier with recal_torch, or use GradualKSModifier"))
         for index, _, _ in schedule.distillation:
             problems.append(self.recipe.problem(
                 index, None, "knowledge distillation is not available in the TensorFlow graph API",

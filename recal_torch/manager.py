@@ -15,6 +15,7 @@ the core (:mod:`recal_core.model_plan`); the parts here apply them:
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Iterable
 
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from recal_core import RecipeError, load_recipe
+from recal_core.errors import RecipeWarning
 from recal_core.loggers import RecalLogger
 from recal_core.manager import RecipeManager
 from recal_core.model_plan import ModelPlan, plan_groups, plan_model
@@ -121,6 +123,12 @@ class ScheduledModifierManager(RecipeManager):
                                                              "loss = manager.loss(loss, inputs, outputs)"))
         if problems:
             raise RecipeError(problems)
+        for ps in schedule.pruning:
+            if getattr(ps.modifier, "grad_sampler_kwargs", None):
+                where = self.recipe.problem(ps.index, "grad_sampler_kwargs", "")
+                warnings.warn(f"{where.location}: {self.recipe.describe(ps.index)}: grad_sampler_kwargs is not used: "
+                              "recal's OBS takes the gradients of the num_grads training steps before each update",
+                              RecipeWarning, stacklevel=2)
         if any("initial_lr" in g for g in optimizer.param_groups) and schedule.controls_lr:
             raise RuntimeError("a torch LR scheduler is already attached to this optimizer, and the recipe has "
                                "LR modifiers: they would compound; use either the recipe's LR modifiers or the "

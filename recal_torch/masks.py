@@ -12,8 +12,9 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from recal_core.model_plan import MaskPlan
+from recal_core.model_plan import MaskPlan, is_second_order
 
+from .obs import FisherBlocks, obs_step
 from .pruning import joint_magnitude_masks, magnitude_mask, nonzero_mask, structured_mask
 
 
@@ -31,10 +32,15 @@ class MaskState:
         # every pruning modifier once: between its updates a step costs two calls per modifier
         self._sources = list({ps.index: ps for plan in self.plans.values() for ps in plan.sources}.values())
         self._in_force: tuple[bool, ...] | None = None  # per source, at the last update()
+        # OBS modifiers: the Fisher blocks of their layers, filled in the num_grads steps before an update
+        self._second_order = [ps for ps in self._sources if is_second_order(ps)]
+        self.fishers: dict[int, dict[str, FisherBlocks]] = {}
+        self._step = 0
 
     @torch.no_grad()
     def mask_gradients(self) -> None:
-        """Zero the gradients of pruned weights, so the optimizer's state does not move them."""
+        """Zero the gradients of pruned weights, so the optimizer's state does not move them (and, before
+        an OBS update, add them to its Fisher blocks)."""
         grads, masks = [], []
         for name, mask in self.effective.items():
             grad = self.params[name].grad
@@ -43,6 +49,21 @@ class MaskState:
                 masks.append(mask)
         if grads:
             torch._foreach_mul_(grads, masks)
+        for ps in self._second_order:
+            if self._update_within(ps, self._step + 1, ps.modifier.num_grads):
+                for name, fisher in self._fishers(ps).items():
+                    if self.params[name].grad is not None:
+                        fisher.add(self.params[name].grad)
+
+    def _update_within(self, ps, first: int, steps: int) -> bool:
+        return any(ps.is_update(k) for k in range(first, first + steps))
+
+    def _fishers(self, ps) -> dict[str, FisherBlocks]:
+        if ps.index not in self.fishers:
+            names = [n for n, plan in self.plans.items() if any(s.index == ps.index for s in plan.sources)]
+            self.fishers[ps.index] = {n: FisherBlocks(self.params[n].numel(), ps.modifier.fisher_block_size,
+                                                      self.params[n].device) for n in names}
+        return self.fishers[ps.index]
 
     @torch.no_grad()
     def apply(self) -> None:
@@ -54,6 +75,7 @@ class MaskState:
     @torch.no_grad()
     def update(self, k: int) -> None:
         """Recompute the masks the plan updates at ``k``, drop those no longer in force, and apply."""
+        self._step = k
         signature = tuple(ps.mask_in_force(k) for ps in self._sources)
         if signature == self._in_force and not any(ps.is_update(k) for ps in self._sources):
             return
@@ -62,6 +84,13 @@ class MaskState:
         for g in self.global_plan.global_updates(k) if self.global_plan is not None else ():
             for name, mask in zip(g.names, joint_magnitude_masks([self.params[n].data for n in g.names], g.count)):
                 joint.setdefault(name, {})[g.modifier] = mask
+        for ps, sparsity in self.global_plan.second_order_updates(k) if self.global_plan is not None else ():
+            fishers = self._fishers(ps)
+            masks = obs_step({n: self.params[n].data for n in fishers}, fishers, ps.modifier, sparsity)
+            for name, mask in masks.items():
+                joint.setdefault(name, {})[ps.index] = mask
+            for fisher in fishers.values():
+                fisher.reset()
         for name, plan in self.plans.items():
             per_modifier = self.masks[name]
             in_force = set(plan.in_force(k))

@@ -80,6 +80,7 @@ class StandIn(nn.Module):
 
 
 @pytest.mark.skipif(not LOADED, reason=f"compatibility corpus not found at {CORPUS}")
+@pytest.mark.filterwarnings("ignore:.*grad_sampler_kwargs is not used:UserWarning")
 @pytest.mark.parametrize("path, recipe", LOADED, ids=[p.name for p, _ in LOADED])
 def test_corpus_recipe_runs_in_pytorch(path, recipe):
     torch.manual_seed(0)
