@@ -224,6 +224,23 @@ class OBSPruningModifier(GradualKSModifier):
         return v
 
 
+class ACDCPruningModifier(Modifier):
+    """AC/DC: alternating compressed (a magnitude mask at ``compression_sparsity``) and decompressed (dense)
+    phases of ``update_frequency`` epochs over ``[start_epoch, end_epoch)``, the last one compressed."""
+
+    tag: ClassVar[str] = "ACDCPruningModifier"
+    start_sentinel: ClassVar[bool] = False
+    end_sentinel: ClassVar[bool] = False
+    params: ParamSpec
+    compression_sparsity: Annotated[StrictFloat, Field(ge=0, lt=1)]
+    start_epoch: Epoch
+    end_epoch: Epoch
+    update_frequency: Annotated[StrictFloat, Field(gt=0, le=MAX_EPOCH)]
+    global_sparsity: StrictBool = False
+    leave_enabled: StrictBool = True
+    mask_type: Literal["unstructured"] = _unsupported("unstructured", "AC/DC masks single weights")
+
+
 class ConstantKSModifier(Modifier):
     """Keep the existing zeros of already-pruned parameters (SparseML: ConstantPruningModifier)."""
 
@@ -461,8 +478,8 @@ class SetWeightDecayModifier(Modifier):
 # --- registry ----------------------------------------------------------------------------
 
 MODIFIER_TYPES: tuple[type[Modifier], ...] = (
-    EpochRangeModifier, GradualKSModifier, GlobalMagnitudePruningModifier, OBSPruningModifier, ConstantKSModifier,
-    QuantizationModifier,
+    EpochRangeModifier, GradualKSModifier, GlobalMagnitudePruningModifier, OBSPruningModifier, ACDCPruningModifier,
+    ConstantKSModifier, QuantizationModifier,
     SetLearningRateModifier, LearningRateModifier, LearningRateFunctionModifier, TrainableParamsModifier,
     SetWeightDecayModifier, DistillationModifier,
 )
@@ -477,7 +494,6 @@ FRAMEWORK_PREFIXES = ("pytorch.", "tensorflow.", "tensorflow_v1.", "keras.")
 NOT_SUPPORTED: dict[str, str] = {
     "MagnitudePruningModifier": "use GradualKSModifier",
     "MFACPruningModifier": "M-FAC pruning is not implemented; use GradualKSModifier",
-    "ACDCPruningModifier": "AC/DC pruning is not implemented; use GradualKSModifier",
     "MovementPruningModifier": "movement pruning is not implemented; use GradualKSModifier",
     "LayerPruningModifier": "layer removal is not implemented",
     "LegacyQuantizationModifier": "use QuantizationModifier",

@@ -67,7 +67,12 @@ def format_table(schedule: RecipeSchedule) -> str:
     for n, p in enumerate(schedule.pruning, 1):
         head = f"P{n}"
         prune_heads.append(head)
-        what = "keeps zeros" if p.constant else f"{p.modifier.init_sparsity:g}->{p.modifier.final_sparsity:g}"
+        if p.constant:
+            what = "keeps zeros"
+        elif isinstance(p.modifier, M.ACDCPruningModifier):
+            what = f"AC/DC {p.modifier.compression_sparsity:g} in alternate phases"
+        else:
+            what = f"{p.modifier.init_sparsity:g}->{p.modifier.final_sparsity:g}"
         legend.append(f"  {head}: {recipe.describe(p.index)} params={_spec(p.modifier.params)} {what}")
     heads = ["epoch", "step", *prune_heads, "lr", "weight_decay", "qat", "trainable"]
     relative = any(r.lr_relative for r in rows)

@@ -112,7 +112,7 @@ class RecipeSchedule:
         self.steps_per_epoch = steps_per_epoch
         self.total_steps = self.step(recipe.max_epochs)
         self.pruning = tuple(self._pruning(i, m) for i, m in recipe.of_type(
-            (M.GradualKSModifier, M.ConstantKSModifier)))
+            (M.GradualKSModifier, M.ConstantKSModifier, M.ACDCPruningModifier)))
         self._lr = sorted(((self._start(m), i, m) for i, m in recipe.of_type(
             (M.SetLearningRateModifier, M.LearningRateModifier, M.LearningRateFunctionModifier))),
             key=lambda t: (t[0], t[1]))
@@ -168,6 +168,10 @@ class RecipeSchedule:
         span = self.span(m)
         if isinstance(m, M.ConstantKSModifier):
             return PruningSchedule(index, m, span, lambda k: None, lambda k, s=span.start: k == s)
+        if isinstance(m, M.ACDCPruningModifier):
+            sparsity, is_update = S.acdc_phases(m.compression_sparsity, span.start, span.end,
+                                                max(1, self.step(m.update_frequency)), m.leave_enabled)
+            return PruningSchedule(index, m, span, sparsity, is_update)
         every = 1 if m.update_frequency == -1 else max(1, self.step(m.update_frequency))
         end = span.end if span.end is not None else self.total_steps
         return PruningSchedule(

@@ -76,6 +76,37 @@ def gradual_sparsity(init: float, final: float, start_step: int, end_step: int, 
     return sparsity
 
 
+def acdc_phases(sparsity: float, start_step: int, end_step: int, phase_steps: int,
+                leave_enabled: bool = True) -> tuple[Callable[[int], float | None], Callable[[int], bool]]:
+    """AC/DC (Peste et al., 2021): phases of ``phase_steps`` alternate between compressed (a magnitude mask
+    at ``sparsity``, computed at the phase's first step and held) and decompressed (no mask), counted back
+    from ``end_step`` so that the last phase is compressed; after it the mask holds with ``leave_enabled``.
+    Returns ``(sparsity(k) or None, is_update(k))``.
+
+    >>> s, u = acdc_phases(0.9, 0, 8, 2)
+    >>> [s(k) for k in range(10)], [k for k in range(10) if u(k)]
+    ([None, None, 0.9, 0.9, None, None, 0.9, 0.9, 0.9, 0.9], [2, 6])
+    """
+    if not 0 <= sparsity < 1 or phase_steps < 1 or end_step <= start_step:
+        raise ValueError(f"need 0 <= sparsity < 1, phase_steps >= 1, end > start; got {sparsity}, {phase_steps}, "
+                         f"{start_step}, {end_step}")
+
+    def compressed(k: int) -> bool:
+        return ((end_step - 1 - k) // phase_steps) % 2 == 0
+
+    def value(k: int) -> float | None:
+        if k < start_step:
+            return None
+        if k >= end_step:
+            return sparsity if leave_enabled else None
+        return sparsity if compressed(k) else None
+
+    def is_update(k: int) -> bool:
+        return start_step <= k < end_step and compressed(k) and (k == start_step or not compressed(k - 1))
+
+    return value, is_update
+
+
 def constant(value: float) -> Schedule:
     """A schedule that is ``value`` at every step."""
     return lambda k: value

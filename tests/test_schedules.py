@@ -202,3 +202,16 @@ def test_sparseml_lr_function_recipes_bind_and_sets_only_named_groups():
     assert s.lr(0, group=0) == 0.1 and s.lr(9, group=0) == pytest.approx(0.01)
     assert s.lr(10, group=0) == s.lr(10, group=1) == 0.05 and s.lr(20, group=1) == 0.05  # restarted
     assert recipe.max_epochs == 6
+
+
+def test_acdc_alternates_and_ends_compressed():
+    recipe = load_recipe("""
+- !ACDCPruningModifier {params: __ALL_PRUNABLE__, compression_sparsity: 0.9, start_epoch: 1, end_epoch: 6,
+                        update_frequency: 1}
+- !EpochRangeModifier {start_epoch: 0, end_epoch: 8}
+""")
+    s = recipe.bind(steps_per_epoch=2)
+    ps = s.pruning[0]
+    phases = [ps.sparsity(k) for k in range(0, 16)]
+    assert phases == [None, None, 0.9, 0.9, None, None, 0.9, 0.9, None, None, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]
+    assert [k for k in range(16) if ps.is_update(k)] == [2, 6, 10]

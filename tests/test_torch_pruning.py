@@ -345,3 +345,24 @@ def test_lr_function_modifiers_set_their_param_groups_every_step():
     for k, lr0, lr1 in seen:
         assert lr0 == schedule.lr(k, group=0) and lr1 == schedule.lr(k, group=1), k
     assert seen[SPE - 1][1] == pytest.approx(0.2)  # a new cycle at epoch 1
+
+
+def test_acdc_masks_in_compressed_phases_and_regrows_in_dense_ones():
+    recipe = ("- !ACDCPruningModifier {params: [conv2, fc], compression_sparsity: 0.75, start_epoch: 1, end_epoch: 4,"
+              " update_frequency: 1}\n- !EpochRangeModifier {start_epoch: 0, end_epoch: 5}")
+    model, manager, optimizer = _setup(recipe)
+    ps = manager.schedule.pruning[0]
+    seen = {}
+
+    def record(k):
+        seen[k] = int((model.fc.weight == 0).sum())
+
+    record(0)
+    train_steps(model, optimizer, batches(5 * SPE), after_step=record)
+    target = pruned_count(0.75, model.fc.weight.numel())
+    for k, zeros in seen.items():
+        if ps.sparsity(k) is not None:
+            assert zeros == target, k
+    # decompressed: after a dense phase's first step the pruned weights grow back
+    dense = [k for k in seen if k > SPE and ps.sparsity(k) is None and ps.sparsity(k - 1) is None]
+    assert dense and all(seen[k] < target for k in dense)
