@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_tf_overhead.py
 	$(BIN)/python scripts/bench_onnx.py --quick
 	$(BIN)/python scripts/bench_accuracy.py
+	$(BIN)/python scripts/bench_pruning.py
 
 # the wheel installed with each extra into a fresh venv runs that extra's README quick start
 check-wheel:
