@@ -178,9 +178,8 @@ class ScheduledModifierManager(RecipeManager):
 
     def loss(self, loss: torch.Tensor, inputs: Any, student_outputs: Any) -> torch.Tensor:
         """The loss to back-propagate at this step: ``loss`` blended with knowledge distillation while a
-        DistillationModifier is in force (:mod:`recal_torch.distillation`), else ``loss`` as is.
-
-        >>> # loss = manager.loss(criterion(outputs, labels), inputs, outputs)  # doctest: +SKIP
+        DistillationModifier is in force (:mod:`recal_torch.distillation`), else ``loss`` as is; in the
+        training loop: ``loss = manager.loss(criterion(outputs, labels), inputs, outputs)``.
         """
         self._require_modified("loss")
         m = self.plan.schedule.distillation_at(self._step)
