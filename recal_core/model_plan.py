@@ -28,7 +28,8 @@ from typing import Callable, Mapping, Sequence
 
 from .errors import Problem, RecipeError
 from .mask_layout import MaskLayout, mask_layout
-from .modifiers import LearningRateFunctionModifier, SetLearningRateModifier, SetWeightDecayModifier
+from .modifiers import (LearningRateFunctionModifier, OBSPruningModifier, SetLearningRateModifier,
+                        SetWeightDecayModifier)
 from .params import ParamInfo, resolve_params
 from .schedule import PruningSchedule, QATState, RecipeSchedule
 from .schedules import pruned_count
@@ -40,7 +41,7 @@ def _is_global(ps: PruningSchedule) -> bool:
 
 def is_second_order(ps: PruningSchedule) -> bool:
     """An OBS modifier: its masks (and weight updates) are the backend's second-order step, not a ranking."""
-    return type(ps.modifier).__name__ == "OBSPruningModifier"
+    return isinstance(ps.modifier, OBSPruningModifier)
 
 
 @dataclass(frozen=True)

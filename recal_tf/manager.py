@@ -148,7 +148,7 @@ class ScheduledModifierManager(RecipeManager):
                 index, None, "quantization-aware training is not yet available in TensorFlow",
                 expected="run this recipe's QuantizationModifier with recal_torch, or remove it for TensorFlow"))
         for ps in schedule.pruning:
-            if type(ps.modifier).__name__ == "OBSPruningModifier":
+            if isinstance(ps.modifier, M.OBSPruningModifier):
                 problems.append(self.recipe.problem(
                     ps.index, None, "second-order (OBS) pruning is not available in the TensorFlow graph API",
                     expected="run this recipe's OBSPruningModifier with recal_torch, or use GradualKSModifier"))

@@ -35,6 +35,8 @@ class MaskState:
         # OBS modifiers: the Fisher blocks of their layers, filled in the num_grads steps before an update
         self._second_order = [ps for ps in self._sources if is_second_order(ps)]
         self.fishers: dict[int, dict[str, FisherBlocks]] = {}
+        self._next_update: dict[int, int] = {}  # per OBS modifier: its next update step (cached)
+        self._last_step = max((ps.span.end or 0 for ps in self._second_order), default=0) + 1
         self._step = 0
 
     @torch.no_grad()
@@ -56,7 +58,15 @@ class MaskState:
                         fisher.add(self.params[name].grad)
 
     def _update_within(self, ps, first: int, steps: int) -> bool:
-        return any(ps.is_update(k) for k in range(first, first + steps))
+        """Whether ``ps`` updates in ``[first, first + steps)``; the next update step is cached, so a run
+        scans each step once in all."""
+        upcoming = self._next_update.get(ps.index)
+        if upcoming is None or upcoming < first:
+            upcoming, end = first, self._last_step
+            while upcoming <= end and not ps.is_update(upcoming):
+                upcoming += 1
+            self._next_update[ps.index] = upcoming if upcoming <= end else 2**62  # none left
+        return self._next_update[ps.index] < first + steps
 
     def _fishers(self, ps) -> dict[str, FisherBlocks]:
         if ps.index not in self.fishers:
