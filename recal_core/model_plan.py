@@ -44,6 +44,12 @@ def is_second_order(ps: PruningSchedule) -> bool:
     return isinstance(ps.modifier, OBSPruningModifier)
 
 
+def second_order_group(m: OBSPruningModifier) -> int:
+    """Weights an OBS group holds: 4 consecutive weights of the flattened kernel with ``block4`` (along the
+    input features of a Linear layer), else 1."""
+    return 4 if m.mask_type == (1, 4) else 1
+
+
 @dataclass(frozen=True)
 class MaskUpdate:
     """One pruning modifier's mask on one parameter, recomputed at a step."""
@@ -121,16 +127,21 @@ class ModelPlan:
         out = []
         for ps in self.schedule.pruning:
             if _is_global(ps) and not is_second_order(ps) and ps.is_update(k) and ps.mask_in_force(k):
-                names = tuple(self.prune_targets[ps.index])
-                total = sum(self.masks[n].numel for n in names)
-                out.append(GlobalUpdate(ps.index, names, pruned_count(ps.sparsity(k), total)))
+                out.append(GlobalUpdate(ps.index, tuple(self.prune_targets[ps.index]), self.global_zeros(ps.index, k)))
         return out
 
-    def second_order_updates(self, k: int) -> list[tuple[PruningSchedule, float]]:
-        """The OBS modifiers updating at ``k``, each with its target sparsity (the backend's OBS step removes
-        ``floor(s * groups + 0.5)`` groups, per layer or across its layers with ``global_sparsity``)."""
-        return [(ps, ps.sparsity(k)) for ps in self.schedule.pruning
-                if is_second_order(ps) and ps.is_update(k) and ps.mask_in_force(k)]
+    def second_order_updates(self, k: int) -> list[tuple[PruningSchedule, dict[str, int] | int]]:
+        """The OBS modifiers updating at ``k``, each with the groups its step removes (groups of
+        :func:`second_order_group` weights): ``floor(s * groups + 0.5)`` per layer, or one count across its
+        layers with ``global_sparsity``."""
+        out = []
+        for ps in self.schedule.pruning:
+            if is_second_order(ps) and ps.is_update(k) and ps.mask_in_force(k):
+                size, s = second_order_group(ps.modifier), ps.sparsity(k)
+                groups = {n: self.masks[n].numel // size for n in self.prune_targets[ps.index]}
+                out.append((ps, pruned_count(s, sum(groups.values())) if _is_global(ps)
+                            else {n: pruned_count(s, g) for n, g in groups.items()}))
+        return out
 
     def global_zeros(self, index: int, k: int) -> int:
         """The exact zeros global modifier ``index`` holds across its layers after an update at ``k``."""

@@ -18,6 +18,19 @@ WEIGHT_INPUTS = {"Conv": (1, None), "Gemm": (1, None), "MatMul": (1, None), "QLi
                  "DequantizeLinear": (0, 2)}
 
 
+def _channel_axis(node: onnx.NodeProto) -> int:
+    """The axis of a weight's per-channel zero points: output channels for QLinearConv, the N axis of a
+    (possibly transposed) QGemm / MatMul weight, DequantizeLinear's own ``axis``."""
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    if node.op_type == "QLinearConv":
+        return 0
+    if node.op_type == "QGemm":
+        return 0 if attrs.get("transB", 0) else 1
+    if node.op_type == "DequantizeLinear":
+        return int(attrs.get("axis", 1))
+    return 1  # QLinearMatMul, MatMulIntegerToFloat: B is [K, N]
+
+
 def weight_sparsity(model: onnx.ModelProto) -> dict[str, float]:
     """Zero fraction of every weight initializer (>= 2-D) read by a conv, dense or weight-dequantize node.
 
@@ -34,8 +47,8 @@ def weight_sparsity(model: onnx.ModelProto) -> dict[str, float]:
         value = numpy_helper.to_array(tensor)
         zp_name = node.input[zp_index] if zp_index is not None and zp_index < len(node.input) else ""
         zero = numpy_helper.to_array(initializers[zp_name]) if zp_name in initializers else np.zeros(())
-        if zero.size > 1:  # per channel: along the axis whose length matches
-            axis = next(a for a, n in enumerate(value.shape) if n == zero.size)
+        if zero.size > 1:  # per channel: along the axis the op quantizes its weight on
+            axis = _channel_axis(node)
             zero = zero.reshape([-1 if a == axis else 1 for a in range(value.ndim)])
         result[name] = float((value == zero).sum()) / value.size
     return result

@@ -125,8 +125,8 @@ class ScheduledModifierManager(RecipeManager):
             raise RecipeError(problems)
         for ps in schedule.pruning:
             if getattr(ps.modifier, "grad_sampler_kwargs", None):
-                where = self.recipe.problem(ps.index, "grad_sampler_kwargs", "")
-                warnings.warn(f"{where.location}: {self.recipe.describe(ps.index)}: grad_sampler_kwargs is not used: "
+                where = self.recipe.location(ps.index, "grad_sampler_kwargs")
+                warnings.warn(f"{where}: {self.recipe.describe(ps.index)}: grad_sampler_kwargs is not used: "
                               "recal's OBS takes the gradients of the num_grads training steps before each update",
                               RecipeWarning, stacklevel=2)
         if any("initial_lr" in g for g in optimizer.param_groups) and schedule.controls_lr:
@@ -136,7 +136,7 @@ class ScheduledModifierManager(RecipeManager):
         self.plan = plan
         self._bases = group_bases(optimizer)
         self._model, self._optimizer, self._params = model, optimizer, params
-        self.masks = MaskState(plan.masks, params, {p.name: p.kernel_axes for p in infos}, plan)
+        self.masks = MaskState(plan, params, {p.name: p.kernel_axes for p in infos})
         self.param_groups = ParamGroupSettings(optimizer, plan.groups)
         self.trainable = TrainableFlags(plan, params)
         self.qat = QATControl(unwrap(model), roots)

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from recal_core.model_plan import MaskPlan, is_second_order
+from recal_core.model_plan import MaskPlan, ModelPlan, is_second_order
 
 from .obs import FisherBlocks, obs_step
 from .pruning import joint_magnitude_masks, magnitude_mask, nonzero_mask, structured_mask
@@ -21,10 +21,10 @@ from .pruning import joint_magnitude_masks, magnitude_mask, nonzero_mask, struct
 class MaskState:
     """Per parameter, the mask of each pruning modifier in force and their product (the effective mask)."""
 
-    def __init__(self, plans: Mapping[str, MaskPlan], params: Mapping[str, nn.Parameter],
-                 kernel_axes: Mapping[str, tuple[int, ...] | None], global_plan=None):
-        self.global_plan = global_plan  # the ModelPlan, for global modifiers' joint updates
-        self.plans = dict(plans)
+    def __init__(self, plan: ModelPlan, params: Mapping[str, nn.Parameter],
+                 kernel_axes: Mapping[str, tuple[int, ...] | None]):
+        self.plan = plan  # global and OBS modifiers update several parameters together
+        self.plans: dict[str, MaskPlan] = dict(plan.masks)
         self.kernel_axes = {name: kernel_axes[name] for name in self.plans}
         self.params = {name: params[name] for name in self.plans}
         self.masks: dict[str, dict[int, torch.Tensor]] = {name: {} for name in self.plans}
@@ -91,12 +91,12 @@ class MaskState:
             return
         self._in_force = signature
         joint = {}  # global modifiers: one ranking across their layers
-        for g in self.global_plan.global_updates(k) if self.global_plan is not None else ():
+        for g in self.plan.global_updates(k):
             for name, mask in zip(g.names, joint_magnitude_masks([self.params[n].data for n in g.names], g.count)):
                 joint.setdefault(name, {})[g.modifier] = mask
-        for ps, sparsity in self.global_plan.second_order_updates(k) if self.global_plan is not None else ():
+        for ps, removed in self.plan.second_order_updates(k):
             fishers = self._fishers(ps)
-            masks = obs_step({n: self.params[n].data for n in fishers}, fishers, ps.modifier, sparsity)
+            masks = obs_step({n: self.params[n].data for n in fishers}, fishers, ps.modifier, removed)
             for name, mask in masks.items():
                 joint.setdefault(name, {})[ps.index] = mask
             for fisher in fishers.values():

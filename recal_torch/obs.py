@@ -17,11 +17,10 @@ With no gradient collected yet (an update at step 0), ``H = I / damp`` and this 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from recal_core import modifiers as M
+from recal_core.model_plan import second_order_group
 
 
 class FisherBlocks:
@@ -56,27 +55,12 @@ def _padded(weight: torch.Tensor, blocks: int, block: int) -> torch.Tensor:
     return flat.view(blocks, block)
 
 
-def group_size(m: M.OBSPruningModifier) -> int:
-    """Weights an OBS group holds: 4 consecutive weights of the flattened kernel with ``block4`` (along the
-    input features of a Linear layer), else 1."""
-    return 4 if m.mask_type == (1, 4) else 1
-
-
-def removed_groups(numels: dict[str, int], m: M.OBSPruningModifier, sparsity: float) -> dict[str, int] | int:
-    """Groups to remove: ``floor(s * groups + 0.5)`` per layer, or over all the layers with ``global_sparsity``."""
-    groups = {n: numel // group_size(m) for n, numel in numels.items()}
-    if m.global_sparsity:
-        return int(math.floor(sparsity * sum(groups.values()) + 0.5))
-    return {n: int(math.floor(sparsity * g + 0.5)) for n, g in groups.items()}
-
-
 @torch.no_grad()
 def obs_step(weights: dict[str, torch.Tensor], fishers: dict[str, FisherBlocks], m: M.OBSPruningModifier,
-             sparsity: float) -> dict[str, torch.Tensor]:
-    """Prune and update ``weights`` in place to ``sparsity`` (:func:`removed_groups`); return each layer's
-    new mask (1 kept, 0 removed)."""
-    zeros = removed_groups({n: w.numel() for n, w in weights.items()}, m, sparsity)
-    group = group_size(m)
+             zeros: dict[str, int] | int) -> dict[str, torch.Tensor]:
+    """Prune and update ``weights`` in place, removing ``zeros`` groups (per layer, or in total across them:
+    :meth:`recal_core.model_plan.ModelPlan.second_order_updates`); return each layer's new mask."""
+    group = second_order_group(m)
     costs, inverses, values = {}, {}, {}
     for name, w in weights.items():
         fisher = fishers[name]

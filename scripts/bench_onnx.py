@@ -29,13 +29,7 @@ from torch import nn
 
 from recal_torch import ScheduledModifierManager, export_onnx
 
-from zoo import LinearStack, ResNet18, ResNet50, templates, train_steps
-
-
-QAT_RECIPE = """
-- !EpochRangeModifier {start_epoch: 0, end_epoch: 1}
-- !QuantizationModifier {start_epoch: 0, freeze_bn_stats_epoch: 0.5}
-"""
+from zoo import QAT_RECIPE, LinearStack, ResNet18, ResNet50, templates, train_steps
 
 
 def qat_train(model: nn.Module, make_batch, steps: int) -> nn.Module:

@@ -26,13 +26,7 @@ from recal_onnx import quantize_qat_export
 from recal_torch import ScheduledModifierManager, export_onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from zoo import ResNet18, templates, train_steps  # noqa: E402
-
-QAT_RECIPE = """
-- !EpochRangeModifier {start_epoch: 0, end_epoch: 1}
-- !QuantizationModifier {start_epoch: 0, freeze_bn_stats_epoch: 0.5}
-"""
-
+from zoo import QAT_RECIPE, ResNet18, templates, train_steps  # noqa: E402
 
 @dataclass
 class SpeedRow:

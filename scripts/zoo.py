@@ -110,6 +110,13 @@ def templates(shape: tuple[int, ...], classes: int, seed: int = 0):
     return sample
 
 
+QAT_RECIPE = """
+- !EpochRangeModifier {start_epoch: 0, end_epoch: 1}
+- !QuantizationModifier {start_epoch: 0, freeze_bn_stats_epoch: 0.5}
+"""
+"""A few QAT steps on synthetic data (BatchNorm frozen half way), so the benchmarks' observers hold ranges."""
+
+
 def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, sample, steps: int, batch: int) -> nn.Module:
     """``steps`` optimizer steps on batches of ``sample(batch)``, cross-entropy; returns the model in eval mode."""
     model.train()

@@ -50,7 +50,7 @@ def test_obs_loses_less_than_magnitude_pruning_on_a_quadratic(mask):
         nn.functional.mse_loss(obs_model(x[i:i + 1]), y[i:i + 1]).backward()
         fisher.add(w.grad)
     m = load_recipe(OBS.format(start=1, damp=1e-7, mask=mask, glob="false")).modifiers[0]
-    masks = obs_step({"fc.weight": w.data}, {"fc.weight": fisher}, m, 0.5)
+    masks = obs_step({"fc.weight": w.data}, {"fc.weight": fisher}, m, {"fc.weight": 16 // (4 if mask == "block4" else 1)})
     assert int((masks["fc.weight"] == 0).sum()) == 16 and int((w == 0).sum()) == 16
     with torch.no_grad():
         if mask == "block4":  # the same structure, ranked by magnitude
@@ -77,7 +77,7 @@ def test_without_gradients_obs_is_magnitude_pruning():
     m = load_recipe(OBS.format(start=0, damp=1e-3, mask="unstructured", glob="false")).modifiers[0]
     expected = magnitude_mask(w, 32)
     pruned = w.clone()
-    masks = obs_step({"fc.weight": pruned}, {"fc.weight": FisherBlocks(64, 16, w.device)}, m, 0.5)
+    masks = obs_step({"fc.weight": pruned}, {"fc.weight": FisherBlocks(64, 16, w.device)}, m, {"fc.weight": 32})
     assert torch.equal(masks["fc.weight"], expected) and torch.equal(pruned, w * expected)
 
 
