@@ -28,7 +28,7 @@ from typing import Callable, Mapping, Sequence
 
 from .errors import Problem, RecipeError
 from .mask_layout import MaskLayout, mask_layout
-from .modifiers import (LearningRateFunctionModifier, OBSPruningModifier, SetLearningRateModifier,
+from .modifiers import (LearningRateFunctionModifier, MFACPruningModifier, OBSPruningModifier, SetLearningRateModifier,
                         SetWeightDecayModifier)
 from .params import ParamInfo, resolve_params
 from .schedule import PruningSchedule, QATState, RecipeSchedule
@@ -40,13 +40,14 @@ def _is_global(ps: PruningSchedule) -> bool:
 
 
 def is_second_order(ps: PruningSchedule) -> bool:
-    """An OBS modifier: its masks (and weight updates) are the backend's second-order step, not a ranking."""
-    return isinstance(ps.modifier, OBSPruningModifier)
+    """An OBS or M-FAC modifier: its masks (and weight updates) are the backend's second-order step, not a
+    ranking."""
+    return isinstance(ps.modifier, (OBSPruningModifier, MFACPruningModifier))
 
 
-def second_order_group(m: OBSPruningModifier) -> int:
-    """Weights an OBS group holds: 4 consecutive weights of the flattened kernel with ``block4`` (along the
-    input features of a Linear layer), else 1."""
+def second_order_group(m: OBSPruningModifier | MFACPruningModifier) -> int:
+    """Weights a second-order group holds: 4 consecutive weights of the flattened kernel with ``block4``
+    (along the input features of a Linear layer), else 1."""
     return 4 if m.mask_type == (1, 4) else 1
 
 

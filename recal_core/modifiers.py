@@ -224,6 +224,23 @@ class OBSPruningModifier(GradualKSModifier):
         return v
 
 
+class MFACPruningModifier(GradualKSModifier):
+    """M-FAC pruning (Frantar, Kurtic and Alistarh, 2021): GradualKS whose pruned weights are the least
+    salient, ``w_i^2 / (2 [F^-1]_ii)``, under the damped empirical Fisher of the last ``num_grads`` training
+    gradients in blocks of ``fisher_block_size``, applied matrix-free (memory: ``num_grads`` values per
+    weight, never a block squared); the kept weights take the joint OBS update, also matrix-free.
+    PyTorch."""
+
+    tag: ClassVar[str] = "MFACPruningModifier"
+    aliases: ClassVar[tuple[str, ...]] = ()
+    num_grads: Annotated[int, Field(strict=True, ge=1, le=4096)] = 64
+    fisher_block_size: Annotated[int, Field(strict=True, ge=1, le=1_000_000)] = 2000
+    damp: PositiveNumber = 1e-5
+    available_gpus: tuple[str, ...] | None = Field(
+        None, description="SparseML's devices for the Fisher; recal keeps it on the parameters' device")
+    mask_type: Literal["unstructured"] = _unsupported("unstructured", "M-FAC prunes single weights")
+
+
 class ACDCPruningModifier(Modifier):
     """AC/DC: alternating compressed (a magnitude mask at ``compression_sparsity``) and decompressed (dense)
     phases of ``update_frequency`` epochs over ``[start_epoch, end_epoch)``, the last one compressed."""
@@ -251,21 +268,69 @@ class ConstantKSModifier(Modifier):
     end_epoch: Epoch = -1.0
 
 
+class QuantizationArgs(BaseModel):
+    """How one tensor is quantized (SparseML's ``QuantizationArgs``); recal quantizes to 8 bits."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    num_bits: Annotated[int, Field(strict=True)] = 8
+    symmetric: StrictBool = True
+    strategy: Literal["tensor", "channel"] | None = None
+
+    @field_validator("num_bits")
+    @classmethod
+    def _eight(cls, v: int) -> int:
+        if v != 8:
+            raise ValueError(f"recal quantizes to 8 bits, not {v}")
+        return v
+
+
+class QuantizationScheme(BaseModel):
+    """A ``scheme_overrides`` entry: ``null`` leaves that tensor float. Unnamed entries take SparseML's
+    defaults (asymmetric inputs, symmetric weights, no output quantization)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    input_activations: QuantizationArgs | None = QuantizationArgs(symmetric=False)
+    weights: QuantizationArgs | None = QuantizationArgs(symmetric=True)
+    output_activations: QuantizationArgs | None = None
+
+    @property
+    def leaves_float(self) -> bool:
+        return self.input_activations is None and self.weights is None and self.output_activations is None
+
+    def conflicts_with_recal(self) -> list[str]:
+        """What this scheme asks of a Conv/Linear that recal's QAT (uint8 asymmetric activations, int8
+        symmetric per-channel weights, all three quantized together) does not do."""
+        out = []
+        if not self.leaves_float and (self.input_activations is None or self.weights is None):
+            out.append("a layer with some tensors float and others quantized (list the layer in ignore "
+                       "to leave it float)")
+        if self.weights is not None and (not self.weights.symmetric or self.weights.strategy == "tensor"):
+            out.append("weights other than symmetric per channel")
+        for act in (self.input_activations, self.output_activations):
+            if act is not None and (act.symmetric or act.strategy == "channel"):
+                out.append("activations other than asymmetric per tensor")
+                break
+        return out
+
+
 class QuantizationModifier(Modifier):
     """Quantization-aware training from ``start_epoch`` on; it cannot be switched off."""
 
     tag: ClassVar[str] = "QuantizationModifier"
     start_epoch: Epoch
     submodules: tuple[str, ...] | None = None
+    ignore: tuple[str, ...] | None = Field(None, description="module names or class names to leave float")
+    scheme_overrides: dict[str, QuantizationScheme] | None = Field(
+        None, description="per module class or name, how its tensors are quantized (null: float)")
     freeze_bn_stats_epoch: Epoch | None = None
     disable_quantization_observer_epoch: Epoch | None = None
     end_epoch: Literal[-1.0] = _unsupported(-1.0, "quantization cannot be disabled once started (leave end_epoch out)")
 
-    @field_validator("submodules")
+    @field_validator("submodules", "ignore")
     @classmethod
-    def _submodules(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    def _names(cls, v: tuple[str, ...] | None, info: ValidationInfo) -> tuple[str, ...] | None:
         if v is not None and (not v or any(not s.strip() for s in v)):
-            raise ValueError("submodules must be a non-empty list of module names")
+            raise ValueError(f"{info.field_name} must be a non-empty list of module names")
         return v
 
     @field_validator("freeze_bn_stats_epoch", "disable_quantization_observer_epoch")
@@ -478,7 +543,8 @@ class SetWeightDecayModifier(Modifier):
 # --- registry ----------------------------------------------------------------------------
 
 MODIFIER_TYPES: tuple[type[Modifier], ...] = (
-    EpochRangeModifier, GradualKSModifier, GlobalMagnitudePruningModifier, OBSPruningModifier, ACDCPruningModifier,
+    EpochRangeModifier, GradualKSModifier, GlobalMagnitudePruningModifier, OBSPruningModifier, MFACPruningModifier,
+    ACDCPruningModifier,
     ConstantKSModifier, QuantizationModifier,
     SetLearningRateModifier, LearningRateModifier, LearningRateFunctionModifier, TrainableParamsModifier,
     SetWeightDecayModifier, DistillationModifier,
@@ -493,7 +559,6 @@ FRAMEWORK_PREFIXES = ("pytorch.", "tensorflow.", "tensorflow_v1.", "keras.")
 # SparseML modifiers recal knows of but does not implement, with what to do instead.
 NOT_SUPPORTED: dict[str, str] = {
     "MagnitudePruningModifier": "use GradualKSModifier",
-    "MFACPruningModifier": "M-FAC pruning is not implemented; use GradualKSModifier",
     "MovementPruningModifier": "movement pruning is not implemented; use GradualKSModifier",
     "LayerPruningModifier": "layer removal is not implemented",
     "LegacyQuantizationModifier": "use QuantizationModifier",

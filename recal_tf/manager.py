@@ -20,7 +20,7 @@ from recal_core import RecipeError
 from recal_core.manager import RecipeManager
 from recal_core import modifiers as M
 from recal_core.mask_layout import MaskLayout
-from recal_core.model_plan import ModelPlan, plan_model
+from recal_core.model_plan import ModelPlan, is_second_order, plan_model
 from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
@@ -148,10 +148,11 @@ class ScheduledModifierManager(RecipeManager):
                 index, None, "quantization-aware training is not yet available in TensorFlow",
                 expected="run this recipe's QuantizationModifier with recal_torch, or remove it for TensorFlow"))
         for ps in schedule.pruning:
-            if isinstance(ps.modifier, M.OBSPruningModifier):
+            if is_second_order(ps):
+                tag = ps.modifier.tag
                 problems.append(self.recipe.problem(
-                    ps.index, None, "second-order (OBS) pruning is not available in the TensorFlow graph API",
-                    expected="run this recipe's OBSPruningModifier with recal_torch, or use GradualKSModifier"))
+                    ps.index, None, f"second-order pruning ({tag}) is not available in the TensorFlow graph API",
+                    expected=f"run this recipe's {tag} with recal_torch, or use GradualKSModifier"))
         for index, _, _ in schedule.distillation:
             problems.append(self.recipe.problem(
                 index, None, "knowledge distillation is not available in the TensorFlow graph API",

@@ -33,7 +33,7 @@ from .distillation import Teacher, distillation_loss
 from .masks import MaskState
 from .model_params import describe_parameters, sparsity, unwrap
 from .param_groups import ParamGroupSettings, group_bases
-from .qat_control import QATControl, qat_roots
+from .qat_control import QATControl, float_layers, qat_roots
 from .trainable import TrainableFlags
 
 STATE_VERSION = 2
@@ -115,7 +115,8 @@ class ScheduledModifierManager(RecipeManager):
         except RecipeError as err:
             problems += err.problems
         roots, qat_problems = qat_roots(self.recipe, unwrap(model))
-        problems += qat_problems
+        left_float, float_problems, qat_notes = float_layers(self.recipe, unwrap(model))
+        problems += qat_problems + float_problems
         for index, _, _ in schedule.distillation:
             if teacher is None:
                 problems.append(self.recipe.problem(index, None, "a DistillationModifier needs a teacher model",
@@ -123,12 +124,16 @@ class ScheduledModifierManager(RecipeManager):
                                                              "loss = manager.loss(loss, inputs, outputs)"))
         if problems:
             raise RecipeError(problems)
+        unused = {"grad_sampler_kwargs": "recal takes the gradients of the num_grads training steps before each update",
+                  "available_gpus": "recal keeps the Fisher on the device of the parameters it prunes"}
         for ps in schedule.pruning:
-            if getattr(ps.modifier, "grad_sampler_kwargs", None):
-                where = self.recipe.location(ps.index, "grad_sampler_kwargs")
-                warnings.warn(f"{where}: {self.recipe.describe(ps.index)}: grad_sampler_kwargs is not used: "
-                              "recal's OBS takes the gradients of the num_grads training steps before each update",
-                              RecipeWarning, stacklevel=2)
+            for field, why in unused.items():
+                if getattr(ps.modifier, field, None):
+                    where = self.recipe.location(ps.index, field)
+                    warnings.warn(f"{where}: {self.recipe.describe(ps.index)}: {field} is not used: {why}",
+                                  RecipeWarning, stacklevel=2)
+        for note in qat_notes:
+            warnings.warn(note, RecipeWarning, stacklevel=2)
         if any("initial_lr" in g for g in optimizer.param_groups) and schedule.controls_lr:
             raise RuntimeError("a torch LR scheduler is already attached to this optimizer, and the recipe has "
                                "LR modifiers: they would compound; use either the recipe's LR modifiers or the "
@@ -139,7 +144,7 @@ class ScheduledModifierManager(RecipeManager):
         self.masks = MaskState(plan, params, {p.name: p.kernel_axes for p in infos})
         self.param_groups = ParamGroupSettings(optimizer, plan.groups)
         self.trainable = TrainableFlags(plan, params)
-        self.qat = QATControl(unwrap(model), roots)
+        self.qat = QATControl(unwrap(model), roots, left_float)
         self.teacher = Teacher(teacher) if teacher is not None else None
         self.loggers = list(loggers)
         self._hooks = [

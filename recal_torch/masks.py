@@ -12,8 +12,10 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from recal_core import modifiers as M
 from recal_core.model_plan import MaskPlan, ModelPlan, is_second_order
 
+from .mfac import GradientWindow, mfac_step
 from .obs import FisherBlocks, obs_step
 from .pruning import joint_magnitude_masks, magnitude_mask, nonzero_mask, structured_mask
 
@@ -32,9 +34,10 @@ class MaskState:
         # every pruning modifier once: between its updates a step costs two calls per modifier
         self._sources = list({ps.index: ps for plan in self.plans.values() for ps in plan.sources}.values())
         self._in_force: tuple[bool, ...] | None = None  # per source, at the last update()
-        # OBS modifiers: the Fisher blocks of their layers, filled in the num_grads steps before an update
+        # OBS and M-FAC modifiers: the curvature of their layers (Fisher blocks, gradient windows), filled
+        # in the num_grads steps before an update
         self._second_order = [ps for ps in self._sources if is_second_order(ps)]
-        self.fishers: dict[int, dict[str, FisherBlocks]] = {}
+        self.fishers: dict[int, dict[str, FisherBlocks | GradientWindow]] = {}
         self._next_update: dict[int, int] = {}  # per OBS modifier: its next update step (cached)
         self._last_step = max((ps.span.end or 0 for ps in self._second_order), default=0) + 1
         self._step = 0
@@ -68,11 +71,15 @@ class MaskState:
             self._next_update[ps.index] = upcoming if upcoming <= end else 2**62  # none left
         return self._next_update[ps.index] < first + steps
 
-    def _fishers(self, ps) -> dict[str, FisherBlocks]:
+    def _fishers(self, ps) -> dict[str, FisherBlocks | GradientWindow]:
         if ps.index not in self.fishers:
             names = [n for n, plan in self.plans.items() if any(s.index == ps.index for s in plan.sources)]
-            self.fishers[ps.index] = {n: FisherBlocks(self.params[n].numel(), ps.modifier.fisher_block_size,
-                                                      self.params[n].device) for n in names}
+            m = ps.modifier
+            self.fishers[ps.index] = {
+                n: GradientWindow(self.params[n].numel(), m.fisher_block_size, m.num_grads, self.params[n].device)
+                if isinstance(m, M.MFACPruningModifier)
+                else FisherBlocks(self.params[n].numel(), m.fisher_block_size, self.params[n].device)
+                for n in names}
         return self.fishers[ps.index]
 
     @torch.no_grad()
@@ -96,7 +103,8 @@ class MaskState:
                 joint.setdefault(name, {})[g.modifier] = mask
         for ps, removed in self.plan.second_order_updates(k):
             fishers = self._fishers(ps)
-            masks = obs_step({n: self.params[n].data for n in fishers}, fishers, ps.modifier, removed)
+            step = mfac_step if isinstance(ps.modifier, M.MFACPruningModifier) else obs_step
+            masks = step({n: self.params[n].data for n in fishers}, fishers, ps.modifier, removed)
             for name, mask in masks.items():
                 joint.setdefault(name, {})[ps.index] = mask
             for fisher in fishers.values():

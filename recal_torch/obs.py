@@ -74,7 +74,7 @@ def obs_step(weights: dict[str, torch.Tensor], fishers: dict[str, FisherBlocks],
         valid = torch.arange(fisher.blocks * fisher.block, device=w.device).view(fisher.blocks, groups, group)[..., 0]
         cost = torch.where(valid < w.numel(), cost, torch.full_like(cost, float("inf")))  # padding is never chosen
         costs[name], inverses[name], values[name] = cost, (h, hq_inv), wq
-    removed = _choose(costs, zeros)
+    removed = choose_least_costly(costs, zeros)
     masks = {}
     for name, w in weights.items():
         fisher = fishers[name]
@@ -94,7 +94,7 @@ def obs_step(weights: dict[str, torch.Tensor], fishers: dict[str, FisherBlocks],
     return masks
 
 
-def _choose(costs: dict[str, torch.Tensor], zeros: dict[str, int] | int) -> dict[str, torch.Tensor]:
+def choose_least_costly(costs: dict[str, torch.Tensor], zeros: dict[str, int] | int) -> dict[str, torch.Tensor]:
     """The groups to remove: the least costly, per layer or across all (ties by position)."""
     removed = {}
     if isinstance(zeros, int):

@@ -296,27 +296,28 @@ class _Plan:
     quantize_input: bool = True
 
 
-def quantizable_layers(root: nn.Module) -> list[str]:
-    """Names of the Conv1d/2d/3d (zero padding) and Linear modules QAT can quantize."""
+def quantizable_layers(root: nn.Module, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """Names of the Conv1d/2d/3d (zero padding) and Linear modules QAT can quantize, less ``skip``."""
     return [n for n, m in root.named_modules()
-            if (isinstance(m, CONVS) and m.padding_mode == "zeros") or type(m) is nn.Linear]
+            if ((isinstance(m, CONVS) and m.padding_mode == "zeros") or type(m) is nn.Linear) and n not in skip]
 
 
-def fake_quantize_model(root: nn.Module) -> list[QATModule]:
+def fake_quantize_model(root: nn.Module, skip: frozenset[str] | set[str] = frozenset()) -> list[QATModule]:
     """Turn ``root``'s quantizable layers into QAT modules, in place; return them.
 
     Not torch.ao's ``prepare_qat``: Conv(-BN)(-ReLU) and Linear(-ReLU) are fused into one QAT
     module each (BatchNorm folded into the simulated weights) that keeps the float module's
     Parameter objects, and the fake-quantizers are recal's own (uint8 activations, int8
-    symmetric per-channel weights). The recipe's QuantizationModifier calls this at its start.
+    symmetric per-channel weights). The recipe's QuantizationModifier calls this at its start. The layers
+    named in ``skip`` stay float (the layers after them quantize their own inputs).
     """
     modules = dict(root.named_modules())
     try:
-        plans, residual_relus = _plan_from_trace(root, modules)
+        plans, residual_relus = _plan_from_trace(root, modules, skip)
     except Exception as exc:  # noqa: BLE001 - any tracing failure falls back to unfused QAT
         log.warning("QAT: torch.fx could not trace %s (%s: %s); quantizing every conv/linear input and "
                     "leaving BatchNorm unfolded", type(root).__name__, type(exc).__name__, exc)
-        plans, residual_relus = [_Plan(name) for name in quantizable_layers(root)], []
+        plans, residual_relus = [_Plan(name) for name in quantizable_layers(root, skip)], []
     for name in residual_relus:
         _replace(root, name, QuantizedReLU().to(_device_of(root)))
     created = []
@@ -348,11 +349,12 @@ def _replace(root: nn.Module, target: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def _plan_from_trace(root: nn.Module, modules: dict[str, nn.Module]) -> tuple[list[_Plan], list[str]]:
+def _plan_from_trace(root: nn.Module, modules: dict[str, nn.Module],
+                     skip: frozenset[str] | set[str]) -> tuple[list[_Plan], list[str]]:
     """The fusion plans, and the ReLU modules that follow a residual addition."""
     graph = torch.fx.symbolic_trace(root).graph
     calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
-    quantizable = set(quantizable_layers(root))
+    quantizable = set(quantizable_layers(root, skip))
 
     def module_of(node: torch.fx.Node) -> nn.Module | None:
         return modules.get(node.target) if node.op == "call_module" else None

@@ -39,12 +39,62 @@ def qat_roots(recipe: Recipe, model: nn.Module) -> tuple[dict[int, list[str]], l
     return roots, problems
 
 
+def _matches(entry: str, name: str, modules: dict[str, nn.Module]) -> bool:
+    """SparseML's rule: ``entry`` names the module, one of its parents, or the class of either."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix == entry or type(modules[prefix]).__name__ == entry:
+            return True
+    return False
+
+
+def float_layers(recipe: Recipe, model: nn.Module) -> tuple[dict[int, set[str]], list[Problem], list[str]]:
+    """Per QuantizationModifier, the Conv/Linear layers its ``ignore`` and ``scheme_overrides`` leave float;
+    the overrides recal cannot honour (errors); and what it notes about entries it does not apply."""
+    modules = {n: m for n, m in model.named_modules() if n}
+    layers = set(quantizable_layers(model))
+    left: dict[int, set[str]] = {}
+    problems, notes = [], []
+    for index, m in recipe.of_type(M.QuantizationModifier):
+        left[index] = set()
+        where = f"{recipe.describe(index)}"
+        for entry in m.ignore or ():
+            if not any(_matches(entry, n, modules) for n in modules):
+                notes.append(f"{recipe.location(index, 'ignore')}: {where}: ignore entry {entry!r} names no module "
+                             "or module class of this model")
+            left[index] |= {n for n in layers if _matches(entry, n, modules)}
+        for entry, scheme in (m.scheme_overrides or {}).items():
+            matched = {n for n in modules if _matches(entry, n, modules)}
+            quantized = matched & layers
+            loc = recipe.location(index, "scheme_overrides")
+            if not matched:
+                notes.append(f"{loc}: {where}: scheme_overrides entry {entry!r} names no module or module class "
+                             "of this model")
+            elif quantized and scheme.leaves_float:
+                left[index] |= quantized
+            elif quantized and scheme.conflicts_with_recal():
+                problems.append(recipe.problem(
+                    index, "scheme_overrides", f"{entry!r} ({', '.join(sorted(quantized)[:3])}...): recal's QAT "
+                    f"does not do {'; '.join(scheme.conflicts_with_recal())}",
+                    expected="null for every tensor (float), int8 symmetric per-channel weights with uint8 "
+                             "asymmetric activations, or the layer in ignore"))
+            elif not quantized and (scheme.input_activations or scheme.output_activations
+                                    or (scheme.weights and any(next(modules[n].parameters(False), None) is not None
+                                                               for n in matched))):
+                kinds = ", ".join(sorted({type(modules[n]).__name__ for n in matched}))
+                notes.append(f"{loc}: {where}: scheme_overrides entry {entry!r} asks to quantize {kinds}, which "
+                             "recal's QAT leaves float (it quantizes Conv and Linear layers)")
+    return left, problems, notes
+
+
 class QATControl:
     """Creates each QuantizationModifier's QAT modules when it starts and sets their switches."""
 
-    def __init__(self, model: nn.Module, roots: dict[int, list[str]]):
+    def __init__(self, model: nn.Module, roots: dict[int, list[str]], left_float: dict[int, set[str]] | None = None):
         self.model = model
         self.roots = roots
+        self.left_float = left_float or {}
         self.prepared: set[int] = set()
         self._applied: dict[int, tuple[bool, bool]] = {}
 
@@ -64,9 +114,15 @@ class QATControl:
                 self._applied[index] = flags
 
     def prepare(self, index: int, step: int) -> None:
+        left = self.left_float.get(index, set())
         for name, root in zip(self.roots[index], self._modules(index)):
-            created = fake_quantize_model(root)
+            prefix = name + "." if name else ""
+            skip = {n[len(prefix):] for n in left if n.startswith(prefix)}
+            created = fake_quantize_model(root, skip=skip)
             log.info("QAT on %s: %d layers quantized (step %d)", name or type(root).__name__, len(created), step)
+            if skip:
+                log.info("QAT on %s: left float by the recipe: %s", name or type(root).__name__,
+                         ", ".join(sorted(prefix + n for n in skip)))
         self.prepared.add(index)
 
     def reset(self) -> None:

@@ -1,4 +1,4 @@
-"""Pruning methods on the digits: 90% magnitude (GMP) vs 90% global magnitude vs 90% OBS vs 2:4, one table.
+"""Pruning methods on the digits: 90% magnitude (GMP), global magnitude, OBS and M-FAC vs 2:4, one table.
 
 Each variant is scripts/recipes/prune90.yaml with its GradualKS swapped (same schedule, LR and epochs);
 three seeds each, PyTorch, test accuracy of the trained model, and the time per training step (a run's
@@ -26,6 +26,8 @@ VARIANTS = {  # label -> (the GradualKS block's replacement lines, or None for t
     "global magnitude 90%": ("        update_frequency: 0.5", "        update_frequency: 0.5\n        global_sparsity: true"),
     "OBS 90% (per layer)": ("    - !GradualKSModifier", "    - !OBSPruningModifier\n        num_grads: 16\n"
                             "        fisher_block_size: 32\n        damp: 1.0e-6"),
+    "M-FAC 90% (per layer)": ("    - !GradualKSModifier", "    - !MFACPruningModifier\n        num_grads: 16\n"
+                              "        damp: 1.0e-6"),
     "2:4 (50%; conv2, conv3, fc)": [("        params: __ALL_PRUNABLE__", "        params: [conv2, conv3, fc]"),
                                     ("        final_sparsity: 0.9", "        final_sparsity: 0.5"),
                                     ("        update_frequency: 0.5", "        update_frequency: 0.5\n        mask_type: '2:4'")],

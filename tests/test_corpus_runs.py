@@ -80,7 +80,8 @@ class StandIn(nn.Module):
 
 
 @pytest.mark.skipif(not LOADED, reason=f"compatibility corpus not found at {CORPUS}")
-@pytest.mark.filterwarnings("ignore:.*grad_sampler_kwargs is not used:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*(grad_sampler_kwargs|available_gpus) is not used:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*(names no module|which recal's QAT leaves float):UserWarning")
 @pytest.mark.parametrize("path, recipe", LOADED, ids=[p.name for p, _ in LOADED])
 def test_corpus_recipe_runs_in_pytorch(path, recipe):
     torch.manual_seed(0)

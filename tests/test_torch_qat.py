@@ -306,3 +306,47 @@ def test_fresh_quantizers_pass_values_through_and_refuse_export(tmp_path):
     with pytest.raises(ValueError, match="has not observed any data"):
         export_onnx(model, x[:1], tmp_path / "m.onnx", dynamo=False)
     assert not list(tmp_path.iterdir())
+
+
+IGNORE = """
+- !EpochRangeModifier {start_epoch: 0, end_epoch: 2}
+- !QuantizationModifier
+    start_epoch: 0
+    ignore: %s
+    scheme_overrides: %s
+"""
+
+
+def _qat_with(ignore, overrides, model=None):
+    model = model or SmallCNN()
+    manager = ScheduledModifierManager.from_yaml(IGNORE % (ignore, overrides))
+    manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.01), steps_per_epoch=SPE)
+    return model
+
+
+def test_ignore_leaves_named_layers_and_classes_float_and_the_next_layer_quantizes_its_input():
+    model = _qat_with("[conv1]", "null")
+    assert type(model.conv1) is nn.Conv2d and type(model.bn1) is nn.BatchNorm2d and type(model.relu1) is nn.ReLU
+    assert isinstance(model.conv2, QATConv) and isinstance(model.conv3, QATConv)
+    assert model.conv2.input_fake_quant is not None  # its input no longer comes from a quantized layer
+    model = _qat_with("[Linear]", "null")
+    assert type(model.fc) is nn.Linear and isinstance(model.conv1, QATConv)
+    model = _qat_with("[Conv2d]", "{Linear: {input_activations: null, weights: null}}")
+    assert not any(isinstance(m, (QATConv, QATLinear)) for m in model.modules())
+
+
+def test_scheme_overrides_recal_cannot_honour_are_located_errors_and_unused_entries_warn():
+    from recal_core import RecipeError
+
+    with pytest.raises(RecipeError, match=r"<string>:6:\d+: .*'scheme_overrides'.*'Conv2d'.*symmetric per channel"):
+        _qat_with("null", "{Conv2d: {weights: {symmetric: false}}}")
+    with pytest.raises(RecipeError, match=r"some tensors float and others quantized"):
+        _qat_with("null", "{fc: {input_activations: null}}")
+    with pytest.warns(UserWarning, match=r"ignore entry 'LlamaRMSNorm' names no module"):
+        _qat_with("[LlamaRMSNorm]", "null")
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Flatten(), nn.Linear(16, 4))
+    with pytest.warns(UserWarning, match=r"asks to quantize Embedding, which recal's QAT leaves float"):
+        _qat_with("null", "{Embedding: {input_activations: null, weights: {num_bits: 8, symmetric: false}}}", model)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    _qat_with("null", "{ReLU: {input_activations: null, output_activations: null}}", model)  # consistent: silent
+    assert isinstance(model[0], QATLinear)
