@@ -8,11 +8,13 @@
 from recal_core.loggers import PythonLogger, RecalLogger
 
 from .export import export_onnx, to_export_model
+from .flops import count_macs
 from .loggers import TensorBoardLogger
 from .manager import ScheduledModifierManager
 from .qat import QATConv, QATLinear, QATModule, fake_quantize_model
+from .thin import ThinReport, thin
 
 __all__ = [
     "PythonLogger", "QATConv", "QATLinear", "QATModule", "RecalLogger", "ScheduledModifierManager",
-    "TensorBoardLogger", "export_onnx", "fake_quantize_model", "to_export_model",
+    "TensorBoardLogger", "ThinReport", "count_macs", "export_onnx", "fake_quantize_model", "thin", "to_export_model",
 ]

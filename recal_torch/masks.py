@@ -15,6 +15,7 @@ from torch import nn
 from recal_core import modifiers as M
 from recal_core.model_plan import MaskPlan, ModelPlan, is_second_order
 
+from .channel_masks import ChannelGroup, expand, group_masks
 from .mfac import GradientWindow, mfac_step
 from .obs import FisherBlocks, obs_step
 from .pruning import joint_magnitude_masks, magnitude_mask, nonzero_mask, structured_mask
@@ -24,8 +25,13 @@ class MaskState:
     """Per parameter, the mask of each pruning modifier in force and their product (the effective mask)."""
 
     def __init__(self, plan: ModelPlan, params: Mapping[str, nn.Parameter],
-                 kernel_axes: Mapping[str, tuple[int, ...] | None]):
-        self.plan = plan  # global and OBS modifiers update several parameters together
+                 kernel_axes: Mapping[str, tuple[int, ...] | None], channel_groups: list[ChannelGroup] = (),
+                 tensors: Mapping[str, torch.Tensor] | None = None):
+        self.plan = plan  # global, OBS and channel-coupled modifiers update several parameters together
+        self.channel_groups = list(channel_groups)
+        self._coupled = {(n, g.modifier) for g in self.channel_groups for n in g.members}
+        self._tensors = dict(tensors or {})  # the followers' parameters and buffers, by name
+        self._followers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, mask), from the groups' masks
         self.plans: dict[str, MaskPlan] = dict(plan.masks)
         self.kernel_axes = {name: kernel_axes[name] for name in self.plans}
         self.params = {name: params[name] for name in self.plans}
@@ -88,6 +94,8 @@ class MaskState:
         if self.effective:
             names = list(self.effective)
             torch._foreach_mul_([self.params[n].data for n in names], [self.effective[n] for n in names])
+        if self._followers:
+            torch._foreach_mul_([t.data for t, _ in self._followers], [m for _, m in self._followers])
 
     @torch.no_grad()
     def update(self, k: int) -> None:
@@ -109,6 +117,12 @@ class MaskState:
                 joint.setdefault(name, {})[ps.index] = mask
             for fisher in fishers.values():
                 fisher.reset()
+        for group in self.channel_groups:
+            ps = next(p for p in self.plan.schedule.pruning if p.index == group.modifier)
+            if ps.is_update(k) and ps.mask_in_force(k):
+                weights = {n: self.params[n].data for n in group.members}
+                for name, mask in group_masks(group, weights, ps.sparsity(k)).items():
+                    joint.setdefault(name, {})[group.modifier] = mask
         for name, plan in self.plans.items():
             per_modifier = self.masks[name]
             in_force = set(plan.in_force(k))
@@ -121,6 +135,8 @@ class MaskState:
                 per_modifier.update(joint[name])
                 changed = True
             for u in plan.updates(k):
+                if (name, u.modifier) in self._coupled:
+                    continue  # ranked with its channel group above
                 if u.count is None:
                     per_modifier[u.modifier] = nonzero_mask(weight)
                 elif u.layout is None:
@@ -130,6 +146,22 @@ class MaskState:
                 changed = True
             if changed and self._combine(name):
                 weight.mul_(self.effective[name])
+        self._update_followers()
+        if self._followers:
+            torch._foreach_mul_([t.data for t, _ in self._followers], [m for _, m in self._followers])
+
+    def _update_followers(self) -> None:
+        """The follower tensors' masks, read off each filter group's mask in force (or none)."""
+        self._followers = []
+        for group in self.channel_groups:
+            first = next(iter(group.members))
+            mask = self.masks[first].get(group.modifier)
+            if group.kind != "filter" or mask is None:
+                continue
+            keep = mask.flatten(1).amax(1)
+            for name in group.followers:
+                tensor = self._tensors[name]
+                self._followers.append((tensor, expand(keep, tensor, "filter")))
 
     def _combine(self, name: str) -> bool:
         masks = list(self.masks[name].values())
@@ -173,9 +205,11 @@ class MaskState:
             param = self.params[name]
             self.masks[name] = {int(i): m.to(device=param.device, dtype=param.dtype) for i, m in per.items()}
             self._combine(name)
+        self._update_followers()
 
     def release(self) -> None:
         self.masks = {name: {} for name in self.plans}
         self.effective = {}
+        self._followers = []
         self._in_force = None
 

@@ -284,6 +284,8 @@ def test_session_run_hook_with_monitored_training_session():
     ("- !LearningRateModifier {start_epoch: 0, end_epoch: 2, lr_class: ExponentialLR, lr_kwargs: {gamma: 0.9}}",
      "field 'init_lr'"),
     ("- !SetLearningRateModifier {start_epoch: 1, learning_rate: 0.1}", "before the first LR modifier starts"),
+    ("- !MFACPruningModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.1, final_sparsity: 0.5, start_epoch: 0, "
+     "end_epoch: 2, update_frequency: 1}", "second-order pruning (MFACPruningModifier) is not available"),
 ])
 def test_create_ops_errors(recipe, words):
     with pytest.raises(RecipeError, match="<string>:1:") as err:

@@ -1,0 +1,164 @@
+"""Which channels must be pruned together, and which tensors follow them: the rules filter and channel
+pruning and thinning share, for every backend.
+
+A backend describes its model as a list of :class:`Op` (one per layer or op of its traced graph); this
+module groups the tensors into *channel spaces*: tensors whose channel ``c`` is the same channel. Ops
+that keep channels (BatchNorm, ReLU, pooling, a depthwise conv) put their output in their input's space;
+a residual ``+`` merges the spaces it adds; a conv or linear layer starts a new space (its *producer*).
+In a space:
+
+- the *producers* are the layers whose output rows are its channels (several when a residual add merges
+  them: they prune the same filters);
+- the *followers* are per-channel tensors of the ops on the way (a BatchNorm's shift and running mean, a
+  depthwise conv's filter and bias, a producer's bias), zeroed with a pruned channel so it is exactly zero;
+- the *consumers* are the layers that read it (their input channels; after a flatten, ``spatial``
+  consecutive features per channel).
+
+A space is *thinnable* when nothing else touches it: no model input or output, no concat, reshape,
+attention or op this module does not know. Filter pruning needs a thinnable space whose producers are all
+pruned by the same modifier (one ranking for the group); channel pruning the same of its consumers. What
+does not hold is a :class:`CouplingError` naming the layer and what blocks it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+OpKind = Literal["layer", "depthwise", "norm", "same", "add", "flatten", "input", "output", "other"]
+"""``layer``: a conv or linear (weight ``[out, in, ...]``); ``depthwise``: a conv with one filter per
+channel; ``norm``: a per-channel affine normalisation; ``same``: channel-wise and zero-preserving (ReLU,
+pooling, dropout, identity); ``add``: an elementwise sum; ``flatten``: ``[N, C, *spatial] -> [N, C * S]``;
+``input`` / ``output``: the model's; ``other``: anything else (the spaces it touches are not thinnable)."""
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op of a traced model, as the coupling rules see it."""
+
+    name: str  # the layer's or op's name in the model (for messages)
+    kind: OpKind
+    inputs: tuple[str, ...]  # tensor ids
+    output: str | None = None
+    weight: str | None = None  # parameter names (layer, depthwise, norm)
+    bias: str | None = None
+    channel_tensors: tuple[str, ...] = ()  # further per-channel tensors zeroed with a pruned channel
+
+
+@dataclass
+class Space:
+    """Tensors sharing channels, with who makes them, what follows them and who reads them."""
+
+    producers: list[Op] = field(default_factory=list)
+    followers: list[tuple[Op, tuple[str, ...]]] = field(default_factory=list)  # (op, tensors zeroed)
+    consumers: list[tuple[Op, int]] = field(default_factory=list)  # (layer, features per channel)
+    blockers: list[str] = field(default_factory=list)  # why it is not thinnable
+
+    @property
+    def thinnable(self) -> bool:
+        return not self.blockers and bool(self.producers)
+
+
+class CouplingError(ValueError):
+    """A layer whose channels cannot be pruned as asked; the message names it and what blocks it."""
+
+
+class _Union:
+    def __init__(self) -> None:
+        self.parent: dict[str, str] = {}
+
+    def find(self, x: str) -> str:
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def join(self, a: str, b: str) -> None:
+        self.parent[self.find(a)] = self.find(b)
+
+
+def channel_spaces(ops: list[Op]) -> list[Space]:
+    """The channel spaces of a model, in the order their first tensor appears."""
+    union = _Union()
+    flattened: dict[str, tuple[str, Op]] = {}  # flatten output -> (its input tensor, the flatten op)
+    for op in ops:
+        if op.output is not None:
+            union.find(op.output)
+        if op.kind in ("depthwise", "norm", "same", "add") and op.output is not None:
+            for t in op.inputs:
+                union.join(t, op.output)
+        if op.kind == "flatten" and op.output is not None and op.inputs:
+            flattened[op.output] = (op.inputs[0], op)
+    spaces: dict[str, Space] = {}
+
+    def space(tensor: str) -> Space:
+        return spaces.setdefault(union.find(tensor), Space())
+
+    for op in ops:
+        if op.kind == "layer":
+            if op.output is not None:
+                space(op.output).producers.append(op)
+            for t in op.inputs[:1]:
+                if t in flattened:  # a linear after a flatten reads spatial features per channel
+                    source, flat = flattened[t]
+                    space(source).consumers.append((op, -1))
+                    if any(o is not op and t in o.inputs for o in ops):
+                        space(source).blockers.append(f"the output of {flat.name} is read by more than {op.name}")
+                else:
+                    space(t).consumers.append((op, 1))
+        elif op.kind in ("depthwise", "norm"):
+            space(op.inputs[0]).followers.append((op, tuple(n for n in (op.weight if op.kind == "depthwise" else None,
+                                                                        op.bias, *op.channel_tensors) if n)))
+        elif op.kind == "input":
+            if op.output is not None:
+                space(op.output).blockers.append("the model's input")
+        elif op.kind == "output":
+            for t in op.inputs:
+                if t in flattened:
+                    t = flattened[t][0]
+                space(t).blockers.append("the model's output")
+        elif op.kind == "flatten":
+            readers = [o for o in ops if op.output in o.inputs]
+            if not all(o.kind in ("layer", "output") for o in readers):
+                space(op.inputs[0]).blockers.append(f"{op.name} (a flatten not read by one linear layer)")
+        elif op.kind == "other":
+            for t in op.inputs:
+                space(flattened[t][0] if t in flattened else t).blockers.append(op.name)
+            if op.output is not None:
+                space(op.output).blockers.append(op.name)
+    return list(spaces.values())
+
+
+def space_of_producer(spaces: list[Space], layer: str) -> Space | None:
+    return next((s for s in spaces if any(p.name == layer for p in s.producers)), None)
+
+
+def space_of_consumer(spaces: list[Space], layer: str) -> Space | None:
+    return next((s for s in spaces if any(c.name == layer for c, _ in s.consumers)), None)
+
+
+def pruning_groups(spaces: list[Space], pruned: dict[str, tuple[int, str]]) -> list[tuple[Space, str, list[str]]]:
+    """For layers pruned ``filter`` or ``channel`` (``pruned[layer] = (modifier index, kind)``): one group
+    per space, ``(space, kind, layers ranked together)``. :class:`CouplingError` where a space cannot be
+    pruned as one: a producer (filter) or consumer (channel) left out, two modifiers sharing it, or a blocker.
+    """
+    groups: dict[int, tuple[Space, str, list[str]]] = {}
+    for layer, (modifier, kind) in pruned.items():
+        space = (space_of_producer if kind == "filter" else space_of_consumer)(spaces, layer)
+        what = "output channels (filters)" if kind == "filter" else "input channels"
+        if space is None:
+            raise CouplingError(f"{layer}: mask_type {kind}: recal cannot trace where its {what} go")
+        if space.blockers:
+            raise CouplingError(f"{layer}: mask_type {kind}: its {what} also reach {space.blockers[0]}, which "
+                                "cannot drop channels; use an unstructured or block mask_type for this layer, "
+                                "or leave it out of params")
+        members = [p.name for p in space.producers] if kind == "filter" else [c.name for c, _ in space.consumers]
+        for other in members:
+            if pruned.get(other) != (modifier, kind):
+                role = "adds its output to" if kind == "filter" else "reads the same channels as"
+                raise CouplingError(
+                    f"{layer}: mask_type {kind}: {other} {role} {layer} and must prune the same channels: give "
+                    f"it the same modifier and mask_type (layers pruned together: {', '.join(members)})")
+        groups[id(space)] = (space, kind, members)
+    return list(groups.values())

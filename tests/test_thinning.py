@@ -1,0 +1,161 @@
+"""Filter and channel pruning with coupled channels, and thinning: the thinned model computes what the
+masked one did, with fewer multiply-adds, on residual, depthwise and flatten-linear nets, float and QAT."""
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from recal_core import RecipeError
+from recal_torch import ScheduledModifierManager, count_macs, fake_quantize_model, thin
+
+from .torch_models import SmallCNN
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from zoo import BasicBlock, Bottleneck  # noqa: E402
+
+
+class ResNetTiny(nn.Module):
+    """A stem, a BasicBlock, a downsampling BasicBlock, a Bottleneck, global pool, linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1, self.relu = nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU()
+        self.blocks = nn.Sequential(BasicBlock(8, 8, 1), BasicBlock(8, 16, 2), Bottleneck(16, 4, 1))
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = self.blocks(self.relu(self.bn1(self.conv1(x))))
+        return self.fc(x.mean((2, 3)))
+
+
+class MobileTiny(nn.Module):
+    """MobileNetV2-style: expand 1x1, depthwise 3x3, project 1x1 with a residual add, flatten, linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU6())
+        self.expand = nn.Sequential(nn.Conv2d(8, 24, 1, bias=False), nn.BatchNorm2d(24), nn.ReLU6())
+        self.dw = nn.Sequential(nn.Conv2d(24, 24, 3, 1, 1, groups=24, bias=False), nn.BatchNorm2d(24), nn.ReLU6())
+        self.project = nn.Sequential(nn.Conv2d(24, 8, 1, bias=False), nn.BatchNorm2d(8))
+        self.pool = nn.AdaptiveAvgPool2d(2)
+        self.fc = nn.Linear(8 * 4, 5)
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = x + self.project(self.dw(self.expand(x)))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+def _recipe(params, kind, sparsity=0.5):
+    return f"""
+- !EpochRangeModifier {{start_epoch: 0, end_epoch: 4}}
+- !GradualKSModifier {{params: {params}, init_sparsity: 0.0, final_sparsity: {sparsity}, start_epoch: 0,
+                      end_epoch: 2, update_frequency: 1, mask_type: {kind}}}
+- !QuantizationModifier {{start_epoch: 3}}
+"""
+
+
+def _train(model, recipe, steps=16, shape=(3, 16, 16), qat=False):
+    manager = ScheduledModifierManager.from_yaml(recipe if qat else recipe.rsplit("- !Quant", 1)[0])
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                               steps_per_epoch=4)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x = torch.randn(8, *shape, generator=g)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), torch.randint(0, 5, (8,), generator=g)).backward()
+        optimizer.step()
+    manager.finalize() if hasattr(manager, "finalize") else None
+    return manager
+
+
+CASES = {
+    "resnet-filter": (ResNetTiny, "['re:.*conv\\d', 're:.*down.0', conv1]", "filter", (3, 16, 16)),
+    "resnet-channel": (ResNetTiny, "['re:blocks.*conv\\d', 're:.*down.0', fc]", "channel", (3, 16, 16)),
+    "mobile-filter": (MobileTiny, "[stem.0, expand.0, project.0]", "filter", (3, 8, 8)),
+    "smallcnn-filter": (lambda: SmallCNN(width=8), "[conv1, conv2, conv3]", "filter", (1, 8, 8)),
+    "smallcnn-channel": (lambda: SmallCNN(width=8), "[conv2, conv3, fc]", "channel", (1, 8, 8)),
+}
+
+
+@pytest.mark.parametrize("qat", [False, True], ids=["float", "qat"])
+@pytest.mark.parametrize("case", CASES)
+def test_thinned_model_computes_what_the_masked_one_did(case, qat):
+    make, params, kind, shape = CASES[case]
+    torch.manual_seed(0)
+    model = make()
+    _train(model, _recipe(params, kind), steps=16, shape=shape, qat=qat)
+    model.eval()
+    x = torch.randn(4, *shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(x)
+    macs, n_params = count_macs(model, x)
+    thinned = copy.deepcopy(model)
+    report = thin(thinned)
+    macs_after, params_after = count_macs(thinned, x)
+    print(f"{case} {'qat' if qat else 'float'}: {report.removed} channels removed, MACs {macs} -> {macs_after}, "
+          f"params {n_params} -> {params_after}")
+    assert report.removed > 0 and macs_after < 0.8 * macs and params_after < n_params
+    with torch.no_grad():
+        got = thinned(x)
+    scale = expected.abs().max().item()
+    tolerance = 1e-5 * scale if not qat else 1e-5 * scale + 2 * _output_step(thinned)
+    assert torch.allclose(got, expected, atol=tolerance, rtol=0), (got - expected).abs().max()
+
+
+def _output_step(model):
+    """One quantization step of the model's last QAT output (float rounding can flip one)."""
+    last = [m for m in model.modules() if hasattr(m, "activation_post_process")][-1]
+    return float(last.activation_post_process.scale)
+
+
+def test_coupled_layers_prune_the_same_channels_and_followers_are_zero():
+    torch.manual_seed(0)
+    model = ResNetTiny()
+    _train(model, _recipe(CASES["resnet-filter"][1], "filter"))
+    rows = lambda w: (w.flatten(1) == 0).all(1)  # noqa: E731
+    stem, block0 = rows(model.conv1.weight), rows(model.blocks[0].conv2.weight)
+    assert torch.equal(stem, block0) and int(stem.sum()) == 4  # 50% of 8, one ranking for the residual stream
+    assert torch.all(model.bn1.bias[stem] == 0) and torch.all(model.bn1.running_mean[stem] == 0)
+    down, block1 = rows(model.blocks[1].down[0].weight), rows(model.blocks[1].conv2.weight)
+    assert torch.equal(down, block1) and int(down.sum()) == 8
+
+
+@pytest.mark.parametrize("params, words", [
+    ("[conv1]", "blocks.0.conv2 adds its output to conv1"),
+    ("['re:.*conv\\d', conv1]", "blocks.1.down.0 adds its output to"),
+    ("[fc]", "the model's output"),
+])
+def test_filter_pruning_a_layer_whose_channels_cannot_drop_is_a_located_error(params, words):
+    model = ResNetTiny()
+    manager = ScheduledModifierManager.from_yaml(_recipe(params, "filter").rsplit("- !Quant", 1)[0])
+    with pytest.raises(RecipeError, match=r"<string>:4:\d+: .*field 'mask_type'") as err:
+        manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=4)
+    assert words in str(err.value), str(err.value)
+
+
+def test_a_reshape_the_rules_do_not_cover_blocks_filter_pruning():
+    class Reshaped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3)
+            self.fc = nn.Linear(8 * 36, 2)
+
+        def forward(self, x):
+            return self.fc(self.conv(x).view(x.shape[0], -1))
+
+    model = Reshaped()
+    manager = ScheduledModifierManager.from_yaml(_recipe("[conv]", "filter").rsplit("- !Quant", 1)[0])
+    with pytest.raises(RecipeError, match=r"conv: mask_type filter: its output channels \(filters\) also reach view"):
+        manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=4)
+
+
+def test_thin_leaves_a_dense_model_alone_and_qat_fake_quant_follows():
+    model = ResNetTiny()
+    assert thin(copy.deepcopy(model)).removed == 0
+    fake_quantize_model(model)
+    assert thin(model).removed == 0
