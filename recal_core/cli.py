@@ -37,13 +37,13 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .training import artefact_row, train
+    from .training import ARTEFACT_HEADER, artefact_row, train
 
     recipe = load_recipe(args.recipe)
     run = train(recipe, args.framework, args.output, epochs=args.epochs, seed=args.seed, resume=args.resume,
                 progress=not args.no_progress)
     print(f"\n{args.framework}: trained {run.epochs} epochs under {args.recipe}")
-    print("| artefact | accuracy | sparsity | size | latency (batch 1) | measured in | path |")
+    print(ARTEFACT_HEADER)
     for artefact in run.artefacts:
         print(artefact_row(artefact))
     print(f"report: {args.output}/report.md, plot: {args.output}/schedule.png, "

@@ -100,6 +100,8 @@ class Artefact:
     latency_ms: float | None = None  # median, batch 1
     runtime: str = ""  # what measured accuracy and latency
     qat: bool = False  # an ONNX export of a QAT model (to be quantized)
+    macs: int | None = None  # multiply-adds per sample of its conv/linear layers
+    params: int | None = None
 
 
 @dataclass
@@ -198,7 +200,8 @@ def _train_locked(recipe: Recipe, trainer: Trainer, out: Path, total: int, seed:
             evaluate(artefact)
         qat = next((a for a in onnx_artefacts if a.qat), None)
         if qat is not None and quantize:
-            int8 = Artefact("int8 ONNX (quantize_qat_export)", run.framework, str(out / "model.int8.onnx"))
+            int8 = Artefact("int8 ONNX (quantize_qat_export)", run.framework, str(out / "model.int8.onnx"),
+                            macs=qat.macs, params=qat.params)
             plugin("recal.onnx", "quantize")(qat.path, int8.path)
             evaluate(int8)
             run.artefacts.append(int8)
@@ -217,8 +220,7 @@ def write_report(run: TrainingRun, recipe: Recipe) -> None:
              f"- recipe: `{run.recipe_source}` ({len(recipe.modifiers)} modifiers)",
              f"- epochs: {run.epochs}, steps per epoch: {run.steps_per_epoch}, seed: {run.seed}",
              f"- final test accuracy (training framework): {run.history[-1].test_accuracy:.4f}" if run.history else "",
-             "", "| artefact | accuracy | sparsity | size | latency (batch 1) | measured in | path |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "", ARTEFACT_HEADER, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [artefact_row(a) for a in run.artefacts]
     lines += ["", "## Per-layer sparsity", ""]
     for a in run.artefacts:
@@ -235,6 +237,10 @@ def _fmt(value: float | None, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
 
+ARTEFACT_HEADER = "| artefact | accuracy | sparsity | size | MACs / params | latency (batch 1) | measured in | path |"
+
+
 def artefact_row(a: Artefact) -> str:
+    work = "-" if a.macs is None else f"{a.macs / 1e6:.3g} M / {a.params / 1e3:.3g} k"
     return (f"| {a.name} | {_fmt(a.accuracy, '{:.4f}')} | {_fmt(a.sparsity, '{:.3f}')} | "
-            f"{a.size_bytes / 1024:.1f} KiB | {_fmt(a.latency_ms, '{:.3f} ms')} | {a.runtime} | `{a.path}` |")
+            f"{a.size_bytes / 1024:.1f} KiB | {work} | {_fmt(a.latency_ms, '{:.3f} ms')} | {a.runtime} | `{a.path}` |")

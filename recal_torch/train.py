@@ -7,6 +7,7 @@ is the one an uninterrupted run gives.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import statistics
@@ -22,10 +23,12 @@ from recal_core.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecor
                                  epoch_order, median_latency_ms, overall_sparsity, progress_bar)
 
 from .export import export_onnx
+from .flops import count_macs
 from .loggers import TensorBoardLogger
 from .manager import ScheduledModifierManager
 from .model_params import describe_parameters, sparsity
 from .qat import qat_modules
+from .thin import thin
 
 log = logging.getLogger(__name__)
 
@@ -174,10 +177,31 @@ def _artefacts(model: nn.Module, kernels: dict[str, nn.Parameter], out_dir: Path
     one = x_test[:1]
     with torch.no_grad():
         latency = median_latency_ms(lambda: model(one))
+    macs, n_params = count_macs(model, one)
     torch_artefact = Artefact("PyTorch model" + (" (QAT, fake-quantized)" if quantized else ""), "torch",
                               str(out_dir / "model.pt"), _accuracy(model, x_test, y_test), overall, layers,
-                              (out_dir / "model.pt").stat().st_size, latency, f"torch {torch.__version__}")
+                              (out_dir / "model.pt").stat().st_size, latency, f"torch {torch.__version__}",
+                              macs=macs, params=n_params)
+    out = [torch_artefact]
+    thinned = copy.deepcopy(model)
+    try:
+        removed = thin(thinned).removed
+    except Exception as exc:  # noqa: BLE001 - a model fx cannot trace is exported as it is
+        log.info("not thinned: torch.fx cannot trace %s (%s)", type(model).__name__, exc)
+        removed = 0
+    if removed:  # whole channels are dead: export the thinned model, with fewer multiply-adds
+        model = thinned
+        with atomic_path(out_dir / "model.thin.pt") as tmp:
+            torch.save(model.state_dict(), tmp)
+        with torch.no_grad():
+            latency = median_latency_ms(lambda: model(one))
+        macs, n_params = count_macs(model, one)
+        out.append(Artefact(f"PyTorch model, thinned ({removed} channels removed)", "torch",
+                            str(out_dir / "model.thin.pt"), _accuracy(model, x_test, y_test),
+                            _kernel_sparsity(_kernels(model))[0], {}, (out_dir / "model.thin.pt").stat().st_size,
+                            latency, f"torch {torch.__version__}", macs=macs, params=n_params))
     onnx_path = export_onnx(model, one, out_dir / "model.onnx")
-    onnx_artefact = Artefact("QAT ONNX export (QDQ)" if quantized else "ONNX export (fp32)", "torch", str(onnx_path),
-                             qat=quantized)
-    return [torch_artefact, onnx_artefact]
+    out.append(Artefact(("QAT ONNX export (QDQ)" if quantized else "ONNX export (fp32)")
+                        + (", thinned" if removed else ""), "torch", str(onnx_path), qat=quantized,
+                        macs=macs, params=n_params))
+    return out
