@@ -13,22 +13,20 @@ converted by ``quantize_qat_export``.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from recal_core import load_recipe
 from recal_core.training import train
-from recal_onnx import quantize_qat_export
-from recal_torch import ScheduledModifierManager, count_macs, export_onnx, thin
+from recal_torch import count_macs, export_onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speed import cpu_note, interleaved_latency, quantize_static_of  # noqa: E402
+from speed import FILTERS_RECIPE, cpu_note, interleaved_latency, qat_int8, quantize_static_of  # noqa: E402
 from zoo import ResNet18, templates, train_steps  # noqa: E402
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
@@ -42,15 +40,8 @@ UNSTRUCTURED = """
         end_epoch: 8.0
         update_frequency: 0.5
 """
-RESNET_PARAMS = "['re:.*conv\\d', 're:.*down.0']"  # every conv; not the classifier, whose outputs are the logits
-RESNET_RECIPE = """
-- !EpochRangeModifier {{start_epoch: 0, end_epoch: 1}}
-- !GradualKSModifier {{params: {params}, init_sparsity: 0.5, final_sparsity: 0.5, start_epoch: 0, end_epoch: 1,
-                      update_frequency: 1, mask_type: filter}}
-{extra}- !QuantizationModifier {{start_epoch: 0, freeze_bn_stats_epoch: 0.5}}
-"""
-RESNET_UNSTRUCTURED = ("- !GradualKSModifier {{params: {params}, init_sparsity: 0.75, final_sparsity: 0.75, "
-                       "start_epoch: 0, end_epoch: 1, update_frequency: 1}}\n")
+RESNET_UNSTRUCTURED = ("- !GradualKSModifier {params: ['re:.*conv\\d', 're:.*down.0'], init_sparsity: 0.75, "
+                       "final_sparsity: 0.75, start_epoch: 0, end_epoch: 1, update_frequency: 1}\n")
 
 
 def digits_rows(root: Path, seeds: list[int]) -> dict[str, list[tuple[float, int]]]:
@@ -75,41 +66,24 @@ def digits_rows(root: Path, seeds: list[int]) -> dict[str, list[tuple[float, int
 
 
 def resnet_models(folder: Path, size: int, float_steps: int = 3, qat_steps: int = 4, batch: int = 8):
-    """The ResNet-18 variants as ONNX files, their MACs, and a few inputs."""
+    """The ResNet-18 variants as ONNX files, their MACs, and an input."""
     sample = templates((3, size, size), 10)
     one = sample(1)[0]
-    paths, macs = {}, {}
-    for label, extra in (("dense", None), ("filters", ""), ("filters+unstructured", RESNET_UNSTRUCTURED)):
-        torch.manual_seed(0)
-        model = ResNet18(classes=10)
-        train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), sample, float_steps, batch)
-        started = time.perf_counter()
-        if extra is None:
-            paths["dense fp32"] = folder / "dense.fp32.onnx"
-            export_onnx(model.eval(), one, paths["dense fp32"], dynamo=False)
-            macs["dense fp32"] = macs["dense int8 (onnxruntime quantize_static)"] = count_macs(model, one)[0]
-            continue
-        recipe = RESNET_RECIPE.format(params=RESNET_PARAMS, extra=extra.format(params=RESNET_PARAMS))
-        manager = ScheduledModifierManager.from_yaml(recipe)
-        optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
-                                   steps_per_epoch=qat_steps)
-        train_steps(model, optimizer, sample, qat_steps, batch)
-        manager.finalize(model)
-        report = thin(model.eval())
-        key = f"recal {'50% filters' if label == 'filters' else '50% filters + 50% of the rest'} + QAT int8, thinned"
-        macs[key] = count_macs(model, one)[0]
-        qat = folder / f"{label}.qat.onnx"
-        export_onnx(model, one, qat, dynamo=False)
-        paths[key] = folder / f"{label}.int8.onnx"
-        feeds = {"input": np.concatenate([sample(1)[0].numpy() for _ in range(8)])}
-        result = quantize_qat_export(qat, paths[key], inputs=feeds)
-        print(f"  ResNet-18 {label}: {report.removed} channels removed, {macs[key] / 1e9:.2f} G MACs, "
-              f"verified: {result.verification} ({time.perf_counter() - started:.0f}s)", flush=True)
-    feeds = [{"input": sample(1)[0].numpy()} for _ in range(8)]
-    paths["dense int8 (onnxruntime quantize_static)"] = folder / "dense.quantize_static.onnx"
-    quantize_static_of(paths["dense fp32"], paths["dense int8 (onnxruntime quantize_static)"], feeds)
-    order = ["dense fp32", "dense int8 (onnxruntime quantize_static)"] + [k for k in paths if k.startswith("recal")]
-    return {k: paths[k] for k in order}, macs, feeds[0]
+    torch.manual_seed(0)
+    model = ResNet18(classes=10)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), sample, float_steps, batch)
+    dense, qs = "dense fp32", "dense int8 (onnxruntime quantize_static)"
+    paths = {dense: folder / "dense.fp32.onnx", qs: folder / "dense.quantize_static.onnx"}
+    export_onnx(model.eval(), one, paths[dense], dynamo=False)
+    macs = {dense: count_macs(model, one)[0]}
+    macs[qs] = macs[dense]
+    quantize_static_of(paths[dense], paths[qs], [{"input": sample(1)[0].numpy()} for _ in range(8)])
+    unstructured = FILTERS_RECIPE.replace("- !QuantizationModifier", RESNET_UNSTRUCTURED + "- !QuantizationModifier")
+    for label, recipe in (("recal 50% filters + QAT int8, thinned", FILTERS_RECIPE),
+                          ("recal 50% filters + 50% of the rest + QAT int8, thinned", unstructured)):
+        paths[label], macs[label] = qat_int8(copy.deepcopy(model), recipe, sample, folder, f"resnet18-{len(paths)}",
+                                             qat_steps, batch)
+    return paths, macs, {"input": one.numpy()}
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 A ResNet-18-shaped model at 224x224 (random weights; a few float steps, then a few QAT steps under
 recal on synthetic data, so BatchNorm statistics and QAT observers hold real ranges) is exported and
-converted; onnxruntime runs each model at batch 1 on one thread, the models in turn, and the table
+converted, and so is a copy with half its filters pruned and thinned (``recal_torch.thin``); onnxruntime runs each model at batch 1 on one thread, the models in turn, and the table
 reports median latency, size and the speed-up over fp32. Used by ``make demo``; also runs alone:
 
     python scripts/speed.py [--size 224] [--rounds 15] [--output speed_out]
@@ -11,6 +11,7 @@ reports median latency, size and the speed-up over fp32. Used by ``make demo``; 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -23,7 +24,7 @@ import onnxruntime as ort
 import torch
 
 from recal_onnx import quantize_qat_export
-from recal_torch import ScheduledModifierManager, export_onnx
+from recal_torch import ScheduledModifierManager, count_macs, export_onnx, thin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from zoo import QAT_RECIPE, ResNet18, templates, train_steps  # noqa: E402
@@ -40,6 +41,37 @@ class SpeedRow:
         return self.path.stat().st_size / 1e6
 
 
+FILTERS_RECIPE = """
+- !EpochRangeModifier {start_epoch: 0, end_epoch: 1}
+- !GradualKSModifier {params: ['re:.*conv\\d', 're:.*down.0'], init_sparsity: 0.5, final_sparsity: 0.5,
+                      start_epoch: 0, end_epoch: 1, update_frequency: 1, mask_type: filter}
+- !QuantizationModifier {start_epoch: 0, freeze_bn_stats_epoch: 0.5}
+"""
+"""Half of the filters of every conv (the classifier's outputs are the logits), at step 0, then QAT."""
+
+
+def qat_int8(model: torch.nn.Module, recipe: str, sample, folder: Path, label: str, steps: int, batch: int,
+             log=print) -> tuple[Path, int]:
+    """``recipe`` (QAT, maybe filter pruning) for ``steps`` on ``model``, thinned, exported, converted by
+    ``quantize_qat_export``; the int8 model's path and its multiply-adds."""
+    one = sample(1)[0]
+    manager = ScheduledModifierManager.from_yaml(recipe)
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
+                               steps_per_epoch=steps)
+    train_steps(model, optimizer, sample, steps, batch)
+    manager.finalize(model)
+    report = thin(model.eval())
+    macs = count_macs(model, one)[0]
+    qat, int8 = folder / f"{label}.qat.onnx", folder / f"{label}.int8.onnx"
+    export_onnx(model, one, qat, dynamo=False)
+    check = {"input": np.concatenate([sample(1)[0].numpy() for _ in range(16)])}
+    started = time.perf_counter()
+    result = quantize_qat_export(qat, int8, inputs=check)
+    log(f"  {label}: {report.removed} channels thinned, {macs / 1e9:.2f} G MACs; quantize_qat_export "
+        f"{time.perf_counter() - started:.1f}s, verified: {result.verification}")
+    return int8, macs
+
+
 def build_models(folder: Path, size: int = 224, float_steps: int = 3, qat_steps: int = 4, batch: int = 8,
                  log=print) -> tuple[dict[str, Path], list[dict[str, np.ndarray]]]:
     """Train, export and convert; return the ONNX paths by label and a few synthetic inputs."""
@@ -48,23 +80,13 @@ def build_models(folder: Path, size: int = 224, float_steps: int = 3, qat_steps:
     model = ResNet18(classes=10)
     started = time.perf_counter()
     train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), sample, float_steps, batch)
-    paths = {"fp32": folder / "resnet18.fp32.onnx", "QAT": folder / "resnet18.qat.onnx",
-             "recal": folder / "resnet18.int8.onnx", "ort": folder / "resnet18.quantize_static.onnx"}
-    one = sample(1)[0]
-    export_onnx(model.eval(), one, paths["fp32"], dynamo=False)
-    manager = ScheduledModifierManager.from_yaml(QAT_RECIPE)
-    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
-                               steps_per_epoch=qat_steps)
-    train_steps(model, optimizer, sample, qat_steps, batch)
-    manager.finalize(model)
-    export_onnx(model.eval(), one, paths["QAT"], dynamo=False)
-    log(f"  ResNet-18 at {size}x{size}: {float_steps} float + {qat_steps} QAT steps, exported "
-        f"({time.perf_counter() - started:.0f}s)")
+    paths = {"fp32": folder / "resnet18.fp32.onnx", "ort": folder / "resnet18.quantize_static.onnx"}
+    export_onnx(model.eval(), sample(1)[0], paths["fp32"], dynamo=False)
+    pruned = copy.deepcopy(model)
+    log(f"  ResNet-18 at {size}x{size}: {float_steps} float steps, exported ({time.perf_counter() - started:.0f}s)")
+    paths["recal"], _ = qat_int8(model, QAT_RECIPE, sample, folder, "resnet18", qat_steps, batch, log)
+    paths["thinned"], _ = qat_int8(pruned, FILTERS_RECIPE, sample, folder, "resnet18.filters50", qat_steps, batch, log)
     feeds = [{"input": sample(1)[0].numpy()} for _ in range(16)]
-    check = {"input": np.concatenate([f["input"] for f in feeds])}
-    started = time.perf_counter()
-    result = quantize_qat_export(paths["QAT"], paths["recal"], inputs=check)
-    log(f"  recal quantize_qat_export: {time.perf_counter() - started:.1f}s, verified: {result.verification}")
     started = time.perf_counter()
     quantize_static_of(paths["fp32"], paths["ort"], feeds[:8])
     log(f"  onnxruntime quantize_static (QDQ, U8S8, per-channel): {time.perf_counter() - started:.1f}s")
@@ -119,7 +141,8 @@ def speed_table(folder: Path, size: int = 224, rounds: int = 15, log=print) -> l
     paths, feeds = build_models(folder, size, log=log)
     rows = [SpeedRow("fp32 (PyTorch export)", paths["fp32"]),
             SpeedRow("recal int8 (QAT -> quantize_qat_export)", paths["recal"]),
-            SpeedRow("onnxruntime quantize_static int8", paths["ort"])]
+            SpeedRow("onnxruntime quantize_static int8", paths["ort"]),
+            SpeedRow("recal 50% filters + QAT int8, thinned", paths["thinned"])]
     measured = interleaved_latency({r.label: r.path for r in rows}, feeds[0], rounds)
     for row in rows:
         row.latency_ms = measured[row.label]
