@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_onnx.py --quick
 	$(BIN)/python scripts/bench_accuracy.py
 	$(BIN)/python scripts/bench_pruning.py
+	$(BIN)/python scripts/bench_thinning.py
 
 # the wheel installed with each extra into a fresh venv runs that extra's README quick start
 check-wheel:

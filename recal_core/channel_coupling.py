@@ -85,7 +85,9 @@ def channel_spaces(ops: list[Op]) -> list[Space]:
     for op in ops:
         if op.output is not None:
             union.find(op.output)
-        if op.kind in ("depthwise", "norm", "same", "add") and op.output is not None:
+        if op.kind == "same" and op.inputs and op.inputs[0] in flattened and op.output is not None:
+            flattened[op.output] = flattened[op.inputs[0]]  # (de)quantizing a flattened tensor keeps its layout
+        elif op.kind in ("depthwise", "norm", "same", "add") and op.output is not None:
             for t in op.inputs:
                 union.join(t, op.output)
         if op.kind == "flatten" and op.output is not None and op.inputs:
@@ -118,10 +120,12 @@ def channel_spaces(ops: list[Op]) -> list[Space]:
                 if t in flattened:
                     t = flattened[t][0]
                 space(t).blockers.append("the model's output")
-        elif op.kind == "flatten":
-            readers = [o for o in ops if op.output in o.inputs]
-            if not all(o.kind in ("layer", "output") for o in readers):
-                space(op.inputs[0]).blockers.append(f"{op.name} (a flatten not read by one linear layer)")
+        elif op.kind == "flatten" and op.inputs and op.inputs[0] in flattened:
+            space(flattened[op.inputs[0]][0]).blockers.append(f"{op.name} (a second flatten)")
+        elif op.kind in ("depthwise", "norm", "add") and any(t in flattened for t in op.inputs):
+            for t in op.inputs:
+                if t in flattened:
+                    space(flattened[t][0]).blockers.append(f"{op.name} (reads a flattened tensor)")
         elif op.kind == "other":
             for t in op.inputs:
                 space(flattened[t][0] if t in flattened else t).blockers.append(op.name)

@@ -22,6 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("qoperator", "qdq"), default="qoperator",
                         help="qoperator: QLinearConv/QGemm/... (default); qdq: folded, cleaned QDQ")
     parser.add_argument("--no-verify", action="store_true", help="skip the onnxruntime comparison")
+    parser.add_argument("--no-thin", action="store_true",
+                        help="keep channels filter pruning left dead (by default they are removed)")
     parser.add_argument("--tolerance", type=_tolerance, help="largest accepted max-abs difference (a finite number >= 0)")
 
 
@@ -39,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnconvertedOpsWarning)
         result = quantize_qat_export(args.input, args.output, format=args.format, verify=not args.no_verify,
-                                     tolerance=args.tolerance)
+                                     tolerance=args.tolerance, thin=not args.no_thin)
     for w in caught:
         print(f"warning: {w.message}")
     done = ", ".join(f"{k} {v}" for k, v in result.rewrites.items() if v)

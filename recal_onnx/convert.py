@@ -47,6 +47,7 @@ from .passes.int8_passthrough import int8_passthrough
 from .passes.pool_to_qlinear import pool_to_qlinear
 from .passes.redundant_qdq import remove_redundant_qdq
 from .passes.saturation_free_weights import saturation_free_weights
+from .passes.thin_channels import thin_channels
 from .qdq import activation
 from .verify import Verification, verify_models
 
@@ -85,7 +86,8 @@ class ConversionResult:
 
 def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, output_path: str | os.PathLike | None = None,
                         format: str = "qoperator", verify: bool = True, inputs: dict[str, np.ndarray] | None = None,
-                        tolerance: float | None = None, min_agreement: float | None = None) -> ConversionResult:
+                        tolerance: float | None = None, min_agreement: float | None = None,
+                        thin: bool = True) -> ConversionResult:
     """Convert a QAT ONNX model into a fully quantized one (``qoperator``) or a folded, clean QDQ one.
 
     ``model_or_path`` is never modified; ``output_path`` (optional) is written atomically and may not
@@ -93,7 +95,9 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     largest max-abs-difference accepted (default: 10% of the reference outputs' range, or 3 steps of a
     quantized output if more). Argmax agreement (2-D outputs) is always reported; it is enforced only
     with ``min_agreement`` (on generated inputs a model's near-tied logits flip on rounding alone,
-    and a flip on a clear margin already exceeds the tolerance).
+    and a flip on a clear margin already exceeds the tolerance). ``thin`` removes the channels filter
+    pruning left dead (exactly zero, or read by no one) where the channel-coupling rules allow: the
+    outputs stay the same, the multiply-adds go down (``rewrites["thin_channels"]``: channels removed).
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -114,7 +118,8 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         model = onnx.ModelProto()
         model.CopyFrom(model_or_path)  # never modify the caller's model
     try:
-        return _convert(model, reference, output_path, format, verify, inputs, tolerance, min_agreement, started)
+        return _convert(model, reference, output_path, format, verify, inputs, tolerance, min_agreement, started,
+                        thin)
     except (VerificationError, ModelError, OSError, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - a malformed model must end in one clear error, not a traceback
@@ -123,7 +128,7 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
 
 
 def _convert(model, reference, output_path, format, verify, inputs, tolerance, min_agreement,
-             started) -> ConversionResult:
+             started, thin=True) -> ConversionResult:
     infer_shapes_in_place(model)
     g = Graph(model)
     rewrites: dict[str, int] = {}
@@ -134,7 +139,8 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
         return n
 
     for pass_fn in (constants_to_initializers, remove_identities, fold_constants, fold_conv_affine,
-                    scalar_activation_qparams, activations_to_uint8, remove_redundant_qdq):
+                    *([thin_channels] if thin else []), scalar_activation_qparams, activations_to_uint8,
+                    remove_redundant_qdq):
         run(pass_fn)
     if format == "qoperator":
         while sum(run(p) for p in (int8_passthrough, conv_to_qlinearconv, gemm_to_qgemm, add_to_qlinearadd,

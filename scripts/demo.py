@@ -7,7 +7,7 @@ Accuracy on real data (the bundled digits):
 3. the same recipe's pruning part in TensorFlow (the recipe minus its QuantizationModifier).
 Speed on a realistic architecture (synthetic inputs; the digits net is too small for int8 kernels to pay):
 4. a ResNet-18-shaped model at 224x224, QAT a few steps, converted: fp32 vs recal int8 vs onnxruntime's
-   quantize_static, batch 1, one thread (scripts/speed.py).
+   quantize_static vs recal with half the filters pruned and thinned, batch 1, one thread (scripts/speed.py).
 Then the two tables and the paths of everything written.
 
     python scripts/demo.py [--output demo_out] [--seed 0] [--no-speed]

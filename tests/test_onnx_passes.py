@@ -16,6 +16,7 @@ from recal_onnx.passes.int8_passthrough import int8_passthrough
 from recal_onnx.passes.pool_to_qlinear import pool_to_qlinear
 from recal_onnx.passes.redundant_qdq import remove_redundant_qdq
 from recal_onnx.passes.saturation_free_weights import saturation_free_weights
+from recal_onnx.passes.thin_channels import thin_channels
 
 from .onnx_graphs import Builder, ops, reference, run
 
@@ -256,3 +257,38 @@ def test_conv_with_per_tensor_weight_scale():
     expected = reference(model, feeds)[0]
     converted, (n,) = _apply(model, conv_to_qlinearconv)
     assert n == 1 and np.abs(run(converted, feeds)[0] - expected).max() <= 0.05 + 1e-6
+
+
+def _two_convs(dead=(1, 3), also_output=False):
+    """x -> Conv(4 filters, those in ``dead`` zero with their bias) -> Relu -> QDQ -> Conv(2) -> QDQ."""
+    b = Builder()
+    w = b.weight((4, 3, 3, 3))
+    q = next(t for t in b.inits if t.name == b.nodes[-1].input[0])
+    values = onnx.numpy_helper.to_array(q).copy()
+    bias = b.rng.standard_normal(4).astype(np.float32) * 0.1
+    values[list(dead)] = 0
+    bias[list(dead)] = 0
+    q.CopyFrom(onnx.numpy_helper.from_array(values, q.name))
+    y = b.node("Relu", [b.node("Conv", [b.qdq("x", 0.03, 128), w, b.const(bias, "bias")], pads=[1, 1, 1, 1])])
+    y = b.qdq(y, 0.02, 0)
+    z = b.qdq(b.node("Conv", [y, b.weight((2, 4, 1, 1))]), 0.05, 100)
+    return b.model([("x", [2, 3, 6, 6])], [z] + ([y] if also_output else []))
+
+
+def test_thin_channels_removes_dead_filters_and_the_inputs_that_read_them():
+    model = _two_convs()
+    feeds = _x([2, 3, 6, 6])
+    expected = reference(model, feeds)[0]
+    thinned, (n,) = _apply(model, thin_channels)
+    assert n == 2
+    weights = sorted(onnx.numpy_helper.to_array(t).shape for t in thinned.graph.initializer
+                     if onnx.numpy_helper.to_array(t).ndim == 4)
+    assert weights == [(2, 2, 1, 1), (2, 3, 3, 3)]
+    # the same sums (the removed terms were zero), accumulated in another order: at most one output quantum
+    assert np.abs(run(thinned, feeds)[0] - expected).max() <= 0.05 + 1e-6
+
+
+@pytest.mark.parametrize("dead, also_output", [((), False), ((1, 3), True)], ids=["none dead", "output"])
+def test_thin_channels_zero_rewrites(dead, also_output):
+    _, (n,) = _apply(_two_convs(dead, also_output), thin_channels)
+    assert n == 0  # no dead channel, or the channels are a graph output

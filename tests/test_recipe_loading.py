@@ -220,8 +220,8 @@ def test_informational_log_types_accepted():
 
 
 def test_unsupported_sparseml_modifier_names_the_construct():
-    with pytest.raises(RecipeError, match="MFACPruningModifier is a SparseML modifier that recal does not support"):
-        load_recipe("- !MFACPruningModifier {params: __ALL__}")
+    with pytest.raises(RecipeError, match="MovementPruningModifier is a SparseML modifier that recal does not support"):
+        load_recipe("- !MovementPruningModifier {params: __ALL__}")
 
 
 @pytest.mark.parametrize("text, message", [

@@ -20,7 +20,7 @@ def _recipe(mask_type, final=0.5, params="__ALL_PRUNABLE__"):
 
 
 @pytest.mark.parametrize("mask_type, params", [
-    ("filter", "__ALL_PRUNABLE__"), ("channel", "[conv2, conv3, fc]"), ("[2, 4]", "[conv2, conv3, fc]"),
+    ("filter", "[conv1, conv2, conv3]"), ("channel", "[conv2, conv3, fc]"), ("[2, 4]", "[conv2, conv3, fc]"),
     ("'2:4'", "[conv2, conv3, fc]"), ("block4", "[conv2, conv3, fc]"),
 ])
 def test_torch_structured_masks_are_exact_after_every_step(mask_type, params):

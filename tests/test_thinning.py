@@ -159,3 +159,28 @@ def test_thin_leaves_a_dense_model_alone_and_qat_fake_quant_follows():
     assert thin(copy.deepcopy(model)).removed == 0
     fake_quantize_model(model)
     assert thin(model).removed == 0
+
+
+@pytest.mark.filterwarnings("ignore:left in float:UserWarning")  # ReLU6 and mean-pool: issue 11's coverage
+@pytest.mark.parametrize("case", ["resnet-filter", "mobile-filter", "smallcnn-channel"])
+def test_quantize_qat_export_thins_a_masked_export_as_thin_does(case, tmp_path):
+    import numpy as np
+    import onnxruntime as ort
+
+    from recal_onnx import quantize_qat_export
+    from recal_torch import export_onnx
+
+    make, params, kind, shape = CASES[case]
+    torch.manual_seed(0)
+    model = make()
+    _train(model, _recipe(params, kind), shape=shape, qat=True)
+    model.eval()
+    export_onnx(model, torch.randn(1, *shape), tmp_path / "qat.onnx", dynamo=False)
+    feeds = {"input": torch.randn(8, *shape, generator=torch.Generator().manual_seed(2)).numpy()}
+    thinned = quantize_qat_export(tmp_path / "qat.onnx", tmp_path / "thin.onnx", inputs=feeds)
+    full = quantize_qat_export(tmp_path / "qat.onnx", tmp_path / "full.onnx", inputs=feeds, thin=False)
+    assert thinned.rewrites["thin_channels"] == thin(copy.deepcopy(model)).removed > 0
+    outputs = [ort.InferenceSession(str(tmp_path / f"{n}.onnx")).run(None, feeds)[0] for n in ("thin", "full")]
+    step = _output_step(model)
+    assert np.abs(outputs[0] - outputs[1]).max() <= step + 1e-6  # at most one quantum: summation order
+    assert (tmp_path / "thin.onnx").stat().st_size < (tmp_path / "full.onnx").stat().st_size

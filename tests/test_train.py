@@ -136,10 +136,12 @@ def test_make_demo_script(tmp_path):
     assert (tmp_path / "demo" / "torch-prune-quant" / "model.int8.onnx").is_file()
     assert "1. accuracy on real data" in result.stdout and "2. speed on synthetic inputs" in result.stdout
     speed = {line.split(" (")[0]: line.split() for line in result.stdout.splitlines()
-             if line.startswith(("fp32 (", "recal int8 (", "onnxruntime quantize_static"))}
-    assert len(speed) == 3, result.stdout
+             if line.startswith(("fp32 (", "recal int8 (", "onnxruntime quantize_static", "recal 50% filters"))}
+    assert len(speed) == 4, result.stdout
     recal = speed["recal int8"]
     assert float(recal[-3]) <= 0.27 and float(recal[-2].removesuffix("ms")) > 0  # a quarter of fp32's size
+    thinned = speed["recal 50% filters + QAT int8, thinned"]
+    assert float(thinned[-3]) <= 0.07  # a quarter of the channels' weights, in int8
     assert "CPU:" in result.stdout
 
 

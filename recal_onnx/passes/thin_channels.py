@@ -1,0 +1,209 @@
+"""Remove dead channels: filters that are exactly zero (weight rows and bias), or that no consumer reads.
+
+The channel spaces and which of them may drop channels are the core's rules
+(:mod:`recal_core.channel_coupling`, shared with :func:`recal_torch.thin`); this pass describes the ONNX
+graph in its terms and slices the initializers::
+
+    Before:  x -> Conv(W[8], b[8]) -> Relu -> Q -> DQ -> Conv(V[., 8]) ...     (W rows 2, 5 zero, b too)
+    After:   x -> Conv(W[6], b[6]) -> Relu -> Q -> DQ -> Conv(V[., 6]) ...
+
+Quantized weights (``DequantizeLinear`` of int8 constants, per-channel scales) are sliced with their
+scales and zero points; the int8 values never change. Runs on the folded QDQ graph, before conversion.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+
+from recal_core.channel_coupling import Op, Space, channel_spaces
+
+from ..graph import Graph, attr
+from ..qdq import weight as weight_dq
+
+log = logging.getLogger(__name__)
+
+_SAME = {"Relu", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Identity", "Dropout",
+         "LeakyRelu", "HardSwish"}
+
+
+def thin_channels(g: Graph) -> int:
+    """Remove every dead channel of a thinnable space; return how many channels went."""
+    removed = 0
+    ops, nodes = _ops(g)
+    for space in channel_spaces(ops):
+        if not space.thinnable:
+            continue
+        keep = _live(g, space, nodes)
+        if keep is None or keep.all():
+            continue
+        if not keep.any():
+            keep[0] = True  # a conv needs one channel; a zero one computes the same
+        index = np.flatnonzero(keep)
+        for op in space.producers:
+            _slice_weight(g, nodes[op.name], 1, index, 0)
+            _slice_bias(g, nodes[op.name], index)
+        for op, _ in space.followers:
+            node = nodes[op.name]
+            _slice_weight(g, node, 1, index, 0)
+            _slice_bias(g, node, index)
+            for a in node.attribute:
+                if a.name == "group":
+                    a.i = len(index)
+        for op, width in space.consumers:
+            node = nodes[op.name]
+            per = 1 if width == 1 else _weight(g, node)[0].shape[1] // keep.size
+            cols = (index[:, None] * per + np.arange(per)).reshape(-1)
+            _slice_weight(g, node, 1, cols, 1)
+        removed += int(keep.size - index.size)
+        log.info("thinned %s: %d -> %d channels", ", ".join(p.name for p in space.producers), keep.size, index.size)
+    if removed:
+        g.refresh()
+    return removed
+
+
+def _ops(g: Graph) -> tuple[list[Op], dict[str, onnx.NodeProto]]:
+    """The graph as coupling ops (weight plumbing, ``DQ(const)``, is left out), and the nodes by op name."""
+    ops = [Op(i.name, "input", (), i.name) for i in g.graph.input if i.name not in g.initializers]
+    nodes = {}
+    for n, node in enumerate(g.nodes):
+        name = node.name if node.name and node.name not in nodes else f"{node.op_type}_{n}"
+        nodes[name] = node
+        data = tuple(i for i in node.input if i and not g.is_const(i) and weight_dq(g, i) is None)
+        out = node.output[0] if node.output else None
+        kind = _kind(g, node, data)
+        if kind is None:
+            continue  # a constant weight's DequantizeLinear
+        if kind in ("layer", "depthwise"):
+            ops.append(Op(name, kind, data[:1], out, node.input[1], node.input[2] if len(node.input) > 2 and
+                          node.input[2] else None))
+        else:
+            ops.append(Op(name, kind, data, out))
+    ops.append(Op("the model's output", "output", tuple(o.name for o in g.graph.output)))
+    return ops, nodes
+
+
+def _kind(g: Graph, node: onnx.NodeProto, data: tuple[str, ...]) -> str | None:
+    t = node.op_type
+    if t == "DequantizeLinear" and g.is_const(node.input[0]):
+        return None
+    if t in ("QuantizeLinear", "DequantizeLinear"):
+        scale = g.const(node.input[1]) if len(node.input) > 1 else None
+        return "same" if scale is not None and scale.size == 1 and len(data) == 1 else "other"
+    if t == "Conv" and len(data) == 1 and _weight(g, node) is not None:
+        w = _weight(g, node)[0]
+        group = attr(node, "group", 1)
+        if group == 1:
+            return "layer"
+        if group == w.shape[0] and w.shape[1] == 1:
+            return "depthwise"
+        return "other"
+    if t == "Gemm" and len(data) == 1 and _weight(g, node) is not None and attr(node, "transB", 0) == 1 \
+            and not attr(node, "transA", 0) and attr(node, "alpha", 1.0) == 1.0 and attr(node, "beta", 1.0) == 1.0:
+        return "layer"
+    if t in _SAME and len(data) == 1:
+        return "same"
+    if t == "Clip" and len(data) == 1 and _clip_keeps_zero(g, node):
+        return "same"
+    if t == "ReduceMean" and len(data) == 1 and _spatial_axes(g, node):
+        return "same"  # a global average pool written as a mean over the spatial axes
+    if t == "Add" and len(data) == 2 and len(node.input) == 2:
+        return "add"
+    if t == "Flatten" and attr(node, "axis", 1) == 1:
+        return "flatten"
+    return "other"
+
+
+def _spatial_axes(g: Graph, node: onnx.NodeProto) -> bool:
+    axes = attr(node, "axes", None)
+    if axes is None and len(node.input) > 1 and node.input[1]:
+        value = g.const(node.input[1])
+        axes = None if value is None else [int(a) for a in np.asarray(value).reshape(-1)]
+    rank = g.ranks.get(node.input[0])
+    return bool(axes) and rank is not None and all(2 <= (a + rank if a < 0 else a) < rank for a in axes)
+
+
+def _clip_keeps_zero(g: Graph, node: onnx.NodeProto) -> bool:
+    bounds = [g.const(i) if i else None for i in list(node.input[1:3])]
+    lo = float(bounds[0]) if bounds and bounds[0] is not None else -np.inf
+    hi = float(bounds[1]) if len(bounds) > 1 and bounds[1] is not None else np.inf
+    return all(i == "" or g.is_const(i) for i in node.input[1:3]) and lo <= 0 <= hi
+
+
+def _weight(g: Graph, node: onnx.NodeProto) -> tuple[np.ndarray, object] | None:
+    """The node's weight values (int8 if quantized, float otherwise) and its DQ view (or None)."""
+    name = node.input[1]
+    dq = weight_dq(g, name)
+    if dq is not None:
+        return dq.q, dq
+    value = g.const(name)
+    return (value, None) if value is not None else None
+
+
+def _live(g: Graph, space: Space, nodes: dict[str, onnx.NodeProto]) -> np.ndarray | None:
+    zero = None
+    for op in space.producers:
+        w, dq = _weight(g, nodes[op.name])
+        rows = w.reshape(w.shape[0], -1)
+        if dq is not None:
+            zp = np.broadcast_to(np.asarray(dq.zero_point).reshape(-1, 1) if np.size(dq.zero_point) > 1
+                                 else np.asarray(dq.zero_point).reshape(1, 1), (rows.shape[0], 1))
+            z = (rows == zp).all(1)
+        else:
+            z = (rows == 0).all(1)
+        bias = _bias(g, nodes[op.name])
+        if bias is not None:
+            z &= bias == 0
+        zero = z if zero is None else zero & z
+    if zero is None:
+        return None
+    for op, _ in space.followers:
+        bias = _bias(g, nodes[op.name])
+        if bias is not None:
+            zero &= bias == 0
+    unread = None
+    for op, width in space.consumers:
+        w, dq = _weight(g, nodes[op.name])
+        per = 1 if width == 1 else w.shape[1] // zero.size
+        zp = 0 if dq is None else dq.zero_point
+        if dq is not None and np.size(zp) > 1:
+            zp = np.asarray(zp).reshape(-1, *([1] * (w.ndim - 1)))
+        cols = np.moveaxis(w == zp, 1, 0).reshape(zero.size, -1) if per == 1 else \
+            np.moveaxis((w == zp).reshape(w.shape[0], zero.size, per, *w.shape[2:]), 1, 0).reshape(zero.size, -1)
+        u = cols.all(1)
+        unread = u if unread is None else unread & u
+    return ~(zero if unread is None else zero | unread)
+
+
+def _bias(g: Graph, node: onnx.NodeProto) -> np.ndarray | None:
+    if len(node.input) < 3 or not node.input[2]:
+        return None
+    value = g.const(node.input[2])
+    if value is None:
+        dq = weight_dq(g, node.input[2])
+        return None if dq is None else dq.q.astype(np.int64) - np.asarray(dq.zero_point, np.int64)
+    return value
+
+
+def _slice_weight(g: Graph, node: onnx.NodeProto, slot: int, index: np.ndarray, axis: int) -> None:
+    name = node.input[slot]
+    dq = weight_dq(g, name)
+    if dq is None:
+        node.input[slot] = g.add_const(name, np.take(g.const(name), index, axis=axis))
+        return
+    q_name = dq.dq.input[0]
+    dq.dq.input[0] = g.add_const(q_name, np.take(dq.q, index, axis=axis))
+    if axis == dq.axis:  # per-channel scale and zero point along the sliced axis
+        for i in (1, 2):
+            if len(dq.dq.input) > i and dq.dq.input[i] and g.const(dq.dq.input[i]).size > 1:
+                dq.dq.input[i] = g.add_const(dq.dq.input[i], np.take(g.const(dq.dq.input[i]), index, axis=0))
+
+
+def _slice_bias(g: Graph, node: onnx.NodeProto, index: np.ndarray) -> None:
+    if len(node.input) > 2 and node.input[2]:
+        if g.is_const(node.input[2]):
+            node.input[2] = g.add_const(node.input[2], np.take(g.const(node.input[2]), index, axis=0))
+        elif weight_dq(g, node.input[2]) is not None:
+            _slice_weight(g, node, 2, index, 0)
