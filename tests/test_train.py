@@ -129,7 +129,9 @@ def test_make_demo_script(tmp_path):
                              "--no-progress"], capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     table = [line for line in result.stdout.splitlines() if line.startswith(("torch ", "tf "))]
-    assert len(table) == 6
+    # 85% unstructured can leave a channel no one reads: then a thinned PyTorch model is listed too
+    thinned = [line for line in table if "PyTorch model, thinned" in line]
+    assert len(table) - len(thinned) == 6 and len(thinned) <= 1, result.stdout
     for line in table:
         accuracy = float(line.split()[-4])
         assert accuracy > 0.9, line
@@ -140,7 +142,7 @@ def test_make_demo_script(tmp_path):
     assert len(speed) == 4, result.stdout
     recal = speed["recal int8"]
     assert float(recal[-3]) <= 0.27 and float(recal[-2].removesuffix("ms")) > 0  # a quarter of fp32's size
-    thinned = speed["recal 50% filters + QAT int8, thinned"]
+    thinned = next(v for k, v in speed.items() if k.startswith("recal 50% filters + QAT int8, thinned"))
     assert float(thinned[-3]) <= 0.07  # a quarter of the channels' weights, in int8
     assert "CPU:" in result.stdout
 
