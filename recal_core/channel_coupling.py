@@ -60,7 +60,12 @@ class Space:
 
 
 class CouplingError(ValueError):
-    """A layer whose channels cannot be pruned as asked; the message names it and what blocks it."""
+    """A layer whose channels cannot be pruned as asked; the message names it and what blocks it, and
+    ``modifier`` is the recipe index of the modifier that asked."""
+
+    def __init__(self, message: str, modifier: int | None = None):
+        super().__init__(message)
+        self.modifier = modifier
 
 
 class _Union:
@@ -152,17 +157,31 @@ def pruning_groups(spaces: list[Space], pruned: dict[str, tuple[int, str]]) -> l
         space = (space_of_producer if kind == "filter" else space_of_consumer)(spaces, layer)
         what = "output channels (filters)" if kind == "filter" else "input channels"
         if space is None:
-            raise CouplingError(f"{layer}: mask_type {kind}: recal cannot trace where its {what} go")
+            raise CouplingError(f"{layer}: mask_type {kind}: recal cannot trace where its {what} go", modifier)
         if space.blockers:
             raise CouplingError(f"{layer}: mask_type {kind}: its {what} also reach {space.blockers[0]}, which "
                                 "cannot drop channels; use an unstructured or block mask_type for this layer, "
-                                "or leave it out of params")
+                                "or leave it out of params", modifier)
         members = [p.name for p in space.producers] if kind == "filter" else [c.name for c, _ in space.consumers]
         for other in members:
             if pruned.get(other) != (modifier, kind):
                 role = "adds its output to" if kind == "filter" else "reads the same channels as"
                 raise CouplingError(
                     f"{layer}: mask_type {kind}: {other} {role} {layer} and must prune the same channels: give "
-                    f"it the same modifier and mask_type (layers pruned together: {', '.join(members)})")
+                    f"it the same modifier and mask_type (layers pruned together: {', '.join(members)})", modifier)
         groups[id(space)] = (space, kind, members)
     return list(groups.values())
+
+
+def channel_pruned(layouts: dict[str, dict[int, object]]) -> dict[str, tuple[int, str]]:
+    """The parameters a plan prunes ``filter`` or ``channel`` (``{param: {modifier: layout}}``, as
+    :class:`recal_core.model_plan.MaskPlan` holds them): ``{param: (modifier index, kind)}``."""
+    return {name: (index, layout.mask_type) for name, per in layouts.items() for index, layout in per.items()
+            if getattr(layout, "mask_type", None) in ("filter", "channel")}
+
+
+def followers_of(space: Space) -> list[str]:
+    """The per-channel tensors zeroed with a pruned filter of ``space``: producers' biases, then the
+    followers' tensors, each once."""
+    names = [p.bias for p in space.producers if p.bias] + [t for _, ts in space.followers for t in ts]
+    return list(dict.fromkeys(names))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import tensorflow as tf
@@ -20,10 +20,12 @@ from recal_core import RecipeError
 from recal_core.manager import RecipeManager
 from recal_core import modifiers as M
 from recal_core.mask_layout import MaskLayout
+from recal_core.channel_coupling import CouplingError, channel_pruned, followers_of, pruning_groups
 from recal_core.model_plan import ModelPlan, is_second_order, plan_model
 from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
+from .channel_graph import graph_spaces
 from .graph_params import describe_variables
 from .utils import tf_compat
 
@@ -56,6 +58,16 @@ class _Mask:
 
 
 @dataclass
+class _ChannelGroup:
+    """Masks (indices into their modifier's ``masks``) that prune the same channels, ranked together, and
+    the per-channel variables zeroed with a pruned filter (:mod:`recal_core.channel_coupling`)."""
+
+    kind: str  # "filter" | "channel"
+    members: list[int]
+    followers: list[tf.Variable]
+
+
+@dataclass
 class _MaskGroup:
     """One pruning modifier's masks, updated together, with its per-step tables."""
 
@@ -65,6 +77,7 @@ class _MaskGroup:
     update_ids: np.ndarray  # per step: the last update point <= k (-1 before the first)
     in_force: np.ndarray  # per step: whether the masks are enforced
     masks: list[_Mask]
+    channel_groups: list[_ChannelGroup] = field(default_factory=list)
 
 
 class ScheduledModifierManager(RecipeManager):
@@ -83,6 +96,7 @@ class ScheduledModifierManager(RecipeManager):
         self._original_trainable: list[tf.Variable] | None = None
         self._groups: list[_MaskGroup] = []
         self._pruned: dict[str, tf.Variable] = {}
+        self._coupled: list[tuple[int, str, list[str], list[str]]] = []
         self._completed = False
 
     # --- create_ops ---------------------------------------------------------------------------
@@ -165,11 +179,25 @@ class ScheduledModifierManager(RecipeManager):
                     value=getattr(m, field), expected="start_epoch -1 (or 0) and end_epoch -1 in TensorFlow"))
         try:
             plan = plan_model(schedule, infos, sizes, groups=[(base_lr, None)])
+            self._coupled = self._channel_groups(plan)
         except RecipeError as err:
             problems += err.problems
         if problems:
             raise RecipeError(problems)
         return plan
+
+    def _channel_groups(self, plan: ModelPlan) -> list[tuple[int, str, list[str], list[str]]]:
+        """``(modifier, kind, member variables, follower variables)`` of the plan's filter/channel masks."""
+        pruned = channel_pruned({n: p.layouts for n, p in plan.masks.items()})
+        if not pruned:
+            return []
+        try:
+            found = pruning_groups(graph_spaces(tf_compat.get_default_graph()), pruned)
+        except CouplingError as exc:
+            raise RecipeError([self.recipe.problem(exc.modifier, "mask_type", str(exc),
+                                                   expected="channels every layer sharing them can drop")]) from None
+        return [(pruned[members[0]][0], kind, members, followers_of(space) if kind == "filter" else [])
+                for space, kind, members in found]
 
     def _lr_table(self, plan: ModelPlan, base_lr: float | None) -> list[float] | None:
         """The LR per step, or None when the recipe sets none."""
@@ -212,6 +240,11 @@ class ScheduledModifierManager(RecipeManager):
                               for u in update_steps]
                     group.masks.append(_Mask(name, variable, mask, counts, plan.masks[name].layouts.get(ps.index),
                                              kernel_axes.get(name)))
+            names = [m.name for m in group.masks]
+            everything = {v.op.name: v for v in tf_compat.global_variables()}
+            group.channel_groups = [_ChannelGroup(kind, [names.index(n) for n in members],
+                                                  [everything[f] for f in followers])
+                                    for index, kind, members, followers in self._coupled if index == ps.index]
             self._groups.append(group)
         for name in plan.masks:
             variable = by_name[name]
@@ -233,13 +266,20 @@ class ScheduledModifierManager(RecipeManager):
             for m in group.masks:
                 masked[m.name] = masked[m.name] * tf.where(was_in_force, m.mask.read_value(), tf.ones_like(m.mask))
         factors: dict[str, list[tf.Tensor]] = {}
+        ops = []
         for group in self._groups:
             masks = _group_update(group, k, masked)
             in_force = tf.cast(tf.gather(tf.constant(group.in_force), k), tf.float32)
             for m, mask in zip(group.masks, masks):
                 # in force: the mask; released (leave_enabled: false) or not yet started: ones
                 factors.setdefault(m.name, []).append(1.0 - tf.cast(in_force, mask.dtype) * (1.0 - mask))
-        ops = []
+            for cg in group.channel_groups:
+                first = group.masks[cg.members[0]]
+                keep = 1.0 - in_force * (1.0 - _channel_keep(masks[cg.members[0]], first.kernel_axes, cg.kind))
+                for variable in cg.followers:  # biases, BatchNorm shifts and means: a pruned channel is exactly 0
+                    shape = [1] * (variable.shape.rank - 2) + [-1, 1] if variable.shape.rank == 4 else [-1]
+                    ops.append(variable.assign(variable * tf.reshape(tf.cast(keep, variable.dtype.base_dtype), shape),
+                                               read_value=False))
         for name, parts in factors.items():
             variable = self._pruned[name]
             effective = parts[0]
@@ -395,12 +435,14 @@ def _group_update(group: _MaskGroup, k, masked: dict[str, tf.Tensor]) -> list[tf
     def recompute():
         new_masks, assigns = [], []
         joint = _joint_masks(group, masked, update_id) if group.global_ else {}
+        for cg in group.channel_groups:
+            joint.update(_coupled_masks(group, cg, masked, update_id))
         for m in group.masks:
             weight = masked[m.name]
             count = tf.gather(tf.constant(m.counts or [0], tf.int64), tf.maximum(update_id, 0))
             if group.constant:
                 new = tf.cast(tf.not_equal(weight, 0), weight.dtype)
-            elif group.global_:
+            elif m.name in joint:
                 new = joint[m.name]
             elif m.layout is not None:
                 new = _structured_mask(weight, m.layout, count, m.kernel_axes)
@@ -447,6 +489,39 @@ def _joint_masks(group: _MaskGroup, masked: dict[str, tf.Tensor], update_id) -> 
             out[m.name] = tf.transpose(tf.reshape(piece, shape), inverse)
         else:
             out[m.name] = tf.reshape(piece, tf.shape(weight))
+    return out
+
+
+def _per_channel(canonical: tf.Tensor, kind: str) -> tf.Tensor:
+    """A canonical ``[out, in, *spatial]`` tensor as ``[channels, rest]``: rows (filter) or input channels."""
+    if kind == "channel":
+        rank = canonical.shape.rank
+        canonical = tf.transpose(canonical, [1, 0, *range(2, rank)])
+    return tf.reshape(canonical, [tf.shape(canonical)[0], -1])
+
+
+def _channel_keep(mask: tf.Tensor, kernel_axes, kind: str) -> tf.Tensor:
+    """Per channel, 1 where a member's mask keeps it."""
+    return tf.reduce_max(_per_channel(tf.transpose(mask, kernel_axes), kind), axis=1)
+
+
+def _coupled_masks(group: _MaskGroup, cg: _ChannelGroup, masked: dict[str, tf.Tensor], update_id) -> dict:
+    """The masks of layers sharing channels: the channels of least summed squared norm, zeroed in every
+    member (ties by position), as recal_torch's ``group_masks``."""
+    members = [group.masks[i] for i in cg.members]
+    count = tf.gather(tf.constant(members[0].counts or [0], tf.int64), tf.maximum(update_id, 0))
+    score = tf.add_n([tf.reduce_sum(tf.square(_per_channel(tf.transpose(masked[m.name], m.kernel_axes), cg.kind)),
+                                    axis=1) for m in members])
+    rank = tf.argsort(tf.argsort(score, stable=True), stable=True)
+    keep = tf.cast(rank >= tf.cast(count, rank.dtype), score.dtype)
+    out = {}
+    for m in members:
+        canonical_shape = [m.variable.shape.as_list()[a] for a in m.kernel_axes]
+        shape = [-1] + [1] * (len(canonical_shape) - 1) if cg.kind == "filter" else \
+            [1, -1] + [1] * (len(canonical_shape) - 2)
+        canonical = tf.broadcast_to(tf.reshape(keep, shape), canonical_shape)
+        inverse = [list(m.kernel_axes).index(i) for i in range(len(m.kernel_axes))]
+        out[m.name] = tf.cast(tf.transpose(canonical, inverse), m.variable.dtype.base_dtype)
     return out
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from recal_core import Problem
-from recal_core.channel_coupling import CouplingError, pruning_groups
+from recal_core.channel_coupling import CouplingError, channel_pruned, followers_of, pruning_groups
 from recal_core.model_plan import ModelPlan
 from recal_core.recipe import Recipe
 from recal_core.schedules import pruned_count
@@ -35,11 +35,8 @@ class ChannelGroup:
 
 def channel_groups(recipe: Recipe, plan: ModelPlan, model: nn.Module) -> tuple[list[ChannelGroup], list[Problem]]:
     """The coupled groups of the plan's filter/channel masks in ``model``, or the problems that stop them."""
-    pruned: dict[str, tuple[int, str]] = {}
-    for name, mask_plan in plan.masks.items():
-        for index, layout in mask_plan.layouts.items():
-            if layout.mask_type in ("filter", "channel") and name.endswith(".weight"):
-                pruned[name[: -len(".weight")]] = (index, layout.mask_type)
+    pruned = {name.removesuffix(".weight"): v
+              for name, v in channel_pruned({n: p.layouts for n, p in plan.masks.items()}).items()}
     if not pruned:
         return [], []
     try:
@@ -53,8 +50,7 @@ def channel_groups(recipe: Recipe, plan: ModelPlan, model: nn.Module) -> tuple[l
     try:
         found = pruning_groups(spaces, pruned)
     except CouplingError as exc:
-        layer = str(exc).split(":", 1)[0]
-        return [], [recipe.problem(pruned[layer][0], "mask_type", str(exc),
+        return [], [recipe.problem(exc.modifier, "mask_type", str(exc),
                                    expected="channels every layer sharing them can drop")]
     params = dict(model.named_parameters())
     groups = []
@@ -62,7 +58,7 @@ def channel_groups(recipe: Recipe, plan: ModelPlan, model: nn.Module) -> tuple[l
         if kind == "filter":
             channels = params[members[0] + ".weight"].shape[0]
             widths = {m + ".weight": 1 for m in members}
-            followers = [p.bias for p in space.producers if p.bias] + [t for _, ts in space.followers for t in ts]
+            followers = followers_of(space)
         else:
             channels = params[space.producers[0].weight].shape[0]
             widths = {c.name + ".weight": (1 if per == 1 else params[c.weight].shape[1] // channels)

@@ -75,23 +75,27 @@ def test_tf_graph_structured_masks_equal_the_core_reference():
 
     rng = np.random.default_rng(1)  # continuous weights: group scores summed in another order still rank alike
     kernel = rng.standard_normal((3, 3, 8, 16)).astype(np.float32)  # HWIO
-    dense = rng.standard_normal((32, 8)).astype(np.float32)  # [in, out]
+    dense = rng.standard_normal((16, 8)).astype(np.float32)  # [in, out]
     for mask_type in ("filter", "channel", "[2, 4]", "'2:4'"):
+        params = "[conv]" if mask_type == "filter" else "[conv, fc]"  # fc's filters are the logits
         with tf_compat.Graph().as_default():
             x = tf_compat.placeholder(tf.float32, [None, 6, 6, 8])
+            first = tf_compat.get_variable("first/weight", initializer=np.eye(8, dtype=np.float32)[None, None],
+                                           use_resource=True)  # a layer before: conv's input channels can drop
             w = tf_compat.get_variable("conv/weight", initializer=kernel, use_resource=True)
             d = tf_compat.get_variable("fc/weight", initializer=dense, use_resource=True)
-            y = tf.nn.conv2d(x, w, 1, "SAME")
-            tf.matmul(tf.reshape(y[:, :2, :1, :], [-1, 32]), d)
+            y = tf.nn.relu(tf.nn.conv2d(tf.nn.conv2d(x, first, 1, "SAME"), w, 1, "SAME"))
+            tf.matmul(tf.reduce_mean(y, axis=[1, 2]), d)
             tf_compat.train.get_or_create_global_step()
-            manager = TFManager.from_yaml(_recipe(mask_type, final=0.5, params="[conv, fc]"))
+            manager = TFManager.from_yaml(_recipe(mask_type, final=0.5, params=params))
             ops, _ = manager.create_ops(steps_per_epoch=SPE)
             with tf_compat.Session() as sess:
                 sess.run(tf_compat.global_variables_initializer())
                 manager.initialize_session(sess)
                 got_w, got_d = sess.run([w, d])
         count = manager.schedule.pruning[0].sparsity(0)
-        for got, original, axes in ((got_w, kernel, (3, 2, 0, 1)), (got_d, dense, (1, 0))):
+        pairs = ((got_w, kernel, (3, 2, 0, 1)), (got_d, dense, (1, 0)))[: 1 if mask_type == "filter" else 2]
+        for got, original, axes in pairs:
             canonical = np.transpose(original, axes)
             layout = mask_layout(load_recipe(_recipe(mask_type)).modifiers[0].mask_type, canonical.shape)
             expected = canonical * mask_numpy(canonical, layout, layout.count(count))
