@@ -184,3 +184,36 @@ def test_quantize_qat_export_thins_a_masked_export_as_thin_does(case, tmp_path):
     step = _output_step(model)
     assert np.abs(outputs[0] - outputs[1]).max() <= step + 1e-6  # at most one quantum: summation order
     assert (tmp_path / "thin.onnx").stat().st_size < (tmp_path / "full.onnx").stat().st_size
+
+
+def test_resuming_from_a_checkpoint_masks_the_followers_again():
+    """After optimizer.load_state_dict the group masks come back, and with them the BatchNorm shifts' masks."""
+    torch.manual_seed(0)
+    model = ResNetTiny()
+    recipe = _recipe(CASES["resnet-filter"][1], "filter").rsplit("- !Quant", 1)[0]
+    manager = ScheduledModifierManager.from_yaml(recipe)
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.05), steps_per_epoch=4)
+    _steps(model, optimizer, 8)
+    optimizer_state, model_state = optimizer.state_dict(), copy.deepcopy(model.state_dict())
+    pruned = (model.conv1.weight == 0).flatten(1).all(1)
+    assert int(pruned.sum()) == 4
+
+    resumed = ResNetTiny()
+    resumed.load_state_dict(model_state)
+    with torch.no_grad():
+        resumed.bn1.bias.add_(1.0)  # as if the shifts had drifted: the restored masks zero them again
+    again = ScheduledModifierManager.from_yaml(recipe)
+    opt2 = again.modify(resumed, torch.optim.SGD(resumed.parameters(), lr=0.05), steps_per_epoch=4)
+    opt2.load_state_dict(optimizer_state)
+    _steps(resumed, opt2, 1)
+    assert torch.equal((resumed.conv1.weight == 0).flatten(1).all(1), pruned)
+    assert torch.all(resumed.bn1.bias[pruned] == 0) and torch.all(resumed.bn1.running_mean[pruned] == 0)
+
+
+def _steps(model, optimizer, n):
+    g = torch.Generator().manual_seed(3)
+    for _ in range(n):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(torch.randn(8, 3, 16, 16, generator=g)),
+                                    torch.randint(0, 5, (8,), generator=g)).backward()
+        optimizer.step()
