@@ -131,6 +131,18 @@ class ModelPlan:
                 out.append(GlobalUpdate(ps.index, tuple(self.prune_targets[ps.index]), self.global_zeros(ps.index, k)))
         return out
 
+    def curvature_bytes(self) -> list[tuple[PruningSchedule, int]]:
+        """Per OBS / M-FAC modifier, the float32 bytes its curvature holds: the Fisher blocks (block size
+        values per weight, OBS) or the gradient window (``num_grads`` values per weight, M-FAC)."""
+        out = []
+        for ps in self.schedule.pruning:
+            if is_second_order(ps):
+                m = ps.modifier
+                per_weight = m.num_grads if isinstance(m, MFACPruningModifier) else m.fisher_block_size
+                numel = sum(self.masks[n].numel for n in self.prune_targets[ps.index])
+                out.append((ps, 4 * per_weight * numel))
+        return out
+
     def second_order_updates(self, k: int) -> list[tuple[PruningSchedule, dict[str, int] | int]]:
         """The OBS modifiers updating at ``k``, each with the groups its step removes (groups of
         :func:`second_order_group` weights): ``floor(s * groups + 0.5)`` per layer, or one count across its

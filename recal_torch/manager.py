@@ -15,6 +15,7 @@ the core (:mod:`recal_core.model_plan`); the parts here apply them:
 
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 from typing import Any, Iterable
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from recal_core import RecipeError, load_recipe
+from recal_core import modifiers as M
 from recal_core.errors import RecipeWarning
 from recal_core.loggers import RecalLogger
 from recal_core.manager import RecipeManager
@@ -38,6 +40,8 @@ from .qat_control import QATControl, float_layers, qat_roots
 from .trainable import TrainableFlags
 
 STATE_VERSION = 2
+# OBS / M-FAC curvature above this is refused at modify(), before any allocation
+MAX_CURVATURE_BYTES = int(float(os.environ.get("RECAL_MAX_CURVATURE_GB", "8")) * 2**30)
 RECAL_STATE_KEY = "recal"
 
 # models and optimizers under a manager now: applying a second recipe on top is an error
@@ -116,6 +120,14 @@ class ScheduledModifierManager(RecipeManager):
             plan = plan_model(schedule, infos, sizes, groups=group_bases(optimizer))
             coupled, coupling_problems = channel_groups(self.recipe, plan, unwrap(model))
             problems += coupling_problems
+            for ps, size in plan.curvature_bytes():
+                if size > MAX_CURVATURE_BYTES:
+                    field = "num_grads" if isinstance(ps.modifier, M.MFACPruningModifier) else "fisher_block_size"
+                    problems.append(self.recipe.problem(
+                        ps.index, field, f"its curvature would hold {size / 2**20:,.1f} MiB for "
+                        f"{len(plan.prune_targets[ps.index])} layers (the limit is {MAX_CURVATURE_BYTES / 2**20:,.1f} "
+                        "MiB; set RECAL_MAX_CURVATURE_GB to raise it)",
+                        expected=f"a smaller {field}, or fewer layers in params"))
         except RecipeError as err:
             problems += err.problems
         roots, qat_problems = qat_roots(self.recipe, unwrap(model))

@@ -114,3 +114,16 @@ def test_mfac_equals_obs_on_the_same_gradients():
     mask_o = obs_step({"w": b}, {"w": fisher}, obs, {"w": 25})
     assert torch.equal(mask_m["w"], mask_o["w"]) and int((mask_m["w"] == 0).sum()) == 25
     assert torch.allclose(a, b, atol=1e-4) and not torch.allclose(a, w * mask_m["w"])
+
+
+def test_curvature_beyond_the_memory_limit_is_refused_before_allocation(monkeypatch):
+    from recal_core import RecipeError
+    from recal_torch import manager as manager_module
+
+    monkeypatch.setattr(manager_module, "MAX_CURVATURE_BYTES", 1000)
+    model = nn.Sequential()
+    model.fc = nn.Linear(16, 8)  # 128 weights x 32 gradients x 4 bytes = 16 KB
+    manager = ScheduledModifierManager.from_yaml(MFAC.format(params="[fc]", start=1, m=32, block=16, damp=1e-5,
+                                                             glob="false"))
+    with pytest.raises(RecipeError, match=r"<string>:3:\d+: .*field 'num_grads': its curvature would hold 0.0 MiB for 1 layers"):
+        manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=4)
