@@ -355,6 +355,12 @@ def _plan_from_trace(root: nn.Module, modules: dict[str, nn.Module],
     graph = torch.fx.symbolic_trace(root).graph
     calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
     quantizable = set(quantizable_layers(root, skip))
+    shared = sorted(t for t, n in calls.items() if n > 1 and (t in quantizable or isinstance(modules[t], nn.ReLU)))
+    if shared:  # one module, several call sites: one observer cannot hold each site's range
+        log.warning("QAT: %s called more than once in %s's forward; those calls are not fused or quantized as "
+                    "their own ops (a shared ReLU leaves a residual add and its ReLU float): give each call its "
+                    "own module (torchvision's BasicBlock reuses self.relu)",
+                    ", ".join(f"{t!r} ({calls[t]} calls)" for t in shared), type(root).__name__)
 
     def module_of(node: torch.fx.Node) -> nn.Module | None:
         return modules.get(node.target) if node.op == "call_module" else None

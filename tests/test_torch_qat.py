@@ -350,3 +350,19 @@ def test_scheme_overrides_recal_cannot_honour_are_located_errors_and_unused_entr
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     _qat_with("null", "{ReLU: {input_activations: null, output_activations: null}}", model)  # consistent: silent
     assert isinstance(model[0], QATLinear)
+
+
+def test_a_module_called_twice_is_named_in_a_warning(caplog):
+    class SharedReLU(nn.Module):  # torchvision's BasicBlock: one self.relu for both activations
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.conv2 = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+            self.relu = nn.ReLU()
+
+        def forward(self, x):
+            y = self.relu(self.conv1(x))
+            return self.relu(self.conv2(y) + y)
+
+    with caplog.at_level("WARNING", logger="recal_torch.qat"):
+        fake_quantize_model(SharedReLU())
+    assert "'relu' (2 calls)" in caplog.text and "give each call its own module" in caplog.text
