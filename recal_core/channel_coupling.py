@@ -23,7 +23,9 @@ does not hold is a :class:`CouplingError` naming the layer and what blocks it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
+
+import numpy as np
 
 OpKind = Literal["layer", "depthwise", "norm", "same", "add", "flatten", "input", "output", "other"]
 """``layer``: a conv or linear (weight ``[out, in, ...]``); ``depthwise``: a conv with one filter per
@@ -139,36 +141,32 @@ def channel_spaces(ops: list[Op]) -> list[Space]:
     return list(spaces.values())
 
 
-def space_of_producer(spaces: list[Space], layer: str) -> Space | None:
-    return next((s for s in spaces if any(p.name == layer for p in s.producers)), None)
-
-
-def space_of_consumer(spaces: list[Space], layer: str) -> Space | None:
-    return next((s for s in spaces if any(c.name == layer for c, _ in s.consumers)), None)
-
-
-def pruning_groups(spaces: list[Space], pruned: dict[str, tuple[int, str]]) -> list[tuple[Space, str, list[str]]]:
-    """For layers pruned ``filter`` or ``channel`` (``pruned[layer] = (modifier index, kind)``): one group
-    per space, ``(space, kind, layers ranked together)``. :class:`CouplingError` where a space cannot be
-    pruned as one: a producer (filter) or consumer (channel) left out, two modifiers sharing it, or a blocker.
+def pruning_groups(spaces: list[Space], pruned: dict[str, tuple[int, str]]) -> list[tuple[Space, str, list[Op]]]:
+    """For the weights pruned ``filter`` or ``channel`` (``pruned[weight] = (modifier index, kind)``, by
+    parameter name): one group per space, ``(space, kind, the layers ranked together)``. A
+    :class:`CouplingError` where a space cannot be pruned as one: a producer (filter) or consumer
+    (channel) left out, two modifiers sharing it, or a blocker.
     """
-    groups: dict[int, tuple[Space, str, list[str]]] = {}
-    for layer, (modifier, kind) in pruned.items():
-        space = (space_of_producer if kind == "filter" else space_of_consumer)(spaces, layer)
+    groups: dict[int, tuple[Space, str, list[Op]]] = {}
+    for weight, (modifier, kind) in pruned.items():
+        found = [(s, op) for s in spaces for op in (s.producers if kind == "filter" else [c for c, _ in s.consumers])
+                 if op.weight == weight]
         what = "output channels (filters)" if kind == "filter" else "input channels"
-        if space is None:
-            raise CouplingError(f"{layer}: mask_type {kind}: recal cannot trace where its {what} go", modifier)
+        if not found:
+            raise CouplingError(f"{weight}: mask_type {kind}: recal cannot trace where its {what} go", modifier)
+        space, op = found[0]
         if space.blockers:
-            raise CouplingError(f"{layer}: mask_type {kind}: its {what} also reach {space.blockers[0]}, which "
+            raise CouplingError(f"{op.name}: mask_type {kind}: its {what} also reach {space.blockers[0]}, which "
                                 "cannot drop channels; use an unstructured or block mask_type for this layer, "
                                 "or leave it out of params", modifier)
-        members = [p.name for p in space.producers] if kind == "filter" else [c.name for c, _ in space.consumers]
+        members = list(space.producers) if kind == "filter" else [c for c, _ in space.consumers]
         for other in members:
-            if pruned.get(other) != (modifier, kind):
+            if pruned.get(other.weight) != (modifier, kind):
                 role = "adds its output to" if kind == "filter" else "reads the same channels as"
                 raise CouplingError(
-                    f"{layer}: mask_type {kind}: {other} {role} {layer} and must prune the same channels: give "
-                    f"it the same modifier and mask_type (layers pruned together: {', '.join(members)})", modifier)
+                    f"{op.name}: mask_type {kind}: {other.name} {role} {op.name} and must prune the same channels: "
+                    f"give it the same modifier and mask_type (layers pruned together: "
+                    f"{', '.join(m.name for m in members)})", modifier)
         groups[id(space)] = (space, kind, members)
     return list(groups.values())
 
@@ -185,3 +183,35 @@ def followers_of(space: Space) -> list[str]:
     followers' tensors, each once."""
     names = [p.bias for p in space.producers if p.bias] + [t for _, ts in space.followers for t in ts]
     return list(dict.fromkeys(names))
+
+
+def live_channels(space: Space, is_zero: Callable[[str], np.ndarray]) -> np.ndarray:
+    """Which channels of a thinnable ``space`` thinning keeps: ``False`` for a dead channel, one that is
+    exactly zero (every producer's filter and bias, every follower's tensors zero there) or that no
+    consumer reads (every consumer's input columns zero). ``is_zero(tensor name)`` is the backend's
+    elementwise "is zero" of a weight or per-channel tensor. One channel is always kept (a layer needs one).
+    """
+    zero = None
+    for name in [p.weight for p in space.producers] + followers_of(space):
+        z = is_zero(name)
+        z = z.reshape(z.shape[0], -1).all(1)
+        zero = z if zero is None else zero & z
+    if zero is None:
+        raise ValueError("a space with no producer has no channels to thin")
+    unread = None
+    for op, _ in space.consumers:
+        z = is_zero(op.weight)  # [out, in, ...]: in is channels x features per channel
+        columns = np.moveaxis(z, 1, 0).reshape(z.shape[1], -1).all(1)
+        u = columns.reshape(zero.size, -1).all(1)
+        unread = u if unread is None else unread & u
+    keep = ~(zero if unread is None else zero | unread)
+    if not keep.any():
+        keep[0] = True
+    return keep
+
+
+def input_columns(kept: np.ndarray, channels: int, features: int) -> np.ndarray:
+    """A consumer's input columns for the ``kept`` channel indices, when it reads ``features`` inputs
+    from ``channels`` channels (after a flatten, ``features / channels`` consecutive ones per channel)."""
+    per = features // channels
+    return (np.asarray(kept)[:, None] * per + np.arange(per)).reshape(-1)

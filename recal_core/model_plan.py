@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
+from .channel_coupling import CouplingError, Space, channel_pruned, followers_of, pruning_groups
 from .errors import Problem, RecipeError
 from .mask_layout import MaskLayout, mask_layout
 from .modifiers import (LearningRateFunctionModifier, MFACPruningModifier, OBSPruningModifier, SetLearningRateModifier,
@@ -68,6 +69,7 @@ class MaskPlan:
     numel: int
     sources: tuple[PruningSchedule, ...]
     layouts: dict[int, MaskLayout] = field(default_factory=dict)  # modifier -> structured layout
+    coupled: frozenset[int] = frozenset()  # modifiers whose masks come from a ChannelGroup
 
     def in_force(self, k: int) -> tuple[int, ...]:
         """Indices of the modifiers whose masks multiply into the mask in force at ``k``."""
@@ -75,9 +77,10 @@ class MaskPlan:
 
     def updates(self, k: int) -> tuple[MaskUpdate, ...]:
         """The masks recomputed at ``k`` (rank the weight with the masks of ``in_force(k - 1)`` applied);
-        global modifiers' masks come from :meth:`ModelPlan.global_updates` instead."""
+        global, second-order and channel-coupled modifiers' masks come from :class:`ModelPlan` instead."""
         return tuple(MaskUpdate(ps.index, self.count(ps, k), self.layouts.get(ps.index)) for ps in self.sources
-                     if ps.is_update(k) and ps.mask_in_force(k) and not _is_global(ps) and not is_second_order(ps))
+                     if ps.is_update(k) and ps.mask_in_force(k) and not _is_global(ps) and not is_second_order(ps)
+                     and ps.index not in self.coupled)
 
     def count(self, ps: PruningSchedule, k: int) -> int | None:
         """Zeros of ``ps``'s mask after an update at ``k`` (None for ConstantKS); for a structured
@@ -91,6 +94,19 @@ class MaskPlan:
         """The exact number of zeros ``ps``'s mask holds after an update at ``k``."""
         layout = self.layouts.get(ps.index)
         return self.count(ps, k) if layout is None else layout.zeros_at(ps.sparsity(k))
+
+
+@dataclass(frozen=True)
+class ChannelGroup:
+    """Weights that prune the same channels (:mod:`recal_core.channel_coupling`), ranked together by the
+    summed squared norms of their channels: the producers of one channel space (``filter``) or its
+    consumers (``channel``), and the per-channel tensors zeroed with a pruned filter."""
+
+    modifier: int
+    kind: str  # "filter" | "channel"
+    members: dict[str, int]  # weight -> features per channel along its pruned axis (1, or S after a flatten)
+    followers: tuple[str, ...]  # biases, BatchNorm shifts and running means, depthwise filters (filter groups)
+    channels: int
 
 
 @dataclass(frozen=True)
@@ -116,8 +132,10 @@ class ModelPlan:
     """A :class:`RecipeSchedule` resolved against one model's parameters and param groups."""
 
     def __init__(self, schedule: RecipeSchedule, masks: dict[str, MaskPlan], prune_targets: dict[int, list[str]],
-                 trainable_targets: dict[int, list[str]], groups: list[GroupPlan]):
+                 trainable_targets: dict[int, list[str]], groups: list[GroupPlan],
+                 channel_groups: Sequence[ChannelGroup] = ()):
         self.schedule = schedule
+        self.channel_groups = tuple(channel_groups)
         self.masks = masks  # parameter name -> its plan, model order
         self.prune_targets = prune_targets  # pruning modifier index -> parameter names
         self.trainable_targets = trainable_targets  # TrainableParamsModifier index -> parameter names
@@ -130,6 +148,18 @@ class ModelPlan:
             if _is_global(ps) and not is_second_order(ps) and ps.is_update(k) and ps.mask_in_force(k):
                 out.append(GlobalUpdate(ps.index, tuple(self.prune_targets[ps.index]), self.global_zeros(ps.index, k)))
         return out
+
+    def channel_count(self, group: ChannelGroup, k: int) -> int:
+        """The channels ``group`` zeroes after an update at ``k``: ``floor(s * channels + 0.5)``."""
+        return pruned_count(self._pruning(group.modifier).sparsity(k), group.channels)
+
+    def channel_updates(self, k: int) -> list[tuple[ChannelGroup, int]]:
+        """The channel groups whose masks are recomputed at ``k``, with the channels they zero."""
+        return [(g, self.channel_count(g, k)) for g in self.channel_groups
+                if (ps := self._pruning(g.modifier)).is_update(k) and ps.mask_in_force(k)]
+
+    def _pruning(self, index: int) -> PruningSchedule:
+        return next(p for p in self.schedule.pruning if p.index == index)
 
     def curvature_bytes(self) -> list[tuple[PruningSchedule, int]]:
         """Per OBS / M-FAC modifier, the float32 bytes its curvature holds: the Fisher blocks (block size
@@ -158,8 +188,8 @@ class ModelPlan:
 
     def global_zeros(self, index: int, k: int) -> int:
         """The exact zeros global modifier ``index`` holds across its layers after an update at ``k``."""
-        ps = next(p for p in self.schedule.pruning if p.index == index)
-        return pruned_count(ps.sparsity(k), sum(self.masks[n].numel for n in self.prune_targets[index]))
+        return pruned_count(self._pruning(index).sparsity(k),
+                            sum(self.masks[n].numel for n in self.prune_targets[index]))
 
     @property
     def trainable_names(self) -> list[str]:
@@ -208,10 +238,13 @@ def plan_groups(schedule: RecipeSchedule,
 
 
 def plan_model(schedule: RecipeSchedule, params: Sequence[ParamInfo], sizes: Mapping[str, int], *,
-               groups: Sequence[tuple[float | None, float | None]] = ((None, None),)) -> ModelPlan:
+               groups: Sequence[tuple[float | None, float | None]] = ((None, None),),
+               channel_spaces: Callable[[], list[Space]] | None = None) -> ModelPlan:
     """Resolve ``schedule``'s recipe against a model; every problem at once in one :class:`RecipeError`.
 
     ``groups``: each optimizer param group's own ``(lr, weight_decay)`` (None: unknown or absent).
+    ``channel_spaces``: the backend's reader of the model's channel spaces, called only when a modifier
+    prunes ``filter`` or ``channel`` (without it, those masks rank each layer alone).
 
     >>> from recal_core import load_recipe
     >>> r = load_recipe("- !GradualKSModifier {params: [fc], init_sparsity: 0.5, final_sparsity: 0.5, "
@@ -260,8 +293,50 @@ def plan_model(schedule: RecipeSchedule, params: Sequence[ParamInfo], sizes: Map
             except ValueError as exc:
                 problems.append(recipe.problem(ps.index, "mask_type", f"{name}: {exc}",
                                                expected="a mask type this layer's shape takes"))
+    channel_groups: list[ChannelGroup] = []
+    pruned = channel_pruned(layouts)
+    if pruned and channel_spaces is not None and not problems:
+        try:
+            spaces = channel_spaces()
+        except Exception as exc:  # noqa: BLE001 - the backend cannot read this model's graph (an fx trace failed)
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            spaces = None
+            problems.append(recipe.problem(
+                next(iter(pruned.values()))[0], "mask_type", f"filter/channel pruning reads the model's graph to "
+                f"find the layers that share channels, and cannot: {type(exc).__name__}: {first}",
+                expected="a model the backend can trace (torch.fx), or an unstructured or block mask_type"))
+        try:
+            channel_groups = _channel_groups(spaces, pruned, infos) if spaces is not None else []
+        except CouplingError as exc:
+            problems.append(recipe.problem(exc.modifier, "mask_type", str(exc),
+                                           expected="channels every layer sharing them can drop"))
     if problems:
         raise RecipeError(problems)
-    masks = {p.name: MaskPlan(p.name, int(sizes[p.name]), tuple(by_param[p.name]), layouts.get(p.name, {}))
+    coupled: dict[str, set[int]] = {}
+    for g in channel_groups:
+        for name in g.members:
+            coupled.setdefault(name, set()).add(g.modifier)
+    masks = {p.name: MaskPlan(p.name, int(sizes[p.name]), tuple(by_param[p.name]), layouts.get(p.name, {}),
+                              frozenset(coupled.get(p.name, ())))
              for p in params if p.name in by_param}
-    return ModelPlan(schedule, masks, prune_targets, trainable_targets, group_plans)
+    return ModelPlan(schedule, masks, prune_targets, trainable_targets, group_plans, channel_groups)
+
+
+def _channel_groups(spaces: list[Space], pruned: dict[str, tuple[int, str]],
+                    infos: Mapping[str, ParamInfo]) -> list[ChannelGroup]:
+    def canonical(name: str) -> tuple[int, ...]:
+        info = infos[name]
+        return tuple(info.shape[a] for a in info.kernel_axes) if info.kernel_axes else tuple(info.shape)
+
+    out = []
+    for space, kind, members in pruning_groups(spaces, pruned):
+        if kind == "filter":
+            channels = canonical(members[0].weight)[0]
+            widths = {m.weight: 1 for m in members}
+        else:
+            direct = [c.weight for c, per in space.consumers if per == 1]
+            channels = canonical(direct[0])[1] if direct else canonical(space.producers[0].weight)[0]
+            widths = {c.weight: 1 if per == 1 else canonical(c.weight)[1] // channels for c, per in space.consumers}
+        followers = tuple(followers_of(space)) if kind == "filter" else ()
+        out.append(ChannelGroup(pruned[members[0].weight][0], kind, widths, followers, channels))
+    return out

@@ -121,6 +121,7 @@ class RecipeSchedule:
         self.trainable = tuple((i, m, self.span(m)) for i, m in recipe.of_type(M.TrainableParamsModifier))
         self.quantization = tuple((i, m) for i, m in recipe.of_type(M.QuantizationModifier))
         self.distillation = tuple((i, m, self.span(m)) for i, m in recipe.of_type(M.DistillationModifier))
+        self._lr_schedules: dict[tuple[int, float | None, int], S.Schedule] = {}
         self._check_lr_range()
 
     def _check_lr_range(self) -> None:
@@ -193,13 +194,20 @@ class RecipeSchedule:
         started = [entry for entry in self._lr if entry[0] <= k and _sets_group(entry[2], group)]
         if not started:
             return None
-        start, _, m = started[-1]
+        start, index, m = started[-1]
+        key = (index, base_lr, group)
+        if key not in self._lr_schedules:  # built once per modifier and group, not at every step
+            self._lr_schedules[key] = self._lr_schedule(start, m, base_lr, group)
+        return self._lr_schedules[key](k)
+
+    def _lr_schedule(self, start: int, m: M.Modifier, base_lr: float | None, group: int) -> S.Schedule:
+        """The LR schedule of LR modifier ``m`` (starting at step ``start``) for param group ``group``."""
         if isinstance(m, M.SetLearningRateModifier):
-            return m.learning_rate
+            return S.constant(m.learning_rate)
+        span = self.span(m)
         if isinstance(m, M.LearningRateFunctionModifier):
-            span = self.span(m)
             cycle = None if m.cycle_epochs == -1 else max(1, self.step(m.cycle_epochs))
-            return S.function_lr(m.init_lr, m.final_lr, start, max(span.end, start + 1), m.lr_func, cycle)(k)
+            return S.function_lr(m.init_lr, m.final_lr, start, max(span.end, start + 1), m.lr_func, cycle)
         init = m.init_lr
         if init is None:
             init = self.lr(start - 1, base_lr, group) if start > 0 else None
@@ -207,9 +215,9 @@ class RecipeSchedule:
             if init is None:
                 raise ValueError(f"{m.yaml_tag} has no init_lr and no earlier LR to start from; "
                                  "give init_lr or the optimizer's LR")
-        span = self.span(m)
         end = span.end if span.end is not None else self.total_steps
-        return self._lr_function(m, init, start)(min(k, max(end - 1, start)))
+        schedule, last = self._lr_function(m, init, start), max(end - 1, start)
+        return lambda k: schedule(min(k, last))
 
     def lr_function(self, base_lr: float | None, group: int = 0) -> Callable[[int], float | None]:
         """The LR in force after ``k`` steps for a param group whose own LR is ``base_lr`` (None

@@ -20,7 +20,6 @@ from recal_core import RecipeError
 from recal_core.manager import RecipeManager
 from recal_core import modifiers as M
 from recal_core.mask_layout import MaskLayout
-from recal_core.channel_coupling import CouplingError, channel_pruned, followers_of, pruning_groups
 from recal_core.model_plan import ModelPlan, is_second_order, plan_model
 from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
@@ -65,6 +64,7 @@ class _ChannelGroup:
     kind: str  # "filter" | "channel"
     members: list[int]
     followers: list[tf.Variable]
+    counts: list[int]  # channels zeroed at the modifier's update j (the core's ModelPlan.channel_count)
 
 
 @dataclass
@@ -96,7 +96,6 @@ class ScheduledModifierManager(RecipeManager):
         self._original_trainable: list[tf.Variable] | None = None
         self._groups: list[_MaskGroup] = []
         self._pruned: dict[str, tf.Variable] = {}
-        self._coupled: list[tuple[int, str, list[str], list[str]]] = []
         self._completed = False
 
     # --- create_ops ---------------------------------------------------------------------------
@@ -178,26 +177,13 @@ class ScheduledModifierManager(RecipeManager):
                     index, field, "TensorFlow fixes the trainable variables when the optimizer is built",
                     value=getattr(m, field), expected="start_epoch -1 (or 0) and end_epoch -1 in TensorFlow"))
         try:
-            plan = plan_model(schedule, infos, sizes, groups=[(base_lr, None)])
-            self._coupled = self._channel_groups(plan)
+            plan = plan_model(schedule, infos, sizes, groups=[(base_lr, None)],
+                              channel_spaces=lambda: graph_spaces(tf_compat.get_default_graph()))
         except RecipeError as err:
             problems += err.problems
         if problems:
             raise RecipeError(problems)
         return plan
-
-    def _channel_groups(self, plan: ModelPlan) -> list[tuple[int, str, list[str], list[str]]]:
-        """``(modifier, kind, member variables, follower variables)`` of the plan's filter/channel masks."""
-        pruned = channel_pruned({n: p.layouts for n, p in plan.masks.items()})
-        if not pruned:
-            return []
-        try:
-            found = pruning_groups(graph_spaces(tf_compat.get_default_graph()), pruned)
-        except CouplingError as exc:
-            raise RecipeError([self.recipe.problem(exc.modifier, "mask_type", str(exc),
-                                                   expected="channels every layer sharing them can drop")]) from None
-        return [(pruned[members[0]][0], kind, members, followers_of(space) if kind == "filter" else [])
-                for space, kind, members in found]
 
     def _lr_table(self, plan: ModelPlan, base_lr: float | None) -> list[float] | None:
         """The LR per step, or None when the recipe sets none."""
@@ -242,9 +228,10 @@ class ScheduledModifierManager(RecipeManager):
                                              kernel_axes.get(name)))
             names = [m.name for m in group.masks]
             everything = {v.op.name: v for v in tf_compat.global_variables()}
-            group.channel_groups = [_ChannelGroup(kind, [names.index(n) for n in members],
-                                                  [everything[f] for f in followers])
-                                    for index, kind, members, followers in self._coupled if index == ps.index]
+            group.channel_groups = [
+                _ChannelGroup(g.kind, [names.index(n) for n in g.members], [everything[f] for f in g.followers],
+                              [plan.channel_count(g, u) for u in update_steps] or [0])
+                for g in plan.channel_groups if g.modifier == ps.index]
             self._groups.append(group)
         for name in plan.masks:
             variable = by_name[name]
@@ -509,7 +496,7 @@ def _coupled_masks(group: _MaskGroup, cg: _ChannelGroup, masked: dict[str, tf.Te
     """The masks of layers sharing channels: the channels of least summed squared norm, zeroed in every
     member (ties by position), as recal_torch's ``group_masks``."""
     members = [group.masks[i] for i in cg.members]
-    count = tf.gather(tf.constant(members[0].counts or [0], tf.int64), tf.maximum(update_id, 0))
+    count = tf.gather(tf.constant(cg.counts, tf.int64), tf.maximum(update_id, 0))
     score = tf.add_n([tf.reduce_sum(tf.square(_per_channel(tf.transpose(masked[m.name], m.kernel_axes), cg.kind)),
                                     axis=1) for m in members])
     rank = tf.argsort(tf.argsort(score, stable=True), stable=True)

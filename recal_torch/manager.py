@@ -32,7 +32,7 @@ from recal_core.model_plan import ModelPlan, plan_groups, plan_model
 from recal_core.recipe import Recipe
 
 from .distillation import Teacher, distillation_loss
-from .channel_masks import channel_groups
+from .channel_graph import model_spaces
 from .masks import MaskState
 from .model_params import describe_parameters, sparsity, unwrap
 from .param_groups import ParamGroupSettings, group_bases
@@ -115,11 +115,9 @@ class ScheduledModifierManager(RecipeManager):
         infos, params = describe_parameters(model)
         sizes = {name: p.numel() for name, p in params.items()}
         problems = []
-        coupled: list = []
         try:
-            plan = plan_model(schedule, infos, sizes, groups=group_bases(optimizer))
-            coupled, coupling_problems = channel_groups(self.recipe, plan, unwrap(model))
-            problems += coupling_problems
+            plan = plan_model(schedule, infos, sizes, groups=group_bases(optimizer),
+                              channel_spaces=lambda: model_spaces(unwrap(model)))
             for ps, size in plan.curvature_bytes():
                 if size > MAX_CURVATURE_BYTES:
                     field = "num_grads" if isinstance(ps.modifier, M.MFACPruningModifier) else "fisher_block_size"
@@ -158,7 +156,7 @@ class ScheduledModifierManager(RecipeManager):
         self._bases = group_bases(optimizer)
         self._model, self._optimizer, self._params = model, optimizer, params
         tensors = {**dict(unwrap(model).named_buffers()), **dict(unwrap(model).named_parameters())}
-        self.masks = MaskState(plan, params, {p.name: p.kernel_axes for p in infos}, coupled, tensors)
+        self.masks = MaskState(plan, params, {p.name: p.kernel_axes for p in infos}, tensors)
         self.param_groups = ParamGroupSettings(optimizer, plan.groups)
         self.trainable = TrainableFlags(plan, params)
         self.qat = QATControl(unwrap(model), roots, left_float)

@@ -15,7 +15,7 @@ from torch import nn
 from recal_core import modifiers as M
 from recal_core.model_plan import MaskPlan, ModelPlan, is_second_order
 
-from .channel_masks import ChannelGroup, expand, group_masks
+from .channel_masks import expand, group_masks
 from .mfac import GradientWindow, mfac_step
 from .obs import FisherBlocks, obs_step
 from .pruning import joint_magnitude_masks, magnitude_mask, nonzero_mask, structured_mask
@@ -25,11 +25,8 @@ class MaskState:
     """Per parameter, the mask of each pruning modifier in force and their product (the effective mask)."""
 
     def __init__(self, plan: ModelPlan, params: Mapping[str, nn.Parameter],
-                 kernel_axes: Mapping[str, tuple[int, ...] | None], channel_groups: list[ChannelGroup] = (),
-                 tensors: Mapping[str, torch.Tensor] | None = None):
+                 kernel_axes: Mapping[str, tuple[int, ...] | None], tensors: Mapping[str, torch.Tensor] | None = None):
         self.plan = plan  # global, OBS and channel-coupled modifiers update several parameters together
-        self.channel_groups = list(channel_groups)
-        self._coupled = {(n, g.modifier) for g in self.channel_groups for n in g.members}
         self._tensors = dict(tensors or {})  # the followers' parameters and buffers, by name
         self._followers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, mask), from the groups' masks
         self.plans: dict[str, MaskPlan] = dict(plan.masks)
@@ -117,12 +114,10 @@ class MaskState:
                 joint.setdefault(name, {})[ps.index] = mask
             for fisher in fishers.values():
                 fisher.reset()
-        for group in self.channel_groups:
-            ps = next(p for p in self.plan.schedule.pruning if p.index == group.modifier)
-            if ps.is_update(k) and ps.mask_in_force(k):
-                weights = {n: self.params[n].data for n in group.members}
-                for name, mask in group_masks(group, weights, ps.sparsity(k)).items():
-                    joint.setdefault(name, {})[group.modifier] = mask
+        for group, count in self.plan.channel_updates(k):
+            weights = {n: self.params[n].data for n in group.members}
+            for name, mask in group_masks(group, weights, count).items():
+                joint.setdefault(name, {})[group.modifier] = mask
         for name, plan in self.plans.items():
             per_modifier = self.masks[name]
             in_force = set(plan.in_force(k))
@@ -135,8 +130,6 @@ class MaskState:
                 per_modifier.update(joint[name])
                 changed = True
             for u in plan.updates(k):
-                if (name, u.modifier) in self._coupled:
-                    continue  # ranked with its channel group above
                 if u.count is None:
                     per_modifier[u.modifier] = nonzero_mask(weight)
                 elif u.layout is None:
@@ -153,7 +146,7 @@ class MaskState:
     def _update_followers(self) -> None:
         """The follower tensors' masks, read off each filter group's mask in force (or none)."""
         self._followers = []
-        for group in self.channel_groups:
+        for group in self.plan.channel_groups:
             first = next(iter(group.members))
             mask = self.masks[first].get(group.modifier)
             if group.kind != "filter" or mask is None:

@@ -11,7 +11,7 @@ from recal_torch import ScheduledModifierManager
 from recal_torch.mfac import GradientWindow, mfac_step
 from recal_torch.pruning import magnitude_mask
 
-from .test_obs import _fit, _loss, _problem
+from .test_obs import _example_gradients, _fit, _loss, _problem, _two_layers, _zeros_after_each_step
 
 MFAC = """
 - !MFACPruningModifier {{params: {params}, init_sparsity: 0.5, final_sparsity: 0.5, start_epoch: {start},
@@ -60,10 +60,7 @@ def test_mfac_loses_less_than_magnitude_pruning_on_a_quadratic():
     mfac_model, mag_model = _fit(x, y), _fit(x, y)
     w = mfac_model.fc.weight
     window = GradientWindow(w.numel(), 32, 512, w.device)  # one block, every example's gradient
-    for i in range(len(x)):
-        mfac_model.zero_grad()
-        nn.functional.mse_loss(mfac_model(x[i:i + 1]), y[i:i + 1]).backward()
-        window.add(w.grad)
+    _example_gradients(mfac_model, x, y, window)
     masks = mfac_step({"fc.weight": w.data}, {"fc.weight": window}, _modifier(damp=1e-7), {"fc.weight": 16})
     assert int((masks["fc.weight"] == 0).sum()) == 16 and int((w == 0).sum()) == 16
     with torch.no_grad():
@@ -76,21 +73,13 @@ def test_mfac_loses_less_than_magnitude_pruning_on_a_quadratic():
 
 @pytest.mark.parametrize("glob", ["true", "false"])
 def test_mfac_in_training_holds_exact_counts(glob):
-    torch.manual_seed(0)
-    model = nn.Sequential()
-    model.fc = nn.Linear(16, 8)
-    model.out = nn.Linear(8, 4)
+    model = _two_layers()
     manager = ScheduledModifierManager.from_yaml(MFAC.format(params="[fc, out]", start=1, m=6, block=20,
                                                              damp=1e-5, glob=glob))
     with pytest.warns(UserWarning, match=r"<string>:4:\d+: !MFACPruningModifier .*available_gpus is not used"):
         optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.01), steps_per_epoch=8)
-    for step in range(32):
-        optimizer.zero_grad()
-        model.out(torch.relu(model.fc(torch.randn(8, 16)))).pow(2).mean().backward()
-        optimizer.step()
-        if step + 1 >= 8:
-            zeros = [int((p == 0).sum()) for p in (model.fc.weight, model.out.weight)]
-            assert (zeros == [64, 16]) if glob == "false" else (sum(zeros) == 80), (step, zeros)
+    for step, zeros in _zeros_after_each_step(model, optimizer):
+        assert (zeros == [64, 16]) if glob == "false" else (sum(zeros) == 80), (step, zeros)
     windows = [w for ws in manager.masks.fishers.values() for w in ws.values()]
     assert windows and all(isinstance(w, GradientWindow) and w.count == 0 for w in windows)
 
@@ -121,8 +110,7 @@ def test_curvature_beyond_the_memory_limit_is_refused_before_allocation(monkeypa
     from recal_torch import manager as manager_module
 
     monkeypatch.setattr(manager_module, "MAX_CURVATURE_BYTES", 1000)
-    model = nn.Sequential()
-    model.fc = nn.Linear(16, 8)  # 128 weights x 32 gradients x 4 bytes = 16 KB
+    model = _two_layers()  # fc: 128 weights x 32 gradients x 4 bytes = 16 KB
     manager = ScheduledModifierManager.from_yaml(MFAC.format(params="[fc]", start=1, m=32, block=16, damp=1e-5,
                                                              glob="false"))
     with pytest.raises(RecipeError, match=r"<string>:3:\d+: .*field 'num_grads': its curvature would hold 0.0 MiB for 1 layers"):

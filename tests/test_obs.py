@@ -39,16 +39,39 @@ def _loss(model, x, y):
     return nn.functional.mse_loss(model(x), y).item()
 
 
+def _example_gradients(model, x, y, curvature):
+    """Add each example's gradient of the least-squares loss to ``curvature``: the empirical Fisher."""
+    for i in range(len(x)):
+        model.zero_grad()
+        nn.functional.mse_loss(model(x[i:i + 1]), y[i:i + 1]).backward()
+        curvature.add(model.fc.weight.grad)
+
+
+def _two_layers():
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.fc = nn.Linear(16, 8)
+    model.out = nn.Linear(8, 4)
+    return model
+
+
+def _zeros_after_each_step(model, optimizer, steps=32, first=8):
+    """Train ``steps`` steps; from step ``first`` (the first update) on, yield the zeros of fc and out."""
+    for step in range(steps):
+        optimizer.zero_grad()
+        model.out(torch.relu(model.fc(torch.randn(8, 16)))).pow(2).mean().backward()
+        optimizer.step()
+        if step + 1 >= first:
+            yield step, [int((p == 0).sum()) for p in (model.fc.weight, model.out.weight)]
+
+
 @pytest.mark.parametrize("mask", ["unstructured", "block4"])
 def test_obs_loses_less_than_magnitude_pruning_on_a_quadratic(mask):
     x, y = _problem()
     obs_model, mag_model = _fit(x, y), _fit(x, y)
     w = obs_model.fc.weight
     fisher = FisherBlocks(w.numel(), 32, w.device)  # one block: the Fisher is the features' covariance
-    for i in range(len(x)):  # per-example gradients: the empirical Fisher
-        obs_model.zero_grad()
-        nn.functional.mse_loss(obs_model(x[i:i + 1]), y[i:i + 1]).backward()
-        fisher.add(w.grad)
+    _example_gradients(obs_model, x, y, fisher)
     m = load_recipe(OBS.format(start=1, damp=1e-7, mask=mask, glob="false")).modifiers[0]
     masks = obs_step({"fc.weight": w.data}, {"fc.weight": fisher}, m, {"fc.weight": 16 // (4 if mask == "block4" else 1)})
     assert int((masks["fc.weight"] == 0).sum()) == 16 and int((w == 0).sum()) == 16
@@ -83,23 +106,14 @@ def test_without_gradients_obs_is_magnitude_pruning():
 
 @pytest.mark.parametrize("glob", ["true", "false"])
 def test_obs_in_training_holds_exact_counts(glob):
-    torch.manual_seed(0)
-    model = nn.Sequential()
-    model.fc = nn.Linear(16, 8)
-    model.out = nn.Linear(8, 4)
+    model = _two_layers()
     recipe = OBS.format(start=1, damp=1e-6, mask="block4", glob=glob).replace("params: [fc]", "params: [fc, out]")
     manager = ScheduledModifierManager.from_yaml(recipe)
     with pytest.warns(UserWarning, match=r"<string>:4:\d+: !OBSPruningModifier .*grad_sampler_kwargs is not used"):
         optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.01), steps_per_epoch=8)
-    for step in range(32):
-        x = torch.randn(8, 16)
-        optimizer.zero_grad()
-        model.out(torch.relu(model.fc(x))).pow(2).mean().backward()
-        optimizer.step()
-        if step + 1 >= 8:  # from the first update on: half of the groups of 4 are gone
-            zeros = [int((p == 0).sum()) for p in (model.fc.weight, model.out.weight)]
-            if glob == "false":
-                assert zeros == [64, 16], step
-            else:
-                assert sum(zeros) == 80 and all(z % 4 == 0 for z in zeros), step
+    for step, zeros in _zeros_after_each_step(model, optimizer):  # half of the groups of 4 are gone
+        if glob == "false":
+            assert zeros == [64, 16], step
+        else:
+            assert sum(zeros) == 80 and all(z % 4 == 0 for z in zeros), step
     assert manager.masks.fishers and all(f.count == 0 for fs in manager.masks.fishers.values() for f in fs.values())

@@ -63,13 +63,8 @@ def _train(model, recipe, steps=16, shape=(3, 16, 16), qat=False):
     manager = ScheduledModifierManager.from_yaml(recipe if qat else recipe.rsplit("- !Quant", 1)[0])
     optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                steps_per_epoch=4)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        x = torch.randn(8, *shape, generator=g)
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x), torch.randint(0, 5, (8,), generator=g)).backward()
-        optimizer.step()
-    manager.finalize() if hasattr(manager, "finalize") else None
+    _steps(model, optimizer, steps, shape, seed=0)
+    manager.finalize()
     return manager
 
 
@@ -154,6 +149,18 @@ def test_a_reshape_the_rules_do_not_cover_blocks_filter_pruning():
         manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=4)
 
 
+def test_a_model_fx_cannot_trace_is_a_located_error_for_filter_pruning():
+    class Branchy(SmallCNN):
+        def forward(self, x):
+            return super().forward(x) if x.sum() > 0 else -super().forward(x)  # data-dependent control flow
+
+    model = Branchy()
+    manager = ScheduledModifierManager.from_yaml(_recipe("[conv1, conv2, conv3]", "filter").rsplit("- !Quant", 1)[0])
+    with pytest.raises(RecipeError, match=r"<string>:4:\d+: .*field 'mask_type': filter/channel pruning reads the "
+                                          r"model's graph .* and cannot: TraceError"):
+        manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=4)
+
+
 def test_thin_leaves_a_dense_model_alone_and_qat_fake_quant_follows():
     model = ResNetTiny()
     assert thin(copy.deepcopy(model)).removed == 0
@@ -210,10 +217,11 @@ def test_resuming_from_a_checkpoint_masks_the_followers_again():
     assert torch.all(resumed.bn1.bias[pruned] == 0) and torch.all(resumed.bn1.running_mean[pruned] == 0)
 
 
-def _steps(model, optimizer, n):
-    g = torch.Generator().manual_seed(3)
+def _steps(model, optimizer, n, shape=(3, 16, 16), seed=3):
+    """``n`` steps of cross-entropy on random batches of 8 (5 classes)."""
+    g = torch.Generator().manual_seed(seed)
     for _ in range(n):
         optimizer.zero_grad()
-        nn.functional.cross_entropy(model(torch.randn(8, 3, 16, 16, generator=g)),
+        nn.functional.cross_entropy(model(torch.randn(8, *shape, generator=g)),
                                     torch.randint(0, 5, (8,), generator=g)).backward()
         optimizer.step()

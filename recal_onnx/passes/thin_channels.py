@@ -1,4 +1,5 @@
-"""Remove dead channels: filters that are exactly zero (weight rows and bias), or that no consumer reads.
+"""Remove dead channels: filters that are exactly zero (weight rows and bias), or that no consumer reads
+(the core's :func:`~recal_core.channel_coupling.live_channels`).
 
 The channel spaces and which of them may drop channels are the core's rules
 (:mod:`recal_core.channel_coupling`, shared with :func:`recal_torch.thin`); this pass describes the ONNX
@@ -18,7 +19,7 @@ import logging
 import numpy as np
 import onnx
 
-from recal_core.channel_coupling import Op, Space, channel_spaces
+from recal_core.channel_coupling import Op, channel_spaces, input_columns, live_channels
 
 from ..graph import Graph, attr
 from ..qdq import weight as weight_dq
@@ -36,11 +37,9 @@ def thin_channels(g: Graph) -> int:
     for space in channel_spaces(ops):
         if not space.thinnable:
             continue
-        keep = _live(g, space, nodes)
-        if keep is None or keep.all():
+        keep = live_channels(space, lambda name: _is_zero(g, name))
+        if keep.all():
             continue
-        if not keep.any():
-            keep[0] = True  # a conv needs one channel; a zero one computes the same
         index = np.flatnonzero(keep)
         for op in space.producers:
             _slice_weight(g, nodes[op.name], 1, index, 0)
@@ -52,11 +51,9 @@ def thin_channels(g: Graph) -> int:
             for a in node.attribute:
                 if a.name == "group":
                     a.i = len(index)
-        for op, width in space.consumers:
+        for op, _ in space.consumers:
             node = nodes[op.name]
-            per = 1 if width == 1 else _weight(g, node)[0].shape[1] // keep.size
-            cols = (index[:, None] * per + np.arange(per)).reshape(-1)
-            _slice_weight(g, node, 1, cols, 1)
+            _slice_weight(g, node, 1, input_columns(index, keep.size, _weight(g, node)[0].shape[1]), 1)
         removed += int(keep.size - index.size)
         log.info("thinned %s: %d -> %d channels", ", ".join(p.name for p in space.producers), keep.size, index.size)
     if removed:
@@ -142,49 +139,19 @@ def _weight(g: Graph, node: onnx.NodeProto) -> tuple[np.ndarray, object] | None:
     return (value, None) if value is not None else None
 
 
-def _live(g: Graph, space: Space, nodes: dict[str, onnx.NodeProto]) -> np.ndarray | None:
-    zero = None
-    for op in space.producers:
-        w, dq = _weight(g, nodes[op.name])
-        rows = w.reshape(w.shape[0], -1)
-        if dq is not None:
-            zp = np.broadcast_to(np.asarray(dq.zero_point).reshape(-1, 1) if np.size(dq.zero_point) > 1
-                                 else np.asarray(dq.zero_point).reshape(1, 1), (rows.shape[0], 1))
-            z = (rows == zp).all(1)
-        else:
-            z = (rows == 0).all(1)
-        bias = _bias(g, nodes[op.name])
-        if bias is not None:
-            z &= bias == 0
-        zero = z if zero is None else zero & z
-    if zero is None:
-        return None
-    for op, _ in space.followers:
-        bias = _bias(g, nodes[op.name])
-        if bias is not None:
-            zero &= bias == 0
-    unread = None
-    for op, width in space.consumers:
-        w, dq = _weight(g, nodes[op.name])
-        per = 1 if width == 1 else w.shape[1] // zero.size
-        zp = 0 if dq is None else dq.zero_point
-        if dq is not None and np.size(zp) > 1:
-            zp = np.asarray(zp).reshape(-1, *([1] * (w.ndim - 1)))
-        cols = np.moveaxis(w == zp, 1, 0).reshape(zero.size, -1) if per == 1 else \
-            np.moveaxis((w == zp).reshape(w.shape[0], zero.size, per, *w.shape[2:]), 1, 0).reshape(zero.size, -1)
-        u = cols.all(1)
-        unread = u if unread is None else unread & u
-    return ~(zero if unread is None else zero | unread)
-
-
-def _bias(g: Graph, node: onnx.NodeProto) -> np.ndarray | None:
-    if len(node.input) < 3 or not node.input[2]:
-        return None
-    value = g.const(node.input[2])
-    if value is None:
-        dq = weight_dq(g, node.input[2])
-        return None if dq is None else dq.q.astype(np.int64) - np.asarray(dq.zero_point, np.int64)
-    return value
+def _is_zero(g: Graph, name: str) -> np.ndarray:
+    """Elementwise, whether a weight or bias is zero: a quantized one where its integers equal the zero
+    point, a float constant where it is 0 (a computed tensor: unknown, never zero)."""
+    dq = weight_dq(g, name)
+    if dq is None:
+        value = g.const(name)
+        return np.zeros(1, bool) if value is None else value == 0
+    zp = np.asarray(dq.zero_point)
+    if zp.size > 1:
+        shape = [1] * dq.q.ndim
+        shape[dq.axis] = -1
+        zp = zp.reshape(shape)
+    return dq.q == zp
 
 
 def _slice_weight(g: Graph, node: onnx.NodeProto, slot: int, index: np.ndarray, axis: int) -> None:
