@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass, field
 
 import numpy as np
 import tensorflow as tf
@@ -19,13 +18,13 @@ import tensorflow as tf
 from recal_core import RecipeError
 from recal_core.manager import RecipeManager
 from recal_core import modifiers as M
-from recal_core.mask_layout import MaskLayout
 from recal_core.model_plan import ModelPlan, is_second_order, plan_model
 from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
 from .channel_graph import graph_spaces
 from .graph_params import describe_variables
+from .mask_ops import PruningMasks
 from .utils import tf_compat
 
 log = logging.getLogger(__name__)
@@ -44,42 +43,6 @@ class RecalWarning(UserWarning):
     """A recipe feature is set up in a way that will not have its effect."""
 
 
-@dataclass
-class _Mask:
-    """One variable's mask under one pruning modifier; ``counts[j]``: zeros at the modifier's update j."""
-
-    name: str
-    variable: tf.Variable
-    mask: tf.Variable
-    counts: list[int]
-    layout: MaskLayout | None = None  # a structured mask: counts are groups (N:M: weights per run)
-    kernel_axes: tuple[int, ...] | None = None  # the variable's axes in canonical [out, in, *spatial] order
-
-
-@dataclass
-class _ChannelGroup:
-    """Masks (indices into their modifier's ``masks``) that prune the same channels, ranked together, and
-    the per-channel variables zeroed with a pruned filter (:mod:`recal_core.channel_coupling`)."""
-
-    kind: str  # "filter" | "channel"
-    members: list[int]
-    followers: list[tf.Variable]
-    counts: list[int]  # channels zeroed at the modifier's update j (the core's ModelPlan.channel_count)
-
-
-@dataclass
-class _MaskGroup:
-    """One pruning modifier's masks, updated together, with its per-step tables."""
-
-    constant: bool
-    global_: bool  # one magnitude ranking across all the group's variables (global_sparsity)
-    update_id: tf.Variable  # the update point the masks were computed at (-1: never)
-    update_ids: np.ndarray  # per step: the last update point <= k (-1 before the first)
-    in_force: np.ndarray  # per step: whether the masks are enforced
-    masks: list[_Mask]
-    channel_groups: list[_ChannelGroup] = field(default_factory=list)
-
-
 class ScheduledModifierManager(RecipeManager):
     """Holds a recipe and modifies a TensorFlow graph with it (the seed's ``neuralmagicML`` API)."""
 
@@ -94,8 +57,7 @@ class ScheduledModifierManager(RecipeManager):
         self._is_initialized: list[tf.Tensor] = []
         self._global_step: tf.Variable | None = None
         self._original_trainable: list[tf.Variable] | None = None
-        self._groups: list[_MaskGroup] = []
-        self._pruned: dict[str, tf.Variable] = {}
+        self._masks: PruningMasks | None = None
         self._completed = False
 
     # --- create_ops ---------------------------------------------------------------------------
@@ -201,92 +163,31 @@ class ScheduledModifierManager(RecipeManager):
             table = [base_lr if v is None else v for v in table]
         return table
 
-    def _variable(self, name: str, shape, dtype, initializer) -> tf.Variable:
-        var = tf_compat.get_variable(name, shape=shape, dtype=dtype, initializer=initializer, trainable=False,
-                                     use_resource=True,
+    def _variable(self, name: str, shape, dtype, initial) -> tf.Variable:
+        var = tf_compat.get_variable(name, shape=shape, dtype=dtype, initializer=tf_compat.constant_initializer(initial),
+                                     trainable=False, use_resource=True,
                                      collections=[tf_compat.GraphKeys.GLOBAL_VARIABLES, RECAL_VARIABLES])
         self._variables.append(var)
         return var
 
     def _pruning_ops(self, plan: ModelPlan, by_name, k, kernel_axes: dict) -> list:
         """Create the mask variables, then the ops that update and apply them at step ``k``."""
-        total = plan.schedule.total_steps
-        for ps in plan.schedule.pruning:
-            update_ids, in_force, update_steps = ps.tables(total)
-            with tf_compat.variable_scope(f"recal/pruning_{ps.index}", reuse=False):
-                is_global = bool(getattr(ps.modifier, "global_sparsity", False))
-                group = _MaskGroup(ps.constant, is_global, self._variable("update_id", [], tf.int64,
-                                                                           tf_compat.constant_initializer(-1)),
-                                   update_ids, in_force, [])
-                for name in plan.prune_targets[ps.index]:
-                    variable = by_name[name]
-                    mask = self._variable(f"masks/{name}", variable.shape, variable.dtype.base_dtype,
-                                          tf_compat.ones_initializer())
-                    counts = [plan.global_zeros(ps.index, u) if is_global else plan.masks[name].count(ps, u) or 0
-                              for u in update_steps]
-                    group.masks.append(_Mask(name, variable, mask, counts, plan.masks[name].layouts.get(ps.index),
-                                             kernel_axes.get(name)))
-            names = [m.name for m in group.masks]
-            everything = {v.op.name: v for v in tf_compat.global_variables()}
-            group.channel_groups = [
-                _ChannelGroup(g.kind, [names.index(n) for n in g.members], [everything[f] for f in g.followers],
-                              [plan.channel_count(g, u) for u in update_steps] or [0])
-                for g in plan.channel_groups if g.modifier == ps.index]
-            self._groups.append(group)
-        for name in plan.masks:
-            variable = by_name[name]
-            self._pruned[name] = variable
+        everything = {v.op.name: v for v in tf_compat.global_variables()}
+        self._masks = PruningMasks(plan, by_name, kernel_axes, self._variable, everything.__getitem__)
+        for name, variable in self._masks.pruned.items():
             self._summaries.append(tf_compat.summary.scalar(f"Modifier_Pruning/{name}", tf.nn.zero_fraction(variable)))
         return self._mask_ops(k)
 
     def _mask_ops(self, k) -> list:
-        """Per pruning modifier one conditional update of all its masks, then ``w <- w * mask`` per variable.
-
-        New masks rank (and ConstantKS reads) the weights with the masks of step ``k - 1`` applied,
-        as the core's :mod:`recal_core.model_plan` says, so a weight pruned earlier (and moved by the
-        optimizer since) is never ranked back in.
-        """
-        previous = tf.maximum(k - 1, 0)
-        masked: dict[str, tf.Tensor] = {name: variable.read_value() for name, variable in self._pruned.items()}
-        for group in self._groups:
-            was_in_force = tf.gather(tf.constant(group.in_force), previous)
-            for m in group.masks:
-                masked[m.name] = masked[m.name] * tf.where(was_in_force, m.mask.read_value(), tf.ones_like(m.mask))
-        factors: dict[str, list[tf.Tensor]] = {}
-        ops = []
-        for group in self._groups:
-            masks = _group_update(group, k, masked)
-            in_force = tf.cast(tf.gather(tf.constant(group.in_force), k), tf.float32)
-            for m, mask in zip(group.masks, masks):
-                # in force: the mask; released (leave_enabled: false) or not yet started: ones
-                factors.setdefault(m.name, []).append(1.0 - tf.cast(in_force, mask.dtype) * (1.0 - mask))
-            for cg in group.channel_groups:
-                first = group.masks[cg.members[0]]
-                keep = 1.0 - in_force * (1.0 - _channel_keep(masks[cg.members[0]], first.kernel_axes, cg.kind))
-                for variable in cg.followers:  # biases, BatchNorm shifts and means: a pruned channel is exactly 0
-                    shape = [1] * (variable.shape.rank - 2) + [-1, 1] if variable.shape.rank == 4 else [-1]
-                    ops.append(variable.assign(variable * tf.reshape(tf.cast(keep, variable.dtype.base_dtype), shape),
-                                               read_value=False))
-        for name, parts in factors.items():
-            variable = self._pruned[name]
-            effective = parts[0]
-            for part in parts[1:]:
-                effective = effective * part
-            ops.append(variable.assign(variable * effective, read_value=False))
+        ops = self._masks.ops(k)
         return [tf.group(*ops, name="modifier_ops")] if ops else []
 
     def mask_gradients(self, grads_and_vars: list[tuple[tf.Tensor, tf.Variable]]) -> list[tuple[tf.Tensor, tf.Variable]]:
         """Multiply each pruned variable's gradient by its mask in force, so pruned weights get no
         update and no momentum (``opt.apply_gradients(manager.mask_gradients(opt.compute_gradients(loss)))``)."""
         self._require_ops("mask_gradients")
-        by_variable: dict[str, list[tf.Tensor]] = {}
         with self._graph.as_default(), tf_compat.name_scope("recal/mask_gradients"):
-            step = self._step_tensor()
-            for group in self._groups:
-                in_force = tf.gather(tf.constant(group.in_force), step)
-                for m in group.masks:
-                    factor = tf.where(in_force, m.mask.read_value(), tf.ones_like(m.mask))
-                    by_variable.setdefault(m.name, []).append(factor)
+            by_variable = self._masks.gradient_factors(self._step_tensor())
             masked = []
             for grad, var in grads_and_vars:
                 factors = by_variable.get(var.op.name)
@@ -371,7 +272,7 @@ class ScheduledModifierManager(RecipeManager):
         if self._ops:
             sess.run(self._ops)
         result = {}
-        for name, variable in self._pruned.items():
+        for name, variable in (self._masks.pruned.items() if self._masks else ()):
             value = sess.run(variable)
             result[name] = float((value == 0).sum()) / value.size
         ours = {id(v) for v in self._variables}
@@ -410,129 +311,3 @@ class ModifierSessionRunHook(tf_compat.train.SessionRunHook):
             run_context.session.run(self.manager._ops)
 
 
-def _group_update(group: _MaskGroup, k, masked: dict[str, tf.Tensor]) -> list[tf.Tensor]:
-    """The masks in force at ``k``: all recomputed (and stored) when the last update point changed.
-
-    GradualKS ranks ``masked[name]`` (the weights with the masks of step ``k - 1`` applied);
-    ConstantKS keeps that tensor's zeros.
-    """
-    update_id = tf.gather(tf.constant(group.update_ids), k)
-    needed = tf.logical_and(tf.not_equal(update_id, group.update_id.read_value()), update_id >= 0)
-
-    def recompute():
-        new_masks, assigns = [], []
-        joint = _joint_masks(group, masked, update_id) if group.global_ else {}
-        for cg in group.channel_groups:
-            joint.update(_coupled_masks(group, cg, masked, update_id))
-        for m in group.masks:
-            weight = masked[m.name]
-            count = tf.gather(tf.constant(m.counts or [0], tf.int64), tf.maximum(update_id, 0))
-            if group.constant:
-                new = tf.cast(tf.not_equal(weight, 0), weight.dtype)
-            elif m.name in joint:
-                new = joint[m.name]
-            elif m.layout is not None:
-                new = _structured_mask(weight, m.layout, count, m.kernel_axes)
-            else:
-                flat = tf.reshape(tf.abs(weight), [-1])
-                order = tf.argsort(flat, stable=True)  # ties broken by flat index, as in recal_torch
-                pruned = tf.expand_dims(order[:count], 1)
-                new = tf.reshape(tf.tensor_scatter_nd_update(tf.ones_like(flat), pruned,
-                                                             tf.zeros(tf.shape(pruned)[:1], flat.dtype)),
-                                 tf.shape(weight))
-            new_masks.append(new)
-            assigns.append(m.mask.assign(new, read_value=False))
-        assigns.append(group.update_id.assign(update_id, read_value=False))
-        with tf.control_dependencies(assigns):
-            return [tf.identity(n) for n in new_masks]
-
-    def keep():
-        return [m.mask.read_value() for m in group.masks]
-
-    return tf.cond(needed, recompute, keep)
-
-
-def _joint_masks(group: _MaskGroup, masked: dict[str, tf.Tensor], update_id) -> dict[str, tf.Tensor]:
-    """A global modifier's masks: the smallest magnitudes across all its variables (each flattened in
-    canonical [out, in, *spatial] order where known, as recal_torch does, then concatenated in order)."""
-    count = tf.gather(tf.constant(group.masks[0].counts or [0], tf.int64), tf.maximum(update_id, 0))
-    parts = []
-    for m in group.masks:
-        weight = masked[m.name]
-        canonical = tf.transpose(weight, m.kernel_axes) if m.kernel_axes else weight
-        parts.append(tf.reshape(tf.abs(canonical), [-1]))
-    flat = tf.concat(parts, 0)
-    rank = tf.argsort(tf.argsort(flat, stable=True), stable=True)
-    keep = tf.cast(rank >= tf.cast(count, rank.dtype), flat.dtype)
-    out, start = {}, 0
-    for m, part in zip(group.masks, parts):
-        weight = masked[m.name]
-        size = int(np.prod(weight.shape.as_list()))
-        piece = keep[start:start + size]
-        start += size
-        if m.kernel_axes:
-            shape = [weight.shape.as_list()[a] for a in m.kernel_axes]
-            inverse = [list(m.kernel_axes).index(i) for i in range(len(m.kernel_axes))]
-            out[m.name] = tf.transpose(tf.reshape(piece, shape), inverse)
-        else:
-            out[m.name] = tf.reshape(piece, tf.shape(weight))
-    return out
-
-
-def _per_channel(canonical: tf.Tensor, kind: str) -> tf.Tensor:
-    """A canonical ``[out, in, *spatial]`` tensor as ``[channels, rest]``: rows (filter) or input channels."""
-    if kind == "channel":
-        rank = canonical.shape.rank
-        canonical = tf.transpose(canonical, [1, 0, *range(2, rank)])
-    return tf.reshape(canonical, [tf.shape(canonical)[0], -1])
-
-
-def _channel_keep(mask: tf.Tensor, kernel_axes, kind: str) -> tf.Tensor:
-    """Per channel, 1 where a member's mask keeps it."""
-    return tf.reduce_max(_per_channel(tf.transpose(mask, kernel_axes), kind), axis=1)
-
-
-def _coupled_masks(group: _MaskGroup, cg: _ChannelGroup, masked: dict[str, tf.Tensor], update_id) -> dict:
-    """The masks of layers sharing channels: the channels of least summed squared norm, zeroed in every
-    member (ties by position), as recal_torch's ``group_masks``."""
-    members = [group.masks[i] for i in cg.members]
-    count = tf.gather(tf.constant(cg.counts, tf.int64), tf.maximum(update_id, 0))
-    score = tf.add_n([tf.reduce_sum(tf.square(_per_channel(tf.transpose(masked[m.name], m.kernel_axes), cg.kind)),
-                                    axis=1) for m in members])
-    rank = tf.argsort(tf.argsort(score, stable=True), stable=True)
-    keep = tf.cast(rank >= tf.cast(count, rank.dtype), score.dtype)
-    out = {}
-    for m in members:
-        canonical_shape = [m.variable.shape.as_list()[a] for a in m.kernel_axes]
-        shape = [-1] + [1] * (len(canonical_shape) - 1) if cg.kind == "filter" else \
-            [1, -1] + [1] * (len(canonical_shape) - 2)
-        canonical = tf.broadcast_to(tf.reshape(keep, shape), canonical_shape)
-        inverse = [list(m.kernel_axes).index(i) for i in range(len(m.kernel_axes))]
-        out[m.name] = tf.cast(tf.transpose(canonical, inverse), m.variable.dtype.base_dtype)
-    return out
-
-
-def _structured_mask(weight: tf.Tensor, layout: MaskLayout, count: tf.Tensor, kernel_axes) -> tf.Tensor:
-    """recal_torch's ``structured_mask`` in graph ops: the same groups, scores and ties (the core's
-    :mod:`recal_core.mask_layout`), on the variable transposed to canonical ``[out, in, *spatial]``."""
-    canonical = tf.transpose(weight, kernel_axes)
-    view = tf.abs(tf.reshape(tf.transpose(canonical, layout.perm), [layout.rows, layout.cols]))
-    if layout.n_of_m is not None:
-        m = layout.n_of_m[1]
-        runs = tf.reshape(view, [-1, m])
-        order = tf.argsort(runs, axis=1, stable=True)
-        rank = tf.argsort(order, axis=1, stable=True)  # each weight's place in its run's order
-        mask_view = tf.reshape(tf.cast(rank >= tf.cast(count, rank.dtype), weight.dtype), [layout.rows, layout.cols])
-    else:
-        tiles = tf.reshape(view, [layout.rows // layout.group_rows, layout.group_rows,
-                                  layout.cols // layout.group_cols, layout.group_cols])
-        scores = (tf.sqrt(tf.reduce_sum(tf.square(tiles), axis=[1, 3])) if layout.score == "l2"
-                  else tf.reduce_mean(tiles, axis=[1, 3]))
-        order = tf.argsort(tf.reshape(scores, [-1]), stable=True)
-        rank = tf.reshape(tf.argsort(order, stable=True), tf.shape(scores))
-        keep = tf.cast(rank >= tf.cast(count, rank.dtype), weight.dtype)[:, None, :, None]
-        mask_view = tf.reshape(tf.broadcast_to(keep, tf.shape(tiles)), [layout.rows, layout.cols])
-    permuted = tf.reshape(mask_view, [canonical.shape[a] for a in layout.perm])
-    inverse = [layout.perm.index(i) for i in range(len(layout.perm))]
-    axes_inverse = [list(kernel_axes).index(i) for i in range(len(kernel_axes))]
-    return tf.transpose(tf.transpose(permuted, inverse), axes_inverse)

@@ -1,0 +1,378 @@
+"""Apply a recipe to a Keras 3 model: ``model, callbacks = manager.modify(model, optimizer, steps_per_epoch)``.
+
+Everything per step happens inside Keras's own train step, so ``jit_compile``, ``steps_per_execution`` and
+distribution strategies see it as ordinary graph code, with no host call per step:
+
+- **masks**: Keras applies a variable's ``constraint`` right after every optimizer update. recal sets one on
+  the model's first trainable variable that updates every mask at step ``k = optimizer.iterations + 1`` from
+  per-step tables (:class:`recal_tf.mask_ops.PruningMasks`, shared with the graph API), applies them, and
+  zeroes the optimizer's per-weight state (momentum, Adam's moments) at pruned positions, so optimizer state
+  never moves a pruned weight.
+- **learning rate**: the same constraint sets the optimizer's LR variable to the recipe's LR for the next step
+  (from a per-step table), so ``optimizer.learning_rate`` stays an ordinary variable that Keras saves, loads
+  and logs (a ``LearningRateSchedule`` set on a built optimizer makes TensorFlow unable to save it).
+- **weight decay**: the optimizer's ``weight_decay`` becomes a value read from a per-step table in the graph.
+- **trainable flags**: set at each epoch's start by the callback, with the train function rebuilt.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from recal_core import RecipeError
+from recal_core import modifiers as M
+from recal_core.manager import RecipeManager
+from recal_core.model_plan import ModelPlan, is_second_order, plan_model
+from recal_core.recipe import Recipe
+from recal_core.schedule import RecipeSchedule
+
+from ..mask_ops import PruningMasks
+from .params import describe_model
+
+log = logging.getLogger(__name__)
+
+MAX_TABLE_STEPS = 10_000_000  # per-step tables (mask update ids, LR, weight decay) live in the graph
+
+
+class RecalWarning(UserWarning):
+    """A recipe feature is set up in a way that will not have its effect."""
+
+
+class _WeightDecayTable(float):
+    """The optimizer's ``weight_decay`` as a per-step table: Keras reads it with ``tf.cast`` inside the train
+    step, which calls ``__tf_tensor__``; saved configs see a plain float (the value at step 0)."""
+
+    def __new__(cls, values, iterations):
+        obj = super().__new__(cls, values[0])
+        obj.values = np.asarray(values, np.float32)
+        obj.iterations = iterations
+        return obj
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        k = tf.minimum(tf.cast(self.iterations, tf.int64), len(self.values) - 1)
+        value = tf.gather(tf.constant(self.values), k)
+        return tf.cast(value, dtype) if dtype is not None else value
+
+
+class _ApplyMasks(keras.constraints.Constraint):
+    """The constraint Keras calls after each update: recal's mask step, then the user's own constraint."""
+
+    def __init__(self, manager: "ScheduledModifierManager", inner):
+        self.manager = manager
+        self.inner = inner
+
+    def __call__(self, w):
+        ops = self.manager._step_ops(self.manager._optimizer.iterations + 1)
+        with tf.control_dependencies(ops):
+            value = tf.identity(self.manager._driver.value.read_value())
+        return self.inner(value) if self.inner is not None else value
+
+
+class ScheduledModifierManager(RecipeManager):
+    """Holds a recipe and applies it to a Keras 3 model trained with ``model.fit``.
+
+    >>> manager = ScheduledModifierManager.from_yaml("recipe.yaml")         # doctest: +SKIP
+    >>> model, callbacks = manager.modify(model, optimizer, steps_per_epoch=100)  # doctest: +SKIP
+    >>> model.compile(optimizer=optimizer, loss=...)                        # doctest: +SKIP
+    >>> model.fit(x, y, epochs=manager.max_epochs, callbacks=callbacks)     # doctest: +SKIP
+    >>> manager.finalize(model)                                              # doctest: +SKIP
+    """
+
+    def __init__(self, recipe: Recipe):
+        super().__init__(recipe)
+        self.schedule: RecipeSchedule | None = None
+        self.plan: ModelPlan | None = None
+        self._model: keras.Model | None = None
+        self._optimizer = None
+        self._masks: PruningMasks | None = None
+        self._slots: dict[str, list[tf.Variable]] = {}
+        self._driver: keras.Variable | None = None
+        self._driver_inner = None
+        self._by_name: dict[str, keras.Variable] = {}
+        self._original_trainable: dict[str, bool] = {}
+        self._own: list[tf.Variable] = []
+        self._lr_values: np.ndarray | None = None
+        self._finalized = False
+
+    # --- modify -------------------------------------------------------------------------------
+
+    def modify(self, model: keras.Model, optimizer: keras.optimizers.Optimizer,
+               steps_per_epoch: int) -> tuple[keras.Model, list[keras.callbacks.Callback]]:
+        """Apply the recipe to ``model`` trained by ``optimizer``; returns ``(model, callbacks)``.
+
+        Call it once, after the model is built and before ``compile`` (inside a ``tf.distribute`` strategy's
+        scope when there is one), then ``model.compile(optimizer=optimizer, ...)`` and
+        ``model.fit(..., callbacks=callbacks)``. The model is changed in place (no wrapper layers).
+        """
+        if self._model is not None:
+            raise RuntimeError("modify() was already called on this manager; use one manager per model")
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"modify() takes a keras.Model, not {type(model).__name__}")
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(f"modify() takes a keras.optimizers.Optimizer, not {type(optimizer).__name__}")
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise TypeError("modify() takes the inner optimizer of a LossScaleOptimizer: pass "
+                            "optimizer.inner_optimizer, then compile with the LossScaleOptimizer")
+        if not model.built or not model.weights:
+            raise ValueError(f"model {model.name!r} has no weights yet: build it first (give it a keras.Input, "
+                             "call model.build(input_shape), or call it on a batch) before modify()")
+        if int(steps_per_epoch) < 1:
+            raise ValueError(f"steps_per_epoch must be a positive integer, got {steps_per_epoch!r}")
+        self._check_strategy(model)
+        schedule = self.recipe.bind(int(steps_per_epoch))
+        if schedule.total_steps > MAX_TABLE_STEPS:
+            raise ValueError(f"the recipe runs {schedule.total_steps:,} steps; recal_tf.keras tabulates per-step "
+                             f"values in the graph and takes at most {MAX_TABLE_STEPS:,} steps")
+        infos, by_name = describe_model(model)
+        base_lr = _float_lr(optimizer)
+        wd = optimizer.weight_decay
+        self.plan = self._plan(schedule, infos, by_name, base_lr, None if wd is None else float(wd))
+        self.schedule, self._model, self._optimizer, self._by_name = schedule, model, optimizer, by_name
+        self._original_trainable = {name: bool(v.trainable) for name, v in by_name.items()}
+        self._install_lr(optimizer, base_lr)
+        self._install_weight_decay(optimizer)
+        if self.plan.masks:
+            self._install_masks(model, optimizer)
+        if self.plan.masks or self._lr_values is not None:
+            self._attach_driver(model)
+        return model, [RecalCallback(self)]
+
+    def _check_strategy(self, model: keras.Model) -> None:
+        strategy = tf.distribute.get_strategy()
+        variable = model.weights[0].value
+        if not tf.distribute.has_strategy() and getattr(variable, "_distribute_strategy", None) is not None:
+            raise ValueError(f"model {model.name!r} was built inside a tf.distribute strategy's scope, but modify() "
+                             "was called outside it: call modify() inside `with strategy.scope():` too")
+        if tf.distribute.has_strategy() and not strategy.extended.variable_created_in_scope(variable):
+            raise ValueError(f"model {model.name!r} was built outside the current tf.distribute strategy's scope: "
+                             "build the model, its optimizer and call modify() all inside `with strategy.scope():`")
+
+    def _plan(self, schedule: RecipeSchedule, infos, by_name, base_lr, base_wd) -> ModelPlan:
+        """The core's plan for this model; plus what Keras cannot do yet, every problem at once."""
+        problems = []
+        for index, _ in schedule.quantization:
+            problems.append(self.recipe.problem(
+                index, None, "quantization-aware training is not yet available for Keras",
+                expected="run this recipe's QuantizationModifier with recal_torch, or remove it for Keras"))
+        for ps in schedule.pruning:
+            if is_second_order(ps):
+                problems.append(self.recipe.problem(
+                    ps.index, None, f"second-order pruning ({ps.modifier.tag}) is not available for Keras",
+                    expected=f"run this recipe's {ps.modifier.tag} with recal_torch, or use GradualKSModifier"))
+        for index, _, _ in schedule.distillation:
+            problems.append(self.recipe.problem(
+                index, None, "knowledge distillation is not available for Keras",
+                expected="run this recipe's DistillationModifier with recal_torch, or remove it for Keras"))
+        try:
+            plan = plan_model(schedule, infos, {n: int(np.prod(v.shape)) for n, v in by_name.items()},
+                              groups=[(base_lr, base_wd)])
+        except RecipeError as err:
+            problems += err.problems
+        if problems:
+            raise RecipeError(problems)
+        for ps in schedule.pruning:
+            kind = getattr(ps.modifier, "mask_type", "unstructured")
+            if kind in ("filter", "channel"):
+                warnings.warn(f"{self.recipe.describe(ps.index)}: mask_type {kind!r} ranks each Keras layer's "
+                              "channels alone (the layers that share channels are not coupled in Keras yet), so "
+                              "the pruned model cannot be thinned", RecalWarning, stacklevel=4)
+        return plan
+
+    def _install_lr(self, optimizer, base_lr: float | None) -> None:
+        if not self.schedule.controls_lr:
+            return
+        if base_lr is None and not isinstance(optimizer._learning_rate, keras.Variable):
+            raise ValueError("the recipe sets the learning rate, but the optimizer's learning_rate is a schedule: "
+                             "create the optimizer with a float learning_rate (the recipe's LR replaces it)")
+        lr = self.plan.groups[0].lr
+        values = [lr(k) for k in range(self.schedule.total_steps + 1)]
+        self._lr_values = np.asarray([base_lr if v is None else v for v in values], np.float32)
+
+    def _install_weight_decay(self, optimizer) -> None:
+        wd = self.plan.groups[0].weight_decay
+        values = [wd(k) for k in range(self.schedule.total_steps + 1)]
+        if all(v is None for v in values):
+            return
+        own = float(optimizer.weight_decay or 0.0)
+        optimizer.weight_decay = _WeightDecayTable([own if v is None else v for v in values], optimizer.iterations)
+
+    def _install_masks(self, model: keras.Model, optimizer) -> None:
+        variables = {name: v.value for name, v in self._by_name.items()}
+
+        def make_variable(name, shape, dtype, initial):
+            var = tf.Variable(tf.fill(shape, tf.constant(initial, dtype)), trainable=False,
+                              name=name.replace("/", "_"), dtype=dtype)
+            self._own.append(var)
+            return var
+
+        kernel_axes = {p.name: p.kernel_axes for p in describe_model(model)[0]}
+        self._masks = PruningMasks(self.plan, variables, kernel_axes, make_variable, variables.__getitem__)
+        if not optimizer.built:  # its state variables exist before the first step, so they can be masked
+            optimizer.build([v for v in model.weights if v.trainable] +
+                            [v for n, v in self._by_name.items() if n in self._ever_trainable() and not v.trainable])
+        self._slots = {name: _slots_of(optimizer, self._by_name[name]) for name in self.plan.masks}
+
+    def _ever_trainable(self) -> set[str]:
+        names = set()
+        for index, m, _ in self.schedule.trainable:
+            if m.trainable:
+                names.update(self.plan.trainable_targets[index])
+        return names
+
+    def _attach_driver(self, model: keras.Model) -> None:
+        """The mask step rides on the first trainable variable's constraint (every update runs it)."""
+        self._detach_driver()
+        driver = next((v for v in model.trainable_weights), None)
+        if driver is None:
+            return
+        self._driver, self._driver_inner = driver, driver.constraint
+        driver.constraint = _ApplyMasks(self, driver.constraint)
+
+    def _detach_driver(self) -> None:
+        if self._driver is not None:
+            self._driver.constraint = self._driver_inner
+            self._driver = self._driver_inner = None
+
+    def _step_ops(self, k) -> list:
+        """recal's step at ``k`` (graph code): masks updated and applied, optimizer state masked, the LR of
+        the step after ``k`` updates set."""
+        k = tf.minimum(tf.cast(k, tf.int64), self.schedule.total_steps)
+        ops = []
+        if self._lr_values is not None:
+            lr = self._optimizer._learning_rate.value
+            ops.append(lr.assign(tf.cast(tf.gather(tf.constant(self._lr_values), k), lr.dtype), read_value=False))
+        if self._masks is None:
+            return ops
+        ops += self._masks.ops(k)
+        with tf.control_dependencies(ops):
+            factors = self._masks.gradient_factors(k)
+            for name, slots in self._slots.items():
+                for slot in slots:
+                    mask = factors[name][0]
+                    for extra in factors[name][1:]:
+                        mask = mask * extra
+                    ops.append(slot.assign(slot * tf.cast(mask, slot.dtype), read_value=False))
+        return ops
+
+    # --- during fit -----------------------------------------------------------------------------
+
+    def _current_step(self) -> int:
+        return int(self._optimizer.iterations.numpy())
+
+    def _apply_now(self) -> None:
+        """Masks in force at the current step, applied before the next forward pass (start or resume)."""
+        if self._masks is not None or self._lr_values is not None:
+            k = self._current_step()
+
+            @tf.function
+            def step():
+                self._step_ops(tf.constant(k, tf.int64))
+
+            step()
+
+    def _apply_trainable(self, model: keras.Model) -> bool:
+        """Trainable flags in force now; True when they changed (the train function must be rebuilt)."""
+        if not self.plan.trainable_names:
+            return False
+        flags = self.plan.trainable(self._current_step(), self._original_trainable)
+        changed = False
+        for name, flag in flags.items():
+            variable = self._by_name[name]
+            if bool(variable.trainable) != flag:
+                variable.trainable = flag
+                changed = True
+        if changed and self._driver is not None:
+            self._attach_driver(model)
+        return changed
+
+    def scalars(self) -> dict[str, float]:
+        """What TensorBoard shows under recal's names: the LR and each pruned weight's sparsity now."""
+        self._require_modified("scalars")
+        out = {}
+        lr = self._optimizer.learning_rate
+        out["Modifier_LR/learning_rate"] = float(lr.numpy() if hasattr(lr, "numpy") else lr)
+        for name in self.plan.masks:
+            value = self._by_name[name].numpy()
+            out[f"Modifier_Pruning/{name}"] = float((value == 0).mean())
+        return out
+
+    def _require_modified(self, what: str) -> None:
+        if self._model is None:
+            raise RuntimeError(f"call manager.modify(model, optimizer, steps_per_epoch) before {what}()")
+
+    # --- finalize -------------------------------------------------------------------------------
+
+    def finalize(self, model: keras.Model | None = None) -> dict[str, float]:
+        """Bake the masks in force into the weights and take recal out of the model and optimizer: the
+        constraint goes, the trainable flags are restored; the LR schedule stays on the optimizer.
+        Returns each pruned weight's sparsity."""
+        self._require_modified("finalize")
+        if model is not None and model is not self._model:
+            raise ValueError("finalize() got a different model from the one modify() changed")
+        if self._finalized:
+            raise RuntimeError("finalize() was already called for this model")
+        self._apply_now()
+        self._detach_driver()
+        for name, flag in self._original_trainable.items():
+            if bool(self._by_name[name].trainable) != flag:
+                self._by_name[name].trainable = flag
+        self._finalized = True
+        return {name: float((self._by_name[name].numpy() == 0).mean()) for name in self.plan.masks}
+
+
+def _float_lr(optimizer) -> float | None:
+    lr = optimizer._learning_rate
+    if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule) or callable(lr) and not hasattr(lr, "numpy"):
+        return None
+    return float(lr.numpy() if hasattr(lr, "numpy") else lr)
+
+
+def _slots_of(optimizer, variable: keras.Variable) -> list[tf.Variable]:
+    """The optimizer's per-weight state of ``variable`` (momentum, Adam's moments): Keras names each
+    ``<variable path with _>_<slot>``, with the variable's shape."""
+    prefix = variable.path.replace("/", "_") + "_"
+    return [s.value for s in optimizer.variables
+            if s.name.startswith(prefix) and tuple(s.shape) == tuple(variable.shape)]
+
+
+class RecalCallback(keras.callbacks.Callback):
+    """Applies what is set per epoch or at start: masks in force on (re)start, trainable flags; checks that
+    an epoch has the steps the recipe was bound with."""
+
+    def __init__(self, manager: ScheduledModifierManager):
+        super().__init__()
+        self.manager = manager
+        self._epoch_start = 0
+
+    def on_train_begin(self, logs=None):
+        m = self.manager
+        if m._finalized:
+            raise RuntimeError("finalize() was called: the recipe is done; create a new manager to train again")
+        if self.model is not m._model:
+            raise ValueError("these callbacks belong to another model: pass the callbacks that modify() returned "
+                             "for this model")
+        if self.model.optimizer is not m._optimizer:
+            raise ValueError("the model was compiled with another optimizer than the one passed to modify(): "
+                             "compile with the same optimizer object")
+        m._apply_now()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        m = self.manager
+        self._epoch_start = m._current_step()
+        if m._apply_trainable(self.model):
+            self.model.make_train_function(force=True)
+
+    def on_epoch_end(self, epoch, logs=None):
+        m = self.manager
+        ran = m._current_step() - self._epoch_start
+        expected = m.schedule.steps_per_epoch
+        if ran != expected:
+            warnings.warn(f"epoch {epoch} ran {ran} steps, but the recipe was bound with steps_per_epoch={expected}: "
+                          f"the recipe's epochs are {expected} steps each, not this fit's epochs", RecalWarning,
+                          stacklevel=2)

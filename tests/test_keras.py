@@ -1,0 +1,401 @@
+"""Keras 3: the recipe applied inside Keras's own train step (recal_tf.keras)."""
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+from recal_core import RecipeError, load_recipe  # noqa: E402
+from recal_core.model_plan import plan_model  # noqa: E402
+from recal_tf.keras import RecalWarning, ScheduledModifierManager, export_onnx  # noqa: E402
+from recal_tf.keras.params import describe_model  # noqa: E402
+
+from .conftest import ROOT  # noqa: E402
+
+SPE = 5
+PRUNE = """
+- !GradualKSModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.05, final_sparsity: 0.8, start_epoch: 0.0,
+                      end_epoch: 3.0, update_frequency: 0.6}
+- !LearningRateModifier {lr_class: ExponentialLR, lr_kwargs: {gamma: 0.8}, init_lr: 0.01, start_epoch: 0.0,
+                         end_epoch: 4.0}
+"""
+
+
+def _net(name="net"):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 1))
+    x = keras.layers.Conv2D(8, 3, name="c1")(inputs)
+    x = keras.layers.BatchNormalization(name="bn")(x)
+    x = keras.layers.ReLU()(x)
+    x = keras.layers.Conv2D(8, 3, name="c2")(x)
+    x = keras.layers.Flatten()(x)
+    return keras.Model(inputs, keras.layers.Dense(10, name="fc")(x), name=name)
+
+
+def _data(n=SPE * 32, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.random((n, 8, 8, 1), dtype=np.float32), rng.integers(0, 10, n)
+
+
+def _expected(recipe_text, model, k):
+    """The core's zero count per kernel after ``k`` steps and the LR of step ``k``."""
+    recipe = load_recipe(recipe_text)
+    schedule = recipe.bind(SPE)
+    infos, by_name = describe_model(model)
+    plan = plan_model(schedule, infos, {n: int(np.prod(v.shape)) for n, v in by_name.items()})
+    zeros = {}
+    for name, mp in plan.masks.items():
+        for ps in mp.sources:
+            ids, in_force, steps = ps.tables(schedule.total_steps)
+            kk = min(k, schedule.total_steps)
+            zeros[name] = mp.zeros(ps, steps[ids[kk]]) if in_force[kk] else 0
+    return zeros, plan.groups[0].lr(k)
+
+
+class _Record(keras.callbacks.Callback):
+    def __init__(self, model, optimizer, names):
+        super().__init__()
+        self.rows, self.m, self.opt, self.names = [], model, optimizer, names
+
+    def on_train_batch_end(self, batch, logs=None):
+        _, by_name = describe_model(self.m)
+        k = int(self.opt.iterations.numpy())
+        zeros = {n: int((by_name[n].numpy() == 0).sum()) for n in self.names}
+        slots = {n: int(sum(((s.numpy() != 0) & (by_name[n].numpy() == 0)).sum() for s in self.opt.variables
+                             if s.name.startswith(n.replace("/", "_")) and tuple(s.shape) == tuple(by_name[n].shape)))
+                 for n in self.names}
+        self.rows.append((k, zeros, slots))
+
+
+def _train(recipe, optimizer, epochs=4, jit_compile=False, steps_per_execution=1, model=None, **fit):
+    model = model or _net()
+    manager = ScheduledModifierManager.from_yaml(recipe)
+    model, callbacks = manager.modify(model, optimizer, steps_per_epoch=SPE)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=jit_compile, steps_per_execution=steps_per_execution)
+    record = _Record(model, optimizer, ["c1/kernel", "c2/kernel", "fc/kernel"])
+    x, y = _data()
+    model.fit(x, y, batch_size=32, epochs=epochs, callbacks=callbacks + [record], verbose=0, shuffle=False, **fit)
+    return manager, model, record
+
+
+@pytest.mark.parametrize("optimizer,jit_compile,steps_per_execution",
+                         [("adam", False, 1), ("sgd", False, 1), ("adam", True, 1), ("sgd", False, 3)])
+def test_pruning_exact_after_every_step(optimizer, jit_compile, steps_per_execution):
+    opt = keras.optimizers.Adam(1e-3) if optimizer == "adam" else keras.optimizers.SGD(0.01, momentum=0.9)
+    manager, model, record = _train(PRUNE, opt, jit_compile=jit_compile, steps_per_execution=steps_per_execution)
+    assert len(record.rows) == 4 * -(-SPE // steps_per_execution)  # Keras runs whole executions within an epoch
+    for k, zeros, slots in record.rows:
+        expected, lr = _expected(PRUNE, model, k)
+        assert zeros == expected, k
+        assert slots == {n: 0 for n in slots}, k  # no optimizer state on a pruned weight
+    assert record.rows[-1][1]["fc/kernel"] == round(0.8 * 1280)
+    sparsity = manager.finalize(model)
+    assert sparsity["c1/kernel"] == pytest.approx(58 / 72)
+
+
+def test_learning_rate_from_the_recipe_in_graph():
+    opt = keras.optimizers.SGD(0.5)
+    lrs = []
+
+    class LR(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            lrs.append(float(opt.learning_rate.numpy()))
+
+    model = _net()
+    manager = ScheduledModifierManager.from_yaml(PRUNE)
+    model, callbacks = manager.modify(model, opt, steps_per_epoch=SPE)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(*_data(), batch_size=32, epochs=3, callbacks=callbacks + [LR()], verbose=0)
+    assert lrs == pytest.approx([_expected(PRUNE, model, k)[1] for k in range(3 * SPE)])
+    assert isinstance(opt._learning_rate, keras.Variable)  # Keras saves, loads and logs it as usual
+    assert lrs[0] == pytest.approx(0.01) and lrs[-1] == pytest.approx(0.01 * 0.8 ** 2)
+
+
+def test_weight_decay_from_the_recipe_in_graph():
+    """SetWeightDecay at epoch 1: with a zero loss, SGD only decays: w <- w (1 - lr wd) from step SPE on."""
+    recipe = "- !SetWeightDecayModifier {weight_decay: 0.5, start_epoch: 1.0}\n" \
+             "- !EpochRangeModifier {start_epoch: 0.0, end_epoch: 2.0}"
+    model = _net()
+    opt = keras.optimizers.SGD(0.1)
+    manager = ScheduledModifierManager.from_yaml(recipe)
+    model, callbacks = manager.modify(model, opt, steps_per_epoch=SPE)
+    model.compile(optimizer=opt, loss=lambda y, p: 0.0 * keras.ops.sum(p), steps_per_execution=2)
+    before = model.get_layer("fc").kernel.numpy().copy()
+    model.fit(*_data(), batch_size=32, epochs=1, callbacks=callbacks, verbose=0)
+    np.testing.assert_allclose(model.get_layer("fc").kernel.numpy(), before, rtol=1e-6)
+    model.fit(*_data(), batch_size=32, epochs=2, initial_epoch=1, callbacks=callbacks, verbose=0)
+    np.testing.assert_allclose(model.get_layer("fc").kernel.numpy(), before * (1 - 0.1 * 0.5) ** SPE, rtol=1e-5)
+
+
+def test_trainable_params_flip_each_epoch():
+    recipe = "- !TrainableParamsModifier {params: [c1], trainable: false, start_epoch: 1.0, end_epoch: 2.0}\n" \
+             "- !EpochRangeModifier {start_epoch: 0.0, end_epoch: 3.0}"
+    model = _net()
+    opt = keras.optimizers.SGD(0.1)
+    manager = ScheduledModifierManager.from_yaml(recipe)
+    model, callbacks = manager.modify(model, opt, steps_per_epoch=SPE)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    snapshots = []
+
+    class Snap(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            snapshots.append((model.get_layer("c1").kernel.numpy().copy(), model.get_layer("c2").kernel.numpy().copy()))
+
+    start = (model.get_layer("c1").kernel.numpy().copy(), model.get_layer("c2").kernel.numpy().copy())
+    model.fit(*_data(), batch_size=32, epochs=3, callbacks=callbacks + [Snap()], verbose=0)
+    moved = [[not np.array_equal(a[i], b[i]) for i in (0, 1)] for a, b in zip([start] + snapshots, snapshots)]
+    assert moved == [[True, True], [False, True], [True, True]]
+    manager.finalize(model)
+    assert model.get_layer("c1").kernel.trainable
+
+
+def test_resume_from_a_keras_file_continues_exactly(tmp_path):
+    """Two epochs, save the .keras file, load it with a new manager, two more: the same as four at once."""
+    whole = _train(PRUNE, keras.optimizers.Adam(1e-3), epochs=4)[1]
+    manager, model, _ = _train(PRUNE, keras.optimizers.Adam(1e-3), epochs=2)
+    model.save(tmp_path / "mid.keras")
+    loaded = keras.models.load_model(tmp_path / "mid.keras")
+    second = ScheduledModifierManager.from_yaml(PRUNE)
+    loaded, callbacks = second.modify(loaded, loaded.optimizer, steps_per_epoch=SPE)
+    loaded.fit(*_data(), batch_size=32, epochs=4, initial_epoch=2, callbacks=callbacks, verbose=0, shuffle=False)
+    for a, b in zip(whole.weights, loaded.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6, err_msg=a.path)
+        assert int((a.numpy() == 0).sum()) == int((b.numpy() == 0).sum()), a.path
+
+
+def test_finalize_and_export_onnx_match_keras(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("tf2onnx")
+    manager, model, _ = _train(PRUNE, keras.optimizers.Adam(1e-3), epochs=4)
+    sparsity = manager.finalize(model)
+    assert all(v.constraint is None for v in model.weights)
+    path = export_onnx(model, tmp_path / "model.onnx")
+    x = _data(16, seed=1)[0]
+    sess = ort.InferenceSession(path)
+    got = sess.run(None, {sess.get_inputs()[0].name: x})[0]
+    np.testing.assert_allclose(got, model.predict(x, verbose=0), rtol=1e-4, atol=1e-4)
+    import onnx
+    from onnx import numpy_helper
+    zeros = sorted(float((numpy_helper.to_array(t) == 0).mean()) for t in onnx.load(path).graph.initializer
+                   if numpy_helper.to_array(t).size in (72, 576, 1280))
+    assert zeros == pytest.approx(sorted(sparsity.values()))
+    assert [p.name for p in tmp_path.iterdir()] == ["model.onnx"]
+
+
+def test_subclassed_model_prunes_in_place():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__(name="sub")
+            self.a = keras.layers.Dense(32, activation="relu", name="a")
+            self.b = keras.layers.Dense(10, name="b")
+
+        def call(self, x):
+            return self.b(self.a(keras.ops.reshape(x, (-1, 64))))
+
+    model = Net()
+    model(np.zeros((1, 8, 8, 1), np.float32))
+    recipe = "- !ConstantKSModifier {params: [a], start_epoch: 0.0, end_epoch: 1.0}\n" \
+             "- !GradualKSModifier {params: [b/kernel], init_sparsity: 0.5, final_sparsity: 0.5, start_epoch: 0.0, " \
+             "end_epoch: 1.0, update_frequency: 1.0}"
+    model.a.kernel.assign(model.a.kernel.numpy() * (np.arange(64 * 32).reshape(64, 32) % 3 != 0))
+    opt = keras.optimizers.Adam(1e-2)
+    manager = ScheduledModifierManager.from_yaml(recipe)
+    model, callbacks = manager.modify(model, opt, steps_per_epoch=SPE)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(*_data(), batch_size=32, epochs=1, callbacks=callbacks, verbose=0)
+    assert int((model.a.kernel.numpy() == 0).sum()) == int((np.arange(64 * 32) % 3 == 0).sum())
+    assert int((model.b.kernel.numpy() == 0).sum()) == 160
+
+
+def test_recipe_naming_a_missing_layer_says_which():
+    with pytest.raises(RecipeError) as err:
+        ScheduledModifierManager.from_yaml(PRUNE.replace("__ALL_PRUNABLE__", "[c3]")).modify(
+            _net(), keras.optimizers.Adam(), steps_per_epoch=SPE)
+    message = str(err.value)
+    assert "c3" in message and "GradualKSModifier" in message and "c1" in message  # the closest names
+
+
+def test_quantization_refused_with_the_modifier_named():
+    recipe = PRUNE + "- !QuantizationModifier {start_epoch: 1.0}\n"
+    with pytest.raises(RecipeError, match="QuantizationModifier.*not yet available for Keras"):
+        ScheduledModifierManager.from_yaml(recipe).modify(_net(), keras.optimizers.Adam(), steps_per_epoch=SPE)
+
+
+def test_unbuilt_model_and_wrong_optimizer_are_refused():
+    unbuilt = keras.Sequential([keras.layers.Dense(3)])
+    with pytest.raises(ValueError, match="no weights yet: build it first"):
+        ScheduledModifierManager.from_yaml(PRUNE).modify(unbuilt, keras.optimizers.Adam(), steps_per_epoch=SPE)
+    model = _net()
+    model, callbacks = ScheduledModifierManager.from_yaml(PRUNE).modify(model, keras.optimizers.Adam(),
+                                                                        steps_per_epoch=SPE)
+    model.compile(optimizer=keras.optimizers.Adam(), loss="sparse_categorical_crossentropy")
+    with pytest.raises(ValueError, match="compiled with another optimizer"):
+        model.fit(*_data(), epochs=1, callbacks=callbacks, verbose=0)
+
+
+def test_epoch_length_mismatch_is_warned():
+    model = _net()
+    opt = keras.optimizers.Adam()
+    model, callbacks = ScheduledModifierManager.from_yaml(PRUNE).modify(model, opt, steps_per_epoch=SPE)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.warns(RecalWarning, match="ran 3 steps, but the recipe was bound with steps_per_epoch=5"):
+        model.fit(*_data(96), batch_size=32, epochs=1, callbacks=callbacks, verbose=0)
+
+
+@pytest.mark.slow
+def test_mirrored_strategy_two_replicas_exact():
+    """Two virtual CPU devices (they must be set before TensorFlow starts: a subprocess)."""
+    code = textwrap.dedent(f"""
+        import numpy as np, tensorflow as tf
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        import keras
+        from tests.test_keras import PRUNE, SPE, _data, _expected, _net
+        from recal_tf.keras import ScheduledModifierManager
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        with strategy.scope():
+            model = _net()
+            opt = keras.optimizers.SGD(0.01, momentum=0.9)
+            model, callbacks = ScheduledModifierManager.from_yaml(PRUNE).modify(model, opt, steps_per_epoch=SPE)
+            model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        rows = []
+        class Check(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                k = int(opt.iterations.numpy())
+                expected = _expected(PRUNE, model, k)[0]
+                for layer in ("c1", "c2", "fc"):
+                    for replica in model.get_layer(layer).kernel.value.values:
+                        assert int((replica.numpy() == 0).sum()) == expected[layer + "/kernel"], (k, layer)
+                rows.append(k)
+        model.fit(*_data(), batch_size=32, epochs=4, callbacks=callbacks + [Check()], verbose=0)
+        assert rows == list(range(1, 4 * {SPE} + 1)), rows
+        print("replicas exact")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "replicas exact" in out.stdout
+
+
+def test_model_outside_the_strategy_scope_is_refused():
+    model = _net()
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with strategy.scope(), pytest.raises(ValueError, match="built outside the current tf.distribute strategy"):
+        ScheduledModifierManager.from_yaml(PRUNE).modify(model, keras.optimizers.Adam(), steps_per_epoch=SPE)
+
+
+PARITY = """
+- !GradualKSModifier {params: [fc], init_sparsity: 0.1, final_sparsity: 0.7, start_epoch: 0.4, end_epoch: 2.0,
+                      update_frequency: 0.4, leave_enabled: false}
+- !ConstantKSModifier {params: [c1], start_epoch: 0.0, end_epoch: 1.6}
+- !GradualKSModifier {params: [c2], init_sparsity: 0.3, final_sparsity: 0.6, start_epoch: 0.0, end_epoch: 1.0,
+                      update_frequency: 0.2}
+- !LearningRateModifier {lr_class: StepLR, lr_kwargs: {step_size: 1.0, gamma: 0.5}, init_lr: 0.02,
+                         start_epoch: 0.0, end_epoch: 3.0}
+"""
+
+
+def _keras_parity_net():
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((8, 8, 1))
+    x = keras.layers.Conv2D(8, 3, name="c1")(inputs)  # no ReLU: no weight keeps a zero by a dead unit's chance
+    x = keras.layers.Conv2D(8, 3, name="c2")(x)
+    return keras.Model(inputs, keras.layers.Dense(10, name="fc")(keras.layers.Flatten()(x)), name="parity")
+
+
+def test_same_recipe_same_zeros_and_lr_in_torch_tf_graph_and_keras():
+    """One recipe, three backends, one model shape: after every step each layer holds the same number of
+    zeros and the LR is the same (GradualKS released at its end, ConstantKS ending mid-run, StepLR)."""
+    torch = pytest.importorskip("torch")
+    from recal_tf import ScheduledModifierManager as GraphManager
+    from recal_tf.utils import tf_compat
+    from recal_torch import ScheduledModifierManager as TorchManager
+
+    steps = 3 * SPE
+    x, y = _data(steps * 8)
+
+    class TorchNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c2 = torch.nn.Conv2d(1, 8, 3), torch.nn.Conv2d(8, 8, 3)
+            self.fc = torch.nn.Linear(8 * 4 * 4, 10)
+
+        def forward(self, t):
+            return self.fc(self.c2(self.c1(t)).flatten(1))
+
+    torch.manual_seed(0)
+    tnet = TorchNet()
+    with torch.no_grad():
+        tnet.c1.weight.view(-1)[:10] = 0
+    tm = TorchManager.from_yaml(PARITY)
+    topt = tm.modify(tnet, torch.optim.SGD(tnet.parameters(), lr=0.1, momentum=0.9), steps_per_epoch=SPE)
+
+    graph = tf_compat.Graph()
+    with graph.as_default():
+        tf_compat.set_random_seed(0)
+        gx = tf_compat.placeholder(tf.float32, [None, 8, 8, 1])
+        gy = tf_compat.placeholder(tf.int64, [None])
+        init = tf_compat.glorot_uniform_initializer()
+        w1 = tf_compat.get_variable("c1/kernel", [3, 3, 1, 8], initializer=init, use_resource=True)
+        w2 = tf_compat.get_variable("c2/kernel", [3, 3, 8, 8], initializer=init, use_resource=True)
+        w3 = tf_compat.get_variable("fc/kernel", [128, 10], initializer=init, use_resource=True)
+        h = tf.nn.conv2d(tf.nn.conv2d(gx, w1, 1, "VALID"), w2, 1, "VALID")
+        logits = tf.matmul(tf.reshape(h, [-1, 128]), w3)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=gy, logits=logits))
+        step = tf_compat.train.get_or_create_global_step()
+        gm = GraphManager.from_yaml(PARITY)
+        ops, extras = gm.create_ops(steps_per_epoch=SPE)
+        train = tf_compat.train.MomentumOptimizer(extras["learning_rate"], 0.9).minimize(loss, global_step=step)
+        zero_first = tf.tensor_scatter_nd_update(tf.reshape(tf.transpose(w1, [3, 2, 0, 1]), [-1]),
+                                                 tf.range(10)[:, None], tf.zeros(10))
+        reset_w1 = w1.assign(tf.transpose(tf.reshape(zero_first, [8, 1, 3, 3]), [2, 3, 1, 0]))
+        initializer = tf_compat.global_variables_initializer()
+    sess = tf_compat.Session(graph=graph)
+    sess.run(initializer)
+    sess.run(reset_w1)
+    gm.initialize_session(sess)
+
+    knet = _keras_parity_net()
+    k1 = knet.get_layer("c1").kernel
+    flat = np.transpose(k1.numpy(), [3, 2, 0, 1]).reshape(-1)
+    flat[:10] = 0
+    k1.assign(np.transpose(flat.reshape(8, 1, 3, 3), [2, 3, 1, 0]))
+    kopt = keras.optimizers.SGD(0.1, momentum=0.9)
+    km = ScheduledModifierManager.from_yaml(PARITY)
+    knet, callbacks = km.modify(knet, kopt, steps_per_epoch=SPE)
+    knet.compile(optimizer=kopt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    keras_rows = []
+
+    class Rows(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            keras_rows.append([float(kopt.learning_rate.numpy())])
+
+        def on_train_batch_end(self, batch, logs=None):
+            keras_rows[-1].append([int((knet.get_layer(n).kernel.numpy() == 0).sum()) for n in ("c1", "c2", "fc")])
+
+    knet.fit(x, y, batch_size=8, epochs=3, callbacks=callbacks + [Rows()], verbose=0, shuffle=False)
+
+    nonzero_c1_seen = False
+    for k in range(steps):
+        xb, yb = x[k * 8:(k + 1) * 8], y[k * 8:(k + 1) * 8]
+        torch_lr = topt.param_groups[0]["lr"]
+        topt.zero_grad()
+        torch.nn.functional.cross_entropy(tnet(torch.from_numpy(xb).permute(0, 3, 1, 2)),
+                                          torch.from_numpy(yb)).backward()
+        topt.step()
+        graph_lr = sess.run(extras["learning_rate"])
+        sess.run(train, {gx: xb, gy: yb})
+        sess.run(ops)
+        torch_zeros = [int((m.weight == 0).sum()) for m in (tnet.c1, tnet.c2, tnet.fc)]
+        graph_zeros = [int((sess.run(v) == 0).sum()) for v in (w1, w2, w3)]
+        keras_lr, keras_zeros = keras_rows[k]
+        assert torch_zeros == graph_zeros == keras_zeros, k
+        assert torch_lr == pytest.approx(graph_lr) and graph_lr == pytest.approx(keras_lr), k
+        nonzero_c1_seen |= torch_zeros[0] == 10
+    assert nonzero_c1_seen and keras_rows[-1][1][0] < 10  # ConstantKS held the zeros, then let go
+    assert keras_rows[-1][1][2] < round(0.7 * 1280)  # GradualKS released (leave_enabled: false)
