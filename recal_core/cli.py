@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_check)
 
     train = sub.add_parser("train", help="train the bundled digits classifier under a recipe (PyTorch or TensorFlow)")
-    train.add_argument("--framework", choices=("torch", "tf"), required=True)
+    train.add_argument("--framework", choices=("torch", "tf", "keras"), required=True)
     train.add_argument("--recipe", required=True, help="recipe file")
     train.add_argument("--output", default="runs/recal", help="output folder (default runs/recal)")
     train.add_argument("--epochs", type=_positive_int, help="epochs to train (default: the recipe's max_epochs)")

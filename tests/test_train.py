@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,6 +82,28 @@ def test_tf_train_and_resume(tmp_path):
     assert [h.epoch for h in resumed.history] == [1, 2, 3]
     assert resumed.artefacts[0].sparsity == artefact.sparsity
     assert resumed.history[-1].test_accuracy == pytest.approx(full.history[-1].test_accuracy, abs=0.02)
+
+
+@pytest.mark.slow
+def test_keras_train_and_resume(tmp_path):
+    pytest.importorskip("keras")
+    pytest.importorskip("tf2onnx")
+    recipe = _recipe(tmp_path, PRUNE)
+    full = train(recipe, "keras", tmp_path / "a", progress=False)
+    (artefact,) = full.artefacts
+    assert artefact.path.endswith("model.onnx") and artefact.accuracy > 0.8 and artefact.latency_ms > 0
+    assert artefact.sparsity == pytest.approx(0.6, abs=0.01)
+    assert list((tmp_path / "a" / "tensorboard").rglob("events.out.tfevents.*"))
+    train(recipe, "keras", tmp_path / "b", epochs=2, progress=False)
+    resumed = train(recipe, "keras", tmp_path / "b", resume=True, progress=False)
+    assert [h.epoch for h in resumed.history] == [1, 2, 3]
+    assert resumed.artefacts[0].sparsity == artefact.sparsity
+    ort = pytest.importorskip("onnxruntime")
+    from recal_core.datasets import load_digits
+
+    x = load_digits().test_images[..., None]
+    logits = [ort.InferenceSession(str(tmp_path / d / "model.onnx")).run(None, {"inputs": x})[0] for d in "ab"]
+    np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)  # resumed = uninterrupted
 
 
 def _cli(*args):

@@ -18,7 +18,7 @@ def export_onnx(model: keras.Model, path: str | os.PathLike, *, opset: int | Non
     try:
         import tf2onnx  # noqa: F401 - Keras's ONNX export needs it
     except ImportError as exc:
-        raise ImportError("exporting Keras to ONNX needs tf2onnx>=1.17: pip install 'recal[keras]'") from exc
+        raise ImportError("exporting Keras to ONNX needs tf2onnx>=1.17: pip install 'recal[tf-cpu]'") from exc
     with atomic_path(path) as tmp, warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning)  # Keras's tf2onnx shim probes np.object
         kwargs = {} if opset is None else {"opset_version": opset}

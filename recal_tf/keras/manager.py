@@ -98,6 +98,7 @@ class ScheduledModifierManager(RecipeManager):
         self._original_trainable: dict[str, bool] = {}
         self._own: list[tf.Variable] = []
         self._lr_values: np.ndarray | None = None
+        self._apply_at = None  # the mask step as a tf.function of k, traced once
         self._finalized = False
 
     # --- modify -------------------------------------------------------------------------------
@@ -268,13 +269,9 @@ class ScheduledModifierManager(RecipeManager):
     def _apply_now(self) -> None:
         """Masks in force at the current step, applied before the next forward pass (start or resume)."""
         if self._masks is not None or self._lr_values is not None:
-            k = self._current_step()
-
-            @tf.function
-            def step():
-                self._step_ops(tf.constant(k, tf.int64))
-
-            step()
+            if self._apply_at is None:
+                self._apply_at = tf.function(lambda k: tf.group(*self._step_ops(k)) and None)
+            self._apply_at(tf.constant(self._current_step(), tf.int64))
 
     def _apply_trainable(self, model: keras.Model) -> bool:
         """Trainable flags in force now; True when they changed (the train function must be rebuilt)."""

@@ -1,0 +1,124 @@
+"""The Keras trainer behind ``recal train --framework keras``: the digits classifier under a recipe.
+
+``modify`` / ``compile`` / ``fit`` as a Keras user writes them, one ``fit`` per epoch on the epoch's batch
+order; a ``.keras`` checkpoint per epoch (``--resume`` loads the last one and continues the schedule
+exactly); TensorBoard through Keras's own callback plus recal's scalars; at the end ``finalize`` and an
+ONNX export.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from recal_core.atomic import atomic_path, write_text_atomically
+from recal_core.datasets import load_digits
+from recal_core.recipe import Recipe
+from recal_core.run_lock import read_resume_record
+from recal_core.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, epoch_line,
+                                 epoch_order, overall_sparsity)
+
+from .export import export_onnx
+from .manager import ScheduledModifierManager
+
+log = logging.getLogger(__name__)
+CHECKPOINT = "model.keras"
+
+
+def digits_model(seed: int) -> keras.Model:
+    """Conv-BN-ReLU x2, max-pool, Conv-BN-ReLU, global average pool, dense: the network the torch and graph
+    trainers use, for ``[N, 8, 8, 1]`` digits."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8, 8, 1), name="inputs")
+    x = inputs
+    for i, filters in enumerate((32, 32, 64)):
+        x = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"conv{i}")(x)
+        x = keras.layers.BatchNormalization(momentum=0.9, name=f"bn{i}")(x)  # torch's 0.1
+        x = keras.layers.ReLU(name=f"relu{i}")(x)
+        if i == 1:
+            x = keras.layers.MaxPooling2D(2, name="pool")(x)
+    x = keras.layers.GlobalAveragePooling2D(name="gap")(x)
+    return keras.Model(inputs, keras.layers.Dense(10, name="fc")(x), name="digits_net")
+
+
+class _Scalars(keras.callbacks.Callback):
+    """recal's scalars (LR, each pruned layer's sparsity) in TensorBoard, once per epoch."""
+
+    def __init__(self, manager: ScheduledModifierManager, log_dir: Path):
+        super().__init__()
+        self.manager, self.writer = manager, tf.summary.create_file_writer(str(log_dir / "recal"))
+
+    def on_epoch_end(self, epoch, logs=None):
+        step = int(self.model.optimizer.iterations.numpy())
+        with self.writer.as_default():
+            for name, value in self.manager.scalars().items():
+                tf.summary.scalar(name, value, step=step)
+        self.writer.flush()
+
+
+def _kernel_sparsity(manager: ScheduledModifierManager, model: keras.Model) -> tuple[float, dict[str, float]]:
+    kernels = {p.name: v for p, v in _prunable(model)}
+    layers = {name: float((v.numpy() == 0).mean()) for name, v in kernels.items()}
+    return overall_sparsity(layers, {n: int(np.prod(v.shape)) for n, v in kernels.items()}), layers
+
+
+def _prunable(model: keras.Model):
+    from .params import describe_model
+
+    infos, by_name = describe_model(model)
+    return [(p, by_name[p.name]) for p in infos if p.prunable]
+
+
+def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool, progress: bool) -> TrainingRun:
+    digits = load_digits()
+    x_train, y_train = digits.train_images[..., None], digits.train_labels
+    x_test, y_test = digits.test_images[..., None], digits.test_labels
+    steps_per_epoch = math.ceil(len(x_train) / BATCH_SIZE)
+    run = TrainingRun("keras", recipe.source, str(out_dir), epochs, seed, steps_per_epoch)
+    ckpt_dir = out_dir / "checkpoints"
+    start = 0
+    if resume:
+        state = read_resume_record(ckpt_dir / "history.json", ("epoch", "history"))
+        model = keras.models.load_model(ckpt_dir / CHECKPOINT)
+        optimizer = model.optimizer
+        run.history = [EpochRecord(**h) for h in state["history"]]
+        start = state["epoch"]
+    else:
+        model = digits_model(seed)
+        optimizer = keras.optimizers.SGD(LEARNING_RATE, momentum=0.9)
+    manager = ScheduledModifierManager(recipe)
+    model, callbacks = manager.modify(model, optimizer, steps_per_epoch=steps_per_epoch)
+    if not resume:
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    callbacks += [keras.callbacks.TensorBoard(str(out_dir / "tensorboard")), _Scalars(manager, out_dir / "tensorboard")]
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    for epoch in range(start, epochs):
+        order = epoch_order(len(x_train), seed, epoch)
+        history = model.fit(x_train[order], y_train[order], batch_size=BATCH_SIZE, epochs=epoch + 1,
+                            initial_epoch=epoch, shuffle=False, callbacks=callbacks,
+                            verbose=0)
+        test_accuracy = float((model.predict(x_test, verbose=0).argmax(1) == y_test).mean())
+        lr = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+        record = EpochRecord(epoch + 1, float(history.history["loss"][-1]), float(history.history["accuracy"][-1]),
+                             test_accuracy, _kernel_sparsity(manager, model)[0], lr)
+        run.history.append(record)
+        with atomic_path(ckpt_dir / CHECKPOINT) as tmp:
+            model.save(tmp.with_suffix(".keras"))
+            tmp.with_suffix(".keras").replace(tmp)
+        write_text_atomically(ckpt_dir / "history.json", json.dumps(
+            {"epoch": epoch + 1, "history": [vars(h) for h in run.history]}))
+        if progress:  # after the commit point: a printed epoch is a saved one
+            print(epoch_line("keras", record, epochs), flush=True)
+    manager.finalize(model)
+    overall, layers = _kernel_sparsity(manager, model)
+    onnx_path = export_onnx(model, out_dir / "model.onnx")
+    run.artefacts = [Artefact("ONNX export (fp32) of the Keras model", "keras", onnx_path, sparsity=overall,
+                              layer_sparsity=layers)]
+    return run
