@@ -32,6 +32,7 @@ cp "$work/run/model.onnx" "$work/qat.onnx"
 fresh tf-cpu
 "$work/tf-cpu/bin/pip" install --quiet "tensorflow-cpu==2.20.*" "$wheel[tf-cpu]"
 quickstart tf-cpu "Quick start: TensorFlow"
+quickstart tf-cpu "Quick start: Keras 3"
 
 fresh onnx
 "$work/onnx/bin/pip" install --quiet "$wheel[onnx]"

@@ -317,7 +317,7 @@ def test_same_recipe_same_zeros_and_lr_in_torch_tf_graph_and_keras():
     from recal_torch import ScheduledModifierManager as TorchManager
 
     steps = 3 * SPE
-    x, y = _data(steps * 8)
+    x, y = _data(SPE * 8)  # one epoch of batches of 8, fed again each epoch
 
     class TorchNet(torch.nn.Module):
         def __init__(self):
@@ -382,7 +382,8 @@ def test_same_recipe_same_zeros_and_lr_in_torch_tf_graph_and_keras():
 
     nonzero_c1_seen = False
     for k in range(steps):
-        xb, yb = x[k * 8:(k + 1) * 8], y[k * 8:(k + 1) * 8]
+        b = k % SPE
+        xb, yb = x[b * 8:(b + 1) * 8], y[b * 8:(b + 1) * 8]
         torch_lr = topt.param_groups[0]["lr"]
         topt.zero_grad()
         torch.nn.functional.cross_entropy(tnet(torch.from_numpy(xb).permute(0, 3, 1, 2)),

@@ -372,4 +372,4 @@ class RecalCallback(keras.callbacks.Callback):
         if ran != expected:
             warnings.warn(f"epoch {epoch} ran {ran} steps, but the recipe was bound with steps_per_epoch={expected}: "
                           f"the recipe's epochs are {expected} steps each, not this fit's epochs", RecalWarning,
-                          stacklevel=2)
+                          stacklevel=1)  # called by Keras: the user's line is not on the stack

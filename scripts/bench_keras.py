@@ -1,0 +1,138 @@
+"""Keras 3: recal's per-step cost inside ``model.fit``, and digits accuracy next to PyTorch.
+
+Part 1 times a CNN (batch 128, 28x28) under plain ``fit`` and under recal (GMP between mask updates,
+GMP with every step an update, and LR + GMP), the variants interleaved round by round, medians of the
+per-step times Keras reports between batches. Part 2 trains the digits net with ``recal train`` in Keras and
+in PyTorch, dense and pruned to 90%, over several seeds.
+
+    python scripts/bench_keras.py [--rounds 5] [--steps 40] [--seeds 3] [--skip-accuracy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from recal_tf.keras import ScheduledModifierManager  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BETWEEN = """
+- !GradualKSModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.5, final_sparsity: 0.9, start_epoch: 0.0,
+                      end_epoch: 90.0, update_frequency: 10.0}
+"""
+EVERY_STEP = BETWEEN.replace("update_frequency: 10.0", "update_frequency: -1")
+WITH_LR = BETWEEN + """
+- !LearningRateModifier {lr_class: CosineAnnealingWarmRestarts, lr_kwargs: {lr_min: 0.0001, cycle_epochs: 10.0},
+                         init_lr: 0.001, start_epoch: 0.0, end_epoch: 100.0}
+"""
+
+
+def _cnn(seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu", name="conv0"),
+        keras.layers.Conv2D(64, 3, strides=2, padding="same", activation="relu", name="conv1"),
+        keras.layers.Conv2D(64, 3, strides=2, padding="same", activation="relu", name="conv2"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(128, activation="relu", name="fc0"),
+        keras.layers.Dense(10, name="fc1"),
+    ])
+
+
+class _StepTimes(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.times, self._last = [], None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._last = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.times.append(time.perf_counter() - self._last)
+
+
+def _variant(recipe: str | None, steps: int):
+    model = _cnn()
+    optimizer = keras.optimizers.Adam(1e-3)
+    callbacks = []
+    if recipe:
+        model, callbacks = ScheduledModifierManager.from_yaml(recipe).modify(model, optimizer, steps_per_epoch=steps)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, callbacks
+
+
+def overhead(rounds: int, steps: int) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.random((steps * 128, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, steps * 128)
+    variants = {"plain fit": None, "recal GMP, between updates": BETWEEN, "recal GMP, update every step": EVERY_STEP,
+                "recal GMP + cosine LR": WITH_LR}
+    built = {name: _variant(recipe, steps) for name, recipe in variants.items()}
+    for model, callbacks in built.values():  # trace and warm up
+        model.fit(x, y, batch_size=128, epochs=1, callbacks=callbacks, verbose=0)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(rounds):
+        for name, (model, callbacks) in built.items():
+            timer = _StepTimes()
+            model.fit(x, y, batch_size=128, epochs=r + 2, initial_epoch=r + 1, callbacks=callbacks + [timer],
+                      verbose=0)
+            times[name] += timer.times[1:]
+    base = statistics.median(times["plain fit"])
+    print(f"\nKeras {keras.__version__}: CNN (3 conv, 2 dense), batch 128, Adam; {rounds} interleaved rounds of "
+          f"{steps} steps, median per step")
+    print("| variant | ms / step | vs plain fit |")
+    print("| --- | ---: | ---: |")
+    for name, values in times.items():
+        m = statistics.median(values)
+        print(f"| {name} | {1000 * m:.2f} | {100 * (m / base - 1):+.1f}% |")
+
+
+def accuracy(seeds: int) -> None:
+    from recal_core import load_recipe
+    from recal_core.training import train
+
+    recipes = {"dense": ROOT / "scripts/recipes/dense.yaml", "pruned 90%": ROOT / "scripts/recipes/prune90.yaml"}
+    results: dict[tuple[str, str], list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(seeds):
+            for framework in ("keras", "torch"):
+                for label, path in recipes.items():
+                    out = Path(tmp) / f"{framework}-{label}-{seed}".replace(" ", "_").replace("%", "")
+                    run = train(load_recipe(path), framework, out, seed=seed, progress=False, quantize=False)
+                    onnx = next(a for a in run.artefacts if a.path.endswith(".onnx"))
+                    results.setdefault((framework, label), []).append(onnx.accuracy)
+    print(f"\ndigits test accuracy of the ONNX export (recal train, {seeds} seeds: mean, min-max)")
+    print("| framework | " + " | ".join(recipes) + " |")
+    print("| --- | " + " | ".join("---:" for _ in recipes) + " |")
+    for framework in ("keras", "torch"):
+        cells = []
+        for label in recipes:
+            values = results[(framework, label)]
+            cells.append(f"{100 * statistics.fmean(values):.2f} ({100 * min(values):.2f}-{100 * max(values):.2f})")
+        print(f"| {framework} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--skip-accuracy", action="store_true")
+    args = parser.parse_args()
+    overhead(args.rounds, args.steps)
+    if not args.skip_accuracy:
+        accuracy(args.seeds)
+
+
+if __name__ == "__main__":
+    main()
