@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_accuracy.py
 	$(BIN)/python scripts/bench_pruning.py
 	$(BIN)/python scripts/bench_thinning.py
+	$(BIN)/python scripts/bench_keras.py
 
 # the wheel installed with each extra into a fresh venv runs that extra's README quick start
 check-wheel:

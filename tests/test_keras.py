@@ -239,6 +239,12 @@ def test_unbuilt_model_and_wrong_optimizer_are_refused():
         model.fit(*_data(), epochs=1, callbacks=callbacks, verbose=0)
 
 
+def test_gradient_accumulation_is_refused():
+    with pytest.raises(ValueError, match="accumulates gradients over 4 batches"):
+        ScheduledModifierManager.from_yaml(PRUNE).modify(_net(), keras.optimizers.Adam(gradient_accumulation_steps=4),
+                                                         steps_per_epoch=SPE)
+
+
 def test_epoch_length_mismatch_is_warned():
     model = _net()
     opt = keras.optimizers.Adam()

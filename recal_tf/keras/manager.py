@@ -120,6 +120,10 @@ class ScheduledModifierManager(RecipeManager):
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             raise TypeError("modify() takes the inner optimizer of a LossScaleOptimizer: pass "
                             "optimizer.inner_optimizer, then compile with the LossScaleOptimizer")
+        if getattr(optimizer, "gradient_accumulation_steps", None):
+            raise ValueError(f"the optimizer accumulates gradients over {optimizer.gradient_accumulation_steps} "
+                             "batches: the recipe's steps are optimizer updates, and Keras counts every batch in "
+                             "optimizer.iterations; use a larger batch instead of gradient_accumulation_steps")
         if not model.built or not model.weights:
             raise ValueError(f"model {model.name!r} has no weights yet: build it first (give it a keras.Input, "
                              "call model.build(input_shape), or call it on a batch) before modify()")
@@ -331,11 +335,17 @@ def _float_lr(optimizer) -> float | None:
 
 
 def _slots_of(optimizer, variable: keras.Variable) -> list[tf.Variable]:
-    """The optimizer's per-weight state of ``variable`` (momentum, Adam's moments): Keras names each
-    ``<variable path with _>_<slot>``, with the variable's shape."""
-    prefix = variable.path.replace("/", "_") + "_"
-    return [s.value for s in optimizer.variables
-            if s.name.startswith(prefix) and tuple(s.shape) == tuple(variable.shape)]
+    """The optimizer's per-weight state of ``variable`` (momentum, Adam's moments, ...): Keras optimizers keep
+    each kind in a list indexed like their trainable variables."""
+    index = optimizer._get_variable_index(variable)
+    count = len(optimizer._trainable_variables)
+    slots = []
+    for value in vars(optimizer).values():
+        if isinstance(value, (list, tuple)) and len(value) == count and value is not optimizer._trainable_variables:
+            slot = value[index]
+            if isinstance(slot, keras.Variable) and tuple(slot.shape) == tuple(variable.shape):
+                slots.append(slot.value)
+    return slots
 
 
 class RecalCallback(keras.callbacks.Callback):
