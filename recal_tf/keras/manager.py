@@ -113,6 +113,9 @@ class ScheduledModifierManager(RecipeManager):
         """
         if self._model is not None:
             raise RuntimeError("modify() was already called on this manager; use one manager per model")
+        if keras.backend.backend() != "tensorflow":
+            raise RuntimeError(f"recal_tf.keras runs on Keras's TensorFlow backend; this process uses "
+                               f"{keras.backend.backend()!r}: set KERAS_BACKEND=tensorflow before importing keras")
         if not isinstance(model, keras.Model):
             raise TypeError(f"modify() takes a keras.Model, not {type(model).__name__}")
         if not isinstance(optimizer, keras.optimizers.Optimizer):
