@@ -406,3 +406,72 @@ def test_same_recipe_same_zeros_and_lr_in_torch_tf_graph_and_keras():
         nonzero_c1_seen |= torch_zeros[0] == 10
     assert nonzero_c1_seen and keras_rows[-1][1][0] < 10  # ConstantKS held the zeros, then let go
     assert keras_rows[-1][1][2] < round(0.7 * 1280)  # GradualKS released (leave_enabled: false)
+
+
+QAT = """
+- !EpochRangeModifier {start_epoch: 0.0, end_epoch: 3.0}
+- !GradualKSModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.3, final_sparsity: 0.6, start_epoch: 0.0,
+                      end_epoch: 1.0, update_frequency: 0.5}
+- !QuantizationModifier {start_epoch: 1.0, freeze_bn_stats_epoch: 2.5}
+- !SetLearningRateModifier {learning_rate: 0.005, start_epoch: 1.0}
+"""
+
+
+def test_qat_int8_onnx_equals_the_keras_qat_model_on_digits(tmp_path):
+    """Prune, then QAT (Conv-BN-ReLU folded): the QDQ export and its int8 conversion classify the digits as
+    the Keras QAT model does; before QAT starts the rewritten model computes exactly the float model."""
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("tf2onnx")
+    from recal_core.datasets import load_digits
+    from recal_onnx import quantize_qat_export
+    from recal_tf.keras.train import digits_model
+
+    digits = load_digits()
+    x, y = digits.train_images[..., None], digits.train_labels
+    xt, yt = digits.test_images[..., None], digits.test_labels
+    model = digits_model(0)
+    before = model.predict(xt, verbose=0)
+    opt = keras.optimizers.SGD(0.05, momentum=0.9)
+    manager = ScheduledModifierManager.from_yaml(QAT)
+    qat, callbacks = manager.modify(model, opt, steps_per_epoch=45)
+    assert manager.quantized_layers == ["conv0", "conv1", "conv2", "fc"]
+    np.testing.assert_allclose(qat.predict(xt, verbose=0), before, rtol=1e-4, atol=1e-5)  # QAT not started yet
+    qat.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    qat.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=0)
+    manager.finalize(qat)
+    keras_pred = qat.predict(xt, verbose=0).argmax(1)
+    path = export_onnx(qat, tmp_path / "qat.onnx")
+    quantize_qat_export(path, tmp_path / "int8.onnx")
+    preds = {}
+    for name in ("qat.onnx", "int8.onnx"):
+        sess = ort.InferenceSession(str(tmp_path / name))
+        preds[name] = sess.run(None, {sess.get_inputs()[0].name: xt})[0].argmax(1)
+    assert (keras_pred == yt).mean() > 0.9
+    assert (preds["qat.onnx"] == keras_pred).mean() >= 0.997  # one digit in 360 may sit on a rounding edge
+    assert (preds["int8.onnx"] == yt).mean() == pytest.approx((keras_pred == yt).mean(), abs=1 / 360)
+    import onnx
+    ops = {n.op_type for n in onnx.load(tmp_path / "int8.onnx").graph.node}
+    assert "QLinearConv" in ops and not {"Conv", "MatMul", "Gemm"} & ops  # every conv and the dense are integer
+
+
+def test_qat_refusals_and_float_layers_named():
+    class Sub(keras.Model):
+        def __init__(self):
+            super().__init__(name="sub")
+            self.d = keras.layers.Dense(4)
+
+        def call(self, x):
+            return self.d(x)
+
+    sub = Sub()
+    sub(np.zeros((1, 3), np.float32))
+    with pytest.raises(RecipeError, match="cannot rebuild the subclassed model 'sub'.*Sequential or functional"):
+        ScheduledModifierManager.from_yaml(QAT).modify(sub, keras.optimizers.Adam(), steps_per_epoch=SPE)
+    with pytest.raises(RecipeError, match="ignore.*not available for Keras"):
+        ScheduledModifierManager.from_yaml(QAT.replace("freeze_bn_stats_epoch: 2.5", "ignore: [fc]")).modify(
+            _net(), keras.optimizers.Adam(), steps_per_epoch=SPE)
+    inputs = keras.Input((8, 8, 1))
+    x = keras.layers.DepthwiseConv2D(3, name="dw")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="fc")(keras.layers.Flatten()(x)))
+    with pytest.warns(RecalWarning, match="stay float.*dw"):
+        ScheduledModifierManager.from_yaml(QAT).modify(model, keras.optimizers.Adam(), steps_per_epoch=SPE)

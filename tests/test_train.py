@@ -86,21 +86,23 @@ def test_tf_train_and_resume(tmp_path):
 
 @pytest.mark.slow
 def test_keras_train_and_resume(tmp_path):
+    """Pruning then QAT in Keras: the QDQ export converts to an int8 model as accurate as it; a run stopped after
+    two epochs and resumed gives the uninterrupted run's outputs."""
     pytest.importorskip("keras")
     pytest.importorskip("tf2onnx")
-    recipe = _recipe(tmp_path, PRUNE)
-    full = train(recipe, "keras", tmp_path / "a", progress=False)
-    (artefact,) = full.artefacts
-    assert artefact.path.endswith("model.onnx") and artefact.accuracy > 0.8 and artefact.latency_ms > 0
-    assert artefact.sparsity == pytest.approx(0.6, abs=0.01)
-    assert list((tmp_path / "a" / "tensorboard").rglob("events.out.tfevents.*"))
-    train(recipe, "keras", tmp_path / "b", epochs=2, progress=False)
-    resumed = train(recipe, "keras", tmp_path / "b", resume=True, progress=False)
-    assert [h.epoch for h in resumed.history] == [1, 2, 3]
-    assert resumed.artefacts[0].sparsity == artefact.sparsity
     ort = pytest.importorskip("onnxruntime")
     from recal_core.datasets import load_digits
 
+    recipe = _recipe(tmp_path, PRUNE_QAT)
+    full = train(recipe, "keras", tmp_path / "a", progress=False)
+    qdq, int8 = full.artefacts
+    assert qdq.qat and qdq.path.endswith("model.onnx") and int8.path.endswith("model.int8.onnx")
+    assert int8.accuracy > 0.8 and abs(int8.accuracy - qdq.accuracy) <= 1 / 360  # at most one test digit apart
+    assert int8.sparsity == pytest.approx(0.6, abs=0.01) and int8.size_bytes < qdq.size_bytes / 2
+    assert list((tmp_path / "a" / "tensorboard").rglob("events.out.tfevents.*"))
+    train(recipe, "keras", tmp_path / "b", epochs=2, progress=False)
+    resumed = train(recipe, "keras", tmp_path / "b", resume=True, progress=False)
+    assert [h.epoch for h in resumed.history] == [1, 2, 3, 4]
     x = load_digits().test_images[..., None]
     logits = [ort.InferenceSession(str(tmp_path / d / "model.onnx")).run(None, {"inputs": x})[0] for d in "ab"]
     np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)  # resumed = uninterrupted

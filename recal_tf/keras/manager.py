@@ -23,6 +23,7 @@ from typing import Any
 
 import keras
 import numpy as np
+from keras.src.models.functional import Functional  # what keras.Model(inputs, outputs) builds
 import tensorflow as tf
 
 from recal_core import RecipeError
@@ -34,6 +35,7 @@ from recal_core.schedule import RecipeSchedule
 
 from ..mask_ops import PruningMasks
 from .params import describe_model
+from .qat import QATTables, quantize_model
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,8 @@ class ScheduledModifierManager(RecipeManager):
         self._own: list[tf.Variable] = []
         self._lr_values: np.ndarray | None = None
         self._apply_at = None  # the mask step as a tf.function of k, traced once
+        self._qat: QATTables | None = None
+        self.quantized_layers: list[str] = []  # the Conv2D / Dense layers QAT quantizes
         self._finalized = False
 
     # --- modify -------------------------------------------------------------------------------
@@ -109,7 +113,9 @@ class ScheduledModifierManager(RecipeManager):
 
         Call it once, after the model is built and before ``compile`` (inside a ``tf.distribute`` strategy's
         scope when there is one), then ``model.compile(optimizer=optimizer, ...)`` and
-        ``model.fit(..., callbacks=callbacks)``. The model is changed in place (no wrapper layers).
+        ``model.fit(..., callbacks=callbacks)``. Pruning, LR and the rest change the model in place; a
+        QuantizationModifier returns a new model (Sequential or functional) whose QAT layers reuse the
+        original layers and variables: compile and fit the returned model.
         """
         if self._model is not None:
             raise RuntimeError("modify() was already called on this manager; use one manager per model")
@@ -137,12 +143,17 @@ class ScheduledModifierManager(RecipeManager):
         if schedule.total_steps > MAX_TABLE_STEPS:
             raise ValueError(f"the recipe runs {schedule.total_steps:,} steps; recal_tf.keras tabulates per-step "
                              f"values in the graph and takes at most {MAX_TABLE_STEPS:,} steps")
+        if schedule.quantization:
+            model = self._quantize(model, schedule, optimizer)
         infos, by_name = describe_model(model)
         base_lr = _float_lr(optimizer)
         wd = optimizer.weight_decay
         self.plan = self._plan(schedule, infos, by_name, base_lr, None if wd is None else float(wd))
         self.schedule, self._model, self._optimizer, self._by_name = schedule, model, optimizer, by_name
         self._original_trainable = {name: bool(v.trainable) for name, v in by_name.items()}
+        if not optimizer.built:  # its state exists before the first step: masked, and restorable from a checkpoint
+            optimizer.build([v for v in model.weights if v.trainable] +
+                            [v for n, v in by_name.items() if n in self._ever_trainable() and not v.trainable])
         self._install_lr(optimizer, base_lr)
         self._install_weight_decay(optimizer)
         if self.plan.masks:
@@ -150,6 +161,33 @@ class ScheduledModifierManager(RecipeManager):
         if self.plan.masks or self._lr_values is not None:
             self._attach_driver(model)
         return model, [RecalCallback(self)]
+
+    def _quantize(self, model: keras.Model, schedule: RecipeSchedule, optimizer) -> keras.Model:
+        """The model with its Conv2D(-BN)(-ReLU) and Dense(-ReLU) as QAT layers (:mod:`recal_tf.keras.qat`),
+        switched on, BN-frozen and observer-frozen at the steps the recipe says."""
+        index, _ = schedule.quantization[0]
+        if not isinstance(model, (keras.Sequential, Functional)):
+            raise RecipeError(self.recipe.problem(
+                index, None, f"QAT rewrites the model with keras.models.clone_model, which cannot rebuild the "
+                f"subclassed model {model.name!r} ({type(model).__name__})",
+                expected="a Sequential or functional model (keras.Model(inputs, outputs)) for QAT"))
+        if tf.distribute.has_strategy():
+            raise RecipeError(self.recipe.problem(
+                index, None, "QAT under a tf.distribute strategy is not available for Keras yet (the observers' "
+                "ranges are not reduced across replicas)", expected="QAT on one device (pruning and LR do run "
+                "under a strategy), or this recipe with recal_torch's DistributedDataParallel"))
+        states = [schedule.qat(index, k) for k in range(schedule.total_steps + 1)]
+        self._qat = QATTables(np.array([s.enabled for s in states]), np.array([s.bn_frozen for s in states]),
+                              np.array([s.observers_frozen for s in states]), optimizer.iterations)
+        quantized, made, floating = quantize_model(model, self._qat)
+        if not made:
+            raise RecipeError(self.recipe.problem(index, None, f"model {model.name!r} has no Conv2D or Dense layer "
+                                                  "to quantize", expected="a model with Conv2D or Dense layers"))
+        if floating:
+            warnings.warn(f"{self.recipe.describe(index)}: these layers with weights stay float (recal's Keras QAT "
+                          f"quantizes Conv2D and Dense): {', '.join(floating)}", RecalWarning, stacklevel=4)
+        self.quantized_layers = [q.layer.name for q in made]
+        return quantized
 
     def _check_strategy(self, model: keras.Model) -> None:
         strategy = tf.distribute.get_strategy()
@@ -164,10 +202,15 @@ class ScheduledModifierManager(RecipeManager):
     def _plan(self, schedule: RecipeSchedule, infos, by_name, base_lr, base_wd) -> ModelPlan:
         """The core's plan for this model; plus what Keras cannot do yet, every problem at once."""
         problems = []
-        for index, _ in schedule.quantization:
-            problems.append(self.recipe.problem(
-                index, None, "quantization-aware training is not yet available for Keras",
-                expected="run this recipe's QuantizationModifier with recal_torch, or remove it for Keras"))
+        for n, (index, m) in enumerate(schedule.quantization):
+            if n:
+                problems.append(self.recipe.problem(index, None, "a second QuantizationModifier",
+                                                    expected="one QuantizationModifier per recipe in Keras"))
+            for field in ("submodules", "ignore", "scheme_overrides"):
+                if getattr(m, field):
+                    problems.append(self.recipe.problem(
+                        index, field, f"{field} is not available for Keras yet: every Conv2D and Dense is quantized",
+                        value=getattr(m, field), expected=f"no {field} (or run this recipe with recal_torch)"))
         for ps in schedule.pruning:
             if is_second_order(ps):
                 problems.append(self.recipe.problem(
@@ -221,9 +264,6 @@ class ScheduledModifierManager(RecipeManager):
 
         kernel_axes = {p.name: p.kernel_axes for p in describe_model(model)[0]}
         self._masks = PruningMasks(self.plan, variables, kernel_axes, make_variable, variables.__getitem__)
-        if not optimizer.built:  # its state variables exist before the first step, so they can be masked
-            optimizer.build([v for v in model.weights if v.trainable] +
-                            [v for n, v in self._by_name.items() if n in self._ever_trainable() and not v.trainable])
         self._slots = {name: _slots_of(optimizer, self._by_name[name]) for name in self.plan.masks}
 
     def _ever_trainable(self) -> set[str]:
@@ -323,6 +363,8 @@ class ScheduledModifierManager(RecipeManager):
             raise RuntimeError("finalize() was already called for this model")
         self._apply_now()
         self._detach_driver()
+        if self._qat is not None:
+            self._qat.export = True  # from now on the QAT layers trace as plain fake-quantized inference
         for name, flag in self._original_trainable.items():
             if bool(self._by_name[name].trainable) != flag:
                 self._by_name[name].trainable = flag

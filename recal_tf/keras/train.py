@@ -1,9 +1,10 @@
 """The Keras trainer behind ``recal train --framework keras``: the digits classifier under a recipe.
 
 ``modify`` / ``compile`` / ``fit`` as a Keras user writes them, one ``fit`` per epoch on the epoch's batch
-order; a ``.keras`` checkpoint per epoch (``--resume`` loads the last one and continues the schedule
-exactly); TensorBoard through Keras's own callback plus recal's scalars; at the end ``finalize`` and an
-ONNX export.
+order; a ``tf.train.Checkpoint`` of model and optimizer per epoch (``--resume`` rebuilds the model, applies the
+recipe and restores it, so the schedule continues exactly; a ``.keras`` file cannot hold recal's QAT layers);
+TensorBoard through Keras's own callback plus recal's scalars; at the end ``finalize`` and an ONNX export
+(QDQ after QAT, which ``recal train`` then converts to int8).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from recal_core.atomic import atomic_path, write_text_atomically
+from recal_core.atomic import write_text_atomically
 from recal_core.datasets import load_digits
 from recal_core.recipe import Recipe
 from recal_core.run_lock import read_resume_record
@@ -28,7 +29,7 @@ from .export import export_onnx
 from .manager import ScheduledModifierManager
 
 log = logging.getLogger(__name__)
-CHECKPOINT = "model.keras"
+CHECKPOINT = "model.ckpt"
 
 
 def digits_model(seed: int) -> keras.Model:
@@ -82,22 +83,24 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
     steps_per_epoch = math.ceil(len(x_train) / BATCH_SIZE)
     run = TrainingRun("keras", recipe.source, str(out_dir), epochs, seed, steps_per_epoch)
     ckpt_dir = out_dir / "checkpoints"
-    start = 0
-    if resume:
-        state = read_resume_record(ckpt_dir / "history.json", ("epoch", "history"))
-        model = keras.models.load_model(ckpt_dir / CHECKPOINT)
-        optimizer = model.optimizer
-        run.history = [EpochRecord(**h) for h in state["history"]]
-        start = state["epoch"]
-    else:
-        model = digits_model(seed)
-        optimizer = keras.optimizers.SGD(LEARNING_RATE, momentum=0.9)
+    model = digits_model(seed)
+    optimizer = keras.optimizers.SGD(LEARNING_RATE, momentum=0.9)
     manager = ScheduledModifierManager(recipe)
     model, callbacks = manager.modify(model, optimizer, steps_per_epoch=steps_per_epoch)
-    if not resume:
-        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-    callbacks += [keras.callbacks.TensorBoard(str(out_dir / "tensorboard")), _Scalars(manager, out_dir / "tensorboard")]
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    start = 0
+    if resume:
+        state = read_resume_record(ckpt_dir / "history.json", ("epoch", "checkpoint", "history"))
+        if "/" in state["checkpoint"] or not (ckpt_dir / (state["checkpoint"] + ".index")).is_file():
+            raise FileNotFoundError(f"--resume: {ckpt_dir / 'history.json'} names checkpoint "
+                                    f"{state['checkpoint']!r}, which is not in {ckpt_dir}")
+        checkpoint.read(str(ckpt_dir / state["checkpoint"])).assert_existing_objects_matched()
+        run.history = [EpochRecord(**h) for h in state["history"]]
+        start = state["epoch"]
+    callbacks += [keras.callbacks.TensorBoard(str(out_dir / "tensorboard"), write_graph=False),  # QAT layers: no JSON
+                  _Scalars(manager, out_dir / "tensorboard")]
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     for epoch in range(start, epochs):
         order = epoch_order(len(x_train), seed, epoch)
@@ -109,16 +112,15 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
         record = EpochRecord(epoch + 1, float(history.history["loss"][-1]), float(history.history["accuracy"][-1]),
                              test_accuracy, _kernel_sparsity(manager, model)[0], lr)
         run.history.append(record)
-        with atomic_path(ckpt_dir / CHECKPOINT) as tmp:
-            model.save(tmp.with_suffix(".keras"))
-            tmp.with_suffix(".keras").replace(tmp)
+        prefix = checkpoint.write(str(ckpt_dir / f"{CHECKPOINT}-{epoch + 1}"))  # history.json is the commit point
         write_text_atomically(ckpt_dir / "history.json", json.dumps(
-            {"epoch": epoch + 1, "history": [vars(h) for h in run.history]}))
+            {"epoch": epoch + 1, "checkpoint": Path(prefix).name, "history": [vars(h) for h in run.history]}))
         if progress:  # after the commit point: a printed epoch is a saved one
             print(epoch_line("keras", record, epochs), flush=True)
     manager.finalize(model)
     overall, layers = _kernel_sparsity(manager, model)
     onnx_path = export_onnx(model, out_dir / "model.onnx")
-    run.artefacts = [Artefact("ONNX export (fp32) of the Keras model", "keras", onnx_path, sparsity=overall,
-                              layer_sparsity=layers)]
+    quantized = bool(manager.quantized_layers)
+    run.artefacts = [Artefact(("QAT ONNX export (QDQ)" if quantized else "ONNX export (fp32)") + " of the Keras model",
+                              "keras", onnx_path, sparsity=overall, layer_sparsity=layers, qat=quantized)]
     return run

@@ -1,0 +1,239 @@
+"""Quantization-aware training for Keras 3, with recal_torch's conventions.
+
+- Activations: uint8, asymmetric, per tensor, moving-average min/max (``FakeQuantWithMinMaxVars``, which
+  tf2onnx exports as QuantizeLinear/DequantizeLinear with a zero point).
+- Weights: int8, symmetric (``max|w| / 127``), per output channel (``QuantizeAndDequantizeV3`` with
+  ``axis``, which tf2onnx exports as per-channel QuantizeLinear/DequantizeLinear).
+- ``Conv2D(-BatchNormalization)(-ReLU)`` and ``Dense(-ReLU)`` become one :class:`QuantizedLayer` that
+  simulates the BatchNorm-folded weights (batch statistics while training, the moving ones once frozen), so
+  the export is already folded. The layer quantizes its output (after the ReLU: the ReLU is folded into the
+  range) and its input unless that comes from another quantized layer through max-pooling, flatten, reshape or
+  dropout.
+
+The original layers (and so their variables, masks and optimizer state) are reused inside the new model that
+``keras.models.clone_model`` builds; Sequential and functional models only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+W_LEVELS = 127.0
+PASS_THROUGH = (keras.layers.MaxPooling2D, keras.layers.MaxPooling1D, keras.layers.Flatten, keras.layers.Reshape,
+                keras.layers.Dropout)
+
+
+@dataclass
+class QATTables:
+    """The QuantizationModifier's switches per step, read at ``optimizer.iterations`` in the graph."""
+
+    enabled: np.ndarray
+    bn_frozen: np.ndarray
+    observers_frozen: np.ndarray
+    iterations: object = None
+    export: bool = False  # inference graph for export: always quantized, no switches
+
+    def at(self, table: np.ndarray) -> tf.Tensor:
+        k = tf.minimum(tf.cast(self.iterations, tf.int64), len(table) - 1)
+        return tf.gather(tf.constant(table), k)
+
+
+class ActivationQuantizer(keras.layers.Layer):
+    """uint8 fake quantization of one tensor with a moving-average min/max observer."""
+
+    def __init__(self, averaging_constant: float = 0.01, **kwargs):
+        super().__init__(**kwargs)
+        self.averaging_constant = averaging_constant
+        self.tables: QATTables | None = None
+
+    def build(self, input_shape):
+        self.min_val = self.add_weight(name="min_val", shape=(), initializer="zeros", trainable=False)
+        self.max_val = self.add_weight(name="max_val", shape=(), initializer="zeros", trainable=False)
+        self.observed = self.add_weight(name="observed", shape=(), initializer="zeros", trainable=False)
+
+    def call(self, x, training=None):
+        t = self.tables
+        if t is None or t.export:
+            return _fake_quant(x, self.min_val.value, self.max_val.value)
+        enabled = t.at(t.enabled)
+        if training:
+            observe = tf.logical_and(enabled, tf.logical_not(t.at(t.observers_frozen)))
+            low, high = tf.reduce_min(x), tf.reduce_max(x)
+            seen = self.observed.value > 0
+            c = self.averaging_constant
+            new_min = tf.where(seen, self.min_val.value + c * (low - self.min_val.value), low)
+            new_max = tf.where(seen, self.max_val.value + c * (high - self.max_val.value), high)
+            self.min_val.assign(tf.where(observe, new_min, self.min_val.value))
+            self.max_val.assign(tf.where(observe, new_max, self.max_val.value))
+            self.observed.assign(tf.where(observe, 1.0, self.observed.value))
+        return tf.where(enabled, _fake_quant(x, self.min_val.value, self.max_val.value), x)
+
+
+def _fake_quant(x, low, high):
+    low = tf.minimum(tf.stop_gradient(low), 0.0)  # the range always holds 0 (an exact zero point)
+    high = tf.maximum(tf.stop_gradient(high), low + 1e-6)
+    return tf.quantization.fake_quant_with_min_max_vars(x, low, high, num_bits=8, narrow_range=False)
+
+
+def _fake_quant_weight(w, axis: int):
+    axes = [a for a in range(len(w.shape)) if a != axis]
+    amax = tf.maximum(tf.reduce_max(tf.abs(w), axis=axes), 1e-8)
+    return tf.raw_ops.QuantizeAndDequantizeV3(input=w, input_min=-amax, input_max=amax, num_bits=8,
+                                              signed_input=True, range_given=True, narrow_range=True, axis=axis)
+
+
+class QuantizedLayer(keras.layers.Layer):
+    """A Conv2D or Dense with its BatchNormalization (convs) and ReLU folded in, fake-quantized."""
+
+    def __init__(self, layer, bn=None, relu: bool = False, quantize_input: bool = True, **kwargs):
+        super().__init__(name=f"{layer.name}_qat", **kwargs)
+        self.layer, self.bn, self.relu = layer, bn, relu
+        self.input_quantizer = ActivationQuantizer(name=f"{layer.name}_input_q") if quantize_input else None
+        self.output_quantizer = ActivationQuantizer(name=f"{layer.name}_output_q")
+        self.tables: QATTables | None = None
+
+    def set_tables(self, tables: QATTables) -> None:
+        self.tables = tables
+        for q in (self.input_quantizer, self.output_quantizer):
+            if q is not None:
+                q.tables = tables
+
+    def build(self, input_shape):
+        if self.input_quantizer is not None:
+            self.input_quantizer.build(input_shape)
+        self.output_quantizer.build(None)
+
+    def _linear(self, x, w):
+        if isinstance(self.layer, keras.layers.Dense):
+            return tf.tensordot(x, w, [[x.shape.rank - 1], [0]])
+        conv = self.layer
+        return tf.nn.convolution(x, w, strides=conv.strides, padding=conv.padding.upper(),
+                                 dilations=conv.dilation_rate)
+
+    def call(self, x, training=None, mask=None):
+        t = self.tables
+        if self.input_quantizer is not None:
+            x = self.input_quantizer(x, training=training)
+        w = self.layer.kernel.value
+        bias = self.layer.bias.value if self.layer.use_bias else tf.zeros([w.shape[-1]], w.dtype)
+        if self.bn is not None:
+            bn = self.bn
+            gamma = bn.gamma.value if bn.scale else tf.ones_like(bn.moving_mean.value)
+            beta = bn.beta.value if bn.center else tf.zeros_like(bn.moving_mean.value)
+            mean, var = bn.moving_mean.value, bn.moving_variance.value
+            scale = gamma / tf.sqrt(var + bn.epsilon)
+            wq = self._quantize(w * scale)
+            if training and t is not None and not t.export:
+                # as torch.ao's ConvBn: the weights folded with the moving std, then the output rescaled and
+                # batch-normalised with the batch statistics (gradients through them) until frozen
+                y = self._linear(x, wq) / scale + bias
+                batch_mean, batch_var = tf.nn.moments(y, axes=list(range(y.shape.rank - 1)))
+                frozen = t.at(t.bn_frozen)
+                m = bn.momentum
+                bn.moving_mean.assign(tf.where(frozen, mean, mean * m + tf.stop_gradient(batch_mean) * (1 - m)))
+                bn.moving_variance.assign(tf.where(frozen, var, var * m + tf.stop_gradient(batch_var) * (1 - m)))
+                use_mean, use_var = tf.where(frozen, mean, batch_mean), tf.where(frozen, var, batch_var)
+                y = gamma * (y - use_mean) / tf.sqrt(use_var + bn.epsilon) + beta
+                return self._activate(y, training)
+            bias = beta + (bias - mean) * scale
+        else:
+            wq = self._quantize(w)
+        return self._activate(self._linear(x, wq) + bias, training)
+
+    def _quantize(self, w):
+        t = self.tables
+        wq = _fake_quant_weight(w, len(w.shape) - 1)
+        return tf.where(t.at(t.enabled), wq, w) if t is not None and not t.export else wq
+
+    def _activate(self, y, training):
+        if self.relu:
+            y = tf.nn.relu(y)
+        return self.output_quantizer(y, training=training)
+
+
+class Folded(keras.layers.Layer):
+    """Where a BatchNormalization or ReLU folded into the quantized layer before it was: passes its input on."""
+
+    def call(self, x, training=None, mask=None):
+        return x
+
+
+def _is_relu(layer) -> bool:
+    if isinstance(layer, keras.layers.ReLU):
+        return layer.max_value is None and not layer.negative_slope and not layer.threshold
+    return isinstance(layer, keras.layers.Activation) and getattr(layer.activation, "__name__", "") == "relu"
+
+
+def _neighbours(model: keras.Model):
+    """Each layer's producer and consumer layers in ``model`` (Sequential or functional)."""
+    producers, consumers = {}, {}
+    for layer in model.layers:
+        parents = []
+        for node in layer._inbound_nodes:
+            for parent in node.parent_nodes:
+                if parent.operation in model.layers:
+                    parents.append(parent.operation)
+        producers[layer.name] = parents
+        for p in parents:
+            consumers.setdefault(p.name, []).append(layer)
+    return producers, consumers
+
+
+def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
+    """``{layer name: what it becomes}`` (a QuantizedLayer's parts, or "identity" for a folded BN / ReLU), and
+    the layers left float."""
+    producers, consumers = _neighbours(model)
+    plan: dict[str, dict | str] = {}
+    for layer in model.layers:
+        if not isinstance(layer, (keras.layers.Conv2D, keras.layers.Dense)) or type(layer) not in (
+                keras.layers.Conv2D, keras.layers.Dense) or layer.activation not in (keras.activations.linear,
+                                                                                     keras.activations.relu):
+            continue
+        if isinstance(layer, keras.layers.Conv2D) and layer.groups != 1:
+            continue
+        parts = {"layer": layer, "bn": None, "relu": layer.activation is keras.activations.relu}
+        tail = layer
+        nxt = consumers.get(tail.name, [])
+        if not parts["relu"] and isinstance(layer, keras.layers.Conv2D) and len(nxt) == 1 and \
+                isinstance(nxt[0], keras.layers.BatchNormalization) and nxt[0].axis in (-1, [-1], [3], 3):
+            parts["bn"] = tail = nxt[0]
+            plan[tail.name] = "identity"
+        nxt = consumers.get(tail.name, [])
+        if not parts["relu"] and len(nxt) == 1 and _is_relu(nxt[0]):
+            parts["relu"] = True
+            plan[nxt[0].name] = "identity"
+        plan[layer.name] = parts
+    for name, parts in plan.items():
+        if isinstance(parts, dict):
+            source = producers.get(name, [])
+            while len(source) == 1 and isinstance(source[0], PASS_THROUGH):
+                source = producers.get(source[0].name, [])
+            parts["quantize_input"] = not (len(source) == 1 and isinstance(plan.get(source[0].name), dict) or
+                                           len(source) == 1 and plan.get(source[0].name) == "identity")
+    floating = [layer.name for layer in model.layers if layer.name not in plan and layer.weights]
+    return plan, floating
+
+
+def quantize_model(model: keras.Model, tables: QATTables) -> tuple[keras.Model, list[QuantizedLayer], list[str]]:
+    """A new model with Conv2D(-BN)(-ReLU) and Dense(-ReLU) as :class:`QuantizedLayer` s, reusing the original
+    layers' variables; and the layers with weights left float."""
+    plan, floating = plan_qat(model)
+    made: list[QuantizedLayer] = []
+
+    def clone(layer):
+        entry = plan.get(layer.name)
+        if entry == "identity":
+            return Folded(name=f"{layer.name}_folded")
+        if isinstance(entry, dict):
+            q = QuantizedLayer(entry["layer"], entry["bn"], entry["relu"], entry["quantize_input"])
+            q.set_tables(tables)
+            made.append(q)
+            return q
+        return layer
+
+    new = keras.models.clone_model(model, clone_function=clone)
+    return new, made, floating
