@@ -3,7 +3,7 @@
 Part 1 times a CNN (batch 128, 28x28) under plain ``fit`` and under recal (GMP between mask updates,
 GMP with every step an update, and LR + GMP), the variants interleaved round by round, medians of the
 per-step times Keras reports between batches. Part 2 trains the digits net with ``recal train`` in Keras and
-in PyTorch, dense and pruned to 90%, over several seeds.
+in PyTorch, dense, pruned to 90%, and pruned to 90% + QAT converted to int8, over several seeds.
 
     python scripts/bench_keras.py [--rounds 5] [--steps 40] [--seeds 3] [--skip-accuracy]
 """
@@ -101,17 +101,18 @@ def accuracy(seeds: int) -> None:
     from recal_core import load_recipe
     from recal_core.training import train
 
-    recipes = {"dense": ROOT / "scripts/recipes/dense.yaml", "pruned 90%": ROOT / "scripts/recipes/prune90.yaml"}
+    recipes = {"dense": ROOT / "scripts/recipes/dense.yaml", "pruned 90%": ROOT / "scripts/recipes/prune90.yaml",
+               "pruned 90% + QAT, int8": ROOT / "scripts/recipes/prune90_quant.yaml"}
     results: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(seeds):
             for framework in ("keras", "torch"):
                 for label, path in recipes.items():
                     out = Path(tmp) / f"{framework}-{label}-{seed}".replace(" ", "_").replace("%", "")
-                    run = train(load_recipe(path), framework, out, seed=seed, progress=False, quantize=False)
-                    onnx = next(a for a in run.artefacts if a.path.endswith(".onnx"))
+                    run = train(load_recipe(path), framework, out, seed=seed, progress=False)
+                    onnx = run.artefacts[-1]  # the int8 model after QAT, else the ONNX export
                     results.setdefault((framework, label), []).append(onnx.accuracy)
-    print(f"\ndigits test accuracy of the ONNX export (recal train, {seeds} seeds: mean, min-max)")
+    print(f"\ndigits test accuracy of the ONNX model (recal train, {seeds} seeds: mean, min-max)")
     print("| framework | " + " | ".join(recipes) + " |")
     print("| --- | " + " | ".join("---:" for _ in recipes) + " |")
     for framework in ("keras", "torch"):
