@@ -5,7 +5,7 @@ GMP with every step an update, and LR + GMP), the variants interleaved round by 
 per-step times Keras reports between batches. Part 2 trains the digits net with ``recal train`` in Keras and
 in PyTorch, dense, pruned to 90%, and pruned to 90% + QAT converted to int8, over several seeds.
 
-    python scripts/bench_keras.py [--rounds 5] [--steps 40] [--seeds 3] [--skip-accuracy]
+    python scripts/bench_keras.py [--rounds 5] [--steps 40] [--seeds 3] [--skip-accuracy] [--skip-overhead]
 """
 
 from __future__ import annotations
@@ -129,8 +129,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--skip-overhead", action="store_true")
     args = parser.parse_args()
-    overhead(args.rounds, args.steps)
+    if not args.skip_overhead:
+        overhead(args.rounds, args.steps)
     if not args.skip_accuracy:
         accuracy(args.seeds)
 
