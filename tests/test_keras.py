@@ -221,12 +221,6 @@ def test_recipe_naming_a_missing_layer_says_which():
     assert "c3" in message and "GradualKSModifier" in message and "c1" in message  # the closest names
 
 
-def test_quantization_refused_with_the_modifier_named():
-    recipe = PRUNE + "- !QuantizationModifier {start_epoch: 1.0}\n"
-    with pytest.raises(RecipeError, match="QuantizationModifier.*not yet available for Keras"):
-        ScheduledModifierManager.from_yaml(recipe).modify(_net(), keras.optimizers.Adam(), steps_per_epoch=SPE)
-
-
 def test_unbuilt_model_and_wrong_optimizer_are_refused():
     unbuilt = keras.Sequential([keras.layers.Dense(3)])
     with pytest.raises(ValueError, match="no weights yet: build it first"):
