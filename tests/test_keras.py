@@ -424,6 +424,10 @@ def test_qat_int8_onnx_equals_the_keras_qat_model_on_digits(tmp_path):
     x, y = digits.train_images[..., None], digits.train_labels
     xt, yt = digits.test_images[..., None], digits.test_labels
     model = digits_model(0)
+    kernel = model.get_layer("conv1").kernel
+    kernel.assign(kernel.numpy() * (np.arange(32) != 5))  # a channel pruned whole: GradualKS keeps its zeros, and
+    beta = model.get_layer("bn1").beta  # its bias (BN's shift) must survive the int8 conversion: no tiny weight
+    beta.assign(beta.numpy() + (np.arange(32) == 5))  # scale that would overflow the int32 bias
     before = model.predict(xt, verbose=0)
     opt = keras.optimizers.SGD(0.05, momentum=0.9)
     manager = ScheduledModifierManager.from_yaml(QAT)
@@ -435,6 +439,10 @@ def test_qat_int8_onnx_equals_the_keras_qat_model_on_digits(tmp_path):
     manager.finalize(qat)
     keras_pred = qat.predict(xt, verbose=0).argmax(1)
     path = export_onnx(qat, tmp_path / "qat.onnx")
+    import onnx
+    from onnx import numpy_helper
+    weight_scales = [numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer if t.name.startswith("quant_scale")]
+    assert len(weight_scales) == 4 and min(float(s.min()) for s in weight_scales) > 1e-5  # channel 5: 1/127
     quantize_qat_export(path, tmp_path / "int8.onnx")
     preds = {}
     for name in ("qat.onnx", "int8.onnx"):
@@ -443,7 +451,6 @@ def test_qat_int8_onnx_equals_the_keras_qat_model_on_digits(tmp_path):
     assert (keras_pred == yt).mean() > 0.9
     assert (preds["qat.onnx"] == keras_pred).mean() >= 0.997  # one digit in 360 may sit on a rounding edge
     assert (preds["int8.onnx"] == yt).mean() == pytest.approx((keras_pred == yt).mean(), abs=1 / 360)
-    import onnx
     ops = {n.op_type for n in onnx.load(tmp_path / "int8.onnx").graph.node}
     assert "QLinearConv" in ops and not {"Conv", "MatMul", "Gemm"} & ops  # every conv and the dense are integer
 

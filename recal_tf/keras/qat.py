@@ -81,7 +81,10 @@ def _fake_quant(x, low, high):
 
 def _fake_quant_weight(w, axis: int):
     axes = [a for a in range(len(w.shape)) if a != axis]
-    amax = tf.maximum(tf.reduce_max(tf.abs(w), axis=axes), 1e-8)
+    amax = tf.reduce_max(tf.abs(w), axis=axes)
+    # a channel pruned to zeros gets scale 1/127 (its integers are 0 whatever the scale): a tiny scale would
+    # overflow its int32 bias (bias / (x_scale * w_scale)) in the converted model
+    amax = tf.where(amax > 0, amax, tf.ones_like(amax))
     return tf.raw_ops.QuantizeAndDequantizeV3(input=w, input_min=-amax, input_max=amax, num_bits=8,
                                               signed_input=True, range_given=True, narrow_range=True, axis=axis)
 
