@@ -4,7 +4,8 @@ The driver runs the passes in this order, then removes dead nodes and initialize
 graph, and runs ``onnx.checker`` and shape inference:
 
 1. ``constants_to_initializers``, ``remove_identities``, ``fold_constants`` (weights' Q becomes int8)
-2. ``fold_conv_affine`` (Div / Mul / Add / BatchNormalization after a conv into its weight and bias)
+2. ``fold_conv_affine`` (Div / Mul / Add / BatchNormalization after a conv into its weight and bias),
+   ``zero_channel_scales`` (an all-zero weight channel's tiny scale becomes 1: no int32 bias overflow)
 3. ``scalar_activation_qparams``, ``activations_to_uint8`` (int8 activation QDQ -> uint8, same values)
 4. ``remove_redundant_qdq``
 5. format ``qoperator``: ``int8_passthrough``, ``conv_to_qlinearconv``, ``gemm_to_qgemm``,
@@ -45,6 +46,7 @@ from .passes.fold_conv_affine import fold_conv_affine
 from .passes.gemm_to_qgemm import gemm_to_qgemm
 from .passes.int8_passthrough import int8_passthrough
 from .passes.pool_to_qlinear import pool_to_qlinear
+from .passes.zero_channel_scales import zero_channel_scales
 from .passes.redundant_qdq import remove_redundant_qdq
 from .passes.saturation_free_weights import saturation_free_weights
 from .passes.thin_channels import thin_channels
@@ -138,7 +140,7 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
         rewrites[pass_fn.__name__] = rewrites.get(pass_fn.__name__, 0) + n
         return n
 
-    for pass_fn in (constants_to_initializers, remove_identities, fold_constants, fold_conv_affine,
+    for pass_fn in (constants_to_initializers, remove_identities, fold_constants, fold_conv_affine, zero_channel_scales,
                     *([thin_channels] if thin else []), scalar_activation_qparams, activations_to_uint8,
                     remove_redundant_qdq):
         run(pass_fn)

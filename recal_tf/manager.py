@@ -18,13 +18,14 @@ import tensorflow as tf
 from recal_core import RecipeError
 from recal_core.manager import RecipeManager
 from recal_core import modifiers as M
-from recal_core.model_plan import ModelPlan, is_second_order, plan_model
+from recal_core.model_plan import ModelPlan, plan_model
 from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
 from .channel_graph import graph_spaces
 from .graph_params import describe_variables
 from .mask_ops import PruningMasks
+from .torch_only import torch_only_problems
 from .utils import tf_compat
 
 log = logging.getLogger(__name__)
@@ -122,16 +123,7 @@ class ScheduledModifierManager(RecipeManager):
             problems.append(self.recipe.problem(
                 index, None, "quantization-aware training is not yet available in TensorFlow",
                 expected="run this recipe's QuantizationModifier with recal_torch, or remove it for TensorFlow"))
-        for ps in schedule.pruning:
-            if is_second_order(ps):
-                tag = ps.modifier.tag
-                problems.append(self.recipe.problem(
-                    ps.index, None, f"second-order pruning ({tag}) is not available in the TensorFlow graph API",
-                    expected=f"run this recipe's {tag} with recal_torch, or use GradualKSModifier"))
-        for index, _, _ in schedule.distillation:
-            problems.append(self.recipe.problem(
-                index, None, "knowledge distillation is not available in the TensorFlow graph API",
-                expected="run this recipe's DistillationModifier with recal_torch, or remove it for TensorFlow"))
+        problems += torch_only_problems(schedule, "in the TensorFlow graph API")
         for index, m, span in schedule.trainable:
             if span.start != 0 or span.end is not None:
                 field = "start_epoch" if span.start != 0 else "end_epoch"

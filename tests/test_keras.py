@@ -72,12 +72,18 @@ class _Record(keras.callbacks.Callback):
         self.rows.append((k, zeros, slots))
 
 
-def _train(recipe, optimizer, epochs=4, jit_compile=False, steps_per_execution=1, model=None, **fit):
-    model = model or _net()
+def _modified(recipe, optimizer, model=None, **compile_args):
+    """``model`` (default :func:`_net`) under ``recipe``, compiled: ``(manager, model, callbacks)``."""
     manager = ScheduledModifierManager.from_yaml(recipe)
-    model, callbacks = manager.modify(model, optimizer, steps_per_epoch=SPE)
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=jit_compile, steps_per_execution=steps_per_execution)
+    model, callbacks = manager.modify(model or _net(), optimizer, steps_per_epoch=SPE)
+    compile_args.setdefault("loss", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(optimizer=optimizer, **compile_args)
+    return manager, model, callbacks
+
+
+def _train(recipe, optimizer, epochs=4, jit_compile=False, steps_per_execution=1, model=None, **fit):
+    manager, model, callbacks = _modified(recipe, optimizer, model, jit_compile=jit_compile,
+                                          steps_per_execution=steps_per_execution)
     record = _Record(model, optimizer, ["c1/kernel", "c2/kernel", "fc/kernel"])
     x, y = _data()
     model.fit(x, y, batch_size=32, epochs=epochs, callbacks=callbacks + [record], verbose=0, shuffle=False, **fit)
@@ -107,10 +113,7 @@ def test_learning_rate_from_the_recipe_in_graph():
         def on_train_batch_begin(self, batch, logs=None):
             lrs.append(float(opt.learning_rate.numpy()))
 
-    model = _net()
-    manager = ScheduledModifierManager.from_yaml(PRUNE)
-    model, callbacks = manager.modify(model, opt, steps_per_epoch=SPE)
-    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    _, model, callbacks = _modified(PRUNE, opt)
     model.fit(*_data(), batch_size=32, epochs=3, callbacks=callbacks + [LR()], verbose=0)
     assert lrs == pytest.approx([_expected(PRUNE, model, k)[1] for k in range(3 * SPE)])
     assert isinstance(opt._learning_rate, keras.Variable)  # Keras saves, loads and logs it as usual
@@ -121,11 +124,8 @@ def test_weight_decay_from_the_recipe_in_graph():
     """SetWeightDecay at epoch 1: with a zero loss, SGD only decays: w <- w (1 - lr wd) from step SPE on."""
     recipe = "- !SetWeightDecayModifier {weight_decay: 0.5, start_epoch: 1.0}\n" \
              "- !EpochRangeModifier {start_epoch: 0.0, end_epoch: 2.0}"
-    model = _net()
-    opt = keras.optimizers.SGD(0.1)
-    manager = ScheduledModifierManager.from_yaml(recipe)
-    model, callbacks = manager.modify(model, opt, steps_per_epoch=SPE)
-    model.compile(optimizer=opt, loss=lambda y, p: 0.0 * keras.ops.sum(p), steps_per_execution=2)
+    _, model, callbacks = _modified(recipe, keras.optimizers.SGD(0.1), loss=lambda y, p: 0.0 * keras.ops.sum(p),
+                                    steps_per_execution=2)
     before = model.get_layer("fc").kernel.numpy().copy()
     model.fit(*_data(), batch_size=32, epochs=1, callbacks=callbacks, verbose=0)
     np.testing.assert_allclose(model.get_layer("fc").kernel.numpy(), before, rtol=1e-6)
@@ -136,11 +136,7 @@ def test_weight_decay_from_the_recipe_in_graph():
 def test_trainable_params_flip_each_epoch():
     recipe = "- !TrainableParamsModifier {params: [c1], trainable: false, start_epoch: 1.0, end_epoch: 2.0}\n" \
              "- !EpochRangeModifier {start_epoch: 0.0, end_epoch: 3.0}"
-    model = _net()
-    opt = keras.optimizers.SGD(0.1)
-    manager = ScheduledModifierManager.from_yaml(recipe)
-    model, callbacks = manager.modify(model, opt, steps_per_epoch=SPE)
-    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    manager, model, callbacks = _modified(recipe, keras.optimizers.SGD(0.1))
     snapshots = []
 
     class Snap(keras.callbacks.Callback):
@@ -204,10 +200,7 @@ def test_subclassed_model_prunes_in_place():
              "- !GradualKSModifier {params: [b/kernel], init_sparsity: 0.5, final_sparsity: 0.5, start_epoch: 0.0, " \
              "end_epoch: 1.0, update_frequency: 1.0}"
     model.a.kernel.assign(model.a.kernel.numpy() * (np.arange(64 * 32).reshape(64, 32) % 3 != 0))
-    opt = keras.optimizers.Adam(1e-2)
-    manager = ScheduledModifierManager.from_yaml(recipe)
-    model, callbacks = manager.modify(model, opt, steps_per_epoch=SPE)
-    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    _, model, callbacks = _modified(recipe, keras.optimizers.Adam(1e-2), model)
     model.fit(*_data(), batch_size=32, epochs=1, callbacks=callbacks, verbose=0)
     assert int((model.a.kernel.numpy() == 0).sum()) == int((np.arange(64 * 32) % 3 == 0).sum())
     assert int((model.b.kernel.numpy() == 0).sum()) == 160
@@ -240,10 +233,7 @@ def test_gradient_accumulation_is_refused():
 
 
 def test_epoch_length_mismatch_is_warned():
-    model = _net()
-    opt = keras.optimizers.Adam()
-    model, callbacks = ScheduledModifierManager.from_yaml(PRUNE).modify(model, opt, steps_per_epoch=SPE)
-    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    _, model, callbacks = _modified(PRUNE, keras.optimizers.Adam())
     with pytest.warns(RecalWarning, match="ran 3 steps, but the recipe was bound with steps_per_epoch=5"):
         model.fit(*_data(96), batch_size=32, epochs=1, callbacks=callbacks, verbose=0)
 

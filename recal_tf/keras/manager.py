@@ -29,11 +29,12 @@ import tensorflow as tf
 from recal_core import RecipeError
 from recal_core import modifiers as M
 from recal_core.manager import RecipeManager
-from recal_core.model_plan import ModelPlan, is_second_order, plan_model
+from recal_core.model_plan import ModelPlan, plan_model
 from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
 from ..mask_ops import PruningMasks
+from ..torch_only import torch_only_problems
 from .params import describe_model
 from .qat import QATTables, quantize_model
 
@@ -98,7 +99,6 @@ class ScheduledModifierManager(RecipeManager):
         self._driver_inner = None
         self._by_name: dict[str, keras.Variable] = {}
         self._original_trainable: dict[str, bool] = {}
-        self._own: list[tf.Variable] = []
         self._lr_values: np.ndarray | None = None
         self._apply_at = None  # the mask step as a tf.function of k, traced once
         self._qat: QATTables | None = None
@@ -157,7 +157,7 @@ class ScheduledModifierManager(RecipeManager):
         self._install_lr(optimizer, base_lr)
         self._install_weight_decay(optimizer)
         if self.plan.masks:
-            self._install_masks(model, optimizer)
+            self._install_masks(infos, optimizer)
         if self.plan.masks or self._lr_values is not None:
             self._attach_driver(model)
         return model, [RecalCallback(self)]
@@ -211,15 +211,7 @@ class ScheduledModifierManager(RecipeManager):
                     problems.append(self.recipe.problem(
                         index, field, f"{field} is not available for Keras yet: every Conv2D and Dense is quantized",
                         value=getattr(m, field), expected=f"no {field} (or run this recipe with recal_torch)"))
-        for ps in schedule.pruning:
-            if is_second_order(ps):
-                problems.append(self.recipe.problem(
-                    ps.index, None, f"second-order pruning ({ps.modifier.tag}) is not available for Keras",
-                    expected=f"run this recipe's {ps.modifier.tag} with recal_torch, or use GradualKSModifier"))
-        for index, _, _ in schedule.distillation:
-            problems.append(self.recipe.problem(
-                index, None, "knowledge distillation is not available for Keras",
-                expected="run this recipe's DistillationModifier with recal_torch, or remove it for Keras"))
+        problems += torch_only_problems(schedule, "for Keras")
         try:
             plan = plan_model(schedule, infos, {n: int(np.prod(v.shape)) for n, v in by_name.items()},
                               groups=[(base_lr, base_wd)])
@@ -253,16 +245,14 @@ class ScheduledModifierManager(RecipeManager):
         own = float(optimizer.weight_decay or 0.0)
         optimizer.weight_decay = _WeightDecayTable([own if v is None else v for v in values], optimizer.iterations)
 
-    def _install_masks(self, model: keras.Model, optimizer) -> None:
+    def _install_masks(self, infos, optimizer) -> None:
         variables = {name: v.value for name, v in self._by_name.items()}
 
         def make_variable(name, shape, dtype, initial):
-            var = tf.Variable(tf.fill(shape, tf.constant(initial, dtype)), trainable=False,
-                              name=name.replace("/", "_"), dtype=dtype)
-            self._own.append(var)
-            return var
+            return tf.Variable(tf.fill(shape, tf.constant(initial, dtype)), trainable=False,
+                               name=name.replace("/", "_"), dtype=dtype)
 
-        kernel_axes = {p.name: p.kernel_axes for p in describe_model(model)[0]}
+        kernel_axes = {p.name: p.kernel_axes for p in infos}
         self._masks = PruningMasks(self.plan, variables, kernel_axes, make_variable, variables.__getitem__)
         self._slots = {name: _slots_of(optimizer, self._by_name[name]) for name in self.plan.masks}
 

@@ -22,7 +22,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-W_LEVELS = 127.0
 PASS_THROUGH = (keras.layers.MaxPooling2D, keras.layers.MaxPooling1D, keras.layers.Flatten, keras.layers.Reshape,
                 keras.layers.Dropout)
 
@@ -192,9 +191,8 @@ def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
     producers, consumers = _neighbours(model)
     plan: dict[str, dict | str] = {}
     for layer in model.layers:
-        if not isinstance(layer, (keras.layers.Conv2D, keras.layers.Dense)) or type(layer) not in (
-                keras.layers.Conv2D, keras.layers.Dense) or layer.activation not in (keras.activations.linear,
-                                                                                     keras.activations.relu):
+        if type(layer) not in (keras.layers.Conv2D, keras.layers.Dense) or \
+                layer.activation not in (keras.activations.linear, keras.activations.relu):
             continue
         if isinstance(layer, keras.layers.Conv2D) and layer.groups != 1:
             continue
@@ -215,8 +213,8 @@ def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
             source = producers.get(name, [])
             while len(source) == 1 and isinstance(source[0], PASS_THROUGH):
                 source = producers.get(source[0].name, [])
-            parts["quantize_input"] = not (len(source) == 1 and isinstance(plan.get(source[0].name), dict) or
-                                           len(source) == 1 and plan.get(source[0].name) == "identity")
+            # quantized already when it comes from a QAT layer (or the BN / ReLU folded into one)
+            parts["quantize_input"] = not (len(source) == 1 and source[0].name in plan)
     floating = [layer.name for layer in model.layers if layer.name not in plan and layer.weights]
     return plan, floating
 

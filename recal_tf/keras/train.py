@@ -15,7 +15,6 @@ import math
 from pathlib import Path
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from recal_core.atomic import write_text_atomically
@@ -27,6 +26,7 @@ from recal_core.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecor
 
 from .export import export_onnx
 from .manager import ScheduledModifierManager
+from .params import describe_model
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "model.ckpt"
@@ -63,17 +63,12 @@ class _Scalars(keras.callbacks.Callback):
         self.writer.flush()
 
 
-def _kernel_sparsity(manager: ScheduledModifierManager, model: keras.Model) -> tuple[float, dict[str, float]]:
-    kernels = {p.name: v for p, v in _prunable(model)}
-    layers = {name: float((v.numpy() == 0).mean()) for name, v in kernels.items()}
-    return overall_sparsity(layers, {n: int(np.prod(v.shape)) for n, v in kernels.items()}), layers
-
-
-def _prunable(model: keras.Model):
-    from .params import describe_model
-
+def _kernel_sparsity(model: keras.Model) -> tuple[float, dict[str, float]]:
+    """Zero fraction of the conv / dense kernels (as the core selects them), overall and per kernel."""
     infos, by_name = describe_model(model)
-    return [(p, by_name[p.name]) for p in infos if p.prunable]
+    kernels = {p.name: by_name[p.name].numpy() for p in infos if p.prunable}
+    layers = {name: float((v == 0).mean()) for name, v in kernels.items()}
+    return overall_sparsity(layers, {name: v.size for name, v in kernels.items()}), layers
 
 
 def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool, progress: bool) -> TrainingRun:
@@ -110,7 +105,7 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
         test_accuracy = float((model.predict(x_test, verbose=0).argmax(1) == y_test).mean())
         lr = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
         record = EpochRecord(epoch + 1, float(history.history["loss"][-1]), float(history.history["accuracy"][-1]),
-                             test_accuracy, _kernel_sparsity(manager, model)[0], lr)
+                             test_accuracy, _kernel_sparsity(model)[0], lr)
         run.history.append(record)
         prefix = checkpoint.write(str(ckpt_dir / f"{CHECKPOINT}-{epoch + 1}"))  # history.json is the commit point
         write_text_atomically(ckpt_dir / "history.json", json.dumps(
@@ -118,7 +113,7 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
         if progress:  # after the commit point: a printed epoch is a saved one
             print(epoch_line("keras", record, epochs), flush=True)
     manager.finalize(model)
-    overall, layers = _kernel_sparsity(manager, model)
+    overall, layers = _kernel_sparsity(model)
     onnx_path = export_onnx(model, out_dir / "model.onnx")
     quantized = bool(manager.quantized_layers)
     run.artefacts = [Artefact(("QAT ONNX export (QDQ)" if quantized else "ONNX export (fp32)") + " of the Keras model",
