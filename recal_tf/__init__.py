@@ -12,6 +12,7 @@ from . import input_data, models, utils  # noqa: E402
 from .manager import (  # noqa: E402
     EXTRAS_KEY_LEARNING_RATE,
     EXTRAS_KEY_SUMMARIES,
+    EXTRAS_KEY_UPDATE_OPS,
     EXTRAS_KEY_VAR_LIST,
     EXTRAS_KEY_WEIGHT_DECAY,
     EXTRAS_KEY_WEIGHT_DECAY_RATE,
@@ -21,7 +22,8 @@ from .manager import (  # noqa: E402
 )
 
 __all__ = [
-    "EXTRAS_KEY_LEARNING_RATE", "EXTRAS_KEY_SUMMARIES", "EXTRAS_KEY_VAR_LIST", "EXTRAS_KEY_WEIGHT_DECAY",
+    "EXTRAS_KEY_LEARNING_RATE", "EXTRAS_KEY_SUMMARIES", "EXTRAS_KEY_UPDATE_OPS", "EXTRAS_KEY_VAR_LIST",
+    "EXTRAS_KEY_WEIGHT_DECAY",
     "EXTRAS_KEY_WEIGHT_DECAY_RATE", "ModifierSessionRunHook", "RecalWarning", "ScheduledModifierManager",
     "input_data", "models", "utils",
 ]

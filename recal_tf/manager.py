@@ -23,9 +23,11 @@ from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
 from .channel_graph import graph_spaces
+from .fake_quant import QATTables
 from .graph_params import describe_variables
 from .mask_ops import PruningMasks
-from .torch_only import torch_only_problems
+from .graph_qat import GraphQAT
+from .torch_only import qat_problems, torch_only_problems
 from .utils import tf_compat
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ EXTRAS_KEY_LEARNING_RATE = "learning_rate"
 EXTRAS_KEY_VAR_LIST = "var_list"
 EXTRAS_KEY_WEIGHT_DECAY = "weight_decay_loss"  # the penalty to add to the loss
 EXTRAS_KEY_WEIGHT_DECAY_RATE = "weight_decay"  # the rate in force (a scalar tensor)
+EXTRAS_KEY_UPDATE_OPS = "update_ops"  # QAT's observer updates (also in UPDATE_OPS): run them with the train op
 RECAL_VARIABLES = "recal_variables"
 MAX_TABLE_STEPS = 10_000_000  # the graph holds per-step tables (mask update ids, LR, weight decay)
 RECAL_GRAPH_MARK = "recal_create_ops"
@@ -59,6 +62,9 @@ class ScheduledModifierManager(RecipeManager):
         self._global_step: tf.Variable | None = None
         self._original_trainable: list[tf.Variable] | None = None
         self._masks: PruningMasks | None = None
+        self._qat: GraphQAT | None = None
+        self._kept: list[tf.Variable] = []  # recal variables that are model state (QAT's ranges)
+        self.quantized_ops: list[str] = []  # the Conv2D / MatMul ops QAT quantizes
         self._completed = False
 
     # --- create_ops ---------------------------------------------------------------------------
@@ -93,10 +99,13 @@ class ScheduledModifierManager(RecipeManager):
             self._graph = graph
             graph.add_to_collection(RECAL_GRAPH_MARK, tf.constant(True, name="recal/marker"))
             self._global_step = global_step if global_step is not None else tf_compat.train.get_or_create_global_step()
+            extras = {EXTRAS_KEY_SUMMARIES: self._summaries}
             with tf_compat.name_scope("recal"):
                 k = self._step_tensor()
+                if schedule.quantization:
+                    self._qat = self._quantize(schedule, graph, k, by_name)
+                    extras[EXTRAS_KEY_UPDATE_OPS] = list(self._qat.updates)
                 prune_ops = self._pruning_ops(plan, by_name, k, {p.name: p.kernel_axes for p in infos})
-                extras = {EXTRAS_KEY_SUMMARIES: self._summaries}
                 if lr_table is not None:
                     lr = tf.gather(tf.constant(lr_table, tf.float32), k, name="learning_rate")
                     extras[EXTRAS_KEY_LEARNING_RATE] = lr
@@ -118,12 +127,16 @@ class ScheduledModifierManager(RecipeManager):
 
     def _plan(self, schedule: RecipeSchedule, infos, sizes, base_lr: float | None) -> ModelPlan:
         """The core's plan for this graph's variables; plus TensorFlow's own limits, every problem at once."""
-        problems = []
-        for index, _ in schedule.quantization:
-            problems.append(self.recipe.problem(
-                index, None, "quantization-aware training is not yet available in TensorFlow",
-                expected="run this recipe's QuantizationModifier with recal_torch, or remove it for TensorFlow"))
+        problems = qat_problems(schedule, "in the TensorFlow graph API")
         problems += torch_only_problems(schedule, "in the TensorFlow graph API")
+        gradients = [op.name for op in tf_compat.get_default_graph().get_operations()
+                     if op.name.startswith("gradients") or op.type.endswith("Grad")][:3]
+        for index, _ in schedule.quantization[:1]:
+            if gradients:
+                problems.append(self.recipe.problem(
+                    index, None, f"the graph already has gradient ops ({', '.join(gradients)}): QAT rewires the "
+                    "forward graph, so the optimizer must be built after it",
+                    expected="call create_ops() after building the model and before optimizer.minimize()"))
         for index, m, span in schedule.trainable:
             if span.start != 0 or span.end is not None:
                 field = "start_epoch" if span.start != 0 else "end_epoch"
@@ -138,6 +151,34 @@ class ScheduledModifierManager(RecipeManager):
         if problems:
             raise RecipeError(problems)
         return plan
+
+    def _quantize(self, schedule: RecipeSchedule, graph: tf.Graph, k, by_name) -> GraphQAT:
+        """Rewire the forward graph for QAT (:mod:`recal_tf.graph_qat`); its observer updates join UPDATE_OPS."""
+        index, _ = schedule.quantization[0]
+
+        def make_variable(name, shape, dtype, initial):
+            var = self._variable(f"qat/{name}", shape, dtype, initial)
+            self._kept.append(var)
+            return var
+
+        qat = GraphQAT(QATTables.from_schedule(schedule, index, k), make_variable)
+        qat.plan(graph, set(by_name))
+        if not qat.targets:
+            raise RecipeError(self.recipe.problem(
+                index, None, "the graph has no Conv2D (NHWC) or MatMul whose weight is a trainable variable",
+                expected="a model built from tf.nn.conv2d / tf.matmul on variables"))
+        where = self.recipe.describe(index)
+        if qat.floating:
+            warnings.warn(f"{where}: these ops with weights stay float (recal quantizes Conv2D in NHWC and MatMul): "
+                          f"{', '.join(qat.floating)}", RecalWarning, stacklevel=4)
+        for note in qat.notes:
+            warnings.warn(f"{where}: {note}", RecalWarning, stacklevel=4)
+        with tf_compat.name_scope("qat"):
+            qat.rewrite()
+        for update in qat.updates:
+            graph.add_to_collection(tf_compat.GraphKeys.UPDATE_OPS, update)
+        self.quantized_ops = [t.op.name for t in qat.targets]
+        return qat
 
     def _lr_table(self, plan: ModelPlan, base_lr: float | None) -> list[float] | None:
         """The LR per step, or None when the recipe sets none."""
@@ -172,6 +213,8 @@ class ScheduledModifierManager(RecipeManager):
 
     def _mask_ops(self, k) -> list:
         ops = self._masks.ops(k)
+        if self._qat is not None:
+            ops.append(self._qat.check_observed(k))
         return [tf.group(*ops, name="modifier_ops")] if ops else []
 
     def mask_gradients(self, grads_and_vars: list[tuple[tf.Tensor, tf.Variable]]) -> list[tuple[tf.Tensor, tf.Variable]]:
@@ -197,7 +240,8 @@ class ScheduledModifierManager(RecipeManager):
         self._require_ops("train_op_with_ops")
         with self._graph.as_default(), tf_compat.control_dependencies([train_op]), tf_compat.name_scope("recal"):
             ops = self._mask_ops(self._step_tensor())
-            return tf.group(train_op, *ops, name="train_with_recal")
+            updates = self._qat.updates if self._qat is not None else []
+            return tf.group(train_op, *ops, *updates, name="train_with_recal")
 
     def _step_tensor(self) -> tf.Tensor:
         """The step ``k`` the tables are read at: the global step (read where this is built, so under
@@ -235,6 +279,7 @@ class ScheduledModifierManager(RecipeManager):
         self._require_ops("initialize_session")
         sess = self._session(sess)
         self._warn_unused_learning_rate()
+        self._require_observer_updates()
         if self._variables:
             initialized = sess.run(self._is_initialized)
             pending = [v.initializer for v, done in zip(self._variables, initialized) if not done]
@@ -242,6 +287,19 @@ class ScheduledModifierManager(RecipeManager):
                 sess.run(pending)
         if self._ops:
             sess.run(self._ops)
+
+    def _require_observer_updates(self) -> None:
+        """QAT's ranges move only when something runs their update ops: refuse a graph where nothing does."""
+        if self._qat is None or self._completed:
+            return
+        updates = {op.name for op in self._qat.updates}
+        for op in self._graph.get_operations():
+            if any(c.name in updates for c in op.control_inputs):
+                return
+        raise RuntimeError(
+            "the recipe's QuantizationModifier observes activation ranges with ops that nothing in the graph runs: "
+            "build the train op under `with tf_compat.control_dependencies(tf_compat.get_collection("
+            "tf_compat.GraphKeys.UPDATE_OPS)):` (as for BatchNorm), or run manager.train_op_with_ops(train_op)")
 
     def session_run_hook(self) -> tf_compat.train.SessionRunHook:
         """A hook for ``MonitoredTrainingSession``: initialises recal's variables and runs the ops after each step."""
@@ -267,7 +325,14 @@ class ScheduledModifierManager(RecipeManager):
         for name, variable in (self._masks.pruned.items() if self._masks else ()):
             value = sess.run(variable)
             result[name] = float((value == 0).sum()) / value.size
-        ours = {id(v) for v in self._variables}
+        if self._qat is not None:
+            if graph.finalized:  # MonitoredTrainingSession finalizes it; the rewiring only adds ops
+                graph._unsafe_unfinalize()
+            with graph.as_default(), tf_compat.name_scope("recal/qat"):
+                self._qat.complete()
+            updates = graph.get_collection_ref(tf_compat.GraphKeys.UPDATE_OPS)
+            updates[:] = [op for op in updates if all(op is not u for u in self._qat.updates)]
+        ours = {id(v) for v in self._variables} - {id(v) for v in self._kept}  # QAT's ranges stay model state
         for key in (tf_compat.GraphKeys.GLOBAL_VARIABLES, RECAL_VARIABLES):
             collection = graph.get_collection_ref(key)
             collection[:] = [v for v in collection if id(v) not in ours]

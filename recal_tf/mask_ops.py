@@ -89,30 +89,39 @@ class PruningMasks:
             self.pruned[name] = by_name[name]
 
     def ops(self, k) -> list:
-        """Per pruning modifier one conditional update of all its masks, then ``w <- w * mask`` per variable.
+        """Per pruning modifier one conditional update of all its masks, then ``w <- w * mask`` per variable."""
+        return self.ops_and_factors(k)[0]
+
+    def ops_and_factors(self, k) -> tuple[list, dict[str, tf.Tensor]]:
+        """:meth:`ops`, and per pruned variable the product of the masks in force at ``k`` (to mask optimizer
+        state with, without reading the masks again).
 
         New masks rank (and ConstantKS reads) the weights with the masks of step ``k - 1`` applied,
         as the core's :mod:`recal_core.model_plan` says, so a weight pruned earlier (and moved by the
-        optimizer since) is never ranked back in.
+        optimizer since) is never ranked back in. Between updates a step costs one select and two multiplies
+        per pruned variable: the ranking input is computed only inside the update branch.
         """
         previous = tf.maximum(k - 1, 0)
-        masked: dict[str, tf.Tensor] = {name: variable.read_value() for name, variable in self.pruned.items()}
-        factors: dict[str, list[tf.Tensor]] = {}
+        weights: dict[str, tf.Tensor] = {name: variable.read_value() for name, variable in self.pruned.items()}
+        old: dict[str, list[tf.Tensor]] = {}
         for group in self.groups:
             was_in_force = tf.gather(tf.constant(group.in_force), previous)
             for m in group.masks:
                 # the step just taken ran under the masks of k - 1: they apply to its result even where a
                 # modifier ends at k (as recal_torch applies its masks after the optimizer step)
-                old = tf.where(was_in_force, m.mask.read_value(), tf.ones_like(m.mask))
-                masked[m.name] = masked[m.name] * old
-                factors.setdefault(m.name, []).append(old)
-        ops = []
+                old.setdefault(m.name, []).append(tf.where(was_in_force, m.mask.read_value(), _one(m.mask)))
+
+        def masked(name: str) -> tf.Tensor:  # called inside an update branch only
+            return _product([weights[name], *old[name]])
+
+        ops, now = [], {}
         for group in self.groups:
             masks = _group_update(group, k, masked)
-            in_force = tf.cast(tf.gather(tf.constant(group.in_force), k), tf.float32)
+            in_force = tf.gather(tf.constant(group.in_force), k)
             for m, mask in zip(group.masks, masks):
                 # in force: the mask; released (leave_enabled: false) or not yet started: ones
-                factors[m.name].append(1.0 - tf.cast(in_force, mask.dtype) * (1.0 - mask))
+                now.setdefault(m.name, []).append(tf.where(in_force, mask, _one(mask)))
+            in_force = tf.cast(in_force, tf.float32)
             for cg in group.channel_groups:
                 first = group.masks[cg.members[0]]
                 keep = 1.0 - in_force * (1.0 - _channel_keep(masks[cg.members[0]], first.kernel_axes, cg.kind))
@@ -120,13 +129,10 @@ class PruningMasks:
                     shape = [1] * (variable.shape.rank - 2) + [-1, 1] if variable.shape.rank == 4 else [-1]
                     ops.append(variable.assign(variable * tf.reshape(tf.cast(keep, variable.dtype.base_dtype), shape),
                                                read_value=False))
-        for name, parts in factors.items():
-            variable = self.pruned[name]
-            effective = parts[0]
-            for part in parts[1:]:
-                effective = effective * part
-            ops.append(variable.assign(variable * effective, read_value=False))
-        return ops
+        factors = {name: _product(parts) for name, parts in now.items()}
+        for name, variable in self.pruned.items():
+            ops.append(variable.assign(_product([weights[name], *old[name], factors[name]]), read_value=False))
+        return ops, factors
 
     def gradient_factors(self, k) -> dict[str, list[tf.Tensor]]:
         """Per pruned variable, the masks in force at ``k`` (ones where a mask is not): multiply its gradient
@@ -135,26 +141,39 @@ class PruningMasks:
         for group in self.groups:
             in_force = tf.gather(tf.constant(group.in_force), k)
             for m in group.masks:
-                by_variable.setdefault(m.name, []).append(tf.where(in_force, m.mask.read_value(), tf.ones_like(m.mask)))
+                by_variable.setdefault(m.name, []).append(tf.where(in_force, m.mask.read_value(), _one(m.mask)))
         return by_variable
 
 
-def _group_update(group: _MaskGroup, k, masked: dict[str, tf.Tensor]) -> list[tf.Tensor]:
+def _one(like) -> tf.Tensor:
+    """A scalar 1 of ``like``'s dtype: ``tf.where`` broadcasts it, no tensor of ones is made."""
+    return tf.ones([], like.dtype)
+
+
+def _product(parts: list[tf.Tensor]) -> tf.Tensor:
+    result = parts[0]
+    for part in parts[1:]:
+        result = result * part
+    return result
+
+
+def _group_update(group: _MaskGroup, k, masked: Callable[[str], tf.Tensor]) -> list[tf.Tensor]:
     """The masks in force at ``k``: all recomputed (and stored) when the last update point changed.
 
-    GradualKS ranks ``masked[name]`` (the weights with the masks of step ``k - 1`` applied);
+    GradualKS ranks ``masked(name)`` (the weights with the masks of step ``k - 1`` applied);
     ConstantKS keeps that tensor's zeros.
     """
     update_id = tf.gather(tf.constant(group.update_ids), k)
     needed = tf.logical_and(tf.not_equal(update_id, group.update_id.read_value()), update_id >= 0)
 
     def recompute():
+        weights = {m.name: masked(m.name) for m in group.masks}
         new_masks, assigns = [], []
-        joint = _joint_masks(group, masked, update_id) if group.global_ else {}
+        joint = _joint_masks(group, weights, update_id) if group.global_ else {}
         for cg in group.channel_groups:
-            joint.update(_coupled_masks(group, cg, masked, update_id))
+            joint.update(_coupled_masks(group, cg, weights, update_id))
         for m in group.masks:
-            weight = masked[m.name]
+            weight = weights[m.name]
             count = tf.gather(tf.constant(m.counts or [0], tf.int64), tf.maximum(update_id, 0))
             if group.constant:
                 new = tf.cast(tf.not_equal(weight, 0), weight.dtype)

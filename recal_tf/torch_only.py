@@ -21,3 +21,20 @@ def torch_only_problems(schedule: RecipeSchedule, where: str) -> list[Problem]:
         problems.append(recipe.problem(index, None, f"knowledge distillation is not available {where}",
                                        expected="run this recipe's DistillationModifier with recal_torch, or remove it"))
     return problems
+
+
+def qat_problems(schedule: RecipeSchedule, where: str) -> list[Problem]:
+    """A second QuantizationModifier, and the fields that pick what to quantize (TensorFlow quantizes every
+    conv and dense/matmul it can): one located problem each."""
+    recipe = schedule.recipe
+    problems = []
+    for n, (index, m) in enumerate(schedule.quantization):
+        if n:
+            problems.append(recipe.problem(index, None, "a second QuantizationModifier",
+                                           expected=f"one QuantizationModifier per recipe {where}"))
+        for field in ("submodules", "ignore", "scheme_overrides"):
+            if getattr(m, field):
+                problems.append(recipe.problem(
+                    index, field, f"{field} is not available {where} yet: every conv and dense layer is quantized",
+                    value=getattr(m, field), expected=f"no {field} (or run this recipe with recal_torch)"))
+    return problems

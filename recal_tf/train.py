@@ -2,7 +2,8 @@
 
 A ``tf.compat.v1`` graph with the seed's API: ``create_ops``, one ``train_op_with_ops`` per step,
 summaries to TensorBoard, a ``Saver`` checkpoint per epoch (``--resume`` restores the last one and
-continues the schedule exactly), and at the end ``complete_graph`` and a frozen inference graph.
+continues the schedule exactly), and at the end ``complete_graph``, a frozen inference graph and its ONNX export
+(QDQ after QAT, which ``recal train`` then converts to int8).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from recal_core.run_lock import read_resume_record
 from recal_core.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, epoch_line,
                                  epoch_order, median_latency_ms, overall_sparsity, progress_bar)
 
+from .export import export_onnx
 from .graph_params import describe_variables
 from .manager import EXTRAS_KEY_LEARNING_RATE, EXTRAS_KEY_WEIGHT_DECAY, ScheduledModifierManager
 from .models import digits_net
@@ -59,6 +61,8 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
         logits = digits_net(inputs, training=training)
         loss = batch_cross_entropy_loss(logits, tf.one_hot(labels, 10))
         global_step = tf_compat.train.get_or_create_global_step()
+        infos, variables = describe_variables(graph, tf_compat.trainable_variables())  # before QAT rewires the graph
+        kernels = {p.name: variables[p.name] for p in infos if p.prunable}  # as the core selects them
         manager = ScheduledModifierManager(recipe)
         mod_ops, extras = manager.create_ops(steps_per_epoch=steps_per_epoch, base_lr=LEARNING_RATE)
         total_loss = loss + extras[EXTRAS_KEY_WEIGHT_DECAY] if EXTRAS_KEY_WEIGHT_DECAY in extras else loss
@@ -68,8 +72,6 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
             grads = optimizer.compute_gradients(total_loss, var_list=tf_compat.trainable_variables())
             train_op = optimizer.apply_gradients(manager.mask_gradients(grads), global_step=global_step)
         step_op = manager.train_op_with_ops(train_op)
-        infos, variables = describe_variables(graph, tf_compat.trainable_variables())
-        kernels = {p.name: variables[p.name] for p in infos if p.prunable}  # as the core selects them
         summaries = tf_compat.summary.merge_all()
         saver = tf_compat.train.Saver(max_to_keep=3)
         init = tf_compat.global_variables_initializer()
@@ -123,10 +125,14 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
                                                                          ["digits_net/logits"])
             overall, layers = _kernel_sparsity(sess.run(kernels))
             accuracy = float((sess.run(logits, {inputs: x_test}).argmax(1) == y_test).mean())
+            onnx_path = export_onnx(sess, out_dir / "model.onnx", ["inputs:0"], ["digits_net/logits:0"])
         finally:
             writer.close()
             sess.close()
-    run.artefacts = [_frozen_artefact(frozen, out_dir, x_test, accuracy, overall, layers)]
+    quantized = bool(manager.quantized_ops)
+    run.artefacts = [_frozen_artefact(frozen, out_dir, x_test, accuracy, overall, layers),
+                     Artefact(("QAT ONNX export (QDQ)" if quantized else "ONNX export (fp32)") + " of the TF graph",
+                              "tf", onnx_path, sparsity=overall, layer_sparsity=layers, qat=quantized)]
     return run
 
 

@@ -2,17 +2,24 @@
 
 Part 1 times a CNN (batch 128, 28x28) under plain ``fit`` and under recal (GMP between mask updates,
 GMP with every step an update, and LR + GMP), the variants interleaved round by round, medians of the
-per-step times Keras reports between batches. Part 2 trains the digits net with ``recal train`` in Keras and
-in PyTorch, dense, pruned to 90%, and pruned to 90% + QAT converted to int8, over several seeds.
+per-step times Keras reports between batches. With ``--peer`` the same CNN and timing under TF Model
+Optimization 0.8.1 on tf-keras 2.21 (``scripts/peer_tfmot.py``) joins the table: it runs in its own
+environment, ``.venv-tfmot``, which the script creates on first use (tf-keras pulls the full ``tensorflow``
+wheel, about 2.3 GB, and tfmot switches a process to legacy Keras), never in ``.venv``. Part 2 trains the digits
+net with ``recal train`` in Keras, the TF graph API and PyTorch, dense, pruned to 90%, and pruned to 90% + QAT
+converted to int8, over several seeds.
 
-    python scripts/bench_keras.py [--rounds 5] [--steps 40] [--seeds 3] [--skip-accuracy] [--skip-overhead]
+    python scripts/bench_keras.py [--rounds 5] [--steps 40] [--seeds 3] [--peer] [--skip-accuracy] [--skip-overhead]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +32,8 @@ import numpy as np  # noqa: E402
 from recal_tf.keras import ScheduledModifierManager  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+PEER_ENV = ROOT / ".venv-tfmot"
+PEER_PACKAGES = ["tensorflow==2.21.*", "tf-keras==2.21.*", "tensorflow-model-optimization==0.8.1"]
 BETWEEN = """
 - !GradualKSModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.5, final_sparsity: 0.9, start_epoch: 0.0,
                       end_epoch: 90.0, update_frequency: 10.0}
@@ -71,7 +80,21 @@ def _variant(recipe: str | None, steps: int):
     return model, callbacks
 
 
-def overhead(rounds: int, steps: int) -> None:
+def peer_times(rounds: int, steps: int) -> tuple[str, dict[str, list[float]]]:
+    """tfmot's per-step times from ``scripts/peer_tfmot.py`` in ``.venv-tfmot`` (created when missing)."""
+    python = PEER_ENV / "bin" / "python"
+    if not python.exists():
+        print(f"creating {PEER_ENV} for the tfmot peer ({', '.join(PEER_PACKAGES)})", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", str(PEER_ENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *PEER_PACKAGES], check=True)
+    out = subprocess.run([str(python), str(ROOT / "scripts" / "peer_tfmot.py"), "--rounds", str(rounds),
+                          "--steps", str(steps)], check=True, capture_output=True, text=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    v = result["versions"]
+    return f"tfmot {v['tfmot']} on tf-keras {v['tf_keras']}", result["times"]
+
+
+def overhead(rounds: int, steps: int, peer: bool) -> None:
     rng = np.random.default_rng(0)
     x = rng.random((steps * 128, 28, 28, 1), dtype=np.float32)
     y = rng.integers(0, 10, steps * 128)
@@ -87,14 +110,19 @@ def overhead(rounds: int, steps: int) -> None:
             model.fit(x, y, batch_size=128, epochs=r + 2, initial_epoch=r + 1, callbacks=callbacks + [timer],
                       verbose=0)
             times[name] += timer.times[1:]
-    base = statistics.median(times["plain fit"])
-    print(f"\nKeras {keras.__version__}: CNN (3 conv, 2 dense), batch 128, Adam; {rounds} interleaved rounds of "
-          f"{steps} steps, median per step")
-    print("| variant | ms / step | vs plain fit |")
-    print("| --- | ---: | ---: |")
-    for name, values in times.items():
-        m = statistics.median(values)
-        print(f"| {name} | {1000 * m:.2f} | {100 * (m / base - 1):+.1f}% |")
+    tables = {f"recal on Keras {keras.__version__}": times}
+    if peer:
+        label, peer_result = peer_times(rounds, steps)
+        tables[label] = peer_result
+    print(f"\nCNN (3 conv, 2 dense), batch 128, Adam; {rounds} interleaved rounds of {steps} steps, median per step "
+          "(each framework against its own plain fit; the peer runs after recal, in its own process)")
+    print("| framework | variant | ms / step | vs plain fit |")
+    print("| --- | --- | ---: | ---: |")
+    for framework, result in tables.items():
+        base = statistics.median(result["plain fit"])
+        for name, values in result.items():
+            m = statistics.median(values)
+            print(f"| {framework} | {name} | {1000 * m:.2f} | {100 * (m / base - 1):+.1f}% |")
 
 
 def accuracy(seeds: int) -> None:
@@ -106,7 +134,7 @@ def accuracy(seeds: int) -> None:
     results: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(seeds):
-            for framework in ("keras", "torch"):
+            for framework in ("keras", "tf", "torch"):
                 for label, path in recipes.items():
                     out = Path(tmp) / f"{framework}-{label}-{seed}".replace(" ", "_").replace("%", "")
                     run = train(load_recipe(path), framework, out, seed=seed, progress=False)
@@ -115,7 +143,7 @@ def accuracy(seeds: int) -> None:
     print(f"\ndigits test accuracy of the ONNX model (recal train, {seeds} seeds: mean, min-max)")
     print("| framework | " + " | ".join(recipes) + " |")
     print("| --- | " + " | ".join("---:" for _ in recipes) + " |")
-    for framework in ("keras", "torch"):
+    for framework in ("keras", "tf", "torch"):
         cells = []
         for label in recipes:
             values = results[(framework, label)]
@@ -128,11 +156,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--peer", action="store_true", help="add tfmot 0.8.1 on tf-keras (creates .venv-tfmot)")
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
     args = parser.parse_args()
     if not args.skip_overhead:
-        overhead(args.rounds, args.steps)
+        overhead(args.rounds, args.steps, args.peer)
     if not args.skip_accuracy:
         accuracy(args.seeds)
 

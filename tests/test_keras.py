@@ -445,6 +445,48 @@ def test_qat_int8_onnx_equals_the_keras_qat_model_on_digits(tmp_path):
     assert "QLinearConv" in ops and not {"Conv", "MatMul", "Gemm"} & ops  # every conv and the dense are integer
 
 
+@pytest.mark.slow
+def test_qat_under_mirrored_strategy_keeps_replicas_in_sync(tmp_path):
+    """Two virtual CPUs: each observer sees the global batch's range and BatchNorm's moving statistics are updated
+    from the global batch, so every replica holds the same QAT state; the export converts to int8."""
+    code = textwrap.dedent(f"""
+        import numpy as np, tensorflow as tf
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        import keras
+        from recal_core.datasets import load_digits
+        from recal_onnx import quantize_qat_export
+        from recal_tf.keras import ScheduledModifierManager, export_onnx
+        from recal_tf.keras.train import digits_model
+        from tests.test_keras import QAT
+        digits = load_digits()
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        with strategy.scope():
+            model = digits_model(0)
+            opt = keras.optimizers.SGD(0.05, momentum=0.9)
+            manager = ScheduledModifierManager.from_yaml(QAT)
+            model, callbacks = manager.modify(model, opt, steps_per_epoch=10)
+            model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(digits.train_images[:320, ..., None], digits.train_labels[:320], batch_size=32, epochs=3,
+                  callbacks=callbacks, verbose=0)
+        checked = 0
+        for w in model.weights:
+            if w.path.endswith(("min_val", "max_val", "moving_mean", "moving_variance")):
+                first, second = (v.numpy() for v in w.value.values)
+                assert np.array_equal(first, second), w.path
+                checked += 1
+        assert checked == 2 * 6 + 2 * 3, checked  # 6 observers, 3 BatchNorms
+        manager.finalize(model)
+        export_onnx(model, "{tmp_path}/qat.onnx")
+        result = quantize_qat_export("{tmp_path}/qat.onnx", "{tmp_path}/int8.onnx")
+        assert not result.unconverted
+        print("replicas in sync")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "replicas in sync" in out.stdout
+
+
 def test_qat_refusals_and_float_layers_named():
     class Sub(keras.Model):
         def __init__(self):

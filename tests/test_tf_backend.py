@@ -275,7 +275,9 @@ def test_session_run_hook_with_monitored_training_session():
 
 
 @pytest.mark.parametrize("recipe, words", [
-    ("- !QuantizationModifier {start_epoch: 0}", "not yet available in TensorFlow"),
+    ("- !QuantizationModifier {start_epoch: 0, ignore: [fc]}", "ignore is not available in the TensorFlow graph API"),
+    ("- !QuantizationModifier {start_epoch: 0}\n- !QuantizationModifier {start_epoch: 1}",
+     "a second QuantizationModifier"),
     ("- !TrainableParamsModifier {params: __ALL__, trainable: false, start_epoch: 1, end_epoch: 2}",
      "TensorFlow fixes the trainable variables"),
     ("- !GradualKSModifier {params: ['re:.*/convx'], init_sparsity: 0.1, final_sparsity: 0.5, start_epoch: 0, "
@@ -288,7 +290,7 @@ def test_session_run_hook_with_monitored_training_session():
      "end_epoch: 2, update_frequency: 1}", "second-order pruning (MFACPruningModifier) is not available"),
 ])
 def test_create_ops_errors(recipe, words):
-    with pytest.raises(RecipeError, match="<string>:1:") as err:
+    with pytest.raises(RecipeError, match=f"<string>:{recipe.count(chr(10)) + 1}:") as err:
         Graph(recipe)
     assert words in str(err.value)
 

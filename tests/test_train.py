@@ -71,15 +71,18 @@ def test_torch_resume_gives_the_uninterrupted_result(tmp_path):
 @pytest.mark.slow
 def test_tf_train_and_resume(tmp_path):
     pytest.importorskip("tensorflow")
-    recipe = _recipe(tmp_path, PRUNE)
+    pytest.importorskip("tf2onnx")
+    recipe = _recipe(tmp_path, PRUNE_QAT)
     full = train(recipe, "tf", tmp_path / "a", progress=False)
-    (artefact,) = full.artefacts
+    artefact, qdq, int8 = full.artefacts
     assert artefact.path.endswith("model.pb") and artefact.accuracy > 0.8
     assert artefact.sparsity == pytest.approx(0.6, abs=0.01)
+    assert qdq.qat and qdq.path.endswith("model.onnx") and int8.path.endswith("model.int8.onnx")
+    assert abs(int8.accuracy - artefact.accuracy) <= 1 / 360  # the int8 model is as accurate as the TF graph
     assert list((tmp_path / "a" / "tensorboard").glob("events.out.tfevents.*"))
     train(recipe, "tf", tmp_path / "b", epochs=2, progress=False)
     resumed = train(recipe, "tf", tmp_path / "b", resume=True, progress=False)
-    assert [h.epoch for h in resumed.history] == [1, 2, 3]
+    assert [h.epoch for h in resumed.history] == [1, 2, 3, 4]
     assert resumed.artefacts[0].sparsity == artefact.sparsity
     assert resumed.history[-1].test_accuracy == pytest.approx(full.history[-1].test_accuracy, abs=0.02)
 

@@ -34,7 +34,7 @@ from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
 from ..mask_ops import PruningMasks
-from ..torch_only import torch_only_problems
+from ..torch_only import qat_problems, torch_only_problems
 from .params import describe_model
 from .qat import QATTables, quantize_model
 
@@ -171,14 +171,7 @@ class ScheduledModifierManager(RecipeManager):
                 index, None, f"QAT rewrites the model with keras.models.clone_model, which cannot rebuild the "
                 f"subclassed model {model.name!r} ({type(model).__name__})",
                 expected="a Sequential or functional model (keras.Model(inputs, outputs)) for QAT"))
-        if tf.distribute.has_strategy():
-            raise RecipeError(self.recipe.problem(
-                index, None, "QAT under a tf.distribute strategy is not available for Keras yet (the observers' "
-                "ranges are not reduced across replicas)", expected="QAT on one device (pruning and LR do run "
-                "under a strategy), or this recipe with recal_torch's DistributedDataParallel"))
-        states = [schedule.qat(index, k) for k in range(schedule.total_steps + 1)]
-        self._qat = QATTables(np.array([s.enabled for s in states]), np.array([s.bn_frozen for s in states]),
-                              np.array([s.observers_frozen for s in states]), optimizer.iterations)
+        self._qat = QATTables.from_schedule(schedule, index, optimizer.iterations)
         quantized, made, floating = quantize_model(model, self._qat)
         if not made:
             raise RecipeError(self.recipe.problem(index, None, f"model {model.name!r} has no Conv2D or Dense layer "
@@ -201,16 +194,7 @@ class ScheduledModifierManager(RecipeManager):
 
     def _plan(self, schedule: RecipeSchedule, infos, by_name, base_lr, base_wd) -> ModelPlan:
         """The core's plan for this model; plus what Keras cannot do yet, every problem at once."""
-        problems = []
-        for n, (index, m) in enumerate(schedule.quantization):
-            if n:
-                problems.append(self.recipe.problem(index, None, "a second QuantizationModifier",
-                                                    expected="one QuantizationModifier per recipe in Keras"))
-            for field in ("submodules", "ignore", "scheme_overrides"):
-                if getattr(m, field):
-                    problems.append(self.recipe.problem(
-                        index, field, f"{field} is not available for Keras yet: every Conv2D and Dense is quantized",
-                        value=getattr(m, field), expected=f"no {field} (or run this recipe with recal_torch)"))
+        problems = qat_problems(schedule, "for Keras")
         problems += torch_only_problems(schedule, "for Keras")
         try:
             plan = plan_model(schedule, infos, {n: int(np.prod(v.shape)) for n, v in by_name.items()},
@@ -287,15 +271,11 @@ class ScheduledModifierManager(RecipeManager):
             ops.append(lr.assign(tf.cast(tf.gather(tf.constant(self._lr_values), k), lr.dtype), read_value=False))
         if self._masks is None:
             return ops
-        ops += self._masks.ops(k)
-        with tf.control_dependencies(ops):
-            factors = self._masks.gradient_factors(k)
-            for name, slots in self._slots.items():
-                for slot in slots:
-                    mask = factors[name][0]
-                    for extra in factors[name][1:]:
-                        mask = mask * extra
-                    ops.append(slot.assign(slot * tf.cast(mask, slot.dtype), read_value=False))
+        mask_ops, factors = self._masks.ops_and_factors(k)
+        ops += mask_ops
+        for name, slots in self._slots.items():
+            for slot in slots:
+                ops.append(slot.assign(slot * tf.cast(factors[name], slot.dtype), read_value=False))
         return ops
 
     # --- during fit -----------------------------------------------------------------------------

@@ -1,9 +1,5 @@
-"""Quantization-aware training for Keras 3, with recal_torch's conventions.
+"""Quantization-aware training for Keras 3, with recal_torch's conventions (the math: :mod:`recal_tf.fake_quant`).
 
-- Activations: uint8, asymmetric, per tensor, moving-average min/max (``FakeQuantWithMinMaxVars``, which
-  tf2onnx exports as QuantizeLinear/DequantizeLinear with a zero point).
-- Weights: int8, symmetric (``max|w| / 127``), per output channel (``QuantizeAndDequantizeV3`` with
-  ``axis``, which tf2onnx exports as per-channel QuantizeLinear/DequantizeLinear).
 - ``Conv2D(-BatchNormalization)(-ReLU)`` and ``Dense(-ReLU)`` become one :class:`QuantizedLayer` that
   simulates the BatchNorm-folded weights (batch statistics while training, the moving ones once frozen), so
   the export is already folded. The layer quantizes its output (after the ReLU: the ReLU is folded into the
@@ -16,76 +12,71 @@ The original layers (and so their variables, masks and optimizer state) are reus
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import keras
 import numpy as np
 import tensorflow as tf
+
+from ..fake_quant import QATTables, fake_quant_activation, fake_quant_weight, moving_range
 
 PASS_THROUGH = (keras.layers.MaxPooling2D, keras.layers.MaxPooling1D, keras.layers.Flatten, keras.layers.Reshape,
                 keras.layers.Dropout)
 
 
-@dataclass
-class QATTables:
-    """The QuantizationModifier's switches per step, read at ``optimizer.iterations`` in the graph."""
-
-    enabled: np.ndarray
-    bn_frozen: np.ndarray
-    observers_frozen: np.ndarray
-    iterations: object = None
-    export: bool = False  # inference graph for export: always quantized, no switches
-
-    def at(self, table: np.ndarray) -> tf.Tensor:
-        k = tf.minimum(tf.cast(self.iterations, tf.int64), len(table) - 1)
-        return tf.gather(tf.constant(table), k)
-
-
 class ActivationQuantizer(keras.layers.Layer):
     """uint8 fake quantization of one tensor with a moving-average min/max observer."""
 
-    def __init__(self, averaging_constant: float = 0.01, **kwargs):
+    def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.averaging_constant = averaging_constant
         self.tables: QATTables | None = None
 
     def build(self, input_shape):
-        self.min_val = self.add_weight(name="min_val", shape=(), initializer="zeros", trainable=False)
-        self.max_val = self.add_weight(name="max_val", shape=(), initializer="zeros", trainable=False)
-        self.observed = self.add_weight(name="observed", shape=(), initializer="zeros", trainable=False)
+        # every replica computes the same update from the all-reduced batch range: the first one's is kept
+        kwargs = {"shape": (), "initializer": "zeros", "trainable": False, "aggregation": "only_first_replica"}
+        self.min_val = self.add_weight(name="min_val", **kwargs)
+        self.max_val = self.add_weight(name="max_val", **kwargs)
+        self.observed = self.add_weight(name="observed", **kwargs)
 
     def call(self, x, training=None):
         t = self.tables
         if t is None or t.export:
-            return _fake_quant(x, self.min_val.value, self.max_val.value)
+            return fake_quant_activation(x, self.min_val.value, self.max_val.value)
         enabled = t.at(t.enabled)
         if training:
             observe = tf.logical_and(enabled, tf.logical_not(t.at(t.observers_frozen)))
-            low, high = tf.reduce_min(x), tf.reduce_max(x)
-            seen = self.observed.value > 0
-            c = self.averaging_constant
-            new_min = tf.where(seen, self.min_val.value + c * (low - self.min_val.value), low)
-            new_max = tf.where(seen, self.max_val.value + c * (high - self.max_val.value), high)
+            low, high = _global_range(x)
+            new_min, new_max = moving_range(low, high, self.min_val.value, self.max_val.value,
+                                            self.observed.value > 0)
             self.min_val.assign(tf.where(observe, new_min, self.min_val.value))
             self.max_val.assign(tf.where(observe, new_max, self.max_val.value))
             self.observed.assign(tf.where(observe, 1.0, self.observed.value))
-        return tf.where(enabled, _fake_quant(x, self.min_val.value, self.max_val.value), x)
+        return tf.where(enabled, fake_quant_activation(x, self.min_val.value, self.max_val.value), x)
 
 
-def _fake_quant(x, low, high):
-    low = tf.minimum(tf.stop_gradient(low), 0.0)  # the range always holds 0 (an exact zero point)
-    high = tf.maximum(tf.stop_gradient(high), low + 1e-6)
-    return tf.quantization.fake_quant_with_min_max_vars(x, low, high, num_bits=8, narrow_range=False)
+def _replicas():
+    """The replica context when more than one replica runs this step (a tf.distribute strategy), else None."""
+    context = tf.distribute.get_replica_context()
+    return context if context is not None and context.num_replicas_in_sync > 1 else None
 
 
-def _fake_quant_weight(w, axis: int):
-    axes = [a for a in range(len(w.shape)) if a != axis]
-    amax = tf.reduce_max(tf.abs(w), axis=axes)
-    # a channel pruned to zeros gets scale 1/127 (its integers are 0 whatever the scale): a tiny scale would
-    # overflow its int32 bias (bias / (x_scale * w_scale)) in the converted model
-    amax = tf.where(amax > 0, amax, tf.ones_like(amax))
-    return tf.raw_ops.QuantizeAndDequantizeV3(input=w, input_min=-amax, input_max=amax, num_bits=8,
-                                              signed_input=True, range_given=True, narrow_range=True, axis=axis)
+def _global_range(x):
+    """``(min, max)`` of ``x`` over the global batch: every replica gets the same, so observers stay in sync."""
+    low, high = tf.reduce_min(x), tf.reduce_max(x)
+    replicas = _replicas()
+    if replicas is not None:
+        both = replicas.all_gather(tf.stack([low, high])[None], axis=0)  # TF has no MIN/MAX all-reduce
+        low, high = tf.reduce_min(both[:, 0]), tf.reduce_max(both[:, 1])
+    return low, high
+
+
+def _global_moments(mean, variance):
+    """The global batch's mean and variance from each replica's (equal shares): the moving statistics stay in
+    sync across replicas, while each replica normalises with its own batch's, as BatchNorm does under DDP."""
+    replicas = _replicas()
+    if replicas is None:
+        return mean, variance
+    mean_all = replicas.all_reduce(tf.distribute.ReduceOp.MEAN, mean)
+    square = replicas.all_reduce(tf.distribute.ReduceOp.MEAN, variance + tf.square(mean))
+    return mean_all, square - tf.square(mean_all)
 
 
 class QuantizedLayer(keras.layers.Layer):
@@ -136,8 +127,9 @@ class QuantizedLayer(keras.layers.Layer):
                 batch_mean, batch_var = tf.nn.moments(y, axes=list(range(y.shape.rank - 1)))
                 frozen = t.at(t.bn_frozen)
                 m = bn.momentum
-                bn.moving_mean.assign(tf.where(frozen, mean, mean * m + tf.stop_gradient(batch_mean) * (1 - m)))
-                bn.moving_variance.assign(tf.where(frozen, var, var * m + tf.stop_gradient(batch_var) * (1 - m)))
+                global_mean, global_var = _global_moments(tf.stop_gradient(batch_mean), tf.stop_gradient(batch_var))
+                bn.moving_mean.assign(tf.where(frozen, mean, mean * m + global_mean * (1 - m)))
+                bn.moving_variance.assign(tf.where(frozen, var, var * m + global_var * (1 - m)))
                 use_mean, use_var = tf.where(frozen, mean, batch_mean), tf.where(frozen, var, batch_var)
                 y = gamma * (y - use_mean) / tf.sqrt(use_var + bn.epsilon) + beta
                 return self._activate(y, training)
@@ -148,7 +140,7 @@ class QuantizedLayer(keras.layers.Layer):
 
     def _quantize(self, w):
         t = self.tables
-        wq = _fake_quant_weight(w, len(w.shape) - 1)
+        wq = fake_quant_weight(w, len(w.shape) - 1)
         return tf.where(t.at(t.enabled), wq, w) if t is not None and not t.export else wq
 
     def _activate(self, y, training):

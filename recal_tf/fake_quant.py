@@ -1,0 +1,67 @@
+"""The fake-quantization math both TensorFlow front ends use, with recal_torch's conventions.
+
+- Activations: uint8, asymmetric, per tensor (``FakeQuantWithMinMaxVars``, which tf2onnx exports as
+  QuantizeLinear/DequantizeLinear with a zero point); the range always holds 0, so the zero point is exact.
+- Weights: int8, symmetric (``max|w| / 127``), per output channel (``QuantizeAndDequantizeV3`` with ``axis``,
+  which tf2onnx exports as per-channel QuantizeLinear/DequantizeLinear; the per-channel FakeQuant op has no
+  tf2onnx converter, and ``quantize_and_dequantize_v2`` refuses per-channel given ranges on TF 2.21).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+
+from recal_core.schedule import RecipeSchedule
+
+AVERAGING_CONSTANT = 0.01  # the observers' moving-average weight, as torch.ao's MovingAverageMinMaxObserver
+
+
+def fake_quant_activation(x, low, high):
+    """``x`` fake-quantized to uint8 over ``[min(low, 0), max(high, low + 1e-6)]`` (no gradient to the range)."""
+    low = tf.minimum(tf.stop_gradient(low), 0.0)
+    high = tf.maximum(tf.stop_gradient(high), low + 1e-6)
+    return tf.quantization.fake_quant_with_min_max_vars(x, low, high, num_bits=8, narrow_range=False)
+
+
+def fake_quant_weight(w, axis: int):
+    """``w`` fake-quantized to int8, symmetric, one scale per index of ``axis`` (its output channels)."""
+    axes = [a for a in range(len(w.shape)) if a != axis]
+    amax = tf.reduce_max(tf.abs(w), axis=axes)
+    # a channel pruned to zeros gets scale 1/127 (its integers are 0 whatever the scale): a tiny scale would
+    # overflow its int32 bias (bias / (x_scale * w_scale)) in the converted model
+    amax = tf.where(amax > 0, amax, tf.ones_like(amax))
+    return tf.raw_ops.QuantizeAndDequantizeV3(input=w, input_min=-amax, input_max=amax, num_bits=8,
+                                              signed_input=True, range_given=True, narrow_range=True, axis=axis)
+
+
+def moving_range(low, high, old_low, old_high, seen):
+    """The observer's new ``(min, max)``: the batch's own range the first time, then a moving average."""
+    c = AVERAGING_CONSTANT
+    return (tf.where(seen, old_low + c * (low - old_low), low),
+            tf.where(seen, old_high + c * (high - old_high), high))
+
+
+@dataclass
+class QATTables:
+    """The QuantizationModifier's switches per step, read in the graph at the step ``iterations`` (Keras: the
+    optimizer's ``iterations``; the graph API: the global step)."""
+
+    enabled: np.ndarray
+    bn_frozen: np.ndarray
+    observers_frozen: np.ndarray
+    iterations: object = None
+    export: bool = False  # inference graph for export: always quantized, no switches
+
+    @classmethod
+    def from_schedule(cls, schedule: RecipeSchedule, index: int, iterations) -> "QATTables":
+        """The tables of the recipe's QuantizationModifier at ``index``, read at ``iterations`` (a step tensor)."""
+        states = [schedule.qat(index, k) for k in range(schedule.total_steps + 1)]
+        return cls(np.array([s.enabled for s in states]), np.array([s.bn_frozen for s in states]),
+                   np.array([s.observers_frozen for s in states]), iterations)
+
+    def at(self, table: np.ndarray) -> tf.Tensor:
+        k = tf.minimum(tf.cast(self.iterations, tf.int64), len(table) - 1)
+        return tf.gather(tf.constant(table), k)
