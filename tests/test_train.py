@@ -159,11 +159,12 @@ def test_make_demo_script(tmp_path):
     table = [line for line in result.stdout.splitlines() if line.startswith(("torch ", "tf "))]
     # 85% unstructured can leave a channel no one reads: then a thinned PyTorch model is listed too
     thinned = [line for line in table if "PyTorch model, thinned" in line]
-    assert len(table) - len(thinned) == 6 and len(thinned) <= 1, result.stdout
+    assert len(table) - len(thinned) == 8 and len(thinned) <= 1, result.stdout
     for line in table:
         accuracy = float(line.split()[-4])
         assert accuracy > 0.9, line
     assert (tmp_path / "demo" / "torch-prune-quant" / "model.int8.onnx").is_file()
+    assert (tmp_path / "demo" / "tf-prune-quant" / "model.int8.onnx").is_file()
     assert "1. accuracy on real data" in result.stdout and "2. speed on synthetic inputs" in result.stdout
     speed = {line.split(" (")[0]: line.split() for line in result.stdout.splitlines()
              if line.startswith(("fp32 (", "recal int8 (", "onnxruntime quantize_static", "recal 50% filters"))}
