@@ -172,6 +172,23 @@ def test_pool_to_qlinear(op):
     assert np.abs(run(converted, feeds)[0] - expected).max() <= 0.01 + 1e-6
 
 
+@pytest.mark.parametrize("shape_op", ["Squeeze", "Flatten"])
+def test_pool_to_qlinear_through_a_shape_op_rounds_once(shape_op):
+    """GlobalAveragePool -> Squeeze -> Q (tf2onnx's Keras/TF pooling): one rounding, to the Q's grid, as the QDQ
+    model computes; int8_passthrough leaves it to pool_to_qlinear instead of rounding at the input's scale first."""
+    b = Builder()
+    y = b.node("GlobalAveragePool", [b.qdq("x", 0.05, 0)])
+    y = b.node("Squeeze", [y, b.const(np.array([2, 3], np.int64))]) if shape_op == "Squeeze" else b.node("Flatten", [y])
+    model = b.model([("x", [64, 8, 4, 4])], [b.qdq(y, 0.004, 0)])  # a grid 12.5x finer than the input's
+    feeds = {"x": np.random.default_rng(3).uniform(0, 2, (64, 8, 4, 4)).astype(np.float32)}
+    expected = reference(model, feeds)[0]
+    converted, (passed, n) = _apply(model, int8_passthrough, pool_to_qlinear)
+    assert (passed, n) == (0, 1) and ops(converted) == [
+        "QuantizeLinear", "QLinearGlobalAveragePool", shape_op, "DequantizeLinear"]
+    steps = np.abs(run(converted, feeds)[0] - expected) / 0.004
+    assert steps.max() <= 1 + 1e-3 and np.median(steps) == 0  # rounded at the input's 0.05: up to 6 steps off
+
+
 def test_int8_passthrough_maxpool_reshape_relu():
     b = Builder()
     x = b.qdq("x", 0.03, 128)

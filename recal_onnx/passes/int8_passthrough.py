@@ -5,8 +5,8 @@ After::   q -> MaxPool -> q' -> DequantizeLinear(s, zp) -> y
 
 For MaxPool, Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Identity. ``Relu`` becomes nothing
 when ``zp`` is the lowest value (every integer is already >= the real 0) and ``Max(q, zp)``
-otherwise. A GlobalAveragePool / AveragePool / spatial ReduceMean that no QuantizeLinear follows
-keeps its input's scale (an average stays inside its inputs' range) as QLinearGlobalAveragePool /
+otherwise. A GlobalAveragePool / AveragePool / spatial ReduceMean that no QuantizeLinear follows (directly
+or through one shape-only op: :mod:`.pool_to_qlinear` converts those) keeps its input's scale (an average stays inside its inputs' range) as QLinearGlobalAveragePool /
 QLinearAveragePool.
 """
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 from onnx import helper
 
 from ..graph import Graph
-from ..qdq import activation, quantize_node_of
+from ..qdq import activation
 from ..quantized_ops import zero_point_is_lowest
-from .pool_to_qlinear import average_pool_kind, make_qlinear_pool
+from .pool_to_qlinear import average_pool_kind, make_qlinear_pool, quantize_after
 
 PASSTHROUGH = {"MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity"}
 
@@ -46,7 +46,7 @@ def int8_passthrough(g: Graph) -> int:
                 else:
                     q_out = g.fresh(out + "_q")
                     g.add_node("Max", [x.q, x.zero_point], [q_out], name=node.name + "_int8")
-            elif average_pool_kind(g, node) and quantize_node_of(g, out) is None:
+            elif average_pool_kind(g, node) and quantize_after(g, out) is None:
                 q_out = g.fresh(out + "_q")
                 make_qlinear_pool(g, node, x, x.scale, x.zero_point, q_out)
             else:

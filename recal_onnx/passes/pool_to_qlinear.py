@@ -1,7 +1,11 @@
 """Average pooling on quantized tensors: QLinearGlobalAveragePool / QLinearAveragePool (com.microsoft).
 
-Before::  q -> DequantizeLinear(s, zp) -> GlobalAveragePool -> QuantizeLinear(s2, zp2) -> q2
-After::   q -> QLinearGlobalAveragePool(s, zp, s2, zp2) -> q2
+Before::  q -> DequantizeLinear(s, zp) -> GlobalAveragePool [-> Squeeze] -> QuantizeLinear(s2, zp2) -> q2
+After::   q -> QLinearGlobalAveragePool(s, zp, s2, zp2) [-> Squeeze] -> q2
+
+One shape-only op (Squeeze, Flatten, Reshape, Unsqueeze) may sit between the pool and its QuantizeLinear, as
+tf2onnx writes Keras's and TensorFlow's global pooling: the pool then rounds once, to the QuantizeLinear's grid,
+and the shape op runs on the integers.
 
 A ReduceMean over the spatial axes of an NCHW tensor (keepdims=1), as the dynamo exporter writes
 ``adaptive_avg_pool2d(x, 1)``, is a global average pool.
@@ -16,6 +20,7 @@ from ..graph import MS_DOMAIN, Graph, attr
 from ..qdq import QTensor, activation, quantize_node_of
 
 AVERAGE_POOL_ATTRS = ("auto_pad", "ceil_mode", "count_include_pad", "kernel_shape", "pads", "strides")
+SHAPE_ONLY = ("Squeeze", "Flatten", "Reshape", "Unsqueeze")
 
 
 def average_pool_kind(g: Graph, node: onnx.NodeProto) -> str | None:
@@ -43,16 +48,36 @@ def make_qlinear_pool(g: Graph, node: onnx.NodeProto, x: QTensor, y_scale: str, 
     return g.add_node("QLinearAveragePool", inputs, [output], name=node.name + "_quant", domain=MS_DOMAIN, **attrs)
 
 
+def quantize_after(g: Graph, name: str) -> tuple[onnx.NodeProto | None, onnx.NodeProto] | None:
+    """``(shape op or None, QuantizeLinear)`` when ``name`` is quantized, directly or through one shape-only op."""
+    q = quantize_node_of(g, name)
+    if q is not None:
+        return None, q
+    shape = g.only_consumer(name)
+    if shape is None or shape.op_type not in SHAPE_ONLY or shape.input[0] != name:
+        return None
+    q = quantize_node_of(g, shape.output[0])
+    return (shape, q) if q is not None else None
+
+
 def pool_to_qlinear(g: Graph) -> int:
     count = 0
     for node in list(g.nodes):
         if node not in g.nodes or not node.input or average_pool_kind(g, node) is None:
             continue
         x = activation(g, node.input[0])
-        q = quantize_node_of(g, node.output[0])
-        if x is None or q is None:
+        after = quantize_after(g, node.output[0])
+        if x is None or after is None:
             continue
-        make_qlinear_pool(g, node, x, q.input[1], q.input[2], q.output[0])
-        g.remove(node, q)
+        shape, q = after
+        if shape is None:
+            make_qlinear_pool(g, node, x, q.input[1], q.input[2], q.output[0])
+            g.remove(node, q)
+        else:
+            pooled = g.fresh(node.output[0] + "_q")
+            make_qlinear_pool(g, node, x, q.input[1], q.input[2], pooled)
+            g.add_node(shape.op_type, [pooled, *shape.input[1:]], [q.output[0]], name=shape.name + "_int8",
+                       **{a.name: helper.get_attribute_value(a) for a in shape.attribute})
+            g.remove(node, shape, q)
         count += 1
     return count
