@@ -64,6 +64,9 @@ QDQ_FUSIBLE = {"Conv", "Gemm", "MatMul", "Add", "Mul", "Relu", "MaxPool", "Avera
                "ReduceMean", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Concat", "Resize"}
 
 
+SHAPE_READERS = {"Shape", "Size"}  # read a tensor's shape, not its values: what they feed is no float island
+
+
 class UnconvertedOpsWarning(UserWarning):
     """Some ops between a DequantizeLinear and a QuantizeLinear were left in float."""
 
@@ -85,6 +88,11 @@ class ConversionResult:
     verification: Verification | None = None
     seconds: float = 0.0
 
+    @property
+    def float_nodes(self) -> list[tuple[str, str]]:
+        """The ops left in float between a DequantizeLinear and a QuantizeLinear: ``(op type, node name)``."""
+        return self.unconverted
+
 
 def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, output_path: str | os.PathLike | None = None,
                         format: str = "qoperator", verify: bool = True, inputs: dict[str, np.ndarray] | None = None,
@@ -93,9 +101,9 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     """Convert a QAT ONNX model into a fully quantized one (``qoperator``) or a folded, clean QDQ one.
 
     ``model_or_path`` is never modified; ``output_path`` (optional) is written atomically and may not
-    be the input file. ``inputs`` feeds the verification (generated when absent); ``tolerance`` is the
-    largest max-abs-difference accepted (default: 10% of the reference outputs' range, or 3 steps of a
-    quantized output if more). Argmax agreement (2-D outputs) is always reported; it is enforced only
+    be the input file. ``inputs`` feeds the verification (generated when absent: integer inputs cover the
+    table they index, masks are ones); ``tolerance`` is the largest max-abs-difference accepted (default: 3
+    quantization steps of a quantized output, 10% of the reference outputs' range for a float one). Argmax agreement (2-D outputs) is always reported; it is enforced only
     with ``min_agreement`` (on generated inputs a model's near-tied logits flip on rounding alone,
     and a flip on a clear margin already exceeds the tolerance). ``thin`` removes the channels filter
     pruning left dead (exactly zero, or read by no one) where the channel-coupling rules allow: the
@@ -162,8 +170,8 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
                       UnconvertedOpsWarning, stacklevel=3)
     result = ConversionResult(model, None, rewrites, unconverted)
     if verify:
-        result.verification = verify_models(reference, model, inputs)
-        problem = result.verification.problem(tolerance, min_agreement, output_step)
+        result.verification = verify_models(reference, model, inputs, output_step)
+        problem = result.verification.problem(tolerance, min_agreement)
         if problem:
             raise VerificationError(f"the converted model does not match the input model: {problem}; "
                                     "nothing was written")
@@ -275,16 +283,28 @@ def _output_quantum(g: Graph) -> float:
 
 
 def _float_islands(g: Graph, expected: set[str]) -> list[tuple[str, str]]:
-    """Nodes (not Q/DQ, not ``expected``) that read a dequantized activation and feed a QuantizeLinear."""
-    found = []
-    for node in g.nodes:
-        if node.op_type in QDQ_OPS or node.op_type in expected or not node.input:
+    """Nodes (not Q/DQ, not ``expected``) on a float path from a dequantized activation to a QuantizeLinear,
+    chains of several included (``DQ -> Add -> Relu -> Q`` lists both), in graph order."""
+    after_dq: set[int] = set()  # nodes (ids: names may be empty) reached from a dequantized activation, no Q crossed
+    stack = [c for node in g.nodes if node.op_type == "DequantizeLinear" and activation(g, node.output[0])
+             for c in g.consumers.get(node.output[0], [])]
+    while stack:
+        node = stack.pop()
+        if id(node) in after_dq or node.op_type in QDQ_OPS or node.op_type in SHAPE_READERS:
             continue
-        reads_quantized = any(activation(g, i) is not None for i in node.input if i)
-        feeds_q = any(c.op_type == "QuantizeLinear" for o in node.output for c in g.consumers.get(o, []))
-        if reads_quantized and feeds_q:
-            found.append((node.op_type, node.name))
-    return found
+        after_dq.add(id(node))
+        stack.extend(c for o in node.output for c in g.consumers.get(o, []))
+    before_q: set[int] = set()  # nodes that reach a QuantizeLinear without crossing a DQ
+    stack = [g.producer[node.input[0]] for node in g.nodes
+             if node.op_type == "QuantizeLinear" and node.input[0] in g.producer]
+    while stack:
+        node = stack.pop()
+        if id(node) in before_q or node.op_type in QDQ_OPS:
+            continue
+        before_q.add(id(node))
+        stack.extend(g.producer[i] for i in node.input if i in g.producer)
+    return [(node.op_type, node.name) for node in g.nodes
+            if id(node) in after_dq and id(node) in before_q and node.op_type not in expected]
 
 
 def save_model_atomically(model: onnx.ModelProto, output_path: str | os.PathLike) -> Path:

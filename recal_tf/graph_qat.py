@@ -49,6 +49,7 @@ class _Target:
     weight_switch: tf.Tensor | None = None
     folded_weight: tf.Tensor | None = None  # q(w * s) (BatchNorm) or q(w)
     scale: tf.Tensor | None = None  # s, with a folded BatchNorm
+    float_weight: tf.Tensor | None = None  # what the op read before the rewrite
 
 
 @dataclass
@@ -61,9 +62,9 @@ class GraphQAT:
     floating: list[str] = field(default_factory=list)  # ops with a variable weight left float
     notes: list[str] = field(default_factory=list)  # what was not folded, and why
     updates: list[tf.Operation] = field(default_factory=list)
-    _switches: list[tuple[tf.Tensor, tf.Tensor]] = field(default_factory=list)  # (where(on, fq, x), fq)
+    _switches: list[tuple[tf.Tensor, tf.Tensor, tf.Tensor]] = field(default_factory=list)  # (where(on, fq, x), fq, x)
     _quantized: dict = field(default_factory=dict)  # tensor name -> its fake-quantized tensor
-    _observed: list = field(default_factory=list)  # each observer's "observed" flag variable
+    observed: dict = field(default_factory=dict)  # each observed tensor's name -> its "observed" flag variable
 
     # --- planning -------------------------------------------------------------------------------
 
@@ -131,7 +132,7 @@ class GraphQAT:
                 t.op._update_input(0, fq)
 
     def _quantize_weight(self, t: _Target, enabled) -> None:
-        w = t.op.inputs[1]
+        w = t.float_weight = t.op.inputs[1]
         if t.bn_infer is not None:
             gamma, variance = t.bn_infer.inputs[1], t.bn_infer.inputs[4]
             t.scale = gamma / tf.sqrt(tf.stop_gradient(variance) + t.bn_infer.get_attr("epsilon"))
@@ -160,7 +161,7 @@ class GraphQAT:
         low = self.make_variable(f"{name}/min", [], tf.float32, 0.0)
         high = self.make_variable(f"{name}/max", [], tf.float32, 0.0)
         seen = self.make_variable(f"{name}/observed", [], tf.float32, 0.0)
-        self._observed.append(seen)
+        self.observed[x.name] = seen
         low_now, high_now, seen_now = low.read_value(), high.read_value(), seen.read_value()
         fq = fake_quant_activation(x, low_now, high_now)
         out = tf.where(tf.logical_and(enabled, seen_now > 0), fq, x, name="quantized")
@@ -172,13 +173,13 @@ class GraphQAT:
                               seen.assign(tf.where(observe, 1.0, seen_now), read_value=False),
                               name="observe")
         self.updates.append(update)
-        self._switches.append((out, fq))
+        self._switches.append((out, fq, x))
         self._quantized[x.name] = out
         return out
 
     def _source(self, x: tf.Tensor) -> tf.Tensor | None:
         """The fake-quantized output ``x`` comes from through pass-through ops, if any."""
-        outputs = {out.name for out, _ in self._switches}
+        outputs = {out.name for out, _, _ in self._switches}
         while x.name not in outputs and x.op.type in PASS_THROUGH and x.op.inputs:
             x = x.op.inputs[0]
         return x if x.name in outputs else None
@@ -190,7 +191,7 @@ class GraphQAT:
                            tf.maximum(k - 1, 0))
         should = tf.logical_and(tables.at(tables.enabled), tf.logical_not(tables.at(tables.observers_frozen)))
         should = tf.logical_and(should, k > 0)
-        observed = tf.reduce_min(tf.stack([v.read_value() for v in self._observed]))
+        observed = tf.reduce_min(tf.stack([v.read_value() for v in self.observed.values()]))
         return tf.debugging.Assert(tf.logical_or(tf.logical_not(should), observed > 0), [
             "recal QAT: an activation range was never observed: run tf_compat.GraphKeys.UPDATE_OPS with the train "
             "op (`with tf_compat.control_dependencies(tf_compat.get_collection(tf_compat.GraphKeys.UPDATE_OPS)):`) "
@@ -198,9 +199,16 @@ class GraphQAT:
 
     # --- inference ----------------------------------------------------------------------------
 
+    def remove(self) -> None:
+        """Rewire back to the float graph (QAT never ran, so there are no ranges to export)."""
+        for out, _, x in self._switches:
+            _reroute(out, x)
+        for t in self.targets:
+            t.op._update_input(1, t.float_weight)
+
     def complete(self) -> None:
         """Rewire for inference and export: every switch to its quantized side, BatchNorms folded."""
-        for out, fq in self._switches:
+        for out, fq, _ in self._switches:
             _reroute(out, fq)
         for t in self.targets:
             with tf_compat.name_scope(_scope(t.op) + "_folded"):

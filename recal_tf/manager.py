@@ -326,10 +326,24 @@ class ScheduledModifierManager(RecipeManager):
             value = sess.run(variable)
             result[name] = float((value == 0).sum()) / value.size
         if self._qat is not None:
+            observed = dict(zip(self._qat.observed, sess.run(list(self._qat.observed.values()))))
+            never = [name for name, flag in observed.items() if not flag]
+            index = self.schedule.quantization[0][0]
+            if never and len(never) < len(observed):
+                raise RuntimeError(f"{self.recipe.describe(index)}: these activations were never observed, so they "
+                                   f"have no range to quantize with: {', '.join(never)} (a branch no training step "
+                                   "ran?); train until every quantized tensor has been seen, or remove the modifier")
             if graph.finalized:  # MonitoredTrainingSession finalizes it; the rewiring only adds ops
                 graph._unsafe_unfinalize()
             with graph.as_default(), tf_compat.name_scope("recal/qat"):
-                self._qat.complete()
+                if never:
+                    warnings.warn(f"{self.recipe.describe(index)}: QAT had not run by step "
+                                  f"{sess.run(self._global_step)}, so the graph is completed float",
+                                  RecalWarning, stacklevel=2)
+                    self._qat.remove()
+                    self.quantized_ops = []
+                else:
+                    self._qat.complete()
             updates = graph.get_collection_ref(tf_compat.GraphKeys.UPDATE_OPS)
             updates[:] = [op for op in updates if all(op is not u for u in self._qat.updates)]
         ours = {id(v) for v in self._variables} - {id(v) for v in self._kept}  # QAT's ranges stay model state

@@ -487,6 +487,25 @@ def test_qat_under_mirrored_strategy_keeps_replicas_in_sync(tmp_path):
     assert "replicas in sync" in out.stdout
 
 
+def test_finalized_before_qat_ran_is_left_float():
+    """Finalized before QAT started: no range was ever observed, so the model is finalized float, computing what
+    it computed with QAT off, and nothing is reported quantized."""
+    from recal_tf.keras.train import digits_model
+
+    model = digits_model(0)
+    opt = keras.optimizers.SGD(0.01)
+    manager = ScheduledModifierManager.from_yaml(QAT.replace("start_epoch: 1.0, freeze", "start_epoch: 2.0, freeze"))
+    qat, callbacks = manager.modify(model, opt, steps_per_epoch=SPE)
+    qat.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = np.random.default_rng(0).random((SPE * 32, 8, 8, 1), np.float32), np.arange(SPE * 32) % 10
+    qat.fit(x, y, batch_size=32, epochs=1, callbacks=callbacks, verbose=0)
+    float_model = qat.predict(x[:16], verbose=0)  # step SPE: QAT not yet on
+    with pytest.warns(RecalWarning, match=f"QAT had not run by step {SPE}, so the model is finalized float"):
+        manager.finalize(qat)
+    assert manager.quantized_layers == []
+    np.testing.assert_allclose(qat.predict(x[:16], verbose=0), float_model, rtol=1e-5, atol=1e-5)
+
+
 def test_qat_refusals_and_float_layers_named():
     class Sub(keras.Model):
         def __init__(self):

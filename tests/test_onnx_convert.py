@@ -184,6 +184,16 @@ def test_unconverted_ops_are_listed():
     assert result.unconverted and result.unconverted[0][0] == "Sigmoid"
 
 
+def test_a_chain_of_float_ops_is_listed_whole():
+    """DQ -> Sigmoid -> Neg -> Q: neither op both reads a DQ and feeds a Q, and both stay float."""
+    b = Builder()
+    y = b.node("Neg", [b.node("Sigmoid", [b.qdq("x", 0.03, 128)])])
+    model = b.model([("x", [2, 4])], [b.qdq(y, 0.004, 255)])
+    with pytest.warns(UnconvertedOpsWarning, match="Sigmoid.*Neg"):
+        result = quantize_qat_export(model)
+    assert [op for op, _ in result.float_nodes] == ["Sigmoid", "Neg"]
+
+
 def test_cli_and_script(tmp_path, recal_qat_model):
     src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
     exe = [sys.executable, "-m", "recal_core.cli", "quantize-qat-export", str(src), str(tmp_path / "a.onnx")]
@@ -211,3 +221,27 @@ def test_large_models_use_external_data(tmp_path, recal_qat_model, monkeypatch):
     assert (tmp_path / "out.onnx.data").is_file()
     session = ort.InferenceSession(str(result.path))
     assert session.run(None, {"input": np.zeros((2, 1, 8, 8), np.float32)})[0].shape == (2, 10)
+
+
+def test_generated_inputs_cover_the_table_an_integer_input_indexes():
+    from onnx import TensorProto, helper, numpy_helper
+
+    from recal_onnx.verify import generated_inputs
+
+    table = numpy_helper.from_array(np.arange(1000 * 4, dtype=np.int8).reshape(1000, 4), "table")
+    scale = numpy_helper.from_array(np.float32(0.1), "s")
+    nodes = [helper.make_node("DequantizeLinear", ["table", "s"], ["t"]),
+             helper.make_node("Cast", ["ids"], ["ids32"], to=TensorProto.INT32),
+             helper.make_node("Gather", ["t", "ids32"], ["e"]),
+             helper.make_node("Cast", ["attention_mask"], ["m"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["e", "m"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", 16]),
+                                           helper.make_tensor_value_info("attention_mask", TensorProto.INT64,
+                                                                         ["b", 16]),
+                                           helper.make_tensor_value_info("flags", TensorProto.INT64, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [table, scale])
+    feeds = generated_inputs(helper.make_model(graph))
+    assert feeds["ids"].shape == (256, 16) and feeds["ids"].min() >= 0 and feeds["ids"].max() < 1000
+    assert len(np.unique(feeds["ids"])) > 900  # the vocabulary, not {0, 1}
+    assert (feeds["attention_mask"] == 1).all()
+    assert set(np.unique(feeds["flags"])) <= {0, 1}

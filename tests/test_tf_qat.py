@@ -184,3 +184,25 @@ def test_float_ops_and_unfolded_batchnorm_are_named():
     text = " ".join(str(w.message) for w in caught)
     assert "depthwise (DepthwiseConv2dNative)" in text and "the BatchNorm after conv is not folded" in text
     assert manager.quantized_ops == ["conv"]
+
+
+def test_completed_before_qat_ran_is_left_float(tmp_path):
+    from recal_tf import RecalWarning
+
+    x_train, y_train, x_test, _ = _digits()
+    with tf_compat.Graph().as_default():
+        inputs, labels, training, logits, manager, mod_ops, _, train_op = _build(QAT, 3)  # QAT from step 6
+        with tf_compat.Session() as sess:
+            sess.run(tf_compat.global_variables_initializer())
+            manager.initialize_session(sess)
+            for b in range(4):
+                sess.run(train_op, {inputs: x_train[b * 32:(b + 1) * 32], labels: y_train[b * 32:(b + 1) * 32],
+                                    training: True})
+                sess.run(mod_ops)
+            before = sess.run(logits, {inputs: x_test})
+            with pytest.warns(RecalWarning, match="QAT had not run by step 4, so the graph is completed float"):
+                manager.complete_graph(sess=sess)
+            np.testing.assert_array_equal(sess.run(logits, {inputs: x_test}), before)
+            export_onnx(sess, tmp_path / "float.onnx", ["inputs:0"], ["digits_net/logits:0"])
+    assert manager.quantized_ops == []
+    assert not {"QuantizeLinear", "DequantizeLinear"} & {n.op_type for n in onnx.load(str(tmp_path / "float.onnx")).graph.node}

@@ -180,6 +180,7 @@ class ScheduledModifierManager(RecipeManager):
             warnings.warn(f"{self.recipe.describe(index)}: these layers with weights stay float (recal's Keras QAT "
                           f"quantizes Conv2D and Dense): {', '.join(floating)}", RecalWarning, stacklevel=4)
         self.quantized_layers = [q.layer.name for q in made]
+        self._observers = [o for q in made for o in (q.input_quantizer, q.output_quantizer) if o is not None]
         return quantized
 
     def _check_strategy(self, model: keras.Model) -> None:
@@ -334,12 +335,32 @@ class ScheduledModifierManager(RecipeManager):
         self._apply_now()
         self._detach_driver()
         if self._qat is not None:
-            self._qat.export = True  # from now on the QAT layers trace as plain fake-quantized inference
+            self._finalize_qat()
         for name, flag in self._original_trainable.items():
             if bool(self._by_name[name].trainable) != flag:
                 self._by_name[name].trainable = flag
         self._finalized = True
         return {name: float((self._by_name[name].numpy() == 0).mean()) for name in self.plan.masks}
+
+
+    def _finalize_qat(self) -> None:
+        """From now on the QAT layers trace as plain fake-quantized inference; or, when QAT never ran (no range
+        observed), as the float model they compute with QAT off."""
+        index = self.schedule.quantization[0][0]
+        never = [o.name for o in self._observers if float(o.observed.numpy()) == 0]
+        if never and len(never) < len(self._observers):
+            raise RuntimeError(f"{self.recipe.describe(index)}: these activations were never observed, so they have "
+                               f"no range to quantize with: {', '.join(never)} (a branch no training step ran?); "
+                               "train until every quantized tensor has been seen, or remove the modifier")
+        if never:
+            warnings.warn(f"{self.recipe.describe(index)}: QAT had not run by step {self._current_step()}, so the "
+                          "model is finalized float", RecalWarning, stacklevel=3)
+            self.quantized_layers = []
+            self._qat.enabled = np.zeros_like(self._qat.enabled)  # off whatever the step
+        else:
+            self._qat.export = True
+        for make in (self._model.make_predict_function, self._model.make_test_function):
+            make(force=True)  # traced again with the switches as they are now
 
 
 def _float_lr(optimizer) -> float | None:
