@@ -1,7 +1,7 @@
 """Writing quantized operators: the pieces every QOperator pass shares.
 
-Int32 biases, int8 weight inputs, the optional ``Relu -> QuantizeLinear`` tail after an op, and
-the replacement of a float op (and that tail) by one quantized node.
+Int32 biases, int8 weight inputs, the optional ``Relu`` / ``Clip`` (ReLU6) ``-> QuantizeLinear`` tail after an
+op, and the replacement of a float op (and that tail) by one quantized node.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from .graph import Graph
+from .graph import Graph, attr
 from .qdq import QTensor, QWeight, quantize_node_of, scalar
 
 
@@ -56,12 +56,47 @@ def weight_inputs(g: Graph, w: QWeight, channels_axis: int) -> tuple[str, str, s
             g.add_const("w_zero_point_u8", np.full(scale.shape, 128, np.uint8)))
 
 
+def clamp_bounds(g: Graph, node: onnx.NodeProto) -> tuple[float | None, float | None] | None:
+    """``(low, high)`` of a clamping activation (Relu: ``(0, None)``; Clip with constant bounds, ReLU6 among
+    them), else None."""
+    if node.op_type == "Relu":
+        return 0.0, None
+    if node.op_type != "Clip":
+        return None
+    if len(node.input) == 1 and (attr(node, "min") is not None or attr(node, "max") is not None):  # opset < 11
+        return attr(node, "min"), attr(node, "max")
+    bounds = []
+    for i in (1, 2):
+        name = node.input[i] if len(node.input) > i else ""
+        if name and not g.is_const(name):
+            return None
+        bounds.append(float(np.asarray(g.const(name)).reshape(-1)[0]) if name else None)
+    return bounds[0], bounds[1]
+
+
 def output_tail(g: Graph, name: str) -> tuple[onnx.NodeProto | None, onnx.NodeProto | None]:
-    """``(relu, quantize)`` after ``name``: an optional Relu, then the QuantizeLinear that reads it."""
-    relu = g.only_consumer(name)
-    if relu is not None and relu.op_type == "Relu":
-        return relu, quantize_node_of(g, relu.output[0])
+    """``(activation, quantize)`` after ``name``: an optional Relu or constant-bound Clip, then the
+    QuantizeLinear that reads it."""
+    act = g.only_consumer(name)
+    if act is not None and act.input[0] == name and clamp_bounds(g, act) is not None:
+        return act, quantize_node_of(g, act.output[0])
     return None, quantize_node_of(g, name)
+
+
+def integer_clamp(g: Graph, act: onnx.NodeProto, q: onnx.NodeProto) -> list[tuple[str, int]]:
+    """The clamp ``act`` does, on ``q``'s integers: ``[("Max", low), ("Min", high)]``, each only where it cuts
+    inside the integer type (monotone rounding makes this exact: ``Q(clip(y)) == clip(Q(y), Q(lo), Q(hi))``)."""
+    low, high = clamp_bounds(g, act)
+    scale, zp = scalar(g, q.input[1]), g.const(q.input[2])
+    info = np.iinfo(zp.dtype)
+    ops = []
+    for op, bound, limit in (("Max", low, info.min), ("Min", high, info.max)):
+        if bound is None:
+            continue
+        value = int(np.clip(np.rint(bound / scale) + int(zp.reshape(-1)[0]), info.min, info.max))
+        if value != limit:
+            ops.append((op, value))
+    return ops
 
 
 def zero_point_is_lowest(g: Graph, name: str) -> bool:
@@ -71,18 +106,22 @@ def zero_point_is_lowest(g: Graph, name: str) -> bool:
     return int(zp.reshape(-1)[0]) == np.iinfo(zp.dtype).min
 
 
-def replace_with_quantized(g: Graph, replaced: list[onnx.NodeProto], relu: onnx.NodeProto | None,
+def replace_with_quantized(g: Graph, replaced: list[onnx.NodeProto], act: onnx.NodeProto | None,
                            q: onnx.NodeProto, op_type: str, inputs: list[str], *, name: str, domain: str = "",
                            **attrs) -> None:
-    """Replace ``replaced`` (with ``relu`` and ``q``) by one ``op_type`` node that writes ``q``'s integers.
+    """Replace ``replaced`` (with ``act`` and ``q``) by one ``op_type`` node that writes ``q``'s integers.
 
-    A ReLU costs nothing when ``q``'s zero point is the lowest integer (the output clamp is the ReLU);
-    otherwise it becomes ``Max(q, zero_point)`` on the integers.
+    A clamping activation costs nothing where the output type's own range is the clamp (a ReLU with the
+    lowest zero point, a ReLU6 whose 6 is beyond the top); otherwise it becomes ``Max`` / ``Min`` with the
+    bound's integer on the integers.
     """
-    out = q.output[0]
-    if relu is not None and not zero_point_is_lowest(g, q.input[2]):
-        out = g.fresh(q.output[0] + "_prerelu")
-    g.remove(*replaced, *(n for n in (relu, q) if n is not None))
+    clamp = integer_clamp(g, act, q) if act is not None else []
+    out = g.fresh(q.output[0] + "_preclamp") if clamp else q.output[0]
+    g.remove(*replaced, *(n for n in (act, q) if n is not None))
     g.add_node(op_type, inputs, [out], name=name, domain=domain, **attrs)
-    if out != q.output[0]:
-        g.add_node("Max", [out, q.input[2]], [q.output[0]], name=relu.name + "_int8")
+    dtype = g.const(q.input[2]).dtype
+    for i, (op, value) in enumerate(clamp):
+        target = q.output[0] if i == len(clamp) - 1 else g.fresh(q.output[0] + "_clamped")
+        bound = g.add_const(f"{act.name or 'clamp'}_{op.lower()}", np.array(value, dtype))
+        g.add_node(op, [out, bound], [target], name=f"{act.name}_{op.lower()}_int8")
+        out = target

@@ -154,6 +154,29 @@ def test_add_to_qlinearadd_and_zero_case():
     assert n == 0
 
 
+@pytest.mark.parametrize("out_scale, out_zp, clamps", [(0.04, 40, ["Max", "Min"]), (0.04, 0, ["Min"]),
+                                                       (0.02, 0, [])])  # 6 is beyond 255 steps
+def test_relu6_after_a_conv_folds_into_its_integers(out_scale, out_zp, clamps):
+    """Conv -> Clip(0, 6) -> Q: the clamp becomes Max / Min on the integers only where the output type's own
+    range does not already do it, and the result equals the QDQ model's (monotone rounding: exact)."""
+    def relu6(b, y):
+        return b.node("Clip", [y, b.const(np.float32(0.0)), b.const(np.float32(6.0))])
+
+    model = _conv_graph(extra=relu6)
+    quantize = next(n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0].startswith("clip"))
+    inits = {i.name: i for i in model.graph.initializer}
+    inits[quantize.input[1]].CopyFrom(onnx.numpy_helper.from_array(np.float32(out_scale), quantize.input[1]))
+    inits[quantize.input[2]].CopyFrom(onnx.numpy_helper.from_array(np.uint8(out_zp), quantize.input[2]))
+    feeds = {"x": _x([2, 3, 6, 6])["x"] * 4}  # conv outputs well past 6 and below 0
+    expected = reference(model, feeds)[0]
+    top = min(6.0, (255 - out_zp) * out_scale)
+    assert expected.max() == pytest.approx(top, abs=out_scale) and expected.min() == pytest.approx(0, abs=out_scale)
+    converted, (n,) = _apply(model, conv_to_qlinearconv)
+    assert n == 1 and "Clip" not in ops(converted)
+    assert [op for op in ops(converted) if op in ("Max", "Min")] == clamps
+    assert np.abs(run(converted, feeds)[0] - expected).max() <= out_scale + 1e-6  # the conv's own rounding
+
+
 @pytest.mark.parametrize("op", ["GlobalAveragePool", "ReduceMean", "AveragePool"])
 def test_pool_to_qlinear(op):
     b = Builder()
