@@ -30,13 +30,18 @@ def export_onnx(sess, path: str | os.PathLike, inputs: Sequence[str], outputs: S
     """Write the session's graph from ``inputs`` to ``outputs`` (tensor names, ``"inputs:0"``) as ONNX to
     ``path``; nothing is written unless tf2onnx and the ONNX checker succeed. After a QAT recipe's
     ``complete_graph`` the result is a QDQ model for ``recal_onnx.quantize_qat_export``."""
+    return graph_def_to_onnx(frozen_graph_def(sess, outputs, inputs), path, inputs, outputs, opset=opset)
+
+
+def graph_def_to_onnx(graph_def, path: str | os.PathLike, inputs: Sequence[str], outputs: Sequence[str], *,
+                      opset: int | None = None) -> str:
+    """:func:`export_onnx` of a graph already frozen by :func:`frozen_graph_def`."""
     import onnx
 
     try:
         import tf2onnx
     except ImportError as exc:
         raise ImportError("exporting TensorFlow to ONNX needs tf2onnx>=1.17: pip install 'recal[tf-cpu]'") from exc
-    graph_def = frozen_graph_def(sess, outputs, inputs)
     model, _ = tf2onnx.convert.from_graph_def(graph_def, input_names=list(inputs), output_names=list(outputs),
                                               opset=opset)
     with atomic_path(path) as tmp:

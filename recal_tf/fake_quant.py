@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import warnings
+
 import numpy as np
 import tensorflow as tf
 
+from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
 AVERAGING_CONSTANT = 0.01  # the observers' moving-average weight, as torch.ao's MovingAverageMinMaxObserver
@@ -62,6 +65,23 @@ class QATTables:
         return cls(np.array([s.enabled for s in states]), np.array([s.bn_frozen for s in states]),
                    np.array([s.observers_frozen for s in states]), iterations)
 
-    def at(self, table: np.ndarray) -> tf.Tensor:
-        k = tf.minimum(tf.cast(self.iterations, tf.int64), len(table) - 1)
+    def at(self, table: np.ndarray, step=None) -> tf.Tensor:
+        """``table`` at ``step`` (default: ``iterations``), clipped to its last entry."""
+        k = tf.minimum(tf.cast(self.iterations if step is None else step, tf.int64), len(table) - 1)
         return tf.gather(tf.constant(table), k)
+
+
+def quantize_at_completion(recipe: Recipe, index: int, unobserved: list[str], observers: int, step: int,
+                           category: type[Warning], stacklevel: int) -> bool:
+    """Whether a QAT model completed at ``step`` exports quantized: yes when every range was observed; no, with a
+    warning, when none was (QAT never ran: its ranges are empty); a model with some ranges never observed is an
+    error naming them. ``stacklevel`` points the warning at the user's call."""
+    where = recipe.describe(index)
+    if unobserved and len(unobserved) < observers:
+        raise RuntimeError(f"{where}: these activations were never observed, so they have no range to quantize "
+                           f"with: {', '.join(unobserved)} (a branch no training step ran?); train until every "
+                           "quantized tensor has been seen, or remove the modifier")
+    if unobserved:
+        warnings.warn(f"{where}: QAT had not run by step {step}, so the model is completed float", category,
+                      stacklevel=stacklevel + 1)
+    return not unobserved

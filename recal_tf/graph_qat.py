@@ -25,11 +25,10 @@ from typing import Callable
 import tensorflow as tf
 
 from .fake_quant import QATTables, fake_quant_activation, fake_quant_weight, moving_range
-from .graph_params import _variable_op
+from .graph_params import KERNEL_INPUTS, _variable_op
 from .utils import tf_compat
 
-QUANTIZED_OPS = ("Conv2D", "MatMul")
-WEIGHTED_OPS = ("Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul", "BatchMatMulV2")  # the rest stay float
+QUANTIZED_OPS = ("Conv2D", "MatMul")  # of the ops with a kernel (graph_params.KERNEL_INPUTS); the rest stay float
 BN_OPS = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 PASS_THROUGH = ("MaxPool", "Reshape", "Identity", "Squeeze", "ExpandDims")
 
@@ -39,14 +38,12 @@ class _Target:
     """One conv / matmul to quantize and what follows it."""
 
     op: tf.Operation
-    weight: str  # the weight variable's op name
     axis: int  # the weight's output-channel axis
     bias: tf.Operation | None = None  # BiasAdd / Add of a variable after it
     bn_infer: tf.Operation | None = None  # the inference-mode FusedBatchNorm after it (folded)
     bn_train: tf.Operation | None = None  # the training-mode one beside it
     pre_activation: tf.Tensor | None = None  # the output before the ReLU (the BatchNorm's, when folded)
     output: tf.Tensor | None = None  # the output to quantize (after the ReLU when there is one)
-    weight_switch: tf.Tensor | None = None
     folded_weight: tf.Tensor | None = None  # q(w * s) (BatchNorm) or q(w)
     scale: tf.Tensor | None = None  # s, with a folded BatchNorm
     float_weight: tf.Tensor | None = None  # what the op read before the rewrite
@@ -69,18 +66,17 @@ class GraphQAT:
     # --- planning -------------------------------------------------------------------------------
 
     def plan(self, graph: tf.Graph, trainable: set[str]) -> None:
-        kernel_ops = {}
+        """The ops whose kernel is a trainable variable: quantized (``targets``) or named as float."""
         for op in graph.get_operations():
-            if op.type in WEIGHTED_OPS and len(op.inputs) > 1:
-                var = _variable_op(op.inputs[1])
-                if var is not None and var.name in trainable:
-                    kernel_ops[op.name] = (op, var.name)
-        for op, weight in kernel_ops.values():
+            index = KERNEL_INPUTS.get(op.type)
+            var = _variable_op(op.inputs[index]) if index is not None and len(op.inputs) > index else None
+            if var is None or var.name not in trainable:
+                continue
             if op.type not in QUANTIZED_OPS or (op.type == "Conv2D" and op.get_attr("data_format") != b"NHWC"):
                 self.floating.append(f"{op.name} ({op.type})")
                 continue
             axis = 3 if op.type == "Conv2D" else (0 if op.get_attr("transpose_b") else 1)
-            self.targets.append(self._follow(_Target(op, weight, axis)))
+            self.targets.append(self._follow(_Target(op, axis)))
 
     def _follow(self, t: _Target) -> _Target:
         """The bias, BatchNorm and ReLU after ``t.op`` (each only when it is the single consumer)."""
@@ -140,8 +136,7 @@ class GraphQAT:
             quantized = t.folded_weight / t.scale
         else:
             t.folded_weight = quantized = fake_quant_weight(w, t.axis)
-        t.weight_switch = tf.where(enabled, quantized, w, name="weight")
-        t.op._update_input(1, t.weight_switch)
+        t.op._update_input(1, tf.where(enabled, quantized, w, name="weight"))
 
     def _freeze_bn(self, t: _Target) -> None:
         """From ``freeze_bn_stats_epoch``: the training path normalises with the moving statistics, and the
@@ -187,9 +182,8 @@ class GraphQAT:
     def check_observed(self, k) -> tf.Operation:
         """An op for ``mod_ops`` (run after the train op, at the new step ``k``): fails when the step just taken
         should have observed every range and one was never observed (nothing ran the update ops)."""
-        tables = QATTables(self.tables.enabled, self.tables.bn_frozen, self.tables.observers_frozen,
-                           tf.maximum(k - 1, 0))
-        should = tf.logical_and(tables.at(tables.enabled), tf.logical_not(tables.at(tables.observers_frozen)))
+        t, previous = self.tables, tf.maximum(k - 1, 0)
+        should = tf.logical_and(t.at(t.enabled, previous), tf.logical_not(t.at(t.observers_frozen, previous)))
         should = tf.logical_and(should, k > 0)
         observed = tf.reduce_min(tf.stack([v.read_value() for v in self.observed.values()]))
         return tf.debugging.Assert(tf.logical_or(tf.logical_not(should), observed > 0), [

@@ -23,7 +23,7 @@ from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
 from .channel_graph import graph_spaces
-from .fake_quant import QATTables
+from .fake_quant import QATTables, quantize_at_completion
 from .graph_params import describe_variables
 from .mask_ops import PruningMasks
 from .graph_qat import GraphQAT
@@ -130,13 +130,12 @@ class ScheduledModifierManager(RecipeManager):
         problems = qat_problems(schedule, "in the TensorFlow graph API")
         problems += torch_only_problems(schedule, "in the TensorFlow graph API")
         gradients = [op.name for op in tf_compat.get_default_graph().get_operations()
-                     if op.name.startswith("gradients") or op.type.endswith("Grad")][:3]
-        for index, _ in schedule.quantization[:1]:
-            if gradients:
-                problems.append(self.recipe.problem(
-                    index, None, f"the graph already has gradient ops ({', '.join(gradients)}): QAT rewires the "
-                    "forward graph, so the optimizer must be built after it",
-                    expected="call create_ops() after building the model and before optimizer.minimize()"))
+                     if op.name.startswith("gradients") or op.type.endswith("Grad")][:3] if schedule.quantization else []
+        if gradients:
+            problems.append(self.recipe.problem(
+                schedule.quantization[0][0], None, f"the graph already has gradient ops ({', '.join(gradients)}): "
+                "QAT rewires the forward graph, so the optimizer must be built after it",
+                expected="call create_ops() after building the model and before optimizer.minimize()"))
         for index, m, span in schedule.trainable:
             if span.start != 0 or span.end is not None:
                 field = "start_epoch" if span.start != 0 else "end_epoch"
@@ -326,24 +325,18 @@ class ScheduledModifierManager(RecipeManager):
             value = sess.run(variable)
             result[name] = float((value == 0).sum()) / value.size
         if self._qat is not None:
-            observed = dict(zip(self._qat.observed, sess.run(list(self._qat.observed.values()))))
-            never = [name for name, flag in observed.items() if not flag]
-            index = self.schedule.quantization[0][0]
-            if never and len(never) < len(observed):
-                raise RuntimeError(f"{self.recipe.describe(index)}: these activations were never observed, so they "
-                                   f"have no range to quantize with: {', '.join(never)} (a branch no training step "
-                                   "ran?); train until every quantized tensor has been seen, or remove the modifier")
+            flags = sess.run(self._qat.observed)
+            unobserved = [name for name, flag in flags.items() if not flag]
+            quantized = quantize_at_completion(self.recipe, self.schedule.quantization[0][0], unobserved, len(flags),
+                                               int(sess.run(self._global_step)), RecalWarning, stacklevel=2)
             if graph.finalized:  # MonitoredTrainingSession finalizes it; the rewiring only adds ops
                 graph._unsafe_unfinalize()
             with graph.as_default(), tf_compat.name_scope("recal/qat"):
-                if never:
-                    warnings.warn(f"{self.recipe.describe(index)}: QAT had not run by step "
-                                  f"{sess.run(self._global_step)}, so the graph is completed float",
-                                  RecalWarning, stacklevel=2)
+                if quantized:
+                    self._qat.complete()
+                else:
                     self._qat.remove()
                     self.quantized_ops = []
-                else:
-                    self._qat.complete()
             updates = graph.get_collection_ref(tf_compat.GraphKeys.UPDATE_OPS)
             updates[:] = [op for op in updates if all(op is not u for u in self._qat.updates)]
         ours = {id(v) for v in self._variables} - {id(v) for v in self._kept}  # QAT's ranges stay model state

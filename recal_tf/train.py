@@ -24,7 +24,7 @@ from recal_core.run_lock import read_resume_record
 from recal_core.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, epoch_line,
                                  epoch_order, median_latency_ms, overall_sparsity, progress_bar)
 
-from .export import export_onnx
+from .export import frozen_graph_def, graph_def_to_onnx
 from .graph_params import describe_variables
 from .manager import EXTRAS_KEY_LEARNING_RATE, EXTRAS_KEY_WEIGHT_DECAY, ScheduledModifierManager
 from .models import digits_net
@@ -121,14 +121,13 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
                     print(epoch_line("tf", record, epochs), flush=True)
             writer.flush()
             manager.complete_graph(graph, sess)
-            frozen = tf_compat.graph_util.convert_variables_to_constants(sess, graph.as_graph_def(),
-                                                                         ["digits_net/logits"])
+            frozen = frozen_graph_def(sess, ["digits_net/logits:0"], ["inputs:0"])  # one freeze: .pb and ONNX
             overall, layers = _kernel_sparsity(sess.run(kernels))
             accuracy = float((sess.run(logits, {inputs: x_test}).argmax(1) == y_test).mean())
-            onnx_path = export_onnx(sess, out_dir / "model.onnx", ["inputs:0"], ["digits_net/logits:0"])
         finally:
             writer.close()
             sess.close()
+    onnx_path = graph_def_to_onnx(frozen, out_dir / "model.onnx", ["inputs:0"], ["digits_net/logits:0"])
     quantized = bool(manager.quantized_ops)
     run.artefacts = [_frozen_artefact(frozen, out_dir, x_test, accuracy, overall, layers),
                      Artefact(("QAT ONNX export (QDQ)" if quantized else "ONNX export (fp32)") + " of the TF graph",

@@ -500,7 +500,7 @@ def test_finalized_before_qat_ran_is_left_float():
     x, y = np.random.default_rng(0).random((SPE * 32, 8, 8, 1), np.float32), np.arange(SPE * 32) % 10
     qat.fit(x, y, batch_size=32, epochs=1, callbacks=callbacks, verbose=0)
     float_model = qat.predict(x[:16], verbose=0)  # step SPE: QAT not yet on
-    with pytest.warns(RecalWarning, match=f"QAT had not run by step {SPE}, so the model is finalized float"):
+    with pytest.warns(RecalWarning, match=f"QAT had not run by step {SPE}, so the model is completed float"):
         manager.finalize(qat)
     assert manager.quantized_layers == []
     np.testing.assert_allclose(qat.predict(x[:16], verbose=0), float_model, rtol=1e-5, atol=1e-5)

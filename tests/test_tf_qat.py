@@ -200,7 +200,7 @@ def test_completed_before_qat_ran_is_left_float(tmp_path):
                                     training: True})
                 sess.run(mod_ops)
             before = sess.run(logits, {inputs: x_test})
-            with pytest.warns(RecalWarning, match="QAT had not run by step 4, so the graph is completed float"):
+            with pytest.warns(RecalWarning, match="QAT had not run by step 4, so the model is completed float"):
                 manager.complete_graph(sess=sess)
             np.testing.assert_array_equal(sess.run(logits, {inputs: x_test}), before)
             export_onnx(sess, tmp_path / "float.onnx", ["inputs:0"], ["digits_net/logits:0"])

@@ -68,6 +68,14 @@ def test_torch_resume_gives_the_uninterrupted_result(tmp_path):
         assert torch.equal(a[key], b[key]), key
 
 
+def _stopped_before_qat_then_resumed(recipe, framework, out):
+    """Two epochs of PRUNE_QAT (QAT starts at epoch 3): exported float, warned; then resumed to the end."""
+    with pytest.warns(UserWarning, match="QAT had not run"):
+        stopped = train(recipe, framework, out, epochs=2, progress=False)
+    assert not any(a.qat for a in stopped.artefacts)
+    return train(recipe, framework, out, resume=True, progress=False)
+
+
 @pytest.mark.slow
 def test_tf_train_and_resume(tmp_path):
     pytest.importorskip("tensorflow")
@@ -80,10 +88,7 @@ def test_tf_train_and_resume(tmp_path):
     assert qdq.qat and qdq.path.endswith("model.onnx") and int8.path.endswith("model.int8.onnx")
     assert abs(int8.accuracy - artefact.accuracy) <= 1 / 360  # the int8 model is as accurate as the TF graph
     assert list((tmp_path / "a" / "tensorboard").glob("events.out.tfevents.*"))
-    with pytest.warns(UserWarning, match="QAT had not run"):  # stopped before QAT: the export is float
-        stopped = train(recipe, "tf", tmp_path / "b", epochs=2, progress=False)
-    assert not any(a.qat for a in stopped.artefacts)
-    resumed = train(recipe, "tf", tmp_path / "b", resume=True, progress=False)
+    resumed = _stopped_before_qat_then_resumed(recipe, "tf", tmp_path / "b")
     assert [h.epoch for h in resumed.history] == [1, 2, 3, 4]
     assert resumed.artefacts[0].sparsity == artefact.sparsity
     assert resumed.history[-1].test_accuracy == pytest.approx(full.history[-1].test_accuracy, abs=0.02)
@@ -105,10 +110,7 @@ def test_keras_train_and_resume(tmp_path):
     assert int8.accuracy > 0.8 and abs(int8.accuracy - qdq.accuracy) <= 1 / 360  # at most one test digit apart
     assert int8.sparsity == pytest.approx(0.6, abs=0.01) and int8.size_bytes < qdq.size_bytes / 2
     assert list((tmp_path / "a" / "tensorboard").rglob("events.out.tfevents.*"))
-    with pytest.warns(UserWarning, match="QAT had not run"):  # stopped before QAT: the export is float
-        stopped = train(recipe, "keras", tmp_path / "b", epochs=2, progress=False)
-    assert not any(a.qat for a in stopped.artefacts)
-    resumed = train(recipe, "keras", tmp_path / "b", resume=True, progress=False)
+    resumed = _stopped_before_qat_then_resumed(recipe, "keras", tmp_path / "b")
     assert [h.epoch for h in resumed.history] == [1, 2, 3, 4]
     x = load_digits().test_images[..., None]
     logits = [ort.InferenceSession(str(tmp_path / d / "model.onnx")).run(None, {"inputs": x})[0] for d in "ab"]

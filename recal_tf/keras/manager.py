@@ -33,18 +33,14 @@ from recal_core.model_plan import ModelPlan, plan_model
 from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
+from ..fake_quant import quantize_at_completion
+from ..manager import MAX_TABLE_STEPS, RecalWarning  # one warning class and step limit for both front ends
 from ..mask_ops import PruningMasks
 from ..torch_only import qat_problems, torch_only_problems
 from .params import describe_model
 from .qat import QATTables, quantize_model
 
 log = logging.getLogger(__name__)
-
-MAX_TABLE_STEPS = 10_000_000  # per-step tables (mask update ids, LR, weight decay) live in the graph
-
-
-class RecalWarning(UserWarning):
-    """A recipe feature is set up in a way that will not have its effect."""
 
 
 class _WeightDecayTable(float):
@@ -342,23 +338,16 @@ class ScheduledModifierManager(RecipeManager):
         self._finalized = True
         return {name: float((self._by_name[name].numpy() == 0).mean()) for name in self.plan.masks}
 
-
     def _finalize_qat(self) -> None:
         """From now on the QAT layers trace as plain fake-quantized inference; or, when QAT never ran (no range
         observed), as the float model they compute with QAT off."""
-        index = self.schedule.quantization[0][0]
-        never = [o.name for o in self._observers if float(o.observed.numpy()) == 0]
-        if never and len(never) < len(self._observers):
-            raise RuntimeError(f"{self.recipe.describe(index)}: these activations were never observed, so they have "
-                               f"no range to quantize with: {', '.join(never)} (a branch no training step ran?); "
-                               "train until every quantized tensor has been seen, or remove the modifier")
-        if never:
-            warnings.warn(f"{self.recipe.describe(index)}: QAT had not run by step {self._current_step()}, so the "
-                          "model is finalized float", RecalWarning, stacklevel=3)
+        unobserved = [o.name for o in self._observers if float(o.observed.numpy()) == 0]
+        if quantize_at_completion(self.recipe, self.schedule.quantization[0][0], unobserved, len(self._observers),
+                                  self._current_step(), RecalWarning, stacklevel=3):
+            self._qat.export = True
+        else:
             self.quantized_layers = []
             self._qat.enabled = np.zeros_like(self._qat.enabled)  # off whatever the step
-        else:
-            self._qat.export = True
         for make in (self._model.make_predict_function, self._model.make_test_function):
             make(force=True)  # traced again with the switches as they are now
 
