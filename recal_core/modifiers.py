@@ -312,6 +312,13 @@ class QuantizationScheme(BaseModel):
                 break
         return out
 
+    def table_conflicts_with_recal(self) -> list[str]:
+        """What this scheme asks of an embedding table that recal's QAT (int8 symmetric per-row table; ids
+        are integers and the rows it returns float) does not do."""
+        if self.weights is not None and (not self.weights.symmetric or self.weights.strategy == "tensor"):
+            return ["embedding tables other than symmetric per row"]
+        return []
+
 
 class QuantizationModifier(Modifier):
     """Quantization-aware training from ``start_epoch`` on; it cannot be switched off."""

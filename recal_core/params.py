@@ -43,6 +43,7 @@ class ParamInfo:
     prunable: bool  # a conv or dense kernel
     shape: tuple[int, ...] = ()
     kernel_axes: tuple[int, ...] | None = None
+    prunable_when_named: bool = False  # an embedding table: pruned when an entry names it, not by __ALL_PRUNABLE__
 
 
 def strip_wrapper(name: str) -> str:
@@ -102,11 +103,11 @@ def select(spec: ParamSpec, params: Sequence[ParamInfo], *, pruning: bool) -> tu
             except PatternTimeout as exc:
                 failures.append(str(exc))
                 continue
-            if pruning and hits and not any(p.prunable for p in hits):
-                failures.append(f"{entry!r} selects no conv/dense kernel, only "
+            if pruning and hits and not any(p.prunable or p.prunable_when_named for p in hits):
+                failures.append(f"{entry!r} selects no conv/dense kernel or embedding table, only "
                                 f"{', '.join(p.name for p in hits[:4])}")
                 continue
-            hits = [p for p in hits if p.prunable or not pruning]
+            hits = [p for p in hits if p.prunable or p.prunable_when_named or not pruning]
         if not hits:
             failures.append(_no_match_message(entry, params, pruning))
         chosen.update(p.name for p in hits)

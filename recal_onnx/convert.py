@@ -3,7 +3,9 @@
 The driver runs the passes in this order, then removes dead nodes and initializers, sorts the
 graph, and runs ``onnx.checker`` and shape inference:
 
-1. ``constants_to_initializers``, ``remove_identities``, ``fold_constants`` (weights' Q becomes int8)
+1. ``constants_to_initializers``, ``remove_identities``, ``fold_constants`` (weights' Q becomes int8),
+   ``fold_weight_transposes`` (``DQ(w) -> Transpose`` becomes ``DQ(wᵀ)``: a Linear on 3-D inputs),
+   ``gather_int8_tables`` (an int8 embedding table is gathered in int8, then scaled)
 2. ``fold_conv_affine`` (Div / Mul / Add / BatchNormalization after a conv into its weight and bias),
    ``zero_channel_scales`` (an all-zero weight channel's tiny scale becomes 1: no int32 bias overflow)
 3. ``scalar_activation_qparams``, ``activations_to_uint8`` (int8 activation QDQ -> uint8, same values)
@@ -43,6 +45,7 @@ from .passes.bias_to_int32 import bias_to_int32
 from .passes.constants import constants_to_initializers, fold_constants, remove_identities
 from .passes.conv_to_qlinearconv import conv_to_qlinearconv
 from .passes.fold_conv_affine import fold_conv_affine
+from .passes.gather_int8_table import gather_int8_tables
 from .passes.gemm_to_qgemm import gemm_to_qgemm
 from .passes.int8_passthrough import int8_passthrough
 from .passes.pool_to_qlinear import pool_to_qlinear
@@ -50,7 +53,8 @@ from .passes.zero_channel_scales import zero_channel_scales
 from .passes.redundant_qdq import remove_redundant_qdq
 from .passes.saturation_free_weights import saturation_free_weights
 from .passes.thin_channels import thin_channels
-from .qdq import activation
+from .passes.weight_transpose import fold_weight_transposes
+from .qdq import activation, weight
 from .verify import Verification, verify_models
 
 log = logging.getLogger(__name__)
@@ -97,12 +101,12 @@ class ConversionResult:
 def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, output_path: str | os.PathLike | None = None,
                         format: str = "qoperator", verify: bool = True, inputs: dict[str, np.ndarray] | None = None,
                         tolerance: float | None = None, min_agreement: float | None = None,
-                        thin: bool = True) -> ConversionResult:
+                        thin: bool = True, verify_inputs: dict[str, np.ndarray] | None = None) -> ConversionResult:
     """Convert a QAT ONNX model into a fully quantized one (``qoperator``) or a folded, clean QDQ one.
 
     ``model_or_path`` is never modified; ``output_path`` (optional) is written atomically and may not
-    be the input file. ``inputs`` feeds the verification (generated when absent: integer inputs cover the
-    table they index, masks are ones); ``tolerance`` is the largest max-abs-difference accepted (default: 3
+    be the input file. ``inputs`` (or its other name ``verify_inputs``) feeds the verification (generated
+    when absent: integer inputs cover the table they index, masks are ones); ``tolerance`` is the largest max-abs-difference accepted (default: 3
     quantization steps of a quantized output, 10% of the reference outputs' range for a float one). Argmax agreement (2-D outputs) is always reported; it is enforced only
     with ``min_agreement`` (on generated inputs a model's near-tied logits flip on rounding alone,
     and a flip on a clear margin already exceeds the tolerance). ``thin`` removes the channels filter
@@ -111,6 +115,9 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if inputs is not None and verify_inputs is not None:
+        raise ValueError("give the verification inputs once: inputs= or verify_inputs=, not both")
+    inputs = verify_inputs if inputs is None else inputs
     for name, value, upper in (("tolerance", tolerance, math.inf), ("min_agreement", min_agreement, 1.0)):
         if value is not None and not (isinstance(value, (int, float)) and 0 <= value <= upper
                                       and not math.isnan(value)):
@@ -148,7 +155,8 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
         rewrites[pass_fn.__name__] = rewrites.get(pass_fn.__name__, 0) + n
         return n
 
-    for pass_fn in (constants_to_initializers, remove_identities, fold_constants, fold_conv_affine, zero_channel_scales,
+    for pass_fn in (constants_to_initializers, remove_identities, fold_constants, fold_weight_transposes,
+                    gather_int8_tables, fold_conv_affine, zero_channel_scales,
                     *([thin_channels] if thin else []), scalar_activation_qparams, activations_to_uint8,
                     remove_redundant_qdq):
         run(pass_fn)
@@ -284,7 +292,11 @@ def _output_quantum(g: Graph) -> float:
 
 def _float_islands(g: Graph, expected: set[str]) -> list[tuple[str, str]]:
     """Nodes (not Q/DQ, not ``expected``) on a float path from a dequantized activation to a QuantizeLinear,
-    chains of several included (``DQ -> Add -> Relu -> Q`` lists both), in graph order."""
+    chains of several included (``DQ -> Add -> Relu -> Q`` lists both), in graph order.
+
+    In a QDQ model (``expected`` given) a MatMul / Gemm of a dequantized activation and a dequantized
+    constant weight is an integer matmul with a float output (onnxruntime fuses it into
+    MatMulIntegerToFloat, as the QOperator form writes it): what follows it starts in float, no island."""
     after_dq: set[int] = set()  # nodes (ids: names may be empty) reached from a dequantized activation, no Q crossed
     stack = [c for node in g.nodes if node.op_type == "DequantizeLinear" and activation(g, node.output[0])
              for c in g.consumers.get(node.output[0], [])]
@@ -293,6 +305,9 @@ def _float_islands(g: Graph, expected: set[str]) -> list[tuple[str, str]]:
         if id(node) in after_dq or node.op_type in QDQ_OPS or node.op_type in SHAPE_READERS:
             continue
         after_dq.add(id(node))
+        if expected and node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 \
+                and activation(g, node.input[0]) and weight(g, node.input[1]):
+            continue
         stack.extend(c for o in node.output for c in g.consumers.get(o, []))
     before_q: set[int] = set()  # nodes that reach a QuantizeLinear without crossing a DQ
     stack = [g.producer[node.input[0]] for node in g.nodes

@@ -25,7 +25,8 @@ from torch import nn
 from recal_core.atomic import atomic_folder
 
 from .model_params import unwrap
-from .qat import ACT_QMAX, ACT_QMIN, W_LEVELS, W_QMAX, W_QMIN, QATConv, QATModule, QuantizedReLU, qat_modules
+from .qat import (ACT_QMAX, ACT_QMIN, W_LEVELS, W_QMAX, W_QMIN, QATConv, QATEmbedding, QATModule, QuantizedReLU,
+                  qat_modules)
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ class QuantizedExportModule(nn.Module):
         super().__init__()
         self.dynamo = dynamo
         self.is_conv = isinstance(qat, QATConv)
+        self.is_table = isinstance(qat, QATEmbedding)
+        if self.is_table:
+            self.padding_idx = qat.padding_idx
         if self.is_conv:
             self.stride, self.padding, self.dilation, self.groups, self.dims = (
                 qat.stride, qat.padding, qat.dilation, qat.groups, qat.dims)
@@ -84,10 +88,17 @@ class QuantizedExportModule(nn.Module):
         return torch.fake_quantize_per_channel_affine(
             self.weight_dequantized, self.weight_scale, self.weight_zero_point, 0, W_QMIN, W_QMAX)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight, for model code that reads ``layer.weight`` (its dtype, its shape)."""
+        return self._weight()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_qparams is not None:
             x = self._qdq(x, self.input_qparams)
         weight = self._weight()
+        if self.is_table:
+            return F.embedding(x, weight, self.padding_idx)
         if self.is_conv:
             conv = (F.conv1d, F.conv2d, F.conv3d)[self.dims - 1]
             y = conv(x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
@@ -95,7 +106,7 @@ class QuantizedExportModule(nn.Module):
             y = F.linear(x, weight, self.bias)
         if self.relu:
             y = F.relu(y)
-        return self._qdq(y, self.output_qparams)
+        return y if self.output_qparams is None else self._qdq(y, self.output_qparams)
 
 
 class QuantizedReLUExport(nn.Module):
@@ -121,7 +132,7 @@ def _qdq(x: torch.Tensor, qparams: tuple[float, int], dynamo: bool) -> torch.Ten
 
 
 def _qparams(fq) -> tuple[float, int] | None:
-    if fq is None:
+    if fq is None or not fq.active:
         return None
     if not fq.has_observed:
         raise ValueError("a QAT activation quantizer has not observed any data yet (its range is unknown): "

@@ -45,8 +45,10 @@ def describe_parameters(model: nn.Module) -> tuple[list[ParamInfo], dict[str, nn
             seen.add(id(param))
             full = f"{layer_name}.{pname}" if layer_name else pname
             prunable = is_prunable(module, pname)
+            table = pname == "weight" and isinstance(module, (nn.Embedding, nn.EmbeddingBag))
             infos.append(ParamInfo(full, layer_name, prunable, tuple(param.shape),
-                                   kernel_axes(module, param) if prunable else None))
+                                   kernel_axes(module, param) if prunable or table else None,
+                                   prunable_when_named=table))
             by_name[full] = param
     return infos, by_name
 

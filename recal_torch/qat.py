@@ -79,6 +79,17 @@ class ActivationFakeQuantize(nn.Module):
         self.register_buffer("max_val", torch.tensor(float("-inf")))
         self.register_buffer("scale", torch.tensor(1.0))
         self.register_buffer("zero_point", torch.tensor(0, dtype=torch.int32))
+        # False once a hook-made plan (a model torch.fx cannot trace) found this tensor needs no quantizer;
+        # a buffer, so the plan travels in checkpoints and the state dict keeps its keys
+        self.register_buffer("enabled", torch.tensor(True))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        state_dict.setdefault(prefix + "enabled", torch.tensor(True))  # checkpoints from before the flag
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.enabled)
 
     @torch.no_grad()
     def observe(self, x: torch.Tensor) -> None:
@@ -103,6 +114,8 @@ class ActivationFakeQuantize(nn.Module):
         return not bool(torch.isinf(self.min_val).item())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return x
         if self.training and self.observer_enabled:
             self.observe(x)
         if not self.has_observed:  # just switched on, no range yet: an evaluation now sees float values
@@ -110,6 +123,8 @@ class ActivationFakeQuantize(nn.Module):
         return torch.fake_quantize_per_tensor_affine(x, self.scale, self.zero_point, ACT_QMIN, ACT_QMAX)
 
     def extra_repr(self) -> str:
+        if not self.active:
+            return "off (the plan found this tensor is not held as integers)"
         return f"uint8 per-tensor, observer={'on' if self.observer_enabled else 'frozen'}"
 
 
@@ -168,15 +183,15 @@ class QATModule(nn.Module):
     weight: nn.Parameter
     bias: nn.Parameter | None
 
-    def __init__(self, float_module: nn.Module, relu: bool, quantize_input: bool):
+    def __init__(self, float_module: nn.Module, relu: bool, quantize_input: bool, quantize_output: bool = True):
         super().__init__()
         self.float_type = type(float_module)
         self.weight = float_module.weight
-        self.register_parameter("bias", float_module.bias)
+        self.register_parameter("bias", getattr(float_module, "bias", None))
         self.relu = relu
         self.input_fake_quant = ActivationFakeQuantize() if quantize_input else None
         self.weight_fake_quant = WeightFakeQuantize(self.weight.shape[0])
-        self.activation_post_process = ActivationFakeQuantize()
+        self.activation_post_process = ActivationFakeQuantize() if quantize_output else None
         self.bn_frozen = False
         device = self.weight.device
         self.to(device)
@@ -188,7 +203,7 @@ class QATModule(nn.Module):
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
         if self.relu:
             y = F.relu(y)
-        return self.activation_post_process(y)
+        return y if self.activation_post_process is None else self.activation_post_process(y)
 
 
 class QATConv(QATModule):
@@ -263,6 +278,26 @@ class QATLinear(QATModule):
         return f"Linear{'-ReLU' if self.relu else ''}, weight {tuple(self.weight.shape)}"
 
 
+class QATEmbedding(QATModule):
+    """An embedding table read through int8 symmetric per-row fake quantization; the rows it returns are float.
+
+    The int8 model stores the table in int8 and gathers integer rows (a 4x smaller file; the dominant
+    tensor of a transformer's checkpoint at small widths).
+    """
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__(embedding, relu=False, quantize_input=False, quantize_output=False)
+        self.padding_idx, self.max_norm, self.norm_type = embedding.padding_idx, embedding.max_norm, embedding.norm_type
+        self.scale_grad_by_freq, self.sparse = embedding.scale_grad_by_freq, embedding.sparse
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight_fake_quant(self.weight), self.padding_idx, None, self.norm_type,
+                           self.scale_grad_by_freq, self.sparse)
+
+    def extra_repr(self) -> str:
+        return f"Embedding, int8 per-row table {tuple(self.weight.shape)}"
+
+
 class QuantizedReLU(nn.Module):
     """A ReLU after a residual sum ``a + b`` whose output is fake-quantized: runtimes then add in int8
     (the ReLU is the clamp of the add's uint8 output, whose zero point is 0).
@@ -297,9 +332,15 @@ class _Plan:
 
 
 def quantizable_layers(root: nn.Module, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
-    """Names of the Conv1d/2d/3d (zero padding) and Linear modules QAT can quantize, less ``skip``."""
+    """Names of the Conv1d/2d/3d (zero padding), Linear and Embedding modules QAT can quantize, less ``skip``."""
     return [n for n, m in root.named_modules()
-            if ((isinstance(m, CONVS) and m.padding_mode == "zeros") or type(m) is nn.Linear) and n not in skip]
+            if ((isinstance(m, CONVS) and m.padding_mode == "zeros") or type(m) is nn.Linear or _is_table(m))
+            and n not in skip]
+
+
+def _is_table(module: nn.Module) -> bool:
+    """An embedding table QAT stores in int8 (``max_norm`` rewrites rows during lookup: left float)."""
+    return type(module) is nn.Embedding and module.max_norm is None
 
 
 def fake_quantize_model(root: nn.Module, skip: frozenset[str] | set[str] = frozenset()) -> list[QATModule]:
@@ -308,15 +349,23 @@ def fake_quantize_model(root: nn.Module, skip: frozenset[str] | set[str] = froze
     Not torch.ao's ``prepare_qat``: Conv(-BN)(-ReLU) and Linear(-ReLU) are fused into one QAT
     module each (BatchNorm folded into the simulated weights) that keeps the float module's
     Parameter objects, and the fake-quantizers are recal's own (uint8 activations, int8
-    symmetric per-channel weights). The recipe's QuantizationModifier calls this at its start. The layers
-    named in ``skip`` stay float (the layers after them quantize their own inputs).
+    symmetric per-channel weights, int8 per-row embedding tables). The recipe's QuantizationModifier
+    calls this at its start. The layers named in ``skip`` stay float (the layers after them quantize
+    their own inputs).
+
+    The plan is read off a ``torch.fx`` trace. A model fx cannot trace (Hugging Face transformers,
+    data-dependent control flow) is planned from its first forward instead (:func:`_plan_on_first_forward`).
     """
     modules = dict(root.named_modules())
+    traced = True
     try:
         plans, residual_relus = _plan_from_trace(root, modules, skip)
-    except Exception as exc:  # noqa: BLE001 - any tracing failure falls back to unfused QAT
-        log.warning("QAT: torch.fx could not trace %s (%s: %s); quantizing every conv/linear input and "
-                    "leaving BatchNorm unfolded", type(root).__name__, type(exc).__name__, exc)
+    except Exception as exc:  # noqa: BLE001 - any tracing failure falls back to planning from hooks
+        traced = False
+        log.warning("QAT: torch.fx could not trace %s (%s: %s); planning from the first forward instead: each "
+                    "conv/linear input quantized unless it is another quantized layer's output, a linear's output "
+                    "only where a quantized layer reads it; BatchNorm left unfolded and functional ops float",
+                    type(root).__name__, type(exc).__name__, " ".join(str(exc).split())[:200])
         plans, residual_relus = [_Plan(name) for name in quantizable_layers(root, skip)], []
     for name in residual_relus:
         _replace(root, name, QuantizedReLU().to(_device_of(root)))
@@ -329,14 +378,69 @@ def fake_quantize_model(root: nn.Module, skip: frozenset[str] | set[str] = froze
             _replace(root, plan.bn, bn)
         if plan.relu is not None:
             _replace(root, plan.relu, nn.Identity())
-        if isinstance(float_module, CONVS):
-            qat: QATModule = QATConv(float_module, bn, plan.relu is not None, plan.quantize_input)
+        if _is_table(float_module):
+            qat: QATModule = QATEmbedding(float_module)
+        elif isinstance(float_module, CONVS):
+            qat = QATConv(float_module, bn, plan.relu is not None, plan.quantize_input)
         else:
             qat = QATLinear(float_module, plan.relu is not None, plan.quantize_input)
         qat.train(float_module.training)
         _replace(root, plan.target, qat)
         created.append(qat)
+    if not traced:
+        _plan_on_first_forward(root, created)
     return created
+
+
+def _plan_on_first_forward(root: nn.Module, created: list[QATModule]) -> None:
+    """Switch off the quantizers the first forward shows are not needed (a model torch.fx cannot trace).
+
+    Hooks record which tensor each QAT module reads and returns. After ``root``'s first forward: an input
+    that is another QAT module's output is already quantized (its quantizer goes off); a linear's output
+    that no QAT module reads stays float (the int8 model's matmul returns float there). Conv outputs stay
+    quantized (the integer conv writes integers). The switches are buffers, so checkpoints keep the plan.
+    """
+    layers = [m for m in created if not isinstance(m, QATEmbedding)]
+    if not layers:
+        return
+    produced: dict[int, QATModule] = {}
+    reads: list[tuple[QATModule, int]] = []
+    alive: list[torch.Tensor] = []  # held until the plan is made, so no tensor id is reused meanwhile
+    handles = []
+
+    def before(module, args):
+        if args and isinstance(args[0], torch.Tensor):
+            alive.append(args[0])
+            reads.append((module, id(args[0])))
+
+    def after(module, args, out):
+        if isinstance(out, torch.Tensor):
+            alive.append(out)
+            produced[id(out)] = module
+
+    def plan(module, args, out):
+        for handle in handles:
+            handle.remove()
+        read_by_layer = set()
+        for module, key in reads:
+            source = produced.get(key)
+            if source is not None and source is not module and source.activation_post_process is not None:
+                read_by_layer.add(id(source))
+                if module.input_fake_quant is not None:
+                    module.input_fake_quant.enabled.fill_(False)
+        for module in layers:
+            if isinstance(module, QATLinear) and id(module) not in read_by_layer \
+                    and module.activation_post_process is not None:
+                module.activation_post_process.enabled.fill_(False)
+        alive.clear()
+        inputs = sum(m.input_fake_quant is not None and m.input_fake_quant.active for m in layers)
+        outputs = sum(m.activation_post_process is not None and m.activation_post_process.active for m in layers)
+        log.info("QAT plan from the first forward of %s: %d of %d layer inputs and %d outputs quantized",
+                 type(root).__name__, inputs, len(layers), outputs)
+
+    handles += [m.register_forward_pre_hook(before) for m in layers]
+    handles += [m.register_forward_hook(after) for m in layers]
+    handles.append(root.register_forward_hook(plan))
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -371,9 +475,13 @@ def _plan_from_trace(root: nn.Module, modules: dict[str, nn.Module],
 
     plans: dict[torch.fx.Node, _Plan] = {}
     ends: dict[torch.fx.Node, _Plan] = {}
+    tables = []
     for node in graph.nodes:
         layer = module_of(node)
         if layer is None or node.target not in quantizable or calls[node.target] != 1:
+            continue
+        if _is_table(layer):
+            tables.append(_Plan(node.target, quantize_input=False))
             continue
         plan = _Plan(node.target)
         end = node
@@ -407,7 +515,7 @@ def _plan_from_trace(root: nn.Module, modules: dict[str, nn.Module],
 
     for node, plan in plans.items():
         plan.quantize_input = not (node.args and from_quantized(node.args[0]))
-    return list(plans.values()), residual_relus
+    return tables + list(plans.values()), residual_relus
 
 
 def _preserves_quantization(node: torch.fx.Node, module: nn.Module | None) -> bool:

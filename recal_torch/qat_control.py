@@ -34,7 +34,7 @@ def qat_roots(recipe: Recipe, model: nn.Module) -> tuple[dict[int, list[str]], l
                 problems.append(recipe.problem(
                     index, "submodules" if name else None,
                     f"{'submodule ' + repr(name) if name else 'the model'} has no quantizable layer",
-                    expected="Conv1d/2d/3d (zero padding) or Linear layers to quantize"))
+                    expected="Conv1d/2d/3d (zero padding), Linear or Embedding layers to quantize"))
         roots[index] = names
     return roots, problems
 
@@ -68,9 +68,20 @@ def float_layers(recipe: Recipe, model: nn.Module) -> tuple[dict[int, set[str]],
             matched = {n for n in modules if _matches(entry, n, modules)}
             quantized = matched & layers
             loc = recipe.location(index, "scheme_overrides")
+            tables = {n for n in quantized if isinstance(modules[n], nn.Embedding)}
+            if tables and scheme.weights is None:
+                left[index] |= tables  # a table has only its weights to quantize
+            elif tables and scheme.table_conflicts_with_recal():
+                problems.append(recipe.problem(
+                    index, "scheme_overrides", f"{entry!r} ({', '.join(sorted(tables)[:3])}): recal's QAT does not "
+                    f"do {'; '.join(scheme.table_conflicts_with_recal())}",
+                    expected="weights: null (the table stays float) or int8 symmetric per-channel (per-row) weights"))
+            quantized -= tables
             if not matched:
                 notes.append(f"{loc}: {where}: scheme_overrides entry {entry!r} names no module or module class "
                              "of this model")
+            elif not quantized and tables:
+                pass
             elif quantized and scheme.leaves_float:
                 left[index] |= quantized
             elif quantized and scheme.conflicts_with_recal():
@@ -84,7 +95,7 @@ def float_layers(recipe: Recipe, model: nn.Module) -> tuple[dict[int, set[str]],
                                                                for n in matched))):
                 kinds = ", ".join(sorted({type(modules[n]).__name__ for n in matched}))
                 notes.append(f"{loc}: {where}: scheme_overrides entry {entry!r} asks to quantize {kinds}, which "
-                             "recal's QAT leaves float (it quantizes Conv and Linear layers)")
+                             "recal's QAT leaves float (it quantizes Conv, Linear and Embedding layers)")
     return left, problems, notes
 
 

@@ -2,6 +2,7 @@
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 
 from recal_onnx.graph import Graph
@@ -11,12 +12,14 @@ from recal_onnx.passes.bias_to_int32 import bias_to_int32
 from recal_onnx.passes.constants import constants_to_initializers, fold_constants, remove_identities
 from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
 from recal_onnx.passes.fold_conv_affine import fold_conv_affine
+from recal_onnx.passes.gather_int8_table import gather_int8_tables
 from recal_onnx.passes.gemm_to_qgemm import gemm_to_qgemm
 from recal_onnx.passes.int8_passthrough import int8_passthrough
 from recal_onnx.passes.pool_to_qlinear import pool_to_qlinear
 from recal_onnx.passes.redundant_qdq import remove_redundant_qdq
 from recal_onnx.passes.saturation_free_weights import saturation_free_weights
 from recal_onnx.passes.thin_channels import thin_channels
+from recal_onnx.passes.weight_transpose import fold_weight_transposes
 from recal_onnx.passes.zero_channel_scales import zero_channel_scales
 
 from .onnx_graphs import Builder, ops, reference, run
@@ -357,3 +360,70 @@ def test_thin_channels_removes_dead_filters_and_the_inputs_that_read_them():
 def test_thin_channels_zero_rewrites(dead, also_output):
     _, (n,) = _apply(_two_convs(dead, also_output), thin_channels)
     assert n == 0  # no dead channel, or the channels are a graph output
+
+
+def test_fold_weight_transposes_lets_a_3d_linear_become_integer():
+    b = Builder()
+    a = b.qdq("x", 0.05, 128)
+    w_t = b.node("Transpose", [b.weight((6, 8), axis=0)], perm=[1, 0])  # torch's Linear on [batch, tokens, hidden]
+    y = b.node("Add", [b.node("MatMul", [a, w_t]), b.const(np.full(6, 0.2, np.float32))])
+    model = b.model([("x", [2, 3, 8])], [b.qdq(y, 0.05, 128)])
+    feeds = _x([2, 3, 8])
+    expected = reference(model, feeds)[0]
+    assert _apply(model, gemm_to_qgemm)[1] == [0]  # the transpose hides the weight
+    converted, (n, m) = _apply(model, fold_weight_transposes, gemm_to_qgemm)
+    assert (n, m) == (1, 1) and "Transpose" not in ops(converted) and "MatMulIntegerToFloat" in ops(converted)
+    np.testing.assert_allclose(run(converted, feeds)[0], expected, atol=0.05 + 1e-6)
+
+
+def test_fold_weight_transposes_zero_case_an_activation_transpose_stays():
+    b = Builder()
+    y = b.node("Transpose", [b.qdq("x", 0.05, 128)], perm=[0, 2, 1])
+    model = b.model([("x", [2, 3, 4])], [y])
+    converted, (n,) = _apply(model, fold_weight_transposes)
+    assert n == 0 and "Transpose" in ops(converted)
+
+
+@pytest.mark.parametrize("axis, per_channel", [(0, True), (1, True), (0, False)])
+def test_gather_int8_tables_gathers_integer_rows(axis, per_channel):
+    b = Builder()
+    table = b.weight((50, 6), axis=axis, per_channel=per_channel)
+    y = b.node("Gather", [table, "ids"], axis=0)
+    graph_inputs = [onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [2, 5])]
+    model = b.model([], [y])
+    model.graph.input.extend(graph_inputs)
+    feeds = {"ids": np.random.default_rng(0).integers(0, 50, (2, 5))}
+    expected = reference(model, feeds)[0]
+    converted, (n,) = _apply(model, gather_int8_tables)
+    assert n == 1
+    gathers = [x for x in converted.graph.node if x.op_type == "Gather"]
+    int8_tables = {t.name for t in converted.graph.initializer if t.data_type == onnx.TensorProto.INT8}
+    assert gathers[0].input[0] in int8_tables  # the integer table is read, no float copy exists
+    assert not [t for t in converted.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and t.dims[:1] == [50]
+                and len(t.dims) == 2 and t.dims[1] == 6]
+    np.testing.assert_array_equal(run(converted, feeds)[0], expected)
+
+
+def test_gather_int8_tables_zero_case_a_gather_along_another_axis():
+    b = Builder()
+    y = b.node("Gather", [b.weight((50, 6)), b.const(np.array([0, 2]))], axis=1)
+    model = b.model([], [y])
+    assert _apply(model, gather_int8_tables)[1] == [0]
+
+
+@pytest.mark.parametrize("batch", [1, "batch"])  # static shapes: onnxruntime fuses MatMul + Add into a Gemm first
+def test_bias_to_int32_lets_onnxruntime_fuse_a_3d_linear(batch, tmp_path):
+    b = Builder()
+    a = b.qdq("x", 0.05, 128)
+    y = b.node("Add", [b.node("MatMul", [a, b.weight((8, 6), axis=1)]), b.const(np.linspace(-1, 1, 6, dtype=np.float32))])
+    model = b.model([("x", [batch, 3, 8])], [y])
+    feeds = _x([1, 3, 8])
+    expected = reference(model, feeds)[0]
+    converted, (n, _) = _apply(model, bias_to_int32, saturation_free_weights)  # as format="qdq" runs them
+    assert n == 1
+    np.testing.assert_allclose(run(converted, feeds)[0], expected, atol=1e-3)  # the bias rounded to s_x * s_w
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(converted.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    fused = ops(onnx.load(str(tmp_path / "optimized.onnx")))
+    assert {"MatMul", "Gemm"}.isdisjoint(fused) and {"QGemm", "MatMulIntegerToFloat"} & set(fused), fused

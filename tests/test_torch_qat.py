@@ -345,8 +345,14 @@ def test_scheme_overrides_recal_cannot_honour_are_located_errors_and_unused_entr
     with pytest.warns(UserWarning, match=r"ignore entry 'LlamaRMSNorm' names no module"):
         _qat_with("[LlamaRMSNorm]", "null")
     model = nn.Sequential(nn.Embedding(10, 8), nn.Flatten(), nn.Linear(16, 4))
-    with pytest.warns(UserWarning, match=r"asks to quantize Embedding, which recal's QAT leaves float"):
+    with pytest.raises(RecipeError, match=r"'Embedding' \(0\).*embedding tables other than symmetric per row"):
         _qat_with("null", "{Embedding: {input_activations: null, weights: {num_bits: 8, symmetric: false}}}", model)
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Flatten(), nn.Linear(16, 4))
+    _qat_with("null", "{Embedding: {weights: null}}", model)  # the table stays float, the Linear quantizes
+    assert type(model[0]) is nn.Embedding and isinstance(model[2], QATLinear)
+    model = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match=r"asks to quantize LayerNorm, which recal's QAT leaves float"):
+        _qat_with("null", "{LayerNorm: {input_activations: {num_bits: 8}}}", model)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     _qat_with("null", "{ReLU: {input_activations: null, output_activations: null}}", model)  # consistent: silent
     assert isinstance(model[0], QATLinear)

@@ -1,7 +1,12 @@
-"""QDQ output: a float bias of a quantized Conv/Gemm becomes ``DQ(int32, s_x * s_w)``, as runtimes expect.
+"""QDQ output: a float bias of a quantized Conv/Gemm (or MatMul + Add) becomes ``DQ(int32, s_x * s_w)``,
+as runtimes expect.
 
 Before::  DQ(x), DQ(w) -> Conv(bias: float)
 After::   DQ(x), DQ(w) -> Conv(bias: DequantizeLinear(round(bias / (s_x * s_w)), s_x * s_w, 0, axis=0))
+
+A Linear on 3-D inputs is ``MatMul -> Add(bias)``: with a float bias onnxruntime first fuses the two into a
+float Gemm (static shapes) and the weight's DequantizeLinear stays, a float matmul; with the int32 bias it
+becomes QGemm (static shapes) or MatMulIntegerToFloat (dynamic ones).
 """
 
 from __future__ import annotations
@@ -16,19 +21,29 @@ from ..quantized_ops import quantized_bias
 def bias_to_int32(g: Graph) -> int:
     count = 0
     for node in list(g.nodes):
-        if node.op_type not in ("Conv", "Gemm") or len(node.input) < 3 or not g.is_const(node.input[2]):
+        if node.op_type == "MatMul":
+            add = g.only_consumer(node.output[0])
+            if add is None or add.op_type != "Add":
+                continue
+            index = 1 if add.input[0] == node.output[0] else 0
+            node, matmul = add, node  # the bias is the Add's
+            bias = g.const(add.input[index])
+            if bias is None or bias.ndim != 1:
+                continue
+        elif node.op_type in ("Conv", "Gemm") and len(node.input) >= 3 and g.is_const(node.input[2]):
+            index, matmul = 2, node
+        else:
             continue
-        x, w = activation(g, node.input[0]), weight(g, node.input[1])
-        if x is None or w is None:
+        x, w = activation(g, matmul.input[0]), weight(g, matmul.input[1])
+        if x is None or w is None or (matmul is not node and (w.q.ndim != 2 or w.q.shape[1] != bias.size)):
             continue
-        q_bias = quantized_bias(g, node, x, w, 2)
+        q_bias = quantized_bias(g, node, x, w, index)
         scale = (scalar(g, x.scale) * w.scale.astype(np.float64).reshape(-1)).astype(np.float32)
-        scale_name = g.add_const(node.input[2] + "_scale", scale if scale.size > 1 else scale.reshape(()))
-        zp_name = g.add_const(node.input[2] + "_zp", np.zeros(scale.shape if scale.size > 1 else (), np.int32))
-        out = g.fresh(node.input[2] + "_dq")
-        g.add_node("DequantizeLinear", [q_bias, scale_name, zp_name], [out], name=node.name + "_bias_dq",
+        scale_name = g.add_const(node.input[index] + "_scale", scale if scale.size > 1 else scale.reshape(()))
+        out = g.fresh(node.input[index] + "_dq")  # no zero point: it is 0 and int32 (DQ's default), no array of zeros
+        g.add_node("DequantizeLinear", [q_bias, scale_name], [out], name=node.name + "_bias_dq",
                    **({"axis": 0} if scale.size > 1 else {}))
-        node.input[2] = out
+        node.input[index] = out
         g.refresh()
         count += 1
     return count

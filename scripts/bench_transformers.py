@@ -1,0 +1,212 @@
+"""Transformers on onnxruntime: fp32 vs recal's int8 (``qoperator``, ``qdq``) vs onnxruntime's own quantizers.
+
+A BERT-base-shaped encoder (12 layers, hidden 768, 12 heads, vocabulary 30522) at sequence 128 and a
+ViT-B/16-shaped model at 224x224, built by Hugging Face ``transformers`` with random weights (nothing is
+downloaded). Each runs a few QAT steps under a recal recipe on synthetic data, so the observers hold real
+ranges, and is exported (QDQ) and converted by ``quantize_qat_export``; the float model is exported too and
+quantized by onnxruntime's ``quantize_dynamic`` (int8 weights) and ``quantize_static`` (QDQ, uint8
+activations, int8 per-channel weights, after ``quant_pre_process``, calibrated on 8 synthetic inputs).
+
+One table per model: median latency at batch 1 with 1 and 2 threads (every model runs in turn, round after
+round, so drift hits all alike), size and its ratio to fp32, conversion time and the converter's peak
+resident memory above its imports (a fresh process, sampled every 2 ms) against the input model's size,
+argmax agreement with the model's own reference on 16 inputs, 64 with ``--quick`` (recal: the QAT export run
+as float QDQ; onnxruntime's: the fp32 model). Run it on an idle machine: it measures latency.
+
+    python scripts/bench_transformers.py [--quick] [--rounds 15] [--models bert vit]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recal_onnx.verify import reference_session
+from recal_torch import ScheduledModifierManager, export_onnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_onnx import convert_measured  # noqa: E402
+
+QAT_ONLY = """
+- !EpochRangeModifier {start_epoch: 0, end_epoch: 1}
+- !QuantizationModifier {start_epoch: 0}
+"""
+
+
+class Classifier(nn.Module):
+    """A Hugging Face model that returns its logits (the exporters want tensors out)."""
+
+    def __init__(self, model: nn.Module, keys: tuple[str, ...]):
+        super().__init__()
+        self.model, self.keys = model, keys
+
+    def forward(self, *inputs):
+        return self.model(**dict(zip(self.keys, inputs))).logits
+
+
+def bert(quick: bool, seq: int):
+    import transformers
+
+    shape = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512) if quick \
+        else dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
+    config = transformers.BertConfig(vocab_size=30522, max_position_embeddings=512, num_labels=2, **shape)
+    model = Classifier(transformers.BertForSequenceClassification(config), ("input_ids", "attention_mask"))
+
+    def batch(n: int, g: torch.Generator):
+        ids = torch.randint(0, 30522, (n, seq), generator=g)
+        return (ids, torch.ones_like(ids))
+
+    return model, batch, ("input_ids", "attention_mask")
+
+
+def vit(quick: bool, seq: int):
+    import transformers
+
+    shape = dict(image_size=64, patch_size=16, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 intermediate_size=512) if quick else \
+        dict(image_size=224, patch_size=16, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+             intermediate_size=3072)
+    config = transformers.ViTConfig(num_labels=10, **shape)
+    model = Classifier(transformers.ViTForImageClassification(config), ("pixel_values",))
+    size = shape["image_size"]
+
+    def batch(n: int, g: torch.Generator):
+        return (torch.randn(n, 3, size, size, generator=g),)
+
+    return model, batch, ("pixel_values",)
+
+
+def feeds(batch, names, n: int, seed: int) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in zip(names, batch(n, torch.Generator().manual_seed(seed)))}
+
+
+def qat(model: nn.Module, batch, steps: int) -> nn.Module:
+    manager = ScheduledModifierManager.from_yaml(QAT_ONLY)
+    optimizer = manager.modify(model, torch.optim.AdamW(model.parameters(), lr=1e-5), steps_per_epoch=steps)
+    model.train()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        logits = model(*batch(2, g))
+        optimizer.zero_grad()
+        F.cross_entropy(logits, torch.zeros(len(logits), dtype=torch.long)).backward()
+        optimizer.step()
+    manager.finalize(model)
+    return model.eval()
+
+
+def ort_quantized(fp32: Path, folder: Path, calibration: list[dict[str, np.ndarray]]) -> dict[str, tuple[Path, float]]:
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic, \
+        quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    out = {}
+    t0 = time.perf_counter()
+    quantize_dynamic(str(fp32), str(folder / "dynamic.onnx"), weight_type=QuantType.QInt8)
+    out["ort quantize_dynamic"] = (folder / "dynamic.onnx", time.perf_counter() - t0)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.items = iter(calibration)
+
+        def get_next(self):
+            return next(self.items, None)
+
+    t0 = time.perf_counter()
+    quant_pre_process(str(fp32), str(folder / "pre.onnx"), skip_symbolic_shape=True)
+    quantize_static(str(folder / "pre.onnx"), str(folder / "static.onnx"), Reader(), quant_format=QuantFormat.QDQ,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True)
+    out["ort quantize_static"] = (folder / "static.onnx", time.perf_counter() - t0)
+    return out
+
+
+def sessions(path: Path, threads: int) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def interleaved_latency(paths: dict[str, Path], feed: dict[str, np.ndarray], threads: int,
+                        rounds: int) -> dict[str, float]:
+    """Median seconds per model at ``threads``; each round runs every model once, in turn."""
+    running = {label: sessions(path, threads) for label, path in paths.items()}
+    for session in running.values():
+        for _ in range(2):
+            session.run(None, feed)
+    times: dict[str, list[float]] = {label: [] for label in running}
+    for _ in range(rounds):
+        for label, session in running.items():
+            t0 = time.perf_counter()
+            session.run(None, feed)
+            times[label].append(time.perf_counter() - t0)
+    return {label: statistics.median(v) for label, v in times.items()}
+
+
+def agreement(path: Path, reference: Path, checks: list[dict[str, np.ndarray]]) -> float:
+    got, ref = sessions(path, 2), reference_session(str(reference))
+    return float(np.mean([np.argmax(got.run(None, f)[0]) == np.argmax(ref.run(None, f)[0]) for f in checks]))
+
+
+def bench(name: str, build, quick: bool, seq: int, rounds: int, folder: Path) -> None:
+    torch.manual_seed(0)
+    model, batch, names = build(quick, seq)
+    one = batch(1, torch.Generator().manual_seed(0))
+    fp32, qat_path = folder / f"{name}.fp32.onnx", folder / f"{name}.qat.onnx"
+    t0 = time.perf_counter()
+    export_onnx(model.eval(), one, fp32, dynamo=False, input_names=names, dynamic_batch=False)
+    qat(model, batch, steps=2 if quick else 3)
+    export_onnx(model, one, qat_path, dynamo=False, input_names=names, dynamic_batch=False)
+    print(f"  {name}: built, QAT-trained and exported in {time.perf_counter() - t0:.0f}s", flush=True)
+    paths = {"fp32": (fp32, float("nan"), float("nan"))}
+    for fmt in ("qoperator", "qdq"):
+        target = folder / f"{name}.{fmt}.onnx"
+        seconds, peak = convert_measured(qat_path, target, fmt)
+        paths[f"recal {fmt}"] = (target, seconds, peak)
+    calibration = [feeds(batch, names, 1, seed) for seed in range(100, 108)]
+    for label, (path, seconds) in ort_quantized(fp32, folder, calibration).items():
+        paths[label] = (path, seconds, float("nan"))
+    feed = feeds(batch, names, 1, 0)
+    latency = {t: interleaved_latency({k: v[0] for k, v in paths.items()}, feed, t, rounds) for t in (1, 2)}
+    checks = [feeds(batch, names, 1, seed) for seed in range(200, 200 + (64 if quick else 16))]
+    fp32_size, qat_size = fp32.stat().st_size, qat_path.stat().st_size
+    print(f"\n{name}: onnxruntime {ort.__version__}, batch 1, median of {rounds} interleaved rounds; "
+          f"QAT export {qat_size / 1e6:.1f} MB")
+    print(f"{'model':22s} {'MB':>8s} {'x fp32':>7s} {'t1 ms':>8s} {'t2 ms':>8s} {'vs fp32 t1':>10s} "
+          f"{'agree':>6s} {'convert s':>9s} {'peak x in':>9s}")
+    for label, (path, seconds, peak) in paths.items():
+        size = path.stat().st_size
+        reference = fp32 if label == "fp32" or label.startswith("ort") else qat_path
+        print(f"{label:22s} {size / 1e6:8.2f} {size / fp32_size:7.3f} {latency[1][label] * 1e3:8.2f} "
+              f"{latency[2][label] * 1e3:8.2f} {latency[1]['fp32'] / latency[1][label]:9.2f}x "
+              f"{agreement(path, reference, checks):6.3f} {seconds:9.2f} {peak / qat_size:9.2f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2-layer, hidden-128 models (a smoke test)")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--models", nargs="+", default=["bert", "vit"], choices=["bert", "vit"])
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="recal-bench-transformers-"))
+    warnings.filterwarnings("ignore")
+    for name in args.models:
+        bench(name, {"bert": bert, "vit": vit}[name], args.quick, args.seq, args.rounds, folder)
+    print(f"\nmodels in {folder}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

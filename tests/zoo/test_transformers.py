@@ -1,0 +1,168 @@
+"""Hugging Face BERT and ViT (small configs, random weights, nothing downloaded): prune 80% + QAT under a
+recipe, export with both exporters, convert to both formats; every Linear integer, embedding tables int8,
+fidelity against the QAT export run as float QDQ, the result loads in onnxruntime at its default level."""
+
+import collections
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recal_onnx import quantize_qat_export
+from recal_onnx.convert import UnconvertedOpsWarning
+from recal_torch import ScheduledModifierManager, export_onnx
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+RECIPE = """
+- !EpochRangeModifier {start_epoch: 0, end_epoch: 2}
+- !GMPruningModifier {params: %s, init_sparsity: 0.5, final_sparsity: 0.8, start_epoch: 0, end_epoch: 1,
+                      update_frequency: 0.25}
+- !QuantizationModifier {start_epoch: 1}
+"""
+SPE = 4
+CLASSES = 3
+# What stays float by design: LayerNorm, the residual stream's adds, the CLS token's select (ViT: also the
+# patch + class token concat and position add); attention and GELU run in float between integer matmuls.
+FLOAT_ALLOWED = {"LayerNormalization", "Add", "Gather", "Concat"}
+
+
+class Bert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        config = transformers.BertConfig(vocab_size=800, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                         intermediate_size=128, max_position_embeddings=32, num_labels=CLASSES)
+        self.model = transformers.BertForSequenceClassification(config)
+
+    def forward(self, ids, mask):
+        return self.model(input_ids=ids, attention_mask=mask).logits
+
+    @staticmethod
+    def batch(g):
+        ids = torch.randint(0, 800, (8, 16), generator=g)
+        return (ids, torch.ones_like(ids)), ids[:, 1] % CLASSES
+
+    tables = 3  # word, position, token type
+    params = "['re:.*(query|key|value|dense)\\.weight$', model.bert.embeddings.word_embeddings.weight]"
+    names = ("ids", "mask")
+
+
+class ViT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        config = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, intermediate_size=128, num_labels=CLASSES)
+        self.model = transformers.ViTForImageClassification(config)
+
+    def forward(self, x):
+        return self.model(pixel_values=x).logits
+
+    @staticmethod
+    def batch(g):
+        x = torch.randn(8, 3, 32, 32, generator=g)
+        return (x,), (x[:, 0, :8, :8].mean((1, 2)) > 0).long()
+
+    tables = 0
+    params = "__ALL_PRUNABLE__"
+    names = ("input",)
+
+
+@pytest.fixture(scope="module", params=[Bert, ViT], ids=["bert", "vit"])
+def qat_model(request):
+    torch.manual_seed(0)
+    model = request.param()
+    optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+    manager = ScheduledModifierManager.from_yaml(RECIPE % request.param.params)
+    manager.modify(model, optimizer, steps_per_epoch=SPE)
+    g = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(2 * SPE):
+        inputs, labels = request.param.batch(g)
+        optimizer.zero_grad()
+        F.cross_entropy(model(*inputs), labels).backward()
+        optimizer.step()
+    manager.finalize(model)
+    model.eval()
+    return model, request.param
+
+
+def _linears(model):
+    return sum(type(m).__name__ == "QATLinear" for m in model.modules())
+
+
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_transformer_quantizes_end_to_end(qat_model, dynamo, tmp_path):
+    model, kind = qat_model
+    linears = _linears(model)
+    assert linears == sum(1 for m in model.modules() if type(m).__name__ in ("QATLinear", "Linear"))
+    sample = kind.batch(torch.Generator().manual_seed(1))[0]
+    path = export_onnx(model, tuple(t[:2] for t in sample), tmp_path / "qat.onnx", dynamo=dynamo,
+                       input_names=kind.names)
+    for fmt in ("qoperator", "qdq"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UnconvertedOpsWarning)
+            result = quantize_qat_export(str(path), tmp_path / f"{fmt}.onnx", format=fmt, min_agreement=0.999)
+        left = {op for op, _ in result.float_nodes}
+        assert left <= FLOAT_ALLOWED, left
+        assert all(op in str(w.message) for w in caught for op in left)  # named, never silent
+        v = result.verification
+        assert v.samples >= 256 and v.argmax_agreement >= 0.999
+        assert v.max_abs_diff <= 0.02 * v.output_range, v
+        m = result.model
+        kinds = collections.Counter(n.op_type for n in m.graph.node)
+        integer = {t.name for t in m.graph.initializer if t.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)}
+        gathered = sum(n.op_type == "Gather" and n.input[0] in integer for n in m.graph.node)
+        assert gathered == kind.tables
+        floats = [t for t in m.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and np.prod(t.dims) >= 4096]
+        assert not floats, [t.name for t in floats]  # every weight matrix and table is stored in int8
+        if fmt == "qoperator":
+            assert kinds["MatMulIntegerToFloat"] + kinds["QGemm"] == linears, kinds
+            assert "MatMul" not in kinds or all(n.input[1] not in integer for n in m.graph.node if n.op_type == "MatMul")
+        else:
+            _assert_runtime_fuses_every_weight(m, tmp_path)
+
+
+def _assert_runtime_fuses_every_weight(model: onnx.ModelProto, tmp_path) -> None:
+    """onnxruntime at its default level turns every dequantized weight's matmul / conv into an integer kernel."""
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    optimized = onnx.load(str(tmp_path / "optimized.onnx"))
+    producers = {o: n for n in optimized.graph.node for o in n.output}
+    for node in optimized.graph.node:
+        if node.op_type in ("MatMul", "Gemm", "Conv", "FusedMatMul", "FusedConv", "FusedGemm"):
+            for name in node.input[1:2]:
+                source = producers.get(name)
+                assert source is None or source.op_type != "DequantizeLinear", (node.op_type, node.name)
+            assert name not in {t.name for t in optimized.graph.initializer}, (node.op_type, node.name)
+
+
+def test_a_transformer_with_external_data_converts_and_its_input_is_untouched(qat_model, tmp_path, monkeypatch):
+    """A model over 2 GB is stored as external data: exported so (dynamo), converted so, the input unchanged."""
+    import hashlib
+
+    import recal_onnx.convert as convert
+    import recal_torch.export as export
+
+    model, kind = qat_model
+    monkeypatch.setattr(export, "EXTERNAL_DATA_BYTES", 1)  # pretend the model is above protobuf's limit
+    sample = tuple(t[:2] for t in kind.batch(torch.Generator().manual_seed(1))[0])
+    src = export_onnx(model, sample, tmp_path / "big.onnx", input_names=kind.names)
+    inputs = sorted(p for p in tmp_path.iterdir())
+    assert len(inputs) == 2, inputs  # the model and its data file
+    digests = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in inputs}
+    monkeypatch.setattr(convert, "EXTERNAL_DATA_BYTES", 1)
+    feeds = {k: v.numpy() for k, v in zip(kind.names, kind.batch(torch.Generator().manual_seed(2))[0])}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnconvertedOpsWarning)  # ViT's float LayerNorms: the test above names them
+        result = quantize_qat_export(src, tmp_path / "out.onnx", verify_inputs=feeds)
+    assert (tmp_path / "out.onnx.data").is_file() and result.verification.samples == 8
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in inputs} == digests
+    got = ort.InferenceSession(str(result.path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    assert got.shape == (8, CLASSES)
