@@ -301,6 +301,12 @@ class ScheduledModifierManager(RecipeManager):
         self.masks.apply()
         self._finalized = bool(state.get("finalized", False))
 
+    @property
+    def quantized_layers(self) -> dict[str, str]:
+        """The layers QAT quantizes, by module name: what each is and which of its tensors are integers
+        (empty before the first QuantizationModifier starts)."""
+        return {} if self.qat is None else self.qat.quantized_layers()
+
     def _require_modified(self, what: str) -> None:
         if self._model is None:
             raise RuntimeError(f"call manager.modify(model, optimizer, steps_per_epoch) before {what}()")

@@ -528,6 +528,17 @@ def _preserves_quantization(node: torch.fx.Node, module: nn.Module | None) -> bo
     return False
 
 
+def describe(module: QATModule) -> str:
+    """What a QAT layer quantizes, e.g. ``Linear, weight (64, 64) int8 per channel, input uint8, output float``."""
+    if isinstance(module, QATEmbedding):
+        return f"Embedding, table {tuple(module.weight.shape)} int8 per row, rows float"
+    fq_in, fq_out = module.input_fake_quant, module.activation_post_process
+    source = "uint8" if fq_in is not None and fq_in.active else "from a quantized layer"
+    output = "uint8" if fq_out is not None and fq_out.active else "float"
+    return (f"{module.extra_repr().split(',')[0]}, weight {tuple(module.weight.shape)} int8 per channel, "
+            f"input {source}, output {output}")
+
+
 def qat_modules(model: nn.Module) -> list[QATModule]:
     return [m for m in model.modules() if isinstance(m, QATModule)]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+from collections import Counter
 
 from torch import nn
 
@@ -13,7 +14,7 @@ from recal_core.params import strip_wrapper
 from recal_core.recipe import Recipe
 from recal_core.schedule import QATState
 
-from .qat import fake_quantize_model, fake_quantizers, qat_modules, quantizable_layers
+from .qat import QATModule, describe, fake_quantize_model, fake_quantizers, qat_modules, quantizable_layers
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +131,18 @@ class QATControl:
             prefix = name + "." if name else ""
             skip = {n[len(prefix):] for n in left if n.startswith(prefix)}
             created = fake_quantize_model(root, skip=skip)
-            log.info("QAT on %s: %d layers quantized (step %d)", name or type(root).__name__, len(created), step)
+            kinds = Counter(type(m).__name__.removeprefix("QAT") for m in created)
+            log.info("QAT on %s: %d layers quantized (%s) at step %d; manager.quantized_layers lists them",
+                     name or type(root).__name__, len(created), ", ".join(f"{n} {k}" for k, n in kinds.items()),
+                     step)
             if skip:
                 log.info("QAT on %s: left float by the recipe: %s", name or type(root).__name__,
                          ", ".join(sorted(prefix + n for n in skip)))
         self.prepared.add(index)
+
+    def quantized_layers(self) -> dict[str, str]:
+        """Each QAT layer's name and what is quantized in it (see :func:`recal_torch.qat.describe`)."""
+        return {name: describe(m) for name, m in self.model.named_modules() if isinstance(m, QATModule)}
 
     def reset(self) -> None:
         """Forget the switches applied (after a checkpoint is loaded they are applied again)."""

@@ -141,3 +141,17 @@ def test_every_linear_and_the_table_are_integer_after_conversion(tmp_path, dynam
             assert sum(k == "DequantizeLinear" for k in kinds) >= 8
         assert result.verification.argmax_agreement >= 0.99 and result.verification.samples >= 256
         assert result.verification.max_abs_diff <= 0.05 * result.verification.output_range, result.verification
+
+
+def test_the_manager_reports_what_it_quantized():
+    torch.manual_seed(0)
+    model = TinyEncoder()
+    optimizer = torch.optim.SGD(model.parameters(), 0.01)
+    manager = ScheduledModifierManager.from_yaml("- !QuantizationModifier {start_epoch: 0}\n")
+    manager.modify(model, optimizer, steps_per_epoch=2)
+    _train(model, optimizer, _data(2))
+    layers = manager.quantized_layers
+    assert set(layers) == {"emb", "q", "k", "v", "o", "up", "down", "proj", "head"}
+    assert layers["emb"] == "Embedding, table (60, 16) int8 per row, rows float"
+    assert layers["head"] == "Linear, weight (3, 16) int8 per channel, input from a quantized layer, output float"
+    assert layers["proj"].endswith("input uint8, output uint8") and layers["q"].endswith("input uint8, output float")
