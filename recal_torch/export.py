@@ -60,7 +60,7 @@ class QuantizedExportModule(nn.Module):
         if self.is_conv:
             self.stride, self.padding, self.dilation, self.groups, self.dims = (
                 qat.stride, qat.padding, qat.dilation, qat.groups, qat.dims)
-        self.relu = qat.relu
+        self.relu, self.relu6 = qat.relu, qat.relu6
         with torch.no_grad():
             weight, bias = qat.folded_weight_and_bias()
             scale, _ = qat.weight_fake_quant.qparams(weight)
@@ -104,7 +104,9 @@ class QuantizedExportModule(nn.Module):
             y = conv(x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
         else:
             y = F.linear(x, weight, self.bias)
-        if self.relu:
+        if self.relu6:
+            y = F.relu6(y)
+        elif self.relu:
             y = F.relu(y)
         return y if self.output_qparams is None else self._qdq(y, self.output_qparams)
 

@@ -183,12 +183,14 @@ class QATModule(nn.Module):
     weight: nn.Parameter
     bias: nn.Parameter | None
 
-    def __init__(self, float_module: nn.Module, relu: bool, quantize_input: bool, quantize_output: bool = True):
+    def __init__(self, float_module: nn.Module, relu: bool, quantize_input: bool, quantize_output: bool = True,
+                 relu6: bool = False):
         super().__init__()
         self.float_type = type(float_module)
         self.weight = float_module.weight
         self.register_parameter("bias", getattr(float_module, "bias", None))
         self.relu = relu
+        self.relu6 = relu6  # ReLU6 / Hardtanh(0, 6): clamped before the output's range, as runtimes fold it
         self.input_fake_quant = ActivationFakeQuantize() if quantize_input else None
         self.weight_fake_quant = WeightFakeQuantize(self.weight.shape[0])
         self.activation_post_process = ActivationFakeQuantize() if quantize_output else None
@@ -201,7 +203,9 @@ class QATModule(nn.Module):
         return self.weight, self.bias
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
-        if self.relu:
+        if self.relu6:
+            y = F.relu6(y)
+        elif self.relu:
             y = F.relu(y)
         return y if self.activation_post_process is None else self.activation_post_process(y)
 
@@ -210,8 +214,8 @@ class QATConv(QATModule):
     """Conv(-BN)(-ReLU) with fake-quantized input (optional), BN-folded weights and output."""
 
     def __init__(self, conv: nn.modules.conv._ConvNd, bn: FoldedBatchNorm | None, relu: bool,
-                 quantize_input: bool):
-        super().__init__(conv, relu, quantize_input)
+                 quantize_input: bool, relu6: bool = False):
+        super().__init__(conv, relu, quantize_input, relu6=relu6)
         self.stride, self.padding, self.dilation, self.groups = conv.stride, conv.padding, conv.dilation, conv.groups
         self.dims = len(conv.kernel_size)
         object.__setattr__(self, "folded_bn", bn)  # owned by the parent model, not a child here
@@ -262,7 +266,7 @@ class QATConv(QATModule):
     def extra_repr(self) -> str:
         parts = [self.float_type.__name__]
         parts += ["BatchNorm (folded)"] if self.folded_bn is not None else []
-        parts += ["ReLU"] if self.relu else []
+        parts += ["ReLU6"] if self.relu6 else ["ReLU"] if self.relu else []
         return "-".join(parts) + f", weight {tuple(self.weight.shape)}"
 
 
@@ -275,7 +279,8 @@ class QATLinear(QATModule):
         return self._finish(F.linear(x, self.weight_fake_quant(self.weight), self.bias))
 
     def extra_repr(self) -> str:
-        return f"Linear{'-ReLU' if self.relu else ''}, weight {tuple(self.weight.shape)}"
+        act = "-ReLU6" if self.relu6 else "-ReLU" if self.relu else ""
+        return f"Linear{act}, weight {tuple(self.weight.shape)}"
 
 
 class QATEmbedding(QATModule):
@@ -327,8 +332,35 @@ _PRESERVING_METHODS = {"view", "reshape", "flatten", "relu", "contiguous", "sque
 class _Plan:
     target: str
     bn: str | None = None
-    relu: str | None = None
+    relu: str | None = None  # the activation module fused (it becomes nn.Identity)
     quantize_input: bool = True
+    activation: str | None = None  # "relu" or "relu6": clamped before the output is quantized
+
+
+_RELUS = {F.relu, torch.relu, torch.relu_}
+
+
+def _clamping_activation(node: torch.fx.Node, module: nn.Module | None) -> str | None:
+    """``"relu"`` / ``"relu6"`` when ``node`` is a ReLU or ReLU6 (a module, a function or a method), else None:
+    a clamp that folds into the range of the quantized output before it."""
+    if node.op == "call_module":
+        if type(module) is nn.ReLU:
+            return "relu"
+        if type(module) is nn.ReLU6 or (type(module) is nn.Hardtanh and (module.min_val, module.max_val) == (0, 6)):
+            return "relu6"
+    elif node.op == "call_function":
+        if node.target in _RELUS:
+            return "relu"
+        if node.target is F.relu6:
+            return "relu6"
+        if node.target is F.hardtanh:
+            bounds = list(node.args[1:3]) + [None, None]
+            low = node.kwargs.get("min_val", bounds[0] if bounds[0] is not None else -1.0)
+            high = node.kwargs.get("max_val", bounds[1] if bounds[1] is not None else 1.0)
+            return "relu6" if (low, high) == (0, 6) else None
+    elif node.op == "call_method" and node.target in ("relu", "relu_"):
+        return "relu"
+    return None
 
 
 def quantizable_layers(root: nn.Module, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
@@ -381,9 +413,11 @@ def fake_quantize_model(root: nn.Module, skip: frozenset[str] | set[str] = froze
         if _is_table(float_module):
             qat: QATModule = QATEmbedding(float_module)
         elif isinstance(float_module, CONVS):
-            qat = QATConv(float_module, bn, plan.relu is not None, plan.quantize_input)
+            qat = QATConv(float_module, bn, plan.activation == "relu", plan.quantize_input,
+                          relu6=plan.activation == "relu6")
         else:
-            qat = QATLinear(float_module, plan.relu is not None, plan.quantize_input)
+            qat = QATLinear(float_module, plan.activation == "relu", plan.quantize_input,
+                            relu6=plan.activation == "relu6")
         qat.train(float_module.training)
         _replace(root, plan.target, qat)
         created.append(qat)
@@ -489,11 +523,14 @@ def _plan_from_trace(root: nn.Module, modules: dict[str, nn.Module],
         if isinstance(layer, CONVS) and nxt is not None and type(module_of(nxt)) is NORMS[type(layer)] \
                 and calls[nxt.target] == 1 and len(nxt.args) == 1:
             plan.bn, end, nxt = nxt.target, nxt, only_user(nxt)
-        if nxt is not None and isinstance(module_of(nxt), nn.ReLU) and calls[nxt.target] == 1:
-            plan.relu, end = nxt.target, nxt
+        kind = _clamping_activation(nxt, module_of(nxt)) if nxt is not None and nxt.args \
+            and nxt.args[0] is end else None
+        if kind is not None and (nxt.op != "call_module" or calls[nxt.target] == 1):
+            plan.activation, end = kind, nxt
+            plan.relu = nxt.target if nxt.op == "call_module" else None  # a function stays: idempotent after
         plans[node] = plan
         ends[end] = plan
-    fused_relus = {p.relu for p in plans.values()}
+    fused_relus = {p.relu for p in plans.values() if p.relu is not None}
     residual_relus = []
     for node in graph.nodes:
         if node.op == "call_function" and node.target in _ADDS and len(node.args) == 2 \

@@ -427,3 +427,22 @@ def test_bias_to_int32_lets_onnxruntime_fuse_a_3d_linear(batch, tmp_path):
     ort.InferenceSession(converted.SerializeToString(), options, providers=["CPUExecutionProvider"])
     fused = ops(onnx.load(str(tmp_path / "optimized.onnx")))
     assert {"MatMul", "Gemm"}.isdisjoint(fused) and {"QGemm", "MatMulIntegerToFloat"} & set(fused), fused
+
+
+@pytest.mark.parametrize("scale, zp, high, expected", [
+    (6 / 255, 0, 6.0, []),  # a ReLU6 after an op whose range already stops at 6: nothing left
+    (0.1, 128, 6.0, ["Max", "Min"]),  # both bounds on the grid: clamps on the integers
+    (0.1, 128, 6.05, None),  # 6.05 lies between grid points: the floats would round differently, stays float
+])
+def test_int8_passthrough_clip(scale, zp, high, expected):
+    b = Builder()
+    y = b.node("Clip", [b.qdq("x", scale, zp), b.const(np.float32(0)), b.const(np.float32(high))])
+    model = b.model([("x", [2, 50])], [y])
+    feeds = {"x": np.linspace(-12, 12, 100, dtype=np.float32).reshape(2, 50)}
+    expected_out = reference(model, feeds)[0]
+    converted, (n,) = _apply(model, int8_passthrough)
+    if expected is None:
+        assert n == 0 and "Clip" in ops(converted)
+        return
+    assert n == 1 and "Clip" not in ops(converted) and [o for o in ops(converted) if o in ("Max", "Min")] == expected
+    np.testing.assert_array_equal(run(converted, feeds)[0], expected_out)

@@ -372,3 +372,43 @@ def test_a_module_called_twice_is_named_in_a_warning(caplog):
     with caplog.at_level("WARNING", logger="recal_torch.qat"):
         fake_quantize_model(SharedReLU())
     assert "'relu' (2 calls)" in caplog.text and "give each call its own module" in caplog.text
+
+
+class FunctionalActivations(nn.Module):
+    """GoogLeNet / MobileNet style: a functional ReLU, a ReLU6 module, a functional Hardtanh(0, 6)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.c2, self.act2 = nn.Conv2d(4, 4, 3, padding=1), nn.ReLU6()
+        self.c3 = nn.Conv2d(4, 4, 1)
+        self.fc = nn.Linear(4 * 8 * 8, 10)
+
+    def forward(self, x):
+        x = torch.nn.functional.relu(self.b1(self.c1(x)))
+        x = self.act2(self.c2(x))
+        x = torch.nn.functional.hardtanh(self.c3(x), 0.0, 6.0)
+        return self.fc(torch.flatten(x, 1))
+
+
+def test_functional_relu_and_relu6_fold_into_the_range_before_them(tmp_path):
+    from recal_onnx import quantize_qat_export
+
+    torch.manual_seed(0)
+    model = FunctionalActivations()
+    fake_quantize_model(model)
+    assert model.c1.relu and not model.c1.relu6 and model.c2.relu6 and model.c3.relu6
+    assert isinstance(model.act2, nn.Identity)  # the module is fused; a function stays (idempotent after the clamp)
+    assert model.c1.input_fake_quant is not None
+    assert model.c2.input_fake_quant is None and model.c3.input_fake_quant is None and model.fc.input_fake_quant is None
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), batches(4))
+    model.eval()
+    for fq in model.modules():
+        if isinstance(fq, ActivationFakeQuantize):
+            fq.observer_enabled = False
+    assert float(model.c2.activation_post_process.max_val) <= 6.0 and int(model.c2.activation_post_process.zero_point) == 0
+    path = export_onnx(model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
+    result = quantize_qat_export(str(path), tmp_path / "int8.onnx")
+    kinds = [n.op_type for n in result.model.graph.node]
+    assert kinds.count("QLinearConv") == 3 and kinds.count("QGemm") == 1 and not result.float_nodes
+    assert "Relu" not in kinds and "Clip" not in kinds and result.verification.max_steps <= 3
