@@ -11,7 +11,7 @@ graph, and runs ``onnx.checker`` and shape inference:
 3. ``scalar_activation_qparams``, ``activations_to_uint8`` (int8 activation QDQ -> uint8, same values)
 4. ``remove_redundant_qdq``
 5. format ``qoperator``: ``int8_passthrough``, ``conv_to_qlinearconv``, ``gemm_to_qgemm``,
-   ``add_to_qlinearadd``, ``pool_to_qlinear``, ``remove_redundant_qdq``, repeated until nothing changes;
+   ``add_to_qlinearadd``, ``concat_to_qlinear``, ``pool_to_qlinear``, ``remove_redundant_qdq``, repeated until nothing changes;
    format ``qdq``: ``bias_to_int32``, ``saturation_free_weights``.
 
 Int8 weights beyond +-64 are written as uint8 with zero point 128 in both formats, so onnxruntime's
@@ -42,6 +42,7 @@ from .graph import Graph
 from .passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
 from .passes.add_to_qlinearadd import add_to_qlinearadd
 from .passes.bias_to_int32 import bias_to_int32
+from .passes.concat_to_qlinear import concat_to_qlinear
 from .passes.constants import constants_to_initializers, fold_constants, remove_identities
 from .passes.conv_to_qlinearconv import conv_to_qlinearconv
 from .passes.fold_conv_affine import fold_conv_affine
@@ -162,7 +163,7 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
         run(pass_fn)
     if format == "qoperator":
         while sum(run(p) for p in (int8_passthrough, conv_to_qlinearconv, gemm_to_qgemm, add_to_qlinearadd,
-                                   pool_to_qlinear, remove_redundant_qdq)):
+                                   concat_to_qlinear, pool_to_qlinear, remove_redundant_qdq)):
             pass
     else:
         run(bias_to_int32)

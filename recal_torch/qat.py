@@ -148,7 +148,8 @@ class WeightFakeQuantize(nn.Module):
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         scale, zero_point = self.qparams(weight)
-        return torch.fake_quantize_per_channel_affine(weight, scale, zero_point, 0, W_QMIN, W_QMAX)
+        # +-127 as export writes it: with a frozen scale a weight that grew past it saturates the same way in both
+        return torch.fake_quantize_per_channel_affine(weight, scale, zero_point, 0, -int(W_LEVELS), int(W_LEVELS))
 
     def extra_repr(self) -> str:
         return f"int8 symmetric per-channel, observer={'on' if self.observer_enabled else 'frozen'}"

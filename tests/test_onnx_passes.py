@@ -9,6 +9,7 @@ from recal_onnx.graph import Graph
 from recal_onnx.passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
 from recal_onnx.passes.add_to_qlinearadd import add_to_qlinearadd
 from recal_onnx.passes.bias_to_int32 import bias_to_int32
+from recal_onnx.passes.concat_to_qlinear import concat_to_qlinear
 from recal_onnx.passes.constants import constants_to_initializers, fold_constants, remove_identities
 from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
 from recal_onnx.passes.fold_conv_affine import fold_conv_affine
@@ -446,3 +447,27 @@ def test_int8_passthrough_clip(scale, zp, high, expected):
         return
     assert n == 1 and "Clip" not in ops(converted) and [o for o in ops(converted) if o in ("Max", "Min")] == expected
     np.testing.assert_array_equal(run(converted, feeds)[0], expected_out)
+
+
+@pytest.mark.parametrize("scales, zp, expected_op", [((0.05, 0.05), 128, "Concat"), ((0.03, 0.08), 0, "QLinearConcat"),
+                                                     ((0.05, 0.05), 0, "QLinearConcat")])
+def test_concat_to_qlinear(scales, zp, expected_op):
+    b = Builder()
+    x = b.qdq("x", scales[0], 128)
+    y = b.qdq(b.node("Relu", ["x"]), scales[1], zp)
+    out = b.qdq(b.node("Concat", [x, y], axis=1), 0.05, 128)
+    model = b.model([("x", [2, 3, 4])], [out])
+    feeds = {"x": np.linspace(-4, 4, 24, dtype=np.float32).reshape(2, 3, 4)}
+    expected = reference(model, feeds)[0]
+    converted, (n,) = _apply(model, concat_to_qlinear)
+    assert n == 1 and expected_op in ops(converted) and ops(converted).count("Concat") == (expected_op == "Concat")
+    np.testing.assert_allclose(run(converted, feeds)[0], expected, atol=0.05 * 1.0001)  # at most one output step
+    if expected_op == "Concat":
+        np.testing.assert_array_equal(run(converted, feeds)[0], expected)
+
+
+def test_concat_to_qlinear_zero_case_a_float_input():
+    b = Builder()
+    out = b.qdq(b.node("Concat", [b.qdq("x", 0.05, 128), "x"], axis=1), 0.05, 128)
+    model = b.model([("x", [2, 3])], [out])
+    assert _apply(model, concat_to_qlinear)[1] == [0]

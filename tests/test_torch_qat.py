@@ -412,3 +412,34 @@ def test_functional_relu_and_relu6_fold_into_the_range_before_them(tmp_path):
     kinds = [n.op_type for n in result.model.graph.node]
     assert kinds.count("QLinearConv") == 3 and kinds.count("QGemm") == 1 and not result.float_nodes
     assert "Relu" not in kinds and "Clip" not in kinds and result.verification.max_steps <= 3
+
+
+class ConcatBlock(nn.Module):
+    """An Inception-style block: two branches with functional ReLUs, concatenated, then a conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(1, 4, 1), nn.Conv2d(1, 4, 3, padding=1)
+        self.mix = nn.Conv2d(8, 4, 1)
+        self.fc = nn.Linear(4 * 8 * 8, 10)
+
+    def forward(self, x):
+        y = torch.cat([torch.relu(self.a(x)), torch.nn.functional.relu(self.b(x))], dim=1)
+        return self.fc(torch.flatten(torch.relu(self.mix(y)), 1))
+
+
+def test_a_concat_of_quantized_branches_converts_to_integers(tmp_path):
+    from recal_onnx import quantize_qat_export
+
+    torch.manual_seed(0)
+    model = ConcatBlock()
+    fake_quantize_model(model)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), batches(4))
+    for fq in model.modules():
+        if isinstance(fq, ActivationFakeQuantize):
+            fq.observer_enabled = False
+    path = export_onnx(model.eval(), torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
+    result = quantize_qat_export(str(path), tmp_path / "int8.onnx")
+    kinds = [n.op_type for n in result.model.graph.node]
+    assert "QLinearConcat" in kinds and kinds.count("QLinearConv") == 3 and not result.float_nodes, kinds
+    assert result.verification.max_steps <= 3

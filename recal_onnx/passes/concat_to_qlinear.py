@@ -1,0 +1,38 @@
+"""Concatenating quantized tensors: on the integers, or QLinearConcat (com.microsoft) when their grids differ.
+
+Before::  DQ(q_1, s_1, zp_1), DQ(q_2, s_2, zp_2) -> Concat -> QuantizeLinear(s_y, zp_y) -> q_y
+After::   every input on the output's grid:  q_1, q_2 -> Concat -> q_y
+          otherwise:                          q_1, q_2 -> QLinearConcat(s_y, zp_y, s_1, zp_1, s_2, zp_2) -> q_y
+
+A concat moves values without changing them, so each input is only requantized to the output's grid,
+as the QuantizeLinear after the float concat does (GoogLeNet / Inception branches, DenseNet).
+"""
+
+from __future__ import annotations
+
+from ..graph import MS_DOMAIN, Graph, attr
+from ..qdq import activation, quantize_node_of, same_qparams
+
+
+def concat_to_qlinear(g: Graph) -> int:
+    count = 0
+    for node in list(g.nodes):
+        if node.op_type != "Concat" or node not in g.nodes or not node.input:
+            continue
+        parts = [activation(g, name) for name in node.input]
+        q = quantize_node_of(g, node.output[0])
+        if q is None or any(p is None for p in parts):
+            continue
+        dtype = g.const(q.input[2]).dtype
+        if any(g.const(p.zero_point).dtype != dtype for p in parts):
+            continue
+        axis = attr(node, "axis")
+        g.remove(node, q)
+        if all(same_qparams(g, p.scale, p.zero_point, q.input[1], q.input[2]) for p in parts):
+            g.add_node("Concat", [p.q for p in parts], [q.output[0]], name=node.name + "_int8", axis=axis)
+        else:
+            inputs = [q.input[1], q.input[2]] + [name for p in parts for name in (p.q, p.scale, p.zero_point)]
+            g.add_node("QLinearConcat", inputs, [q.output[0]], name=node.name + "_quant", domain=MS_DOMAIN,
+                       axis=axis)
+        count += 1
+    return count
