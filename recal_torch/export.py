@@ -25,6 +25,7 @@ from torch import nn
 from recal_core.atomic import atomic_folder
 
 from .model_params import unwrap
+from .qat_attention import SLOTS, AttentionFakeQuantize
 from .qat import (ACT_QMAX, ACT_QMIN, W_LEVELS, W_QMAX, W_QMIN, QATConv, QATEmbedding, QATModule, QuantizedReLU,
                   qat_modules)
 
@@ -123,6 +124,19 @@ class QuantizedReLUExport(nn.Module):
         return _qdq(F.relu(x), self.qparams, self.dynamo)
 
 
+class AttentionQDQ(nn.Module):
+    """An :class:`AttentionFakeQuantize` frozen for export: each matmul operand through QDQ, constant parameters."""
+
+    def __init__(self, module: AttentionFakeQuantize, dynamo: bool):
+        super().__init__()
+        self.dynamo = dynamo
+        self.qparams = {slot: _qparams(getattr(module, slot)) for slot in SLOTS}
+
+    def quantize(self, slot: str, x: torch.Tensor) -> torch.Tensor:
+        qparams = self.qparams[slot]
+        return x if qparams is None else _qdq(x, qparams, self.dynamo)
+
+
 def _qdq(x: torch.Tensor, qparams: tuple[float, int], dynamo: bool) -> torch.Tensor:
     """uint8 quantize-dequantize, written as the ops each exporter turns into QuantizeLinear/DequantizeLinear."""
     scale, zero_point = qparams
@@ -148,10 +162,11 @@ def to_export_model(model: nn.Module, dynamo: bool = True) -> nn.Module:
     exported = copy.deepcopy(model)
     exported.eval()
     for name, module in list(exported.named_modules()):
-        if isinstance(module, (QATModule, QuantizedReLU)):
+        if isinstance(module, (QATModule, QuantizedReLU, AttentionFakeQuantize)):
             parent_name, _, child = name.rpartition(".")
             parent = exported.get_submodule(parent_name) if parent_name else exported
             replacement = (QuantizedExportModule(module, dynamo) if isinstance(module, QATModule)
+                           else AttentionQDQ(module, dynamo) if isinstance(module, AttentionFakeQuantize)
                            else QuantizedReLUExport(module, dynamo))
             setattr(parent, child, replacement)
     return exported

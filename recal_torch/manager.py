@@ -94,12 +94,14 @@ class ScheduledModifierManager(RecipeManager):
     # --- modify ---------------------------------------------------------------------------------
 
     def modify(self, model: nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int,
-               loggers: Iterable[RecalLogger] = (), teacher: nn.Module | None = None) -> torch.optim.Optimizer:
+               loggers: Iterable[RecalLogger] = (), teacher: nn.Module | None = None,
+               quantize_attention: bool = False) -> torch.optim.Optimizer:
         """Bind the recipe to ``model`` and ``optimizer``; return ``optimizer`` (hooked, not wrapped).
 
         Every ``params`` / ``submodules`` entry is resolved now: one that matches nothing is a
         :class:`RecipeError` here, not at some later step. ``teacher``: the model a DistillationModifier
-        distils from (see :meth:`loss`).
+        distils from (see :meth:`loss`). ``quantize_attention``: QAT also quantizes the attention matmuls
+        (Q·Kᵀ and P·V) of modules with query / key / value projections (:mod:`recal_torch.qat_attention`).
         """
         if self._model is not None:
             raise RuntimeError("this manager already modified a model; create a new manager per model")
@@ -159,7 +161,7 @@ class ScheduledModifierManager(RecipeManager):
         self.masks = MaskState(plan, params, {p.name: p.kernel_axes for p in infos}, tensors)
         self.param_groups = ParamGroupSettings(optimizer, plan.groups)
         self.trainable = TrainableFlags(plan, params)
-        self.qat = QATControl(unwrap(model), roots, left_float)
+        self.qat = QATControl(unwrap(model), roots, left_float, attention=quantize_attention)
         self.teacher = Teacher(teacher) if teacher is not None else None
         self.loggers = list(loggers)
         self._hooks = [

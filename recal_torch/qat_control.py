@@ -15,6 +15,7 @@ from recal_core.recipe import Recipe
 from recal_core.schedule import QATState
 
 from .qat import QATModule, describe, fake_quantize_model, fake_quantizers, qat_modules, quantizable_layers
+from .qat_attention import AttentionFakeQuantize, quantize_attention
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +104,12 @@ def float_layers(recipe: Recipe, model: nn.Module) -> tuple[dict[int, set[str]],
 class QATControl:
     """Creates each QuantizationModifier's QAT modules when it starts and sets their switches."""
 
-    def __init__(self, model: nn.Module, roots: dict[int, list[str]], left_float: dict[int, set[str]] | None = None):
+    def __init__(self, model: nn.Module, roots: dict[int, list[str]], left_float: dict[int, set[str]] | None = None,
+                 attention: bool = False):
         self.model = model
         self.roots = roots
         self.left_float = left_float or {}
+        self.attention = attention  # also the attention matmuls (Q·Kᵀ, P·V): recal_torch.qat_attention
         self.prepared: set[int] = set()
         self._applied: dict[int, tuple[bool, bool]] = {}
 
@@ -131,6 +134,10 @@ class QATControl:
             prefix = name + "." if name else ""
             skip = {n[len(prefix):] for n in left if n.startswith(prefix)}
             created = fake_quantize_model(root, skip=skip)
+            if self.attention:
+                attended = quantize_attention(root, skip=skip)
+                log.info("QAT on %s: the matmuls of %d attention modules quantized", name or type(root).__name__,
+                         len(attended))
             kinds = Counter(type(m).__name__.removeprefix("QAT") for m in created)
             log.info("QAT on %s: %d layers quantized (%s) at step %d; manager.quantized_layers lists them",
                      name or type(root).__name__, len(created), ", ".join(f"{n} {k}" for k, n in kinds.items()),
@@ -142,7 +149,11 @@ class QATControl:
 
     def quantized_layers(self) -> dict[str, str]:
         """Each QAT layer's name and what is quantized in it (see :func:`recal_torch.qat.describe`)."""
-        return {name: describe(m) for name, m in self.model.named_modules() if isinstance(m, QATModule)}
+        layers = {name: describe(m) for name, m in self.model.named_modules() if isinstance(m, QATModule)}
+        for name, m in self.model.named_modules():
+            if isinstance(m, AttentionFakeQuantize):
+                layers[name.rpartition(".")[0]] = "attention matmuls Q·Kᵀ and P·V, operands uint8"
+        return layers
 
     def reset(self) -> None:
         """Forget the switches applied (after a checkpoint is loaded they are applied again)."""

@@ -13,7 +13,10 @@ resident memory above its imports (a fresh process, sampled every 2 ms) against 
 argmax agreement with the model's own reference on 16 inputs, 64 with ``--quick`` (recal: the QAT export run
 as float QDQ; onnxruntime's: the fp32 model). Run it on an idle machine: it measures latency.
 
-    python scripts/bench_transformers.py [--quick] [--rounds 15] [--models bert vit]
+    python scripts/bench_transformers.py [--quick] [--rounds 15] [--models bert vit] [--attention]
+
+``--attention`` adds rows for the same model with its attention matmuls quantized too
+(``modify(..., quantize_attention=True)``).
 """
 
 from __future__ import annotations
@@ -92,9 +95,10 @@ def feeds(batch, names, n: int, seed: int) -> dict[str, np.ndarray]:
     return {k: v.numpy() for k, v in zip(names, batch(n, torch.Generator().manual_seed(seed)))}
 
 
-def qat(model: nn.Module, batch, steps: int) -> nn.Module:
+def qat(model: nn.Module, batch, steps: int, attention: bool = False) -> nn.Module:
     manager = ScheduledModifierManager.from_yaml(QAT_ONLY)
-    optimizer = manager.modify(model, torch.optim.AdamW(model.parameters(), lr=1e-5), steps_per_epoch=steps)
+    optimizer = manager.modify(model, torch.optim.AdamW(model.parameters(), lr=1e-5), steps_per_epoch=steps,
+                               quantize_attention=attention)
     model.train()
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -159,7 +163,7 @@ def agreement(path: Path, reference: Path, checks: list[dict[str, np.ndarray]]) 
     return float(np.mean([np.argmax(got.run(None, f)[0]) == np.argmax(ref.run(None, f)[0]) for f in checks]))
 
 
-def bench(name: str, build, quick: bool, seq: int, rounds: int, folder: Path) -> None:
+def bench(name: str, build, quick: bool, seq: int, rounds: int, folder: Path, attention: bool = False) -> None:
     torch.manual_seed(0)
     model, batch, names = build(quick, seq)
     one = batch(1, torch.Generator().manual_seed(0))
@@ -170,10 +174,17 @@ def bench(name: str, build, quick: bool, seq: int, rounds: int, folder: Path) ->
     export_onnx(model, one, qat_path, dynamo=False, input_names=names, dynamic_batch=False)
     print(f"  {name}: built, QAT-trained and exported in {time.perf_counter() - t0:.0f}s", flush=True)
     paths = {"fp32": (fp32, float("nan"), float("nan"))}
-    for fmt in ("qoperator", "qdq"):
-        target = folder / f"{name}.{fmt}.onnx"
-        seconds, peak = convert_measured(qat_path, target, fmt)
-        paths[f"recal {fmt}"] = (target, seconds, peak)
+    exports = {"": qat_path}
+    if attention:  # the same model, its attention matmuls quantized too
+        torch.manual_seed(0)
+        model = qat(build(quick, seq)[0], batch, steps=2 if quick else 3, attention=True)
+        exports[" +attention"] = folder / f"{name}.qat-attention.onnx"
+        export_onnx(model, one, exports[" +attention"], dynamo=False, input_names=names, dynamic_batch=False)
+    for suffix, source in exports.items():
+        for fmt in ("qoperator", "qdq"):
+            target = folder / f"{name}.{fmt}{suffix.strip()}.onnx"
+            seconds, peak = convert_measured(source, target, fmt)
+            paths[f"recal {fmt}{suffix}"] = (target, seconds, peak)
     calibration = [feeds(batch, names, 1, seed) for seed in range(100, 108)]
     for label, (path, seconds) in ort_quantized(fp32, folder, calibration).items():
         paths[label] = (path, seconds, float("nan"))
@@ -183,12 +194,13 @@ def bench(name: str, build, quick: bool, seq: int, rounds: int, folder: Path) ->
     fp32_size, qat_size = fp32.stat().st_size, qat_path.stat().st_size
     print(f"\n{name}: onnxruntime {ort.__version__}, batch 1, median of {rounds} interleaved rounds; "
           f"QAT export {qat_size / 1e6:.1f} MB")
-    print(f"{'model':22s} {'MB':>8s} {'x fp32':>7s} {'t1 ms':>8s} {'t2 ms':>8s} {'vs fp32 t1':>10s} "
+    print(f"{'model':26s} {'MB':>8s} {'x fp32':>7s} {'t1 ms':>8s} {'t2 ms':>8s} {'vs fp32 t1':>10s} "
           f"{'agree':>6s} {'convert s':>9s} {'peak x in':>9s}")
     for label, (path, seconds, peak) in paths.items():
         size = path.stat().st_size
-        reference = fp32 if label == "fp32" or label.startswith("ort") else qat_path
-        print(f"{label:22s} {size / 1e6:8.2f} {size / fp32_size:7.3f} {latency[1][label] * 1e3:8.2f} "
+        reference = fp32 if label == "fp32" or label.startswith("ort") else \
+            exports[" +attention"] if label.endswith("+attention") else qat_path
+        print(f"{label:26s} {size / 1e6:8.2f} {size / fp32_size:7.3f} {latency[1][label] * 1e3:8.2f} "
               f"{latency[2][label] * 1e3:8.2f} {latency[1]['fp32'] / latency[1][label]:9.2f}x "
               f"{agreement(path, reference, checks):6.3f} {seconds:9.2f} {peak / qat_size:9.2f}", flush=True)
 
@@ -199,11 +211,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--models", nargs="+", default=["bert", "vit"], choices=["bert", "vit"])
+    parser.add_argument("--attention", action="store_true", help="also rows with the attention matmuls quantized")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="recal-bench-transformers-"))
     warnings.filterwarnings("ignore")
     for name in args.models:
-        bench(name, {"bert": bert, "vit": vit}[name], args.quick, args.seq, args.rounds, folder)
+        bench(name, {"bert": bert, "vit": vit}[name], args.quick, args.seq, args.rounds, folder, args.attention)
     print(f"\nmodels in {folder}")
 
 

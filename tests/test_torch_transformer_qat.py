@@ -156,3 +156,23 @@ def test_the_manager_reports_what_it_quantized():
     assert layers["emb"] == "Embedding, table (60, 16) int8 per row, rows float"
     assert layers["head"] == "Linear, weight (3, 16) int8 per channel, input from a quantized layer, output float"
     assert layers["proj"].endswith("input uint8, output uint8") and layers["q"].endswith("input uint8, output float")
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_attention_matmuls_quantized_as_an_option(tmp_path, dynamo):
+    torch.manual_seed(0)
+    model = TinyEncoder()
+    optimizer = torch.optim.Adam(model.parameters(), 1e-2)
+    manager = ScheduledModifierManager.from_yaml("- !QuantizationModifier {start_epoch: 0}\n")
+    manager.modify(model, optimizer, steps_per_epoch=8, quantize_attention=True)
+    _train(model, optimizer, _data(8))
+    manager.finalize(model)
+    assert manager.quantized_layers[""] == "attention matmuls Q·Kᵀ and P·V, operands uint8"
+    fq = model.attention_fake_quant
+    assert all(getattr(fq, slot).has_observed for slot in ("query", "key", "probs", "value"))
+    assert float(fq.probs.min_val) >= 0 and float(fq.probs.max_val) <= 1  # softmax probabilities
+    path = export_onnx(model.eval(), _data(1)[0][0][:2], tmp_path / "qat.onnx", dynamo=dynamo, input_names=["ids"])
+    result = quantize_qat_export(str(path), tmp_path / "int8.onnx", min_agreement=0.99)
+    kinds = [n.op_type for n in result.model.graph.node]
+    assert kinds.count("MatMulIntegerToFloat") == 8 and "MatMul" not in kinds, kinds  # 6 Linears + Q·Kᵀ + P·V
+    assert result.verification.max_abs_diff <= 0.05 * result.verification.output_range

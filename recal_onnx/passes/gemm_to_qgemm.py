@@ -4,7 +4,8 @@ Before::  DQ(q_a, s_a, zp_a), DQ(w_int8, s_w, 0) -> Gemm(bias) -> [Relu] -> Quan
 After::   q_a, w_int8 -> QGemm(s_a, zp_a, s_w, 0, int32 bias, s_y, zp_y) -> [Max(., zp_y)] -> q_y
 
 Without a QuantizeLinear after it, QGemm returns float (a model's logits). A MatMul whose input is
-not known to be 2-D (e.g. [batch, tokens, hidden]) becomes MatMulIntegerToFloat with a float bias.
+not known to be 2-D (e.g. [batch, tokens, hidden]) becomes MatMulIntegerToFloat with a float bias. A MatMul
+of two quantized activations (attention's Q·Kᵀ and P·V) becomes MatMulIntegerToFloat too.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def _gemm(g: Graph, node: onnx.NodeProto) -> int:
 
 def _matmul(g: Graph, node: onnx.NodeProto) -> int:
     a, w = activation(g, node.input[0]), weight(g, node.input[1])
+    b = activation(g, node.input[1]) if w is None else None
+    if a is not None and b is not None:  # both operands are activations: int32 products, scaled to float
+        g.remove(node)
+        g.add_node("MatMulIntegerToFloat", [a.q, b.q, a.scale, b.scale, a.zero_point, b.zero_point], [node.output[0]],
+                   name=node.name + "_quant", domain=MS_DOMAIN)
+        return 1
     if a is None or w is None or w.q.ndim != 2:
         return 0
     add = g.only_consumer(node.output[0])

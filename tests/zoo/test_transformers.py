@@ -166,3 +166,32 @@ def test_a_transformer_with_external_data_converts_and_its_input_is_untouched(qa
     assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in inputs} == digests
     got = ort.InferenceSession(str(result.path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     assert got.shape == (8, CLASSES)
+
+
+@pytest.mark.parametrize("kind, attention", [(Bert, "sdpa"), (Bert, "eager"), (ViT, "sdpa")],
+                         ids=["bert-sdpa", "bert-eager", "vit-sdpa"])
+def test_attention_matmuls_quantize_as_an_option(kind, attention, tmp_path):
+    torch.manual_seed(0)
+    model = kind()
+    model.model.config._attn_implementation = attention
+    optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+    manager = ScheduledModifierManager.from_yaml(RECIPE % kind.params)
+    manager.modify(model, optimizer, steps_per_epoch=SPE, quantize_attention=True)
+    g = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(2 * SPE):
+        inputs, labels = kind.batch(g)
+        optimizer.zero_grad()
+        F.cross_entropy(model(*inputs), labels).backward()
+        optimizer.step()
+    manager.finalize(model)
+    attended = [n for n, d in manager.quantized_layers.items() if d.startswith("attention matmuls")]
+    assert len(attended) == 2  # one per layer
+    sample = tuple(t[:2] for t in kind.batch(torch.Generator().manual_seed(1))[0])
+    path = export_onnx(model.eval(), sample, tmp_path / "qat.onnx", input_names=kind.names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnconvertedOpsWarning)
+        result = quantize_qat_export(str(path), tmp_path / "int8.onnx", min_agreement=0.999)
+    kinds = collections.Counter(n.op_type for n in result.model.graph.node)
+    assert "MatMul" not in kinds and kinds["MatMulIntegerToFloat"] + kinds["QGemm"] == _linears(model) + 4, kinds
+    assert result.verification.max_abs_diff <= 0.02 * result.verification.output_range, result.verification
