@@ -92,6 +92,7 @@ class ConversionResult:
     unconverted: list[tuple[str, str]] = field(default_factory=list)  # (op type, node name)
     verification: Verification | None = None
     seconds: float = 0.0
+    float_ops: dict[str, int] = field(default_factory=dict)  # op type -> nodes that compute in float (by design too)
 
     @property
     def float_nodes(self) -> list[tuple[str, str]]:
@@ -177,7 +178,10 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
         listed = ", ".join(f"{op} {name!r}" for op, name in unconverted)
         warnings.warn(f"left in float between DequantizeLinear and QuantizeLinear: {listed}",
                       UnconvertedOpsWarning, stacklevel=3)
-    result = ConversionResult(model, None, rewrites, unconverted)
+    result = ConversionResult(model, None, rewrites, unconverted, float_ops=_float_compute(model))
+    if result.float_ops:
+        log.info("quantize_qat_export: computing in float (outside quantized tensors, by design, or listed above): "
+                 "%s", ", ".join(f"{op} x{n}" for op, n in result.float_ops.items()))
     if verify:
         result.verification = verify_models(reference, model, inputs, output_step)
         problem = result.verification.problem(tolerance, min_agreement)
@@ -279,6 +283,27 @@ def _check_input(model: onnx.ModelProto, name: str) -> None:
         raise ModelError(f"{name} has ops of custom domains, which onnxruntime cannot run: {listed}")
     if not any(n.op_type in QDQ_OPS for n in model.graph.node):
         raise ModelError(f"{name} is not a QAT model: it has no QuantizeLinear/DequantizeLinear nodes")
+
+
+# ops that move, index or reshape values, or read shapes: no arithmetic, nothing to quantize
+NO_ARITHMETIC = SHAPE_READERS | {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Concat", "Slice", "Gather",
+                                 "GatherElements", "GatherND", "Expand", "Identity", "Cast", "Range", "ConstantOfShape",
+                                 "Where", "Equal", "And", "Not", "IsNaN", "Split"}
+
+
+def _float_compute(model: onnx.ModelProto) -> dict[str, int]:
+    """Per op type, the nodes that do arithmetic on float tensors (QDQ and data movement excluded): what runs
+    in float in the converted model, whether by design (LayerNorm, Softmax, GELU) or left unconverted."""
+    types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.value_info, *model.graph.output]}
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.op_type in QDQ_OPS or node.op_type in NO_ARITHMETIC:
+            continue
+        if node.output and types.get(node.output[0]) in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
+                                                         onnx.TensorProto.BFLOAT16) \
+                and not node.op_type.startswith(("QLinear", "QGemm", "MatMulInteger", "DynamicQuantize")):
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def _output_quantum(g: Graph) -> float:

@@ -176,3 +176,20 @@ def test_attention_matmuls_quantized_as_an_option(tmp_path, dynamo):
     kinds = [n.op_type for n in result.model.graph.node]
     assert kinds.count("MatMulIntegerToFloat") == 8 and "MatMul" not in kinds, kinds  # 6 Linears + Q·Kᵀ + P·V
     assert result.verification.max_abs_diff <= 0.05 * result.verification.output_range
+
+
+def test_the_result_names_what_computes_in_float(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = TinyEncoder()
+    optimizer = torch.optim.Adam(model.parameters(), 1e-2)
+    manager = ScheduledModifierManager.from_yaml("- !QuantizationModifier {start_epoch: 0}\n")
+    manager.modify(model, optimizer, steps_per_epoch=8)
+    _train(model, optimizer, _data(8))
+    manager.finalize(model)
+    path = export_onnx(model.eval(), _data(1)[0][0][:2], tmp_path / "qat.onnx", dynamo=False, input_names=["ids"])
+    with caplog.at_level(logging.INFO, logger="recal_onnx.convert"):
+        result = quantize_qat_export(str(path))
+    ops = result.float_ops
+    assert ops["MatMul"] == 2 and ops["Softmax"] == 1 and ops["LayerNormalization"] == 1  # attention, by design
+    assert "MatMulIntegerToFloat" not in ops and "QGemm" not in ops
+    assert "computing in float" in caplog.text and "Softmax x1" in caplog.text
