@@ -70,8 +70,10 @@ def _enter(module: nn.Module, args) -> None:
     module.__dict__.setdefault("_recal_attention_modes", []).append(mode)
 
 
-def _leave(module: nn.Module, args, output) -> None:
-    module.__dict__["_recal_attention_modes"].pop().__exit__(None, None, None)
+def _leave(module: nn.Module, args, output=None) -> None:
+    modes = module.__dict__.get("_recal_attention_modes")
+    if modes:  # (empty when an earlier pre-hook raised before ours ran: let that error through)
+        modes.pop().__exit__(None, None, None)
 
 
 class _QuantizedMatmuls(TorchFunctionMode):

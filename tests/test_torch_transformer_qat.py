@@ -193,3 +193,18 @@ def test_the_result_names_what_computes_in_float(tmp_path, caplog):
     assert ops["MatMul"] == 2 and ops["Softmax"] == 1 and ops["LayerNormalization"] == 1  # attention, by design
     assert "MatMulIntegerToFloat" not in ops and "QGemm" not in ops
     assert "computing in float" in caplog.text and "Softmax x1" in caplog.text
+
+
+def test_an_attention_forward_that_raises_leaves_no_mode_behind():
+    from recal_torch.qat_attention import quantize_attention
+
+    class Failing(TinyEncoder):
+        def forward(self, ids):
+            raise RuntimeError("boom")
+
+    model = Failing()
+    assert quantize_attention(model) == [""]
+    depth = torch._C._len_torch_function_stack()
+    with pytest.raises(RuntimeError, match="boom"):
+        model(_data(1)[0][0])
+    assert torch._C._len_torch_function_stack() == depth
