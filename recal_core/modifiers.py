@@ -297,6 +297,11 @@ class QuantizationScheme(BaseModel):
     def leaves_float(self) -> bool:
         return self.input_activations is None and self.weights is None and self.output_activations is None
 
+    @property
+    def weights_not_per_channel(self) -> bool:
+        """Quantized weights other than recal's int8 symmetric per channel (per row, for a table)."""
+        return self.weights is not None and (not self.weights.symmetric or self.weights.strategy == "tensor")
+
     def conflicts_with_recal(self) -> list[str]:
         """What this scheme asks of a Conv/Linear that recal's QAT (uint8 asymmetric activations, int8
         symmetric per-channel weights, all three quantized together) does not do."""
@@ -304,7 +309,7 @@ class QuantizationScheme(BaseModel):
         if not self.leaves_float and (self.input_activations is None or self.weights is None):
             out.append("a layer with some tensors float and others quantized (list the layer in ignore "
                        "to leave it float)")
-        if self.weights is not None and (not self.weights.symmetric or self.weights.strategy == "tensor"):
+        if self.weights_not_per_channel:
             out.append("weights other than symmetric per channel")
         for act in (self.input_activations, self.output_activations):
             if act is not None and (act.symmetric or act.strategy == "channel"):
@@ -315,9 +320,7 @@ class QuantizationScheme(BaseModel):
     def table_conflicts_with_recal(self) -> list[str]:
         """What this scheme asks of an embedding table that recal's QAT (int8 symmetric per-row table; ids
         are integers and the rows it returns float) does not do."""
-        if self.weights is not None and (not self.weights.symmetric or self.weights.strategy == "tensor"):
-            return ["embedding tables other than symmetric per row"]
-        return []
+        return ["embedding tables other than symmetric per row"] if self.weights_not_per_channel else []
 
 
 class QuantizationModifier(Modifier):

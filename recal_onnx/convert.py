@@ -11,7 +11,8 @@ graph, and runs ``onnx.checker`` and shape inference:
 3. ``scalar_activation_qparams``, ``activations_to_uint8`` (int8 activation QDQ -> uint8, same values)
 4. ``remove_redundant_qdq``
 5. format ``qoperator``: ``int8_passthrough``, ``conv_to_qlinearconv``, ``gemm_to_qgemm``,
-   ``add_to_qlinearadd``, ``concat_to_qlinear``, ``pool_to_qlinear``, ``remove_redundant_qdq``, repeated until nothing changes;
+   ``add_to_qlinearadd``, ``concat_to_qlinear``, ``pool_to_qlinear``, ``remove_redundant_qdq``, repeated until
+   nothing changes;
    format ``qdq``: ``bias_to_int32``, ``saturation_free_weights``.
 
 Int8 weights beyond +-64 are written as uint8 with zero point 128 in both formats, so onnxruntime's
@@ -108,8 +109,9 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
 
     ``model_or_path`` is never modified; ``output_path`` (optional) is written atomically and may not
     be the input file. ``inputs`` (or its other name ``verify_inputs``) feeds the verification (generated
-    when absent: integer inputs cover the table they index, masks are ones); ``tolerance`` is the largest max-abs-difference accepted (default: 3
-    quantization steps of a quantized output, 10% of the reference outputs' range for a float one). Argmax agreement (2-D outputs) is always reported; it is enforced only
+    when absent: integer inputs cover the table they index, masks are ones); ``tolerance`` is the largest
+    max-abs-difference accepted (default: 3 quantization steps of a quantized output, 10% of the reference
+    outputs' range for a float one). Argmax agreement (2-D outputs) is always reported; it is enforced only
     with ``min_agreement`` (on generated inputs a model's near-tied logits flip on rounding alone,
     and a flip on a clear margin already exceeds the tolerance). ``thin`` removes the channels filter
     pruning left dead (exactly zero, or read by no one) where the channel-coupling rules allow: the
@@ -291,6 +293,9 @@ NO_ARITHMETIC = SHAPE_READERS | {"Reshape", "Transpose", "Squeeze", "Unsqueeze",
                                  "Where", "Equal", "And", "Not", "IsNaN", "Split"}
 
 
+INTEGER_TO_FLOAT = {"MatMulIntegerToFloat", "QGemm"}  # integer kernels that return float (logits, pre-softmax)
+
+
 def _float_compute(model: onnx.ModelProto) -> dict[str, int]:
     """Per op type, the nodes that do arithmetic on float tensors (QDQ and data movement excluded): what runs
     in float in the converted model, whether by design (LayerNorm, Softmax, GELU) or left unconverted."""
@@ -301,7 +306,7 @@ def _float_compute(model: onnx.ModelProto) -> dict[str, int]:
             continue
         if node.output and types.get(node.output[0]) in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
                                                          onnx.TensorProto.BFLOAT16) \
-                and not node.op_type.startswith(("QLinear", "QGemm", "MatMulInteger", "DynamicQuantize")):
+                and node.op_type not in INTEGER_TO_FLOAT:
             counts[node.op_type] = counts.get(node.op_type, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 

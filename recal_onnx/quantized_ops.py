@@ -83,27 +83,46 @@ def output_tail(g: Graph, name: str) -> tuple[onnx.NodeProto | None, onnx.NodePr
     return None, quantize_node_of(g, name)
 
 
-def integer_clamp(g: Graph, act: onnx.NodeProto, q: onnx.NodeProto) -> list[tuple[str, int]]:
-    """The clamp ``act`` does, on ``q``'s integers: ``[("Max", low), ("Min", high)]``, each only where it cuts
-    inside the integer type (monotone rounding makes this exact: ``Q(clip(y)) == clip(Q(y), Q(lo), Q(hi))``)."""
-    low, high = clamp_bounds(g, act)
-    scale, zp = scalar(g, q.input[1]), g.const(q.input[2])
+def integer_bounds(g: Graph, act: onnx.NodeProto, scale_name: str, zp_name: str,
+                   on_grid: bool) -> list[tuple[str, int]] | None:
+    """The clamp ``act`` (Relu, constant-bound Clip) does, on the integers of grid ``(scale, zero point)``:
+    ``[("Max", low), ("Min", high)]``, each only where it cuts inside the integer type; None if it cannot.
+
+    Before a QuantizeLinear (``on_grid=False``) it is exact for any bound: rounding is monotone, so
+    ``Q(clip(y)) == clip(Q(y), Q(lo), Q(hi))``. After a DequantizeLinear (``on_grid=True``) a bound between grid
+    points would give a float the integers cannot hold: None.
+    """
+    bounds = clamp_bounds(g, act)
+    if bounds is None:
+        return None
+    scale, zp = scalar(g, scale_name), g.const(zp_name)
     info = np.iinfo(zp.dtype)
     ops = []
-    for op, bound, limit in (("Max", low, info.min), ("Min", high, info.max)):
+    for op, bound, limit in (("Max", bounds[0], info.min), ("Min", bounds[1], info.max)):
         if bound is None:
             continue
-        value = int(np.clip(np.rint(bound / scale) + int(zp.reshape(-1)[0]), info.min, info.max))
+        steps = bound / scale + int(zp.reshape(-1)[0])
+        if (steps <= limit + 1e-4) if op == "Max" else (steps >= limit - 1e-4):
+            continue  # beyond what the integers hold: nothing to clamp
+        if on_grid and abs(steps - np.rint(steps)) > 1e-4:
+            return None
+        value = int(np.clip(np.rint(steps), info.min, info.max))
         if value != limit:
             ops.append((op, value))
     return ops
 
 
-def zero_point_is_lowest(g: Graph, name: str) -> bool:
-    """Whether the zero point ``name`` is its type's lowest integer: then every value is >= real 0,
-    so a ReLU on those integers changes nothing."""
-    zp = g.const(name)
-    return int(zp.reshape(-1)[0]) == np.iinfo(zp.dtype).min
+def clamp_integers(g: Graph, act: onnx.NodeProto, source: str, ops: list[tuple[str, int]], dtype: np.dtype,
+                   target: str | None = None) -> str:
+    """``ops`` (from :func:`integer_bounds`) applied to the integers ``source`` as ``Max`` / ``Min`` nodes; the
+    last writes ``target`` (a fresh name when None). Returns the clamped tensor (``source`` if ``ops`` is empty)."""
+    out = source
+    for i, (op, value) in enumerate(ops):
+        name = target if target is not None and i == len(ops) - 1 else g.fresh(source + "_clamped")
+        bound = g.add_const(f"{act.name or 'clamp'}_{op.lower()}", np.array(value, dtype))
+        g.add_node(op, [out, bound], [name], name=f"{act.name}_{op.lower()}_int8")
+        out = name
+    return out
 
 
 def replace_with_quantized(g: Graph, replaced: list[onnx.NodeProto], act: onnx.NodeProto | None,
@@ -115,13 +134,8 @@ def replace_with_quantized(g: Graph, replaced: list[onnx.NodeProto], act: onnx.N
     lowest zero point, a ReLU6 whose 6 is beyond the top); otherwise it becomes ``Max`` / ``Min`` with the
     bound's integer on the integers.
     """
-    clamp = integer_clamp(g, act, q) if act is not None else []
+    clamp = integer_bounds(g, act, q.input[1], q.input[2], on_grid=False) if act is not None else []
     out = g.fresh(q.output[0] + "_preclamp") if clamp else q.output[0]
     g.remove(*replaced, *(n for n in (act, q) if n is not None))
     g.add_node(op_type, inputs, [out], name=name, domain=domain, **attrs)
-    dtype = g.const(q.input[2]).dtype
-    for i, (op, value) in enumerate(clamp):
-        target = q.output[0] if i == len(clamp) - 1 else g.fresh(q.output[0] + "_clamped")
-        bound = g.add_const(f"{act.name or 'clamp'}_{op.lower()}", np.array(value, dtype))
-        g.add_node(op, [out, bound], [target], name=f"{act.name}_{op.lower()}_int8")
-        out = target
+    clamp_integers(g, act, out, clamp, g.const(q.input[2]).dtype, target=q.output[0])

@@ -25,9 +25,9 @@ from torch import nn
 from recal_core.atomic import atomic_folder
 
 from .model_params import unwrap
-from .qat_attention import SLOTS, AttentionFakeQuantize
 from .qat import (ACT_QMAX, ACT_QMIN, W_LEVELS, W_QMAX, W_QMIN, QATConv, QATEmbedding, QATModule, QuantizedReLU,
-                  qat_modules)
+                  clamp, qat_modules)
+from .qat_attention import SLOTS, AttentionFakeQuantize
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +105,7 @@ class QuantizedExportModule(nn.Module):
             y = conv(x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
         else:
             y = F.linear(x, weight, self.bias)
-        if self.relu6:
-            y = F.relu6(y)
-        elif self.relu:
-            y = F.relu(y)
+        y = clamp(y, self.relu, self.relu6)
         return y if self.output_qparams is None else self._qdq(y, self.output_qparams)
 
 

@@ -9,6 +9,7 @@ from recal_core.params import ParamInfo
 
 PRUNABLE_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
                    nn.ConvTranspose3d, nn.Linear)
+TABLES = (nn.Embedding, nn.EmbeddingBag)  # pruned only when a recipe names them
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -21,10 +22,18 @@ def unwrap(model: nn.Module) -> nn.Module:
 TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)  # weight [in, out, *k]
 
 
-def is_prunable(module: nn.Module, param_name: str) -> bool:
-    from .qat import QATModule  # QAT modules keep the kernel they were built from
+def _layer_type(module: nn.Module) -> type:
+    from .qat import QATModule  # a QAT module keeps the kernel (or table) of the layer it was built from
 
-    return param_name == "weight" and isinstance(module, (*PRUNABLE_LAYERS, QATModule))
+    return module.float_type if isinstance(module, QATModule) else type(module)
+
+
+def is_prunable(module: nn.Module, param_name: str) -> bool:
+    return param_name == "weight" and issubclass(_layer_type(module), PRUNABLE_LAYERS)
+
+
+def is_table(module: nn.Module, param_name: str) -> bool:
+    return param_name == "weight" and issubclass(_layer_type(module), TABLES)
 
 
 def kernel_axes(module: nn.Module, param: torch.Tensor) -> tuple[int, ...]:
@@ -45,7 +54,7 @@ def describe_parameters(model: nn.Module) -> tuple[list[ParamInfo], dict[str, nn
             seen.add(id(param))
             full = f"{layer_name}.{pname}" if layer_name else pname
             prunable = is_prunable(module, pname)
-            table = pname == "weight" and isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+            table = is_table(module, pname)
             infos.append(ParamInfo(full, layer_name, prunable, tuple(param.shape),
                                    kernel_axes(module, param) if prunable or table else None,
                                    prunable_when_named=table))

@@ -158,6 +158,12 @@ class WeightFakeQuantize(nn.Module):
 # --- fused QAT modules ---------------------------------------------------------------------
 
 
+def clamp(y: torch.Tensor, relu: bool, relu6: bool) -> torch.Tensor:
+    """The fused activation of a QAT layer (and of its export form): ReLU6, ReLU or none."""
+    return F.relu6(y) if relu6 else F.relu(y) if relu else y
+
+
+
 class FoldedBatchNorm(nn.Module):
     """A BatchNorm folded into the QAT conv before it: same parameters and statistics, identity forward."""
 
@@ -203,11 +209,12 @@ class QATModule(nn.Module):
         """The weight and bias with any BatchNorm folded in, from its running statistics."""
         return self.weight, self.bias
 
+    @property
+    def activation_name(self) -> str:
+        return "ReLU6" if self.relu6 else "ReLU" if self.relu else ""
+
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
-        if self.relu6:
-            y = F.relu6(y)
-        elif self.relu:
-            y = F.relu(y)
+        y = clamp(y, self.relu, self.relu6)
         return y if self.activation_post_process is None else self.activation_post_process(y)
 
 
@@ -267,7 +274,7 @@ class QATConv(QATModule):
     def extra_repr(self) -> str:
         parts = [self.float_type.__name__]
         parts += ["BatchNorm (folded)"] if self.folded_bn is not None else []
-        parts += ["ReLU6"] if self.relu6 else ["ReLU"] if self.relu else []
+        parts += [self.activation_name] if self.activation_name else []
         return "-".join(parts) + f", weight {tuple(self.weight.shape)}"
 
 
@@ -280,7 +287,7 @@ class QATLinear(QATModule):
         return self._finish(F.linear(x, self.weight_fake_quant(self.weight), self.bias))
 
     def extra_repr(self) -> str:
-        act = "-ReLU6" if self.relu6 else "-ReLU" if self.relu else ""
+        act = f"-{self.activation_name}" if self.activation_name else ""
         return f"Linear{act}, weight {tuple(self.weight.shape)}"
 
 
@@ -333,7 +340,7 @@ _PRESERVING_METHODS = {"view", "reshape", "flatten", "relu", "contiguous", "sque
 class _Plan:
     target: str
     bn: str | None = None
-    relu: str | None = None  # the activation module fused (it becomes nn.Identity)
+    fused_module: str | None = None  # the activation module fused (it becomes nn.Identity)
     quantize_input: bool = True
     activation: str | None = None  # "relu" or "relu6": clamped before the output is quantized
 
@@ -367,11 +374,11 @@ def _clamping_activation(node: torch.fx.Node, module: nn.Module | None) -> str |
 def quantizable_layers(root: nn.Module, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
     """Names of the Conv1d/2d/3d (zero padding), Linear and Embedding modules QAT can quantize, less ``skip``."""
     return [n for n, m in root.named_modules()
-            if ((isinstance(m, CONVS) and m.padding_mode == "zeros") or type(m) is nn.Linear or _is_table(m))
+            if ((isinstance(m, CONVS) and m.padding_mode == "zeros") or type(m) is nn.Linear or is_table(m))
             and n not in skip]
 
 
-def _is_table(module: nn.Module) -> bool:
+def is_table(module: nn.Module) -> bool:
     """An embedding table QAT stores in int8 (``max_norm`` rewrites rows during lookup: left float)."""
     return type(module) is nn.Embedding and module.max_norm is None
 
@@ -409,9 +416,9 @@ def fake_quantize_model(root: nn.Module, skip: frozenset[str] | set[str] = froze
         if plan.bn is not None:
             bn = FoldedBatchNorm(modules[plan.bn])
             _replace(root, plan.bn, bn)
-        if plan.relu is not None:
-            _replace(root, plan.relu, nn.Identity())
-        if _is_table(float_module):
+        if plan.fused_module is not None:
+            _replace(root, plan.fused_module, nn.Identity())
+        if is_table(float_module):
             qat: QATModule = QATEmbedding(float_module)
         elif isinstance(float_module, CONVS):
             qat = QATConv(float_module, bn, plan.activation == "relu", plan.quantize_input,
@@ -515,7 +522,7 @@ def _plan_from_trace(root: nn.Module, modules: dict[str, nn.Module],
         layer = module_of(node)
         if layer is None or node.target not in quantizable or calls[node.target] != 1:
             continue
-        if _is_table(layer):
+        if is_table(layer):
             tables.append(_Plan(node.target, quantize_input=False))
             continue
         plan = _Plan(node.target)
@@ -528,10 +535,10 @@ def _plan_from_trace(root: nn.Module, modules: dict[str, nn.Module],
             and nxt.args[0] is end else None
         if kind is not None and (nxt.op != "call_module" or calls[nxt.target] == 1):
             plan.activation, end = kind, nxt
-            plan.relu = nxt.target if nxt.op == "call_module" else None  # a function stays: idempotent after
+            plan.fused_module = nxt.target if nxt.op == "call_module" else None  # a function stays: idempotent
         plans[node] = plan
         ends[end] = plan
-    fused_relus = {p.relu for p in plans.values() if p.relu is not None}
+    fused_relus = {p.fused_module for p in plans.values() if p.fused_module is not None}
     residual_relus = []
     for node in graph.nodes:
         if node.op == "call_function" and node.target in _ADDS and len(node.args) == 2 \

@@ -14,7 +14,8 @@ from recal_core.params import strip_wrapper
 from recal_core.recipe import Recipe
 from recal_core.schedule import QATState
 
-from .qat import QATModule, describe, fake_quantize_model, fake_quantizers, qat_modules, quantizable_layers
+from .qat import (QATModule, describe, fake_quantize_model, fake_quantizers, is_table, qat_modules,
+                  quantizable_layers)
 from .qat_attention import AttentionFakeQuantize, quantize_attention
 
 log = logging.getLogger(__name__)
@@ -70,26 +71,24 @@ def float_layers(recipe: Recipe, model: nn.Module) -> tuple[dict[int, set[str]],
             matched = {n for n in modules if _matches(entry, n, modules)}
             quantized = matched & layers
             loc = recipe.location(index, "scheme_overrides")
-            tables = {n for n in quantized if isinstance(modules[n], nn.Embedding)}
+            tables = {n for n in quantized if is_table(modules[n])}  # only their weights are quantized
             if tables and scheme.weights is None:
-                left[index] |= tables  # a table has only its weights to quantize
+                left[index] |= tables
             elif tables and scheme.table_conflicts_with_recal():
                 problems.append(recipe.problem(
                     index, "scheme_overrides", f"{entry!r} ({', '.join(sorted(tables)[:3])}): recal's QAT does not "
                     f"do {'; '.join(scheme.table_conflicts_with_recal())}",
                     expected="weights: null (the table stays float) or int8 symmetric per-channel (per-row) weights"))
-            quantized -= tables
+            convs_and_linears = quantized - tables
             if not matched:
                 notes.append(f"{loc}: {where}: scheme_overrides entry {entry!r} names no module or module class "
                              "of this model")
-            elif not quantized and tables:
-                pass
-            elif quantized and scheme.leaves_float:
-                left[index] |= quantized
-            elif quantized and scheme.conflicts_with_recal():
+            elif convs_and_linears and scheme.leaves_float:
+                left[index] |= convs_and_linears
+            elif convs_and_linears and scheme.conflicts_with_recal():
                 problems.append(recipe.problem(
-                    index, "scheme_overrides", f"{entry!r} ({', '.join(sorted(quantized)[:3])}...): recal's QAT "
-                    f"does not do {'; '.join(scheme.conflicts_with_recal())}",
+                    index, "scheme_overrides", f"{entry!r} ({', '.join(sorted(convs_and_linears)[:3])}...): "
+                    f"recal's QAT does not do {'; '.join(scheme.conflicts_with_recal())}",
                     expected="null for every tensor (float), int8 symmetric per-channel weights with uint8 "
                              "asymmetric activations, or the layer in ignore"))
             elif not quantized and (scheme.input_activations or scheme.output_activations

@@ -11,6 +11,7 @@ from torch import nn
 
 from recal_onnx import quantize_qat_export
 from recal_torch import ScheduledModifierManager, export_onnx
+from recal_torch.model_params import describe_parameters
 from recal_torch.qat import QATEmbedding, QATLinear, fake_quantize_model
 
 VOCAB, TOKENS, CLASSES = 60, 6, 3
@@ -156,6 +157,10 @@ def test_the_manager_reports_what_it_quantized():
     assert layers["emb"] == "Embedding, table (60, 16) int8 per row, rows float"
     assert layers["head"] == "Linear, weight (3, 16) int8 per channel, input from a quantized layer, output float"
     assert layers["proj"].endswith("input uint8, output uint8") and layers["q"].endswith("input uint8, output float")
+    # the QAT modules keep their layers' pruning rules: a table is still pruned only when named
+    infos = {p.name: p for p in describe_parameters(model)[0]}
+    assert not infos["emb.weight"].prunable and infos["emb.weight"].prunable_when_named
+    assert infos["q.weight"].prunable and not infos["q.weight"].prunable_when_named
 
 
 @pytest.mark.parametrize("dynamo", [True, False])

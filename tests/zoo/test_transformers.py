@@ -73,23 +73,30 @@ class ViT(nn.Module):
     names = ("input",)
 
 
-@pytest.fixture(scope="module", params=[Bert, ViT], ids=["bert", "vit"])
-def qat_model(request):
+def _prune_and_qat(kind, quantized_attention: str | None = None):
+    """``kind``'s model after the recipe's 80% pruning and QAT steps on synthetic data, finalized; its manager.
+    ``quantized_attention``: the attention implementation ("sdpa", "eager") whose matmuls QAT quantizes too."""
     torch.manual_seed(0)
-    model = request.param()
+    model = kind()
+    if quantized_attention is not None:
+        model.model.config._attn_implementation = quantized_attention
     optimizer = torch.optim.Adam(model.parameters(), 1e-3)
-    manager = ScheduledModifierManager.from_yaml(RECIPE % request.param.params)
-    manager.modify(model, optimizer, steps_per_epoch=SPE)
+    manager = ScheduledModifierManager.from_yaml(RECIPE % kind.params)
+    manager.modify(model, optimizer, steps_per_epoch=SPE, quantize_attention=quantized_attention is not None)
     g = torch.Generator().manual_seed(0)
     model.train()
     for _ in range(2 * SPE):
-        inputs, labels = request.param.batch(g)
+        inputs, labels = kind.batch(g)
         optimizer.zero_grad()
         F.cross_entropy(model(*inputs), labels).backward()
         optimizer.step()
     manager.finalize(model)
-    model.eval()
-    return model, request.param
+    return model.eval(), manager
+
+
+@pytest.fixture(scope="module", params=[Bert, ViT], ids=["bert", "vit"])
+def qat_model(request):
+    return _prune_and_qat(request.param)[0], request.param
 
 
 def _linears(model):
@@ -171,20 +178,7 @@ def test_a_transformer_with_external_data_converts_and_its_input_is_untouched(qa
 @pytest.mark.parametrize("kind, attention", [(Bert, "sdpa"), (Bert, "eager"), (ViT, "sdpa")],
                          ids=["bert-sdpa", "bert-eager", "vit-sdpa"])
 def test_attention_matmuls_quantize_as_an_option(kind, attention, tmp_path):
-    torch.manual_seed(0)
-    model = kind()
-    model.model.config._attn_implementation = attention
-    optimizer = torch.optim.Adam(model.parameters(), 1e-3)
-    manager = ScheduledModifierManager.from_yaml(RECIPE % kind.params)
-    manager.modify(model, optimizer, steps_per_epoch=SPE, quantize_attention=True)
-    g = torch.Generator().manual_seed(0)
-    model.train()
-    for _ in range(2 * SPE):
-        inputs, labels = kind.batch(g)
-        optimizer.zero_grad()
-        F.cross_entropy(model(*inputs), labels).backward()
-        optimizer.step()
-    manager.finalize(model)
+    model, manager = _prune_and_qat(kind, quantized_attention=attention)
     attended = [n for n, d in manager.quantized_layers.items() if d.startswith("attention matmuls")]
     assert len(attended) == 2  # one per layer
     sample = tuple(t[:2] for t in kind.batch(torch.Generator().manual_seed(1))[0])
