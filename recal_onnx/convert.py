@@ -5,11 +5,12 @@ graph, and runs ``onnx.checker`` and shape inference:
 
 1. ``constants_to_initializers``, ``remove_identities``, ``fold_constants`` (weights' Q becomes int8),
    ``fold_weight_transposes`` (``DQ(w) -> Transpose`` becomes ``DQ(wᵀ)``: a Linear on 3-D inputs),
+   ``fold_pads_into_convs`` (a zero Pad before a conv becomes its padding: TF-style "same" padding),
    ``gather_int8_tables`` (an int8 embedding table is gathered in int8, then scaled)
 2. ``fold_conv_affine`` (Div / Mul / Add / BatchNormalization after a conv into its weight and bias),
    ``zero_channel_scales`` (an all-zero weight channel's tiny scale becomes 1: no int32 bias overflow)
 3. ``scalar_activation_qparams``, ``activations_to_uint8`` (int8 activation QDQ -> uint8, same values)
-4. ``remove_redundant_qdq``
+4. ``remove_redundant_qdq``, ``remove_noop_clamps`` (a ReLU / ReLU6 after a DQ whose grid it cannot cut)
 5. format ``qoperator``: ``int8_passthrough``, ``conv_to_qlinearconv``, ``gemm_to_qgemm``,
    ``add_to_qlinearadd``, ``concat_to_qlinear``, ``pool_to_qlinear``, ``remove_redundant_qdq``, repeated until
    nothing changes;
@@ -50,6 +51,8 @@ from .passes.fold_conv_affine import fold_conv_affine
 from .passes.gather_int8_table import gather_int8_tables
 from .passes.gemm_to_qgemm import gemm_to_qgemm
 from .passes.int8_passthrough import int8_passthrough
+from .passes.noop_clamps import remove_noop_clamps
+from .passes.pad_into_conv import fold_pads_into_convs
 from .passes.pool_to_qlinear import pool_to_qlinear
 from .passes.zero_channel_scales import zero_channel_scales
 from .passes.redundant_qdq import remove_redundant_qdq
@@ -160,9 +163,9 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
         return n
 
     for pass_fn in (constants_to_initializers, remove_identities, fold_constants, fold_weight_transposes,
-                    gather_int8_tables, fold_conv_affine, zero_channel_scales,
+                    fold_pads_into_convs, gather_int8_tables, fold_conv_affine, zero_channel_scales,
                     *([thin_channels] if thin else []), scalar_activation_qparams, activations_to_uint8,
-                    remove_redundant_qdq):
+                    remove_redundant_qdq, remove_noop_clamps):
         run(pass_fn)
     if format == "qoperator":
         while sum(run(p) for p in (int8_passthrough, conv_to_qlinearconv, gemm_to_qgemm, add_to_qlinearadd,

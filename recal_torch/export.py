@@ -25,8 +25,9 @@ from torch import nn
 from recal_core.atomic import atomic_folder
 
 from .model_params import unwrap
-from .qat import (ACT_QMAX, ACT_QMIN, W_LEVELS, W_QMAX, W_QMIN, QATConv, QATEmbedding, QATModule, QuantizedReLU,
-                  clamp, qat_modules)
+from .qat import (ACT_QMAX, ACT_QMIN, W_LEVELS, W_QMAX, W_QMIN, ActivationFakeQuantize, QATConv, QATEmbedding,
+                  QATModule, QuantizedReLU, clamp, plan_pending, qat_modules)
+from .qat_sites import CONTAINER
 from .qat_attention import SLOTS, AttentionFakeQuantize
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,9 @@ class QuantizedExportModule(nn.Module):
             self.stride, self.padding, self.dilation, self.groups, self.dims = (
                 qat.stride, qat.padding, qat.dilation, qat.groups, qat.dims)
         self.relu, self.relu6 = qat.relu, qat.relu6
+        for name in ("kernel_size", "in_channels", "out_channels", "padding_mode", "in_features", "out_features"):
+            if hasattr(qat, name):  # what model code reads off the layer it calls
+                setattr(self, name, getattr(qat, name))
         with torch.no_grad():
             weight, bias = qat.folded_weight_and_bias()
             scale, _ = qat.weight_fake_quant.qparams(weight)
@@ -121,6 +125,18 @@ class QuantizedReLUExport(nn.Module):
         return _qdq(F.relu(x), self.qparams, self.dynamo)
 
 
+class ActivationQDQ(nn.Module):
+    """A call site's :class:`ActivationFakeQuantize` frozen for export: QDQ with constant parameters."""
+
+    def __init__(self, module: ActivationFakeQuantize, dynamo: bool):
+        super().__init__()
+        self.dynamo = dynamo
+        self.qparams = _qparams(module)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.qparams is None else _qdq(x, self.qparams, self.dynamo)
+
+
 class AttentionQDQ(nn.Module):
     """An :class:`AttentionFakeQuantize` frozen for export: each matmul operand through QDQ, constant parameters."""
 
@@ -159,7 +175,10 @@ def to_export_model(model: nn.Module, dynamo: bool = True) -> nn.Module:
     exported = copy.deepcopy(model)
     exported.eval()
     for name, module in list(exported.named_modules()):
-        if isinstance(module, (QATModule, QuantizedReLU, AttentionFakeQuantize)):
+        if isinstance(module, ActivationFakeQuantize) and name.rpartition(".")[0].endswith(CONTAINER):
+            parent_name, _, child = name.rpartition(".")
+            setattr(exported.get_submodule(parent_name), child, ActivationQDQ(module, dynamo))
+        elif isinstance(module, (QATModule, QuantizedReLU, AttentionFakeQuantize)):
             parent_name, _, child = name.rpartition(".")
             parent = exported.get_submodule(parent_name) if parent_name else exported
             replacement = (QuantizedExportModule(module, dynamo) if isinstance(module, QATModule)
@@ -194,6 +213,7 @@ def export_onnx(model: nn.Module, sample_input: torch.Tensor | Sequence[torch.Te
     inputs = tuple(sample_input) if isinstance(sample_input, (list, tuple)) else (sample_input,)
     if dynamo:
         _decomposed_ops()  # before export: the exporter's registry maps these ops only if they exist
+    plan_pending(unwrap(model), inputs)  # a QAT plan still waiting for the first forward is made on the sample
     export_model = to_export_model(model, dynamo)
     kwargs: dict = {"opset_version": opset, "input_names": list(input_names), "output_names": list(output_names)}
     if dynamo:

@@ -226,6 +226,9 @@ class QATConv(QATModule):
         super().__init__(conv, relu, quantize_input, relu6=relu6)
         self.stride, self.padding, self.dilation, self.groups = conv.stride, conv.padding, conv.dilation, conv.groups
         self.dims = len(conv.kernel_size)
+        # what model code reads off a conv (Hugging Face's TF-style padding reads kernel_size)
+        self.kernel_size, self.in_channels, self.out_channels = conv.kernel_size, conv.in_channels, conv.out_channels
+        self.padding_mode = conv.padding_mode
         object.__setattr__(self, "folded_bn", bn)  # owned by the parent model, not a child here
 
     def _conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -281,6 +284,10 @@ class QATConv(QATModule):
 class QATLinear(QATModule):
     """Linear(-ReLU) with fake-quantized input (optional), weight and output."""
 
+    def __init__(self, linear: nn.Linear, relu: bool, quantize_input: bool, relu6: bool = False):
+        super().__init__(linear, relu, quantize_input, relu6=relu6)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_fake_quant is not None:
             x = self.input_fake_quant(x)
@@ -328,10 +335,11 @@ class QuantizedReLU(nn.Module):
 
 # --- preparing a model ---------------------------------------------------------------------
 
-_PRESERVING_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.ReLU, nn.Flatten, nn.Unflatten,
+_PRESERVING_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.ReLU, nn.ReLU6, nn.Flatten, nn.Unflatten,
                        nn.Dropout, nn.Identity, FoldedBatchNorm, QuantizedReLU)
+_CONSTANT_PADS = (nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d)  # nn.ZeroPad2d is one
 _ADDS = {operator.add, torch.add}
-_PRESERVING_FUNCTIONS = {torch.flatten, torch.reshape, torch.relu, F.relu, F.max_pool1d, F.max_pool2d,
+_PRESERVING_FUNCTIONS = {torch.flatten, torch.reshape, torch.relu, F.relu, F.relu6, F.max_pool1d, F.max_pool2d,
                          F.max_pool3d, torch.squeeze, torch.unsqueeze, F.dropout}
 _PRESERVING_METHODS = {"view", "reshape", "flatten", "relu", "contiguous", "squeeze", "unsqueeze", "relu_"}
 
@@ -400,89 +408,130 @@ def fake_quantize_model(root: nn.Module, skip: frozenset[str] | set[str] = froze
     traced = True
     try:
         plans, residual_relus = _plan_from_trace(root, modules, skip)
-    except Exception as exc:  # noqa: BLE001 - any tracing failure falls back to planning from hooks
+    except Exception as exc:  # noqa: BLE001 - any tracing failure: the plan is made from the first forward
         traced = False
-        log.warning("QAT: torch.fx could not trace %s (%s: %s); planning from the first forward instead: each "
-                    "conv/linear input quantized unless it is another quantized layer's output, a linear's output "
-                    "only where a quantized layer reads it; BatchNorm left unfolded and functional ops float",
-                    type(root).__name__, type(exc).__name__, " ".join(str(exc).split())[:200])
+        log.info("QAT: torch.fx cannot trace %s (%s: %s); the plan is made from its first forward instead",
+                 type(root).__name__, type(exc).__name__, " ".join(str(exc).split())[:200])
         plans, residual_relus = [_Plan(name) for name in quantizable_layers(root, skip)], []
     for name in residual_relus:
         _replace(root, name, QuantizedReLU().to(_device_of(root)))
     created = []
     for plan in plans:
         float_module = modules[plan.target]
-        bn = None
-        if plan.bn is not None:
-            bn = FoldedBatchNorm(modules[plan.bn])
-            _replace(root, plan.bn, bn)
-        if plan.fused_module is not None:
-            _replace(root, plan.fused_module, nn.Identity())
         if is_table(float_module):
             qat: QATModule = QATEmbedding(float_module)
         elif isinstance(float_module, CONVS):
-            qat = QATConv(float_module, bn, plan.activation == "relu", plan.quantize_input,
-                          relu6=plan.activation == "relu6")
+            qat = QATConv(float_module, None, False, plan.quantize_input)
         else:
-            qat = QATLinear(float_module, plan.activation == "relu", plan.quantize_input,
-                            relu6=plan.activation == "relu6")
+            qat = QATLinear(float_module, False, plan.quantize_input)
         qat.train(float_module.training)
         _replace(root, plan.target, qat)
+        _fuse(root, qat, plan, modules)
         created.append(qat)
-    if not traced:
-        _plan_on_first_forward(root, created)
+    root.__dict__["_recal_pending_plan"] = traced
+    if not root.__dict__.get("_recal_plan_hooked"):
+        root.__dict__["_recal_plan_hooked"] = True
+        root.register_forward_pre_hook(_plan_on_first_forward, with_kwargs=True)
+        root.register_load_state_dict_pre_hook(_restore_sites)
     return created
 
 
-def _plan_on_first_forward(root: nn.Module, created: list[QATModule]) -> None:
-    """Switch off the quantizers the first forward shows are not needed (a model torch.fx cannot trace).
+def _fuse(root: nn.Module, qat: QATModule, plan: _Plan, modules: dict[str, nn.Module]) -> None:
+    """Fold the plan's BatchNorm and activation into ``qat``."""
+    if plan.bn is not None:
+        bn = FoldedBatchNorm(modules[plan.bn])
+        _replace(root, plan.bn, bn)
+        object.__setattr__(qat, "folded_bn", bn)
+    if plan.activation is not None:
+        qat.relu, qat.relu6 = plan.activation == "relu", plan.activation == "relu6"
+    if plan.fused_module is not None:
+        _replace(root, plan.fused_module, nn.Identity())
 
-    Hooks record which tensor each QAT module reads and returns. After ``root``'s first forward: an input
-    that is another QAT module's output is already quantized (its quantizer goes off); a linear's output
-    that no QAT module reads stays float (the int8 model's matmul returns float there). Conv outputs stay
-    quantized (the integer conv writes integers). The switches are buffers, so checkpoints keep the plan.
+
+def is_leaf(module: nn.Module) -> bool:
+    """A module the plan treats as one op (what runs inside it is not planned)."""
+    from .qat_attention import AttentionFakeQuantize
+
+    return isinstance(module, (QATModule, QuantizedReLU, FoldedBatchNorm, ActivationFakeQuantize, WeightFakeQuantize,
+                               AttentionFakeQuantize)) or not any(True for _ in module.children())
+
+
+def plan_pending(root: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
+    """Make the first-forward plan of ``root`` (and of its QAT roots) now, on ``args`` (before export)."""
+    for module in root.modules():
+        if module.__dict__.get("_recal_pending_plan") is not None:
+            if module is root:
+                _plan_on_first_forward(module, args, kwargs or {})
+            else:  # a QAT root inside the model: its first forward comes when the model runs
+                with torch.no_grad():
+                    training = {m: m.training for m in root.modules()}
+                    root.eval()
+                    try:
+                        root(*args, **(kwargs or {}))
+                    finally:
+                        for m, flag in training.items():
+                            m.training = flag
+                return
+
+
+def _plan_on_first_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
+    """The plan read off the first forward (a forward pre-hook of ``root``; runs once per QAT start).
+
+    One forward is recorded (:mod:`recal_torch.qat_trace`, eval mode, no gradients). A model torch.fx could not
+    trace gets its fusions here: BatchNorm folded, ReLU / ReLU6 folded into the layer's output range. Then, for
+    every model: a residual add whose operands are both quantized gets its own observer on its output (or on the
+    ReLU / ReLU6 that alone reads it), by call site (:mod:`recal_torch.qat_sites`); a layer whose input is
+    already quantized (through max-pool, flatten, ReLU ...) switches its input quantizer off; in a model fx
+    could not trace, a linear's output stays float unless a quantized layer or add reads it. The switches are
+    buffers and the observers are in ``root.recal_sites``: checkpoints carry the plan.
     """
-    layers = [m for m in created if not isinstance(m, QATEmbedding)]
-    if not layers:
+    traced = root.__dict__.pop("_recal_pending_plan", None)
+    if traced is None:
         return
-    produced: dict[int, QATModule] = {}
-    reads: list[tuple[QATModule, int]] = []
-    alive: list[torch.Tensor] = []  # held until the plan is made, so no tensor id is reused meanwhile
-    handles = []
+    from . import qat_sites
+    from .qat_trace import record_forward
 
-    def before(module, args):
-        if args and isinstance(args[0], torch.Tensor):
-            alive.append(args[0])
-            reads.append((module, id(args[0])))
+    try:
+        graph = record_forward(root, tuple(args), dict(kwargs), is_leaf)
+    except Exception as exc:  # noqa: BLE001 - the model still trains with the plan made so far
+        log.warning("QAT: could not record the first forward of %s (%s: %s); residual adds stay float%s",
+                    type(root).__name__, type(exc).__name__, " ".join(str(exc).split())[:200],
+                    "" if traced else ", BatchNorm unfolded, every layer input and output quantized")
+        return
+    modules = dict(root.named_modules())
+    layers = {n for n, m in modules.items() if isinstance(m, QATModule) and not isinstance(m, QATEmbedding)}
+    if not traced:
+        plans, _ = _plan_graph(graph, modules, layers)
+        for plan in plans:
+            _fuse(root, modules[plan.target], plan, modules)
+        modules = dict(root.named_modules())
+    sites = _plan_sites(graph, modules, traced)
+    if sites:
+        qat_sites.install(root, sites, lambda: ActivationFakeQuantize().to(_device_of(root)), is_leaf)
+    planned = {s for s in sites}
+    quantized = _quantized_nodes(graph, modules, planned)
+    for node in graph.nodes:
+        layer = modules.get(node.target) if node.op == "call_module" else None
+        if isinstance(layer, QATModule) and not isinstance(layer, QATEmbedding) and layer.input_fake_quant is not None \
+                and node.args and _reaches(node.args[0], quantized, modules):
+            layer.input_fake_quant.enabled.fill_(False)
+    fused = sum(isinstance(modules[n], QATConv) and modules[n].folded_bn is not None for n in layers)
+    inputs = sum(modules[n].input_fake_quant is not None and modules[n].input_fake_quant.active for n in layers)
+    outputs = sum(modules[n].activation_post_process is not None and modules[n].activation_post_process.active
+                  for n in layers)
+    log.info("QAT plan from the first forward of %s: %d layers (%d with BatchNorm folded), %d inputs and %d outputs "
+             "quantized, %d residual adds quantized", type(root).__name__, len(layers), fused, inputs, outputs,
+             len(sites))
 
-    def after(module, args, out):
-        if isinstance(out, torch.Tensor):
-            alive.append(out)
-            produced[id(out)] = module
 
-    def plan(module, args, out):
-        for handle in handles:
-            handle.remove()
-        read_by_layer = set()
-        for module, key in reads:
-            source = produced.get(key)
-            if source is not None and source is not module and source.activation_post_process is not None:
-                read_by_layer.add(id(source))
-                if module.input_fake_quant is not None:
-                    module.input_fake_quant.enabled.fill_(False)
-        for module in layers:
-            if isinstance(module, QATLinear) and id(module) not in read_by_layer \
-                    and module.activation_post_process is not None:
-                module.activation_post_process.enabled.fill_(False)
-        alive.clear()
-        inputs = sum(m.input_fake_quant is not None and m.input_fake_quant.active for m in layers)
-        outputs = sum(m.activation_post_process is not None and m.activation_post_process.active for m in layers)
-        log.info("QAT plan from the first forward of %s: %d of %d layer inputs and %d outputs quantized",
-                 type(root).__name__, inputs, len(layers), outputs)
+def _restore_sites(root, state_dict, prefix, *args) -> None:
+    """A checkpoint's call-site observers are created before it loads (the plan that made them comes later)."""
+    from . import qat_sites
 
-    handles += [m.register_forward_pre_hook(before) for m in layers]
-    handles += [m.register_forward_hook(after) for m in layers]
-    handles.append(root.register_forward_hook(plan))
+    head = prefix + qat_sites.CONTAINER + "."
+    keys = sorted({k[len(head):].split(".")[0] for k in state_dict if k.startswith(head)})
+    if keys:
+        qat_sites.restore(root, keys, lambda: ActivationFakeQuantize().to(_device_of(root)), is_leaf)
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -497,23 +546,43 @@ def _replace(root: nn.Module, target: str, new: nn.Module) -> None:
 
 def _plan_from_trace(root: nn.Module, modules: dict[str, nn.Module],
                      skip: frozenset[str] | set[str]) -> tuple[list[_Plan], list[str]]:
-    """The fusion plans, and the ReLU modules that follow a residual addition."""
-    graph = torch.fx.symbolic_trace(root).graph
-    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    """The fusion plans read off a ``torch.fx`` trace, and the ReLU modules that follow a residual addition."""
     quantizable = set(quantizable_layers(root, skip))
-    shared = sorted(t for t, n in calls.items() if n > 1 and (t in quantizable or isinstance(modules[t], nn.ReLU)))
-    if shared:  # one module, several call sites: one observer cannot hold each site's range
-        log.warning("QAT: %s called more than once in %s's forward; those calls are not fused or quantized as "
-                    "their own ops (a shared ReLU leaves a residual add and its ReLU float): give each call its "
-                    "own module (torchvision's BasicBlock reuses self.relu)",
+    graph = _LayerTracer(set(quantizable_layers(root))).trace(root)
+    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    shared = sorted(t for t, n in calls.items() if n > 1 and t in quantizable)
+    if shared:  # one weight, several call sites: one input and output observer cannot hold each site's range
+        log.warning("QAT: %s called more than once in %s's forward: left float; give each call its own module",
                     ", ".join(f"{t!r} ({calls[t]} calls)" for t in shared), type(root).__name__)
+    return _plan_graph(graph, modules, quantizable)
+
+
+class _LayerTracer(torch.fx.Tracer):
+    """fx's tracer, with every quantizable layer a leaf: a subclass of ``nn.Conv2d`` defined outside torch.nn
+    (Hugging Face's depthwise conv) would otherwise be traced through to ``F.conv2d`` and never planned."""
+
+    def __init__(self, layers: set[str]):
+        super().__init__()
+        self.layers = layers
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return qualname in self.layers or super().is_leaf_module(m, qualname)
+
+
+def _float_type(module: nn.Module | None) -> type | None:
+    """The torch.nn layer class of a (QAT) layer: a subclass of ``nn.Conv2d`` counts as ``nn.Conv2d``."""
+    kind = module.float_type if isinstance(module, QATModule) else type(module) if module is not None else None
+    return next((c for c in NORMS if kind is not None and issubclass(kind, c)), kind)
+
+
+def _plan_graph(graph: torch.fx.Graph, modules: dict[str, nn.Module],
+                quantizable: set[str]) -> tuple[list[_Plan], list[str]]:
+    """The fusion plans of the layers named in ``quantizable`` (float or QAT modules), and the ReLU modules
+    that alone follow a residual addition, from a symbolic or a recorded trace."""
+    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
 
     def module_of(node: torch.fx.Node) -> nn.Module | None:
         return modules.get(node.target) if node.op == "call_module" else None
-
-    def only_user(node: torch.fx.Node) -> torch.fx.Node | None:
-        users = list(node.users)
-        return users[0] if len(users) == 1 else None
 
     plans: dict[torch.fx.Node, _Plan] = {}
     ends: dict[torch.fx.Node, _Plan] = {}
@@ -522,51 +591,130 @@ def _plan_from_trace(root: nn.Module, modules: dict[str, nn.Module],
         layer = module_of(node)
         if layer is None or node.target not in quantizable or calls[node.target] != 1:
             continue
-        if is_table(layer):
+        if is_table(layer) or isinstance(layer, QATEmbedding):
             tables.append(_Plan(node.target, quantize_input=False))
             continue
         plan = _Plan(node.target)
         end = node
-        nxt = only_user(node)
-        if isinstance(layer, CONVS) and nxt is not None and type(module_of(nxt)) is NORMS[type(layer)] \
+        nxt = _only_user(node)
+        kind = _float_type(layer)
+        if kind in NORMS and nxt is not None and type(module_of(nxt)) is NORMS[kind] \
                 and calls[nxt.target] == 1 and len(nxt.args) == 1:
-            plan.bn, end, nxt = nxt.target, nxt, only_user(nxt)
-        kind = _clamping_activation(nxt, module_of(nxt)) if nxt is not None and nxt.args \
+            plan.bn, end, nxt = nxt.target, nxt, _only_user(nxt)
+        activation = _clamping_activation(nxt, module_of(nxt)) if nxt is not None and nxt.args \
             and nxt.args[0] is end else None
-        if kind is not None and (nxt.op != "call_module" or calls[nxt.target] == 1):
-            plan.activation, end = kind, nxt
-            plan.fused_module = nxt.target if nxt.op == "call_module" else None  # a function stays: idempotent
+        if activation is not None:
+            plan.activation, end = activation, nxt
+            # a shared module or a function stays (idempotent on the clamped output); a module called once goes
+            plan.fused_module = nxt.target if nxt.op == "call_module" and calls[nxt.target] == 1 else None
         plans[node] = plan
         ends[end] = plan
     fused_relus = {p.fused_module for p in plans.values() if p.fused_module is not None}
     residual_relus = []
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in _ADDS and len(node.args) == 2 \
-                and all(isinstance(a, torch.fx.Node) for a in node.args):
-            relu = only_user(node)
+        if _is_residual_add(node):
+            relu = _only_user(node)
             if relu is not None and type(module_of(relu)) is nn.ReLU and calls[relu.target] == 1 \
                     and relu.target not in fused_relus:
                 residual_relus.append(relu.target)
                 ends[relu] = None
-
-    def from_quantized(node: object) -> bool:
-        while isinstance(node, torch.fx.Node):
-            if node in ends:
-                return True
-            if not _preserves_quantization(node, module_of(node)) or not node.args:
-                return False
-            node = node.args[0]
-        return False
-
     for node, plan in plans.items():
-        plan.quantize_input = not (node.args and from_quantized(node.args[0]))
+        plan.quantize_input = not (node.args and _reaches(node.args[0], set(ends), modules))
     return tables + list(plans.values()), residual_relus
+
+
+def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _is_residual_add(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _ADDS and len(node.args) == 2 \
+        and all(isinstance(a, torch.fx.Node) and a.op != "placeholder" for a in node.args)
+
+
+def _reaches(node: object, quantized: set, modules: dict[str, nn.Module]) -> bool:
+    """``node`` is one of ``quantized``, or reads one through quantization-preserving ops only."""
+    while isinstance(node, torch.fx.Node):
+        if node in quantized:
+            return True
+        module = modules.get(node.target) if node.op == "call_module" else None
+        if not _preserves_quantization(node, module) or not node.args:
+            return False
+        node = node.args[0]
+    return False
+
+
+def _quantized_nodes(graph: torch.fx.Graph, modules: dict[str, nn.Module], sites: set) -> set[torch.fx.Node]:
+    """The nodes of a recorded trace whose output the model quantizes (a layer's output, a call site's)."""
+    quantized = set()
+    for node in graph.nodes:
+        module = modules.get(node.target) if node.op == "call_module" else None
+        fq = getattr(module, "activation_post_process", None)
+        if node.meta.get("site") in sites or (isinstance(fq, ActivationFakeQuantize) and fq.active
+                                              and not isinstance(module, QATEmbedding)):
+            quantized.add(node)
+    return quantized
+
+
+def _plan_sites(graph: torch.fx.Graph, modules: dict[str, nn.Module], traced: bool) -> list[tuple[str, str, int]]:
+    """The call sites that need their own observer: each residual add whose operands are both quantized (on its
+    output, or on the ReLU / ReLU6 that alone reads it: the runtime adds in int8 and clamps on the integers).
+    In a model fx could not trace, a linear's output is then switched off unless a quantized layer or one of
+    these adds reads it (the int8 model's matmul returns float there)."""
+    sites: list[tuple[str, str, int]] = []
+    for node in graph.nodes:
+        if not _is_residual_add(node) or "site" not in node.meta:
+            continue
+        quantized = _quantized_nodes(graph, modules, set(sites))
+        if not all(_reaches(a, quantized, modules) for a in node.args):
+            continue
+        user = _only_user(node)
+        module = modules.get(user.target) if user is not None and user.op == "call_module" else None
+        if isinstance(module, QuantizedReLU):
+            continue  # the fx plan quantizes this sum already
+        if user is not None and user.args and user.args[0] is node and "site" in user.meta \
+                and _clamping_activation(user, module) is not None:
+            sites.append(user.meta["site"])
+        else:
+            sites.append(node.meta["site"])
+    if not traced:
+        readers = _quantized_readers(graph, modules, set(sites))
+        for node in graph.nodes:
+            layer = modules.get(node.target) if node.op == "call_module" else None
+            if isinstance(layer, QATLinear) and node not in readers and layer.activation_post_process is not None:
+                layer.activation_post_process.enabled.fill_(False)
+    return sites
+
+
+def _quantized_readers(graph: torch.fx.Graph, modules: dict[str, nn.Module], sites: set) -> set[torch.fx.Node]:
+    """The nodes whose output a quantized layer or a planned add reads (through preserving ops)."""
+    read = set()
+    for node in graph.nodes:
+        module = modules.get(node.target) if node.op == "call_module" else None
+        reader = (isinstance(module, QATModule) and not isinstance(module, QATEmbedding)) \
+            or (_is_residual_add(node) and (node.meta.get("site") in sites
+                                            or any(u.meta.get("site") in sites for u in node.users)))
+        if not reader:
+            continue
+        for arg in node.args if _is_residual_add(node) else node.args[:1]:
+            while isinstance(arg, torch.fx.Node):
+                read.add(arg)
+                inner = modules.get(arg.target) if arg.op == "call_module" else None
+                if not _preserves_quantization(arg, inner) or not arg.args:
+                    break
+                arg = arg.args[0]
+    return read
 
 
 def _preserves_quantization(node: torch.fx.Node, module: nn.Module | None) -> bool:
     if node.op == "call_module":
-        return isinstance(module, _PRESERVING_MODULES)
+        return isinstance(module, _PRESERVING_MODULES) or (isinstance(module, _CONSTANT_PADS) and module.value == 0)
     if node.op == "call_function":
+        if node.target is F.pad:  # zero padding: the runtime pads the integers with the zero point
+            mode = node.kwargs.get("mode", node.args[2] if len(node.args) > 2 else "constant")
+            value = node.kwargs.get("value", node.args[3] if len(node.args) > 3 else None)
+            return mode == "constant" and not value
         return node.target in _PRESERVING_FUNCTIONS
     if node.op == "call_method":
         return node.target in _PRESERVING_METHODS

@@ -16,6 +16,8 @@ from recal_onnx.passes.fold_conv_affine import fold_conv_affine
 from recal_onnx.passes.gather_int8_table import gather_int8_tables
 from recal_onnx.passes.gemm_to_qgemm import gemm_to_qgemm
 from recal_onnx.passes.int8_passthrough import int8_passthrough
+from recal_onnx.passes.noop_clamps import remove_noop_clamps
+from recal_onnx.passes.pad_into_conv import fold_pads_into_convs
 from recal_onnx.passes.pool_to_qlinear import pool_to_qlinear
 from recal_onnx.passes.redundant_qdq import remove_redundant_qdq
 from recal_onnx.passes.saturation_free_weights import saturation_free_weights
@@ -471,3 +473,40 @@ def test_concat_to_qlinear_zero_case_a_float_input():
     out = b.qdq(b.node("Concat", [b.qdq("x", 0.05, 128), "x"], axis=1), 0.05, 128)
     model = b.model([("x", [2, 3])], [out])
     assert _apply(model, concat_to_qlinear)[1] == [0]
+
+
+@pytest.mark.parametrize("pads, value, folds", [
+    ([0, 0, 0, 1, 0, 0, 1, 2], 0.0, True),     # TF-style "same": more after than before
+    ([0, 0, 1, 1, 0, 0, 1, 1], 0.5, False),    # not zeros: not the conv's padding
+    ([1, 0, 0, 0, 0, 0, 0, 0], 0.0, False),    # a batch pad is no conv padding
+    ([0, 0, -1, 0, 0, 0, 0, 0], 0.0, False),   # a negative pad crops
+])
+def test_fold_pads_into_convs(pads, value, folds):
+    b = Builder()
+    x = b.qdq("x", 0.05, 128)
+    padded = b.node("Pad", [x, b.const(np.array(pads, np.int64)), b.const(np.float32(value))])
+    y = b.qdq(b.node("Conv", [padded, b.weight([4, 3, 3, 3])], pads=[1, 0, 0, 1]), 0.1, 128)
+    model = b.model([("x", [1, 3, 6, 6])], [y])
+    feeds = _x([1, 3, 6, 6])
+    expected = reference(model, feeds)[0]
+    converted, (n, m) = _apply(model, fold_pads_into_convs, conv_to_qlinearconv)
+    assert n == folds and ("Pad" in ops(converted)) != folds
+    if folds:
+        assert m == 1 and "QLinearConv" in ops(converted)
+    np.testing.assert_allclose(run(converted, feeds)[0], expected, atol=0.1 * 1.0001)  # at most one output step
+
+
+@pytest.mark.parametrize("zp, clip_max, removed", [(0, None, True), (128, None, False), (0, 6.0, True),
+                                                   (0, 2.0, False)])
+def test_remove_noop_clamps(zp, clip_max, removed):
+    b = Builder()
+    x = b.qdq("x", 6.0 / 255, zp)  # ReLU6's grid: 0 .. 6
+    act = b.node("Relu", [x]) if clip_max is None else b.node("Clip", [x, b.const(np.float32(0)),
+                                                                       b.const(np.float32(clip_max))])
+    y = b.qdq(b.node("Conv", [act, b.weight([4, 3, 1, 1])]), 0.1, 128)
+    model = b.model([("x", [1, 3, 4, 4])], [y])
+    feeds = {"x": np.linspace(-8, 8, 48, dtype=np.float32).reshape(1, 3, 4, 4)}
+    expected = reference(model, feeds)[0]
+    converted, (n,) = _apply(model, remove_noop_clamps)
+    assert n == removed and (("Relu" in ops(converted)) or ("Clip" in ops(converted))) != removed
+    np.testing.assert_array_equal(run(converted, feeds)[0], expected)

@@ -358,20 +358,117 @@ def test_scheme_overrides_recal_cannot_honour_are_located_errors_and_unused_entr
     assert isinstance(model[0], QATLinear)
 
 
-def test_a_module_called_twice_is_named_in_a_warning(caplog):
-    class SharedReLU(nn.Module):  # torchvision's BasicBlock: one self.relu for both activations
+class SharedReLU(nn.Module):
+    """torchvision's BasicBlock: one ``self.relu`` for both activations, the second after the residual add."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.relu = nn.ReLU()
+        self.fc = nn.Linear(4 * 8 * 8, 10)
+
+    def forward(self, x):
+        y = self.relu(self.conv1(x))
+        return self.fc(torch.flatten(self.relu(self.conv2(y) + y), 1))
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2: a residual add with no activation after it, whose sum two blocks read (fan-out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU6())
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(4, 8, 1), nn.BatchNorm2d(8), nn.ReLU6(),
+                                                  nn.Conv2d(8, 4, 1), nn.BatchNorm2d(4)) for _ in range(2))
+        self.fc = nn.Linear(4, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+class Untraceable(InvertedResidual):
+    """The same net with a shape check torch.fx cannot trace (as every Hugging Face model has)."""
+
+    def forward(self, x):
+        if x.dim() != 4:
+            raise ValueError("a batch of images expected")
+        return super().forward(x)
+
+
+def _int8(model, tmp_path, dynamo=False):
+    from recal_onnx import quantize_qat_export
+
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), batches(4))
+    for fq in model.modules():
+        if isinstance(fq, ActivationFakeQuantize):
+            fq.observer_enabled = False
+    path = export_onnx(model.eval(), torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=dynamo)
+    return quantize_qat_export(str(path), tmp_path / "int8.onnx")
+
+
+def test_a_shared_relu_gets_an_observer_per_call_site(tmp_path):
+    torch.manual_seed(0)
+    model = SharedReLU()
+    fake_quantize_model(model)
+    assert model.conv1.relu and isinstance(model.relu, nn.ReLU)  # fused into conv1; the module stays (idempotent)
+    result = _int8(model, tmp_path)
+    assert list(model.recal_sites) == ["relu:forward:1"]  # the second call, after the add, has its own observer
+    kinds = [n.op_type for n in result.model.graph.node]
+    assert kinds.count("QLinearAdd") == 1 and kinds.count("QLinearConv") == 2 and not result.float_nodes, kinds
+    assert "Relu" not in kinds and result.verification.max_steps <= 3
+
+
+def test_a_shared_conv_is_named_in_a_warning(caplog):
+    class SharedConv(nn.Module):
         def __init__(self):
             super().__init__()
-            self.conv1, self.conv2 = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
-            self.relu = nn.ReLU()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
 
         def forward(self, x):
-            y = self.relu(self.conv1(x))
-            return self.relu(self.conv2(y) + y)
+            return self.conv(self.conv(x))
 
     with caplog.at_level("WARNING", logger="recal_torch.qat"):
-        fake_quantize_model(SharedReLU())
-    assert "'relu' (2 calls)" in caplog.text and "give each call its own module" in caplog.text
+        fake_quantize_model(SharedConv())
+    assert "'conv' (2 calls)" in caplog.text and "give each call its own module" in caplog.text
+
+
+@pytest.mark.parametrize("kind", [InvertedResidual, Untraceable], ids=["traced", "untraceable"])
+def test_a_residual_add_without_activation_is_quantized_once(kind, tmp_path, caplog):
+    torch.manual_seed(0)
+    model = kind()
+    with caplog.at_level("INFO", logger="recal_torch.qat"):
+        fake_quantize_model(model)
+        result = _int8(model, tmp_path)
+    assert sorted(model.recal_sites) == [":add:0", ":add:1"]  # both sums, each read by a conv and the next add
+    assert all(isinstance(b[3], QATConv) and b[3].folded_bn is not None for b in model.blocks)
+    assert model.stem[0].relu6 and isinstance(model.stem[2], nn.Identity)
+    assert all(b[0].input_fake_quant is None or not b[0].input_fake_quant.active for b in model.blocks)
+    kinds = [n.op_type for n in result.model.graph.node]
+    assert kinds.count("QLinearAdd") == 2 and kinds.count("QLinearConv") == 5 and not result.float_nodes, kinds
+    if kind is Untraceable:  # a linear whose output no quantized layer reads returns float there
+        assert "plan from the first forward" in caplog.text and result.verification.max_steps is None
+        assert result.verification.max_abs_diff <= 0.02 * result.verification.output_range
+    else:
+        assert result.verification.max_steps <= 3
+
+
+def test_call_site_observers_travel_in_checkpoints(tmp_path):
+    torch.manual_seed(0)
+    model = Untraceable()
+    fake_quantize_model(model)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), batches(2))
+    state = model.state_dict()
+    assert any(k.startswith("recal_sites.") for k in state)
+    torch.manual_seed(1)
+    fresh = Untraceable()
+    fake_quantize_model(fresh)
+    fresh.load_state_dict(state)  # before its first forward: the observers are created from the checkpoint
+    fresh.eval(), model.eval()
+    x = torch.randn(4, 1, 8, 8)
+    torch.testing.assert_close(fresh(x), model(x))
 
 
 class FunctionalActivations(nn.Module):

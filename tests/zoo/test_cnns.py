@@ -1,0 +1,223 @@
+"""Public CNN architectures (random weights, small inputs, nothing downloaded): Hugging Face ResNet (basic and
+bottleneck), MobileNetV2, EfficientNet and ConvNeXt built by ``transformers``, and torchvision-style blocks
+written here (PyPI's torchvision does not import beside the local torch build). Each: prune 80% + QAT under a
+recipe, export with both exporters, convert to both formats; every conv, linear and residual add integer, only
+each model's allowed ops float, and the int8 model at least as close to the QAT model (its QDQ export run in
+float) as onnxruntime's own int8 execution of that QDQ model."""
+
+import collections
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recal_onnx import quantize_qat_export
+from recal_onnx.convert import UnconvertedOpsWarning
+from recal_torch import ScheduledModifierManager, export_onnx
+
+from .test_transformers import _assert_runtime_fuses_every_weight
+
+transformers = pytest.importorskip("transformers")
+# Hugging Face code checks shapes in Python: the TorchScript exporter warns that it traces them as constants
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")]
+
+RECIPE = """
+- !EpochRangeModifier {start_epoch: 0, end_epoch: 2}
+- !GMPruningModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.5, final_sparsity: 0.8, start_epoch: 0,
+                      end_epoch: 1, update_frequency: 0.25}
+- !QuantizationModifier {start_epoch: 1}
+"""
+SPE = 4
+CLASSES = 3
+SIZE = 32
+
+
+class HF(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(pixel_values=x).logits
+
+
+def hf_resnet(layer_type):
+    sizes = [16, 32, 64, 64] if layer_type == "basic" else [32, 64, 64, 128]
+    return HF(transformers.ResNetForImageClassification(transformers.ResNetConfig(
+        embedding_size=16, hidden_sizes=sizes, depths=[1, 1, 1, 1], layer_type=layer_type, num_labels=CLASSES)))
+
+
+def hf_mobilenet_v2():
+    return HF(transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config(
+        image_size=SIZE, depth_multiplier=0.35, num_labels=CLASSES)))
+
+
+def hf_efficientnet():  # hidden_dim must match the top conv's width (1280 scaled by width_coefficient)
+    return HF(transformers.EfficientNetForImageClassification(transformers.EfficientNetConfig(
+        image_size=SIZE, width_coefficient=0.25, depth_coefficient=0.2, hidden_dim=320, pooling_type="max",
+        num_labels=CLASSES)))
+
+
+def hf_convnext():
+    return HF(transformers.ConvNextForImageClassification(transformers.ConvNextConfig(
+        hidden_sizes=[16, 32, 32, 64], depths=[1, 1, 1, 1], num_labels=CLASSES)))
+
+
+class BasicBlock(nn.Module):  # torchvision's: one self.relu, called after bn1 and after the residual add
+    def __init__(self, cin, cout, stride=1):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
+        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class Bottleneck(nn.Module):  # torchvision's: 1x1, 3x3, 1x1 and one shared ReLU
+    def __init__(self, cin, width, stride=1):
+        super().__init__()
+        cout = width * 4
+        self.conv1, self.bn1 = nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv3, self.bn3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + identity)
+
+
+class InvertedResidual(nn.Module):  # torchvision's MobileNetV2 block: ReLU6, a residual add with no activation
+    def __init__(self, c, expand=4):
+        super().__init__()
+        hidden = c * expand
+        self.conv = nn.Sequential(
+            nn.Conv2d(c, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True),
+            nn.Conv2d(hidden, hidden, 3, 1, 1, groups=hidden, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True),
+            nn.Conv2d(hidden, c, 1, bias=False), nn.BatchNorm2d(c))
+
+    def forward(self, x):
+        return x + self.conv(x)
+
+
+class Inception(nn.Module):  # GoogLeNet-style: functional ReLUs, torch.cat
+    def __init__(self, cin):
+        super().__init__()
+        self.b1 = nn.Conv2d(cin, 8, 1)
+        self.b2 = nn.Sequential(nn.Conv2d(cin, 8, 1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+        self.b3 = nn.Conv2d(cin, 8, 3, padding=1)
+
+    def forward(self, x):
+        return torch.cat([F.relu(self.b1(x)), F.relu(self.b2(x)), torch.relu(self.b3(x))], 1)
+
+
+class TorchvisionStyle(nn.Module):
+    def __init__(self, body, width):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+                                  nn.MaxPool2d(3, 2, 1))
+        self.body = body
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(width, CLASSES)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.avgpool(self.body(self.stem(x))), 1))
+
+
+MODELS = {
+    "hf-resnet-basic": (lambda: hf_resnet("basic"), set()),
+    "hf-resnet-bottleneck": (lambda: hf_resnet("bottleneck"), set()),
+    # the stem's Pad reads the float input; it runs before the first QuantizeLinear
+    "hf-mobilenet-v2": (hf_mobilenet_v2, set()),
+    # SiLU (Sigmoid, Mul) and squeeze-excitation (pool, Sigmoid, Mul) compute in float between integer convs, and
+    # so do the TF-style pads after a SiLU and the max pool before the head
+    "hf-efficientnet": (hf_efficientnet, {"Sigmoid", "Mul", "ReduceMean", "GlobalAveragePool", "Pad", "MaxPool",
+                                          "Reshape"}),
+    # LayerNorm (and the permutes around it), GELU, the layer-scaled residual adds and the final pool stay float
+    "hf-convnext": (hf_convnext, {"LayerNormalization", "Transpose", "Add", "ReduceMean"}),
+    "tv-resnet-basic": (lambda: TorchvisionStyle(nn.Sequential(BasicBlock(16, 16), BasicBlock(16, 32, 2)), 32), set()),
+    "tv-resnet-bottleneck": (lambda: TorchvisionStyle(nn.Sequential(Bottleneck(16, 8), Bottleneck(32, 8)), 32), set()),
+    "tv-mobilenet-v2": (lambda: TorchvisionStyle(nn.Sequential(InvertedResidual(16), InvertedResidual(16)), 16), set()),
+    "tv-inception": (lambda: TorchvisionStyle(nn.Sequential(Inception(16), nn.Conv2d(24, 16, 1), nn.ReLU()), 16), set()),
+}
+
+
+def batch(g):
+    x = torch.randn(8, 3, SIZE, SIZE, generator=g)
+    return x, (x[:, 0, :8, :8].mean((1, 2)) > 0).long()
+
+
+def prune_and_qat(name):
+    torch.manual_seed(0)
+    model = MODELS[name][0]()
+    optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+    manager = ScheduledModifierManager.from_yaml(RECIPE)
+    manager.modify(model, optimizer, steps_per_epoch=SPE)
+    g = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(2 * SPE):
+        x, y = batch(g)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    manager.finalize(model)
+    return model.eval()
+
+
+def _runtime_int8_error(qdq_path, feeds, reference):
+    """onnxruntime's own int8 execution of the QAT export (its QDQ fusion at the default level): max |diff|."""
+    got = ort.InferenceSession(str(qdq_path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    return float(np.abs(got - reference).max())
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cnn_quantizes_end_to_end(name, tmp_path):
+    model = prune_and_qat(name)
+    layers = sum(type(m).__name__ in ("QATConv", "QATLinear") for m in model.modules())
+    assert layers == sum(isinstance(m, (nn.Conv2d, nn.Linear)) or type(m).__name__ in ("QATConv", "QATLinear")
+                         for m in model.modules())  # every conv and linear is a QAT layer
+    allowed = MODELS[name][1]
+    feeds = {"input": np.random.default_rng(3).standard_normal((256, 3, SIZE, SIZE)).astype(np.float32)}
+    for dynamo in (True, False):
+        qat = export_onnx(model, torch.randn(2, 3, SIZE, SIZE), tmp_path / f"qat{dynamo}.onnx", dynamo=dynamo)
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        reference = ort.InferenceSession(str(qat), options, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        runtime_error = _runtime_int8_error(qat, feeds, reference)
+        for fmt in ("qoperator", "qdq"):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", UnconvertedOpsWarning)
+                result = quantize_qat_export(str(qat), tmp_path / f"{fmt}.onnx", format=fmt, verify_inputs=feeds,
+                                             tolerance=float("inf"))
+            left = {op for op, _ in result.float_nodes}
+            assert left <= allowed | ({"Clip"} if fmt == "qdq" else set()), (fmt, left)
+            assert all(op in str(w.message) for w in caught for op in left)  # named, never silent
+            v = result.verification
+            # recal's int8 model is at least as close to the QAT model as onnxruntime's own int8 kernels are
+            assert v.max_abs_diff <= max(runtime_error, 1e-6) * 1.05, (fmt, v, runtime_error)
+            kinds = collections.Counter(n.op_type for n in result.model.graph.node)
+            if fmt == "qoperator":
+                assert "Conv" not in kinds and "Gemm" not in kinds and "MatMul" not in kinds, kinds
+                integer = kinds["QLinearConv"] + kinds["QGemm"] + kinds["MatMulIntegerToFloat"] + kinds["ConvInteger"]
+                assert integer >= layers - result.rewrites.get("thin_channels_layers", 0), kinds
+                if "Add" not in allowed:
+                    assert "Add" not in kinds, kinds  # every residual add is a QLinearAdd
+            else:
+                _assert_runtime_fuses_every_weight(result.model, tmp_path)
