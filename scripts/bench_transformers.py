@@ -110,15 +110,17 @@ def qat(model: nn.Module, batch, steps: int, attention: bool = False) -> nn.Modu
     return model.eval()
 
 
-def ort_quantized(fp32: Path, folder: Path, calibration: list[dict[str, np.ndarray]]) -> dict[str, tuple[Path, float]]:
+def ort_quantized(fp32: Path, folder: Path, calibration: list[dict[str, np.ndarray]],
+                  dynamic: bool = True) -> dict[str, tuple[Path, float]]:
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic, \
         quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     out = {}
-    t0 = time.perf_counter()
-    quantize_dynamic(str(fp32), str(folder / "dynamic.onnx"), weight_type=QuantType.QInt8)
-    out["ort quantize_dynamic"] = (folder / "dynamic.onnx", time.perf_counter() - t0)
+    if dynamic:
+        t0 = time.perf_counter()
+        quantize_dynamic(str(fp32), str(folder / "dynamic.onnx"), weight_type=QuantType.QInt8)
+        out["ort quantize_dynamic"] = (folder / "dynamic.onnx", time.perf_counter() - t0)
 
     class Reader(CalibrationDataReader):
         def __init__(self):
