@@ -113,20 +113,8 @@ class QuantizedExportModule(nn.Module):
         return y if self.output_qparams is None else self._qdq(y, self.output_qparams)
 
 
-class QuantizedReLUExport(nn.Module):
-    """A :class:`QuantizedReLU` frozen for export: ReLU, then QDQ with constant parameters."""
-
-    def __init__(self, module: QuantizedReLU, dynamo: bool):
-        super().__init__()
-        self.dynamo = dynamo
-        self.qparams = _qparams(module.activation_post_process)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _qdq(F.relu(x), self.qparams, self.dynamo)
-
-
 class ActivationQDQ(nn.Module):
-    """A call site's :class:`ActivationFakeQuantize` frozen for export: QDQ with constant parameters."""
+    """An :class:`ActivationFakeQuantize` frozen for export (a call site's): QDQ with constant parameters."""
 
     def __init__(self, module: ActivationFakeQuantize, dynamo: bool):
         super().__init__()
@@ -135,6 +123,16 @@ class ActivationQDQ(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.qparams is None else _qdq(x, self.qparams, self.dynamo)
+
+
+class QuantizedReLUExport(ActivationQDQ):
+    """A :class:`QuantizedReLU` frozen for export: ReLU, then QDQ with constant parameters."""
+
+    def __init__(self, module: QuantizedReLU, dynamo: bool):
+        super().__init__(module.activation_post_process, dynamo)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(F.relu(x))
 
 
 class AttentionQDQ(nn.Module):

@@ -6,7 +6,8 @@
   BatchNorm-folded weights, so the exported model is already folded and runtimes fuse it.
 
 A ``nn.ReLU`` module that follows a residual addition becomes a :class:`QuantizedReLU`, which
-quantizes the sum, so the addition runs in int8 too.
+quantizes the sum, so the addition runs in int8 too; other residual adds (no activation after them, a shared
+or functional ReLU) get an observer at their call site (:mod:`recal_torch.qat_sites`).
 
 The model is changed in place: each QAT module adopts the float module's Parameter
 objects (the optimizer and its momentum/Adam state carry on), the BatchNorm becomes a
@@ -16,20 +17,21 @@ but passes its input through, and a fused ReLU becomes ``nn.Identity``.
 Which outputs are quantized is read off a ``torch.fx`` trace of the model: every QAT
 module quantizes its output, and its input only when that input does not already come
 from a QAT module through quantization-preserving ops (max-pool, flatten, ReLU ...).
-A model that cannot be traced still gets QAT, with input quantizers everywhere and
-BatchNorm left unfolded (logged).
+A model fx cannot trace (Hugging Face models check shapes in Python) is planned the same way from a
+recording of its first forward (:mod:`recal_torch.qat_trace`).
 """
 
 from __future__ import annotations
 
 import logging
-import operator
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .qat_trace import ADDS, RELUS, evaluating, record_forward
 
 log = logging.getLogger(__name__)
 
@@ -338,7 +340,6 @@ class QuantizedReLU(nn.Module):
 _PRESERVING_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.ReLU, nn.ReLU6, nn.Flatten, nn.Unflatten,
                        nn.Dropout, nn.Identity, FoldedBatchNorm, QuantizedReLU)
 _CONSTANT_PADS = (nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d)  # nn.ZeroPad2d is one
-_ADDS = {operator.add, torch.add}
 _PRESERVING_FUNCTIONS = {torch.flatten, torch.reshape, torch.relu, F.relu, F.relu6, F.max_pool1d, F.max_pool2d,
                          F.max_pool3d, torch.squeeze, torch.unsqueeze, F.dropout}
 _PRESERVING_METHODS = {"view", "reshape", "flatten", "relu", "contiguous", "squeeze", "unsqueeze", "relu_"}
@@ -353,7 +354,6 @@ class _Plan:
     activation: str | None = None  # "relu" or "relu6": clamped before the output is quantized
 
 
-_RELUS = {F.relu, torch.relu, torch.relu_}
 
 
 def _clamping_activation(node: torch.fx.Node, module: nn.Module | None) -> str | None:
@@ -365,7 +365,7 @@ def _clamping_activation(node: torch.fx.Node, module: nn.Module | None) -> str |
         if type(module) is nn.ReLU6 or (type(module) is nn.Hardtanh and (module.min_val, module.max_val) == (0, 6)):
             return "relu6"
     elif node.op == "call_function":
-        if node.target in _RELUS:
+        if node.target in RELUS:
             return "relu"
         if node.target is F.relu6:
             return "relu6"
@@ -414,7 +414,7 @@ def fake_quantize_model(root: nn.Module, skip: frozenset[str] | set[str] = froze
                  type(root).__name__, type(exc).__name__, " ".join(str(exc).split())[:200])
         plans, residual_relus = [_Plan(name) for name in quantizable_layers(root, skip)], []
     for name in residual_relus:
-        _replace(root, name, QuantizedReLU().to(_device_of(root)))
+        _replace(root, name, QuantizedReLU().to(device_of(root)))
     created = []
     for plan in plans:
         float_module = modules[plan.target]
@@ -432,7 +432,9 @@ def fake_quantize_model(root: nn.Module, skip: frozenset[str] | set[str] = froze
     if not root.__dict__.get("_recal_plan_hooked"):
         root.__dict__["_recal_plan_hooked"] = True
         root.register_forward_pre_hook(_plan_on_first_forward, with_kwargs=True)
-        root.register_load_state_dict_pre_hook(_restore_sites)
+        from .qat_sites import restore
+
+        root.register_load_state_dict_pre_hook(restore)
     return created
 
 
@@ -457,21 +459,11 @@ def is_leaf(module: nn.Module) -> bool:
 
 
 def plan_pending(root: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
-    """Make the first-forward plan of ``root`` (and of its QAT roots) now, on ``args`` (before export)."""
-    for module in root.modules():
-        if module.__dict__.get("_recal_pending_plan") is not None:
-            if module is root:
-                _plan_on_first_forward(module, args, kwargs or {})
-            else:  # a QAT root inside the model: its first forward comes when the model runs
-                with torch.no_grad():
-                    training = {m: m.training for m in root.modules()}
-                    root.eval()
-                    try:
-                        root(*args, **(kwargs or {}))
-                    finally:
-                        for m, flag in training.items():
-                            m.training = flag
-                return
+    """Make the first-forward plans waiting in ``root`` (it, or QAT roots inside it) now, on ``args`` (before
+    export, whose deep copy must not plan on its own)."""
+    if any(m.__dict__.get("_recal_pending_plan") is not None for m in root.modules()):
+        with evaluating(root):
+            root(*args, **(kwargs or {}))
 
 
 def _plan_on_first_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -489,7 +481,6 @@ def _plan_on_first_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
     if traced is None:
         return
     from . import qat_sites
-    from .qat_trace import record_forward
 
     try:
         graph = record_forward(root, tuple(args), dict(kwargs), is_leaf)
@@ -505,11 +496,12 @@ def _plan_on_first_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
         for plan in plans:
             _fuse(root, modules[plan.target], plan, modules)
         modules = dict(root.named_modules())
-    sites = _plan_sites(graph, modules, traced)
+    sites, quantized = _plan_sites(graph, modules)
     if sites:
-        qat_sites.install(root, sites, lambda: ActivationFakeQuantize().to(_device_of(root)), is_leaf)
-    planned = {s for s in sites}
-    quantized = _quantized_nodes(graph, modules, planned)
+        qat_sites.install(root, [node.meta["site"] for node in sites])
+    if not traced:  # the int8 model's matmul returns float where no quantized layer or add reads its output
+        for linear in _unread_linears(graph, modules, set(sites)):
+            linear.activation_post_process.enabled.fill_(False)
     for node in graph.nodes:
         layer = modules.get(node.target) if node.op == "call_module" else None
         if isinstance(layer, QATModule) and not isinstance(layer, QATEmbedding) and layer.input_fake_quant is not None \
@@ -524,17 +516,7 @@ def _plan_on_first_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
              len(sites))
 
 
-def _restore_sites(root, state_dict, prefix, *args) -> None:
-    """A checkpoint's call-site observers are created before it loads (the plan that made them comes later)."""
-    from . import qat_sites
-
-    head = prefix + qat_sites.CONTAINER + "."
-    keys = sorted({k[len(head):].split(".")[0] for k in state_dict if k.startswith(head)})
-    if keys:
-        qat_sites.restore(root, keys, lambda: ActivationFakeQuantize().to(_device_of(root)), is_leaf)
-
-
-def _device_of(module: nn.Module) -> torch.device:
+def device_of(module: nn.Module) -> torch.device:
     return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
@@ -629,7 +611,7 @@ def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def _is_residual_add(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target in _ADDS and len(node.args) == 2 \
+    return node.op == "call_function" and node.target in ADDS and len(node.args) == 2 \
         and all(isinstance(a, torch.fx.Node) and a.op != "placeholder" for a in node.args)
 
 
@@ -645,29 +627,20 @@ def _reaches(node: object, quantized: set, modules: dict[str, nn.Module]) -> boo
     return False
 
 
-def _quantized_nodes(graph: torch.fx.Graph, modules: dict[str, nn.Module], sites: set) -> set[torch.fx.Node]:
-    """The nodes of a recorded trace whose output the model quantizes (a layer's output, a call site's)."""
+def _plan_sites(graph: torch.fx.Graph, modules: dict[str, nn.Module]) -> tuple[list[torch.fx.Node], set]:
+    """The nodes of the recorded trace whose call site needs its own observer, and every node whose output is
+    then quantized. A residual add whose operands are both quantized gets one: on its output, or on the ReLU / ReLU6
+    that alone reads it (the runtime adds in int8 and clamps on the integers)."""
     quantized = set()
     for node in graph.nodes:
         module = modules.get(node.target) if node.op == "call_module" else None
         fq = getattr(module, "activation_post_process", None)
-        if node.meta.get("site") in sites or (isinstance(fq, ActivationFakeQuantize) and fq.active
-                                              and not isinstance(module, QATEmbedding)):
+        if isinstance(fq, ActivationFakeQuantize) and fq.active and not isinstance(module, QATEmbedding):
             quantized.add(node)
-    return quantized
-
-
-def _plan_sites(graph: torch.fx.Graph, modules: dict[str, nn.Module], traced: bool) -> list[tuple[str, str, int]]:
-    """The call sites that need their own observer: each residual add whose operands are both quantized (on its
-    output, or on the ReLU / ReLU6 that alone reads it: the runtime adds in int8 and clamps on the integers).
-    In a model fx could not trace, a linear's output is then switched off unless a quantized layer or one of
-    these adds reads it (the int8 model's matmul returns float there)."""
-    sites: list[tuple[str, str, int]] = []
+    sites = []
     for node in graph.nodes:
-        if not _is_residual_add(node) or "site" not in node.meta:
-            continue
-        quantized = _quantized_nodes(graph, modules, set(sites))
-        if not all(_reaches(a, quantized, modules) for a in node.args):
+        if not _is_residual_add(node) or "site" not in node.meta \
+                or not all(_reaches(a, quantized, modules) for a in node.args):
             continue
         user = _only_user(node)
         module = modules.get(user.target) if user is not None and user.op == "call_module" else None
@@ -675,36 +648,37 @@ def _plan_sites(graph: torch.fx.Graph, modules: dict[str, nn.Module], traced: bo
             continue  # the fx plan quantizes this sum already
         if user is not None and user.args and user.args[0] is node and "site" in user.meta \
                 and _clamping_activation(user, module) is not None:
-            sites.append(user.meta["site"])
-        else:
-            sites.append(node.meta["site"])
-    if not traced:
-        readers = _quantized_readers(graph, modules, set(sites))
-        for node in graph.nodes:
-            layer = modules.get(node.target) if node.op == "call_module" else None
-            if isinstance(layer, QATLinear) and node not in readers and layer.activation_post_process is not None:
-                layer.activation_post_process.enabled.fill_(False)
-    return sites
+            node = user
+        sites.append(node)
+        quantized.add(node)
+    return sites, quantized
 
 
-def _quantized_readers(graph: torch.fx.Graph, modules: dict[str, nn.Module], sites: set) -> set[torch.fx.Node]:
-    """The nodes whose output a quantized layer or a planned add reads (through preserving ops)."""
+def _unread_linears(graph: torch.fx.Graph, modules: dict[str, nn.Module], sites: set) -> list[QATLinear]:
+    """The QAT linears with an output observer whose output no quantized layer or quantized add reads (through
+    quantization-preserving ops)."""
     read = set()
     for node in graph.nodes:
         module = modules.get(node.target) if node.op == "call_module" else None
-        reader = (isinstance(module, QATModule) and not isinstance(module, QATEmbedding)) \
-            or (_is_residual_add(node) and (node.meta.get("site") in sites
-                                            or any(u.meta.get("site") in sites for u in node.users)))
-        if not reader:
+        if isinstance(module, QATModule) and not isinstance(module, QATEmbedding):
+            sources = node.args[:1]
+        elif _is_residual_add(node) and (node in sites or any(u in sites for u in node.users)):
+            sources = node.args
+        else:
             continue
-        for arg in node.args if _is_residual_add(node) else node.args[:1]:
+        for arg in sources:
             while isinstance(arg, torch.fx.Node):
                 read.add(arg)
                 inner = modules.get(arg.target) if arg.op == "call_module" else None
                 if not _preserves_quantization(arg, inner) or not arg.args:
                     break
                 arg = arg.args[0]
-    return read
+    linears = []
+    for node in graph.nodes:
+        layer = modules.get(node.target) if node.op == "call_module" else None
+        if isinstance(layer, QATLinear) and node not in read and layer.activation_post_process is not None:
+            linears.append(layer)
+    return linears
 
 
 def _preserves_quantization(node: torch.fx.Node, module: nn.Module | None) -> bool:

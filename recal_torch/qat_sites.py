@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .qat import ActivationFakeQuantize, device_of, is_leaf
 from .qat_trace import CallSites, holds_tensor, op_name
 
 CONTAINER = "recal_sites"
@@ -31,25 +32,28 @@ def parse_key(key: str) -> Site:
     return scope.replace("/", "."), op, int(k)
 
 
-def install(root: nn.Module, sites: list[Site], make_quantizer, is_leaf) -> None:
-    """Give each of ``sites`` its own quantizer (``make_quantizer()``) and run them from now on."""
+def install(root: nn.Module, sites: list[Site]) -> None:
+    """Give each of ``sites`` its own observer and run them from now on."""
     container = root.__dict__["_modules"].get(CONTAINER)
     if container is None:
         container = nn.ModuleDict()
         root.add_module(CONTAINER, container)
     for site in sites:
         if site_key(site) not in container:
-            container[site_key(site)] = make_quantizer()
+            container[site_key(site)] = ActivationFakeQuantize().to(device_of(root))
     if not root.__dict__.get("_recal_sites_hooked"):
         root.__dict__["_recal_sites_hooked"] = True
-        root.__dict__["_recal_is_leaf"] = is_leaf
         root.register_forward_pre_hook(_enter)
         root.register_forward_hook(_leave, always_call=True)
 
 
-def restore(root: nn.Module, keys: list[str], make_quantizer, is_leaf) -> None:
-    """Recreate the quantizers a checkpoint holds (``keys``: their ``ModuleDict`` keys) before it loads."""
-    install(root, [parse_key(k) for k in keys], make_quantizer, is_leaf)
+def restore(root: nn.Module, state_dict, prefix: str, *args) -> None:
+    """A load-state-dict pre-hook: the observers a checkpoint holds are created before it loads (the plan that
+    made them comes at the first forward)."""
+    head = prefix + CONTAINER + "."
+    keys = sorted({k[len(head):].split(".")[0] for k in state_dict if k.startswith(head)})
+    if keys:
+        install(root, [parse_key(k) for k in keys])
 
 
 class _Run:
@@ -58,7 +62,7 @@ class _Run:
     def __init__(self, root: nn.Module):
         container = root.__dict__["_modules"][CONTAINER]
         self.quantizers = {parse_key(k): m for k, m in container.items()}
-        self.sites = CallSites(root, root.__dict__["_recal_is_leaf"])
+        self.sites = CallSites(root, is_leaf)
         self.mode = _SiteMode(self)
         self.handles = [nn.modules.module.register_module_forward_pre_hook(self.before),
                         nn.modules.module.register_module_forward_hook(self.after, always_call=True)]

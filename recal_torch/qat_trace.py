@@ -13,6 +13,7 @@ Every recorded node carries its call site in ``node.meta["site"]``: ``(owner pat
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections import Counter
 
@@ -22,9 +23,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 Tensor = torch.Tensor
-_ADDS = {torch.add, Tensor.add, Tensor.add_, Tensor.__add__, Tensor.__iadd__, Tensor.__radd__}
-_RELUS = {torch.relu, torch.relu_, F.relu, Tensor.relu, Tensor.relu_}
-_CANONICAL = {**{f: operator.add for f in _ADDS}, **{f: F.relu for f in _RELUS}}
+# every form of an add and of a ReLU: operator, function, method, in place (fx writes the first ones as targets)
+ADDS = {operator.add, torch.add, Tensor.add, Tensor.add_, Tensor.__add__, Tensor.__iadd__, Tensor.__radd__}
+RELUS = {torch.relu, torch.relu_, F.relu, Tensor.relu, Tensor.relu_}
+_CANONICAL = {**{f: operator.add for f in ADDS}, **{f: F.relu for f in RELUS}}
 
 
 def op_name(func) -> str:
@@ -150,12 +152,10 @@ def record_forward(root: nn.Module, args: tuple, kwargs: dict, is_leaf) -> torch
         if node is not None:
             recorder.bind_outputs(out, node)
 
-    training = {m: m.training for m in root.modules()}
     handles = [nn.modules.module.register_module_forward_pre_hook(before),
                nn.modules.module.register_module_forward_hook(after, always_call=True)]
     try:
-        root.eval()
-        with torch.no_grad(), recorder:
+        with evaluating(root), recorder:
             for i, value in enumerate([*args, *kwargs.values()]):
                 if isinstance(value, Tensor):
                     recorder._bind(value, recorder.graph.placeholder(f"input_{i}"))
@@ -168,7 +168,18 @@ def record_forward(root: nn.Module, args: tuple, kwargs: dict, is_leaf) -> torch
     finally:
         for h in handles:
             h.remove()
+    return recorder.graph
+
+
+@contextlib.contextmanager
+def evaluating(root: nn.Module):
+    """``root`` in eval mode without gradients; every module's training flag restored after."""
+    training = {m: m.training for m in root.modules()}
+    root.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
         for m, flag in training.items():
             m.training = flag
-    return recorder.graph
 
