@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .qat_trace import ADDS, RELUS, evaluating, record_forward
+from .qat_trace import ADDS, RELUS, evaluating, own_children, record_forward
 
 log = logging.getLogger(__name__)
 
@@ -637,6 +637,14 @@ def _plan_sites(graph: torch.fx.Graph, modules: dict[str, nn.Module]) -> tuple[l
         fq = getattr(module, "activation_post_process", None)
         if isinstance(fq, ActivationFakeQuantize) and fq.active and not isinstance(module, QATEmbedding):
             quantized.add(node)
+    strangers: dict[str, set[str]] = {}  # module -> the modules it calls that are not its own children
+    children: dict[str, set[str]] = {}
+    for caller, called in getattr(graph, "module_calls", ()):
+        if caller not in children:
+            prefix = caller + "." if caller else ""
+            children[caller] = {prefix + path for path, _ in own_children(modules[caller])}
+        if called not in children[caller]:
+            strangers.setdefault(caller, set()).add(called)
     sites = []
     for node in graph.nodes:
         if not _is_residual_add(node) or "site" not in node.meta \
@@ -649,6 +657,11 @@ def _plan_sites(graph: torch.fx.Graph, modules: dict[str, nn.Module]) -> tuple[l
         if user is not None and user.args and user.args[0] is node and "site" in user.meta \
                 and _clamping_activation(user, module) is not None:
             node = user
+        if node.op != "call_module" and node.meta["site"][0] in strangers:
+            log.warning("QAT: the residual add in %r stays float: that module calls modules that are not its own "
+                        "children (%s), so its own calls cannot be counted apart from theirs",
+                        node.meta["site"][0], ", ".join(sorted(strangers[node.meta["site"][0]])[:3]))
+            continue
         sites.append(node)
         quantized.add(node)
     return sites, quantized

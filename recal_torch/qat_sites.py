@@ -3,19 +3,23 @@
 Model code writes ``out = out + identity`` or ``self.relu(out)`` (the same ReLU module twice, as torchvision's
 ``BasicBlock`` does); no module owns those tensors, so no module swap can quantize them. The plan names each
 such tensor by its call site (:mod:`recal_torch.qat_trace`): ``(owner path, op, k)``. While the model runs
-forward, a ``TorchFunctionMode`` and module hooks count calls the same way and pass the output of each planned
-call through its own observer. The observers live in ``root.recal_sites`` (a ``ModuleDict``), so checkpoints
+forward, hooks count calls the same way and pass the output of each planned call through its own observer:
+a forward hook on a module with a planned call; for a function, a ``TorchFunctionMode`` entered only while the
+module that calls it runs its own code (hooks on its children pause the count). Nothing else is hooked, so a
+model pays only where it has sites. The observers live in ``root.recal_sites`` (a ``ModuleDict``), so checkpoints
 carry them, and export writes each as QuantizeLinear/DequantizeLinear.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .qat import ActivationFakeQuantize, device_of, is_leaf
-from .qat_trace import CallSites, holds_tensor, op_name
+from .qat import ActivationFakeQuantize, device_of
+from .qat_trace import holds_tensor, op_name, own_children
 
 CONTAINER = "recal_sites"
 Site = tuple[str, str, int]
@@ -43,8 +47,26 @@ def install(root: nn.Module, sites: list[Site]) -> None:
             container[site_key(site)] = ActivationFakeQuantize().to(device_of(root))
     if not root.__dict__.get("_recal_sites_hooked"):
         root.__dict__["_recal_sites_hooked"] = True
-        root.register_forward_pre_hook(_enter)
-        root.register_forward_hook(_leave, always_call=True)
+        root.register_forward_pre_hook(_new_forward)
+    for site in map(parse_key, container):
+        scope, op, _ = site
+        module = root.get_submodule(scope)
+        hooks = module.__dict__.setdefault("_recal_site_hooks", set())
+        if op in hooks:
+            continue
+        hooks.add(op)
+        # plain entries in __dict__ (not submodules): the state dict is unchanged, a deep copy follows them
+        module.__dict__["_recal_site_root"], module.__dict__["_recal_site_path"] = root, scope
+        if op == "forward":
+            module.register_forward_hook(_module_call, prepend=True)  # before a parent's _leave_child: still paused
+        elif len(hooks - {"forward"}) == 1:  # the first function site of this module
+            module.register_forward_pre_hook(_enter_own_code)
+            module.register_forward_hook(_leave_own_code, always_call=True)
+            for _, child in own_children(module):
+                child.__dict__.setdefault("_recal_site_parents", []).append(module)
+                if len(child.__dict__["_recal_site_parents"]) == 1:
+                    child.register_forward_pre_hook(_enter_child)
+                    child.register_forward_hook(_leave_child, always_call=True)
 
 
 def restore(root: nn.Module, state_dict, prefix: str, *args) -> None:
@@ -56,55 +78,62 @@ def restore(root: nn.Module, state_dict, prefix: str, *args) -> None:
         install(root, [parse_key(k) for k in keys])
 
 
-class _Run:
-    """One forward of ``root`` with its sites quantized."""
-
-    def __init__(self, root: nn.Module):
-        container = root.__dict__["_modules"][CONTAINER]
-        self.quantizers = {parse_key(k): m for k, m in container.items()}
-        self.sites = CallSites(root, is_leaf)
-        self.mode = _SiteMode(self)
-        self.handles = [nn.modules.module.register_module_forward_pre_hook(self.before),
-                        nn.modules.module.register_module_forward_hook(self.after, always_call=True)]
-        self.root = root
-        self.sites.push(root)
-        self.mode.__enter__()
-
-    def before(self, module, inputs):
-        self.sites.push(module)
-
-    def after(self, module, inputs, out):
-        site = self.sites.pop(module)
-        quantizer = self.quantizers.get(site) if site is not None else None
-        return quantizer(out) if quantizer is not None and isinstance(out, torch.Tensor) else None
-
-    def close(self) -> None:
-        self.mode.__exit__(None, None, None)
-        for handle in self.handles:
-            handle.remove()
+def _new_forward(root: nn.Module, args) -> None:
+    root.__dict__["_recal_site_forward"] = root.__dict__.get("_recal_site_forward", 0) + 1
 
 
-class _SiteMode(TorchFunctionMode):
-    def __init__(self, run: _Run):
+def _next(module: nn.Module, op: str) -> tuple[ActivationFakeQuantize | None, Site]:
+    """The k-th call of ``op`` by ``module`` in this forward of its root, and its observer (None if unplanned)."""
+    root = module.__dict__["_recal_site_root"]
+    forward = root.__dict__.get("_recal_site_forward", 0)
+    if module.__dict__.get("_recal_site_seen") != forward:
+        module.__dict__["_recal_site_seen"], module.__dict__["_recal_site_counts"] = forward, Counter()
+    counts = module.__dict__["_recal_site_counts"]
+    site = (module.__dict__["_recal_site_path"], op, counts[op])
+    counts[op] += 1
+    return root.__dict__["_modules"][CONTAINER]._modules.get(site_key(site)), site
+
+
+def _module_call(module: nn.Module, args, out):
+    quantizer, _ = _next(module, "forward")
+    return quantizer(out) if quantizer is not None and isinstance(out, torch.Tensor) else None
+
+
+def _enter_own_code(module: nn.Module, args) -> None:
+    mode = _OwnCode(module)
+    mode.__enter__()
+    module.__dict__.setdefault("_recal_site_modes", []).append(mode)
+
+
+def _leave_own_code(module: nn.Module, args, output=None) -> None:
+    modes = module.__dict__.get("_recal_site_modes")
+    if modes:  # (empty when an earlier pre-hook raised before ours ran: let that error through)
+        modes.pop().__exit__(None, None, None)
+
+
+def _enter_child(child: nn.Module, args) -> None:
+    for parent in child.__dict__["_recal_site_parents"]:
+        for mode in parent.__dict__.get("_recal_site_modes", ()):
+            mode.inside += 1
+
+
+def _leave_child(child: nn.Module, args, output=None) -> None:
+    for parent in child.__dict__["_recal_site_parents"]:
+        for mode in parent.__dict__.get("_recal_site_modes", ()):
+            mode.inside = max(0, mode.inside - 1)
+
+
+class _OwnCode(TorchFunctionMode):
+    """Counts the torch calls a module's own forward makes (not its children's) and quantizes planned ones."""
+
+    def __init__(self, module: nn.Module):
         super().__init__()
-        self.run = run
+        self.module = module
+        self.inside = 0  # > 0 while one of the module's children runs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        sites = self.run.sites
-        owner = sites.owner()
-        if owner is None or not holds_tensor(out):  # counted exactly as the recording counted
+        if self.inside or not holds_tensor(out):  # counted exactly as the recording counted
             return out
-        quantizer = self.run.quantizers.get(sites.count(owner, op_name(func)))
+        quantizer, _ = _next(self.module, op_name(func))
         return quantizer(out) if quantizer is not None and isinstance(out, torch.Tensor) else out
-
-
-def _enter(root: nn.Module, args) -> None:
-    if CONTAINER in root.__dict__["_modules"]:
-        root.__dict__.setdefault("_recal_site_runs", []).append(_Run(root))
-
-
-def _leave(root: nn.Module, args, output=None) -> None:
-    runs = root.__dict__.get("_recal_site_runs")
-    if runs:  # (empty when an earlier pre-hook raised before ours ran: let that error through)
-        runs.pop().close()

@@ -5,10 +5,10 @@ model once records what actually ran: each call of a *leaf* module (no children,
 torch function a non-leaf module's forward calls itself, with the call that produced each tensor argument.
 The result is an ordinary ``torch.fx.Graph``, so one planner reads both kinds of trace.
 
-Every recorded node carries its call site in ``node.meta["site"]``: ``(owner path, op, k)`` for a function
-(the k-th call of that op by that module's own forward in one forward pass of the root), ``(module path,
-"forward", k)`` for a module. :class:`CallSites` counts the same way while training, so
-:mod:`recal_torch.qat_sites` can put a quantizer on exactly one call's output.
+Every recorded node carries its call site in ``node.meta["site"]``: ``(owner path, op, k)`` for a function (the
+k-th call of that op by that module's own forward in one forward pass of the root), ``(module path, "forward",
+k)`` for a module; ``graph.module_calls`` lists which module called which. :mod:`recal_torch.qat_sites` counts
+the same way while training, so it can put a quantizer on exactly one call's output.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class CallSites:
         self.stack: list[nn.Module] = []
         self.entered: list[tuple[str, str, int] | None] = []
         self.counts: Counter = Counter()
+        self.calls: list[tuple[str, str]] = []  # (caller's path, called module's path) of every counted call
 
     def owner(self) -> str | None:
         """The path of the module whose own forward is running (None inside a leaf or outside ``root``)."""
@@ -62,6 +63,8 @@ class CallSites:
         site = None
         if id(module) in self.paths and (not self.stack or self.owner() is not None):
             site = self.count(self.paths[id(module)], "forward")
+            if self.stack:
+                self.calls.append((self.owner(), site[0]))
         self.stack.append(module)
         self.entered.append(site)
         return site
@@ -128,6 +131,17 @@ class _Recorder(TorchFunctionMode):
         return out
 
 
+def own_children(module: nn.Module, prefix: str = ""):
+    """``(path, child)`` of the modules ``module``'s forward calls as its own: its children, and the items of its
+    ``ModuleList`` / ``ModuleDict`` children (containers are never called themselves)."""
+    for name, child in module.named_children():
+        path = f"{prefix}.{name}" if prefix else name
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            yield from own_children(child, path)
+        else:
+            yield path, child
+
+
 def holds_tensor(value) -> bool:
     return isinstance(value, Tensor) or (isinstance(value, (list, tuple)) and any(isinstance(v, Tensor) for v in value))
 
@@ -168,6 +182,7 @@ def record_forward(root: nn.Module, args: tuple, kwargs: dict, is_leaf) -> torch
     finally:
         for h in handles:
             h.remove()
+    recorder.graph.module_calls = sites.calls
     return recorder.graph
 
 

@@ -455,6 +455,36 @@ def test_a_residual_add_without_activation_is_quantized_once(kind, tmp_path, cap
         assert result.verification.max_steps <= 3
 
 
+def test_an_add_in_a_module_that_calls_a_stranger_stays_float_and_is_named(caplog):
+    """A module that calls another module's child: its own calls cannot be told from that child's, so the sum
+    gets no observer (a wrong call would be quantized otherwise), and the warning names the module."""
+
+    class Borrower(nn.Module):
+        def __init__(self, lender):
+            super().__init__()
+            object.__setattr__(self, "lender", lender)  # not a child: the lender's module
+            self.conv = nn.Conv2d(4, 4, 1)
+
+        def forward(self, x):
+            return self.conv(x) + self.lender.blocks[0](x)
+
+    class Net(InvertedResidual):
+        def __init__(self):
+            super().__init__()
+            self.borrower = Borrower(self)
+
+        def forward(self, x):
+            return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(self.borrower(self.stem(x)), 1), 1))
+
+    torch.manual_seed(0)
+    model = Net()
+    with caplog.at_level("WARNING", logger="recal_torch.qat"):
+        fake_quantize_model(model)
+        model(torch.randn(2, 1, 8, 8))
+    assert "residual add in 'borrower' stays float" in caplog.text and "blocks.0" in caplog.text
+    assert "recal_sites" not in model._modules
+
+
 def test_call_site_observers_travel_in_checkpoints(tmp_path):
     torch.manual_seed(0)
     model = Untraceable()
