@@ -21,6 +21,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .qat import ActivationFakeQuantize
+from .qat_trace import mode_during_forward
 
 SLOTS = ("query", "key", "probs", "value")
 PROJECTIONS = (("query", "key", "value"), ("q_proj", "k_proj", "v_proj"), ("q", "k", "v"))
@@ -58,30 +59,17 @@ def quantize_attention(root: nn.Module, skip: frozenset[str] | set[str] = frozen
             continue
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         module.attention_fake_quant = AttentionFakeQuantize().to(device)
-        module.register_forward_pre_hook(_enter)
-        module.register_forward_hook(_leave, always_call=True)
+        mode_during_forward(module, _QuantizedMatmuls)
         done.append(name)
     return done
-
-
-def _enter(module: nn.Module, args) -> None:
-    mode = _QuantizedMatmuls(module.attention_fake_quant)
-    mode.__enter__()
-    module.__dict__.setdefault("_recal_attention_modes", []).append(mode)
-
-
-def _leave(module: nn.Module, args, output=None) -> None:
-    modes = module.__dict__.get("_recal_attention_modes")
-    if modes:  # (empty when an earlier pre-hook raised before ours ran: let that error through)
-        modes.pop().__exit__(None, None, None)
 
 
 class _QuantizedMatmuls(TorchFunctionMode):
     """Fake-quantizes the operands of the first two matmuls it sees (Q·Kᵀ, then P·V)."""
 
-    def __init__(self, quantizers: nn.Module):
+    def __init__(self, module: nn.Module):
         super().__init__()
-        self.quantizers = quantizers
+        self.quantizers = module.attention_fake_quant
         self.calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

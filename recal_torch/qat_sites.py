@@ -19,7 +19,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .qat import ActivationFakeQuantize, device_of
-from .qat_trace import holds_tensor, op_name, own_children
+from .qat_trace import active_modes, holds_tensor, mode_during_forward, op_name, own_children
 
 CONTAINER = "recal_sites"
 Site = tuple[str, str, int]
@@ -60,8 +60,7 @@ def install(root: nn.Module, sites: list[Site]) -> None:
         if op == "forward":
             module.register_forward_hook(_module_call, prepend=True)  # before a parent's _leave_child: still paused
         elif len(hooks - {"forward"}) == 1:  # the first function site of this module
-            module.register_forward_pre_hook(_enter_own_code)
-            module.register_forward_hook(_leave_own_code, always_call=True)
+            mode_during_forward(module, _OwnCode)
             for _, child in own_children(module):
                 child.__dict__.setdefault("_recal_site_parents", []).append(module)
                 if len(child.__dict__["_recal_site_parents"]) == 1:
@@ -99,27 +98,15 @@ def _module_call(module: nn.Module, args, out):
     return quantizer(out) if quantizer is not None and isinstance(out, torch.Tensor) else None
 
 
-def _enter_own_code(module: nn.Module, args) -> None:
-    mode = _OwnCode(module)
-    mode.__enter__()
-    module.__dict__.setdefault("_recal_site_modes", []).append(mode)
-
-
-def _leave_own_code(module: nn.Module, args, output=None) -> None:
-    modes = module.__dict__.get("_recal_site_modes")
-    if modes:  # (empty when an earlier pre-hook raised before ours ran: let that error through)
-        modes.pop().__exit__(None, None, None)
-
-
 def _enter_child(child: nn.Module, args) -> None:
     for parent in child.__dict__["_recal_site_parents"]:
-        for mode in parent.__dict__.get("_recal_site_modes", ()):
+        for mode in active_modes(parent, _OwnCode):
             mode.inside += 1
 
 
 def _leave_child(child: nn.Module, args, output=None) -> None:
     for parent in child.__dict__["_recal_site_parents"]:
-        for mode in parent.__dict__.get("_recal_site_modes", ()):
+        for mode in active_modes(parent, _OwnCode):
             mode.inside = max(0, mode.inside - 1)
 
 

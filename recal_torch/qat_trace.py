@@ -14,6 +14,7 @@ the same way while training, so it can put a quantizer on exactly one call's out
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 from collections import Counter
 
@@ -198,3 +199,28 @@ def evaluating(root: nn.Module):
         for m, flag in training.items():
             m.training = flag
 
+
+
+def mode_during_forward(module: nn.Module, mode_type: type[TorchFunctionMode]) -> None:
+    """While ``module`` runs forward, ``mode_type(module)`` is entered (by a pre-hook) and left (by a forward hook
+    that runs even when the forward raises). The hooks are plain functions and the modes live in the module's
+    ``__dict__``, so a deep copy of the model (export) carries its own."""
+    module.register_forward_pre_hook(functools.partial(_enter_mode, mode_type))
+    module.register_forward_hook(functools.partial(_leave_mode, mode_type), always_call=True)
+
+
+def active_modes(module: nn.Module, mode_type: type[TorchFunctionMode]) -> list[TorchFunctionMode]:
+    """The ``mode_type`` modes ``module``'s running forwards entered (innermost last)."""
+    return module.__dict__.setdefault("_recal_modes", {}).setdefault(mode_type.__name__, [])
+
+
+def _enter_mode(mode_type, module: nn.Module, args) -> None:
+    mode = mode_type(module)
+    mode.__enter__()
+    active_modes(module, mode_type).append(mode)
+
+
+def _leave_mode(mode_type, module: nn.Module, args, output=None) -> None:
+    modes = active_modes(module, mode_type)
+    if modes:  # (empty when an earlier pre-hook raised before ours ran: let that error through)
+        modes.pop().__exit__(None, None, None)
