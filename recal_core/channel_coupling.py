@@ -55,6 +55,7 @@ class Space:
     followers: list[tuple[Op, tuple[str, ...]]] = field(default_factory=list)  # (op, tensors zeroed)
     consumers: list[tuple[Op, int]] = field(default_factory=list)  # (layer, features per channel)
     blockers: list[str] = field(default_factory=list)  # why it is not thinnable
+    tensors: list[str] = field(default_factory=list)  # the op outputs in it (channels on axis 1)
 
     @property
     def thinnable(self) -> bool:
@@ -138,6 +139,9 @@ def channel_spaces(ops: list[Op]) -> list[Space]:
                 space(flattened[t][0] if t in flattened else t).blockers.append(op.name)
             if op.output is not None:
                 space(op.output).blockers.append(op.name)
+    for tensor in union.parent:
+        if union.find(tensor) in spaces and tensor not in flattened:
+            spaces[union.find(tensor)].tensors.append(tensor)
     return list(spaces.values())
 
 

@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-verify", action="store_true", help="skip the onnxruntime comparison")
     parser.add_argument("--no-thin", action="store_true",
                         help="keep channels filter pruning left dead (by default they are removed)")
+    parser.add_argument("--weight-type", choices=("auto", "int8", "uint8"), default="auto",
+                        help="int8: fast and exact on CPUs with VNNI / AMX and on Arm; uint8: exact on x86 without "
+                             "VNNI; auto (default): int8 unless this CPU is x86 without VNNI")
     parser.add_argument("--tolerance", type=_tolerance, help="largest accepted max-abs difference (a finite number >= 0)")
 
 
@@ -41,11 +44,16 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnconvertedOpsWarning)
         result = quantize_qat_export(args.input, args.output, format=args.format, verify=not args.no_verify,
-                                     tolerance=args.tolerance, thin=not args.no_thin)
+                                     tolerance=args.tolerance, thin=not args.no_thin,
+                                     weight_type=args.weight_type)
     for w in caught:
         print(f"warning: {w.message}")
     done = ", ".join(f"{k} {v}" for k, v in result.rewrites.items() if v)
-    print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB) in {result.seconds:.2f}s: {done}")
+    weights = f"{result.weight_type} weights"
+    if args.weight_type == "auto" and result.weight_type == "uint8":
+        weights += ": this CPU has no VNNI; --weight-type int8 for one that has"
+    print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB, {weights}) in {result.seconds:.2f}s: "
+          f"{done}")
     if result.verification is not None:
         print(f"verified in onnxruntime: {result.verification}")
     return 0

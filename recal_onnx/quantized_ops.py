@@ -15,7 +15,7 @@ from .qdq import QTensor, QWeight, quantize_node_of, scalar
 
 def quantized_bias(g: Graph, node: onnx.NodeProto, x: QTensor, w: QWeight, index: int) -> str | None:
     """The int32 bias ``round(bias / (s_x * s_w))`` for ``node.input[index]``; '' when there is none,
-    None when the bias is not a constant."""
+    None when the bias is not a constant or int32 cannot hold it (then ``g.kept_float`` says why)."""
     if len(node.input) <= index or not node.input[index]:
         return ""
     bias = g.const(node.input[index])
@@ -23,37 +23,23 @@ def quantized_bias(g: Graph, node: onnx.NodeProto, x: QTensor, w: QWeight, index
         return None
     scale = scalar(g, x.scale) * w.scale.astype(np.float64).reshape(-1)
     values = np.round(np.asarray(bias, np.float64).reshape(-1) / scale)
-    info = np.iinfo(np.int32)
-    return g.add_const(node.input[index] + "_int32", np.clip(values, info.min, info.max).astype(np.int32))
-
-
-# onnxruntime's u8s8 kernels on x86 without VNNI (AVX2, AVX-512F) add pairs of uint8 x int8 products
-# in int16 (vpmaddubsw), which saturates once |w1| + |w2| > 128: weights within +-64 never do.
-SATURATION_FREE_WEIGHT = 64
-
-
-def saturation_free(q: np.ndarray) -> bool:
-    """Whether int8 weights ``q`` are exact in every x86 u8s8 kernel (``|q| <= 64``)."""
-    return q.size == 0 or int(np.abs(q.astype(np.int16)).max()) <= SATURATION_FREE_WEIGHT
+    if np.abs(values).max(initial=0) > np.iinfo(np.int32).max:
+        g.kept_float[node.name] = (node.op_type, f"its bias is beyond int32 in steps of input scale x weight scale "
+                                                 f"(input scale {scalar(g, x.scale):.3g})")
+        return None
+    return g.add_const(node.input[index] + "_int32", values.astype(np.int32))
 
 
 def weight_inputs(g: Graph, w: QWeight, channels_axis: int) -> tuple[str, str, str] | None:
-    """(q, scale, zero point) names for an int8 symmetric weight, per tensor or per output channel.
-
-    Weights beyond +-64 are written as uint8 with zero point 128 (the same values): onnxruntime then
-    runs its u8u8 kernels, exact on every CPU, instead of u8s8 ones that can saturate on x86 without VNNI.
-    """
+    """(q, scale, zero point) names for an int8 symmetric weight, per tensor or per output channel (for CPUs
+    whose int8 kernels saturate, :func:`recal_onnx.passes.uint8_weights.uint8_weights` shifts them later)."""
     if w.q.dtype != np.int8 or np.any(w.zero_point != 0):
         return None
     if w.scale.size != 1 and (w.axis != channels_axis or w.scale.size != w.q.shape[channels_axis]):
         return None
     scale = w.scale.reshape(-1) if w.scale.size != 1 else w.scale.reshape(())
     scale_name = g.add_const(w.dq.input[1] + "_w", scale.astype(np.float32))
-    if saturation_free(w.q):
-        return w.dq.input[0], scale_name, g.add_const("w_zero_point", np.zeros(scale.shape, np.int8))
-    shifted = (w.q.astype(np.int16) + 128).astype(np.uint8)
-    return (g.add_const(w.dq.input[0] + "_u8", shifted), scale_name,
-            g.add_const("w_zero_point_u8", np.full(scale.shape, 128, np.uint8)))
+    return w.dq.input[0], scale_name, g.add_const("w_zero_point", np.zeros(scale.shape, np.int8))
 
 
 def clamp_bounds(g: Graph, node: onnx.NodeProto) -> tuple[float | None, float | None] | None:

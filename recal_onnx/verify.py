@@ -1,8 +1,17 @@
-"""Run two ONNX models in onnxruntime (default session options) on the same inputs and compare outputs."""
+"""Run two ONNX models in onnxruntime (default session options) on the same inputs and compare them.
+
+Two comparisons. End to end: the outputs. Op by op: the converted model's every integer tensor that the QAT
+model quantizes too (a QuantizeLinear's output, by name), each computed from the QAT model's own values of
+the integer tensors it reads, so a rounding difference upstream does not travel. A correct conversion
+differs there by at most one step (a value on a rounding boundary), whatever the model; end to end, one
+step early in a deep net with large gains can grow to many steps at the output, in onnxruntime's own int8
+execution of the QDQ model too. So the op-by-op check is the one enforced by default.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
@@ -12,7 +21,11 @@ _NP_TYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.DOUBLE: np.flo
              onnx.TensorProto.INT8: np.int8, onnx.TensorProto.FLOAT16: np.float16, onnx.TensorProto.BOOL: np.bool_}
 
 
-STEPS = 3  # the default tolerance for a quantized output, in its quantization steps
+STEPS = 3  # the end-to-end tolerance for a quantized output, in its quantization steps (when no op-by-op check)
+LOCAL_STEPS = 1  # op by op: an integer tensor may differ by one step (a value on a rounding boundary)
+LOCAL_FLOAT = 0.001  # op by op: a float output within 0.1% of its range (the ops after the last integer tensor)
+LOCAL_SAMPLES = 16  # the op-by-op check runs on the first samples
+LOCAL_MAX_BYTES = 1_500_000_000  # above this a model is not copied for the op-by-op check (protobuf's 2 GB)
 
 
 @dataclass
@@ -22,6 +35,10 @@ class Verification:
     argmax_agreement: float | None  # for 2-D outputs
     samples: int
     output_step: float = 0.0  # the quantization step of a quantized output (0: the output is float)
+    local_steps: int | None = None  # op by op: the largest difference of an integer tensor, in steps
+    local_tensor: str = ""  # ... and which tensor
+    local_float: float | None = None  # op by op: the largest float-output difference, share of its range
+    local_tensors: int = 0  # integer tensors compared op by op
 
     @property
     def max_steps(self) -> float | None:
@@ -29,16 +46,25 @@ class Verification:
         return self.max_abs_diff / self.output_step if self.output_step > 0 else None
 
     def problem(self, tolerance: float | None, min_agreement: float | None = None) -> str | None:
-        """Why the candidate fails, or None. The default tolerance is 3 steps of a quantized output (rounding
-        differs by a step where a value sits on a boundary, and such differences can add up over a few ops);
-        for a float output, 10% of the outputs' range."""
+        """Why the candidate fails, or None. By default the op-by-op check: every compared integer tensor
+        within one step, float outputs within 1% of their range. End to end, ``tolerance`` (a max abs
+        difference) when given; without it, and without an op-by-op check (a model too large to copy), 3
+        steps of a quantized output, 10% of the outputs' range for a float one."""
+        parts = []
+        if self.local_steps is not None and self.local_steps > LOCAL_STEPS:
+            parts.append(f"op by op, tensor {self.local_tensor!r} differs by {self.local_steps} quantization steps "
+                         f"from the QAT model's (computed from the QAT model's own inputs; at most {LOCAL_STEPS})")
+        if self.local_float is not None and not self.local_float <= LOCAL_FLOAT:
+            parts.append(f"op by op, a float output differs by {100 * self.local_float:.2f}% of its range "
+                         f"(at most {100 * LOCAL_FLOAT:g}%)")
         if tolerance is not None:
             limit = tolerance
+        elif self.local_steps is not None:
+            limit = math.inf
         elif self.output_step > 0:
             limit = STEPS * self.output_step * (1 + 1e-6)
         else:
             limit = max(0.1 * self.output_range, 1e-4)
-        parts = []
         if not np.isfinite(self.max_abs_diff) or self.max_abs_diff > limit:
             steps = "" if self.max_steps is None else f" ({self.max_steps:.2f} output steps)"
             parts.append(f"max abs difference {self.max_abs_diff:.4g}{steps} > {limit:.4g}")
@@ -50,8 +76,11 @@ class Verification:
     def __str__(self) -> str:
         agree = "" if self.argmax_agreement is None else f", argmax agreement {self.argmax_agreement:.4f}"
         steps = "" if self.max_steps is None else f", {self.max_steps:.2f} output steps"
+        local = "" if self.local_steps is None else (
+            f"; op by op: {self.local_tensors} integer tensors within {self.local_steps} step(s)"
+            + ("" if self.local_float is None else f", float outputs within {100 * self.local_float:.3f}% of range"))
         return (f"max abs diff {self.max_abs_diff:.4g} (output range {self.output_range:.4g}{steps}){agree} on "
-                f"{self.samples} samples")
+                f"{self.samples} samples{local}")
 
 
 def session(model: onnx.ModelProto | str, threads: int | None = None, level=None):
@@ -136,9 +165,11 @@ def generated_inputs(model: onnx.ModelProto, batch: int = 256, seed: int = 0) ->
 
 
 def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
-                  inputs: dict[str, np.ndarray] | None = None, output_step: float = 0.0) -> Verification:
+                  inputs: dict[str, np.ndarray] | None = None, output_step: float = 0.0,
+                  thinned: dict[str, np.ndarray] | None = None) -> Verification:
     """Compare ``candidate`` with ``reference`` (a model or a path) on ``inputs`` (generated if None);
-    ``output_step``: the outputs' quantization step, when they are quantized."""
+    ``output_step``: the outputs' quantization step, when they are quantized; ``thinned``: the channels (axis 1)
+    the candidate kept of a tensor whose dead channels it removed."""
     feeds = inputs if inputs is not None else generated_inputs(candidate)
     ref = reference_session(reference).run(None, feeds)
     got = session(candidate).run(None, feeds)  # the converted model must load with default options
@@ -150,4 +181,71 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
     if first.ndim == 2 and first.shape[1] > 1:
         agreement = float(np.mean(first.argmax(1) == other.argmax(1)))
     samples = int(first.shape[0]) if first.ndim else 1
-    return Verification(diff, span, agreement, samples, output_step)
+    result = Verification(diff, span, agreement, samples, output_step)
+    return op_by_op(reference, candidate, feeds, result, thinned or {})
+
+
+def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    present = {o.name for o in copy.graph.output}
+    copy.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in names if n not in present)
+    return copy
+
+
+def op_by_op(reference: onnx.ModelProto | str, candidate: onnx.ModelProto, feeds: dict[str, np.ndarray],
+             result: Verification, thinned: dict[str, np.ndarray]) -> Verification:
+    """``result`` with the op-by-op comparison filled in (unchanged where a model is too large to copy)."""
+    if isinstance(reference, str):
+        import os
+
+        if os.path.getsize(reference) > LOCAL_MAX_BYTES or candidate.ByteSize() > LOCAL_MAX_BYTES:
+            return result
+        reference = onnx.load(reference)
+    elif reference.ByteSize() > LOCAL_MAX_BYTES or candidate.ByteSize() > LOCAL_MAX_BYTES:
+        return result
+    fixed = {i.name for i in candidate.graph.input if i.type.tensor_type.shape.dim
+             and i.type.tensor_type.shape.dim[0].HasField("dim_value")}
+    feeds = {k: v if k in fixed else v[:LOCAL_SAMPLES] for k, v in feeds.items()}  # a fixed batch stays whole
+    produced = {o for n in candidate.graph.node for o in n.output} - {o.name for o in candidate.graph.output}
+    names = [n.output[0] for n in reference.graph.node if n.op_type == "QuantizeLinear" and n.output[0] in produced]
+    outputs = len(candidate.graph.output)
+    ref_values = reference_session(_with_outputs(reference, names)).run(None, feeds)
+    ref_outputs, ref = ref_values[:outputs], dict(zip(names, ref_values[outputs:]))
+    for name, kept in thinned.items():
+        if name in ref and ref[name].ndim > 1 and ref[name].shape[1] > kept.max(initial=-1):
+            ref[name] = np.take(ref[name], kept, axis=1)
+    own = dict(zip(names, session(_with_outputs(candidate, names)).run(None, feeds)[outputs:]))
+    given, compared = {}, []
+    for name in names:
+        mine, theirs = own[name], ref[name]
+        if mine.shape != theirs.shape or mine.dtype not in (np.uint8, np.int8):
+            continue  # thinned channels, or not an integer tensor here: compared end to end only
+        shift = {(np.int8, np.uint8): 128, (np.uint8, np.int8): -128}.get((theirs.dtype.type, mine.dtype.type), 0)
+        value = theirs.astype(np.int16) + shift
+        if value.size and (value.min() < np.iinfo(mine.dtype).min or value.max() > np.iinfo(mine.dtype).max):
+            continue  # not the same grid: compared end to end only
+        given[name + "__qat"] = value.astype(mine.dtype)
+        compared.append((name, shift))
+    if not compared:
+        return result
+    forced = onnx.ModelProto()
+    forced.CopyFrom(candidate)
+    graph = forced.graph
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name + "__qat" in given:
+                node.input[i] = name + "__qat"
+    graph.input.extend(onnx.helper.make_tensor_value_info(n, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), None)
+                       for n, v in given.items())
+    graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n, _ in compared)
+    got = session(forced).run(None, {**feeds, **given})
+    worst, where = 0, ""
+    for (name, shift), value in zip(compared, got[outputs:]):
+        steps = int(np.abs(value.astype(np.int32) - ref[name].astype(np.int32) - shift).max()) if value.size else 0
+        if steps > worst or not where:
+            worst, where = steps, name
+    floats = [float(np.max(np.abs(g.astype(np.float64) - r.astype(np.float64)))) / max(float(np.ptp(r)), 1e-12)
+              for g, r in zip(got, ref_outputs) if np.issubdtype(r.dtype, np.floating) and r.size]
+    return replace(result, local_steps=worst, local_tensor=where, local_float=max(floats) if floats else None,
+                   local_tensors=len(compared))

@@ -26,7 +26,7 @@ from recal_core.training import train
 from recal_torch import count_macs, export_onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speed import FILTERS_RECIPE, cpu_note, interleaved_latency, qat_int8, quantize_static_of  # noqa: E402
+from speed import FILTERS_RECIPE, interleaved_latency, qat_int8, quantize_static_of  # noqa: E402
 from zoo import ResNet18, templates, train_steps  # noqa: E402
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
@@ -112,7 +112,7 @@ def main() -> None:
     for label, path in paths.items():
         print(f"{label:58} {latency[label]:8.2f} {fp32 / latency[label]:7.2f}x {qs / latency[label]:5.2f}x "
               f"{macs[label] / 1e9:6.2f} {path.stat().st_size / 1e6:6.1f}")
-    print(f"\n{cpu_note()}\nruns in {root}")
+    print(f"\n{cpu.describe()}\nruns in {root}")
 
 
 if __name__ == "__main__":

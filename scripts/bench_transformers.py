@@ -145,18 +145,23 @@ def sessions(path: Path, threads: int) -> ort.InferenceSession:
 
 
 def interleaved_latency(paths: dict[str, Path], feed: dict[str, np.ndarray], threads: int,
-                        rounds: int) -> dict[str, float]:
-    """Median seconds per model at ``threads``; each round runs every model once, in turn."""
+                        rounds: int, min_seconds: float = 0.0) -> dict[str, float]:
+    """Median seconds per model at ``threads``; each round runs every model in turn, each as many times as
+    fill ``min_seconds`` (a millisecond model timed once per round is mostly noise)."""
     running = {label: sessions(path, threads) for label, path in paths.items()}
-    for session in running.values():
-        for _ in range(2):
-            session.run(None, feed)
+    repeat = {}
+    for label, session in running.items():
+        session.run(None, feed)
+        t0 = time.perf_counter()
+        session.run(None, feed)
+        repeat[label] = max(1, int(min_seconds / max(time.perf_counter() - t0, 1e-6)))
     times: dict[str, list[float]] = {label: [] for label in running}
     for _ in range(rounds):
         for label, session in running.items():
             t0 = time.perf_counter()
-            session.run(None, feed)
-            times[label].append(time.perf_counter() - t0)
+            for _ in range(repeat[label]):
+                session.run(None, feed)
+            times[label].append((time.perf_counter() - t0) / repeat[label])
     return {label: statistics.median(v) for label, v in times.items()}
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from recal_onnx import quantize_qat_export
+from recal_onnx import cpu, quantize_qat_export
 from recal_torch import ScheduledModifierManager, count_macs, export_onnx, thin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -149,21 +149,6 @@ def speed_table(folder: Path, size: int = 224, rounds: int = 15, log=print) -> l
     return rows
 
 
-def cpu_note() -> str:
-    """Which int8 instructions this CPU has: the speed-up of int8 over fp32 depends on it."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "CPU: unknown (no /proc/cpuinfo)"
-    flags = set(next((l.split(":", 1)[1].split() for l in text.splitlines() if l.startswith("flags")), []))
-    model = next((l.split(":", 1)[1].strip() for l in text.splitlines() if l.startswith("model name")), "?")
-    if {"avx512_vnni", "avx_vnni", "amx_int8"} & flags:
-        return f"CPU: {model}, with VNNI: onnxruntime's int8 kernels run at full speed"
-    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return (f"CPU: {model}, {isa} without VNNI: onnxruntime's int8 convolutions here run at about the speed "
-            "of its fp32 ones (VNNI doubles int8 throughput); the int8 model's gain on this CPU is its size")
-
-
 def format_table(rows: list[SpeedRow]) -> str:
     base = rows[0]
     lines = [f"{'model':42s} {'size':>9s} {'x fp32':>7s} {'latency':>10s} {'speed-up':>9s}"]
@@ -184,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nResNet-18-shaped, {args.size}x{args.size}, synthetic inputs, onnxruntime {ort.__version__}, "
           f"batch 1, 1 thread, median of {args.rounds * 3} runs each (interleaved)")
     print(format_table(rows))
-    print(cpu_note())
+    print(cpu.describe())
     return 0
 
 

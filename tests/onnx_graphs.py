@@ -5,6 +5,8 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from recal_onnx.passes.uint8_weights import exact_on_this_cpu
+
 OPSET = 17
 
 
@@ -58,7 +60,10 @@ class Builder:
         return model
 
 
-def run(model: onnx.ModelProto, feeds, level=None):
+def run(model: onnx.ModelProto, feeds, level=None, as_written=False):
+    """``model`` in onnxruntime: int8 weights through their exact uint8 twin where this CPU saturates them,
+    unless ``as_written``."""
+    model = model if as_written else exact_on_this_cpu(model)
     options = ort.SessionOptions()
     if level is not None:
         options.graph_optimization_level = level

@@ -70,6 +70,35 @@ def test_recal_torch_exports_convert(recal_qat_model, tmp_path, dynamo, fmt):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["int8.onnx", "qat.onnx"]
 
 
+def _weight_dtypes(model):
+    """Integer weight dtypes of the QLinearConv / QGemm nodes."""
+    inits = {t.name: t.data_type for t in model.graph.initializer}
+    return {onnx.helper.tensor_dtype_to_np_dtype(inits[n.input[3]]).name for n in model.graph.node
+            if n.op_type in ("QLinearConv", "QGemm")}
+
+
+@pytest.mark.parametrize("weight_type, exact_here, expected", [
+    ("int8", False, {"int8"}), ("uint8", True, {"uint8"}), ("auto", True, {"int8"}),
+    ("auto", False, {"uint8"})])
+def test_weight_type(recal_qat_model, tmp_path, monkeypatch, weight_type, exact_here, expected):
+    """int8 weights (VNNI / AMX / Arm), uint8 beyond +-64 (x86 without VNNI), or auto: by this CPU. An int8 model
+    converted on a CPU that saturates it is verified through its uint8 twin and written with int8 weights."""
+    import recal_onnx.convert as convert
+    import recal_onnx.passes.uint8_weights as uint8_pass
+
+    src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
+    verify = not exact_here or convert.int8_weights_exact_here()  # int8 weights run as written only where exact
+    monkeypatch.setattr(convert, "int8_weights_exact_here", lambda: exact_here)
+    monkeypatch.setattr(uint8_pass, "int8_weights_exact_here", lambda: exact_here)
+    result = quantize_qat_export(src, tmp_path / "int8.onnx", weight_type=weight_type, verify=verify)
+    assert result.weight_type == ("int8" if expected == {"int8"} else "uint8")
+    assert _weight_dtypes(onnx.load(str(result.path))) == expected  # per-channel int8 weights reach +-127
+    if verify:  # op by op within a step (saturating int8 kernels are off by many): the uint8 twin ran here
+        assert result.verification.local_steps <= 1
+    with pytest.raises(ValueError, match="weight_type must be one of"):
+        quantize_qat_export(src, weight_type="int4")
+
+
 def _ao_model(activation_dtype=torch.quint8):
     import torch.ao.quantization as tq
 
@@ -117,10 +146,14 @@ def test_torch_ao_eager_qat_export_converts(tmp_path, activation_dtype):
         torch.onnx.export(model, (torch.randn(1, 1, 8, 8),), str(src), dynamo=False, opset_version=17,
                           input_names=["input"], output_names=["output"], dynamic_axes={"input": {0: "b"}})
     assert {"Div", "BatchNormalization"} <= set(ops(onnx.load(str(src))))
-    result = quantize_qat_export(src, tmp_path / "int8.onnx")
+    # torch.ao puts no QuantizeLinear after the pool: the mean lies between grid points, so the head (pool,
+    # flatten, linear) stays float, exact, and named; rounding it to the pool input's grid moved logits by steps
+    with pytest.warns(UnconvertedOpsWarning, match="GlobalAveragePool.*Flatten.*Gemm"):
+        result = quantize_qat_export(src, tmp_path / "int8.onnx")
     names = ops(result.model)
-    assert not {"Div", "BatchNormalization", "Conv", "Gemm", "Add"} & set(names)
-    assert {"QLinearConv", "QLinearAdd", "QGemm"} <= set(names)
+    assert not {"Div", "BatchNormalization", "Conv", "Add"} & set(names)
+    assert {"QLinearConv", "QLinearAdd", "GlobalAveragePool", "Gemm"} <= set(names)
+    assert result.verification.local_steps <= 1 and result.verification.local_float < 1e-4
     for init in result.model.graph.initializer:  # activations are uint8 in the output, weights int8
         if init.name.endswith(("_u8",)):
             assert init.data_type == onnx.TensorProto.UINT8
@@ -170,7 +203,7 @@ def test_verification_catches_a_wrong_conversion(tmp_path, recal_qat_model, monk
         return name
 
     monkeypatch.setattr(conv_pass, "quantized_bias", wrong_bias)
-    with pytest.raises(VerificationError, match="max abs difference"):
+    with pytest.raises(VerificationError, match="op by op, tensor '.*conv.*' differs by [0-9]+ quantization steps"):
         quantize_qat_export(src, tmp_path / "out.onnx")
     assert not (tmp_path / "out.onnx").exists()
 
@@ -203,6 +236,9 @@ def test_cli_and_script(tmp_path, recal_qat_model):
     script = [sys.executable, str(ROOT / "scripts" / "quantize_qat_export.py"), str(src), str(tmp_path / "b.onnx"),
               "--format", "qdq"]
     assert subprocess.run(script, capture_output=True, text=True).returncode == 0
+    typed = subprocess.run([*exe[:5], str(tmp_path / "d.onnx"), "--weight-type", "int8"], capture_output=True,
+                           text=True)
+    assert typed.returncode == 0 and "int8 weights" in typed.stdout, typed.stderr
     bad = subprocess.run([*exe[:4], str(tmp_path / "missing.onnx"), str(tmp_path / "c.onnx")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "missing.onnx" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
@@ -245,3 +281,48 @@ def test_generated_inputs_cover_the_table_an_integer_input_indexes():
     assert len(np.unique(feeds["ids"])) > 900  # the vocabulary, not {0, 1}
     assert (feeds["attention_mask"] == 1).all()
     assert set(np.unique(feeds["flags"])) <= {0, 1}
+
+
+def _pooled_head(requantized: bool):
+    """A ReLU'd feature map, global average pool, linear head with float logits; ``requantized``: the pool's
+    output rounded to the pool's *input* grid, as a converter that invents a QuantizeLinear after it does."""
+    b = Builder(seed=4)
+    pooled = b.node("GlobalAveragePool", [b.qdq("x", 0.05, 0)])
+    if requantized:
+        pooled = b.qdq(pooled, 0.05, 0)
+    logits = b.node("Gemm", [b.node("Flatten", [pooled]), b.weight((10, 16)),
+                             b.const(np.linspace(-0.5, 0.5, 10, dtype=np.float32))], transB=1)
+    model = b.model([("x", [64, 16, 6, 6])], [logits])
+    model.graph.output[0].CopyFrom(onnx.helper.make_tensor_value_info(logits, onnx.TensorProto.FLOAT, [64, 10]))
+    return model
+
+
+def test_verification_fails_an_invented_grid_that_the_old_tolerance_passed():
+    """The converted model's values are compared op by op: every integer tensor of both, and float outputs
+    from the QAT model's own integer inputs. An average pool re-quantized at its input's scale (a grid the QAT
+    model never had) fails it, though end to end it stays within the old 10%-of-range tolerance."""
+    from recal_onnx import verify_models
+
+    feeds = {"x": np.abs(np.random.default_rng(0).standard_normal((64, 16, 6, 6))).astype(np.float32) * 2}
+    v = verify_models(_pooled_head(False), _pooled_head(True), feeds)
+    print(v)
+    assert v.max_abs_diff <= 0.1 * v.output_range  # what the old default accepted
+    assert "op by op, a float output differs" in v.problem(None)
+    result = quantize_qat_export(_pooled_head(False), inputs=feeds)  # the exact conversion passes
+    assert result.verification.local_float < 1e-4 and result.verification.local_steps <= 1
+
+
+@pytest.mark.parametrize("fmt", ["qoperator", "qdq"])
+def test_a_bias_beyond_int32_leaves_its_layer_float_and_says_why(fmt):
+    """A bias that int32 cannot hold in steps of input scale x weight scale (a near-dead input) is never clipped:
+    the layer stays float and the warning names it and the reason."""
+    b = Builder()
+    y = b.node("Conv", [b.qdq("x", 1e-6, 0), b.weight((4, 3, 3, 3)), b.const(np.full(4, 50.0, np.float32))],
+               pads=[1, 1, 1, 1])
+    y = b.qdq(y, 0.5, 0)
+    model = b.model([("x", [2, 3, 6, 6])], [y])
+    model.graph.output[0].CopyFrom(onnx.helper.make_tensor_value_info(y, onnx.TensorProto.FLOAT, [2, 4, 6, 6]))
+    with pytest.warns(UnconvertedOpsWarning, match="Conv '.*' \\(its bias is beyond int32"):
+        result = quantize_qat_export(model, format=fmt, inputs={"x": np.full((2, 3, 6, 6), 1e-5, np.float32)})
+    assert "QLinearConv" not in ops(result.model) and result.float_nodes[0][0] == "Conv"
+    assert result.verification.max_abs_diff == 0

@@ -20,7 +20,7 @@ from recal_onnx.passes.noop_clamps import remove_noop_clamps
 from recal_onnx.passes.pad_into_conv import fold_pads_into_convs
 from recal_onnx.passes.pool_to_qlinear import pool_to_qlinear
 from recal_onnx.passes.redundant_qdq import remove_redundant_qdq
-from recal_onnx.passes.saturation_free_weights import saturation_free_weights
+from recal_onnx.passes.uint8_weights import uint8_weights
 from recal_onnx.passes.thin_channels import thin_channels
 from recal_onnx.passes.weight_transpose import fold_weight_transposes
 from recal_onnx.passes.zero_channel_scales import zero_channel_scales
@@ -269,7 +269,7 @@ def test_bias_to_int32_for_qdq_format():
     model = _conv_graph()
     feeds = _x([2, 3, 6, 6])
     expected = reference(model, feeds)[0]
-    converted, (n, _) = _apply(model, bias_to_int32, saturation_free_weights)
+    converted, (n, _) = _apply(model, bias_to_int32, uint8_weights)
     assert n == 1 and ops(converted).count("DequantizeLinear") == 4
     assert np.abs(run(converted, feeds)[0] - expected).max() <= 0.02 + 1e-6
 
@@ -298,25 +298,59 @@ def test_zero_channel_scales_keep_the_bias_of_a_filter_pruned_whole(fmt_passes):
     assert np.abs(run(unguarded, feeds)[0] - expected).max() > 1.0  # channel 1 lost its bias of 2.0
 
 
-def test_saturation_free_weights():
-    """Weights beyond +-64 become uint8 (zero point 128): exact in onnxruntime on every x86 CPU,
-    with or without VNNI (u8s8 kernels without it add uint8 x int8 pairs in int16 and saturate)."""
-    model = _conv_graph()
-    feeds = _x([2, 3, 6, 6])
-    expected = reference(model, feeds)[0]
-    converted, (n,) = _apply(model, saturation_free_weights)
+def _integer_weights(model):
+    """The dtype of each weight that a Conv-like op multiplies: the constant behind a QDQ weight, or the
+    integer weight input of QLinearConv / QGemm / MatMulIntegerToFloat."""
+    inits = {t.name: t for t in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    index = {"Conv": 1, "Gemm": 1, "MatMul": 1, "QLinearConv": 3, "QGemm": 3, "MatMulIntegerToFloat": 1}
+    kinds = []
+    for node in model.graph.node:
+        if node.op_type in index:
+            name = node.input[index[node.op_type]]
+            if name in producer and producer[name].op_type == "DequantizeLinear":
+                name = producer[name].input[0]
+            if name in inits:
+                kinds.append(onnx.helper.tensor_dtype_to_np_dtype(inits[name].data_type))
+    return kinds
+
+
+def _gemm_graph():
+    b = Builder()
+    h = b.node("Gemm", [b.qdq("x", 0.05, 120), b.weight((16, 8)), b.const(np.zeros(16, np.float32) + 0.1)], transB=1)
+    return b.model([("x", [5, 8])], [b.qdq(h, 0.04, 0)]), [5, 8]
+
+
+def _matmul_graph():
+    b = Builder()
+    y = b.node("MatMul", [b.qdq("x", 0.05, 128), b.weight((8, 6), axis=1)])
+    return b.model([("x", [2, 3, 8])], [b.qdq(y, 0.05, 128)]), [2, 3, 8]
+
+
+@pytest.mark.parametrize("graph, convert, step", [
+    (lambda: (_conv_graph(), [2, 3, 6, 6]), (), 0.02),  # QDQ: the DequantizeLinear's constant
+    (lambda: (_conv_graph(), [2, 3, 6, 6]), (conv_to_qlinearconv,), 0.02),
+    (_gemm_graph, (gemm_to_qgemm,), 0.04),
+    (_matmul_graph, (gemm_to_qgemm,), 0.05),  # 3-D: MatMulIntegerToFloat
+], ids=["qdq-conv", "QLinearConv", "QGemm", "MatMulIntegerToFloat"])
+def test_uint8_weights(graph, convert, step):
+    """Weights beyond +-64 become uint8 (zero point 128), the same values: exact in onnxruntime on every x86
+    CPU, with or without VNNI (u8s8 kernels without it add uint8 x int8 pairs in int16 and saturate)."""
+    model, shape = graph()
+    feeds = _x(shape)
+    before, _ = _apply(model, *convert)
+    converted, (*_, n) = _apply(model, *convert, uint8_weights)
     assert n == 1
-    weights = [onnx.numpy_helper.to_array(t) for t in converted.graph.initializer if t.dims[:1] == [4] and
-               len(t.dims) == 4]
-    assert weights and weights[0].dtype == np.uint8
-    assert np.abs(run(converted, feeds)[0] - expected).max() <= 0.02 + 1e-6
+    assert _integer_weights(before) == [np.int8] and _integer_weights(converted) == [np.uint8]
+    # as written, on any CPU: within one output step (bias rounding) of the QDQ model run in float
+    assert np.abs(run(converted, feeds, as_written=True)[0] - reference(model, feeds)[0]).max() <= step + 1e-6
     small = Builder()
     w = small.weight((4, 3, 3, 3))
     scale = [i for i in small.inits if i.name.startswith("w") and i.data_type == onnx.TensorProto.INT8][0]
     scale.CopyFrom(onnx.numpy_helper.from_array(
         (onnx.numpy_helper.to_array(scale) // 2).astype(np.int8), scale.name))  # within +-64: left int8
     y = small.node("Conv", [small.qdq("x", 0.03, 128), w], pads=[1, 1, 1, 1])
-    _, (n,) = _apply(small.model([("x", [2, 3, 6, 6])], [small.qdq(y, 0.02, 0)]), saturation_free_weights)
+    _, (n,) = _apply(small.model([("x", [2, 3, 6, 6])], [small.qdq(y, 0.02, 0)]), uint8_weights)
     assert n == 0
 
 
@@ -346,11 +380,16 @@ def _two_convs(dead=(1, 3), also_output=False):
     return b.model([("x", [2, 3, 6, 6])], [z] + ([y] if also_output else []))
 
 
+def _thin_every_channel(g):
+    return thin_channels(g, block=1)
+
+
 def test_thin_channels_removes_dead_filters_and_the_inputs_that_read_them():
     model = _two_convs()
     feeds = _x([2, 3, 6, 6])
     expected = reference(model, feeds)[0]
-    thinned, (n,) = _apply(model, thin_channels)
+    assert _apply(model, thin_channels)[1] == [0]  # 2 of 4 channels left: fewer than a block of 16, kept whole
+    thinned, (n,) = _apply(model, _thin_every_channel)
     assert n == 2
     weights = sorted(onnx.numpy_helper.to_array(t).shape for t in thinned.graph.initializer
                      if onnx.numpy_helper.to_array(t).ndim == 4)
@@ -361,8 +400,28 @@ def test_thin_channels_removes_dead_filters_and_the_inputs_that_read_them():
 
 @pytest.mark.parametrize("dead, also_output", [((), False), ((1, 3), True)], ids=["none dead", "output"])
 def test_thin_channels_zero_rewrites(dead, also_output):
-    _, (n,) = _apply(_two_convs(dead, also_output), thin_channels)
+    _, (n,) = _apply(_two_convs(dead, also_output), _thin_every_channel)
     assert n == 0  # no dead channel, or the channels are a graph output
+
+
+def test_thin_channels_keeps_whole_blocks_of_16():
+    """40 channels, 11 dead: 32 stay (the first 3 dead ones among them), as onnxruntime runs such counts fastest."""
+    b = Builder()
+    w = b.weight((40, 3, 3, 3))
+    q = next(i for i in b.inits if i.name.startswith("w") and i.data_type == onnx.TensorProto.INT8)
+    values = onnx.numpy_helper.to_array(q).copy()
+    dead = [1, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31]
+    values[dead] = 0
+    q.CopyFrom(onnx.numpy_helper.from_array(values, q.name))
+    y = b.qdq(b.node("Relu", [b.node("Conv", [b.qdq("x", 0.03, 128), w], pads=[1, 1, 1, 1])]), 0.02, 0)
+    model = b.model([("x", [2, 3, 6, 6])], [b.node("Conv", [y, b.weight((4, 40, 1, 1))])])
+    feeds = _x([2, 3, 6, 6])
+    thinned, (n,) = _apply(model, thin_channels)
+    assert n == 8
+    shapes = sorted(onnx.numpy_helper.to_array(t).shape for t in thinned.graph.initializer
+                    if onnx.numpy_helper.to_array(t).ndim == 4)
+    assert shapes == [(4, 32, 1, 1), (32, 3, 3, 3)]
+    np.testing.assert_allclose(run(thinned, feeds)[0], reference(model, feeds)[0], atol=1e-4)
 
 
 def test_fold_weight_transposes_lets_a_3d_linear_become_integer():
@@ -422,7 +481,7 @@ def test_bias_to_int32_lets_onnxruntime_fuse_a_3d_linear(batch, tmp_path):
     model = b.model([("x", [batch, 3, 8])], [y])
     feeds = _x([1, 3, 8])
     expected = reference(model, feeds)[0]
-    converted, (n, _) = _apply(model, bias_to_int32, saturation_free_weights)  # as format="qdq" runs them
+    converted, (n, _) = _apply(model, bias_to_int32, uint8_weights)  # as format="qdq" runs them
     assert n == 1
     np.testing.assert_allclose(run(converted, feeds)[0], expected, atol=1e-3)  # the bias rounded to s_x * s_w
     options = ort.SessionOptions()

@@ -38,6 +38,8 @@ def bias_to_int32(g: Graph) -> int:
         if x is None or w is None or (matmul is not node and (w.q.ndim != 2 or w.q.shape[1] != bias.size)):
             continue
         q_bias = quantized_bias(g, node, x, w, index)
+        if q_bias is None:
+            continue  # int32 cannot hold it: the float bias stays, and onnxruntime runs this layer in float
         scale = (scalar(g, x.scale) * w.scale.astype(np.float64).reshape(-1)).astype(np.float32)
         scale_name = g.add_const(node.input[index] + "_scale", scale if scale.size > 1 else scale.reshape(()))
         out = g.fresh(node.input[index] + "_dq")  # no zero point: it is 0 and int32 (DQ's default), no array of zeros

@@ -7,9 +7,9 @@ For MaxPool, Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Identity. A ``Relu
 (:func:`~recal_onnx.quantized_ops.integer_bounds`) becomes nothing where its bounds lie beyond the integers'
 range (a ReLU on a lowest zero point, a ReLU6 after an op whose range already stops at 6), ``Max`` / ``Min``
 where they lie on the grid; a bound between grid points would round differently, and the op stays float.
-A GlobalAveragePool / AveragePool / spatial ReduceMean that no QuantizeLinear follows (directly or through one
-shape-only op: :mod:`.pool_to_qlinear` converts those) keeps its input's scale (an average stays inside its
-inputs' range) as QLinearGlobalAveragePool / QLinearAveragePool.
+An average pool is not among them: its mean falls between grid points, and rounding it to its input's grid
+would invent a quantization the QAT model never had (logits off by several output steps); one that a
+QuantizeLinear follows becomes QLinear*Pool (:mod:`.pool_to_qlinear`), one that none follows stays float, exact.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from onnx import helper
 from ..graph import Graph
 from ..qdq import activation
 from ..quantized_ops import clamp_integers, integer_bounds
-from .pool_to_qlinear import average_pool_kind, make_qlinear_pool, quantize_after
 
 PASSTHROUGH = {"MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity"}
 
@@ -45,9 +44,6 @@ def int8_passthrough(g: Graph) -> int:
             elif node.op_type in ("Relu", "Clip") and \
                     (clamp := integer_bounds(g, node, x.scale, x.zero_point, on_grid=True)) is not None:
                 q_out = clamp_integers(g, node, x.q, clamp, g.const(x.zero_point).dtype)
-            elif average_pool_kind(g, node) and quantize_after(g, out) is None:
-                q_out = g.fresh(out + "_q")
-                make_qlinear_pool(g, node, x, x.scale, x.zero_point, q_out)
             else:
                 continue
             g.remove(node)

@@ -5,8 +5,11 @@ The channel spaces and which of them may drop channels are the core's rules
 (:mod:`recal_core.channel_coupling`, shared with :func:`recal_torch.thin`); this pass describes the ONNX
 graph in its terms and slices the initializers::
 
-    Before:  x -> Conv(W[8], b[8]) -> Relu -> Q -> DQ -> Conv(V[., 8]) ...     (W rows 2, 5 zero, b too)
-    After:   x -> Conv(W[6], b[6]) -> Relu -> Q -> DQ -> Conv(V[., 6]) ...
+    Before:  x -> Conv(W[40], b[40]) -> Relu -> Q -> DQ -> Conv(V[., 40]) ...   (W rows 2, 5, ... (11) zero, b too)
+    After:   x -> Conv(W[32], b[32]) -> Relu -> Q -> DQ -> Conv(V[., 32]) ...
+
+The channels kept are a multiple of 16 (dead ones are kept to make it up): onnxruntime's kernels run odd counts
+much slower than the channels removed save.
 
 Quantized weights (``DequantizeLinear`` of int8 constants, per-channel scales) are sliced with their
 scales and zero points; the int8 values never change. Runs on the folded QDQ graph, before conversion.
@@ -26,18 +29,19 @@ from ..qdq import weight as weight_dq
 
 log = logging.getLogger(__name__)
 
+CHANNEL_BLOCK = 16  # thinned channel counts stay multiples of it
 _SAME = {"Relu", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Identity", "Dropout",
          "LeakyRelu", "HardSwish"}
 
 
-def thin_channels(g: Graph) -> int:
-    """Remove every dead channel of a thinnable space; return how many channels went."""
+def thin_channels(g: Graph, block: int = CHANNEL_BLOCK) -> int:
+    """Remove the dead channels of each thinnable space, keeping a multiple of ``block``; return how many went."""
     removed = 0
     ops, nodes = _ops(g)
     for space in channel_spaces(ops):
         if not space.thinnable:
             continue
-        keep = live_channels(space, lambda name: _is_zero(g, name))
+        keep = _whole_blocks(live_channels(space, lambda name: _is_zero(g, name)), block)
         if keep.all():
             continue
         index = np.flatnonzero(keep)
@@ -55,10 +59,22 @@ def thin_channels(g: Graph) -> int:
             node = nodes[op.name]
             _slice_weight(g, node, 1, input_columns(index, keep.size, _weight(g, node)[0].shape[1]), 1)
         removed += int(keep.size - index.size)
+        g.thinned.update({t: index for t in space.tensors})
         log.info("thinned %s: %d -> %d channels", ", ".join(p.name for p in space.producers), keep.size, index.size)
     if removed:
         g.refresh()
     return removed
+
+
+def _whole_blocks(keep: np.ndarray, block: int) -> np.ndarray:
+    """``keep`` with dead channels added back (the first ones) up to a multiple of ``block``: onnxruntime's
+    int8 kernels run a channel count off that multiple up to 3x slower (HF MobileNetV2, a depthwise conv of 14
+    channels 1.52 ms, of 16 channels 0.54 ms on this machine), more than the channels removed save."""
+    want = min(keep.size, -(-int(keep.sum()) // block) * block)
+    dead = np.flatnonzero(~keep)
+    keep = keep.copy()
+    keep[dead[:want - int(keep.sum())]] = True
+    return keep
 
 
 def _ops(g: Graph) -> tuple[list[Op], dict[str, onnx.NodeProto]]:
