@@ -8,14 +8,16 @@ graph, and runs ``onnx.checker`` and shape inference:
    ``fold_pads_into_convs`` (a zero Pad before a conv becomes its padding: TF-style "same" padding),
    ``gather_int8_tables`` (an int8 embedding table is gathered in int8, then scaled)
 2. ``fold_conv_affine`` (Div / Mul / Add / BatchNormalization after a conv into its weight and bias),
-   ``zero_channel_scales`` (an all-zero weight channel's tiny scale becomes 1: no int32 bias overflow)
+   ``zero_channel_scales`` (an all-zero weight channel's tiny scale becomes its neighbours': no int32 bias
+   overflow, a bias as fine as theirs)
 3. ``scalar_activation_qparams``, ``activations_to_uint8`` (int8 activation QDQ -> uint8, same values)
 4. ``remove_redundant_qdq``, ``remove_noop_clamps`` (a ReLU / ReLU6 after a DQ whose grid it cannot cut)
 5. format ``qoperator``: ``int8_passthrough``, ``conv_to_qlinearconv``, ``gemm_to_qgemm``,
    ``add_to_qlinearadd``, ``concat_to_qlinear``, ``pool_to_qlinear``, ``remove_redundant_qdq``, repeated until
    nothing changes;
    format ``qdq``: ``bias_to_int32``.
-6. ``uint8_weights`` with ``weight_type="uint8"`` (int8 weights beyond +-64 as uint8 with zero point 128).
+6. ``uint8_weights`` with ``weight_type="uint8"`` (int8 weights beyond +-64 as uint8 with zero point 128),
+   ``bias_apart`` (a layer whose bias int32 cannot hold stays float, its bias in an Add of its own).
 
 Weights are int8, what runtimes expect and what runs fastest on CPUs with VNNI or AMX, where it is exact.
 x86 CPUs without VNNI add uint8 x int8 pairs in int16, which saturates for large weights: there
@@ -45,6 +47,7 @@ from recal_core.errors import VerificationFailed
 from .graph import Graph
 from .passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
 from .passes.add_to_qlinearadd import add_to_qlinearadd
+from .passes.bias_apart import bias_apart
 from .passes.bias_to_int32 import bias_to_int32
 from .passes.concat_to_qlinear import concat_to_qlinear
 from .passes.constants import constants_to_initializers, fold_constants, remove_identities
@@ -203,8 +206,7 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
         run(bias_to_int32)
     if weight_type == "uint8":
         run(uint8_weights)
-    for name in g.kept_float:
-        _separate_bias(g, name)
+    run(bias_apart)
     unconverted = _float_islands(g, QDQ_FUSIBLE if format == "qdq" else set())
     present = {node.name for node in g.nodes} - {name for _, name in unconverted}
     unconverted += [(op, name) for name, (op, _) in g.kept_float.items() if name in present]
@@ -347,24 +349,6 @@ def _float_compute(model: onnx.ModelProto) -> dict[str, int]:
                 and node.op_type not in INTEGER_TO_FLOAT:
             counts[node.op_type] = counts.get(node.op_type, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
-
-
-def _separate_bias(g: Graph, name: str) -> None:
-    """The Conv / Gemm ``name`` adds its bias in an Add of its own. onnxruntime fuses ``DQ -> Conv(bias) -> Q``
-    into an integer conv, quantizing the bias itself, and int32 cannot hold this one: apart, both stay float."""
-    node = next((n for n in g.nodes if n.name == name), None)
-    if node is None or node.op_type not in ("Conv", "Gemm") or len(node.input) < 3 or not node.input[2]:
-        return
-    bias = g.const(node.input[2])
-    if bias is None:
-        return
-    rank = g.ranks.get(node.output[0], 4 if node.op_type == "Conv" else 2)
-    shape = [1, -1] + [1] * (rank - 2) if node.op_type == "Conv" else bias.shape  # Gemm's C broadcasts as is
-    summed, node.output[0] = node.output[0], g.fresh(node.output[0] + "_no_bias")
-    g.add_node("Add", [node.output[0], g.add_const(node.input[2] + "_apart", bias.reshape(shape))], [summed],
-               name=node.name + "_bias")
-    del node.input[2]
-    g.refresh()
 
 
 def _output_quantum(g: Graph) -> float:

@@ -18,14 +18,19 @@ X86 = {"x86_64", "amd64", "i386", "i686", "x86"}
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str] | None:
-    """The x86 feature flags of ``/proc/cpuinfo``; None where they cannot be read (not Linux)."""
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` line's value in ``/proc/cpuinfo`` ('' if absent); None where it cannot be read."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return None
-    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines()
-                           if line.startswith("flags")), []))
+    return next((line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() == field), "")
+
+
+def cpu_flags() -> frozenset[str] | None:
+    """The x86 feature flags of ``/proc/cpuinfo``; None where they cannot be read (not Linux)."""
+    flags = _cpuinfo("flags")
+    return None if flags is None else frozenset(flags.split())
 
 
 def int8_weights_exact_here() -> bool:
@@ -44,8 +49,7 @@ def describe() -> str:
     flags = cpu_flags()
     if flags is None:
         return "CPU: x86, flags unknown (no /proc/cpuinfo)"
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), "?")
+    model = _cpuinfo("model name") or "?"
     if VNNI_FLAGS & flags:
         return f"CPU: {model}, with {'AMX' if 'amx_int8' in flags else 'VNNI'}: int8 kernels at full speed, exact"
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"

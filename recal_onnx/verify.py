@@ -11,6 +11,7 @@ execution of the QDQ model too. So the op-by-op check is the one enforced by def
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -219,17 +220,13 @@ def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
 def op_by_op(reference: onnx.ModelProto | str, candidate: onnx.ModelProto, feeds: dict[str, np.ndarray],
              result: Verification, thinned: dict[str, np.ndarray]) -> Verification:
     """``result`` with the op-by-op comparison filled in (unchanged where a model is too large to copy)."""
-    if isinstance(reference, str):
-        import os
-
-        if os.path.getsize(reference) > LOCAL_MAX_BYTES or candidate.ByteSize() > LOCAL_MAX_BYTES:
-            return result
-        reference = onnx.load(reference)
-    elif reference.ByteSize() > LOCAL_MAX_BYTES or candidate.ByteSize() > LOCAL_MAX_BYTES:
+    size = os.path.getsize(reference) if isinstance(reference, str) else reference.ByteSize()
+    if size > LOCAL_MAX_BYTES or candidate.ByteSize() > LOCAL_MAX_BYTES:
         return result
-    fixed = {i.name for i in candidate.graph.input if i.type.tensor_type.shape.dim
-             and i.type.tensor_type.shape.dim[0].HasField("dim_value")}
-    feeds = {k: v if k in fixed else v[:LOCAL_SAMPLES] for k, v in feeds.items()}  # a fixed batch stays whole
+    if isinstance(reference, str):
+        reference = onnx.load(reference)
+    batched = _batched_inputs(candidate)
+    feeds = {k: v[:LOCAL_SAMPLES] if k in batched else v for k, v in feeds.items()}  # a fixed batch stays whole
     produced = {o for n in candidate.graph.node for o in n.output} - {o.name for o in candidate.graph.output}
     names = [n.output[0] for n in reference.graph.node if n.op_type == "QuantizeLinear" and n.output[0] in produced]
     outputs = len(candidate.graph.output)
@@ -238,8 +235,9 @@ def op_by_op(reference: onnx.ModelProto | str, candidate: onnx.ModelProto, feeds
     for name, kept in thinned.items():
         if name in ref and ref[name].ndim > 1 and ref[name].shape[1] > kept.max(initial=-1):
             ref[name] = np.take(ref[name], kept, axis=1)
-    own = dict(zip(names, session(_with_outputs(candidate, names)).run(None, feeds)[outputs:]))
-    given, compared = {}, []
+    probe = _with_outputs(candidate, names)  # its own values first (their types and shapes), then forced
+    own = dict(zip(names, session(probe).run(None, feeds)[outputs:]))
+    given = {}  # the QAT model's values on the candidate's grid (int8 activations became uint8: +128)
     for name in names:
         mine, theirs = own[name], ref[name]
         if mine.shape != theirs.shape or mine.dtype not in (np.uint8, np.int8):
@@ -248,27 +246,20 @@ def op_by_op(reference: onnx.ModelProto | str, candidate: onnx.ModelProto, feeds
         value = theirs.astype(np.int16) + shift
         if value.size and (value.min() < np.iinfo(mine.dtype).min or value.max() > np.iinfo(mine.dtype).max):
             continue  # not the same grid: compared end to end only
-        given[name + "__qat"] = value.astype(mine.dtype)
-        compared.append((name, shift))
-    if not compared:
+        given[name] = value.astype(mine.dtype)
+    if not given:
         return result
-    forced = onnx.ModelProto()
-    forced.CopyFrom(candidate)
-    graph = forced.graph
-    for node in graph.node:
+    for node in probe.graph.node:
         for i, name in enumerate(node.input):
-            if name + "__qat" in given:
+            if name in given:
                 node.input[i] = name + "__qat"
-    graph.input.extend(onnx.helper.make_tensor_value_info(n, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), None)
-                       for n, v in given.items())
-    graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n, _ in compared)
-    got = session(forced).run(None, {**feeds, **given})
-    worst, where = 0, ""
-    for (name, shift), value in zip(compared, got[outputs:]):
-        steps = int(np.abs(value.astype(np.int32) - ref[name].astype(np.int32) - shift).max()) if value.size else 0
-        if steps > worst or not where:
-            worst, where = steps, name
+    probe.graph.input.extend(onnx.helper.make_tensor_value_info(n + "__qat", onnx.helper.np_dtype_to_tensor_dtype(
+        v.dtype), None) for n, v in given.items())
+    got = session(probe).run(None, {**feeds, **{n + "__qat": v for n, v in given.items()}})
+    steps = {name: int(np.abs(value.astype(np.int32) - given[name].astype(np.int32)).max(initial=0))
+             for name, value in zip(names, got[outputs:]) if name in given}
+    where = max(steps, key=steps.get)
     floats = [float(np.max(np.abs(g.astype(np.float64) - r.astype(np.float64)))) / max(float(np.ptp(r)), 1e-12)
               for g, r in zip(got, ref_outputs) if np.issubdtype(r.dtype, np.floating) and r.size]
-    return replace(result, local_steps=worst, local_tensor=where, local_float=max(floats) if floats else None,
-                   local_tensors=len(compared))
+    return replace(result, local_steps=steps[where], local_tensor=where, local_float=max(floats) if floats else None,
+                   local_tensors=len(given))

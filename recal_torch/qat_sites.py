@@ -81,8 +81,8 @@ def _new_forward(root: nn.Module, args) -> None:
     root.__dict__["_recal_site_forward"] = root.__dict__.get("_recal_site_forward", 0) + 1
 
 
-def _next(module: nn.Module, op: str) -> tuple[ActivationFakeQuantize | None, Site]:
-    """The k-th call of ``op`` by ``module`` in this forward of its root, and its observer (None if unplanned)."""
+def _next(module: nn.Module, op: str) -> ActivationFakeQuantize | None:
+    """The observer of the k-th call of ``op`` by ``module`` in this forward of its root (None if unplanned)."""
     root = module.__dict__["_recal_site_root"]
     forward = root.__dict__.get("_recal_site_forward", 0)
     if module.__dict__.get("_recal_site_seen") != forward:
@@ -90,11 +90,11 @@ def _next(module: nn.Module, op: str) -> tuple[ActivationFakeQuantize | None, Si
     counts = module.__dict__["_recal_site_counts"]
     site = (module.__dict__["_recal_site_path"], op, counts[op])
     counts[op] += 1
-    return root.__dict__["_modules"][CONTAINER]._modules.get(site_key(site)), site
+    return root.__dict__["_modules"][CONTAINER]._modules.get(site_key(site))
 
 
 def _module_call(module: nn.Module, args, out):
-    quantizer, _ = _next(module, "forward")
+    quantizer = _next(module, "forward")
     return quantizer(out) if quantizer is not None and isinstance(out, torch.Tensor) else None
 
 
@@ -122,5 +122,5 @@ class _OwnCode(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         if self.inside or not holds_tensor(out):  # counted exactly as the recording counted
             return out
-        quantizer, _ = _next(self.module, op_name(func))
+        quantizer = _next(self.module, op_name(func))
         return quantizer(out) if quantizer is not None and isinstance(out, torch.Tensor) else out

@@ -23,6 +23,7 @@ import torch
 
 from recal_core import load_recipe
 from recal_core.training import train
+from recal_onnx import cpu
 from recal_torch import count_macs, export_onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

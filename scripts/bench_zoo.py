@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_transformers import interleaved_latency, ort_quantized  # noqa: E402
 from recal_onnx import cpu, quantize_qat_export  # noqa: E402
+from recal_onnx.verify import reference_session  # noqa: E402
 from recal_torch import export_onnx  # noqa: E402
 from tests.zoo.test_cnns import CLASSES, HF, MODELS, prune_and_qat  # noqa: E402
 from zoo import ResNet18  # noqa: E402
@@ -50,12 +51,6 @@ def hf_resnet50() -> torch.nn.Module:
 
 BUILDERS = {"resnet18": lambda: ResNet18(CLASSES), "hf-resnet50": hf_resnet50, **{name: m[0] for name, m in MODELS.items()}}
 RECAL = {"recal int8 w": ("qoperator", "int8"), "recal uint8 w": ("qoperator", "uint8"), "recal qdq": ("qdq", "auto")}
-
-
-def run_float_qdq(path: Path, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
 
 
 def bench(name: str, size: int, rounds: int, folder: Path) -> dict:
@@ -75,7 +70,7 @@ def bench(name: str, size: int, rounds: int, folder: Path) -> dict:
     static = ort_quantized(fp32, folder, calibration, dynamic=False)["ort quantize_static"][0]
     paths = {"fp32": fp32, **{label: folder / f"{label}.onnx" for label in RECAL}, "ort quantize_static": static}
     latency = interleaved_latency(paths, {"input": sample.numpy()}, 1, rounds, min_seconds=0.02)
-    reference = run_float_qdq(qat, checks)
+    reference = reference_session(str(qat)).run(None, checks)[0]
     runtime = ort.InferenceSession(str(qat), providers=["CPUExecutionProvider"]).run(None, checks)[0]
     here = "recal " + recal["recal qdq"].weight_type + " w"  # this CPU's exact choice
     v = recal[here].verification  # int8 weights on a CPU that saturates them: measured through the uint8 twin

@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n2. speed on synthetic inputs: ResNet-18-shaped, 224x224, onnxruntime, batch 1, 1 thread, "
               "interleaved medians\n")
         print(speed.format_table(speed_rows))
-        print(speed.cpu.describe())
+        from recal_onnx import cpu
+
+        print(cpu.describe())
     print("\noutputs:")
     for _, _, folder in [(None, None, j[3]) for j in jobs]:
         print(f"  {folder}/report.md  {folder}/schedule.png  {folder}/tensorboard/")

@@ -8,6 +8,7 @@ import pytest
 from recal_onnx.graph import Graph
 from recal_onnx.passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
 from recal_onnx.passes.add_to_qlinearadd import add_to_qlinearadd
+from recal_onnx.passes.bias_apart import bias_apart
 from recal_onnx.passes.bias_to_int32 import bias_to_int32
 from recal_onnx.passes.concat_to_qlinear import concat_to_qlinear
 from recal_onnx.passes.constants import constants_to_initializers, fold_constants, remove_identities
@@ -66,6 +67,21 @@ def test_conv_to_qlinearconv(relu, out_zp):
     assert ("Max" in ops(converted)) == (relu and out_zp != 0)
     got = run(converted, feeds)[0]
     assert np.abs(got - expected).max() <= 0.02 + 1e-6  # at most one output quantum (bias rounding)
+
+
+def test_bias_apart():
+    """A conv the converter left float for its bias (``g.kept_float``) adds the bias in an Add of its own, the same
+    numbers; a conv not recorded there keeps its bias."""
+    model = _conv_graph()
+    feeds = _x([2, 3, 6, 6])
+    g = Graph(onnx.shape_inference.infer_shapes(model))
+    conv = next(n for n in g.nodes if n.op_type == "Conv")
+    assert bias_apart(g) == 0
+    g.kept_float[conv.name] = ("Conv", "its bias is beyond int32")
+    assert bias_apart(g) == 1 and len(conv.input) == 2
+    apart = g.commit()
+    assert ops(apart).count("Add") == 1 and ops(apart).index("Conv") < ops(apart).index("Add")
+    np.testing.assert_allclose(reference(apart, feeds)[0], reference(model, feeds)[0], atol=1e-6)
 
 
 def test_conv_to_qlinearconv_zero_rewrites_for_a_float_weight():
