@@ -8,8 +8,8 @@ graph, and runs ``onnx.checker`` and shape inference:
    ``fold_pads_into_convs`` (a zero Pad before a conv becomes its padding: TF-style "same" padding),
    ``gather_int8_tables`` (an int8 embedding table is gathered in int8, then scaled)
 2. ``fold_conv_affine`` (Div / Mul / Add / BatchNormalization after a conv into its weight and bias),
-   ``zero_channel_scales`` (an all-zero weight channel's tiny scale becomes its neighbours': no int32 bias
-   overflow, a bias as fine as theirs)
+   ``zero_channel_scales`` (an all-zero weight channel gets the scale that holds its bias exactly: no int32 bias
+   overflow, no rounded bias)
 3. ``scalar_activation_qparams``, ``activations_to_uint8`` (int8 activation QDQ -> uint8, same values)
 4. ``remove_redundant_qdq``, ``remove_noop_clamps`` (a ReLU / ReLU6 after a DQ whose grid it cannot cut)
 5. format ``qoperator``: ``int8_passthrough``, ``conv_to_qlinearconv``, ``gemm_to_qgemm``,

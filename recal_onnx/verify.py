@@ -41,6 +41,7 @@ class Verification:
     local_tensor: str = ""  # ... and which tensor
     local_float: float | None = None  # op by op: the largest float-output difference, share of its range
     local_tensors: int = 0  # integer tensors compared op by op
+    median_abs_diff: float = 0.0  # end to end, of every output value
 
     @property
     def max_steps(self) -> float | None:
@@ -81,7 +82,8 @@ class Verification:
         local = "" if self.local_steps is None else (
             f"; op by op: {self.local_tensors} integer tensors within {self.local_steps} step(s)"
             + ("" if self.local_float is None else f", float outputs within {100 * self.local_float:.3f}% of range"))
-        return (f"max abs diff {self.max_abs_diff:.4g} (output range {self.output_range:.4g}{steps}){agree} on "
+        return (f"max abs diff {self.max_abs_diff:.4g} (median {self.median_abs_diff:.3g}, output range "
+                f"{self.output_range:.4g}{steps}){agree} on "
                 f"{self.samples} samples{local}")
 
 
@@ -184,7 +186,9 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
     if first.ndim == 2 and first.shape[1] > 1:
         agreement = float(np.mean(first.argmax(1) == other.argmax(1)))
     samples = int(first.shape[0]) if first.ndim else 1
-    result = Verification(diff, span, agreement, samples, output_step)
+    every = [np.abs(r.astype(np.float64) - c.astype(np.float64)).reshape(-1) for r, c in zip(ref, got)]
+    median = float(np.median(np.concatenate(every))) if any(d.size for d in every) else 0.0
+    result = Verification(diff, span, agreement, samples, output_step, median_abs_diff=median)
     return op_by_op(reference, candidate, feeds, result, thinned or {})
 
 

@@ -2,7 +2,8 @@
 
 QAT modules are replaced, in a copy of the model, by export modules whose quantization
 parameters are constants and whose BatchNorm is already folded into the conv weight and
-bias, so runtimes see ``DQ(x), DQ(w_int8) -> Conv -> (Relu) -> Q`` and fuse it.
+bias, so runtimes see ``DQ(x), DQ(w_int8) -> Conv -> (Relu) -> Q`` and fuse it. Each bias is
+written on the int32 grid the int8 layer holds it on (:mod:`recal_torch.bias_grid`).
 
 Under the default (dynamo) exporter the quantize/dequantize steps are written with
 ``torch.ops.quantized_decomposed`` (``torch.fake_quantize_*`` does not export there);
@@ -24,6 +25,7 @@ from torch import nn
 
 from recal_core.atomic import atomic_folder
 
+from .bias_grid import round_biases
 from .model_params import unwrap
 from .qat import (ACT_QMAX, ACT_QMIN, W_LEVELS, W_QMAX, W_QMIN, ActivationFakeQuantize, QATConv, QATEmbedding,
                   QATModule, QuantizedReLU, clamp, plan_pending, qat_modules)
@@ -167,8 +169,12 @@ def _qparams(fq) -> tuple[float, int] | None:
     return float(fq.scale), int(fq.zero_point)
 
 
-def to_export_model(model: nn.Module, dynamo: bool = True) -> nn.Module:
-    """An eval-mode copy of ``model`` whose QAT modules are export modules (the model is not changed)."""
+def to_export_model(model: nn.Module, dynamo: bool = True, sample_input: Sequence[torch.Tensor] | None = None
+                    ) -> nn.Module:
+    """An eval-mode copy of ``model`` whose QAT modules are export modules (the model is not changed).
+
+    With ``sample_input`` (a tuple of the model's inputs), each conv / linear bias is put on the int32 grid its
+    int8 layer holds it on (:mod:`recal_torch.bias_grid`), as :func:`export_onnx` does."""
     model = unwrap(model)
     exported = copy.deepcopy(model)
     exported.eval()
@@ -183,6 +189,8 @@ def to_export_model(model: nn.Module, dynamo: bool = True) -> nn.Module:
                            else AttentionQDQ(module, dynamo) if isinstance(module, AttentionFakeQuantize)
                            else QuantizedReLUExport(module, dynamo))
             setattr(parent, child, replacement)
+    if sample_input is not None:
+        round_biases(exported, tuple(sample_input))
     return exported
 
 
@@ -212,7 +220,7 @@ def export_onnx(model: nn.Module, sample_input: torch.Tensor | Sequence[torch.Te
     if dynamo:
         _decomposed_ops()  # before export: the exporter's registry maps these ops only if they exist
     plan_pending(unwrap(model), inputs)  # a QAT plan still waiting for the first forward is made on the sample
-    export_model = to_export_model(model, dynamo)
+    export_model = to_export_model(model, dynamo, inputs)
     kwargs: dict = {"opset_version": opset, "input_names": list(input_names), "output_names": list(output_names)}
     if dynamo:
         kwargs["verbose"] = False

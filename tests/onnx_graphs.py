@@ -77,3 +77,16 @@ def reference(model, feeds):
 
 def ops(model):
     return [n.op_type for n in model.graph.node]
+
+
+def with_float_biases(src, dst, shift=1e-3):
+    """A copy of the QDQ model at ``src`` whose Conv / Gemm biases are moved by ``shift``: biases between the int32
+    steps an int8 layer holds, as exporters other than ``recal_torch``'s write them (its are on the grid, and
+    its conversions exact); returns ``dst``."""
+    model = onnx.load(str(src))
+    biases = {n.input[2] for n in model.graph.node if n.op_type in ("Conv", "Gemm") and len(n.input) > 2}
+    for t in model.graph.initializer:
+        if t.name in biases:
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) + np.float32(shift), t.name))
+    onnx.save(model, str(dst))
+    return dst

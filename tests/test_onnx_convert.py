@@ -17,7 +17,7 @@ from recal_onnx import UnconvertedOpsWarning, VerificationError, quantize_qat_ex
 from recal_torch import ScheduledModifierManager, export_onnx
 
 from .conftest import ROOT
-from .onnx_graphs import Builder, ops
+from .onnx_graphs import Builder, ops, with_float_biases
 from .torch_models import SmallCNN, batches, train_steps
 
 QAT = """
@@ -182,12 +182,14 @@ def test_truncated_and_missing_files(tmp_path, recal_qat_model):
 
 def test_verification_failure_writes_nothing(tmp_path, recal_qat_model):
     src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
+    assert quantize_qat_export(src, tolerance=0.0).verification.max_abs_diff == 0  # recal_torch exports: exact
+    off_grid = with_float_biases(src, tmp_path / "float_biases.onnx")  # biases the int8 model cannot hold
     with pytest.raises(VerificationError, match="max abs difference .* nothing was written"):
-        quantize_qat_export(src, tmp_path / "out.onnx", tolerance=0.0)
+        quantize_qat_export(off_grid, tmp_path / "out.onnx", tolerance=0.0)
     for bad in ({"tolerance": float("nan")}, {"tolerance": -1.0}, {"min_agreement": 1.01}):
         with pytest.raises(ValueError, match="must be a number in"):  # never a check switched off
             quantize_qat_export(src, tmp_path / "out.onnx", **bad)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["qat.onnx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["float_biases.onnx", "qat.onnx"]
 
 
 def test_verification_catches_a_wrong_conversion(tmp_path, recal_qat_model, monkeypatch):

@@ -293,7 +293,7 @@ def test_bias_to_int32_for_qdq_format():
 @pytest.mark.parametrize("fmt_passes", [(conv_to_qlinearconv,), (bias_to_int32,)], ids=["qoperator", "qdq"])
 def test_zero_channel_scales_keep_the_bias_of_a_filter_pruned_whole(fmt_passes):
     """A filter pruned whole, exported with a tiny scale and a large bias (a folded BatchNorm shift): without
-    the pass its int32 bias overflows and the channel's output is lost."""
+    the pass its int32 bias overflows and the channel's output is lost; with it the bias is held exactly."""
     b = Builder()
     x = b.qdq("x", 0.03, 128)
     w = b.weight((4, 3, 3, 3))
@@ -310,6 +310,10 @@ def test_zero_channel_scales_keep_the_bias_of_a_filter_pruned_whole(fmt_passes):
     converted, (n, *_) = _apply(model, zero_channel_scales, *fmt_passes)
     assert n == 1
     assert np.abs(run(converted, feeds)[0] - expected).max() <= 0.02 + 1e-6
+    # the zero channel's scale is chosen for its bias: 2.0 becomes 2**30 steps of s_x * s_w, held exactly
+    biases = [onnx.numpy_helper.to_array(t) for t in converted.graph.initializer if t.data_type == onnx.TensorProto.INT32
+              and t.dims == [4]]
+    assert len(biases) == 1 and abs(int(biases[0][1]) - 2 ** 30) <= 2 ** 30 * 1e-6  # float32 scale: +-1 part in 1e7
     unguarded, _ = _apply(model, *fmt_passes)
     assert np.abs(run(unguarded, feeds)[0] - expected).max() > 1.0  # channel 1 lost its bias of 2.0
 

@@ -570,3 +570,73 @@ def test_a_concat_of_quantized_branches_converts_to_integers(tmp_path):
     kinds = [n.op_type for n in result.model.graph.node]
     assert "QLinearConcat" in kinds and kinds.count("QLinearConv") == 3 and not result.float_nodes, kinds
     assert result.verification.max_steps <= 3
+
+
+class PaddedNet(nn.Module):
+    """A conv-BN-ReLU, a zero pad (functional), a conv with its own bias, a max pool and a linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn1 = nn.Conv2d(1, 8, 3, bias=False), nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 8, 3)
+        self.fc = nn.Linear(8 * 3 * 3, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.c1(x)))
+        y = torch.relu(self.c2(torch.nn.functional.pad(y, (1, 1, 1, 1))))
+        return self.fc(torch.flatten(torch.nn.functional.max_pool2d(y, 2), 1))
+
+
+def _biases_and_steps(model):
+    """Per Conv / Gemm of an exported QDQ model, in graph order: its float bias and its step, input scale x
+    weight scale."""
+    from onnx import numpy_helper
+
+    values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    values.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node
+                   if n.op_type == "Constant"})
+    producer = {o: n for n in model.graph.node for o in n.output}
+    found = []
+    for node in model.graph.node:
+        if node.op_type not in ("Conv", "Gemm") or len(node.input) < 3:
+            continue
+        x = producer[node.input[0]]
+        while x.op_type in ("Pad", "MaxPool", "Relu", "Flatten", "Reshape"):
+            x = producer[x.input[0]]
+        assert x.op_type == "DequantizeLinear", x.op_type
+        w = producer[node.input[1]]
+        step = values[x.input[1]].astype(np.float64) * values[w.input[1]].astype(np.float64)
+        found.append((values[node.input[2]].astype(np.float64), step))
+    return found
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_export_writes_each_bias_on_the_int32_grid_of_its_layer(dynamo, tmp_path):
+    """The int8 model holds a bias as ``round(bias / (s_x * s_w))`` in int32: the QAT export writes that value,
+    so converting it adds no rounding (an off-grid bias flips output values near a rounding boundary, and on a
+    deep net those flips travel). The input scale is found through the functional pad and the pool."""
+    from recal_onnx import quantize_qat_export
+
+    torch.manual_seed(0)
+    model = PaddedNet()
+    fake_quantize_model(model)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), batches(4))
+    model.eval()
+    path = export_onnx(model, torch.randn(2, 1, 8, 8), tmp_path / "qat.onnx", dynamo=dynamo)
+    found = _biases_and_steps(onnx.load(str(path)))
+    trained = [layer.folded_weight_and_bias()[1].detach().double().numpy() for layer in (model.c1, model.c2, model.fc)]
+    assert len(found) == 3
+    moved = 0.0
+    for (bias, step), float_bias in zip(found, trained):
+        k = bias / step
+        assert np.all(np.abs(k - np.round(k)) <= 1e-3 * np.maximum(1, np.abs(k))), k  # float32 of k * s_x * s_w
+        assert np.all(np.abs(bias - float_bias) <= 0.5 * step * (1 + 1e-3)), "moved by more than half a step"
+        moved = max(moved, float(np.max(np.abs(bias - float_bias) / step)))
+    assert moved > 0.01  # the trained biases sit between steps: the export did move them
+    with torch.no_grad():  # the QAT model in PyTorch is still what the export computes, within a bias step
+        x = torch.randn(64, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+        got = ort.InferenceSession(str(path)).run(None, {"input": x.numpy()})[0]
+        assert (got.argmax(1) == model(x).numpy().argmax(1)).mean() >= 0.95
+    result = quantize_qat_export(str(path), tmp_path / "int8.onnx", verify_inputs={"input": x.numpy()})
+    v = result.verification
+    assert v.argmax_agreement == 1.0 and v.max_abs_diff <= 1e-5 * v.output_range, v
