@@ -22,22 +22,41 @@ from recal_core.schedule import RecipeSchedule
 AVERAGING_CONSTANT = 0.01  # the observers' moving-average weight, as torch.ao's MovingAverageMinMaxObserver
 
 
+def _activation_range(low, high):
+    low = tf.minimum(tf.stop_gradient(low), 0.0)
+    return low, tf.maximum(tf.stop_gradient(high), low + 1e-6)
+
+
 def fake_quant_activation(x, low, high):
     """``x`` fake-quantized to uint8 over ``[min(low, 0), max(high, low + 1e-6)]`` (no gradient to the range)."""
-    low = tf.minimum(tf.stop_gradient(low), 0.0)
-    high = tf.maximum(tf.stop_gradient(high), low + 1e-6)
+    low, high = _activation_range(low, high)
     return tf.quantization.fake_quant_with_min_max_vars(x, low, high, num_bits=8, narrow_range=False)
 
 
-def fake_quant_weight(w, axis: int):
-    """``w`` fake-quantized to int8, symmetric, one scale per index of ``axis`` (its output channels)."""
+def activation_scale(low, high):
+    """The scale :func:`fake_quant_activation` quantizes with (its nudging moves the range, not the scale)."""
+    low, high = _activation_range(low, high)
+    return (high - low) / 255.0
+
+
+def _weight_range(w, axis: int):
     axes = [a for a in range(len(w.shape)) if a != axis]
     amax = tf.reduce_max(tf.abs(w), axis=axes)
     # a channel pruned to zeros gets scale 1/127 (its integers are 0 whatever the scale): a tiny scale would
     # overflow its int32 bias (bias / (x_scale * w_scale)) in the converted model
-    amax = tf.where(amax > 0, amax, tf.ones_like(amax))
+    return tf.where(amax > 0, amax, tf.ones_like(amax))
+
+
+def fake_quant_weight(w, axis: int):
+    """``w`` fake-quantized to int8, symmetric, one scale per index of ``axis`` (its output channels)."""
+    amax = _weight_range(w, axis)
     return tf.raw_ops.QuantizeAndDequantizeV3(input=w, input_min=-amax, input_max=amax, num_bits=8,
                                               signed_input=True, range_given=True, narrow_range=True, axis=axis)
+
+
+def weight_scale(w, axis: int):
+    """The per-channel scale :func:`fake_quant_weight` quantizes ``w`` with."""
+    return _weight_range(w, axis) / 127.0
 
 
 def moving_range(low, high, old_low, old_high, seen):

@@ -14,7 +14,8 @@ gradients are taken through the fake quantization. Each ``Conv2D`` / ``MatMul`` 
 Activation ranges are moving averages, updated by ops in ``UPDATE_OPS`` (run them with the train op, as for
 BatchNorm) after the forward pass of the step has used the range so far; a tensor passes unquantized until its
 first observation. :meth:`GraphQAT.complete` rewires the graph for inference and export: no switches, the BatchNorm
-folded into the conv (``conv(x, q(w * s)) + beta + (b - mean) * s``), so a frozen graph exports to QDQ ONNX.
+folded into the conv (``conv(x, q(w * s)) + beta + (b - mean) * s``), each bias rounded to whole steps of input
+scale x weight scale (the int32 the int8 layer holds), so a frozen graph exports to QDQ ONNX that converts exactly.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Callable
 
 import tensorflow as tf
 
-from .fake_quant import QATTables, fake_quant_activation, fake_quant_weight, moving_range
+from .fake_quant import (QATTables, activation_scale, fake_quant_activation, fake_quant_weight, moving_range,
+                         weight_scale)
 from .graph_params import KERNEL_INPUTS, _variable_op
 from .utils import tf_compat
 
@@ -61,6 +63,7 @@ class GraphQAT:
     updates: list[tf.Operation] = field(default_factory=list)
     _switches: list[tuple[tf.Tensor, tf.Tensor, tf.Tensor]] = field(default_factory=list)  # (where(on, fq, x), fq, x)
     _quantized: dict = field(default_factory=dict)  # tensor name -> its fake-quantized tensor
+    _ranges: dict = field(default_factory=dict)  # switch output name -> the (min, max) its fake quant reads
     observed: dict = field(default_factory=dict)  # each observed tensor's name -> its "observed" flag variable
 
     # --- planning -------------------------------------------------------------------------------
@@ -170,6 +173,7 @@ class GraphQAT:
         self.updates.append(update)
         self._switches.append((out, fq, x))
         self._quantized[x.name] = out
+        self._ranges[out.name] = (low_now, high_now)
         return out
 
     def _source(self, x: tf.Tensor) -> tf.Tensor | None:
@@ -201,22 +205,36 @@ class GraphQAT:
             t.op._update_input(1, t.float_weight)
 
     def complete(self) -> None:
-        """Rewire for inference and export: every switch to its quantized side, BatchNorms folded."""
+        """Rewire for inference and export: every switch to its quantized side, BatchNorms folded, each bias on
+        the int32 grid its int8 layer holds it on (as ``recal_torch.bias_grid`` writes it)."""
+        sources = {t.op.name: self._source(t.op.inputs[0]) for t in self.targets}
         for out, fq, _ in self._switches:
             _reroute(out, fq)
         for t in self.targets:
+            source = sources[t.op.name]
             with tf_compat.name_scope(_scope(t.op) + "_folded"):
                 if t.bn_infer is None:
                     t.op._update_input(1, t.folded_weight)
+                    if t.bias is not None and source is not None:
+                        index, b = next((i, b) for i, b in enumerate(t.bias.inputs) if b is not t.op.outputs[0])
+                        t.bias._update_input(index, self._on_int32_grid(b, t.float_weight, t.axis, source))
                     continue
                 bn = t.bn_infer
                 bias = bn.inputs[2] - bn.inputs[3] * t.scale
                 if t.bias is not None:
                     b = [i for i in t.bias.inputs if i is not t.op.outputs[0]][0]
                     bias = bias + b * t.scale
+                if source is not None:
+                    bias = self._on_int32_grid(bias, t.float_weight * t.scale, t.axis, source)
                 attrs = {a: t.op.get_attr(a) for a in ("strides", "padding", "explicit_paddings", "dilations")}
                 y = tf.raw_ops.Conv2D(input=t.op.inputs[0], filter=t.folded_weight, data_format="NHWC", **attrs)
                 _reroute(t.pre_activation, tf.nn.bias_add(y, bias))
+
+    def _on_int32_grid(self, bias: tf.Tensor, weight: tf.Tensor, axis: int, source: tf.Tensor) -> tf.Tensor:
+        """``bias`` rounded to whole steps of input scale x weight scale: what the int8 layer holds (an off-grid
+        bias flips output values near a rounding boundary in the converted model)."""
+        step = activation_scale(*self._ranges[source.name]) * weight_scale(weight, axis)
+        return tf.round(bias / step) * step
 
 
 def _scope(op: tf.Operation) -> str:

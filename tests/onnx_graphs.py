@@ -90,3 +90,46 @@ def with_float_biases(src, dst, shift=1e-3):
             t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) + np.float32(shift), t.name))
     onnx.save(model, str(dst))
     return dst
+
+
+def biases_and_steps(model):
+    """Per Conv / Gemm / MatMul + Add of an exported QDQ model, in graph order: its float bias and the int32 step
+    it is held in, input scale x weight scale (both read through the layout ops exporters put in between)."""
+    values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    values.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node
+                   if n.op_type == "Constant"})
+    producer = {o: n for n in model.graph.node for o in n.output}
+    consumers = {}
+    for n in model.graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+
+    def dq(name):
+        node = producer[name]
+        while node.op_type in ("Pad", "MaxPool", "Relu", "Flatten", "Reshape", "Transpose", "Identity"):
+            node = producer[node.input[0]]
+        assert node.op_type == "DequantizeLinear", node.op_type
+        return node
+
+    def added(name):  # the constant an Add after ``name`` (through a Reshape) adds, else None
+        users = consumers.get(name, [])
+        while len(users) == 1 and users[0].op_type == "Reshape":
+            name = users[0].output[0]
+            users = consumers.get(name, [])
+        if len(users) == 1 and users[0].op_type == "Add":
+            other = next(i for i in users[0].input if i != name)
+            return other if other in values else None
+        return None
+
+    found = []
+    for node in model.graph.node:
+        if node.op_type in ("Conv", "Gemm") and len(node.input) > 2:
+            bias = node.input[2]
+        elif node.op_type in ("Conv", "MatMul") and added(node.output[0]):
+            bias = added(node.output[0])
+        else:
+            continue
+        x, w = dq(node.input[0]), dq(node.input[1])
+        step = values[x.input[1]].astype(np.float64) * values[w.input[1]].astype(np.float64)
+        found.append((values[bias].astype(np.float64).reshape(-1), step))
+    return found

@@ -12,6 +12,7 @@ from recal_torch import QATConv, QATLinear, ScheduledModifierManager, export_onn
 from recal_torch.export import to_export_model
 from recal_torch.qat import ActivationFakeQuantize, FoldedBatchNorm, QuantizedReLU, WeightFakeQuantize
 
+from .onnx_graphs import biases_and_steps
 from .torch_models import SmallCNN, batches, train_steps
 
 SPE = 4
@@ -587,29 +588,6 @@ class PaddedNet(nn.Module):
         return self.fc(torch.flatten(torch.nn.functional.max_pool2d(y, 2), 1))
 
 
-def _biases_and_steps(model):
-    """Per Conv / Gemm of an exported QDQ model, in graph order: its float bias and its step, input scale x
-    weight scale."""
-    from onnx import numpy_helper
-
-    values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    values.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node
-                   if n.op_type == "Constant"})
-    producer = {o: n for n in model.graph.node for o in n.output}
-    found = []
-    for node in model.graph.node:
-        if node.op_type not in ("Conv", "Gemm") or len(node.input) < 3:
-            continue
-        x = producer[node.input[0]]
-        while x.op_type in ("Pad", "MaxPool", "Relu", "Flatten", "Reshape"):
-            x = producer[x.input[0]]
-        assert x.op_type == "DequantizeLinear", x.op_type
-        w = producer[node.input[1]]
-        step = values[x.input[1]].astype(np.float64) * values[w.input[1]].astype(np.float64)
-        found.append((values[node.input[2]].astype(np.float64), step))
-    return found
-
-
 @pytest.mark.parametrize("dynamo", [True, False])
 def test_export_writes_each_bias_on_the_int32_grid_of_its_layer(dynamo, tmp_path):
     """The int8 model holds a bias as ``round(bias / (s_x * s_w))`` in int32: the QAT export writes that value,
@@ -623,7 +601,7 @@ def test_export_writes_each_bias_on_the_int32_grid_of_its_layer(dynamo, tmp_path
     train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), batches(4))
     model.eval()
     path = export_onnx(model, torch.randn(2, 1, 8, 8), tmp_path / "qat.onnx", dynamo=dynamo)
-    found = _biases_and_steps(onnx.load(str(path)))
+    found = biases_and_steps(onnx.load(str(path)))
     trained = [layer.folded_weight_and_bias()[1].detach().double().numpy() for layer in (model.c1, model.c2, model.fc)]
     assert len(found) == 3
     moved = 0.0

@@ -16,7 +16,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from ..fake_quant import QATTables, fake_quant_activation, fake_quant_weight, moving_range
+from ..fake_quant import (QATTables, activation_scale, fake_quant_activation, fake_quant_weight, moving_range,
+                          weight_scale)
 
 PASS_THROUGH = (keras.layers.MaxPooling2D, keras.layers.MaxPooling1D, keras.layers.Flatten, keras.layers.Reshape,
                 keras.layers.Dropout)
@@ -88,6 +89,7 @@ class QuantizedLayer(keras.layers.Layer):
         self.input_quantizer = ActivationQuantizer(name=f"{layer.name}_input_q") if quantize_input else None
         self.output_quantizer = ActivationQuantizer(name=f"{layer.name}_output_q")
         self.tables: QATTables | None = None
+        object.__setattr__(self, "input_source", None)  # the quantizer whose output it reads, when not its own
 
     def set_tables(self, tables: QATTables) -> None:
         self.tables = tables
@@ -134,9 +136,22 @@ class QuantizedLayer(keras.layers.Layer):
                 y = gamma * (y - use_mean) / tf.sqrt(use_var + bn.epsilon) + beta
                 return self._activate(y, training)
             bias = beta + (bias - mean) * scale
+            w = w * scale
         else:
             wq = self._quantize(w)
+        if t is not None and t.export:
+            bias = self._on_int32_grid(bias, w)
         return self._activate(self._linear(x, wq) + bias, training)
+
+    def _on_int32_grid(self, bias, w):
+        """``bias`` as the int8 layer holds it: a whole number of steps of input scale x weight scale, the
+        nearest (as :mod:`recal_torch.bias_grid` writes it; an off-grid bias flips output values that sit near a
+        rounding boundary in the converted model). Unchanged where the input's quantizer is not known."""
+        source = self.input_quantizer or self.input_source
+        if source is None:
+            return bias
+        step = activation_scale(source.min_val.value, source.max_val.value) * weight_scale(w, len(w.shape) - 1)
+        return tf.round(bias / step) * step  # beyond int32, the converter keeps the layer float and says why
 
     def _quantize(self, w):
         t = self.tables
@@ -199,6 +214,8 @@ def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
         if not parts["relu"] and len(nxt) == 1 and _is_relu(nxt[0]):
             parts["relu"] = True
             plan[nxt[0].name] = "identity"
+            tail = nxt[0]
+        parts["tail"] = tail.name  # the layer whose output this QuantizedLayer's output stands for
         plan[layer.name] = parts
     for name, parts in plan.items():
         if isinstance(parts, dict):
@@ -207,6 +224,7 @@ def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
                 source = producers.get(source[0].name, [])
             # quantized already when it comes from a QAT layer (or the BN / ReLU folded into one)
             parts["quantize_input"] = not (len(source) == 1 and source[0].name in plan)
+            parts["source"] = None if parts["quantize_input"] else source[0].name
     floating = [layer.name for layer in model.layers if layer.name not in plan and layer.weights]
     return plan, floating
 
@@ -229,4 +247,10 @@ def quantize_model(model: keras.Model, tables: QATTables) -> tuple[keras.Model, 
         return layer
 
     new = keras.models.clone_model(model, clone_function=clone)
+    by_tail = {entry["tail"]: q for q in made for name, entry in plan.items()
+               if isinstance(entry, dict) and entry["layer"] is q.layer}
+    for q in made:
+        source = next(entry["source"] for entry in plan.values() if isinstance(entry, dict) and entry["layer"] is q.layer)
+        # not a sub-layer of q (Keras would track it as one): the quantizer of the layer it reads
+        object.__setattr__(q, "input_source", by_tail[source].output_quantizer if source in by_tail else None)
     return new, made, floating
