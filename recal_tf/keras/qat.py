@@ -247,10 +247,10 @@ def quantize_model(model: keras.Model, tables: QATTables) -> tuple[keras.Model, 
         return layer
 
     new = keras.models.clone_model(model, clone_function=clone)
-    by_tail = {entry["tail"]: q for q in made for name, entry in plan.items()
-               if isinstance(entry, dict) and entry["layer"] is q.layer}
+    entries = {id(entry["layer"]): entry for entry in plan.values() if isinstance(entry, dict)}
+    by_tail = {entries[id(q.layer)]["tail"]: q for q in made}
     for q in made:
-        source = next(entry["source"] for entry in plan.values() if isinstance(entry, dict) and entry["layer"] is q.layer)
+        source = entries[id(q.layer)]["source"]
         # not a sub-layer of q (Keras would track it as one): the quantizer of the layer it reads
         object.__setattr__(q, "input_source", by_tail[source].output_quantizer if source in by_tail else None)
     return new, made, floating
