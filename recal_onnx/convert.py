@@ -105,6 +105,8 @@ class ConversionResult:
     seconds: float = 0.0
     float_ops: dict[str, int] = field(default_factory=dict)  # op type -> nodes that compute in float (by design too)
     weight_type: str = "int8"  # "uint8": weights beyond +-64 shifted to uint8 (exact on x86 without VNNI)
+    # node name -> how far (in int32 steps, <= 0.5) its float bias was from the grid the int8 layer holds it on
+    rounded_biases: dict[str, float] = field(default_factory=dict)
 
     @property
     def float_nodes(self) -> list[tuple[str, str]]:
@@ -220,7 +222,11 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
         warnings.warn(f"left in float between DequantizeLinear and QuantizeLinear: {listed}",
                       UnconvertedOpsWarning, stacklevel=3)
     result = ConversionResult(model, None, rewrites, unconverted, float_ops=_float_compute(model),
-                              weight_type=weight_type)
+                              weight_type=weight_type, rounded_biases=dict(g.rounded_biases))
+    if result.rounded_biases:
+        log.debug("quantize_qat_export: %d float biases lay between int32 steps and were rounded (up to %.2f step of "
+                  "input scale x weight scale): %s", len(result.rounded_biases), max(result.rounded_biases.values()),
+                  ", ".join(list(result.rounded_biases)[:5]))
     if result.float_ops:
         log.info("quantize_qat_export: computing in float (outside quantized tensors, by design, or listed above): "
                  "%s", ", ".join(f"{op} x{n}" for op, n in result.float_ops.items()))
@@ -228,7 +234,10 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
         result.verification = verify_models(reference, exact_on_this_cpu(model), inputs, output_step, g.thinned)
         problem = result.verification.problem(tolerance, min_agreement)
         if problem:
-            raise VerificationError(f"the converted model does not match the input model: {problem}; "
+            hint = (f" ({len(result.rounded_biases)} float biases lay between the int32 steps their int8 layers "
+                    f"hold and were rounded: a model exported by recal has them on the grid)"
+                    if result.rounded_biases else "")
+            raise VerificationError(f"the converted model does not match the input model: {problem}{hint}; "
                                     "nothing was written")
     if output_path is not None:
         result.path = save_model_atomically(model, output_path)

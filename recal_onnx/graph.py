@@ -29,6 +29,7 @@ class Graph:
         self._names = itertools.count()
         self.thinned: dict[str, np.ndarray] = {}  # tensor -> the channels (axis 1) thin_channels kept
         self.kept_float: dict[str, tuple[str, str]] = {}  # node name -> (op type, why a pass left it float)
+        self.rounded_biases: dict[str, float] = {}  # node name -> how far its float bias was from an int32 step
         self.ranks: dict[str, int] = {}  # from shape inference, for the tensors it could type
         for info in [*self.graph.input, *self.graph.value_info, *self.graph.output]:
             tensor_type = info.type.tensor_type

@@ -12,6 +12,8 @@ import onnx
 from .graph import Graph, attr
 from .qdq import QTensor, QWeight, quantize_node_of, scalar
 
+OFF_GRID = 1e-3  # a bias further than this from a whole int32 step (in steps) is reported as rounded
+
 
 def quantized_bias(g: Graph, node: onnx.NodeProto, x: QTensor, w: QWeight, index: int) -> str | None:
     """The int32 bias ``round(bias / (s_x * s_w))`` for ``node.input[index]``; '' when there is none,
@@ -22,7 +24,11 @@ def quantized_bias(g: Graph, node: onnx.NodeProto, x: QTensor, w: QWeight, index
     if bias is None:
         return None
     scale = scalar(g, x.scale) * w.scale.astype(np.float64).reshape(-1)
-    values = np.round(np.asarray(bias, np.float64).reshape(-1) / scale)
+    steps = np.asarray(bias, np.float64).reshape(-1) / scale
+    values = np.round(steps)
+    off = np.abs(steps - values)
+    if np.any(off > OFF_GRID + 1e-6 * np.abs(steps)):  # beyond float32's rounding of an on-grid bias
+        g.rounded_biases[node.name] = float(off.max())  # recal's exporters write them on the grid; others do not
     if np.abs(values).max(initial=0) > np.iinfo(np.int32).max:
         g.kept_float[node.name] = (node.op_type, f"its bias is beyond int32 in steps of input scale x weight scale "
                                                  f"(input scale {scalar(g, x.scale):.3g})")

@@ -296,9 +296,13 @@ def test_verification_cannot_be_switched_off_by_nan(tmp_path, qat_model):
     # recal's export writes each bias on its int32 grid, so its conversion is exact; another exporter's float
     # biases sit between steps, which the int8 model cannot hold: a tolerance of 0 refuses that conversion
     with_float_biases(src, tmp_path / "float_biases.onnx")
+    converted = _cli("quantize-qat-export", str(tmp_path / "float_biases.onnx"), str(tmp_path / "o.onnx"))
+    assert converted.returncode == 0 and "float biases lay between the int32 steps" in converted.stdout  # said
+    (tmp_path / "o.onnx").unlink()
     line = _one_line(_cli("quantize-qat-export", str(tmp_path / "float_biases.onnx"), str(tmp_path / "o.onnx"),
                           "--tolerance", "0"), code=1)
     assert "does not match the input model" in line and not (tmp_path / "o.onnx").exists()
+    assert "4 float biases lay between the int32 steps" in line  # and why it may not
 
 
 def test_a_checkpoint_that_does_not_fit_changes_nothing():

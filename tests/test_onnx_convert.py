@@ -182,8 +182,12 @@ def test_truncated_and_missing_files(tmp_path, recal_qat_model):
 
 def test_verification_failure_writes_nothing(tmp_path, recal_qat_model):
     src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
-    assert quantize_qat_export(src, tolerance=0.0).verification.max_abs_diff == 0  # recal_torch exports: exact
+    exact = quantize_qat_export(src, tolerance=0.0)  # recal_torch exports: exact, no bias rounded
+    assert exact.verification.max_abs_diff == 0 and exact.rounded_biases == {}
     off_grid = with_float_biases(src, tmp_path / "float_biases.onnx")  # biases the int8 model cannot hold
+    rounded = quantize_qat_export(off_grid).rounded_biases  # converted at the default check, and reported
+    assert len(rounded) == sum(n.op_type in ("QLinearConv", "QGemm") for n in exact.model.graph.node), rounded
+    assert all(0 < off <= 0.5 for off in rounded.values())
     with pytest.raises(VerificationError, match="max abs difference .* nothing was written"):
         quantize_qat_export(off_grid, tmp_path / "out.onnx", tolerance=0.0)
     for bad in ({"tolerance": float("nan")}, {"tolerance": -1.0}, {"min_agreement": 1.01}):
