@@ -73,6 +73,8 @@ class _GridTags(TorchFunctionMode):
         elif func in _CONCATS and args:
             scales = {self.scale_of(t) for t in args[0]}
             self._tag(out, scales.pop() if len(scales) == 1 else None)
+        elif isinstance(out, torch.Tensor):
+            self.tags.pop(id(out), None)  # an in-place op (``out += identity``) returns its input, changed
         return out
 
 

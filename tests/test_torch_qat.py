@@ -618,3 +618,16 @@ def test_export_writes_each_bias_on_the_int32_grid_of_its_layer(dynamo, tmp_path
     result = quantize_qat_export(str(path), tmp_path / "int8.onnx", verify_inputs={"input": x.numpy()})
     v = result.verification
     assert v.argmax_agreement == 1.0 and v.max_abs_diff <= 1e-5 * v.output_range, v
+
+
+def test_the_bias_grid_forgets_a_tensor_changed_in_place():
+    """``out += identity`` changes a tensor that a quantize-dequantize had tagged: it is off that grid now."""
+    from recal_torch.bias_grid import _GridTags
+
+    tags = _GridTags()
+    with tags:
+        x = torch.fake_quantize_per_tensor_affine(torch.randn(4), 0.1, 0, 0, 255)
+        y = torch.relu(x)
+        assert tags.scale_of(x) == tags.scale_of(y) == pytest.approx(0.1)
+        x += torch.full((4,), 0.033)
+        assert tags.scale_of(x) is None and tags.scale_of(y) == pytest.approx(0.1)
