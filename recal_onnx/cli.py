@@ -55,9 +55,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB, {weights}) in {result.seconds:.2f}s: "
           f"{done}")
     if result.rounded_biases:
-        print(f"note: {len(result.rounded_biases)} float biases lay between the int32 steps their int8 layers hold "
-              f"(up to {max(result.rounded_biases.values()):.2f} step) and were rounded: values near a rounding "
-              "boundary can differ by one step from the QAT model (recal's exporters write biases on the grid)")
+        print(f"note: {result.rounded_biases_note}")
     if result.verification is not None:
         print(f"verified in onnxruntime: {result.verification}")
     return 0

@@ -109,6 +109,15 @@ class ConversionResult:
     rounded_biases: dict[str, float] = field(default_factory=dict)
 
     @property
+    def rounded_biases_note(self) -> str:
+        """What rounding another exporter's float biases means, in one clause ('' when none were rounded)."""
+        if not self.rounded_biases:
+            return ""
+        return (f"{len(self.rounded_biases)} float biases lay between the int32 steps their int8 layers hold (up to "
+                f"{max(self.rounded_biases.values()):.2f} step) and were rounded: values near a rounding boundary can "
+                "differ by one step from the QAT model (recal's exporters write biases on the grid)")
+
+    @property
     def float_nodes(self) -> list[tuple[str, str]]:
         """The ops left in float between a DequantizeLinear and a QuantizeLinear: ``(op type, node name)``."""
         return self.unconverted
@@ -223,10 +232,6 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
                       UnconvertedOpsWarning, stacklevel=3)
     result = ConversionResult(model, None, rewrites, unconverted, float_ops=_float_compute(model),
                               weight_type=weight_type, rounded_biases=dict(g.rounded_biases))
-    if result.rounded_biases:
-        log.debug("quantize_qat_export: %d float biases lay between int32 steps and were rounded (up to %.2f step of "
-                  "input scale x weight scale): %s", len(result.rounded_biases), max(result.rounded_biases.values()),
-                  ", ".join(list(result.rounded_biases)[:5]))
     if result.float_ops:
         log.info("quantize_qat_export: computing in float (outside quantized tensors, by design, or listed above): "
                  "%s", ", ".join(f"{op} x{n}" for op, n in result.float_ops.items()))
@@ -234,9 +239,7 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
         result.verification = verify_models(reference, exact_on_this_cpu(model), inputs, output_step, g.thinned)
         problem = result.verification.problem(tolerance, min_agreement)
         if problem:
-            hint = (f" ({len(result.rounded_biases)} float biases lay between the int32 steps their int8 layers "
-                    f"hold and were rounded: a model exported by recal has them on the grid)"
-                    if result.rounded_biases else "")
+            hint = f" ({result.rounded_biases_note})" if result.rounded_biases else ""
             raise VerificationError(f"the converted model does not match the input model: {problem}{hint}; "
                                     "nothing was written")
     if output_path is not None:

@@ -33,10 +33,6 @@ def fake_quant_activation(x, low, high):
     return tf.quantization.fake_quant_with_min_max_vars(x, low, high, num_bits=8, narrow_range=False)
 
 
-def activation_scale(low, high):
-    """The scale :func:`fake_quant_activation` quantizes with (its nudging moves the range, not the scale)."""
-    low, high = _activation_range(low, high)
-    return (high - low) / 255.0
 
 
 def _weight_range(w, axis: int):
@@ -54,9 +50,15 @@ def fake_quant_weight(w, axis: int):
                                               signed_input=True, range_given=True, narrow_range=True, axis=axis)
 
 
-def weight_scale(w, axis: int):
-    """The per-channel scale :func:`fake_quant_weight` quantizes ``w`` with."""
-    return _weight_range(w, axis) / 127.0
+def bias_on_int32_grid(bias, w, axis: int, low, high):
+    """``bias`` rounded to whole steps of input scale x weight scale, the int32 an int8 layer holds it as (as
+    ``recal_torch.bias_grid`` writes it: an off-grid bias flips output values near a rounding boundary in the
+    converted model). The scales are those :func:`fake_quant_activation` over ``[low, high]`` (its nudging moves
+    the range, not the scale) and :func:`fake_quant_weight` of ``w`` quantize with; beyond int32, the converter
+    keeps the layer float and says why."""
+    low, high = _activation_range(low, high)
+    step = (high - low) / 255.0 * _weight_range(w, axis) / 127.0
+    return tf.round(bias / step) * step
 
 
 def moving_range(low, high, old_low, old_high, seen):

@@ -25,8 +25,7 @@ from typing import Callable
 
 import tensorflow as tf
 
-from .fake_quant import (QATTables, activation_scale, fake_quant_activation, fake_quant_weight, moving_range,
-                         weight_scale)
+from .fake_quant import QATTables, bias_on_int32_grid, fake_quant_activation, fake_quant_weight, moving_range
 from .graph_params import KERNEL_INPUTS, _variable_op
 from .utils import tf_compat
 
@@ -217,7 +216,8 @@ class GraphQAT:
                     t.op._update_input(1, t.folded_weight)
                     if t.bias is not None and source is not None:
                         index, b = next((i, b) for i, b in enumerate(t.bias.inputs) if b is not t.op.outputs[0])
-                        t.bias._update_input(index, self._on_int32_grid(b, t.float_weight, t.axis, source))
+                        t.bias._update_input(index, bias_on_int32_grid(b, t.float_weight, t.axis,
+                                                                       *self._ranges[source.name]))
                     continue
                 bn = t.bn_infer
                 bias = bn.inputs[2] - bn.inputs[3] * t.scale
@@ -225,16 +225,10 @@ class GraphQAT:
                     b = [i for i in t.bias.inputs if i is not t.op.outputs[0]][0]
                     bias = bias + b * t.scale
                 if source is not None:
-                    bias = self._on_int32_grid(bias, t.float_weight * t.scale, t.axis, source)
+                    bias = bias_on_int32_grid(bias, t.float_weight * t.scale, t.axis, *self._ranges[source.name])
                 attrs = {a: t.op.get_attr(a) for a in ("strides", "padding", "explicit_paddings", "dilations")}
                 y = tf.raw_ops.Conv2D(input=t.op.inputs[0], filter=t.folded_weight, data_format="NHWC", **attrs)
                 _reroute(t.pre_activation, tf.nn.bias_add(y, bias))
-
-    def _on_int32_grid(self, bias: tf.Tensor, weight: tf.Tensor, axis: int, source: tf.Tensor) -> tf.Tensor:
-        """``bias`` rounded to whole steps of input scale x weight scale: what the int8 layer holds (an off-grid
-        bias flips output values near a rounding boundary in the converted model)."""
-        step = activation_scale(*self._ranges[source.name]) * weight_scale(weight, axis)
-        return tf.round(bias / step) * step
 
 
 def _scope(op: tf.Operation) -> str:

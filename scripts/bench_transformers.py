@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -36,11 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recal_onnx.verify import reference_session
+from recal_onnx.verify import reference_session, session
 from recal_torch import ScheduledModifierManager, export_onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_onnx import convert_measured  # noqa: E402
+from speed import interleaved_latency  # noqa: E402
 
 QAT_ONLY = """
 - !EpochRangeModifier {start_epoch: 0, end_epoch: 1}
@@ -137,36 +137,8 @@ def ort_quantized(fp32: Path, folder: Path, calibration: list[dict[str, np.ndarr
     return out
 
 
-def sessions(path: Path, threads: int) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-def interleaved_latency(paths: dict[str, Path], feed: dict[str, np.ndarray], threads: int,
-                        rounds: int, min_seconds: float = 0.0) -> dict[str, float]:
-    """Median seconds per model at ``threads``; each round runs every model in turn, each as many times as
-    fill ``min_seconds`` (a millisecond model timed once per round is mostly noise)."""
-    running = {label: sessions(path, threads) for label, path in paths.items()}
-    repeat = {}
-    for label, session in running.items():
-        session.run(None, feed)
-        t0 = time.perf_counter()
-        session.run(None, feed)
-        repeat[label] = max(1, int(min_seconds / max(time.perf_counter() - t0, 1e-6)))
-    times: dict[str, list[float]] = {label: [] for label in running}
-    for _ in range(rounds):
-        for label, session in running.items():
-            t0 = time.perf_counter()
-            for _ in range(repeat[label]):
-                session.run(None, feed)
-            times[label].append((time.perf_counter() - t0) / repeat[label])
-    return {label: statistics.median(v) for label, v in times.items()}
-
-
 def agreement(path: Path, reference: Path, checks: list[dict[str, np.ndarray]]) -> float:
-    got, ref = sessions(path, 2), reference_session(str(reference))
+    got, ref = session(str(path), 2), reference_session(str(reference))
     return float(np.mean([np.argmax(got.run(None, f)[0]) == np.argmax(ref.run(None, f)[0]) for f in checks]))
 
 
@@ -196,7 +168,8 @@ def bench(name: str, build, quick: bool, seq: int, rounds: int, folder: Path, at
     for label, (path, seconds) in ort_quantized(fp32, folder, calibration).items():
         paths[label] = (path, seconds, float("nan"))
     feed = feeds(batch, names, 1, 0)
-    latency = {t: interleaved_latency({k: v[0] for k, v in paths.items()}, feed, t, rounds) for t in (1, 2)}
+    latency = {t: interleaved_latency({k: v[0] for k, v in paths.items()}, feed, rounds, per_round=1, threads=t)
+               for t in (1, 2)}
     checks = [feeds(batch, names, 1, seed) for seed in range(200, 200 + (64 if quick else 16))]
     fp32_size, qat_size = fp32.stat().st_size, qat_path.stat().st_size
     print(f"\n{name}: onnxruntime {ort.__version__}, batch 1, median of {rounds} interleaved rounds; "
@@ -207,8 +180,8 @@ def bench(name: str, build, quick: bool, seq: int, rounds: int, folder: Path, at
         size = path.stat().st_size
         reference = fp32 if label == "fp32" or label.startswith("ort") else \
             exports[" +attention"] if label.endswith("+attention") else qat_path
-        print(f"{label:26s} {size / 1e6:8.2f} {size / fp32_size:7.3f} {latency[1][label] * 1e3:8.2f} "
-              f"{latency[2][label] * 1e3:8.2f} {latency[1]['fp32'] / latency[1][label]:9.2f}x "
+        print(f"{label:26s} {size / 1e6:8.2f} {size / fp32_size:7.3f} {latency[1][label]:8.2f} "
+              f"{latency[2][label]:8.2f} {latency[1]['fp32'] / latency[1][label]:9.2f}x "
               f"{agreement(path, reference, checks):6.3f} {seconds:9.2f} {peak / qat_size:9.2f}", flush=True)
 
 

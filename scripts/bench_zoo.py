@@ -29,15 +29,15 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_transformers import interleaved_latency, ort_quantized  # noqa: E402
+from bench_transformers import ort_quantized  # noqa: E402
+from speed import interleaved_latency  # noqa: E402
 from recal_onnx import cpu, quantize_qat_export  # noqa: E402
-from recal_onnx.verify import reference_session  # noqa: E402
+from recal_onnx.verify import reference_session, session  # noqa: E402
 from recal_torch import export_onnx  # noqa: E402
 from tests.zoo.test_cnns import CLASSES, HF, MODELS, prune_and_qat  # noqa: E402
 from zoo import ResNet18  # noqa: E402
@@ -69,9 +69,9 @@ def bench(name: str, size: int, rounds: int, folder: Path) -> dict:
     calibration = [{"input": rng.standard_normal((1, 3, size, size)).astype(np.float32)} for _ in range(8)]
     static = ort_quantized(fp32, folder, calibration, dynamic=False)["ort quantize_static"][0]
     paths = {"fp32": fp32, **{label: folder / f"{label}.onnx" for label in RECAL}, "ort quantize_static": static}
-    latency = interleaved_latency(paths, {"input": sample.numpy()}, 1, rounds, min_seconds=0.02)
+    latency = interleaved_latency(paths, {"input": sample.numpy()}, rounds, per_round=1, min_seconds=0.02)
     reference = reference_session(str(qat)).run(None, checks)[0]
-    runtime = ort.InferenceSession(str(qat), providers=["CPUExecutionProvider"]).run(None, checks)[0]
+    runtime = session(str(qat)).run(None, checks)[0]  # onnxruntime's own int8 execution (default level)
     here = "recal " + recal["recal qdq"].weight_type + " w"  # this CPU's exact choice
     v = recal[here].verification  # int8 weights on a CPU that saturates them: measured through the uint8 twin
     span = float(reference.max() - reference.min())
@@ -101,7 +101,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in models:
             r = bench(name, size, rounds, Path(tmp) / name)
-            ms = {k: v * 1e3 for k, v in r["latency"].items()}
+            ms = r["latency"]
             kb = {k: v / 1024 for k, v in r["sizes"].items()}
             here, static = ms[r["here"]], ms["ort quantize_static"]
             left = ", ".join(f"{op} x{n}" for op, n in r["float_ops"].items()) or "none"

@@ -24,6 +24,7 @@ import onnxruntime as ort
 import torch
 
 from recal_onnx import cpu, quantize_qat_export
+from recal_onnx.verify import session
 from recal_torch import ScheduledModifierManager, count_macs, export_onnx, thin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -114,25 +115,27 @@ def quantize_static_of(fp32: Path, out: Path, feeds: list[dict[str, np.ndarray]]
     prepared.unlink()
 
 
-def interleaved_latency(paths: dict[str, Path], feed: dict[str, np.ndarray], rounds: int = 15,
-                        per_round: int = 3) -> dict[str, float]:
-    """Median batch-1 latency (ms) of each model on one thread, the models taking turns each round so
-    that drift on a shared machine touches them alike."""
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.inter_op_num_threads = 1
-    sessions = {k: ort.InferenceSession(str(p), options, providers=["CPUExecutionProvider"]) for k, p in paths.items()}
-    for s in sessions.values():
-        for _ in range(2):
-            s.run(None, feed)
+def interleaved_latency(paths: dict[str, Path], feed: dict[str, np.ndarray], rounds: int = 15, per_round: int = 3,
+                        threads: int = 1, min_seconds: float = 0.0) -> dict[str, float]:
+    """Median batch latency (ms) of each model on ``threads``. The models take turns each round, in a rotating
+    order, so that drift on a shared machine touches them alike; each of a round's ``per_round`` samples runs a
+    model as many times as fill ``min_seconds`` (a millisecond model timed once is mostly noise)."""
+    sessions = {k: session(str(p), threads) for k, p in paths.items()}
+    repeat = {}
+    for k, s in sessions.items():
+        s.run(None, feed)
+        t0 = time.perf_counter()
+        s.run(None, feed)
+        repeat[k] = max(1, int(min_seconds / max(time.perf_counter() - t0, 1e-6)))
     times: dict[str, list[float]] = {k: [] for k in sessions}
     order = list(sessions)
     for r in range(rounds):
         for k in order[r % len(order):] + order[:r % len(order)]:
             for _ in range(per_round):
                 t0 = time.perf_counter()
-                sessions[k].run(None, feed)
-                times[k].append(time.perf_counter() - t0)
+                for _ in range(repeat[k]):
+                    sessions[k].run(None, feed)
+                times[k].append((time.perf_counter() - t0) / repeat[k])
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 

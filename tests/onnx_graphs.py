@@ -133,3 +133,14 @@ def biases_and_steps(model):
         step = values[x.input[1]].astype(np.float64) * values[w.input[1]].astype(np.float64)
         found.append((values[bias].astype(np.float64).reshape(-1), step))
     return found
+
+
+def assert_biases_on_grid(model, layers):
+    """Assert that each of the ``layers`` Conv / Gemm / MatMul + Add biases of ``model`` is a whole number of its
+    int32 steps (to float32's rounding of ``k * s_x * s_w``); return them as ``biases_and_steps`` does."""
+    found = biases_and_steps(model)
+    assert len(found) == layers, len(found)
+    for bias, step in found:
+        k = bias / step
+        assert np.all(np.abs(k - np.round(k)) <= 1e-3 * np.maximum(1, np.abs(k))), k
+    return found

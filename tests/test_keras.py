@@ -433,13 +433,9 @@ def test_qat_int8_onnx_equals_the_keras_qat_model_on_digits(tmp_path):
     from onnx import numpy_helper
     weight_scales = [numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer if t.name.startswith("quant_scale")]
     assert len(weight_scales) == 4 and min(float(s.min()) for s in weight_scales) > 1e-5  # channel 5: 1/127
-    from .onnx_graphs import biases_and_steps
+    from .onnx_graphs import assert_biases_on_grid
 
-    layers = biases_and_steps(onnx.load(path))  # each bias on its int32 grid, as recal_torch writes it
-    assert len(layers) == 4
-    for bias, step in layers:
-        k = bias / step
-        assert np.all(np.abs(k - np.round(k)) <= 1e-3 * np.maximum(1, np.abs(k))), k
+    assert_biases_on_grid(onnx.load(path), 4)  # each bias on its int32 grid, as recal_torch writes it
     quantize_qat_export(path, tmp_path / "int8.onnx")
     preds = {}
     for name in ("qat.onnx", "int8.onnx"):

@@ -18,7 +18,7 @@ from recal_tf.export import export_onnx  # noqa: E402
 from recal_tf.models import digits_net, mnist_net  # noqa: E402
 from recal_tf.utils import batch_cross_entropy_loss, tf_compat  # noqa: E402
 
-from .onnx_graphs import biases_and_steps  # noqa: E402
+from .onnx_graphs import assert_biases_on_grid  # noqa: E402
 
 BATCH = 128
 QAT = """
@@ -115,11 +115,7 @@ def test_export_is_folded_per_channel_qdq_and_int8_matches_tensorflow(trained, t
     weight_scales = [init[n.input[1]] for n in model.graph.node if n.op_type == "DequantizeLinear"
                      and n.input[1] in init and init[n.input[1]].ndim == 1]
     assert sorted(s.size for s in weight_scales) == [10, 32, 32, 64]  # int8 per output channel
-    layers = biases_and_steps(model)  # each bias on its int32 grid: the conversion adds no rounding
-    assert len(layers) == 4
-    for bias, step in layers:
-        k = bias / step
-        assert np.all(np.abs(k - np.round(k)) <= 1e-3 * np.maximum(1, np.abs(k))), k
+    assert_biases_on_grid(model, 4)  # each bias on its int32 grid: the conversion adds no rounding
     result = quantize_qat_export(trained["path"], tmp_path / "int8.onnx")
     print(f"TF graph QAT digits net, int8 vs its QAT export: {result.verification}")
     assert not result.unconverted

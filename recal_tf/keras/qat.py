@@ -16,8 +16,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from ..fake_quant import (QATTables, activation_scale, fake_quant_activation, fake_quant_weight, moving_range,
-                          weight_scale)
+from ..fake_quant import QATTables, bias_on_int32_grid, fake_quant_activation, fake_quant_weight, moving_range
 
 PASS_THROUGH = (keras.layers.MaxPooling2D, keras.layers.MaxPooling1D, keras.layers.Flatten, keras.layers.Reshape,
                 keras.layers.Dropout)
@@ -139,19 +138,10 @@ class QuantizedLayer(keras.layers.Layer):
             w = w * scale
         else:
             wq = self._quantize(w)
-        if t is not None and t.export:
-            bias = self._on_int32_grid(bias, w)
+        source = self.input_quantizer or self.input_source  # unknown: the bias stays as it is
+        if t is not None and t.export and source is not None:
+            bias = bias_on_int32_grid(bias, w, len(w.shape) - 1, source.min_val.value, source.max_val.value)
         return self._activate(self._linear(x, wq) + bias, training)
-
-    def _on_int32_grid(self, bias, w):
-        """``bias`` as the int8 layer holds it: a whole number of steps of input scale x weight scale, the
-        nearest (as :mod:`recal_torch.bias_grid` writes it; an off-grid bias flips output values that sit near a
-        rounding boundary in the converted model). Unchanged where the input's quantizer is not known."""
-        source = self.input_quantizer or self.input_source
-        if source is None:
-            return bias
-        step = activation_scale(source.min_val.value, source.max_val.value) * weight_scale(w, len(w.shape) - 1)
-        return tf.round(bias / step) * step  # beyond int32, the converter keeps the layer float and says why
 
     def _quantize(self, w):
         t = self.tables
