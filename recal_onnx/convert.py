@@ -13,9 +13,11 @@ graph, and runs ``onnx.checker`` and shape inference:
 3. ``scalar_activation_qparams``, ``activations_to_uint8`` (int8 activation QDQ -> uint8, same values)
 4. ``remove_redundant_qdq``, ``remove_noop_clamps`` (a ReLU / ReLU6 after a DQ whose grid it cannot cut)
 5. format ``qoperator``: ``int8_passthrough``, ``conv_to_qlinearconv``, ``gemm_to_qgemm``,
-   ``add_to_qlinearadd``, ``concat_to_qlinear``, ``pool_to_qlinear``, ``remove_redundant_qdq``, repeated until
-   nothing changes;
-   format ``qdq``: ``bias_to_int32``.
+   ``binary_to_qlinear`` (Add, Mul), ``sigmoid_to_qlinear``, ``concat_to_qlinear``, ``pool_to_qlinear``,
+   ``remove_redundant_qdq``, repeated until nothing changes;
+   format ``qdq``: ``bias_to_int32``, ``fusible_qdq_pools`` (average pools as ``DQ -> pool -> Q``, which
+   onnxruntime's QDQ fusion runs on the integers: a spatial ReduceMean becomes a GlobalAveragePool, a pool
+   quantized after a Flatten is quantized before it too).
 6. ``uint8_weights`` with ``weight_type="uint8"`` (int8 weights beyond +-64 as uint8 with zero point 128),
    ``bias_apart`` (a layer whose bias int32 cannot hold stays float, its bias in an Add of its own).
 
@@ -46,13 +48,14 @@ from recal_core.errors import VerificationFailed
 
 from .graph import Graph
 from .passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
-from .passes.add_to_qlinearadd import add_to_qlinearadd
 from .passes.bias_apart import bias_apart
 from .passes.bias_to_int32 import bias_to_int32
+from .passes.binary_to_qlinear import binary_to_qlinear
 from .passes.concat_to_qlinear import concat_to_qlinear
 from .passes.constants import constants_to_initializers, fold_constants, remove_identities
 from .passes.conv_to_qlinearconv import conv_to_qlinearconv
 from .passes.fold_conv_affine import fold_conv_affine
+from .passes.fusible_qdq_pools import fusible_qdq_pools
 from .passes.gather_int8_table import gather_int8_tables
 from .passes.gemm_to_qgemm import gemm_to_qgemm
 from .passes.int8_passthrough import int8_passthrough
@@ -61,6 +64,7 @@ from .passes.pad_into_conv import fold_pads_into_convs
 from .passes.pool_to_qlinear import pool_to_qlinear
 from .passes.zero_channel_scales import zero_channel_scales
 from .passes.redundant_qdq import remove_redundant_qdq
+from .passes.sigmoid_to_qlinear import sigmoid_to_qlinear
 from .passes.thin_channels import CHANNEL_BLOCK, thin_channels
 from .passes.uint8_weights import exact_on_this_cpu, uint8_weights
 from .passes.weight_transpose import fold_weight_transposes
@@ -76,8 +80,9 @@ EXTERNAL_DATA_BYTES = 1_800_000_000  # above this a model's tensors go to <name>
 EXTERNAL_TENSOR_BYTES = 1024  # ... those of at least this size
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
 # ops that runtimes (onnxruntime, TensorRT) run quantized when they sit between DQ and Q in a QDQ model
-QDQ_FUSIBLE = {"Conv", "Gemm", "MatMul", "Add", "Mul", "Relu", "MaxPool", "AveragePool", "GlobalAveragePool",
-               "ReduceMean", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Concat", "Resize"}
+QDQ_FUSIBLE = {"Conv", "Gemm", "MatMul", "Add", "Mul", "Sigmoid", "Relu", "MaxPool", "AveragePool",
+               "GlobalAveragePool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Concat",
+               "Resize"}
 
 
 SHAPE_READERS = {"Shape", "Size"}  # read a tensor's shape, not its values: what they feed is no float island
@@ -210,11 +215,12 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
     for pass_fn in (scalar_activation_qparams, activations_to_uint8, remove_redundant_qdq, remove_noop_clamps):
         run(pass_fn)
     if format == "qoperator":
-        while sum(run(p) for p in (int8_passthrough, conv_to_qlinearconv, gemm_to_qgemm, add_to_qlinearadd,
-                                   concat_to_qlinear, pool_to_qlinear, remove_redundant_qdq)):
+        while sum(run(p) for p in (int8_passthrough, conv_to_qlinearconv, gemm_to_qgemm, binary_to_qlinear,
+                                   sigmoid_to_qlinear, concat_to_qlinear, pool_to_qlinear, remove_redundant_qdq)):
             pass
     else:
         run(bias_to_int32)
+        run(fusible_qdq_pools)
     if weight_type == "uint8":
         run(uint8_weights)
     run(bias_apart)

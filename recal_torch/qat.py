@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .qat_trace import ADDS, RELUS, evaluating, own_children, record_forward
+from .qat_trace import ADDS, MULS, RELUS, evaluating, own_children, record_forward
 
 log = logging.getLogger(__name__)
 
@@ -335,6 +335,20 @@ class QuantizedReLU(nn.Module):
         return self.activation_post_process(F.relu(x))
 
 
+class SiLUFakeQuantize(nn.Module):
+    """``x * sigmoid(x)`` with the sigmoid and the product each fake-quantized (a SiLU call site's quantizer):
+    runtimes then run ``QLinearSigmoid`` and ``QLinearMul`` on the integers, where a SiLU that is one float op
+    would leave both in float between two int8 convs. It reads the SiLU's input, not its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.sigmoid = ActivationFakeQuantize()
+        self.product = ActivationFakeQuantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x * self.sigmoid(torch.sigmoid(x)))
+
+
 # --- preparing a model ---------------------------------------------------------------------
 
 _PRESERVING_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.ReLU, nn.ReLU6, nn.Flatten, nn.Unflatten,
@@ -455,7 +469,7 @@ def is_leaf(module: nn.Module) -> bool:
     from .qat_attention import AttentionFakeQuantize
 
     return isinstance(module, (QATModule, QuantizedReLU, FoldedBatchNorm, ActivationFakeQuantize, WeightFakeQuantize,
-                               AttentionFakeQuantize)) or not any(True for _ in module.children())
+                               SiLUFakeQuantize, AttentionFakeQuantize)) or not any(True for _ in module.children())
 
 
 def plan_pending(root: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
@@ -471,8 +485,9 @@ def _plan_on_first_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
 
     One forward is recorded (:mod:`recal_torch.qat_trace`, eval mode, no gradients). A model torch.fx could not
     trace gets its fusions here: BatchNorm folded, ReLU / ReLU6 folded into the layer's output range. Then, for
-    every model: a residual add whose operands are both quantized gets its own observer on its output (or on the
-    ReLU / ReLU6 that alone reads it), by call site (:mod:`recal_torch.qat_sites`); a layer whose input is
+    every model: a residual add or a product whose operands are both quantized gets its own observer on its output
+    (or on the ReLU / ReLU6 that alone reads it), and so does a sigmoid or SiLU of a quantized tensor (a SiLU on
+    its sigmoid too), by call site (:mod:`recal_torch.qat_sites`); a layer whose input is
     already quantized (through max-pool, flatten, ReLU ...) switches its input quantizer off; in a model fx
     could not trace, a linear's output stays float unless a quantized layer or add reads it. The switches are
     buffers and the observers are in ``root.recal_sites``: checkpoints carry the plan.
@@ -512,8 +527,9 @@ def _plan_on_first_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
     outputs = sum(modules[n].activation_post_process is not None and modules[n].activation_post_process.active
                   for n in layers)
     log.info("QAT plan from the first forward of %s: %d layers (%d with BatchNorm folded), %d inputs and %d outputs "
-             "quantized, %d residual adds quantized", type(root).__name__, len(layers), fused, inputs, outputs,
-             len(sites))
+             "quantized, %s", type(root).__name__, len(layers), fused, inputs, outputs,
+             ", ".join(f"{n} {kind}s" for kind, n in Counter(_site_kind(s, modules) for s in sites).items())
+             or "no call sites")
 
 
 def device_of(module: nn.Module) -> torch.device:
@@ -611,8 +627,32 @@ def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def _is_residual_add(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target in ADDS and len(node.args) == 2 \
+    return _is_binary(node, ADDS)
+
+
+def _is_binary(node: torch.fx.Node, functions: set) -> bool:
+    """``node`` is one of ``functions`` applied to two tensors the model computed (not an input, not a constant)."""
+    return node.op == "call_function" and node.target in functions and len(node.args) == 2 \
         and all(isinstance(a, torch.fx.Node) and a.op != "placeholder" for a in node.args)
+
+
+_SITE_WORDS = {"add": "residual add", "mul": "product", "sigmoid": "sigmoid", "silu": "SiLU"}
+
+
+def _site_kind(node: torch.fx.Node, modules: dict[str, nn.Module]) -> str | None:
+    """What a call site's observer would quantize: ``"add"`` / ``"mul"`` (of two computed tensors), ``"sigmoid"``,
+    ``"silu"``, or ``"clamp"`` (a ReLU / ReLU6 after one of the first two); None for any other call."""
+    module = modules.get(node.target) if node.op == "call_module" else None
+    if _is_binary(node, ADDS):
+        return "add"
+    if _is_binary(node, MULS):
+        return "mul"
+    function = node.target if node.op == "call_function" else None
+    if type(module) is nn.Sigmoid or function is torch.sigmoid:
+        return "sigmoid"
+    if type(module) is nn.SiLU or function is F.silu:
+        return "silu"
+    return "clamp" if _clamping_activation(node, module) is not None else None
 
 
 def _reaches(node: object, quantized: set, modules: dict[str, nn.Module]) -> bool:
@@ -629,8 +669,13 @@ def _reaches(node: object, quantized: set, modules: dict[str, nn.Module]) -> boo
 
 def _plan_sites(graph: torch.fx.Graph, modules: dict[str, nn.Module]) -> tuple[list[torch.fx.Node], set]:
     """The nodes of the recorded trace whose call site needs its own observer, and every node whose output is
-    then quantized. A residual add whose operands are both quantized gets one: on its output, or on the ReLU / ReLU6
-    that alone reads it (the runtime adds in int8 and clamps on the integers)."""
+    then quantized.
+
+    - A residual add or a product whose operands are both quantized gets one: on its output, or on the ReLU /
+      ReLU6 that alone reads it (the runtime adds or multiplies in int8 and clamps on the integers).
+    - So does a sigmoid or a SiLU whose input is quantized (a SiLU's site also quantizes its sigmoid:
+      :class:`SiLUFakeQuantize`), unless the model returns it: squeeze-excitation and SiLU then run on the integers.
+    """
     quantized = set()
     for node in graph.nodes:
         module = modules.get(node.target) if node.op == "call_module" else None
@@ -647,19 +692,24 @@ def _plan_sites(graph: torch.fx.Graph, modules: dict[str, nn.Module]) -> tuple[l
             strangers.setdefault(caller, set()).add(called)
     sites = []
     for node in graph.nodes:
-        if not _is_residual_add(node) or "site" not in node.meta \
-                or not all(_reaches(a, quantized, modules) for a in node.args):
+        kind = _site_kind(node, modules)
+        if kind in (None, "clamp") or "site" not in node.meta:
+            continue
+        operands = node.args if kind in ("add", "mul") else node.args[:1]
+        if not operands or not all(_reaches(a, quantized, modules) for a in operands):
             continue
         user = _only_user(node)
         module = modules.get(user.target) if user is not None and user.op == "call_module" else None
         if isinstance(module, QuantizedReLU):
             continue  # the fx plan quantizes this sum already
-        if user is not None and user.args and user.args[0] is node and "site" in user.meta \
-                and _clamping_activation(user, module) is not None:
+        if kind in ("sigmoid", "silu") and any(u.op == "output" for u in node.users):
+            continue  # a probability or feature the model returns keeps its float precision
+        if kind in ("add", "mul") and user is not None and user.args and user.args[0] is node \
+                and "site" in user.meta and _clamping_activation(user, module) is not None:
             node = user
         if node.op != "call_module" and node.meta["site"][0] in strangers:
-            log.warning("QAT: the residual add in %r stays float: that module calls modules that are not its own "
-                        "children (%s), so its own calls cannot be counted apart from theirs",
+            log.warning("QAT: the %s in %r stays float: that module calls modules that are not its own "
+                        "children (%s), so its own calls cannot be counted apart from theirs", _SITE_WORDS[kind],
                         node.meta["site"][0], ", ".join(sorted(strangers[node.meta["site"][0]])[:3]))
             continue
         sites.append(node)
@@ -675,8 +725,10 @@ def _unread_linears(graph: torch.fx.Graph, modules: dict[str, nn.Module], sites:
         module = modules.get(node.target) if node.op == "call_module" else None
         if isinstance(module, QATModule) and not isinstance(module, QATEmbedding):
             sources = node.args[:1]
-        elif _is_residual_add(node) and (node in sites or any(u in sites for u in node.users)):
+        elif _site_kind(node, modules) in ("add", "mul") and (node in sites or any(u in sites for u in node.users)):
             sources = node.args
+        elif node in sites:  # a sigmoid or a SiLU
+            sources = node.args[:1]
         else:
             continue
         for arg in sources:

@@ -1,4 +1,5 @@
-"""Quantizers on the outputs of single calls: a residual add, the ReLU after it, one call of a shared module.
+"""Quantizers on the outputs of single calls: a residual add, the ReLU after it, a product, a sigmoid, a SiLU, one
+call of a shared module.
 
 Model code writes ``out = out + identity`` or ``self.relu(out)`` (the same ReLU module twice, as torchvision's
 ``BasicBlock`` does); no module owns those tensors, so no module swap can quantize them. The plan names each
@@ -7,7 +8,8 @@ forward, hooks count calls the same way and pass the output of each planned call
 a forward hook on a module with a planned call; for a function, a ``TorchFunctionMode`` entered only while the
 module that calls it runs its own code (hooks on its children pause the count). Nothing else is hooked, so a
 model pays only where it has sites. The observers live in ``root.recal_sites`` (a ``ModuleDict``), so checkpoints
-carry them, and export writes each as QuantizeLinear/DequantizeLinear.
+carry them, and export writes each as QuantizeLinear/DequantizeLinear. A SiLU's site gets a
+:class:`~recal_torch.qat.SiLUFakeQuantize`, which recomputes the call from its input with its sigmoid quantized too.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .qat import ActivationFakeQuantize, device_of
+from .qat import ActivationFakeQuantize, SiLUFakeQuantize, device_of
 from .qat_trace import active_modes, holds_tensor, mode_during_forward, op_name, own_children
 
 CONTAINER = "recal_sites"
@@ -44,7 +46,8 @@ def install(root: nn.Module, sites: list[Site]) -> None:
         root.add_module(CONTAINER, container)
     for site in sites:
         if site_key(site) not in container:
-            container[site_key(site)] = ActivationFakeQuantize().to(device_of(root))
+            quantizer = SiLUFakeQuantize() if _is_silu(root, site) else ActivationFakeQuantize()
+            container[site_key(site)] = quantizer.to(device_of(root))
     if not root.__dict__.get("_recal_sites_hooked"):
         root.__dict__["_recal_sites_hooked"] = True
         root.register_forward_pre_hook(_new_forward)
@@ -58,6 +61,8 @@ def install(root: nn.Module, sites: list[Site]) -> None:
         # plain entries in __dict__ (not submodules): the state dict is unchanged, a deep copy follows them
         module.__dict__["_recal_site_root"], module.__dict__["_recal_site_path"] = root, scope
         if op == "forward":
+            if isinstance(module, nn.SiLU):
+                module.inplace = False  # its site recomputes the call from the input: keep the input as it was
             module.register_forward_hook(_module_call, prepend=True)  # before a parent's _leave_child: still paused
         elif len(hooks - {"forward"}) == 1:  # the first function site of this module
             mode_during_forward(module, _OwnCode)
@@ -77,11 +82,24 @@ def restore(root: nn.Module, state_dict, prefix: str, *args) -> None:
         install(root, [parse_key(k) for k in keys])
 
 
+def _is_silu(root: nn.Module, site: Site) -> bool:
+    scope, op, _ = site
+    return op == "silu" or (op == "forward" and isinstance(root.get_submodule(scope), nn.SiLU))
+
+
+def _quantized(quantizer: nn.Module | None, args: tuple, out):
+    """The planned call's output through its quantizer (None when it has none): a SiLU's is recomputed from its
+    input."""
+    if quantizer is None or not isinstance(out, torch.Tensor):
+        return None
+    return quantizer(args[0]) if getattr(quantizer, "reads_input", False) else quantizer(out)
+
+
 def _new_forward(root: nn.Module, args) -> None:
     root.__dict__["_recal_site_forward"] = root.__dict__.get("_recal_site_forward", 0) + 1
 
 
-def _next(module: nn.Module, op: str) -> ActivationFakeQuantize | None:
+def _next(module: nn.Module, op: str) -> nn.Module | None:
     """The observer of the k-th call of ``op`` by ``module`` in this forward of its root (None if unplanned)."""
     root = module.__dict__["_recal_site_root"]
     forward = root.__dict__.get("_recal_site_forward", 0)
@@ -94,8 +112,7 @@ def _next(module: nn.Module, op: str) -> ActivationFakeQuantize | None:
 
 
 def _module_call(module: nn.Module, args, out):
-    quantizer = _next(module, "forward")
-    return quantizer(out) if quantizer is not None and isinstance(out, torch.Tensor) else None
+    return _quantized(_next(module, "forward"), args, out)
 
 
 def _enter_child(child: nn.Module, args) -> None:
@@ -119,8 +136,11 @@ class _OwnCode(TorchFunctionMode):
         self.inside = 0  # > 0 while one of the module's children runs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if op_name(func) == "silu" and kwargs.get("inplace"):
+            kwargs = {**kwargs, "inplace": False}  # a planned SiLU is recomputed from its input: keep it as it was
+        out = func(*args, **kwargs)
         if self.inside or not holds_tensor(out):  # counted exactly as the recording counted
             return out
-        quantizer = _next(self.module, op_name(func))
-        return quantizer(out) if quantizer is not None and isinstance(out, torch.Tensor) else out
+        quantized = _quantized(_next(self.module, op_name(func)), tuple(args) or tuple(kwargs.values()), out)
+        return out if quantized is None else quantized

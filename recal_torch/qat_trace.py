@@ -26,14 +26,18 @@ from torch.overrides import TorchFunctionMode
 Tensor = torch.Tensor
 # every form of an add and of a ReLU: operator, function, method, in place (fx writes the first ones as targets)
 ADDS = {operator.add, torch.add, Tensor.add, Tensor.add_, Tensor.__add__, Tensor.__iadd__, Tensor.__radd__}
+MULS = {operator.mul, torch.mul, Tensor.mul, Tensor.mul_, Tensor.__mul__, Tensor.__imul__, Tensor.__rmul__}
 RELUS = {torch.relu, torch.relu_, F.relu, Tensor.relu, Tensor.relu_}
-_CANONICAL = {**{f: operator.add for f in ADDS}, **{f: F.relu for f in RELUS}}
+SIGMOIDS = {torch.sigmoid, torch.sigmoid_, F.sigmoid, Tensor.sigmoid, Tensor.sigmoid_}
+_CANONICAL = {**{f: operator.add for f in ADDS}, **{f: operator.mul for f in MULS}, **{f: F.relu for f in RELUS},
+              **{f: torch.sigmoid for f in SIGMOIDS}}
+_NAMES = {operator.add: "add", operator.mul: "mul"}
 
 
 def op_name(func) -> str:
     """The name call sites count a function under: in-place and method forms count as their function."""
     canonical = _CANONICAL.get(func, func)
-    return "add" if canonical is operator.add else getattr(canonical, "__name__", str(canonical))
+    return _NAMES.get(canonical) or getattr(canonical, "__name__", str(canonical))
 
 
 class CallSites:

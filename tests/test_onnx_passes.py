@@ -7,13 +7,14 @@ import pytest
 
 from recal_onnx.graph import Graph
 from recal_onnx.passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
-from recal_onnx.passes.add_to_qlinearadd import add_to_qlinearadd
 from recal_onnx.passes.bias_apart import bias_apart
 from recal_onnx.passes.bias_to_int32 import bias_to_int32
+from recal_onnx.passes.binary_to_qlinear import binary_to_qlinear
 from recal_onnx.passes.concat_to_qlinear import concat_to_qlinear
 from recal_onnx.passes.constants import constants_to_initializers, fold_constants, remove_identities
 from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
 from recal_onnx.passes.fold_conv_affine import fold_conv_affine
+from recal_onnx.passes.fusible_qdq_pools import fusible_qdq_pools
 from recal_onnx.passes.gather_int8_table import gather_int8_tables
 from recal_onnx.passes.gemm_to_qgemm import gemm_to_qgemm
 from recal_onnx.passes.int8_passthrough import int8_passthrough
@@ -21,6 +22,7 @@ from recal_onnx.passes.noop_clamps import remove_noop_clamps
 from recal_onnx.passes.pad_into_conv import fold_pads_into_convs
 from recal_onnx.passes.pool_to_qlinear import pool_to_qlinear
 from recal_onnx.passes.redundant_qdq import remove_redundant_qdq
+from recal_onnx.passes.sigmoid_to_qlinear import sigmoid_to_qlinear
 from recal_onnx.passes.uint8_weights import uint8_weights
 from recal_onnx.passes.thin_channels import thin_channels
 from recal_onnx.passes.weight_transpose import fold_weight_transposes
@@ -165,14 +167,41 @@ def test_add_to_qlinearadd_and_zero_case():
     model = b.model([("x", [2, 4, 3, 3])], [b.qdq(b.node("Relu", [y]), 0.06, 10)])
     feeds = _x([2, 4, 3, 3])
     expected = reference(model, feeds)[0]
-    converted, (n,) = _apply(model, add_to_qlinearadd)
+    converted, (n,) = _apply(model, binary_to_qlinear)
     assert n == 1 and ops(converted).count("QLinearAdd") == 1 and "Max" in ops(converted)
     assert np.abs(run(converted, feeds)[0] - expected).max() <= 0.06 + 1e-6
 
     b = Builder()
     y = b.node("Add", [b.qdq("x", 0.03, 128), b.node("Relu", ["x"])])  # one input is float
     model = b.model([("x", [1, 2])], [b.qdq(y, 0.06, 10)])
-    _, (n,) = _apply(model, add_to_qlinearadd)
+    _, (n,) = _apply(model, binary_to_qlinear)
+    assert n == 0
+
+
+def test_squeeze_excitation_gate_is_qlinearsigmoid_then_qlinearmul():
+    """x * Q(sigmoid(Q(mean(x)))), the gate broadcast over the feature map: QLinearSigmoid and QLinearMul (a rank
+    4 gate of shape 2x4x1x1) compute what the QDQ model computes, to the output step."""
+    b = Builder()
+    x = b.qdq("x", 0.0297, 128)
+    pooled = b.qdq(b.node("GlobalAveragePool", [x]), 0.0113, 128)
+    gate = b.qdq(b.node("Sigmoid", [pooled]), 1 / 255, 0)
+    model = b.model([("x", [2, 4, 5, 5])], [b.qdq(b.node("Mul", [x, gate]), 0.0213, 128)])
+    feeds = _x([2, 4, 5, 5])
+    expected = reference(model, feeds)[0]
+    converted, (pools, sigmoids, muls, _) = _apply(model, pool_to_qlinear, sigmoid_to_qlinear, binary_to_qlinear,
+                                                   remove_redundant_qdq)
+    assert (pools, sigmoids, muls) == (1, 1, 1)
+    assert {"Sigmoid", "Mul", "GlobalAveragePool"}.isdisjoint(ops(converted))
+    assert {"QLinearSigmoid", "QLinearMul", "QLinearGlobalAveragePool"} <= set(ops(converted))
+    got = run(converted, feeds)[0]
+    assert np.abs(got - expected).max() <= 0.0213 + 1e-6
+    assert np.mean(np.abs(got - expected) < 1e-6) > 0.99  # all but a rounding tie are the same integer
+
+
+def test_a_sigmoid_without_a_quantized_output_stays_float():
+    b = Builder()
+    model = b.model([("x", [1, 4])], [b.node("Sigmoid", [b.qdq("x", 0.03, 128)])])
+    _, (n,) = _apply(model, sigmoid_to_qlinear)
     assert n == 0
 
 
@@ -215,6 +244,32 @@ def test_pool_to_qlinear(op):
     converted, (n,) = _apply(model, pool_to_qlinear)
     assert n == 1 and op not in ops(converted)
     assert np.abs(run(converted, feeds)[0] - expected).max() <= 0.01 + 1e-6
+
+
+@pytest.mark.parametrize("pool, rewritten", [("ReduceMean", True), ("channel mean", False),
+                                             ("GlobalAveragePool", False), ("GlobalAveragePool -> Flatten", True)])
+def test_qdq_pools_are_written_as_onnxruntime_fuses_them(pool, rewritten, tmp_path):
+    """The dynamo exporter's global pool (``DQ -> ReduceMean(2, 3) -> Q``) and a pool flattened before its Q
+    both run in float under onnxruntime's QDQ fusion; rewritten, each is QLinearGlobalAveragePool, the numbers the
+    same. A mean over the channels is no pool; ``DQ -> GlobalAveragePool -> Q`` is fused already."""
+    b = Builder()
+    x = b.qdq("x", 0.0297, 128)
+    if pool == "ReduceMean" or pool == "channel mean":
+        y = b.node("ReduceMean", [x], axes=[2, 3] if pool == "ReduceMean" else [1], keepdims=1)
+    else:
+        y = b.node("GlobalAveragePool", [x])
+    if pool.endswith("Flatten"):
+        y = b.node("Flatten", [y])
+    model = b.model([("x", [2, 3, 4, 4])], [b.qdq(y, 0.0113, 128)])
+    feeds = _x([2, 3, 4, 4])
+    expected = reference(model, feeds)[0]
+    converted, (n,) = _apply(model, fusible_qdq_pools)
+    assert n == rewritten and ("ReduceMean" in ops(converted)) == (pool == "channel mean")
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(converted.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    assert ("QLinearGlobalAveragePool" in ops(onnx.load(tmp_path / "optimized.onnx"))) == (pool != "channel mean")
+    np.testing.assert_array_equal(run(converted, feeds)[0], expected)
 
 
 @pytest.mark.parametrize("shape_op", ["Squeeze", "Flatten"])
@@ -560,15 +615,21 @@ def test_concat_to_qlinear_zero_case_a_float_input():
     ([1, 0, 0, 0, 0, 0, 0, 0], 0.0, False),    # a batch pad is no conv padding
     ([0, 0, -1, 0, 0, 0, 0, 0], 0.0, False),   # a negative pad crops
 ])
-def test_fold_pads_into_convs(pads, value, folds):
+@pytest.mark.parametrize("conv_padding", [{"pads": [1, 0, 0, 1]}, {"auto_pad": "VALID"}])
+def test_fold_pads_into_convs(pads, value, folds, conv_padding):
+    """Hugging Face's EfficientNet writes ``Pad -> Conv(auto_pad=VALID)``, its pads computed by a chain of ops
+    (folded to a constant before this pass)."""
     b = Builder()
     x = b.qdq("x", 0.05, 128)
-    padded = b.node("Pad", [x, b.const(np.array(pads, np.int64)), b.const(np.float32(value))])
-    y = b.qdq(b.node("Conv", [padded, b.weight([4, 3, 3, 3])], pads=[1, 0, 0, 1]), 0.1, 128)
+    computed = b.node("Cast", [b.node("Concat", [b.const(np.array(pads[:4], np.float32)),
+                                                 b.const(np.array(pads[4:], np.float32))], axis=0)], to=7)
+    padded = b.node("Pad", [x, computed, b.const(np.float32(value))])
+    y = b.qdq(b.node("Conv", [padded, b.weight([4, 3, 3, 3])], **conv_padding), 0.1, 128)
     model = b.model([("x", [1, 3, 6, 6])], [y])
     feeds = _x([1, 3, 6, 6])
     expected = reference(model, feeds)[0]
-    converted, (n, m) = _apply(model, fold_pads_into_convs, conv_to_qlinearconv)
+    converted, (_, _, n, m) = _apply(model, constants_to_initializers, fold_constants, fold_pads_into_convs,
+                                     conv_to_qlinearconv)
     assert n == folds and ("Pad" in ops(converted)) != folds
     if folds:
         assert m == 1 and "QLinearConv" in ops(converted)

@@ -573,6 +573,67 @@ def test_a_concat_of_quantized_branches_converts_to_integers(tmp_path):
     assert result.verification.max_steps <= 3
 
 
+class SqueezeExcite(nn.Module):
+    """EfficientNet / MobileNetV3 style: SiLU as a module (in place) and as a function, squeeze-excitation
+    (pool, conv, SiLU, conv, sigmoid, ``x * gate``), and a multi-label head whose sigmoid the model returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.bn, self.act = nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU(inplace=True)
+        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.reduce, self.expand = nn.Conv2d(8, 2, 1), nn.Conv2d(2, 8, 1)
+        self.project = nn.Conv2d(8, 4, 1)
+        self.fc = nn.Linear(4 * 8 * 8, 10)
+
+    def forward(self, x):
+        x = self.act(self.bn(self.stem(x)))
+        x = torch.nn.functional.silu(self.dw(x))
+        gate = torch.sigmoid(self.expand(self.act(self.reduce(torch.nn.functional.adaptive_avg_pool2d(x, 1)))))
+        x = self.project(x * gate)
+        return torch.sigmoid(self.fc(torch.flatten(x, 1)))
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_silu_and_squeeze_excitation_run_on_the_integers(dynamo, tmp_path):
+    """Each SiLU call site quantizes its sigmoid and its product, the gate's sigmoid and ``x * gate`` are quantized
+    (an observer per call site; the shared ``act`` module gets one per call): the int8 model is QLinearSigmoid /
+    QLinearMul throughout, nothing float but the returned probabilities' sigmoid, and matches the QAT export."""
+    torch.manual_seed(0)
+    model = SqueezeExcite()
+    fake_quantize_model(model)
+    result = _int8(model, tmp_path, dynamo)
+    assert sorted(model.recal_sites) == [":mul:0", ":sigmoid:0", ":silu:0", "act:forward:0", "act:forward:1"]
+    assert not model.act.inplace  # its sites recompute the call from the input
+    kinds = [n.op_type for n in result.model.graph.node]
+    assert kinds.count("QLinearSigmoid") == 4 and kinds.count("QLinearMul") == 4 and not result.float_nodes, kinds
+    assert kinds.count("QLinearConv") == 5 and kinds.count("QLinearGlobalAveragePool") == 1, kinds
+    assert kinds.count("Sigmoid") == 1  # the head's: its probabilities stay float
+    v = result.verification
+    assert v.local_steps <= 1 and v.max_abs_diff <= 1e-5, v
+    x = torch.randn(16, 1, 8, 8)
+    session = ort.InferenceSession(str(tmp_path / "int8.onnx"), providers=["CPUExecutionProvider"])
+    got = session.run(None, {"input": x.numpy()})[0]
+    with torch.no_grad():
+        expected = model.eval()(x).numpy()
+    assert np.abs(got - expected).max() <= 0.02  # the PyTorch QAT model, within float rounding of a step
+
+
+def test_silu_sites_travel_in_checkpoints():
+    torch.manual_seed(0)
+    model = SqueezeExcite()
+    fake_quantize_model(model)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), batches(2))
+    state = model.state_dict()
+    assert "recal_sites.act:forward:0.sigmoid.scale" in state and "recal_sites.:silu:0.product.scale" in state
+    torch.manual_seed(1)
+    fresh = SqueezeExcite()
+    fake_quantize_model(fresh)
+    fresh.load_state_dict(state)
+    fresh.eval(), model.eval()
+    x = torch.randn(4, 1, 8, 8)
+    torch.testing.assert_close(fresh(x), model(x))
+
+
 class PaddedNet(nn.Module):
     """A conv-BN-ReLU, a zero pad (functional), a conv with its own bias, a max pool and a linear."""
 

@@ -52,9 +52,10 @@ def fold_pads_into_convs(g: Graph) -> int:
             continue
         pad = g.producer[conv.input[0]]
         rank = g.ranks.get(conv.input[0])
-        if pad.op_type != "Pad" or rank is None or g.uses(pad.output[0]) != 1 \
-                or attr(conv, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
-            continue
+        auto_pad = attr(conv, "auto_pad", b"NOTSET")
+        auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+        if pad.op_type != "Pad" or rank is None or g.uses(pad.output[0]) != 1 or auto_pad not in ("NOTSET", "VALID"):
+            continue  # (VALID is no padding: padding="valid", as Hugging Face's depthwise conv writes it)
         pads = _zero_pad(g, pad, rank)
         if pads is None or min(pads) < 0 or any(pads[i] or pads[i + rank] for i in (0, 1)):
             continue  # a negative pad crops; the batch and channel axes are no conv padding
@@ -63,7 +64,7 @@ def fold_pads_into_convs(g: Graph) -> int:
         new = [old[i] + pads[2 + i] for i in range(spatial)] + [old[spatial + i] + pads[rank + 2 + i]
                                                                   for i in range(spatial)]
         for a in list(conv.attribute):
-            if a.name == "pads":
+            if a.name in ("pads", "auto_pad"):
                 conv.attribute.remove(a)
         conv.attribute.append(helper.make_attribute("pads", new))
         conv.input[0] = pad.input[0]

@@ -1,0 +1,40 @@
+"""Average pools in a ``qdq`` model written as onnxruntime's QDQ fusion finds them: ``DQ -> pool -> Q``.
+
+Before::  DQ -> ReduceMean(axes=[2, 3], keepdims=1) -> Q        DQ -> GlobalAveragePool -> Flatten -> Q(s, zp)
+After::   DQ -> GlobalAveragePool -> Q                          DQ -> GlobalAveragePool -> Q(s, zp) -> DQ -> Flatten -> Q
+
+onnxruntime fuses ``DQ -> GlobalAveragePool | AveragePool -> Q`` into its integer pools, and nothing else: the
+dynamo exporter writes ``adaptive_avg_pool2d(x, 1)`` as a ReduceMean (the same mean), and a classifier flattens
+the pooled tensor before its own input QuantizeLinear. Both pools would run in float. A shape-only op moves no
+value, so quantizing before it is quantizing after it: the same numbers. (The ``qoperator`` form writes the
+integer pools itself: :mod:`.pool_to_qlinear`.)
+"""
+
+from __future__ import annotations
+
+from ..graph import Graph
+from ..qdq import activation
+from .pool_to_qlinear import average_pool_kind, quantize_after
+
+
+def fusible_qdq_pools(g: Graph) -> int:
+    count = 0
+    for node in list(g.nodes):
+        kind = average_pool_kind(g, node) if node.input else None
+        after = quantize_after(g, node.output[0]) if kind is not None else None
+        if after is None or activation(g, node.input[0]) is None:
+            continue
+        shape, q = after
+        if node.op_type == "ReduceMean":
+            g.remove(node)
+            g.add_node("GlobalAveragePool", [node.input[0]], [node.output[0]], name=node.name + "_pool")
+        elif shape is None:
+            continue  # already fusible
+        if shape is not None:
+            quantized, dequantized = g.fresh(node.output[0] + "_q"), g.fresh(node.output[0] + "_dq")
+            g.add_node("QuantizeLinear", [node.output[0], *q.input[1:]], [quantized], name=node.name + "_q")
+            g.add_node("DequantizeLinear", [quantized, *q.input[1:]], [dequantized], name=node.name + "_dq")
+            shape.input[0] = dequantized  # (the pool's only reader: quantize_after says so)
+            g.refresh()
+        count += 1
+    return count

@@ -1,0 +1,29 @@
+"""A sigmoid of a quantized tensor whose output is quantized: QLinearSigmoid (com.microsoft).
+
+Before::  q -> DequantizeLinear(s, zp) -> Sigmoid -> QuantizeLinear(s2, zp2) -> q2
+After::   q -> QLinearSigmoid(s, zp, s2, zp2) -> q2
+
+onnxruntime builds a 256-entry table from the same float sigmoid of each input value and looks the integers up:
+about 5x faster than the float form on a feature map (0.17 vs 0.91 ms on 1x96x56x56, one thread), and the same
+numbers. recal's QAT quantizes a sigmoid's output (squeeze-excitation's gate, a SiLU's sigmoid) for this.
+"""
+
+from __future__ import annotations
+
+from ..graph import MS_DOMAIN, Graph
+from ..qdq import activation, quantize_node_of
+
+
+def sigmoid_to_qlinear(g: Graph) -> int:
+    count = 0
+    for node in list(g.nodes):
+        if node.op_type != "Sigmoid" or node not in g.nodes:
+            continue
+        x, q = activation(g, node.input[0]), quantize_node_of(g, node.output[0])
+        if x is None or q is None:
+            continue
+        g.remove(node, q)
+        g.add_node("QLinearSigmoid", [x.q, x.scale, x.zero_point, q.input[1], q.input[2]], [q.output[0]],
+                   name=node.name + "_quant", domain=MS_DOMAIN)
+        count += 1
+    return count
