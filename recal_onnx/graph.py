@@ -6,7 +6,9 @@ copied into numpy wholesale; a pass that changes a constant stores a new initial
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 from collections import defaultdict
 
 import numpy as np
@@ -72,6 +74,14 @@ class Graph:
     def release_arrays(self) -> None:
         """Drop the numpy copies of constants (the TensorProtos stay)."""
         self._arrays.clear()
+
+    def each(self, *op_types: str):
+        """The nodes of ``op_types`` (every node when none is given) in order, skipping those a rewrite removed
+        meanwhile: a pass rewrites the graph while it walks it."""
+        for node in list(self.nodes):
+            if (not op_types or node.op_type in op_types) and any(map(functools.partial(operator.is_, node),
+                                                                       self.nodes)):
+                yield node
 
     def uses(self, name: str) -> int:
         return len(self.consumers.get(name, ())) + (name in self.outputs)

@@ -19,9 +19,7 @@ QUANTIZED = {"Add": "QLinearAdd", "Mul": "QLinearMul"}
 
 def binary_to_qlinear(g: Graph) -> int:
     count = 0
-    for node in list(g.nodes):
-        if node.op_type not in QUANTIZED or node not in g.nodes:
-            continue
+    for node in g.each(*QUANTIZED):
         a, b = activation(g, node.input[0]), activation(g, node.input[1])
         if a is None or b is None or g.ranks.get(node.input[0]) != g.ranks.get(node.input[1]):
             continue

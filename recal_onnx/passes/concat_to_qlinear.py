@@ -16,8 +16,8 @@ from ..qdq import activation, quantize_node_of, same_qparams
 
 def concat_to_qlinear(g: Graph) -> int:
     count = 0
-    for node in list(g.nodes):
-        if node.op_type != "Concat" or node not in g.nodes or not node.input:
+    for node in g.each("Concat"):
+        if not node.input:
             continue
         parts = [activation(g, name) for name in node.input]
         q = quantize_node_of(g, node.output[0])

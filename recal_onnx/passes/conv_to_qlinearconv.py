@@ -20,9 +20,7 @@ CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides
 
 def conv_to_qlinearconv(g: Graph) -> int:
     count = 0
-    for node in list(g.nodes):
-        if node.op_type != "Conv" or node not in g.nodes:
-            continue
+    for node in g.each("Conv"):
         x, w = activation(g, node.input[0]), weight(g, node.input[1])
         if x is None or w is None:
             continue

@@ -23,9 +23,7 @@ log = logging.getLogger(__name__)
 
 def fold_conv_affine(g: Graph) -> int:
     count = 0
-    for node in list(g.nodes):
-        if node.op_type not in ("Conv", "Gemm") or node not in g.nodes:
-            continue
+    for node in g.each("Conv", "Gemm"):
         while True:
             nxt = g.only_consumer(node.output[0])
             if nxt is None:

@@ -20,9 +20,7 @@ from ..quantized_ops import output_tail, quantized_bias, replace_with_quantized,
 
 def gemm_to_qgemm(g: Graph) -> int:
     count = 0
-    for node in list(g.nodes):
-        if node not in g.nodes:
-            continue
+    for node in g.each("Gemm", "MatMul"):
         if node.op_type == "Gemm":
             count += _gemm(g, node)
         elif node.op_type == "MatMul":

@@ -28,8 +28,8 @@ def int8_passthrough(g: Graph) -> int:
     changed = True
     while changed:
         changed = False
-        for node in list(g.nodes):
-            if node not in g.nodes or not node.input:
+        for node in g.each():
+            if not node.input:
                 continue
             x = activation(g, node.input[0])
             if x is None:

@@ -62,8 +62,8 @@ def quantize_after(g: Graph, name: str) -> tuple[onnx.NodeProto | None, onnx.Nod
 
 def pool_to_qlinear(g: Graph) -> int:
     count = 0
-    for node in list(g.nodes):
-        if node not in g.nodes or not node.input or average_pool_kind(g, node) is None:
+    for node in g.each():
+        if not node.input or average_pool_kind(g, node) is None:
             continue
         x = activation(g, node.input[0])
         after = quantize_after(g, node.output[0])

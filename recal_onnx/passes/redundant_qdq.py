@@ -12,8 +12,8 @@ from ..qdq import activation, same_qparams
 
 def remove_redundant_qdq(g: Graph) -> int:
     count = 0
-    for node in list(g.nodes):
-        if node.op_type != "QuantizeLinear" or node not in g.nodes or len(node.input) < 3:
+    for node in g.each("QuantizeLinear"):
+        if len(node.input) < 3:
             continue
         x = activation(g, node.input[0])
         if x is None or not same_qparams(g, x.scale, x.zero_point, node.input[1], node.input[2]):

@@ -16,9 +16,7 @@ from ..qdq import activation, quantize_node_of
 
 def sigmoid_to_qlinear(g: Graph) -> int:
     count = 0
-    for node in list(g.nodes):
-        if node.op_type != "Sigmoid" or node not in g.nodes:
-            continue
+    for node in g.each("Sigmoid"):
         x, q = activation(g, node.input[0]), quantize_node_of(g, node.output[0])
         if x is None or q is None:
             continue
