@@ -28,7 +28,7 @@ from recal_core.atomic import atomic_folder
 from .bias_grid import round_biases
 from .model_params import unwrap
 from .qat import (ACT_QMAX, ACT_QMIN, W_LEVELS, W_QMAX, W_QMIN, ActivationFakeQuantize, QATConv, QATEmbedding,
-                  QATModule, QuantizedReLU, SiLUFakeQuantize, clamp, plan_pending, qat_modules)
+                  QATModule, QuantizedReLU, clamp, plan_pending, qat_modules)
 from .qat_sites import CONTAINER
 from .qat_attention import SLOTS, AttentionFakeQuantize
 
@@ -127,19 +127,6 @@ class ActivationQDQ(nn.Module):
         return x if self.qparams is None else _qdq(x, self.qparams, self.dynamo)
 
 
-class SiLUQDQ(nn.Module):
-    """A :class:`SiLUFakeQuantize` frozen for export: ``QDQ(x * QDQ(sigmoid(x)))`` with constant parameters."""
-
-    reads_input = True  # the call site passes it the SiLU's input
-
-    def __init__(self, module: SiLUFakeQuantize, dynamo: bool):
-        super().__init__()
-        self.sigmoid, self.product = ActivationQDQ(module.sigmoid, dynamo), ActivationQDQ(module.product, dynamo)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x * self.sigmoid(torch.sigmoid(x)))
-
-
 class QuantizedReLUExport(ActivationQDQ):
     """A :class:`QuantizedReLU` frozen for export: ReLU, then QDQ with constant parameters."""
 
@@ -192,11 +179,10 @@ def to_export_model(model: nn.Module, dynamo: bool = True, sample_input: Sequenc
     exported = copy.deepcopy(model)
     exported.eval()
     for name, module in list(exported.named_modules()):
-        if isinstance(module, (ActivationFakeQuantize, SiLUFakeQuantize)) \
-                and name.rpartition(".")[0].endswith(CONTAINER):
+        if isinstance(module, ActivationFakeQuantize) and CONTAINER in name.split("."):
+            # a call site's observer, or one of a SiLU site's two (SiLUFakeQuantize keeps its own forward)
             parent_name, _, child = name.rpartition(".")
-            site = ActivationQDQ(module, dynamo) if isinstance(module, ActivationFakeQuantize) else SiLUQDQ(module, dynamo)
-            setattr(exported.get_submodule(parent_name), child, site)
+            setattr(exported.get_submodule(parent_name), child, ActivationQDQ(module, dynamo))
         elif isinstance(module, (QATModule, QuantizedReLU, AttentionFakeQuantize)):
             parent_name, _, child = name.rpartition(".")
             parent = exported.get_submodule(parent_name) if parent_name else exported

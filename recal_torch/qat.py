@@ -338,7 +338,10 @@ class QuantizedReLU(nn.Module):
 class SiLUFakeQuantize(nn.Module):
     """``x * sigmoid(x)`` with the sigmoid and the product each fake-quantized (a SiLU call site's quantizer):
     runtimes then run ``QLinearSigmoid`` and ``QLinearMul`` on the integers, where a SiLU that is one float op
-    would leave both in float between two int8 convs. It reads the SiLU's input, not its output."""
+    would leave both in float between two int8 convs. It reads the SiLU's input, not its output. Export swaps its
+    two observers for constant QDQ and keeps this forward."""
+
+    reads_input = True  # the call site passes it the SiLU's input (qat_sites)
 
     def __init__(self):
         super().__init__()

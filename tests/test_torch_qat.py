@@ -615,7 +615,8 @@ def test_silu_and_squeeze_excitation_run_on_the_integers(dynamo, tmp_path):
     got = session.run(None, {"input": x.numpy()})[0]
     with torch.no_grad():
         expected = model.eval()(x).numpy()
-    assert np.abs(got - expected).max() <= 0.02  # the PyTorch QAT model, within float rounding of a step
+    # the PyTorch QAT model computes the same SiLUs (measured 3.7e-4: float rounding across a step)
+    assert np.abs(got - expected).max() <= 2e-3
 
 
 def test_silu_sites_travel_in_checkpoints():
