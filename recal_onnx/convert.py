@@ -1,7 +1,7 @@
 """``quantize_qat_export``: a QAT (QuantizeLinear/DequantizeLinear) ONNX model to a fully quantized one.
 
-The driver runs the passes in this order, then removes dead nodes and initializers, sorts the
-graph, and runs ``onnx.checker`` and shape inference:
+The passes rewrite an ``onnx_ir`` model (:mod:`recal_onnx.graph`). The driver runs them in this order, then
+removes dead nodes and initializers, sorts the graph, and runs ``onnx.checker`` and shape inference:
 
 1. ``constants_to_initializers``, ``remove_identities``, ``fold_constants`` (weights' Q becomes int8),
    ``fold_weight_transposes`` (``DQ(w) -> Transpose`` becomes ``DQ(wᵀ)``: a Linear on 3-D inputs),
@@ -46,7 +46,7 @@ import onnx
 from recal_core.atomic import atomic_folder
 from recal_core.errors import VerificationFailed
 
-from .graph import Graph
+from .graph import Graph, Node
 from .passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
 from .passes.bias_apart import bias_apart
 from .passes.bias_to_int32 import bias_to_int32
@@ -230,7 +230,8 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
     reasons = {name: f" ({why})" for name, (_, why) in g.kept_float.items()}
     output_step = _output_quantum(g)
     rewrites["remove_dead"] = g.remove_dead()
-    g.commit()
+    del model  # the rewritten graph holds what it still reads of the input model
+    model = g.commit()
     infer_shapes_in_place(model, check=True)
     if unconverted:
         listed = ", ".join(f"{op} {name!r}{reasons.get(name, '')}" for op, name in unconverted)
@@ -372,10 +373,10 @@ def _float_compute(model: onnx.ModelProto) -> dict[str, int]:
 def _output_quantum(g: Graph) -> float:
     """The largest quantization step of a graph output that is a DequantizeLinear (0 if none is)."""
     steps = [0.0]
-    for name in g.outputs:
-        node = g.producer.get(name)
-        if node is not None and node.op_type == "DequantizeLinear" and g.is_const(node.input[1]):
-            steps.append(float(np.max(g.const(node.input[1]))))
+    for value in g.graph.outputs:
+        node = g.producer(value)
+        if node is not None and node.op_type == "DequantizeLinear" and g.is_const(node.inputs[1]):
+            steps.append(float(np.max(g.const(node.inputs[1]))))
     return max(steps)
 
 
@@ -386,29 +387,28 @@ def _float_islands(g: Graph, expected: set[str]) -> list[tuple[str, str]]:
     In a QDQ model (``expected`` given) a MatMul / Gemm of a dequantized activation and a dequantized
     constant weight is an integer matmul with a float output (onnxruntime fuses it into
     MatMulIntegerToFloat, as the QOperator form writes it): what follows it starts in float, no island."""
-    after_dq: set[int] = set()  # nodes (ids: names may be empty) reached from a dequantized activation, no Q crossed
-    stack = [c for node in g.nodes if node.op_type == "DequantizeLinear" and activation(g, node.output[0])
-             for c in g.consumers.get(node.output[0], [])]
+    after_dq: set[Node] = set()  # nodes reached from a dequantized activation, no Q crossed
+    stack = [c for node in g.each("DequantizeLinear") if activation(g, node.outputs[0])
+             for c in g.consumers(node.outputs[0])]
     while stack:
         node = stack.pop()
-        if id(node) in after_dq or node.op_type in QDQ_OPS or node.op_type in SHAPE_READERS:
+        if node in after_dq or node.op_type in QDQ_OPS or node.op_type in SHAPE_READERS:
             continue
-        after_dq.add(id(node))
-        if expected and node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 \
-                and activation(g, node.input[0]) and weight(g, node.input[1]):
+        after_dq.add(node)
+        if expected and node.op_type in ("MatMul", "Gemm") and len(node.inputs) > 1 \
+                and activation(g, node.inputs[0]) and weight(g, node.inputs[1]):
             continue
-        stack.extend(c for o in node.output for c in g.consumers.get(o, []))
-    before_q: set[int] = set()  # nodes that reach a QuantizeLinear without crossing a DQ
-    stack = [g.producer[node.input[0]] for node in g.nodes
-             if node.op_type == "QuantizeLinear" and node.input[0] in g.producer]
+        stack.extend(c for o in node.outputs for c in g.consumers(o))
+    before_q: set[Node] = set()  # nodes that reach a QuantizeLinear without crossing a DQ
+    stack = [g.producer(node.inputs[0]) for node in g.each("QuantizeLinear")]
     while stack:
         node = stack.pop()
-        if id(node) in before_q or node.op_type in QDQ_OPS:
+        if node is None or node in before_q or node.op_type in QDQ_OPS:
             continue
-        before_q.add(id(node))
-        stack.extend(g.producer[i] for i in node.input if i in g.producer)
+        before_q.add(node)
+        stack.extend(g.producer(i) for i in node.inputs)
     return [(node.op_type, node.name) for node in g.nodes
-            if id(node) in after_dq and id(node) in before_q and node.op_type not in expected]
+            if node in after_dq and node in before_q and node.op_type not in expected]
 
 
 def save_model_atomically(model: onnx.ModelProto, output_path: str | os.PathLike) -> Path:

@@ -1,195 +1,199 @@
-"""A small mutable view of an ONNX graph for rewrite passes: nodes, constants, producers, consumers.
+"""The converter's graph: an ``onnx_ir`` model, and the few lookups and edits every rewrite pass shares.
 
-Initializers stay ``TensorProto`` until a pass reads one (``const``), so a large model is not
-copied into numpy wholesale; a pass that changes a constant stores a new initializer.
+``onnx_ir`` keeps each value's producer and uses up to date as nodes change, so a pass reads
+``value.producer()`` and rewires with ``replace_input_with``; what this module adds is what the passes
+record (``kept_float``, ``thinned``, ``rounded_biases``), constants as numpy (cached: a weight is read by
+several passes), fresh names, and the rule that a node standing in for another keeps its output's name and
+shape (verification and the zoo compare tensors by name). Initializers stay the ``TensorProto`` they were
+read from until a pass replaces one, so a large model is not copied into numpy wholesale.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
-import operator
-from collections import defaultdict
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+import onnx_ir as ir
 
 MS_DOMAIN = "com.microsoft"
 
+Value = ir.Value
+Node = ir.Node
+
 
 class Graph:
-    """Wraps ``model.graph``; call :meth:`commit` to write the nodes back (topologically sorted)."""
+    """A model being rewritten; :meth:`commit` returns it as a ``ModelProto`` (dead nodes gone, sorted)."""
 
     def __init__(self, model: onnx.ModelProto):
-        self.model = model
-        self.graph = model.graph
-        self.nodes: list[onnx.NodeProto] = list(self.graph.node)
-        self.initializers: dict[str, onnx.TensorProto] = {t.name: t for t in self.graph.initializer}
-        self._original_initializers = set(self.initializers)
-        self._arrays: dict[str, np.ndarray] = {}
-        self._names = itertools.count()
-        self.thinned: dict[str, np.ndarray] = {}  # tensor -> the channels (axis 1) thin_channels kept
+        self.model = ir.serde.deserialize_model(model)
+        self.graph = self.model.graph
+        self._arrays: dict[Value, np.ndarray] = {}
+        self._counter = itertools.count()
+        self._names = {v.name for v in self._values() if v.name}
+        self.thinned: dict[str, np.ndarray] = {}  # tensor name -> the channels (axis 1) thin_channels kept
         self.kept_float: dict[str, tuple[str, str]] = {}  # node name -> (op type, why a pass left it float)
         self.rounded_biases: dict[str, float] = {}  # node name -> how far its float bias was from an int32 step
-        self.ranks: dict[str, int] = {}  # from shape inference, for the tensors it could type
-        for info in [*self.graph.input, *self.graph.value_info, *self.graph.output]:
-            tensor_type = info.type.tensor_type
-            if tensor_type.HasField("shape"):
-                self.ranks[info.name] = len(tensor_type.shape.dim)
-        self.refresh()
+
+    def _values(self) -> Iterator[Value]:
+        yield from self.graph.inputs
+        yield from self.graph.initializers.values()
+        for node in self.graph:
+            yield from node.outputs
 
     # --- lookups ----------------------------------------------------------------------------
-    def refresh(self) -> None:
-        """Rebuild the producer/consumer maps after nodes were added or removed."""
-        self.producer: dict[str, onnx.NodeProto] = {}
-        self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-        for node in self.nodes:
-            for out in node.output:
-                if out:
-                    self.producer[out] = node
-            for inp in node.input:
-                if inp:
-                    self.consumers[inp].append(node)
-        self.outputs = {o.name for o in self.graph.output}
+    @property
+    def nodes(self) -> list[Node]:
+        return list(self.graph)
 
-    def is_const(self, name: str) -> bool:
-        return name in self.initializers
+    @property
+    def opset(self) -> int:
+        return self.model.opset_imports.get("", 17)
 
-    def const(self, name: str) -> np.ndarray | None:
-        """The initializer ``name`` as numpy (cached), or None if it is not a constant."""
-        if name not in self.initializers:
-            return None
-        if name not in self._arrays:
-            self._arrays[name] = numpy_helper.to_array(self.initializers[name])
-        return self._arrays[name]
-
-    def drop_if_unused(self, *names: str) -> None:
-        """Forget constants nothing reads any more (keeps memory flat while passes fold weights)."""
-        for name in names:
-            if name in self.initializers and not self.uses(name):
-                del self.initializers[name]
-                self._arrays.pop(name, None)
-
-    def release_arrays(self) -> None:
-        """Drop the numpy copies of constants (the TensorProtos stay)."""
-        self._arrays.clear()
-
-    def each(self, *op_types: str):
+    def each(self, *op_types: str) -> Iterator[Node]:
         """The nodes of ``op_types`` (every node when none is given) in order, skipping those a rewrite removed
         meanwhile: a pass rewrites the graph while it walks it."""
-        for node in list(self.nodes):
-            if (not op_types or node.op_type in op_types) and any(map(functools.partial(operator.is_, node),
-                                                                       self.nodes)):
+        for node in list(self.graph):
+            if (not op_types or node.op_type in op_types) and node.graph is self.graph:
                 yield node
 
-    def uses(self, name: str) -> int:
-        return len(self.consumers.get(name, ())) + (name in self.outputs)
+    @staticmethod
+    def is_const(value: Value | None) -> bool:
+        return value is not None and value.is_initializer()
 
-    def only_consumer(self, name: str) -> onnx.NodeProto | None:
-        users = self.consumers.get(name, [])
-        return users[0] if len(users) == 1 and name not in self.outputs else None
+    def const(self, value: Value | None) -> np.ndarray | None:
+        """The initializer ``value`` as numpy (cached), or None if it is not a constant."""
+        if not self.is_const(value):
+            return None
+        if value not in self._arrays:
+            self._arrays[value] = value.const_value.numpy()
+        return self._arrays[value]
+
+    @staticmethod
+    def producer(value: Value | None) -> Node | None:
+        return None if value is None else value.producer()
+
+    @staticmethod
+    def consumers(value: Value) -> list[Node]:
+        return list(dict.fromkeys(use.node for use in value.uses()))
+
+    @staticmethod
+    def uses(value: Value) -> int:
+        return len(value.uses()) + value.is_graph_output()
+
+    def only_consumer(self, value: Value) -> Node | None:
+        """The node that alone reads ``value`` (once), unless ``value`` is also a graph output."""
+        users = value.uses()
+        return users[0].node if len(users) == 1 and not value.is_graph_output() else None
+
+    @staticmethod
+    def rank(value: Value | None) -> int | None:
+        """The rank shape inference gave ``value`` (or a constant's), None when unknown."""
+        if value is None:
+            return None
+        if value.shape is not None:
+            return len(value.shape)
+        return value.const_value.ndim if value.const_value is not None else None
 
     # --- edits ------------------------------------------------------------------------------
-    def fresh(self, base: str) -> str:
+    def fresh(self, base: str | None) -> str:
         while True:
-            name = f"{base}__recal{next(self._names)}"
-            if name not in self.initializers and name not in self.producer:
+            name = f"{base or 'value'}__recal{next(self._counter)}"
+            if name not in self._names:
+                self._names.add(name)
                 return name
 
-    def add_const(self, base: str, value: np.ndarray) -> str:
-        name = self.fresh(base)
-        self.set_const(name, value)
-        return name
+    def add_const(self, base: str | None, value: np.ndarray, name: str | None = None) -> Value:
+        """A new initializer holding ``value``, named after ``base`` (or exactly ``name``)."""
+        array = np.asarray(value)
+        const = ir.Value(name=name or self.fresh(base), shape=ir.Shape(array.shape),
+                         type=ir.TensorType(ir.DataType.from_numpy(array.dtype)), const_value=ir.tensor(array))
+        self.graph.register_initializer(const)
+        self._arrays[const] = array
+        return const
 
-    def set_const(self, name: str, value: np.ndarray) -> None:
-        value = np.asarray(value)
-        self.initializers[name] = numpy_helper.from_array(value, name)
-        self._arrays[name] = value
-
-    def add_node(self, op_type: str, inputs: list[str], outputs: list[str], name: str = "",
-                 domain: str = "", **attrs) -> onnx.NodeProto:
-        node = helper.make_node(op_type, inputs, outputs, name=name or self.fresh(op_type), domain=domain or None,
-                                **attrs)
-        self.nodes.append(node)
-        for out in outputs:
-            self.producer[out] = node
-        for inp in inputs:
-            if inp:
-                self.consumers[inp].append(node)
+    def add_node(self, op_type: str, inputs: Sequence[Value | None], *, name: str = "", domain: str = "",
+                 outputs: int = 1, replaces: Value | None = None, **attrs) -> Node:
+        """Append a node. With ``replaces``, its output stands in for that value: every reader (graph output
+        too) reads it instead, and it takes the value's name and shape."""
+        node = ir.node(op_type, list(inputs), attrs, domain=domain, num_outputs=outputs,
+                       name=name or self.fresh(op_type))
+        for out in node.outputs:
+            out.name = self.fresh(node.name)
+        self.graph.append(node)
+        if replaces is not None:
+            self.replace(replaces, node.outputs[0], rename=True)
         return node
 
-    def remove(self, *nodes: onnx.NodeProto) -> None:
-        gone = {id(n) for n in nodes}
-        self.nodes = [n for n in self.nodes if id(n) not in gone]
-        self.refresh()
+    def remove(self, *nodes: Node) -> None:
+        """Take ``nodes`` out of the graph; they no longer read their inputs (their outputs' readers are the
+        caller's to rewire)."""
+        for node in nodes:
+            node.resize_inputs(0)
+        self.graph.remove(nodes)
 
-    def replace_uses(self, old: str, new: str) -> None:
-        """Every consumer of ``old`` reads ``new`` instead (graph outputs keep their names)."""
-        for node in self.nodes:
-            for i, name in enumerate(node.input):
-                if name == old:
-                    node.input[i] = new
-        self.refresh()
+    def replace(self, old: Value, new: Value, rename: bool = False) -> None:
+        """Every reader of ``old`` reads ``new`` instead; a graph output keeps its name (as does ``new`` from a
+        node that stands in for ``old``, with ``rename``)."""
+        if old is new:
+            return
+        if rename or old.is_graph_output():
+            name, shape, type_ = old.name, old.shape, old.type
+            old.replace_all_uses_with(new, replace_graph_outputs=True)
+            if not old.is_initializer() and not new.is_initializer() and new not in self.graph.inputs:
+                old.name = None
+                new.name = name
+                new.shape = new.shape or shape
+                new.type = new.type or type_
+        else:
+            old.replace_all_uses_with(new)
+
+    def drop_if_unused(self, *values: Value) -> None:
+        """Forget constants nothing reads any more (keeps memory flat while passes fold weights)."""
+        for value in values:
+            if value.is_initializer() and not self.uses(value) and value not in self.graph.inputs:
+                self.graph.initializers.pop(value.name)
+                self._arrays.pop(value, None)
 
     # --- finishing --------------------------------------------------------------------------
     def remove_dead(self) -> int:
         """Drop nodes whose outputs nobody reads, and unused initializers; return how many nodes went."""
+        self.graph.sort()
         removed = 0
-        while True:
-            live = [n for n in self.nodes if any(self.uses(o) for o in n.output if o)]
-            if len(live) == len(self.nodes):
-                break
-            removed += len(self.nodes) - len(live)
-            self.nodes = live
-            self.refresh()
-        used = {i for n in self.nodes for i in n.input} | self.outputs
-        for name in list(self.initializers):
-            if name not in used:
-                del self.initializers[name]
-                self._arrays.pop(name, None)
+        for node in reversed(list(self.graph)):
+            if not any(self.uses(out) for out in node.outputs):
+                self.remove(node)
+                removed += 1
+        for name, value in list(self.graph.initializers.items()):
+            if not self.uses(value):
+                if value in self.graph.inputs:
+                    self.graph.inputs.remove(value)
+                self.graph.initializers.pop(name)
+                self._arrays.pop(value, None)
         return removed
 
-    def sorted_nodes(self) -> list[onnx.NodeProto]:
-        available = {i.name for i in self.graph.input} | set(self.initializers) | {""}
-        pending = list(self.nodes)
-        ordered = []
-        while pending:
-            ready = [n for n in pending if all(i in available for i in n.input)]
-            if not ready:
-                names = ", ".join(f"{n.op_type} {n.name}" for n in pending[:5])
-                raise ValueError(f"the graph has a cycle or a missing input near: {names}")
-            ready_ids = {id(n) for n in ready}
-            pending = [n for n in pending if id(n) not in ready_ids]
-            for n in ready:
-                ordered.append(n)
-                available.update(n.output)
-        return ordered
-
     def commit(self) -> onnx.ModelProto:
+        """The model as a ``ModelProto``: dead nodes gone, topologically sorted, ``com.microsoft`` imported
+        where its ops are used; ``value_info`` is left to shape inference (types change in a rewrite)."""
         self.remove_dead()
-        self.release_arrays()
-        ordered = self.sorted_nodes()
-        del self.graph.node[:]
-        self.graph.node.extend(ordered)
-        tensors = list(self.initializers.values())
-        kept = set(self.initializers)
-        self.initializers.clear()
-        del self.graph.initializer[:]
-        while tensors:  # move one at a time, so the old and new lists never both hold every weight
-            self.graph.initializer.append(tensors.pop(0))
-        del self.graph.value_info[:]  # stale after rewrites (types change); shape inference refills it
-        # graph inputs that named an initializer this rewrite removed go too
-        kept_inputs = [i for i in self.graph.input if i.name not in self._original_initializers or i.name in kept]
-        del self.graph.input[:]
-        self.graph.input.extend(kept_inputs)
-        if any(n.domain == MS_DOMAIN for n in ordered) and not any(o.domain == MS_DOMAIN for o in self.model.opset_import):
-            self.model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-        return self.model
+        self._arrays.clear()
+        if any(node.domain == MS_DOMAIN for node in self.graph):
+            self.model.opset_imports.setdefault(MS_DOMAIN, 1)
+        proto = ir.serde.serialize_model(self.model)
+        del proto.graph.value_info[:]
+        return proto
 
 
-def attr(node: onnx.NodeProto, name: str, default=None):
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
+def attr(node: Node, name: str, default=None):
+    value = node.attributes.get(name)
+    return default if value is None else value.value
+
+
+def set_attr(node: Node, name: str, value) -> None:
+    node.attributes[name] = ir.convenience.convert_attribute(name, value)
+
+
+def input_of(node: Node, index: int) -> Value | None:
+    """``node``'s input ``index``, None where it is missing or left out."""
+    return node.inputs[index] if len(node.inputs) > index else None

@@ -7,20 +7,19 @@ op, and the replacement of a float op (and that tail) by one quantized node.
 from __future__ import annotations
 
 import numpy as np
-import onnx
 
-from .graph import Graph, attr
+from .graph import Graph, Node, Value, attr, input_of
 from .qdq import QTensor, QWeight, quantize_node_of, scalar
 
 OFF_GRID = 1e-3  # a bias further than this from a whole int32 step (in steps) is reported as rounded
 
 
-def quantized_bias(g: Graph, node: onnx.NodeProto, x: QTensor, w: QWeight, index: int) -> str | None:
-    """The int32 bias ``round(bias / (s_x * s_w))`` for ``node.input[index]``; '' when there is none,
+def quantized_bias(g: Graph, node: Node, x: QTensor, w: QWeight, index: int | None) -> Value | bool | None:
+    """The int32 bias ``round(bias / (s_x * s_w))`` for ``node.inputs[index]``; False when there is none,
     None when the bias is not a constant or int32 cannot hold it (then ``g.kept_float`` says why)."""
-    if len(node.input) <= index or not node.input[index]:
-        return ""
-    bias = g.const(node.input[index])
+    if index is None or input_of(node, index) is None:
+        return False
+    bias = g.const(node.inputs[index])
     if bias is None:
         return None
     scale = scalar(g, x.scale) * w.scale.astype(np.float64).reshape(-1)
@@ -33,49 +32,49 @@ def quantized_bias(g: Graph, node: onnx.NodeProto, x: QTensor, w: QWeight, index
         g.kept_float[node.name] = (node.op_type, f"its bias is beyond int32 in steps of input scale x weight scale "
                                                  f"(input scale {scalar(g, x.scale):.3g})")
         return None
-    return g.add_const(node.input[index] + "_int32", values.astype(np.int32))
+    return g.add_const(node.inputs[index].name + "_int32", values.astype(np.int32))
 
 
-def weight_inputs(g: Graph, w: QWeight, channels_axis: int) -> tuple[str, str, str] | None:
-    """(q, scale, zero point) names for an int8 symmetric weight, per tensor or per output channel (for CPUs
+def weight_inputs(g: Graph, w: QWeight, channels_axis: int) -> tuple[Value, Value, Value] | None:
+    """(q, scale, zero point) for an int8 symmetric weight, per tensor or per output channel (for CPUs
     whose int8 kernels saturate, :func:`recal_onnx.passes.uint8_weights.uint8_weights` shifts them later)."""
     if w.q.dtype != np.int8 or np.any(w.zero_point != 0):
         return None
     if w.scale.size != 1 and (w.axis != channels_axis or w.scale.size != w.q.shape[channels_axis]):
         return None
     scale = w.scale.reshape(-1) if w.scale.size != 1 else w.scale.reshape(())
-    scale_name = g.add_const(w.dq.input[1] + "_w", scale.astype(np.float32))
-    return w.dq.input[0], scale_name, g.add_const("w_zero_point", np.zeros(scale.shape, np.int8))
+    scale_const = g.add_const(w.dq.inputs[1].name + "_w", scale.astype(np.float32))
+    return w.dq.inputs[0], scale_const, g.add_const("w_zero_point", np.zeros(scale.shape, np.int8))
 
 
-def clamp_bounds(g: Graph, node: onnx.NodeProto) -> tuple[float | None, float | None] | None:
+def clamp_bounds(g: Graph, node: Node) -> tuple[float | None, float | None] | None:
     """``(low, high)`` of a clamping activation (Relu: ``(0, None)``; Clip with constant bounds, ReLU6 among
     them), else None."""
     if node.op_type == "Relu":
         return 0.0, None
     if node.op_type != "Clip":
         return None
-    if len(node.input) == 1 and (attr(node, "min") is not None or attr(node, "max") is not None):  # opset < 11
+    if len(node.inputs) == 1 and (attr(node, "min") is not None or attr(node, "max") is not None):  # opset < 11
         return attr(node, "min"), attr(node, "max")
     bounds = []
     for i in (1, 2):
-        name = node.input[i] if len(node.input) > i else ""
-        if name and not g.is_const(name):
+        bound = input_of(node, i)
+        if bound is not None and not g.is_const(bound):
             return None
-        bounds.append(float(np.asarray(g.const(name)).reshape(-1)[0]) if name else None)
+        bounds.append(float(np.asarray(g.const(bound)).reshape(-1)[0]) if bound is not None else None)
     return bounds[0], bounds[1]
 
 
-def output_tail(g: Graph, name: str) -> tuple[onnx.NodeProto | None, onnx.NodeProto | None]:
-    """``(activation, quantize)`` after ``name``: an optional Relu or constant-bound Clip, then the
+def output_tail(g: Graph, value: Value) -> tuple[Node | None, Node | None]:
+    """``(activation, quantize)`` after ``value``: an optional Relu or constant-bound Clip, then the
     QuantizeLinear that reads it."""
-    act = g.only_consumer(name)
-    if act is not None and act.input[0] == name and clamp_bounds(g, act) is not None:
-        return act, quantize_node_of(g, act.output[0])
-    return None, quantize_node_of(g, name)
+    act = g.only_consumer(value)
+    if act is not None and act.inputs[0] is value and clamp_bounds(g, act) is not None:
+        return act, quantize_node_of(g, act.outputs[0])
+    return None, quantize_node_of(g, value)
 
 
-def integer_bounds(g: Graph, act: onnx.NodeProto, scale_name: str, zp_name: str,
+def integer_bounds(g: Graph, act: Node, scale: Value, zero_point: Value,
                    on_grid: bool) -> list[tuple[str, int]] | None:
     """The clamp ``act`` (Relu, constant-bound Clip) does, on the integers of grid ``(scale, zero point)``:
     ``[("Max", low), ("Min", high)]``, each only where it cuts inside the integer type; None if it cannot.
@@ -87,7 +86,7 @@ def integer_bounds(g: Graph, act: onnx.NodeProto, scale_name: str, zp_name: str,
     bounds = clamp_bounds(g, act)
     if bounds is None:
         return None
-    scale, zp = scalar(g, scale_name), g.const(zp_name)
+    scale, zp = scalar(g, scale), g.const(zero_point)
     info = np.iinfo(zp.dtype)
     ops = []
     for op, bound, limit in (("Max", bounds[0], info.min), ("Min", bounds[1], info.max)):
@@ -104,30 +103,27 @@ def integer_bounds(g: Graph, act: onnx.NodeProto, scale_name: str, zp_name: str,
     return ops
 
 
-def clamp_integers(g: Graph, act: onnx.NodeProto, source: str, ops: list[tuple[str, int]], dtype: np.dtype,
-                   target: str | None = None) -> str:
-    """``ops`` (from :func:`integer_bounds`) applied to the integers ``source`` as ``Max`` / ``Min`` nodes; the
-    last writes ``target`` (a fresh name when None). Returns the clamped tensor (``source`` if ``ops`` is empty)."""
+def clamp_integers(g: Graph, act: Node, source: Value, ops: list[tuple[str, int]], dtype: np.dtype) -> Value:
+    """``ops`` (from :func:`integer_bounds`) applied to the integers ``source`` as ``Max`` / ``Min`` nodes.
+    Returns the clamped tensor (``source`` if ``ops`` is empty)."""
     out = source
-    for i, (op, value) in enumerate(ops):
-        name = target if target is not None and i == len(ops) - 1 else g.fresh(source + "_clamped")
+    for op, value in ops:
         bound = g.add_const(f"{act.name or 'clamp'}_{op.lower()}", np.array(value, dtype))
-        g.add_node(op, [out, bound], [name], name=f"{act.name}_{op.lower()}_int8")
-        out = name
+        out = g.add_node(op, [out, bound], name=f"{act.name}_{op.lower()}_int8").outputs[0]
     return out
 
 
-def replace_with_quantized(g: Graph, replaced: list[onnx.NodeProto], act: onnx.NodeProto | None,
-                           q: onnx.NodeProto, op_type: str, inputs: list[str], *, name: str, domain: str = "",
-                           **attrs) -> None:
+def replace_with_quantized(g: Graph, replaced: list[Node], act: Node | None, q: Node, op_type: str,
+                           inputs: list[Value | None], *, name: str, domain: str = "", **attrs) -> None:
     """Replace ``replaced`` (with ``act`` and ``q``) by one ``op_type`` node that writes ``q``'s integers.
 
     A clamping activation costs nothing where the output type's own range is the clamp (a ReLU with the
     lowest zero point, a ReLU6 whose 6 is beyond the top); otherwise it becomes ``Max`` / ``Min`` with the
     bound's integer on the integers.
     """
-    clamp = integer_bounds(g, act, q.input[1], q.input[2], on_grid=False) if act is not None else []
-    out = g.fresh(q.output[0] + "_preclamp") if clamp else q.output[0]
+    clamp = integer_bounds(g, act, q.inputs[1], q.inputs[2], on_grid=False) if act is not None else []
+    dtype = g.const(q.inputs[2]).dtype
+    out = g.add_node(op_type, inputs, name=name, domain=domain, **attrs).outputs[0]
+    out = clamp_integers(g, act, out, clamp, dtype)
+    g.replace(q.outputs[0], out, rename=True)
     g.remove(*replaced, *(n for n in (act, q) if n is not None))
-    g.add_node(op_type, inputs, [out], name=name, domain=domain, **attrs)
-    clamp_integers(g, act, out, clamp, g.const(q.input[2]).dtype, target=q.output[0])

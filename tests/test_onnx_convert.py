@@ -203,10 +203,10 @@ def test_verification_catches_a_wrong_conversion(tmp_path, recal_qat_model, monk
     real = conv_pass.quantized_bias
 
     def wrong_bias(g, node, x, w, index):  # a converter bug: biases 8x too large
-        name = real(g, node, x, w, index)
-        if name:
-            g.set_const(name, g.const(name) * 8)
-        return name
+        bias = real(g, node, x, w, index)
+        if bias:
+            return g.add_const(bias.name, g.const(bias) * 8)
+        return bias
 
     monkeypatch.setattr(conv_pass, "quantized_bias", wrong_bias)
     with pytest.raises(VerificationError, match="op by op, tensor '.*conv.*' differs by [0-9]+ quantization steps"):

@@ -35,7 +35,7 @@ def _apply(model, *passes):
     model = onnx.shape_inference.infer_shapes(model)
     g = Graph(model)
     counts = [p(g) for p in passes]
-    g.commit()
+    model = g.commit()
     onnx.checker.check_model(model)
     return model, counts
 
@@ -80,7 +80,7 @@ def test_bias_apart():
     conv = next(n for n in g.nodes if n.op_type == "Conv")
     assert bias_apart(g) == 0
     g.kept_float[conv.name] = ("Conv", "its bias is beyond int32")
-    assert bias_apart(g) == 1 and len(conv.input) == 2
+    assert bias_apart(g) == 1 and len(conv.inputs) == 2
     apart = g.commit()
     assert ops(apart).count("Add") == 1 and ops(apart).index("Conv") < ops(apart).index("Add")
     np.testing.assert_allclose(reference(apart, feeds)[0], reference(model, feeds)[0], atol=1e-6)

@@ -1,1 +1,2 @@
-"""Graph rewrite passes; each takes a :class:`~recal_onnx.graph.Graph` and returns how many rewrites it made."""
+"""Graph rewrite passes; each takes a :class:`~recal_onnx.graph.Graph` (an ``onnx_ir`` model) and returns how many
+rewrites it made."""

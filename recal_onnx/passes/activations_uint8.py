@@ -11,28 +11,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph
+from ..graph import Graph, input_of
 
 
 def activations_to_uint8(g: Graph) -> int:
     count = 0
-    for node in list(g.nodes):
-        if node.op_type != "QuantizeLinear" or len(node.input) < 3 or not g.is_const(node.input[2]):
+    for node in g.each("QuantizeLinear"):
+        zp = g.const(input_of(node, 2))
+        if zp is None or zp.dtype != np.int8:
             continue
-        zp = g.const(node.input[2])
-        if zp.dtype != np.int8:
+        out = node.outputs[0]
+        readers = g.consumers(out)
+        if out.is_graph_output() or not readers or any(
+                r.op_type != "DequantizeLinear" or r.inputs[0] is not out for r in readers):
             continue
-        readers = g.consumers.get(node.output[0], [])
-        if node.output[0] in g.outputs or not readers or any(
-                r.op_type != "DequantizeLinear" or r.input[0] != node.output[0] for r in readers):
-            continue
-        shifted = g.add_const(node.input[2] + "_u8", (zp.astype(np.int16) + 128).astype(np.uint8))
-        node.input[2] = shifted
+        shifted = g.add_const(node.inputs[2].name + "_u8", (zp.astype(np.int16) + 128).astype(np.uint8))
+        node.replace_input_with(2, shifted)
         for reader in readers:
-            if len(reader.input) > 2:
-                reader.input[2] = shifted
+            if len(reader.inputs) > 2:
+                reader.replace_input_with(2, shifted)
         count += 1
-    g.refresh()
     return count
 
 
@@ -40,15 +38,14 @@ def scalar_activation_qparams(g: Graph) -> int:
     """Give activation Q/DQ nodes scalar scale and zero point (``[1]``-shaped ones, as ``torch.ao``
     exports them, break onnxruntime's fused QLinear ops at type inference)."""
     count = 0
-    for node in g.nodes:
-        if node.op_type not in ("QuantizeLinear", "DequantizeLinear") or len(node.input) < 3:
+    for node in g.each("QuantizeLinear", "DequantizeLinear"):
+        if len(node.inputs) < 3:
             continue
-        if node.op_type == "DequantizeLinear" and g.is_const(node.input[0]):
+        if node.op_type == "DequantizeLinear" and g.is_const(node.inputs[0]):
             continue  # a weight: per-channel parameters stay as they are
         for i in (1, 2):
-            value = g.const(node.input[i]) if node.input[i] else None
+            value = g.const(node.inputs[i])
             if value is not None and value.size == 1 and value.ndim > 0:
-                node.input[i] = g.add_const(node.input[i] + "_scalar", value.reshape(()))
+                node.replace_input_with(i, g.add_const(node.inputs[i].name + "_scalar", value.reshape(())))
                 count += 1
-    g.refresh()
     return count

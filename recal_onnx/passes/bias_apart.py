@@ -11,24 +11,24 @@ the conv and the Add stay float, exact.
 
 from __future__ import annotations
 
-from ..graph import Graph
+from ..graph import Graph, input_of
 
 
 def bias_apart(g: Graph) -> int:
     count = 0
     for node in [n for n in g.nodes if n.name in g.kept_float]:
-        if node.op_type not in ("Conv", "Gemm") or len(node.input) < 3 or not node.input[2]:
+        if node.op_type not in ("Conv", "Gemm") or input_of(node, 2) is None:
             continue
-        bias = g.const(node.input[2])
+        bias = g.const(node.inputs[2])
         if bias is None:
             continue
-        rank = g.ranks.get(node.output[0], 4 if node.op_type == "Conv" else 2)
+        rank = g.rank(node.outputs[0]) or (4 if node.op_type == "Conv" else 2)
         shape = [1, -1] + [1] * (rank - 2) if node.op_type == "Conv" else bias.shape  # Gemm's C broadcasts as is
-        summed, node.output[0] = node.output[0], g.fresh(node.output[0] + "_no_bias")
-        g.add_node("Add", [node.output[0], g.add_const(node.input[2] + "_apart", bias.reshape(shape))], [summed],
-                   name=node.name + "_bias")
-        del node.input[2]
+        out = node.outputs[0]
+        add = g.add_node("Add", [None, g.add_const(node.inputs[2].name + "_apart", bias.reshape(shape))],
+                         name=node.name + "_bias", replaces=out)
+        out.name = g.fresh(add.outputs[0].name + "_no_bias")
+        add.replace_input_with(0, out)
+        node.resize_inputs(2)
         count += 1
-    if count:
-        g.refresh()
     return count

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph
+from ..graph import Graph, input_of
 from ..qdq import activation, scalar, weight
 from ..quantized_ops import quantized_bias
 
@@ -22,31 +22,31 @@ def bias_to_int32(g: Graph) -> int:
     count = 0
     for node in list(g.nodes):
         if node.op_type == "MatMul":
-            add = g.only_consumer(node.output[0])
+            add = g.only_consumer(node.outputs[0])
             if add is None or add.op_type != "Add":
                 continue
-            index = 1 if add.input[0] == node.output[0] else 0
+            index = 1 if add.inputs[0] is node.outputs[0] else 0
             node, matmul = add, node  # the bias is the Add's
-            bias = g.const(add.input[index])
+            bias = g.const(add.inputs[index])
             if bias is None or bias.ndim != 1:
                 continue
-        elif node.op_type in ("Conv", "Gemm") and len(node.input) >= 3 and g.is_const(node.input[2]):
+        elif node.op_type in ("Conv", "Gemm") and g.is_const(input_of(node, 2)):
             index, matmul = 2, node
         else:
             continue
-        x, w = activation(g, matmul.input[0]), weight(g, matmul.input[1])
+        x, w = activation(g, matmul.inputs[0]), weight(g, matmul.inputs[1])
         if x is None or w is None or (matmul is not node and (w.q.ndim != 2 or w.q.shape[1] != bias.size)):
             continue
         q_bias = quantized_bias(g, node, x, w, index)
         if q_bias is None:
             continue  # int32 cannot hold it: the float bias stays, and onnxruntime runs this layer in float
         scale = (scalar(g, x.scale) * w.scale.astype(np.float64).reshape(-1)).astype(np.float32)
-        scale_name = g.add_const(node.input[index] + "_scale", scale if scale.size > 1 else scale.reshape(()))
-        out = g.fresh(node.input[index] + "_dq")  # no zero point: it is 0 and int32 (DQ's default), no array of zeros
-        g.add_node("DequantizeLinear", [q_bias, scale_name], [out], name=node.name + "_bias_dq",
-                   **({"axis": 0} if scale.size > 1 else {}))
-        node.input[index] = out
-        g.refresh()
+        bias_name = node.inputs[index].name
+        scale_const = g.add_const(bias_name + "_scale", scale if scale.size > 1 else scale.reshape(()))
+        # no zero point: it is 0 and int32 (DQ's default), no array of zeros
+        dq = g.add_node("DequantizeLinear", [q_bias, scale_const], name=node.name + "_bias_dq",
+                        **({"axis": 0} if scale.size > 1 else {}))
+        node.replace_input_with(index, dq.outputs[0])
         count += 1
     return count
 

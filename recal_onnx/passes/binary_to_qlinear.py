@@ -20,14 +20,14 @@ QUANTIZED = {"Add": "QLinearAdd", "Mul": "QLinearMul"}
 def binary_to_qlinear(g: Graph) -> int:
     count = 0
     for node in g.each(*QUANTIZED):
-        a, b = activation(g, node.input[0]), activation(g, node.input[1])
-        if a is None or b is None or g.ranks.get(node.input[0]) != g.ranks.get(node.input[1]):
+        a, b = activation(g, node.inputs[0]), activation(g, node.inputs[1])
+        if a is None or b is None or g.rank(node.inputs[0]) != g.rank(node.inputs[1]):
             continue
-        relu, q = output_tail(g, node.output[0])
+        relu, q = output_tail(g, node.outputs[0])
         if q is None:
             continue
         replace_with_quantized(g, [node], relu, q, QUANTIZED[node.op_type],
-                               [a.q, a.scale, a.zero_point, b.q, b.scale, b.zero_point, q.input[1], q.input[2]],
+                               [a.q, a.scale, a.zero_point, b.q, b.scale, b.zero_point, q.inputs[1], q.inputs[2]],
                                name=node.name + "_quant", domain=MS_DOMAIN)
         count += 1
     return count

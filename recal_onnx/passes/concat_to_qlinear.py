@@ -17,22 +17,22 @@ from ..qdq import activation, quantize_node_of, same_qparams
 def concat_to_qlinear(g: Graph) -> int:
     count = 0
     for node in g.each("Concat"):
-        if not node.input:
+        if not node.inputs:
             continue
-        parts = [activation(g, name) for name in node.input]
-        q = quantize_node_of(g, node.output[0])
+        parts = [activation(g, value) for value in node.inputs]
+        q = quantize_node_of(g, node.outputs[0])
         if q is None or any(p is None for p in parts):
             continue
-        dtype = g.const(q.input[2]).dtype
+        dtype = g.const(q.inputs[2]).dtype
         if any(g.const(p.zero_point).dtype != dtype for p in parts):
             continue
         axis = attr(node, "axis")
-        g.remove(node, q)
-        if all(same_qparams(g, p.scale, p.zero_point, q.input[1], q.input[2]) for p in parts):
-            g.add_node("Concat", [p.q for p in parts], [q.output[0]], name=node.name + "_int8", axis=axis)
+        if all(same_qparams(g, p.scale, p.zero_point, q.inputs[1], q.inputs[2]) for p in parts):
+            g.add_node("Concat", [p.q for p in parts], name=node.name + "_int8", axis=axis, replaces=q.outputs[0])
         else:
-            inputs = [q.input[1], q.input[2]] + [name for p in parts for name in (p.q, p.scale, p.zero_point)]
-            g.add_node("QLinearConcat", inputs, [q.output[0]], name=node.name + "_quant", domain=MS_DOMAIN,
-                       axis=axis)
+            inputs = [q.inputs[1], q.inputs[2]] + [v for p in parts for v in (p.q, p.scale, p.zero_point)]
+            g.add_node("QLinearConcat", inputs, name=node.name + "_quant", domain=MS_DOMAIN, axis=axis,
+                       replaces=q.outputs[0])
+        g.remove(node, q)
         count += 1
     return count

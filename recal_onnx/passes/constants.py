@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+import onnx_ir as ir
+from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
-from ..graph import Graph
+from ..graph import Graph, Node, Value
 
 NEVER_FOLD = {"DequantizeLinear", "If", "Loop", "Scan", "RandomNormal", "RandomUniform", "RandomNormalLike",
               "RandomUniformLike", "Multinomial", "Bernoulli"}
@@ -22,63 +23,65 @@ NEVER_FOLD = {"DequantizeLinear", "If", "Loop", "Scan", "RandomNormal", "RandomU
 
 def constants_to_initializers(g: Graph) -> int:
     count = 0
-    for node in list(g.nodes):
-        if node.op_type == "Constant" and not node.domain and len(node.attribute) == 1 \
-                and node.attribute[0].name == "value":
-            g.set_const(node.output[0], numpy_helper.to_array(node.attribute[0].t))
-            g.nodes.remove(node)
+    for node in g.each("Constant"):
+        if not node.domain and list(node.attributes) == ["value"]:
+            _becomes_const(g, node.outputs[0], node.attributes["value"].value.numpy())
+            g.remove(node)
             count += 1
-    g.refresh()
     return count
+
+
+def _becomes_const(g: Graph, out: Value, value: np.ndarray) -> None:
+    """A node output becomes an initializer of the same name (its producer is the caller's to remove)."""
+    name, out.name = out.name, None
+    g.replace(out, g.add_const(None, value, name=name))
 
 
 def remove_identities(g: Graph) -> int:
     count = 0
-    for node in list(g.nodes):
-        if node.op_type == "Identity" and node.output[0] not in g.outputs:
-            g.nodes.remove(node)
-            g.refresh()
-            g.replace_uses(node.output[0], node.input[0])
+    for node in g.each("Identity"):
+        if not node.outputs[0].is_graph_output():
+            g.replace(node.outputs[0], node.inputs[0])
+            g.remove(node)
             count += 1
     return count
 
 
 def fold_constants(g: Graph) -> int:
     """Evaluate every node (but DQ) whose inputs are all constants; repeat until none is left."""
-    opsets = {o.domain: o.version for o in g.model.opset_import}
     count = 0
     changed = True
     while changed:
         changed = False
-        for node in list(g.nodes):
+        for node in g.each():
             if node.op_type in NEVER_FOLD or node.domain not in ("", "ai.onnx"):
                 continue
-            inputs = [i for i in node.input if i]
-            if not inputs or not all(g.is_const(i) for i in inputs) or any(o in g.outputs for o in node.output):
+            inputs = [i for i in node.inputs if i is not None]
+            if not inputs or not all(g.is_const(i) for i in inputs) or any(o.is_graph_output() for o in node.outputs):
                 continue
-            values = _evaluate(node, g, opsets.get("", 17))
+            values = _evaluate(node, g, g.opset)
             if values is None:
                 continue
-            for name, value in zip(node.output, values):
-                g.set_const(name, value)
-            g.nodes.remove(node)
-            g.refresh()
-            g.drop_if_unused(*node.input)
+            for out, value in zip(node.outputs, values):
+                _becomes_const(g, out, value)
+            g.remove(node)
+            g.drop_if_unused(*inputs)
             count += 1
             changed = True
     return count
 
 
-def _evaluate(node: onnx.NodeProto, g: Graph, opset: int) -> list[np.ndarray] | None:
-    inputs = [i for i in node.input if i]
+def _evaluate(node: Node, g: Graph, opset: int) -> list[np.ndarray] | None:
+    inputs = {i.name: g.const(i) for i in node.inputs if i is not None}
+    proto = ir.serde.serialize_node(node)
     graph = helper.make_graph(
-        [node], "fold",
-        [helper.make_tensor_value_info(i, helper.np_dtype_to_tensor_dtype(g.const(i).dtype), g.const(i).shape)
-         for i in dict.fromkeys(inputs)],
-        [helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in node.output if o])
+        [proto], "fold",
+        [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+         for name, v in inputs.items()],
+        [helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in proto.output if o])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     try:
-        outputs = ReferenceEvaluator(model).run(None, {i: g.const(i) for i in dict.fromkeys(inputs)})
+        outputs = ReferenceEvaluator(model).run(None, inputs)
     except Exception:  # noqa: BLE001 - an op the reference cannot run simply stays in the graph
         return None
     return [np.asarray(o) for o in outputs]

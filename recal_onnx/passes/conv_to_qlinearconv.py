@@ -9,8 +9,6 @@ it becomes ``Max(q, zp_y)`` on the integers.
 
 from __future__ import annotations
 
-from onnx import helper
-
 from ..graph import Graph
 from ..qdq import activation, weight
 from ..quantized_ops import output_tail, quantized_bias, replace_with_quantized, weight_inputs
@@ -21,16 +19,16 @@ CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides
 def conv_to_qlinearconv(g: Graph) -> int:
     count = 0
     for node in g.each("Conv"):
-        x, w = activation(g, node.input[0]), weight(g, node.input[1])
+        x, w = activation(g, node.inputs[0]), weight(g, node.inputs[1])
         if x is None or w is None:
             continue
-        relu, q = output_tail(g, node.output[0])
+        relu, q = output_tail(g, node.outputs[0])
         w_inputs = weight_inputs(g, w, 0)
         bias = quantized_bias(g, node, x, w, 2)
         if q is None or w_inputs is None or bias is None:
             continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name in CONV_ATTRS}
-        inputs = [x.q, x.scale, x.zero_point, *w_inputs, q.input[1], q.input[2]] + ([bias] if bias else [])
+        attrs = {k: a for k, a in node.attributes.items() if k in CONV_ATTRS}
+        inputs = [x.q, x.scale, x.zero_point, *w_inputs, q.inputs[1], q.inputs[2]] + ([bias] if bias is not False else [])
         replace_with_quantized(g, [node], relu, q, "QLinearConv", inputs, name=node.name + "_quant", **attrs)
         count += 1
     return count

@@ -13,9 +13,8 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-import onnx
 
-from ..graph import Graph, attr
+from ..graph import Graph, Node, Value, attr, input_of, set_attr
 from ..qdq import weight as weight_dq
 
 log = logging.getLogger(__name__)
@@ -25,33 +24,22 @@ def fold_conv_affine(g: Graph) -> int:
     count = 0
     for node in g.each("Conv", "Gemm"):
         while True:
-            nxt = g.only_consumer(node.output[0])
+            nxt = g.only_consumer(node.outputs[0])
             if nxt is None:
                 break
             channels = _channels(g, node)
             if channels is None:
                 break
-            affine = _affine_of(g, nxt, node.output[0], channels, node.op_type)
+            affine = _affine_of(g, nxt, node.outputs[0], channels, node.op_type)
             if affine is None or not _apply(g, node, *affine):
                 break
-            g.nodes.remove(nxt)
-            g.refresh()
-            if nxt.output[0] in g.outputs:
-                _rename_output(g, node, nxt.output[0])
-            else:
-                g.replace_uses(nxt.output[0], node.output[0])
+            g.replace(nxt.outputs[0], node.outputs[0])  # (a graph output keeps its name)
+            g.remove(nxt)
             count += 1
     return count
 
 
-def _rename_output(g: Graph, node: onnx.NodeProto, name: str) -> None:
-    old = node.output[0]
-    node.output[0] = name
-    g.refresh()
-    g.replace_uses(old, name)
-
-
-def _weight_layout(g: Graph, node: onnx.NodeProto) -> int | None:
+def _weight_layout(g: Graph, node: Node) -> int | None:
     """The weight axis that holds output channels: 0 for Conv and Gemm(transB=1), 1 for Gemm(transB=0)."""
     if node.op_type == "Conv":
         return 0
@@ -60,14 +48,14 @@ def _weight_layout(g: Graph, node: onnx.NodeProto) -> int | None:
     return 0 if attr(node, "transB", 0) else 1
 
 
-def _channels(g: Graph, node: onnx.NodeProto) -> int | None:
+def _channels(g: Graph, node: Node) -> int | None:
     axis = _weight_layout(g, node)
     if axis is None:
         return None
-    w = g.const(node.input[1])
+    w = g.const(node.inputs[1])
     if w is None:
-        dq = weight_dq(g, node.input[1])
-        if dq is None or g.uses(node.input[1]) != 1:
+        dq = weight_dq(g, node.inputs[1])
+        if dq is None or g.uses(node.inputs[1]) != 1:
             return None
         w = dq.q
     return int(w.shape[axis])
@@ -85,19 +73,20 @@ def _per_channel(value: np.ndarray, channels: int, op_type: str) -> np.ndarray |
     return None
 
 
-def _affine_of(g: Graph, node: onnx.NodeProto, source: str, channels: int, op_type: str):
+def _affine_of(g: Graph, node: Node, source: Value, channels: int, op_type: str):
     """``(a, d)`` such that ``node(source) = a * source + d`` per channel, or None."""
-    if node.op_type in ("Div", "Mul", "Add", "Sub") and node.input[0] == source and g.is_const(node.input[1]):
-        c = _per_channel(g.const(node.input[1]), channels, op_type)
+    if node.op_type in ("Div", "Mul", "Add", "Sub") and node.inputs[0] is source and g.is_const(node.inputs[1]):
+        c = _per_channel(g.const(node.inputs[1]), channels, op_type)
         if c is None:
             return None
         ones, zeros = np.ones(channels), np.zeros(channels)
         if node.op_type == "Div":
             return (None, None) if np.any(c == 0) else (1.0 / c, zeros)
         return {"Mul": (c, zeros), "Add": (ones, c), "Sub": (ones, -c)}[node.op_type]
-    if node.op_type == "BatchNormalization" and node.input[0] == source and all(g.is_const(i) for i in node.input[1:5]) \
-            and not attr(node, "training_mode", 0) and len([o for o in node.output if o]) == 1:
-        gamma, beta, mean, var = (np.asarray(g.const(i), dtype=np.float64).reshape(-1) for i in node.input[1:5])
+    if node.op_type == "BatchNormalization" and node.inputs[0] is source \
+            and all(g.is_const(input_of(node, i)) for i in range(1, 5)) and not attr(node, "training_mode", 0) \
+            and not any(g.uses(o) for o in node.outputs[1:]):
+        gamma, beta, mean, var = (np.asarray(g.const(i), dtype=np.float64).reshape(-1) for i in node.inputs[1:5])
         if gamma.size != channels:
             return None
         a = gamma / np.sqrt(var + attr(node, "epsilon", 1e-5))
@@ -105,33 +94,32 @@ def _affine_of(g: Graph, node: onnx.NodeProto, source: str, channels: int, op_ty
     return None
 
 
-def _apply(g: Graph, node: onnx.NodeProto, a: np.ndarray | None, d: np.ndarray | None) -> bool:
+def _apply(g: Graph, node: Node, a: np.ndarray | None, d: np.ndarray | None) -> bool:
     if a is None:
         return False
     axis = _weight_layout(g, node)
-    w_name = node.input[1]
-    w = g.const(w_name)
+    w_value = node.inputs[1]
+    w = g.const(w_value)
     if w is not None:  # a float weight: scale it (a new initializer, so a shared weight stays intact)
         shape = [1] * w.ndim
         shape[axis] = -1
-        node.input[1] = g.add_const(w_name, (w * a.reshape(shape)).astype(w.dtype))
+        node.replace_input_with(1, g.add_const(w_value.name, (w * a.reshape(shape)).astype(w.dtype)))
         dtype = w.dtype
     else:
-        dq = weight_dq(g, w_name)
+        dq = weight_dq(g, w_value)
         if dq is None or not _fold_into_dq(g, dq, a, axis):
             return False
-        dtype = g.const(dq.dq.input[1]).dtype
-    bias = g.const(node.input[2]) if len(node.input) > 2 and node.input[2] else None
-    if len(node.input) > 2 and node.input[2] and bias is None:
+        dtype = g.const(dq.dq.inputs[1]).dtype
+    old_bias = input_of(node, 2)
+    bias = g.const(old_bias)
+    if old_bias is not None and bias is None:
         return False
     bias = np.zeros(len(a)) if bias is None else np.asarray(bias, dtype=np.float64).reshape(-1)
-    new_bias = g.add_const((node.input[2] if len(node.input) > 2 and node.input[2] else node.name) + "_bias",
+    new_bias = g.add_const((old_bias.name if old_bias is not None else node.name) + "_bias",
                            (a * bias + d).astype(dtype))
-    if len(node.input) > 2:
-        node.input[2] = new_bias
-    else:
-        node.input.append(new_bias)
-    g.refresh()
+    if len(node.inputs) < 3:
+        node.resize_inputs(3)
+    node.replace_input_with(2, new_bias)
     return True
 
 
@@ -151,19 +139,15 @@ def _fold_into_dq(g: Graph, dq, a: np.ndarray, axis: int) -> bool:
         info = np.iinfo(q.dtype)
         flipped = q.astype(np.int32) * sign
         if flipped.max() > info.max or flipped.min() < info.min:
-            log.warning("fold: weight %s clipped while negating a channel (int8 -128)", dq.dq.input[0])
+            log.warning("fold: weight %s clipped while negating a channel (int8 -128)", dq.dq.inputs[0].name)
         q = np.clip(flipped, info.min, info.max).astype(q.dtype)
     zp = np.broadcast_to(dq.zero_point.reshape(-1), (channels,)).astype(dq.zero_point.dtype)
     node = dq.dq
-    node.input[0] = g.add_const(node.input[0], q)
-    node.input[1] = g.add_const(node.input[1], scale.astype(g.const(node.input[1]).dtype))
-    zp_name = g.add_const(node.input[2] if len(node.input) > 2 and node.input[2] else "zero_point", zp)
-    if len(node.input) > 2:
-        node.input[2] = zp_name
-    else:
-        node.input.append(zp_name)
-    for a_ in list(node.attribute):
-        if a_.name == "axis":
-            node.attribute.remove(a_)
-    node.attribute.append(onnx.helper.make_attribute("axis", axis))
+    node.replace_input_with(0, g.add_const(node.inputs[0].name, q))
+    node.replace_input_with(1, g.add_const(node.inputs[1].name, scale.astype(g.const(node.inputs[1]).dtype)))
+    old_zp = input_of(node, 2)
+    if len(node.inputs) < 3:
+        node.resize_inputs(3)
+    node.replace_input_with(2, g.add_const(old_zp.name if old_zp is not None else "zero_point", zp))
+    set_attr(node, "axis", axis)
     return True

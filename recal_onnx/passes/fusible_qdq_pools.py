@@ -20,21 +20,20 @@ from .pool_to_qlinear import average_pool_kind, quantize_after
 def fusible_qdq_pools(g: Graph) -> int:
     count = 0
     for node in list(g.nodes):
-        kind = average_pool_kind(g, node) if node.input else None
-        after = quantize_after(g, node.output[0]) if kind is not None else None
-        if after is None or activation(g, node.input[0]) is None:
+        kind = average_pool_kind(g, node) if node.inputs else None
+        after = quantize_after(g, node.outputs[0]) if kind is not None else None
+        if after is None or activation(g, node.inputs[0]) is None:
             continue
         shape, q = after
         if node.op_type == "ReduceMean":
-            g.remove(node)
-            g.add_node("GlobalAveragePool", [node.input[0]], [node.output[0]], name=node.name + "_pool")
+            mean, node = node, g.add_node("GlobalAveragePool", [node.inputs[0]], name=node.name + "_pool",
+                                          replaces=node.outputs[0])
+            g.remove(mean)
         elif shape is None:
             continue  # already fusible
         if shape is not None:
-            quantized, dequantized = g.fresh(node.output[0] + "_q"), g.fresh(node.output[0] + "_dq")
-            g.add_node("QuantizeLinear", [node.output[0], *q.input[1:]], [quantized], name=node.name + "_q")
-            g.add_node("DequantizeLinear", [quantized, *q.input[1:]], [dequantized], name=node.name + "_dq")
-            shape.input[0] = dequantized  # (the pool's only reader: quantize_after says so)
-            g.refresh()
+            quantized = g.add_node("QuantizeLinear", [node.outputs[0], *q.inputs[1:]], name=node.name + "_q")
+            dequantized = g.add_node("DequantizeLinear", [quantized.outputs[0], *q.inputs[1:]], name=node.name + "_dq")
+            shape.replace_input_with(0, dequantized.outputs[0])  # (the pool's only reader: quantize_after says so)
         count += 1
     return count

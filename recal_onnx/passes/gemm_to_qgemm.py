@@ -11,9 +11,8 @@ of two quantized activations (attention's Q·Kᵀ and P·V) becomes MatMulIntege
 from __future__ import annotations
 
 import numpy as np
-import onnx
 
-from ..graph import MS_DOMAIN, Graph, attr
+from ..graph import MS_DOMAIN, Graph, Node, attr
 from ..qdq import activation, weight
 from ..quantized_ops import output_tail, quantized_bias, replace_with_quantized, weight_inputs
 
@@ -28,30 +27,30 @@ def gemm_to_qgemm(g: Graph) -> int:
     return count
 
 
-def _gemm(g: Graph, node: onnx.NodeProto) -> int:
+def _gemm(g: Graph, node: Node) -> int:
     if attr(node, "transA", 0) or attr(node, "alpha", 1.0) != 1.0 or attr(node, "beta", 1.0) != 1.0:
         return 0
-    a, w = activation(g, node.input[0]), weight(g, node.input[1])
+    a, w = activation(g, node.inputs[0]), weight(g, node.inputs[1])
     if a is None or w is None:
         return 0
     trans_b = attr(node, "transB", 0)
     return _emit_qgemm(g, node, a, w, trans_b, node, bias_index=2)
 
 
-def _matmul(g: Graph, node: onnx.NodeProto) -> int:
-    a, w = activation(g, node.input[0]), weight(g, node.input[1])
-    b = activation(g, node.input[1]) if w is None else None
+def _matmul(g: Graph, node: Node) -> int:
+    a, w = activation(g, node.inputs[0]), weight(g, node.inputs[1])
+    b = activation(g, node.inputs[1]) if w is None else None
     if a is not None and b is not None:  # both operands are activations: int32 products, scaled to float
+        g.add_node("MatMulIntegerToFloat", [a.q, b.q, a.scale, b.scale, a.zero_point, b.zero_point],
+                   name=node.name + "_quant", domain=MS_DOMAIN, replaces=node.outputs[0])
         g.remove(node)
-        g.add_node("MatMulIntegerToFloat", [a.q, b.q, a.scale, b.scale, a.zero_point, b.zero_point], [node.output[0]],
-                   name=node.name + "_quant", domain=MS_DOMAIN)
         return 1
     if a is None or w is None or w.q.ndim != 2:
         return 0
-    add = g.only_consumer(node.output[0])
-    has_bias = add is not None and add.op_type == "Add" and add.input[0] == node.output[0] \
-        and g.is_const(add.input[1]) and g.const(add.input[1]).size == w.q.shape[1]
-    if g.ranks.get(node.input[0]) == 2:
+    add = g.only_consumer(node.outputs[0])
+    has_bias = add is not None and add.op_type == "Add" and add.inputs[0] is node.outputs[0] \
+        and g.is_const(add.inputs[1]) and g.const(add.inputs[1]).size == w.q.shape[1]
+    if g.rank(node.inputs[0]) == 2:
         if has_bias:  # treat MatMul + Add as one Gemm(bias)
             return _emit_qgemm(g, node, a, w, 0, add, bias_index=1, extra=[add])
         return _emit_qgemm(g, node, a, w, 0, node, bias_index=None)
@@ -60,10 +59,10 @@ def _matmul(g: Graph, node: onnx.NodeProto) -> int:
         return 0
     inputs = [a.q, w_inputs[0], a.scale, w_inputs[1], a.zero_point, w_inputs[2]]
     if has_bias:
-        inputs.append(g.add_const(add.input[1] + "_f32", g.const(add.input[1]).astype(np.float32).reshape(-1)))
-    out = add.output[0] if has_bias else node.output[0]
+        inputs.append(g.add_const(add.inputs[1].name + "_f32", g.const(add.inputs[1]).astype(np.float32).reshape(-1)))
+    out = add.outputs[0] if has_bias else node.outputs[0]
+    g.add_node("MatMulIntegerToFloat", inputs, name=node.name + "_quant", domain=MS_DOMAIN, replaces=out)
     g.remove(*([node, add] if has_bias else [node]))
-    g.add_node("MatMulIntegerToFloat", inputs, [out], name=node.name + "_quant", domain=MS_DOMAIN)
     return 1
 
 
@@ -71,16 +70,17 @@ def _emit_qgemm(g: Graph, node, a, w, trans_b: int, last, bias_index, extra=()) 
     w_inputs = weight_inputs(g, w, 0 if trans_b else 1)
     if w_inputs is None:
         return 0
-    bias = quantized_bias(g, last, a, w, bias_index) if bias_index is not None else ""
+    bias = quantized_bias(g, last, a, w, bias_index)
     if bias is None:
         return 0
-    relu, q = output_tail(g, last.output[0])
-    inputs = [a.q, a.scale, a.zero_point, *w_inputs, bias]
+    relu, q = output_tail(g, last.outputs[0])
+    inputs = [a.q, a.scale, a.zero_point, *w_inputs, bias if bias is not False else None]
     if q is None:  # float output (a model's logits); a ReLU after it stays float
+        g.add_node("QGemm", inputs, name=node.name + "_quant", domain=MS_DOMAIN, transB=trans_b,
+                   replaces=last.outputs[0])
         g.remove(node, *extra)
-        g.add_node("QGemm", inputs, [last.output[0]], name=node.name + "_quant", domain=MS_DOMAIN, transB=trans_b)
     else:
-        replace_with_quantized(g, [node, *extra], relu, q, "QGemm", [*inputs, q.input[1], q.input[2]],
+        replace_with_quantized(g, [node, *extra], relu, q, "QGemm", [*inputs, q.inputs[1], q.inputs[2]],
                                name=node.name + "_quant", domain=MS_DOMAIN, transB=trans_b)
     return 1
 

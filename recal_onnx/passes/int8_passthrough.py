@@ -14,8 +14,6 @@ QuantizeLinear follows becomes QLinear*Pool (:mod:`.pool_to_qlinear`), one that 
 
 from __future__ import annotations
 
-from onnx import helper
-
 from ..graph import Graph
 from ..qdq import activation
 from ..quantized_ops import clamp_integers, integer_bounds
@@ -29,25 +27,24 @@ def int8_passthrough(g: Graph) -> int:
     while changed:
         changed = False
         for node in g.each():
-            if not node.input:
+            if not node.inputs:
                 continue
-            x = activation(g, node.input[0])
+            x = activation(g, node.inputs[0])
             if x is None:
                 continue
-            if node.op_type == "MaxPool" and len([o for o in node.output if o]) > 1:
+            if node.op_type == "MaxPool" and len([o for o in node.outputs if o.name or o.uses()]) > 1:
                 continue  # the Indices output has no integer meaning
-            out = node.output[0]
             if node.op_type in PASSTHROUGH:
-                q_out = g.fresh(out + "_q")
-                g.add_node(node.op_type, [x.q, *node.input[1:]], [q_out], name=node.name + "_int8",
-                           **{a.name: helper.get_attribute_value(a) for a in node.attribute})
+                q_out = g.add_node(node.op_type, [x.q, *node.inputs[1:]], name=node.name + "_int8",
+                                   **node.attributes).outputs[0]
             elif node.op_type in ("Relu", "Clip") and \
                     (clamp := integer_bounds(g, node, x.scale, x.zero_point, on_grid=True)) is not None:
                 q_out = clamp_integers(g, node, x.q, clamp, g.const(x.zero_point).dtype)
             else:
                 continue
+            g.add_node("DequantizeLinear", [q_out, x.scale, x.zero_point], name=node.name + "_dq",
+                       replaces=node.outputs[0])
             g.remove(node)
-            g.add_node("DequantizeLinear", [q_out, x.scale, x.zero_point], [out], name=node.name + "_dq")
             count += 1
             changed = True
     return count

@@ -19,12 +19,12 @@ from ..quantized_ops import integer_bounds
 def remove_noop_clamps(g: Graph) -> int:
     count = 0
     for node in list(g.nodes):
-        if node.op_type not in ("Relu", "Clip") or node.output[0] in g.outputs:
+        if node.op_type not in ("Relu", "Clip") or node.outputs[0].is_graph_output():
             continue
-        x = activation(g, node.input[0])
+        x = activation(g, node.inputs[0])
         if x is None or integer_bounds(g, node, x.scale, x.zero_point, on_grid=True) != []:
             continue
-        g.replace_uses(node.output[0], node.input[0])
+        g.replace(node.outputs[0], node.inputs[0])
         g.remove(node)
         count += 1
     return count

@@ -13,71 +13,68 @@ A ReduceMean over the spatial axes of an NCHW tensor (keepdims=1), as the dynamo
 
 from __future__ import annotations
 
-import onnx
-from onnx import helper
-
-from ..graph import MS_DOMAIN, Graph, attr
+from ..graph import MS_DOMAIN, Graph, Node, Value, attr, input_of
 from ..qdq import QTensor, activation, quantize_node_of
 
 AVERAGE_POOL_ATTRS = ("auto_pad", "ceil_mode", "count_include_pad", "kernel_shape", "pads", "strides")
 SHAPE_ONLY = ("Squeeze", "Flatten", "Reshape", "Unsqueeze")
 
 
-def average_pool_kind(g: Graph, node: onnx.NodeProto) -> str | None:
+def average_pool_kind(g: Graph, node: Node) -> str | None:
     if node.op_type == "GlobalAveragePool":
         return "global"
     if node.op_type == "AveragePool" and not attr(node, "dilations"):
         return "average"
-    if node.op_type == "ReduceMean" and attr(node, "keepdims", 1) == 1 and g.ranks.get(node.input[0]) == 4:
+    if node.op_type == "ReduceMean" and attr(node, "keepdims", 1) == 1 and g.rank(node.inputs[0]) == 4:
         axes = attr(node, "axes")
-        if axes is None and len(node.input) > 1 and node.input[1]:
-            value = g.const(node.input[1])
+        if axes is None and input_of(node, 1) is not None:
+            value = g.const(node.inputs[1])
             axes = None if value is None else value.reshape(-1).tolist()
         if axes is not None and sorted(a % 4 for a in axes) == [2, 3]:
             return "global"
     return None
 
 
-def make_qlinear_pool(g: Graph, node: onnx.NodeProto, x: QTensor, y_scale: str, y_zero_point: str,
-                      output: str) -> onnx.NodeProto:
+def make_qlinear_pool(g: Graph, node: Node, x: QTensor, y_scale: Value, y_zero_point: Value,
+                      replaces: Value | None = None) -> Node:
     inputs = [x.q, x.scale, x.zero_point, y_scale, y_zero_point]
     if average_pool_kind(g, node) == "global":
-        return g.add_node("QLinearGlobalAveragePool", inputs, [output], name=node.name + "_quant",
-                          domain=MS_DOMAIN, channels_last=0)
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name in AVERAGE_POOL_ATTRS}
-    return g.add_node("QLinearAveragePool", inputs, [output], name=node.name + "_quant", domain=MS_DOMAIN, **attrs)
+        return g.add_node("QLinearGlobalAveragePool", inputs, name=node.name + "_quant", domain=MS_DOMAIN,
+                          channels_last=0, replaces=replaces)
+    attrs = {k: a for k, a in node.attributes.items() if k in AVERAGE_POOL_ATTRS}
+    return g.add_node("QLinearAveragePool", inputs, name=node.name + "_quant", domain=MS_DOMAIN, replaces=replaces,
+                      **attrs)
 
 
-def quantize_after(g: Graph, name: str) -> tuple[onnx.NodeProto | None, onnx.NodeProto] | None:
-    """``(shape op or None, QuantizeLinear)`` when ``name`` is quantized, directly or through one shape-only op."""
-    q = quantize_node_of(g, name)
+def quantize_after(g: Graph, value: Value) -> tuple[Node | None, Node] | None:
+    """``(shape op or None, QuantizeLinear)`` when ``value`` is quantized, directly or through one shape-only op."""
+    q = quantize_node_of(g, value)
     if q is not None:
         return None, q
-    shape = g.only_consumer(name)
-    if shape is None or shape.op_type not in SHAPE_ONLY or shape.input[0] != name:
+    shape = g.only_consumer(value)
+    if shape is None or shape.op_type not in SHAPE_ONLY or shape.inputs[0] is not value:
         return None
-    q = quantize_node_of(g, shape.output[0])
+    q = quantize_node_of(g, shape.outputs[0])
     return (shape, q) if q is not None else None
 
 
 def pool_to_qlinear(g: Graph) -> int:
     count = 0
     for node in g.each():
-        if not node.input or average_pool_kind(g, node) is None:
+        if not node.inputs or average_pool_kind(g, node) is None:
             continue
-        x = activation(g, node.input[0])
-        after = quantize_after(g, node.output[0])
+        x = activation(g, node.inputs[0])
+        after = quantize_after(g, node.outputs[0])
         if x is None or after is None:
             continue
         shape, q = after
         if shape is None:
-            make_qlinear_pool(g, node, x, q.input[1], q.input[2], q.output[0])
+            make_qlinear_pool(g, node, x, q.inputs[1], q.inputs[2], replaces=q.outputs[0])
             g.remove(node, q)
         else:
-            pooled = g.fresh(node.output[0] + "_q")
-            make_qlinear_pool(g, node, x, q.input[1], q.input[2], pooled)
-            g.add_node(shape.op_type, [pooled, *shape.input[1:]], [q.output[0]], name=shape.name + "_int8",
-                       **{a.name: helper.get_attribute_value(a) for a in shape.attribute})
+            pooled = make_qlinear_pool(g, node, x, q.inputs[1], q.inputs[2]).outputs[0]
+            g.add_node(shape.op_type, [pooled, *shape.inputs[1:]], name=shape.name + "_int8",
+                       replaces=q.outputs[0], **shape.attributes)
             g.remove(node, shape, q)
         count += 1
     return count

@@ -13,15 +13,15 @@ from ..qdq import activation, same_qparams
 def remove_redundant_qdq(g: Graph) -> int:
     count = 0
     for node in g.each("QuantizeLinear"):
-        if len(node.input) < 3:
+        if len(node.inputs) < 3:
             continue
-        x = activation(g, node.input[0])
-        if x is None or not same_qparams(g, x.scale, x.zero_point, node.input[1], node.input[2]):
+        x = activation(g, node.inputs[0])
+        if x is None or not same_qparams(g, x.scale, x.zero_point, node.inputs[1], node.inputs[2]):
             continue
-        out = node.output[0]
-        if out in g.outputs:
+        out = node.outputs[0]
+        if out.is_graph_output():
             continue
+        g.replace(out, x.q)
         g.remove(node)
-        g.replace_uses(out, x.q)
         count += 1
     return count

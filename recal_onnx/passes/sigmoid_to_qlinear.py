@@ -17,11 +17,11 @@ from ..qdq import activation, quantize_node_of
 def sigmoid_to_qlinear(g: Graph) -> int:
     count = 0
     for node in g.each("Sigmoid"):
-        x, q = activation(g, node.input[0]), quantize_node_of(g, node.output[0])
+        x, q = activation(g, node.inputs[0]), quantize_node_of(g, node.outputs[0])
         if x is None or q is None:
             continue
+        g.add_node("QLinearSigmoid", [x.q, x.scale, x.zero_point, q.inputs[1], q.inputs[2]], name=node.name + "_quant",
+                   domain=MS_DOMAIN, replaces=q.outputs[0])
         g.remove(node, q)
-        g.add_node("QLinearSigmoid", [x.q, x.scale, x.zero_point, q.input[1], q.input[2]], [q.output[0]],
-                   name=node.name + "_quant", domain=MS_DOMAIN)
         count += 1
     return count

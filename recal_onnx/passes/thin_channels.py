@@ -20,11 +20,10 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-import onnx
 
 from recal_core.channel_coupling import Op, channel_spaces, input_columns, live_channels
 
-from ..graph import Graph, attr
+from ..graph import Graph, Node, Value, attr, input_of, set_attr
 from ..qdq import weight as weight_dq
 
 log = logging.getLogger(__name__)
@@ -37,11 +36,11 @@ _SAME = {"Relu", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool",
 def thin_channels(g: Graph, block: int = CHANNEL_BLOCK) -> int:
     """Remove the dead channels of each thinnable space, keeping a multiple of ``block``; return how many went."""
     removed = 0
-    ops, nodes = _ops(g)
+    ops, nodes, values = _ops(g)
     for space in channel_spaces(ops):
         if not space.thinnable:
             continue
-        keep = _whole_blocks(live_channels(space, lambda name: _is_zero(g, name)), block)
+        keep = _whole_blocks(live_channels(space, lambda name: _is_zero(g, values[name])), block)
         if keep.all():
             continue
         index = np.flatnonzero(keep)
@@ -52,17 +51,14 @@ def thin_channels(g: Graph, block: int = CHANNEL_BLOCK) -> int:
             node = nodes[op.name]
             _slice_weight(g, node, 1, index, 0)
             _slice_bias(g, node, index)
-            for a in node.attribute:
-                if a.name == "group":
-                    a.i = len(index)
+            if "group" in node.attributes:
+                set_attr(node, "group", len(index))
         for op, _ in space.consumers:
             node = nodes[op.name]
             _slice_weight(g, node, 1, input_columns(index, keep.size, _weight(g, node)[0].shape[1]), 1)
         removed += int(keep.size - index.size)
         g.thinned.update({t: index for t in space.tensors})
         log.info("thinned %s: %d -> %d channels", ", ".join(p.name for p in space.producers), keep.size, index.size)
-    if removed:
-        g.refresh()
     return removed
 
 
@@ -77,33 +73,36 @@ def _whole_blocks(keep: np.ndarray, block: int) -> np.ndarray:
     return keep
 
 
-def _ops(g: Graph) -> tuple[list[Op], dict[str, onnx.NodeProto]]:
-    """The graph as coupling ops (weight plumbing, ``DQ(const)``, is left out), and the nodes by op name."""
-    ops = [Op(i.name, "input", (), i.name) for i in g.graph.input if i.name not in g.initializers]
-    nodes = {}
+def _ops(g: Graph) -> tuple[list[Op], dict[str, Node], dict[str, Value]]:
+    """The graph as coupling ops (weight plumbing, ``DQ(const)``, is left out), the nodes by op name and the
+    values by tensor name (the coupling rules name tensors)."""
+    ops = [Op(i.name, "input", (), i.name) for i in g.graph.inputs if not i.is_initializer()]
+    nodes: dict[str, Node] = {}
+    values = {v.name: v for v in g.graph.initializers.values()}
     for n, node in enumerate(g.nodes):
         name = node.name if node.name and node.name not in nodes else f"{node.op_type}_{n}"
         nodes[name] = node
-        data = tuple(i for i in node.input if i and not g.is_const(i) and weight_dq(g, i) is None)
-        out = node.output[0] if node.output else None
+        values.update({v.name: v for v in node.inputs if v is not None})
+        data = tuple(i.name for i in node.inputs if i is not None and not g.is_const(i) and weight_dq(g, i) is None)
+        out = node.outputs[0].name if node.outputs else None
         kind = _kind(g, node, data)
         if kind is None:
             continue  # a constant weight's DequantizeLinear
         if kind in ("layer", "depthwise"):
-            ops.append(Op(name, kind, data[:1], out, node.input[1], node.input[2] if len(node.input) > 2 and
-                          node.input[2] else None))
+            bias = input_of(node, 2)
+            ops.append(Op(name, kind, data[:1], out, node.inputs[1].name, bias.name if bias is not None else None))
         else:
             ops.append(Op(name, kind, data, out))
-    ops.append(Op("the model's output", "output", tuple(o.name for o in g.graph.output)))
-    return ops, nodes
+    ops.append(Op("the model's output", "output", tuple(o.name for o in g.graph.outputs)))
+    return ops, nodes, values
 
 
-def _kind(g: Graph, node: onnx.NodeProto, data: tuple[str, ...]) -> str | None:
+def _kind(g: Graph, node: Node, data: tuple[str, ...]) -> str | None:
     t = node.op_type
-    if t == "DequantizeLinear" and g.is_const(node.input[0]):
+    if t == "DequantizeLinear" and g.is_const(node.inputs[0]):
         return None
     if t in ("QuantizeLinear", "DequantizeLinear"):
-        scale = g.const(node.input[1]) if len(node.input) > 1 else None
+        scale = g.const(input_of(node, 1))
         return "same" if scale is not None and scale.size == 1 and len(data) == 1 else "other"
     if t == "Conv" and len(data) == 1 and _weight(g, node) is not None:
         w = _weight(g, node)[0]
@@ -122,45 +121,44 @@ def _kind(g: Graph, node: onnx.NodeProto, data: tuple[str, ...]) -> str | None:
         return "same"
     if t == "ReduceMean" and len(data) == 1 and _spatial_axes(g, node):
         return "same"  # a global average pool written as a mean over the spatial axes
-    if t == "Add" and len(data) == 2 and len(node.input) == 2:
+    if t == "Add" and len(data) == 2 and len(node.inputs) == 2:
         return "add"
     if t == "Flatten" and attr(node, "axis", 1) == 1:
         return "flatten"
     return "other"
 
 
-def _spatial_axes(g: Graph, node: onnx.NodeProto) -> bool:
+def _spatial_axes(g: Graph, node: Node) -> bool:
     axes = attr(node, "axes", None)
-    if axes is None and len(node.input) > 1 and node.input[1]:
-        value = g.const(node.input[1])
+    if axes is None and input_of(node, 1) is not None:
+        value = g.const(node.inputs[1])
         axes = None if value is None else [int(a) for a in np.asarray(value).reshape(-1)]
-    rank = g.ranks.get(node.input[0])
+    rank = g.rank(node.inputs[0])
     return bool(axes) and rank is not None and all(2 <= (a + rank if a < 0 else a) < rank for a in axes)
 
 
-def _clip_keeps_zero(g: Graph, node: onnx.NodeProto) -> bool:
-    bounds = [g.const(i) if i else None for i in list(node.input[1:3])]
+def _clip_keeps_zero(g: Graph, node: Node) -> bool:
+    bounds = [g.const(i) for i in node.inputs[1:3]]
     lo = float(bounds[0]) if bounds and bounds[0] is not None else -np.inf
     hi = float(bounds[1]) if len(bounds) > 1 and bounds[1] is not None else np.inf
-    return all(i == "" or g.is_const(i) for i in node.input[1:3]) and lo <= 0 <= hi
+    return all(i is None or g.is_const(i) for i in node.inputs[1:3]) and lo <= 0 <= hi
 
 
-def _weight(g: Graph, node: onnx.NodeProto) -> tuple[np.ndarray, object] | None:
+def _weight(g: Graph, node: Node) -> tuple[np.ndarray, object] | None:
     """The node's weight values (int8 if quantized, float otherwise) and its DQ view (or None)."""
-    name = node.input[1]
-    dq = weight_dq(g, name)
+    dq = weight_dq(g, node.inputs[1])
     if dq is not None:
         return dq.q, dq
-    value = g.const(name)
+    value = g.const(node.inputs[1])
     return (value, None) if value is not None else None
 
 
-def _is_zero(g: Graph, name: str) -> np.ndarray:
+def _is_zero(g: Graph, value: Value) -> np.ndarray:
     """Elementwise, whether a weight or bias is zero: a quantized one where its integers equal the zero
     point, a float constant where it is 0 (a computed tensor: unknown, never zero)."""
-    dq = weight_dq(g, name)
+    dq = weight_dq(g, value)
     if dq is None:
-        value = g.const(name)
+        value = g.const(value)
         return np.zeros(1, bool) if value is None else value == 0
     zp = np.asarray(dq.zero_point)
     if zp.size > 1:
@@ -170,23 +168,24 @@ def _is_zero(g: Graph, name: str) -> np.ndarray:
     return dq.q == zp
 
 
-def _slice_weight(g: Graph, node: onnx.NodeProto, slot: int, index: np.ndarray, axis: int) -> None:
-    name = node.input[slot]
-    dq = weight_dq(g, name)
+def _slice_weight(g: Graph, node: Node, slot: int, index: np.ndarray, axis: int) -> None:
+    value = node.inputs[slot]
+    dq = weight_dq(g, value)
     if dq is None:
-        node.input[slot] = g.add_const(name, np.take(g.const(name), index, axis=axis))
+        node.replace_input_with(slot, g.add_const(value.name, np.take(g.const(value), index, axis=axis)))
         return
-    q_name = dq.dq.input[0]
-    dq.dq.input[0] = g.add_const(q_name, np.take(dq.q, index, axis=axis))
+    dq.dq.replace_input_with(0, g.add_const(dq.dq.inputs[0].name, np.take(dq.q, index, axis=axis)))
     if axis == dq.axis:  # per-channel scale and zero point along the sliced axis
         for i in (1, 2):
-            if len(dq.dq.input) > i and dq.dq.input[i] and g.const(dq.dq.input[i]).size > 1:
-                dq.dq.input[i] = g.add_const(dq.dq.input[i], np.take(g.const(dq.dq.input[i]), index, axis=0))
+            param = input_of(dq.dq, i)
+            if param is not None and g.const(param).size > 1:
+                dq.dq.replace_input_with(i, g.add_const(param.name, np.take(g.const(param), index, axis=0)))
 
 
-def _slice_bias(g: Graph, node: onnx.NodeProto, index: np.ndarray) -> None:
-    if len(node.input) > 2 and node.input[2]:
-        if g.is_const(node.input[2]):
-            node.input[2] = g.add_const(node.input[2], np.take(g.const(node.input[2]), index, axis=0))
-        elif weight_dq(g, node.input[2]) is not None:
+def _slice_bias(g: Graph, node: Node, index: np.ndarray) -> None:
+    bias = input_of(node, 2)
+    if bias is not None:
+        if g.is_const(bias):
+            node.replace_input_with(2, g.add_const(bias.name, np.take(g.const(bias), index, axis=0)))
+        elif weight_dq(g, bias) is not None:
             _slice_weight(g, node, 2, index, 0)

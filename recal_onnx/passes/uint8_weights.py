@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 
 from ..cpu import int8_weights_exact_here
-from ..graph import Graph
+from ..graph import Graph, Node, input_of
 from ..qdq import weight
 
 log = logging.getLogger(__name__)
@@ -34,48 +34,41 @@ def saturation_free(q: np.ndarray) -> bool:
 
 def uint8_weights(g: Graph) -> int:
     count = 0
-    for node in list(g.nodes):
-        if node.op_type in QDQ_WEIGHTS and len(node.input) > QDQ_WEIGHTS[node.op_type]:
-            w = weight(g, node.input[QDQ_WEIGHTS[node.op_type]])
+    for node in g.each():
+        if node.op_type in QDQ_WEIGHTS and len(node.inputs) > QDQ_WEIGHTS[node.op_type]:
+            w = weight(g, node.inputs[QDQ_WEIGHTS[node.op_type]])
             slots = None if w is None else (w.dq, 0, 2)
-        elif node.op_type in INTEGER_WEIGHTS and len(node.input) > INTEGER_WEIGHTS[node.op_type][1]:
+        elif node.op_type in INTEGER_WEIGHTS and len(node.inputs) > INTEGER_WEIGHTS[node.op_type][1]:
             slots = (node, *INTEGER_WEIGHTS[node.op_type])
         else:
             continue
         if slots is None or not _shift(g, *slots):
             continue
         count += 1
-    if count:
-        g.refresh()
     return count
 
 
-def _shift(g: Graph, node, q_index: int, zp_index: int) -> bool:
-    q = g.const(node.input[q_index])
-    has_zp = len(node.input) > zp_index and node.input[zp_index]
-    zp = g.const(node.input[zp_index]) if has_zp else np.zeros((), np.int8)
+def _shift(g: Graph, node: Node, q_index: int, zp_index: int) -> bool:
+    q = g.const(node.inputs[q_index])
+    has_zp = input_of(node, zp_index) is not None
+    zp = g.const(node.inputs[zp_index]) if has_zp else np.zeros((), np.int8)
     if q is None or zp is None or q.dtype != np.int8 or np.any(zp != 0) or saturation_free(q):
         return False
-    node.input[q_index] = g.add_const(node.input[q_index] + "_u8", (q.astype(np.int16) + 128).astype(np.uint8))
-    shape = np.shape(zp) if has_zp else np.shape(g.const(node.input[1]))  # a DequantizeLinear's scale
-    zero_point = g.add_const("w_zero_point_u8", np.full(shape, 128, np.uint8))
-    if has_zp:
-        node.input[zp_index] = zero_point
-    else:
-        while len(node.input) < zp_index:
-            node.input.append("")
-        node.input.append(zero_point)
+    node.replace_input_with(q_index, g.add_const(node.inputs[q_index].name + "_u8",
+                                                 (q.astype(np.int16) + 128).astype(np.uint8)))
+    shape = np.shape(zp) if has_zp else np.shape(g.const(node.inputs[1]))  # a DequantizeLinear's scale
+    if len(node.inputs) <= zp_index:
+        node.resize_inputs(zp_index + 1)
+    node.replace_input_with(zp_index, g.add_const("w_zero_point_u8", np.full(shape, 128, np.uint8)))
     return True
 
 
 def exact_on_this_cpu(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model``, or on a CPU whose int8 kernels saturate its uint8-weight twin (a copy; the same values), so
-    that running it here measures the model, not this CPU."""
+    """``model``, or on a CPU whose int8 kernels saturate its uint8-weight twin (a new model; the same values),
+    so that running it here measures the model, not this CPU."""
     if int8_weights_exact_here():
         return model
-    twin = onnx.ModelProto()
-    twin.CopyFrom(model)
-    g = Graph(twin)
+    g = Graph(model)
     if not uint8_weights(g):
         return model
     log.debug("running the uint8-weight twin of the model: int8 weights beyond +-64 saturate on this CPU")

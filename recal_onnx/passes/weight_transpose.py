@@ -18,10 +18,10 @@ from ..qdq import weight
 
 def fold_weight_transposes(g: Graph) -> int:
     count = 0
-    for node in list(g.nodes):
-        if node.op_type != "Transpose" or node.output[0] in g.outputs:
+    for node in g.each("Transpose"):
+        if node.outputs[0].is_graph_output():
             continue
-        w = weight(g, node.input[0])
+        w = weight(g, node.inputs[0])
         if w is None:
             continue
         perm = list(attr(node, "perm", None) or reversed(range(w.q.ndim)))
@@ -29,14 +29,15 @@ def fold_weight_transposes(g: Graph) -> int:
         if per_axis and w.scale.ndim != 1:
             continue  # blocked quantization: not a layout this pass moves
         dq = w.dq
-        q = g.add_const(dq.input[0] + "_t", np.ascontiguousarray(np.transpose(w.q, perm)))
-        inputs = [q, dq.input[1]] + list(dq.input[2:3])
+        q = g.add_const(dq.inputs[0].name + "_t", np.ascontiguousarray(np.transpose(w.q, perm)))
+        inputs = [q, *dq.inputs[1:3]]
         attrs = {"axis": perm.index(w.axis)} if per_axis else {}
-        g.remove(node)
-        g.add_node("DequantizeLinear", inputs, [node.output[0]], name=(node.name or "transpose") + "_weight",
+        g.add_node("DequantizeLinear", inputs, name=(node.name or "transpose") + "_weight", replaces=node.outputs[0],
                    **attrs)
-        if not g.uses(dq.output[0]):  # the untransposed copy goes now, not at the end (large models)
+        g.remove(node)
+        if not g.uses(dq.outputs[0]):  # the untransposed copy goes now, not at the end (large models)
+            q_old = dq.inputs[0]
             g.remove(dq)
-            g.drop_if_unused(dq.input[0])
+            g.drop_if_unused(q_old)
         count += 1
     return count

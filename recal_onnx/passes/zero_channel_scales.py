@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph, attr
+from ..graph import Graph, Value, attr, input_of
 from ..qdq import QWeight, activation, scalar, weight
 
 SCALE_FLOOR = 1e-6  # below it, a zero channel without a readable bias takes its neighbours' scale
@@ -26,10 +26,8 @@ BIAS_STEPS = 2.0 ** 30  # what a zero channel's bias becomes in int32
 
 def zero_channel_scales(g: Graph) -> int:
     count = 0
-    for node in list(g.nodes):
-        if node.op_type != "DequantizeLinear":
-            continue
-        w = weight(g, node.output[0])
+    for node in g.each("DequantizeLinear"):
+        w = weight(g, node.outputs[0])
         if w is None or w.scale.size < 2 or w.scale.size != w.q.shape[w.axis]:
             continue
         zero = ~np.moveaxis(w.q, w.axis, 0).reshape(w.scale.size, -1).any(axis=1)
@@ -39,7 +37,7 @@ def zero_channel_scales(g: Graph) -> int:
         others = old[~zero]
         stand_in = float(others.max()) if others.size and others.max() >= SCALE_FLOOR else 1.0
         scale = np.where(zero & (old < SCALE_FLOOR), stand_in, old).astype(np.float64)
-        bias_and_x = _bias_and_input_scale(g, node.output[0], w)
+        bias_and_x = _bias_and_input_scale(g, node.outputs[0], w)
         if bias_and_x is not None:
             bias, x_scale = bias_and_x
             exact = zero & (bias != 0)
@@ -47,17 +45,16 @@ def zero_channel_scales(g: Graph) -> int:
         scale = scale.astype(w.scale.dtype)
         if np.array_equal(scale, old):
             continue
-        node.input[1] = g.add_const(node.input[1] + "_zero_channels", scale.reshape(w.scale.shape))
-        g.refresh()
+        node.replace_input_with(1, g.add_const(node.inputs[1].name + "_zero_channels", scale.reshape(w.scale.shape)))
         count += 1
     return count
 
 
-def _bias_and_input_scale(g: Graph, name: str, w: QWeight) -> tuple[np.ndarray, float] | None:
-    """The constant bias (one per weight channel) and input scale of the one Conv / Gemm that reads ``name``
+def _bias_and_input_scale(g: Graph, value: Value, w: QWeight) -> tuple[np.ndarray, float] | None:
+    """The constant bias (one per weight channel) and input scale of the one Conv / Gemm that reads ``value``
     as its weight, else None."""
-    layer = g.only_consumer(name)
-    if layer is None or len(layer.input) < 3 or layer.input[1] != name or not layer.input[2]:
+    layer = g.only_consumer(value)
+    if layer is None or input_of(layer, 2) is None or layer.inputs[1] is not value:
         return None
     if layer.op_type == "Gemm":
         out_axis = 0 if attr(layer, "transB", 0) else 1
@@ -65,8 +62,8 @@ def _bias_and_input_scale(g: Graph, name: str, w: QWeight) -> tuple[np.ndarray, 
             return None
     elif layer.op_type != "Conv" or w.axis != 0:
         return None
-    bias = g.const(layer.input[2])
-    x = activation(g, layer.input[0])
+    bias = g.const(layer.inputs[2])
+    x = activation(g, layer.inputs[0])
     if bias is None or x is None or bias.size != w.scale.size:
         return None
     return np.asarray(bias, np.float64).reshape(-1), scalar(g, x.scale)
