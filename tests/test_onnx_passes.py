@@ -650,3 +650,26 @@ def test_remove_noop_clamps(zp, clip_max, removed):
     converted, (n,) = _apply(model, remove_noop_clamps)
     assert n == removed and (("Relu" in ops(converted)) or ("Clip" in ops(converted))) != removed
     np.testing.assert_array_equal(run(converted, feeds)[0], expected)
+
+
+def test_the_graph_layer_keeps_names_and_leaves_the_input_model_alone():
+    """A node standing in for another keeps the replaced tensor's name (verification compares tensors by name),
+    a graph output keeps its name when its producer goes, dead nodes go, and the input ModelProto is untouched."""
+    model = _conv_graph(relu=True, out_zp=0)
+    before = model.SerializeToString()
+    g = Graph(onnx.shape_inference.infer_shapes(model))
+    q = next(n for n in g.each("QuantizeLinear") if getattr(g.producer(n.inputs[0]), "op_type", "") == "Relu")
+    name = q.outputs[0].name
+    assert conv_to_qlinearconv(g) == 1
+    (conv,) = g.each("QLinearConv")
+    assert conv.outputs[0].name == name and g.rank(conv.outputs[0]) == 4
+    output = g.graph.outputs[0]
+    dq = g.producer(output)
+    relu = g.add_node("Relu", [dq.inputs[0]], name="stand_in", replaces=output)
+    assert g.graph.outputs[0] is relu.outputs[0] and relu.outputs[0].name == model.graph.output[0].name
+    assert g.uses(dq.outputs[0]) == 0
+    assert g.remove_dead() == 3  # that DequantizeLinear, and the input's and weight's the QLinearConv no longer reads
+    written = g.commit()
+    onnx.checker.check_model(written)
+    assert [o.name for o in written.graph.output] == [o.name for o in model.graph.output]
+    assert model.SerializeToString() == before
