@@ -16,6 +16,7 @@ Then the two tables and the paths of everything written.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     for framework, label, job_recipe, folder in jobs:
         print(f"\n== {framework}: {label} ({job_recipe.source}) -> {folder}", flush=True)
+        _replace_earlier_demo_run(folder)
         run = train(job_recipe, framework, folder, seed=args.seed, progress=not args.no_progress)
         rows += [(framework, label, a) for a in run.artefacts]
     speed_rows = []
@@ -80,6 +82,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {row.path}")
     print(f"view the training curves: tensorboard --logdir {out}")
     return 0
+
+
+def _replace_earlier_demo_run(folder: Path) -> None:
+    """A second `make demo` starts its jobs afresh: a folder holding an earlier demo job's run (its report.md) is
+    removed; any other non-empty folder is left alone, and training then refuses it with its own message."""
+    if (folder / "report.md").is_file():
+        print(f"   replacing the earlier demo run in {folder}", flush=True)
+        shutil.rmtree(folder)
 
 
 if __name__ == "__main__":

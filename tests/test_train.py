@@ -182,6 +182,24 @@ def test_make_demo_script(tmp_path):
     assert "CPU:" in result.stdout
 
 
+def test_a_second_demo_replaces_its_own_earlier_run_only(tmp_path):
+    """`make demo` twice works: a folder holding an earlier demo job (its report.md) is replaced; a folder that
+    is not one is left as it is (training then refuses it with its own message)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import demo
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    earlier, other = tmp_path / "earlier", tmp_path / "other"
+    for folder in (earlier, other):
+        (folder / "checkpoints").mkdir(parents=True)
+    (earlier / "report.md").write_text("an earlier demo run")
+    (other / "notes.txt").write_text("the user's")
+    demo._replace_earlier_demo_run(earlier)
+    demo._replace_earlier_demo_run(other)
+    assert not earlier.exists() and (other / "notes.txt").read_text() == "the user's"
+
+
 def test_progress_in_a_log_is_one_line_per_epoch(tmp_path):
     """Not a terminal (a pipe, as in CI logs): no live bars, one line per epoch on stdout."""
     result = _cli("train", "--framework", "torch", "--recipe", str(ROOT / "scripts/recipes/dense.yaml"),
