@@ -230,7 +230,6 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
     reasons = {name: f" ({why})" for name, (_, why) in g.kept_float.items()}
     output_step = _output_quantum(g)
     rewrites["remove_dead"] = g.remove_dead()
-    del model  # the rewritten graph holds what it still reads of the input model
     model = g.commit()
     infer_shapes_in_place(model, check=True)
     if unconverted:

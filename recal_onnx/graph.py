@@ -150,9 +150,12 @@ class Graph:
             old.replace_all_uses_with(new)
 
     def drop_if_unused(self, *values: Value) -> None:
-        """Forget constants nothing reads any more (keeps memory flat while passes fold weights)."""
+        """Forget constants nothing reads any more (keeps memory flat while passes fold weights); one an old model
+        also lists as a graph input goes from the inputs too."""
         for value in values:
-            if value.is_initializer() and not self.uses(value) and value not in self.graph.inputs:
+            if value.is_initializer() and not self.uses(value):
+                if value in self.graph.inputs:
+                    self.graph.inputs.remove(value)
                 self.graph.initializers.pop(value.name)
                 self._arrays.pop(value, None)
 
@@ -165,12 +168,7 @@ class Graph:
             if not any(self.uses(out) for out in node.outputs):
                 self.remove(node)
                 removed += 1
-        for name, value in list(self.graph.initializers.items()):
-            if not self.uses(value):
-                if value in self.graph.inputs:
-                    self.graph.inputs.remove(value)
-                self.graph.initializers.pop(name)
-                self._arrays.pop(value, None)
+        self.drop_if_unused(*self.graph.initializers.values())
         return removed
 
     def commit(self) -> onnx.ModelProto:
@@ -197,3 +195,11 @@ def set_attr(node: Node, name: str, value) -> None:
 def input_of(node: Node, index: int) -> Value | None:
     """``node``'s input ``index``, None where it is missing or left out."""
     return node.inputs[index] if len(node.inputs) > index else None
+
+
+def set_input(node: Node, index: int, value: Value) -> None:
+    """``node`` reads ``value`` as input ``index``, its inputs grown where it had fewer (adding an optional bias or
+    zero point; optional inputs before it stay left out)."""
+    if len(node.inputs) <= index:
+        node.resize_inputs(index + 1)
+    node.replace_input_with(index, value)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ..graph import MS_DOMAIN, Graph, attr
 from ..qdq import activation, quantize_node_of, same_qparams
+from ..quantized_ops import replace_with_quantized
 
 
 def concat_to_qlinear(g: Graph) -> int:
@@ -26,13 +27,11 @@ def concat_to_qlinear(g: Graph) -> int:
         dtype = g.const(q.inputs[2]).dtype
         if any(g.const(p.zero_point).dtype != dtype for p in parts):
             continue
-        axis = attr(node, "axis")
         if all(same_qparams(g, p.scale, p.zero_point, q.inputs[1], q.inputs[2]) for p in parts):
-            g.add_node("Concat", [p.q for p in parts], name=node.name + "_int8", axis=axis, replaces=q.outputs[0])
+            op, inputs, name, domain = "Concat", [p.q for p in parts], node.name + "_int8", ""
         else:
+            op, name, domain = "QLinearConcat", node.name + "_quant", MS_DOMAIN
             inputs = [q.inputs[1], q.inputs[2]] + [v for p in parts for v in (p.q, p.scale, p.zero_point)]
-            g.add_node("QLinearConcat", inputs, name=node.name + "_quant", domain=MS_DOMAIN, axis=axis,
-                       replaces=q.outputs[0])
-        g.remove(node, q)
+        replace_with_quantized(g, [node], None, q, op, inputs, name=name, domain=domain, axis=attr(node, "axis"))
         count += 1
     return count

@@ -14,7 +14,7 @@ import logging
 
 import numpy as np
 
-from ..graph import Graph, Node, Value, attr, input_of, set_attr
+from ..graph import Graph, Node, Value, attr, input_of, set_attr, set_input
 from ..qdq import weight as weight_dq
 
 log = logging.getLogger(__name__)
@@ -117,9 +117,7 @@ def _apply(g: Graph, node: Node, a: np.ndarray | None, d: np.ndarray | None) -> 
     bias = np.zeros(len(a)) if bias is None else np.asarray(bias, dtype=np.float64).reshape(-1)
     new_bias = g.add_const((old_bias.name if old_bias is not None else node.name) + "_bias",
                            (a * bias + d).astype(dtype))
-    if len(node.inputs) < 3:
-        node.resize_inputs(3)
-    node.replace_input_with(2, new_bias)
+    set_input(node, 2, new_bias)
     return True
 
 
@@ -146,8 +144,6 @@ def _fold_into_dq(g: Graph, dq, a: np.ndarray, axis: int) -> bool:
     node.replace_input_with(0, g.add_const(node.inputs[0].name, q))
     node.replace_input_with(1, g.add_const(node.inputs[1].name, scale.astype(g.const(node.inputs[1]).dtype)))
     old_zp = input_of(node, 2)
-    if len(node.inputs) < 3:
-        node.resize_inputs(3)
-    node.replace_input_with(2, g.add_const(old_zp.name if old_zp is not None else "zero_point", zp))
+    set_input(node, 2, g.add_const(old_zp.name if old_zp is not None else "zero_point", zp))
     set_attr(node, "axis", axis)
     return True

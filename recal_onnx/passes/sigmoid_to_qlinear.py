@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ..graph import MS_DOMAIN, Graph
 from ..qdq import activation, quantize_node_of
+from ..quantized_ops import replace_with_quantized
 
 
 def sigmoid_to_qlinear(g: Graph) -> int:
@@ -20,8 +21,7 @@ def sigmoid_to_qlinear(g: Graph) -> int:
         x, q = activation(g, node.inputs[0]), quantize_node_of(g, node.outputs[0])
         if x is None or q is None:
             continue
-        g.add_node("QLinearSigmoid", [x.q, x.scale, x.zero_point, q.inputs[1], q.inputs[2]], name=node.name + "_quant",
-                   domain=MS_DOMAIN, replaces=q.outputs[0])
-        g.remove(node, q)
+        replace_with_quantized(g, [node], None, q, "QLinearSigmoid", [x.q, x.scale, x.zero_point, *q.inputs[1:3]],
+                               name=node.name + "_quant", domain=MS_DOMAIN)
         count += 1
     return count

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 
 from ..cpu import int8_weights_exact_here
-from ..graph import Graph, Node, input_of
+from ..graph import Graph, Node, input_of, set_input
 from ..qdq import weight
 
 log = logging.getLogger(__name__)
@@ -57,9 +57,7 @@ def _shift(g: Graph, node: Node, q_index: int, zp_index: int) -> bool:
     node.replace_input_with(q_index, g.add_const(node.inputs[q_index].name + "_u8",
                                                  (q.astype(np.int16) + 128).astype(np.uint8)))
     shape = np.shape(zp) if has_zp else np.shape(g.const(node.inputs[1]))  # a DequantizeLinear's scale
-    if len(node.inputs) <= zp_index:
-        node.resize_inputs(zp_index + 1)
-    node.replace_input_with(zp_index, g.add_const("w_zero_point_u8", np.full(shape, 128, np.uint8)))
+    set_input(node, zp_index, g.add_const("w_zero_point_u8", np.full(shape, 128, np.uint8)))
     return True
 
 
