@@ -76,6 +76,8 @@ class Modifier(BaseModel):
     aliases: ClassVar[tuple[str, ...]] = ()
     start_sentinel: ClassVar[bool] = True  # whether start_epoch may be -1 ("from the first step")
     end_sentinel: ClassVar[bool] = True  # whether end_epoch may be -1 ("until training ends")
+    # fields a recipe may leave out although the seed requires them: field -> (the value taken, the warning's why)
+    warned_defaults: ClassVar[dict[str, tuple[Any, str]]] = {}
     # SparseML's logging hints: accepted and kept, they do not change training.
     log_types: str | tuple[str, ...] | None = None
 
@@ -284,6 +286,12 @@ class QuantizationArgs(BaseModel):
         return v
 
 
+WEIGHT_LEVELS = 127  # int8 symmetric weights: |q| <= 127
+# reduce_range: |q| <= 64, so |q1| + |q2| <= 128 and x86's vpmaddubsw (uint8 x int8 pairs summed in int16) never
+# saturates: 255 * 128 = 32640 <= 32767
+REDUCED_WEIGHT_LEVELS = 64
+
+
 class QuantizationScheme(BaseModel):
     """A ``scheme_overrides`` entry: ``null`` leaves that tensor float. Unnamed entries take SparseML's
     defaults (asymmetric inputs, symmetric weights, no output quantization)."""
@@ -327,6 +335,9 @@ class QuantizationModifier(Modifier):
     """Quantization-aware training from ``start_epoch`` on; it cannot be switched off."""
 
     tag: ClassVar[str] = "QuantizationModifier"
+    warned_defaults: ClassVar[dict[str, tuple[Any, str]]] = {
+        "start_epoch": (-1.0, "no start_epoch: QAT runs from the first step (start_epoch: -1), as SparseML 1.x ran "
+                              "it; write start_epoch to say when")}
     start_epoch: Epoch
     submodules: tuple[str, ...] | None = None
     ignore: tuple[str, ...] | None = Field(None, description="module names or class names to leave float")
@@ -334,7 +345,15 @@ class QuantizationModifier(Modifier):
         None, description="per module class or name, how its tensors are quantized (null: float)")
     freeze_bn_stats_epoch: Epoch | None = None
     disable_quantization_observer_epoch: Epoch | None = None
+    reduce_range: StrictBool = Field(
+        False, description="7-bit weights (|q| <= 64): exact in the int8 kernels of every x86 CPU, with or without "
+                           "VNNI (SparseML's field; activations stay 8-bit)")
     end_epoch: Literal[-1.0] = _unsupported(-1.0, "quantization cannot be disabled once started (leave end_epoch out)")
+
+    @property
+    def weight_levels(self) -> int:
+        """The largest integer a quantized conv / dense weight takes: 64 with ``reduce_range``, else 127."""
+        return REDUCED_WEIGHT_LEVELS if self.reduce_range else WEIGHT_LEVELS
 
     @field_validator("submodules", "ignore")
     @classmethod

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -16,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, PrivateAttr, SerializeAsAny, ValidationError, ValidationInfo, model_validator
 
 from . import modifiers as M
-from .errors import Location, Problem, RecipeError
+from .errors import Location, Problem, RecipeError, RecipeWarning
 from .expressions import ExpressionError, evaluate, is_expression, resolve_variables
 from .schedule import RecipeSchedule
 from .yaml_source import ParsedYaml, TaggedMapping, parse_yaml, read_recipe_text
@@ -310,6 +311,10 @@ class _Builder:
                 failed = True
         if failed:
             return None
+        for name, (value, why) in cls.warned_defaults.items():
+            if name not in fields:
+                warnings.warn(f"{item.location}: {described}: {why}", RecipeWarning, stacklevel=2)
+                fields[name] = value
         try:
             return [cls.model_validate(f) for f in _split_sparsity_map(cls, fields)]
         except ValidationError as exc:

@@ -164,14 +164,15 @@ LR_FUNCTIONS = ("linear", "cosine", "cyclic_linear")
 
 def function_lr(init_lr: float, final_lr: float, start_step: int, end_step: int, lr_func: str,
                 cycle_steps: int | None = None) -> Schedule:
-    """SparseML's ``LearningRateFunctionModifier``, per step: from ``init_lr`` at ``start_step`` to
-    ``final_lr`` at the last step of a cycle (``end_step - 1`` for one cycle), linearly or along half a
-    cosine; ``cyclic_linear`` restarts from ``init_lr`` every ``cycle_steps``. Before start: ``init_lr``;
-    after the span: the last value.
+    """SparseML's ``LearningRateFunctionModifier``, step for step as SparseML 1.8 computes it: at step ``k`` the
+    position in the cycle is ``(k - cycle start) / cycle length`` (SparseML's ``(epoch - start) / (end - start)``,
+    its epoch counting ``k / steps_per_epoch``), from ``init_lr`` at 0 towards ``final_lr`` at 1, linearly or along
+    half a cosine; the last step of a cycle is one step short of ``final_lr``, as in SparseML. ``cyclic_linear``
+    restarts from ``init_lr`` every ``cycle_steps``. Before start: ``init_lr``; after the span: the last value.
 
-    >>> s = function_lr(1.0, 0.0, 0, 5, "linear")
-    >>> [s(k) for k in (0, 2, 4, 9)]
-    [1.0, 0.5, 0.0, 0.0]
+    >>> s = function_lr(1.0, 0.0, 0, 4, "linear")
+    >>> [s(k) for k in (0, 2, 3, 9)]
+    [1.0, 0.5, 0.25, 0.25]
     """
     if lr_func not in LR_FUNCTIONS:
         raise ValueError(f"lr_func must be one of {LR_FUNCTIONS}, got {lr_func!r}")
@@ -185,7 +186,7 @@ def function_lr(init_lr: float, final_lr: float, start_step: int, end_step: int,
         t = min(max(0, k - start_step), span - 1)
         within = t % cycle
         length = min(cycle, span - (t - within))  # the last cycle may be cut short by the end
-        p = within / max(1, length - 1)
+        p = within / length
         if lr_func == "cosine":
             return final_lr + (init_lr - final_lr) * (1 + math.cos(math.pi * p)) / 2
         return init_lr + (final_lr - init_lr) * p

@@ -7,6 +7,7 @@ import math
 import warnings
 
 from .convert import UnconvertedOpsWarning, quantize_qat_export
+from .targets import DEFAULT_TARGET, TARGETS, WEIGHT_TYPES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,9 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-verify", action="store_true", help="skip the onnxruntime comparison")
     parser.add_argument("--no-thin", action="store_true",
                         help="keep channels filter pruning left dead (by default they are removed)")
-    parser.add_argument("--weight-type", choices=("auto", "int8", "uint8"), default="auto",
-                        help="int8: fast and exact on CPUs with VNNI / AMX and on Arm; uint8: exact on x86 without "
-                             "VNNI; auto (default): int8 unless this CPU is x86 without VNNI")
+    parser.add_argument("--target", choices=TARGETS, default=DEFAULT_TARGET,
+                        help="the CPUs the model is for: any (default: exact on every CPU), x86-avx2, x86-vnni "
+                             "(VNNI or AMX), arm64, native (this CPU's kind); decides how weights beyond +-64 are "
+                             "stored (a model trained with reduce_range: true has none: int8 for every target)")
+    parser.add_argument("--weight-type", choices=WEIGHT_TYPES, default="auto",
+                        help="override the target's choice: int8 (exact with VNNI / AMX and on Arm), uint8 (weights "
+                             "beyond +-64 as uint8: exact everywhere); auto (default): the target's")
     parser.add_argument("--tolerance", type=_tolerance, help="largest accepted max-abs difference (a finite number >= 0)")
 
 
@@ -45,15 +50,12 @@ def run(args: argparse.Namespace) -> int:
         warnings.simplefilter("always", UnconvertedOpsWarning)
         result = quantize_qat_export(args.input, args.output, format=args.format, verify=not args.no_verify,
                                      tolerance=args.tolerance, thin=not args.no_thin,
-                                     weight_type=args.weight_type)
+                                     weight_type=args.weight_type, target=args.target)
     for w in caught:
         print(f"warning: {w.message}")
     done = ", ".join(f"{k} {v}" for k, v in result.rewrites.items() if v)
-    weights = f"{result.weight_type} weights"
-    if args.weight_type == "auto" and result.weight_type == "uint8":
-        weights += ": this CPU has no VNNI; --weight-type int8 for one that has"
-    print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB, {weights}) in {result.seconds:.2f}s: "
-          f"{done}")
+    print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB) in {result.seconds:.2f}s: {done}")
+    print(f"weights: {result.weights_note}")
     if result.rounded_biases:
         print(f"note: {result.rounded_biases_note}")
     if result.verification is not None:

@@ -18,12 +18,13 @@ removes dead nodes and initializers, sorts the graph, and runs ``onnx.checker`` 
    format ``qdq``: ``bias_to_int32``, ``fusible_qdq_pools`` (average pools as ``DQ -> pool -> Q``, which
    onnxruntime's QDQ fusion runs on the integers: a spatial ReduceMean becomes a GlobalAveragePool, a pool
    quantized after a Flatten is quantized before it too).
-6. ``uint8_weights`` with ``weight_type="uint8"`` (int8 weights beyond +-64 as uint8 with zero point 128),
+6. ``uint8_weights`` when the target needs it (int8 weights beyond +-64 as uint8 with zero point 128),
    ``bias_apart`` (a layer whose bias int32 cannot hold stays float, its bias in an Add of its own).
 
-Weights are int8, what runtimes expect and what runs fastest on CPUs with VNNI or AMX, where it is exact.
-x86 CPUs without VNNI add uint8 x int8 pairs in int16, which saturates for large weights: there
-``weight_type="uint8"`` is exact (and ``"auto"``, the default, picks it when converting on such a CPU).
+How weights are stored follows the ``target`` (:mod:`recal_onnx.targets`), never the converting CPU: a model
+trained with ``reduce_range: true`` (7-bit weights) is int8 throughout, exact and fast on every CPU; an 8-bit one
+keeps int8 weights for ``x86-vnni`` / ``arm64`` and stores its layers with weights beyond +-64 as uint8 for the
+default ``any`` (exact everywhere).
 
 Whatever stays float between a DequantizeLinear and a QuantizeLinear is listed in a
 :class:`UnconvertedOpsWarning`. With ``verify`` both models run in onnxruntime on the same inputs;
@@ -66,16 +67,16 @@ from .passes.zero_channel_scales import zero_channel_scales
 from .passes.redundant_qdq import remove_redundant_qdq
 from .passes.sigmoid_to_qlinear import sigmoid_to_qlinear
 from .passes.thin_channels import CHANNEL_BLOCK, thin_channels
-from .passes.uint8_weights import exact_on_this_cpu, uint8_weights
+from .passes.uint8_weights import exact_on_this_cpu, saturating_layers, uint8_weights
 from .passes.weight_transpose import fold_weight_transposes
 from .qdq import activation, weight
 from .cpu import int8_weights_exact_here
+from .targets import DEFAULT_TARGET, WEIGHT_TYPES, WeightChoice, choose_weights
 from .verify import Verification, verify_models
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("qoperator", "qdq")
-WEIGHT_TYPES = ("auto", "int8", "uint8")
 EXTERNAL_DATA_BYTES = 1_800_000_000  # above this a model's tensors go to <name>.data (protobuf's limit is 2 GB)
 EXTERNAL_TENSOR_BYTES = 1024  # ... those of at least this size
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
@@ -109,7 +110,9 @@ class ConversionResult:
     verification: Verification | None = None
     seconds: float = 0.0
     float_ops: dict[str, int] = field(default_factory=dict)  # op type -> nodes that compute in float (by design too)
-    weight_type: str = "int8"  # "uint8": weights beyond +-64 shifted to uint8 (exact on x86 without VNNI)
+    weight_type: str = "int8"  # "uint8": some layers' weights (beyond +-64) written as uint8, zero point 128
+    target: str = DEFAULT_TARGET  # the CPUs the model is for (recal_onnx.targets)
+    weights_note: str = ""  # which weight form was written, and why, in one sentence
     # node name -> how far (in int32 steps, <= 0.5) its float bias was from the grid the int8 layer holds it on
     rounded_biases: dict[str, float] = field(default_factory=dict)
 
@@ -132,7 +135,8 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
                         format: str = "qoperator", verify: bool = True, inputs: dict[str, np.ndarray] | None = None,
                         tolerance: float | None = None, min_agreement: float | None = None,
                         thin: bool = True, verify_inputs: dict[str, np.ndarray] | None = None,
-                        weight_type: str = "auto", channel_block: int = CHANNEL_BLOCK) -> ConversionResult:
+                        weight_type: str = "auto", channel_block: int = CHANNEL_BLOCK,
+                        target: str = DEFAULT_TARGET) -> ConversionResult:
     """Convert a QAT ONNX model into a fully quantized one (``qoperator``) or a folded, clean QDQ one.
 
     ``model_or_path`` is never modified; ``output_path`` (optional) is written atomically and may not
@@ -146,17 +150,18 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     outputs stay the same, the multiply-adds go down (``rewrites["thin_channels"]``: channels removed); the
     channels kept are a multiple of ``channel_block`` (dead ones kept to make it up: onnxruntime's int8
     kernels run other counts up to 3x slower; 1 removes every dead channel).
-    ``weight_type``: ``"int8"`` (fast and exact on CPUs with VNNI or AMX, and on Arm; what other runtimes
-    expect), ``"uint8"`` (weights beyond +-64 shifted to uint8, zero point 128: exact on x86 CPUs without VNNI,
-    whose u8s8 kernels saturate), ``"auto"``: int8 unless this CPU is such a one (``result.weight_type`` says
-    which). Verification on a CPU that saturates int8 weights runs the model's uint8-weight twin.
+    ``target``: the CPUs the model is for (:mod:`recal_onnx.targets`): ``"any"`` (default: exact on every CPU),
+    ``"x86-avx2"``, ``"x86-vnni"``, ``"arm64"`` or ``"native"`` (this CPU's kind, said in the result). It
+    decides how weights beyond +-64 are stored; a model trained with ``reduce_range: true`` has none, and is int8
+    for every target. ``weight_type`` (``"auto"``: the target's choice; ``"int8"``; ``"uint8"``) overrides it.
+    ``result.weights_note`` says which form was written and why. Verification on a CPU that saturates int8
+    weights runs the model's uint8-weight twin (the values the target computes), and says so.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     if not isinstance(channel_block, int) or isinstance(channel_block, bool) or channel_block < 1:
         raise ValueError(f"channel_block must be an integer >= 1, got {channel_block!r}")
-    if weight_type not in WEIGHT_TYPES:
-        raise ValueError(f"weight_type must be one of {WEIGHT_TYPES}, got {weight_type!r}")
+    choice = choose_weights(target, weight_type)
     if inputs is not None and verify_inputs is not None:
         raise ValueError("give the verification inputs once: inputs= or verify_inputs=, not both")
     inputs = verify_inputs if inputs is None else inputs
@@ -178,7 +183,7 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         model.CopyFrom(model_or_path)  # never modify the caller's model
     try:
         return _convert(model, reference, output_path, format, verify, inputs, tolerance, min_agreement, started,
-                        thin, _weight_type(weight_type), channel_block)
+                        thin, choice, channel_block)
     except (VerificationError, ModelError, OSError, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - a malformed model must end in one clear error, not a traceback
@@ -186,18 +191,9 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
                          f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}") from exc
 
 
-def _weight_type(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    if int8_weights_exact_here():
-        return "int8"
-    log.debug("quantize_qat_export: weights beyond +-64 as uint8: this CPU (x86 without VNNI) saturates int8 ones; "
-             "pass weight_type='int8' for a CPU with VNNI or AMX (about 3x faster there on ResNet-50)")
-    return "uint8"
-
-
 def _convert(model, reference, output_path, format, verify, inputs, tolerance, min_agreement,
-             started, thin=True, weight_type="int8", channel_block=CHANNEL_BLOCK) -> ConversionResult:
+             started, thin=True, choice: WeightChoice = WeightChoice("x86-vnni", "int8", ""),
+             channel_block=CHANNEL_BLOCK) -> ConversionResult:
     infer_shapes_in_place(model)
     g = Graph(model)
     rewrites: dict[str, int] = {}
@@ -221,7 +217,8 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
     else:
         run(bias_to_int32)
         run(fusible_qdq_pools)
-    if weight_type == "uint8":
+    saturating = saturating_layers(g)
+    if choice.weight_type == "uint8":
         run(uint8_weights)
     run(bias_apart)
     unconverted = _float_islands(g, QDQ_FUSIBLE if format == "qdq" else set())
@@ -237,12 +234,18 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
         warnings.warn(f"left in float between DequantizeLinear and QuantizeLinear: {listed}",
                       UnconvertedOpsWarning, stacklevel=3)
     result = ConversionResult(model, None, rewrites, unconverted, float_ops=_float_compute(model),
-                              weight_type=weight_type, rounded_biases=dict(g.rounded_biases))
+                              weight_type="uint8" if rewrites.get("uint8_weights") else "int8", target=choice.target,
+                              weights_note=_weights_note(choice, saturating, rewrites.get("uint8_weights", 0)),
+                              rounded_biases=dict(g.rounded_biases))
     if result.float_ops:
         log.info("quantize_qat_export: computing in float (outside quantized tensors, by design, or listed above): "
                  "%s", ", ".join(f"{op} x{n}" for op, n in result.float_ops.items()))
     if verify:
-        result.verification = verify_models(reference, exact_on_this_cpu(model), inputs, output_step, g.thinned)
+        run_here = exact_on_this_cpu(model)
+        if run_here is not model:
+            result.weights_note += ("; verified as its target computes it (this CPU has no VNNI and would saturate "
+                                    "its int8 weights beyond +-64: run it on the target)")
+        result.verification = verify_models(reference, run_here, inputs, output_step, g.thinned)
         problem = result.verification.problem(tolerance, min_agreement)
         if problem:
             hint = f" ({result.rounded_biases_note})" if result.rounded_biases else ""
@@ -253,6 +256,16 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
     result.seconds = time.perf_counter() - started
     log.debug("quantize_qat_export: %s in %.2fs", {k: v for k, v in rewrites.items() if v}, result.seconds)
     return result
+
+
+def _weights_note(choice: WeightChoice, saturating: int, shifted: int) -> str:
+    """One sentence: which weight form was written and why."""
+    if not saturating:
+        return (f"int8 weights: every weight within +-64 (7-bit QAT, reduce_range), exact and fast on every CPU "
+                f"(target {choice.target})")
+    if shifted:
+        return f"uint8 weights in {shifted} layers ({choice.why})"
+    return f"int8 weights, {saturating} layers beyond +-64 ({choice.why}; they saturate on x86 without VNNI)"
 
 
 def infer_shapes_in_place(model: onnx.ModelProto, check: bool = False) -> None:

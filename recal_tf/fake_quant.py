@@ -2,7 +2,8 @@
 
 - Activations: uint8, asymmetric, per tensor (``FakeQuantWithMinMaxVars``, which tf2onnx exports as
   QuantizeLinear/DequantizeLinear with a zero point); the range always holds 0, so the zero point is exact.
-- Weights: int8, symmetric (``max|w| / 127``), per output channel (``QuantizeAndDequantizeV3`` with ``axis``,
+- Weights: int8, symmetric (``max|w| / 127``; ``max|w| / 64`` with the QuantizationModifier's ``reduce_range``),
+  per output channel (``QuantizeAndDequantizeV3`` with ``axis``,
   which tf2onnx exports as per-channel QuantizeLinear/DequantizeLinear; the per-channel FakeQuant op has no
   tf2onnx converter, and ``quantize_and_dequantize_v2`` refuses per-channel given ranges on TF 2.21).
 """
@@ -16,6 +17,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
+from recal_core.modifiers import WEIGHT_LEVELS
 from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
@@ -43,21 +45,25 @@ def _weight_range(w, axis: int):
     return tf.where(amax > 0, amax, tf.ones_like(amax))
 
 
-def fake_quant_weight(w, axis: int):
-    """``w`` fake-quantized to int8, symmetric, one scale per index of ``axis`` (its output channels)."""
-    amax = _weight_range(w, axis)
+def fake_quant_weight(w, axis: int, levels: int = WEIGHT_LEVELS):
+    """``w`` fake-quantized to int8, symmetric, one scale per index of ``axis`` (its output channels): ``max|w|``
+    maps to ``levels`` (127; 64 with ``reduce_range``).
+
+    The op quantizes ``[-r, r]`` to +-127; ``r = max|w| * 127 / levels`` gives the scale ``max|w| / levels``, so
+    the integers stay within +-levels and tf2onnx writes that scale."""
+    amax = _weight_range(w, axis) * (WEIGHT_LEVELS / levels)
     return tf.raw_ops.QuantizeAndDequantizeV3(input=w, input_min=-amax, input_max=amax, num_bits=8,
                                               signed_input=True, range_given=True, narrow_range=True, axis=axis)
 
 
-def bias_on_int32_grid(bias, w, axis: int, low, high):
+def bias_on_int32_grid(bias, w, axis: int, low, high, levels: int = WEIGHT_LEVELS):
     """``bias`` rounded to whole steps of input scale x weight scale, the int32 an int8 layer holds it as (as
     ``recal_torch.bias_grid`` writes it: an off-grid bias flips output values near a rounding boundary in the
     converted model). The scales are those :func:`fake_quant_activation` over ``[low, high]`` (its nudging moves
     the range, not the scale) and :func:`fake_quant_weight` of ``w`` quantize with; beyond int32, the converter
     keeps the layer float and says why."""
     low, high = _activation_range(low, high)
-    step = (high - low) / 255.0 * _weight_range(w, axis) / 127.0
+    step = (high - low) / 255.0 * _weight_range(w, axis) / levels
     return tf.round(bias / step) * step
 
 
@@ -78,13 +84,15 @@ class QATTables:
     observers_frozen: np.ndarray
     iterations: object = None
     export: bool = False  # inference graph for export: always quantized, no switches
+    weight_levels: int = WEIGHT_LEVELS  # 64 with the modifier's reduce_range
 
     @classmethod
     def from_schedule(cls, schedule: RecipeSchedule, index: int, iterations) -> "QATTables":
         """The tables of the recipe's QuantizationModifier at ``index``, read at ``iterations`` (a step tensor)."""
         states = [schedule.qat(index, k) for k in range(schedule.total_steps + 1)]
         return cls(np.array([s.enabled for s in states]), np.array([s.bn_frozen for s in states]),
-                   np.array([s.observers_frozen for s in states]), iterations)
+                   np.array([s.observers_frozen for s in states]), iterations,
+                   weight_levels=schedule.recipe.modifiers[index].weight_levels)
 
     def at(self, table: np.ndarray, step=None) -> tf.Tensor:
         """``table`` at ``step`` (default: ``iterations``), clipped to its last entry."""

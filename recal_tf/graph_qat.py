@@ -134,10 +134,10 @@ class GraphQAT:
         if t.bn_infer is not None:
             gamma, variance = t.bn_infer.inputs[1], t.bn_infer.inputs[4]
             t.scale = gamma / tf.sqrt(tf.stop_gradient(variance) + t.bn_infer.get_attr("epsilon"))
-            t.folded_weight = fake_quant_weight(w * t.scale, t.axis)
+            t.folded_weight = fake_quant_weight(w * t.scale, t.axis, self.tables.weight_levels)
             quantized = t.folded_weight / t.scale
         else:
-            t.folded_weight = quantized = fake_quant_weight(w, t.axis)
+            t.folded_weight = quantized = fake_quant_weight(w, t.axis, self.tables.weight_levels)
         t.op._update_input(1, tf.where(enabled, quantized, w, name="weight"))
 
     def _freeze_bn(self, t: _Target) -> None:
@@ -217,7 +217,8 @@ class GraphQAT:
                     if t.bias is not None and source is not None:
                         index, b = next((i, b) for i, b in enumerate(t.bias.inputs) if b is not t.op.outputs[0])
                         t.bias._update_input(index, bias_on_int32_grid(b, t.float_weight, t.axis,
-                                                                       *self._ranges[source.name]))
+                                                                       *self._ranges[source.name],
+                                                                       self.tables.weight_levels))
                     continue
                 bn = t.bn_infer
                 bias = bn.inputs[2] - bn.inputs[3] * t.scale
@@ -225,7 +226,8 @@ class GraphQAT:
                     b = [i for i in t.bias.inputs if i is not t.op.outputs[0]][0]
                     bias = bias + b * t.scale
                 if source is not None:
-                    bias = bias_on_int32_grid(bias, t.float_weight * t.scale, t.axis, *self._ranges[source.name])
+                    bias = bias_on_int32_grid(bias, t.float_weight * t.scale, t.axis, *self._ranges[source.name],
+                                              self.tables.weight_levels)
                 attrs = {a: t.op.get_attr(a) for a in ("strides", "padding", "explicit_paddings", "dilations")}
                 y = tf.raw_ops.Conv2D(input=t.op.inputs[0], filter=t.folded_weight, data_format="NHWC", **attrs)
                 _reroute(t.pre_activation, tf.nn.bias_add(y, bias))

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .export_modules import QuantizedExportModule
+
 log = logging.getLogger(__name__)
 
 INT32_MAX = 2 ** 31 - 1
@@ -81,8 +83,6 @@ class _GridTags(TorchFunctionMode):
 def round_biases(export_model: nn.Module, inputs: tuple) -> int:
     """Put the bias of each of ``export_model``'s int8 conv / linear layers on its int32 grid (see the module);
     return how many were."""
-    from .export import QuantizedExportModule  # the export modules are what this reads and changes
-
     layers = {m: set() for m in export_model.modules()
               if isinstance(m, QuantizedExportModule) and not m.is_table and m.bias is not None}
     if not layers:

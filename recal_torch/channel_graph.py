@@ -11,7 +11,8 @@ from torch import nn
 
 from recal_core.channel_coupling import Op, Space, channel_spaces
 
-from .qat import CONVS, ActivationFakeQuantize, FoldedBatchNorm, QATConv, QATLinear, QATModule, QuantizedReLU
+from .fake_quant import ActivationFakeQuantize
+from .qat_modules import CONVS, FoldedBatchNorm, QATConv, QATLinear, QATModule, QuantizedReLU
 
 _ZERO_PRESERVING_MODULES = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.LeakyReLU, nn.SiLU, nn.GELU, nn.Tanh, nn.Hardswish,
                             nn.Dropout, nn.Identity, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d,

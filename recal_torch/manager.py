@@ -161,7 +161,10 @@ class ScheduledModifierManager(RecipeManager):
         self.masks = MaskState(plan, params, {p.name: p.kernel_axes for p in infos}, tensors)
         self.param_groups = ParamGroupSettings(optimizer, plan.groups)
         self.trainable = TrainableFlags(plan, params)
-        self.qat = QATControl(unwrap(model), roots, left_float, attention=quantize_attention)
+        reduce_range = {i: m.reduce_range for i, m in enumerate(self.recipe.modifiers)
+                        if isinstance(m, M.QuantizationModifier)}
+        self.qat = QATControl(unwrap(model), roots, left_float, attention=quantize_attention,
+                              reduce_range=reduce_range)
         self.teacher = Teacher(teacher) if teacher is not None else None
         self.loggers = list(loggers)
         self._hooks = [

@@ -7,6 +7,8 @@ from torch import nn
 
 from recal_core.params import ParamInfo
 
+from .qat_modules import QATModule  # a QAT module keeps the kernel (or table) of the layer it was built from
+
 PRUNABLE_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
                    nn.ConvTranspose3d, nn.Linear)
 TABLES = (nn.Embedding, nn.EmbeddingBag)  # pruned only when a recipe names them
@@ -23,7 +25,6 @@ TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)  # wei
 
 
 def _layer_type(module: nn.Module) -> type:
-    from .qat import QATModule  # a QAT module keeps the kernel (or table) of the layer it was built from
 
     return module.float_type if isinstance(module, QATModule) else type(module)
 

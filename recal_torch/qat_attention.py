@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .qat import ActivationFakeQuantize
+from .fake_quant import ActivationFakeQuantize
 from .qat_trace import mode_during_forward
 
 SLOTS = ("query", "key", "probs", "value")

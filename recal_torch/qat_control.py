@@ -14,8 +14,8 @@ from recal_core.params import strip_wrapper
 from recal_core.recipe import Recipe
 from recal_core.schedule import QATState
 
-from .qat import (QATModule, describe, fake_quantize_model, fake_quantizers, is_table, qat_modules,
-                  quantizable_layers)
+from .qat_modules import QATModule, describe, fake_quantizers, is_table, qat_modules
+from .qat_plan import fake_quantize_model, quantizable_layers
 from .qat_attention import AttentionFakeQuantize, quantize_attention
 
 log = logging.getLogger(__name__)
@@ -104,9 +104,10 @@ class QATControl:
     """Creates each QuantizationModifier's QAT modules when it starts and sets their switches."""
 
     def __init__(self, model: nn.Module, roots: dict[int, list[str]], left_float: dict[int, set[str]] | None = None,
-                 attention: bool = False):
+                 attention: bool = False, reduce_range: dict[int, bool] | None = None):
         self.model = model
         self.roots = roots
+        self.reduce_range = reduce_range or {}  # per QuantizationModifier: 7-bit weights
         self.left_float = left_float or {}
         self.attention = attention  # also the attention matmuls (Q·Kᵀ, P·V): recal_torch.qat_attention
         self.prepared: set[int] = set()
@@ -132,7 +133,7 @@ class QATControl:
         for name, root in zip(self.roots[index], self._modules(index)):
             prefix = name + "." if name else ""
             skip = {n[len(prefix):] for n in left if n.startswith(prefix)}
-            created = fake_quantize_model(root, skip=skip)
+            created = fake_quantize_model(root, skip=skip, reduce_range=self.reduce_range.get(index, False))
             if self.attention:
                 attended = quantize_attention(root, skip=skip)
                 log.info("QAT on %s: the matmuls of %d attention modules quantized", name or type(root).__name__,

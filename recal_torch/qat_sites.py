@@ -20,7 +20,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .qat import ActivationFakeQuantize, SiLUFakeQuantize, device_of
+from .fake_quant import ActivationFakeQuantize, SiLUFakeQuantize
+from .qat_modules import device_of
 from .qat_trace import active_modes, holds_tensor, mode_during_forward, op_name, own_children
 
 CONTAINER = "recal_sites"

@@ -17,7 +17,8 @@ from torch import nn
 from recal_core.channel_coupling import input_columns, live_channels
 
 from .channel_graph import model_spaces
-from .qat import QATModule, WeightFakeQuantize
+from .fake_quant import WeightFakeQuantize
+from .qat_modules import QATModule
 
 _BN_TENSORS = ("weight", "bias", "running_mean", "running_var")
 

@@ -27,7 +27,7 @@ from .flops import count_macs
 from .loggers import TensorBoardLogger
 from .manager import ScheduledModifierManager
 from .model_params import describe_parameters, sparsity
-from .qat import qat_modules
+from .qat_modules import qat_modules
 from .thin import thin
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,8 @@ from recal_onnx import cpu
 from recal_torch import count_macs, export_onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speed import FILTERS_RECIPE, interleaved_latency, qat_int8, quantize_static_of  # noqa: E402
+from peers import quantize_static  # noqa: E402
+from speed import FILTERS_RECIPE, interleaved_latency, qat_int8  # noqa: E402
 from zoo import ResNet18, templates, train_steps  # noqa: E402
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
@@ -74,11 +75,15 @@ def resnet_models(folder: Path, size: int, float_steps: int = 3, qat_steps: int 
     model = ResNet18(classes=10)
     train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), sample, float_steps, batch)
     dense, qs = "dense fp32", "dense int8 (onnxruntime quantize_static)"
-    paths = {dense: folder / "dense.fp32.onnx", qs: folder / "dense.quantize_static.onnx"}
+    qs7 = "dense int8 (onnxruntime quantize_static, reduce_range)"
+    paths = {dense: folder / "dense.fp32.onnx", qs: folder / "dense.quantize_static.onnx",
+             qs7: folder / "dense.quantize_static.reduce_range.onnx"}
     export_onnx(model.eval(), one, paths[dense], dynamo=False)
     macs = {dense: count_macs(model, one)[0]}
-    macs[qs] = macs[dense]
-    quantize_static_of(paths[dense], paths[qs], [{"input": sample(1)[0].numpy()} for _ in range(8)])
+    macs[qs] = macs[qs7] = macs[dense]
+    calibration = [{"input": sample(1)[0].numpy()} for _ in range(8)]
+    quantize_static(paths[dense], paths[qs], calibration)
+    quantize_static(paths[dense], paths[qs7], calibration, reduce_range=True)
     unstructured = FILTERS_RECIPE.replace("- !QuantizationModifier", RESNET_UNSTRUCTURED + "- !QuantizationModifier")
     for label, recipe in (("recal 50% filters + QAT int8, thinned", FILTERS_RECIPE),
                           ("recal 50% filters + 50% of the rest + QAT int8, thinned", unstructured)):

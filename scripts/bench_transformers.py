@@ -40,6 +40,7 @@ from recal_torch import ScheduledModifierManager, export_onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_onnx import convert_measured  # noqa: E402
+from peers import DYNAMIC, STATIC, quantize_dynamic, quantize_static  # noqa: E402
 from speed import interleaved_latency  # noqa: E402
 
 QAT_ONLY = """
@@ -110,30 +111,10 @@ def qat(model: nn.Module, batch, steps: int, attention: bool = False) -> nn.Modu
     return model.eval()
 
 
-def ort_quantized(fp32: Path, folder: Path, calibration: list[dict[str, np.ndarray]],
-                  dynamic: bool = True) -> dict[str, tuple[Path, float]]:
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic, \
-        quantize_static
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    out = {}
-    if dynamic:
-        t0 = time.perf_counter()
-        quantize_dynamic(str(fp32), str(folder / "dynamic.onnx"), weight_type=QuantType.QInt8)
-        out["ort quantize_dynamic"] = (folder / "dynamic.onnx", time.perf_counter() - t0)
-
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.items = iter(calibration)
-
-        def get_next(self):
-            return next(self.items, None)
-
-    t0 = time.perf_counter()
-    quant_pre_process(str(fp32), str(folder / "pre.onnx"), skip_symbolic_shape=True)
-    quantize_static(str(folder / "pre.onnx"), str(folder / "static.onnx"), Reader(), quant_format=QuantFormat.QDQ,
-                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True)
-    out["ort quantize_static"] = (folder / "static.onnx", time.perf_counter() - t0)
+def ort_quantized(fp32: Path, folder: Path, calibration: list[dict[str, np.ndarray]]) -> dict[str, tuple[Path, float]]:
+    """onnxruntime's dynamic and static quantization of ``fp32`` (:mod:`peers`): path and seconds, by label."""
+    out = {DYNAMIC: (folder / "dynamic.onnx", quantize_dynamic(fp32, folder / "dynamic.onnx"))}
+    out[STATIC] = (folder / "static.onnx", quantize_static(fp32, folder / "static.onnx", calibration))
     return out
 
 

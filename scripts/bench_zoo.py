@@ -23,6 +23,7 @@ int8 execution of that same QDQ export. Run it on an idle machine: it measures l
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import warnings
@@ -34,10 +35,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_transformers import ort_quantized  # noqa: E402
+from peers import STATIC, STATIC_REDUCED, fidelity, static_peers  # noqa: E402
 from speed import interleaved_latency  # noqa: E402
 from recal_onnx import cpu, quantize_qat_export  # noqa: E402
-from recal_onnx.verify import reference_session, session  # noqa: E402
 from recal_torch import export_onnx  # noqa: E402
 from tests.zoo.test_cnns import CLASSES, HF, MODELS, prune_and_qat  # noqa: E402
 from zoo import ResNet18  # noqa: E402
@@ -50,7 +50,10 @@ def hf_resnet50() -> torch.nn.Module:
 
 
 BUILDERS = {"resnet18": lambda: ResNet18(CLASSES), "hf-resnet50": hf_resnet50, **{name: m[0] for name, m in MODELS.items()}}
-RECAL = {"recal int8 w": ("qoperator", "int8"), "recal uint8 w": ("qoperator", "uint8"), "recal qdq": ("qdq", "auto")}
+# recal's default (target any: 7-bit QAT weights stay int8), its QDQ form, and the 8-bit-weight forms (uint8 weights
+# for target any, int8 for x86-vnni) of the same network trained without reduce_range
+RECAL = {"recal": ("qoperator", "any", True), "recal qdq": ("qdq", "any", True),
+         "recal 8-bit any": ("qoperator", "any", False), "recal 8-bit vnni": ("qoperator", "x86-vnni", False)}
 
 
 def bench(name: str, size: int, rounds: int, folder: Path) -> dict:
@@ -58,27 +61,24 @@ def bench(name: str, size: int, rounds: int, folder: Path) -> dict:
     sample = torch.randn(1, 3, size, size)
     torch.manual_seed(0)
     fp32 = export_onnx(BUILDERS[name]().eval(), sample, folder / "fp32.onnx", dynamo=False)
-    qat = export_onnx(prune_and_qat(name, BUILDERS[name]), sample, folder / "qat.onnx", dynamo=False)
+    qats = {reduced: export_onnx(prune_and_qat(name, BUILDERS[name], reduce_range=reduced), sample,
+                                 folder / f"qat{'7' if reduced else '8'}.onnx", dynamo=False) for reduced in (True, False)}
     rng = np.random.default_rng(0)
     checks = {"input": rng.standard_normal((64, 3, size, size)).astype(np.float32)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        recal = {label: quantize_qat_export(str(qat), folder / f"{label}.onnx", format=fmt, weight_type=weights,
+        recal = {label: quantize_qat_export(str(qats[reduced]), folder / f"{label}.onnx", format=fmt, target=target,
                                             verify_inputs=checks, tolerance=float("inf"))
-                 for label, (fmt, weights) in RECAL.items()}
+                 for label, (fmt, target, reduced) in RECAL.items()}
     calibration = [{"input": rng.standard_normal((1, 3, size, size)).astype(np.float32)} for _ in range(8)]
-    static = ort_quantized(fp32, folder, calibration, dynamic=False)["ort quantize_static"][0]
-    paths = {"fp32": fp32, **{label: folder / f"{label}.onnx" for label in RECAL}, "ort quantize_static": static}
+    paths = {"fp32": fp32, **{label: folder / f"{label}.onnx" for label in RECAL},
+             **static_peers(fp32, folder, calibration)}
     latency = interleaved_latency(paths, {"input": sample.numpy()}, rounds, per_round=1, min_seconds=0.02)
-    reference = reference_session(str(qat)).run(None, checks)[0]
-    runtime = session(str(qat)).run(None, checks)[0]  # onnxruntime's own int8 execution (default level)
-    here = "recal " + recal["recal qdq"].weight_type + " w"  # this CPU's exact choice
-    v = recal[here].verification  # int8 weights on a CPU that saturates them: measured through the uint8 twin
-    span = float(reference.max() - reference.min())
-    return {"latency": latency, "here": here, "sizes": {k: p.stat().st_size for k, p in paths.items()},
-            "float_ops": recal[here].float_ops, "recal_diff": v.max_abs_diff / span,
-            "recal_agree": v.argmax_agreement, "ort_diff": float(np.abs(runtime - reference).max()) / span,
-            "ort_agree": float(np.mean(runtime.argmax(1) == reference.argmax(1)))}
+    agree = {label: fidelity(paths[label], qats[RECAL[label][2]], checks) for label in ("recal", "recal qdq")}
+    agree.update({label: fidelity(paths[label], fp32, checks) for label in (STATIC, STATIC_REDUCED)})
+    agree["qat export"] = fidelity(qats[True], qats[True], checks)  # the QDQ export itself in a default session
+    return {"latency": latency, "sizes": {k: p.stat().st_size for k, p in paths.items()},
+            "float_ops": recal["recal"].float_ops, "agree": agree}
 
 
 def main() -> None:
@@ -87,29 +87,37 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--models", nargs="+", choices=list(BUILDERS))
+    parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     rounds, size = (3, 64) if args.quick else (args.rounds, args.size)
     models = args.models or list(MODELS if args.quick else BUILDERS)
     torch.set_num_threads(1)
-    print(f"{cpu.describe()}\nbatch 1, 1 thread, {size}x{size}, median of {rounds} interleaved rounds (ms); "
-          "'recal' = its model for this CPU (int8 weights with VNNI / AMX, uint8 without); sizes in KB; fidelity: "
-          "max |logit difference| from the QAT export run as float QDQ, % of the logits' range, and argmax "
-          "agreement, 64 inputs")
-    print("| model | fp32 | recal int8 w | recal uint8 w | recal qdq | ort static | recal vs fp32 | recal vs static | "
-          "size fp32 / recal / static | float ops left | recal max diff, agreement | ort int8 max diff, agreement |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"{cpu.describe()}\nbatch 1, 1 thread, {size}x{size}, median of {rounds} interleaved rounds (ms); sizes in "
+          "KB (1024 B); 'recal' = the default: 7-bit QAT (reduce_range), target any; '8-bit any / vnni' = the same "
+          "net trained with 8-bit weights, converted for target any (uint8 weights beyond +-64) or x86-vnni (int8); "
+          "fidelity on 64 inputs, default onnxruntime session against the model it was made from run as written "
+          "(recal: its QAT export; onnxruntime: fp32): argmax agreement, max |difference| as % of the range")
+    print("| model | fp32 | recal | recal qdq | recal 8-bit any | recal 8-bit vnni | ort static | ort static rr | "
+          "recal vs fp32 | recal vs static | recal vs static rr | size fp32 / recal / static | float ops left | "
+          "QAT export (default session) | recal | ort static | ort static rr |")
+    print("|---" * 17 + "|")
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in models:
             r = bench(name, size, rounds, Path(tmp) / name)
-            ms = r["latency"]
-            kb = {k: v / 1024 for k, v in r["sizes"].items()}
-            here, static = ms[r["here"]], ms["ort quantize_static"]
+            rows.append({"model": name, **r})
+            ms, kb, a = r["latency"], {k: v / 1024 for k, v in r["sizes"].items()}, r["agree"]
             left = ", ".join(f"{op} x{n}" for op, n in r["float_ops"].items()) or "none"
-            print(f"| {name} | {ms['fp32']:.2f} | {ms['recal int8 w']:.2f} | {ms['recal uint8 w']:.2f} | "
-                  f"{ms['recal qdq']:.2f} | {static:.2f} | {ms['fp32'] / here:.2f}x | {static / here:.2f}x | "
-                  f"{kb['fp32']:.0f} / {kb[r['here']]:.0f} / {kb['ort quantize_static']:.0f} | {left} | "
-                  f"{100 * r['recal_diff']:.2f}%, {r['recal_agree']:.3f} | {100 * r['ort_diff']:.2f}%, "
-                  f"{r['ort_agree']:.3f} |", flush=True)
+            cell = lambda label: f"{a[label][0]:.3f}, {100 * a[label][1]:.2f}%"  # noqa: E731
+            print(f"| {name} | {ms['fp32']:.2f} | {ms['recal']:.2f} | {ms['recal qdq']:.2f} | "
+                  f"{ms['recal 8-bit any']:.2f} | {ms['recal 8-bit vnni']:.2f} | {ms[STATIC]:.2f} | "
+                  f"{ms[STATIC_REDUCED]:.2f} | {ms['fp32'] / ms['recal']:.2f}x | {ms[STATIC] / ms['recal']:.2f}x | "
+                  f"{ms[STATIC_REDUCED] / ms['recal']:.2f}x | {kb['fp32']:.0f} / {kb['recal']:.0f} / {kb[STATIC]:.0f} | "
+                  f"{left} | {cell('qat export')} | {cell('recal')} | {cell(STATIC)} | {cell(STATIC_REDUCED)} |",
+                  flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"cpu": cpu.describe(), "size": size, "rounds": rounds, "rows": rows},
+                                        indent=1, default=str))
 
 
 if __name__ == "__main__":

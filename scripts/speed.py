@@ -2,8 +2,12 @@
 
 A ResNet-18-shaped model at 224x224 (random weights; a few float steps, then a few QAT steps under
 recal on synthetic data, so BatchNorm statistics and QAT observers hold real ranges) is exported and
-converted, and so is a copy with half its filters pruned and thinned (``recal_torch.thin``); onnxruntime runs each model at batch 1 on one thread, the models in turn, and the table
-reports median latency, size and the speed-up over fp32. Used by ``make demo``; also runs alone:
+converted with recal's defaults (7-bit weights, ``reduce_range: true``; target ``any``), and so is a copy with half
+its filters pruned and thinned (``recal_torch.thin``); onnxruntime's ``quantize_static`` quantizes the fp32 model
+as it comes and with ``reduce_range=True`` (:mod:`peers`). onnxruntime runs each model at batch 1 on one thread,
+the models in turn, and the table reports median latency, size, the speed-up over fp32 and fidelity: each model
+in a default session against the model it was made from, run as written (recal: its QAT export; onnxruntime's:
+the fp32 model, and its own QDQ file). The rows are saved as ``speed.json``. Used by ``make demo``; also alone:
 
     python scripts/speed.py [--size 224] [--rounds 15] [--output speed_out]
 """
@@ -12,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +33,7 @@ from recal_onnx.verify import session
 from recal_torch import ScheduledModifierManager, count_macs, export_onnx, thin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import STATIC, STATIC_REDUCED, fidelity, static_peers  # noqa: E402
 from zoo import QAT_RECIPE, ResNet18, templates, train_steps  # noqa: E402
 
 @dataclass
@@ -36,6 +42,10 @@ class SpeedRow:
     path: Path
     latency_ms: float = float("nan")  # median, batch 1, one thread
     note: str = ""
+    reference: str = ""  # what its fidelity is measured against, run as written
+    agreement: float = float("nan")  # argmax agreement with the reference, default onnxruntime session
+    max_diff: float = float("nan")  # largest output difference, share of the reference's range
+    own_agreement: float = float("nan")  # a peer's file in a default session vs the same file run as written
 
     @property
     def size_mb(self) -> float:
@@ -46,7 +56,7 @@ FILTERS_RECIPE = """
 - !EpochRangeModifier {start_epoch: 0, end_epoch: 1}
 - !GradualKSModifier {params: ['re:.*conv\\d', 're:.*down.0'], init_sparsity: 0.5, final_sparsity: 0.5,
                       start_epoch: 0, end_epoch: 1, update_frequency: 1, mask_type: filter}
-- !QuantizationModifier {start_epoch: 0, freeze_bn_stats_epoch: 0.5}
+- !QuantizationModifier {start_epoch: 0, freeze_bn_stats_epoch: 0.5, reduce_range: true}
 """
 """Half of the filters of every conv (the classifier's outputs are the logits), at step 0, then QAT."""
 
@@ -81,7 +91,7 @@ def build_models(folder: Path, size: int = 224, float_steps: int = 3, qat_steps:
     model = ResNet18(classes=10)
     started = time.perf_counter()
     train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), sample, float_steps, batch)
-    paths = {"fp32": folder / "resnet18.fp32.onnx", "ort": folder / "resnet18.quantize_static.onnx"}
+    paths = {"fp32": folder / "resnet18.fp32.onnx"}
     export_onnx(model.eval(), sample(1)[0], paths["fp32"], dynamo=False)
     pruned = copy.deepcopy(model)
     log(f"  ResNet-18 at {size}x{size}: {float_steps} float steps, exported ({time.perf_counter() - started:.0f}s)")
@@ -89,30 +99,10 @@ def build_models(folder: Path, size: int = 224, float_steps: int = 3, qat_steps:
     paths["thinned"], _ = qat_int8(pruned, FILTERS_RECIPE, sample, folder, "resnet18.filters50", qat_steps, batch, log)
     feeds = [{"input": sample(1)[0].numpy()} for _ in range(16)]
     started = time.perf_counter()
-    quantize_static_of(paths["fp32"], paths["ort"], feeds[:8])
-    log(f"  onnxruntime quantize_static (QDQ, U8S8, per-channel): {time.perf_counter() - started:.1f}s")
+    paths.update(static_peers(paths["fp32"], folder, feeds[:8]))
+    log(f"  onnxruntime quantize_static (QDQ, U8S8, per-channel; as it comes and reduce_range): "
+        f"{time.perf_counter() - started:.1f}s")
     return paths, feeds
-
-
-def quantize_static_of(fp32: Path, out: Path, feeds: list[dict[str, np.ndarray]]) -> None:
-    """onnxruntime's static quantization as its docs advise: preprocess, then QDQ U8S8 per-channel."""
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.items = iter(feeds)
-
-        def get_next(self):
-            return next(self.items, None)
-
-    prepared = out.with_suffix(".pre.onnx")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        quant_pre_process(str(fp32), str(prepared))
-        quantize_static(str(prepared), str(out), Reader(), quant_format=QuantFormat.QDQ,
-                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True)
-    prepared.unlink()
 
 
 def interleaved_latency(paths: dict[str, Path], feed: dict[str, np.ndarray], rounds: int = 15, per_round: int = 3,
@@ -139,25 +129,41 @@ def interleaved_latency(paths: dict[str, Path], feed: dict[str, np.ndarray], rou
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
-def speed_table(folder: Path, size: int = 224, rounds: int = 15, log=print) -> list[SpeedRow]:
+def speed_table(folder: Path, size: int = 224, rounds: int = 15, checks: int = 64, log=print) -> list[SpeedRow]:
+    """Build, time and check the models (see the module); the rows are also written to ``folder/speed.json``."""
     folder.mkdir(parents=True, exist_ok=True)
     paths, feeds = build_models(folder, size, log=log)
-    rows = [SpeedRow("fp32 (PyTorch export)", paths["fp32"]),
-            SpeedRow("recal int8 (QAT -> quantize_qat_export)", paths["recal"]),
-            SpeedRow("onnxruntime quantize_static int8", paths["ort"]),
-            SpeedRow("recal 50% filters + QAT int8, thinned", paths["thinned"])]
+    qat = {"recal": folder / "resnet18.qat.onnx", "thinned": folder / "resnet18.filters50.qat.onnx"}
+    rows = [SpeedRow("fp32 (PyTorch export)", paths["fp32"], reference="itself"),
+            SpeedRow("recal int8 (7-bit QAT -> quantize_qat_export)", paths["recal"], reference="its QAT export"),
+            SpeedRow(f"{STATIC} (8-bit weights)", paths[STATIC], reference="fp32"),
+            SpeedRow(f"{STATIC_REDUCED} (7-bit)", paths[STATIC_REDUCED], reference="fp32"),
+            SpeedRow("recal 50% filters + 7-bit QAT int8, thinned", paths["thinned"], reference="its QAT export")]
     measured = interleaved_latency({r.label: r.path for r in rows}, feeds[0], rounds)
-    for row in rows:
+    rng = np.random.default_rng(1)
+    batch = {"input": np.concatenate([feeds[i % len(feeds)]["input"] for i in range(checks)])
+             + 0.1 * rng.standard_normal((checks, 3, size, size)).astype(np.float32)}
+    for row, key in zip(rows, ["fp32", "recal", STATIC, STATIC_REDUCED, "thinned"]):
         row.latency_ms = measured[row.label]
+        reference = qat[key] if row.reference == "its QAT export" else paths["fp32"]
+        row.agreement, row.max_diff = fidelity(row.path, reference, batch)
+        if row.reference == "fp32":  # onnxruntime's own file: does a default session compute what it says?
+            row.own_agreement = fidelity(row.path, row.path, batch)[0]
+    (folder / "speed.json").write_text(json.dumps(
+        {"size": size, "rounds": rounds, "checks": checks, "cpu": cpu.describe(), "onnxruntime": ort.__version__,
+         "rows": [{**asdict(r), "path": str(r.path), "size_mb": r.size_mb} for r in rows]}, indent=1))
     return rows
 
 
 def format_table(rows: list[SpeedRow]) -> str:
     base = rows[0]
-    lines = [f"{'model':42s} {'size':>9s} {'x fp32':>7s} {'latency':>10s} {'speed-up':>9s}"]
+    lines = [f"{'model':46s} {'size':>9s} {'x fp32':>7s} {'latency':>10s} {'speed-up':>9s} {'agree':>6s} "
+             f"{'max diff':>8s}  reference (as written)"]
     for row in rows:
-        lines.append(f"{row.label:42s} {row.size_mb:7.2f}MB {row.size_mb / base.size_mb:7.3f} "
-                     f"{row.latency_ms:8.2f}ms {base.latency_ms / row.latency_ms:8.2f}x")
+        own = f"; its own file as written: {row.own_agreement:.3f}" if row.own_agreement == row.own_agreement else ""
+        lines.append(f"{row.label:46s} {row.size_mb:7.2f}MB {row.size_mb / base.size_mb:7.3f} "
+                     f"{row.latency_ms:8.2f}ms {base.latency_ms / row.latency_ms:8.2f}x {row.agreement:6.3f} "
+                     f"{100 * row.max_diff:7.2f}%  {row.reference}{own}")
     return "\n".join(lines)
 
 

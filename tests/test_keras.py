@@ -401,9 +401,11 @@ QAT = """
 """
 
 
-def test_qat_int8_onnx_equals_the_keras_qat_model_on_digits(tmp_path):
+@pytest.mark.parametrize("reduce_range", [False, True])
+def test_qat_int8_onnx_equals_the_keras_qat_model_on_digits(tmp_path, reduce_range):
     """Prune, then QAT (Conv-BN-ReLU folded): the QDQ export and its int8 conversion classify the digits as
-    the Keras QAT model does; before QAT starts the rewritten model computes exactly the float model."""
+    the Keras QAT model does; before QAT starts the rewritten model computes exactly the float model. With
+    reduce_range the weights are 7-bit: int8 within +-64 in the int8 model."""
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("tf2onnx")
     from recal_core.datasets import load_digits
@@ -420,7 +422,9 @@ def test_qat_int8_onnx_equals_the_keras_qat_model_on_digits(tmp_path):
     beta.assign(beta.numpy() + (np.arange(32) == 5))  # scale that would overflow the int32 bias
     before = model.predict(xt, verbose=0)
     opt = keras.optimizers.SGD(0.05, momentum=0.9)
-    manager = ScheduledModifierManager.from_yaml(QAT)
+    recipe = QAT.replace("freeze_bn_stats_epoch: 2.5", "freeze_bn_stats_epoch: 2.5, reduce_range: true") \
+        if reduce_range else QAT
+    manager = ScheduledModifierManager.from_yaml(recipe)
     qat, callbacks = manager.modify(model, opt, steps_per_epoch=45)
     assert manager.quantized_layers == ["conv0", "conv1", "conv2", "fc"]
     np.testing.assert_allclose(qat.predict(xt, verbose=0), before, rtol=1e-4, atol=1e-5)  # QAT not started yet
@@ -436,7 +440,13 @@ def test_qat_int8_onnx_equals_the_keras_qat_model_on_digits(tmp_path):
     from .onnx_graphs import assert_biases_on_grid
 
     assert_biases_on_grid(onnx.load(path), 4)  # each bias on its int32 grid, as recal_torch writes it
-    quantize_qat_export(path, tmp_path / "int8.onnx")
+    result = quantize_qat_export(path, tmp_path / "int8.onnx")
+    int8 = onnx.load(tmp_path / "int8.onnx")
+    inits = {t.name: numpy_helper.to_array(t) for t in int8.graph.initializer}
+    weights = [inits[n.input[3]] for n in int8.graph.node if n.op_type in ("QLinearConv", "QGemm")]
+    largest = max(int(np.abs(w.astype(np.int16) - (128 if w.dtype == np.uint8 else 0)).max()) for w in weights)
+    assert largest == (64 if reduce_range else 127)
+    assert ("within +-64" in result.weights_note) == reduce_range
     preds = {}
     for name in ("qat.onnx", "int8.onnx"):
         sess = ort.InferenceSession(str(tmp_path / name))

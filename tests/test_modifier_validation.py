@@ -2,6 +2,7 @@
 
 import pytest
 
+from recal_core.errors import RecipeWarning
 from recal_core import RecipeError, load_recipe
 from recal_core.modifiers import MODIFIER_TYPES
 
@@ -71,6 +72,7 @@ BAD = [
     ("QuantizationModifier", "scheme_overrides", {"Linear": {"weights": {"num_bits": 4}}}, "8 bits"),
     ("QuantizationModifier", "freeze_bn_stats_epoch", 1, ">= start_epoch"),
     ("QuantizationModifier", "disable_quantization_observer_epoch", 0.5, ">= start_epoch"),
+    ("QuantizationModifier", "reduce_range", "yes", "valid boolean"),
     ("QuantizationModifier", "end_epoch", 10, "cannot be disabled"),
     ("SetLearningRateModifier", "start_epoch", -0.5, ">= 0"),
     ("SetLearningRateModifier", "learning_rate", 0, "greater than 0"),
@@ -184,11 +186,21 @@ def test_unknown_field_lists_the_known_ones(tag):
 @pytest.mark.parametrize("tag", sorted(VALID))
 def test_missing_required_fields(tag):
     cls = next(c for c in MODIFIER_TYPES if c.tag == tag)
-    required = [n for n, f in cls.model_fields.items() if f.is_required()]
+    required = [n for n, f in cls.model_fields.items() if f.is_required() and n not in cls.warned_defaults]
     for name in required:
         fields = {k: v for k, v in VALID[tag].items() if k != name}
         with pytest.raises(RecipeError, match=f"required field '{name}' is missing"):
             load_recipe(_recipe(tag, fields))
+
+
+@pytest.mark.parametrize("tag", sorted(t for t, c in ((c.tag, c) for c in MODIFIER_TYPES) if c.warned_defaults))
+def test_a_field_taken_by_default_is_warned_with_its_place(tag):
+    cls = next(c for c in MODIFIER_TYPES if c.tag == tag)
+    for name, (value, _) in cls.warned_defaults.items():
+        fields = {k: v for k, v in VALID[tag].items() if k not in (name, "freeze_bn_stats_epoch")}
+        with pytest.warns(RecipeWarning, match=rf"<string>:\d+:\d+: !{tag}.*{name}"):
+            recipe = load_recipe(_recipe(tag, fields))
+        assert getattr(recipe.modifiers[0], name) == value
 
 
 def test_step_size_is_accepted_for_step():

@@ -77,160 +77,89 @@ def _weight_dtypes(model):
             if n.op_type in ("QLinearConv", "QGemm")}
 
 
-@pytest.mark.parametrize("weight_type, exact_here, expected", [
-    ("int8", False, {"int8"}), ("uint8", True, {"uint8"}), ("auto", True, {"int8"}),
-    ("auto", False, {"uint8"})])
-def test_weight_type(recal_qat_model, tmp_path, monkeypatch, weight_type, exact_here, expected):
-    """int8 weights (VNNI / AMX / Arm), uint8 beyond +-64 (x86 without VNNI), or auto: by this CPU. An int8 model
-    converted on a CPU that saturates it is verified through its uint8 twin and written with int8 weights."""
-    import recal_onnx.convert as convert
+@pytest.mark.parametrize("target, weight_type, expected", [
+    ("any", "auto", {"uint8"}), ("x86-avx2", "auto", {"uint8"}), ("x86-vnni", "auto", {"int8"}),
+    ("arm64", "auto", {"int8"}), ("x86-vnni", "uint8", {"uint8"}), ("any", "int8", {"int8"})])
+def test_the_target_decides_the_weights_not_the_converting_cpu(recal_qat_model, tmp_path, monkeypatch, target,
+                                                               weight_type, expected):
+    """8-bit QAT weights reach +-127: int8 for targets that compute them exactly (VNNI / AMX / Arm), uint8 beyond +-64
+    for the others; the same file on a CPU with or without VNNI. Verification runs what the target computes."""
+    import recal_onnx.cpu as cpu
     import recal_onnx.passes.uint8_weights as uint8_pass
+    import recal_onnx.targets as targets
 
     src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
-    verify = not exact_here or convert.int8_weights_exact_here()  # int8 weights run as written only where exact
-    monkeypatch.setattr(convert, "int8_weights_exact_here", lambda: exact_here)
-    monkeypatch.setattr(uint8_pass, "int8_weights_exact_here", lambda: exact_here)
-    result = quantize_qat_export(src, tmp_path / "int8.onnx", weight_type=weight_type, verify=verify)
-    assert result.weight_type == ("int8" if expected == {"int8"} else "uint8")
-    assert _weight_dtypes(onnx.load(str(result.path))) == expected  # per-channel int8 weights reach +-127
-    if verify:  # op by op within a step (saturating int8 kernels are off by many): the uint8 twin ran here
-        assert result.verification.local_steps <= 1
+    written = {}
+    really_exact = cpu.int8_weights_exact_here()  # int8 weights run as written only where exact
+    for exact_here in (False, True):
+        for module in (cpu, uint8_pass, targets):
+            monkeypatch.setattr(module, "int8_weights_exact_here", lambda: exact_here)
+        out = tmp_path / f"int8-{exact_here}.onnx"
+        result = quantize_qat_export(src, out, weight_type=weight_type, target=target,
+                                     verify=really_exact or not exact_here)
+        assert result.target == target and result.weight_type == ("int8" if expected == {"int8"} else "uint8")
+        assert _weight_dtypes(onnx.load(str(out))) == expected
+        assert ("uint8" in result.weights_note) == (expected == {"uint8"}), result.weights_note
+        written[exact_here] = out.read_bytes()
+    assert written[False] == written[True]  # nothing about the file depends on the converting CPU
     with pytest.raises(ValueError, match="weight_type must be one of"):
         quantize_qat_export(src, weight_type="int4")
+    with pytest.raises(ValueError, match="target must be one of"):
+        quantize_qat_export(src, target="x86")
 
 
-def _ao_model(activation_dtype=torch.quint8):
-    import torch.ao.quantization as tq
+def test_native_target_says_which_cpu_it_resolved_to(recal_qat_model, tmp_path, monkeypatch):
+    import recal_onnx.targets as targets
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.quant, self.dequant = tq.QuantStub(), tq.DeQuantStub()
-            self.conv1, self.bn1, self.relu1 = nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()
-            self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
-            self.add = nn.quantized.FloatFunctional()
-            self.relu2, self.pool = nn.ReLU(), nn.MaxPool2d(2)
-            self.gap, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(8, 10)
+    src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
+    for exact_here, resolved in ((True, "x86-vnni"), (False, "x86-avx2")):
+        monkeypatch.setattr(targets, "int8_weights_exact_here", lambda: exact_here)
+        result = quantize_qat_export(src, target="native", verify=False)
+        assert result.target == resolved and "native" in result.weights_note
 
-        def forward(self, x):
-            x = self.quant(x)
-            y = self.relu1(self.bn1(self.conv1(x)))
-            y = self.relu2(self.add.add(self.bn2(self.conv2(y)), y))
-            y = torch.flatten(self.gap(self.pool(y)), 1)
-            return self.dequant(self.fc(y))
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.manual_seed(0)
-        model = Net().train()
-        low, high = (0, 255) if activation_dtype == torch.quint8 else (-128, 127)
-        model.qconfig = tq.QConfig(
-            activation=tq.FakeQuantize.with_args(observer=tq.MovingAverageMinMaxObserver, quant_min=low,
-                                                 quant_max=high, dtype=activation_dtype),
-            weight=tq.FakeQuantize.with_args(observer=tq.MovingAveragePerChannelMinMaxObserver, quant_min=-128,
-                                             quant_max=127, dtype=torch.qint8, qscheme=torch.per_channel_symmetric))
-        tq.fuse_modules_qat(model, [["conv1", "bn1", "relu1"], ["conv2", "bn2"]], inplace=True)
-        tq.prepare_qat(model, inplace=True)
-        train_steps(model, torch.optim.SGD(model.parameters(), lr=0.05), batches(10))
-        model.apply(tq.disable_observer)
-        model.apply(torch.ao.nn.intrinsic.qat.freeze_bn_stats)
+@pytest.fixture(scope="module")
+def reduce_range_model():
+    torch.manual_seed(0)
+    model = SmallCNN()
+    manager = ScheduledModifierManager.from_yaml(QAT.replace("freeze_bn_stats_epoch: 2", "freeze_bn_stats_epoch: 2, "
+                                                                                         "reduce_range: true"))
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), steps_per_epoch=4)
+    train_steps(model, optimizer, batches(12))
+    manager.finalize(model)
+    assert all("7-bit" in what for what in manager.quantized_layers.values() if "table" not in what)
     return model.eval()
 
 
-@pytest.mark.parametrize("activation_dtype", [torch.quint8, torch.qint8])
-def test_torch_ao_eager_qat_export_converts(tmp_path, activation_dtype):
-    model = _ao_model(activation_dtype)
-    src = tmp_path / "ao.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(model, (torch.randn(1, 1, 8, 8),), str(src), dynamo=False, opset_version=17,
-                          input_names=["input"], output_names=["output"], dynamic_axes={"input": {0: "b"}})
-    assert {"Div", "BatchNormalization"} <= set(ops(onnx.load(str(src))))
-    # torch.ao puts no QuantizeLinear after the pool: the mean lies between grid points, so the head (pool,
-    # flatten, linear) stays float, exact, and named; rounding it to the pool input's grid moved logits by steps
-    with pytest.warns(UnconvertedOpsWarning, match="GlobalAveragePool.*Flatten.*Gemm"):
-        result = quantize_qat_export(src, tmp_path / "int8.onnx")
-    names = ops(result.model)
-    assert not {"Div", "BatchNormalization", "Conv", "Add"} & set(names)
-    assert {"QLinearConv", "QLinearAdd", "GlobalAveragePool", "Gemm"} <= set(names)
-    assert result.verification.local_steps <= 1 and result.verification.local_float < 1e-4
-    for init in result.model.graph.initializer:  # activations are uint8 in the output, weights int8
-        if init.name.endswith(("_u8",)):
-            assert init.data_type == onnx.TensorProto.UINT8
-    agreement, _ = _agreement(result.path, model)
-    assert agreement >= 0.99
+def _integer_weights(model):
+    """The int8 initializers of a model (its quantized weights)."""
+    return [onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT8]
 
 
-def test_not_a_qat_model(tmp_path):
-    path = export_onnx(SmallCNN().eval(), torch.randn(1, 1, 8, 8), tmp_path / "float.onnx", dynamo=False)
-    with pytest.raises(ValueError, match="not a QAT model"):
-        quantize_qat_export(path, tmp_path / "out.onnx")
-    assert not (tmp_path / "out.onnx").exists()
-
-
-def test_truncated_and_missing_files(tmp_path, recal_qat_model):
-    src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
-    bad = tmp_path / "truncated.onnx"
-    bad.write_bytes(src.read_bytes()[:200])
-    with pytest.raises(ValueError, match="truncated.onnx"):
-        quantize_qat_export(bad, tmp_path / "out.onnx")
-    with pytest.raises(FileNotFoundError, match="nope.onnx"):
-        quantize_qat_export(tmp_path / "nope.onnx")
-    with pytest.raises(ValueError, match="refusing to write .*qat.onnx: the input model reads that file"):
-        quantize_qat_export(src, src)
-
-
-def test_verification_failure_writes_nothing(tmp_path, recal_qat_model):
-    src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
-    exact = quantize_qat_export(src, tolerance=0.0)  # recal_torch exports: exact, no bias rounded
-    assert exact.verification.max_abs_diff == 0 and exact.rounded_biases == {}
-    off_grid = with_float_biases(src, tmp_path / "float_biases.onnx")  # biases the int8 model cannot hold
-    rounded = quantize_qat_export(off_grid).rounded_biases  # converted at the default check, and reported
-    assert len(rounded) == sum(n.op_type in ("QLinearConv", "QGemm") for n in exact.model.graph.node), rounded
-    assert all(0 < off <= 0.5 for off in rounded.values())
-    with pytest.raises(VerificationError, match="max abs difference .* nothing was written"):
-        quantize_qat_export(off_grid, tmp_path / "out.onnx", tolerance=0.0)
-    for bad in ({"tolerance": float("nan")}, {"tolerance": -1.0}, {"min_agreement": 1.01}):
-        with pytest.raises(ValueError, match="must be a number in"):  # never a check switched off
-            quantize_qat_export(src, tmp_path / "out.onnx", **bad)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["float_biases.onnx", "qat.onnx"]
-
-
-def test_verification_catches_a_wrong_conversion(tmp_path, recal_qat_model, monkeypatch):
-    import recal_onnx.passes.conv_to_qlinearconv as conv_pass
-
-    src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
-    real = conv_pass.quantized_bias
-
-    def wrong_bias(g, node, x, w, index):  # a converter bug: biases 8x too large
-        bias = real(g, node, x, w, index)
-        if bias:
-            return g.add_const(bias.name, g.const(bias) * 8)
-        return bias
-
-    monkeypatch.setattr(conv_pass, "quantized_bias", wrong_bias)
-    with pytest.raises(VerificationError, match="op by op, tensor '.*conv.*' differs by [0-9]+ quantization steps"):
-        quantize_qat_export(src, tmp_path / "out.onnx")
-    assert not (tmp_path / "out.onnx").exists()
-
-
-def test_unconverted_ops_are_listed():
-    b = Builder()
-    y = b.node("Tanh", [b.qdq("x", 0.03, 128)])  # onnxruntime has no quantized tanh
-    model = b.model([("x", [2, 4])], [b.qdq(y, 0.008, 128)])
-    with pytest.warns(UnconvertedOpsWarning, match="Tanh"):
-        result = quantize_qat_export(model)
-    assert result.unconverted and result.unconverted[0][0] == "Tanh"
-
-
-def test_a_chain_of_float_ops_is_listed_whole():
-    """DQ -> Sigmoid -> Neg -> Q: neither op both reads a DQ and feeds a Q, and both stay float."""
-    b = Builder()
-    y = b.node("Neg", [b.node("Sigmoid", [b.qdq("x", 0.03, 128)])])
-    model = b.model([("x", [2, 4])], [b.qdq(y, 0.004, 255)])
-    with pytest.warns(UnconvertedOpsWarning, match="Sigmoid.*Neg"):
-        result = quantize_qat_export(model)
-    assert [op for op, _ in result.float_nodes] == ["Sigmoid", "Neg"]
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_reduce_range_qat_is_int8_and_exact_on_every_target(reduce_range_model, tmp_path, dynamo):
+    """7-bit QAT weights (reduce_range) reach +-64 and no further, in the QAT export and the int8 model: the QAT
+    export runs the same in a default onnxruntime session (integer kernels) as with optimizations off, and the
+    int8 model is the same file for every target, int8 throughout, verified here as written."""
+    src = export_onnx(reduce_range_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=dynamo)
+    weights = _integer_weights(onnx.load(str(src)))
+    if dynamo:  # the dynamo export stores int8 weights; TorchScript's stores them float behind a Q
+        assert max(int(np.abs(w.astype(np.int16)).max()) for w in weights) == 64
+    x = torch.randn(256, 1, 8, 8, generator=torch.Generator().manual_seed(3)).numpy()
+    plain = ort.SessionOptions()
+    plain.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    outs = [s.run(None, {s.get_inputs()[0].name: x})[0]
+            for s in (ort.InferenceSession(str(src)), ort.InferenceSession(str(src), plain))]
+    step = float(np.ptp(outs[1])) / 255
+    assert (outs[0].argmax(1) == outs[1].argmax(1)).mean() >= 0.99 and np.abs(outs[0] - outs[1]).max() <= 2 * step
+    files = set()
+    for target in ("any", "x86-avx2", "x86-vnni", "arm64"):
+        result = quantize_qat_export(src, tmp_path / f"{target}.onnx", target=target)
+        assert _weight_dtypes(result.model) == {"int8"} and "within +-64" in result.weights_note
+        assert max(int(np.abs(w.astype(np.int16)).max()) for w in _integer_weights(result.model)) <= 64
+        assert result.verification.local_steps <= 1
+        files.add((tmp_path / f"{target}.onnx").read_bytes())
+    assert len(files) == 1
 
 
 def test_cli_and_script(tmp_path, recal_qat_model):

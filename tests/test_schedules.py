@@ -152,21 +152,27 @@ def test_bind_rejects_bad_steps_per_epoch():
 # --- LearningRateFunctionModifier and CosineAnnealingWarmRestarts ------------------------------------
 
 def test_function_lr_closed_forms_at_begin_end_and_after():
+    """SparseML 1.8's closed forms, step for step: position (k - start) / (end - start), so the last step of a
+    cycle is one step short of final_lr, held after the end."""
     import math
 
     from recal_core.schedules import function_lr
 
     linear = function_lr(0.1, 0.01, 10, 20, "linear")
-    assert linear(0) == 0.1 and linear(10) == 0.1 and linear(19) == pytest.approx(0.01) and linear(25) == linear(19)
+    assert linear(0) == 0.1 and linear(10) == 0.1 and linear(19) == pytest.approx(0.1 - 0.09 * 0.9)
+    assert linear(25) == linear(19)
     values = [linear(k) for k in range(10, 20)]
     assert all(a > b for a, b in zip(values, values[1:]))  # strictly down
-    cosine = function_lr(0.1, 0.0, 0, 11, "cosine")
-    assert cosine(0) == 0.1 and cosine(5) == pytest.approx(0.05) and cosine(10) == pytest.approx(0.0)
+    cosine = function_lr(0.1, 0.0, 0, 10, "cosine")
+    assert cosine(0) == 0.1 and cosine(5) == pytest.approx(0.05) and cosine(9) == pytest.approx(
+        0.05 * (1 + math.cos(math.pi * 0.9)))
     assert cosine(3) == pytest.approx(0.05 * (1 + math.cos(math.pi * 0.3)))
+    # the issue's figure: SparseML 1.8 on a 1-8 cosine from 0.1 to 0.002, one step per epoch, at epoch 2
+    assert function_lr(0.1, 0.002, 1, 8, "cosine")(2) == pytest.approx(0.0951, abs=5e-5)
     cyclic = function_lr(1.0, 0.0, 0, 10, "cyclic_linear", cycle_steps=4)
-    assert [cyclic(k) for k in range(10)] == pytest.approx([1, 2 / 3, 1 / 3, 0, 1, 2 / 3, 1 / 3, 0, 1, 0])
+    assert [cyclic(k) for k in range(10)] == pytest.approx([1, 3 / 4, 1 / 2, 1 / 4, 1, 3 / 4, 1 / 2, 1 / 4, 1, 1 / 2])
     warmup = function_lr(0.0, 0.1, 0, 5, "linear")  # from 0: a warm-up
-    assert warmup(0) == 0.0 and warmup(4) == pytest.approx(0.1)
+    assert warmup(0) == 0.0 and warmup(4) == pytest.approx(0.08)
     with pytest.raises(ValueError):
         function_lr(0.1, 0.01, 5, 5, "linear")
     with pytest.raises(ValueError):
@@ -198,8 +204,9 @@ def test_sparseml_lr_function_recipes_bind_and_sets_only_named_groups():
                          lr_kwargs: {lr_min: 0.001, cycle_epochs: 2}, init_lr: 0.05}
 """)
     s = recipe.bind(steps_per_epoch=5)
-    assert s.lr(0, group=1) == 0.0 and s.lr(9, group=1) == pytest.approx(0.1)
-    assert s.lr(0, group=0) == 0.1 and s.lr(9, group=0) == pytest.approx(0.01)
+    assert s.lr(0, group=1) == 0.0 and s.lr(9, group=1) == pytest.approx(0.1 * 9 / 10)
+    assert s.lr(0, group=0) == 0.1 and s.lr(9, group=0) == pytest.approx(
+        0.01 + 0.09 * (1 + math.cos(math.pi * 0.9)) / 2)
     assert s.lr(10, group=0) == s.lr(10, group=1) == 0.05 and s.lr(20, group=1) == 0.05  # restarted
     assert recipe.max_epochs == 6
 

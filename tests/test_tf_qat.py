@@ -25,7 +25,8 @@ QAT = """
 - !EpochRangeModifier {start_epoch: 0, end_epoch: 5}
 - !GradualKSModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.3, final_sparsity: 0.6, start_epoch: 0,
                       end_epoch: 1, update_frequency: 0.5}
-- !QuantizationModifier {start_epoch: 2, freeze_bn_stats_epoch: 3, disable_quantization_observer_epoch: 4}
+- !QuantizationModifier {start_epoch: 2, freeze_bn_stats_epoch: 3, disable_quantization_observer_epoch: 4,
+                         reduce_range: true}
 """
 CONVS = [f"digits_net/blocks/conv{i}/conv/Conv2D" for i in range(3)]
 
@@ -137,6 +138,14 @@ def test_export_is_folded_per_channel_qdq_and_int8_matches_tensorflow(trained, t
     for conv in convs:  # the pruned weights sit at their zero point: sparsity kept
         w, zero_point = init[conv.input[3]], init[conv.input[5]].reshape(-1, 1, 1, 1)
         assert (w == zero_point).mean() >= 0.6 - 1e-3
+    # reduce_range: 7-bit weights, int8 for every target, exact in a default session on any x86 CPU
+    assert "within +-64" in result.weights_note and result.weight_type == "int8"  # target any: nothing shifted
+    weights = [init[n.input[3]] for n in int8.graph.node if n.op_type in ("QLinearConv", "QGemm")]
+    assert {w.dtype.name for w in weights} == {"int8"}
+    assert max(int(np.abs(w.astype(np.int16)).max()) for w in weights) == 64
+    qat_logits = ort.InferenceSession(str(trained["path"])).run(None, {"inputs:0": trained["x_test"]})[0]
+    assert (qat_logits.argmax(1) == tf_logits.argmax(1)).mean() >= 0.99  # the QAT export, default session
+    assert np.abs(qat_logits - tf_logits).max() <= 2 * out_scale + 1e-6
 
 
 def test_observer_updates_that_nothing_runs_are_an_error():

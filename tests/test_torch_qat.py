@@ -431,7 +431,7 @@ def test_a_shared_conv_is_named_in_a_warning(caplog):
         def forward(self, x):
             return self.conv(self.conv(x))
 
-    with caplog.at_level("WARNING", logger="recal_torch.qat"):
+    with caplog.at_level("WARNING", logger="recal_torch.qat_plan"):
         fake_quantize_model(SharedConv())
     assert "'conv' (2 calls)" in caplog.text and "give each call its own module" in caplog.text
 
@@ -440,7 +440,7 @@ def test_a_shared_conv_is_named_in_a_warning(caplog):
 def test_a_residual_add_without_activation_is_quantized_once(kind, tmp_path, caplog):
     torch.manual_seed(0)
     model = kind()
-    with caplog.at_level("INFO", logger="recal_torch.qat"):
+    with caplog.at_level("INFO", logger="recal_torch.qat_plan"):
         fake_quantize_model(model)
         result = _int8(model, tmp_path)
     assert sorted(model.recal_sites) == [":add:0", ":add:1"]  # both sums, each read by a conv and the next add
@@ -479,7 +479,7 @@ def test_an_add_in_a_module_that_calls_a_stranger_stays_float_and_is_named(caplo
 
     torch.manual_seed(0)
     model = Net()
-    with caplog.at_level("WARNING", logger="recal_torch.qat"):
+    with caplog.at_level("WARNING", logger="recal_torch.qat_plan"):
         fake_quantize_model(model)
         model(torch.randn(2, 1, 8, 8))
     assert "residual add in 'borrower' stays float" in caplog.text and "blocks.0" in caplog.text

@@ -58,7 +58,7 @@ def _train(model, optimizer, data, after_step=None):
 def test_a_model_fx_cannot_trace_is_planned_from_its_first_forward(caplog):
     torch.manual_seed(0)
     model = TinyEncoder()
-    with caplog.at_level(logging.INFO, logger="recal_torch.qat"):
+    with caplog.at_level(logging.INFO, logger="recal_torch.qat_plan"):
         created = fake_quantize_model(model)
         keys = set(model.state_dict())
         assert {type(m) for m in created} == {QATEmbedding, QATLinear} and len(created) == 9

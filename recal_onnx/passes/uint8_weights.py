@@ -32,8 +32,8 @@ def saturation_free(q: np.ndarray) -> bool:
     return q.size == 0 or int(np.abs(q.astype(np.int16)).max()) <= SATURATION_FREE_WEIGHT
 
 
-def uint8_weights(g: Graph) -> int:
-    count = 0
+def _weight_slots(g: Graph):
+    """``(node, index of its int8 weight, index of the weight's zero point)`` of each integer or QDQ layer."""
     for node in g.each():
         if node.op_type in QDQ_WEIGHTS and len(node.inputs) > QDQ_WEIGHTS[node.op_type]:
             w = weight(g, node.inputs[QDQ_WEIGHTS[node.op_type]])
@@ -42,10 +42,21 @@ def uint8_weights(g: Graph) -> int:
             slots = (node, *INTEGER_WEIGHTS[node.op_type])
         else:
             continue
-        if slots is None or not _shift(g, *slots):
-            continue
-        count += 1
+        if slots is not None:
+            yield slots
+
+
+def saturating_layers(g: Graph) -> int:
+    """How many layers have int8 weights beyond +-64 (those that saturate on x86 without VNNI)."""
+    count = 0
+    for node, q_index, zp_index in _weight_slots(g):
+        q = g.const(node.inputs[q_index])
+        count += q is not None and q.dtype == np.int8 and not saturation_free(q)
     return count
+
+
+def uint8_weights(g: Graph) -> int:
+    return sum(_shift(g, *slots) for slots in list(_weight_slots(g)))
 
 
 def _shift(g: Graph, node: Node, q_index: int, zp_index: int) -> bool:

@@ -16,6 +16,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from recal_core.modifiers import WEIGHT_LEVELS
+
 from ..fake_quant import QATTables, bias_on_int32_grid, fake_quant_activation, fake_quant_weight, moving_range
 
 PASS_THROUGH = (keras.layers.MaxPooling2D, keras.layers.MaxPooling1D, keras.layers.Flatten, keras.layers.Reshape,
@@ -140,12 +142,13 @@ class QuantizedLayer(keras.layers.Layer):
             wq = self._quantize(w)
         source = self.input_quantizer or self.input_source  # unknown: the bias stays as it is
         if t is not None and t.export and source is not None:
-            bias = bias_on_int32_grid(bias, w, len(w.shape) - 1, source.min_val.value, source.max_val.value)
+            bias = bias_on_int32_grid(bias, w, len(w.shape) - 1, source.min_val.value, source.max_val.value,
+                                      t.weight_levels)
         return self._activate(self._linear(x, wq) + bias, training)
 
     def _quantize(self, w):
         t = self.tables
-        wq = fake_quant_weight(w, len(w.shape) - 1)
+        wq = fake_quant_weight(w, len(w.shape) - 1, t.weight_levels if t is not None else WEIGHT_LEVELS)
         return tf.where(t.at(t.enabled), wq, w) if t is not None and not t.export else wq
 
     def _activate(self, y, training):

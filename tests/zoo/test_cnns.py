@@ -174,12 +174,14 @@ def batch(g):
     return x, (x[:, 0, :8, :8].mean((1, 2)) > 0).long()
 
 
-def prune_and_qat(name, build=None):
-    """``MODELS[name]`` (or ``build()``), pruned 80% and QAT-trained for a few steps on 32x32 inputs."""
+def prune_and_qat(name, build=None, reduce_range=True):
+    """``MODELS[name]`` (or ``build()``), pruned 80% and QAT-trained for a few steps on 32x32 inputs; 7-bit weights
+    (the default path) unless ``reduce_range`` is False."""
     torch.manual_seed(0)
     model = (build or MODELS[name][0])()
     optimizer = torch.optim.Adam(model.parameters(), 1e-3)
-    manager = ScheduledModifierManager.from_yaml(RECIPE)
+    manager = ScheduledModifierManager.from_yaml(RECIPE.replace("start_epoch: 1}", "start_epoch: 1, reduce_range: true}")
+                                                 if reduce_range else RECIPE)
     manager.modify(model, optimizer, steps_per_epoch=SPE)
     g = torch.Generator().manual_seed(0)
     model.train()
@@ -192,10 +194,11 @@ def prune_and_qat(name, build=None):
     return model.eval()
 
 
-def _runtime_int8_error(qdq_path, feeds, reference):
-    """onnxruntime's own int8 execution of the QAT export (its QDQ fusion at the default level): max |diff|."""
+def _runtime_int8(qdq_path, feeds, reference):
+    """onnxruntime's own int8 execution of the QAT export (its QDQ fusion at the default level) against the export
+    run as written: argmax agreement and max |diff|."""
     got = ort.InferenceSession(str(qdq_path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
-    return float(np.abs(got - reference).max())
+    return float(np.mean(got.argmax(1) == reference.argmax(1))), float(np.abs(got - reference).max())
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -211,7 +214,13 @@ def test_cnn_quantizes_end_to_end(name, tmp_path):
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         reference = ort.InferenceSession(str(qat), options, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
-        runtime_error = _runtime_int8_error(qat, feeds, reference)
+        runtime_agreement, runtime_error = _runtime_int8(qat, feeds, reference)
+        # 7-bit weights: the QAT export itself runs in a default session on any x86 CPU as written, to onnxruntime's
+        # own rounding (8-bit weights saturate there on CPUs without VNNI: 79% agreement on MobileNetV2); quantized
+        # logits (EfficientNet's) within 3 of their steps (its fused sigmoid and product round on their own)
+        step = float(np.diff(np.unique(reference)).min())
+        assert runtime_agreement >= 0.99 and (runtime_error <= 0.02 * np.ptp(reference) or runtime_error <= 3.01 * step), \
+            (runtime_agreement, runtime_error, step)
         for fmt in ("qoperator", "qdq"):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", UnconvertedOpsWarning)
@@ -222,11 +231,9 @@ def test_cnn_quantizes_end_to_end(name, tmp_path):
             v = result.verification  # the default check passed: op by op, every integer tensor within a step
             assert v.local_tensors >= layers // 2 and v.local_steps <= 1 and v.local_float <= 1e-3, v
             # end to end on 256 inputs (the logits are float: measured in their range): every argmax agrees, the
-            # median value is exact and the largest difference small; onnxruntime's own int8 kernels on the same
-            # QDQ model do worse (up to 47% of the range, 79% agreement on MobileNetV2)
+            # median value is exact and the largest difference small
             assert v.samples >= 256 and v.argmax_agreement >= 0.999, (fmt, v)
             assert v.median_abs_diff <= 1e-3 * v.output_range and v.max_abs_diff <= 0.02 * v.output_range, (fmt, v)
-            assert v.max_abs_diff <= max(runtime_error, 1e-6) * 1.05, (fmt, v, runtime_error)
             print(f"{name} dynamo={dynamo} {fmt}: {v}; onnxruntime int8 max abs diff {runtime_error:.4g}")
             kinds = collections.Counter(n.op_type for n in result.model.graph.node)
             integer_ops = {op: n for op, n in kinds.items() if op.startswith("QLinear")}

@@ -1,0 +1,229 @@
+"""The QAT layers: a float Conv(-BN)(-ReLU), Linear(-ReLU) or Embedding rebuilt around its own Parameters.
+
+``Conv(-BN)(-ReLU)`` and ``Linear(-ReLU)`` become one QAT module that simulates the BatchNorm-folded weights, so
+the exported model is already folded and runtimes fuse it. Each QAT module adopts the float module's Parameter
+objects (the optimizer and its momentum/Adam state carry on); the BatchNorm becomes a :class:`FoldedBatchNorm`
+that keeps its parameters and statistics under the same names but passes its input through. Which layers become
+QAT modules, and what they fuse, is the planner's choice (:mod:`recal_torch.qat_plan`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .fake_quant import W_LEVELS, ActivationFakeQuantize, WeightFakeQuantize
+
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+NORMS = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.BatchNorm3d}
+
+
+# --- fused QAT modules ---------------------------------------------------------------------
+
+
+def clamp(y: torch.Tensor, relu: bool, relu6: bool) -> torch.Tensor:
+    """The fused activation of a QAT layer (and of its export form): ReLU6, ReLU or none."""
+    return F.relu6(y) if relu6 else F.relu(y) if relu else y
+
+
+
+class FoldedBatchNorm(nn.Module):
+    """A BatchNorm folded into the QAT conv before it: same parameters and statistics, identity forward."""
+
+    def __init__(self, bn: nn.modules.batchnorm._BatchNorm):
+        super().__init__()
+        self.num_features, self.eps, self.momentum = bn.num_features, bn.eps, bn.momentum
+        self.affine, self.track_running_stats = bn.affine, bn.track_running_stats
+        self.original_type = type(bn)
+        for name, param in bn.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, buf in bn.named_buffers(recurse=False):
+            self.register_buffer(name, buf)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, folded into the preceding QAT conv"
+
+
+class QATModule(nn.Module):
+    """Base of the QAT conv and linear: weight/bias are the float module's own Parameters."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def __init__(self, float_module: nn.Module, relu: bool, quantize_input: bool, quantize_output: bool = True,
+                 relu6: bool = False, weight_levels: float = W_LEVELS):
+        super().__init__()
+        self.float_type = type(float_module)
+        self.weight = float_module.weight
+        self.register_parameter("bias", getattr(float_module, "bias", None))
+        self.relu = relu
+        self.relu6 = relu6  # ReLU6 / Hardtanh(0, 6): clamped before the output's range, as runtimes fold it
+        self.input_fake_quant = ActivationFakeQuantize() if quantize_input else None
+        self.weight_fake_quant = WeightFakeQuantize(self.weight.shape[0], weight_levels)
+        self.activation_post_process = ActivationFakeQuantize() if quantize_output else None
+        self.bn_frozen = False
+        device = self.weight.device
+        self.to(device)
+
+    def folded_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias with any BatchNorm folded in, from its running statistics."""
+        return self.weight, self.bias
+
+    @property
+    def activation_name(self) -> str:
+        return "ReLU6" if self.relu6 else "ReLU" if self.relu else ""
+
+    def _finish(self, y: torch.Tensor) -> torch.Tensor:
+        y = clamp(y, self.relu, self.relu6)
+        return y if self.activation_post_process is None else self.activation_post_process(y)
+
+
+class QATConv(QATModule):
+    """Conv(-BN)(-ReLU) with fake-quantized input (optional), BN-folded weights and output."""
+
+    def __init__(self, conv: nn.modules.conv._ConvNd, bn: FoldedBatchNorm | None, relu: bool,
+                 quantize_input: bool, relu6: bool = False, weight_levels: float = W_LEVELS):
+        super().__init__(conv, relu, quantize_input, relu6=relu6, weight_levels=weight_levels)
+        self.stride, self.padding, self.dilation, self.groups = conv.stride, conv.padding, conv.dilation, conv.groups
+        self.dims = len(conv.kernel_size)
+        # what model code reads off a conv (Hugging Face's TF-style padding reads kernel_size)
+        self.kernel_size, self.in_channels, self.out_channels = conv.kernel_size, conv.in_channels, conv.out_channels
+        self.padding_mode = conv.padding_mode
+        object.__setattr__(self, "folded_bn", bn)  # owned by the parent model, not a child here
+
+    def _conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        conv = (F.conv1d, F.conv2d, F.conv3d)[self.dims - 1]
+        return conv(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+
+    def _bn_scale(self) -> torch.Tensor:
+        bn = self.folded_bn
+        gamma = bn.weight if bn.affine else torch.ones_like(bn.running_var)
+        return gamma / torch.sqrt(bn.running_var + bn.eps)
+
+    def folded_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        bn = self.folded_bn
+        if bn is None:
+            return self.weight, self.bias
+        factor = self._bn_scale()
+        weight = self.weight * factor.reshape(-1, *([1] * (self.weight.dim() - 1)))
+        beta = bn.bias if bn.affine else torch.zeros_like(bn.running_mean)
+        bias = self.bias if self.bias is not None else torch.zeros_like(bn.running_mean)
+        return weight, beta + (bias - bn.running_mean) * factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_fake_quant is not None:
+            x = self.input_fake_quant(x)
+        bn = self.folded_bn
+        if bn is None:
+            return self._finish(self._conv(x, self.weight_fake_quant(self.weight), self.bias))
+        # Simulated folding: conv with quantized BN-scaled weights, then undo the scale and run
+        # BatchNorm, which uses batch statistics while training (and updates the running ones).
+        factor = self._bn_scale()
+        shape = [1] * (self.weight.dim() - 1)
+        y = self._conv(x, self.weight_fake_quant(self.weight * factor.reshape(-1, *shape)), None)
+        y = y / factor.reshape(1, -1, *shape[1:])
+        if self.bias is not None:
+            y = y + self.bias.reshape(1, -1, *shape[1:])
+        update = self.training and not self.bn_frozen and bn.track_running_stats
+        momentum = bn.momentum
+        if update:
+            bn.num_batches_tracked.add_(1)
+            if momentum is None:
+                momentum = 1.0 / float(bn.num_batches_tracked)
+        y = F.batch_norm(y, bn.running_mean, bn.running_var, bn.weight, bn.bias,
+                         training=self.training and not self.bn_frozen, momentum=momentum or 0.0, eps=bn.eps)
+        return self._finish(y)
+
+    def extra_repr(self) -> str:
+        parts = [self.float_type.__name__]
+        parts += ["BatchNorm (folded)"] if self.folded_bn is not None else []
+        parts += [self.activation_name] if self.activation_name else []
+        return "-".join(parts) + f", weight {tuple(self.weight.shape)}"
+
+
+class QATLinear(QATModule):
+    """Linear(-ReLU) with fake-quantized input (optional), weight and output."""
+
+    def __init__(self, linear: nn.Linear, relu: bool, quantize_input: bool, relu6: bool = False,
+                 weight_levels: float = W_LEVELS):
+        super().__init__(linear, relu, quantize_input, relu6=relu6, weight_levels=weight_levels)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_fake_quant is not None:
+            x = self.input_fake_quant(x)
+        return self._finish(F.linear(x, self.weight_fake_quant(self.weight), self.bias))
+
+    def extra_repr(self) -> str:
+        act = f"-{self.activation_name}" if self.activation_name else ""
+        return f"Linear{act}, weight {tuple(self.weight.shape)}"
+
+
+class QATEmbedding(QATModule):
+    """An embedding table read through int8 symmetric per-row fake quantization; the rows it returns are float.
+
+    The int8 model stores the table in int8 and gathers integer rows (a 4x smaller file; the dominant
+    tensor of a transformer's checkpoint at small widths).
+    """
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__(embedding, relu=False, quantize_input=False, quantize_output=False)
+        self.padding_idx, self.max_norm, self.norm_type = embedding.padding_idx, embedding.max_norm, embedding.norm_type
+        self.scale_grad_by_freq, self.sparse = embedding.scale_grad_by_freq, embedding.sparse
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight_fake_quant(self.weight), self.padding_idx, None, self.norm_type,
+                           self.scale_grad_by_freq, self.sparse)
+
+    def extra_repr(self) -> str:
+        return f"Embedding, int8 per-row table {tuple(self.weight.shape)}"
+
+
+class QuantizedReLU(nn.Module):
+    """A ReLU after a residual sum ``a + b`` whose output is fake-quantized: runtimes then add in int8
+    (the ReLU is the clamp of the add's uint8 output, whose zero point is 0).
+
+    Swapped in for a ``nn.ReLU`` module that only follows an addition (ResNet blocks).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.activation_post_process = ActivationFakeQuantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.activation_post_process(F.relu(x))
+
+
+
+def is_table(module: nn.Module) -> bool:
+    """An embedding table QAT stores in int8 (``max_norm`` rewrites rows during lookup: left float)."""
+    return type(module) is nn.Embedding and module.max_norm is None
+
+
+def device_of(module: nn.Module) -> torch.device:
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
+
+
+def describe(module: QATModule) -> str:
+    """What a QAT layer quantizes, e.g. ``Linear, weight (64, 64) int8 per channel, input uint8, output float``."""
+    if isinstance(module, QATEmbedding):
+        return f"Embedding, table {tuple(module.weight.shape)} int8 per row, rows float"
+    fq_in, fq_out = module.input_fake_quant, module.activation_post_process
+    source = "uint8" if fq_in is not None and fq_in.active else "from a quantized layer"
+    output = "uint8" if fq_out is not None and fq_out.active else "float"
+    bits = "int8" if module.weight_fake_quant.levels == W_LEVELS else "7-bit int8 (reduce_range)"
+    return (f"{module.extra_repr().split(',')[0]}, weight {tuple(module.weight.shape)} {bits} per channel, "
+            f"input {source}, output {output}")
+
+
+def qat_modules(model: nn.Module) -> list[QATModule]:
+    return [m for m in model.modules() if isinstance(m, QATModule)]
+
+
+def fake_quantizers(model: nn.Module) -> list[nn.Module]:
+    """Every activation and weight fake-quantizer in ``model`` (to freeze their observers)."""
+    return [m for m in model.modules() if isinstance(m, (ActivationFakeQuantize, WeightFakeQuantize))]
