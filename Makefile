@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench check-wheel clean
+.PHONY: demo test test-fast docs bench check-wheel clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,10 +20,15 @@ demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --durations=15
+
+# the manual and API reference (mkdocs + mkdocstrings) into site/; strict: a warning fails the build
+docs: $(STAMP)
+	$(BIN)/python scripts/render_docs.py
+	$(BIN)/python -m mkdocs build --strict --quiet
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n auto -m "not slow"
 
 # every benchmark script, each printing its table (several minutes on 2 cores)
 bench: $(STAMP)
@@ -40,4 +45,4 @@ check-wheel:
 	PY=$(PY) scripts/check_wheel.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

@@ -159,7 +159,14 @@ for _cls in M.MODIFIER_TYPES:
 def load_recipe(source: str | os.PathLike | Recipe) -> Recipe:
     """Load and validate a recipe from a path, a YAML/Markdown string, or return a Recipe as is.
 
-    Raises :class:`RecipeError` listing every problem (file, line, column, modifier, field).
+    Args:
+        source: a ``.yaml`` / ``.md`` file's path, the recipe's text itself, or a :class:`Recipe`.
+
+    Returns:
+        The validated, immutable recipe.
+
+    Raises:
+        RecipeError: listing every problem at once (file, line, column, modifier, field, what was expected).
     """
     if isinstance(source, Recipe):
         return source

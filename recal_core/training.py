@@ -72,10 +72,11 @@ def median_latency_ms(call: Callable[[], Any], repeat: int = 200, warmup: int = 
     return statistics.median(times) * 1e3
 
 
-def overall_sparsity(layers: dict[str, float], sizes: dict[str, int]) -> float:
-    """Zero fraction over all the layers together (each layer weighted by its size)."""
+def overall_sparsity(layers: dict[str, float], sizes: dict[str, int]) -> float | None:
+    """Zero fraction over all the layers together (each layer weighted by its size); None (unknown) when no
+    weight was found: never a 0.0 that a reader would take for a measurement."""
     total = sum(sizes[name] for name in layers)
-    return sum(layers[name] * sizes[name] for name in layers) / total if total else 0.0
+    return sum(layers[name] * sizes[name] for name in layers) / total if total else None
 
 
 @dataclass
@@ -233,8 +234,8 @@ def write_report(run: TrainingRun, recipe: Recipe) -> None:
     write_text_atomically(out / "report.md", "\n".join(lines) + "\n")
 
 
-def _fmt(value: float | None, pattern: str) -> str:
-    return "-" if value is None else pattern.format(value)
+def _fmt(value: float | None, pattern: str, missing: str = "-") -> str:
+    return missing if value is None else pattern.format(value)
 
 
 ARTEFACT_HEADER = "| artefact | accuracy | sparsity | size | MACs / params | latency (batch 1) | measured in | path |"
@@ -242,5 +243,5 @@ ARTEFACT_HEADER = "| artefact | accuracy | sparsity | size | MACs / params | lat
 
 def artefact_row(a: Artefact) -> str:
     work = "-" if a.macs is None else f"{a.macs / 1e6:.3g} M / {a.params / 1e3:.3g} k"
-    return (f"| {a.name} | {_fmt(a.accuracy, '{:.4f}')} | {_fmt(a.sparsity, '{:.3f}')} | "
+    return (f"| {a.name} | {_fmt(a.accuracy, '{:.4f}')} | {_fmt(a.sparsity, '{:.3f}', 'unknown')} | "
             f"{a.size_bytes / 1024:.1f} KiB | {work} | {_fmt(a.latency_ms, '{:.3f} ms')} | {a.runtime} | `{a.path}` |")

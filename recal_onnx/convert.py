@@ -139,6 +139,28 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
                         target: str = DEFAULT_TARGET) -> ConversionResult:
     """Convert a QAT ONNX model into a fully quantized one (``qoperator``) or a folded, clean QDQ one.
 
+    Args:
+        model_or_path: the QAT (QDQ) model or its path; never modified.
+        output_path: where to write the result (atomically; never the input file), or None.
+        format: ``"qoperator"`` (QLinearConv, QGemm, ...) or ``"qdq"`` (folded, clean QDQ).
+        verify: compare the result with the input in onnxruntime before anything is written.
+        inputs: the verification's inputs by name (generated when None).
+        tolerance: the largest max-abs difference accepted end to end (default: see below).
+        min_agreement: the smallest argmax agreement accepted (not enforced by default).
+        thin: remove the channels filter pruning left dead.
+        verify_inputs: another name for ``inputs``.
+        weight_type: ``"auto"`` (the target's choice), ``"int8"`` or ``"uint8"``.
+        channel_block: thinned channel counts are a multiple of this.
+        target: the CPUs the model is for (:mod:`recal_onnx.targets`).
+
+    Returns:
+        A :class:`ConversionResult`: the model, its path, the rewrites made, what stays float and why, the
+        verification's figures, and which weight form was written and why.
+
+    Raises:
+        VerificationError: the result differs from the input beyond tolerance (nothing is written).
+        ModelError: the input is not a QAT model this converter can read, run or convert.
+
     ``model_or_path`` is never modified; ``output_path`` (optional) is written atomically and may not
     be the input file. ``inputs`` (or its other name ``verify_inputs``) feeds the verification (generated
     when absent: integer inputs cover the table they index, masks are ones); ``tolerance`` is the largest
@@ -424,7 +446,11 @@ def _float_islands(g: Graph, expected: set[str]) -> list[tuple[str, str]]:
 
 
 def save_model_atomically(model: onnx.ModelProto, output_path: str | os.PathLike) -> Path:
-    """Write ``model`` to ``output_path`` atomically; above ~1.8 GB its tensors go to ``<name>.data``."""
+    """Write ``model`` to ``output_path`` atomically; above ~1.8 GB its tensors go to ``<name>.data``.
+
+    Args:
+        model: the ONNX model.
+        output_path: the file to write (its folder must exist); nothing partial is ever left there."""
     target = Path(output_path)
     large = model.ByteSize() > EXTERNAL_DATA_BYTES if model.ByteSize() >= 0 else True
     with atomic_folder(target.parent) as folder:

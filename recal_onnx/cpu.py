@@ -43,15 +43,15 @@ def int8_weights_exact_here() -> bool:
 
 
 def describe() -> str:
-    """One line on this CPU's int8 instructions, for benchmark tables."""
+    """This CPU's model and int8 instructions, read off ``/proc/cpuinfo`` (facts only: what they mean for a model
+    is :mod:`recal_onnx.targets`' business, and what they cost is a benchmark's)."""
     if platform.machine().lower() not in X86:
-        return f"CPU: {platform.machine()}: int8 dot products in 32 bits (exact with int8 weights)"
+        return f"CPU: {platform.machine()} (int8 dot products in 32 bits)"
     flags = cpu_flags()
     if flags is None:
         return "CPU: x86, flags unknown (no /proc/cpuinfo)"
     model = _cpuinfo("model name") or "?"
-    if VNNI_FLAGS & flags:
-        return f"CPU: {model}, with {'AMX' if 'amx_int8' in flags else 'VNNI'}: int8 kernels at full speed, exact"
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return (f"CPU: {model}, {isa} without VNNI: onnxruntime's int8 convolutions run at about the speed of its "
-            "fp32 ones, and int8 weights beyond +-64 can saturate (weight_type='uint8' is exact here)")
+    vnni = sorted(VNNI_FLAGS & flags)
+    return f"CPU: {model}, {isa}, " + (f"with {' '.join(vnni)}" if vnni else "no VNNI (int8 weights beyond +-64 "
+                                                                               "saturate in onnxruntime's u8s8 kernels)")

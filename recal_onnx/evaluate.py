@@ -32,15 +32,25 @@ def _channel_axis(node: onnx.NodeProto) -> int:
 
 
 def weight_sparsity(model: onnx.ModelProto) -> dict[str, float]:
-    """Zero fraction of every weight initializer (>= 2-D) read by a conv, dense or weight-dequantize node.
+    """Zero fraction of every weight (>= 2-D) read by a conv, dense or weight-dequantize node.
 
-    A quantized weight is zero where it equals its zero point (uint8 weights hold zero as 128).
+    A quantized weight is zero where it equals its zero point (uint8 weights hold zero as 128). A float weight
+    quantized in the graph (``w -> QuantizeLinear -> DequantizeLinear``, as tf2onnx writes a TF QAT model's
+    weights, and ``w -> DequantizeLinear`` through an ``Identity``) is read where the chain starts: its zeros
+    are the quantized zeros (symmetric weights: zero point 0, and 0 quantizes to it exactly).
     """
     initializers = {t.name: t for t in model.graph.initializer}
+    producers = {o: n for n in model.graph.node for o in n.output}
     result = {}
     for node in model.graph.node:
         index, zp_index = WEIGHT_INPUTS.get(node.op_type, (None, None))
         name = node.input[index] if index is not None and index < len(node.input) else ""
+        source = _float_weight_behind(name, initializers, producers) if node.op_type == "DequantizeLinear" else None
+        if source is not None:
+            if source not in result:
+                value = numpy_helper.to_array(initializers[source])
+                result[source] = float((value == 0).sum()) / value.size
+            continue
         tensor = initializers.get(name)
         if tensor is None or len(tensor.dims) < 2 or name in result:
             continue
@@ -52,6 +62,21 @@ def weight_sparsity(model: onnx.ModelProto) -> dict[str, float]:
             zero = zero.reshape([-1 if a == axis else 1 for a in range(value.ndim)])
         result[name] = float((value == zero).sum()) / value.size
     return result
+
+
+def _float_weight_behind(name: str, initializers: dict, producers: dict) -> str | None:
+    """The float initializer (>= 2-D) a DequantizeLinear's input is quantized from, through a QuantizeLinear and
+    Identity nodes; None when the input is not such a chain."""
+    node = producers.get(name)
+    while node is not None and node.op_type == "Identity":
+        name, node = node.input[0], producers.get(node.input[0])
+    if node is None or node.op_type != "QuantizeLinear":
+        return None
+    source = node.input[0]
+    while source in producers and producers[source].op_type == "Identity":
+        source = producers[source].input[0]
+    tensor = initializers.get(source)
+    return source if tensor is not None and len(tensor.dims) >= 2 else None
 
 
 def evaluate(artefact, repeat: int = 200) -> None:

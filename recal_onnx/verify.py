@@ -171,9 +171,15 @@ def generated_inputs(model: onnx.ModelProto, batch: int = 256, seed: int = 0) ->
 def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
                   inputs: dict[str, np.ndarray] | None = None, output_step: float = 0.0,
                   thinned: dict[str, np.ndarray] | None = None) -> Verification:
-    """Compare ``candidate`` with ``reference`` (a model or a path) on ``inputs`` (generated if None);
-    ``output_step``: the outputs' quantization step, when they are quantized; ``thinned``: the channels (axis 1)
-    the candidate kept of a tensor whose dead channels it removed."""
+    """Compare ``candidate`` with ``reference`` in onnxruntime, end to end and op by op.
+
+    Args:
+        reference: the model the candidate was made from (a model or a path), run as written.
+        candidate: the converted model.
+        inputs: the inputs by name (generated when None: integer inputs cover the table they index, masks are ones).
+        output_step: the outputs' quantization step, when they are quantized (0: float outputs).
+        thinned: per tensor name, the channels (axis 1) the candidate kept of a tensor whose dead channels it
+            removed."""
     feeds = inputs if inputs is not None else generated_inputs(candidate)
     batched = _batched_inputs(candidate)
     ref = _run_in_chunks(reference_session(reference), feeds, batched)

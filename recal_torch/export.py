@@ -51,8 +51,11 @@ def to_export_model(model: nn.Module, dynamo: bool = True, sample_input: Sequenc
                     ) -> nn.Module:
     """An eval-mode copy of ``model`` whose QAT modules are export modules (the model is not changed).
 
-    With ``sample_input`` (a tuple of the model's inputs), each conv / linear bias is put on the int32 grid its
-    int8 layer holds it on (:mod:`recal_torch.bias_grid`), as :func:`export_onnx` does."""
+    Args:
+        model: a model (maybe wrapped in DDP) with QAT modules.
+        dynamo: write quantize/dequantize as the dynamo exporter reads them (else as TorchScript's exporter does).
+        sample_input: a tuple of the model's inputs; when given, each conv / linear bias is put on the int32 grid
+            its int8 layer holds it on (:mod:`recal_torch.bias_grid`), as :func:`export_onnx` does."""
     model = unwrap(model)
     exported = copy.deepcopy(model)
     exported.eval()
@@ -78,9 +81,17 @@ def export_onnx(model: nn.Module, sample_input: torch.Tensor | Sequence[torch.Te
                 output_names: Sequence[str] = ("output",), dynamic_batch: bool = True) -> Path:
     """Export ``model`` to ONNX at ``path`` (atomically); QAT models become QDQ models.
 
-    ``opset`` defaults to 18 under ``dynamo=True`` (torch's default exporter, which implements
-    opset 18 and later: an older one is an error, not a silent upgrade) and to 17 under
-    ``dynamo=False`` (13 or later for per-channel weights).
+    Args:
+        model: the model (float, QAT or thinned; maybe wrapped in DDP); not changed.
+        sample_input: one input tensor, or a tuple of them.
+        path: the ``.onnx`` file to write.
+        opset: defaults to 18 under ``dynamo=True`` (torch's default exporter, which implements opset 18 and
+            later: an older one is an error, not a silent upgrade) and to 17 under ``dynamo=False`` (13 or later
+            for per-channel weights).
+        dynamo: torch's default (dynamo) exporter, or the TorchScript one (``False``).
+        input_names: the graph's input names.
+        output_names: the graph's output names.
+        dynamic_batch: declare the first axis of every input and output dynamic.
 
     >>> import torch, tempfile, os
     >>> m = torch.nn.Sequential(torch.nn.Linear(4, 2))

@@ -12,7 +12,11 @@ from .qat_modules import CONVS, QATConv, QATLinear
 
 @torch.no_grad()
 def count_macs(model: nn.Module, example: torch.Tensor) -> tuple[int, int]:
-    """``(multiply-adds per sample of the conv and linear layers, parameters)`` of ``model`` on ``example``."""
+    """``(multiply-adds per sample of the conv and linear layers, parameters)`` of ``model`` on ``example``.
+
+    Args:
+        model: the model (float, QAT or thinned); run once, without gradients.
+        example: one input batch; the count is per sample."""
     total = 0
 
     def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:

@@ -41,7 +41,13 @@ class ThinReport:
 @torch.no_grad()
 def thin(model: nn.Module) -> ThinReport:
     """Remove ``model``'s dead channels in place (call it after training: the optimizer and the manager
-    hold the old tensors). Spaces the coupling rules cannot thin are left as they are."""
+    hold the old tensors). Spaces the coupling rules cannot thin are left as they are.
+
+    Args:
+        model: a trained model whose filter / channel pruning left channels exactly zero.
+
+    Returns:
+        What was removed, per coupled channel space."""
     modules = dict(model.named_modules())
     done = []
     for space in model_spaces(model):

@@ -87,7 +87,7 @@ def resnet_models(folder: Path, size: int, float_steps: int = 3, qat_steps: int 
     unstructured = FILTERS_RECIPE.replace("- !QuantizationModifier", RESNET_UNSTRUCTURED + "- !QuantizationModifier")
     for label, recipe in (("recal 50% filters + QAT int8, thinned", FILTERS_RECIPE),
                           ("recal 50% filters + 50% of the rest + QAT int8, thinned", unstructured)):
-        paths[label], macs[label] = qat_int8(copy.deepcopy(model), recipe, sample, folder, f"resnet18-{len(paths)}",
+        paths[label], macs[label], _ = qat_int8(copy.deepcopy(model), recipe, sample, folder, f"resnet18-{len(paths)}",
                                              qat_steps, batch)
     return paths, macs, {"input": one.numpy()}
 

@@ -7,8 +7,10 @@ Accuracy on real data (the bundled digits):
 3. the same recipe, QAT included, in the TensorFlow graph API -> QAT ONNX -> int8 ONNX.
 Speed on a realistic architecture (synthetic inputs; the digits net is too small for int8 kernels to pay):
 4. a ResNet-18-shaped model at 224x224, QAT a few steps, converted: fp32 vs recal int8 vs onnxruntime's
-   quantize_static vs recal with half the filters pruned and thinned, batch 1, one thread (scripts/speed.py).
-Then the two tables and the paths of everything written.
+   quantize_static (as it comes and with reduce_range) vs recal with half the filters pruned and thinned, batch 1,
+   one thread, with each model's fidelity (scripts/speed.py).
+Then the two tables, what this run measured on this CPU, and the paths of everything written; every figure is
+also written to ``<output>/demo.json`` (the README's tables are generated from a copy in docs/results/).
 
     python scripts/demo.py [--output demo_out] [--seed 0] [--no-speed]
 """
@@ -16,10 +18,21 @@ Then the two tables and the paths of everything written.
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
+
+# The demo prints recal's tables: third-party chatter (TensorFlow's C++ logs, torch's exporter noting the absent
+# torchvision, libraries' deprecation notices about their own internals) is kept out of them.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+warnings.filterwarnings("ignore", category=FutureWarning)
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -35,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--no-speed", action="store_true", help="skip the ResNet-18 speed part")
+    parser.add_argument("--speed-size", type=int, default=224, help="the speed part's input size (default 224)")
+    parser.add_argument("--rounds", type=int, default=15, help="the speed part's interleaved rounds (default 15)")
     args = parser.parse_args(argv)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -55,24 +70,33 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_speed:
         import speed
 
-        print(f"\n== speed: ResNet-18-shaped at 224x224 -> {out / 'speed'}", flush=True)
-        speed_rows = speed.speed_table(out / "speed")
+        size = args.speed_size
+        print(f"\n== speed: ResNet-18-shaped at {size}x{size} -> {out / 'speed'}", flush=True)
+        speed_rows = speed.speed_table(out / "speed", size, args.rounds)
     print(f"\nrecal demo, {time.perf_counter() - started:.0f}s in all")
     print("\n1. accuracy on real data: the digits test set (360 images)\n")
     header = f"{'framework':9s} {'run':32s} {'artefact':38s} {'accuracy':>8s} {'sparsity':>8s} {'size':>10s} {'latency':>10s}"
     print(header)
     print("-" * len(header))
     for framework, label, a in rows:
-        print(f"{framework:9s} {label:32s} {a.name:38s} {a.accuracy:8.4f} {a.sparsity:8.3f} "
-              f"{a.size_bytes / 1024:8.1f}KB {a.latency_ms:8.3f}ms")
-    print("\nlatency: median batch-1 inference in the artefact's runtime (PyTorch, TensorFlow or onnxruntime)")
+        sparsity = "unknown" if a.sparsity is None else f"{a.sparsity:.3f}"
+        print(f"{framework:9s} {label:32s} {a.name:38s} {a.accuracy:8.4f} {sparsity:>8s} "
+              f"{a.size_bytes / 1e3:8.1f}kB {a.latency_ms:8.3f}ms")
+    print("\nsizes in kB and MB (10^3 and 10^6 bytes); latency: median batch-1 inference in the artefact's runtime "
+          "(PyTorch, TensorFlow or onnxruntime)")
     if speed_rows:
-        print("\n2. speed on synthetic inputs: ResNet-18-shaped, 224x224, onnxruntime, batch 1, 1 thread, "
-              "interleaved medians\n")
+        print(f"\n2. speed on synthetic inputs: ResNet-18-shaped, {args.speed_size}x{args.speed_size}, onnxruntime, batch 1, 1 thread, "
+              "interleaved medians; fidelity on 64 inputs in a default session\n")
         print(speed.format_table(speed_rows))
-        from recal_onnx import cpu
-
-        print(cpu.describe())
+        print("\n" + speed.measured_line(speed_rows))
+    results = {"seconds": round(time.perf_counter() - started),
+               "jobs": [{"framework": framework, "run": label, "artefact": a.name, "accuracy": a.accuracy,
+                         "sparsity": a.sparsity, "size_bytes": a.size_bytes, "latency_ms": a.latency_ms}
+                        for framework, label, a in rows]}
+    if speed_rows:
+        results["speed"] = json.loads((out / "speed" / "speed.json").read_text())
+        results["speed"]["measured"] = speed.measured_line(speed_rows)
+    (out / "demo.json").write_text(json.dumps(results, indent=1) + "\n")
     print("\noutputs:")
     for _, _, folder in [(None, None, j[3]) for j in jobs]:
         print(f"  {folder}/report.md  {folder}/schedule.png  {folder}/tensorboard/")
@@ -80,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {a.path}")
     for row in speed_rows:
         print(f"  {row.path}")
+    print(f"  {out / 'demo.json'}: every figure above")
     print(f"view the training curves: tensorboard --logdir {out}")
     return 0
 

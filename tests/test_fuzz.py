@@ -44,6 +44,7 @@ def test_yaml_shaped_garbage(tokens):
     _assert_only_recipe_errors("".join(tokens))
 
 
+@pytest.mark.filterwarnings("ignore::recal_core.errors.RecipeWarning")  # a mutation may drop a warned default
 @settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, len(VALID_TEXTS) - 1), st.integers(0, 2**32 - 1), st.integers(1, 6))
 def test_mutated_valid_recipes(which, seed, edits):

@@ -129,26 +129,38 @@ def test_one_run_per_output_folder_and_resumes_match_their_run(tmp_path):
         assert f"were written with {words}" in line, line
 
 
+KILLED_AFTER_THE_THIRD_SAVE = """
+import os, signal, sys
+import recal_tf.train as tf_train
+from recal_core import load_recipe
+from recal_core.training import train
+
+real, calls = tf_train.write_text_atomically, []
+
+
+def killed_after_the_third_save(path, text):
+    calls.append(path)
+    if len(calls) == 3:  # epoch 3's checkpoint is saved, its history.json never written
+        os.kill(os.getpid(), signal.SIGKILL)  # no finally block, no atexit, no flush: what kill -9 does
+    return real(path, text)
+
+
+tf_train.write_text_atomically = killed_after_the_third_save
+train(load_recipe(sys.argv[1]), "tf", sys.argv[2], epochs=3, progress=False)
+"""
+
+
 @pytest.mark.slow
-def test_tf_resume_after_a_kill_between_checkpoint_and_history_is_exact(tmp_path, monkeypatch):
-    import recal_tf.train as tf_train
-
-    recipe = load_recipe(ROOT / "scripts" / "recipes" / "prune.yaml")
-    a = train(recipe, "tf", tmp_path / "a", epochs=3, progress=False)
-    calls = {"n": 0}
-    real = tf_train.write_text_atomically
-
-    def killed_after_the_third_save(path, text):
-        calls["n"] += 1
-        if calls["n"] == 3:  # epoch 3's checkpoint is saved, its history.json never written
-            raise KeyboardInterrupt
-        return real(path, text)
-
-    monkeypatch.setattr(tf_train, "write_text_atomically", killed_after_the_third_save)
-    with pytest.raises(KeyboardInterrupt):
-        train(recipe, "tf", tmp_path / "b", epochs=3, progress=False)
-    monkeypatch.setattr(tf_train, "write_text_atomically", real)
-    b = train(recipe, "tf", tmp_path / "b", epochs=3, resume=True, progress=False)
+def test_tf_resume_after_a_sigkill_between_checkpoint_and_history_is_exact(tmp_path):
+    """A run killed by SIGKILL (in its own process) after epoch 3's checkpoint, before the history that commits it:
+    the resumed run repeats epoch 3 and ends with the uninterrupted run's weights."""
+    recipe = ROOT / "scripts" / "recipes" / "prune.yaml"
+    a = train(load_recipe(recipe), "tf", tmp_path / "a", epochs=3, progress=False)
+    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_THE_THIRD_SAVE, str(recipe), str(tmp_path / "b")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    b = train(load_recipe(recipe), "tf", tmp_path / "b", epochs=3, resume=True, progress=False)
     assert [h.loss for h in a.history] == [h.loss for h in b.history]
     assert _frozen_weights(tmp_path / "a" / "model.pb") == _frozen_weights(tmp_path / "b" / "model.pb")
 

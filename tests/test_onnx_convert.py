@@ -288,3 +288,25 @@ def test_verification_runs_in_chunks_with_the_same_result(recal_qat_model, tmp_p
     assert batches[6:] == [40, 40]
     assert (chunked.max_abs_diff, chunked.argmax_agreement, chunked.samples) == \
            (whole.max_abs_diff, whole.argmax_agreement, whole.samples) and chunked.samples == 40
+
+
+def test_sparsity_follows_float_weights_through_quantize_and_dequantize():
+    """tf2onnx writes a TF QAT model's weights as float -> QuantizeLinear -> DequantizeLinear: its sparsity is the
+    float weight's; a model with no weight at all has an unknown sparsity, not 0."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from recal_core.training import overall_sparsity
+    from recal_onnx.evaluate import weight_sparsity
+
+    w = np.zeros((4, 3), np.float32)
+    w[0] = 1.0  # 75% zero
+    nodes = [helper.make_node("QuantizeLinear", ["w", "s", "zp"], ["wq"]),
+             helper.make_node("DequantizeLinear", ["wq", "s", "zp"], ["wd"]),
+             helper.make_node("MatMul", ["x", "wd"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
+                              [numpy_helper.from_array(w.T.copy().T, "w"), numpy_helper.from_array(np.float32(0.1), "s"),
+                               numpy_helper.from_array(np.int8(0), "zp")])
+    layers = weight_sparsity(helper.make_model(graph))
+    assert layers == {"w": 0.75}
+    assert overall_sparsity({}, {}) is None

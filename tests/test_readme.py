@@ -1,4 +1,4 @@
-"""The README's examples run as written (Python blocks, and the `recal` command lines)."""
+"""The README's and the manual's examples run as written (Python blocks, and the `recal` command lines)."""
 
 import os
 import re
@@ -12,9 +12,14 @@ import pytest
 from .conftest import ROOT
 
 README = (ROOT / "README.md").read_text()
-PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, re.DOTALL)
+# docs/index.md is the README itself, generated (scripts/render_docs.py): its blocks run once, here
+PAGES = {"README": README, **{f"docs/{p.stem}": p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))
+                              if p.name != "index.md"}}
+PYTHON_BLOCKS = [(f"{page}-python-{i}", code) for page, text in PAGES.items()
+                 for i, code in enumerate(re.findall(r"```python\n(.*?)```", text, re.DOTALL))]
 BASH_BLOCKS = re.findall(r"```bash\n(.*?)```", README, re.DOTALL)
-RECAL_LINES = [line.split("#")[0].strip() for block in BASH_BLOCKS for line in block.splitlines()
+RECAL_LINES = [line.split("#")[0].strip() for text in PAGES.values()
+               for block in re.findall(r"```bash\n(.*?)```", text, re.DOTALL) for line in block.splitlines()
                if line.strip().startswith("recal ")]
 
 
@@ -30,7 +35,11 @@ def _workdir(tmp_path):
     return tmp_path
 
 
-@pytest.mark.parametrize("code", PYTHON_BLOCKS, ids=[f"python-{i}" for i in range(len(PYTHON_BLOCKS))])
+def test_the_examples_are_found():
+    assert len(PYTHON_BLOCKS) == 8 and len(RECAL_LINES) == 4  # a page that loses a block fails here
+
+
+@pytest.mark.parametrize("code", [code for _, code in PYTHON_BLOCKS], ids=[name for name, _ in PYTHON_BLOCKS])
 def test_python_example_runs(code, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     result = subprocess.run([sys.executable, "-c", code], cwd=_workdir(tmp_path), env=env, capture_output=True,

@@ -86,6 +86,8 @@ def test_tf_train_and_resume(tmp_path):
     assert artefact.path.endswith("model.pb") and artefact.accuracy > 0.8
     assert artefact.sparsity == pytest.approx(0.6, abs=0.01)
     assert qdq.qat and qdq.path.endswith("model.onnx") and int8.path.endswith("model.int8.onnx")
+    # every artefact's sparsity read off its own weights: the QDQ export's float weights behind Q -> DQ too
+    assert qdq.sparsity == pytest.approx(0.6, abs=0.01) and int8.sparsity == pytest.approx(0.6, abs=0.01)
     assert abs(int8.accuracy - artefact.accuracy) <= 1 / 360  # the int8 model is as accurate as the TF graph
     assert list((tmp_path / "a" / "tensorboard").glob("events.out.tfevents.*"))
     resumed = _stopped_before_qat_then_resumed(recipe, "tf", tmp_path / "b")
@@ -109,6 +111,7 @@ def test_keras_train_and_resume(tmp_path):
     assert qdq.qat and qdq.path.endswith("model.onnx") and int8.path.endswith("model.int8.onnx")
     assert int8.accuracy > 0.8 and abs(int8.accuracy - qdq.accuracy) <= 1 / 360  # at most one test digit apart
     assert int8.sparsity == pytest.approx(0.6, abs=0.01) and int8.size_bytes < qdq.size_bytes / 2
+    assert qdq.sparsity == pytest.approx(0.6, abs=0.01)  # read off the export's own weights, Q/DQ followed
     assert list((tmp_path / "a" / "tensorboard").rglob("events.out.tfevents.*"))
     resumed = _stopped_before_qat_then_resumed(recipe, "keras", tmp_path / "b")
     assert [h.epoch for h in resumed.history] == [1, 2, 3, 4]
@@ -160,7 +163,8 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
 @pytest.mark.slow
 def test_make_demo_script(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--output", str(tmp_path / "demo"),
-                             "--no-progress"], capture_output=True, text=True, cwd=ROOT, timeout=900)
+                             "--no-progress", "--speed-size", "64", "--rounds", "3"], capture_output=True, text=True,
+                            cwd=ROOT, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     table = [line for line in result.stdout.splitlines() if line.startswith(("torch ", "tf "))]
     # 85% unstructured can leave a channel no one reads: then a thinned PyTorch model is listed too
@@ -172,14 +176,18 @@ def test_make_demo_script(tmp_path):
     assert (tmp_path / "demo" / "torch-prune-quant" / "model.int8.onnx").is_file()
     assert (tmp_path / "demo" / "tf-prune-quant" / "model.int8.onnx").is_file()
     assert "1. accuracy on real data" in result.stdout and "2. speed on synthetic inputs" in result.stdout
-    speed = {line.split(" (")[0]: line.split() for line in result.stdout.splitlines()
-             if line.startswith(("fp32 (", "recal int8 (", "onnxruntime quantize_static", "recal 50% filters"))}
-    assert len(speed) == 4, result.stdout
-    recal = speed["recal int8"]
-    assert float(recal[-3]) <= 0.27 and float(recal[-2].removesuffix("ms")) > 0  # a quarter of fp32's size
-    thinned = next(v for k, v in speed.items() if k.startswith("recal 50% filters + QAT int8, thinned"))
-    assert float(thinned[-3]) <= 0.07  # a quarter of the channels' weights, in int8
-    assert "CPU:" in result.stdout
+    demo = json.loads((tmp_path / "demo" / "demo.json").read_text())  # every printed figure, saved
+    assert [job["accuracy"] for job in demo["jobs"]] == pytest.approx([float(line.split()[-4]) for line in table],
+                                                                      abs=5e-5)
+    rows = {row["label"].split(" (")[0]: row for row in demo["speed"]["rows"]}
+    assert list(rows) == ["fp32", "recal int8", "ort quantize_static", "ort quantize_static reduce_range",
+                          "recal 50% filters + 7-bit QAT int8, thinned"]
+    fp32, recal, thinned = rows["fp32"], rows["recal int8"], rows["recal 50% filters + 7-bit QAT int8, thinned"]
+    assert recal["size_mb"] <= 0.27 * fp32["size_mb"] and recal["latency_ms"] > 0  # a quarter of fp32's size
+    assert thinned["size_mb"] <= 0.07 * fp32["size_mb"]  # a quarter of the channels' weights, in int8
+    assert recal["steps"] <= 1 + 1e-3 and thinned["steps"] <= 1 + 1e-3  # within one output step of the QAT export
+    assert all(0 <= row["agreement"] <= 1 for row in rows.values())
+    assert "Measured this run: recal int8" in result.stdout and demo["speed"]["measured"] in result.stdout
 
 
 def test_a_second_demo_replaces_its_own_earlier_run_only(tmp_path):

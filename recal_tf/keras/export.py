@@ -12,7 +12,12 @@ from recal_core.atomic import atomic_path
 
 def export_onnx(model: keras.Model, path: str | os.PathLike, *, opset: int | None = None) -> str:
     """Write ``model`` as ONNX to ``path`` (nothing is written unless the whole export and the ONNX checker
-    succeed); returns the path. The model must have been called once (``fit``, ``predict`` or ``model(x)``)."""
+    succeed); returns the path. The model must have been called once (``fit``, ``predict`` or ``model(x)``).
+
+    Args:
+        model: a Keras model; after a QuantizationModifier, the model ``modify`` returned (a QDQ export).
+        path: the ``.onnx`` file to write.
+        opset: the ONNX opset (tf2onnx's default when None)."""
     import onnx
 
     try:

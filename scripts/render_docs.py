@@ -1,0 +1,128 @@
+"""Write the measured tables of README.md and docs/ from the JSON the benchmarks and the demo saved, and docs/index.md
+from README.md: no figure in the docs is copied by hand.
+
+A generated table sits between two markers, ``<!-- table: NAME -->`` and ``<!-- /table -->``; NAME is one of
+:data:`TABLES`, each a function of the files in ``docs/results/`` (written by ``make demo``, copied there, and by
+``scripts/bench_*.py --json``). ``--check`` changes nothing and exits 1 when a committed table or docs/index.md
+differs from what the JSON gives (CI runs it through ``tests/test_docs.py``).
+
+    python scripts/render_docs.py [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+MARKER = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.DOTALL)
+
+
+def _load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _pct(x: float | None) -> str:
+    return "unknown" if x is None else f"{100 * x:.1f}%"
+
+
+def demo_accuracy() -> str:
+    """`make demo`'s first table: the digits, dense vs one recipe in PyTorch and the TensorFlow graph API."""
+    demo = _load("demo.json")
+    lines = ["| framework | run | artefact | test accuracy | sparsity | size |", "|---|---|---|---|---|---|"]
+    for job in demo["jobs"]:
+        lines.append(f"| {job['framework']} | {job['run']} | {job['artefact']} | {100 * job['accuracy']:.2f}% | "
+                     f"{_pct(job['sparsity'])} | {job['size_bytes'] / 1e3:.1f} kB |")
+    return "\n".join(lines) + f"\n\nsizes in kB (10^3 bytes); `make demo`, {demo['seconds']} s on this project's 2-core machine"
+
+
+def demo_speed() -> str:
+    """`make demo`'s second table: ResNet-18 at 224x224 in onnxruntime, with fidelity beside speed."""
+    speed = _load("demo.json")["speed"]
+    rows = speed["rows"]
+    fp32 = rows[0]
+    lines = ["| model | size | latency | x fp32 | argmax agreement | max difference | measured against (as written) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        against = r["reference"]
+        if r["own_agreement"] == r["own_agreement"]:  # not NaN: a peer's file against itself as written too
+            against += f"; its own file: {r['own_agreement']:.3f}"
+        if r["steps"] is not None:
+            against += f"; {r['steps']:.0f} output step(s)"
+        lines.append(f"| {r['label']} | {r['size_mb']:.2f} MB | {r['latency_ms']:.1f} ms | "
+                     f"{fp32['latency_ms'] / r['latency_ms']:.2f}x | {r['agreement']:.3f} | "
+                     f"{100 * r['max_diff']:.2f}% | {against} |")
+    return ("\n".join(lines) + f"\n\nbatch 1, 1 thread, median of {3 * speed['rounds']} interleaved runs, onnxruntime "
+            f"{speed['onnxruntime']}, {speed['checks']} synthetic inputs for fidelity; sizes in MB (10^6 bytes). "
+            f"{speed['measured']}.")
+
+
+def reduce_range() -> str:
+    """What 7-bit weights cost on the digits, per front end (scripts/bench_reduce_range.py)."""
+    data = _load("reduce_range.json")
+    lines = ["| front end | 8-bit weights | 7-bit weights (`reduce_range: true`) | difference |", "|---|---|---|---|"]
+    for framework in dict.fromkeys(r["framework"] for r in data["rows"]):
+        mean = {flag: statistics.mean(r["int8_accuracy"] for r in data["rows"]
+                                      if r["framework"] == framework and r["reduce_range"] is flag)
+                for flag in (False, True)}
+        lines.append(f"| {framework} | {100 * mean[False]:.2f}% | {100 * mean[True]:.2f}% | "
+                     f"{100 * (mean[True] - mean[False]):+.2f} points |")
+    return ("\n".join(lines) + f"\n\nint8 ONNX accuracy on the 360 test digits, `{data['recipe']}`, mean of seeds "
+            f"{', '.join(map(str, data['seeds']))} (`scripts/bench_reduce_range.py`)")
+
+
+TABLES = {"demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range}
+
+
+def render(text: str) -> str:
+    """``text`` with every marked table written anew."""
+    def table(match: re.Match) -> str:
+        name = match.group("name")
+        if name not in TABLES:
+            raise SystemExit(f"unknown table {name!r}; known: {', '.join(TABLES)}")
+        return match.group(1) + TABLES[name]() + "\n" + match.group(4)
+
+    return MARKER.sub(table, text)
+
+
+def index_page(readme: str) -> str:
+    """docs/index.md: the README, its links into docs/ made relative to docs/."""
+    page = re.sub(r"\]\(docs/", "](", readme)
+    return "<!-- generated from README.md by scripts/render_docs.py: edit README.md -->\n" + page
+
+
+def outputs() -> dict[Path, str]:
+    """Every generated file's path and the text it should hold."""
+    out = {}
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        if path.name != "index.md":
+            out[path] = render(path.read_text())
+    out[ROOT / "docs" / "index.md"] = index_page(out[ROOT / "README.md"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a file would change")
+    args = parser.parse_args(argv)
+    stale = []
+    for path, text in outputs().items():
+        if not path.exists() or path.read_text() != text:
+            stale.append(path.relative_to(ROOT))
+            if not args.check:
+                path.write_text(text)
+    if args.check and stale:
+        print(f"generated from docs/results/ and README.md, but differ: {', '.join(map(str, stale))}; "
+              "run python scripts/render_docs.py", file=sys.stderr)
+        return 1
+    print(f"{'would change' if args.check else 'wrote'} {len(stale)} file(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

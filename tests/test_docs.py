@@ -1,0 +1,66 @@
+"""The manual cannot drift: its tables equal what the saved JSON gives, it builds without a warning, the README stays
+short, and every public function documents its arguments."""
+
+import importlib
+import inspect
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import render_docs  # noqa: E402
+
+PUBLIC = ["recal_core", "recal_torch", "recal_onnx", "recal_tf", "recal_tf.keras"]
+
+
+def test_generated_tables_and_index_equal_what_the_json_gives():
+    stale = [path.name for path, text in render_docs.outputs().items() if path.read_text() != text]
+    assert not stale, f"run python scripts/render_docs.py: {stale}"
+
+
+def test_every_table_marker_names_a_table_and_every_json_is_used():
+    pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    names = {m.group("name") for page in pages for m in render_docs.MARKER.finditer(page.read_text())}
+    assert names == set(render_docs.TABLES)
+    assert {p.name for p in render_docs.RESULTS.glob("*.json")} == {"demo.json", "reduce_range.json"}
+
+
+def test_readme_is_short_and_links_only_pages_that_exist():
+    text = (ROOT / "README.md").read_text()
+    assert len(text) < 12_000
+    for target in set(__import__("re").findall(r"\]\((docs/[\w.-]+\.md)", text)):
+        assert (ROOT / target).is_file(), target
+
+
+@pytest.mark.slow
+def test_the_manual_builds_strict(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "WARNING" not in result.stderr, result.stderr[-3000:]
+    api = (tmp_path / "api" / "index.html").read_text()
+    assert "quantize_qat_export" in api and "choose_weights" in api
+
+
+def _public_functions():
+    for package in PUBLIC:
+        module = importlib.import_module(package)
+        for name in module.__all__:
+            value = getattr(module, name)
+            if inspect.isfunction(value):
+                yield f"{package}.{name}", value
+
+
+@pytest.mark.parametrize("name, function", list(_public_functions()), ids=lambda x: x if isinstance(x, str) else "")
+def test_public_functions_document_their_arguments(name, function):
+    doc = inspect.getdoc(function) or ""
+    params = [p for p in inspect.signature(function).parameters if p not in ("self", "cls")]
+    assert doc, f"{name} has no docstring"
+    if params:
+        assert "Args:" in doc, f"{name}: no Args section"
+        section = doc.split("Args:", 1)[1]
+        missing = [p for p in params if f"{p}:" not in section and f"{p} (" not in section]
+        assert not missing, f"{name}: arguments not documented: {missing}"
