@@ -102,7 +102,7 @@ def atomic_folder(destination: str | os.PathLike) -> Iterator[Path]:
 def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
     """Remove recal's temporary files and folders left in ``folder`` by a killed process; return them.
 
-    Call it only where no other recal process writes (e.g. under :func:`recal_core.run_lock.locked`).
+    Call it only where no other recal process writes (e.g. under a run lock, as `recal train` holds one).
     """
     removed = []
     for item in Path(folder).glob(TEMP_PREFIX + "*"):

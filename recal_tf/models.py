@@ -85,7 +85,7 @@ def _conv_bn_relu(x: tf.Tensor, name: str, filters: int, training: tf.Tensor) ->
 
 def digits_net(inputs: tf.Tensor, num_classes: int = 10, training: tf.Tensor | None = None) -> tf.Tensor:
     """Conv-BN-ReLU x2, max-pool, Conv-BN-ReLU, global average pool, dense: for ``[N, 8, 8, 1]`` digits
-    (the same network as ``recal_torch.train.DigitsNet``). Returns logits (``digits_net/logits``).
+    (the same network as the PyTorch digits net of `recal train`). Returns logits (``digits_net/logits``).
 
     ``training`` is a boolean tensor (default: a ``placeholder_with_default(False)`` named
     ``digits_net/training``); feed ``True`` while training and run the ``UPDATE_OPS`` with the train op.

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from recal_core import load_recipe
-from recal_core.training import train
+from recal_app.training import train
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
 ROWS = [  # label, framework, recipe, artefact name prefix

@@ -127,7 +127,7 @@ def overhead(rounds: int, steps: int, peer: bool) -> None:
 
 def accuracy(seeds: int) -> None:
     from recal_core import load_recipe
-    from recal_core.training import train
+    from recal_app.training import train
 
     recipes = {"dense": ROOT / "scripts/recipes/dense.yaml", "pruned 90%": ROOT / "scripts/recipes/prune90.yaml",
                "pruned 90% + QAT, int8": ROOT / "scripts/recipes/prune90_quant.yaml"}

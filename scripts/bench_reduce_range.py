@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from recal_core import load_recipe
-from recal_core.training import train
+from recal_app.training import train
 
 RECIPE = Path(__file__).resolve().parent / "recipes" / "prune_quant.yaml"
 SEVEN_BIT = "reduce_range: true"

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from recal_core import load_recipe
-from recal_core.training import train
+from recal_app.training import train
 from recal_onnx import cpu
 from recal_torch import count_macs, export_onnx
 

@@ -37,7 +37,7 @@ logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(loggin
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from recal_core import load_recipe  # noqa: E402
-from recal_core.training import train  # noqa: E402
+from recal_app.training import train  # noqa: E402
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from recal_core import load_recipe, recipe_json_schema
-from recal_core.cli import main
+from recal_app.cli import main
 
 from .conftest import RECIPES
 
@@ -52,7 +52,7 @@ def test_check_invalid_recipe_lists_problems(tmp_path, capsys):
 
 
 def test_console_script_runs():
-    exe = [sys.executable, "-m", "recal_core.cli", "check", str(RECIPES / "seed_lr_schedule.yaml")]
+    exe = [sys.executable, "-m", "recal_app.cli", "check", str(RECIPES / "seed_lr_schedule.yaml")]
     out = subprocess.run(exe, capture_output=True, text=True, check=True).stdout
     assert "0.09" in out  # 0.1 * 0.9 after the first milestone (5.5 -> step 6)
 
@@ -74,7 +74,26 @@ def test_schema_is_json_and_validates_shipped_recipes(tmp_path):
 
 
 def test_core_imports_no_framework():
-    code = ("import sys, recal_core, recal_core.cli, recal_core.report; "
+    code = ("import sys, recal_core, recal_app.cli, recal_app.report; "
             "bad = [m for m in ('torch', 'tensorflow', 'onnx', 'onnxruntime', 'matplotlib') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_libraries_know_nothing_of_the_application():
+    """recal_app (recal train and the command line) is built on the libraries; no library imports it, and no backend
+    imports another backend."""
+    import ast
+
+    from .conftest import ROOT
+
+    backends = {"recal_torch", "recal_tf", "recal_onnx"}
+    for package in ("recal_core", *sorted(backends)):
+        for path in (ROOT / package).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            imported = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+                        for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                        and (not isinstance(n, ast.ImportFrom) or (n.level == 0 and n.module))
+                        for a in (n.names if isinstance(n, ast.Import) else [None])}
+            assert "recal_app" not in imported, path
+            assert not (imported & (backends - {package})), (path, imported & backends)

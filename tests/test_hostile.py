@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from recal_core import RecipeError, load_recipe
-from recal_core.run_lock import RUN_FILE, locked, run_identity
-from recal_core.training import train
+from recal_app.run_lock import RUN_FILE, locked, run_identity
+from recal_app.training import train
 from recal_onnx import ModelError, quantize_qat_export
 from recal_torch import ScheduledModifierManager, export_onnx
 
@@ -31,7 +31,7 @@ DENSE = ROOT / "scripts" / "recipes" / "dense.yaml"
 
 
 def _cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "recal_core.cli", *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "recal_app.cli", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=600, **kw)
 
 
@@ -131,9 +131,9 @@ def test_one_run_per_output_folder_and_resumes_match_their_run(tmp_path):
 
 KILLED_AFTER_THE_THIRD_SAVE = """
 import os, signal, sys
-import recal_tf.train as tf_train
+import recal_app.tf_trainer as tf_train
 from recal_core import load_recipe
-from recal_core.training import train
+from recal_app.training import train
 
 real, calls = tf_train.write_text_atomically, []
 
@@ -264,7 +264,7 @@ def test_huge_epochs_and_huge_files_are_refused_before_they_cost(tmp_path):
 
 
 def test_check_plots_a_long_schedule_with_bounded_points(tmp_path):
-    from recal_core.report import MAX_PLOT_POINTS, sample_steps
+    from recal_app.report import MAX_PLOT_POINTS, sample_steps
 
     schedule = load_recipe("- !EpochRangeModifier {start_epoch: 0, end_epoch: 100000}").bind(100_000)
     assert len(sample_steps(schedule)) <= 4 * MAX_PLOT_POINTS + 1
@@ -365,7 +365,7 @@ def test_converter_input_it_cannot_take_is_one_line(tmp_path, opset, domain, wor
 
 
 def test_a_missing_optional_package_is_one_line(tmp_path):
-    code = ("import sys; sys.modules['matplotlib'] = None; from recal_core.cli import main; "
+    code = ("import sys; sys.modules['matplotlib'] = None; from recal_app.cli import main; "
             f"sys.exit(main(['check', {str(DENSE)!r}, '--plot', {str(tmp_path / 'p.png')!r}]))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert "needs the Python package 'matplotlib'" in _one_line(result)
@@ -376,7 +376,7 @@ def test_ctrl_c_keeps_the_last_checkpoint_and_exits_130(tmp_path):
     out = tmp_path / "run"
     # A shell starts background jobs with SIGINT ignored, and Python keeps an ignored SIGINT ignored: restore
     # the default, so the run sees the signal however the test suite itself was started (CI, nohup, &)
-    process = subprocess.Popen([sys.executable, "-m", "recal_core.cli", "train", "--framework", "torch", "--recipe",
+    process = subprocess.Popen([sys.executable, "-m", "recal_app.cli", "train", "--framework", "torch", "--recipe",
                                 str(DENSE), "--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, cwd=ROOT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in process.stdout:  # wait for the first epoch to complete

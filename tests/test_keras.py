@@ -410,7 +410,7 @@ def test_qat_int8_onnx_equals_the_keras_qat_model_on_digits(tmp_path, reduce_ran
     pytest.importorskip("tf2onnx")
     from recal_core.datasets import load_digits
     from recal_onnx import quantize_qat_export
-    from recal_tf.keras.train import digits_model
+    from recal_app.keras_trainer import digits_model
 
     digits = load_digits()
     x, y = digits.train_images[..., None], digits.train_labels
@@ -470,7 +470,7 @@ def test_qat_under_mirrored_strategy_keeps_replicas_in_sync(tmp_path):
         from recal_core.datasets import load_digits
         from recal_onnx import quantize_qat_export
         from recal_tf.keras import ScheduledModifierManager, export_onnx
-        from recal_tf.keras.train import digits_model
+        from recal_app.keras_trainer import digits_model
         from tests.test_keras import QAT
         digits = load_digits()
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -503,7 +503,7 @@ def test_qat_under_mirrored_strategy_keeps_replicas_in_sync(tmp_path):
 def test_finalized_before_qat_ran_is_left_float():
     """Finalized before QAT started: no range was ever observed, so the model is finalized float, computing what
     it computed with QAT off, and nothing is reported quantized."""
-    from recal_tf.keras.train import digits_model
+    from recal_app.keras_trainer import digits_model
 
     model = digits_model(0)
     opt = keras.optimizers.SGD(0.01)

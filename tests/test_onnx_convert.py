@@ -164,7 +164,7 @@ def test_reduce_range_qat_is_int8_and_exact_on_every_target(reduce_range_model, 
 
 def test_cli_and_script(tmp_path, recal_qat_model):
     src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
-    exe = [sys.executable, "-m", "recal_core.cli", "quantize-qat-export", str(src), str(tmp_path / "a.onnx")]
+    exe = [sys.executable, "-m", "recal_app.cli", "quantize-qat-export", str(src), str(tmp_path / "a.onnx")]
     out = subprocess.run(exe, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "wrote" in out.stdout and "verified in onnxruntime" in out.stdout
@@ -295,8 +295,8 @@ def test_sparsity_follows_float_weights_through_quantize_and_dequantize():
     float weight's; a model with no weight at all has an unknown sparsity, not 0."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from recal_core.training import overall_sparsity
-    from recal_onnx.evaluate import weight_sparsity
+    from recal_app.training import overall_sparsity
+    from recal_app.onnx_artefacts import weight_sparsity
 
     w = np.zeros((4, 3), np.float32)
     w[0] = 1.0  # 75% zero

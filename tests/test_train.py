@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from recal_core import load_recipe
-from recal_core.training import train
+from recal_app.training import train
 
 from .conftest import ROOT
 
@@ -121,7 +121,7 @@ def test_keras_train_and_resume(tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "recal_core.cli", *args], capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "recal_app.cli", *args], capture_output=True, text=True, cwd=ROOT)
 
 
 def test_bad_input_is_one_line_and_keeps_earlier_outputs(tmp_path):
@@ -219,7 +219,7 @@ def test_progress_in_a_log_is_one_line_per_epoch(tmp_path):
 
 
 def test_progress_bar_is_live_on_a_terminal(monkeypatch):
-    from recal_core.training import progress_bar
+    from recal_app.training import progress_bar
 
     monkeypatch.setattr("sys.stderr.isatty", lambda: True)
     assert not progress_bar(range(3), "x", True).disable

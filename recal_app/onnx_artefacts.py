@@ -10,7 +10,7 @@ import onnx
 from onnx import numpy_helper
 
 from recal_core.datasets import load_digits
-from recal_core.training import median_latency_ms, overall_sparsity
+from .training import median_latency_ms, overall_sparsity
 
 # op -> (index of its weight input, index of that weight's zero point or None)
 WEIGHT_INPUTS = {"Conv": (1, None), "Gemm": (1, None), "MatMul": (1, None), "QLinearConv": (3, 5),
@@ -80,7 +80,7 @@ def _float_weight_behind(name: str, initializers: dict, producers: dict) -> str 
 
 
 def evaluate(artefact, repeat: int = 200) -> None:
-    """Fill ``artefact`` (a :class:`recal_core.training.Artefact` with an ``.onnx`` path) in place."""
+    """Fill ``artefact`` (a :class:`recal_app.training.Artefact` with an ``.onnx`` path) in place."""
     import onnxruntime as ort
 
     path = Path(artefact.path)
@@ -103,6 +103,6 @@ def evaluate(artefact, repeat: int = 200) -> None:
 
 
 def quantize(src: str, dst: str) -> None:
-    from .convert import quantize_qat_export
+    from recal_onnx.convert import quantize_qat_export
 
     quantize_qat_export(src, dst)

@@ -20,15 +20,15 @@ import tensorflow as tf
 from recal_core.atomic import atomic_path, write_text_atomically
 from recal_core.datasets import load_digits
 from recal_core.recipe import Recipe
-from recal_core.run_lock import read_resume_record
-from recal_core.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, epoch_line,
+from recal_app.run_lock import read_resume_record
+from recal_app.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, epoch_line,
                                  epoch_order, median_latency_ms, overall_sparsity, progress_bar)
 
-from .export import frozen_graph_def, graph_def_to_onnx
-from .graph_params import describe_variables
-from .manager import EXTRAS_KEY_LEARNING_RATE, EXTRAS_KEY_WEIGHT_DECAY, ScheduledModifierManager
-from .models import digits_net
-from .utils import batch_cross_entropy_loss, tf_compat
+from recal_tf.export import frozen_graph_def, graph_def_to_onnx
+from recal_tf.graph_params import describe_variables
+from recal_tf.manager import EXTRAS_KEY_LEARNING_RATE, EXTRAS_KEY_WEIGHT_DECAY, ScheduledModifierManager
+from recal_tf.models import digits_net
+from recal_tf.utils import batch_cross_entropy_loss, tf_compat
 
 log = logging.getLogger(__name__)
 

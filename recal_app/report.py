@@ -6,9 +6,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import modifiers as M
-from .atomic import atomic_path
-from .schedule import RecipeSchedule
+from recal_core import modifiers as M
+from recal_core.atomic import atomic_path
+from recal_core.schedule import RecipeSchedule
 
 
 @dataclass(frozen=True)

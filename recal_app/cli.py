@@ -1,8 +1,8 @@
 """The ``recal`` command line.
 
-The core owns ``check`` and ``schema``; backends add commands (``train``,
-``quantize-qat-export``) through the ``recal.commands`` entry-point group, so the core
-never imports a framework. Every failure ends with one clear line and a non-zero exit.
+``check`` and ``schema`` need only recal_core; ``train`` imports the framework it trains with, when it runs;
+``quantize-qat-export`` is :mod:`recal_onnx.cli`'s (left out, with a note under ``-v``, where onnx is not
+installed). Every failure ends with one clear line and a non-zero exit.
 """
 
 from __future__ import annotations
@@ -11,12 +11,11 @@ import argparse
 import json
 import logging
 import sys
-from importlib.metadata import entry_points
-from typing import Callable, Sequence
+from typing import Sequence
 
-from .atomic import write_text_atomically
-from .errors import RecipeError, VerificationFailed
-from .recipe import load_recipe, recipe_json_schema
+from recal_core.atomic import write_text_atomically
+from recal_core.errors import RecipeError, VerificationFailed
+from recal_core.recipe import load_recipe, recipe_json_schema
 from .report import format_table, plot_schedule
 
 log = logging.getLogger(__name__)
@@ -95,12 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     schema.add_argument("--output", "-o", help="write it to this file instead of stdout")
     schema.set_defaults(func=_schema)
 
-    for ep in entry_points(group="recal.commands"):
-        try:
-            register: Callable[[argparse._SubParsersAction], None] = ep.load()
-        except ImportError as exc:  # a backend whose framework is not installed
-            log.debug("recal command %s unavailable: %s", ep.name, exc)
-            continue
+    try:
+        from recal_onnx.cli import register
+    except ImportError as exc:  # recal installed without its onnx extra
+        log.debug("recal quantize-qat-export unavailable: %s", exc)
+    else:
         register(sub)
     return parser
 

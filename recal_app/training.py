@@ -1,16 +1,18 @@
 """``recal train``: train the bundled digits classifier under a recipe and report every artefact.
 
-The core owns the command, the report and the plot; the framework work is done by plug-ins
-found through entry points, so the core imports no framework:
+This module owns the run (locks, checkpoints' identity, the report and the plot); each framework's work is done by
+its trainer in this package, imported only when that framework is asked for (an install with one framework runs):
 
-- ``recal.trainers``: ``torch`` / ``tf`` -> a :class:`Trainer` (trains, checkpoints, exports);
-- ``recal.onnx``: ``evaluate`` (accuracy, sparsity, latency in onnxruntime) and ``quantize``
+- :data:`TRAINERS`: ``torch`` / ``tf`` / ``keras`` -> the module whose ``train`` is a :class:`Trainer` (trains,
+  checkpoints, exports);
+- :mod:`recal_app.onnx_artefacts`: ``evaluate`` (accuracy, sparsity, latency in onnxruntime) and ``quantize``
   (``quantize_qat_export``), applied to the ONNX artefacts a trainer returns.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -18,14 +20,13 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from .atomic import TEMP_PREFIX, remove_stale_temporaries, write_text_atomically
-from .recipe import Recipe
+from recal_core.atomic import TEMP_PREFIX, remove_stale_temporaries, write_text_atomically
+from recal_core.recipe import Recipe
 from .report import plot_schedule
 from .run_lock import LOCK_NAME, RUN_FILE, check_fresh, check_resume, locked, run_identity
 
@@ -122,16 +123,14 @@ class Trainer(Protocol):
                  progress: bool) -> TrainingRun: ...
 
 
-def plugin(group: str, name: str) -> Callable[..., Any]:
-    """The entry point ``name`` of ``group`` (e.g. ``recal.trainers``/``torch``), loaded."""
-    found = {ep.name: ep for ep in entry_points(group=group)}
-    if name not in found:
-        raise RuntimeError(f"no {group} plug-in named {name!r} is installed (have: {', '.join(sorted(found)) or 'none'}); "
-                           "install recal with its extras: pip install -e '.[all]'")
-    try:
-        return found[name].load()
-    except ImportError as exc:
-        raise RuntimeError(f"the {name!r} plug-in needs a package that is missing: {exc}") from None
+TRAINERS = {"torch": "recal_app.torch_trainer", "tf": "recal_app.tf_trainer", "keras": "recal_app.keras_trainer"}
+
+
+def _trainer(framework: str) -> Trainer:
+    """The ``train`` function of ``framework``'s trainer module (imported now: it imports the framework)."""
+    if framework not in TRAINERS:
+        raise ValueError(f"unknown framework {framework!r}; use one of {', '.join(TRAINERS)}")
+    return importlib.import_module(TRAINERS[framework]).train
 
 
 def check_writable(out_dir: Path) -> None:
@@ -153,7 +152,7 @@ def train(recipe: Recipe, framework: str, out_dir: str | os.PathLike, *, epochs:
     another run's checkpoints, and a resume refuses checkpoints of another framework, seed or recipe.
     """
     out = Path(out_dir)
-    trainer: Trainer = plugin("recal.trainers", framework)
+    trainer = _trainer(framework)
     total = epochs if epochs is not None else recipe.max_epochs
     if total < 1:
         raise ValueError(f"nothing to train: {total} epochs (give --epochs, or an EpochRangeModifier)")
@@ -196,14 +195,14 @@ def _train_locked(recipe: Recipe, trainer: Trainer, out: Path, total: int, seed:
     run = trainer(recipe, out, epochs=total, seed=seed, resume=resume, progress=progress)
     onnx_artefacts = [a for a in run.artefacts if a.path.endswith(".onnx")]
     if onnx_artefacts:
-        evaluate = plugin("recal.onnx", "evaluate")
+        from .onnx_artefacts import evaluate, quantize  # onnxruntime: only for runs that write ONNX
         for artefact in onnx_artefacts:
             evaluate(artefact)
         qat = next((a for a in onnx_artefacts if a.qat), None)
         if qat is not None and quantize:
             int8 = Artefact("int8 ONNX (quantize_qat_export)", run.framework, str(out / "model.int8.onnx"),
                             macs=qat.macs, params=qat.params)
-            plugin("recal.onnx", "quantize")(qat.path, int8.path)
+            quantize(qat.path, int8.path)
             evaluate(int8)
             run.artefacts.append(int8)
     write_report(run, recipe)

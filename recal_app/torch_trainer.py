@@ -19,16 +19,16 @@ from torch import nn
 from recal_core.atomic import atomic_path
 from recal_core.datasets import load_digits
 from recal_core.recipe import Recipe
-from recal_core.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, epoch_line,
+from recal_app.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, epoch_line,
                                  epoch_order, median_latency_ms, overall_sparsity, progress_bar)
 
-from .export import export_onnx
-from .flops import count_macs
-from .loggers import TensorBoardLogger
-from .manager import ScheduledModifierManager
-from .model_params import describe_parameters, sparsity
-from .qat_modules import qat_modules
-from .thin import thin
+from recal_torch.export import export_onnx
+from recal_torch.flops import count_macs
+from recal_torch.loggers import TensorBoardLogger
+from recal_torch.manager import ScheduledModifierManager
+from recal_torch.model_params import describe_parameters, sparsity
+from recal_torch.qat_modules import qat_modules
+from recal_torch.thin import thin
 
 log = logging.getLogger(__name__)
 

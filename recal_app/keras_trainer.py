@@ -20,13 +20,13 @@ import tensorflow as tf
 from recal_core.atomic import write_text_atomically
 from recal_core.datasets import load_digits
 from recal_core.recipe import Recipe
-from recal_core.run_lock import read_resume_record
-from recal_core.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, epoch_line,
+from recal_app.run_lock import read_resume_record
+from recal_app.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, epoch_line,
                                  epoch_order, overall_sparsity)
 
-from .export import export_onnx
-from .manager import ScheduledModifierManager
-from .params import describe_model
+from recal_tf.keras.export import export_onnx
+from recal_tf.keras.manager import ScheduledModifierManager
+from recal_tf.keras.params import describe_model
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "model.ckpt"
