@@ -20,9 +20,9 @@ import tensorflow as tf
 from recal_core.atomic import write_text_atomically
 from recal_core.datasets import load_digits
 from recal_core.recipe import Recipe
-from recal_app.run_lock import read_resume_record
-from recal_app.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, epoch_line,
-                                 epoch_order, overall_sparsity)
+from .run_lock import read_resume_record
+from .training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, check_finite, epoch_line,
+                        epoch_order, overall_sparsity)
 
 from recal_tf.keras.export import export_onnx
 from recal_tf.keras.manager import ScheduledModifierManager
@@ -63,6 +63,21 @@ class _Scalars(keras.callbacks.Callback):
         self.writer.flush()
 
 
+class _FirstNonFinite(keras.callbacks.Callback):
+    """Stops ``fit`` at the first batch whose loss is not finite, and remembers its step and loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.step: int | None = None
+        self.loss: float | None = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        loss = (logs or {}).get("loss")
+        if self.step is None and loss is not None and not math.isfinite(float(loss)):
+            self.step, self.loss = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations)), float(loss)
+            self.model.stop_training = True
+
+
 def _kernel_sparsity(model: keras.Model) -> tuple[float, dict[str, float]]:
     """Zero fraction of the conv / dense kernels (as the core selects them), overall and per kernel."""
     infos, by_name = describe_model(model)
@@ -94,7 +109,8 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
         checkpoint.read(str(ckpt_dir / state["checkpoint"])).assert_existing_objects_matched()
         run.history = [EpochRecord(**h) for h in state["history"]]
         start = state["epoch"]
-    callbacks += [keras.callbacks.TensorBoard(str(out_dir / "tensorboard"), write_graph=False),  # QAT layers: no JSON
+    diverged = _FirstNonFinite()
+    callbacks += [diverged, keras.callbacks.TensorBoard(str(out_dir / "tensorboard"), write_graph=False),  # QAT: no JSON
                   _Scalars(manager, out_dir / "tensorboard")]
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     for epoch in range(start, epochs):
@@ -106,6 +122,10 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
         lr = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
         record = EpochRecord(epoch + 1, float(history.history["loss"][-1]), float(history.history["accuracy"][-1]),
                              test_accuracy, _kernel_sparsity(model)[0], lr)
+        if diverged.step is not None:
+            check_finite("keras", diverged.step, diverged.loss)
+        check_finite("keras", (epoch + 1) * len(range(0, len(x_train), BATCH_SIZE)), record.loss,
+                     weights=model.get_weights())
         run.history.append(record)
         prefix = checkpoint.write(str(ckpt_dir / f"{CHECKPOINT}-{epoch + 1}"))  # history.json is the commit point
         write_text_atomically(ckpt_dir / "history.json", json.dumps(

@@ -20,9 +20,9 @@ import tensorflow as tf
 from recal_core.atomic import atomic_path, write_text_atomically
 from recal_core.datasets import load_digits
 from recal_core.recipe import Recipe
-from recal_app.run_lock import read_resume_record
-from recal_app.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, epoch_line,
-                                 epoch_order, median_latency_ms, overall_sparsity, progress_bar)
+from .run_lock import read_resume_record
+from .training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, check_finite, epoch_line,
+                        epoch_order, median_latency_ms, overall_sparsity, progress_bar)
 
 from recal_tf.export import frozen_graph_def, graph_def_to_onnx
 from recal_tf.graph_params import describe_variables
@@ -104,6 +104,7 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
                                                                           feed)
                     writer.add_summary(summary, step)
                     losses.append(float(batch_loss))
+                    check_finite("tf", int(step), losses[-1])
                     correct += int((batch_logits.argmax(1) == y_train[index]).sum())
                     if b % 5 == 0 or b == steps_per_epoch - 1:
                         bar.set_postfix(loss=f"{statistics.fmean(losses):.3f}",
@@ -113,6 +114,7 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
                 record = EpochRecord(epoch + 1, statistics.fmean(losses), correct / len(x_train),
                                      float((test_logits.argmax(1) == y_test).mean()),
                                      _kernel_sparsity(sess.run(kernels))[0], float(sess.run(lr)))
+                check_finite("tf", (epoch + 1) * steps_per_epoch, weights=sess.run(tf_compat.trainable_variables()))
                 run.history.append(record)
                 prefix = saver.save(sess, str(ckpt_dir / "model.ckpt"), global_step=epoch + 1)
                 write_text_atomically(ckpt_dir / "history.json", json.dumps(

@@ -19,8 +19,8 @@ from torch import nn
 from recal_core.atomic import atomic_path
 from recal_core.datasets import load_digits
 from recal_core.recipe import Recipe
-from recal_app.training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, epoch_line,
-                                 epoch_order, median_latency_ms, overall_sparsity, progress_bar)
+from .training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, check_finite, epoch_line,
+                        epoch_order, median_latency_ms, overall_sparsity, progress_bar)
 
 from recal_torch.export import export_onnx
 from recal_torch.flops import count_macs
@@ -143,6 +143,7 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
                 loss.backward()
                 optimizer.step()
                 losses.append(loss.item())
+                check_finite("torch", epoch * steps_per_epoch + b + 1, losses[-1])
                 correct += int((logits.argmax(1) == y_train[index]).sum())
                 if b % 5 == 0 or b == steps_per_epoch - 1:
                     bar.set_postfix(loss=f"{statistics.fmean(losses):.3f}",
@@ -152,6 +153,7 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
             record = EpochRecord(epoch + 1, statistics.fmean(losses), correct / len(x_train),
                                  _accuracy(model, x_test, y_test), _kernel_sparsity(kernels)[0],
                                  float(optimizer.param_groups[0]["lr"]))
+            check_finite("torch", (epoch + 1) * steps_per_epoch, weights=[p.detach().numpy() for p in model.parameters()])
             run.history.append(record)
             for key in ("loss", "train_accuracy", "test_accuracy", "sparsity"):
                 tensorboard.writer.add_scalar(f"epoch/{key}", getattr(record, key), record.epoch)

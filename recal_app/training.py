@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import math
 import logging
 import os
 import statistics
@@ -131,6 +132,37 @@ def _trainer(framework: str) -> Trainer:
     if framework not in TRAINERS:
         raise ValueError(f"unknown framework {framework!r}; use one of {', '.join(TRAINERS)}")
     return importlib.import_module(TRAINERS[framework]).train
+
+
+class Diverged(RuntimeError):
+    """Training produced a non-finite loss or weight: the run stops, keeping its last complete checkpoint."""
+
+
+def check_finite(framework: str, step: int, loss: float | None = None, weights=()) -> None:
+    """Stop a run whose loss or weights stopped being finite, with one line naming the step (before anything of
+    that step is saved: the last complete checkpoint stays the one to resume from, and nothing is exported).
+
+    Args:
+        framework: the trainer's name, for the message.
+        step: the global step (1-based) just taken.
+        loss: that step's loss, when known.
+        weights: arrays (anything ``numpy.isfinite`` takes) to check too.
+    """
+    bad = None
+    if loss is not None and not math.isfinite(loss):
+        bad = f"the loss is {loss}"
+    else:
+        bad = next((f"a weight is {value}" for w in weights
+                    for value in [_first_non_finite(w)] if value is not None), None)
+    if bad is not None:
+        raise Diverged(f"{framework} training diverged at step {step}: {bad} (a learning rate too high for this "
+                       "model?); stopped: the last complete checkpoint is kept and no model was exported")
+
+
+def _first_non_finite(array) -> float | None:
+    values = np.asarray(array)
+    finite = np.isfinite(values)
+    return None if finite.all() else float(values[~finite].flat[0])
 
 
 def check_writable(out_dir: Path) -> None:

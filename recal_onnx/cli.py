@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {w.message}")
     done = ", ".join(f"{k} {v}" for k, v in result.rewrites.items() if v)
     print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB) in {result.seconds:.2f}s: {done}")
-    print(f"weights: {result.weights_note}")
+    print(result.weights_note)
     if result.rounded_biases:
         print(f"note: {result.rounded_biases_note}")
     if result.verification is not None:

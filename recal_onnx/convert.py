@@ -247,7 +247,7 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
     present = {node.name for node in g.nodes} - {name for _, name in unconverted}
     unconverted += [(op, name) for name, (op, _) in g.kept_float.items() if name in present]
     reasons = {name: f" ({why})" for name, (_, why) in g.kept_float.items()}
-    output_step = _output_quantum(g)
+    output_steps = _output_quanta(g)
     rewrites["remove_dead"] = g.remove_dead()
     model = g.commit()
     infer_shapes_in_place(model, check=True)
@@ -267,7 +267,8 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
         if run_here is not model:
             result.weights_note += ("; verified as its target computes it (this CPU has no VNNI and would saturate "
                                     "its int8 weights beyond +-64: run it on the target)")
-        result.verification = verify_models(reference, run_here, inputs, output_step, g.thinned)
+        result.verification = verify_models(reference, run_here, inputs, thinned=g.thinned,
+                                            output_steps=output_steps)
         problem = result.verification.problem(tolerance, min_agreement)
         if problem:
             hint = f" ({result.rounded_biases_note})" if result.rounded_biases else ""
@@ -404,14 +405,14 @@ def _float_compute(model: onnx.ModelProto) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def _output_quantum(g: Graph) -> float:
-    """The largest quantization step of a graph output that is a DequantizeLinear (0 if none is)."""
-    steps = [0.0]
+def _output_quanta(g: Graph) -> dict[str, float]:
+    """Each graph output that a DequantizeLinear writes: its (largest) quantization step, by output name."""
+    steps = {}
     for value in g.graph.outputs:
         node = g.producer(value)
         if node is not None and node.op_type == "DequantizeLinear" and g.is_const(node.inputs[1]):
-            steps.append(float(np.max(g.const(node.inputs[1]))))
-    return max(steps)
+            steps[value.name] = float(np.max(g.const(node.inputs[1])))
+    return steps
 
 
 def _float_islands(g: Graph, expected: set[str]) -> list[tuple[str, str]]:

@@ -1,11 +1,12 @@
 """Run two ONNX models in onnxruntime (default session options) on the same inputs and compare them.
 
-Two comparisons. End to end: the outputs. Op by op: the converted model's every integer tensor that the QAT
-model quantizes too (a QuantizeLinear's output, by name), each computed from the QAT model's own values of
-the integer tensors it reads, so a rounding difference upstream does not travel. A correct conversion
-differs there by at most one step (a value on a rounding boundary), whatever the model; end to end, one
-step early in a deep net with large gains can grow to many steps at the output, in onnxruntime's own int8
-execution of the QDQ model too. So the op-by-op check is the one enforced by default.
+Two comparisons, both enforced. End to end: every graph output, in its own units (:class:`OutputDiff`): an
+integer output (a QuantizeLinear's, say) in its integer steps, class ids (an ArgMax's) by agreement, a float
+output within a share of its range (or in its quantization steps when a DequantizeLinear writes it). Op by op:
+the converted model's every integer tensor that the QAT model quantizes too (a QuantizeLinear's output, by
+name), each computed from the QAT model's own values of the integer tensors it reads, so a rounding difference
+upstream does not travel: a correct conversion differs there by at most one step (a value on a rounding boundary),
+whatever the model. The op-by-op check adds to the end-to-end one and never replaces it.
 """
 
 from __future__ import annotations
@@ -22,12 +23,44 @@ _NP_TYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.DOUBLE: np.flo
              onnx.TensorProto.INT8: np.int8, onnx.TensorProto.FLOAT16: np.float16, onnx.TensorProto.BOOL: np.bool_}
 
 
-STEPS = 3  # the end-to-end tolerance for a quantized output, in its quantization steps (when no op-by-op check)
+STEPS = 3  # the end-to-end tolerance for a quantized or integer output, in its quantization steps
+FLOAT_SHARE = 0.1  # ... for a float output: a share of its range
+CLASS_AGREEMENT = 0.95  # ... for class ids (ArgMax, TopK indices): the share that must agree
+CLASS_ID_OPS = {"ArgMax", "ArgMin", "TopK"}
 LOCAL_STEPS = 1  # op by op: an integer tensor may differ by one step (a value on a rounding boundary)
 LOCAL_FLOAT = 0.001  # op by op: a float output within 0.1% of its range (the ops after the last integer tensor)
 LOCAL_SAMPLES = 16  # the op-by-op check runs on the first samples
 CHUNK = 16  # samples per onnxruntime run in the end-to-end comparison
 LOCAL_MAX_BYTES = 1_500_000_000  # above this a model is not copied for the op-by-op check (protobuf's 2 GB)
+
+
+@dataclass(frozen=True)
+class OutputDiff:
+    """One graph output compared end to end, in its own units."""
+
+    name: str
+    kind: str  # "float", "integer" (a quantized or integer tensor) or "class ids"
+    max_abs_diff: float
+    output_range: float
+    step: float = 0.0  # a float output written by a DequantizeLinear: its quantization step; an integer one: 1
+    agreement: float | None = None  # class ids: the share equal
+
+    def problem(self, tolerance: float | None, min_agreement: float | None) -> str | None:
+        if self.kind == "class ids":
+            need = CLASS_AGREEMENT if min_agreement is None else min_agreement
+            if self.agreement is None or self.agreement < need:
+                return f"output {self.name!r} (class ids): {self.agreement} agree, fewer than {need}"
+            return None
+        if tolerance is not None:
+            limit = tolerance
+        elif self.step > 0:
+            limit = STEPS * self.step * (1 + 1e-6)
+        else:
+            limit = max(FLOAT_SHARE * self.output_range, 1e-4)
+        if np.isfinite(self.max_abs_diff) and self.max_abs_diff <= limit:
+            return None
+        steps = f" ({self.max_abs_diff / self.step:.2f} steps)" if self.step > 0 else ""
+        return f"output {self.name!r} ({self.kind}): max abs difference {self.max_abs_diff:.4g}{steps} > {limit:.4g}"
 
 
 @dataclass
@@ -42,6 +75,7 @@ class Verification:
     local_float: float | None = None  # op by op: the largest float-output difference, share of its range
     local_tensors: int = 0  # integer tensors compared op by op
     median_abs_diff: float = 0.0  # end to end, of every output value
+    outputs: tuple[OutputDiff, ...] = ()  # end to end, each graph output in its own units
 
     @property
     def max_steps(self) -> float | None:
@@ -49,10 +83,10 @@ class Verification:
         return self.max_abs_diff / self.output_step if self.output_step > 0 else None
 
     def problem(self, tolerance: float | None, min_agreement: float | None = None) -> str | None:
-        """Why the candidate fails, or None. By default the op-by-op check: every compared integer tensor
-        within one step, float outputs within 0.1% of their range. End to end, ``tolerance`` (a max abs
-        difference) when given; without it, and without an op-by-op check (a model too large to copy), 3
-        steps of a quantized output, 10% of the outputs' range for a float one."""
+        """Why the candidate fails, or None. Op by op: every compared integer tensor within one step, float outputs
+        within 0.1% of their range. End to end, always, every output in its own units (:class:`OutputDiff`):
+        ``tolerance`` (a max abs difference) when given; without it 3 steps of a quantized or integer output, 10%
+        of a float output's range; class ids agreeing on ``min_agreement`` (default 0.95)."""
         parts = []
         if self.local_steps is not None and self.local_steps > LOCAL_STEPS:
             parts.append(f"op by op, tensor {self.local_tensor!r} differs by {self.local_steps} quantization steps "
@@ -60,17 +94,9 @@ class Verification:
         if self.local_float is not None and not self.local_float <= LOCAL_FLOAT:
             parts.append(f"op by op, a float output differs by {100 * self.local_float:.2f}% of its range "
                          f"(at most {100 * LOCAL_FLOAT:g}%)")
-        if tolerance is not None:
-            limit = tolerance
-        elif self.local_steps is not None:
-            limit = math.inf
-        elif self.output_step > 0:
-            limit = STEPS * self.output_step * (1 + 1e-6)
-        else:
-            limit = max(0.1 * self.output_range, 1e-4)
-        if not np.isfinite(self.max_abs_diff) or self.max_abs_diff > limit:
-            steps = "" if self.max_steps is None else f" ({self.max_steps:.2f} output steps)"
-            parts.append(f"max abs difference {self.max_abs_diff:.4g}{steps} > {limit:.4g}")
+        parts += [p for p in (o.problem(tolerance, min_agreement) for o in self.outputs) if p]
+        if not self.outputs and (tolerance is not None and not self.max_abs_diff <= tolerance):
+            parts.append(f"max abs difference {self.max_abs_diff:.4g} > {tolerance:.4g}")
         if min_agreement is not None and self.argmax_agreement is not None \
                 and self.argmax_agreement < min_agreement:
             parts.append(f"argmax agreement {self.argmax_agreement:.4f} < {min_agreement}")
@@ -170,31 +196,56 @@ def generated_inputs(model: onnx.ModelProto, batch: int = 256, seed: int = 0) ->
 
 def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
                   inputs: dict[str, np.ndarray] | None = None, output_step: float = 0.0,
-                  thinned: dict[str, np.ndarray] | None = None) -> Verification:
+                  thinned: dict[str, np.ndarray] | None = None,
+                  output_steps: dict[str, float] | None = None) -> Verification:
     """Compare ``candidate`` with ``reference`` in onnxruntime, end to end and op by op.
 
     Args:
         reference: the model the candidate was made from (a model or a path), run as written.
         candidate: the converted model.
         inputs: the inputs by name (generated when None: integer inputs cover the table they index, masks are ones).
-        output_step: the outputs' quantization step, when they are quantized (0: float outputs).
+        output_step: the float outputs' quantization step, when a DequantizeLinear writes them (0: float outputs).
         thinned: per tensor name, the channels (axis 1) the candidate kept of a tensor whose dead channels it
-            removed."""
+            removed.
+        output_steps: per output name, its quantization step (overrides ``output_step`` for that output)."""
     feeds = inputs if inputs is not None else generated_inputs(candidate)
     batched = _batched_inputs(candidate)
     ref = _run_in_chunks(reference_session(reference), feeds, batched)
     got = _run_in_chunks(session(candidate), feeds, batched)  # the converted model must load with default options
-    every = [np.abs(r.astype(np.float64) - c.astype(np.float64)).reshape(-1) for r, c in zip(ref, got)]
-    diff = max(float(d.max()) if d.size else 0.0 for d in every)
-    span = max(float(np.ptp(r)) if r.size else 0.0 for r in ref)
+    producers = {o: n.op_type for n in candidate.graph.node for o in n.output}
+    names = [o.name for o in candidate.graph.output]
+    steps = output_steps or {}
+    outputs = tuple(_compare_output(name, r, c, producers.get(name, ""), steps.get(name, output_step))
+                    for name, r, c in zip(names, ref, got))
+    every = [np.abs(r.astype(np.float64) - c.astype(np.float64)).reshape(-1) for r, c in zip(ref, got)
+             if r.shape == c.shape]
+    diff = max((o.max_abs_diff for o in outputs if o.kind != "class ids"), default=0.0)
+    span = max((o.output_range for o in outputs if o.kind != "class ids"), default=0.0)
     agreement = None
     first, other = ref[0], got[0]
-    if first.ndim == 2 and first.shape[1] > 1:
+    if first.ndim == 2 and first.shape[1] > 1 and first.shape == other.shape:
         agreement = float(np.mean(first.argmax(1) == other.argmax(1)))
     samples = int(first.shape[0]) if first.ndim else 1
     median = float(np.median(np.concatenate(every))) if any(d.size for d in every) else 0.0
-    result = Verification(diff, span, agreement, samples, output_step, median_abs_diff=median)
+    first_step = next((o.step for o in outputs if o.kind == "float"), output_step)
+    result = Verification(diff, span, agreement, samples, first_step, median_abs_diff=median, outputs=outputs)
     return op_by_op(reference, candidate, feeds, result, thinned or {})
+
+
+def _compare_output(name: str, ref: np.ndarray, got: np.ndarray, producer: str, step: float) -> OutputDiff:
+    """One output of both models, in its own units (see :class:`OutputDiff`)."""
+    if ref.shape != got.shape:
+        return OutputDiff(name, "float" if np.issubdtype(ref.dtype, np.floating) else "integer", math.inf, 0.0)
+    if producer in CLASS_ID_OPS or (np.issubdtype(ref.dtype, np.integer) and ref.dtype.itemsize >= 4
+                                    and producer not in ("QuantizeLinear",)):
+        agreement = float(np.mean(ref == got)) if ref.size else 1.0
+        return OutputDiff(name, "class ids", float(np.abs(ref.astype(np.float64) - got.astype(np.float64)).max(
+            initial=0.0)), 0.0, agreement=agreement)
+    diff = float(np.abs(ref.astype(np.float64) - got.astype(np.float64)).max(initial=0.0))
+    span = float(np.ptp(ref)) if ref.size else 0.0
+    if np.issubdtype(ref.dtype, np.integer) or ref.dtype == np.bool_:
+        return OutputDiff(name, "integer", diff, span, step=1.0)
+    return OutputDiff(name, "float", diff, span, step=step)
 
 
 def _batched_inputs(model: onnx.ModelProto) -> set[str]:

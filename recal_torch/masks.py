@@ -2,7 +2,8 @@
 
 The rules (which masks, when, from which weights, how they combine) are the core's
 (:class:`recal_core.model_plan.MaskPlan`); this module only does the tensor work, with one
-``torch._foreach_mul_`` over every pruned parameter per step.
+``torch._foreach_mul_`` on the gradients and one ``masked_fill_`` per pruned parameter per step (a pruned weight is
+exactly zero, whatever value it held).
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ class MaskState:
                  kernel_axes: Mapping[str, tuple[int, ...] | None], tensors: Mapping[str, torch.Tensor] | None = None):
         self.plan = plan  # global, OBS and channel-coupled modifiers update several parameters together
         self._tensors = dict(tensors or {})  # the followers' parameters and buffers, by name
-        self._followers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, mask), from the groups' masks
+        self._followers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, where pruned), from the groups' masks
         self.plans: dict[str, MaskPlan] = dict(plan.masks)
         self.kernel_axes = {name: kernel_axes[name] for name in self.plans}
         self.params = {name: params[name] for name in self.plans}
         self.masks: dict[str, dict[int, torch.Tensor]] = {name: {} for name in self.plans}
         self.effective: dict[str, torch.Tensor] = {}
+        self._pruned: dict[str, torch.Tensor] = {}  # effective == 0, as booleans
         # every pruning modifier once: between its updates a step costs two calls per modifier
         self._sources = list({ps.index: ps for plan in self.plans.values() for ps in plan.sources}.values())
         self._in_force: tuple[bool, ...] | None = None  # per source, at the last update()
@@ -87,12 +89,15 @@ class MaskState:
 
     @torch.no_grad()
     def apply(self) -> None:
-        """``w <- w * mask`` for every parameter with a mask in force."""
-        if self.effective:
-            names = list(self.effective)
-            torch._foreach_mul_([self.params[n].data for n in names], [self.effective[n] for n in names])
-        if self._followers:
-            torch._foreach_mul_([t.data for t, _ in self._followers], [m for _, m in self._followers])
+        """``w <- 0`` where the mask in force is 0, for every parameter with one: exactly zero whatever the weight
+        (a ``w * mask`` would keep a NaN or an infinity there)."""
+        for name, pruned in self._pruned.items():
+            self.params[name].data.masked_fill_(pruned, 0.0)
+        self._apply_followers()
+
+    def _apply_followers(self) -> None:
+        for tensor, pruned in self._followers:
+            tensor.data.masked_fill_(pruned, 0.0)
 
     @torch.no_grad()
     def update(self, k: int) -> None:
@@ -138,10 +143,9 @@ class MaskState:
                     per_modifier[u.modifier] = structured_mask(weight, u.layout, u.count, self.kernel_axes[name])
                 changed = True
             if changed and self._combine(name):
-                weight.mul_(self.effective[name])
+                weight.masked_fill_(self._pruned[name], 0.0)
         self._update_followers()
-        if self._followers:
-            torch._foreach_mul_([t.data for t, _ in self._followers], [m for _, m in self._followers])
+        self._apply_followers()
 
     def _update_followers(self) -> None:
         """The follower tensors' masks, read off each filter group's mask in force (or none)."""
@@ -154,17 +158,19 @@ class MaskState:
             keep = mask.flatten(1).amax(1)
             for name in group.followers:
                 tensor = self._tensors[name]
-                self._followers.append((tensor, expand(keep, tensor, "filter")))
+                self._followers.append((tensor, expand(keep, tensor, "filter") == 0))
 
     def _combine(self, name: str) -> bool:
         masks = list(self.masks[name].values())
         if not masks:
             self.effective.pop(name, None)
+            self._pruned.pop(name, None)
             return False
         effective = masks[0]
         for mask in masks[1:]:
             effective = effective * mask
         self.effective[name] = effective
+        self._pruned[name] = effective == 0  # what apply() zeroes (masked_fill: exact zeros, NaN or not)
         return True
 
     # --- checkpoints ----------------------------------------------------------------------------
@@ -192,7 +198,7 @@ class MaskState:
     def load_state_dict(self, state: dict[str, dict[int, torch.Tensor]]) -> None:
         self.check_state_dict(state)
         self.masks = {name: {} for name in self.plans}
-        self.effective = {}
+        self.effective, self._pruned = {}, {}
         self._in_force = None
         for name, per in state.items():
             param = self.params[name]
@@ -202,7 +208,7 @@ class MaskState:
 
     def release(self) -> None:
         self.masks = {name: {} for name in self.plans}
-        self.effective = {}
+        self.effective, self._pruned = {}, {}
         self._followers = []
         self._in_force = None
 

@@ -44,7 +44,7 @@ def _x(shape, seed=1):
     return {"x": np.random.default_rng(seed).standard_normal(shape).astype(np.float32)}
 
 
-def _conv_graph(relu=False, bias=True, out_zp=0, extra=None):
+def _conv_graph(relu=False, bias=True, out_zp=0, extra=None, input_shape=(2, 3, 6, 6)):
     b = Builder()
     x = b.qdq("x", 0.03, 128)
     w = b.weight((4, 3, 3, 3))
@@ -55,7 +55,7 @@ def _conv_graph(relu=False, bias=True, out_zp=0, extra=None):
     if relu:
         y = b.node("Relu", [y])
     y = b.qdq(y, 0.02, out_zp)
-    return b.model([("x", [2, 3, 6, 6])], [y])
+    return b.model([("x", list(input_shape))], [y])
 
 
 @pytest.mark.parametrize("relu, out_zp", [(False, 100), (True, 0), (True, 40)])
@@ -119,6 +119,23 @@ def test_fold_conv_affine_zero_rewrites():
     model = _conv_graph(relu=True)
     _, (n,) = _apply(model, fold_conv_affine)
     assert n == 0
+
+
+@pytest.mark.parametrize("shape, folds", [((1, 4, 1, 1), 1), ((4, 1, 1), 1), ((1,), 1), ((1, 4), 0), ((4,), 0),
+                                          ((1, 4, 1), 0), ((1, 1, 1, 4), 0), ((2, 4, 1, 1), 0)])
+def test_fold_conv_affine_folds_only_what_broadcasts_to_the_channel_axis(shape, folds):
+    """Under ONNX broadcasting a Conv's [N, 4, 4, 4] output times a [1, 4] or [4] constant scales its last axis
+    (width), and a [1, 4, 1] one its height, not its channels: folding that into the weight would make a wrong model. Only a constant whose
+    right-aligned shape varies along axis 1 alone is per channel."""
+    def chain(b, y):
+        return b.node("Mul", [y, b.const(b.rng.uniform(0.5, 2.0, shape).astype(np.float32))])
+
+    model = _conv_graph(bias=False, extra=chain, input_shape=(2, 3, 4, 4))
+    feeds = _x([2, 3, 4, 4])
+    expected = reference(model, feeds)[0]
+    folded, (n,) = _apply(model, fold_conv_affine)
+    assert n == folds
+    np.testing.assert_allclose(reference(folded, feeds)[0], expected, atol=0.02 + 1e-6)
 
 
 def test_fold_constants_turns_weight_quantize_into_int8():

@@ -225,3 +225,51 @@ def test_progress_bar_is_live_on_a_terminal(monkeypatch):
     assert not progress_bar(range(3), "x", True).disable
     monkeypatch.setattr("sys.stderr.isatty", lambda: False)
     assert progress_bar(range(3), "x", True).disable and progress_bar(range(3), "x", False).disable
+
+
+DIVERGING = """
+- !EpochRangeModifier {start_epoch: 0, end_epoch: 3}
+- !SetLearningRateModifier {start_epoch: 1, learning_rate: 1.0e+12}
+- !GradualKSModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.5, final_sparsity: 0.8, start_epoch: 0,
+                      end_epoch: 2, update_frequency: 0.5}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["torch", "tf", "keras"])
+def test_a_diverging_run_stops_at_the_step_keeps_its_checkpoint_and_exports_nothing(tmp_path, framework):
+    """A recipe LR of 1e12 from epoch 1: the loss or the weights stop being finite during epoch 2. The run stops with
+    one line naming the step, epoch 1's checkpoint stays, and no model is written."""
+    from recal_app.training import Diverged
+
+    out = tmp_path / "out"
+    with pytest.raises(Diverged, match=rf"^{framework} training diverged at step \d+: (the loss|a weight) is"):
+        train(_recipe(tmp_path, DIVERGING), framework, out, progress=False)
+    assert not list(out.glob("model*")), list(out.iterdir())
+    history = out / "checkpoints" / ("epoch-1.pt" if framework == "torch" else "history.json")
+    assert history.is_file() and not (out / "checkpoints" / "epoch-2.pt").exists()
+    if framework != "torch":
+        assert json.loads(history.read_text())["epoch"] == 1
+    line = subprocess.run([sys.executable, "-m", "recal_app.cli", "train", "--framework", framework, "--recipe",
+                           str(tmp_path / "recipe.yaml"), "--output", str(tmp_path / "cli"), "--no-progress"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert line.returncode == 2 and len(line.stderr.strip().splitlines()) == 1 and "diverged at step" in line.stderr
+
+
+def test_a_pruned_weight_is_exactly_zero_whatever_value_it_held():
+    """Masks zero a pruned weight (masked_fill), they do not multiply it: a NaN or an infinity there becomes 0."""
+    from recal_torch import ScheduledModifierManager
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    manager = ScheduledModifierManager.from_yaml(
+        "- !ConstantKSModifier {params: __ALL_PRUNABLE__, start_epoch: 0, end_epoch: 2}\n"
+        "- !EpochRangeModifier {start_epoch: 0, end_epoch: 2}")
+    with torch.no_grad():
+        model[0].weight[:, :4] = 0.0  # the constant mask: these stay zero
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=2)
+    with torch.no_grad():
+        model[0].weight[0, 0], model[0].weight[1, 1] = float("nan"), float("inf")  # at pruned places
+    optimizer.zero_grad()
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    assert int((model[0].weight[:, :4] == 0).sum()) == 32

@@ -27,10 +27,10 @@ def fold_conv_affine(g: Graph) -> int:
             nxt = g.only_consumer(node.outputs[0])
             if nxt is None:
                 break
-            channels = _channels(g, node)
-            if channels is None:
+            shape = _channels(g, node)
+            if shape is None:
                 break
-            affine = _affine_of(g, nxt, node.outputs[0], channels, node.op_type)
+            affine = _affine_of(g, nxt, node.outputs[0], *shape)
             if affine is None or not _apply(g, node, *affine):
                 break
             g.replace(nxt.outputs[0], node.outputs[0])  # (a graph output keeps its name)
@@ -48,7 +48,8 @@ def _weight_layout(g: Graph, node: Node) -> int | None:
     return 0 if attr(node, "transB", 0) else 1
 
 
-def _channels(g: Graph, node: Node) -> int | None:
+def _channels(g: Graph, node: Node) -> tuple[int, int] | None:
+    """``(output channels, rank of the output)`` of a Conv (its weight's rank) or Gemm (2)."""
     axis = _weight_layout(g, node)
     if axis is None:
         return None
@@ -58,25 +59,29 @@ def _channels(g: Graph, node: Node) -> int | None:
         if dq is None or g.uses(node.inputs[1]) != 1:
             return None
         w = dq.q
-    return int(w.shape[axis])
+    return int(w.shape[axis]), (w.ndim if node.op_type == "Conv" else 2)
 
 
-def _per_channel(value: np.ndarray, channels: int, op_type: str) -> np.ndarray | None:
-    """A constant that broadcasts per output channel of a Conv ([1, C, 1..]) or Gemm ([C]); else None."""
+def _per_channel(value: np.ndarray, channels: int, rank: int) -> np.ndarray | None:
+    """A constant that, under ONNX (numpy) broadcasting against an output of ``rank`` axes, varies along the
+    channel axis (1) alone, as a vector of ``channels``; else None. Broadcasting aligns trailing axes: ``[C, 1, 1]``
+    and ``[1, C, 1, 1]`` are per channel of a 2-D conv's output, ``[1, C]`` and ``[C]`` scale its last axis (width),
+    and a Gemm's ``[C]`` or ``[1, C]`` is per channel of its 2-D output."""
     v = np.asarray(value, dtype=np.float64)
-    if v.size == 1:
+    if v.size == 1 and v.ndim <= rank:
         return np.full(channels, float(v.reshape(-1)[0]))
-    if op_type == "Conv" and v.ndim >= 2 and v.shape[1] == channels and v.size == channels:
-        return v.reshape(channels)
-    if op_type == "Gemm" and v.size == channels and v.shape[-1] == channels:
-        return v.reshape(channels)
-    return None
+    if v.ndim > rank:
+        return None
+    aligned = (1,) * (rank - v.ndim) + v.shape
+    if aligned[1] != channels or any(d != 1 for i, d in enumerate(aligned) if i != 1):
+        return None
+    return v.reshape(channels)
 
 
-def _affine_of(g: Graph, node: Node, source: Value, channels: int, op_type: str):
+def _affine_of(g: Graph, node: Node, source: Value, channels: int, rank: int):
     """``(a, d)`` such that ``node(source) = a * source + d`` per channel, or None."""
     if node.op_type in ("Div", "Mul", "Add", "Sub") and node.inputs[0] is source and g.is_const(node.inputs[1]):
-        c = _per_channel(g.const(node.inputs[1]), channels, op_type)
+        c = _per_channel(g.const(node.inputs[1]), channels, rank)
         if c is None:
             return None
         ones, zeros = np.ones(channels), np.zeros(channels)

@@ -404,7 +404,7 @@ class RecalCallback(keras.callbacks.Callback):
         m = self.manager
         ran = m._current_step() - self._epoch_start
         expected = m.schedule.steps_per_epoch
-        if ran != expected:
+        if ran != expected and not self.model.stop_training:  # a callback that stops fit cuts the epoch short
             warnings.warn(f"epoch {epoch} ran {ran} steps, but the recipe was bound with steps_per_epoch={expected}: "
                           f"the recipe's epochs are {expected} steps each, not this fit's epochs", RecalWarning,
                           stacklevel=1)  # called by Keras: the user's line is not on the stack

@@ -1,0 +1,49 @@
+"""Verification cannot be switched off by accident: every graph output is compared end to end in its own units
+(integer steps, class-id agreement, share of a float range), whether or not the op-by-op check also ran. A wrong
+model of each output kind is refused; the right one passes."""
+
+import numpy as np
+import pytest
+
+from recal_onnx.verify import verify_models
+
+from .onnx_graphs import Builder
+
+
+def _model(kind: str, wrong: bool = False):
+    """x -> Conv -> an output of ``kind``: a uint8 QuantizeLinear output, an ArgMax's class ids, or float logits
+    behind a DequantizeLinear. A ``wrong`` conversion of the same model differs where the op-by-op check does not
+    look (a graph output's own integers; the ops after the last DequantizeLinear)."""
+    b = Builder(seed=1)
+    w = (b.rng.standard_normal((6, 3, 1, 1)) * 0.5).astype(np.float32)
+    y = b.node("Conv", [b.qdq("x", 0.02, 128), b.const(-w if wrong and kind == "integer" else w)])
+    y = b.node("GlobalAveragePool", [y])
+    y = b.node("Flatten", [y])
+    s, z = b.const(np.float32(0.02)), b.const(np.uint8(128))
+    q = b.node("QuantizeLinear", [y, s, z])
+    if kind == "integer":
+        out = q
+    else:
+        out = b.node("DequantizeLinear", [q, s, z])
+        if wrong:
+            out = b.node("Neg", [out])
+        if kind == "class ids":
+            out = b.node("ArgMax", [out], axis=1, keepdims=0)
+    model = b.model([("x", [None, 3, 4, 4])], [out])
+    # the Builder declares float outputs; an integer output is declared as what it is
+    dtype = {"integer": 2, "class ids": 7}.get(kind)
+    if dtype:
+        model.graph.output[0].type.tensor_type.elem_type = dtype
+    return model
+
+
+@pytest.mark.parametrize("kind", ["integer", "class ids", "float"])
+def test_a_wrong_model_of_each_output_kind_is_refused(kind):
+    feeds = {"x": np.random.default_rng(0).standard_normal((64, 3, 4, 4)).astype(np.float32)}
+    right = verify_models(_model(kind), _model(kind), feeds)
+    assert right.problem(None) is None, right
+    wrong = verify_models(_model(kind), _model(kind, wrong=True), feeds)
+    problem = wrong.problem(None)
+    assert problem is not None and f"({kind})" in problem, (kind, wrong.outputs)
+    (output,) = wrong.outputs
+    assert output.kind == kind
