@@ -4,7 +4,7 @@ Schedules are not re-derived here: every per-step value (mask update points and 
 counts, whether a mask is in force, the LR, the weight decay) is tabulated from the core's
 bound schedule and looked up in the graph with the global step ``k``. Run the returned ops once
 per training step, after the optimizer: they recompute a mask whenever the schedule's last
-update point ``<= k`` changed since the mask was computed, and set ``w <- w * mask``.
+update point ``<= k`` changed since the mask was computed, and set ``w <- 0`` where the mask is 0 (a select: exactly 0, NaN or not).
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ class PruningMasks:
             self.pruned[name] = by_name[name]
 
     def ops(self, k) -> list:
-        """Per pruning modifier one conditional update of all its masks, then ``w <- w * mask`` per variable."""
+        """Per pruning modifier one conditional update of all its masks, then ``w <- 0 where mask == 0`` per variable."""
         return self.ops_and_factors(k)[0]
 
     def ops_and_factors(self, k) -> tuple[list, dict[str, tf.Tensor]]:
@@ -112,7 +112,7 @@ class PruningMasks:
                 old.setdefault(m.name, []).append(tf.where(was_in_force, m.mask.read_value(), _one(m.mask)))
 
         def masked(name: str) -> tf.Tensor:  # called inside an update branch only
-            return _product([weights[name], *old[name]])
+            return zeroed(weights[name], old[name])
 
         ops, now = [], {}
         for group in self.groups:
@@ -127,11 +127,11 @@ class PruningMasks:
                 keep = 1.0 - in_force * (1.0 - _channel_keep(masks[cg.members[0]], first.kernel_axes, cg.kind))
                 for variable in cg.followers:  # biases, BatchNorm shifts and means: a pruned channel is exactly 0
                     shape = [1] * (variable.shape.rank - 2) + [-1, 1] if variable.shape.rank == 4 else [-1]
-                    ops.append(variable.assign(variable * tf.reshape(tf.cast(keep, variable.dtype.base_dtype), shape),
-                                               read_value=False))
+                    ops.append(variable.assign(zeroed(variable.read_value(), [
+                        tf.reshape(tf.cast(keep, variable.dtype.base_dtype), shape)]), read_value=False))
         factors = {name: _product(parts) for name, parts in now.items()}
         for name, variable in self.pruned.items():
-            ops.append(variable.assign(_product([weights[name], *old[name], factors[name]]), read_value=False))
+            ops.append(variable.assign(zeroed(weights[name], [*old[name], factors[name]]), read_value=False))
         return ops, factors
 
     def gradient_factors(self, k) -> dict[str, list[tf.Tensor]]:
@@ -155,6 +155,15 @@ def _product(parts: list[tf.Tensor]) -> tf.Tensor:
     for part in parts[1:]:
         result = result * part
     return result
+
+
+def zeroed(value: tf.Tensor, masks: list[tf.Tensor]) -> tf.Tensor:
+    """``value`` with every place a mask holds 0 set to exactly 0 (a ``select``, not a product: a pruned weight is 0
+    whatever it held, NaN or infinity included)."""
+    if not masks:
+        return value
+    keep = _product(masks)
+    return tf.where(keep > 0, value, tf.zeros_like(value))
 
 
 def _group_update(group: _MaskGroup, k, masked: Callable[[str], tf.Tensor]) -> list[tf.Tensor]:

@@ -35,7 +35,7 @@ from recal_core.schedule import RecipeSchedule
 
 from ..fake_quant import quantize_at_completion
 from ..manager import MAX_TABLE_STEPS, RecalWarning  # one warning class and step limit for both front ends
-from ..mask_ops import PruningMasks
+from ..mask_ops import PruningMasks, zeroed
 from ..torch_only import qat_problems, torch_only_problems
 from .params import describe_model
 from .qat import QATTables, quantize_model
@@ -272,7 +272,8 @@ class ScheduledModifierManager(RecipeManager):
         ops += mask_ops
         for name, slots in self._slots.items():
             for slot in slots:
-                ops.append(slot.assign(slot * tf.cast(factors[name], slot.dtype), read_value=False))
+                ops.append(slot.assign(zeroed(tf.convert_to_tensor(slot), [tf.cast(factors[name], slot.dtype)]),
+                                       read_value=False))
         return ops
 
     # --- during fit -----------------------------------------------------------------------------
