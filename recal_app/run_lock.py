@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+from recal_core.atomic import TEMP_PREFIX
+
 LOCK_NAME = ".recal.lock"
 RUN_FILE = "run.json"
 
@@ -68,7 +70,15 @@ def check_resume(checkpoints: Path, identity: dict[str, Any]) -> None:
 
 
 def check_fresh(checkpoints: Path) -> None:
-    """A new run must not mix with an earlier run's checkpoints (a later --resume would pick them up)."""
+    """A new run must not mix with an earlier run's checkpoints (a later --resume would pick them up), nor write over
+    files recal did not write: its folder holds nothing but recal's lock and temporaries."""
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         raise RuntimeError(f"{checkpoints} holds an earlier run's checkpoints; continue it with --resume, or give "
                            "another --output")
+    out = checkpoints.parent
+    foreign = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME and not p.name.startswith(TEMP_PREFIX)
+                     and p != checkpoints) if out.is_dir() else []
+    if foreign:
+        listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise FileExistsError(f"{out} holds files recal did not write ({listed}); a new run writes model, report and "
+                              "checkpoint files there and would replace them: give an empty or new --output")

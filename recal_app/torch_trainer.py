@@ -26,7 +26,7 @@ from recal_torch.export import export_onnx
 from recal_torch.flops import count_macs
 from recal_torch.loggers import TensorBoardLogger
 from recal_torch.manager import ScheduledModifierManager
-from recal_torch.model_params import describe_parameters, sparsity
+from recal_torch.model_params import check_weights, describe_parameters, sparsity
 from recal_torch.qat_modules import qat_modules
 from recal_torch.thin import thin
 
@@ -116,11 +116,8 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
             raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}")
         state = _read_checkpoint(found[-1])
         optimizer.load_state_dict(state["optimizer"])  # recal's state first: it re-creates QAT modules
-        try:
-            model.load_state_dict(state["model"])
-        except RuntimeError as exc:
-            raise ValueError(f"{found[-1]}: the model weights do not fit this model "
-                             f"({' '.join(str(exc).split())[:300]})") from None
+        check_weights(state["model"], model, str(found[-1]))  # shapes, dtypes, finite: before a weight changes
+        model.load_state_dict(state["model"])
         run.history = [EpochRecord(**h) for h in state["history"]]
         start = state["epoch"]
         torch.set_rng_state(state["torch_rng"])

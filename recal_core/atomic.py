@@ -1,6 +1,8 @@
-"""Write files atomically: a temp file beside the target, renamed over it only on success.
+"""Write files atomically: a temp file beside the target, flushed to disk, renamed over it only on success.
 
-A crash, an exception or a refused overwrite leaves no partial file and the old one intact.
+A crash, an exception or a refused overwrite leaves no partial file and the old one intact. Temporaries carry the
+writing process's id (``.recal-<pid>-...``): a later write in the same folder removes those whose process is gone
+(a killed conversion's), and never another live process's.
 """
 
 from __future__ import annotations
@@ -42,6 +44,57 @@ def _disk_full_is_said(folder: Path, target: Path) -> Iterator[None]:
         raise
 
 
+def _temp_prefix() -> str:
+    return f"{TEMP_PREFIX}{os.getpid()}-"
+
+
+def _writer_pid(name: str) -> int | None:
+    """The process id in a temporary's name (``.recal-<pid>-...``), or None for another name."""
+    head = name[len(TEMP_PREFIX):].split("-", 1)[0] if name.startswith(TEMP_PREFIX) else ""
+    return int(head) if head.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # another user's process: alive as far as we can tell
+    return True
+
+
+def remove_orphaned_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """Remove the temporaries in ``folder`` whose writing process no longer runs (a killed conversion's or run's);
+    return them. Safe beside other live writers: their temporaries name a live process."""
+    removed = []
+    for item in Path(folder).glob(TEMP_PREFIX + "*"):
+        pid = _writer_pid(item.name)
+        if pid is None or pid == os.getpid() or _alive(pid):
+            continue
+        if item.is_dir() and not item.is_symlink():
+            shutil.rmtree(item, ignore_errors=True)
+        else:
+            item.unlink(missing_ok=True)
+        removed.append(item)
+    return removed
+
+
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file, or a folder's entries) to the disk, so a rename never publishes unwritten data."""
+    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() and hasattr(os, "O_DIRECTORY") else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return  # a platform that cannot open folders: the rename is still atomic
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def atomic_path(target: str | os.PathLike, *, protect: tuple[str | os.PathLike, ...] = ()) -> Iterator[Path]:
     """Yield a temporary path in ``target``'s folder; on success rename it to ``target``.
@@ -65,14 +118,17 @@ def atomic_path(target: str | os.PathLike, *, protect: tuple[str | os.PathLike, 
     folder = target.parent if str(target.parent) else Path(".")
     if not folder.is_dir():
         raise FileNotFoundError(f"output folder {folder} does not exist")
-    fd, tmp_name = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{target.name}.", suffix=".tmp", dir=folder)
+    remove_orphaned_temporaries(folder)
+    fd, tmp_name = tempfile.mkstemp(prefix=f"{_temp_prefix()}{target.name}.", suffix=".tmp", dir=folder)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
         with _disk_full_is_said(folder, target):
             yield tmp
         os.chmod(tmp, _umask_mode())  # mkstemp makes 0600; outputs get the mode any new file would
+        _fsync(tmp)
         os.replace(tmp, target)
+        _fsync(folder)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -88,13 +144,17 @@ def atomic_folder(destination: str | os.PathLike) -> Iterator[Path]:
     destination = Path(destination) if str(destination) else Path(".")
     if not destination.is_dir():
         raise FileNotFoundError(f"output folder {destination} does not exist")
-    folder = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=destination))
+    remove_orphaned_temporaries(destination)
+    folder = Path(tempfile.mkdtemp(prefix=_temp_prefix(), dir=destination))
     try:
         with _disk_full_is_said(destination, folder):
             yield folder
         files = sorted(folder.iterdir(), key=lambda p: p.suffix == ".onnx")
         for item in files:
+            _fsync(item)
+        for item in files:
             os.replace(item, destination / item.name)
+        _fsync(destination)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -379,6 +379,34 @@ def _check_input(model: onnx.ModelProto, name: str) -> None:
         raise ModelError(f"{name} has ops of custom domains, which onnxruntime cannot run: {listed}")
     if not any(n.op_type in QDQ_OPS for n in model.graph.node):
         raise ModelError(f"{name} is not a QAT model: it has no QuantizeLinear/DequantizeLinear nodes")
+    _check_quantized_types(model, name)
+
+
+# the integer types the converter writes kernels for: uint8 / int8 tensors, int32 biases behind a DequantizeLinear
+QUANTIZED_TYPES = {onnx.TensorProto.UINT8, onnx.TensorProto.INT8}
+BIAS_TYPES = {onnx.TensorProto.INT32}
+
+
+def _check_quantized_types(model: onnx.ModelProto, name: str) -> None:
+    """Every quantized tensor is uint8 / int8 (an int32 bias too), refused at the start otherwise: int16, uint16,
+    4-bit or float8 tensors have no QLinear kernels here, and a model written with them would be invalid."""
+    initializers = {t.name: t.data_type for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type not in QDQ_OPS:
+            continue
+        zero_point = node.input[2] if len(node.input) > 2 and node.input[2] else ""
+        dtype = initializers.get(zero_point)
+        if dtype is None and node.op_type == "DequantizeLinear":
+            dtype = initializers.get(node.input[0])
+        if dtype is None:
+            attr = next((a.i for a in node.attribute if a.name == "output_dtype"), 0)
+            dtype = attr or (onnx.TensorProto.UINT8 if node.op_type == "QuantizeLinear" else None)
+        if dtype is None or dtype in QUANTIZED_TYPES or (node.op_type == "DequantizeLinear" and dtype in BIAS_TYPES):
+            continue
+        verb = "quantizes tensor {!r} to" if node.op_type == "QuantizeLinear" else "dequantizes tensor {!r} from"
+        raise ModelError(f"{name}: {node.op_type} {node.name!r} {verb.format(node.input[0])} "
+                         f"{onnx.TensorProto.DataType.Name(dtype).lower()}; the converter writes uint8 / int8 "
+                         "tensors (int32 biases): re-export with 8-bit quantization")
 
 
 # ops that move, index or reshape values, or read shapes: no arithmetic, nothing to quantize

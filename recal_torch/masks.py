@@ -194,6 +194,10 @@ class MaskState:
                     got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
                     raise ValueError(f"the checkpoint's mask of {name!r} (modifier {index}) has shape {got}, "
                                      f"the parameter {shape}")
+                if not (mask.dtype.is_floating_point or mask.dtype == torch.bool) or mask.is_complex() \
+                        or not bool(((mask == 0) | (mask == 1)).all()):
+                    raise ValueError(f"the checkpoint's mask of {name!r} (modifier {index}) is not a mask: dtype "
+                                     f"{mask.dtype}, values other than 0 and 1 (a corrupt or foreign checkpoint)")
 
     def load_state_dict(self, state: dict[str, dict[int, torch.Tensor]]) -> None:
         self.check_state_dict(state)

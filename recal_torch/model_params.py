@@ -65,3 +65,31 @@ def describe_parameters(model: nn.Module) -> tuple[list[ParamInfo], dict[str, nn
 
 def sparsity(tensor: torch.Tensor) -> float:
     return float((tensor == 0).sum().item()) / max(1, tensor.numel())
+
+
+def check_weights(state: dict, model: nn.Module, where: str) -> None:
+    """Refuse (``ValueError``, nothing changed) a state dict whose tensors would not load into ``model`` as they are:
+    a missing or extra key, another shape, another dtype (``load_state_dict`` casts int8, float16, bool or complex
+    silently), or a non-finite float.
+
+    Args:
+        state: the state dict read from a checkpoint.
+        model: the model it is for.
+        where: the checkpoint's name, for the message.
+    """
+    own = model.state_dict()
+    if not isinstance(state, dict):
+        raise ValueError(f"{where}: the model weights are a {type(state).__name__}, not a state dict")
+    missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or extra:
+        raise ValueError(f"{where}: the model weights do not fit this model (missing {missing[:3]}, "
+                         f"unexpected {extra[:3]})")
+    for key, expected in own.items():
+        value = state[key]
+        if not isinstance(value, torch.Tensor) or value.shape != expected.shape or value.dtype != expected.dtype:
+            got = (f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                   else type(value).__name__)
+            raise ValueError(f"{where}: {key!r} is {got}, this model's is {expected.dtype} {tuple(expected.shape)}")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{where}: {key!r} holds non-finite values (NaN or infinity): a diverged run's "
+                             "checkpoint; resume from an earlier one")

@@ -85,6 +85,29 @@ def test_a_checkpoint_missing_keys_is_one_line(tmp_path):
     assert "epoch-1.pt is not a complete recal checkpoint: it lacks optimizer, history, torch_rng" in line
 
 
+@pytest.mark.parametrize("tamper, words", [
+    (lambda w: w.to(torch.int8), "is torch.int8"), (lambda w: w.to(torch.float16), "is torch.float16"),
+    (lambda w: w.bool(), "is torch.bool"), (lambda w: w.to(torch.complex64), "is torch.complex64"),
+    (lambda w: w.index_fill(0, torch.tensor([0]), float("nan")), "holds non-finite values"),
+    (lambda w: w.index_fill(0, torch.tensor([0]), float("inf")), "holds non-finite values")])
+def test_a_checkpoint_of_another_dtype_or_with_nan_weights_is_refused(tmp_path, tamper, words):
+    """load_state_dict would cast an int8, float16, bool or complex tensor silently, and load NaN weights: resume
+    refuses both with one line naming the tensor, and the checkpoint is left as it is."""
+    out, recipe_path = tmp_path / "run", tmp_path / "one_epoch.yaml"
+    recipe_path.write_text("- !EpochRangeModifier {start_epoch: 0, end_epoch: 1}\n")
+    train(load_recipe(recipe_path), "torch", out, progress=False, quantize=False)
+    path = out / "checkpoints" / "epoch-1.pt"
+    state = torch.load(path, weights_only=True)
+    key = next(k for k, v in state["model"].items() if v.is_floating_point() and v.dim() > 1)
+    state["model"][key] = tamper(state["model"][key])
+    torch.save(state, path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    line = _one_line(_cli("train", "--framework", "torch", "--recipe", str(recipe_path), "--output", str(out),
+                          "--resume"))
+    assert f"epoch-1.pt: {key!r} {words}" in line, line
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest and not (out / "checkpoints" / "epoch-2.pt").exists()
+
+
 @pytest.fixture(scope="module")
 def qat_model():
     return qat_small_cnn(4)
@@ -190,6 +213,34 @@ def test_outputs_get_the_mode_of_any_new_file_and_stale_temporaries_go(tmp_path)
     with pytest.raises(RuntimeError, match="earlier run"):  # refused, but the stale files are cleaned first
         train(load_recipe(DENSE), "torch", out, epochs=1, progress=False)
     assert not any(p.exists() for p in stale) and (out / "checkpoints" / "keep.txt").exists()
+
+
+def test_a_killed_conversions_temporary_folder_goes_with_the_next_conversion_and_a_live_ones_stays(tmp_path,
+                                                                                                  qat_model):
+    """A conversion killed by SIGKILL leaves its ``.recal-<pid>-...`` folder; the next conversion into that folder
+    removes it (its process is gone) and leaves a running writer's alone."""
+    src = export_onnx(qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    killer = ("import os, signal, sys; import recal_core.atomic as a; from recal_onnx import quantize_qat_export\n"
+              "real = a.os.replace\n"
+              "def die(*args): os.kill(os.getpid(), signal.SIGKILL)\n"
+              "a.os.replace = die\n"
+              "quantize_qat_export(sys.argv[1], sys.argv[2])")
+    killed = subprocess.run([sys.executable, "-c", killer, str(src), str(out / "int8.onnx")], capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    (orphan,) = out.iterdir()  # the killed conversion's folder, its model inside, nothing published
+    assert orphan.name.startswith(".recal-") and list(orphan.iterdir())
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = out / f".recal-{sleeper.pid}-writing"
+        live.mkdir()
+        quantize_qat_export(str(src), out / "int8.onnx")
+        assert sorted(p.name for p in out.iterdir()) == sorted([live.name, "int8.onnx"])
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_a_full_disk_is_said_plainly_and_leaves_nothing(tmp_path, monkeypatch):

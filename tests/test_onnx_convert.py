@@ -310,3 +310,17 @@ def test_sparsity_follows_float_weights_through_quantize_and_dequantize():
     layers = weight_sparsity(helper.make_model(graph))
     assert layers == {"w": 0.75}
     assert overall_sparsity({}, {}) is None
+
+
+@pytest.mark.parametrize("dtype", [np.int16, np.uint16])
+def test_a_quantized_type_the_converter_has_no_kernel_for_is_refused_at_the_start(tmp_path, dtype):
+    """An int16 / uint16 activation (and 4-bit or float8 ones) has no QLinear kernel: one error naming the node, the
+    tensor and the type, before any work, and nothing written."""
+    from recal_onnx import ModelError
+
+    b = Builder()
+    y = b.node("Relu", [b.qdq("x", 0.01, 0, dtype=dtype)])
+    model = b.model([("x", [1, 4])], [y])
+    with pytest.raises(ModelError, match=rf"quantizes tensor 'x' to {np.dtype(dtype).name}; the converter writes"):
+        quantize_qat_export(model, tmp_path / "out.onnx")
+    assert not list(tmp_path.iterdir())

@@ -140,7 +140,7 @@ def test_bad_input_is_one_line_and_keeps_earlier_outputs(tmp_path):
     cases = [
         (["--recipe", str(tmp_path / "missing.yaml")], "recipe file not found"),
         (["--recipe", str(bad)], "bad.yaml:1:"),
-        (["--recipe", str(wrong_layers)], "matches no prunable parameter"),
+        (["--recipe", str(wrong_layers), "--output", str(tmp_path / "fresh")], "matches no prunable parameter"),
         (["--recipe", str(ROOT / "scripts/recipes/dense.yaml"), "--output", str(a_file / "sub")], "not writable"),
         (["--recipe", str(wrong_layers), "--resume"], "no checkpoint"),
     ]
@@ -151,7 +151,15 @@ def test_bad_input_is_one_line_and_keeps_earlier_outputs(tmp_path):
         err = result.stderr.strip().splitlines()
         assert len(err) == 1 and words in err[0], (extra, result.stderr)
     assert hashlib.sha256((out / "report.md").read_bytes()).hexdigest() == before
-    assert sorted(p.name for p in out.iterdir()) == ["report.md"]
+    assert sorted(p.name for p in out.iterdir()) == ["report.md"] and not (tmp_path / "fresh").exists()
+    # a good recipe into that folder: the user's files are named, not replaced (exit 2, nothing written)
+    (out / "model.onnx").write_bytes(b"the user's model")
+    result = _cli("train", "--framework", "torch", "--output", str(out), "--no-progress", "--recipe",
+                  str(ROOT / "scripts/recipes/dense.yaml"))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "holds files recal did not write (model.onnx, report.md)" in result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "report.md"]
+    assert (out / "model.onnx").read_bytes() == b"the user's model"
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
