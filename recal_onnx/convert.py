@@ -1,25 +1,9 @@
 """``quantize_qat_export``: a QAT (QuantizeLinear/DequantizeLinear) ONNX model to a fully quantized one.
 
-The passes rewrite an ``onnx_ir`` model (:mod:`recal_onnx.graph`). The driver runs them in this order, then
-removes dead nodes and initializers, sorts the graph, and runs ``onnx.checker`` and shape inference:
-
-1. ``constants_to_initializers``, ``remove_identities``, ``fold_constants`` (weights' Q becomes int8),
-   ``fold_weight_transposes`` (``DQ(w) -> Transpose`` becomes ``DQ(wᵀ)``: a Linear on 3-D inputs),
-   ``fold_pads_into_convs`` (a zero Pad before a conv becomes its padding: TF-style "same" padding),
-   ``gather_int8_tables`` (an int8 embedding table is gathered in int8, then scaled)
-2. ``fold_conv_affine`` (Div / Mul / Add / BatchNormalization after a conv into its weight and bias),
-   ``zero_channel_scales`` (an all-zero weight channel gets the scale that holds its bias exactly: no int32 bias
-   overflow, no rounded bias)
-3. ``scalar_activation_qparams``, ``activations_to_uint8`` (int8 activation QDQ -> uint8, same values)
-4. ``remove_redundant_qdq``, ``remove_noop_clamps`` (a ReLU / ReLU6 after a DQ whose grid it cannot cut)
-5. format ``qoperator``: ``int8_passthrough``, ``conv_to_qlinearconv``, ``gemm_to_qgemm``,
-   ``binary_to_qlinear`` (Add, Mul), ``sigmoid_to_qlinear``, ``concat_to_qlinear``, ``pool_to_qlinear``,
-   ``remove_redundant_qdq``, repeated until nothing changes;
-   format ``qdq``: ``bias_to_int32``, ``fusible_qdq_pools`` (average pools as ``DQ -> pool -> Q``, which
-   onnxruntime's QDQ fusion runs on the integers: a spatial ReduceMean becomes a GlobalAveragePool, a pool
-   quantized after a Flatten is quantized before it too).
-6. ``uint8_weights`` when the target needs it (int8 weights beyond +-64 as uint8 with zero point 128),
-   ``bias_apart`` (a layer whose bias int32 cannot hold stays float, its bias in an Add of its own).
+The passes rewrite an ``onnx_ir`` model (:mod:`recal_onnx.graph`), in the order :mod:`recal_onnx.pipeline`
+declares; the driver then removes dead nodes and initializers, sorts the graph, and runs ``onnx.checker`` and shape
+inference. What the passes find beyond their rewrites (layers kept float and why, thinned channels, rounded biases)
+is a :class:`~recal_onnx.findings.Findings` record the result reports from.
 
 How weights are stored follows the ``target`` (:mod:`recal_onnx.targets`), never the converting CPU: a model
 trained with ``reduce_range: true`` (7-bit weights) is int8 throughout, exact and fast on every CPU; an 8-bit one
@@ -47,30 +31,12 @@ import onnx
 from recal_core.atomic import atomic_folder
 from recal_core.errors import VerificationFailed
 
+from .findings import Findings
 from .graph import Graph, Node
-from .passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
-from .passes.bias_apart import bias_apart
-from .passes.bias_to_int32 import bias_to_int32
-from .passes.binary_to_qlinear import binary_to_qlinear
-from .passes.concat_to_qlinear import concat_to_qlinear
-from .passes.constants import constants_to_initializers, fold_constants, remove_identities
-from .passes.conv_to_qlinearconv import conv_to_qlinearconv
-from .passes.fold_conv_affine import fold_conv_affine
-from .passes.fusible_qdq_pools import fusible_qdq_pools
-from .passes.gather_int8_table import gather_int8_tables
-from .passes.gemm_to_qgemm import gemm_to_qgemm
-from .passes.int8_passthrough import int8_passthrough
-from .passes.noop_clamps import remove_noop_clamps
-from .passes.pad_into_conv import fold_pads_into_convs
-from .passes.pool_to_qlinear import pool_to_qlinear
-from .passes.zero_channel_scales import zero_channel_scales
-from .passes.redundant_qdq import remove_redundant_qdq
-from .passes.sigmoid_to_qlinear import sigmoid_to_qlinear
-from .passes.thin_channels import CHANNEL_BLOCK, thin_channels
-from .passes.uint8_weights import exact_on_this_cpu, saturating_layers, uint8_weights
-from .passes.weight_transpose import fold_weight_transposes
+from .passes.thin_channels import CHANNEL_BLOCK
+from .passes.uint8_weights import exact_on_this_cpu, saturating_layers
+from .pipeline import Options, run_pipeline
 from .qdq import activation, weight
-from .cpu import int8_weights_exact_here
 from .targets import DEFAULT_TARGET, WEIGHT_TYPES, WeightChoice, choose_weights
 from .verify import Verification, verify_models
 
@@ -218,35 +184,19 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
              channel_block=CHANNEL_BLOCK) -> ConversionResult:
     infer_shapes_in_place(model)
     g = Graph(model)
-    rewrites: dict[str, int] = {}
+    findings = Findings()
+    saturating: list[int] = []
 
-    def run(pass_fn, *args) -> int:
-        n = pass_fn(g, *args)
-        rewrites[pass_fn.__name__] = rewrites.get(pass_fn.__name__, 0) + n
-        return n
+    def before(name: str) -> None:  # the int8 weights beyond +-64, counted before uint8_weights may shift them
+        if name in ("uint8_weights", "bias_apart") and not saturating:
+            saturating.append(saturating_layers(g))
 
-    for pass_fn in (constants_to_initializers, remove_identities, fold_constants, fold_weight_transposes,
-                    fold_pads_into_convs, gather_int8_tables, fold_conv_affine, zero_channel_scales):
-        run(pass_fn)
-    if thin:
-        run(thin_channels, channel_block)
-    for pass_fn in (scalar_activation_qparams, activations_to_uint8, remove_redundant_qdq, remove_noop_clamps):
-        run(pass_fn)
-    if format == "qoperator":
-        while sum(run(p) for p in (int8_passthrough, conv_to_qlinearconv, gemm_to_qgemm, binary_to_qlinear,
-                                   sigmoid_to_qlinear, concat_to_qlinear, pool_to_qlinear, remove_redundant_qdq)):
-            pass
-    else:
-        run(bias_to_int32)
-        run(fusible_qdq_pools)
-    saturating = saturating_layers(g)
-    if choice.weight_type == "uint8":
-        run(uint8_weights)
-    run(bias_apart)
+    rewrites = run_pipeline(g, Options(format, choice.weight_type, thin, channel_block), findings, before)
+    saturating = saturating[0]
     unconverted = _float_islands(g, QDQ_FUSIBLE if format == "qdq" else set())
     present = {node.name for node in g.nodes} - {name for _, name in unconverted}
-    unconverted += [(op, name) for name, (op, _) in g.kept_float.items() if name in present]
-    reasons = {name: f" ({why})" for name, (_, why) in g.kept_float.items()}
+    unconverted += [(op, name) for name, (op, _) in findings.kept_float.items() if name in present]
+    reasons = {name: f" ({why})" for name, (_, why) in findings.kept_float.items()}
     output_steps = _output_quanta(g)
     rewrites["remove_dead"] = g.remove_dead()
     model = g.commit()
@@ -258,7 +208,7 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
     result = ConversionResult(model, None, rewrites, unconverted, float_ops=_float_compute(model),
                               weight_type="uint8" if rewrites.get("uint8_weights") else "int8", target=choice.target,
                               weights_note=_weights_note(choice, saturating, rewrites.get("uint8_weights", 0)),
-                              rounded_biases=dict(g.rounded_biases))
+                              rounded_biases=dict(findings.rounded_biases))
     if result.float_ops:
         log.info("quantize_qat_export: computing in float (outside quantized tensors, by design, or listed above): "
                  "%s", ", ".join(f"{op} x{n}" for op, n in result.float_ops.items()))
@@ -267,7 +217,7 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
         if run_here is not model:
             result.weights_note += ("; verified as its target computes it (this CPU has no VNNI and would saturate "
                                     "its int8 weights beyond +-64: run it on the target)")
-        result.verification = verify_models(reference, run_here, inputs, thinned=g.thinned,
+        result.verification = verify_models(reference, run_here, inputs, thinned=findings.thinned,
                                             output_steps=output_steps)
         problem = result.verification.problem(tolerance, min_agreement)
         if problem:
@@ -392,7 +342,7 @@ def _check_quantized_types(model: onnx.ModelProto, name: str) -> None:
     4-bit or float8 tensors have no QLinear kernels here, and a model written with them would be invalid."""
     initializers = {t.name: t.data_type for t in model.graph.initializer}
     for node in model.graph.node:
-        if node.op_type not in QDQ_OPS:
+        if node.op_type not in QDQ_OPS or not node.input:  # a node without inputs: the checker names it later
             continue
         zero_point = node.input[2] if len(node.input) > 2 and node.input[2] else ""
         dtype = initializers.get(zero_point)

@@ -1,8 +1,7 @@
 """The converter's graph: an ``onnx_ir`` model, and the few lookups and edits every rewrite pass shares.
 
 ``onnx_ir`` keeps each value's producer and uses up to date as nodes change, so a pass reads
-``value.producer()`` and rewires with ``replace_input_with``; what this module adds is what the passes
-record (``kept_float``, ``thinned``, ``rounded_biases``), constants as numpy (cached: a weight is read by
+``value.producer()`` and rewires with ``replace_input_with``; what this module adds is constants as numpy (cached: a weight is read by
 several passes), fresh names, and the rule that a node standing in for another keeps its output's name and
 shape (verification and the zoo compare tensors by name). Initializers stay the ``TensorProto`` they were
 read from until a pass replaces one, so a large model is not copied into numpy wholesale.
@@ -32,9 +31,6 @@ class Graph:
         self._arrays: dict[Value, np.ndarray] = {}
         self._counter = itertools.count()
         self._names = {v.name for v in self._values() if v.name}
-        self.thinned: dict[str, np.ndarray] = {}  # tensor name -> the channels (axis 1) thin_channels kept
-        self.kept_float: dict[str, tuple[str, str]] = {}  # node name -> (op type, why a pass left it float)
-        self.rounded_biases: dict[str, float] = {}  # node name -> how far its float bias was from an int32 step
 
     def _values(self) -> Iterator[Value]:
         yield from self.graph.inputs

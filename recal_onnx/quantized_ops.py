@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from .findings import Findings
 from .graph import Graph, Node, Value, attr, input_of
 from .qdq import QTensor, QWeight, quantize_node_of, scalar
 
 OFF_GRID = 1e-3  # a bias further than this from a whole int32 step (in steps) is reported as rounded
 
 
-def quantized_bias(g: Graph, node: Node, x: QTensor, w: QWeight, index: int | None) -> Value | bool | None:
+def quantized_bias(g: Graph, node: Node, x: QTensor, w: QWeight, index: int | None,
+                   findings: Findings) -> Value | bool | None:
     """The int32 bias ``round(bias / (s_x * s_w))`` for ``node.inputs[index]``; False when there is none,
-    None when the bias is not a constant or int32 cannot hold it (then ``g.kept_float`` says why)."""
+    None when the bias is not a constant or int32 cannot hold it (then ``findings.kept_float`` says why; a bias
+    off the grid is noted in ``findings.rounded_biases``)."""
     if index is None or input_of(node, index) is None:
         return False
     bias = g.const(node.inputs[index])
@@ -27,9 +30,9 @@ def quantized_bias(g: Graph, node: Node, x: QTensor, w: QWeight, index: int | No
     values = np.round(steps)
     off = np.abs(steps - values)
     if np.any(off > OFF_GRID + 1e-6 * np.abs(steps)):  # beyond float32's rounding of an on-grid bias
-        g.rounded_biases[node.name] = float(off.max())  # recal's exporters write them on the grid; others do not
+        findings.rounded_biases[node.name] = float(off.max())  # recal's exporters write them on the grid; others do not
     if np.abs(values).max(initial=0) > np.iinfo(np.int32).max:
-        g.kept_float[node.name] = (node.op_type, f"its bias is beyond int32 in steps of input scale x weight scale "
+        findings.kept_float[node.name] = (node.op_type, f"its bias is beyond int32 in steps of input scale x weight scale "
                                                  f"(input scale {scalar(g, x.scale):.3g})")
         return None
     return g.add_const(node.inputs[index].name + "_int32", values.astype(np.int32))

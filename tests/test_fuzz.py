@@ -3,6 +3,7 @@
 but its output."""
 
 import random
+import shutil
 import time
 
 import pytest
@@ -141,6 +142,7 @@ def test_mutated_onnx_models(qat_bytes, tmp_path, seed, rounds):
         except Exception:  # noqa: BLE001 - a mutation that onnx itself cannot parse again: keep the bytes
             break
     folder = tmp_path / f"case-{seed}-{rounds}"
+    shutil.rmtree(folder, ignore_errors=True)  # hypothesis replays a failing case: start it afresh
     folder.mkdir()
     src = folder / "in.onnx"
     src.write_bytes(data)

@@ -5,6 +5,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from recal_onnx.findings import Findings
 from recal_onnx.graph import Graph
 from recal_onnx.passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
 from recal_onnx.passes.bias_apart import bias_apart
@@ -31,10 +32,11 @@ from recal_onnx.passes.zero_channel_scales import zero_channel_scales
 from .onnx_graphs import Builder, ops, reference, run
 
 
-def _apply(model, *passes):
+def _apply(model, *passes, findings=None):
     model = onnx.shape_inference.infer_shapes(model)
     g = Graph(model)
-    counts = [p(g) for p in passes]
+    counts = [p(g, findings=findings) if findings is not None and "findings" in p.__code__.co_varnames else p(g)
+              for p in passes]
     model = g.commit()
     onnx.checker.check_model(model)
     return model, counts
@@ -72,15 +74,16 @@ def test_conv_to_qlinearconv(relu, out_zp):
 
 
 def test_bias_apart():
-    """A conv the converter left float for its bias (``g.kept_float``) adds the bias in an Add of its own, the same
-    numbers; a conv not recorded there keeps its bias."""
+    """A conv the converter left float for its bias (``findings.kept_float``) adds the bias in an Add of its own, the
+    same numbers; a conv not recorded there keeps its bias."""
     model = _conv_graph()
     feeds = _x([2, 3, 6, 6])
     g = Graph(onnx.shape_inference.infer_shapes(model))
     conv = next(n for n in g.nodes if n.op_type == "Conv")
-    assert bias_apart(g) == 0
-    g.kept_float[conv.name] = ("Conv", "its bias is beyond int32")
-    assert bias_apart(g) == 1 and len(conv.inputs) == 2
+    findings = Findings()
+    assert bias_apart(g, findings) == 0
+    findings.kept_float[conv.name] = ("Conv", "its bias is beyond int32")
+    assert bias_apart(g, findings) == 1 and len(conv.inputs) == 2
     apart = g.commit()
     assert ops(apart).count("Add") == 1 and ops(apart).index("Conv") < ops(apart).index("Add")
     np.testing.assert_allclose(reference(apart, feeds)[0], reference(model, feeds)[0], atol=1e-6)
@@ -690,3 +693,19 @@ def test_the_graph_layer_keeps_names_and_leaves_the_input_model_alone():
     onnx.checker.check_model(written)
     assert [o.name for o in written.graph.output] == [o.name for o in model.graph.output]
     assert model.SerializeToString() == before
+
+
+def test_the_pipeline_declares_every_pass_module_once_in_order():
+    """recal_onnx.pipeline is the one place the converter's order is written: every module in passes/ contributes
+    a pass to it, the QOperator passes repeat together, and the format decides which steps run."""
+    import pkgutil
+
+    import recal_onnx.passes as passes_package
+    from recal_onnx.pipeline import PIPELINE, Options
+
+    declared = {p.__module__.rsplit(".", 1)[1] for step in PIPELINE for p in step.passes}
+    modules = {m.name for m in pkgutil.iter_modules(passes_package.__path__)}
+    assert modules - declared == set(), modules - declared
+    qoperator = [s for s in PIPELINE if s.when(Options(format="qoperator")) and not s.when(Options(format="qdq"))]
+    assert len(qoperator) == 1 and qoperator[0].repeat and conv_to_qlinearconv in qoperator[0].passes
+    assert not any(bias_to_int32 in s.passes for s in PIPELINE if s.when(Options(format="qoperator")))

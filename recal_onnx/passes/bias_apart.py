@@ -4,19 +4,21 @@ Before::  DQ(x), DQ(w) -> Conv(bias) -> Q
 After::   DQ(x), DQ(w) -> Conv -> Add(bias reshaped [1, C, 1, 1]) -> Q
 
 :func:`~recal_onnx.quantized_ops.quantized_bias` refuses such a bias (it is never clipped) and records the layer in
-``g.kept_float``. Left whole, ``DQ -> Conv(bias) -> Q`` is what onnxruntime fuses into an integer conv itself,
+``findings.kept_float``. Left whole, ``DQ -> Conv(bias) -> Q`` is what onnxruntime fuses into an integer conv itself,
 quantizing the bias to the int32 that cannot hold it (measured: 1.1 where the model computes 5.0); apart,
 the conv and the Add stay float, exact.
 """
 
 from __future__ import annotations
 
+from ..findings import Findings
 from ..graph import Graph, input_of
 
 
-def bias_apart(g: Graph) -> int:
+def bias_apart(g: Graph, findings: Findings | None = None) -> int:
     count = 0
-    for node in [n for n in g.nodes if n.name in g.kept_float]:
+    kept = {} if findings is None else findings.kept_float
+    for node in [n for n in g.nodes if n.name in kept]:
         if node.op_type not in ("Conv", "Gemm") or input_of(node, 2) is None:
             continue
         bias = g.const(node.inputs[2])

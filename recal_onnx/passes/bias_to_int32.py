@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..findings import Findings
 from ..graph import Graph, input_of
 from ..qdq import activation, scalar, weight
 from ..quantized_ops import quantized_bias
 
 
-def bias_to_int32(g: Graph) -> int:
+def bias_to_int32(g: Graph, findings: Findings | None = None) -> int:
+    findings = Findings() if findings is None else findings
     count = 0
     for node in list(g.nodes):
         if node.op_type == "MatMul":
@@ -37,7 +39,7 @@ def bias_to_int32(g: Graph) -> int:
         x, w = activation(g, matmul.inputs[0]), weight(g, matmul.inputs[1])
         if x is None or w is None or (matmul is not node and (w.q.ndim != 2 or w.q.shape[1] != bias.size)):
             continue
-        q_bias = quantized_bias(g, node, x, w, index)
+        q_bias = quantized_bias(g, node, x, w, index, findings)
         if q_bias is None:
             continue  # int32 cannot hold it: the float bias stays, and onnxruntime runs this layer in float
         scale = (scalar(g, x.scale) * w.scale.astype(np.float64).reshape(-1)).astype(np.float32)

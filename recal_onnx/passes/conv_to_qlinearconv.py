@@ -9,6 +9,7 @@ it becomes ``Max(q, zp_y)`` on the integers.
 
 from __future__ import annotations
 
+from ..findings import Findings
 from ..graph import Graph
 from ..qdq import activation, weight
 from ..quantized_ops import output_tail, quantized_bias, replace_with_quantized, weight_inputs
@@ -16,7 +17,8 @@ from ..quantized_ops import output_tail, quantized_bias, replace_with_quantized,
 CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
 
 
-def conv_to_qlinearconv(g: Graph) -> int:
+def conv_to_qlinearconv(g: Graph, findings: Findings | None = None) -> int:
+    findings = Findings() if findings is None else findings
     count = 0
     for node in g.each("Conv"):
         x, w = activation(g, node.inputs[0]), weight(g, node.inputs[1])
@@ -24,7 +26,7 @@ def conv_to_qlinearconv(g: Graph) -> int:
             continue
         relu, q = output_tail(g, node.outputs[0])
         w_inputs = weight_inputs(g, w, 0)
-        bias = quantized_bias(g, node, x, w, 2)
+        bias = quantized_bias(g, node, x, w, 2, findings)
         if q is None or w_inputs is None or bias is None:
             continue
         attrs = {k: a for k, a in node.attributes.items() if k in CONV_ATTRS}

@@ -12,32 +12,34 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..findings import Findings
 from ..graph import MS_DOMAIN, Graph, Node, attr
 from ..qdq import activation, weight
 from ..quantized_ops import output_tail, quantized_bias, replace_with_quantized, weight_inputs
 
 
-def gemm_to_qgemm(g: Graph) -> int:
+def gemm_to_qgemm(g: Graph, findings: Findings | None = None) -> int:
+    findings = Findings() if findings is None else findings
     count = 0
     for node in g.each("Gemm", "MatMul"):
         if node.op_type == "Gemm":
-            count += _gemm(g, node)
+            count += _gemm(g, node, findings)
         elif node.op_type == "MatMul":
-            count += _matmul(g, node)
+            count += _matmul(g, node, findings)
     return count
 
 
-def _gemm(g: Graph, node: Node) -> int:
+def _gemm(g: Graph, node: Node, findings: Findings) -> int:
     if attr(node, "transA", 0) or attr(node, "alpha", 1.0) != 1.0 or attr(node, "beta", 1.0) != 1.0:
         return 0
     a, w = activation(g, node.inputs[0]), weight(g, node.inputs[1])
     if a is None or w is None:
         return 0
     trans_b = attr(node, "transB", 0)
-    return _emit_qgemm(g, node, a, w, trans_b, node, bias_index=2)
+    return _emit_qgemm(g, node, a, w, trans_b, node, 2, findings)
 
 
-def _matmul(g: Graph, node: Node) -> int:
+def _matmul(g: Graph, node: Node, findings: Findings) -> int:
     a, w = activation(g, node.inputs[0]), weight(g, node.inputs[1])
     b = activation(g, node.inputs[1]) if w is None else None
     if a is not None and b is not None:  # both operands are activations: int32 products, scaled to float
@@ -52,8 +54,8 @@ def _matmul(g: Graph, node: Node) -> int:
         and g.is_const(add.inputs[1]) and g.const(add.inputs[1]).size == w.q.shape[1]
     if g.rank(node.inputs[0]) == 2:
         if has_bias:  # treat MatMul + Add as one Gemm(bias)
-            return _emit_qgemm(g, node, a, w, 0, add, bias_index=1, extra=[add])
-        return _emit_qgemm(g, node, a, w, 0, node, bias_index=None)
+            return _emit_qgemm(g, node, a, w, 0, add, 1, findings, extra=[add])
+        return _emit_qgemm(g, node, a, w, 0, node, None, findings)
     w_inputs = weight_inputs(g, w, 1)
     if w_inputs is None:
         return 0
@@ -66,11 +68,11 @@ def _matmul(g: Graph, node: Node) -> int:
     return 1
 
 
-def _emit_qgemm(g: Graph, node, a, w, trans_b: int, last, bias_index, extra=()) -> int:
+def _emit_qgemm(g: Graph, node, a, w, trans_b: int, last, bias_index, findings: Findings, extra=()) -> int:
     w_inputs = weight_inputs(g, w, 0 if trans_b else 1)
     if w_inputs is None:
         return 0
-    bias = quantized_bias(g, last, a, w, bias_index)
+    bias = quantized_bias(g, last, a, w, bias_index, findings)
     if bias is None:
         return 0
     relu, q = output_tail(g, last.outputs[0])

@@ -23,6 +23,7 @@ import numpy as np
 
 from recal_core.channel_coupling import Op, channel_spaces, input_columns, live_channels
 
+from ..findings import Findings
 from ..graph import Graph, Node, Value, attr, input_of, set_attr
 from ..qdq import weight as weight_dq
 
@@ -33,8 +34,10 @@ _SAME = {"Relu", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool",
          "LeakyRelu", "HardSwish"}
 
 
-def thin_channels(g: Graph, block: int = CHANNEL_BLOCK) -> int:
-    """Remove the dead channels of each thinnable space, keeping a multiple of ``block``; return how many went."""
+def thin_channels(g: Graph, block: int = CHANNEL_BLOCK, findings: Findings | None = None) -> int:
+    """Remove the dead channels of each thinnable space, keeping a multiple of ``block``; return how many went
+    (``findings.thinned``: which channels each thinned tensor kept)."""
+    findings = Findings() if findings is None else findings
     removed = 0
     ops, nodes, values = _ops(g)
     for space in channel_spaces(ops):
@@ -57,7 +60,7 @@ def thin_channels(g: Graph, block: int = CHANNEL_BLOCK) -> int:
             node = nodes[op.name]
             _slice_weight(g, node, 1, input_columns(index, keep.size, _weight(g, node)[0].shape[1]), 1)
         removed += int(keep.size - index.size)
-        g.thinned.update({t: index for t in space.tensors})
+        findings.thinned.update({t: index for t in space.tensors})
         log.info("thinned %s: %d -> %d channels", ", ".join(p.name for p in space.producers), keep.size, index.size)
     return removed
 

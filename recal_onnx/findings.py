@@ -1,0 +1,23 @@
+"""What the converter's passes find beyond their rewrites: the record a conversion reports from.
+
+One :class:`Findings` is made per conversion and handed to the passes that add to it (or read it); the graph
+holds only the model being rewritten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Findings:
+    """The passes' record of one conversion."""
+
+    # node name -> (op type, why a pass left it float): bias_apart gives each its bias in an Add of its own
+    kept_float: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # tensor name -> the channels (axis 1) thin_channels kept: verification compares only those
+    thinned: dict[str, np.ndarray] = field(default_factory=dict)
+    # node name -> how far (in int32 steps, <= 0.5) its float bias was from the grid its int8 layer holds it on
+    rounded_biases: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,122 @@
+"""The converter's pipeline, declared in one place: which passes run, in what order, on what condition, with what.
+
+Each :class:`Step` names its passes and what they need from the conversion's :class:`Options` (the format, the
+target's weight storage, thinning) and whether they read or add to its :class:`~recal_onnx.findings.Findings`.
+:func:`run_pipeline` runs the steps in order and returns every pass's rewrite count; a repeated step runs its
+passes in turn until none rewrites (a QLinear op made by one pass is what the next one matches).
+
+1. constants and folds: ``constants_to_initializers``, ``remove_identities``, ``fold_constants`` (weights' Q becomes
+   int8), ``fold_weight_transposes`` (``DQ(w) -> Transpose`` becomes ``DQ(wᵀ)``), ``fold_pads_into_convs``,
+   ``gather_int8_tables``, ``fold_conv_affine`` (Div / Mul / Add / BatchNormalization after a conv into its weight
+   and bias), ``zero_channel_scales``;
+2. ``thin_channels`` (with ``thin``): the channels filter pruning left dead, in blocks of ``channel_block``;
+3. ``scalar_activation_qparams``, ``activations_to_uint8``, ``remove_redundant_qdq``, ``remove_noop_clamps``;
+4. format ``qoperator``: ``int8_passthrough``, ``conv_to_qlinearconv``, ``gemm_to_qgemm``, ``binary_to_qlinear``,
+   ``sigmoid_to_qlinear``, ``concat_to_qlinear``, ``pool_to_qlinear``, ``remove_redundant_qdq``, repeated;
+   format ``qdq``: ``bias_to_int32``, ``fusible_qdq_pools``;
+5. ``uint8_weights`` when the target stores weights beyond +-64 as uint8;
+6. ``bias_apart`` (a layer whose bias int32 cannot hold stays float, its bias in an Add of its own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .findings import Findings
+from .graph import Graph
+from .passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
+from .passes.bias_apart import bias_apart
+from .passes.bias_to_int32 import bias_to_int32
+from .passes.binary_to_qlinear import binary_to_qlinear
+from .passes.concat_to_qlinear import concat_to_qlinear
+from .passes.constants import constants_to_initializers, fold_constants, remove_identities
+from .passes.conv_to_qlinearconv import conv_to_qlinearconv
+from .passes.fold_conv_affine import fold_conv_affine
+from .passes.fusible_qdq_pools import fusible_qdq_pools
+from .passes.gather_int8_table import gather_int8_tables
+from .passes.gemm_to_qgemm import gemm_to_qgemm
+from .passes.int8_passthrough import int8_passthrough
+from .passes.noop_clamps import remove_noop_clamps
+from .passes.pad_into_conv import fold_pads_into_convs
+from .passes.pool_to_qlinear import pool_to_qlinear
+from .passes.redundant_qdq import remove_redundant_qdq
+from .passes.sigmoid_to_qlinear import sigmoid_to_qlinear
+from .passes.thin_channels import CHANNEL_BLOCK, thin_channels
+from .passes.uint8_weights import uint8_weights
+from .passes.weight_transpose import fold_weight_transposes
+from .passes.zero_channel_scales import zero_channel_scales
+
+Pass = Callable[..., int]
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a conversion asks of the pipeline."""
+
+    format: str = "qoperator"  # "qoperator" | "qdq"
+    weight_type: str = "int8"  # "uint8": weights beyond +-64 stored as uint8 (the target's choice)
+    thin: bool = True
+    channel_block: int = CHANNEL_BLOCK
+
+
+@dataclass(frozen=True)
+class Step:
+    """Passes run together: only ``when`` the options say so, each given ``args(options)`` after the graph, and the
+    findings when ``records``; ``repeat``: in turn until none rewrites."""
+
+    passes: tuple[Pass, ...]
+    when: Callable[[Options], bool] = lambda options: True
+    args: Callable[[Options], tuple] = lambda options: ()
+    records: bool = False
+    repeat: bool = False
+
+
+PIPELINE: tuple[Step, ...] = (
+    Step((constants_to_initializers, remove_identities, fold_constants, fold_weight_transposes, fold_pads_into_convs,
+          gather_int8_tables, fold_conv_affine, zero_channel_scales)),
+    Step((thin_channels,), when=lambda o: o.thin, args=lambda o: (o.channel_block,), records=True),
+    Step((scalar_activation_qparams, activations_to_uint8, remove_redundant_qdq, remove_noop_clamps)),
+    Step((int8_passthrough, conv_to_qlinearconv, gemm_to_qgemm, binary_to_qlinear, sigmoid_to_qlinear,
+          concat_to_qlinear, pool_to_qlinear, remove_redundant_qdq), when=lambda o: o.format == "qoperator",
+         records=True, repeat=True),
+    Step((bias_to_int32, fusible_qdq_pools), when=lambda o: o.format == "qdq", records=True),
+    Step((uint8_weights,), when=lambda o: o.weight_type == "uint8"),
+    Step((bias_apart,), records=True),
+)
+
+
+def run_pipeline(g: Graph, options: Options, findings: Findings,
+                 before: Callable[[str], None] = lambda name: None) -> dict[str, int]:
+    """Run :data:`PIPELINE` on ``g``; return each pass's rewrites (by name, summed over repeats).
+
+    Args:
+        g: the graph being converted (changed in place).
+        options: the conversion's options.
+        findings: the record the passes add to.
+        before: called with a pass's name before it first runs (the driver reads the graph there).
+    """
+    rewrites: dict[str, int] = {}
+
+    def run(step: Step, pass_fn: Pass) -> int:
+        if pass_fn.__name__ not in rewrites:
+            before(pass_fn.__name__)
+        extra = {"findings": findings} if step.records and _takes_findings(pass_fn) else {}
+        n = pass_fn(g, *step.args(options), **extra)
+        rewrites[pass_fn.__name__] = rewrites.get(pass_fn.__name__, 0) + n
+        return n
+
+    for step in PIPELINE:
+        if not step.when(options):
+            continue
+        if step.repeat:
+            while sum(run(step, p) for p in step.passes):
+                pass
+        else:
+            for pass_fn in step.passes:
+                run(step, pass_fn)
+    return rewrites
+
+
+def _takes_findings(pass_fn: Pass) -> bool:
+    return "findings" in pass_fn.__code__.co_varnames[:pass_fn.__code__.co_argcount]
