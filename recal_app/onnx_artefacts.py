@@ -10,7 +10,7 @@ import onnx
 from onnx import numpy_helper
 
 from recal_core.datasets import load_digits
-from .training import median_latency_ms, overall_sparsity
+from .measures import median_latency_ms, overall_sparsity
 
 # op -> (index of its weight input, index of that weight's zero point or None)
 WEIGHT_INPUTS = {"Conv": (1, None), "Gemm": (1, None), "MatMul": (1, None), "QLinearConv": (3, 5),

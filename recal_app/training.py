@@ -17,17 +17,16 @@ import json
 import math
 import logging
 import os
-import statistics
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from recal_core.atomic import TEMP_PREFIX, remove_stale_temporaries, write_text_atomically
 from recal_core.recipe import Recipe
+from .measures import median_latency_ms, overall_sparsity  # noqa: F401 - re-exported for the trainers
 from .report import plot_schedule
 from .run_lock import LOCK_NAME, RUN_FILE, check_fresh, check_resume, locked, run_identity
 
@@ -60,25 +59,6 @@ def epoch_line(framework: str, record: "EpochRecord", epochs: int) -> str:
     lr = "-" if record.lr is None else f"{record.lr:.4g}"
     return (f"{framework} epoch {record.epoch}/{epochs}: loss {record.loss:.4f}, test accuracy "
             f"{record.test_accuracy:.4f}, sparsity {record.sparsity:.3f}, lr {lr}")
-
-
-def median_latency_ms(call: Callable[[], Any], repeat: int = 200, warmup: int = 10) -> float:
-    """Median wall time of ``call()`` in milliseconds, after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
-
-
-def overall_sparsity(layers: dict[str, float], sizes: dict[str, int]) -> float | None:
-    """Zero fraction over all the layers together (each layer weighted by its size); None (unknown) when no
-    weight was found: never a 0.0 that a reader would take for a measurement."""
-    total = sum(sizes[name] for name in layers)
-    return sum(layers[name] * sizes[name] for name in layers) / total if total else None
 
 
 @dataclass

@@ -37,7 +37,7 @@ from .passes.thin_channels import CHANNEL_BLOCK
 from .passes.uint8_weights import exact_on_this_cpu, saturating_layers
 from .pipeline import Options, run_pipeline
 from .qdq import activation, weight
-from .targets import DEFAULT_TARGET, WEIGHT_TYPES, WeightChoice, choose_weights
+from .targets import DEFAULT_TARGET, WeightChoice, choose_weights
 from .verify import Verification, verify_models
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from recal_core.atomic import atomic_folder

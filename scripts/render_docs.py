@@ -76,7 +76,31 @@ def reduce_range() -> str:
             f"{', '.join(map(str, data['seeds']))} (`scripts/bench_reduce_range.py`)")
 
 
-TABLES = {"demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range}
+def zoo() -> str:
+    """The CNN zoo at 224x224 against fp32 and onnxruntime's quantize_static, with fidelity (scripts/bench_zoo.py)."""
+    data = _load("zoo.json")
+    lines = ["| model | fp32 ms | recal ms | x fp32 | x static | x static rr | recal 8-bit: any / vnni ms | "
+             "QAT export in a default session | recal int8 | ort static | ort static rr | float ops left |",
+             "|---" * 12 + "|"]
+    for row in data["rows"]:
+        ms, agree = row["latency"], row["agree"]
+        cell = lambda label: f"{agree[label][0]:.3f}, {100 * agree[label][1]:.1f}%"  # noqa: E731
+        left = ", ".join(f"{op} x{n}" for op, n in row["float_ops"].items()) or "none"
+        lines.append(f"| {row['model']} | {ms['fp32']:.2f} | {ms['recal']:.2f} | {ms['fp32'] / ms['recal']:.2f}x | "
+                     f"{ms['ort quantize_static'] / ms['recal']:.2f}x | "
+                     f"{ms['ort quantize_static reduce_range'] / ms['recal']:.2f}x | "
+                     f"{ms['recal 8-bit any']:.2f} / {ms['recal 8-bit vnni']:.2f} | {cell('qat export')} | "
+                     f"{cell('recal')} | {cell('ort quantize_static')} | {cell('ort quantize_static reduce_range')} | "
+                     f"{left} |")
+    return ("\n".join(lines) + f"\n\n{data['cpu']}; {data['size']}x{data['size']}, batch 1, 1 thread, median of "
+            f"{data['rounds']} interleaved rounds (`python scripts/bench_zoo.py --size {data['size']} --rounds "
+            f"{data['rounds']} --json docs/results/zoo.json`). recal: 7-bit QAT, target any; x static: its speed-up "
+            "over `quantize_static` as it comes, x static rr: with `reduce_range`. Fidelity cells: argmax agreement "
+            "and largest difference (share of the range) on 64 inputs in a default session, against the model each "
+            "was made from run as written (recal: its QAT export; onnxruntime: fp32).")
+
+
+TABLES = {"demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range, "zoo": zoo}
 
 
 def render(text: str) -> str:

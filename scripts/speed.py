@@ -20,7 +20,6 @@ import json
 import statistics
 import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
