@@ -186,6 +186,7 @@ class ScheduledModifierManager(RecipeManager):
         self.masks.mask_gradients()
 
     def _after_step(self) -> None:
+        self._check_pruned_layers_in_place()
         self.masks.apply()
         self._step += 1
         self._apply_state(self._step)
@@ -194,6 +195,19 @@ class ScheduledModifierManager(RecipeManager):
             scalars = self.scalars()
             for logger in self.loggers:
                 logger.log_scalars(self._step, self.plan.schedule.epoch_of(self._step), scalars)
+
+    def _check_pruned_layers_in_place(self) -> None:
+        """A pruned layer replaced (or removed) after ``modify`` would train unpruned while the masks go to its old
+        tensor: an error naming it, at the next step (a few attribute lookups per pruned parameter)."""
+        for name, param in self.masks.params.items():
+            try:
+                current = self._model.get_parameter(name)
+            except AttributeError:
+                current = None
+            if current is not param:
+                raise RuntimeError(f"the model's {name!r} is no longer the parameter the recipe prunes: its layer was "
+                                   f"{'replaced' if current is not None else 'removed'} after modify(); change the "
+                                   "model first, then call modify() (the recipe's masks would miss the new layer)")
 
     def _apply_state(self, k: int) -> None:
         """LR, weight decay, trainable flags and QAT switches in force at step ``k``."""
@@ -328,6 +342,7 @@ class ScheduledModifierManager(RecipeManager):
         self._require_modified("finalize")
         if model is not None and unwrap(model) is not unwrap(self._model):
             raise ValueError("finalize() got a different model from the one passed to modify()")
+        self._check_pruned_layers_in_place()
         self.masks.apply()
         result = {name: sparsity(self._params[name])
                   for names in self.plan.prune_targets.values() for name in names}

@@ -366,3 +366,21 @@ def test_acdc_masks_in_compressed_phases_and_regrows_in_dense_ones():
     # decompressed: after a dense phase's first step the pruned weights grow back
     dense = [k for k in seen if k > SPE and ps.sparsity(k) is None and ps.sparsity(k - 1) is None]
     assert dense and all(seen[k] < target for k in dense)
+
+
+def test_a_pruned_layer_replaced_after_modify_is_named_at_the_next_step():
+    """Replacing a layer the recipe prunes after modify() would leave it unpruned while the masks go to the old
+    tensor: the next step raises, naming it."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    manager = ScheduledModifierManager.from_yaml(
+        "- !GMPruningModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.5, final_sparsity: 0.5, start_epoch: 0,"
+        " end_epoch: 1, update_frequency: 1}\n- !EpochRangeModifier {start_epoch: 0, end_epoch: 2}")
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=2)
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()  # a step as usual
+    model[2] = nn.Linear(8, 4)
+    optimizer.zero_grad()
+    model(torch.randn(2, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"'2.weight' is no longer the parameter the recipe prunes: its layer was "
+                                           r"replaced after modify\(\)"):
+        optimizer.step()
