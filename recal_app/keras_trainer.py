@@ -124,7 +124,7 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
                              test_accuracy, _kernel_sparsity(model)[0], lr)
         if diverged.step is not None:
             check_finite("keras", diverged.step, diverged.loss)
-        check_finite("keras", (epoch + 1) * len(range(0, len(x_train), BATCH_SIZE)), record.loss,
+        check_finite("keras", (epoch + 1) * steps_per_epoch, record.loss,
                      weights=model.get_weights())
         run.history.append(record)
         prefix = checkpoint.write(str(ckpt_dir / f"{CHECKPOINT}-{epoch + 1}"))  # history.json is the commit point

@@ -171,7 +171,7 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         model.CopyFrom(model_or_path)  # never modify the caller's model
     try:
         return _convert(model, reference, output_path, format, verify, inputs, tolerance, min_agreement, started,
-                        thin, choice, channel_block)
+                        thin=thin, choice=choice, channel_block=channel_block)
     except (VerificationError, ModelError, OSError, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - a malformed model must end in one clear error, not a traceback
@@ -180,19 +180,13 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
 
 
 def _convert(model, reference, output_path, format, verify, inputs, tolerance, min_agreement,
-             started, thin=True, choice: WeightChoice = WeightChoice("x86-vnni", "int8", ""),
-             channel_block=CHANNEL_BLOCK) -> ConversionResult:
+             started, *, thin: bool, choice: WeightChoice, channel_block: int) -> ConversionResult:
     infer_shapes_in_place(model)
     g = Graph(model)
     findings = Findings()
-    saturating: list[int] = []
-
-    def before(name: str) -> None:  # the int8 weights beyond +-64, counted before uint8_weights may shift them
-        if name in ("uint8_weights", "bias_apart") and not saturating:
-            saturating.append(saturating_layers(g))
-
-    rewrites = run_pipeline(g, Options(format, choice.weight_type, thin, channel_block), findings, before)
-    saturating = saturating[0]
+    rewrites = run_pipeline(g, Options(format, choice.weight_type, thin, channel_block), findings)
+    # layers with weights beyond +-64: those still int8, and those uint8_weights shifted (exactly those it takes)
+    saturating = saturating_layers(g) + rewrites.get("uint8_weights", 0)
     unconverted = _float_islands(g, QDQ_FUSIBLE if format == "qdq" else set())
     present = {node.name for node in g.nodes} - {name for _, name in unconverted}
     unconverted += [(op, name) for name, (op, _) in findings.kept_float.items() if name in present]

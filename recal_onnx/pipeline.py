@@ -1,7 +1,8 @@
 """The converter's pipeline, declared in one place: which passes run, in what order, on what condition, with what.
 
 Each :class:`Step` names its passes and what they need from the conversion's :class:`Options` (the format, the
-target's weight storage, thinning) and whether they read or add to its :class:`~recal_onnx.findings.Findings`.
+target's weight storage, thinning); a pass whose signature takes ``findings`` reads or adds to the conversion's
+:class:`~recal_onnx.findings.Findings`.
 :func:`run_pipeline` runs the steps in order and returns every pass's rewrite count; a repeated step runs its
 passes in turn until none rewrites (a QLinear op made by one pass is what the next one matches).
 
@@ -62,46 +63,41 @@ class Options:
 
 @dataclass(frozen=True)
 class Step:
-    """Passes run together: only ``when`` the options say so, each given ``args(options)`` after the graph, and the
-    findings when ``records``; ``repeat``: in turn until none rewrites."""
+    """Passes run together: only ``when`` the options say so, each given ``args(options)`` after the graph;
+    ``repeat``: in turn until none rewrites."""
 
     passes: tuple[Pass, ...]
     when: Callable[[Options], bool] = lambda options: True
     args: Callable[[Options], tuple] = lambda options: ()
-    records: bool = False
     repeat: bool = False
 
 
 PIPELINE: tuple[Step, ...] = (
     Step((constants_to_initializers, remove_identities, fold_constants, fold_weight_transposes, fold_pads_into_convs,
           gather_int8_tables, fold_conv_affine, zero_channel_scales)),
-    Step((thin_channels,), when=lambda o: o.thin, args=lambda o: (o.channel_block,), records=True),
+    Step((thin_channels,), when=lambda o: o.thin, args=lambda o: (o.channel_block,)),
     Step((scalar_activation_qparams, activations_to_uint8, remove_redundant_qdq, remove_noop_clamps)),
     Step((int8_passthrough, conv_to_qlinearconv, gemm_to_qgemm, binary_to_qlinear, sigmoid_to_qlinear,
           concat_to_qlinear, pool_to_qlinear, remove_redundant_qdq), when=lambda o: o.format == "qoperator",
-         records=True, repeat=True),
-    Step((bias_to_int32, fusible_qdq_pools), when=lambda o: o.format == "qdq", records=True),
+         repeat=True),
+    Step((bias_to_int32, fusible_qdq_pools), when=lambda o: o.format == "qdq"),
     Step((uint8_weights,), when=lambda o: o.weight_type == "uint8"),
-    Step((bias_apart,), records=True),
+    Step((bias_apart,)),
 )
 
 
-def run_pipeline(g: Graph, options: Options, findings: Findings,
-                 before: Callable[[str], None] = lambda name: None) -> dict[str, int]:
+def run_pipeline(g: Graph, options: Options, findings: Findings) -> dict[str, int]:
     """Run :data:`PIPELINE` on ``g``; return each pass's rewrites (by name, summed over repeats).
 
     Args:
         g: the graph being converted (changed in place).
         options: the conversion's options.
         findings: the record the passes add to.
-        before: called with a pass's name before it first runs (the driver reads the graph there).
     """
     rewrites: dict[str, int] = {}
 
     def run(step: Step, pass_fn: Pass) -> int:
-        if pass_fn.__name__ not in rewrites:
-            before(pass_fn.__name__)
-        extra = {"findings": findings} if step.records and _takes_findings(pass_fn) else {}
+        extra = {"findings": findings} if _takes_findings(pass_fn) else {}
         n = pass_fn(g, *step.args(options), **extra)
         rewrites[pass_fn.__name__] = rewrites.get(pass_fn.__name__, 0) + n
         return n

@@ -13,10 +13,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from recal_core.modifiers import REDUCED_WEIGHT_LEVELS, WEIGHT_LEVELS
+
 ACT_QMIN, ACT_QMAX = 0, 255
 W_QMIN, W_QMAX = -128, 127
-W_LEVELS = 127.0  # symmetric: |q| <= 127, so -128 is never used
-REDUCED_W_LEVELS = 64.0  # reduce_range: |q| <= 64, |q1| + |q2| <= 128: no x86 u8s8 kernel saturates
+W_LEVELS = float(WEIGHT_LEVELS)  # symmetric: |q| <= 127, so -128 is never used
+REDUCED_W_LEVELS = float(REDUCED_WEIGHT_LEVELS)  # reduce_range: no x86 u8s8 kernel saturates (recal_core's rule)
 EPS = torch.finfo(torch.float32).eps
 
 

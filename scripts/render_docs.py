@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -50,7 +51,7 @@ def demo_speed() -> str:
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         against = r["reference"]
-        if r["own_agreement"] == r["own_agreement"]:  # not NaN: a peer's file against itself as written too
+        if not math.isnan(r["own_agreement"]):  # a peer's file: against itself as written too
             against += f"; its own file: {r['own_agreement']:.3f}"
         if r["steps"] is not None:
             against += f"; {r['steps']:.0f} output step(s)"

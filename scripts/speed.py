@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import statistics
 import sys
 import time
@@ -165,7 +166,7 @@ def format_table(rows: list[SpeedRow]) -> str:
     lines = [f"{'model':46s} {'size':>9s} {'x fp32':>7s} {'latency':>10s} {'speed-up':>9s} {'agree':>6s} "
              f"{'max diff':>8s}  reference (as written)"]
     for row in rows:
-        own = f"; its own file as written: {row.own_agreement:.3f}" if row.own_agreement == row.own_agreement else ""
+        own = "" if math.isnan(row.own_agreement) else f"; its own file as written: {row.own_agreement:.3f}"
         own += f", within {row.steps:.0f} output step(s)" if row.steps is not None else ""
         lines.append(f"{row.label:46s} {row.size_mb:7.2f}MB {row.size_mb / base.size_mb:7.3f} "
                      f"{row.latency_ms:8.2f}ms {base.latency_ms / row.latency_ms:8.2f}x {row.agreement:6.3f} "
