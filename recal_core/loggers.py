@@ -11,7 +11,13 @@ class RecalLogger(Protocol):
     """Receives, after each optimizer step, the scalars in force: per-layer sparsity (measured and
     target), LR, weight decay, QAT state. Keys look like ``sparsity/conv1.weight``, ``lr``."""
 
-    def log_scalars(self, step: int, epoch: float, scalars: Mapping[str, float]) -> None: ...
+    def log_scalars(self, step: int, epoch: float, scalars: Mapping[str, float]) -> None:
+        """Receive the scalars in force after optimizer step ``step``.
+
+        Args:
+            step: the optimizer step just taken.
+            epoch: the recipe's (fractional) epoch at that step.
+            scalars: name to value: ``sparsity/<param>``, ``lr``, ``weight_decay``, ..."""
 
 
 class PythonLogger:
@@ -25,6 +31,12 @@ class PythonLogger:
         self.level = level
 
     def log_scalars(self, step: int, epoch: float, scalars: Mapping[str, float]) -> None:
+        """Log the scalars as one line every ``every`` steps.
+
+        Args:
+            step: the optimizer step just taken.
+            epoch: the recipe's (fractional) epoch at that step.
+            scalars: name to value."""
         if step % self.every == 0:
             text = " ".join(f"{k}={v:.6g}" for k, v in sorted(scalars.items()))
             self.logger.log(self.level, "step %d (epoch %.3f): %s", step, epoch, text)

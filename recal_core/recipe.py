@@ -79,12 +79,20 @@ class Recipe(BaseModel):
         return self._source
 
     def describe(self, index: int) -> str:
-        """``!GradualKSModifier (modifiers[2])``: how errors name a modifier."""
+        """``!GradualKSModifier (modifiers[2])``: how errors name a modifier.
+
+        Args:
+            index: the modifier's position in the recipe's flattened modifier list."""
         mod = self.modifiers[index]
         origin = self._origins[index] if index < len(self._origins) else None
         return origin.describe(mod.yaml_tag) if origin else f"{mod.yaml_tag} (modifier #{index})"
 
     def location(self, index: int, field: str | None = None) -> Location:
+        """Where modifier ``index`` (or its ``field``) is written: file, line and path, for error messages.
+
+        Args:
+            index: the modifier's position in the recipe's flattened modifier list.
+            field: one of its fields, or None for the modifier itself."""
         origin = self._origins[index] if index < len(self._origins) else None
         if origin is None or origin.node is None:
             return Location(self._source)
@@ -94,7 +102,14 @@ class Recipe(BaseModel):
 
     def problem(self, index: int, field: str | None, message: str, *, value: Any = None,
                 expected: str | None = None) -> Problem:
-        """A :class:`Problem` located at ``field`` of modifier ``index`` (used by the backends)."""
+        """A :class:`Problem` located at ``field`` of modifier ``index`` (used by the backends).
+
+        Args:
+            index: the modifier's position in the recipe's flattened modifier list.
+            field: the field at fault, or None for the whole modifier.
+            message: what is wrong.
+            value: the offending value, shown (escaped) in the message.
+            expected: what would be accepted instead."""
         extra = {} if value is None else {"value": value}
         return Problem(self.location(index, field), message, self.describe(index), field,
                        expected=expected, **extra)
@@ -122,7 +137,10 @@ class Recipe(BaseModel):
         return int(math.floor(min(starts, default=0.0)))
 
     def bind(self, steps_per_epoch: int) -> RecipeSchedule:
-        """Turn epochs into steps: the :class:`~recal_core.schedule.RecipeSchedule` every backend queries."""
+        """Turn epochs into steps: the :class:`~recal_core.schedule.RecipeSchedule` every backend queries.
+
+        Args:
+            steps_per_epoch: optimizer steps per epoch of the training loop (a positive integer)."""
         return RecipeSchedule(self, steps_per_epoch)
 
     # --- writing --------------------------------------------------------------------------

@@ -86,7 +86,11 @@ class Verification:
         """Why the candidate fails, or None. Op by op: every compared integer tensor within one step, float outputs
         within 0.1% of their range. End to end, always, every output in its own units (:class:`OutputDiff`):
         ``tolerance`` (a max abs difference) when given; without it 3 steps of a quantized or integer output, 10%
-        of a float output's range; class ids agreeing on ``min_agreement`` (default 0.95)."""
+        of a float output's range; class ids agreeing on ``min_agreement`` (default 0.95).
+
+        Args:
+            tolerance: the largest max-abs difference accepted end to end, or None for the per-unit defaults.
+            min_agreement: the least class-id agreement accepted for ArgMax-like outputs, or None for 0.95."""
         parts = []
         if self.local_steps is not None and self.local_steps > LOCAL_STEPS:
             parts.append(f"op by op, tensor {self.local_tensor!r} differs by {self.local_steps} quantization steps "

@@ -1,7 +1,13 @@
-"""recal_tf: apply a recal recipe to a TensorFlow (``tf.compat.v1`` graph mode) training graph.
+"""recal_tf: apply a recal recipe to TensorFlow.
 
-The API of the seed document: ``ScheduledModifierManager.from_yaml``, ``create_ops``,
-``initialize_session``, ``complete_graph`` and the ``EXTRAS_KEY_*`` names.
+Two sibling front ends over shared TensorFlow pieces (``fake_quant``: the quantization grids; ``mask_ops``: the
+per-step pruning tables; ``recipe_support``: what a TensorFlow front end accepts from a recipe):
+
+- :mod:`recal_tf.graph`: the ``tf.compat.v1`` graph API of the seed document, re-exported here so
+  ``from recal_tf import ScheduledModifierManager`` works as the seed writes it;
+- :mod:`recal_tf.keras`: Keras 3 callbacks and QAT layers.
+
+``recal_tf.models``, ``recal_tf.utils`` and ``recal_tf.input_data`` are the seed's helper modules.
 """
 
 import os as _os
@@ -9,7 +15,7 @@ import os as _os
 _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ start-up chatter out of user output
 
 from . import input_data, models, utils  # noqa: E402
-from .manager import (  # noqa: E402
+from .graph import (  # noqa: E402
     EXTRAS_KEY_LEARNING_RATE,
     EXTRAS_KEY_SUMMARIES,
     EXTRAS_KEY_UPDATE_OPS,
@@ -17,13 +23,14 @@ from .manager import (  # noqa: E402
     EXTRAS_KEY_WEIGHT_DECAY,
     EXTRAS_KEY_WEIGHT_DECAY_RATE,
     ModifierSessionRunHook,
-    RecalWarning,
     ScheduledModifierManager,
+    export_onnx,
 )
+from .recipe_support import RecalWarning  # noqa: E402
 
 __all__ = [
     "EXTRAS_KEY_LEARNING_RATE", "EXTRAS_KEY_SUMMARIES", "EXTRAS_KEY_UPDATE_OPS", "EXTRAS_KEY_VAR_LIST",
     "EXTRAS_KEY_WEIGHT_DECAY",
     "EXTRAS_KEY_WEIGHT_DECAY_RATE", "ModifierSessionRunHook", "RecalWarning", "ScheduledModifierManager",
-    "input_data", "models", "utils",
+    "export_onnx", "input_data", "models", "utils",
 ]

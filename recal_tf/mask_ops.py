@@ -1,6 +1,6 @@
 """recal's pruning masks as TensorFlow variables and ops, updated at step ``k`` inside the graph.
 
-Shared by the ``tf.compat.v1`` graph API (:mod:`recal_tf.manager`) and Keras (:mod:`recal_tf.keras`):
+Shared by the ``tf.compat.v1`` graph API (:mod:`recal_tf.graph`) and Keras (:mod:`recal_tf.keras`):
 every per-step value (mask update points, exact zero counts, whether a mask is in force) is tabulated
 from the core's :class:`~recal_core.model_plan.ModelPlan` and looked up with ``k``, so a graph, a
 ``tf.function`` or an XLA-compiled train step applies the same masks without a host call.

@@ -25,6 +25,12 @@ class TensorBoardLogger:
         self.every = every
 
     def log_scalars(self, step: int, epoch: float, scalars: Mapping[str, float]) -> None:
+        """Add the scalars (under ``recal/``) to TensorBoard every ``every`` steps.
+
+        Args:
+            step: the optimizer step just taken (TensorBoard's global step).
+            epoch: the recipe's (fractional) epoch, written as ``recal/epoch``.
+            scalars: name to value."""
         if step % self.every:
             return
         for key, value in scalars.items():
@@ -32,5 +38,6 @@ class TensorBoardLogger:
         self.writer.add_scalar("recal/epoch", epoch, global_step=step)
 
     def close(self) -> None:
+        """Flush and close the TensorBoard writer."""
         self.writer.flush()
         self.writer.close()

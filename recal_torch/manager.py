@@ -102,6 +102,14 @@ class ScheduledModifierManager(RecipeManager):
         :class:`RecipeError` here, not at some later step. ``teacher``: the model a DistillationModifier
         distils from (see :meth:`loss`). ``quantize_attention``: QAT also quantizes the attention matmuls
         (Q·Kᵀ and P·V) of modules with query / key / value projections (:mod:`recal_torch.qat_attention`).
+
+        Args:
+            model: the model to train.
+            optimizer: its optimizer; hooked, not wrapped.
+            steps_per_epoch: optimizer steps per epoch of the training loop.
+            loggers: receivers of the per-step scalars (:class:`~recal_core.loggers.RecalLogger`).
+            teacher: the model a DistillationModifier distils from.
+            quantize_attention: also quantize attention's matmuls (see the PyTorch page).
         """
         if self._model is not None:
             raise RuntimeError("this manager already modified a model; create a new manager per model")
@@ -219,6 +227,11 @@ class ScheduledModifierManager(RecipeManager):
         """The loss to back-propagate at this step: ``loss`` blended with knowledge distillation while a
         DistillationModifier is in force (:mod:`recal_torch.distillation`), else ``loss`` as is; in the
         training loop: ``loss = manager.loss(criterion(outputs, labels), inputs, outputs)``.
+
+        Args:
+            loss: the task loss of this step.
+            inputs: the batch the student saw (the teacher sees the same).
+            student_outputs: the model's outputs on ``inputs``.
         """
         self._require_modified("loss")
         m = self.plan.schedule.distillation_at(self._step)
@@ -279,6 +292,9 @@ class ScheduledModifierManager(RecipeManager):
 
         Everything is checked before anything changes: a checkpoint that does not fit leaves the
         manager as it was and raises ``ValueError`` saying what does not match.
+
+        Args:
+            state: what :meth:`state_dict` returned, e.g. from a checkpoint.
         """
         self._require_modified("load_state_dict")
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
@@ -338,6 +354,9 @@ class ScheduledModifierManager(RecipeManager):
 
         QAT modules are kept (so :func:`recal_torch.export_onnx` writes a QDQ model) with their
         observers and BatchNorm statistics frozen. Returns the final sparsity per pruned parameter.
+
+        Args:
+            model: the model ``modify`` was given (that model when None).
         """
         self._require_modified("finalize")
         if model is not None and unwrap(model) is not unwrap(self._model):

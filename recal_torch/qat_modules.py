@@ -115,6 +115,10 @@ class QATConv(QATModule):
         return weight, beta + (bias - bn.running_mean) * factor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The convolution of fake-quantized ``x`` with the fake-quantized (BatchNorm-folded) weight.
+
+        Args:
+            x: the layer's float input."""
         if self.input_fake_quant is not None:
             x = self.input_fake_quant(x)
         bn = self.folded_bn
@@ -154,6 +158,10 @@ class QATLinear(QATModule):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The linear map of fake-quantized ``x`` by the fake-quantized weight.
+
+        Args:
+            x: the layer's float input."""
         if self.input_fake_quant is not None:
             x = self.input_fake_quant(x)
         return self._finish(F.linear(x, self.weight_fake_quant(self.weight), self.bias))

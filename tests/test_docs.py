@@ -13,7 +13,7 @@ from .conftest import ROOT
 sys.path.insert(0, str(ROOT / "scripts"))
 import render_docs  # noqa: E402
 
-PUBLIC = ["recal_core", "recal_torch", "recal_onnx", "recal_tf", "recal_tf.keras"]
+PUBLIC = ["recal_core", "recal_torch", "recal_onnx", "recal_tf", "recal_tf.graph", "recal_tf.keras"]
 
 
 def test_generated_tables_and_index_equal_what_the_json_gives():
@@ -46,12 +46,23 @@ def test_the_manual_builds_strict(tmp_path):
 
 
 def _public_functions():
+    """Every function a public package exports, and every public method its exported classes define."""
+    seen = set()
     for package in PUBLIC:
         module = importlib.import_module(package)
         for name in module.__all__:
             value = getattr(module, name)
-            if inspect.isfunction(value):
+            if inspect.isfunction(value) and value not in seen:
+                seen.add(value)
                 yield f"{package}.{name}", value
+            elif inspect.isclass(value) and value.__module__.startswith("recal_"):
+                for attr, member in vars(value).items():
+                    if isinstance(member, (classmethod, staticmethod)):
+                        member = member.__func__
+                    if attr.startswith("_") or not inspect.isfunction(member) or member in seen:
+                        continue
+                    seen.add(member)
+                    yield f"{package}.{name}.{attr}", member
 
 
 @pytest.mark.parametrize("name, function", list(_public_functions()), ids=lambda x: x if isinstance(x, str) else "")

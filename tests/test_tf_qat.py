@@ -14,7 +14,7 @@ from recal_core import RecipeError  # noqa: E402
 from recal_core.datasets import load_digits  # noqa: E402
 from recal_onnx import quantize_qat_export  # noqa: E402
 from recal_tf import EXTRAS_KEY_UPDATE_OPS, ScheduledModifierManager  # noqa: E402
-from recal_tf.export import export_onnx  # noqa: E402
+from recal_tf import export_onnx  # noqa: E402
 from recal_tf.models import digits_net, mnist_net  # noqa: E402
 from recal_tf.utils import batch_cross_entropy_loss, tf_compat  # noqa: E402
 

@@ -34,9 +34,8 @@ from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
 from ..fake_quant import quantize_at_completion
-from ..manager import MAX_TABLE_STEPS, RecalWarning  # one warning class and step limit for both front ends
 from ..mask_ops import PruningMasks, zeroed
-from ..torch_only import qat_problems, torch_only_problems
+from ..recipe_support import MAX_TABLE_STEPS, RecalWarning, qat_problems, torch_only_problems
 from .params import describe_model
 from .qat import QATTables, quantize_model
 
@@ -112,6 +111,11 @@ class ScheduledModifierManager(RecipeManager):
         ``model.fit(..., callbacks=callbacks)``. Pruning, LR and the rest change the model in place; a
         QuantizationModifier returns a new model (Sequential or functional) whose QAT layers reuse the
         original layers and variables: compile and fit the returned model.
+
+        Args:
+            model: a built ``keras.Model``.
+            optimizer: the optimizer it will be compiled with (the inner one of a ``LossScaleOptimizer``).
+            steps_per_epoch: optimizer steps per epoch of ``fit``.
         """
         if self._model is not None:
             raise RuntimeError("modify() was already called on this manager; use one manager per model")
@@ -323,7 +327,10 @@ class ScheduledModifierManager(RecipeManager):
     def finalize(self, model: keras.Model | None = None) -> dict[str, float]:
         """Bake the masks in force into the weights and take recal out of the model and optimizer: the
         constraint goes, the trainable flags are restored; the LR schedule stays on the optimizer.
-        Returns each pruned weight's sparsity."""
+        Returns each pruned weight's sparsity.
+
+        Args:
+            model: the model ``modify`` returned (that model when None)."""
         self._require_modified("finalize")
         if model is not None and model is not self._model:
             raise ValueError("finalize() got a different model from the one modify() changed")

@@ -22,13 +22,13 @@ from recal_core.model_plan import ModelPlan, plan_model
 from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
+from ..fake_quant import QATTables, quantize_at_completion
+from ..mask_ops import PruningMasks
+from ..recipe_support import MAX_TABLE_STEPS, RecalWarning, qat_problems, torch_only_problems
+from ..utils import tf_compat
 from .channel_graph import graph_spaces
-from .fake_quant import QATTables, quantize_at_completion
-from .graph_params import describe_variables
-from .mask_ops import PruningMasks
-from .graph_qat import GraphQAT
-from .torch_only import qat_problems, torch_only_problems
-from .utils import tf_compat
+from .params import describe_variables
+from .qat import GraphQAT
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +39,7 @@ EXTRAS_KEY_WEIGHT_DECAY = "weight_decay_loss"  # the penalty to add to the loss
 EXTRAS_KEY_WEIGHT_DECAY_RATE = "weight_decay"  # the rate in force (a scalar tensor)
 EXTRAS_KEY_UPDATE_OPS = "update_ops"  # QAT's observer updates (also in UPDATE_OPS): run them with the train op
 RECAL_VARIABLES = "recal_variables"
-MAX_TABLE_STEPS = 10_000_000  # the graph holds per-step tables (mask update ids, LR, weight decay)
 RECAL_GRAPH_MARK = "recal_create_ops"
-
-
-class RecalWarning(UserWarning):
-    """A recipe feature is set up in a way that will not have its effect."""
 
 
 class ScheduledModifierManager(RecipeManager):
@@ -76,6 +71,12 @@ class ScheduledModifierManager(RecipeManager):
         Call it while building the graph, outside any session, once per graph. ``base_lr`` is the
         LR to use before the recipe's first LR modifier starts (needed only if one starts later
         than epoch 0 or has no ``init_lr``).
+
+        Args:
+            steps_per_epoch: optimizer steps per epoch of the training loop.
+            global_step: the step variable the train op increments (``tf.train.get_or_create_global_step()`` when None).
+            graph: the graph to modify (the default graph when None).
+            base_lr: the LR in force before the recipe's first LR modifier.
         """
         graph = graph or tf_compat.get_default_graph()
         if tf_compat.get_default_session() is not None:
@@ -152,7 +153,7 @@ class ScheduledModifierManager(RecipeManager):
         return plan
 
     def _quantize(self, schedule: RecipeSchedule, graph: tf.Graph, k, by_name) -> GraphQAT:
-        """Rewire the forward graph for QAT (:mod:`recal_tf.graph_qat`); its observer updates join UPDATE_OPS."""
+        """Rewire the forward graph for QAT (:mod:`recal_tf.graph.qat`); its observer updates join UPDATE_OPS."""
         index, _ = schedule.quantization[0]
 
         def make_variable(name, shape, dtype, initial):
@@ -218,7 +219,10 @@ class ScheduledModifierManager(RecipeManager):
 
     def mask_gradients(self, grads_and_vars: list[tuple[tf.Tensor, tf.Variable]]) -> list[tuple[tf.Tensor, tf.Variable]]:
         """Multiply each pruned variable's gradient by its mask in force, so pruned weights get no
-        update and no momentum (``opt.apply_gradients(manager.mask_gradients(opt.compute_gradients(loss)))``)."""
+        update and no momentum (``opt.apply_gradients(manager.mask_gradients(opt.compute_gradients(loss)))``).
+
+        Args:
+            grads_and_vars: what ``optimizer.compute_gradients`` returns."""
         self._require_ops("mask_gradients")
         with self._graph.as_default(), tf_compat.name_scope("recal/mask_gradients"):
             by_variable = self._masks.gradient_factors(self._step_tensor())
@@ -231,10 +235,13 @@ class ScheduledModifierManager(RecipeManager):
                 masked.append((grad, var))
         return masked
 
-    def train_op_with_ops(self, train_op) -> tf.Operation:
+    def train_op_with_ops(self, train_op: tf.Operation) -> tf.Operation:
         """One op that runs ``train_op`` and then recal's ops: a single ``sess.run`` per step.
 
         Equivalent to ``sess.run(train_op); sess.run(mod_ops)``, minus one session call.
+
+        Args:
+            train_op: the optimizer's training op (``minimize`` or ``apply_gradients``).
         """
         self._require_ops("train_op_with_ops")
         with self._graph.as_default(), tf_compat.control_dependencies([train_op]), tf_compat.name_scope("recal"):
@@ -272,9 +279,12 @@ class ScheduledModifierManager(RecipeManager):
         if self._graph is None:
             raise RuntimeError(f"call manager.create_ops(...) before {what}()")
 
-    def initialize_session(self, sess=None) -> None:
+    def initialize_session(self, sess: tf_compat.Session | None = None) -> None:
         """Initialise the variables ``create_ops`` made (only those not yet initialised, so a restored
-        checkpoint is kept) and apply the masks in force now, before the first forward pass."""
+        checkpoint is kept) and apply the masks in force now, before the first forward pass.
+
+        Args:
+            sess: the session to initialise (the default session when None)."""
         self._require_ops("initialize_session")
         sess = self._session(sess)
         self._warn_unused_learning_rate()
@@ -305,12 +315,16 @@ class ScheduledModifierManager(RecipeManager):
         self._require_ops("session_run_hook")
         return ModifierSessionRunHook(self)
 
-    def complete_graph(self, graph: tf.Graph | None = None, sess=None) -> dict[str, float]:
+    def complete_graph(self, graph: tf.Graph | None = None, sess: tf_compat.Session | None = None) -> dict[str, float]:
         """Bake every mask into its weight and restore the graph to a plain model.
 
         After it, recal's variables leave the graph's collections (a new ``Saver()`` and
         ``global_variables_initializer()`` ignore them), the trainable-variables collection is
         restored and recal's summaries are removed. Returns the sparsity of each pruned variable.
+
+        Args:
+            graph: the graph ``create_ops`` modified (the default graph when None).
+            sess: the session holding its variables (the default session when None).
         """
         self._require_ops("complete_graph")
         graph = graph or tf_compat.get_default_graph()

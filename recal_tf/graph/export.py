@@ -7,7 +7,7 @@ from typing import Sequence
 
 from recal_core.atomic import atomic_path
 
-from .utils import tf_compat
+from ..utils import tf_compat
 
 
 def frozen_graph_def(sess, outputs: Sequence[str], fed: Sequence[str] = ()):
@@ -25,11 +25,18 @@ def frozen_graph_def(sess, outputs: Sequence[str], fed: Sequence[str] = ()):
     return tf_compat.graph_util.extract_sub_graph(graph_def, names)
 
 
-def export_onnx(sess, path: str | os.PathLike, inputs: Sequence[str], outputs: Sequence[str], *,
+def export_onnx(sess: tf_compat.Session, path: str | os.PathLike, inputs: Sequence[str], outputs: Sequence[str], *,
                 opset: int | None = None) -> str:
     """Write the session's graph from ``inputs`` to ``outputs`` (tensor names, ``"inputs:0"``) as ONNX to
     ``path``; nothing is written unless tf2onnx and the ONNX checker succeed. After a QAT recipe's
-    ``complete_graph`` the result is a QDQ model for ``recal_onnx.quantize_qat_export``."""
+    ``complete_graph`` the result is a QDQ model for ``recal_onnx.quantize_qat_export``.
+
+    Args:
+        sess: the session holding the trained variables.
+        path: the ONNX file to write (atomically).
+        inputs: the graph's input tensor names, e.g. ``["inputs:0"]``.
+        outputs: its output tensor names.
+        opset: the ONNX opset (tf2onnx's default when None)."""
     return graph_def_to_onnx(frozen_graph_def(sess, outputs, inputs), path, inputs, outputs, opset=opset)
 
 

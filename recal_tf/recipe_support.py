@@ -1,10 +1,17 @@
-"""The recipe features only recal_torch runs, refused the same way by both TensorFlow front ends."""
+"""What both TensorFlow front ends accept from a recipe: the features only recal_torch runs are refused the same
+way, one warning class, one limit on the per-step tables they build."""
 
 from __future__ import annotations
 
 from recal_core.errors import Problem
 from recal_core.model_plan import is_second_order
 from recal_core.schedule import RecipeSchedule
+
+MAX_TABLE_STEPS = 10_000_000  # the graph holds per-step tables (mask update ids, LR, weight decay)
+
+
+class RecalWarning(UserWarning):
+    """A recipe feature is set up in a way that will not have its effect."""
 
 
 def torch_only_problems(schedule: RecipeSchedule, where: str) -> list[Problem]:

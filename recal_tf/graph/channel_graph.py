@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from recal_core.channel_coupling import Op, Space, channel_spaces
 
-from .graph_params import _variable_op
+from .params import _variable_op
 
 _SAME = {"Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Tanh", "MaxPool", "AvgPool", "Identity", "StopGradient"}
 _NORMS = {"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"}

@@ -25,11 +25,11 @@ from typing import Callable
 
 import tensorflow as tf
 
-from .fake_quant import QATTables, bias_on_int32_grid, fake_quant_activation, fake_quant_weight, moving_range
-from .graph_params import KERNEL_INPUTS, _variable_op
-from .utils import tf_compat
+from ..fake_quant import QATTables, bias_on_int32_grid, fake_quant_activation, fake_quant_weight, moving_range
+from .params import KERNEL_INPUTS, _variable_op
+from ..utils import tf_compat
 
-QUANTIZED_OPS = ("Conv2D", "MatMul")  # of the ops with a kernel (graph_params.KERNEL_INPUTS); the rest stay float
+QUANTIZED_OPS = ("Conv2D", "MatMul")  # of the ops with a kernel (params.KERNEL_INPUTS); the rest stay float
 BN_OPS = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 PASS_THROUGH = ("MaxPool", "Reshape", "Identity", "Squeeze", "ExpandDims")
 

@@ -1,0 +1,23 @@
+"""The ``tf.compat.v1`` graph API of the seed document: ``ScheduledModifierManager.from_yaml``, ``create_ops``,
+``initialize_session``, ``complete_graph``, the ``EXTRAS_KEY_*`` names and :func:`export_onnx`.
+
+:mod:`recal_tf` re-exports all of it, so the seed's ``from recal_tf import ScheduledModifierManager`` works.
+"""
+
+from .export import export_onnx
+from .manager import (
+    EXTRAS_KEY_LEARNING_RATE,
+    EXTRAS_KEY_SUMMARIES,
+    EXTRAS_KEY_UPDATE_OPS,
+    EXTRAS_KEY_VAR_LIST,
+    EXTRAS_KEY_WEIGHT_DECAY,
+    EXTRAS_KEY_WEIGHT_DECAY_RATE,
+    ModifierSessionRunHook,
+    ScheduledModifierManager,
+)
+
+__all__ = [
+    "EXTRAS_KEY_LEARNING_RATE", "EXTRAS_KEY_SUMMARIES", "EXTRAS_KEY_UPDATE_OPS", "EXTRAS_KEY_VAR_LIST",
+    "EXTRAS_KEY_WEIGHT_DECAY", "EXTRAS_KEY_WEIGHT_DECAY_RATE", "ModifierSessionRunHook", "ScheduledModifierManager",
+    "export_onnx",
+]
