@@ -29,10 +29,28 @@ def _lr(schedule: RecipeSchedule, k: int) -> tuple[float | None, bool]:
     return schedule.lr(k), False
 
 
+MAX_TABLE_EPOCHS = 200  # rows of `recal check`'s table beyond the modifiers' own start and end epochs
+
+
+def table_epochs(schedule: RecipeSchedule) -> list[int]:
+    """Every epoch of a run up to :data:`MAX_TABLE_EPOCHS` long; of a longer one, evenly spaced epochs plus each
+    modifier's start and end, so the table grows with the recipe, not with its epoch numbers."""
+    last = schedule.recipe.max_epochs
+    if last <= MAX_TABLE_EPOCHS:
+        return list(range(last + 1))
+    stride = -(-last // MAX_TABLE_EPOCHS)
+    marks = set(range(0, last + 1, stride)) | {last}
+    for m in schedule.recipe.modifiers:
+        for epoch in (getattr(m, "start_epoch", None), getattr(m, "end_epoch", None)):
+            if isinstance(epoch, (int, float)) and 0 <= epoch <= last:
+                marks.add(int(epoch))
+    return sorted(marks)
+
+
 def epoch_rows(schedule: RecipeSchedule) -> list[EpochRow]:
-    """One row per epoch start (after ``epoch * steps_per_epoch`` steps), through ``max_epochs``."""
+    """One row per epoch start (after ``epoch * steps_per_epoch`` steps) of :func:`table_epochs`."""
     rows = []
-    for epoch in range(schedule.recipe.max_epochs + 1):
+    for epoch in table_epochs(schedule):
         k = schedule.step(epoch)
         lr, relative = _lr(schedule, k)
         qat = []
@@ -95,12 +113,16 @@ def format_table(schedule: RecipeSchedule) -> str:
         lines += ["pruning columns (target sparsity):", *legend]
     if relative:
         lines.append("lr 'xF': F times the optimizer's own learning rate (no init_lr given)")
+    if len(rows) < recipe.max_epochs + 1:
+        lines.append(f"{len(rows)} of {recipe.max_epochs + 1} epochs shown: evenly spaced, and every modifier's "
+                     "start and end")
     lines.append("  ".join(h.rjust(w) for h, w in zip(heads, widths)))
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
     return "\n".join(lines)
 
 
 MAX_PLOT_POINTS = 4000
+MAX_PLOT_CURVES = 12  # pruning targets drawn; a legend of hundreds is unreadable and slow
 
 
 def sample_steps(schedule: RecipeSchedule) -> list[int]:
@@ -130,12 +152,13 @@ def plot_schedule(schedule: RecipeSchedule, path: str | os.PathLike, *, measured
     steps = sample_steps(schedule)
     epochs = [schedule.epoch_of(k) for k in steps]
     fig, (ax_s, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    for n, p in enumerate(schedule.pruning, 1):
-        if p.constant:
-            continue
+    curves = [(n, p) for n, p in enumerate(schedule.pruning, 1) if not p.constant]
+    for n, p in curves[:MAX_PLOT_CURVES]:
         values = [p.sparsity(k) for k in steps]
         ax_s.step(epochs, [float("nan") if v is None else v for v in values], where="post",
                   label=f"P{n} target ({_spec(p.modifier.params)})")
+    if len(curves) > MAX_PLOT_CURVES:
+        ax_s.plot([], [], " ", label=f"(P{curves[MAX_PLOT_CURVES][0]}-P{curves[-1][0]} not drawn: see `recal check`)")
     if measured and measured.get("sparsity"):
         ax_s.plot(measured["epoch"], measured["sparsity"], "o", label="measured sparsity")
     if measured and measured.get("accuracy"):

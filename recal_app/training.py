@@ -147,6 +147,11 @@ def _first_non_finite(array) -> float | None:
 
 def check_writable(out_dir: Path) -> None:
     """Create ``out_dir`` if needed and prove it is writable, before any training starts."""
+    if out_dir.is_symlink() and not out_dir.exists():
+        raise OSError(f"output folder {out_dir} is a symbolic link to {os.readlink(out_dir)}, which does not exist: "
+                      "create that folder, or choose another --output")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OSError(f"output folder {out_dir} is a file, not a folder: choose another --output")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out_dir, prefix=TEMP_PREFIX + "write-test-", suffix=".tmp"):

@@ -110,6 +110,12 @@ def atomic_path(target: str | os.PathLike, *, protect: tuple[str | os.PathLike, 
     'done'
     """
     target = Path(target)
+    if target.is_symlink():  # write where the link points, as cp does, rather than replace the user's link
+        link = target
+        target = Path(os.path.realpath(target))
+        if not target.parent.is_dir():
+            raise FileNotFoundError(f"output {link} is a symbolic link to {os.readlink(link)}, whose folder "
+                                    f"{target.parent} does not exist")
     for p in protect:
         if Path(p).exists() and target.exists() and os.path.samefile(p, target):
             raise ValueError(f"refusing to overwrite the input {p}; choose another output path")

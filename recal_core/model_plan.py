@@ -32,6 +32,7 @@ from .mask_layout import MaskLayout, mask_layout
 from .modifiers import (LearningRateFunctionModifier, MFACPruningModifier, OBSPruningModifier, SetLearningRateModifier,
                         SetWeightDecayModifier)
 from .params import ParamInfo, resolve_params
+from .patterns import PatternBudget
 from .schedule import PruningSchedule, QATState, RecipeSchedule
 from .schedules import pruned_count
 
@@ -255,10 +256,11 @@ def plan_model(schedule: RecipeSchedule, params: Sequence[ParamInfo], sizes: Map
     """
     problems: list[Problem] = []
     recipe = schedule.recipe
+    budget = PatternBudget()  # one for the whole recipe, however many modifiers repeat a pattern
 
     def resolve(index: int, pruning: bool) -> list[str]:
         try:
-            return [p.name for p in resolve_params(recipe, index, params, pruning=pruning)]
+            return [p.name for p in resolve_params(recipe, index, params, pruning=pruning, budget=budget)]
         except RecipeError as err:
             problems.extend(err.problems)
             return []

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar
 
-import regex
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, TypeAdapter, ValidationInfo, field_validator
+
+from .patterns import compile_pattern
 
 # --- field types -------------------------------------------------------------------------
 
@@ -48,9 +49,9 @@ def _check_params(value: ParamSpec) -> ParamSpec:
             raise ValueError("params holds an empty name")
         if item.startswith("re:"):
             try:
-                regex.compile(item[3:])
-            except regex.error as exc:
-                raise ValueError(f"invalid regular expression {item!r}: {exc}") from None
+                compile_pattern(item[3:])
+            except ValueError as exc:
+                raise ValueError(f"{item!r}: {exc}") from None
         if item in (ALL, ALL_PRUNABLE) and len(items) > 1:
             raise ValueError(f"{item} selects everything; do not list it with other names")
     return value

@@ -16,17 +16,14 @@ Every entry must select something; otherwise a :class:`RecipeError` names the cl
 from __future__ import annotations
 
 import difflib
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
-import regex
-
 from .errors import RecipeError
 from .modifiers import ALL, ALL_PRUNABLE, ParamSpec
+from .patterns import PATTERN_SECONDS, PatternBudget, PatternTimeout  # noqa: F401 (re-exported)
 
 WRAPPER_PREFIX = "module."
-PATTERN_SECONDS = 1.0  # the time one re: pattern may take over all of a model's names
 
 
 @dataclass(frozen=True)
@@ -46,6 +43,11 @@ class ParamInfo:
     prunable_when_named: bool = False  # an embedding table: pruned when an entry names it, not by __ALL_PRUNABLE__
 
 
+def _names(p: ParamInfo) -> tuple[str, ...]:
+    """What an entry may name a parameter by: its name or its layer's, with or without a wrapper prefix."""
+    return (strip_wrapper(p.name), strip_wrapper(p.layer), p.name, p.layer)
+
+
 def strip_wrapper(name: str) -> str:
     while name.startswith(WRAPPER_PREFIX):
         name = name[len(WRAPPER_PREFIX):]
@@ -56,53 +58,33 @@ def spec_entries(spec: ParamSpec) -> tuple[str, ...]:
     return (spec,) if isinstance(spec, str) else tuple(spec)
 
 
-class PatternTimeout(ValueError):
-    """A ``re:`` pattern took longer than :data:`PATTERN_SECONDS` over a model's names."""
-
-
-def _matcher(entry: str):
-    """A function ``ParamInfo -> bool`` for one params entry; ``re:`` patterns run under a time budget
-    (a pattern such as ``(a+)+$`` is exponential on some names: it fails with :class:`PatternTimeout`)."""
-    if not entry.startswith("re:"):
-        wanted = strip_wrapper(entry)
-        return lambda p: wanted in (strip_wrapper(p.name), strip_wrapper(p.layer))
-    pattern = regex.compile(entry[3:])
-    deadline = time.monotonic() + PATTERN_SECONDS
-
-    def matches(p: ParamInfo) -> bool:
-        for candidate in dict.fromkeys((strip_wrapper(p.name), strip_wrapper(p.layer), p.name, p.layer)):
-            try:
-                if pattern.fullmatch(candidate, timeout=max(deadline - time.monotonic(), 1e-3)):
-                    return True
-            except TimeoutError:
-                raise PatternTimeout(f"pattern {entry!r} took over {PATTERN_SECONDS:g} s to match the model's "
-                                     f"names (at {candidate!r}); simplify it (nested quantifiers such as "
-                                     "'(a+)+' take exponential time)") from None
-        return False
-
-    return matches
-
-
-def select(spec: ParamSpec, params: Sequence[ParamInfo], *, pruning: bool) -> tuple[list[ParamInfo], list[str]]:
+def select(spec: ParamSpec, params: Sequence[ParamInfo], *, pruning: bool,
+           budget: PatternBudget | None = None) -> tuple[list[ParamInfo], list[str]]:
     """The parameters ``spec`` selects (model order) and a message for each entry that selects none.
 
     When ``pruning``, only conv/dense kernels can be selected; an entry that names or
     matches only other parameters (a bias, a norm scale) fails with a message saying so.
+    ``budget``: the time left to the recipe's ``re:`` patterns (a fresh one when None).
     """
+    budget = budget or PatternBudget()
     chosen: set[str] = set()
     failures: list[str] = []
+    names = tuple(dict.fromkeys(n for p in params for n in _names(p)))
     for entry in spec_entries(spec):
         if entry == ALL_PRUNABLE or (entry == ALL and pruning):
             hits = [p for p in params if p.prunable]
         elif entry == ALL:
             hits = list(params)
         else:
-            matches = _matcher(entry)
-            try:
-                hits = [p for p in params if matches(p)]
-            except PatternTimeout as exc:
-                failures.append(str(exc))
-                continue
+            if entry.startswith("re:"):
+                try:
+                    matched = budget.fullmatches(entry, names)
+                except (PatternTimeout, ValueError) as exc:
+                    failures.append(str(exc))
+                    continue
+            else:
+                matched = {strip_wrapper(entry)}
+            hits = [p for p in params if any(n in matched for n in _names(p))]
             if pruning and hits and not any(p.prunable or p.prunable_when_named for p in hits):
                 failures.append(f"{entry!r} selects no conv/dense kernel or embedding table, only "
                                 f"{', '.join(p.name for p in hits[:4])}")
@@ -125,10 +107,12 @@ def _no_match_message(entry: str, params: Sequence[ParamInfo], pruning: bool) ->
     return f"{kind} {entry!r} matches no {'prunable ' if pruning else ''}parameter; closest: {', '.join(close)}"
 
 
-def resolve_params(recipe, index: int, params: Sequence[ParamInfo], *, pruning: bool) -> list[ParamInfo]:
-    """The parameters modifier ``index`` of ``recipe`` selects; a located RecipeError if an entry fails."""
+def resolve_params(recipe, index: int, params: Sequence[ParamInfo], *, pruning: bool,
+                   budget: PatternBudget | None = None) -> list[ParamInfo]:
+    """The parameters modifier ``index`` of ``recipe`` selects; a located RecipeError if an entry fails.
+    ``budget``: the time left to the recipe's ``re:`` patterns, shared by all its modifiers."""
     spec = recipe.modifiers[index].params
-    hits, failures = select(spec, params, pruning=pruning)
+    hits, failures = select(spec, params, pruning=pruning, budget=budget)
     if failures:
         raise RecipeError([recipe.problem(index, "params", f) for f in failures])
     return hits

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, SerializeAsAny, Validat
 
 from . import modifiers as M
 from .errors import Location, Problem, RecipeError, RecipeWarning
-from .expressions import ExpressionError, evaluate, is_expression, resolve_variables
+from .expressions import ExpressionBudget, ExpressionError, evaluate, is_expression, reported, resolve_variables
 from .schedule import RecipeSchedule
 from .yaml_source import ParsedYaml, TaggedMapping, parse_yaml, read_recipe_text
 
@@ -259,7 +259,9 @@ class _Builder:
                                       f"a recipe is a mapping or a list, not {type(data).__name__}{hint}",
                                       expected="'version' and 'modifiers: [...]', or a list of modifiers"))
 
-        variables, failures = resolve_variables(raw_variables)
+        self.budget = ExpressionBudget()  # one for every eval() of this recipe
+        self.expanded = 0  # characters of the modifiers' values once expanded
+        variables, failures = resolve_variables(raw_variables, self.budget)
         for name, reason in failures.items():
             self.problems.append(Problem(self._where(name), reason, field=name))
 
@@ -329,12 +331,20 @@ class _Builder:
         failed = False
         for name, value in item.fields.items():
             try:
-                fields[name] = _evaluate_all(value, variables)
+                fields[name] = _evaluate_all(value, variables, self.budget)
             except ExpressionError as exc:
-                self.problems.append(Problem(item.field_locations.get(name, item.location), str(exc),
-                                             described, name))
+                if reported(exc):
+                    self.problems.append(Problem(item.field_locations.get(name, item.location), str(exc),
+                                                 described, name))
                 failed = True
         if failed:
+            return None
+        self.expanded += _text_size(fields)
+        if self.expanded > MAX_EXPANDED_CHARS:
+            if self.expanded - _text_size(fields) <= MAX_EXPANDED_CHARS:  # said once, where it happened
+                self.problems.append(Problem(item.location, f"the recipe's values, with every alias and eval() "
+                                             f"expanded, exceed {MAX_EXPANDED_CHARS:,} characters", described,
+                                             expected="a recipe that names what it means once"))
             return None
         for name, (value, why) in cls.warned_defaults.items():
             if name not in fields:
@@ -417,13 +427,30 @@ def _contains_tagged(value: Any) -> bool:
     return False
 
 
-def _evaluate_all(value: Any, variables: dict[str, Any]) -> Any:
+MAX_EXPANDED_CHARS = 2_000_000  # what a recipe may hold once expanded: its reports and run records stay small
+
+
+def _text_size(value: Any) -> int:
+    """The characters ``value`` takes when written out (about: keys, strings, numbers), without recursion."""
+    size, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        size += len(item) if isinstance(item, str) else 8
+    return size
+
+
+def _evaluate_all(value: Any, variables: dict[str, Any], budget: ExpressionBudget) -> Any:
     if is_expression(value):
-        return evaluate(value, variables)
+        return evaluate(value, variables, budget)
     if isinstance(value, list):
-        return [_evaluate_all(v, variables) for v in value]
+        return [_evaluate_all(v, variables, budget) for v in value]
     if isinstance(value, dict):
-        return {k: _evaluate_all(v, variables) for k, v in value.items()}
+        return {k: _evaluate_all(v, variables, budget) for k, v in value.items()}
     if isinstance(value, TaggedMapping):
         raise ExpressionError(f"a modifier ({value.tag}) cannot be used as a field value")
     return value

@@ -76,12 +76,11 @@ class PruningSchedule:
     def tables(self, total_steps: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """For graph backends: per step ``0..total_steps`` the index of the last mask update ``<= k``
         (-1 before the first) and whether a mask is in force; and the update steps themselves."""
-        update_steps = [k for k in range(total_steps + 1) if self.is_update(k)]
-        ids = np.full(total_steps + 1, -1, dtype=np.int64)
-        for j, step in enumerate(update_steps):
-            ids[step:] = j
-        in_force = np.array([self.mask_in_force(k) for k in range(total_steps + 1)], dtype=bool)
-        return ids, in_force, update_steps
+        steps = total_steps + 1
+        updates = np.flatnonzero(np.fromiter(map(self.is_update, range(steps)), dtype=bool, count=steps))
+        ids = np.searchsorted(updates, np.arange(steps), side="right") - 1  # linear, whatever the update count
+        in_force = np.fromiter(map(self.mask_in_force, range(steps)), dtype=bool, count=steps)
+        return ids.astype(np.int64), in_force, updates.tolist()
 
 
 @dataclass(frozen=True)

@@ -89,9 +89,10 @@ class QATTables:
     @classmethod
     def from_schedule(cls, schedule: RecipeSchedule, index: int, iterations) -> "QATTables":
         """The tables of the recipe's QuantizationModifier at ``index``, read at ``iterations`` (a step tensor)."""
-        states = [schedule.qat(index, k) for k in range(schedule.total_steps + 1)]
-        return cls(np.array([s.enabled for s in states]), np.array([s.bn_frozen for s in states]),
-                   np.array([s.observers_frozen for s in states]), iterations,
+        steps = schedule.total_steps + 1
+        flags = np.fromiter(((s.enabled, s.bn_frozen, s.observers_frozen) for s in
+                             (schedule.qat(index, k) for k in range(steps))), dtype=np.dtype((bool, 3)), count=steps)
+        return cls(flags[:, 0].copy(), flags[:, 1].copy(), flags[:, 2].copy(), iterations,
                    weight_levels=schedule.recipe.modifiers[index].weight_levels)
 
     def at(self, table: np.ndarray, step=None) -> tf.Tensor:

@@ -41,6 +41,12 @@ class _ChannelGroup:
     counts: list[int]  # channels zeroed at the modifier's update j (the core's ModelPlan.channel_count)
 
 
+def per_step(value, total_steps: int) -> np.ndarray:
+    """``value(k)`` for every step ``0..total_steps`` as float64 (None as NaN), without a Python list."""
+    return np.fromiter((np.nan if v is None else v for v in map(value, range(total_steps + 1))), dtype=np.float64,
+                       count=total_steps + 1)
+
+
 @dataclass
 class _MaskGroup:
     """One pruning modifier's masks, updated together, with its per-step tables."""

@@ -8,10 +8,32 @@ from recal_core.model_plan import is_second_order
 from recal_core.schedule import RecipeSchedule
 
 MAX_TABLE_STEPS = 10_000_000  # the graph holds per-step tables (mask update ids, LR, weight decay)
+MAX_TABLE_ENTRIES = 20_000_000  # all of them together: steps x tables, about 200 MB at most
 
 
 class RecalWarning(UserWarning):
     """A recipe feature is set up in a way that will not have its effect."""
+
+
+def per_step_tables(schedule: RecipeSchedule) -> int:
+    """How many per-step tables a TensorFlow front end builds for ``schedule``."""
+    from recal_core import modifiers as M
+
+    lr = 1 if schedule.controls_lr else 0
+    decay = 1 if any(True for _ in schedule.recipe.of_type(M.SetWeightDecayModifier)) else 0
+    return 2 * len(schedule.pruning) + 3 * len(schedule.quantization) + lr + decay
+
+
+def check_table_size(schedule: RecipeSchedule, where: str) -> None:
+    """Refuse, before any table is built, a schedule whose per-step tables would exceed recal's limits
+    (:data:`MAX_TABLE_STEPS` steps, :data:`MAX_TABLE_ENTRIES` entries in all); ``where`` names the front end."""
+    steps, tables = schedule.total_steps, per_step_tables(schedule)
+    if steps > MAX_TABLE_STEPS or (steps + 1) * tables > MAX_TABLE_ENTRIES:
+        raise ValueError(
+            f"the recipe runs {steps:,} steps ({schedule.recipe.max_epochs} epochs x {schedule.steps_per_epoch:,}) "
+            f"with {tables} per-step tables; {where} tabulates per-step values in the graph and takes at most "
+            f"{MAX_TABLE_STEPS:,} steps and {MAX_TABLE_ENTRIES:,} entries in all: use fewer steps per epoch or "
+            "fewer modifiers, or run the recipe with recal_torch, which computes them step by step")
 
 
 def torch_only_problems(schedule: RecipeSchedule, where: str) -> list[Problem]:

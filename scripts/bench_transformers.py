@@ -22,6 +22,7 @@ as float QDQ; onnxruntime's: the fp32 model). Run it on an idle machine: it meas
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from recal_onnx import cpu
 from recal_onnx.verify import reference_session, session
 from recal_torch import ScheduledModifierManager, export_onnx
 
@@ -123,7 +125,8 @@ def agreement(path: Path, reference: Path, checks: list[dict[str, np.ndarray]]) 
     return float(np.mean([np.argmax(got.run(None, f)[0]) == np.argmax(ref.run(None, f)[0]) for f in checks]))
 
 
-def bench(name: str, build, quick: bool, seq: int, rounds: int, folder: Path, attention: bool = False) -> None:
+def bench(name: str, build, quick: bool, seq: int, rounds: int, folder: Path, attention: bool = False) -> dict:
+    """Build, QAT-train, export, convert and time one model; print its table and return its rows."""
     torch.manual_seed(0)
     model, batch, names = build(quick, seq)
     one = batch(1, torch.Generator().manual_seed(0))
@@ -157,13 +160,19 @@ def bench(name: str, build, quick: bool, seq: int, rounds: int, folder: Path, at
           f"QAT export {qat_size / 1e6:.1f} MB")
     print(f"{'model':26s} {'MB':>8s} {'x fp32':>7s} {'t1 ms':>8s} {'t2 ms':>8s} {'vs fp32 t1':>10s} "
           f"{'agree':>6s} {'convert s':>9s} {'peak x in':>9s}")
+    rows = []
     for label, (path, seconds, peak) in paths.items():
         size = path.stat().st_size
         reference = fp32 if label == "fp32" or label.startswith("ort") else \
             exports[" +attention"] if label.endswith("+attention") else qat_path
+        agree = agreement(path, reference, checks)
         print(f"{label:26s} {size / 1e6:8.2f} {size / fp32_size:7.3f} {latency[1][label]:8.2f} "
               f"{latency[2][label]:8.2f} {latency[1]['fp32'] / latency[1][label]:9.2f}x "
-              f"{agreement(path, reference, checks):6.3f} {seconds:9.2f} {peak / qat_size:9.2f}", flush=True)
+              f"{agree:6.3f} {seconds:9.2f} {peak / qat_size:9.2f}", flush=True)
+        rows.append({"label": label, "bytes": size, "ms_1": latency[1][label], "ms_2": latency[2][label],
+                     "agree": agree, "convert_s": None if seconds != seconds else seconds,
+                     "peak_x_input": None if peak != peak else peak / qat_size})
+    return {"model": name, "seq": seq, "checks": len(checks), "fp32_bytes": fp32_size, "rows": rows}
 
 
 def main() -> None:
@@ -173,12 +182,18 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--models", nargs="+", default=["bert", "vit"], choices=["bert", "vit"])
     parser.add_argument("--attention", action="store_true", help="also rows with the attention matmuls quantized")
+    parser.add_argument("--json", type=Path, help="also write the tables here (docs/results/transformers.json)")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="recal-bench-transformers-"))
     warnings.filterwarnings("ignore")
-    for name in args.models:
-        bench(name, {"bert": bert, "vit": vit}[name], args.quick, args.seq, args.rounds, folder, args.attention)
+    models = [bench(name, {"bert": bert, "vit": vit}[name], args.quick, args.seq, args.rounds, folder, args.attention)
+              for name in args.models]
     print(f"\nmodels in {folder}")
+    if args.json:
+        data = {"cpu": cpu.describe(), "onnxruntime": ort.__version__, "rounds": args.rounds, "quick": args.quick,
+                "models": models}
+        args.json.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

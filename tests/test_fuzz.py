@@ -6,6 +6,7 @@ import random
 import shutil
 import time
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -156,3 +157,112 @@ def test_mutated_onnx_models(qat_bytes, tmp_path, seed, rounds):
     assert time.perf_counter() - started < CONVERT_SECONDS
     assert src.read_bytes() == data  # the input is untouched
     assert {p.name for p in folder.iterdir()} <= {"in.onnx", "out.onnx"}
+
+
+# --- round 3: eval operators, pattern sets, graph outputs of every kind behind broadcast constants ---------------
+
+_ATOMS = ["1", "2.5", "-3", "n", "'ab'", "'%05d'", "'%*d'", "'%9999999d'", "[1, 2]", "10**9", "0"]
+_BINARY = ["+", "-", "*", "/", "//", "%", "**"]
+_CALLS = ["min", "max", "round", "int", "float", "abs"]
+
+
+@st.composite
+def _expressions(draw, depth=0):
+    if depth > 3 or draw(st.integers(0, 2)) == 0:
+        return draw(st.sampled_from(_ATOMS))
+    kind = draw(st.integers(0, 3))
+    if kind == 0:
+        return f"({draw(_expressions(depth + 1))} {draw(st.sampled_from(_BINARY))} {draw(_expressions(depth + 1))})"
+    if kind == 1:
+        return f"-{draw(_expressions(depth + 1))}"
+    if kind == 2:
+        args = ", ".join(draw(st.lists(_expressions(depth + 1), min_size=1, max_size=3)))
+        return f"{draw(st.sampled_from(_CALLS))}({args})"
+    return f"{draw(st.sampled_from(_ATOMS))} * {draw(st.sampled_from(['10', '9999', '10**4', '2**62']))}"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_expressions(), min_size=1, max_size=6))
+def test_eval_operators_in_any_combination_are_bounded(expressions):
+    """Every operator, nested and chained through variables: a value or one located error, in bounded time."""
+    lines = ["n: 3"] + [f"v{i}: eval({e}{f' + v{i - 1} * 0' if i else ''})" for i, e in enumerate(expressions)]
+    _assert_only_recipe_errors("\n".join(lines) + "\nmodifiers:\n- !EpochRangeModifier {start_epoch: 0, end_epoch: 3}\n")
+
+
+_PATTERN_TOKENS = ["a", "b", ".", "(", ")", "(?:", "+", "*", "?", "|", "{2}", "{100}", "{1000}", "{2,}", "[ab]", "$",
+                   "\\.", "conv", "weight"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.lists(st.sampled_from(_PATTERN_TOKENS), min_size=1, max_size=12), min_size=1, max_size=8),
+       st.integers(1, 20))
+def test_pattern_sets_take_one_budget_per_recipe(patterns, repeats):
+    """Any set of re: patterns, each repeated through an alias: refused at load or matched within the recipe's
+    one budget (plus the time one name takes), never more."""
+    from recal_core.model_plan import plan_model
+    from recal_core.params import ParamInfo
+    from recal_core.patterns import PATTERN_SECONDS
+
+    entries = ", ".join(repr("re:" + "".join(p)) for p in patterns)
+    text = f"p: &p [{entries}]\nmodifiers:\n" + "".join(
+        "- !ConstantKSModifier {start_epoch: 0, end_epoch: 3, params: *p}\n" for _ in range(repeats))
+    started = time.perf_counter()
+    try:
+        recipe = load_recipe(text)
+    except RecipeError:
+        assert time.perf_counter() - started < RECIPE_SECONDS
+        return
+    names = ["a" * 40 + "b", "conv1.weight", "ab" * 20, "layer.0.conv.weight"]
+    params = [ParamInfo(n, n.rsplit(".", 1)[0], True) for n in names]
+    started = time.perf_counter()
+    try:
+        plan_model(recipe.bind(2), params, {n: 8 for n in names})
+    except RecipeError as err:
+        assert "internal error" not in str(err)
+    assert time.perf_counter() - started < PATTERN_SECONDS + 1.0
+
+
+_SHAPES = [(6,), (1, 6), (1, 6, 1), (1, 6, 1, 1), (6, 1, 1), (1, 1, 1, 6), (1, 1, 6, 1), (1, 1, 6, 6), (6, 6, 6), ()]
+"""Constants that broadcast against a [N, 6, 6, 6] conv output: per channel only where axis 1 alone is 6."""
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # files named per case
+@given(st.sampled_from(_SHAPES), st.sampled_from(_SHAPES + [None]), st.sampled_from(["integer", "class ids", "float"]),
+       st.integers(0, 2**16))
+def test_no_wrong_model_is_verified_whatever_the_broadcast_and_the_output(tmp_path, mul_shape, add_shape, kind, seed):
+    """Conv -> Mul / Add by constants of any shape that broadcasts -> an integer, class-id or float output: the
+    converter writes a model only if onnxruntime's run of it agrees with the QDQ model, checked here again."""
+    from recal_onnx import ModelError, VerificationError, quantize_qat_export
+
+    from .onnx_graphs import Builder, reference, run
+
+    b = Builder(seed=seed)
+    y = b.node("Conv", [b.qdq("x", 0.02, 128), b.weight((6, 3, 1, 1))], pads=[0, 0, 0, 0])
+    y = b.node("Mul", [y, b.const((b.rng.uniform(0.5, 2.0, mul_shape)).astype(np.float32))])
+    if add_shape is not None:
+        y = b.node("Add", [y, b.const((b.rng.standard_normal(add_shape) * 0.1).astype(np.float32))])
+    s, z = b.const(np.float32(0.03)), b.const(np.uint8(128))
+    q = b.node("QuantizeLinear", [y, s, z])
+    out = q if kind == "integer" else b.node("DequantizeLinear", [q, s, z])
+    if kind == "class ids":
+        out = b.node("ArgMax", [b.node("Flatten", [b.node("GlobalAveragePool", [out])])], axis=1, keepdims=0)
+    model = b.model([("x", [None, 3, 6, 6])], [out])
+    model.graph.output[0].type.tensor_type.elem_type = {"integer": 2, "class ids": 7}.get(kind, 1)
+    feeds = {"x": np.random.default_rng(seed).standard_normal((32, 3, 6, 6)).astype(np.float32)}
+    target = tmp_path / f"fuzz-{seed}.int8.onnx"
+    target.unlink(missing_ok=True)  # hypothesis may draw a seed twice
+    try:
+        quantize_qat_export(model, target, inputs=feeds)
+    except (ModelError, VerificationError):
+        assert not target.exists()
+        return
+    import onnx
+
+    (want,), (got,) = reference(model, feeds), run(onnx.load(target), feeds)
+    if kind == "integer":
+        assert np.abs(want.astype(int) - got.astype(int)).max() <= 3
+    elif kind == "class ids":
+        assert np.mean(want == got) >= 0.95
+    else:
+        assert np.abs(want - got).max() <= 0.1 * max(float(np.ptp(want)), 1e-6) + 3 * 0.03

@@ -297,9 +297,79 @@ def test_a_catastrophic_regex_is_cut_off_with_its_location():
     recipe = load_recipe("- !ConstantKSModifier {params: ['re:(a|aa)+$']}")
     params = [ParamInfo("a" * 60 + "b", "a" * 60, True)]
     started = time.perf_counter()
-    with pytest.raises(RecipeError, match=r"<string>:1:\d+: .*field 'params': pattern 're:\(a\|aa\)\+\$' took over 1 s"):
+    with pytest.raises(RecipeError, match=r"<string>:1:\d+: .*field 'params': pattern 're:\(a\|aa\)\+\$' ran out of the recipe's 1 s"):
         resolve_params(recipe, 0, params, pruning=True)
     assert time.perf_counter() - started < 5
+
+
+_RANGE = "\nmodifiers:\n- !EpochRangeModifier {start_epoch: 0, end_epoch: 3}\n"
+
+
+@pytest.mark.parametrize("expr, words", [
+    ("'%03000000000d' % 0", "a %-format width or precision of 3,000,000,000"),
+    ("'%.3000000000f' % 1.5", "a %-format width or precision of 3,000,000,000"),
+    ("'%*d' % (5, 1)", "a '*' width or precision"),
+    ("+".join(["1"] * 150_000), "the expression is 299,999 characters long; expected at most 10,000"),
+    ("+".join(["1"] * 4_000), "nested more than 100 operations deep"),
+    ("-" * 9_000 + "1", "nested more than 100 operations deep"),
+])
+def test_eval_refuses_costly_operations_before_doing_them(expr, words):
+    message = _loads_quickly(f"n: eval({expr}){_RANGE}", seconds=1.0)
+    assert words in message and "recursive alias" not in message
+    assert len(message) < 400, message  # the expression is shown shortened
+
+
+def test_eval_work_is_one_budget_per_recipe_and_variables_resolve_in_linear_time():
+    heavy = "".join(f"v{i}: eval('x' * 9999 + 'y')\n" for i in range(600))
+    message = _loads_quickly(heavy + _RANGE, seconds=1.0)
+    assert message.count("5,000,000 operations") == 1, message[:500]  # said once, where the budget ran out
+    chain = "".join(f"v{i}: eval(v{i + 1} + 1)\n" for i in range(2_000)) + "v2000: 1\n"
+    started = time.perf_counter()
+    recipe = load_recipe(chain + "modifiers:\n- !EpochRangeModifier {start_epoch: 0, end_epoch: eval(v0 - 1999)}\n")
+    assert time.perf_counter() - started < 1.0 and recipe.max_epochs == 2
+
+
+def test_patterns_are_bounded_at_load_and_timed_once_per_recipe():
+    from recal_core.model_plan import plan_model
+    from recal_core.params import ParamInfo
+
+    for pattern in ("(?:a{1000}){1000}", "((?:a{100}){100}){100}", "a" * 1_001):
+        message = _loads_quickly(f"- !ConstantKSModifier {{start_epoch: 0, end_epoch: 3, params: ['re:{pattern}']}}",
+                                 seconds=1.0)
+        assert "field 'params'" in message and ("unroll to" in message or "1,001 characters" in message), message
+    slow = "p: &p ['re:(a|aa)+$']\nmodifiers:\n" + "- !ConstantKSModifier {start_epoch: 0, end_epoch: 3, params: *p}\n" * 20
+    distinct = "modifiers:\n" + "".join(
+        f"- !ConstantKSModifier {{start_epoch: 0, end_epoch: 3, params: ['re:(a|aa)+{i}$']}}\n" for i in range(20))
+    params = [ParamInfo("a" * 60 + "b", "a" * 60, True)]
+    for text in (slow, distinct):
+        started = time.perf_counter()
+        with pytest.raises(RecipeError, match="ran out of the recipe's 1 s"):
+            plan_model(load_recipe(text).bind(10), params, {params[0].name: 10})
+        assert time.perf_counter() - started < 2.0
+
+
+def test_what_a_recipe_expands_to_is_bounded():
+    text = ("v: eval('re:' + 'x' * 990)\np: &p [" + ", ".join(["eval(v)"] * 3000) + "]\nmodifiers:\n"
+            + "- !ConstantKSModifier {start_epoch: 0, end_epoch: 3, params: *p}\n" * 10)
+    message = _loads_quickly(text, seconds=2.0)
+    assert "exceed 2,000,000 characters" in message and message.count("exceed") == 1
+
+
+def test_check_and_tf_tables_grow_with_the_recipe_not_its_epochs(tmp_path):
+    recipe = tmp_path / "many.yaml"
+    recipe.write_text("modifiers:\n" + "".join(
+        f"- !GradualKSModifier {{start_epoch: 0, end_epoch: 100000, update_frequency: 1000, init_sparsity: 0.05, "
+        f"final_sparsity: 0.8, params: [p{i}]}}\n" for i in range(400)))
+    started = time.perf_counter()
+    result = _cli("check", str(recipe))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert time.perf_counter() - started < 30  # a subprocess with its imports; the table itself is milliseconds
+    assert "201 of 100001 epochs shown" in result.stdout and len(result.stdout.splitlines()) < 700
+    from recal_tf.recipe_support import check_table_size
+
+    with pytest.raises(ValueError, match="800 per-step tables; recal_tf tabulates .* at most 10,000,000 steps and "
+                                         "20,000,000 entries"):
+        check_table_size(load_recipe(recipe).bind(1), "recal_tf")
 
 
 def test_huge_epochs_and_huge_files_are_refused_before_they_cost(tmp_path):

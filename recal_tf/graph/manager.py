@@ -23,8 +23,8 @@ from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
 from ..fake_quant import QATTables, quantize_at_completion
-from ..mask_ops import PruningMasks
-from ..recipe_support import MAX_TABLE_STEPS, RecalWarning, qat_problems, torch_only_problems
+from ..mask_ops import PruningMasks, per_step as _per_step
+from ..recipe_support import RecalWarning, check_table_size, qat_problems, torch_only_problems
 from ..utils import tf_compat
 from .channel_graph import graph_spaces
 from .params import describe_variables
@@ -86,10 +86,7 @@ class ScheduledModifierManager(RecipeManager):
             raise RuntimeError("create_ops() was already called for this graph (or by this manager); "
                                "call it once per graph, with one manager")
         schedule = self.recipe.bind(steps_per_epoch)
-        if schedule.total_steps > MAX_TABLE_STEPS:
-            raise ValueError(f"the recipe runs {schedule.total_steps:,} steps ({self.recipe.max_epochs} epochs x "
-                             f"{steps_per_epoch:,}); recal_tf tabulates per-step values in the graph and takes at "
-                             f"most {MAX_TABLE_STEPS:,} steps")
+        check_table_size(schedule, "recal_tf")
         with graph.as_default():
             variables = list(tf_compat.trainable_variables())
             infos, by_name = describe_variables(graph, variables)
@@ -113,7 +110,7 @@ class ScheduledModifierManager(RecipeManager):
                     self._summaries.append(tf_compat.summary.scalar("Modifier_LR/learning_rate", lr))
                 if any(True for _ in self.recipe.of_type(M.SetWeightDecayModifier)):
                     decay = plan.groups[0].weight_decay
-                    table = [decay(s) or 0.0 for s in range(schedule.total_steps + 1)]
+                    table = _per_step(lambda s: decay(s) or 0.0, schedule.total_steps)
                     rate = tf.gather(tf.constant(table, tf.float32), k, name="weight_decay")
                     penalty = rate * tf.add_n([tf.nn.l2_loss(tf.cast(v, tf.float32)) for v in variables])
                     extras[EXTRAS_KEY_WEIGHT_DECAY_RATE] = rate
@@ -180,20 +177,20 @@ class ScheduledModifierManager(RecipeManager):
         self.quantized_ops = [t.op.name for t in qat.targets]
         return qat
 
-    def _lr_table(self, plan: ModelPlan, base_lr: float | None) -> list[float] | None:
+    def _lr_table(self, plan: ModelPlan, base_lr: float | None) -> np.ndarray | None:
         """The LR per step, or None when the recipe sets none."""
         schedule = plan.schedule
         if not schedule.controls_lr:
             return None
-        table = [plan.groups[0].lr(k) for k in range(schedule.total_steps + 1)]
-        if any(v is None for v in table):
+        table = _per_step(plan.groups[0].lr, schedule.total_steps)
+        if np.isnan(table).any():
             if base_lr is None:
                 first = min(self.recipe.of_type((M.SetLearningRateModifier, M.LearningRateModifier)),
                             key=lambda t: schedule.span(t[1]).start)[0]
                 raise RecipeError(self.recipe.problem(
                     first, "start_epoch", "the learning rate before the first LR modifier starts is not set",
                     expected="an LR modifier from epoch 0, or create_ops(..., base_lr=<the LR to start with>)"))
-            table = [base_lr if v is None else v for v in table]
+            table[np.isnan(table)] = base_lr
         return table
 
     def _variable(self, name: str, shape, dtype, initial) -> tf.Variable:

@@ -35,7 +35,8 @@ from recal_core.schedule import RecipeSchedule
 
 from ..fake_quant import quantize_at_completion
 from ..mask_ops import PruningMasks, zeroed
-from ..recipe_support import MAX_TABLE_STEPS, RecalWarning, qat_problems, torch_only_problems
+from ..mask_ops import per_step
+from ..recipe_support import RecalWarning, check_table_size, qat_problems, torch_only_problems
 from .params import describe_model
 from .qat import QATTables, quantize_model
 
@@ -140,9 +141,7 @@ class ScheduledModifierManager(RecipeManager):
             raise ValueError(f"steps_per_epoch must be a positive integer, got {steps_per_epoch!r}")
         self._check_strategy(model)
         schedule = self.recipe.bind(int(steps_per_epoch))
-        if schedule.total_steps > MAX_TABLE_STEPS:
-            raise ValueError(f"the recipe runs {schedule.total_steps:,} steps; recal_tf.keras tabulates per-step "
-                             f"values in the graph and takes at most {MAX_TABLE_STEPS:,} steps")
+        check_table_size(schedule, "recal_tf.keras")
         if schedule.quantization:
             model = self._quantize(model, schedule, optimizer)
         infos, by_name = describe_model(model)
@@ -219,16 +218,17 @@ class ScheduledModifierManager(RecipeManager):
             raise ValueError("the recipe sets the learning rate, but the optimizer's learning_rate is a schedule: "
                              "create the optimizer with a float learning_rate (the recipe's LR replaces it)")
         lr = self.plan.groups[0].lr
-        values = [lr(k) for k in range(self.schedule.total_steps + 1)]
-        self._lr_values = np.asarray([base_lr if v is None else v for v in values], np.float32)
+        values = per_step(lr, self.schedule.total_steps)
+        values[np.isnan(values)] = np.nan if base_lr is None else base_lr
+        self._lr_values = values.astype(np.float32)
 
     def _install_weight_decay(self, optimizer) -> None:
         wd = self.plan.groups[0].weight_decay
-        values = [wd(k) for k in range(self.schedule.total_steps + 1)]
-        if all(v is None for v in values):
+        values = per_step(wd, self.schedule.total_steps)
+        if np.isnan(values).all():
             return
-        own = float(optimizer.weight_decay or 0.0)
-        optimizer.weight_decay = _WeightDecayTable([own if v is None else v for v in values], optimizer.iterations)
+        values[np.isnan(values)] = float(optimizer.weight_decay or 0.0)
+        optimizer.weight_decay = _WeightDecayTable(values, optimizer.iterations)
 
     def _install_masks(self, infos, optimizer) -> None:
         variables = {name: v.value for name, v in self._by_name.items()}
