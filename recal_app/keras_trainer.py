@@ -20,7 +20,7 @@ import tensorflow as tf
 from recal_core.atomic import write_text_atomically
 from recal_core.datasets import load_digits
 from recal_core.recipe import Recipe
-from .run_lock import read_resume_record
+from .run_lock import read_resume_record, restore_checkpoint
 from .training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, check_finite, epoch_line,
                         epoch_order, overall_sparsity)
 
@@ -106,7 +106,8 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
         if "/" in state["checkpoint"] or not (ckpt_dir / (state["checkpoint"] + ".index")).is_file():
             raise FileNotFoundError(f"--resume: {ckpt_dir / 'history.json'} names checkpoint "
                                     f"{state['checkpoint']!r}, which is not in {ckpt_dir}")
-        checkpoint.read(str(ckpt_dir / state["checkpoint"])).assert_existing_objects_matched()
+        restore_checkpoint(lambda: checkpoint.read(str(ckpt_dir / state["checkpoint"])).assert_existing_objects_matched(),
+                           ckpt_dir / state["checkpoint"])
         run.history = [EpochRecord(**h) for h in state["history"]]
         start = state["epoch"]
     diverged = _FirstNonFinite()

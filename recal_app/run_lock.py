@@ -82,3 +82,16 @@ def check_fresh(checkpoints: Path) -> None:
         listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise FileExistsError(f"{out} holds files recal did not write ({listed}); a new run writes model, report and "
                               "checkpoint files there and would replace them: give an empty or new --output")
+
+
+def restore_checkpoint(restore, path: Path) -> None:
+    """Run ``restore()`` (TensorFlow's), turning its errors on a torn or foreign checkpoint into one line that
+    names the file and what to do, instead of TensorFlow's stack trace."""
+    import tensorflow as tf
+
+    try:
+        restore()
+    except (tf.errors.OpError, ValueError, AssertionError, IndexError, OSError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise ValueError(f"--resume: checkpoint {path} cannot be restored ({first}): it is torn or was written by "
+                         "another model; remove the run's checkpoints folder to start afresh") from None

@@ -20,7 +20,7 @@ import tensorflow as tf
 from recal_core.atomic import atomic_path, write_text_atomically
 from recal_core.datasets import load_digits
 from recal_core.recipe import Recipe
-from .run_lock import read_resume_record
+from .run_lock import read_resume_record, restore_checkpoint
 from .training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, check_finite, epoch_line,
                         epoch_order, median_latency_ms, overall_sparsity, progress_bar)
 
@@ -83,7 +83,8 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
             # history.json is the commit point: it names the checkpoint of the last complete epoch (a
             # checkpoint saved after it, by a run killed before history.json was written, is ignored)
             state = _read_history(ckpt_dir)
-            saver.restore(sess, str(ckpt_dir / state["checkpoint"]))
+            restore_checkpoint(lambda: saver.restore(sess, str(ckpt_dir / state["checkpoint"])),
+                               ckpt_dir / state["checkpoint"])
             manager.initialize_session(sess)
             run.history = [EpochRecord(**h) for h in state["history"]]
             start = state["epoch"]

@@ -54,7 +54,8 @@ class Problem:
             text += f"; got {_short(self.value)}"
         if self.expected:
             text += f"; expected {self.expected}"
-        return text
+        # non-ASCII shown escaped: a Cyrillic 'а' in a tag or name looks like a Latin 'a' but is another name
+        return text.encode("ascii", "backslashreplace").decode("ascii")
 
 
 def _short(value: Any, limit: int = 80) -> str:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -394,6 +395,12 @@ def test_check_plots_a_long_schedule_with_bounded_points(tmp_path):
 # --- silent nonsense ------------------------------------------------------------------------------
 
 
+def test_confusable_names_are_shown_escaped():
+    message = _loads_quickly("- !GradualKSModifier {params: [conv1], init_sp\u0430rsity: 0.5, final_sparsity: 0.8,"
+                             " start_epoch: 0, end_epoch: 3, update_frequency: 1}")
+    assert "init_sp\\u0430rsity" in message and message.isascii(), message  # a Cyrillic 'a', shown as such
+
+
 def test_duplicate_keys_and_yaml11_surprises_are_errors():
     assert "key 'modifiers' given twice (first at line 1)" in _loads_quickly(
         "modifiers:\n- !EpochRangeModifier {start_epoch: 0, end_epoch: 3}\n"
@@ -513,3 +520,16 @@ def test_ctrl_c_keeps_the_last_checkpoint_and_exits_130(tmp_path):
     resumed = _cli("train", "--framework", "torch", "--recipe", str(DENSE), "--output", str(out), "--resume",
                    "--epochs", "2", "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+
+def test_a_torn_tensorflow_checkpoint_is_one_line_naming_it(tmp_path):
+    tf = pytest.importorskip("tensorflow")
+    from recal_app.run_lock import restore_checkpoint
+
+    variable = tf.Variable(tf.ones([64, 64]))
+    prefix = tf.train.Checkpoint(v=variable).write(str(tmp_path / "model.ckpt-1"))
+    data = next(tmp_path.glob("model.ckpt-1.data-*"))
+    data.write_bytes(data.read_bytes()[:100])  # killed mid-write, or copied in part
+    fresh = tf.train.Checkpoint(v=tf.Variable(tf.zeros([64, 64])))
+    with pytest.raises(ValueError, match=r"--resume: checkpoint .*model.ckpt-1 cannot be restored \(.*\): it is torn"):
+        restore_checkpoint(lambda: fresh.read(prefix).assert_existing_objects_matched(), Path(prefix))

@@ -540,3 +540,33 @@ def test_qat_refusals_and_float_layers_named():
     model = keras.Model(inputs, keras.layers.Dense(3, name="fc")(keras.layers.Flatten()(x)))
     with pytest.warns(RecalWarning, match="stay float.*dw"):
         ScheduledModifierManager.from_yaml(QAT).modify(model, keras.optimizers.Adam(), steps_per_epoch=SPE)
+
+
+def test_a_pruned_layer_replaced_after_modify_is_named_before_training_goes_on():
+    """A subclassed model whose pruned Dense is swapped after modify() (Keras itself refuses that on a built
+    model; code can go around it): fit refuses it at its start (and at every epoch's), naming the weight, rather
+    than train the new layer unpruned while the masks go to the old one."""
+
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__(name="swapped")
+            self.fc = keras.layers.Dense(10, name="fc")
+
+        def call(self, x):
+            return self.fc(keras.ops.reshape(x, (-1, 64)))
+
+    model = Net()
+    model(np.zeros((1, 8, 8, 1), np.float32))
+    optimizer = keras.optimizers.SGD(0.01)
+    manager, model, callbacks = _modified(PRUNE, optimizer, model)
+    x, y = _data()
+    model.fit(x, y, batch_size=32, epochs=1, callbacks=callbacks, verbose=0)
+    old = model.fc  # Keras refuses new layers on a built model; code that goes around it is caught here
+    model._tracker.unlock()
+    model.fc = keras.layers.Dense(10, name="fc2")
+    model._layers.remove(old)
+    model(np.zeros((1, 8, 8, 1), np.float32))
+    with pytest.raises(ValueError, match=r"pruned weights are no longer part of model 'swapped': .*fc.*replaced"):
+        model.fit(x, y, batch_size=32, epochs=1, callbacks=callbacks, verbose=0)
+    with pytest.raises(ValueError, match="no longer part of model"):
+        manager.finalize(model)

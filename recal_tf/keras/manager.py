@@ -336,6 +336,7 @@ class ScheduledModifierManager(RecipeManager):
             raise ValueError("finalize() got a different model from the one modify() changed")
         if self._finalized:
             raise RuntimeError("finalize() was already called for this model")
+        self._check_pruned_in_model()
         self._apply_now()
         self._detach_driver()
         if self._qat is not None:
@@ -345,6 +346,16 @@ class ScheduledModifierManager(RecipeManager):
                 self._by_name[name].trainable = flag
         self._finalized = True
         return {name: float((self._by_name[name].numpy() == 0).mean()) for name in self.plan.masks}
+
+    def _check_pruned_in_model(self) -> None:
+        """Refuse to go on when a pruned weight is no longer the model's: its layer was replaced or removed after
+        modify(), so the masks would go to the old weight while the new one trains unpruned."""
+        held = {id(v) for v in self._model.weights}
+        gone = [name for name in self.plan.masks if id(self._by_name[name]) not in held]
+        if gone:
+            raise ValueError(f"pruned weights are no longer part of model {self._model.name!r}: "
+                             f"{', '.join(gone[:5])}{' ...' if len(gone) > 5 else ''} (their layers were replaced or "
+                             "removed after modify()); change the model first, then call modify() on it")
 
     def _finalize_qat(self) -> None:
         """From now on the QAT layers trace as plain fake-quantized inference; or, when QAT never ran (no range
@@ -400,10 +411,12 @@ class RecalCallback(keras.callbacks.Callback):
         if self.model.optimizer is not m._optimizer:
             raise ValueError("the model was compiled with another optimizer than the one passed to modify(): "
                              "compile with the same optimizer object")
+        m._check_pruned_in_model()
         m._apply_now()
 
     def on_epoch_begin(self, epoch, logs=None):
         m = self.manager
+        m._check_pruned_in_model()
         self._epoch_start = m._current_step()
         if m._apply_trainable(self.model):
             self.model.make_train_function(force=True)
