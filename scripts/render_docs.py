@@ -101,7 +101,26 @@ def zoo() -> str:
             "was made from run as written (recal: its QAT export; onnxruntime: fp32).")
 
 
-TABLES = {"demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range, "zoo": zoo}
+def transformers() -> str:
+    """BERT-base- and ViT-B/16-shaped models: fp32, recal int8, onnxruntime's quantizers (scripts/bench_transformers.py)."""
+    data = _load("transformers.json")
+    titles = {"bert": "BERT-base-shaped, sequence {seq}", "vit": "ViT-B/16-shaped, 224x224"}
+    lines = ["| model | variant | MB (x fp32) | 1 thread ms | 2 threads ms | x fp32 (1 thread) | argmax agreement |",
+             "|---" * 7 + "|"]
+    for model in data["models"]:
+        ms = {row["label"]: row["ms_1"] for row in model["rows"]}
+        for row in model["rows"]:
+            lines.append(f"| {titles[model['model']].format(seq=model['seq'])} | {row['label']} | "
+                         f"{row['bytes'] / 1e6:.1f} ({row['bytes'] / model['fp32_bytes']:.3f}) | {row['ms_1']:.1f} | "
+                         f"{row['ms_2']:.1f} | {ms['fp32'] / row['ms_1']:.2f}x | {row['agree']:.3f} |")
+    return ("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}, batch 1, median of "
+            f"{data['rounds']} interleaved rounds (`python scripts/bench_transformers.py --rounds {data['rounds']} "
+            "--json docs/results/transformers.json`); MB = 10^6 bytes. Agreement: argmax on "
+            f"{data['models'][0]['checks']} inputs against the model each was made from (recal: its QAT export; "
+            "onnxruntime: fp32).")
+
+
+TABLES = {"demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range, "zoo": zoo, "transformers": transformers}
 
 
 def render(text: str) -> str:
