@@ -20,15 +20,19 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
+import tempfile
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 
-from recal_core.atomic import atomic_folder
+from recal_core.atomic import TEMP_PREFIX, atomic_folder
 from recal_core.errors import VerificationFailed
 
 from .findings import Findings
@@ -46,6 +50,7 @@ FORMATS = ("qoperator", "qdq")
 EXTERNAL_DATA_BYTES = 1_800_000_000  # above this a model's tensors go to <name>.data (protobuf's limit is 2 GB)
 EXTERNAL_TENSOR_BYTES = 1024  # ... those of at least this size
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
+MAX_LISTED = 20  # nodes the float warning names, one per line; result.float_nodes holds them all
 # ops that runtimes (onnxruntime, TensorRT) run quantized when they sit between DQ and Q in a QDQ model
 QDQ_FUSIBLE = {"Conv", "Gemm", "MatMul", "Add", "Mul", "Sigmoid", "Relu", "MaxPool", "AveragePool",
                "GlobalAveragePool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Concat",
@@ -196,10 +201,13 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
     model = g.commit()
     infer_shapes_in_place(model, check=True)
     if unconverted:
-        listed = ", ".join(f"{op} {name!r}{reasons.get(name, '')}" for op, name in unconverted)
-        warnings.warn(f"left in float between DequantizeLinear and QuantizeLinear: {listed}",
-                      UnconvertedOpsWarning, stacklevel=3)
-    result = ConversionResult(model, None, rewrites, unconverted, float_ops=_float_compute(model),
+        lines = [f"  {op} {name!r}{reasons.get(name, '')}" for op, name in unconverted[:MAX_LISTED]]
+        if len(unconverted) > MAX_LISTED:
+            lines.append(f"  and {len(unconverted) - MAX_LISTED} more (result.float_nodes lists them all)")
+        kinds = ", ".join(f"{op} x{n}" for op, n in Counter(op for op, _ in unconverted).most_common())
+        warnings.warn(f"left in float between DequantizeLinear and QuantizeLinear, {len(unconverted)} nodes "
+                      f"({kinds}):\n" + "\n".join(lines), UnconvertedOpsWarning, stacklevel=3)
+    result = ConversionResult(model, None, rewrites, unconverted, float_ops=_float_compute(model, format == "qdq"),
                               weight_type="uint8" if rewrites.get("uint8_weights") else "int8", target=choice.target,
                               weights_note=_weights_note(choice, saturating, rewrites.get("uint8_weights", 0)),
                               rounded_biases=dict(findings.rounded_biases))
@@ -362,9 +370,15 @@ NO_ARITHMETIC = SHAPE_READERS | {"Reshape", "Transpose", "Squeeze", "Unsqueeze",
 INTEGER_TO_FLOAT = {"MatMulIntegerToFloat", "QGemm"}  # integer kernels that return float (logits, pre-softmax)
 
 
-def _float_compute(model: onnx.ModelProto) -> dict[str, int]:
+def _float_compute(model: onnx.ModelProto, qdq: bool = False) -> dict[str, int]:
     """Per op type, the nodes that do arithmetic on float tensors (QDQ and data movement excluded): what runs
-    in float in the converted model, whether by design (LayerNorm, Softmax, GELU) or left unconverted."""
+    in float in the converted model, whether by design (LayerNorm, Softmax, GELU) or left unconverted. A ``qdq``
+    model is counted as onnxruntime runs it (its own QDQ fusions applied): a Conv it fuses with its
+    DequantizeLinear inputs and QuantizeLinear output runs in an integer kernel and is not counted."""
+    if qdq:
+        optimized = _as_onnxruntime_runs(model)
+        if optimized is not None:
+            return _float_nodes_by_dtype(optimized)
     types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.value_info, *model.graph.output]}
     counts: dict[str, int] = {}
     for node in model.graph.node:
@@ -374,6 +388,48 @@ def _float_compute(model: onnx.ModelProto) -> dict[str, int]:
                                                          onnx.TensorProto.BFLOAT16) \
                 and node.op_type not in INTEGER_TO_FLOAT:
             counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def _as_onnxruntime_runs(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """``model`` after onnxruntime's graph optimizations up to its QDQ fusions (extended level: no layout
+    changes), or None when onnxruntime cannot write it (a model over protobuf's limit)."""
+    if model.ByteSize() > EXTERNAL_DATA_BYTES:
+        return None
+    folder = tempfile.mkdtemp(prefix=TEMP_PREFIX + "optimized-")
+    try:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        options.optimized_model_filepath = os.path.join(folder, "optimized.onnx")
+        options.log_severity_level = 3
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return onnx.load(options.optimized_model_filepath)
+    except Exception:  # noqa: BLE001 - a figure for the report only: fall back to counting the model as written
+        return None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+_INTEGER_OPS = INTEGER_TO_FLOAT | {"QuantizeLinear", "MatMulInteger", "ConvInteger", "DynamicQuantizeLinear",
+                                   "DynamicQuantizeMatMul", "QAttention", "QOrderedMatMul"}
+
+
+def _float_nodes_by_dtype(model: onnx.ModelProto) -> dict[str, int]:
+    """Per op type, the nodes of an optimized model that compute on float data: integer tensors are followed
+    from integer initializers, QuantizeLinear and QLinear* ops through data movement (what onnxruntime's
+    optimized model leaves untyped)."""
+    integer = {i.name for i in model.graph.initializer if i.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8,
+                                                                            onnx.TensorProto.INT32)}
+    counts: dict[str, int] = {}
+    for node in model.graph.node:  # onnxruntime writes its optimized graph in topological order
+        data = [i for i in node.input[:1] if i]
+        if node.op_type.startswith("QLinear") or node.op_type in _INTEGER_OPS or (
+                data and all(i in integer for i in data) and node.op_type not in QDQ_OPS):
+            integer.update(o for o in node.output if node.op_type not in INTEGER_TO_FLOAT)
+            continue
+        if node.op_type in QDQ_OPS or node.op_type in NO_ARITHMETIC:
+            continue
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 

@@ -214,42 +214,83 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
         output_steps: per output name, its quantization step (overrides ``output_step`` for that output)."""
     feeds = inputs if inputs is not None else generated_inputs(candidate)
     batched = _batched_inputs(candidate)
-    ref = _run_in_chunks(reference_session(reference), feeds, batched)
-    got = _run_in_chunks(session(candidate), feeds, batched)  # the converted model must load with default options
     producers = {o: n.op_type for n in candidate.graph.node for o in n.output}
     names = [o.name for o in candidate.graph.output]
     steps = output_steps or {}
-    outputs = tuple(_compare_output(name, r, c, producers.get(name, ""), steps.get(name, output_step))
-                    for name, r, c in zip(names, ref, got))
-    every = [np.abs(r.astype(np.float64) - c.astype(np.float64)).reshape(-1) for r, c in zip(ref, got)
-             if r.shape == c.shape]
+    stats = [_OutputStats() for _ in names]
+    runners = reference_session(reference), session(candidate)  # the converted model must load with defaults
+    samples, per_sample = 0, 0
+    for ref, got in _paired_chunks(runners, feeds, batched):
+        samples += int(ref[0].shape[0]) if ref and ref[0].ndim else 1
+        per_sample = max(per_sample, sum(r.nbytes + g.nbytes for r, g in zip(ref, got)) // max(
+            int(ref[0].shape[0]) if ref and ref[0].ndim else 1, 1))
+        for stat, r, g in zip(stats, ref, got):
+            stat.add(r, g)
+    outputs = tuple(s.diff(name, producers.get(name, ""), steps.get(name, output_step))
+                    for s, name in zip(stats, names))
     diff = max((o.max_abs_diff for o in outputs if o.kind != "class ids"), default=0.0)
     span = max((o.output_range for o in outputs if o.kind != "class ids"), default=0.0)
-    agreement = None
-    first, other = ref[0], got[0]
-    if first.ndim == 2 and first.shape[1] > 1 and first.shape == other.shape:
-        agreement = float(np.mean(first.argmax(1) == other.argmax(1)))
-    samples = int(first.shape[0]) if first.ndim else 1
-    median = float(np.median(np.concatenate(every))) if any(d.size for d in every) else 0.0
+    first = stats[0] if stats else _OutputStats()
+    agreement = first.argmax_agree / first.argmax_rows if first.argmax_rows else None
+    sample = np.concatenate([s.sample() for s in stats]) if stats else np.zeros(0)
+    median = float(np.median(sample)) if sample.size else 0.0
     first_step = next((o.step for o in outputs if o.kind == "float"), output_step)
     result = Verification(diff, span, agreement, samples, first_step, median_abs_diff=median, outputs=outputs)
-    return op_by_op(reference, candidate, feeds, result, thinned or {})
+    return op_by_op(reference, candidate, feeds, result, thinned or {}, per_sample)
 
 
-def _compare_output(name: str, ref: np.ndarray, got: np.ndarray, producer: str, step: float) -> OutputDiff:
-    """One output of both models, in its own units (see :class:`OutputDiff`)."""
-    if ref.shape != got.shape:
-        return OutputDiff(name, "float" if np.issubdtype(ref.dtype, np.floating) else "integer", math.inf, 0.0)
-    if producer in CLASS_ID_OPS or (np.issubdtype(ref.dtype, np.integer) and ref.dtype.itemsize >= 4
-                                    and producer not in ("QuantizeLinear",)):
-        agreement = float(np.mean(ref == got)) if ref.size else 1.0
-        return OutputDiff(name, "class ids", float(np.abs(ref.astype(np.float64) - got.astype(np.float64)).max(
-            initial=0.0)), 0.0, agreement=agreement)
-    diff = float(np.abs(ref.astype(np.float64) - got.astype(np.float64)).max(initial=0.0))
-    span = float(np.ptp(ref)) if ref.size else 0.0
-    if np.issubdtype(ref.dtype, np.integer) or ref.dtype == np.bool_:
-        return OutputDiff(name, "integer", diff, span, step=1.0)
-    return OutputDiff(name, "float", diff, span, step=step)
+MEMORY = 256 * 2**20  # bytes of both models' outputs held at once in the end-to-end comparison
+MEDIAN_SAMPLE = 1_000_000  # differences kept per output for the median
+
+
+class _OutputStats:
+    """One graph output compared chunk by chunk: what the comparison needs, never the outputs themselves."""
+
+    def __init__(self):
+        self.mismatch = False
+        self.max_diff, self.low, self.high = 0.0, math.inf, -math.inf
+        self.equal = self.count = 0
+        self.argmax_agree = self.argmax_rows = 0
+        self.dtype: np.dtype | None = None
+        self.kept: list[np.ndarray] = []
+        self.kept_size = 0
+
+    def add(self, ref: np.ndarray, got: np.ndarray) -> None:
+        self.dtype = ref.dtype
+        if ref.shape != got.shape:
+            self.mismatch = True
+            return
+        diff = np.abs(ref.astype(np.float64) - got.astype(np.float64)).reshape(-1)
+        self.max_diff = max(self.max_diff, float(diff.max(initial=0.0)))
+        if ref.size:
+            self.low, self.high = min(self.low, float(ref.min())), max(self.high, float(ref.max()))
+        self.equal += int(np.count_nonzero(ref == got))
+        self.count += int(ref.size)
+        if ref.ndim == 2 and ref.shape[1] > 1:
+            self.argmax_agree += int(np.count_nonzero(ref.argmax(1) == got.argmax(1)))
+            self.argmax_rows += int(ref.shape[0])
+        room = MEDIAN_SAMPLE - self.kept_size
+        if room > 0 and diff.size:
+            stride = max(1, -(-diff.size // room))
+            self.kept.append(diff[::stride].copy())
+            self.kept_size += self.kept[-1].size
+
+    def sample(self) -> np.ndarray:
+        return np.concatenate(self.kept) if self.kept else np.zeros(0)
+
+    def diff(self, name: str, producer: str, step: float) -> OutputDiff:
+        """The output in its own units (see :class:`OutputDiff`)."""
+        dtype = self.dtype if self.dtype is not None else np.dtype(np.float32)
+        integer = np.issubdtype(dtype, np.integer)
+        if self.mismatch:
+            return OutputDiff(name, "integer" if integer else "float", math.inf, 0.0)
+        span = self.high - self.low if self.count else 0.0
+        if producer in CLASS_ID_OPS or (integer and dtype.itemsize >= 4 and producer != "QuantizeLinear"):
+            return OutputDiff(name, "class ids", self.max_diff, 0.0,
+                              agreement=self.equal / self.count if self.count else 1.0)
+        if integer or dtype == np.bool_:
+            return OutputDiff(name, "integer", self.max_diff, span, step=1.0)
+        return OutputDiff(name, "float", self.max_diff, span, step=step)
 
 
 def _batched_inputs(model: onnx.ModelProto) -> set[str]:
@@ -258,19 +299,31 @@ def _batched_inputs(model: onnx.ModelProto) -> set[str]:
             and not i.type.tensor_type.shape.dim[0].HasField("dim_value")}
 
 
-def _run_in_chunks(runner, feeds: dict[str, np.ndarray], batched: set[str]) -> list[np.ndarray]:
-    """``runner.run`` on ``CHUNK`` samples at a time, outputs joined: memory stays that of one chunk (256
-    generated 224x224 images in one run took 4.5 GB for a ResNet-50). One run where the batch is fixed, or
-    an output does not follow it."""
+def _paired_chunks(runners, feeds: dict[str, np.ndarray], batched: set[str]):
+    """Both models' outputs on the same samples, a chunk at a time: the first sample alone (to measure what one
+    costs), then as many as fit :data:`MEMORY` (at most :data:`CHUNK`), so memory stays bounded whatever the
+    output size (a language model's logits over its vocabulary). One run where the batch is fixed, or an output
+    does not follow it."""
     sizes = {np.shape(v)[0] if np.ndim(v) else -1 for v in feeds.values()}
-    if not feeds or set(feeds) - batched or len(sizes) != 1 or next(iter(sizes)) <= CHUNK:
-        return runner.run(None, feeds)
-    total = next(iter(sizes))
-    parts = [runner.run(None, {k: v[i:i + CHUNK] for k, v in feeds.items()}) for i in range(0, total, CHUNK)]
-    if any(np.ndim(out) == 0 or np.shape(out)[0] != min(CHUNK, total - i * CHUNK)
-           for i, part in enumerate(parts) for out in part):
-        return runner.run(None, feeds)
-    return [np.concatenate([part[j] for part in parts]) for j in range(len(parts[0]))]
+    total = next(iter(sizes)) if len(sizes) == 1 else -1
+    if not feeds or set(feeds) - batched or total <= 1:
+        yield tuple(r.run(None, feeds) for r in runners)
+        return
+    start, size = 0, 1
+    while start < total:
+        part = {k: v[start:start + size] for k, v in feeds.items()}
+        outs = tuple(r.run(None, part) for r in runners)
+        rows = min(size, total - start)
+        if any(np.ndim(o) == 0 or np.shape(o)[0] != rows for out in outs for o in out):
+            if start:
+                raise ValueError("a model's outputs follow the batch for some samples and not others")
+            yield tuple(r.run(None, feeds) for r in runners)
+            return
+        yield outs
+        if start == 0:
+            per_sample = max(sum(o.nbytes for out in outs for o in out), 1)
+            size = int(max(1, min(CHUNK, MEMORY // per_sample)))
+        start += rows
 
 
 def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
@@ -282,15 +335,18 @@ def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
 
 
 def op_by_op(reference: onnx.ModelProto | str, candidate: onnx.ModelProto, feeds: dict[str, np.ndarray],
-             result: Verification, thinned: dict[str, np.ndarray]) -> Verification:
-    """``result`` with the op-by-op comparison filled in (unchanged where a model is too large to copy)."""
+             result: Verification, thinned: dict[str, np.ndarray], per_sample: int = 0) -> Verification:
+    """``result`` with the op-by-op comparison filled in (unchanged where a model is too large to copy).
+    ``per_sample``: the bytes one sample's outputs took end to end; the op-by-op run takes as many samples as
+    fit :data:`MEMORY` (at most :data:`LOCAL_SAMPLES`)."""
     size = os.path.getsize(reference) if isinstance(reference, str) else reference.ByteSize()
     if size > LOCAL_MAX_BYTES or candidate.ByteSize() > LOCAL_MAX_BYTES:
         return result
     if isinstance(reference, str):
         reference = onnx.load(reference)
     batched = _batched_inputs(candidate)
-    feeds = {k: v[:LOCAL_SAMPLES] if k in batched else v for k, v in feeds.items()}  # a fixed batch stays whole
+    local = int(max(1, min(LOCAL_SAMPLES, MEMORY // max(per_sample, 1))))
+    feeds = {k: v[:local] if k in batched else v for k, v in feeds.items()}  # a fixed batch stays whole
     produced = {o for n in candidate.graph.node for o in n.output} - {o.name for o in candidate.graph.output}
     names = [n.output[0] for n in reference.graph.node if n.op_type == "QuantizeLinear" and n.output[0] in produced]
     outputs = len(candidate.graph.output)

@@ -7,7 +7,7 @@
 
 from recal_core.loggers import PythonLogger, RecalLogger
 
-from .export import export_onnx, to_export_model
+from .export import ExportError, ExportWarning, export_onnx, to_export_model
 from .flops import count_macs
 from .loggers import TensorBoardLogger
 from .manager import ScheduledModifierManager
@@ -15,6 +15,6 @@ from .qat import QATConv, QATLinear, QATModule, fake_quantize_model
 from .thin import ThinReport, thin
 
 __all__ = [
-    "PythonLogger", "QATConv", "QATLinear", "QATModule", "RecalLogger", "ScheduledModifierManager",
+    "ExportError", "ExportWarning", "PythonLogger", "QATConv", "QATLinear", "QATModule", "RecalLogger", "ScheduledModifierManager",
     "TensorBoardLogger", "ThinReport", "count_macs", "export_onnx", "fake_quantize_model", "thin", "to_export_model",
 ]

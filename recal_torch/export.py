@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -32,7 +33,7 @@ from .model_params import unwrap
 from .qat_attention import AttentionFakeQuantize
 from .qat_modules import QATModule, QuantizedReLU, qat_modules
 from .qat_plan import plan_pending
-from .qat_sites import CONTAINER
+from .qat_sites import CONTAINER, adopt
 
 log = logging.getLogger(__name__)
 
@@ -62,17 +63,28 @@ def to_export_model(model: nn.Module, dynamo: bool = True, sample_input: Sequenc
         if isinstance(module, ActivationFakeQuantize) and CONTAINER in name.split("."):
             # a call site's observer, or one of a SiLU site's two (SiLUFakeQuantize keeps its own forward)
             parent_name, _, child = name.rpartition(".")
-            setattr(exported.get_submodule(parent_name), child, ActivationQDQ(module, dynamo))
+            replacement = ActivationQDQ(module, dynamo)
+            adopt(module, replacement)
+            setattr(exported.get_submodule(parent_name), child, replacement)
         elif isinstance(module, (QATModule, QuantizedReLU, AttentionFakeQuantize)):
             parent_name, _, child = name.rpartition(".")
             parent = exported.get_submodule(parent_name) if parent_name else exported
             replacement = (QuantizedExportModule(module, dynamo) if isinstance(module, QATModule)
                            else AttentionQDQ(module, dynamo) if isinstance(module, AttentionFakeQuantize)
                            else QuantizedReLUExport(module, dynamo))
+            adopt(module, replacement)
             setattr(parent, child, replacement)
     if sample_input is not None:
         round_biases(exported, tuple(sample_input))
     return exported
+
+
+class ExportWarning(UserWarning):
+    """The exporter asked for could not export the model; the other one did (the message says why)."""
+
+
+class ExportError(RuntimeError):
+    """Neither of torch's exporters wrote a model that runs; the message gives both reasons."""
 
 
 def export_onnx(model: nn.Module, sample_input: torch.Tensor | Sequence[torch.Tensor], path: str | os.PathLike,
@@ -80,14 +92,19 @@ def export_onnx(model: nn.Module, sample_input: torch.Tensor | Sequence[torch.Te
                 output_names: Sequence[str] = ("output",), dynamic_batch: bool = True) -> Path:
     """Export ``model`` to ONNX at ``path`` (atomically); QAT models become QDQ models.
 
+    The exporter asked for goes first. When it fails, or writes a dynamic batch its graph cannot run (a Reshape
+    fixed to the sample's batch: onnxruntime runs the written model on the sample repeated to one more row to
+    find out), the other exporter is used, with an :class:`ExportWarning` saying why; when both fail,
+    :class:`ExportError` gives both reasons. Nothing is written unless a model that runs is.
+
     Args:
         model: the model (float, QAT or thinned; maybe wrapped in DDP); not changed.
         sample_input: one input tensor, or a tuple of them.
         path: the ``.onnx`` file to write.
-        opset: defaults to 18 under ``dynamo=True`` (torch's default exporter, which implements opset 18 and
-            later: an older one is an error, not a silent upgrade) and to 17 under ``dynamo=False`` (13 or later
-            for per-channel weights).
-        dynamo: torch's default (dynamo) exporter, or the TorchScript one (``False``).
+        opset: defaults to 18 under ``dynamo=True`` (torch's default (dynamo) exporter, which implements opset 18
+            and later: an older one is an error, not a silent upgrade) and to 17 under ``dynamo=False`` (13 or
+            later for per-channel weights).
+        dynamo: try torch's default (dynamo) exporter first, or the TorchScript one (``False``).
         input_names: the graph's input names.
         output_names: the graph's output names.
         dynamic_batch: declare the first axis of every input and output dynamic.
@@ -100,31 +117,87 @@ def export_onnx(model: nn.Module, sample_input: torch.Tensor | Sequence[torch.Te
     """
     if isinstance(model, QATModule):
         raise TypeError("export the model that contains the QAT module, not the module itself")
-    if opset is None:
-        opset = MIN_DYNAMO_OPSET if dynamo else DEFAULT_TORCHSCRIPT_OPSET
-    if dynamo and opset < MIN_DYNAMO_OPSET:
+    if dynamo and opset is not None and opset < MIN_DYNAMO_OPSET:
         raise ValueError(f"torch's default (dynamo) exporter writes opset {MIN_DYNAMO_OPSET} or later, not {opset}; "
                          f"pass opset>={MIN_DYNAMO_OPSET}, or dynamo=False for opset {opset}")
     inputs = tuple(sample_input) if isinstance(sample_input, (list, tuple)) else (sample_input,)
-    if dynamo:
-        decomposed_ops()  # before export: the exporter's registry maps these ops only if they exist
     plan_pending(unwrap(model), inputs)  # a QAT plan still waiting for the first forward is made on the sample
-    export_model = to_export_model(model, dynamo, inputs)
-    kwargs: dict = {"opset_version": opset, "input_names": list(input_names), "output_names": list(output_names)}
-    if dynamo:
-        kwargs["verbose"] = False
-        if dynamic_batch:
-            kwargs["dynamic_shapes"] = tuple({0: torch.export.Dim.DYNAMIC} for _ in inputs)
-        # One file unless the weights need ONNX external data (protobuf's 2 GB limit).
-        kwargs["external_data"] = _parameter_bytes(export_model) > EXTERNAL_DATA_BYTES
-    elif dynamic_batch:
-        kwargs["dynamic_axes"] = {name: {0: "batch"} for name in [*input_names, *output_names]}
+    names = (tuple(input_names), tuple(output_names))
     target = Path(path)
-    with atomic_folder(target.parent) as folder, warnings.catch_warnings():
-        # torch's exporters warn about their own internals (opset conversion, TorchScript deprecation).
-        warnings.filterwarnings("ignore", module=r"torch\..*")
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
-        with torch.no_grad():
-            torch.onnx.export(export_model, inputs, str(folder / target.name), dynamo=dynamo, **kwargs)
+    with atomic_folder(target.parent) as folder:
+        file = folder / target.name
+        problem = _export_and_check(model, inputs, file, dynamo, opset, names, dynamic_batch)
+        if problem is not None:
+            other = "TorchScript" if dynamo else "dynamo"
+            for item in folder.iterdir():
+                item.unlink()
+            fallback = None if opset is None else max(opset, MIN_DYNAMO_OPSET) if not dynamo else opset
+            second = _export_and_check(model, inputs, file, not dynamo, fallback, names, dynamic_batch)
+            if second is not None:
+                raise ExportError(f"neither of torch's exporters exported {type(unwrap(model)).__name__}: the "
+                                  f"{'dynamo' if dynamo else 'TorchScript'} exporter {problem}; the {other} exporter "
+                                  f"{second}")
+            warnings.warn(f"the {'dynamo' if dynamo else 'TorchScript'} exporter {problem}; {target.name} was exported "
+                          f"with the {other} exporter (dynamo={not dynamo})", ExportWarning, stacklevel=2)
     log.info("exported %s model to %s", "QAT" if qat_modules(model) else "float", path)
     return Path(path)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The root cause of ``exc`` (torch's exporters wrap the model's own error), on one line, without colours."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {(lines or [''])[0][:300]}"
+
+
+def _export_and_check(model: nn.Module, inputs: tuple, file: Path, dynamo: bool, opset: int | None,
+                      names: tuple, dynamic_batch: bool) -> str | None:
+    """Export with one exporter to ``file``; None when it wrote a model that runs, else what went wrong."""
+    if opset is None:
+        opset = MIN_DYNAMO_OPSET if dynamo else DEFAULT_TORCHSCRIPT_OPSET
+    if dynamo:
+        decomposed_ops()  # before export: the exporter's registry maps these ops only if they exist
+    export_model = to_export_model(model, dynamo, inputs)  # recal's own errors (an unobserved range) go to the user
+    try:
+        kwargs: dict = {"opset_version": opset, "input_names": list(names[0]), "output_names": list(names[1])}
+        if dynamo:
+            kwargs["verbose"] = False
+            if dynamic_batch:
+                kwargs["dynamic_shapes"] = tuple({0: torch.export.Dim.DYNAMIC} for _ in inputs)
+            # One file unless the weights need ONNX external data (protobuf's 2 GB limit).
+            kwargs["external_data"] = _parameter_bytes(export_model) > EXTERNAL_DATA_BYTES
+        elif dynamic_batch:
+            kwargs["dynamic_axes"] = {name: {0: "batch"} for name in [*names[0], *names[1]]}
+        with warnings.catch_warnings():
+            # torch's exporters warn about their own internals (opset conversion, TorchScript deprecation).
+            warnings.filterwarnings("ignore", module=r"torch\..*")
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            with torch.no_grad():
+                torch.onnx.export(export_model, inputs, str(file), dynamo=dynamo, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - torch's exporters raise many types; the fallback says which
+        return f"failed ({_first_line(exc)})"
+    return _batch_problem(file, inputs, names[0]) if dynamic_batch else None
+
+
+def _batch_problem(file: Path, inputs: tuple, input_names: Sequence[str]) -> str | None:
+    """Run the written model on the sample grown by one row: a graph that fixed the sample's batch somewhere
+    (a Reshape) fails here rather than in the user's first batch. Skipped without onnxruntime."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    if len(tensors) != len(inputs) or not tensors or any(t.dim() == 0 for t in tensors):
+        return None
+    feeds = {name: torch.cat([t, t[:1]]).detach().cpu().numpy() for name, t in zip(input_names, tensors)}
+    try:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        session = ort.InferenceSession(str(file), options, providers=["CPUExecutionProvider"])
+        known = {i.name for i in session.get_inputs()}
+        session.run(None, {k: v for k, v in feeds.items() if k in known})
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's errors are plain RuntimeErrors with its own types
+        rows = len(next(iter(feeds.values())))
+        return f"wrote a dynamic batch its graph cannot run (at batch {rows}: {_first_line(exc)})"
+    return None

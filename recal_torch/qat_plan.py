@@ -14,6 +14,7 @@ recording of its first forward (:mod:`recal_torch.qat_trace`).
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 
@@ -30,11 +31,25 @@ from .qat_trace import ADDS, MULS, RELUS, evaluating, own_children, record_forwa
 
 log = logging.getLogger(__name__)
 
+
+class QATPlanWarning(UserWarning):
+    """The QAT planner could not read the model's forward: the layers it names are quantized less than they could
+    be (the message says what stays float)."""
+
 # --- preparing a model ---------------------------------------------------------------------
 
 _PRESERVING_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.ReLU, nn.ReLU6, nn.Flatten, nn.Unflatten,
                        nn.Dropout, nn.Identity, FoldedBatchNorm, QuantizedReLU)
 _CONSTANT_PADS = (nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d)  # nn.ZeroPad2d is one
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+IDENTITY_AT_EVAL = {"StochasticDepth", "DropPath", "DropBlock2d"}  # torchvision's and timm's, by class name
+
+
+def identity_at_eval(module: nn.Module | None) -> bool:
+    """A module that returns its input unchanged at inference (dropout, stochastic depth): the int8 model has
+    no op there, so what it passes on keeps its quantization; fx keeps it as one node rather than trace its
+    training branch (random masks) into the graph."""
+    return isinstance(module, (*_DROPOUTS, nn.Identity)) or type(module).__name__ in IDENTITY_AT_EVAL
 _PRESERVING_FUNCTIONS = {torch.flatten, torch.reshape, torch.relu, F.relu, F.relu6, F.max_pool1d, F.max_pool2d,
                          F.max_pool3d, torch.squeeze, torch.unsqueeze, F.dropout}
 _PRESERVING_METHODS = {"view", "reshape", "flatten", "relu", "contiguous", "squeeze", "unsqueeze", "relu_"}
@@ -181,9 +196,12 @@ def _plan_on_first_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
     try:
         graph = record_forward(root, tuple(args), dict(kwargs), is_leaf)
     except Exception as exc:  # noqa: BLE001 - the model still trains with the plan made so far
-        log.warning("QAT: could not record the first forward of %s (%s: %s); residual adds stay float%s",
-                    type(root).__name__, type(exc).__name__, " ".join(str(exc).split())[:200],
-                    "" if traced else ", BatchNorm unfolded, every layer input and output quantized")
+        layers = [n for n, m in root.named_modules() if isinstance(m, QATModule) and not isinstance(m, QATEmbedding)]
+        shown = ", ".join(layers[:8]) + (f" and {len(layers) - 8} more" if len(layers) > 8 else "")
+        warnings.warn(f"QAT: could not record the first forward of {type(root).__name__} ({type(exc).__name__}: "
+                      f"{' '.join(str(exc).split())[:200]}): residual adds, products and sigmoids stay float"
+                      f"{'' if traced else '; BatchNorm stays unfolded and every input and output is quantized'} "
+                      f"for {shown}", QATPlanWarning, stacklevel=2)
         return
     modules = dict(root.named_modules())
     layers = {n for n, m in modules.items() if isinstance(m, QATModule) and not isinstance(m, QATEmbedding)}
@@ -241,7 +259,7 @@ class _LayerTracer(torch.fx.Tracer):
         self.layers = layers
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return qualname in self.layers or super().is_leaf_module(m, qualname)
+        return qualname in self.layers or identity_at_eval(m) or super().is_leaf_module(m, qualname)
 
 
 def _float_type(module: nn.Module | None) -> type | None:
@@ -425,7 +443,8 @@ def _unread_linears(graph: torch.fx.Graph, modules: dict[str, nn.Module], sites:
 
 def _preserves_quantization(node: torch.fx.Node, module: nn.Module | None) -> bool:
     if node.op == "call_module":
-        return isinstance(module, _PRESERVING_MODULES) or (isinstance(module, _CONSTANT_PADS) and module.value == 0)
+        return isinstance(module, _PRESERVING_MODULES) or identity_at_eval(module) or (
+            isinstance(module, _CONSTANT_PADS) and module.value == 0)
     if node.op == "call_function":
         if node.target is F.pad:  # zero padding: the runtime pads the integers with the zero point
             mode = node.kwargs.get("mode", node.args[2] if len(node.args) > 2 else "constant")

@@ -39,11 +39,19 @@ def parse_key(key: str) -> Site:
     return scope.replace("/", "."), op, int(k)
 
 
+class SiteObservers(nn.ModuleDict):
+    """The call sites' observers, one child of the model's root (so checkpoints carry them). Called, it passes its
+    input through: an ``nn.Sequential`` root calls every child in turn, this one last."""
+
+    def forward(self, *args):
+        return args[0] if len(args) == 1 else args
+
+
 def install(root: nn.Module, sites: list[Site]) -> None:
     """Give each of ``sites`` its own observer and run them from now on."""
     container = root.__dict__["_modules"].get(CONTAINER)
     if container is None:
-        container = nn.ModuleDict()
+        container = SiteObservers()
         root.add_module(CONTAINER, container)
     for site in sites:
         if site_key(site) not in container:
@@ -114,6 +122,17 @@ def _next(module: nn.Module, op: str) -> nn.Module | None:
 
 def _module_call(module: nn.Module, args, out):
     return _quantized(_next(module, "forward"), args, out)
+
+
+def adopt(old: nn.Module, new: nn.Module) -> None:
+    """``new`` stands in for ``old`` (an export module for a QAT one): while it runs, its parents' own-code
+    counting pauses as it did for ``old``, so the export counts the call sites as training did (a QAT conv's
+    fused ReLU is not its parent's ReLU)."""
+    parents = old.__dict__.get("_recal_site_parents")
+    if parents:
+        new.__dict__["_recal_site_parents"] = parents
+        new.register_forward_pre_hook(_enter_child)
+        new.register_forward_hook(_leave_child, always_call=True)
 
 
 def _enter_child(child: nn.Module, args) -> None:

@@ -52,10 +52,12 @@ class CallSites:
         self.calls: list[tuple[str, str]] = []  # (caller's path, called module's path) of every counted call
 
     def owner(self) -> str | None:
-        """The path of the module whose own forward is running (None inside a leaf or outside ``root``)."""
-        if not self.stack or id(self.stack[-1]) in self.leaves:
-            return None
-        return self.paths[id(self.stack[-1])]
+        """The path of the module whose own forward is running (None inside a leaf or outside ``root``). A module
+        that is not one of ``root``'s (``nn.ReLU()(x)`` written in a forward) runs as part of its caller's code."""
+        for module in reversed(self.stack):
+            if id(module) in self.paths:
+                return None if id(module) in self.leaves else self.paths[id(module)]
+        return None
 
     def count(self, scope: str, op: str) -> tuple[str, str, int]:
         key = (scope, op)

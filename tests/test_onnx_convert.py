@@ -262,9 +262,10 @@ def test_a_bias_beyond_int32_leaves_its_layer_float_and_says_why(fmt):
     assert result.verification.max_abs_diff == 0
 
 
-def test_verification_runs_in_chunks_with_the_same_result(recal_qat_model, tmp_path, monkeypatch):
-    """256 generated 224x224 images in one run took 4.5 GB for a ResNet-50: onnxruntime sees 16 samples at a
-    time, and the comparison is the same as in one run."""
+def test_verification_streams_in_bounded_chunks_with_the_same_result(recal_qat_model, tmp_path, monkeypatch):
+    """Both models see the same samples a chunk at a time (the first sample alone, to measure what one costs,
+    then as many as fit verify.MEMORY, at most 16), nothing of the outputs is kept but running figures, and the
+    comparison is that of one run: a language model's logits over a large vocabulary cannot fill memory."""
     import recal_onnx.verify as verify
 
     src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
@@ -279,15 +280,24 @@ def test_verification_runs_in_chunks_with_the_same_result(recal_qat_model, tmp_p
             batches.append(len(given["input"]))
             return self.runner.run(names, given)
 
-    real = verify._run_in_chunks
-    monkeypatch.setattr(verify, "_run_in_chunks", lambda runner, f, batched: real(Counted(runner), f, batched))
+    real = verify._paired_chunks
+    monkeypatch.setattr(verify, "_paired_chunks",
+                        lambda runners, f, batched: real([Counted(r) for r in runners], f, batched))
     chunked = quantize_qat_export(src, inputs=feeds).verification
-    assert batches == [16, 16, 8] * 2  # the QAT model, then the converted one
+    assert batches == [1, 1, 16, 16, 16, 16, 7, 7]  # the QAT model and the converted one, chunk by chunk
+    batches.clear()
+    monkeypatch.setattr(verify, "MEMORY", 2 * 2 * 10 * 4)  # two samples of both models' [1, 10] float logits
+    small = quantize_qat_export(src, inputs=feeds).verification
+    assert batches[:2] == [1, 1] and max(batches) == 2 and sum(batches) == 80
+    batches.clear()
+    monkeypatch.setattr(verify, "MEMORY", 2**40)
     monkeypatch.setattr(verify, "CHUNK", 1000)
     whole = quantize_qat_export(src, inputs=feeds).verification
-    assert batches[6:] == [40, 40]
-    assert (chunked.max_abs_diff, chunked.argmax_agreement, chunked.samples) == \
-           (whole.max_abs_diff, whole.argmax_agreement, whole.samples) and chunked.samples == 40
+    assert batches == [1, 1, 39, 39]
+    for result in (chunked, small):
+        assert (result.max_abs_diff, result.argmax_agreement, result.samples, result.median_abs_diff,
+                result.outputs) == (whole.max_abs_diff, whole.argmax_agreement, whole.samples, whole.median_abs_diff,
+                                    whole.outputs) and result.samples == 40
 
 
 def test_sparsity_follows_float_weights_through_quantize_and_dequantize():
@@ -324,3 +334,14 @@ def test_a_quantized_type_the_converter_has_no_kernel_for_is_refused_at_the_star
     with pytest.raises(ModelError, match=rf"quantizes tensor 'x' to {np.dtype(dtype).name}; the converter writes"):
         quantize_qat_export(model, tmp_path / "out.onnx")
     assert not list(tmp_path.iterdir())
+
+
+def test_float_ops_of_a_qdq_model_leave_out_what_onnxruntime_runs_in_int8(recal_qat_model, tmp_path):
+    """In ``format="qdq"`` a Conv or Gemm between DequantizeLinear inputs and a QuantizeLinear is an integer
+    kernel in onnxruntime: ``float_ops`` counts what computes in float, so it lists neither (qoperator agrees)."""
+    src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
+    qdq = quantize_qat_export(src, format="qdq")
+    qop = quantize_qat_export(src)
+    assert "Conv" in [n.op_type for n in qdq.model.graph.node]
+    assert not {"Conv", "Gemm", "MatMul"} & set(qdq.float_ops), qdq.float_ops
+    assert set(qdq.float_ops) == set(qop.float_ops), (qdq.float_ops, qop.float_ops)

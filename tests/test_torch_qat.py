@@ -690,3 +690,170 @@ def test_the_bias_grid_forgets_a_tensor_changed_in_place():
         assert tags.scale_of(x) == tags.scale_of(y) == pytest.approx(0.1)
         x += torch.full((4,), 0.033)
         assert tags.scale_of(x) is None and tags.scale_of(y) == pytest.approx(0.1)
+
+
+def test_export_falls_back_to_the_other_exporter_and_says_why(tmp_path):
+    """A forward the dynamo exporter cannot take (a branch on a tensor's value) is exported by TorchScript, with a
+    warning naming the reason; a model neither exporter takes is one ExportError with both reasons, no file."""
+    from recal_torch import ExportError, ExportWarning
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(x) if float(x.sum()) > -1e9 else -self.fc(x)  # data-dependent: dynamo cannot trace it
+
+    model = Branchy().eval()
+    x = torch.randn(2, 4)
+    with pytest.warns(ExportWarning, match=r"the dynamo exporter failed \(.*\); b.onnx was exported with the "
+                                           r"TorchScript exporter \(dynamo=False\)"):
+        path = export_onnx(model, x, tmp_path / "b.onnx")
+    session = ort.InferenceSession(str(path))
+    np.testing.assert_allclose(session.run(None, {"input": np.ones((5, 4), np.float32)})[0],
+                               model(torch.ones(5, 4)).detach().numpy(), atol=1e-6)
+
+    class Broken(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    with pytest.raises(ExportError, match=r"neither of torch's exporters exported Broken: the dynamo exporter "
+                                          r"failed \(.*boom.*\); the TorchScript exporter failed \(.*boom"):
+        export_onnx(Broken(), x, tmp_path / "broken.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.onnx"]
+
+
+def test_a_dynamic_batch_the_graph_cannot_run_is_caught_at_export(tmp_path):
+    """A graph that fixes the sample's batch in a Reshape declares a dynamic batch it cannot run: the export runs
+    the written model at one more row and, if it fails, uses the other exporter (or says both failed)."""
+    from recal_torch import ExportError
+
+    class Fixed(nn.Module):
+        def forward(self, x):
+            return x.reshape(2, 2, 2).sum((1, 2))  # written for a batch of 2 only
+
+    with pytest.raises(ExportError, match=r"wrote a dynamic batch its graph cannot run \(at batch 3"):
+        export_onnx(Fixed(), torch.randn(2, 4), tmp_path / "f.onnx", dynamo=False)
+    assert not list(tmp_path.iterdir())
+    path = export_onnx(Fixed(), torch.randn(2, 4), tmp_path / "g.onnx", dynamo=False, dynamic_batch=False)
+    assert ort.InferenceSession(str(path)).run(None, {"input": np.ones((2, 4), np.float32)})[0].shape == (2,)
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_an_nn_sequential_root_keeps_running_with_call_site_observers(dynamo, tmp_path):
+    """torchvision and timm build whole models as nn.Sequential. The call sites' observers are one more child of
+    the root; the Sequential calls it last, and it passes its input through: training, export and conversion
+    work as for any root, and the SiLU / squeeze-excitation sites inside run on the integers."""
+    from recal_onnx import quantize_qat_export
+
+    torch.manual_seed(0)
+    model = nn.Sequential(SqueezeExcite(), nn.Unflatten(1, (10, 1)), nn.Flatten())
+    fake_quantize_model(model)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), batches(4))
+    assert sorted(model.recal_sites) and len(model) == 4  # SqueezeExcite's sites, held by the root
+    model.eval()
+    x = torch.randn(3, 1, 8, 8)
+    assert model(x).shape == (3, 10)
+    path = export_onnx(model, x[:1], tmp_path / "qat.onnx", dynamo=dynamo)
+    result = quantize_qat_export(str(path), tmp_path / "int8.onnx")
+    kinds = [n.op_type for n in result.model.graph.node]
+    assert "QLinearMul" in kinds and "QLinearSigmoid" in kinds and result.verification.max_steps <= 3
+
+
+class InlineModules(nn.Module):
+    """What Hugging Face heads do: modules made and called inside forward (``nn.ReLU()(x)``), and a value branch
+    that torch.fx cannot trace, so the plan comes from the first forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn, self.c2 = nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 8 * 8, 10)
+
+    def forward(self, x):
+        if float(x.mean()) > 1e9:
+            x = -x
+        y = nn.ReLU()(self.bn(self.c1(x)))
+        y = y + self.c2(y)
+        return self.fc(torch.flatten(nn.ReLU()(y), 1))
+
+
+def test_modules_made_inside_forward_are_part_of_their_callers_plan(tmp_path, recwarn):
+    from recal_onnx import quantize_qat_export
+
+    torch.manual_seed(0)
+    model = InlineModules()
+    fake_quantize_model(model)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), batches(4))
+    # the add's only reader is the inline ReLU: its output holds the observer (the first ReLU folds into c1)
+    assert sorted(model.recal_sites) == [":relu:1"] and model.c1.folded_bn is not None
+    assert not [w for w in recwarn if "could not record" in str(w.message)]
+    path = export_onnx(model.eval(), torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
+    result = quantize_qat_export(str(path), tmp_path / "int8.onnx")
+    kinds = [n.op_type for n in result.model.graph.node]
+    assert "QLinearAdd" in kinds and kinds.count("QLinearConv") == 2 and not result.float_nodes, kinds
+
+
+def test_a_forward_the_planner_cannot_record_is_a_warning_naming_the_layers():
+    from recal_torch.qat_plan import QATPlanWarning
+
+    class Unrecordable(InlineModules):
+        def forward(self, x):
+            if torch.is_grad_enabled() is False and not getattr(self, "_seen", False):  # the planner's recording
+                self._seen = True
+                raise RuntimeError("a forward that fails while recorded")
+            return super().forward(x)
+
+    model = Unrecordable()
+    fake_quantize_model(model)
+    with pytest.warns(QATPlanWarning, match=r"could not record the first forward of Unrecordable \(RuntimeError: a "
+                                            r"forward that fails while recorded\): residual adds.* stay float; "
+                                            r"BatchNorm stays unfolded .* for c1, c2, fc"):
+        model.train()(torch.randn(2, 1, 8, 8))
+
+
+class StochasticDepth(nn.Module):
+    """torchvision.ops.StochasticDepth, as torchvision writes it: random row drops in training, identity at eval."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        keep = torch.empty([x.shape[0]] + [1] * (x.ndim - 1), dtype=x.dtype).bernoulli_(1 - self.p)
+        return x * keep.div_(1 - self.p)
+
+
+class MBConvLike(nn.Module):
+    """EfficientNet's block as torchvision writes it: ``result = stochastic_depth(block(x)); result += input``."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.BatchNorm2d(8), nn.ReLU(),
+                                   nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8))
+        self.stochastic_depth = StochasticDepth(0.2)
+        self.fc = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        result = self.stochastic_depth(self.block(x))
+        result += x
+        return self.fc(torch.flatten(result, 1))
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_stochastic_depth_before_a_residual_add_keeps_the_add_integer(dynamo, tmp_path):
+    from recal_onnx import quantize_qat_export
+
+    torch.manual_seed(0)
+    model = MBConvLike()
+    fake_quantize_model(model)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), batches(4))
+    assert sorted(model.recal_sites) == [":add:0"] or sorted(model.recal_sites) == [":iadd:0"], model.recal_sites
+    path = export_onnx(model.eval(), torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=dynamo)
+    result = quantize_qat_export(str(path), tmp_path / "int8.onnx")
+    kinds = [n.op_type for n in result.model.graph.node]
+    assert "QLinearAdd" in kinds and not result.float_nodes, (kinds, result.float_nodes)
