@@ -266,3 +266,47 @@ def test_no_wrong_model_is_verified_whatever_the_broadcast_and_the_output(tmp_pa
         assert np.mean(want == got) >= 0.95
     else:
         assert np.abs(want - got).max() <= 0.1 * max(float(np.ptp(want)), 1e-6) + 3 * 0.03
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([1e-3, 1.0, 1e6, 1e12, float("inf")]), st.integers(0, 5), st.booleans())
+def test_training_that_goes_non_finite_keeps_pruned_weights_zero_and_is_stopped(lr, poison_step, momentum):
+    """Any LR (up to inf), NaN injected into the weights at any step: every weight a mask prunes is exactly 0
+    after every step (masks are applied with where, not a product: NaN x 0 is NaN), and the trainers' check
+    stops the run at the first step whose loss or weights are not finite."""
+    import torch
+
+    from recal_app.training import Diverged, check_finite
+    from recal_torch import ScheduledModifierManager
+
+    from .torch_models import SmallCNN, batches
+
+    torch.manual_seed(0)
+    model = SmallCNN()
+    manager = ScheduledModifierManager.from_yaml(
+        "- !GradualKSModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.3, final_sparsity: 0.6, start_epoch: 0, "
+        "end_epoch: 2, update_frequency: 1}\n- !SetLearningRateModifier {learning_rate: %r, start_epoch: 0}\n"
+        % min(lr, 1e30))
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9 if momentum else 0),
+                               steps_per_epoch=3)
+    stopped = None
+    for step, (x, y) in enumerate(batches(6), 1):
+        if step - 1 == poison_step:
+            with torch.no_grad():
+                model.conv1.weight[0, 0, 0, 0] = float("nan")
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        for name, per_modifier in manager.masks.masks.items():
+            weight = dict(model.named_parameters())[name]
+            for mask in per_modifier.values():
+                assert torch.all(weight.detach()[mask == 0] == 0), (name, step)
+        try:
+            check_finite("torch", step, float(loss.detach()), [p.detach().numpy() for p in model.parameters()])
+        except Diverged as exc:
+            stopped = step
+            assert f"diverged at step {step}" in str(exc)
+            break
+    poisoned = any(not torch.isfinite(p).all() for p in model.parameters())
+    assert stopped is not None or not poisoned
