@@ -45,6 +45,25 @@ def test_the_manual_builds_strict(tmp_path):
     assert "quantize_qat_export" in api and "choose_weights" in api
 
 
+def test_every_package_declares_what_is_public():
+    """The public API is each package's ``__all__`` (the API reference documents exactly that); every other module
+    is internal. Every package declares one, every name in it exists, and every module says what it is for."""
+    import pkgutil
+
+    for top in ("recal_core", "recal_torch", "recal_onnx", "recal_tf", "recal_app"):
+        package = importlib.import_module(top)
+        for info in pkgutil.walk_packages(package.__path__, top + "."):
+            if info.name.endswith((".__main__",)):
+                continue
+            module = importlib.import_module(info.name)
+            assert (module.__doc__ or "").strip(), f"{info.name} has no docstring"
+            if info.ispkg:
+                assert hasattr(module, "__all__"), f"package {info.name} declares no __all__"
+        for name in [top, *(i.name for i in pkgutil.walk_packages(package.__path__, top + ".") if i.ispkg)]:
+            module = importlib.import_module(name)
+            assert all(hasattr(module, n) for n in module.__all__), name
+
+
 def _public_functions():
     """Every function a public package exports, and every public method its exported classes define."""
     seen = set()
