@@ -54,7 +54,7 @@ MAX_LISTED = 20  # nodes the float warning names, one per line; result.float_nod
 # ops that runtimes (onnxruntime, TensorRT) run quantized when they sit between DQ and Q in a QDQ model
 QDQ_FUSIBLE = {"Conv", "Gemm", "MatMul", "Add", "Mul", "Sigmoid", "Relu", "MaxPool", "AveragePool",
                "GlobalAveragePool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Concat",
-               "Resize"}
+               "Resize", "Split", "Slice"}
 
 
 SHAPE_READERS = {"Shape", "Size"}  # read a tensor's shape, not its values: what they feed is no float island
@@ -196,12 +196,13 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
     present = {node.name for node in g.nodes} - {name for _, name in unconverted}
     unconverted += [(op, name) for name, (op, _) in findings.kept_float.items() if name in present]
     reasons = {name: f" ({why})" for name, (_, why) in findings.kept_float.items()}
+    modules = _module_paths(g)
     output_steps = _output_quanta(g)
     rewrites["remove_dead"] = g.remove_dead()
     model = g.commit()
     infer_shapes_in_place(model, check=True)
     if unconverted:
-        lines = [f"  {op} {name!r}{reasons.get(name, '')}" for op, name in unconverted[:MAX_LISTED]]
+        lines = [f"  {op} {name!r}{modules.get(name, '')}{reasons.get(name, '')}" for op, name in unconverted[:MAX_LISTED]]
         if len(unconverted) > MAX_LISTED:
             lines.append(f"  and {len(unconverted) - MAX_LISTED} more (result.float_nodes lists them all)")
         kinds = ", ".join(f"{op} x{n}" for op, n in Counter(op for op, _ in unconverted).most_common())
@@ -431,6 +432,20 @@ def _float_nodes_by_dtype(model: onnx.ModelProto) -> dict[str, int]:
             continue
         counts[node.op_type] = counts.get(node.op_type, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def _module_paths(g: Graph) -> dict[str, str]:
+    """`` in module <path>`` for each node the dynamo exporter named anonymously (``node_relu_1``): the module that
+    ran it, from the exporter's ``namespace`` metadata (``root: Cls/body.0: Cls/.../relu_1: aten.relu``)."""
+    paths = {}
+    for node in g.nodes:
+        namespace = node.metadata_props.get("namespace") if node.metadata_props else None
+        if not namespace or "/" not in namespace:
+            continue
+        module = namespace.split("/")[-2].split(":")[0].strip()
+        if module:
+            paths[node.name] = f" in module {module}"
+    return paths
 
 
 def _output_quanta(g: Graph) -> dict[str, float]:

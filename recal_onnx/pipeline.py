@@ -33,6 +33,7 @@ from .passes.binary_to_qlinear import binary_to_qlinear
 from .passes.concat_to_qlinear import concat_to_qlinear
 from .passes.constants import constants_to_initializers, fold_constants, remove_identities
 from .passes.conv_to_qlinearconv import conv_to_qlinearconv
+from .passes.batchnorm_to_conv import batchnorm_to_conv
 from .passes.fold_conv_affine import fold_conv_affine
 from .passes.fusible_qdq_pools import fusible_qdq_pools
 from .passes.gather_int8_table import gather_int8_tables
@@ -74,13 +75,14 @@ class Step:
 
 PIPELINE: tuple[Step, ...] = (
     Step((constants_to_initializers, remove_identities, fold_constants, fold_weight_transposes, fold_pads_into_convs,
-          gather_int8_tables, fold_conv_affine, zero_channel_scales)),
+          gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales)),
     Step((thin_channels,), when=lambda o: o.thin, args=lambda o: (o.channel_block,)),
     Step((scalar_activation_qparams, activations_to_uint8, remove_redundant_qdq, remove_noop_clamps)),
-    Step((int8_passthrough, conv_to_qlinearconv, gemm_to_qgemm, binary_to_qlinear, sigmoid_to_qlinear,
+    Step((int8_passthrough, batchnorm_to_conv, conv_to_qlinearconv, gemm_to_qgemm, binary_to_qlinear, sigmoid_to_qlinear,
           concat_to_qlinear, pool_to_qlinear, remove_redundant_qdq), when=lambda o: o.format == "qoperator",
          repeat=True),
-    Step((bias_to_int32, fusible_qdq_pools), when=lambda o: o.format == "qdq"),
+    Step((int8_passthrough,), when=lambda o: o.format == "qdq", args=lambda o: (False,)),
+    Step((batchnorm_to_conv, bias_to_int32, fusible_qdq_pools), when=lambda o: o.format == "qdq"),
     Step((uint8_weights,), when=lambda o: o.weight_type == "uint8"),
     Step((bias_apart,)),
 )

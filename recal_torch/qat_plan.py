@@ -14,6 +14,7 @@ recording of its first forward (:mod:`recal_torch.qat_trace`).
 from __future__ import annotations
 
 import logging
+import operator
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -50,9 +51,31 @@ def identity_at_eval(module: nn.Module | None) -> bool:
     no op there, so what it passes on keeps its quantization; fx keeps it as one node rather than trace its
     training branch (random masks) into the graph."""
     return isinstance(module, (*_DROPOUTS, nn.Identity)) or type(module).__name__ in IDENTITY_AT_EVAL
+def norm_activation(module: nn.Module | None) -> str | None:
+    """For a BatchNorm that applies its own activation, as timm's ``BatchNormAct2d`` does (a BatchNorm subclass
+    with an ``act`` child, and a ``drop`` one that is identity at eval): ``"relu"``, ``"relu6"`` or ``"none"`` (an
+    ``nn.Identity`` act), the activation folded with it into the conv before it; None for any other module, or
+    an activation that cannot be folded (it stays, and the BatchNorm with it)."""
+    if not isinstance(module, nn.modules.batchnorm._BatchNorm) or type(module) in NORMS.values():
+        return None
+    act, drop = getattr(module, "act", None), getattr(module, "drop", None)
+    if not isinstance(act, nn.Module) or (drop is not None and not identity_at_eval(drop)):
+        return None
+    return "none" if isinstance(act, nn.Identity) else "relu6" if isinstance(act, nn.ReLU6) else \
+        "relu" if isinstance(act, nn.ReLU) else None
+
+
+# data movement and selection: every value out is one of the values in, on the same grid (a channel split or
+# shuffle, a slice); operator.getitem picks a chunk's part, or slices a tensor
 _PRESERVING_FUNCTIONS = {torch.flatten, torch.reshape, torch.relu, F.relu, F.relu6, F.max_pool1d, F.max_pool2d,
-                         F.max_pool3d, torch.squeeze, torch.unsqueeze, F.dropout}
-_PRESERVING_METHODS = {"view", "reshape", "flatten", "relu", "contiguous", "squeeze", "unsqueeze", "relu_"}
+                         F.max_pool3d, torch.squeeze, torch.unsqueeze, F.dropout, torch.chunk, torch.split,
+                         torch.transpose, torch.permute, torch.narrow, operator.getitem}
+_PRESERVING_METHODS = {"view", "reshape", "flatten", "relu", "contiguous", "squeeze", "unsqueeze", "relu_", "chunk",
+                       "split", "transpose", "permute", "narrow"}
+CATS = {torch.cat, torch.concat, torch.concatenate}
+AVG_POOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
+AVG_POOL_FUNCTIONS = {F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
+                      F.adaptive_avg_pool3d}
 
 
 @dataclass
@@ -167,7 +190,8 @@ def _fuse(root: nn.Module, qat: QATModule, plan: _Plan, modules: dict[str, nn.Mo
 def is_leaf(module: nn.Module) -> bool:
     """A module the plan treats as one op (what runs inside it is not planned)."""
     return isinstance(module, (QATModule, QuantizedReLU, FoldedBatchNorm, ActivationFakeQuantize, WeightFakeQuantize,
-                               SiLUFakeQuantize, AttentionFakeQuantize)) or not any(True for _ in module.children())
+                               SiLUFakeQuantize, AttentionFakeQuantize)) or norm_activation(module) is not None \
+        or not any(True for _ in module.children())
 
 
 def plan_pending(root: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
@@ -259,7 +283,8 @@ class _LayerTracer(torch.fx.Tracer):
         self.layers = layers
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return qualname in self.layers or identity_at_eval(m) or super().is_leaf_module(m, qualname)
+        return qualname in self.layers or identity_at_eval(m) or norm_activation(m) is not None \
+            or super().is_leaf_module(m, qualname)
 
 
 def _float_type(module: nn.Module | None) -> type | None:
@@ -291,9 +316,18 @@ def _plan_graph(graph: torch.fx.Graph, modules: dict[str, nn.Module],
         end = node
         nxt = _only_user(node)
         kind = _float_type(layer)
-        if kind in NORMS and nxt is not None and type(module_of(nxt)) is NORMS[kind] \
-                and calls[nxt.target] == 1 and len(nxt.args) == 1:
+        folded_act = None
+        if kind in NORMS and nxt is not None and nxt.op == "call_module" and calls[nxt.target] == 1 \
+                and len(nxt.args) == 1 and isinstance(module_of(nxt), NORMS[kind]):
+            folded_act = "bn" if type(module_of(nxt)) is NORMS[kind] else norm_activation(module_of(nxt))
+        if folded_act == "bn":
             plan.bn, end, nxt = nxt.target, nxt, _only_user(nxt)
+        elif folded_act is not None:  # a BatchNorm with its own activation: both fold, nothing follows to fuse
+            plan.bn, end = nxt.target, nxt
+            plan.activation = None if folded_act == "none" else folded_act
+            plans[node] = plan
+            ends[end] = plan
+            continue
         activation = _clamping_activation(nxt, module_of(nxt)) if nxt is not None and nxt.args \
             and nxt.args[0] is end else None
         if activation is not None:
@@ -331,17 +365,25 @@ def _is_binary(node: torch.fx.Node, functions: set) -> bool:
         and all(isinstance(a, torch.fx.Node) and a.op != "placeholder" for a in node.args)
 
 
-_SITE_WORDS = {"add": "residual add", "mul": "product", "sigmoid": "sigmoid", "silu": "SiLU"}
+_SITE_WORDS = {"add": "residual add", "mul": "product", "sigmoid": "sigmoid", "silu": "SiLU", "cat": "concatenation",
+               "pool": "average pool", "norm": "BatchNorm"}
 
 
 def _site_kind(node: torch.fx.Node, modules: dict[str, nn.Module]) -> str | None:
-    """What a call site's observer would quantize: ``"add"`` / ``"mul"`` (of two computed tensors), ``"sigmoid"``,
-    ``"silu"``, or ``"clamp"`` (a ReLU / ReLU6 after one of the first two); None for any other call."""
+    """What a call site's observer would quantize: ``"add"`` / ``"mul"`` (of two computed tensors), ``"cat"`` (of
+    several), ``"pool"`` (an average pool), ``"norm"`` (a BatchNorm not folded), ``"sigmoid"``, ``"silu"``, or ``"clamp"`` (a ReLU / ReLU6 after one of the first two); None for any other call."""
     module = modules.get(node.target) if node.op == "call_module" else None
     if _is_binary(node, ADDS):
         return "add"
     if _is_binary(node, MULS):
         return "mul"
+    if isinstance(module, AVG_POOLS) or (node.op == "call_function" and node.target in AVG_POOL_FUNCTIONS):
+        return "pool"
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return "norm"  # one not folded into a conv before it: a pre-activation BatchNorm
+    if node.op == "call_function" and node.target in CATS and node.args and isinstance(node.args[0], (list, tuple)) \
+            and len(node.args[0]) > 1:
+        return "cat"
     function = node.target if node.op == "call_function" else None
     if type(module) is nn.Sigmoid or function is torch.sigmoid:
         return "sigmoid"
@@ -368,6 +410,12 @@ def _plan_sites(graph: torch.fx.Graph, modules: dict[str, nn.Module]) -> tuple[l
 
     - A residual add or a product whose operands are both quantized gets one: on its output, or on the ReLU /
       ReLU6 that alone reads it (the runtime adds or multiplies in int8 and clamps on the integers).
+    - So does a BatchNorm of a quantized tensor that no conv before it took in (DenseNet's pre-activation), on its
+      output or on the ReLU that alone reads it: the converter runs it as a depthwise 1x1 QLinearConv.
+    - So does an average pool of a quantized tensor (the runtime pools the integers and rounds the mean to the
+      grid the QAT model rounded it to; a pool the model returns stays float).
+    - So does a concatenation of quantized tensors (the runtime joins them on one grid, and a channel split or
+      shuffle after it moves integers).
     - So does a sigmoid or a SiLU whose input is quantized (a SiLU's site also quantizes its sigmoid:
       :class:`SiLUFakeQuantize`), unless the model returns it: squeeze-excitation and SiLU then run on the integers.
     """
@@ -390,16 +438,18 @@ def _plan_sites(graph: torch.fx.Graph, modules: dict[str, nn.Module]) -> tuple[l
         kind = _site_kind(node, modules)
         if kind in (None, "clamp") or "site" not in node.meta:
             continue
-        operands = node.args if kind in ("add", "mul") else node.args[:1]
+        operands = node.args if kind in ("add", "mul") else node.args[0] if kind == "cat" else node.args[:1]
         if not operands or not all(_reaches(a, quantized, modules) for a in operands):
             continue
         user = _only_user(node)
         module = modules.get(user.target) if user is not None and user.op == "call_module" else None
         if isinstance(module, QuantizedReLU):
             continue  # the fx plan quantizes this sum already
-        if kind in ("sigmoid", "silu") and any(u.op == "output" for u in node.users):
+        if kind == "pool" and _read_only_by_layers(node, modules):
+            continue  # the layer's own input quantizer quantizes it (GAP -> flatten -> classifier), as before
+        if kind in ("sigmoid", "silu", "pool") and any(u.op == "output" for u in node.users):
             continue  # a probability or feature the model returns keeps its float precision
-        if kind in ("add", "mul") and user is not None and user.args and user.args[0] is node \
+        if kind in ("add", "mul", "norm") and user is not None and user.args and user.args[0] is node \
                 and "site" in user.meta and _clamping_activation(user, module) is not None:
             node = user
         if node.op != "call_module" and node.meta["site"][0] in strangers:
@@ -410,6 +460,23 @@ def _plan_sites(graph: torch.fx.Graph, modules: dict[str, nn.Module]) -> tuple[l
         sites.append(node)
         quantized.add(node)
     return sites, quantized
+
+
+def _read_only_by_layers(node: torch.fx.Node, modules: dict[str, nn.Module]) -> bool:
+    """Every path from ``node`` through quantization-preserving ops ends at a QAT layer's input."""
+    stack, seen = list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        module = modules.get(user.target) if user.op == "call_module" else None
+        if isinstance(module, QATModule):
+            continue
+        if user.op == "output" or not _preserves_quantization(user, module):
+            return False
+        stack.extend(user.users)
+    return True
 
 
 def _unread_linears(graph: torch.fx.Graph, modules: dict[str, nn.Module], sites: set) -> list[QATLinear]:

@@ -18,6 +18,7 @@ fidelity: the largest difference of the logits from the QAT export run as float 
 int8 execution of that same QDQ export. Run it on an idle machine: it measures latency.
 
     python scripts/bench_zoo.py [--quick] [--rounds 15] [--size 224] [--models resnet18 hf-resnet-basic ...]
+        [--json docs/results/zoo.json [--merge]]
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--models", nargs="+", choices=list(BUILDERS))
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --json: replace or add these models' rows in that file, keep the others")
     args = parser.parse_args()
     rounds, size = (3, 64) if args.quick else (args.rounds, args.size)
     models = args.models or list(MODELS if args.quick else BUILDERS)
@@ -116,6 +119,14 @@ def main() -> None:
                   f"{left} | {cell('qat export')} | {cell('recal')} | {cell(STATIC)} | {cell(STATIC_REDUCED)} |",
                   flush=True)
     if args.json:
+        if args.merge and args.json.exists():
+            kept = json.loads(args.json.read_text())
+            if (kept["cpu"], kept["size"], kept["rounds"]) != (cpu.describe(), size, rounds):
+                raise SystemExit(f"{args.json} was measured on another CPU, size or rounds: rerun every model")
+            new = {row["model"]: row for row in rows}
+            order = list(BUILDERS)
+            rows = sorted([*(r for r in kept["rows"] if r["model"] not in new), *new.values()],
+                          key=lambda r: order.index(r["model"]) if r["model"] in order else len(order))
         args.json.write_text(json.dumps({"cpu": cpu.describe(), "size": size, "rounds": rounds, "rows": rows},
                                         indent=1, default=str))
 

@@ -9,6 +9,7 @@ from recal_onnx.findings import Findings
 from recal_onnx.graph import Graph
 from recal_onnx.passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
 from recal_onnx.passes.bias_apart import bias_apart
+from recal_onnx.passes.batchnorm_to_conv import batchnorm_to_conv
 from recal_onnx.passes.bias_to_int32 import bias_to_int32
 from recal_onnx.passes.binary_to_qlinear import binary_to_qlinear
 from recal_onnx.passes.concat_to_qlinear import concat_to_qlinear
@@ -321,6 +322,46 @@ def test_int8_passthrough_maxpool_reshape_relu():
     converted, (n,) = _apply(model, int8_passthrough)
     assert n == 3 and ops(converted) == ["QuantizeLinear", "MaxPool", "Max", "Flatten", "DequantizeLinear"]
     np.testing.assert_array_equal(run(converted, feeds)[0], expected)
+
+
+def test_int8_passthrough_splits_and_slices_on_the_integers():
+    """A channel split (ShuffleNet's chunk) and a slice move integers: each Split output gets its own DQ."""
+    b = Builder()
+    x = b.qdq("x", 0.03, 128)
+    b.nodes.append(onnx.helper.make_node("Split", [x, b.const(np.array([2, 2], np.int64))], ["a", "c"], axis=1,
+                                         name="split"))
+    s = b.node("Slice", ["c", b.const(np.array([1], np.int64)), b.const(np.array([3], np.int64)),
+                         b.const(np.array([2], np.int64))])
+    model = b.model([("x", [2, 4, 4, 4])], ["a", s])
+    feeds = _x([2, 4, 4, 4])
+    expected = reference(model, feeds)
+    converted, (n,) = _apply(model, int8_passthrough)
+    # the DQ of the split part the Slice read went with it
+    assert n == 2 and ops(converted) == ["QuantizeLinear", "Split", "DequantizeLinear", "Slice", "DequantizeLinear"]
+    for got, want in zip(run(converted, feeds), expected):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_batchnorm_on_a_quantized_activation_becomes_an_exact_depthwise_conv():
+    """A pre-activation BatchNorm: its factor held exactly as +-64 with per-channel scale |a| / 64 (a negative and a
+    zero factor too), its shift as the bias; then DQ -> Conv -> Relu -> Q converts like any conv."""
+    b = Builder()
+    c = 4
+    gamma = np.array([1.5, -0.7, 0.0, 2.0], np.float32)
+    beta, mean = np.array([0.1, -0.2, 0.3, 0.0], np.float32), np.array([0.05, 0.1, -0.1, 0.2], np.float32)
+    var = np.array([1.0, 0.5, 2.0, 0.25], np.float32)
+    y = b.node("BatchNormalization", [b.qdq("x", 0.03, 128), b.const(gamma), b.const(beta), b.const(mean),
+                                      b.const(var)], epsilon=1e-5)
+    y = b.qdq(b.node("Relu", [y]), 0.02, 0)
+    model = b.model([("x", [2, c, 3, 3])], [y])
+    feeds = _x([2, c, 3, 3])
+    expected = reference(model, feeds)[0]
+    converted, (n,) = _apply(model, batchnorm_to_conv)
+    assert n == 1 and "BatchNormalization" not in ops(converted) and "Conv" in ops(converted)
+    np.testing.assert_allclose(run(converted, feeds)[0], expected, atol=1e-6)
+    integer, _ = _apply(converted, conv_to_qlinearconv)
+    assert "QLinearConv" in ops(integer)
+    assert np.abs(run(integer, feeds)[0] - expected).max() <= 0.02 + 1e-6  # within one output step
 
 
 def test_int8_passthrough_zero_case():

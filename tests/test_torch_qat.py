@@ -857,3 +857,29 @@ def test_stochastic_depth_before_a_residual_add_keeps_the_add_integer(dynamo, tm
     result = quantize_qat_export(str(path), tmp_path / "int8.onnx")
     kinds = [n.op_type for n in result.model.graph.node]
     assert "QLinearAdd" in kinds and not result.float_nodes, (kinds, result.float_nodes)
+
+
+def test_the_float_warning_names_the_module_of_each_anonymous_dynamo_node(tmp_path):
+    """The dynamo exporter names nodes ``node_gelu``; the warning adds the module that ran each (its namespace
+    metadata), one node per line."""
+    from recal_onnx import UnconvertedOpsWarning, quantize_qat_export
+
+    class Gelu(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.act, self.c2 = nn.Conv2d(1, 4, 3, padding=1), nn.GELU(), nn.Conv2d(4, 4, 3, padding=1)
+            self.fc = nn.Linear(4 * 8 * 8, 10)
+
+        def forward(self, x):
+            return self.fc(torch.flatten(self.c2(self.act(self.c1(x))), 1))
+
+    torch.manual_seed(0)
+    model = Gelu()
+    fake_quantize_model(model)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), batches(2))
+    path = export_onnx(model.eval(), torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx")
+    with pytest.warns(UnconvertedOpsWarning) as caught:
+        quantize_qat_export(str(path), tmp_path / "int8.onnx")
+    head, *lines = str(caught[0].message).splitlines()
+    assert head.startswith("left in float") and "Erf x1" in head and len(lines) >= 2  # GELU, written out by dynamo
+    assert all(line.startswith("  ") and line.endswith("' in module act") for line in lines), lines

@@ -38,8 +38,11 @@ def _becomes_const(g: Graph, out: Value, value: np.ndarray) -> None:
 
 
 def remove_identities(g: Graph) -> int:
+    """Identity nodes, and Concats of a single input (``torch.cat([x])``: DenseNet's first layer), go."""
     count = 0
-    for node in g.each("Identity"):
+    for node in g.each("Identity", "Concat"):
+        if node.op_type == "Concat" and len(node.inputs) != 1:
+            continue
         if not node.outputs[0].is_graph_output():
             g.replace(node.outputs[0], node.inputs[0])
             g.remove(node)

@@ -3,7 +3,8 @@
 Before::  q -> DequantizeLinear(s, zp) -> MaxPool -> y
 After::   q -> MaxPool -> q' -> DequantizeLinear(s, zp) -> y
 
-For MaxPool, Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Identity. A ``Relu`` or constant-bound ``Clip``
+For MaxPool, Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Identity, Slice, Split (each of its outputs
+dequantized on its own: a channel split or shuffle moves integers). A ``Relu`` or constant-bound ``Clip``
 (:func:`~recal_onnx.quantized_ops.integer_bounds`) becomes nothing where its bounds lie beyond the integers'
 range (a ReLU on a lowest zero point, a ReLU6 after an op whose range already stops at 6), ``Max`` / ``Min``
 where they lie on the grid; a bound between grid points would round differently, and the op stays float.
@@ -18,10 +19,14 @@ from ..graph import Graph
 from ..qdq import activation
 from ..quantized_ops import clamp_integers, integer_bounds
 
-PASSTHROUGH = {"MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity"}
+PASSTHROUGH = {"MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Slice"}
+SPLITS = {"Split"}  # several outputs, each dequantized on its own
 
 
-def int8_passthrough(g: Graph) -> int:
+def int8_passthrough(g: Graph, clamps: bool = True) -> int:
+    """Move every DequantizeLinear past the data movement after it (and, with ``clamps``, past ReLU / Clip
+    bounds that cut nothing); return how many ops now run on the integers. A ``qdq`` model keeps its clamps
+    (onnxruntime fuses them with the conv before them) and moves data only."""
     count = 0
     changed = True
     while changed:
@@ -34,10 +39,20 @@ def int8_passthrough(g: Graph) -> int:
                 continue
             if node.op_type == "MaxPool" and len([o for o in node.outputs if o.name or o.uses()]) > 1:
                 continue  # the Indices output has no integer meaning
+            if node.op_type in SPLITS:
+                parts = g.add_node(node.op_type, [x.q, *node.inputs[1:]], name=node.name + "_int8",
+                                   outputs=len(node.outputs), **node.attributes).outputs
+                for part, old in zip(parts, node.outputs):
+                    g.add_node("DequantizeLinear", [part, x.scale, x.zero_point], name=f"{old.name}_dq",
+                               replaces=old)
+                g.remove(node)
+                count += 1
+                changed = True
+                continue
             if node.op_type in PASSTHROUGH:
                 q_out = g.add_node(node.op_type, [x.q, *node.inputs[1:]], name=node.name + "_int8",
                                    **node.attributes).outputs[0]
-            elif node.op_type in ("Relu", "Clip") and \
+            elif clamps and node.op_type in ("Relu", "Clip") and \
                     (clamp := integer_bounds(g, node, x.scale, x.zero_point, on_grid=True)) is not None:
                 q_out = clamp_integers(g, node, x.q, clamp, g.const(x.zero_point).dtype)
             else:
