@@ -73,6 +73,61 @@ class ViT(nn.Module):
     names = ("input",)
 
 
+class Roberta(nn.Module):
+    """RoBERTa: BERT with another embedding layout (positions from the padding index on)."""
+
+
+    def __init__(self):
+        super().__init__()
+        config = transformers.RobertaConfig(vocab_size=800, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                            intermediate_size=128, max_position_embeddings=40, num_labels=CLASSES)
+        self.model = transformers.RobertaForSequenceClassification(config)
+
+    def forward(self, ids, mask):
+        return self.model(input_ids=ids, attention_mask=mask).logits
+
+    @staticmethod
+    def batch(g):
+        ids = torch.randint(3, 800, (8, 16), generator=g)
+        return (ids, torch.ones_like(ids)), ids[:, 1] % CLASSES
+    tables = 3
+    params = "['re:.*(query|key|value|dense)\\.weight$']"
+    names = ("ids", "mask")
+
+
+class DeiT(nn.Module):
+    """DeiT: ViT with a distillation token beside the class token."""
+
+
+    def __init__(self):
+        super().__init__()
+        config = transformers.DeiTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, intermediate_size=128, num_labels=CLASSES)
+        self.model = transformers.DeiTForImageClassification(config)
+
+    def forward(self, x):
+        return self.model(pixel_values=x).logits
+
+    @staticmethod
+    def batch(g):
+        x = torch.randn(8, 3, 32, 32, generator=g)
+        return (x,), (x[:, 0, :8, :8].mean((1, 2)) > 0).long()
+    tables = 0
+    params = "__ALL_PRUNABLE__"
+    names = ("input",)
+
+
+class Swin(DeiT):
+    """Swin: shifted windows (a window partition whose Reshape the dynamo exporter fixes to a batch-1 sample)."""
+
+
+    def __init__(self):
+        nn.Module.__init__(self)
+        config = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+                                         window_size=4, num_labels=CLASSES)
+        self.model = transformers.SwinForImageClassification(config)
+
+
 def _prune_and_qat(kind, quantized_attention: str | None = None):
     """``kind``'s model after the recipe's 80% pruning and QAT steps on synthetic data, finalized; its manager.
     ``quantized_attention``: the attention implementation ("sdpa", "eager") whose matmuls QAT quantizes too."""
@@ -189,3 +244,31 @@ def test_attention_matmuls_quantize_as_an_option(kind, attention, tmp_path):
     kinds = collections.Counter(n.op_type for n in result.model.graph.node)
     assert "MatMul" not in kinds and kinds["MatMulIntegerToFloat"] + kinds["QGemm"] == _linears(model) + 4, kinds
     assert result.verification.max_abs_diff <= 0.02 * result.verification.output_range, result.verification
+
+
+# Swin also moves its float residual stream through window partitions and patch merging (data movement only)
+LIBRARY_FLOAT = {"roberta": FLOAT_ALLOWED, "deit": FLOAT_ALLOWED,
+                 "swin": FLOAT_ALLOWED | {"Reshape", "Transpose", "Slice", "Pad"}}
+
+
+@pytest.mark.parametrize("kind", [Roberta, DeiT, Swin], ids=["roberta", "deit", "swin"])
+def test_more_hugging_face_models_quantize_from_a_batch_1_sample(kind, tmp_path):
+    """RoBERTa, DeiT and Swin from small configs, exported as users do (a batch-1 sample, torch's default exporter):
+    every Linear integer, what stays float named, argmax >= 0.999 on 256 inputs. Swin's dynamo export fixes its
+    window partition to batch 1; export_onnx finds it at export and uses TorchScript, saying so."""
+    from recal_torch import ExportWarning
+
+    model, _ = _prune_and_qat(kind)
+    sample = tuple(t[:1] for t in kind.batch(torch.Generator().manual_seed(1))[0])
+    with warnings.catch_warnings(record=True) as exported:
+        warnings.simplefilter("always", ExportWarning)
+        path = export_onnx(model, sample, tmp_path / "qat.onnx", input_names=kind.names)
+    fell_back = [w for w in exported if issubclass(w.category, ExportWarning)]
+    assert bool(fell_back) == (kind is Swin), [str(w.message) for w in fell_back]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnconvertedOpsWarning)
+        result = quantize_qat_export(str(path), tmp_path / "int8.onnx", min_agreement=0.999)
+    assert {op for op, _ in result.float_nodes} <= LIBRARY_FLOAT[kind.__name__.lower()], result.float_nodes
+    kinds = collections.Counter(n.op_type for n in result.model.graph.node)
+    assert kinds["MatMulIntegerToFloat"] + kinds["QGemm"] == _linears(model), kinds
+    assert result.verification.samples >= 256 and result.verification.argmax_agreement >= 0.999
