@@ -15,7 +15,7 @@ from recal_core.recipe import Recipe
 from recal_core.schedule import QATState
 
 from .qat_modules import QATModule, describe, fake_quantizers, is_table, qat_modules
-from .qat_plan import fake_quantize_model, quantizable_layers
+from .qat_plan import FLOAT_REASON, fake_quantize_model, quantizable_layers
 from .qat_attention import AttentionFakeQuantize, quantize_attention
 
 log = logging.getLogger(__name__)
@@ -148,8 +148,12 @@ class QATControl:
         self.prepared.add(index)
 
     def quantized_layers(self) -> dict[str, str]:
-        """Each QAT layer's name and what is quantized in it (see :func:`recal_torch.qat.describe`)."""
+        """Each QAT layer's name and what is quantized in it (see :func:`recal_torch.qat.describe`); a layer the
+        planner left float, with why."""
         layers = {name: describe(m) for name, m in self.model.named_modules() if isinstance(m, QATModule)}
+        for name, m in self.model.named_modules():  # what the planner left float, and why
+            if FLOAT_REASON in m.__dict__:
+                layers[name] = f"float: {m.__dict__[FLOAT_REASON]}"
         for name, m in self.model.named_modules():
             if isinstance(m, AttentionFakeQuantize):
                 layers[name.rpartition(".")[0]] = "attention matmuls Q·Kᵀ and P·V, operands uint8"

@@ -33,6 +33,9 @@ from .qat_trace import ADDS, MULS, RELUS, evaluating, own_children, record_forwa
 log = logging.getLogger(__name__)
 
 
+FLOAT_REASON = "_recal_float_reason"  # on a conv / linear the planner left float: why (manager.quantized_layers)
+
+
 class QATPlanWarning(UserWarning):
     """The QAT planner could not read the model's forward: the layers it names are quantized less than they could
     be (the message says what stays float)."""
@@ -269,8 +272,11 @@ def _plan_from_trace(root: nn.Module, modules: dict[str, nn.Module],
     calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
     shared = sorted(t for t, n in calls.items() if n > 1 and t in quantizable)
     if shared:  # one weight, several call sites: one input and output observer cannot hold each site's range
-        log.warning("QAT: %s called more than once in %s's forward: left float; give each call its own module",
-                    ", ".join(f"{t!r} ({calls[t]} calls)" for t in shared), type(root).__name__)
+        warnings.warn(f"QAT: {', '.join(f'{t!r} ({calls[t]} calls)' for t in shared)} called more than once in "
+                      f"{type(root).__name__}'s forward: left float (one observer cannot hold each call's range); "
+                      "give each call its own module", QATPlanWarning, stacklevel=3)
+        for target in shared:
+            modules[target].__dict__[FLOAT_REASON] = f"called {calls[target]} times in one forward"
     return _plan_graph(graph, modules, quantizable)
 
 
@@ -453,9 +459,9 @@ def _plan_sites(graph: torch.fx.Graph, modules: dict[str, nn.Module]) -> tuple[l
                 and "site" in user.meta and _clamping_activation(user, module) is not None:
             node = user
         if node.op != "call_module" and node.meta["site"][0] in strangers:
-            log.warning("QAT: the %s in %r stays float: that module calls modules that are not its own "
-                        "children (%s), so its own calls cannot be counted apart from theirs", _SITE_WORDS[kind],
-                        node.meta["site"][0], ", ".join(sorted(strangers[node.meta["site"][0]])[:3]))
+            warnings.warn(f"QAT: the {_SITE_WORDS[kind]} in {node.meta['site'][0]!r} stays float: that module calls "
+                          f"modules that are not its own children ({', '.join(sorted(strangers[node.meta['site'][0]])[:3])}"
+                          "), so its own calls cannot be counted apart from theirs", QATPlanWarning, stacklevel=2)
             continue
         sites.append(node)
         quantized.add(node)

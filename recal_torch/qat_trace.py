@@ -175,8 +175,9 @@ def record_forward(root: nn.Module, args: tuple, kwargs: dict, is_leaf) -> torch
 
     handles = [nn.modules.module.register_module_forward_pre_hook(before),
                nn.modules.module.register_module_forward_hook(after, always_call=True)]
+    eager = getattr(torch.compiler, "set_stance", None)  # torch.compile'd submodules run as plain code here
     try:
-        with evaluating(root), recorder:
+        with evaluating(root), (eager("force_eager") if eager else contextlib.nullcontext()), recorder:
             for i, value in enumerate([*args, *kwargs.values()]):
                 if isinstance(value, Tensor):
                     recorder._bind(value, recorder.graph.placeholder(f"input_{i}"))

@@ -422,7 +422,9 @@ def test_a_shared_relu_gets_an_observer_per_call_site(tmp_path):
     assert "Relu" not in kinds and result.verification.max_steps <= 3
 
 
-def test_a_shared_conv_is_named_in_a_warning(caplog):
+def test_a_shared_conv_is_named_in_a_warning():
+    from recal_torch.qat_plan import QATPlanWarning
+
     class SharedConv(nn.Module):
         def __init__(self):
             super().__init__()
@@ -431,9 +433,8 @@ def test_a_shared_conv_is_named_in_a_warning(caplog):
         def forward(self, x):
             return self.conv(self.conv(x))
 
-    with caplog.at_level("WARNING", logger="recal_torch.qat_plan"):
+    with pytest.warns(QATPlanWarning, match=r"'conv' \(2 calls\).*give each call its own module"):
         fake_quantize_model(SharedConv())
-    assert "'conv' (2 calls)" in caplog.text and "give each call its own module" in caplog.text
 
 
 @pytest.mark.parametrize("kind", [InvertedResidual, Untraceable], ids=["traced", "untraceable"])
@@ -456,7 +457,7 @@ def test_a_residual_add_without_activation_is_quantized_once(kind, tmp_path, cap
         assert result.verification.max_steps <= 3
 
 
-def test_an_add_in_a_module_that_calls_a_stranger_stays_float_and_is_named(caplog):
+def test_an_add_in_a_module_that_calls_a_stranger_stays_float_and_is_named():
     """A module that calls another module's child: its own calls cannot be told from that child's, so the sum
     gets no observer (a wrong call would be quantized otherwise), and the warning names the module."""
 
@@ -479,10 +480,11 @@ def test_an_add_in_a_module_that_calls_a_stranger_stays_float_and_is_named(caplo
 
     torch.manual_seed(0)
     model = Net()
-    with caplog.at_level("WARNING", logger="recal_torch.qat_plan"):
-        fake_quantize_model(model)
+    from recal_torch.qat_plan import QATPlanWarning
+
+    fake_quantize_model(model)
+    with pytest.warns(QATPlanWarning, match=r"residual add in 'borrower' stays float.*\(blocks\.0\)"):
         model(torch.randn(2, 1, 8, 8))
-    assert "residual add in 'borrower' stays float" in caplog.text and "blocks.0" in caplog.text
     assert "recal_sites" not in model._modules
 
 
@@ -883,3 +885,66 @@ def test_the_float_warning_names_the_module_of_each_anonymous_dynamo_node(tmp_pa
     head, *lines = str(caught[0].message).splitlines()
     assert head.startswith("left in float") and "Erf x1" in head and len(lines) >= 2  # GELU, written out by dynamo
     assert all(line.startswith("  ") and line.endswith("' in module act") for line in lines), lines
+
+
+class SharedConv(nn.Module):
+    """One conv reached by two attribute paths and called twice: one observer cannot hold both calls' ranges."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.again = self.c2
+        self.fc = nn.Linear(4 * 8 * 8, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.c2(torch.relu(self.c1(x))))
+        return self.fc(torch.flatten(torch.relu(self.again(y)), 1))
+
+
+def test_a_layer_called_twice_is_left_float_with_a_warning_naming_it():
+    from recal_torch.qat_plan import QATPlanWarning
+
+    model = SharedConv()
+    with pytest.warns(QATPlanWarning, match=r"'c2' \(2 calls\) called more than once in SharedConv's forward: left "
+                                            r"float"):
+        created = fake_quantize_model(model)
+    assert type(model.c2) is nn.Conv2d and len(created) == 2  # c1 and fc
+    from recal_torch import ScheduledModifierManager
+
+    model = SharedConv()
+    manager = ScheduledModifierManager.from_yaml("- !QuantizationModifier {start_epoch: 0}\n")
+    with pytest.warns(QATPlanWarning):
+        manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.01), steps_per_epoch=2)
+    assert manager.quantized_layers["c2"] == "float: called 2 times in one forward", manager.quantized_layers
+
+
+class CompiledBlock(nn.Module):
+    """A torch.compile'd submodule with a residual add around it."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.block = torch.compile(nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()))
+        self.fc = nn.Linear(4 * 8 * 8, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.c1(x))
+        return self.fc(torch.flatten(y + self.block(y), 1))
+
+
+@pytest.mark.slow
+def test_a_torch_compiled_submodule_is_planned_and_runs_on_the_integers(tmp_path, recwarn):
+    """The planner records the first forward with torch.compile's stance forced to eager: the compiled block's
+    conv is planned, the add around it gets its observer, and the int8 model is integer throughout."""
+    from recal_onnx import quantize_qat_export
+
+    torch.manual_seed(0)
+    model = CompiledBlock()
+    fake_quantize_model(model)
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), batches(2))
+    assert not [w for w in recwarn if "could not record" in str(w.message)]
+    assert sorted(model.recal_sites) == [":add:0"]
+    path = export_onnx(model.eval(), torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
+    result = quantize_qat_export(str(path), tmp_path / "int8.onnx")
+    kinds = [n.op_type for n in result.model.graph.node]
+    assert "QLinearAdd" in kinds and not result.float_nodes, (kinds, result.float_nodes)
