@@ -232,6 +232,13 @@ def _plan_on_first_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
         return
     modules = dict(root.named_modules())
     layers = {n for n, m in modules.items() if isinstance(m, QATModule) and not isinstance(m, QATEmbedding)}
+    reached = {n.target for n in graph.nodes if n.op == "call_module"}
+    unseen = sorted(layers - reached)
+    if unseen:  # a branch the first forward did not take: no add, product or folding planned around them
+        warnings.warn(f"QAT: the first forward of {type(root).__name__} did not reach {', '.join(unseen[:8])}"
+                      f"{f' and {len(unseen) - 8} more' if len(unseen) > 8 else ''} (a branch not taken?): their "
+                      "inputs and outputs are quantized as planned before it, and the adds, products and pools around "
+                      "them stay float", QATPlanWarning, stacklevel=2)
     if not traced:
         plans, _ = _plan_graph(graph, modules, layers)
         for plan in plans:
@@ -258,9 +265,25 @@ def _plan_on_first_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
              or "no call sites")
 
 
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+
+
 def _replace(root: nn.Module, target: str, new: nn.Module) -> None:
+    """Put ``new`` where ``target`` is. The user's forward hooks go with a layer to its QAT module; on a module that
+    folds away (a BatchNorm or ReLU taken into the conv before it) they would no longer see what they saw: said."""
     parent_name, _, child = target.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
+    old = getattr(parent, child)
+    if any(getattr(old, d, None) for d in ("_forward_pre_hooks", "_forward_hooks")):
+        if isinstance(new, QATModule):
+            for name in _HOOK_DICTS:
+                if getattr(old, name, None):
+                    getattr(new, name).update(getattr(old, name))
+        else:
+            warnings.warn(f"QAT: {target!r} ({type(old).__name__}) has forward hooks, and QAT folds it into the layer "
+                          "before it: its hooks now see that layer's folded output (register them on the layer)",
+                          QATPlanWarning, stacklevel=4)
     setattr(parent, child, new)
 
 

@@ -948,3 +948,48 @@ def test_a_torch_compiled_submodule_is_planned_and_runs_on_the_integers(tmp_path
     result = quantize_qat_export(str(path), tmp_path / "int8.onnx")
     kinds = [n.op_type for n in result.model.graph.node]
     assert "QLinearAdd" in kinds and not result.float_nodes, (kinds, result.float_nodes)
+
+
+def test_the_users_forward_hooks_follow_their_layer_into_qat():
+    """A feature-extraction hook on a conv keeps firing on its QAT module; a hook on a BatchNorm that folds away is
+    named in a warning."""
+    from recal_torch.qat_plan import QATPlanWarning
+
+    seen = []
+    model = SmallCNN()
+    model.conv3.register_forward_hook(lambda module, args, out: seen.append((type(module).__name__, out.shape)))
+    fake_quantize_model(model)
+    model(torch.randn(2, 1, 8, 8))
+    assert seen and seen[-1][0] == "QATConv"
+
+    class ConvBN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            return self.bn(self.conv(x))
+
+    model = ConvBN()
+    model.bn.register_forward_hook(lambda *args: None)
+    with pytest.warns(QATPlanWarning, match=r"'bn' \(BatchNorm2d\) has forward hooks, and QAT folds it"):
+        fake_quantize_model(model)
+
+
+def test_a_branch_the_first_forward_did_not_take_is_named():
+    from recal_torch.qat_plan import QATPlanWarning
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(1, 4, 3, padding=1)
+            self.fc = nn.Linear(4 * 8 * 8, 10)
+
+        def forward(self, x):
+            y = self.a(x) if float(x.mean()) < 1e9 else self.b(x)  # data-dependent: fx cannot trace it
+            return self.fc(torch.flatten(y, 1))
+
+    model = Branchy()
+    fake_quantize_model(model)
+    with pytest.warns(QATPlanWarning, match=r"first forward of Branchy did not reach b \(a branch not taken\?\)"):
+        model(torch.randn(2, 1, 8, 8))
