@@ -7,7 +7,7 @@ from torch import nn
 
 from recal_core.params import ParamInfo
 
-from .qat_modules import QATModule  # a QAT module keeps the kernel (or table) of the layer it was built from
+from .qat_modules import QATModule, is_transposed_linear_type  # a QAT module keeps the kernel (or table) of the layer it was built from
 
 PRUNABLE_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
                    nn.ConvTranspose3d, nn.Linear)
@@ -30,7 +30,8 @@ def _layer_type(module: nn.Module) -> type:
 
 
 def is_prunable(module: nn.Module, param_name: str) -> bool:
-    return param_name == "weight" and issubclass(_layer_type(module), PRUNABLE_LAYERS)
+    kind = _layer_type(module)
+    return param_name == "weight" and (issubclass(kind, PRUNABLE_LAYERS) or is_transposed_linear_type(kind))
 
 
 def is_table(module: nn.Module, param_name: str) -> bool:
@@ -38,9 +39,11 @@ def is_table(module: nn.Module, param_name: str) -> bool:
 
 
 def kernel_axes(module: nn.Module, param: torch.Tensor) -> tuple[int, ...]:
-    """The axes of a kernel in canonical ``[out, in, *spatial]`` order (transposed convs store in first)."""
+    """The axes of a kernel in canonical ``[out, in, *spatial]`` order (transposed convs and transformers'
+    Conv1D store in first)."""
     axes = tuple(range(param.dim()))
-    return (1, 0, *axes[2:]) if isinstance(module, TRANSPOSED) else axes
+    transposed = isinstance(module, TRANSPOSED) or is_transposed_linear_type(_layer_type(module))
+    return (1, 0, *axes[2:]) if transposed else axes
 
 
 def describe_parameters(model: nn.Module) -> tuple[list[ParamInfo], dict[str, nn.Parameter]]:

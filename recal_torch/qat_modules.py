@@ -16,6 +16,12 @@ from torch import nn
 from .fake_quant import W_LEVELS, ActivationFakeQuantize, WeightFakeQuantize
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def is_transposed_linear_type(kind: type) -> bool:
+    """transformers' ``Conv1D`` (GPT-2, DistilGPT-2 and their forks): a Linear whose weight is stored ``[in, out]``
+    (``y = x @ W + b``), found by name so that recal needs no transformers import."""
+    return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers")
 NORMS = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.BatchNorm3d}
 
 
@@ -152,10 +158,20 @@ class QATConv(QATModule):
 class QATLinear(QATModule):
     """Linear(-ReLU) with fake-quantized input (optional), weight and output."""
 
-    def __init__(self, linear: nn.Linear, relu: bool, quantize_input: bool, relu6: bool = False,
+    def __init__(self, linear: nn.Module, relu: bool, quantize_input: bool, relu6: bool = False,
                  weight_levels: float = W_LEVELS):
         super().__init__(linear, relu, quantize_input, relu6=relu6, weight_levels=weight_levels)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # transformers' Conv1D keeps its weight [in, out]: the QAT layer reads it transposed (the same Parameter)
+        self.transposed = is_transposed_linear_type(type(linear))
+        if self.transposed:
+            self.in_features, self.out_features = self.weight.shape
+            self.weight_fake_quant = WeightFakeQuantize(self.out_features, weight_levels).to(self.weight.device)
+        else:
+            self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def folded_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight as ``[out, in]`` (a Conv1D's transposed) and the bias."""
+        return (self.weight.t() if self.transposed else self.weight), self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The linear map of fake-quantized ``x`` by the fake-quantized weight.
@@ -164,7 +180,8 @@ class QATLinear(QATModule):
             x: the layer's float input."""
         if self.input_fake_quant is not None:
             x = self.input_fake_quant(x)
-        return self._finish(F.linear(x, self.weight_fake_quant(self.weight), self.bias))
+        weight, _ = self.folded_weight_and_bias()
+        return self._finish(F.linear(x, self.weight_fake_quant(weight), self.bias))
 
     def extra_repr(self) -> str:
         act = f"-{self.activation_name}" if self.activation_name else ""

@@ -27,7 +27,7 @@ from . import qat_sites
 from .fake_quant import REDUCED_W_LEVELS, W_LEVELS, ActivationFakeQuantize, SiLUFakeQuantize, WeightFakeQuantize
 from .qat_attention import AttentionFakeQuantize
 from .qat_modules import (CONVS, NORMS, FoldedBatchNorm, QATConv, QATEmbedding, QATLinear, QATModule, QuantizedReLU,
-                          device_of, is_table)
+                          device_of, is_table, is_transposed_linear_type)
 from .qat_trace import ADDS, MULS, RELUS, evaluating, own_children, record_forward
 
 log = logging.getLogger(__name__)
@@ -116,9 +116,11 @@ def _clamping_activation(node: torch.fx.Node, module: nn.Module | None) -> str |
 
 
 def quantizable_layers(root: nn.Module, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
-    """Names of the Conv1d/2d/3d (zero padding), Linear and Embedding modules QAT can quantize, less ``skip``."""
+    """Names of the Conv1d/2d/3d (zero padding), Linear, transformers Conv1D and Embedding modules QAT can quantize,
+    less ``skip``."""
     return [n for n, m in root.named_modules()
-            if ((isinstance(m, CONVS) and m.padding_mode == "zeros") or type(m) is nn.Linear or is_table(m))
+            if ((isinstance(m, CONVS) and m.padding_mode == "zeros") or type(m) is nn.Linear or is_table(m)
+                 or is_transposed_linear_type(type(m)))
             and n not in skip]
 
 

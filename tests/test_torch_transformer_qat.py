@@ -213,3 +213,46 @@ def test_an_attention_forward_that_raises_leaves_no_mode_behind():
     with pytest.raises(RuntimeError, match="boom"):
         model(_data(1)[0][0])
     assert torch._C._len_torch_function_stack() == depth
+
+
+@pytest.mark.slow
+def test_gpt2s_conv1d_layers_are_pruned_quantized_and_integer_in_onnx(tmp_path):
+    """GPT-2 (and its forks) build every projection from transformers' Conv1D, a Linear with its weight stored
+    [in, out]: __ALL_PRUNABLE__ selects them, QAT quantizes each (per output channel, the same Parameter read
+    transposed), and the int8 model runs every one as MatMulIntegerToFloat beside the tied LM head."""
+    transformers = pytest.importorskip("transformers")
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=300, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    manager = ScheduledModifierManager.from_yaml(
+        "- !GMPruningModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.5, final_sparsity: 0.8, start_epoch: 0,"
+        " end_epoch: 1, update_frequency: 0.5}\n- !QuantizationModifier {start_epoch: 0, reduce_range: true}\n")
+    optimizer = manager.modify(model, torch.optim.Adam(model.parameters(), 1e-3), steps_per_epoch=2)
+    conv1d = [n for n, m in model.named_modules() if type(m).__name__ == "QATLinear" and m.transposed]
+    assert len(conv1d) == 8 and set(manager.masks.masks) == {f"{n}.weight" for n in conv1d}
+    g = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(4):
+        ids = torch.randint(0, 300, (4, 16), generator=g)
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    manager.finalize(model)
+    weight = model.transformer.h[0].attn.c_attn.weight
+    assert weight.shape == (32, 96) and abs(float((weight == 0).float().mean()) - 0.8) < 0.01
+
+    class LM(nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids):
+            return self.lm(input_ids=ids, use_cache=False).logits
+
+    path = export_onnx(LM(model).eval(), torch.randint(0, 300, (2, 16)), tmp_path / "qat.onnx", input_names=["ids"])
+    result = quantize_qat_export(str(path))
+    kinds = [n.op_type for n in result.model.graph.node]
+    assert kinds.count("MatMulIntegerToFloat") == 9  # eight Conv1D and the LM head
+    assert result.verification.max_abs_diff <= 0.02 * result.verification.output_range, result.verification
