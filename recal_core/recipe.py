@@ -20,7 +20,7 @@ from . import modifiers as M
 from .errors import Location, Problem, RecipeError, RecipeWarning
 from .expressions import ExpressionBudget, ExpressionError, evaluate, is_expression, reported, resolve_variables
 from .schedule import RecipeSchedule
-from .yaml_source import ParsedYaml, TaggedMapping, parse_yaml, read_recipe_text
+from .yaml_source import MAX_EXPANDED_CHARS, ParsedYaml, TaggedMapping, parse_yaml, read_recipe_text, text_size
 
 SUPPORTED_MAJOR_VERSION = 1
 
@@ -339,9 +339,9 @@ class _Builder:
                 failed = True
         if failed:
             return None
-        self.expanded += _text_size(fields)
+        self.expanded += text_size(fields)
         if self.expanded > MAX_EXPANDED_CHARS:
-            if self.expanded - _text_size(fields) <= MAX_EXPANDED_CHARS:  # said once, where it happened
+            if self.expanded - text_size(fields) <= MAX_EXPANDED_CHARS:  # said once, where it happened
                 self.problems.append(Problem(item.location, f"the recipe's values, with every alias and eval() "
                                              f"expanded, exceed {MAX_EXPANDED_CHARS:,} characters", described,
                                              expected="a recipe that names what it means once"))
@@ -425,23 +425,6 @@ def _contains_tagged(value: Any) -> bool:
     if isinstance(value, dict):
         return any(_contains_tagged(v) for v in value.values())
     return False
-
-
-MAX_EXPANDED_CHARS = 2_000_000  # what a recipe may hold once expanded: its reports and run records stay small
-
-
-def _text_size(value: Any) -> int:
-    """The characters ``value`` takes when written out (about: keys, strings, numbers), without recursion."""
-    size, stack = 0, [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        size += len(item) if isinstance(item, str) else 8
-    return size
 
 
 def _evaluate_all(value: Any, variables: dict[str, Any], budget: ExpressionBudget) -> Any:

@@ -296,3 +296,20 @@ def _looks_like_path(text: str) -> bool:
     if "\n" in text:
         return False
     return text.endswith((".yaml", ".yml", ".md", ".markdown")) or os.path.exists(text)
+
+
+MAX_EXPANDED_CHARS = 2_000_000  # what a recipe may hold once expanded: its reports and run records stay small
+
+
+def text_size(value: Any) -> int:
+    """The characters ``value`` takes when written out (about: keys, strings, numbers), without recursion."""
+    size, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        size += len(item) if isinstance(item, str) else 8
+    return size

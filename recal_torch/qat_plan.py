@@ -14,7 +14,6 @@ recording of its first forward (:mod:`recal_torch.qat_trace`).
 from __future__ import annotations
 
 import logging
-import operator
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -28,7 +27,9 @@ from .fake_quant import REDUCED_W_LEVELS, W_LEVELS, ActivationFakeQuantize, SiLU
 from .qat_attention import AttentionFakeQuantize
 from .qat_modules import (CONVS, NORMS, FoldedBatchNorm, QATConv, QATEmbedding, QATLinear, QATModule, QuantizedReLU,
                           device_of, is_table, is_transposed_linear_type)
-from .qat_trace import ADDS, MULS, RELUS, evaluating, own_children, record_forward
+from .qat_patterns import (AVG_POOL_FUNCTIONS, AVG_POOLS, CATS, clamping_activation, identity_at_eval,
+                           norm_activation, preserves_quantization)
+from .qat_trace import ADDS, MULS, evaluating, own_children, record_forward
 
 log = logging.getLogger(__name__)
 
@@ -42,45 +43,6 @@ class QATPlanWarning(UserWarning):
 
 # --- preparing a model ---------------------------------------------------------------------
 
-_PRESERVING_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.ReLU, nn.ReLU6, nn.Flatten, nn.Unflatten,
-                       nn.Dropout, nn.Identity, FoldedBatchNorm, QuantizedReLU)
-_CONSTANT_PADS = (nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d)  # nn.ZeroPad2d is one
-_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-IDENTITY_AT_EVAL = {"StochasticDepth", "DropPath", "DropBlock2d"}  # torchvision's and timm's, by class name
-
-
-def identity_at_eval(module: nn.Module | None) -> bool:
-    """A module that returns its input unchanged at inference (dropout, stochastic depth): the int8 model has
-    no op there, so what it passes on keeps its quantization; fx keeps it as one node rather than trace its
-    training branch (random masks) into the graph."""
-    return isinstance(module, (*_DROPOUTS, nn.Identity)) or type(module).__name__ in IDENTITY_AT_EVAL
-def norm_activation(module: nn.Module | None) -> str | None:
-    """For a BatchNorm that applies its own activation, as timm's ``BatchNormAct2d`` does (a BatchNorm subclass
-    with an ``act`` child, and a ``drop`` one that is identity at eval): ``"relu"``, ``"relu6"`` or ``"none"`` (an
-    ``nn.Identity`` act), the activation folded with it into the conv before it; None for any other module, or
-    an activation that cannot be folded (it stays, and the BatchNorm with it)."""
-    if not isinstance(module, nn.modules.batchnorm._BatchNorm) or type(module) in NORMS.values():
-        return None
-    act, drop = getattr(module, "act", None), getattr(module, "drop", None)
-    if not isinstance(act, nn.Module) or (drop is not None and not identity_at_eval(drop)):
-        return None
-    return "none" if isinstance(act, nn.Identity) else "relu6" if isinstance(act, nn.ReLU6) else \
-        "relu" if isinstance(act, nn.ReLU) else None
-
-
-# data movement and selection: every value out is one of the values in, on the same grid (a channel split or
-# shuffle, a slice); operator.getitem picks a chunk's part, or slices a tensor
-_PRESERVING_FUNCTIONS = {torch.flatten, torch.reshape, torch.relu, F.relu, F.relu6, F.max_pool1d, F.max_pool2d,
-                         F.max_pool3d, torch.squeeze, torch.unsqueeze, F.dropout, torch.chunk, torch.split,
-                         torch.transpose, torch.permute, torch.narrow, operator.getitem}
-_PRESERVING_METHODS = {"view", "reshape", "flatten", "relu", "contiguous", "squeeze", "unsqueeze", "relu_", "chunk",
-                       "split", "transpose", "permute", "narrow"}
-CATS = {torch.cat, torch.concat, torch.concatenate}
-AVG_POOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
-AVG_POOL_FUNCTIONS = {F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
-                      F.adaptive_avg_pool3d}
-
-
 @dataclass
 class _Plan:
     target: str
@@ -90,29 +52,6 @@ class _Plan:
     activation: str | None = None  # "relu" or "relu6": clamped before the output is quantized
 
 
-
-
-def _clamping_activation(node: torch.fx.Node, module: nn.Module | None) -> str | None:
-    """``"relu"`` / ``"relu6"`` when ``node`` is a ReLU or ReLU6 (a module, a function or a method), else None:
-    a clamp that folds into the range of the quantized output before it."""
-    if node.op == "call_module":
-        if type(module) is nn.ReLU:
-            return "relu"
-        if type(module) is nn.ReLU6 or (type(module) is nn.Hardtanh and (module.min_val, module.max_val) == (0, 6)):
-            return "relu6"
-    elif node.op == "call_function":
-        if node.target in RELUS:
-            return "relu"
-        if node.target is F.relu6:
-            return "relu6"
-        if node.target is F.hardtanh:
-            bounds = list(node.args[1:3]) + [None, None]
-            low = node.kwargs.get("min_val", bounds[0] if bounds[0] is not None else -1.0)
-            high = node.kwargs.get("max_val", bounds[1] if bounds[1] is not None else 1.0)
-            return "relu6" if (low, high) == (0, 6) else None
-    elif node.op == "call_method" and node.target in ("relu", "relu_"):
-        return "relu"
-    return None
 
 
 def quantizable_layers(root: nn.Module, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
@@ -359,7 +298,7 @@ def _plan_graph(graph: torch.fx.Graph, modules: dict[str, nn.Module],
             plans[node] = plan
             ends[end] = plan
             continue
-        activation = _clamping_activation(nxt, module_of(nxt)) if nxt is not None and nxt.args \
+        activation = clamping_activation(nxt, module_of(nxt)) if nxt is not None and nxt.args \
             and nxt.args[0] is end else None
         if activation is not None:
             plan.activation, end = activation, nxt
@@ -420,7 +359,7 @@ def _site_kind(node: torch.fx.Node, modules: dict[str, nn.Module]) -> str | None
         return "sigmoid"
     if type(module) is nn.SiLU or function is F.silu:
         return "silu"
-    return "clamp" if _clamping_activation(node, module) is not None else None
+    return "clamp" if clamping_activation(node, module) is not None else None
 
 
 def _reaches(node: object, quantized: set, modules: dict[str, nn.Module]) -> bool:
@@ -429,7 +368,7 @@ def _reaches(node: object, quantized: set, modules: dict[str, nn.Module]) -> boo
         if node in quantized:
             return True
         module = modules.get(node.target) if node.op == "call_module" else None
-        if not _preserves_quantization(node, module) or not node.args:
+        if not preserves_quantization(node, module) or not node.args:
             return False
         node = node.args[0]
     return False
@@ -481,7 +420,7 @@ def _plan_sites(graph: torch.fx.Graph, modules: dict[str, nn.Module]) -> tuple[l
         if kind in ("sigmoid", "silu", "pool") and any(u.op == "output" for u in node.users):
             continue  # a probability or feature the model returns keeps its float precision
         if kind in ("add", "mul", "norm") and user is not None and user.args and user.args[0] is node \
-                and "site" in user.meta and _clamping_activation(user, module) is not None:
+                and "site" in user.meta and clamping_activation(user, module) is not None:
             node = user
         if node.op != "call_module" and node.meta["site"][0] in strangers:
             warnings.warn(f"QAT: the {_SITE_WORDS[kind]} in {node.meta['site'][0]!r} stays float: that module calls "
@@ -504,7 +443,7 @@ def _read_only_by_layers(node: torch.fx.Node, modules: dict[str, nn.Module]) -> 
         module = modules.get(user.target) if user.op == "call_module" else None
         if isinstance(module, QATModule):
             continue
-        if user.op == "output" or not _preserves_quantization(user, module):
+        if user.op == "output" or not preserves_quantization(user, module):
             return False
         stack.extend(user.users)
     return True
@@ -528,7 +467,7 @@ def _unread_linears(graph: torch.fx.Graph, modules: dict[str, nn.Module], sites:
             while isinstance(arg, torch.fx.Node):
                 read.add(arg)
                 inner = modules.get(arg.target) if arg.op == "call_module" else None
-                if not _preserves_quantization(arg, inner) or not arg.args:
+                if not preserves_quantization(arg, inner) or not arg.args:
                     break
                 arg = arg.args[0]
     linears = []
@@ -537,18 +476,3 @@ def _unread_linears(graph: torch.fx.Graph, modules: dict[str, nn.Module], sites:
         if isinstance(layer, QATLinear) and node not in read and layer.activation_post_process is not None:
             linears.append(layer)
     return linears
-
-
-def _preserves_quantization(node: torch.fx.Node, module: nn.Module | None) -> bool:
-    if node.op == "call_module":
-        return isinstance(module, _PRESERVING_MODULES) or identity_at_eval(module) or (
-            isinstance(module, _CONSTANT_PADS) and module.value == 0)
-    if node.op == "call_function":
-        if node.target is F.pad:  # zero padding: the runtime pads the integers with the zero point
-            mode = node.kwargs.get("mode", node.args[2] if len(node.args) > 2 else "constant")
-            value = node.kwargs.get("value", node.args[3] if len(node.args) > 3 else None)
-            return mode == "constant" and not value
-        return node.target in _PRESERVING_FUNCTIONS
-    if node.op == "call_method":
-        return node.target in _PRESERVING_METHODS
-    return False

@@ -97,3 +97,42 @@ def test_the_libraries_know_nothing_of_the_application():
                         for a in (n.names if isinstance(n, ast.Import) else [None])}
             assert "recal_app" not in imported, path
             assert not (imported & (backends - {package})), (path, imported & backends)
+
+
+def test_no_module_is_over_500_lines_and_no_import_cycle():
+    """One file per concept, small enough to read; the modules of each package import each other without cycles."""
+    import ast
+
+    from .conftest import ROOT
+
+    graph: dict[str, set[str]] = {}
+    for package in ("recal_core", "recal_torch", "recal_tf", "recal_onnx", "recal_app"):
+        for path in (ROOT / package).rglob("*.py"):
+            text = path.read_text()
+            assert text.count("\n") <= 500, f"{path.relative_to(ROOT)} has {text.count(chr(10))} lines"
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            parent = name if path.name == "__init__.py" else name.rpartition(".")[0]
+            edges = set()
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.ImportFrom) and node.level:  # relative: within the package
+                    base = parent.rsplit(".", node.level - 1)[0] if node.level > 1 else parent
+                    target = f"{base}.{node.module}" if node.module else base
+                    edges.update({target} if node.module else {f"{base}.{a.name}" for a in node.names})
+                elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("recal_"):
+                    edges.add(node.module)
+            graph[name] = edges
+    graph = {name: {e for e in edges if e in graph} for name, edges in graph.items()}
+    state: dict[str, int] = {}
+
+    def visit(name, path):
+        state[name] = 1
+        for nxt in sorted(graph[name]):
+            if state.get(nxt) == 1 and not name.startswith(nxt + ".") and nxt != name.rpartition(".")[0]:
+                raise AssertionError(f"import cycle: {' -> '.join(path + [nxt])}")
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
