@@ -14,6 +14,7 @@ from recal_torch.qat import ActivationFakeQuantize, FoldedBatchNorm, QuantizedRe
 
 from .onnx_graphs import assert_biases_on_grid
 from .torch_models import SmallCNN, batches, train_steps
+from .zoo.library_patterns import StochasticDepth
 
 SPE = 4
 PRUNE_QAT = """
@@ -812,20 +813,6 @@ def test_a_forward_the_planner_cannot_record_is_a_warning_naming_the_layers():
                                             r"forward that fails while recorded\): residual adds.* stay float; "
                                             r"BatchNorm stays unfolded .* for c1, c2, fc"):
         model.train()(torch.randn(2, 1, 8, 8))
-
-
-class StochasticDepth(nn.Module):
-    """torchvision.ops.StochasticDepth, as torchvision writes it: random row drops in training, identity at eval."""
-
-    def __init__(self, p: float):
-        super().__init__()
-        self.p = p
-
-    def forward(self, x):
-        if not self.training or self.p == 0.0:
-            return x
-        keep = torch.empty([x.shape[0]] + [1] * (x.ndim - 1), dtype=x.dtype).bernoulli_(1 - self.p)
-        return x * keep.div_(1 - self.p)
 
 
 class MBConvLike(nn.Module):

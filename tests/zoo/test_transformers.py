@@ -73,53 +73,30 @@ class ViT(nn.Module):
     names = ("input",)
 
 
-class Roberta(nn.Module):
+class Roberta(Bert):
     """RoBERTa: BERT with another embedding layout (positions from the padding index on)."""
 
-
     def __init__(self):
-        super().__init__()
+        nn.Module.__init__(self)
         config = transformers.RobertaConfig(vocab_size=800, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                                             intermediate_size=128, max_position_embeddings=40, num_labels=CLASSES)
         self.model = transformers.RobertaForSequenceClassification(config)
 
-    def forward(self, ids, mask):
-        return self.model(input_ids=ids, attention_mask=mask).logits
-
-    @staticmethod
-    def batch(g):
-        ids = torch.randint(3, 800, (8, 16), generator=g)
-        return (ids, torch.ones_like(ids)), ids[:, 1] % CLASSES
-    tables = 3
     params = "['re:.*(query|key|value|dense)\\.weight$']"
-    names = ("ids", "mask")
 
 
-class DeiT(nn.Module):
+class DeiT(ViT):
     """DeiT: ViT with a distillation token beside the class token."""
 
-
     def __init__(self):
-        super().__init__()
+        nn.Module.__init__(self)
         config = transformers.DeiTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
                                          num_attention_heads=2, intermediate_size=128, num_labels=CLASSES)
         self.model = transformers.DeiTForImageClassification(config)
 
-    def forward(self, x):
-        return self.model(pixel_values=x).logits
 
-    @staticmethod
-    def batch(g):
-        x = torch.randn(8, 3, 32, 32, generator=g)
-        return (x,), (x[:, 0, :8, :8].mean((1, 2)) > 0).long()
-    tables = 0
-    params = "__ALL_PRUNABLE__"
-    names = ("input",)
-
-
-class Swin(DeiT):
+class Swin(ViT):
     """Swin: shifted windows (a window partition whose Reshape the dynamo exporter fixes to a batch-1 sample)."""
-
 
     def __init__(self):
         nn.Module.__init__(self)
