@@ -34,7 +34,7 @@ from recal_core.errors import VerificationFailed
 
 from .findings import Findings
 from .float_report import QDQ_FUSIBLE, QDQ_OPS, float_compute, float_islands, module_paths
-from .graph import Graph
+from .graph import EXTERNAL_DATA_BYTES, Graph
 from .passes.thin_channels import CHANNEL_BLOCK
 from .passes.uint8_weights import exact_on_this_cpu, saturating_layers
 from .pipeline import Options, run_pipeline
@@ -44,7 +44,6 @@ from .verify import Verification, verify_models
 log = logging.getLogger(__name__)
 
 FORMATS = ("qoperator", "qdq")
-EXTERNAL_DATA_BYTES = 1_800_000_000  # above this a model's tensors go to <name>.data (protobuf's limit is 2 GB)
 EXTERNAL_TENSOR_BYTES = 1024  # ... those of at least this size
 MAX_LISTED = 20  # nodes the float warning names, one per line; result.float_nodes holds them all
 

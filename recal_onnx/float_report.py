@@ -14,10 +14,9 @@ import onnxruntime as ort
 
 from recal_core.atomic import TEMP_PREFIX
 
-from .graph import Graph, Node
+from .graph import EXTERNAL_DATA_BYTES, Graph, Node
 from .qdq import activation, weight
 
-EXTERNAL_DATA_BYTES = 1_800_000_000  # above this onnxruntime cannot write the optimized model (protobuf's 2 GB)
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
 # ops that runtimes (onnxruntime, TensorRT) run quantized when they sit between DQ and Q in a QDQ model
 QDQ_FUSIBLE = {"Conv", "Gemm", "MatMul", "Add", "Mul", "Sigmoid", "Relu", "MaxPool", "AveragePool",

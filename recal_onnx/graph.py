@@ -21,6 +21,8 @@ MS_DOMAIN = "com.microsoft"
 Value = ir.Value
 Node = ir.Node
 
+EXTERNAL_DATA_BYTES = 1_800_000_000  # above this a model's tensors go to <name>.data (protobuf's limit is 2 GB)
+
 
 class Graph:
     """A model being rewritten; :meth:`commit` returns it as a ``ModelProto`` (dead nodes gone, sorted)."""

@@ -15,22 +15,8 @@ import os as _os
 _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ start-up chatter out of user output
 
 from . import input_data, models, utils  # noqa: E402
-from .graph import (  # noqa: E402
-    EXTRAS_KEY_LEARNING_RATE,
-    EXTRAS_KEY_SUMMARIES,
-    EXTRAS_KEY_UPDATE_OPS,
-    EXTRAS_KEY_VAR_LIST,
-    EXTRAS_KEY_WEIGHT_DECAY,
-    EXTRAS_KEY_WEIGHT_DECAY_RATE,
-    ModifierSessionRunHook,
-    ScheduledModifierManager,
-    export_onnx,
-)
+from . import graph  # noqa: E402
+from .graph import *  # noqa: E402,F401,F403 - the seed's API, as the seed imports it
 from .recipe_support import RecalWarning  # noqa: E402
 
-__all__ = [
-    "EXTRAS_KEY_LEARNING_RATE", "EXTRAS_KEY_SUMMARIES", "EXTRAS_KEY_UPDATE_OPS", "EXTRAS_KEY_VAR_LIST",
-    "EXTRAS_KEY_WEIGHT_DECAY",
-    "EXTRAS_KEY_WEIGHT_DECAY_RATE", "ModifierSessionRunHook", "RecalWarning", "ScheduledModifierManager",
-    "export_onnx", "input_data", "models", "utils",
-]
+__all__ = [*graph.__all__, "RecalWarning", "input_data", "models", "utils"]

@@ -3,6 +3,7 @@ way, one warning class, one limit on the per-step tables they build."""
 
 from __future__ import annotations
 
+from recal_core import modifiers as M
 from recal_core.errors import Problem
 from recal_core.model_plan import is_second_order
 from recal_core.schedule import RecipeSchedule
@@ -17,8 +18,6 @@ class RecalWarning(UserWarning):
 
 def per_step_tables(schedule: RecipeSchedule) -> int:
     """How many per-step tables a TensorFlow front end builds for ``schedule``."""
-    from recal_core import modifiers as M
-
     lr = 1 if schedule.controls_lr else 0
     decay = 1 if any(True for _ in schedule.recipe.of_type(M.SetWeightDecayModifier)) else 0
     return 2 * len(schedule.pruning) + 3 * len(schedule.quantization) + lr + decay
