@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, ValidationInfo, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, ValidationInfo, field_validator,
+                      model_validator)
 
 from .lr_modifiers import LearningRateFunctionModifier, LearningRateModifier, SetLearningRateModifier
 from .mask_layout import max_sparsity, normalise_mask_type
@@ -172,29 +173,61 @@ class ConstantKSModifier(Modifier):
 
 
 class QuantizationArgs(BaseModel):
-    """How one tensor is quantized (SparseML's ``QuantizationArgs``); recal quantizes to 8 bits."""
+    """How one tensor is quantized (SparseML's / compressed-tensors' ``QuantizationArgs``).
+
+    recal quantizes activations to 8 bits, and weights to 8 bits or, weight-only (``input_activations: null``), to
+    4; ``strategy: group`` gives every ``group_size`` consecutive inputs of an output channel their own scale."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     num_bits: Annotated[int, Field(strict=True)] = 8
     symmetric: StrictBool = True
-    strategy: Literal["tensor", "channel"] | None = None
+    strategy: Literal["tensor", "channel", "group"] | None = None
+    group_size: Annotated[int, Field(strict=True)] | None = None
+    observer: Literal["minmax", "mse"] = Field(
+        "minmax", description="how a weight's scale is chosen: its largest magnitude (minmax), or the clipping of "
+                              "it that quantizes the weight with the least squared error (mse; weight-only layers)")
+    type: Literal["int"] = _unsupported("int", "recal quantizes to integers")
 
     @field_validator("num_bits")
     @classmethod
-    def _eight(cls, v: int) -> int:
-        if v != 8:
-            raise ValueError(f"recal quantizes to 8 bits, not {v}")
+    def _bits(cls, v: int) -> int:
+        if v not in (4, 8):
+            raise ValueError(f"recal quantizes to 8 bits (or 4-bit weights), not {v}")
         return v
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_size(cls, v: int | None) -> int | None:
+        if v is not None and (v < 16 or v & (v - 1)):
+            raise ValueError(f"group_size must be a power of two >= 16 (onnxruntime's MatMulNBits block sizes), "
+                             f"not {v}")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_group_size(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("group_size") is not None and data.get("strategy") is None:
+            data = {**data, "strategy": "group"}  # compressed-tensors' reading of a bare group_size
+        return data
+
+    @model_validator(mode="after")
+    def _group(self) -> "QuantizationArgs":
+        if self.group_size is not None and self.strategy != "group":
+            raise ValueError(f"group_size goes with strategy: group, not strategy: {self.strategy}")
+        if self.strategy == "group" and self.group_size is None:
+            raise ValueError("strategy: group needs a group_size (e.g. 32 or 128)")
+        return self
 
 
 WEIGHT_LEVELS = 127  # int8 symmetric weights: |q| <= 127
 # reduce_range: |q| <= 64, so |q1| + |q2| <= 128 and x86's vpmaddubsw (uint8 x int8 pairs summed in int16) never
 # saturates: 255 * 128 = 32640 <= 32767
 REDUCED_WEIGHT_LEVELS = 64
+INT4_WEIGHT_LEVELS = 7  # int4 symmetric weights: |q| <= 7 (stored as uint4 with zero point 8, as MatMulNBits reads)
 
 
 class QuantizationScheme(BaseModel):
-    """A ``scheme_overrides`` entry: ``null`` leaves that tensor float. Unnamed entries take SparseML's
+    """A ``scheme`` / ``scheme_overrides`` entry: ``null`` leaves that tensor float. Unnamed entries take SparseML's
     defaults (asymmetric inputs, symmetric weights, no output quantization)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -207,29 +240,55 @@ class QuantizationScheme(BaseModel):
         return self.input_activations is None and self.weights is None and self.output_activations is None
 
     @property
+    def weight_only(self) -> bool:
+        """Weights quantized, activations float (W4A16, W8A16): the layer multiplies float inputs by weights
+        dequantized from integers (onnxruntime's MatMulNBits)."""
+        return self.weights is not None and self.input_activations is None and self.output_activations is None
+
+    @property
     def weights_not_per_channel(self) -> bool:
         """Quantized weights other than recal's int8 symmetric per channel (per row, for a table)."""
-        return self.weights is not None and (not self.weights.symmetric or self.weights.strategy == "tensor")
+        w = self.weights
+        return w is not None and (not w.symmetric or w.strategy in ("tensor", "group") or w.num_bits != 8)
 
     def conflicts_with_recal(self) -> list[str]:
-        """What this scheme asks of a Conv/Linear that recal's QAT (uint8 asymmetric activations, int8
-        symmetric per-channel weights, all three quantized together) does not do."""
+        """What this scheme asks of a Conv/Linear that recal's QAT does not do: uint8 asymmetric activations
+        with int8 symmetric per-channel weights, all three quantized together; or weight-only (activations float)
+        symmetric weights of 8 or 4 bits, per channel or per group."""
+        if self.weight_only:
+            return [] if self.weights.symmetric and self.weights.strategy != "tensor" else [
+                "weight-only weights other than symmetric per channel or per group"]
         out = []
+        if any(a is not None and a.observer != "minmax" for a in (self.input_activations, self.weights,
+                                                                   self.output_activations)):
+            out.append("an mse observer outside weight-only layers")
         if not self.leaves_float and (self.input_activations is None or self.weights is None):
             out.append("a layer with some tensors float and others quantized (list the layer in ignore "
                        "to leave it float)")
         if self.weights_not_per_channel:
-            out.append("weights other than symmetric per channel")
+            out.append("weights other than int8 symmetric per channel with quantized activations (4-bit or "
+                       "per-group weights are weight-only: input_activations: null)")
         for act in (self.input_activations, self.output_activations):
-            if act is not None and (act.symmetric or act.strategy == "channel"):
-                out.append("activations other than asymmetric per tensor")
+            if act is not None and (act.symmetric or act.strategy in ("channel", "group") or act.num_bits != 8):
+                out.append("activations other than 8-bit asymmetric per tensor")
                 break
         return out
 
     def table_conflicts_with_recal(self) -> list[str]:
         """What this scheme asks of an embedding table that recal's QAT (int8 symmetric per-row table; ids
         are integers and the rows it returns float) does not do."""
-        return ["embedding tables other than symmetric per row"] if self.weights_not_per_channel else []
+        w = self.weights
+        return ["embedding tables other than int8 symmetric per row (minmax)"] if (
+            self.weights_not_per_channel or (w is not None and w.observer != "minmax")) else []
+
+
+# compressed-tensors' preset names (llm-compressor's ``scheme: W4A16``): what each asks of every Conv/Linear
+SCHEME_PRESETS: dict[str, QuantizationScheme] = {
+    "W8A8": QuantizationScheme(),
+    "W8A16": QuantizationScheme(input_activations=None, weights=QuantizationArgs(num_bits=8, strategy="channel")),
+    "W4A16": QuantizationScheme(input_activations=None,
+                                weights=QuantizationArgs(num_bits=4, strategy="group", group_size=128)),
+}
 
 
 class QuantizationModifier(Modifier):
@@ -242,6 +301,9 @@ class QuantizationModifier(Modifier):
     start_epoch: Epoch
     submodules: tuple[str, ...] | None = None
     ignore: tuple[str, ...] | None = Field(None, description="module names or class names to leave float")
+    scheme: QuantizationScheme | Literal["W8A8", "W8A16", "W4A16"] | None = Field(
+        None, description="how every Conv/Linear is quantized: a preset (W8A8, the default; W8A16 and W4A16 "
+                          "weight-only, W4A16 in groups of 128) or a scheme; scheme_overrides refine it")
     scheme_overrides: dict[str, QuantizationScheme] | None = Field(
         None, description="per module class or name, how its tensors are quantized (null: float)")
     freeze_bn_stats_epoch: Epoch | None = None
@@ -250,6 +312,13 @@ class QuantizationModifier(Modifier):
         False, description="7-bit weights (|q| <= 64): exact in the int8 kernels of every x86 CPU, with or without "
                            "VNNI (SparseML's field; activations stay 8-bit)")
     end_epoch: Literal[-1.0] = _unsupported(-1.0, "quantization cannot be disabled once started (leave end_epoch out)")
+
+    @property
+    def base_scheme(self) -> QuantizationScheme:
+        """The scheme every Conv/Linear takes unless ``scheme_overrides`` names it (the preset's, if one)."""
+        if isinstance(self.scheme, str):
+            return SCHEME_PRESETS[self.scheme]
+        return self.scheme or SCHEME_PRESETS["W8A8"]
 
     @property
     def weight_levels(self) -> int:

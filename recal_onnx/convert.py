@@ -95,7 +95,7 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
                         tolerance: float | None = None, min_agreement: float | None = None,
                         thin: bool = True, verify_inputs: dict[str, np.ndarray] | None = None,
                         weight_type: str = "auto", channel_block: int = CHANNEL_BLOCK,
-                        target: str = DEFAULT_TARGET) -> ConversionResult:
+                        target: str = DEFAULT_TARGET, accuracy_level: int = 0) -> ConversionResult:
     """Convert a QAT ONNX model into a fully quantized one (``qoperator``) or a folded, clean QDQ one.
 
     Args:
@@ -111,6 +111,9 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         weight_type: ``"auto"`` (the target's choice), ``"int8"`` or ``"uint8"``.
         channel_block: thinned channel counts are a multiple of this.
         target: the CPUs the model is for (:mod:`recal_onnx.targets`).
+        accuracy_level: how ``MatMulNBits`` (weight-only layers) computes: 0 (default) in float, exactly the QAT
+            model's values; 4 with the input quantized to int8 per block, faster where the CPU has int8 dot
+            products, verified with the same tolerance; 1-3 as onnxruntime defines them.
 
     Returns:
         A :class:`ConversionResult`: the model, its path, the rewrites made, what stays float and why, the
@@ -142,6 +145,8 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     if not isinstance(channel_block, int) or isinstance(channel_block, bool) or channel_block < 1:
         raise ValueError(f"channel_block must be an integer >= 1, got {channel_block!r}")
+    if accuracy_level not in (0, 1, 2, 3, 4) or isinstance(accuracy_level, bool):
+        raise ValueError(f"accuracy_level must be 0, 1, 2, 3 or 4 (onnxruntime's MatMulNBits), got {accuracy_level!r}")
     choice = choose_weights(target, weight_type)
     if inputs is not None and verify_inputs is not None:
         raise ValueError("give the verification inputs once: inputs= or verify_inputs=, not both")
@@ -164,7 +169,7 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         model.CopyFrom(model_or_path)  # never modify the caller's model
     try:
         return _convert(model, reference, output_path, format, verify, inputs, tolerance, min_agreement, started,
-                        thin=thin, choice=choice, channel_block=channel_block)
+                        thin=thin, choice=choice, channel_block=channel_block, accuracy_level=accuracy_level)
     except (VerificationError, ModelError, OSError, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - a malformed model must end in one clear error, not a traceback
@@ -173,11 +178,12 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
 
 
 def _convert(model, reference, output_path, format, verify, inputs, tolerance, min_agreement,
-             started, *, thin: bool, choice: WeightChoice, channel_block: int) -> ConversionResult:
+             started, *, thin: bool, choice: WeightChoice, channel_block: int,
+             accuracy_level: int = 0) -> ConversionResult:
     infer_shapes_in_place(model)
     g = Graph(model)
     findings = Findings()
-    rewrites = run_pipeline(g, Options(format, choice.weight_type, thin, channel_block), findings)
+    rewrites = run_pipeline(g, Options(format, choice.weight_type, thin, channel_block, accuracy_level), findings)
     # layers with weights beyond +-64: those still int8, and those uint8_weights shifted (exactly those it takes)
     saturating = saturating_layers(g) + rewrites.get("uint8_weights", 0)
     unconverted = float_islands(g, QDQ_FUSIBLE if format == "qdq" else set())

@@ -15,8 +15,9 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
 4. format ``qoperator``: ``int8_passthrough``, ``conv_to_qlinearconv``, ``gemm_to_qgemm``, ``binary_to_qlinear``,
    ``sigmoid_to_qlinear``, ``concat_to_qlinear``, ``pool_to_qlinear``, ``remove_redundant_qdq``, repeated;
    format ``qdq``: ``bias_to_int32``, ``fusible_qdq_pools``;
-5. ``uint8_weights`` when the target stores weights beyond +-64 as uint8;
-6. ``bias_apart`` (a layer whose bias int32 cannot hold stays float, its bias in an Add of its own).
+5. ``matmul_to_nbits``: weight-only layers (float input, grouped or per-channel 4/8-bit weights) to ``MatMulNBits``;
+6. ``uint8_weights`` when the target stores weights beyond +-64 as uint8;
+7. ``bias_apart`` (a layer whose bias int32 cannot hold stays float, its bias in an Add of its own).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .passes.fusible_qdq_pools import fusible_qdq_pools
 from .passes.gather_int8_table import gather_int8_tables
 from .passes.gemm_to_qgemm import gemm_to_qgemm
 from .passes.int8_passthrough import int8_passthrough
+from .passes.matmul_nbits import matmul_to_nbits
 from .passes.noop_clamps import remove_noop_clamps
 from .passes.pad_into_conv import fold_pads_into_convs
 from .passes.pool_to_qlinear import pool_to_qlinear
@@ -60,6 +62,7 @@ class Options:
     weight_type: str = "int8"  # "uint8": weights beyond +-64 stored as uint8 (the target's choice)
     thin: bool = True
     channel_block: int = CHANNEL_BLOCK
+    accuracy_level: int = 0  # MatMulNBits: 0 float arithmetic (exact), 4 int8 inputs per block (faster, inexact)
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,7 @@ PIPELINE: tuple[Step, ...] = (
          repeat=True),
     Step((int8_passthrough,), when=lambda o: o.format == "qdq", args=lambda o: (False,)),
     Step((batchnorm_to_conv, bias_to_int32, fusible_qdq_pools), when=lambda o: o.format == "qdq"),
+    Step((matmul_to_nbits,), args=lambda o: (o.accuracy_level,)),
     Step((uint8_weights,), when=lambda o: o.weight_type == "uint8"),
     Step((bias_apart,)),
 )

@@ -60,6 +60,11 @@ def qat_problems(schedule: RecipeSchedule, where: str) -> list[Problem]:
         if n:
             problems.append(recipe.problem(index, None, "a second QuantizationModifier",
                                            expected=f"one QuantizationModifier per recipe {where}"))
+        if m.base_scheme != M.SCHEME_PRESETS["W8A8"]:
+            problems.append(recipe.problem(
+                index, "scheme", f"scheme {m.scheme if isinstance(m.scheme, str) else 'other than W8A8'} is not "
+                "available " + where + " yet: weights int8 per channel, activations uint8",
+                expected="no scheme, or W8A8 (weight-only and 4-bit schemes: run this recipe with recal_torch)"))
         for field in ("submodules", "ignore", "scheme_overrides"):
             if getattr(m, field):
                 problems.append(recipe.problem(

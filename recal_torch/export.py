@@ -27,11 +27,11 @@ from recal_core.atomic import atomic_folder
 
 from .bias_grid import round_biases
 from .export_modules import (ActivationQDQ, AttentionQDQ, QuantizedExportModule, QuantizedReLUExport,
-                             decomposed_ops)
+                             WeightOnlyExport, decomposed_ops)
 from .fake_quant import ActivationFakeQuantize
 from .model_params import unwrap
 from .qat_attention import AttentionFakeQuantize
-from .qat_modules import QATModule, QuantizedReLU, qat_modules
+from .qat_modules import QATModule, QuantizedReLU, WeightOnlyLinear, qat_modules
 from .qat_plan import plan_pending
 from .qat_sites import CONTAINER, adopt
 
@@ -66,10 +66,11 @@ def to_export_model(model: nn.Module, dynamo: bool = True, sample_input: Sequenc
             replacement = ActivationQDQ(module, dynamo)
             adopt(module, replacement)
             setattr(exported.get_submodule(parent_name), child, replacement)
-        elif isinstance(module, (QATModule, QuantizedReLU, AttentionFakeQuantize)):
+        elif isinstance(module, (QATModule, QuantizedReLU, AttentionFakeQuantize, WeightOnlyLinear)):
             parent_name, _, child = name.rpartition(".")
             parent = exported.get_submodule(parent_name) if parent_name else exported
             replacement = (QuantizedExportModule(module, dynamo) if isinstance(module, QATModule)
+                           else WeightOnlyExport(module, dynamo) if isinstance(module, WeightOnlyLinear)
                            else AttentionQDQ(module, dynamo) if isinstance(module, AttentionFakeQuantize)
                            else QuantizedReLUExport(module, dynamo))
             adopt(module, replacement)
@@ -89,7 +90,8 @@ class ExportError(RuntimeError):
 
 def export_onnx(model: nn.Module, sample_input: torch.Tensor | Sequence[torch.Tensor], path: str | os.PathLike,
                 opset: int | None = None, *, dynamo: bool = True, input_names: Sequence[str] = ("input",),
-                output_names: Sequence[str] = ("output",), dynamic_batch: bool = True) -> Path:
+                output_names: Sequence[str] = ("output",), dynamic_batch: bool = True,
+                dynamic_sequence: bool = False) -> Path:
     """Export ``model`` to ONNX at ``path`` (atomically); QAT models become QDQ models.
 
     The exporter asked for goes first. When it fails, or writes a dynamic batch its graph cannot run (a Reshape
@@ -108,6 +110,8 @@ def export_onnx(model: nn.Module, sample_input: torch.Tensor | Sequence[torch.Te
         input_names: the graph's input names.
         output_names: the graph's output names.
         dynamic_batch: declare the first axis of every input and output dynamic.
+        dynamic_sequence: declare the second axis (tokens) of every input and output dynamic too: one model for
+            a prompt of any length and for one token at a time (a decoder exported with ``use_cache=False``).
 
     >>> import torch, tempfile, os
     >>> m = torch.nn.Sequential(torch.nn.Linear(4, 2))
@@ -123,23 +127,25 @@ def export_onnx(model: nn.Module, sample_input: torch.Tensor | Sequence[torch.Te
     inputs = tuple(sample_input) if isinstance(sample_input, (list, tuple)) else (sample_input,)
     plan_pending(unwrap(model), inputs)  # a QAT plan still waiting for the first forward is made on the sample
     names = (tuple(input_names), tuple(output_names))
+    axes = (0, 1) if dynamic_sequence else (0,) if dynamic_batch else ()
     target = Path(path)
     with atomic_folder(target.parent) as folder:
         file = folder / target.name
-        problem = _export_and_check(model, inputs, file, dynamo, opset, names, dynamic_batch)
+        problem = _export_and_check(model, inputs, file, dynamo, opset, names, axes)
         if problem is not None:
             other = "TorchScript" if dynamo else "dynamo"
             for item in folder.iterdir():
                 item.unlink()
             fallback = None if opset is None else max(opset, MIN_DYNAMO_OPSET) if not dynamo else opset
-            second = _export_and_check(model, inputs, file, not dynamo, fallback, names, dynamic_batch)
+            second = _export_and_check(model, inputs, file, not dynamo, fallback, names, axes)
             if second is not None:
                 raise ExportError(f"neither of torch's exporters exported {type(unwrap(model)).__name__}: the "
                                   f"{'dynamo' if dynamo else 'TorchScript'} exporter {problem}; the {other} exporter "
                                   f"{second}")
             warnings.warn(f"the {'dynamo' if dynamo else 'TorchScript'} exporter {problem}; {target.name} was exported "
                           f"with the {other} exporter (dynamo={not dynamo})", ExportWarning, stacklevel=2)
-    log.info("exported %s model to %s", "QAT" if qat_modules(model) else "float", path)
+    quantized = qat_modules(model) or any(isinstance(m, WeightOnlyLinear) for m in unwrap(model).modules())
+    log.info("exported %s model to %s", "QAT" if quantized else "float", path)
     return Path(path)
 
 
@@ -152,7 +158,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _export_and_check(model: nn.Module, inputs: tuple, file: Path, dynamo: bool, opset: int | None,
-                      names: tuple, dynamic_batch: bool) -> str | None:
+                      names: tuple, axes: tuple[int, ...]) -> str | None:
     """Export with one exporter to ``file``; None when it wrote a model that runs, else what went wrong."""
     if opset is None:
         opset = MIN_DYNAMO_OPSET if dynamo else DEFAULT_TORCHSCRIPT_OPSET
@@ -163,12 +169,13 @@ def _export_and_check(model: nn.Module, inputs: tuple, file: Path, dynamo: bool,
         kwargs: dict = {"opset_version": opset, "input_names": list(names[0]), "output_names": list(names[1])}
         if dynamo:
             kwargs["verbose"] = False
-            if dynamic_batch:
-                kwargs["dynamic_shapes"] = tuple({0: torch.export.Dim.DYNAMIC} for _ in inputs)
+            if axes:
+                kwargs["dynamic_shapes"] = tuple({axis: torch.export.Dim.DYNAMIC for axis in axes} for _ in inputs)
             # One file unless the weights need ONNX external data (protobuf's 2 GB limit).
             kwargs["external_data"] = _parameter_bytes(export_model) > EXTERNAL_DATA_BYTES
-        elif dynamic_batch:
-            kwargs["dynamic_axes"] = {name: {0: "batch"} for name in [*names[0], *names[1]]}
+        elif axes:
+            labels = {0: "batch", 1: "sequence"}
+            kwargs["dynamic_axes"] = {name: {axis: labels[axis] for axis in axes} for name in [*names[0], *names[1]]}
         with warnings.catch_warnings():
             # torch's exporters warn about their own internals (opset conversion, TorchScript deprecation).
             warnings.filterwarnings("ignore", module=r"torch\..*")
@@ -177,12 +184,13 @@ def _export_and_check(model: nn.Module, inputs: tuple, file: Path, dynamo: bool,
                 torch.onnx.export(export_model, inputs, str(file), dynamo=dynamo, **kwargs)
     except Exception as exc:  # noqa: BLE001 - torch's exporters raise many types; the fallback says which
         return f"failed ({_first_line(exc)})"
-    return _batch_problem(file, inputs, names[0]) if dynamic_batch else None
+    return _batch_problem(file, inputs, names[0], 1 in axes) if 0 in axes else None
 
 
-def _batch_problem(file: Path, inputs: tuple, input_names: Sequence[str]) -> str | None:
-    """Run the written model on the sample grown by one row: a graph that fixed the sample's batch somewhere
-    (a Reshape) fails here rather than in the user's first batch. Skipped without onnxruntime."""
+def _batch_problem(file: Path, inputs: tuple, input_names: Sequence[str], sequence: bool = False) -> str | None:
+    """Run the written model on the sample grown by one row (and, with ``sequence``, shortened by one token): a
+    graph that fixed the sample's batch or length somewhere (a Reshape) fails here rather than in the user's first
+    batch. Skipped without onnxruntime."""
     try:
         import onnxruntime as ort
     except ImportError:
@@ -190,7 +198,9 @@ def _batch_problem(file: Path, inputs: tuple, input_names: Sequence[str]) -> str
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     if len(tensors) != len(inputs) or not tensors or any(t.dim() == 0 for t in tensors):
         return None
-    feeds = {name: torch.cat([t, t[:1]]).detach().cpu().numpy() for name, t in zip(input_names, tensors)}
+    sequence = sequence and all(t.dim() >= 2 and t.shape[1] > 1 for t in tensors)
+    feeds = {name: torch.cat([t, t[:1]])[:, :-1 if sequence else None].detach().cpu().numpy()
+             for name, t in zip(input_names, tensors)}
     try:
         options = ort.SessionOptions()
         options.log_severity_level = 3
@@ -198,6 +208,8 @@ def _batch_problem(file: Path, inputs: tuple, input_names: Sequence[str]) -> str
         known = {i.name for i in session.get_inputs()}
         session.run(None, {k: v for k, v in feeds.items() if k in known})
     except Exception as exc:  # noqa: BLE001 - onnxruntime's errors are plain RuntimeErrors with its own types
-        rows = len(next(iter(feeds.values())))
-        return f"wrote a dynamic batch its graph cannot run (at batch {rows}: {_first_line(exc)})"
+        shape = next(iter(feeds.values())).shape
+        where = f"batch {shape[0]}, sequence {shape[1]}" if sequence else f"batch {shape[0]}"
+        return (f"wrote a dynamic {'batch and sequence' if sequence else 'batch'} its graph cannot run (at {where}: "
+                f"{_first_line(exc)})")
     return None

@@ -14,7 +14,7 @@ from torch import nn
 
 from .fake_quant import ACT_QMAX, ACT_QMIN, W_QMAX, W_QMIN, ActivationFakeQuantize
 from .qat_attention import SLOTS, AttentionFakeQuantize
-from .qat_modules import QATConv, QATEmbedding, QATModule, QuantizedReLU, clamp
+from .qat_modules import QATConv, QATEmbedding, QATModule, QuantizedReLU, WeightOnlyLinear, clamp
 
 
 def decomposed_ops():
@@ -87,6 +87,48 @@ class QuantizedExportModule(nn.Module):
             y = F.linear(x, weight, self.bias)
         y = clamp(y, self.relu, self.relu6)
         return y if self.output_qparams is None else self._qdq(y, self.output_qparams)
+
+
+class WeightOnlyExport(nn.Module):
+    """A :class:`WeightOnlyLinear` frozen for export: float input, its weight dequantized from integers.
+
+    The integers are written as ``[out * groups, group_size]`` rows, each row one group with its own scale (a
+    per-channel DequantizeLinear on axis 0, which both exporters and every opset >= 13 write), reshaped to
+    ``[out, in]``: the form :mod:`recal_onnx.passes.matmul_nbits` turns into ``MatMulNBits``. Under TorchScript the
+    rows are the dequantized values behind ``fake_quantize`` on the int8 range (values on the int4 grid are
+    unchanged by it), which that exporter writes as QuantizeLinear / DequantizeLinear.
+    """
+
+    def __init__(self, layer: WeightOnlyLinear, dynamo: bool):
+        super().__init__()
+        self.dynamo = dynamo
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        fq = layer.weight_fake_quant
+        with torch.no_grad():
+            weight = layer.oriented_weight()
+            q = fq.integers(weight).reshape(-1, fq.group_size)
+            scale = fq.qparams(weight).reshape(-1).detach().clone()
+        if dynamo:
+            self.register_buffer("weight_int", q)
+        else:
+            self.register_buffer("weight_dequantized", (q.float() * scale.reshape(-1, 1)).detach().clone())
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("weight_zero_point", torch.zeros_like(scale, dtype=torch.int32))
+        self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().clone())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized ``[out, in]`` weight, for model code that reads ``layer.weight``."""
+        if self.dynamo:
+            rows = decomposed_ops().dequantize_per_channel(
+                self.weight_int, self.weight_scale, self.weight_zero_point, 0, W_QMIN, W_QMAX, torch.int8)
+        else:
+            rows = torch.fake_quantize_per_channel_affine(
+                self.weight_dequantized, self.weight_scale, self.weight_zero_point, 0, W_QMIN, W_QMAX)
+        return rows.reshape(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class ActivationQDQ(nn.Module):

@@ -5,6 +5,9 @@
   7-bit (``|q| <= 64``, scale ``max|w| / 64``): exact in the u8s8 kernels of every x86 CPU
   (:mod:`recal_onnx.cpu`).
 
+- Weight-only layers (W4A16, W8A16): int4 (``|q| <= 7``) or int8 symmetric weights, per output channel or per group
+  of ``group_size`` inputs (:class:`GroupWeightFakeQuantize`), activations float.
+
 The exporter (:mod:`recal_torch.export`) writes these same grids as QuantizeLinear / DequantizeLinear.
 """
 
@@ -13,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from recal_core.modifiers import REDUCED_WEIGHT_LEVELS, WEIGHT_LEVELS
+from recal_core.modifiers import INT4_WEIGHT_LEVELS, REDUCED_WEIGHT_LEVELS, WEIGHT_LEVELS
 
 ACT_QMIN, ACT_QMAX = 0, 255
 W_QMIN, W_QMAX = -128, 127
@@ -142,6 +145,74 @@ class WeightFakeQuantize(nn.Module):
     def extra_repr(self) -> str:
         bits = "int8" if self.levels == W_LEVELS else "7-bit (reduce_range)"
         return f"{bits} symmetric per-channel, observer={'on' if self.observer_enabled else 'frozen'}"
+
+
+MSE_CLIPS = torch.linspace(1.0, 0.5, 11).tolist()  # the fractions of max|w| the mse observer tries per group
+
+
+class GroupWeightFakeQuantize(nn.Module):
+    """Symmetric fake quantization of a ``[out, in]`` weight to ``bits`` (4: ``|q| <= 7``; 8: ``|q| <= 127``), one
+    scale per ``group_size`` consecutive inputs of an output channel (``None``: per channel): the grid of a
+    weight-only layer, which onnxruntime's ``MatMulNBits`` runs with block size = group size.
+
+    ``observer``: ``"minmax"`` maps each group's largest magnitude to the top level; ``"mse"`` tries clipping it
+    (:data:`MSE_CLIPS`) and keeps, per group, the scale with the least squared error. The scale follows the weights
+    until frozen, as :class:`WeightFakeQuantize`'s does."""
+
+    def __init__(self, out_features: int, in_features: int, bits: int, group_size: int | None,
+                 observer: str = "minmax"):
+        super().__init__()
+        group = group_size or in_features
+        if in_features % group:
+            raise ValueError(f"{in_features} inputs do not split into groups of {group}")
+        if bits not in (4, 8) or observer not in ("minmax", "mse"):
+            raise ValueError(f"bits must be 4 or 8 and observer minmax or mse, got {bits!r} and {observer!r}")
+        self.bits, self.group_size, self.per_channel, self.observer = bits, group, group_size is None, observer
+        self.levels = float(INT4_WEIGHT_LEVELS if bits == 4 else WEIGHT_LEVELS)
+        self.observer_enabled = True
+        self.register_buffer("scale", torch.ones(out_features, in_features // group))
+
+    def _fake(self, rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        zero = torch.zeros(scale.numel(), dtype=torch.int32, device=rows.device)
+        return torch.fake_quantize_per_channel_affine(rows, scale.reshape(-1), zero, 0, -int(self.levels),
+                                                      int(self.levels))
+
+    @torch.no_grad()
+    def _observe(self, rows: torch.Tensor) -> torch.Tensor:
+        amax = rows.abs().amax(dim=1)
+        best = torch.clamp(amax / self.levels, min=EPS)
+        if self.observer == "mse":
+            error = ((self._fake(rows, best) - rows) ** 2).sum(dim=1)
+            for clip in MSE_CLIPS[1:]:
+                scale = torch.clamp(amax * clip / self.levels, min=EPS)
+                candidate = ((self._fake(rows, scale) - rows) ** 2).sum(dim=1)
+                better = candidate < error
+                best, error = torch.where(better, scale, best), torch.where(better, candidate, error)
+        return best
+
+    def qparams(self, weight: torch.Tensor) -> torch.Tensor:
+        """The ``[out, in / group_size]`` scales this quantizer applies to ``weight`` now."""
+        if self.observer_enabled:
+            self.scale.copy_(self._observe(weight.detach().float().reshape(-1, self.group_size)).reshape(
+                self.scale.shape))
+        return self.scale
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        scale = self.qparams(weight)
+        return self._fake(weight.reshape(-1, self.group_size), scale).reshape(weight.shape)
+
+    def integers(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight``'s integers on this grid, ``[out, in]`` int8 (what the export writes)."""
+        with torch.no_grad():
+            rows = weight.detach().reshape(-1, self.group_size) / self.qparams(weight).reshape(-1, 1)
+            return torch.clamp(torch.round(rows), -self.levels, self.levels).reshape(weight.shape).to(torch.int8)
+
+    def describe(self) -> str:
+        grouping = "per channel" if self.per_channel else f"per group of {self.group_size}"
+        return f"int{self.bits} symmetric {grouping} ({self.observer})"
+
+    def extra_repr(self) -> str:
+        return f"{self.describe()}, observer={'on' if self.observer_enabled else 'frozen'}"
 
 
 class SiLUFakeQuantize(nn.Module):

@@ -36,7 +36,7 @@ from .channel_graph import model_spaces
 from .masks import MaskState
 from .model_params import describe_parameters, sparsity, unwrap
 from .param_groups import ParamGroupSettings, group_bases
-from .qat_control import QATControl, float_layers, qat_roots
+from .qat_control import QATControl, layer_schemes, qat_roots
 from .trainable import TrainableFlags
 
 STATE_VERSION = 2
@@ -139,8 +139,8 @@ class ScheduledModifierManager(RecipeManager):
         except RecipeError as err:
             problems += err.problems
         roots, qat_problems = qat_roots(self.recipe, unwrap(model))
-        left_float, float_problems, qat_notes = float_layers(self.recipe, unwrap(model))
-        problems += qat_problems + float_problems
+        schemes = layer_schemes(self.recipe, unwrap(model))
+        problems += qat_problems + schemes.problems
         for index, _, _ in schedule.distillation:
             if teacher is None:
                 problems.append(self.recipe.problem(index, None, "a DistillationModifier needs a teacher model",
@@ -156,7 +156,7 @@ class ScheduledModifierManager(RecipeManager):
                     where = self.recipe.location(ps.index, field)
                     warnings.warn(f"{where}: {self.recipe.describe(ps.index)}: {field} is not used: {why}",
                                   RecipeWarning, stacklevel=2)
-        for note in qat_notes:
+        for note in schemes.notes:
             warnings.warn(note, RecipeWarning, stacklevel=2)
         if any("initial_lr" in g for g in optimizer.param_groups) and schedule.controls_lr:
             raise RuntimeError("a torch LR scheduler is already attached to this optimizer, and the recipe has "
@@ -171,8 +171,8 @@ class ScheduledModifierManager(RecipeManager):
         self.trainable = TrainableFlags(plan, params)
         reduce_range = {i: m.reduce_range for i, m in enumerate(self.recipe.modifiers)
                         if isinstance(m, M.QuantizationModifier)}
-        self.qat = QATControl(unwrap(model), roots, left_float, attention=quantize_attention,
-                              reduce_range=reduce_range)
+        self.qat = QATControl(unwrap(model), roots, schemes.left_float, attention=quantize_attention,
+                              reduce_range=reduce_range, weight_only=schemes.weight_only)
         self.teacher = Teacher(teacher) if teacher is not None else None
         self.loggers = list(loggers)
         self._hooks = [

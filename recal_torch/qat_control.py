@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import logging
 from collections import Counter
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -14,8 +15,9 @@ from recal_core.params import strip_wrapper
 from recal_core.recipe import Recipe
 from recal_core.schedule import QATState
 
-from .qat_modules import QATModule, describe, fake_quantizers, is_table, qat_modules
-from .qat_plan import FLOAT_REASON, fake_quantize_model, quantizable_layers
+from .qat_modules import (QATModule, WeightOnlyLinear, describe, fake_quantizers, is_linear_like, is_table,
+                          is_transposed_linear_type, qat_modules)
+from .qat_plan import FLOAT_REASON, fake_quantize_model, quantizable_layers, replace_layer
 from .qat_attention import AttentionFakeQuantize, quantize_attention
 
 log = logging.getLogger(__name__)
@@ -52,60 +54,110 @@ def _matches(entry: str, name: str, modules: dict[str, nn.Module]) -> bool:
     return False
 
 
-def float_layers(recipe: Recipe, model: nn.Module) -> tuple[dict[int, set[str]], list[Problem], list[str]]:
-    """Per QuantizationModifier, the Conv/Linear layers its ``ignore`` and ``scheme_overrides`` leave float;
-    the overrides recal cannot honour (errors); and what it notes about entries it does not apply."""
+@dataclass
+class LayerSchemes:
+    """What each QuantizationModifier's ``scheme``, ``scheme_overrides`` and ``ignore`` make of the model's layers."""
+
+    left_float: dict[int, set[str]] = field(default_factory=dict)  # Conv/Linear/Embedding layers that stay float
+    weight_only: dict[int, dict[str, M.QuantizationArgs]] = field(default_factory=dict)  # W4A16 / W8A16 linears
+    problems: list[Problem] = field(default_factory=list)  # what recal cannot honour (errors)
+    notes: list[str] = field(default_factory=list)  # entries that apply to nothing (warnings)
+
+
+def layer_schemes(recipe: Recipe, model: nn.Module) -> LayerSchemes:
+    """Per QuantizationModifier, how each quantizable layer is quantized: the modifier's ``scheme`` (a preset, or
+    W8A8), replaced by the last ``scheme_overrides`` entry that names the layer, a parent or either's class; the
+    layers ``ignore`` names stay float."""
     modules = {n: m for n, m in model.named_modules() if n}
     layers = set(quantizable_layers(model))
-    left: dict[int, set[str]] = {}
-    problems, notes = [], []
+    out = LayerSchemes()
     for index, m in recipe.of_type(M.QuantizationModifier):
-        left[index] = set()
+        out.left_float[index], out.weight_only[index] = set(), {}
         where = f"{recipe.describe(index)}"
         for entry in m.ignore or ():
             if not any(_matches(entry, n, modules) for n in modules):
-                notes.append(f"{recipe.location(index, 'ignore')}: {where}: ignore entry {entry!r} names no module "
-                             "or module class of this model")
-            left[index] |= {n for n in layers if _matches(entry, n, modules)}
+                out.notes.append(f"{recipe.location(index, 'ignore')}: {where}: ignore entry {entry!r} names no "
+                                 "module or module class of this model")
+            out.left_float[index] |= {n for n in layers if _matches(entry, n, modules)}
+        chosen: dict[str, tuple[str, str | None, M.QuantizationScheme]] = {
+            n: ("scheme", None, m.base_scheme) for n in layers - out.left_float[index]}
         for entry, scheme in (m.scheme_overrides or {}).items():
             matched = {n for n in modules if _matches(entry, n, modules)}
             quantized = matched & layers
             loc = recipe.location(index, "scheme_overrides")
-            tables = {n for n in quantized if is_table(modules[n])}  # only their weights are quantized
-            if tables and scheme.weights is None:
-                left[index] |= tables
-            elif tables and scheme.table_conflicts_with_recal():
-                problems.append(recipe.problem(
-                    index, "scheme_overrides", f"{entry!r} ({', '.join(sorted(tables)[:3])}): recal's QAT does not "
-                    f"do {'; '.join(scheme.table_conflicts_with_recal())}",
-                    expected="weights: null (the table stays float) or int8 symmetric per-channel (per-row) weights"))
-            convs_and_linears = quantized - tables
             if not matched:
-                notes.append(f"{loc}: {where}: scheme_overrides entry {entry!r} names no module or module class "
-                             "of this model")
-            elif convs_and_linears and scheme.leaves_float:
-                left[index] |= convs_and_linears
-            elif convs_and_linears and scheme.conflicts_with_recal():
-                problems.append(recipe.problem(
-                    index, "scheme_overrides", f"{entry!r} ({', '.join(sorted(convs_and_linears)[:3])}...): "
-                    f"recal's QAT does not do {'; '.join(scheme.conflicts_with_recal())}",
-                    expected="null for every tensor (float), int8 symmetric per-channel weights with uint8 "
-                             "asymmetric activations, or the layer in ignore"))
+                out.notes.append(f"{loc}: {where}: scheme_overrides entry {entry!r} names no module or module class "
+                                 "of this model")
             elif not quantized and (scheme.input_activations or scheme.output_activations
                                     or (scheme.weights and any(next(modules[n].parameters(False), None) is not None
                                                                for n in matched))):
                 kinds = ", ".join(sorted({type(modules[n]).__name__ for n in matched}))
-                notes.append(f"{loc}: {where}: scheme_overrides entry {entry!r} asks to quantize {kinds}, which "
-                             "recal's QAT leaves float (it quantizes Conv, Linear and Embedding layers)")
-    return left, problems, notes
+                out.notes.append(f"{loc}: {where}: scheme_overrides entry {entry!r} asks to quantize {kinds}, which "
+                                 "recal's QAT leaves float (it quantizes Conv, Linear and Embedding layers)")
+            chosen.update({n: ("scheme_overrides", entry, scheme) for n in quantized - out.left_float[index]})
+        by_source: dict[tuple[str, str | None], list[str]] = {}
+        for name, (source, entry, _) in sorted(chosen.items()):
+            by_source.setdefault((source, entry), []).append(name)
+        for (source, entry), names in by_source.items():
+            _apply_scheme(recipe, index, source, entry, chosen[names[0]][2], names, modules, out)
+    return out
+
+
+def _apply_scheme(recipe: Recipe, index: int, source: str, entry: str | None, scheme: M.QuantizationScheme,
+                  names: list[str], modules: dict[str, nn.Module], out: LayerSchemes) -> None:
+    """Sort the layers one scheme (``scheme``, or one ``scheme_overrides`` entry) covers; refuse what recal cannot do."""
+    label = f"{entry!r} " if entry is not None else ""
+    tables = [n for n in names if is_table(modules[n])]
+    others = [n for n in names if n not in tables]
+    if tables and scheme.weights is None:
+        out.left_float[index] |= set(tables)
+    elif tables and source == "scheme_overrides" and scheme.table_conflicts_with_recal():
+        out.problems.append(recipe.problem(
+            index, source, f"{label}({', '.join(tables[:3])}): recal's QAT does not do "
+            f"{'; '.join(scheme.table_conflicts_with_recal())}",
+            expected="weights: null (the table stays float) or int8 symmetric per-channel (per-row) weights"))
+    if not others:
+        return
+    if scheme.leaves_float:
+        out.left_float[index] |= set(others)
+    elif scheme.conflicts_with_recal():
+        out.problems.append(recipe.problem(
+            index, source, f"{label}({', '.join(others[:3])}{'...' if len(others) > 3 else ''}): recal's QAT does "
+            f"not do {'; '.join(scheme.conflicts_with_recal())}",
+            expected="null for every tensor (float), int8 symmetric per-channel weights with uint8 asymmetric "
+                     "activations (W8A8), weight-only symmetric 8- or 4-bit weights per channel or group (W8A16, "
+                     "W4A16), or the layer in ignore"))
+    elif scheme.weight_only:
+        convs = [n for n in others if not is_linear_like(modules[n])]
+        args = scheme.weights
+        uneven = [f"{n} ({_in_features(modules[n])} inputs)" for n in others if n not in convs
+                  and args.group_size and _in_features(modules[n]) % args.group_size]
+        if convs:
+            out.problems.append(recipe.problem(
+                index, source, f"{label}is weight-only, which recal does for Linear layers, not for "
+                f"{', '.join(convs[:3])}{'...' if len(convs) > 3 else ''} ({type(modules[convs[0]]).__name__})",
+                expected="the convs in ignore, or a W8A8 scheme for them in scheme_overrides"))
+        if uneven:
+            out.problems.append(recipe.problem(
+                index, source, f"{label}group_size {args.group_size} does not divide the inputs of "
+                f"{', '.join(uneven[:3])}{'...' if len(uneven) > 3 else ''}",
+                expected="a group_size that divides every layer's inputs, or those layers in scheme_overrides"))
+        if not convs and not uneven:
+            out.weight_only[index].update({n: args for n in others})
+
+
+def _in_features(module: nn.Module) -> int:
+    return module.weight.shape[0] if is_transposed_linear_type(type(module)) else module.weight.shape[1]
 
 
 class QATControl:
     """Creates each QuantizationModifier's QAT modules when it starts and sets their switches."""
 
     def __init__(self, model: nn.Module, roots: dict[int, list[str]], left_float: dict[int, set[str]] | None = None,
-                 attention: bool = False, reduce_range: dict[int, bool] | None = None):
+                 attention: bool = False, reduce_range: dict[int, bool] | None = None,
+                 weight_only: dict[int, dict[str, M.QuantizationArgs]] | None = None):
         self.model = model
+        self.weight_only = weight_only or {}  # per QuantizationModifier: the W4A16 / W8A16 layers and their weights
         self.roots = roots
         self.reduce_range = reduce_range or {}  # per QuantizationModifier: 7-bit weights
         self.left_float = left_float or {}
@@ -133,7 +185,18 @@ class QATControl:
         for name, root in zip(self.roots[index], self._modules(index)):
             prefix = name + "." if name else ""
             skip = {n[len(prefix):] for n in left if n.startswith(prefix)}
-            created = fake_quantize_model(root, skip=skip, reduce_range=self.reduce_range.get(index, False))
+            weight_only = {n[len(prefix):]: args for n, args in self.weight_only.get(index, {}).items()
+                           if n.startswith(prefix)}
+            created = fake_quantize_model(root, skip=skip | set(weight_only),
+                                          reduce_range=self.reduce_range.get(index, False))
+            for rel, args in weight_only.items():
+                layer = WeightOnlyLinear(root.get_submodule(rel), args.num_bits,
+                                         args.group_size if args.strategy == "group" else None, args.observer)
+                replace_layer(root, rel, layer)
+            if weight_only:
+                bits = Counter(args.num_bits for args in weight_only.values())
+                log.info("QAT on %s: %s weight-only layers (activations float)", name or type(root).__name__,
+                         ", ".join(f"{n} int{b}" for b, n in sorted(bits.items())))
             if self.attention:
                 attended = quantize_attention(root, skip=skip)
                 log.info("QAT on %s: the matmuls of %d attention modules quantized", name or type(root).__name__,
@@ -150,7 +213,8 @@ class QATControl:
     def quantized_layers(self) -> dict[str, str]:
         """Each QAT layer's name and what is quantized in it (see :func:`recal_torch.qat.describe`); a layer the
         planner left float, with why."""
-        layers = {name: describe(m) for name, m in self.model.named_modules() if isinstance(m, QATModule)}
+        layers = {name: describe(m) for name, m in self.model.named_modules()
+                  if isinstance(m, (QATModule, WeightOnlyLinear))}
         for name, m in self.model.named_modules():  # what the planner left float, and why
             if FLOAT_REASON in m.__dict__:
                 layers[name] = f"float: {m.__dict__[FLOAT_REASON]}"

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fake_quant import W_LEVELS, ActivationFakeQuantize, WeightFakeQuantize
+from .fake_quant import W_LEVELS, ActivationFakeQuantize, GroupWeightFakeQuantize, WeightFakeQuantize
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -22,6 +22,13 @@ def is_transposed_linear_type(kind: type) -> bool:
     """transformers' ``Conv1D`` (GPT-2, DistilGPT-2 and their forks): a Linear whose weight is stored ``[in, out]``
     (``y = x @ W + b``), found by name so that recal needs no transformers import."""
     return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers")
+
+
+def is_linear_like(module: nn.Module) -> bool:
+    """``nn.Linear`` or transformers' ``Conv1D``: what a weight-only scheme quantizes."""
+    return type(module) is nn.Linear or is_transposed_linear_type(type(module))
+
+
 NORMS = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.BatchNorm3d}
 
 
@@ -208,6 +215,46 @@ class QATEmbedding(QATModule):
         return f"Embedding, int8 per-row table {tuple(self.weight.shape)}"
 
 
+class WeightOnlyLinear(nn.Module):
+    """A Linear (or transformers' ``Conv1D``) whose weight is fake-quantized and whose input and output stay float
+    (W4A16, W8A16): the weight-only layer onnxruntime runs as ``MatMulNBits``. Like a QAT module it adopts the float
+    module's Parameters, so the optimizer, masks and checkpoints carry on.
+
+    Args:
+        linear: the float layer.
+        bits: 4 or 8.
+        group_size: inputs per scale (``None``: one scale per output channel).
+        observer: ``"minmax"`` or ``"mse"`` (:class:`~recal_torch.fake_quant.GroupWeightFakeQuantize`).
+    """
+
+    def __init__(self, linear: nn.Module, bits: int, group_size: int | None, observer: str = "minmax"):
+        super().__init__()
+        self.float_type = type(linear)
+        self.weight = linear.weight
+        self.register_parameter("bias", getattr(linear, "bias", None))
+        self.transposed = is_transposed_linear_type(type(linear))
+        if self.transposed:
+            self.in_features, self.out_features = self.weight.shape
+        else:
+            self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_fake_quant = GroupWeightFakeQuantize(self.out_features, self.in_features, bits, group_size,
+                                                         observer).to(self.weight.device)
+
+    def oriented_weight(self) -> torch.Tensor:
+        """The weight as ``[out, in]`` (a Conv1D's transposed)."""
+        return self.weight.t() if self.transposed else self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The linear map of float ``x`` by the fake-quantized weight.
+
+        Args:
+            x: the layer's float input."""
+        return F.linear(x, self.weight_fake_quant(self.oriented_weight()), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.float_type.__name__}, weight {tuple(self.weight.shape)} {self.weight_fake_quant.describe()}"
+
+
 class QuantizedReLU(nn.Module):
     """A ReLU after a residual sum ``a + b`` whose output is fake-quantized: runtimes then add in int8
     (the ReLU is the clamp of the add's uint8 output, whose zero point is 0).
@@ -233,8 +280,11 @@ def device_of(module: nn.Module) -> torch.device:
     return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
-def describe(module: QATModule) -> str:
+def describe(module: QATModule | WeightOnlyLinear) -> str:
     """What a QAT layer quantizes, e.g. ``Linear, weight (64, 64) int8 per channel, input uint8, output float``."""
+    if isinstance(module, WeightOnlyLinear):
+        return (f"Linear, weight {(module.out_features, module.in_features)} "
+                f"{module.weight_fake_quant.describe()}, weight-only (input and output float)")
     if isinstance(module, QATEmbedding):
         return f"Embedding, table {tuple(module.weight.shape)} int8 per row, rows float"
     fq_in, fq_out = module.input_fake_quant, module.activation_post_process
@@ -251,4 +301,5 @@ def qat_modules(model: nn.Module) -> list[QATModule]:
 
 def fake_quantizers(model: nn.Module) -> list[nn.Module]:
     """Every activation and weight fake-quantizer in ``model`` (to freeze their observers)."""
-    return [m for m in model.modules() if isinstance(m, (ActivationFakeQuantize, WeightFakeQuantize))]
+    return [m for m in model.modules()
+            if isinstance(m, (ActivationFakeQuantize, WeightFakeQuantize, GroupWeightFakeQuantize))]

@@ -26,7 +26,7 @@ from . import qat_sites
 from .fake_quant import REDUCED_W_LEVELS, W_LEVELS, ActivationFakeQuantize, SiLUFakeQuantize, WeightFakeQuantize
 from .qat_attention import AttentionFakeQuantize
 from .qat_modules import (CONVS, NORMS, FoldedBatchNorm, QATConv, QATEmbedding, QATLinear, QATModule, QuantizedReLU,
-                          device_of, is_table, is_transposed_linear_type)
+                          WeightOnlyLinear, device_of, is_table, is_transposed_linear_type)
 from .qat_patterns import (AVG_POOL_FUNCTIONS, AVG_POOLS, CATS, clamping_activation, identity_at_eval,
                            norm_activation, preserves_quantization)
 from .qat_trace import ADDS, MULS, evaluating, own_children, record_forward
@@ -133,8 +133,8 @@ def _fuse(root: nn.Module, qat: QATModule, plan: _Plan, modules: dict[str, nn.Mo
 
 def is_leaf(module: nn.Module) -> bool:
     """A module the plan treats as one op (what runs inside it is not planned)."""
-    return isinstance(module, (QATModule, QuantizedReLU, FoldedBatchNorm, ActivationFakeQuantize, WeightFakeQuantize,
-                               SiLUFakeQuantize, AttentionFakeQuantize)) or norm_activation(module) is not None \
+    return isinstance(module, (QATModule, WeightOnlyLinear, QuantizedReLU, FoldedBatchNorm, ActivationFakeQuantize,
+                               WeightFakeQuantize, SiLUFakeQuantize, AttentionFakeQuantize)) or norm_activation(module) is not None \
         or not any(True for _ in module.children())
 
 
@@ -210,6 +210,11 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_with_kwar
                "_forward_hooks_always_called")
 
 
+def replace_layer(root: nn.Module, target: str, new: nn.Module) -> None:
+    """Put the quantized layer ``new`` where the float layer ``target`` is (its forward hooks go with it)."""
+    _replace(root, target, new)
+
+
 def _replace(root: nn.Module, target: str, new: nn.Module) -> None:
     """Put ``new`` where ``target`` is. The user's forward hooks go with a layer to its QAT module; on a module that
     folds away (a BatchNorm or ReLU taken into the conv before it) they would no longer see what they saw: said."""
@@ -217,7 +222,7 @@ def _replace(root: nn.Module, target: str, new: nn.Module) -> None:
     parent = root.get_submodule(parent_name) if parent_name else root
     old = getattr(parent, child)
     if any(getattr(old, d, None) for d in ("_forward_pre_hooks", "_forward_hooks")):
-        if isinstance(new, QATModule):
+        if isinstance(new, (QATModule, WeightOnlyLinear)):
             for name in _HOOK_DICTS:
                 if getattr(old, name, None):
                     getattr(new, name).update(getattr(old, name))

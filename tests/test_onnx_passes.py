@@ -750,3 +750,53 @@ def test_the_pipeline_declares_every_pass_module_once_in_order():
     qoperator = [s for s in PIPELINE if s.when(Options(format="qoperator")) and not s.when(Options(format="qdq"))]
     assert len(qoperator) == 1 and qoperator[0].repeat and conv_to_qlinearconv in qoperator[0].passes
     assert not any(bias_to_int32 in s.passes for s in PIPELINE if s.when(Options(format="qoperator")))
+
+
+def _weight_only_graph(gemm: bool, group: int, n: int = 24, k: int = 64, bits: int = 4):
+    """``x -> MatMul(Transpose(Reshape(DQ(q [n*k/group, group], s, axis 0))))`` + bias: recal's weight-only export
+    (``Gemm(transB=1)`` for a 2-D input); integers within +-7 (4 bits) or +-127."""
+    b = Builder()
+    levels = 7 if bits == 4 else 127
+    q = b.rng.integers(-levels, levels + 1, (n * k // group, group)).astype(np.int8)
+    scale = b.rng.uniform(0.01, 0.05, n * k // group).astype(np.float32)
+    dq = b.node("DequantizeLinear", [b.const(q, "w"), b.const(scale, "ws"), b.const(np.zeros(scale.size, np.int8))],
+                axis=0)
+    w = b.node("Reshape", [dq, b.const(np.array([n, k], np.int64))])
+    bias = b.const(b.rng.standard_normal(n).astype(np.float32))
+    if gemm:
+        y = b.node("Gemm", ["x", w, bias], transB=1)
+    else:
+        y = b.node("Add", [b.node("MatMul", ["x", b.node("Transpose", [w], perm=[1, 0])]), bias])
+    return b.model([("x", [None, 3, k] if not gemm else [None, k])], [y])
+
+
+@pytest.mark.parametrize("gemm, group, bits", [(False, 32, 4), (True, 16, 4), (False, 64, 8)],
+                         ids=["matmul-g32-int4", "gemm-g16-int4", "per-channel-int8"])
+def test_matmul_to_nbits(gemm, group, bits):
+    """A weight-only layer becomes one MatMulNBits (its bias Add folded in) with the same values, run by a default
+    and an unoptimized session; a MatMul whose input is a dequantized activation (W8A8) is not touched."""
+    from recal_onnx.passes.matmul_nbits import matmul_to_nbits
+
+    model = _weight_only_graph(gemm, group, bits=bits)
+    feeds = _x([5, 3, 64] if not gemm else [5, 64])
+    expected = reference(model, feeds)[0]
+    converted, (n,) = _apply(model, matmul_to_nbits)
+    assert n == 1 and ops(converted) == ["MatMulNBits"]
+    node = converted.graph.node[0]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["bits"] == bits and attrs["block_size"] == (group if group < 64 else 64) and attrs["N"] == 24
+    for level in (None, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
+        np.testing.assert_allclose(run(converted, feeds, level=level)[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_to_nbits_leaves_quantized_inputs_and_odd_groups():
+    from recal_onnx.passes.matmul_nbits import matmul_to_nbits
+
+    b = Builder()
+    x = b.qdq("x", 0.05, 128)
+    y = b.node("MatMul", [x, b.weight([16, 8], axis=1)])
+    _, (n,) = _apply(b.model([("x", [2, 16])], [y]), matmul_to_nbits)
+    assert n == 0
+    findings = Findings()
+    g = Graph(onnx.shape_inference.infer_shapes(_weight_only_graph(False, 8, k=64)))  # groups of 8: no block size
+    assert matmul_to_nbits(g, findings=findings) == 0 and list(findings.kept_float.values())[0][0] == "MatMul"

@@ -343,11 +343,11 @@ def test_scheme_overrides_recal_cannot_honour_are_located_errors_and_unused_entr
     with pytest.raises(RecipeError, match=r"<string>:6:\d+: .*'scheme_overrides'.*'Conv2d'.*symmetric per channel"):
         _qat_with("null", "{Conv2d: {weights: {symmetric: false}}}")
     with pytest.raises(RecipeError, match=r"some tensors float and others quantized"):
-        _qat_with("null", "{fc: {input_activations: null}}")
+        _qat_with("null", "{fc: {weights: null}}")
     with pytest.warns(UserWarning, match=r"ignore entry 'LlamaRMSNorm' names no module"):
         _qat_with("[LlamaRMSNorm]", "null")
     model = nn.Sequential(nn.Embedding(10, 8), nn.Flatten(), nn.Linear(16, 4))
-    with pytest.raises(RecipeError, match=r"'Embedding' \(0\).*embedding tables other than symmetric per row"):
+    with pytest.raises(RecipeError, match=r"'Embedding' \(0\).*embedding tables other than int8 symmetric per row"):
         _qat_with("null", "{Embedding: {input_activations: null, weights: {num_bits: 8, symmetric: false}}}", model)
     model = nn.Sequential(nn.Embedding(10, 8), nn.Flatten(), nn.Linear(16, 4))
     _qat_with("null", "{Embedding: {weights: null}}", model)  # the table stays float, the Linear quantizes

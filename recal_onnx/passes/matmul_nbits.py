@@ -1,0 +1,168 @@
+"""A weight-only layer (W4A16, W8A16) becomes onnxruntime's ``MatMulNBits``: float input, 4- or 8-bit weights.
+
+recal's export writes a weight-only layer's integers as rows of one group each, ``[out * groups, group_size]``, with
+a per-row (per-channel, axis 0) DequantizeLinear reshaped to ``[out, in]`` (:mod:`recal_torch.export_modules`): a form
+every exporter and opset >= 13 writes and onnxruntime runs as it is. ``MatMulNBits`` keeps the integers packed (two
+4-bit values a byte, zero point 8; or bytes, zero point 128) with one scale per block of ``group_size`` inputs, and
+dequantizes a block at a time inside its GEMM: a smaller file and less memory traffic than a float weight.
+
+Before::  q [N*K/G, G] -> DequantizeLinear(s, axis=0) -> Reshape [N, K] -> Transpose -> MatMul(x, .)   (+ Add(b))
+          (or Gemm(x, ., b, transB=1); or, per channel, DequantizeLinear(q [N, K], s [N], axis=0) with no Reshape)
+After::   MatMulNBits(x, packed [N, K/G, G*bits/8], s [N*K/G], K, N, bits, block_size=G)    (+ Add(b) / bias input)
+
+A per-channel weight (one group the size of the input) is written with blocks of up to :data:`CHANNEL_BLOCK` inputs,
+the channel's scale repeated in each. ``accuracy_level`` (0: float arithmetic, exactly the QAT model's values; 4:
+onnxruntime quantizes the input to int8 per block, faster on CPUs with int8 dot products, not exact) is the
+converter's option.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..findings import Findings
+from ..graph import MS_DOMAIN, Graph, Node, Value, attr, input_of
+from ..qdq import activation, weight
+
+CHANNEL_BLOCK = 128  # a per-channel weight's block (onnxruntime's RTN default): the scale repeats in each
+
+
+@dataclass(frozen=True)
+class GroupedWeight:
+    """A constant ``[N, K]`` weight dequantized from symmetric integers with one scale per ``group`` inputs."""
+
+    q: np.ndarray  # [N, K] int8, zero point 0
+    scale: np.ndarray  # [N, K // group] float32
+    group: int
+    nodes: tuple[Node, ...]  # the DequantizeLinear (and Reshape) that make it
+
+
+def grouped_weight(g: Graph, value: Value | None) -> GroupedWeight | None:
+    """``value`` as a grouped (or per-channel) symmetric integer weight ``[N, K]``, else None."""
+    node = g.producer(value)
+    reshape = node if node is not None and node.op_type == "Reshape" else None
+    w = weight(g, reshape.inputs[0] if reshape is not None else value)
+    if w is None or w.q.ndim != 2 or w.axis != 0 or w.q.dtype != np.int8 or np.any(w.zero_point != 0):
+        return None
+    if w.scale.size != w.q.shape[0]:
+        return None
+    rows, group = w.q.shape
+    if reshape is None:
+        return GroupedWeight(w.q, w.scale.reshape(-1, 1).astype(np.float32), group, (w.dq,))
+    shape = g.const(input_of(reshape, 1))
+    if shape is None or shape.size != 2 or np.any(shape <= 0) or int(shape[0]) * int(shape[1]) != rows * group:
+        return None
+    n, k = (int(d) for d in shape)
+    if k % group:
+        return None
+    return GroupedWeight(w.q.reshape(n, k), w.scale.reshape(n, k // group).astype(np.float32), group, (w.dq, reshape))
+
+
+def _per_input_column(g: Graph, value: Value) -> GroupedWeight | None:
+    """A ``[K, N]`` weight dequantized per output column (axis 1) as the ``[N, K]`` per-channel weight it is."""
+    w = weight(g, value)
+    if w is None or w.q.ndim != 2 or w.axis != 1 or w.q.dtype != np.int8 or np.any(w.zero_point != 0) \
+            or w.scale.size != w.q.shape[1]:
+        return None
+    return GroupedWeight(np.ascontiguousarray(w.q.T), w.scale.reshape(-1, 1).astype(np.float32), w.q.shape[0], (w.dq,))
+
+
+def matmul_to_nbits(g: Graph, accuracy_level: int = 0, findings: Findings | None = None) -> int:
+    """Rewrite every MatMul / Gemm of a float input by a grouped weight as ``MatMulNBits``; return how many."""
+    count = 0
+    for node in g.each("MatMul", "Gemm"):
+        x, b = node.inputs[0], input_of(node, 1)
+        if activation(g, x) is not None:
+            continue  # a W8A8 layer (its input quantized): the integer-op passes' to take
+        if node.op_type == "Gemm":
+            if attr(node, "transA", 0) or attr(node, "alpha", 1.0) != 1.0 or attr(node, "beta", 1.0) != 1.0:
+                continue
+            transposed = None if attr(node, "transB", 0) else g.producer(b)
+        else:
+            transposed = g.producer(b)
+        if transposed is not None and transposed.op_type == "DequantizeLinear":
+            w, transposed = _per_input_column(g, b), None  # [K, N] per channel (fold_weight_transposes' form)
+        elif transposed is not None:  # the weight reaches the op as [K, N]: through a Transpose of [N, K]
+            if transposed.op_type != "Transpose" or list(attr(transposed, "perm", [1, 0])) != [1, 0]:
+                continue
+            b = transposed.inputs[0]
+            w = grouped_weight(g, b)
+        else:
+            w = grouped_weight(g, b)
+        if w is None:
+            continue
+        block = _block_size(w)
+        if block is None:
+            if findings is not None:
+                findings.kept_float[node.name] = (node.op_type, f"weight groups of {w.group} inputs: MatMulNBits "
+                                                  "takes blocks of a power of two >= 16")
+            continue
+        bias = input_of(node, 2) if node.op_type == "Gemm" else None
+        if bias is not None and (g.const(bias) is None or g.const(bias).size != w.q.shape[0]):
+            continue
+        add = _bias_add(g, node, w.q.shape[0]) if bias is None else None
+        if add is not None:  # MatMul + Add(b): the bias becomes MatMulNBits' own input
+            bias = next(v for v in add.inputs if g.is_const(v))
+        _rewrite(g, node, x, w, block, bias, accuracy_level, add)
+        for value in (b, *([transposed.outputs[0]] if transposed is not None else [])):
+            producer = g.producer(value)
+            if producer is not None and not g.uses(value):
+                g.remove(producer)
+        for dead in w.nodes:
+            if dead.graph is g.graph and not any(g.uses(out) for out in dead.outputs):
+                inputs = list(dead.inputs)
+                g.remove(dead)
+                g.drop_if_unused(*[v for v in inputs if v is not None])
+        count += 1
+    return count
+
+
+def _bias_add(g: Graph, node: Node, n: int) -> Node | None:
+    """The Add that alone reads ``node``'s output and adds a constant ``[N]`` vector to it, else None."""
+    add = g.only_consumer(node.outputs[0])
+    if add is None or add.op_type != "Add" or node.outputs[0].is_graph_output():
+        return None
+    other = add.inputs[1] if add.inputs[0] is node.outputs[0] else add.inputs[0]
+    bias = g.const(other)
+    return add if bias is not None and bias.shape == (n,) and bias.dtype == np.float32 else None
+
+
+def _block_size(w: GroupedWeight) -> int | None:
+    k = w.q.shape[1]
+    if w.scale.shape[1] == 1:  # per channel: any block, the channel's scale repeated
+        return max(16, min(CHANNEL_BLOCK, 1 << (k - 1).bit_length()))
+    return w.group if w.group >= 16 and not w.group & (w.group - 1) else None
+
+
+def pack(q: np.ndarray, bits: int, block: int) -> np.ndarray:
+    """``[N, K]`` signed integers as ``MatMulNBits`` stores them: ``[N, ceil(K / block), block * bits / 8]`` uint8,
+    offset by the default zero point (8 or 128), two 4-bit values a byte (low nibble first), padding at zero."""
+    n, k = q.shape
+    blocks = -(-k // block)
+    offset = 1 << (bits - 1)
+    stored = np.full((n, blocks * block), offset, np.uint8)
+    stored[:, :k] = (q.astype(np.int16) + offset).astype(np.uint8)
+    stored = stored.reshape(n, blocks, block)
+    if bits == 4:
+        stored = stored[..., 0::2] | (stored[..., 1::2] << 4)
+    return np.ascontiguousarray(stored)
+
+
+def _rewrite(g: Graph, node: Node, x: Value, w: GroupedWeight, block: int, bias: Value | None,
+             accuracy_level: int, add: Node | None) -> None:
+    n, k = w.q.shape
+    bits = 4 if w.q.min() >= -8 and w.q.max() <= 7 else 8
+    blocks = -(-k // block)
+    per_channel = w.scale.shape[1] == 1 and w.group == k
+    scale = np.repeat(w.scale, blocks, axis=1) if per_channel else w.scale  # grouped: block == group
+    base = w.nodes[0].inputs[0].name
+    packed = g.add_const(base + "_nbits", pack(w.q, bits, block))
+    scales = g.add_const(base + "_nbits_scales", np.ascontiguousarray(scale.reshape(-1), np.float32))
+    inputs: list[Value | None] = [x, packed, scales]
+    if bias is not None:
+        inputs += [None, None, bias]  # zero_points and g_idx left out
+    g.add_node("MatMulNBits", inputs, name=(node.name or "matmul") + "_nbits", domain=MS_DOMAIN,
+               replaces=(add or node).outputs[0], K=k, N=n, bits=bits, block_size=block, accuracy_level=accuracy_level)
+    g.remove(*([add] if add is not None else []), node)
