@@ -120,7 +120,30 @@ def transformers() -> str:
             "onnxruntime: fp32).")
 
 
-TABLES = {"demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range, "zoo": zoo, "transformers": transformers}
+def llm() -> str:
+    """A small decoder on the standard library's source: fp32, onnxruntime's int4 quantizers, recal's int4 QAT
+    (scripts/bench_llm.py)."""
+    data = _load("llm.json")
+    lines = ["| model | test perplexity | recovered | MB (x fp32) | prompt of 128 ms | one token ms |", "|---" * 6 + "|"]
+    for row in data["rows"]:
+        if "ppl" not in row:
+            lines.append(f"| {row['label']} | did not run here: {row['note']} | | | | |")
+            continue
+        recovered = "" if row["recovered"] is None else f"{100 * row['recovered']:.0f}%"
+        lines.append(f"| {row['label']} | {row['ppl']:.4f} | {recovered} | {row['bytes'] / 1e6:.2f} "
+                     f"({row['bytes'] / data['fp32_bytes']:.3f}) | {row['ms_prompt']:.2f} | {row['ms_token']:.3f} |")
+    return ("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. A Llama-shaped decoder "
+            f"({data['params'] / 1e6:.2f} M parameters, {data['layers']} layers, hidden {data['hidden']}, bytes as "
+            f"tokens) trained {data['steps']} steps on {data['train_bytes'] / 1e6:.1f} MB of the standard library's "
+            f"source ({data['files']} files, split by file); perplexity on {data['test_tokens']:,} test tokens; int4 "
+            f"in blocks (groups) of {data['group']}; QAT {data['qat_steps']} steps. Latency: 1 thread, batch 1, "
+            f"median of {data['rounds']} interleaved rounds. Recovered: the share of the perplexity onnxruntime's "
+            "default RTN loses that the row wins back. `python scripts/bench_llm.py --json docs/results/llm.json`; "
+            "MB = 10^6 bytes.")
+
+
+TABLES = {"demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range, "zoo": zoo,
+          "transformers": transformers, "llm": llm}
 
 
 def render(text: str) -> str:

@@ -1,0 +1,165 @@
+"""Weight-only QAT (W4A16, W8A16): int4 / int8 weights per group or channel, float activations, MatMulNBits in ONNX."""
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+from recal_core import RecipeError
+from recal_onnx import quantize_qat_export
+from recal_torch import ScheduledModifierManager, export_onnx
+from recal_torch.fake_quant import GroupWeightFakeQuantize
+from recal_torch.qat_modules import QATEmbedding, QATLinear, WeightOnlyLinear
+
+from .test_torch_transformer_qat import TOKENS, VOCAB, TinyEncoder, _data, _train
+
+W4_GROUP16 = "{input_activations: null, weights: {num_bits: 4, strategy: group, group_size: 16}}"
+
+
+def _manager(scheme: str, overrides: str = "null", model=None):
+    model = model or TinyEncoder()
+    manager = ScheduledModifierManager.from_yaml(
+        f"- !QuantizationModifier\n  start_epoch: 0\n  scheme: {scheme}\n  scheme_overrides: {overrides}\n")
+    optimizer = manager.modify(model, torch.optim.Adam(model.parameters(), 1e-3), steps_per_epoch=4)
+    return model, manager, optimizer
+
+
+def test_group_fake_quantize_grid_and_the_mse_observer():
+    """Every group of 16 inputs gets its own scale; the integers stay within +-7; the mse observer's clipping never
+    quantizes a weight with more squared error than minmax's."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 64) * torch.linspace(0.1, 3, 64)  # groups of very different ranges
+    w[0, 5] = 20.0  # an outlier: minmax spends its levels on it
+    errors = {}
+    for observer in ("minmax", "mse"):
+        fq = GroupWeightFakeQuantize(8, 64, bits=4, group_size=16, observer=observer)
+        out = fq(w)
+        q = fq.integers(w)
+        assert fq.scale.shape == (8, 4) and int(q.abs().max()) <= 7
+        np.testing.assert_allclose(out, (q.float().reshape(-1, 16) * fq.scale.reshape(-1, 1)).reshape(8, 64),
+                                   rtol=1e-6, atol=1e-6)
+        errors[observer] = float(((out - w) ** 2).sum())
+    assert errors["mse"] < errors["minmax"]
+    with pytest.raises(ValueError, match="groups of 16"):
+        GroupWeightFakeQuantize(8, 40, bits=4, group_size=16)
+
+
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_w4a16_trains_exports_and_runs_as_matmulnbits(tmp_path, dynamo):
+    """Every Linear weight-only int4 in groups of 16, the table int8 per row: the converted model runs each Linear as
+    MatMulNBits and equals the QAT model in a default and an unoptimized onnxruntime session."""
+    torch.manual_seed(0)
+    model, manager, optimizer = _manager(W4_GROUP16)
+    linears = [n for n, m in model.named_modules() if isinstance(m, WeightOnlyLinear)]
+    assert len(linears) == 8 and isinstance(model.emb, QATEmbedding)
+    assert not any(isinstance(m, QATLinear) for m in model.modules())
+    assert manager.quantized_layers["q"].endswith("int4 symmetric per group of 16 (minmax), weight-only (input and "
+                                                  "output float)")
+    _train(model, optimizer, _data())
+    assert model.q.weight_fake_quant.scale.shape == (16, 1)  # 16 inputs: one group
+    manager.finalize(model)
+    ids = torch.randint(0, VOCAB, (4, TOKENS))
+    path = export_onnx(model.eval(), ids, tmp_path / "w4.onnx", input_names=["ids"], dynamo=dynamo)
+    result = quantize_qat_export(str(path), tmp_path / "w4_int.onnx", inputs={"ids": ids.numpy()})
+    kinds = [n.op_type for n in result.model.graph.node]
+    assert kinds.count("MatMulNBits") == 8 and kinds.count("MatMul") == 2 and "Gemm" not in kinds  # Q·Kᵀ, P·V
+    bits = {a.i for n in result.model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"}
+    assert bits == {4}
+    with torch.no_grad():
+        expected = model(ids).numpy()
+    for level in (None, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
+        options = ort.SessionOptions()
+        if level is not None:
+            options.graph_optimization_level = level
+        session = ort.InferenceSession(str(tmp_path / "w4_int.onnx"), options, providers=["CPUExecutionProvider"])
+        got = session.run(None, {"ids": ids.numpy()})[0]
+        np.testing.assert_allclose(got, expected, atol=1e-5 * max(1.0, float(np.ptp(expected))))
+
+
+def test_weight_only_beside_w8a8_layers(tmp_path):
+    """W8A8 by default, the head weight-only int8 per channel (W8A16): the head runs as an 8-bit MatMulNBits on its
+    float input, the other Linears as integer matmuls."""
+    torch.manual_seed(0)
+    model, manager, optimizer = _manager("W8A8", "{head: {input_activations: null, weights: {num_bits: 8}}}")
+    assert isinstance(model.head, WeightOnlyLinear) and isinstance(model.proj, QATLinear)
+    assert "int8 symmetric per channel" in manager.quantized_layers["head"]
+    _train(model, optimizer, _data())
+    manager.finalize(model)
+    ids = torch.randint(0, VOCAB, (4, TOKENS))
+    path = export_onnx(model.eval(), ids, tmp_path / "mixed.onnx", input_names=["ids"])
+    result = quantize_qat_export(str(path), inputs={"ids": ids.numpy()})
+    nbits = [n for n in result.model.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 1 and {a.name: a.i for a in nbits[0].attribute}["bits"] == 8
+    assert sum(n.op_type == "MatMulIntegerToFloat" for n in result.model.graph.node) >= 6
+    assert result.verification.max_abs_diff <= 0.02 * result.verification.output_range
+
+
+def test_what_weight_only_cannot_do_is_a_located_error():
+    with pytest.raises(RecipeError, match=r"<string>:3:\d+: .*'scheme'.*4-bit or per-group weights are weight-only"):
+        _manager("{weights: {num_bits: 4, group_size: 16}}")  # W4A8: activations quantized
+    with pytest.raises(RecipeError, match=r"'scheme'.*group_size 32 does not divide the inputs of .*(16 inputs)"):
+        _manager("{input_activations: null, weights: {num_bits: 4, group_size: 32}}")
+    conv = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(16, 2))
+    with pytest.raises(RecipeError, match=r"'scheme'.*weight-only, which recal does for Linear layers, not for 0"):
+        _manager("W8A16", model=conv)
+    conv = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(16, 2))
+    _manager("W8A16", "{Conv2d: {}}", model=conv)  # the conv W8A8 by its override, the Linear weight-only
+    assert isinstance(conv[2], WeightOnlyLinear) and type(conv[0]).__name__ == "QATConv"
+
+
+def test_tensorflow_refuses_a_scheme_it_cannot_run():
+    from recal_core.recipe import load_recipe
+    from recal_tf.recipe_support import qat_problems
+
+    recipe = load_recipe("- !QuantizationModifier {start_epoch: 0, scheme: W4A16}\n")
+    problems = qat_problems(recipe.bind(10), "in TensorFlow")
+    assert len(problems) == 1 and "scheme W4A16 is not available in TensorFlow" in str(problems[0])
+
+
+def test_the_int4_decoder_example_runs(tmp_path):
+    """scripts/examples/int4_decoder.py, as a user copies it, on a few steps: both files written, every Linear of
+    the Llama (seven a layer, and the head) a MatMulNBits."""
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    out = tmp_path / "lm.onnx"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts/examples/int4_decoder.py"), "--steps", "3",
+                             "--output", str(out)], capture_output=True, text=True, timeout=600,
+                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "15 MatMulNBits" in result.stdout and out.exists() and out.with_suffix(".qat.onnx").exists()
+    assert "test perplexity" in result.stdout
+
+
+def test_resume_mid_weight_only_qat_is_bit_identical():
+    """Weight-only QAT starting at epoch 1 of 3 (steps_per_epoch 4), a checkpoint at step 6: a fresh model and
+    optimizer loading it (optimizer first: recal re-creates the weight-only layers) train on to the same weights,
+    scales and LR."""
+    import copy
+
+    recipe = ("- !QuantizationModifier {start_epoch: 1, scheme: " + W4_GROUP16 + "}\n"
+              "- !LearningRateFunctionModifier {start_epoch: 0, end_epoch: 3, lr_func: cosine, init_lr: 0.01, "
+              "final_lr: 0.001}\n")
+    data = _data(12)
+
+    def fresh(seed):
+        torch.manual_seed(seed)
+        model = TinyEncoder()
+        manager = ScheduledModifierManager.from_yaml(recipe)
+        return model, manager.modify(model, torch.optim.Adam(model.parameters(), 1e-3), steps_per_epoch=4)
+
+    model_a, opt_a = fresh(0)
+    ckpt = {}
+    _train(model_a, opt_a, data, after_step=lambda k: ckpt.update(copy.deepcopy(
+        {"model": model_a.state_dict(), "optimizer": opt_a.state_dict()})) if k == 6 else None)
+    model_b, opt_b = fresh(1)
+    opt_b.load_state_dict(ckpt["optimizer"])
+    model_b.load_state_dict(ckpt["model"])
+    assert isinstance(model_b.q, WeightOnlyLinear)
+    _train(model_b, opt_b, data[6:])
+    for (na, pa), (nb, pb) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
+        assert na == nb and torch.equal(pa, pb), na
+    assert opt_a.param_groups[0]["lr"] == opt_b.param_groups[0]["lr"]
