@@ -275,11 +275,17 @@ class QuantizationScheme(BaseModel):
         return out
 
     def table_conflicts_with_recal(self) -> list[str]:
-        """What this scheme asks of an embedding table that recal's QAT (int8 symmetric per-row table; ids
-        are integers and the rows it returns float) does not do."""
+        """What this scheme asks of an embedding table that recal's QAT does not do: tables are symmetric, 8 or 4
+        bits, per row or per group of a row (ids are integers and the rows the table returns float)."""
         w = self.weights
-        return ["embedding tables other than int8 symmetric per row (minmax)"] if (
-            self.weights_not_per_channel or (w is not None and w.observer != "minmax")) else []
+        return ["embedding tables other than symmetric per row or per group"] if (
+            w is not None and (not w.symmetric or w.strategy == "tensor")) else []
+
+    @property
+    def table_is_int8_per_row(self) -> bool:
+        """An int8 symmetric per-row (minmax) table: recal's default QATEmbedding."""
+        w = self.weights
+        return w is not None and w.num_bits == 8 and w.strategy in (None, "channel") and w.observer == "minmax"
 
 
 # compressed-tensors' preset names (llm-compressor's ``scheme: W4A16``): what each asks of every Conv/Linear

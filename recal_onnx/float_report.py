@@ -32,7 +32,8 @@ NO_ARITHMETIC = SHAPE_READERS | {"Reshape", "Transpose", "Squeeze", "Unsqueeze",
                                  "Where", "Equal", "And", "Not", "IsNaN", "Split"}
 
 
-INTEGER_TO_FLOAT = {"MatMulIntegerToFloat", "QGemm"}  # integer kernels that return float (logits, pre-softmax)
+# integer kernels that return float (logits, pre-softmax); MatMulNBits: a weight-only layer, its weights integers
+INTEGER_TO_FLOAT = {"MatMulIntegerToFloat", "QGemm", "MatMulNBits"}
 
 
 def float_compute(model: onnx.ModelProto, qdq: bool = False) -> dict[str, int]:

@@ -8,7 +8,7 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
 
 1. constants and folds: ``constants_to_initializers``, ``remove_identities``, ``fold_constants`` (weights' Q becomes
    int8), ``fold_weight_transposes`` (``DQ(w) -> Transpose`` becomes ``DQ(wᵀ)``), ``fold_pads_into_convs``,
-   ``gather_int8_tables``, ``fold_conv_affine`` (Div / Mul / Add / BatchNormalization after a conv into its weight
+   ``gather_int4_tables``, ``gather_int8_tables``, ``fold_conv_affine`` (Div / Mul / Add / BatchNormalization after a conv into its weight
    and bias), ``zero_channel_scales``;
 2. ``thin_channels`` (with ``thin``): the channels filter pruning left dead, in blocks of ``channel_block``;
 3. ``scalar_activation_qparams``, ``activations_to_uint8``, ``remove_redundant_qdq``, ``remove_noop_clamps``;
@@ -37,6 +37,7 @@ from .passes.conv_to_qlinearconv import conv_to_qlinearconv
 from .passes.batchnorm_to_conv import batchnorm_to_conv
 from .passes.fold_conv_affine import fold_conv_affine
 from .passes.fusible_qdq_pools import fusible_qdq_pools
+from .passes.gather_int4_table import gather_int4_tables
 from .passes.gather_int8_table import gather_int8_tables
 from .passes.gemm_to_qgemm import gemm_to_qgemm
 from .passes.int8_passthrough import int8_passthrough
@@ -78,7 +79,7 @@ class Step:
 
 PIPELINE: tuple[Step, ...] = (
     Step((constants_to_initializers, remove_identities, fold_constants, fold_weight_transposes, fold_pads_into_convs,
-          gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales)),
+          gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales)),
     Step((thin_channels,), when=lambda o: o.thin, args=lambda o: (o.channel_block,)),
     Step((scalar_activation_qparams, activations_to_uint8, remove_redundant_qdq, remove_noop_clamps)),
     Step((int8_passthrough, batchnorm_to_conv, conv_to_qlinearconv, gemm_to_qgemm, binary_to_qlinear, sigmoid_to_qlinear,

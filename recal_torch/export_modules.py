@@ -14,7 +14,8 @@ from torch import nn
 
 from .fake_quant import ACT_QMAX, ACT_QMIN, W_QMAX, W_QMIN, ActivationFakeQuantize
 from .qat_attention import SLOTS, AttentionFakeQuantize
-from .qat_modules import QATConv, QATEmbedding, QATModule, QuantizedReLU, WeightOnlyLinear, clamp
+from .qat_modules import (QATConv, QATEmbedding, QATModule, QuantizedReLU, WeightOnlyEmbedding, WeightOnlyLinear,
+                          clamp)
 
 
 def decomposed_ops():
@@ -103,6 +104,8 @@ class WeightOnlyExport(nn.Module):
         super().__init__()
         self.dynamo = dynamo
         self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.padding_idx = getattr(layer, "padding_idx", None)
+        self.is_table = isinstance(layer, WeightOnlyEmbedding)
         fq = layer.weight_fake_quant
         with torch.no_grad():
             weight = layer.oriented_weight()
@@ -128,6 +131,8 @@ class WeightOnlyExport(nn.Module):
         return rows.reshape(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_table:
+            return F.embedding(x, self.weight, self.padding_idx)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -191,23 +191,34 @@ class GroupWeightFakeQuantize(nn.Module):
         return best
 
     def qparams(self, weight: torch.Tensor) -> torch.Tensor:
-        """The ``[out, in / group_size]`` scales this quantizer applies to ``weight`` now."""
+        """The ``[out, in / group_size]`` scales this quantizer applies to ``weight`` now.
+
+        Args:
+            weight: the ``[out, in]`` weight (observed, unless frozen)."""
         if self.observer_enabled:
             self.scale.copy_(self._observe(weight.detach().float().reshape(-1, self.group_size)).reshape(
                 self.scale.shape))
         return self.scale
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` on its grid, the gradient passed straight through.
+
+        Args:
+            weight: the ``[out, in]`` weight."""
         scale = self.qparams(weight)
         return self._fake(weight.reshape(-1, self.group_size), scale).reshape(weight.shape)
 
     def integers(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight``'s integers on this grid, ``[out, in]`` int8 (what the export writes)."""
+        """``weight``'s integers on this grid, ``[out, in]`` int8 (what the export writes).
+
+        Args:
+            weight: the ``[out, in]`` weight."""
         with torch.no_grad():
             rows = weight.detach().reshape(-1, self.group_size) / self.qparams(weight).reshape(-1, 1)
             return torch.clamp(torch.round(rows), -self.levels, self.levels).reshape(weight.shape).to(torch.int8)
 
     def describe(self) -> str:
+        """The grid in words, e.g. ``int4 symmetric per group of 32 (mse)``."""
         grouping = "per channel" if self.per_channel else f"per group of {self.group_size}"
         return f"int{self.bits} symmetric {grouping} ({self.observer})"
 

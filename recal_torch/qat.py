@@ -9,12 +9,14 @@ start. Nothing inside recal imports this module (it imports them), so the three 
 """
 
 from .fake_quant import (ACT_QMAX, ACT_QMIN, REDUCED_W_LEVELS, W_LEVELS, W_QMAX, W_QMIN, ActivationFakeQuantize,
-                         SiLUFakeQuantize, WeightFakeQuantize, activation_qparams, weight_qparams)
+                         GroupWeightFakeQuantize, SiLUFakeQuantize, WeightFakeQuantize, activation_qparams,
+                         weight_qparams)
 from .qat_modules import (CONVS, FoldedBatchNorm, QATConv, QATEmbedding, QATLinear, QATModule, QuantizedReLU,
-                          describe, fake_quantizers, is_table, qat_modules)
+                          WeightOnlyEmbedding, WeightOnlyLinear, describe, fake_quantizers, is_table, qat_modules)
 from .qat_plan import fake_quantize_model, plan_pending, quantizable_layers
 
 __all__ = ["ACT_QMAX", "ACT_QMIN", "REDUCED_W_LEVELS", "W_LEVELS", "W_QMAX", "W_QMIN", "ActivationFakeQuantize",
-           "SiLUFakeQuantize", "WeightFakeQuantize", "activation_qparams", "weight_qparams", "CONVS",
+           "SiLUFakeQuantize", "WeightFakeQuantize", "GroupWeightFakeQuantize", "WeightOnlyLinear",
+           "WeightOnlyEmbedding", "activation_qparams", "weight_qparams", "CONVS",
            "FoldedBatchNorm", "QATConv", "QATEmbedding", "QATLinear", "QATModule", "QuantizedReLU", "describe",
            "fake_quantizers", "is_table", "qat_modules", "fake_quantize_model", "plan_pending", "quantizable_layers"]

@@ -15,7 +15,7 @@ from recal_core.params import strip_wrapper
 from recal_core.recipe import Recipe
 from recal_core.schedule import QATState
 
-from .qat_modules import (QATModule, WeightOnlyLinear, describe, fake_quantizers, is_linear_like, is_table,
+from .qat_modules import (QATModule, WeightOnlyEmbedding, WeightOnlyLinear, describe, fake_quantizers, is_linear_like, is_table,
                           is_transposed_linear_type, qat_modules)
 from .qat_plan import FLOAT_REASON, fake_quantize_model, quantizable_layers, replace_layer
 from .qat_attention import AttentionFakeQuantize, quantize_attention
@@ -115,7 +115,9 @@ def _apply_scheme(recipe: Recipe, index: int, source: str, entry: str | None, sc
         out.problems.append(recipe.problem(
             index, source, f"{label}({', '.join(tables[:3])}): recal's QAT does not do "
             f"{'; '.join(scheme.table_conflicts_with_recal())}",
-            expected="weights: null (the table stays float) or int8 symmetric per-channel (per-row) weights"))
+            expected="weights: null (the table stays float), or symmetric 8- or 4-bit weights per row or group"))
+    elif tables and source == "scheme_overrides" and not scheme.table_is_int8_per_row:
+        _weight_only(recipe, index, source, label, scheme.weights, tables, modules, out)
     if not others:
         return
     if scheme.leaves_float:
@@ -129,24 +131,31 @@ def _apply_scheme(recipe: Recipe, index: int, source: str, entry: str | None, sc
                      "W4A16), or the layer in ignore"))
     elif scheme.weight_only:
         convs = [n for n in others if not is_linear_like(modules[n])]
-        args = scheme.weights
-        uneven = [f"{n} ({_in_features(modules[n])} inputs)" for n in others if n not in convs
-                  and args.group_size and _in_features(modules[n]) % args.group_size]
         if convs:
             out.problems.append(recipe.problem(
                 index, source, f"{label}is weight-only, which recal does for Linear layers, not for "
                 f"{', '.join(convs[:3])}{'...' if len(convs) > 3 else ''} ({type(modules[convs[0]]).__name__})",
                 expected="the convs in ignore, or a W8A8 scheme for them in scheme_overrides"))
-        if uneven:
-            out.problems.append(recipe.problem(
-                index, source, f"{label}group_size {args.group_size} does not divide the inputs of "
-                f"{', '.join(uneven[:3])}{'...' if len(uneven) > 3 else ''}",
-                expected="a group_size that divides every layer's inputs, or those layers in scheme_overrides"))
-        if not convs and not uneven:
-            out.weight_only[index].update({n: args for n in others})
+        else:
+            _weight_only(recipe, index, source, label, scheme.weights, others, modules, out)
+
+
+def _weight_only(recipe: Recipe, index: int, source: str, label: str, args: M.QuantizationArgs, names: list[str],
+                 modules: dict[str, nn.Module], out: LayerSchemes) -> None:
+    """Linears (or tables) made weight-only with ``args``, unless ``group_size`` does not divide their inputs."""
+    uneven = [f"{n} ({_in_features(modules[n])} inputs)" for n in names
+              if args.group_size and _in_features(modules[n]) % args.group_size]
+    if uneven:
+        out.problems.append(recipe.problem(
+            index, source, f"{label}group_size {args.group_size} does not divide the inputs of "
+            f"{', '.join(uneven[:3])}{'...' if len(uneven) > 3 else ''}",
+            expected="a group_size that divides every layer's inputs, or those layers in scheme_overrides"))
+    else:
+        out.weight_only[index].update({n: args for n in names})
 
 
 def _in_features(module: nn.Module) -> int:
+    """What one output row of the layer reads: a Linear's inputs, an embedding's width."""
     return module.weight.shape[0] if is_transposed_linear_type(type(module)) else module.weight.shape[1]
 
 
@@ -190,8 +199,10 @@ class QATControl:
             created = fake_quantize_model(root, skip=skip | set(weight_only),
                                           reduce_range=self.reduce_range.get(index, False))
             for rel, args in weight_only.items():
-                layer = WeightOnlyLinear(root.get_submodule(rel), args.num_bits,
-                                         args.group_size if args.strategy == "group" else None, args.observer)
+                float_layer = root.get_submodule(rel)
+                kind = WeightOnlyEmbedding if is_table(float_layer) else WeightOnlyLinear
+                layer = kind(float_layer, args.num_bits, args.group_size if args.strategy == "group" else None,
+                             args.observer)
                 replace_layer(root, rel, layer)
             if weight_only:
                 bits = Counter(args.num_bits for args in weight_only.values())

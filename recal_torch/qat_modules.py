@@ -255,6 +255,38 @@ class WeightOnlyLinear(nn.Module):
         return f"{self.float_type.__name__}, weight {tuple(self.weight.shape)} {self.weight_fake_quant.describe()}"
 
 
+class WeightOnlyEmbedding(WeightOnlyLinear):
+    """An embedding table read through symmetric 8- or 4-bit fake quantization per row or per group of a row (each
+    row an output channel): onnxruntime gathers its packed integers with ``GatherBlockQuantized``.
+
+    Args:
+        embedding: the float table (``nn.Embedding`` without ``max_norm``).
+        bits: 4 or 8.
+        group_size: columns per scale (``None``: one scale per row).
+        observer: ``"minmax"`` or ``"mse"``.
+    """
+
+    def __init__(self, embedding: nn.Embedding, bits: int, group_size: int | None, observer: str = "minmax"):
+        nn.Module.__init__(self)
+        self.float_type = type(embedding)
+        self.weight = embedding.weight
+        self.register_parameter("bias", None)
+        self.transposed = False
+        self.out_features, self.in_features = self.weight.shape
+        self.padding_idx, self.scale_grad_by_freq, self.sparse = (embedding.padding_idx, embedding.scale_grad_by_freq,
+                                                                   embedding.sparse)
+        self.weight_fake_quant = GroupWeightFakeQuantize(self.out_features, self.in_features, bits, group_size,
+                                                         observer).to(self.weight.device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of the fake-quantized table.
+
+        Args:
+            ids: the token ids."""
+        return F.embedding(ids, self.weight_fake_quant(self.weight), self.padding_idx, None, 2.0,
+                           self.scale_grad_by_freq, self.sparse)
+
+
 class QuantizedReLU(nn.Module):
     """A ReLU after a residual sum ``a + b`` whose output is fake-quantized: runtimes then add in int8
     (the ReLU is the clamp of the add's uint8 output, whose zero point is 0).
@@ -282,6 +314,8 @@ def device_of(module: nn.Module) -> torch.device:
 
 def describe(module: QATModule | WeightOnlyLinear) -> str:
     """What a QAT layer quantizes, e.g. ``Linear, weight (64, 64) int8 per channel, input uint8, output float``."""
+    if isinstance(module, WeightOnlyEmbedding):
+        return f"Embedding, table {tuple(module.weight.shape)} {module.weight_fake_quant.describe()}, rows float"
     if isinstance(module, WeightOnlyLinear):
         return (f"Linear, weight {(module.out_features, module.in_features)} "
                 f"{module.weight_fake_quant.describe()}, weight-only (input and output float)")

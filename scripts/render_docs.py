@@ -129,7 +129,7 @@ def llm() -> str:
         if "ppl" not in row:
             lines.append(f"| {row['label']} | did not run here: {row['note']} | | | | |")
             continue
-        recovered = "" if row["recovered"] is None else f"{100 * row['recovered']:.0f}%"
+        recovered = "" if row["recovered"] is None else f"{round(100 * row['recovered']) or 0}%"
         lines.append(f"| {row['label']} | {row['ppl']:.4f} | {recovered} | {row['bytes'] / 1e6:.2f} "
                      f"({row['bytes'] / data['fp32_bytes']:.3f}) | {row['ms_prompt']:.2f} | {row['ms_token']:.3f} |")
     return ("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. A Llama-shaped decoder "
@@ -137,9 +137,11 @@ def llm() -> str:
             f"tokens) trained {data['steps']} steps on {data['train_bytes'] / 1e6:.1f} MB of the standard library's "
             f"source ({data['files']} files, split by file); perplexity on {data['test_tokens']:,} test tokens; int4 "
             f"in blocks (groups) of {data['group']}; QAT {data['qat_steps']} steps. Latency: 1 thread, batch 1, "
-            f"median of {data['rounds']} interleaved rounds. Recovered: the share of the perplexity onnxruntime's "
-            "default RTN loses that the row wins back. `python scripts/bench_llm.py --json docs/results/llm.json`; "
-            "MB = 10^6 bytes.")
+            f"median of {data['rounds']} interleaved rounds. Every int4 row has the training of the baseline ({data['baseline']}): "
+            "onnxruntime's quantizers and recal's no-QAT row quantize it; recal's QAT trains the last "
+            f"{data['qat_steps']} steps on the int4 grid. Recovered: the share of the perplexity onnxruntime's default "
+            "RTN loses against the baseline that the row wins back. `python scripts/bench_llm.py --json "
+            "docs/results/llm.json`; MB = 10^6 bytes.")
 
 
 TABLES = {"demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range, "zoo": zoo,

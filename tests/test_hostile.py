@@ -346,7 +346,8 @@ def test_patterns_are_bounded_at_load_and_timed_once_per_recipe():
         started = time.perf_counter()
         with pytest.raises(RecipeError, match="ran out of the recipe's 1 s"):
             plan_model(load_recipe(text).bind(10), params, {params[0].name: 10})
-        assert time.perf_counter() - started < 2.0
+        # one 1 s budget for the recipe, not one per pattern (20 s): the margin is for a loaded 2-core machine
+        assert time.perf_counter() - started < 5.0
 
 
 def test_what_a_recipe_expands_to_is_bounded():

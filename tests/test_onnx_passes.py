@@ -800,3 +800,32 @@ def test_matmul_to_nbits_leaves_quantized_inputs_and_odd_groups():
     findings = Findings()
     g = Graph(onnx.shape_inference.infer_shapes(_weight_only_graph(False, 8, k=64)))  # groups of 8: no block size
     assert matmul_to_nbits(g, findings=findings) == 0 and list(findings.kept_float.values())[0][0] == "MatMul"
+
+
+@pytest.mark.parametrize("group", [16, 48], ids=["groups-of-16", "per-row"])
+def test_gather_int4_tables(group):
+    """An int4 table (recal's grouped rows, or one scale a row) is gathered packed by GatherBlockQuantized, the same
+    rows; an int8 table is left to the int8 gather."""
+    from recal_onnx.passes.gather_int4_table import gather_int4_tables
+
+    for levels, expected in ((7, 1), (127, 0)):
+        b = Builder()
+        vocab, width = 10, 48
+        q = b.rng.integers(-levels, levels + 1, (vocab * width // group, group)).astype(np.int8)
+        scale = b.rng.uniform(0.01, 0.05, q.shape[0]).astype(np.float32)
+        dq = b.node("DequantizeLinear", [b.const(q, "w"), b.const(scale, "ws"),
+                                         b.const(np.zeros(scale.size, np.int8))], axis=0)
+        table = b.node("Reshape", [dq, b.const(np.array([vocab, width], np.int64))])
+        y = b.node("Gather", [table, "ids"], axis=0)
+        graph = onnx.helper.make_graph(b.nodes, "t", [onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64,
+                                                                                          [2, 3])],
+                                       [onnx.helper.make_tensor_value_info(y, onnx.TensorProto.FLOAT, None)], b.inits)
+        model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+        feeds = {"ids": np.array([[0, 9, 3], [3, 3, 1]], np.int64)}
+        want = reference(model, feeds)[0]
+        converted, (n,) = _apply(model, gather_int4_tables)
+        assert n == expected
+        if expected:
+            assert ops(converted) == ["GatherBlockQuantized"]
+            for level in (None, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
+                np.testing.assert_array_equal(run(converted, feeds, level=level)[0], want)

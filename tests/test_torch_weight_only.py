@@ -163,3 +163,24 @@ def test_resume_mid_weight_only_qat_is_bit_identical():
     for (na, pa), (nb, pb) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
         assert na == nb and torch.equal(pa, pb), na
     assert opt_a.param_groups[0]["lr"] == opt_b.param_groups[0]["lr"]
+
+
+def test_an_int4_table_is_gathered_packed(tmp_path):
+    """scheme_overrides makes the embedding table int4 in groups of 16: QAT reads it on that grid, the converted model
+    gathers it with GatherBlockQuantized (half an int8 table's bytes) and equals the QAT model."""
+    from recal_torch.qat import WeightOnlyEmbedding
+
+    torch.manual_seed(0)
+    model, manager, optimizer = _manager(W4_GROUP16, "{Embedding: " + W4_GROUP16 + "}")
+    assert isinstance(model.emb, WeightOnlyEmbedding)
+    assert manager.quantized_layers["emb"] == "Embedding, table (60, 16) int4 symmetric per group of 16 (minmax), rows float"
+    _train(model, optimizer, _data())
+    manager.finalize(model)
+    ids = torch.randint(0, VOCAB, (4, TOKENS))
+    path = export_onnx(model.eval(), ids, tmp_path / "t.onnx", input_names=["ids"])
+    result = quantize_qat_export(str(path), inputs={"ids": ids.numpy()})
+    kinds = [n.op_type for n in result.model.graph.node]
+    assert kinds.count("GatherBlockQuantized") == 1 and kinds.count("MatMulNBits") == 8 and "Gather" not in kinds
+    assert result.verification.max_abs_diff <= 1e-5 * max(1.0, result.verification.output_range)
+    with pytest.raises(RecipeError, match=r"'Embedding' \(emb\).*other than symmetric per row or per group"):
+        _manager(W4_GROUP16, "{Embedding: {input_activations: null, weights: {num_bits: 4, symmetric: false}}}")

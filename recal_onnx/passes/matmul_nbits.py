@@ -110,13 +110,19 @@ def matmul_to_nbits(g: Graph, accuracy_level: int = 0, findings: Findings | None
             producer = g.producer(value)
             if producer is not None and not g.uses(value):
                 g.remove(producer)
-        for dead in w.nodes:
-            if dead.graph is g.graph and not any(g.uses(out) for out in dead.outputs):
-                inputs = list(dead.inputs)
-                g.remove(dead)
-                g.drop_if_unused(*[v for v in inputs if v is not None])
+        drop_unread(g, w)
         count += 1
     return count
+
+
+def drop_unread(g: Graph, w: GroupedWeight) -> None:
+    """Remove the nodes that made ``w`` (and their constants) once nothing reads them: a large model's float
+    copy goes now, not at the end."""
+    for dead in reversed(w.nodes):
+        if dead.graph is g.graph and not any(g.uses(out) for out in dead.outputs):
+            inputs = list(dead.inputs)
+            g.remove(dead)
+            g.drop_if_unused(*[v for v in inputs if v is not None])
 
 
 def _bias_add(g: Graph, node: Node, n: int) -> Node | None:

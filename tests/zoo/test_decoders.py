@@ -1,6 +1,6 @@
 """Hugging Face decoders (small configs, random weights, nothing downloaded): GPT-2 (transformers' Conv1D, learned
 positions, tied LM head) and Llama (Linear, rotary positions, RMSNorm, SiLU MLP), each in int4 (W4A16, groups of 32:
-every projection and the head a MatMulNBits) and in int8 (W8A8 with reduce_range: integer matmuls). Exported with no
+every projection and the head a MatMulNBits, the embedding tables int4 too) and in int8 (W8A8 with reduce_range: integer matmuls). Exported with no
 KV cache for any batch and length; the converted model equals the QAT export in a default and an unoptimized
 onnxruntime session, at another length than it was exported at."""
 
@@ -18,20 +18,21 @@ pytestmark = pytest.mark.slow
 
 VOCAB = 320
 SCHEMES = {
-    "int4": "{start_epoch: 0, scheme: {input_activations: null, weights: {num_bits: 4, group_size: 32}}}",
+    "int4": "{start_epoch: 0, scheme: {input_activations: null, weights: {num_bits: 4, group_size: 32}}, "
+            "scheme_overrides: {Embedding: {input_activations: null, weights: {num_bits: 4, group_size: 32}}}}",
     "int8": "{start_epoch: 0, reduce_range: true}",
 }
 
 
 def gpt2():
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=2)
-    return transformers.GPT2LMHeadModel(config), 9  # 4 Conv1D a layer and the tied head
+    return transformers.GPT2LMHeadModel(config), 9, 2  # 4 Conv1D a layer and the tied head; tokens, positions
 
 
 def llama():
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    return transformers.LlamaForCausalLM(config), 15  # q, k, v, o, gate, up, down a layer and the head
+    return transformers.LlamaForCausalLM(config), 15, 1  # q, k, v, o, gate, up, down a layer and the head
 
 
 class Logits(nn.Module):
@@ -47,7 +48,7 @@ class Logits(nn.Module):
 @pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
 def test_decoder_trains_exports_and_converts(build, scheme, tmp_path):
     torch.manual_seed(0)
-    model, layers = build()
+    model, layers, tables = build()
     manager = ScheduledModifierManager.from_yaml(f"- !QuantizationModifier {SCHEMES[scheme]}\n")
     optimizer = manager.modify(model, torch.optim.AdamW(model.parameters(), 1e-3), steps_per_epoch=3)
     g = torch.Generator().manual_seed(0)
@@ -65,6 +66,8 @@ def test_decoder_trains_exports_and_converts(build, scheme, tmp_path):
     kinds = [n.op_type for n in result.model.graph.node]
     integer_op = "MatMulNBits" if scheme == "int4" else "MatMulIntegerToFloat"
     assert kinds.count(integer_op) == layers, sorted(set(kinds))
+    if scheme == "int4":  # the tables int4 too, gathered packed
+        assert kinds.count("GatherBlockQuantized") == tables
     assert result.verification.max_abs_diff <= (1e-4 if scheme == "int4" else 0.02) * result.verification.output_range
     ids = torch.randint(0, VOCAB, (3, 11), generator=g).numpy()  # another batch and length
     reference = ort.InferenceSession(str(qat), providers=["CPUExecutionProvider"])
