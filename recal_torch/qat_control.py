@@ -15,8 +15,8 @@ from recal_core.params import strip_wrapper
 from recal_core.recipe import Recipe
 from recal_core.schedule import QATState
 
-from .qat_modules import (QATModule, WeightOnlyEmbedding, WeightOnlyLinear, describe, fake_quantizers, is_linear_like, is_table,
-                          is_transposed_linear_type, qat_modules)
+from .qat_modules import (QATModule, WeightOnlyEmbedding, WeightOnlyLinear, describe, fake_quantizers,
+                          is_linear_like, is_table, is_transposed_linear_type, qat_modules)
 from .qat_plan import FLOAT_REASON, fake_quantize_model, quantizable_layers, replace_layer
 from .qat_attention import AttentionFakeQuantize, quantize_attention
 
