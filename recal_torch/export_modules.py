@@ -107,10 +107,8 @@ class WeightOnlyExport(nn.Module):
         self.padding_idx = getattr(layer, "padding_idx", None)
         self.is_table = isinstance(layer, WeightOnlyEmbedding)
         fq = layer.weight_fake_quant
-        with torch.no_grad():
-            weight = layer.oriented_weight()
-            q = fq.integers(weight).reshape(-1, fq.group_size)
-            scale = fq.qparams(weight).reshape(-1).detach().clone()
+        q = fq.integers(layer.oriented_weight()).reshape(-1, fq.group_size)
+        scale = fq.scale.reshape(-1).clone()  # what integers() quantized with
         if dynamo:
             self.register_buffer("weight_int", q)
         else:

@@ -16,7 +16,7 @@ from recal_core.recipe import Recipe
 from recal_core.schedule import QATState
 
 from .qat_modules import (QATModule, WeightOnlyEmbedding, WeightOnlyLinear, describe, fake_quantizers,
-                          is_linear_like, is_table, is_transposed_linear_type, qat_modules)
+                          features, is_linear_like, is_table, qat_modules)
 from .qat_plan import FLOAT_REASON, fake_quantize_model, quantizable_layers, replace_layer
 from .qat_attention import AttentionFakeQuantize, quantize_attention
 
@@ -143,8 +143,8 @@ def _apply_scheme(recipe: Recipe, index: int, source: str, entry: str | None, sc
 def _weight_only(recipe: Recipe, index: int, source: str, label: str, args: M.QuantizationArgs, names: list[str],
                  modules: dict[str, nn.Module], out: LayerSchemes) -> None:
     """Linears (or tables) made weight-only with ``args``, unless ``group_size`` does not divide their inputs."""
-    uneven = [f"{n} ({_in_features(modules[n])} inputs)" for n in names
-              if args.group_size and _in_features(modules[n]) % args.group_size]
+    uneven = [f"{n} ({features(modules[n])[0]} inputs)" for n in names
+              if args.group_size and features(modules[n])[0] % args.group_size]
     if uneven:
         out.problems.append(recipe.problem(
             index, source, f"{label}group_size {args.group_size} does not divide the inputs of "
@@ -152,11 +152,6 @@ def _weight_only(recipe: Recipe, index: int, source: str, label: str, args: M.Qu
             expected="a group_size that divides every layer's inputs, or those layers in scheme_overrides"))
     else:
         out.weight_only[index].update({n: args for n in names})
-
-
-def _in_features(module: nn.Module) -> int:
-    """What one output row of the layer reads: a Linear's inputs, an embedding's width."""
-    return module.weight.shape[0] if is_transposed_linear_type(type(module)) else module.weight.shape[1]
 
 
 class QATControl:

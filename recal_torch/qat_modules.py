@@ -24,6 +24,13 @@ def is_transposed_linear_type(kind: type) -> bool:
     return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers")
 
 
+def features(module: nn.Module) -> tuple[int, int]:
+    """``(inputs, outputs)`` of one output row: a Linear's in/out features (a ``Conv1D`` reads its ``[in, out]``
+    weight the other way round), an embedding's width and rows."""
+    rows, cols = module.weight.shape[:2]
+    return (rows, cols) if is_transposed_linear_type(type(module)) else (cols, rows)
+
+
 def is_linear_like(module: nn.Module) -> bool:
     """``nn.Linear`` or transformers' ``Conv1D``: what a weight-only scheme quantizes."""
     return type(module) is nn.Linear or is_transposed_linear_type(type(module))
@@ -170,11 +177,9 @@ class QATLinear(QATModule):
         super().__init__(linear, relu, quantize_input, relu6=relu6, weight_levels=weight_levels)
         # transformers' Conv1D keeps its weight [in, out]: the QAT layer reads it transposed (the same Parameter)
         self.transposed = is_transposed_linear_type(type(linear))
+        self.in_features, self.out_features = features(linear)
         if self.transposed:
-            self.in_features, self.out_features = self.weight.shape
             self.weight_fake_quant = WeightFakeQuantize(self.out_features, weight_levels).to(self.weight.device)
-        else:
-            self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def folded_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight as ``[out, in]`` (a Conv1D's transposed) and the bias."""
@@ -233,10 +238,7 @@ class WeightOnlyLinear(nn.Module):
         self.weight = linear.weight
         self.register_parameter("bias", getattr(linear, "bias", None))
         self.transposed = is_transposed_linear_type(type(linear))
-        if self.transposed:
-            self.in_features, self.out_features = self.weight.shape
-        else:
-            self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = features(linear)
         self.weight_fake_quant = GroupWeightFakeQuantize(self.out_features, self.in_features, bits, group_size,
                                                          observer).to(self.weight.device)
 
@@ -267,16 +269,9 @@ class WeightOnlyEmbedding(WeightOnlyLinear):
     """
 
     def __init__(self, embedding: nn.Embedding, bits: int, group_size: int | None, observer: str = "minmax"):
-        nn.Module.__init__(self)
-        self.float_type = type(embedding)
-        self.weight = embedding.weight
-        self.register_parameter("bias", None)
-        self.transposed = False
-        self.out_features, self.in_features = self.weight.shape
+        super().__init__(embedding, bits, group_size, observer)  # rows are its outputs, the width its inputs
         self.padding_idx, self.scale_grad_by_freq, self.sparse = (embedding.padding_idx, embedding.scale_grad_by_freq,
                                                                    embedding.sparse)
-        self.weight_fake_quant = GroupWeightFakeQuantize(self.out_features, self.in_features, bits, group_size,
-                                                         observer).to(self.weight.device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of the fake-quantized table.

@@ -97,7 +97,7 @@ def fake_quantize_model(root: nn.Module, skip: frozenset[str] | set[str] = froze
                  type(root).__name__, type(exc).__name__, " ".join(str(exc).split())[:200])
         plans, residual_relus = [_Plan(name) for name in quantizable_layers(root, skip)], []
     for name in residual_relus:
-        _replace(root, name, QuantizedReLU().to(device_of(root)))
+        replace_layer(root, name, QuantizedReLU().to(device_of(root)))
     created = []
     for plan in plans:
         float_module = modules[plan.target]
@@ -108,7 +108,7 @@ def fake_quantize_model(root: nn.Module, skip: frozenset[str] | set[str] = froze
         else:
             qat = QATLinear(float_module, False, plan.quantize_input, weight_levels=levels)
         qat.train(float_module.training)
-        _replace(root, plan.target, qat)
+        replace_layer(root, plan.target, qat)
         _fuse(root, qat, plan, modules)
         created.append(qat)
     root.__dict__["_recal_pending_plan"] = traced
@@ -123,12 +123,12 @@ def _fuse(root: nn.Module, qat: QATModule, plan: _Plan, modules: dict[str, nn.Mo
     """Fold the plan's BatchNorm and activation into ``qat``."""
     if plan.bn is not None:
         bn = FoldedBatchNorm(modules[plan.bn])
-        _replace(root, plan.bn, bn)
+        replace_layer(root, plan.bn, bn)
         object.__setattr__(qat, "folded_bn", bn)
     if plan.activation is not None:
         qat.relu, qat.relu6 = plan.activation == "relu", plan.activation == "relu6"
     if plan.fused_module is not None:
-        _replace(root, plan.fused_module, nn.Identity())
+        replace_layer(root, plan.fused_module, nn.Identity())
 
 
 def is_leaf(module: nn.Module) -> bool:
@@ -211,11 +211,6 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_with_kwar
 
 
 def replace_layer(root: nn.Module, target: str, new: nn.Module) -> None:
-    """Put the quantized layer ``new`` where the float layer ``target`` is (its forward hooks go with it)."""
-    _replace(root, target, new)
-
-
-def _replace(root: nn.Module, target: str, new: nn.Module) -> None:
     """Put ``new`` where ``target`` is. The user's forward hooks go with a layer to its QAT module; on a module that
     folds away (a BatchNorm or ReLU taken into the conv before it) they would no longer see what they saw: said."""
     parent_name, _, child = target.rpartition(".")

@@ -14,6 +14,8 @@ from recal_torch import ScheduledModifierManager, export_onnx
 from recal_torch.model_params import describe_parameters
 from recal_torch.qat import QATEmbedding, QATLinear, fake_quantize_model
 
+from .torch_models import CausalLMLogits
+
 VOCAB, TOKENS, CLASSES = 60, 6, 3
 
 
@@ -243,15 +245,7 @@ def test_gpt2s_conv1d_layers_are_pruned_quantized_and_integer_in_onnx(tmp_path):
     weight = model.transformer.h[0].attn.c_attn.weight
     assert weight.shape == (32, 96) and abs(float((weight == 0).float().mean()) - 0.8) < 0.01
 
-    class LM(nn.Module):
-        def __init__(self, lm):
-            super().__init__()
-            self.lm = lm
-
-        def forward(self, ids):
-            return self.lm(input_ids=ids, use_cache=False).logits
-
-    path = export_onnx(LM(model).eval(), torch.randint(0, 300, (2, 16)), tmp_path / "qat.onnx", input_names=["ids"])
+    path = export_onnx(CausalLMLogits(model).eval(), torch.randint(0, 300, (2, 16)), tmp_path / "qat.onnx", input_names=["ids"])
     result = quantize_qat_export(str(path))
     kinds = [n.op_type for n in result.model.graph.node]
     assert kinds.count("MatMulIntegerToFloat") == 9  # eight Conv1D and the LM head

@@ -60,3 +60,14 @@ def qat_small_cnn(steps: int = 3):
     train_steps(model, optimizer, batches(steps))
     manager.finalize(model)
     return model.eval()
+
+
+class CausalLMLogits(nn.Module):
+    """A Hugging Face causal LM as ``ids -> logits`` with no KV cache: the graph an ONNX export of a decoder holds."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, use_cache=False).logits

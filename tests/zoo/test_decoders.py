@@ -8,10 +8,11 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from torch import nn
 
 from recal_onnx import quantize_qat_export
 from recal_torch import ScheduledModifierManager, export_onnx
+
+from ..torch_models import CausalLMLogits
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -35,15 +36,6 @@ def llama():
     return transformers.LlamaForCausalLM(config), 15, 1  # q, k, v, o, gate, up, down a layer and the head
 
 
-class Logits(nn.Module):
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, ids):
-        return self.lm(input_ids=ids, use_cache=False).logits
-
-
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
 @pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
 def test_decoder_trains_exports_and_converts(build, scheme, tmp_path):
@@ -60,7 +52,7 @@ def test_decoder_trains_exports_and_converts(build, scheme, tmp_path):
         optimizer.step()
     manager.finalize(model)
     sample = torch.randint(0, VOCAB, (2, 24), generator=g)
-    qat = export_onnx(Logits(model).eval(), sample, tmp_path / "qat.onnx", input_names=["ids"],
+    qat = export_onnx(CausalLMLogits(model).eval(), sample, tmp_path / "qat.onnx", input_names=["ids"],
                       dynamic_sequence=True)
     result = quantize_qat_export(str(qat), tmp_path / "int.onnx", inputs={"ids": sample.numpy()})
     kinds = [n.op_type for n in result.model.graph.node]
