@@ -62,6 +62,15 @@ class Space:
         return not self.blockers and bool(self.producers)
 
 
+@dataclass
+class ModelGraph:
+    """What a backend traced of a model: its channel spaces and its attentions
+    (:class:`recal_core.head_coupling.Attention`)."""
+
+    spaces: list[Space]
+    attentions: list = field(default_factory=list)
+
+
 class CouplingError(ValueError):
     """A layer whose channels cannot be pruned as asked; the message names it and what blocks it, and
     ``modifier`` is the recipe index of the modifier that asked."""
@@ -176,10 +185,10 @@ def pruning_groups(spaces: list[Space], pruned: dict[str, tuple[int, str]]) -> l
 
 
 def channel_pruned(layouts: dict[str, dict[int, object]]) -> dict[str, tuple[int, str]]:
-    """The parameters a plan prunes ``filter`` or ``channel`` (``{param: {modifier: layout}}``, as
+    """The parameters a plan prunes ``filter``, ``channel`` or ``head`` (``{param: {modifier: layout}}``, as
     :class:`recal_core.model_plan.MaskPlan` holds them): ``{param: (modifier index, kind)}``."""
     return {name: (index, layout.mask_type) for name, per in layouts.items() for index, layout in per.items()
-            if getattr(layout, "mask_type", None) in ("filter", "channel")}
+            if getattr(layout, "mask_type", None) in ("filter", "channel", "head")}
 
 
 def followers_of(space: Space) -> list[str]:

@@ -5,6 +5,8 @@ kernels are stored otherwise transposes to it first) into a 2-D *view* and a gro
 
 - ``unstructured``: every weight on its own, ranked by magnitude;
 - ``filter``: whole output channels (rows of ``[out, in * spatial]``), ranked by L2 norm;
+- ``head``: whole attention heads: rows of the query, key and value projections and columns of the output
+  projection, ranked together (:mod:`recal_core.head_coupling`; per weight it is laid out as ``filter``);
 - ``channel``: whole input channels (across every filter and position), ranked by L2 norm;
 - ``[a, b]`` blocks (``block4`` is ``[1, 4]``): tiles of ``a`` output channels by ``b`` input channels at
   one spatial position (the view ``[out, spatial * in]``), ranked by mean magnitude;
@@ -35,7 +37,7 @@ _N_OF_M = re.compile(r"^(\d+):(\d+)$")
 
 def normalise_mask_type(value: Any) -> str | tuple[int, int]:
     """A recipe's ``mask_type`` in canonical form; ``ValueError`` saying what is accepted otherwise."""
-    if value in ("unstructured", "filter", "channel"):
+    if value in ("unstructured", "filter", "channel", "head"):
         return value
     if value == "block4" or value == "block":
         return (1, 4)
@@ -49,7 +51,7 @@ def normalise_mask_type(value: Any) -> str | tuple[int, int]:
         if not 1 <= n <= m or m > 1024:
             raise ValueError(f"mask_type {value!r}: N:M needs 1 <= N <= M (at most 1024), N weights kept of every M")
         return value
-    raise ValueError(f"mask_type {value!r} is not one recal knows: use unstructured, filter, channel, a block "
+    raise ValueError(f"mask_type {value!r} is not one recal knows: use unstructured, filter, channel, head, a block "
                      "shape such as [1, 4] (block4), or N:M such as '2:4'")
 
 
@@ -116,7 +118,7 @@ def mask_layout(mask_type: Any, shape: Sequence[int]) -> MaskLayout:
     in_last = (0, *range(2, len(shape)), 1)
     if kind == "unstructured":
         return MaskLayout(kind, shape, natural, out, inp * spatial, 1, 1, "abs")
-    if kind == "filter":
+    if kind in ("filter", "head"):
         return MaskLayout(kind, shape, natural, out, inp * spatial, 1, inp * spatial, "l2")
     if kind == "channel":
         channel_first = (1, 0, *range(2, len(shape)))

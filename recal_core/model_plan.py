@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from .channel_coupling import CouplingError, Space, channel_pruned, followers_of, pruning_groups
+from .channel_coupling import CouplingError, ModelGraph, Space, channel_pruned, followers_of, pruning_groups
+from .head_coupling import head_groups
 from .errors import Problem, RecipeError
 from .mask_layout import MaskLayout, mask_layout
 from .modifiers import (LearningRateFunctionModifier, MFACPruningModifier, OBSPruningModifier, SetLearningRateModifier,
@@ -104,10 +105,16 @@ class ChannelGroup:
     consumers (``channel``), and the per-channel tensors zeroed with a pruned filter."""
 
     modifier: int
-    kind: str  # "filter" | "channel"
+    kind: str  # "filter" | "channel" | "head"
     members: dict[str, int]  # weight -> features per channel along its pruned axis (1, or S after a flatten)
     followers: tuple[str, ...]  # biases, BatchNorm shifts and running means, depthwise filters (filter groups)
     channels: int
+    inputs: frozenset[str] = frozenset()  # members pruned along their input axis (a head's output projection)
+    follower_widths: Mapping[str, int] = field(default_factory=dict)  # elements per channel (absent: 1)
+
+    def along_input(self, weight: str) -> bool:
+        """Whether ``weight`` loses input columns (channel groups, a head's output projection) or rows."""
+        return self.kind == "channel" or weight in self.inputs
 
 
 @dataclass(frozen=True)
@@ -240,12 +247,13 @@ def plan_groups(schedule: RecipeSchedule,
 
 def plan_model(schedule: RecipeSchedule, params: Sequence[ParamInfo], sizes: Mapping[str, int], *,
                groups: Sequence[tuple[float | None, float | None]] = ((None, None),),
-               channel_spaces: Callable[[], list[Space]] | None = None) -> ModelPlan:
+               channel_spaces: Callable[[], list[Space] | ModelGraph] | None = None) -> ModelPlan:
     """Resolve ``schedule``'s recipe against a model; every problem at once in one :class:`RecipeError`.
 
     ``groups``: each optimizer param group's own ``(lr, weight_decay)`` (None: unknown or absent).
-    ``channel_spaces``: the backend's reader of the model's channel spaces, called only when a modifier
-    prunes ``filter`` or ``channel`` (without it, those masks rank each layer alone).
+    ``channel_spaces``: the backend's reader of the model's channel spaces (and attentions), called only
+    when a modifier prunes ``filter``, ``channel`` or ``head`` (without it, filter and channel masks rank
+    each layer alone, and head masks are refused).
 
     >>> from recal_core import load_recipe
     >>> r = load_recipe("- !GradualKSModifier {params: [fc], init_sparsity: 0.5, final_sparsity: 0.5, "
@@ -297,18 +305,25 @@ def plan_model(schedule: RecipeSchedule, params: Sequence[ParamInfo], sizes: Map
                                                expected="a mask type this layer's shape takes"))
     channel_groups: list[ChannelGroup] = []
     pruned = channel_pruned(layouts)
+    heads = [i for i, kind in pruned.values() if kind == "head"]
+    if heads and channel_spaces is None:
+        problems.append(recipe.problem(heads[0], "mask_type", "head pruning needs the model's attentions traced, "
+                                       "which only the PyTorch backend does", expected="filter, channel, a block "
+                                       "shape or unstructured in this framework"))
     if pruned and channel_spaces is not None and not problems:
         try:
-            spaces = channel_spaces()
+            traced = channel_spaces()
+            graph = traced if isinstance(traced, ModelGraph) else ModelGraph(list(traced))
         except Exception as exc:  # noqa: BLE001 - the backend cannot read this model's graph (an fx trace failed)
             first = str(exc).splitlines()[0] if str(exc) else ""
-            spaces = None
+            graph = None
             problems.append(recipe.problem(
-                next(iter(pruned.values()))[0], "mask_type", f"filter/channel pruning reads the model's graph to "
+                next(iter(pruned.values()))[0], "mask_type", f"structured pruning reads the model's graph to "
                 f"find the layers that share channels, and cannot: {type(exc).__name__}: {first}",
-                expected="a model the backend can trace (torch.fx), or an unstructured or block mask_type"))
+                expected="a model the backend can trace (torch.fx, or torch.export with example inputs), or an "
+                "unstructured or block mask_type"))
         try:
-            channel_groups = _channel_groups(spaces, pruned, infos) if spaces is not None else []
+            channel_groups = _channel_groups(graph, pruned, infos) if graph is not None else []
         except CouplingError as exc:
             problems.append(recipe.problem(exc.modifier, "mask_type", str(exc),
                                            expected="channels every layer sharing them can drop"))
@@ -324,14 +339,18 @@ def plan_model(schedule: RecipeSchedule, params: Sequence[ParamInfo], sizes: Map
     return ModelPlan(schedule, masks, prune_targets, trainable_targets, group_plans, channel_groups)
 
 
-def _channel_groups(spaces: list[Space], pruned: dict[str, tuple[int, str]],
+def _channel_groups(graph: ModelGraph, pruned: dict[str, tuple[int, str]],
                     infos: Mapping[str, ParamInfo]) -> list[ChannelGroup]:
     def canonical(name: str) -> tuple[int, ...]:
         info = infos[name]
         return tuple(info.shape[a] for a in info.kernel_axes) if info.kernel_axes else tuple(info.shape)
 
     out = []
-    for space, kind, members in pruning_groups(spaces, pruned):
+    for att, modifier in head_groups(graph.attentions, pruned):
+        out.append(ChannelGroup(modifier, "head", att.widths(), tuple(att.biases), att.kv_heads,
+                                frozenset({att.output}), att.bias_widths()))
+    per_channel = {w: v for w, v in pruned.items() if v[1] != "head"}
+    for space, kind, members in pruning_groups(graph.spaces, per_channel) if per_channel else []:
         if kind == "filter":
             channels = canonical(members[0].weight)[0]
             widths = {m.weight: 1 for m in members}

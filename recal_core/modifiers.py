@@ -47,7 +47,7 @@ class GradualKSModifier(Modifier):
     inter_func: Literal["linear", "cubic", "inverse_cubic"] = "cubic"
     leave_enabled: StrictBool = True
     global_sparsity: StrictBool = False  # true: one magnitude ranking across every named layer
-    mask_type: Any = Field("unstructured", description="unstructured, filter, channel, [a, b] blocks or 'N:M'")
+    mask_type: Any = Field("unstructured", description="unstructured, filter, channel, head, [a, b] blocks or 'N:M'")
     phased: Literal[False] = _unsupported(False, "phased pruning is not implemented")
     score_type: Literal["magnitude"] = _unsupported("magnitude", "pruning scores are weight magnitudes")
 

@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recal_core.channel_coupling import Op, Space, channel_spaces
+from recal_core.channel_coupling import ModelGraph, Op, Space, channel_spaces
 
+from .export_graph import example_inputs_of, exported_graph
 from .fake_quant import ActivationFakeQuantize
 from .qat_modules import CONVS, FoldedBatchNorm, QATConv, QATLinear, QATModule, QuantizedReLU
 
@@ -107,4 +109,19 @@ def _is_global_mean(node: torch.fx.Node) -> bool:
 
 
 def model_spaces(model: nn.Module) -> list[Space]:
+    """``model``'s channel spaces from a ``torch.fx`` trace."""
     return channel_spaces(model_ops(model))
+
+
+def model_graph(model: nn.Module, example_inputs: Any = None) -> ModelGraph:
+    """``model``'s channel spaces and attentions: from ``torch.export`` on ``example_inputs`` when given or
+    when the model is a Hugging Face one (which ``torch.fx`` cannot trace), else from ``torch.fx`` (no inputs
+    needed; no attentions found)."""
+    if example_inputs is not None or example_inputs_of(model) is not None:
+        return exported_graph(model, example_inputs)
+    try:
+        return ModelGraph(model_spaces(model))
+    except Exception as exc:  # noqa: BLE001 - any failure of the symbolic trace
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ValueError(f"torch.fx cannot trace {type(model).__name__} ({type(exc).__name__}: {first}); pass "
+                         "example_inputs= (a batch of its inputs) to trace it with torch.export") from exc

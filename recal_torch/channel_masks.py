@@ -9,28 +9,29 @@ import torch
 from recal_core.model_plan import ChannelGroup
 
 
-def _channel_view(weight: torch.Tensor, kind: str, width: int) -> torch.Tensor:
-    """``weight`` as ``[channels, rest]``: its rows (filter), or its input channels (channel)."""
-    if kind == "filter":
-        return weight.flatten(1)
+def _channel_view(weight: torch.Tensor, along_input: bool, width: int) -> torch.Tensor:
+    """``weight`` as ``[channels, rest]``: ``width`` rows per channel, or ``width`` input columns."""
+    if not along_input:
+        return weight.reshape(weight.shape[0] // width, -1)
     w = weight.transpose(0, 1)  # [in, out, ...]
     return w.reshape(w.shape[0] // width, -1)
 
 
 @torch.no_grad()
 def group_masks(group: ChannelGroup, weights: dict[str, torch.Tensor], count: int) -> dict[str, torch.Tensor]:
-    """Each member's mask: the group's ``count`` channels of least summed squared norm (ties by position)
-    zeroed in every member."""
-    score = sum(_channel_view(weights[n], group.kind, w).pow(2).sum(1) for n, w in group.members.items())
+    """Each member's mask: the group's ``count`` channels (heads) of least summed squared norm (ties by
+    position) zeroed in every member."""
+    score = sum(_channel_view(weights[n], group.along_input(n), w).pow(2).sum(1) for n, w in group.members.items())
     keep = torch.ones(group.channels, device=score.device)
     keep[torch.argsort(score, stable=True)[:count]] = 0
-    return {name: expand(keep, weights[name], group.kind, width) for name, width in group.members.items()}
+    return {name: expand(keep, weights[name], group.along_input(name), width)
+            for name, width in group.members.items()}
 
 
-def expand(keep: torch.Tensor, like: torch.Tensor, kind: str, width: int = 1) -> torch.Tensor:
-    """A per-channel ``keep`` vector as a mask of ``like`` (along its first axis for filters and followers,
-    its second, ``width`` features per channel, for channel groups)."""
-    if kind == "filter" or like.dim() == 1:
-        return keep.reshape(-1, *([1] * (like.dim() - 1))).expand_as(like).to(like.dtype).contiguous()
-    cols = keep.repeat_interleave(width)
-    return cols.reshape(1, -1, *([1] * (like.dim() - 2))).expand_as(like).to(like.dtype).contiguous()
+def expand(keep: torch.Tensor, like: torch.Tensor, along_input: bool, width: int = 1) -> torch.Tensor:
+    """A per-channel ``keep`` vector as a mask of ``like``: ``width`` elements per channel along its first
+    axis (filters, heads' rows, followers), or along its second (channel groups, a head's output columns)."""
+    per = keep.repeat_interleave(width) if width > 1 else keep
+    if not along_input or like.dim() == 1:
+        return per.reshape(-1, *([1] * (like.dim() - 1))).expand_as(like).to(like.dtype).contiguous()
+    return per.reshape(1, -1, *([1] * (like.dim() - 2))).expand_as(like).to(like.dtype).contiguous()

@@ -32,7 +32,7 @@ from recal_core.model_plan import ModelPlan, plan_groups, plan_model
 from recal_core.recipe import Recipe
 
 from .distillation import Teacher, distillation_loss
-from .channel_graph import model_spaces
+from .channel_graph import model_graph
 from .masks import MaskState
 from .model_params import describe_parameters, sparsity, unwrap
 from .param_groups import ParamGroupSettings, group_bases
@@ -95,7 +95,7 @@ class ScheduledModifierManager(RecipeManager):
 
     def modify(self, model: nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int,
                loggers: Iterable[RecalLogger] = (), teacher: nn.Module | None = None,
-               quantize_attention: bool = False) -> torch.optim.Optimizer:
+               quantize_attention: bool = False, example_inputs: Any = None) -> torch.optim.Optimizer:
         """Bind the recipe to ``model`` and ``optimizer``; return ``optimizer`` (hooked, not wrapped).
 
         Every ``params`` / ``submodules`` entry is resolved now: one that matches nothing is a
@@ -110,6 +110,9 @@ class ScheduledModifierManager(RecipeManager):
             loggers: receivers of the per-step scalars (:class:`~recal_core.loggers.RecalLogger`).
             teacher: the model a DistillationModifier distils from.
             quantize_attention: also quantize attention's matmuls (see the PyTorch page).
+            example_inputs: a batch of the model's inputs (a tensor, a tuple, or ``(args, kwargs)``) to trace
+                it with ``torch.export`` when a modifier prunes ``filter``, ``channel`` or ``head`` and
+                ``torch.fx`` cannot trace it; Hugging Face models need none.
         """
         if self._model is not None:
             raise RuntimeError("this manager already modified a model; create a new manager per model")
@@ -127,7 +130,7 @@ class ScheduledModifierManager(RecipeManager):
         problems = []
         try:
             plan = plan_model(schedule, infos, sizes, groups=group_bases(optimizer),
-                              channel_spaces=lambda: model_spaces(unwrap(model)))
+                              channel_spaces=lambda: model_graph(unwrap(model), example_inputs))
             for ps, size in plan.curvature_bytes():
                 if size > MAX_CURVATURE_BYTES:
                     field = "num_grads" if isinstance(ps.modifier, M.MFACPruningModifier) else "fisher_block_size"

@@ -148,17 +148,18 @@ class MaskState:
         self._apply_followers()
 
     def _update_followers(self) -> None:
-        """The follower tensors' masks, read off each filter group's mask in force (or none)."""
+        """The follower tensors' masks, read off each filter or head group's mask in force (or none)."""
         self._followers = []
         for group in self.plan.channel_groups:
             first = next(iter(group.members))
             mask = self.masks[first].get(group.modifier)
-            if group.kind != "filter" or mask is None:
+            if group.kind == "channel" or mask is None:
                 continue
-            keep = mask.flatten(1).amax(1)
+            keep = mask.reshape(group.channels, -1).amax(1)  # first member: rows, group.members[first] per channel
             for name in group.followers:
                 tensor = self._tensors[name]
-                self._followers.append((tensor, expand(keep, tensor, "filter") == 0))
+                pruned = expand(keep, tensor, False, group.follower_widths.get(name, 1)) == 0
+                self._followers.append((tensor, pruned))
 
     def _combine(self, name: str) -> bool:
         masks = list(self.masks[name].values())

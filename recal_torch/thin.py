@@ -9,14 +9,16 @@ they were (a test checks it on residual, depthwise and flatten-linear nets, floa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from recal_core.channel_coupling import input_columns, live_channels
+from recal_core.head_coupling import Attention, live_heads, unit_rows
 
-from .channel_graph import model_spaces
+from .channel_graph import model_graph
 from .fake_quant import WeightFakeQuantize
 from .qat_modules import QATModule
 
@@ -25,7 +27,8 @@ _BN_TENSORS = ("weight", "bias", "running_mean", "running_var")
 
 @dataclass(frozen=True)
 class ThinReport:
-    """What :func:`thin` removed: per space, its producers and ``(channels before, after)``."""
+    """What :func:`thin` removed: per space, its producers and ``(channels before, after)``; per attention,
+    its name and ``(heads before, after)``."""
 
     spaces: tuple[tuple[tuple[str, ...], int, int], ...]
 
@@ -39,18 +42,27 @@ class ThinReport:
 
 
 @torch.no_grad()
-def thin(model: nn.Module) -> ThinReport:
-    """Remove ``model``'s dead channels in place (call it after training: the optimizer and the manager
-    hold the old tensors). Spaces the coupling rules cannot thin are left as they are.
+def thin(model: nn.Module, example_inputs: Any = None) -> ThinReport:
+    """Remove ``model``'s dead channels and attention heads in place (call it after training: the optimizer
+    and the manager hold the old tensors). Spaces and attentions the coupling rules cannot thin are left as
+    they are. A thinned attention keeps its head size; its module's head counts are updated.
 
     Args:
-        model: a trained model whose filter / channel pruning left channels exactly zero.
+        model: a trained model whose filter / channel / head pruning left channels or heads exactly zero.
+        example_inputs: inputs to trace the model with ``torch.export`` (see
+            :meth:`recal_torch.ScheduledModifierManager.modify`); Hugging Face models need none.
 
     Returns:
-        What was removed, per coupled channel space."""
+        What was removed, per coupled channel space and per attention (its heads)."""
     modules = dict(model.named_modules())
+    graph = model_graph(model, example_inputs)
     done = []
-    for space in model_spaces(model):
+    for att in graph.attentions:
+        if not att.blockers:
+            thinned = _thin_heads(model, modules, att)
+            if thinned is not None:
+                done.append(thinned)
+    for space in graph.spaces:
         if not space.thinnable:
             continue
         tensors = {**dict(model.named_buffers()), **dict(model.named_parameters())}  # current after slicing
@@ -81,6 +93,29 @@ def thin(model: nn.Module) -> ThinReport:
                 m.in_features = len(cols)
         done.append((tuple(p.name for p in space.producers), keep.size, len(index)))
     return ThinReport(tuple(done))
+
+
+def _thin_heads(model: nn.Module, modules: dict[str, nn.Module], att: Attention):
+    tensors = dict(model.named_parameters())
+    keep = live_heads(att, lambda name: (tensors[name] == 0).cpu().numpy())
+    if keep.all():
+        return None
+    units = np.flatnonzero(keep)
+    for weight, width in att.widths().items():
+        index = torch.from_numpy(unit_rows(units, width))
+        layer = modules[weight.rsplit(".", 1)[0]]
+        if weight == att.output:
+            _slice_attr(layer, "weight", index, 1)
+            layer.in_features = len(index)
+        else:
+            _slice_out(layer, index)
+    attention = modules.get(att.name)
+    heads = len(units) * att.per_unit
+    for attr, value in (("num_attention_heads", heads), ("num_heads", heads), ("num_key_value_heads", len(units)),
+                        ("all_head_size", heads * att.head_dim)):
+        if isinstance(getattr(attention, attr, None), int):
+            setattr(attention, attr, value)
+    return ((f"{att.name} (heads)",), att.heads, heads)
 
 
 def _slice_attr(m: nn.Module, attr: str, index: torch.Tensor, dim: int) -> None:

@@ -152,13 +152,23 @@ def test_a_reshape_the_rules_do_not_cover_blocks_filter_pruning():
 def test_a_model_fx_cannot_trace_is_a_located_error_for_filter_pruning():
     class Branchy(SmallCNN):
         def forward(self, x):
-            return super().forward(x) if x.sum() > 0 else -super().forward(x)  # data-dependent control flow
+            return super().forward(x) if x.shape[1] == 1 else -super().forward(x)  # control flow on a shape
 
     model = Branchy()
     manager = ScheduledModifierManager.from_yaml(_recipe("[conv1, conv2, conv3]", "filter").rsplit("- !Quant", 1)[0])
-    with pytest.raises(RecipeError, match=r"<string>:4:\d+: .*field 'mask_type': filter/channel pruning reads the "
-                                          r"model's graph .* and cannot: TraceError"):
+    with pytest.raises(RecipeError, match=r"<string>:4:\d+: .*field 'mask_type': structured pruning reads the "
+                                          r"model's graph .* and cannot: .*TraceError.*pass example_inputs="):
         manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=4)
+    # with example inputs, torch.export traces the branch their shape takes, and the coupling is found
+    manager = ScheduledModifierManager.from_yaml(_recipe("[conv1, conv2, conv3]", "filter").rsplit("- !Quant", 1)[0])
+    manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=4,
+                   example_inputs=torch.ones(2, 1, 8, 8))
+    traced = ScheduledModifierManager.from_yaml(_recipe("[conv1, conv2, conv3]", "filter").rsplit("- !Quant", 1)[0])
+    plain = SmallCNN()
+    traced.modify(plain, torch.optim.SGD(plain.parameters(), lr=0.1), steps_per_epoch=4)  # torch.fx's groups
+    assert manager.plan.channel_groups == traced.plan.channel_groups
+    assert [sorted(g.members) for g in manager.plan.channel_groups] == [["conv1.weight", "conv2.weight"],
+                                                                        ["conv3.weight"]]
 
 
 def test_thin_leaves_a_dense_model_alone_and_qat_fake_quant_follows():
@@ -225,3 +235,18 @@ def _steps(model, optimizer, n, shape=(3, 16, 16), seed=3):
         nn.functional.cross_entropy(model(torch.randn(8, *shape, generator=g)),
                                     torch.randint(0, 5, (8,), generator=g)).backward()
         optimizer.step()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_torch_export_finds_the_spaces_torch_fx_finds(case):
+    from recal_torch.channel_graph import model_graph
+
+    build, _, _, shape = CASES[case]
+    model = build()
+
+    def spaces(graph):
+        return sorted((tuple(p.weight for p in s.producers), tuple(c.weight for c, _ in s.consumers),
+                       tuple(sorted(t for _, ts in s.followers for t in ts)), s.thinnable) for s in graph.spaces
+                      if s.producers)
+
+    assert spaces(model_graph(model, torch.ones(2, *shape))) == spaces(model_graph(model))

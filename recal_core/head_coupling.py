@@ -1,0 +1,111 @@
+"""Which weights prune one attention head together: the rules ``mask_type: head`` and thinning share.
+
+A backend describes each attention it traced as an :class:`Attention`: the layers whose outputs become its
+queries, keys and values (``heads * head_dim`` rows each, head-major), the layers that read its merged
+output (``heads * head_dim`` input columns) and what else touches those tensors. Head ``h`` is rows
+``h*d:(h+1)*d`` of the query, key and value projections and the same columns of the output projection.
+With grouped-query attention (``kv_heads < heads``) the unit is a key/value head with the
+``heads / kv_heads`` query heads that read it, so removing a unit leaves an attention that still runs.
+
+A head-pruning modifier lists the four projections of each attention together; the group ranks its units
+by their summed squared norms (rows of Q, K, V and columns of the output projection) and zeroes the
+lowest. What cannot be pruned that way is a :class:`~recal_core.channel_coupling.CouplingError` naming the
+layer and what blocks it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .channel_coupling import CouplingError
+
+
+@dataclass(frozen=True)
+class Attention:
+    """One traced attention, by parameter names."""
+
+    name: str  # the attention module's name (for messages)
+    query: str  # weights [heads * head_dim, hidden] (canonical [out, in])
+    key: str  # [kv_heads * head_dim, hidden]
+    value: str
+    output: str  # [hidden, heads * head_dim]: the layer reading the merged heads
+    heads: int
+    kv_heads: int
+    head_dim: int
+    biases: tuple[str, ...] = ()  # the query, key and value biases there are
+    blockers: tuple[str, ...] = ()  # why its heads cannot be removed (another reader, an op not followed)
+
+    @property
+    def per_unit(self) -> int:
+        """Query heads per pruned unit: 1, or the query heads sharing one key/value head."""
+        return self.heads // self.kv_heads
+
+    def widths(self) -> dict[str, int]:
+        """Rows (Q, K, V) or columns (output) each weight holds per unit."""
+        q = self.per_unit * self.head_dim
+        return {self.query: q, self.key: self.head_dim, self.value: self.head_dim, self.output: q}
+
+    def bias_widths(self) -> dict[str, int]:
+        """Elements per unit of each bias (the query's first, by the backend's order)."""
+        widths = {}
+        for bias in self.biases:
+            owner = bias.rsplit(".", 1)[0]
+            widths[bias] = self.per_unit * self.head_dim if self.query.startswith(owner + ".") else self.head_dim
+        return widths
+
+
+def head_groups(attentions: list[Attention], pruned: dict[str, tuple[int, str]]) -> list[tuple[Attention, int]]:
+    """The attentions a recipe prunes by head, each with its modifier's index, from the weights pruned
+    ``head`` (``pruned[weight] = (modifier index, kind)``). A :class:`CouplingError` for a weight that is no
+    traced attention's projection, an attention missing one of its four projections or shared by two
+    modifiers, or one whose heads something else reads."""
+    heads = {w: m for w, (m, kind) in pruned.items() if kind == "head"}
+    roles = {}
+    for att in attentions:
+        for role, weight in (("query", att.query), ("key", att.key), ("value", att.value), ("output", att.output)):
+            roles[weight] = (att, role)
+    out: dict[str, tuple[Attention, int]] = {}
+    for weight, modifier in heads.items():
+        if weight not in roles:
+            raise CouplingError(
+                f"{weight}: mask_type head: recal traced no attention that reads it as a query, key, value or "
+                f"output projection (it finds attentions through scaled_dot_product_attention; "
+                f"{len(attentions)} traced in this model); list only the four projections of each attention",
+                modifier)
+        att, role = roles[weight]
+        if att.blockers:
+            raise CouplingError(f"{att.name}: mask_type head: its heads also reach {att.blockers[0]}, so they "
+                                "cannot be removed; prune this attention's projections unstructured, or leave it "
+                                "out of params", modifier)
+        missing = [w for w in (att.query, att.key, att.value, att.output) if heads.get(w) != modifier]
+        if missing:
+            raise CouplingError(
+                f"{att.name}: mask_type head on {weight} ({role}): a head is rows of the query, key and value "
+                f"projections and columns of the output projection, pruned together; list "
+                f"{', '.join(missing)} in the same modifier with mask_type head", modifier)
+        out[att.name] = (att, modifier)
+    return list(out.values())
+
+
+def live_heads(att: Attention, is_zero) -> np.ndarray:
+    """Which units of ``att`` thinning keeps: ``False`` where the unit's output is exactly zero (its value
+    rows and value bias are zero) or unread (its output-projection columns are zero). ``is_zero(name)`` is
+    the backend's elementwise "is zero" of a weight or bias in canonical ``[out, in]`` order. One unit is
+    always kept (an attention needs one)."""
+    units = att.kv_heads
+    value = is_zero(att.value).reshape(units, -1).all(1)
+    for bias in att.biases:
+        if bias.rsplit(".", 1)[0] == att.value.rsplit(".", 1)[0]:
+            value &= is_zero(bias).reshape(units, -1).all(1)
+    unread = np.moveaxis(is_zero(att.output), 1, 0).reshape(units, -1).all(1)
+    keep = ~(value | unread)
+    if not keep.any():
+        keep[0] = True
+    return keep
+
+
+def unit_rows(kept: np.ndarray, width: int) -> np.ndarray:
+    """The rows (or columns) of a weight holding ``width`` per unit, for the ``kept`` unit indices."""
+    return (np.asarray(kept)[:, None] * width + np.arange(width)).reshape(-1)

@@ -1,0 +1,270 @@
+"""A model as the core's coupling ops and attentions, from a ``torch.export`` trace: for models ``torch.fx``
+cannot trace symbolically (Hugging Face transformers), given example inputs.
+
+The trace is ATen: ``linear`` is a layer, zero-preserving elementwise ops keep channels, a product or sum
+of two same-shaped tensors (a gated MLP) joins their channels, anything else blocks them
+(:mod:`recal_core.channel_coupling`). Each ``scaled_dot_product_attention`` becomes an
+:class:`~recal_core.head_coupling.Attention`: the ``linear`` behind each of its query, key and value
+inputs (through the view that splits heads and head-local ops such as rotary embeddings), and the
+``linear`` its merged output reaches; a tensor on the way that something else also reads blocks it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from recal_core.channel_coupling import ModelGraph, Op, channel_spaces
+from recal_core.head_coupling import Attention
+
+_aten = torch.ops.aten
+_SAME = {_aten.gelu.default, _aten.relu.default, _aten.relu_.default, _aten.silu.default, _aten.tanh.default,
+         _aten.dropout.default, _aten.clone.default, _aten.contiguous.default, _aten.alias.default,
+         _aten.hardtanh.default, _aten.leaky_relu.default, _aten.hardswish.default, _aten.detach.default,
+         _aten._to_copy.default, _aten.to.dtype, _aten.type_as.default, _aten.native_dropout.default}
+_SAME |= {_aten.max_pool1d.default, _aten.max_pool2d.default, _aten.max_pool3d.default, _aten.avg_pool1d.default,
+          _aten.avg_pool2d.default, _aten.avg_pool3d.default, _aten.adaptive_avg_pool1d.default,
+          _aten.adaptive_avg_pool2d.default, _aten.adaptive_avg_pool3d.default, _aten.adaptive_max_pool2d.default}
+_CONVS = {_aten.conv1d.default, _aten.conv2d.default, _aten.conv3d.default}
+_JOIN = {_aten.add.Tensor, _aten.mul.Tensor}
+# ops a head's tensors may pass through between its projection and the attention (splitting heads,
+# rotary embeddings, repeating key/value heads); a head index stays a head index through them
+_HEAD_LOCAL = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.transpose.int,
+               _aten.permute.default, _aten.contiguous.default, _aten.clone.default, _aten.mul.Tensor,
+               _aten.add.Tensor, _aten.sub.Tensor, _aten.neg.default, _aten.cat.default, _aten.slice.Tensor,
+               _aten.unsqueeze.default, _aten.expand.default, _aten._to_copy.default, _aten.to.dtype,
+               _aten.type_as.default, _aten.alias.default, _aten.squeeze.dim}
+_MERGE = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.transpose.int,
+          _aten.permute.default, _aten.contiguous.default, _aten.clone.default, _aten.alias.default}
+
+
+def example_inputs_of(model: nn.Module) -> tuple[tuple, dict] | None:
+    """Inputs to trace a Hugging Face model with when the user gave none: ``model.dummy_inputs``, or one
+    image of the config's size for vision models. None when the model is not one recal knows how to feed."""
+    config = getattr(model, "config", None)
+    name = getattr(model, "main_input_name", None)
+    if config is None or name is None:
+        return None
+    if name == "pixel_values":
+        size = getattr(config, "image_size", 224)
+        size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
+        device = next(model.parameters()).device
+        return (), {name: torch.zeros(1, getattr(config, "num_channels", 3), *size, device=device)}
+    dummy = getattr(model, "dummy_inputs", None)
+    if isinstance(dummy, dict) and name in dummy:
+        device = next(model.parameters()).device
+        kwargs = {name: dummy[name][:1].to(device)}
+        if getattr(config, "use_cache", False):
+            kwargs["use_cache"] = False  # a key/value cache reads every head: trace the attention alone
+        return (), kwargs
+    return None
+
+
+def exported_graph(model: nn.Module, example_inputs: Any = None) -> ModelGraph:
+    """``model``'s channel spaces and attentions from a ``torch.export`` trace on ``example_inputs`` (a
+    tensor, a tuple of positional inputs, or ``(args, kwargs)``; None: :func:`example_inputs_of`)."""
+    args, kwargs = _as_args(model, example_inputs)
+    was_training = model.training
+    model.eval()  # dropout and batch statistics out of the trace; the ops' channels are the same
+    try:
+        program = torch.export.export(model, args, kwargs, strict=False)
+    finally:
+        model.train(was_training)
+    ops, attentions = _ops(program)
+    return ModelGraph(channel_spaces(ops), attentions)
+
+
+def _as_args(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict]:
+    if example_inputs is None:
+        found = example_inputs_of(model)
+        if found is None:
+            raise ValueError(f"torch.fx cannot trace this {type(model).__name__} and recal has no example inputs "
+                             "for torch.export: pass example_inputs= (a batch of the model's inputs)")
+        return found
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, tuple) and len(example_inputs) == 2 and isinstance(example_inputs[1], dict) \
+            and isinstance(example_inputs[0], (tuple, list)):
+        return tuple(example_inputs[0]), dict(example_inputs[1])
+    return tuple(example_inputs), {}
+
+
+def _ops(program: torch.export.ExportedProgram) -> tuple[list[Op], list[Attention]]:
+    sig = program.graph_signature
+    params = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+    graph = program.graph
+    ops: list[Op] = []
+    for node in graph.nodes:
+        tensors = tuple(a.name for a in node.all_input_nodes if a.name not in params)
+        if node.op == "placeholder":
+            if node.name not in params:
+                ops.append(Op(node.name, "input", (), node.name))
+        elif node.op == "output":
+            ops.append(Op("the model's output", "output", tensors))
+        elif node.target is _aten.linear.default:
+            weight = params.get(node.args[1].name)
+            bias = params.get(node.args[2].name) if len(node.args) > 2 and node.args[2] is not None else None
+            if weight is None:  # a linear on a computed weight (a fake-quantized one): not a layer recal slices
+                ops.append(Op(_where(node), "other", tensors, node.name))
+            else:
+                ops.append(Op(weight.rsplit(".", 1)[0], "layer", tensors[:1], node.name, weight, bias))
+        elif node.target in _CONVS and node.args[1].name in params:
+            ops.append(_conv(node, params, tensors))
+        elif node.target is _aten.batch_norm.default and node.args[1] is not None and node.args[3] is not None:
+            weight, bias, mean = (params.get(a.name) if a is not None else None for a in node.args[1:4])
+            ops.append(Op(weight.rsplit(".", 1)[0], "norm", tensors[:1], node.name, weight, bias, (mean,)))
+        elif node.target is _aten.flatten.using_ints and tuple(node.args[1:]) in ((1,), (1, -1)):
+            ops.append(Op(_where(node), "flatten", tensors, node.name))
+        elif node.target is _aten.mean.dim and len(tensors) == 1 and _spatial(node):
+            ops.append(Op(_where(node), "same", tensors, node.name))  # a global average pool written out
+        elif node.target in _SAME and len(tensors) == 1:
+            ops.append(Op(_where(node), "same", tensors, node.name))
+        elif node.target in _JOIN and len(tensors) == 2 and _same_shape(node, *node.all_input_nodes):
+            ops.append(Op(_where(node), "add", tensors, node.name))
+        elif node.target is _aten.mul.Tensor and len(tensors) == 1 and not _is_tensor(node.args[1 - _pos(node)]):
+            ops.append(Op(_where(node), "same", tensors, node.name))  # times a scalar
+        elif node.op == "call_function":
+            ops.append(Op(_where(node), "other", tensors, node.name))
+    attentions = [_attention(node, params) for node in graph.nodes
+                  if node.target is _aten.scaled_dot_product_attention.default]
+    return ops, attentions
+
+
+def _conv(node: torch.fx.Node, params: dict[str, str], tensors: tuple[str, ...]) -> Op:
+    weight = params[node.args[1].name]
+    bias = params.get(node.args[2].name) if len(node.args) > 2 and node.args[2] is not None else None
+    groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+    shape = _shape(node.args[1])
+    name = weight.rsplit(".", 1)[0]
+    if groups == 1:
+        return Op(name, "layer", tensors[:1], node.name, weight, bias)
+    if shape is not None and groups == shape[0] and shape[1] == 1:
+        return Op(name, "depthwise", tensors[:1], node.name, weight, bias)
+    return Op(f"{name} (grouped conv)", "other", tensors, node.name)
+
+
+def _spatial(node: torch.fx.Node) -> bool:
+    dims, rank = node.args[1] if len(node.args) > 1 else None, len(_shape(node.args[0]) or ())
+    return isinstance(dims, (list, tuple)) and bool(dims) and all(2 <= (d + rank if d < 0 else d) < rank
+                                                                   for d in dims)
+
+
+def _where(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    module = list(stack.values())[-1][0] if stack else ""
+    return f"{module} ({node.target})" if module else str(node.target)
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _same_shape(node: torch.fx.Node, *inputs: torch.fx.Node) -> bool:
+    out = _shape(node)
+    return out is not None and all(_shape(i) == out for i in inputs)
+
+
+def _is_tensor(arg: Any) -> bool:
+    return isinstance(arg, torch.fx.Node)
+
+
+def _pos(node: torch.fx.Node) -> int:
+    return 0 if _is_tensor(node.args[0]) else 1
+
+
+def _attention(sdpa: torch.fx.Node, params: dict[str, str]) -> Attention:
+    """The projections of one attention, its head counts, and what blocks removing its heads."""
+    name = _where(sdpa).split(" (")[0]
+    blockers: list[str] = []
+    found = []
+    for arg in sdpa.args[:3]:
+        linear, path = _producer(arg, params)
+        if linear is None:
+            blockers.append(f"{_where(arg)} (its query, key and value must each come from one linear)")
+            found.append((None, None, None))
+            continue
+        split = next((n for n in linear.users if n.target in (_aten.view.default, _aten.reshape.default,
+                                                              _aten._unsafe_view.default)), None)
+        shape = _shape(split) if split is not None else None
+        found.append((linear, shape, path))
+        for n in [linear, *path]:
+            for user in n.users:
+                if user is not sdpa and user not in path:
+                    blockers.append(f"{_where(user)}, which also reads {n.name}")
+        blockers += [f"{_where(n)} (not an op recal follows a head through)" for n in path
+                     if n.target not in _HEAD_LOCAL]
+    output, merge_path = _consumer(sdpa, params)
+    if output is None:
+        blockers.append(merge_path or f"whatever reads {name}'s output (not one linear)")
+    q, k, v = found
+    heads = kv_heads = head_dim = 1
+    if q[1] is None or k[1] is None or len(q[1]) < 2:
+        blockers.append(f"{name}: recal cannot read the head count from the views that split its heads")
+    else:
+        heads, head_dim = q[1][-2], q[1][-1]
+        kv_heads = k[1][-2]
+        if kv_heads <= 0 or heads % kv_heads:
+            blockers.append(f"{name}: {heads} query heads do not share {kv_heads} key/value heads evenly")
+            kv_heads = heads
+    weights = [params[n.args[1].name] if n is not None else f"{name}.?" for n, _, _ in found]
+    biases = tuple(params[n.args[2].name] for n, _, _ in found
+                   if n is not None and len(n.args) > 2 and n.args[2] is not None)
+    return Attention(name, *weights, params[output.args[1].name] if output is not None else f"{name}.?",
+                     heads, kv_heads, head_dim, biases, tuple(dict.fromkeys(blockers)))
+
+
+def _producer(node: torch.fx.Node, params: dict[str, str]) -> tuple[torch.fx.Node | None, list[torch.fx.Node]]:
+    """The one ``linear`` (on a parameter) whose output reaches ``node``, and the ops on the way (head
+    splits, rotary embeddings): inputs that no linear reaches (cos and sin tables) are not followed."""
+    path: list[torch.fx.Node] = []
+    linears: set[torch.fx.Node] = set()
+    seen: set[torch.fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen or not isinstance(n, torch.fx.Node):
+            continue
+        seen.add(n)
+        if n.target is _aten.linear.default and n.args[1].name in params:
+            linears.add(n)
+            continue
+        if n.op != "call_function" or not _reaches_linear(n, params):
+            continue
+        path.append(n)
+        stack.extend(n.all_input_nodes)
+    if len(linears) != 1:
+        return None, path
+    return linears.pop(), path[::-1]
+
+
+def _reaches_linear(node: torch.fx.Node, params: dict[str, str]) -> bool:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.target is _aten.linear.default and n.args[1].name in params:
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _consumer(sdpa: torch.fx.Node, params: dict[str, str]) -> tuple[torch.fx.Node | None, str | None]:
+    """The ``linear`` that reads ``sdpa``'s heads merged back (through transposes and reshapes only)."""
+    n = sdpa
+    while True:
+        users = list(n.users)
+        if len(users) != 1:
+            return None, f"{len(users)} readers of {n.name}" if users else None
+        user = users[0]
+        if user.target is _aten.linear.default and user.args[0] is n and user.args[1].name in params:
+            return user, None
+        if user.target not in _MERGE:
+            return None, f"{_where(user)} (reads {sdpa.name}'s output; recal follows only reshapes to a linear)"
+        n = user
