@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --durations=15
+	$(BIN)/python -m pytest -q -n auto --dist worksteal --durations=15
 
 # the manual and API reference (mkdocs + mkdocstrings) into site/; strict: a warning fails the build
 docs: $(STAMP)
@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_accuracy.py
 	$(BIN)/python scripts/bench_pruning.py
 	$(BIN)/python scripts/bench_thinning.py
+	$(BIN)/python scripts/bench_transformer_thinning.py --quick
 	$(BIN)/python scripts/bench_keras.py
 
 # the wheel installed with each extra into a fresh venv runs that extra's README quick start

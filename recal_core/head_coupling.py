@@ -34,7 +34,7 @@ class Attention:
     heads: int
     kv_heads: int
     head_dim: int
-    biases: tuple[str, ...] = ()  # the query, key and value biases there are
+    biases: tuple[tuple[str, str], ...] = ()  # (projection weight, its bias) for the query, key and value
     blockers: tuple[str, ...] = ()  # why its heads cannot be removed (another reader, an op not followed)
 
     @property
@@ -48,12 +48,9 @@ class Attention:
         return {self.query: q, self.key: self.head_dim, self.value: self.head_dim, self.output: q}
 
     def bias_widths(self) -> dict[str, int]:
-        """Elements per unit of each bias (the query's first, by the backend's order)."""
-        widths = {}
-        for bias in self.biases:
-            owner = bias.rsplit(".", 1)[0]
-            widths[bias] = self.per_unit * self.head_dim if self.query.startswith(owner + ".") else self.head_dim
-        return widths
+        """Elements per unit of each bias."""
+        widths = self.widths()
+        return {bias: widths[weight] for weight, bias in self.biases}
 
 
 def head_groups(attentions: list[Attention], pruned: dict[str, tuple[int, str]]) -> list[tuple[Attention, int]]:
@@ -69,11 +66,17 @@ def head_groups(attentions: list[Attention], pruned: dict[str, tuple[int, str]])
     out: dict[str, tuple[Attention, int]] = {}
     for weight, modifier in heads.items():
         if weight not in roles:
+            if not attentions:
+                found = ("none traced in this model: one built with attn_implementation='eager' has none; build "
+                         "it with 'sdpa', the default")
+            else:
+                blocked = next((a for a in attentions if a.blockers), None)
+                found = f"{len(attentions)} traced in this model" + (
+                    f"; {blocked.name}'s heads cannot be followed: {blocked.blockers[0]}" if blocked else "")
             raise CouplingError(
                 f"{weight}: mask_type head: recal traced no attention that reads it as a query, key, value or "
-                f"output projection (it finds attentions through scaled_dot_product_attention; "
-                f"{len(attentions)} traced in this model); list only the four projections of each attention",
-                modifier)
+                f"output projection (it finds attentions through scaled_dot_product_attention; {found}); list "
+                "only the four projections of each attention", modifier)
         att, role = roles[weight]
         if att.blockers:
             raise CouplingError(f"{att.name}: mask_type head: its heads also reach {att.blockers[0]}, so they "
@@ -96,8 +99,8 @@ def live_heads(att: Attention, is_zero) -> np.ndarray:
     always kept (an attention needs one)."""
     units = att.kv_heads
     value = is_zero(att.value).reshape(units, -1).all(1)
-    for bias in att.biases:
-        if bias.rsplit(".", 1)[0] == att.value.rsplit(".", 1)[0]:
+    for weight, bias in att.biases:
+        if weight == att.value:
             value &= is_zero(bias).reshape(units, -1).all(1)
     unread = np.moveaxis(is_zero(att.output), 1, 0).reshape(units, -1).all(1)
     keep = ~(value | unread)

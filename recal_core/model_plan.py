@@ -347,7 +347,7 @@ def _channel_groups(graph: ModelGraph, pruned: dict[str, tuple[int, str]],
 
     out = []
     for att, modifier in head_groups(graph.attentions, pruned):
-        out.append(ChannelGroup(modifier, "head", att.widths(), tuple(att.biases), att.kv_heads,
+        out.append(ChannelGroup(modifier, "head", att.widths(), tuple(b for _, b in att.biases), att.kv_heads,
                                 frozenset({att.output}), att.bias_widths()))
     per_channel = {w: v for w, v in pruned.items() if v[1] != "head"}
     for space, kind, members in pruning_groups(graph.spaces, per_channel) if per_channel else []:

@@ -10,7 +10,8 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
    int8), ``fold_weight_transposes`` (``DQ(w) -> Transpose`` becomes ``DQ(wᵀ)``), ``fold_pads_into_convs``,
    ``gather_int4_tables``, ``gather_int8_tables``, ``fold_conv_affine`` (Div / Mul / Add / BatchNormalization after a conv into its weight
    and bias), ``zero_channel_scales``;
-2. ``thin_channels`` (with ``thin``): the channels filter pruning left dead, in blocks of ``channel_block``;
+2. ``thin_heads``, ``thin_channels`` (with ``thin``): the attention heads head pruning left dead; the channels (and
+   FFN neurons) filter pruning left dead, in blocks of ``channel_block``;
 3. ``scalar_activation_qparams``, ``activations_to_uint8``, ``remove_redundant_qdq``, ``remove_noop_clamps``;
 4. format ``qoperator``: ``int8_passthrough``, ``conv_to_qlinearconv``, ``gemm_to_qgemm``, ``binary_to_qlinear``,
    ``sigmoid_to_qlinear``, ``concat_to_qlinear``, ``pool_to_qlinear``, ``remove_redundant_qdq``, repeated;
@@ -48,6 +49,7 @@ from .passes.pool_to_qlinear import pool_to_qlinear
 from .passes.redundant_qdq import remove_redundant_qdq
 from .passes.sigmoid_to_qlinear import sigmoid_to_qlinear
 from .passes.thin_channels import CHANNEL_BLOCK, thin_channels
+from .passes.thin_heads import thin_heads
 from .passes.uint8_weights import uint8_weights
 from .passes.weight_transpose import fold_weight_transposes
 from .passes.zero_channel_scales import zero_channel_scales
@@ -80,6 +82,7 @@ class Step:
 PIPELINE: tuple[Step, ...] = (
     Step((constants_to_initializers, remove_identities, fold_constants, fold_weight_transposes, fold_pads_into_convs,
           gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales)),
+    Step((thin_heads,), when=lambda o: o.thin),
     Step((thin_channels,), when=lambda o: o.thin, args=lambda o: (o.channel_block,)),
     Step((scalar_activation_qparams, activations_to_uint8, remove_redundant_qdq, remove_noop_clamps)),
     Step((int8_passthrough, batchnorm_to_conv, conv_to_qlinearconv, gemm_to_qgemm, binary_to_qlinear, sigmoid_to_qlinear,

@@ -13,6 +13,7 @@ under ``dynamo=False`` with ``torch.fake_quantize_*``, which that exporter turns
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import os
 import re
@@ -40,6 +41,12 @@ log = logging.getLogger(__name__)
 MIN_DYNAMO_OPSET = 18  # the lowest opset torch's dynamo exporter implements (converting down fails for QDQ)
 DEFAULT_TORCHSCRIPT_OPSET = 17
 EXTERNAL_DATA_BYTES = 1_800_000_000
+
+
+def _takes_varargs(model: nn.Module) -> bool:
+    """``forward(self, *inputs)``: torch.export then wants the inputs' dynamic shapes as one tuple."""
+    params = list(inspect.signature(model.forward).parameters.values())
+    return bool(params) and params[0].kind is inspect.Parameter.VAR_POSITIONAL
 
 
 def _parameter_bytes(model: nn.Module) -> int:
@@ -170,7 +177,8 @@ def _export_and_check(model: nn.Module, inputs: tuple, file: Path, dynamo: bool,
         if dynamo:
             kwargs["verbose"] = False
             if axes:
-                kwargs["dynamic_shapes"] = tuple({axis: torch.export.Dim.DYNAMIC for axis in axes} for _ in inputs)
+                shapes = tuple({axis: torch.export.Dim.DYNAMIC for axis in axes} for _ in inputs)
+                kwargs["dynamic_shapes"] = (shapes,) if _takes_varargs(export_model) else shapes
             # One file unless the weights need ONNX external data (protobuf's 2 GB limit).
             kwargs["external_data"] = _parameter_bytes(export_model) > EXTERNAL_DATA_BYTES
         elif axes:

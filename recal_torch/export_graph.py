@@ -212,7 +212,7 @@ def _attention(sdpa: torch.fx.Node, params: dict[str, str]) -> Attention:
             blockers.append(f"{name}: {heads} query heads do not share {kv_heads} key/value heads evenly")
             kv_heads = heads
     weights = [params[n.args[1].name] if n is not None else f"{name}.?" for n, _, _ in found]
-    biases = tuple(params[n.args[2].name] for n, _, _ in found
+    biases = tuple((params[n.args[1].name], params[n.args[2].name]) for n, _, _ in found
                    if n is not None and len(n.args) > 2 and n.args[2] is not None)
     return Attention(name, *weights, params[output.args[1].name] if output is not None else f"{name}.?",
                      heads, kv_heads, head_dim, biases, tuple(dict.fromkeys(blockers)))

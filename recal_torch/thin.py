@@ -31,13 +31,16 @@ class ThinReport:
     its name and ``(heads before, after)``."""
 
     spaces: tuple[tuple[tuple[str, ...], int, int], ...]
+    heads: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def removed(self) -> int:
-        return sum(before - after for _, before, after in self.spaces)
+        """Channels and heads removed, in all."""
+        return sum(before - after for _, before, after in self.spaces) + sum(b - a for _, b, a in self.heads)
 
     def __str__(self) -> str:
-        rows = [f"{', '.join(p)}: {b} -> {a} channels" for p, b, a in self.spaces if a < b]
+        rows = [f"{name}: {b} -> {a} heads" for name, b, a in self.heads if a < b]
+        rows += [f"{', '.join(p)}: {b} -> {a} channels" for p, b, a in self.spaces if a < b]
         return "\n".join(rows) or "no dead channels"
 
 
@@ -56,12 +59,12 @@ def thin(model: nn.Module, example_inputs: Any = None) -> ThinReport:
         What was removed, per coupled channel space and per attention (its heads)."""
     modules = dict(model.named_modules())
     graph = model_graph(model, example_inputs)
-    done = []
+    done, heads = [], []
     for att in graph.attentions:
         if not att.blockers:
             thinned = _thin_heads(model, modules, att)
             if thinned is not None:
-                done.append(thinned)
+                heads.append(thinned)
     for space in graph.spaces:
         if not space.thinnable:
             continue
@@ -92,7 +95,7 @@ def thin(model: nn.Module, example_inputs: Any = None) -> ThinReport:
             if hasattr(m, "in_features"):
                 m.in_features = len(cols)
         done.append((tuple(p.name for p in space.producers), keep.size, len(index)))
-    return ThinReport(tuple(done))
+    return ThinReport(tuple(done), tuple(heads))
 
 
 def _thin_heads(model: nn.Module, modules: dict[str, nn.Module], att: Attention):
@@ -115,7 +118,7 @@ def _thin_heads(model: nn.Module, modules: dict[str, nn.Module], att: Attention)
                         ("all_head_size", heads * att.head_dim)):
         if isinstance(getattr(attention, attr, None), int):
             setattr(attention, attr, value)
-    return ((f"{att.name} (heads)",), att.heads, heads)
+    return (att.name, att.heads, heads)
 
 
 def _slice_attr(m: nn.Module, attr: str, index: torch.Tensor, dim: int) -> None:
@@ -141,3 +144,52 @@ def _slice_out(m: nn.Module, index: torch.Tensor) -> None:
         fq: WeightFakeQuantize = m.weight_fake_quant
         _slice_attr(fq, "scale", index, 0)
         _slice_attr(fq, "zero_point", index, 0)
+
+
+@torch.no_grad()
+def load_thinned(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load a thinned model's weights into ``model`` built dense (from the same config, or the same code):
+    every layer whose weights are smaller in ``state_dict`` is resized to them first, and each attention's
+    head counts follow its query projection. Strict: a name or shape that still differs is an error.
+
+    Args:
+        model: the model as built before thinning (a Hugging Face model from its config: ``from_pretrained``
+            cannot rebuild per-layer sizes).
+        state_dict: the thinned model's ``state_dict()`` (``save_pretrained``'s safetensors, loaded).
+    """
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        for attr in ("weight", "bias", "running_mean", "running_var"):
+            t, new = getattr(m, attr, None), state_dict.get(prefix + attr)
+            if isinstance(t, torch.Tensor) and isinstance(new, torch.Tensor) and t.shape != new.shape:
+                empty = torch.empty(new.shape, dtype=t.dtype, device=t.device)
+                setattr(m, attr, nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter)
+                        else empty)
+        weight = getattr(m, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() >= 2:
+            for attr, axis in (("out_features", 0), ("out_channels", 0), ("in_features", 1), ("in_channels", 1)):
+                if isinstance(getattr(m, attr, None), int):
+                    setattr(m, attr, weight.shape[axis] * (getattr(m, "groups", 1) if attr == "in_channels" else 1))
+            if getattr(m, "groups", 1) > 1 and weight.shape[1] == 1:  # depthwise: one filter per channel
+                m.groups = m.in_channels = weight.shape[0]
+        elif isinstance(weight, torch.Tensor) and isinstance(getattr(m, "num_features", None), int):
+            m.num_features = weight.shape[0]
+    for m in model.modules():
+        _follow_head_counts(m)
+    model.load_state_dict(state_dict)
+
+
+def _follow_head_counts(m: nn.Module) -> None:
+    """An attention module's head counts from its (resized) projections, where it keeps them as attributes."""
+    head_dim = next((getattr(m, a) for a in ("attention_head_size", "head_dim") if isinstance(getattr(m, a, None), int)),
+                    None)
+    children = dict(m.named_children())
+    query = next((children[n] for n in ("query", "q_proj") if n in children), None)
+    key = next((children[n] for n in ("key", "k_proj") if n in children), None)
+    if head_dim is None or not isinstance(query, nn.Linear):
+        return
+    heads = query.out_features // head_dim
+    for attr, value in (("num_attention_heads", heads), ("num_heads", heads), ("all_head_size", heads * head_dim),
+                        ("num_key_value_heads", key.out_features // head_dim if isinstance(key, nn.Linear) else None)):
+        if isinstance(getattr(m, attr, None), int) and value is not None:
+            setattr(m, attr, value)

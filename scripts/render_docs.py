@@ -144,8 +144,43 @@ def llm() -> str:
             "docs/results/llm.json`; MB = 10^6 bytes.")
 
 
+def thinning_transformers() -> str:
+    """Transformers with heads and FFN neurons thinned: digits ViT accuracy, BERT-base / ViT-B latency
+    (scripts/bench_transformer_thinning.py)."""
+    data = _load("thinning_transformers.json")
+    acc = data["accuracy"]
+    lines = ["| digits ViT | seed | dense | dense, trained on | pruned (masked) | thinned | thinned int8 | parameters |",
+             "|---" * 8 + "|"]
+    for setting, m in acc["mean"].items():
+        for r in (r for r in acc["rows"] if r["setting"] == setting):
+            lines.append(f"| {setting} | {r['seed']} | {100 * r['dense']:.2f}% | {100 * r['dense_longer']:.2f}% | "
+                         f"{100 * r['masked']:.2f}% | {100 * r['thinned_fp32']:.2f}% | {100 * r['int8']:.2f}% | "
+                         f"{r['params']:,} -> {r['thinned_params']:,} |")
+        lines.append(f"| {setting} | **mean** | {100 * m['dense']:.2f}% | {100 * m['dense_longer']:.2f}% | "
+                     f"{100 * m['masked']:.2f}% | {100 * m['thinned_fp32']:.2f}% | **{100 * m['int8']:.2f}%** | |")
+    lines += ["", "| model | variant | MB (x fp32) | 1 thread ms | 2 threads ms | x the faster onnxruntime quantizer "
+              "(1 thread) | argmax agreement |", "|---" * 7 + "|"]
+    titles = {"bert": "BERT-base-shaped, sequence {seq}", "vit": "ViT-B/16-shaped, 224x224"}
+    for model in data["latency"]:
+        best = min(row["ms_1"] for row in model["rows"] if row["label"].startswith("ort"))
+        for row in model["rows"]:
+            lines.append(f"| {titles[model['model']].format(seq=model['seq'])} | {row['label']} | "
+                         f"{row['bytes'] / 1e6:.1f} ({row['bytes'] / model['fp32_bytes']:.3f}) | {row['ms_1']:.1f} | "
+                         f"{row['ms_2']:.1f} | {best / row['ms_1']:.2f}x | {row['agree']:.3f} |")
+    return ("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. Digits: a ViT (4 layers, "
+            f"hidden 64, 6 heads, FFN 128, patches of 2) trained {acc['epochs']} epochs; then {acc['prune_epochs']} "
+            f"epochs pruning heads and FFN neurons, thinned, {acc['qat_epochs']} epochs of QAT "
+            "(7-bit weights), int8 in onnxruntime on the 360 test images; \"dense, trained on\" is the dense model "
+            f"trained the same {acc['prune_epochs'] + acc['qat_epochs']} epochs more. Latency: random weights, batch "
+            f"1, median of {data['rounds']} interleaved rounds; the thinned BERT rows keep the token table in int4 "
+            "(groups of 32); agreement: argmax on 16 inputs against the model each was made from (recal: its QAT "
+            "export; onnxruntime: fp32). `python scripts/bench_transformer_thinning.py --json "
+            "docs/results/thinning_transformers.json`; MB = 10^6 bytes.")
+
+
 TABLES = {"demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range, "zoo": zoo,
-          "transformers": transformers, "llm": llm}
+          "transformers": transformers, "llm": llm,
+          "thinning-transformers": thinning_transformers}
 
 
 def render(text: str) -> str:

@@ -14,3 +14,9 @@ CORPUS = Path(os.environ.get("RECAL_COMPAT_CORPUS", ROOT.parent / "shared" / "co
 @pytest.fixture
 def seed_recipe_text() -> str:
     return (RECIPES / "seed_prune_all.yaml").read_text()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first: under ``-n auto`` the workers start on the minutes-long ones and fill in with the
+    short ones, instead of one worker running a long test alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -3,6 +3,7 @@ and thinning: exact counts per layer, the four projections of a head pruned toge
 that computes what the masked one did."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from recal_core import RecipeError
 from recal_core.channel_coupling import CouplingError
 from recal_core.head_coupling import Attention, head_groups, live_heads
-from recal_torch import ScheduledModifierManager, thin
+from recal_torch import ScheduledModifierManager, load_thinned, thin
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,6 +81,7 @@ def _train(name, model, recipe, steps=12):
     return manager
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_heads_and_ffn_neurons_pruned_exactly_then_thinned_to_the_same_outputs(name):
     build, heads, ffn, units, ffn_width = MODELS[name]
@@ -109,13 +111,20 @@ def test_heads_and_ffn_neurons_pruned_exactly_then_thinned_to_the_same_outputs(n
         thinned = model(**inputs).logits
     assert sum(p.numel() for p in model.parameters()) < 0.8 * before
     torch.testing.assert_close(thinned, masked, atol=1e-5 * float(masked.abs().max()), rtol=0)
-    # the thinned model trains and saves as any model does
-    state = copy.deepcopy(model.state_dict())
-    model(**inputs).logits.sum().backward()
-    assert all(state[k].shape == v.shape for k, v in model.state_dict().items())
+    # saved, it loads into a model built dense from the same config, head counts and all
+    torch.manual_seed(1)
+    fresh = build()
+    load_thinned(fresh, copy.deepcopy(model.state_dict()))
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.eval()(**inputs).logits, thinned, atol=0, rtol=0)
+    assert [getattr(m, "num_attention_heads", None) for m in fresh.modules()] == \
+        [getattr(m, "num_attention_heads", None) for m in model.modules()]
+    fresh(**inputs).logits.sum().backward()  # and trains on
 
 
-def test_the_head_count_per_layer_follows_thinning():
+def test_the_head_count_per_layer_follows_thinning_and_save_pretrained_round_trips(tmp_path):
+    from safetensors.torch import load_file
+
     torch.manual_seed(0)
     model = _bert()
     _train("bert", model, _recipe(BERT_HEADS, BERT_FFN, head_sparsity=0.25, ffn_sparsity=0.0))
@@ -124,6 +133,13 @@ def test_the_head_count_per_layer_follows_thinning():
         assert layer.attention.self.num_attention_heads == 3
         assert layer.attention.self.query.out_features == 3 * 16
         assert layer.attention.output.dense.in_features == 3 * 16
+    model.save_pretrained(tmp_path)
+    fresh = transformers.BertForSequenceClassification(transformers.BertConfig.from_pretrained(tmp_path))
+    load_thinned(fresh, load_file(tmp_path / "model.safetensors"))
+    inputs, _ = _batch("bert", 5)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.eval()(**inputs).logits, model.eval()(**inputs).logits, atol=0, rtol=0)
+    assert fresh.bert.encoder.layer[1].attention.self.num_attention_heads == 3
 
 
 def test_a_head_modifier_missing_the_output_projection_is_a_located_error():
@@ -142,7 +158,7 @@ def test_head_pruning_on_a_layer_that_is_no_attention_projection_is_a_located_er
 
 def test_head_groups_rules():
     att = Attention("a", "a.q.weight", "a.k.weight", "a.v.weight", "a.o.weight", heads=4, kv_heads=2, head_dim=3,
-                    biases=("a.q.bias", "a.v.bias"))
+                    biases=(("a.q.weight", "a.q.bias"), ("a.v.weight", "a.v.bias")))
     assert att.widths() == {"a.q.weight": 6, "a.k.weight": 3, "a.v.weight": 3, "a.o.weight": 6}
     assert att.bias_widths() == {"a.q.bias": 6, "a.v.bias": 3}
     pruned = {w: (1, "head") for w in att.widths()}
@@ -159,3 +175,94 @@ def test_head_groups_rules():
     zeros["a.v.weight"][:] = 1
     zeros["a.o.weight"][:, 6:] = 0  # unit 1's output columns unread
     assert live_heads(att, lambda n: (zeros[n] == 0).numpy()).tolist() == [True, False]
+
+
+def _head_recipe(params):
+    return f"""
+- !EpochRangeModifier {{start_epoch: 0, end_epoch: 2}}
+- !GradualKSModifier {{params: {params}, init_sparsity: 0.5, final_sparsity: 0.5, start_epoch: 0, end_epoch: 1,
+                      update_frequency: 1, mask_type: head}}
+"""
+
+
+def test_fused_qkv_and_eager_attention_are_located_errors_that_say_why():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=1,
+                                                                n_head=2, bos_token_id=0, eos_token_id=0))
+    manager = ScheduledModifierManager.from_yaml(_head_recipe(r"['re:.*attn\.c_attn\.weight', 're:.*attn\.c_proj\.weight']"))
+    with pytest.raises(RecipeError, match=r"c_attn\.weight: mask_type head: .*transformer\.h\.0\.attn's heads cannot be "
+                                          r"followed.*must each come from one linear"):
+        manager.modify(gpt2, torch.optim.SGD(gpt2.parameters(), lr=0.1), 2)
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                     vocab_size=100)
+    eager = transformers.BertModel._from_config(config, attn_implementation="eager")
+    manager = ScheduledModifierManager.from_yaml(_head_recipe(BERT_HEADS))
+    with pytest.raises(RecipeError, match=r"none traced in this model: one built with attn_implementation='eager'"):
+        manager.modify(eager, torch.optim.SGD(eager.parameters(), lr=0.1), 2)
+
+
+def test_tensorflow_refuses_head_pruning_with_a_located_error():
+    from recal_core.model_plan import plan_model
+    from recal_core.params import ParamInfo
+    from recal_core.recipe import load_recipe
+
+    recipe = load_recipe(_head_recipe("[q, k, v, o]"))
+    infos = [ParamInfo(f"{n}.weight", n, True, (8, 8), (0, 1)) for n in "qkvo"]
+    with pytest.raises(RecipeError, match=r"modifiers\[1\].*mask_type.*only the PyTorch backend"):
+        plan_model(recipe.bind(2), infos, {i.name: 64 for i in infos})
+
+
+class _Logits(torch.nn.Module):
+    """A Hugging Face model returning its logits (what the exporters take)."""
+
+    def __init__(self, model, keys):
+        super().__init__()
+        self.model, self.keys = model, keys
+
+    def forward(self, *inputs):
+        return self.model(**dict(zip(self.keys, inputs))).logits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert", "vit"])
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_the_converter_thins_a_masked_export_as_thin_does(name, dynamo, tmp_path):
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from recal_onnx import quantize_qat_export
+    from recal_onnx.convert import UnconvertedOpsWarning
+    from recal_torch import export_onnx
+
+    build, heads, ffn, units, ffn_width = MODELS[name]
+    torch.manual_seed(0)
+    model = build()
+    recipe = _recipe(heads, ffn) + "- !QuantizationModifier {start_epoch: 2, reduce_range: true}\n"
+    _train(name, model, recipe)
+    inputs, _ = _batch(name, 7)
+    keys = tuple(inputs)
+    wrapped = _Logits(model.eval(), keys)
+    example = tuple(v[:1] for v in inputs.values())
+    export_onnx(wrapped, example, tmp_path / "masked.onnx", dynamo=dynamo, input_names=list(keys))
+    with warnings.catch_warnings():  # LayerNorm and residual adds stay float (named in the warning): not tested here
+        warnings.simplefilter("ignore", UnconvertedOpsWarning)
+        thinned = quantize_qat_export(tmp_path / "masked.onnx", tmp_path / "thinned.onnx")
+        quantize_qat_export(tmp_path / "masked.onnx", tmp_path / "dense.onnx", thin=False)
+    assert thinned.rewrites["thin_heads"] == 2 * units // 2  # half the heads of both layers
+    assert thinned.rewrites["thin_channels"] == 2 * ffn_width // 2
+    feeds = {k: v[:1].numpy() for k, v in inputs.items()}
+    for options in (None, ort.SessionOptions()):
+        if options is not None:
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        a = ort.InferenceSession(str(tmp_path / "thinned.onnx"), options).run(None, feeds)[0]
+        b = ort.InferenceSession(str(tmp_path / "dense.onnx"), options).run(None, feeds)[0]
+        np.testing.assert_allclose(a, b, atol=1e-5 * float(np.abs(b).max()))
+
+    def int8_weights(path):  # the layers' integer weights, tables and all
+        model = onnx.load(str(path))
+        return sum(int(np.prod(t.dims)) for t in model.graph.initializer if t.data_type in (2, 3))
+
+    dense_weights = int8_weights(tmp_path / "dense.onnx")
+    # 2 layers: half the heads of Q, K, V and O, half the neurons of up and down, and their per-channel zero points
+    h = 32 if name == "vit" else 64
+    assert int8_weights(tmp_path / "thinned.onnx") == dense_weights - (4 * h * h + 2 * ffn_width * h + 3 * h + ffn_width)

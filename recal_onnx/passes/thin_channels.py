@@ -8,6 +8,9 @@ graph in its terms and slices the initializers::
     Before:  x -> Conv(W[40], b[40]) -> Relu -> Q -> DQ -> Conv(V[., 40]) ...   (W rows 2, 5, ... (11) zero, b too)
     After:   x -> Conv(W[32], b[32]) -> Relu -> Q -> DQ -> Conv(V[., 32]) ...
 
+A transformer's FFN is the same: ``MatMul(W[in, out]) -> Add(bias) -> GELU (Erf written out) or SiLU``,
+then the down-projection's ``MatMul``; its neurons are channels on the last axis.
+
 The channels kept are a multiple of 16 (dead ones are kept to make it up): onnxruntime's kernels run odd counts
 much slower than the channels removed save.
 
@@ -31,7 +34,7 @@ log = logging.getLogger(__name__)
 
 CHANNEL_BLOCK = 16  # thinned channel counts stay multiples of it
 _SAME = {"Relu", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Identity", "Dropout",
-         "LeakyRelu", "HardSwish"}
+         "LeakyRelu", "HardSwish", "Gelu"}
 
 
 def thin_channels(g: Graph, block: int = CHANNEL_BLOCK, findings: Findings | None = None) -> int:
@@ -40,27 +43,41 @@ def thin_channels(g: Graph, block: int = CHANNEL_BLOCK, findings: Findings | Non
     findings = Findings() if findings is None else findings
     removed = 0
     ops, nodes, values = _ops(g)
+    matmul = {op.weight for op in ops if op.weight and nodes.get(op.name) is not None
+              and nodes[op.name].op_type == "MatMul"}  # weights stored [in, out]
+
+    def is_zero(name: str) -> np.ndarray:
+        zero = _is_zero(g, values[name])
+        return zero.T if name in matmul else zero
+
     for space in channel_spaces(ops):
         if not space.thinnable:
             continue
-        keep = _whole_blocks(live_channels(space, lambda name: _is_zero(g, values[name])), block)
+        keep = _whole_blocks(live_channels(space, is_zero), block)
         if keep.all():
             continue
         index = np.flatnonzero(keep)
         for op in space.producers:
-            _slice_weight(g, nodes[op.name], 1, index, 0)
-            _slice_bias(g, nodes[op.name], index)
+            node = nodes[op.name]
+            _slice_weight(g, node, 1, index, 1 if node.op_type == "MatMul" else 0)
+            _slice_bias(g, node, index)
         for op, _ in space.followers:
             node = nodes[op.name]
+            if node.op_type == "Add":  # a MatMul's bias
+                slot = 0 if g.is_const(node.inputs[0]) else 1
+                node.replace_input_with(slot, g.add_const(op.bias, np.take(g.const(node.inputs[slot]), index, axis=-1)))
+                continue
             _slice_weight(g, node, 1, index, 0)
             _slice_bias(g, node, index)
             if "group" in node.attributes:
                 set_attr(node, "group", len(index))
         for op, _ in space.consumers:
             node = nodes[op.name]
-            _slice_weight(g, node, 1, input_columns(index, keep.size, _weight(g, node)[0].shape[1]), 1)
+            axis = 0 if node.op_type == "MatMul" else 1
+            _slice_weight(g, node, 1, input_columns(index, keep.size, _weight(g, node)[0].shape[axis]), axis)
         removed += int(keep.size - index.size)
-        findings.thinned.update({t: index for t in space.tensors})
+        if not any(nodes[op.name].op_type == "MatMul" for op in space.producers):  # channels on axis 1
+            findings.thinned.update({t: index for t in space.tensors})
         log.info("thinned %s: %d -> %d channels", ", ".join(p.name for p in space.producers), keep.size, index.size)
     return removed
 
@@ -82,15 +99,24 @@ def _ops(g: Graph) -> tuple[list[Op], dict[str, Node], dict[str, Value]]:
     ops = [Op(i.name, "input", (), i.name) for i in g.graph.inputs if not i.is_initializer()]
     nodes: dict[str, Node] = {}
     values = {v.name: v for v in g.graph.initializers.values()}
+    inside = _activations(g)  # GELU / SiLU written out: one zero-preserving op each
     for n, node in enumerate(g.nodes):
         name = node.name if node.name and node.name not in nodes else f"{node.op_type}_{n}"
         nodes[name] = node
         values.update({v.name: v for v in node.inputs if v is not None})
         data = tuple(i.name for i in node.inputs if i is not None and not g.is_const(i) and weight_dq(g, i) is None)
         out = node.outputs[0].name if node.outputs else None
+        if node in inside:
+            if inside[node] is not None:
+                ops.append(Op(name, "same", (inside[node],), out))
+            continue
         kind = _kind(g, node, data)
         if kind is None:
             continue  # a constant weight's DequantizeLinear
+        if kind == "bias":
+            const = next(i for i in node.inputs if g.is_const(i))
+            ops.append(Op(name, "norm", data, out, None, const.name))
+            continue
         if kind in ("layer", "depthwise"):
             bias = input_of(node, 2)
             ops.append(Op(name, kind, data[:1], out, node.inputs[1].name, bias.name if bias is not None else None))
@@ -118,6 +144,11 @@ def _kind(g: Graph, node: Node, data: tuple[str, ...]) -> str | None:
     if t == "Gemm" and len(data) == 1 and _weight(g, node) is not None and attr(node, "transB", 0) == 1 \
             and not attr(node, "transA", 0) and attr(node, "alpha", 1.0) == 1.0 and attr(node, "beta", 1.0) == 1.0:
         return "layer"
+    if t == "MatMul" and len(data) == 1 and data[0] == node.inputs[0].name and _weight(g, node) is not None \
+            and _weight(g, node)[0].ndim == 2:
+        return "layer"
+    if t == "Add" and len(data) == 1 and _is_matmul_bias(g, node):
+        return "bias"
     if t in _SAME and len(data) == 1:
         return "same"
     if t == "Clip" and len(data) == 1 and _clip_keeps_zero(g, node):
@@ -129,6 +160,54 @@ def _kind(g: Graph, node: Node, data: tuple[str, ...]) -> str | None:
     if t == "Flatten" and attr(node, "axis", 1) == 1:
         return "flatten"
     return "other"
+
+
+def _is_matmul_bias(g: Graph, node: Node) -> bool:
+    """``Add(MatMul(x, W[in, out]), b[out])``: a Linear's bias, per channel on the last axis."""
+    const = next((i for i in node.inputs if g.is_const(i)), None)
+    data = next((i for i in node.inputs if not g.is_const(i)), None)
+    layer = g.producer(data)
+    if const is None or layer is None or layer.op_type != "MatMul" or _weight(g, layer) is None:
+        return False
+    bias = g.const(const)
+    return bias.ndim == 1 and bias.shape[0] == _weight(g, layer)[0].shape[-1] > 1
+
+
+def _scalar(g: Graph, value: Value | None, want: float | None = None) -> bool:
+    v = g.const(value) if value is not None else None
+    return v is not None and v.size == 1 and (want is None or abs(float(v.reshape(-1)[0]) - want) < 1e-6)
+
+
+def _activations(g: Graph) -> dict[Node, str | None]:
+    """GELU written out (``x * 0.5 * (1 + erf(x / sqrt 2))``, as the exporters write it) and SiLU
+    (``x * sigmoid(x)``): their nodes, the last one mapped to the activation's input, the others to None."""
+    found: dict[Node, str | None] = {}
+    for erf in g.each("Erf"):
+        div = g.producer(erf.inputs[0])
+        if div is None or div.op_type not in ("Div", "Mul") or not any(_scalar(g, i) for i in div.inputs) or \
+                (div.op_type == "Div" and not _scalar(g, div.inputs[1])):
+            continue
+        x = next((i for i in div.inputs if not g.is_const(i)), None)
+        if x is None:
+            continue
+        add = g.only_consumer(erf.outputs[0])
+        if add is None or add.op_type != "Add" or not any(_scalar(g, i, 1.0) for i in add.inputs):
+            continue
+        chain, node, by_x = [div, erf, add], add, False  # then x * . and * 0.5, in either order
+        while (nxt := g.only_consumer(node.outputs[0])) is not None and nxt.op_type == "Mul" and (
+                (x in nxt.inputs and not by_x) or any(_scalar(g, i) for i in nxt.inputs)):
+            by_x = by_x or x in nxt.inputs
+            chain.append(nxt)
+            node = nxt
+        if by_x:
+            found.update({n: None for n in chain[:-1]})
+            found[chain[-1]] = x.name
+    for sigmoid in g.each("Sigmoid"):
+        x = sigmoid.inputs[0]
+        mul = g.only_consumer(sigmoid.outputs[0])
+        if mul is not None and mul.op_type == "Mul" and x in mul.inputs:
+            found[sigmoid], found[mul] = None, x.name
+    return found
 
 
 def _spatial_axes(g: Graph, node: Node) -> bool:
