@@ -27,6 +27,7 @@ from recal_onnx.passes.redundant_qdq import remove_redundant_qdq
 from recal_onnx.passes.sigmoid_to_qlinear import sigmoid_to_qlinear
 from recal_onnx.passes.uint8_weights import uint8_weights
 from recal_onnx.passes.thin_channels import thin_channels
+from recal_onnx.passes.thin_heads import thin_heads
 from recal_onnx.passes.weight_transpose import fold_weight_transposes
 from recal_onnx.passes.zero_channel_scales import zero_channel_scales
 
@@ -829,3 +830,53 @@ def test_gather_int4_tables(group):
             assert ops(converted) == ["GatherBlockQuantized"]
             for level in (None, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
                 np.testing.assert_array_equal(run(converted, feeds, level=level)[0], want)
+
+
+def _attention_graph(dead_head=1, heads_const=True):
+    """x[1, 5, 8] -> Q, K, V (MatMul + bias Add, 2 heads of 4) -> Reshape -> Transpose -> softmax(Q Kᵀ) V ->
+    Transpose -> Reshape -> Q/DQ -> MatMul(Wo); head ``dead_head``'s value columns and bias are zero."""
+    b = Builder()
+
+    def projection(zero_head):
+        w = b.weight((8, 8), axis=1)
+        init = next(i for i in reversed(b.inits) if i.name[0] == "w" and i.name[1:].isdigit())
+        bias = b.rng.standard_normal(8).astype(np.float32) * 0.1
+        if zero_head is not None:
+            values = onnx.numpy_helper.to_array(init).copy()
+            values[:, 4 * zero_head:4 * zero_head + 4] = 0
+            init.CopyFrom(onnx.numpy_helper.from_array(values, init.name))
+            bias[4 * zero_head:4 * zero_head + 4] = 0
+        y = b.node("Add", [b.node("MatMul", ["x", w]), b.const(bias, "b")])
+        split = b.const(np.array([1, 5, 2 if heads_const else -1, 4], np.int64), "shape")
+        return b.node("Reshape", [y, split])
+
+    q = b.node("Transpose", [projection(None)], perm=[0, 2, 1, 3])
+    k = b.node("Transpose", [projection(None)], perm=[0, 2, 3, 1])
+    v = b.node("Transpose", [projection(dead_head)], perm=[0, 2, 1, 3])
+    scores = b.node("Mul", [b.node("MatMul", [q, k]), b.const(np.float32(0.5))])
+    heads = b.node("MatMul", [b.node("Softmax", [scores], axis=-1), v])
+    merged = b.node("Reshape", [b.node("Transpose", [heads], perm=[0, 2, 1, 3]),
+                                b.const(np.array([1, 5, 8], np.int64), "shape")])
+    out = b.node("MatMul", [b.qdq(merged, 0.02, 128), b.weight((8, 8), axis=1)])
+    return b.model([("x", [1, 5, 8])], [out])
+
+
+@pytest.mark.parametrize("heads_const", [True, False], ids=["head count in the reshape", "-1"])
+def test_thin_heads_removes_a_dead_head_from_every_projection(heads_const):
+    model = _attention_graph(heads_const=heads_const)
+    feeds = _x([1, 5, 8])
+    expected = reference(model, feeds)[0]
+    thinned, (n,) = _apply(model, thin_heads)
+    assert n == 1
+    shapes = sorted(onnx.numpy_helper.to_array(t).shape for t in thinned.graph.initializer
+                    if onnx.numpy_helper.to_array(t).dtype == np.int8 and onnx.numpy_helper.to_array(t).ndim == 2)
+    assert shapes == [(4, 8), (8, 4), (8, 4), (8, 4)]  # Wo loses rows; Wq, Wk, Wv lose columns
+    off = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    np.testing.assert_allclose(run(thinned, feeds, level=off)[0], expected, atol=1e-6)  # the removed terms were 0
+    # a default session fuses the final QDQ MatMul alike in both: within one output quantum of each other
+    assert np.abs(run(thinned, feeds)[0] - run(model, feeds)[0]).max() <= 0.05
+
+
+def test_thin_heads_zero_rewrites():
+    _, (n,) = _apply(_attention_graph(dead_head=None), thin_heads)
+    assert n == 0  # every head alive
