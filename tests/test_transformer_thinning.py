@@ -223,8 +223,8 @@ class _Logits(torch.nn.Module):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["bert", "vit"])
-@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+@pytest.mark.parametrize("name,dynamo", [("bert", False), ("vit", True), ("bert", True)],
+                         ids=["bert-torchscript", "vit-dynamo", "bert-dynamo"])
 def test_the_converter_thins_a_masked_export_as_thin_does(name, dynamo, tmp_path):
     import numpy as np
     import onnx
