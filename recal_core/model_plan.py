@@ -307,21 +307,22 @@ def plan_model(schedule: RecipeSchedule, params: Sequence[ParamInfo], sizes: Map
     pruned = channel_pruned(layouts)
     heads = [i for i, kind in pruned.values() if kind == "head"]
     if heads and channel_spaces is None:
-        problems.append(recipe.problem(heads[0], "mask_type", "head pruning needs the model's attentions traced, "
-                                       "which only the PyTorch backend does", expected="filter, channel, a block "
-                                       "shape or unstructured in this framework"))
+        problems.append(_no_attentions(recipe, heads[0]))
     if pruned and channel_spaces is not None and not problems:
         try:
             traced = channel_spaces()
             graph = traced if isinstance(traced, ModelGraph) else ModelGraph(list(traced))
         except Exception as exc:  # noqa: BLE001 - the backend cannot read this model's graph (an fx trace failed)
             first = str(exc).splitlines()[0] if str(exc) else ""
-            graph = None
+            traced = graph = None
             problems.append(recipe.problem(
                 next(iter(pruned.values()))[0], "mask_type", f"structured pruning reads the model's graph to "
                 f"find the layers that share channels, and cannot: {type(exc).__name__}: {first}",
                 expected="a model the backend can trace (torch.fx, or torch.export with example inputs), or an "
                 "unstructured or block mask_type"))
+        if heads and traced is not None and not isinstance(traced, ModelGraph):  # a backend tracing no attention
+            problems.append(_no_attentions(recipe, heads[0]))
+            graph = None
         try:
             channel_groups = _channel_groups(graph, pruned, infos) if graph is not None else []
         except CouplingError as exc:
@@ -337,6 +338,12 @@ def plan_model(schedule: RecipeSchedule, params: Sequence[ParamInfo], sizes: Map
                               frozenset(coupled.get(p.name, ())))
              for p in params if p.name in by_param}
     return ModelPlan(schedule, masks, prune_targets, trainable_targets, group_plans, channel_groups)
+
+
+def _no_attentions(recipe, index: int) -> Problem:
+    return recipe.problem(index, "mask_type", "head pruning needs the model's attentions traced, which only the "
+                          "PyTorch backend does", expected="filter, channel, a block shape or unstructured in this "
+                          "framework")
 
 
 def _channel_groups(graph: ModelGraph, pruned: dict[str, tuple[int, str]],

@@ -266,3 +266,19 @@ def test_the_converter_thins_a_masked_export_as_thin_does(name, dynamo, tmp_path
     # 2 layers: half the heads of Q, K, V and O, half the neurons of up and down, and their per-channel zero points
     h = 32 if name == "vit" else 64
     assert int8_weights(tmp_path / "thinned.onnx") == dense_weights - (4 * h * h + 2 * ffn_width * h + 3 * h + ffn_width)
+
+
+def test_the_tensorflow_graph_api_refuses_head_pruning_as_pytorch_only():
+    tf = pytest.importorskip("tensorflow")
+    from recal_tf import ScheduledModifierManager as TFManager
+    from recal_tf.utils import tf_compat
+
+    with tf_compat.Graph().as_default():
+        x = tf_compat.placeholder(tf.float32, [None, 8])
+        for name in "qkvo":
+            w = tf_compat.get_variable(f"{name}/weight", shape=[8, 8], use_resource=True)
+            x = tf.matmul(x, w)
+        tf_compat.train.get_or_create_global_step()
+        manager = TFManager.from_yaml(_head_recipe("['re:[qkvo]/weight']"))
+        with pytest.raises(RecipeError, match=r"modifiers\[1\].*mask_type.*only the PyTorch backend"):
+            manager.create_ops(steps_per_epoch=2)
