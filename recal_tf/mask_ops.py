@@ -198,11 +198,11 @@ def _group_update(group: _MaskGroup, k, masked: Callable[[str], tf.Tensor]) -> l
                 new = _structured_mask(weight, m.layout, count, m.kernel_axes)
             else:
                 flat = tf.reshape(tf.abs(weight), [-1])
-                order = tf.argsort(flat, stable=True)  # ties broken by flat index, as in recal_torch
-                pruned = tf.expand_dims(order[:count], 1)
-                new = tf.reshape(tf.tensor_scatter_nd_update(tf.ones_like(flat), pruned,
-                                                             tf.zeros(tf.shape(pruned)[:1], flat.dtype)),
-                                 tf.shape(weight))
+                # each weight's place in the order (ties by flat index, as in recal_torch); the smallest
+                # count go. Static shapes: a slice of count elements would make XLA (jit_compile) compile
+                # the train step anew at every step
+                rank = tf.argsort(tf.argsort(flat, stable=True), stable=True)
+                new = tf.reshape(tf.cast(rank >= tf.cast(count, rank.dtype), flat.dtype), tf.shape(weight))
             new_masks.append(new)
             assigns.append(m.mask.assign(new, read_value=False))
         assigns.append(group.update_id.assign(update_id, read_value=False))

@@ -9,7 +9,10 @@ wheel, about 2.3 GB, and tfmot switches a process to legacy Keras), never in ``.
 net with ``recal train`` in Keras, the TF graph API and PyTorch, dense, pruned to 90%, and pruned to 90% + QAT
 converted to int8, over several seeds.
 
-    python scripts/bench_keras.py [--rounds 5] [--steps 40] [--seeds 3] [--peer] [--skip-accuracy] [--skip-overhead]
+    python scripts/bench_keras.py [--rounds 5] [--steps 40] [--seeds 3] [--peer] [--jit] [--skip-accuracy]
+                                  [--skip-overhead]
+
+``--jit`` compiles every variant with ``jit_compile=True`` (XLA), plain jit ``fit`` being the base.
 """
 
 from __future__ import annotations
@@ -70,13 +73,14 @@ class _StepTimes(keras.callbacks.Callback):
         self.times.append(time.perf_counter() - self._last)
 
 
-def _variant(recipe: str | None, steps: int):
+def _variant(recipe: str | None, steps: int, jit: bool = False):
     model = _cnn()
     optimizer = keras.optimizers.Adam(1e-3)
     callbacks = []
     if recipe:
         model, callbacks = ScheduledModifierManager.from_yaml(recipe).modify(model, optimizer, steps_per_epoch=steps)
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=jit)
     return model, callbacks
 
 
@@ -94,13 +98,13 @@ def peer_times(rounds: int, steps: int) -> tuple[str, dict[str, list[float]]]:
     return f"tfmot {v['tfmot']} on tf-keras {v['tf_keras']}", result["times"]
 
 
-def overhead(rounds: int, steps: int, peer: bool) -> None:
+def overhead(rounds: int, steps: int, peer: bool, jit: bool = False) -> None:
     rng = np.random.default_rng(0)
     x = rng.random((steps * 128, 28, 28, 1), dtype=np.float32)
     y = rng.integers(0, 10, steps * 128)
     variants = {"plain fit": None, "recal GMP, between updates": BETWEEN, "recal GMP, update every step": EVERY_STEP,
                 "recal GMP + cosine LR": WITH_LR}
-    built = {name: _variant(recipe, steps) for name, recipe in variants.items()}
+    built = {name: _variant(recipe, steps, jit) for name, recipe in variants.items()}
     for model, callbacks in built.values():  # trace and warm up
         model.fit(x, y, batch_size=128, epochs=1, callbacks=callbacks, verbose=0)
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -110,7 +114,7 @@ def overhead(rounds: int, steps: int, peer: bool) -> None:
             model.fit(x, y, batch_size=128, epochs=r + 2, initial_epoch=r + 1, callbacks=callbacks + [timer],
                       verbose=0)
             times[name] += timer.times[1:]
-    tables = {f"recal on Keras {keras.__version__}": times}
+    tables = {f"recal on Keras {keras.__version__}" + (", jit_compile" if jit else ""): times}
     if peer:
         label, peer_result = peer_times(rounds, steps)
         tables[label] = peer_result
@@ -158,10 +162,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--peer", action="store_true", help="add tfmot 0.8.1 on tf-keras (creates .venv-tfmot)")
     parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--jit", action="store_true", help="compile every variant with jit_compile=True (XLA)")
     parser.add_argument("--skip-overhead", action="store_true")
     args = parser.parse_args()
     if not args.skip_overhead:
-        overhead(args.rounds, args.steps, args.peer)
+        overhead(args.rounds, args.steps, args.peer, args.jit)
     if not args.skip_accuracy:
         accuracy(args.seeds)
 
