@@ -541,6 +541,23 @@ def test_thin_channels_zero_rewrites(dead, also_output):
     assert n == 0  # no dead channel, or the channels are a graph output
 
 
+def test_thin_channels_leaves_a_matmul_reading_a_convs_width_alone():
+    """Conv (NCHW, filters 1 and 3 dead) -> Relu -> MatMul(W[6, 5]): the MatMul contracts the width, not the
+    channels, so nothing is thinned; the same filters before a Gemm after a flatten would go."""
+    b = Builder()
+    w = b.weight((4, 3, 3, 3))
+    q = next(t for t in b.inits if t.name == b.nodes[-1].input[0])
+    values = onnx.numpy_helper.to_array(q).copy()
+    values[[1, 3]] = 0
+    q.CopyFrom(onnx.numpy_helper.from_array(values, q.name))
+    y = b.qdq(b.node("Relu", [b.node("Conv", [b.qdq("x", 0.03, 128), w], pads=[1, 1, 1, 1])]), 0.02, 0)
+    model = b.model([("x", [2, 3, 6, 6])], [b.node("MatMul", [y, b.weight((6, 5), axis=1)])])
+    feeds = _x([2, 3, 6, 6])
+    thinned, (n,) = _apply(model, _thin_every_channel)
+    assert n == 0
+    np.testing.assert_allclose(run(thinned, feeds)[0], run(model, feeds)[0], atol=1e-6)
+
+
 def test_thin_channels_keeps_whole_blocks_of_16():
     """40 channels, 11 dead: 32 stay (the first 3 dead ones among them), as onnxruntime runs such counts fastest."""
     b = Builder()

@@ -51,7 +51,7 @@ def thin_channels(g: Graph, block: int = CHANNEL_BLOCK, findings: Findings | Non
         return zero.T if name in matmul else zero
 
     for space in channel_spaces(ops):
-        if not space.thinnable:
+        if not space.thinnable or not _one_channel_axis(g, space, nodes):
             continue
         keep = _whole_blocks(live_channels(space, is_zero), block)
         if keep.all():
@@ -80,6 +80,16 @@ def thin_channels(g: Graph, block: int = CHANNEL_BLOCK, findings: Findings | Non
             findings.thinned.update({t: index for t in space.tensors})
         log.info("thinned %s: %d -> %d channels", ", ".join(p.name for p in space.producers), keep.size, index.size)
     return removed
+
+
+def _one_channel_axis(g: Graph, space, nodes: dict[str, Node]) -> bool:
+    """Whether every layer of ``space`` holds its channels on the same axis: convs and BatchNorm on axis 1, a
+    MatMul on a tensor of rank 3 or more on its last axis (a MatMul reading a conv's NCHW output contracts its
+    width, not its channels)."""
+    ops = [p for p in space.producers] + [c for c, _ in space.consumers] + [f for f, _ in space.followers]
+    types = {nodes[op.name].op_type for op in ops}
+    last = any(nodes[op.name].op_type == "MatMul" and (g.rank(nodes[op.name].inputs[0]) or 3) > 2 for op in ops)
+    return not (last and types & {"Conv", "BatchNormalization", "ConvTranspose"})
 
 
 def _whole_blocks(keep: np.ndarray, block: int) -> np.ndarray:
