@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,17 +87,26 @@ def test_a_checkpoint_missing_keys_is_one_line(tmp_path):
     assert "epoch-1.pt is not a complete recal checkpoint: it lacks optimizer, history, torch_rng" in line
 
 
+@pytest.fixture(scope="module")
+def one_epoch_run(tmp_path_factory):
+    """A one-epoch torch run (its recipe and output folder), trained once for the tamper cases to copy."""
+    folder = tmp_path_factory.mktemp("one_epoch")
+    out, recipe_path = folder / "run", folder / "one_epoch.yaml"
+    recipe_path.write_text("- !EpochRangeModifier {start_epoch: 0, end_epoch: 1}\n")
+    train(load_recipe(recipe_path), "torch", out, progress=False, quantize=False)
+    return out, recipe_path
+
+
 @pytest.mark.parametrize("tamper, words", [
     (lambda w: w.to(torch.int8), "is torch.int8"), (lambda w: w.to(torch.float16), "is torch.float16"),
     (lambda w: w.bool(), "is torch.bool"), (lambda w: w.to(torch.complex64), "is torch.complex64"),
     (lambda w: w.index_fill(0, torch.tensor([0]), float("nan")), "holds non-finite values"),
     (lambda w: w.index_fill(0, torch.tensor([0]), float("inf")), "holds non-finite values")])
-def test_a_checkpoint_of_another_dtype_or_with_nan_weights_is_refused(tmp_path, tamper, words):
+def test_a_checkpoint_of_another_dtype_or_with_nan_weights_is_refused(tmp_path, one_epoch_run, tamper, words):
     """load_state_dict would cast an int8, float16, bool or complex tensor silently, and load NaN weights: resume
     refuses both with one line naming the tensor, and the checkpoint is left as it is."""
-    out, recipe_path = tmp_path / "run", tmp_path / "one_epoch.yaml"
-    recipe_path.write_text("- !EpochRangeModifier {start_epoch: 0, end_epoch: 1}\n")
-    train(load_recipe(recipe_path), "torch", out, progress=False, quantize=False)
+    out, recipe_path = tmp_path / "run", one_epoch_run[1]
+    shutil.copytree(one_epoch_run[0], out)  # this case's own copy of the one trained run
     path = out / "checkpoints" / "epoch-1.pt"
     state = torch.load(path, weights_only=True)
     key = next(k for k, v in state["model"].items() if v.is_floating_point() and v.dim() > 1)
