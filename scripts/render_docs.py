@@ -101,18 +101,25 @@ def zoo() -> str:
             "was made from run as written (recal: its QAT export; onnxruntime: fp32).")
 
 
+_TRANSFORMER_TITLES = {"bert": "BERT-base-shaped, sequence {seq}", "vit": "ViT-B/16-shaped, 224x224"}
+
+
+def _latency_rows(model: dict, base_ms: float) -> list[str]:
+    """One transformer's rows: size against fp32, latency at 1 and 2 threads, speed against ``base_ms``,
+    argmax agreement (the transformers benchmarks' shared columns)."""
+    title = _TRANSFORMER_TITLES[model["model"]].format(seq=model["seq"])
+    return [f"| {title} | {row['label']} | {row['bytes'] / 1e6:.1f} ({row['bytes'] / model['fp32_bytes']:.3f}) | "
+            f"{row['ms_1']:.1f} | {row['ms_2']:.1f} | {base_ms / row['ms_1']:.2f}x | {row['agree']:.3f} |"
+            for row in model["rows"]]
+
+
 def transformers() -> str:
     """BERT-base- and ViT-B/16-shaped models: fp32, recal int8, onnxruntime's quantizers (scripts/bench_transformers.py)."""
     data = _load("transformers.json")
-    titles = {"bert": "BERT-base-shaped, sequence {seq}", "vit": "ViT-B/16-shaped, 224x224"}
     lines = ["| model | variant | MB (x fp32) | 1 thread ms | 2 threads ms | x fp32 (1 thread) | argmax agreement |",
              "|---" * 7 + "|"]
     for model in data["models"]:
-        ms = {row["label"]: row["ms_1"] for row in model["rows"]}
-        for row in model["rows"]:
-            lines.append(f"| {titles[model['model']].format(seq=model['seq'])} | {row['label']} | "
-                         f"{row['bytes'] / 1e6:.1f} ({row['bytes'] / model['fp32_bytes']:.3f}) | {row['ms_1']:.1f} | "
-                         f"{row['ms_2']:.1f} | {ms['fp32'] / row['ms_1']:.2f}x | {row['agree']:.3f} |")
+        lines += _latency_rows(model, next(row["ms_1"] for row in model["rows"] if row["label"] == "fp32"))
     return ("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}, batch 1, median of "
             f"{data['rounds']} interleaved rounds (`python scripts/bench_transformers.py --rounds {data['rounds']} "
             "--json docs/results/transformers.json`); MB = 10^6 bytes. Agreement: argmax on "
@@ -160,13 +167,8 @@ def thinning_transformers() -> str:
                      f"{100 * m['masked']:.2f}% | {100 * m['thinned_fp32']:.2f}% | **{100 * m['int8']:.2f}%** | |")
     lines += ["", "| model | variant | MB (x fp32) | 1 thread ms | 2 threads ms | x the faster onnxruntime quantizer "
               "(1 thread) | argmax agreement |", "|---" * 7 + "|"]
-    titles = {"bert": "BERT-base-shaped, sequence {seq}", "vit": "ViT-B/16-shaped, 224x224"}
     for model in data["latency"]:
-        best = min(row["ms_1"] for row in model["rows"] if row["label"].startswith("ort"))
-        for row in model["rows"]:
-            lines.append(f"| {titles[model['model']].format(seq=model['seq'])} | {row['label']} | "
-                         f"{row['bytes'] / 1e6:.1f} ({row['bytes'] / model['fp32_bytes']:.3f}) | {row['ms_1']:.1f} | "
-                         f"{row['ms_2']:.1f} | {best / row['ms_1']:.2f}x | {row['agree']:.3f} |")
+        lines += _latency_rows(model, min(row["ms_1"] for row in model["rows"] if row["label"].startswith("ort")))
     return ("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. Digits: a ViT (4 layers, "
             f"hidden 64, 6 heads, FFN 128, patches of 2) trained {acc['epochs']} epochs; then {acc['prune_epochs']} "
             f"epochs pruning heads and FFN neurons, thinned, {acc['qat_epochs']} epochs of QAT "
