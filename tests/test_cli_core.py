@@ -136,3 +136,19 @@ def test_no_module_is_over_500_lines_and_no_import_cycle():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+
+
+def test_the_digits_read_from_scikit_learns_csv_are_its_load_digits():
+    """recal reads scikit-learn's bundled CSV without importing scikit-learn: the same images, labels and split."""
+    import numpy as np
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    from recal_core.datasets import SPLIT_SEED, TEST_SIZE, load_digits
+
+    digits, reference = load_digits(), sklearn_digits()
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(reference.target))
+    images = np.concatenate([digits.test_images, digits.train_images])
+    labels = np.concatenate([digits.test_labels, digits.train_labels])
+    assert images.dtype == np.float32 and labels.dtype == np.int64 and len(digits.test_labels) == TEST_SIZE
+    np.testing.assert_array_equal(images, (reference.images / 16.0).astype(np.float32)[order])
+    np.testing.assert_array_equal(labels, reference.target[order])
