@@ -140,6 +140,19 @@ class PruningMasks:
             ops.append(variable.assign(zeroed(weights[name], [*old[name], factors[name]]), read_value=False))
         return ops, factors
 
+    def restart_ops(self, k) -> list:
+        """At a (re)start at step ``k``: forget a modifier's masks that were not computed at the update point in force
+        at ``k`` (weights restored from a backup of another step, or masks computed before a restore), so the next
+        :meth:`ops` ranks the weights as they are now instead of zeroing them with another step's masks."""
+        ops = []
+        for group in self.groups:
+            stale = tf.not_equal(group.update_id.read_value(), tf.gather(tf.constant(group.update_ids), k))
+            for m in group.masks:
+                ops.append(m.mask.assign(tf.where(stale, tf.ones_like(m.mask), m.mask.read_value()), read_value=False))
+            ops.append(group.update_id.assign(tf.where(stale, tf.constant(-1, tf.int64), group.update_id.read_value()),
+                                              read_value=False))
+        return ops
+
     def gradient_factors(self, k) -> dict[str, list[tf.Tensor]]:
         """Per pruned variable, the masks in force at ``k`` (ones where a mask is not): multiply its gradient
         by them so pruned weights get no update and no optimizer state."""

@@ -1,8 +1,10 @@
 """Keras 3: the recipe applied inside Keras's own train step (recal_tf.keras)."""
 
+import json
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import numpy as np
 import pytest
@@ -77,7 +79,7 @@ def _modified(recipe, optimizer, model=None, **compile_args):
     manager = ScheduledModifierManager.from_yaml(recipe)
     model, callbacks = manager.modify(model or _net(), optimizer, steps_per_epoch=SPE)
     compile_args.setdefault("loss", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.compile(optimizer=optimizer, **compile_args)
+    model.compile(optimizer=compile_args.pop("optimizer_for_compile", optimizer), **compile_args)
     return manager, model, callbacks
 
 
@@ -120,15 +122,24 @@ def test_learning_rate_from_the_recipe_in_graph():
     assert lrs[0] == pytest.approx(0.01) and lrs[-1] == pytest.approx(0.01 * 0.8 ** 2)
 
 
-def test_weight_decay_from_the_recipe_in_graph():
+def test_weight_decay_from_the_recipe_in_graph(tmp_path):
     """SetWeightDecay at epoch 1: with a zero loss, SGD only decays: w <- w (1 - lr wd) from step SPE on."""
     recipe = "- !SetWeightDecayModifier {weight_decay: 0.5, start_epoch: 1.0}\n" \
              "- !EpochRangeModifier {start_epoch: 0.0, end_epoch: 2.0}"
     _, model, callbacks = _modified(recipe, keras.optimizers.SGD(0.1), loss=lambda y, p: 0.0 * keras.ops.sum(p),
                                     steps_per_execution=2)
     before = model.get_layer("fc").kernel.numpy().copy()
+    optimizer = model.optimizer
+    assert float(optimizer.weight_decay) == 0.0 and optimizer.get_config()["weight_decay"] == 0.0
     model.fit(*_data(), batch_size=32, epochs=1, callbacks=callbacks, verbose=0)
     np.testing.assert_allclose(model.get_layer("fc").kernel.numpy(), before, rtol=1e-6)
+    # the decay in force for the next step, as Python reads it, in the optimizer's config and in a .keras file
+    assert float(optimizer.weight_decay) == 0.5 and repr(optimizer.weight_decay) == "0.5"
+    assert json.loads(json.dumps(optimizer.get_config()))["weight_decay"] == 0.5
+    model.save(tmp_path / "decayed.keras")
+    with zipfile.ZipFile(tmp_path / "decayed.keras") as saved:
+        compiled = json.loads(saved.read("config.json"))["compile_config"]
+    assert compiled["optimizer"]["config"]["weight_decay"] == 0.5
     model.fit(*_data(), batch_size=32, epochs=2, initial_epoch=1, callbacks=callbacks, verbose=0)
     np.testing.assert_allclose(model.get_layer("fc").kernel.numpy(), before * (1 - 0.1 * 0.5) ** SPE, rtol=1e-5)
 
@@ -420,13 +431,13 @@ def test_qat_int8_onnx_equals_the_keras_qat_model_on_digits(tmp_path, reduce_ran
     kernel.assign(kernel.numpy() * (np.arange(32) != 5))  # a channel pruned whole: GradualKS keeps its zeros, and
     beta = model.get_layer("bn1").beta  # its bias (BN's shift) must survive the int8 conversion: no tiny weight
     beta.assign(beta.numpy() + (np.arange(32) == 5))  # scale that would overflow the int32 bias
-    before = model.predict(xt, verbose=0)
     opt = keras.optimizers.SGD(0.05, momentum=0.9)
     recipe = QAT.replace("freeze_bn_stats_epoch: 2.5", "freeze_bn_stats_epoch: 2.5, reduce_range: true") \
         if reduce_range else QAT
     manager = ScheduledModifierManager.from_yaml(recipe)
     qat, callbacks = manager.modify(model, opt, steps_per_epoch=45)
     assert manager.quantized_layers == ["conv0", "conv1", "conv2", "fc"]
+    before = model.predict(xt, verbose=0)  # the float model, pruned as at step 0 (it shares the QAT model's weights)
     np.testing.assert_allclose(qat.predict(xt, verbose=0), before, rtol=1e-4, atol=1e-5)  # QAT not started yet
     qat.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     qat.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=0)
@@ -570,3 +581,101 @@ def test_a_pruned_layer_replaced_after_modify_is_named_before_training_goes_on()
         model.fit(x, y, batch_size=32, epochs=1, callbacks=callbacks, verbose=0)
     with pytest.raises(ValueError, match="no longer part of model"):
         manager.finalize(model)
+
+
+def test_a_gradient_tape_loop_follows_the_recipe_from_its_first_step():
+    """The custom-loop recipe of docs/keras.md: masks and LR come with optimizer.apply_gradients (Keras applies the
+    constraint recal sets), from the very first step; the callbacks run through keras.callbacks.CallbackList."""
+    optimizer = keras.optimizers.SGD(0.5, momentum=0.9)  # 0.5: the recipe's 0.01 must replace it before step 1
+    manager = ScheduledModifierManager.from_yaml(PRUNE)
+    model, callbacks = manager.modify(_net(), optimizer, steps_per_epoch=SPE)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    callback_list = keras.callbacks.CallbackList(callbacks, model=model)
+    x, y = _data()
+    names = ["c1/kernel", "c2/kernel", "fc/kernel"]
+    callback_list.on_train_begin()
+    for epoch in range(manager.max_epochs):
+        callback_list.on_epoch_begin(epoch)
+        for b in range(SPE):
+            k = int(optimizer.iterations.numpy())
+            assert float(optimizer.learning_rate.numpy()) == pytest.approx(_expected(PRUNE, model, k)[1]), k
+            train_step(x[b * 32:(b + 1) * 32], y[b * 32:(b + 1) * 32])
+            _, by_name = describe_model(model)
+            zeros = {n: int((by_name[n].numpy() == 0).sum()) for n in names}
+            assert zeros == _expected(PRUNE, model, k + 1)[0], k + 1
+        callback_list.on_epoch_end(epoch)
+    callback_list.on_train_end()
+    assert manager.finalize(model)["fc/kernel"] == pytest.approx(0.8)
+
+
+class _Interrupt(keras.callbacks.Callback):
+    """Raises after optimizer step ``at`` (a crash mid-epoch), once."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.at is not None and int(self.model.optimizer.iterations.numpy()) == self.at:
+            self.at = None
+            raise RuntimeError("interrupted")
+
+
+@pytest.mark.parametrize("recal_first", [True, False])
+def test_backup_and_restore_resumes_to_the_uninterrupted_weights_in_any_order(tmp_path, recal_first):
+    """fit with BackupAndRestore crashes mid-epoch 3 (its backup is of epoch 2's end). Retried in the same process
+    with the same callbacks, and restarted as a new process would (a new model and manager): the weights equal an
+    uninterrupted run's, whether recal's callback comes before BackupAndRestore or after."""
+    whole = _train(PRUNE, keras.optimizers.Adam(1e-3), epochs=4)[1]
+
+    def fit(model, callbacks, interrupt):
+        backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+        ordered = callbacks + [backup] if recal_first else [backup] + callbacks
+        model.fit(*_data(), batch_size=32, epochs=4, callbacks=ordered + [interrupt], verbose=0, shuffle=False)
+
+    for restart in ("retry", "new model"):
+        _, model, callbacks = _modified(PRUNE, keras.optimizers.Adam(1e-3))
+        interrupt = _Interrupt(2 * SPE + 3)
+        with pytest.raises(RuntimeError, match="interrupted"):
+            fit(model, callbacks, interrupt)
+        if restart == "new model":
+            _, model, callbacks = _modified(PRUNE, keras.optimizers.Adam(1e-3))
+        fit(model, callbacks, interrupt)
+        assert int(model.optimizer.iterations.numpy()) == 4 * SPE
+        for a, b in zip(whole.weights, model.weights):
+            np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=f"{restart}: {a.path}")
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_mixed_float16_prunes_exactly_and_trains_qat(mixed_float16, wrapped):
+    """mixed_float16: Keras wraps the optimizer in a LossScaleOptimizer at compile (or the user does); recal drives
+    the inner one, masks stay exact per step, and QAT layers compute in float32 (the FakeQuant ops take no
+    float16)."""
+    opt = keras.optimizers.SGD(0.01, momentum=0.9)
+    compiled = keras.optimizers.LossScaleOptimizer(opt) if wrapped else opt
+    manager, model, callbacks = _modified(PRUNE + "- !QuantizationModifier {start_epoch: 2.0}\n", opt,
+                                          optimizer_for_compile=compiled)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    record = _Record(model, opt, ["c1/kernel", "c2/kernel", "fc/kernel"])
+    model.fit(*_data(), batch_size=32, epochs=4, callbacks=callbacks + [record], verbose=0, shuffle=False)
+    assert len(record.rows) == 4 * SPE
+    for k, zeros, slots in record.rows:
+        assert zeros == _expected(PRUNE, model, k)[0], k
+    assert model.get_layer("c1_qat").compute_dtype == "float32"
+    manager.finalize(model)
+    assert manager.quantized_layers == ["c1", "c2", "fc"]
+    assert np.isfinite(model.predict(_data(64)[0], verbose=0)).all()

@@ -43,20 +43,44 @@ from .qat import QATTables, quantize_model
 log = logging.getLogger(__name__)
 
 
-class _WeightDecayTable(float):
-    """The optimizer's ``weight_decay`` as a per-step table: Keras reads it with ``tf.cast`` inside the train
-    step, which calls ``__tf_tensor__``; saved configs see a plain float (the value at step 0)."""
+class _WeightDecayTable:
+    """The optimizer's ``weight_decay`` as a per-step table. Keras reads it with ``tf.cast`` inside the train step,
+    which calls ``__tf_tensor__`` (the value at ``optimizer.iterations``, in the graph); Python reads (``float``,
+    ``print``, the optimizer's ``get_config``) see the value in force for the next step."""
 
-    def __new__(cls, values, iterations):
-        obj = super().__new__(cls, values[0])
-        obj.values = np.asarray(values, np.float32)
-        obj.iterations = iterations
-        return obj
+    def __init__(self, values, iterations):
+        self.values = np.asarray(values, np.float32)
+        self.iterations = iterations
 
     def __tf_tensor__(self, dtype=None, name=None):
         k = tf.minimum(tf.cast(self.iterations, tf.int64), len(self.values) - 1)
         value = tf.gather(tf.constant(self.values), k)
         return tf.cast(value, dtype) if dtype is not None else value
+
+    def __float__(self) -> float:
+        return float(self.values[min(int(self.iterations.numpy()), len(self.values) - 1)])
+
+    def __eq__(self, other):
+        return float(self) == other
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(float(self))
+
+    def __format__(self, spec: str) -> str:
+        return format(float(self), spec)
+
+
+def _config_with_weight_decay_now(get_config):
+    """The optimizer's ``get_config`` with the recipe's weight decay in force now, as a float (JSON, ``.keras``)."""
+
+    def config():
+        values = get_config()
+        values["weight_decay"] = float(values["weight_decay"])
+        return values
+
+    return config
 
 
 class _ApplyMasks(keras.constraints.Constraint):
@@ -159,6 +183,7 @@ class ScheduledModifierManager(RecipeManager):
             self._install_masks(infos, optimizer)
         if self.plan.masks or self._lr_values is not None:
             self._attach_driver(model)
+        self._apply_now()
         return model, [RecalCallback(self)]
 
     def _quantize(self, model: keras.Model, schedule: RecipeSchedule, optimizer) -> keras.Model:
@@ -229,6 +254,7 @@ class ScheduledModifierManager(RecipeManager):
             return
         values[np.isnan(values)] = float(optimizer.weight_decay or 0.0)
         optimizer.weight_decay = _WeightDecayTable(values, optimizer.iterations)
+        optimizer.get_config = _config_with_weight_decay_now(optimizer.get_config)
 
     def _install_masks(self, infos, optimizer) -> None:
         variables = {name: v.value for name, v in self._by_name.items()}
@@ -286,11 +312,21 @@ class ScheduledModifierManager(RecipeManager):
         return int(self._optimizer.iterations.numpy())
 
     def _apply_now(self) -> None:
-        """Masks in force at the current step, applied before the next forward pass (start or resume)."""
+        """The masks and LR in force at the current step, applied before the next forward pass: at ``modify`` (so a
+        custom ``GradientTape`` loop's first step runs at the recipe's LR too), at each start of ``fit`` and epoch
+        (after ``BackupAndRestore`` or a checkpoint restored the weights and ``optimizer.iterations``)."""
         if self._masks is not None or self._lr_values is not None:
             if self._apply_at is None:
-                self._apply_at = tf.function(lambda k: tf.group(*self._step_ops(k)) and None)
+                self._apply_at = tf.function(self._restart_ops)
             self._apply_at(tf.constant(self._current_step(), tf.int64))
+
+    def _restart_ops(self, k) -> None:
+        k = tf.minimum(k, self.schedule.total_steps)
+        if self._masks is not None:
+            with tf.control_dependencies(self._masks.restart_ops(k)):
+                tf.group(*self._step_ops(k))
+        else:
+            tf.group(*self._step_ops(k))
 
     def _apply_trainable(self, model: keras.Model) -> bool:
         """Trainable flags in force now; True when they changed (the train function must be rebuilt)."""
@@ -408,15 +444,18 @@ class RecalCallback(keras.callbacks.Callback):
         if self.model is not m._model:
             raise ValueError("these callbacks belong to another model: pass the callbacks that modify() returned "
                              "for this model")
-        if self.model.optimizer is not m._optimizer:
+        compiled = getattr(self.model, "optimizer", None)  # None: a custom loop's model
+        # mixed precision: Keras wraps the optimizer in a LossScaleOptimizer at compile; recal drives the inner one
+        if getattr(compiled, "inner_optimizer", compiled) not in (None, m._optimizer):
             raise ValueError("the model was compiled with another optimizer than the one passed to modify(): "
-                             "compile with the same optimizer object")
+                             "compile with the same optimizer object (or a LossScaleOptimizer around it)")
         m._check_pruned_in_model()
         m._apply_now()
 
     def on_epoch_begin(self, epoch, logs=None):
         m = self.manager
         m._check_pruned_in_model()
+        m._apply_now()  # after every on_train_begin: BackupAndRestore may have restored another step's weights
         self._epoch_start = m._current_step()
         if m._apply_trainable(self.model):
             self.model.make_train_function(force=True)

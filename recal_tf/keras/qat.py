@@ -25,9 +25,11 @@ PASS_THROUGH = (keras.layers.MaxPooling2D, keras.layers.MaxPooling1D, keras.laye
 
 
 class ActivationQuantizer(keras.layers.Layer):
-    """uint8 fake quantization of one tensor with a moving-average min/max observer."""
+    """uint8 fake quantization of one tensor with a moving-average min/max observer (in float32, under any
+    dtype policy: ``FakeQuantWithMinMaxVars`` takes float32 only)."""
 
     def __init__(self, **kwargs):
+        kwargs.setdefault("dtype", "float32")
         super().__init__(**kwargs)
         self.tables: QATTables | None = None
 
@@ -82,9 +84,12 @@ def _global_moments(mean, variance):
 
 
 class QuantizedLayer(keras.layers.Layer):
-    """A Conv2D or Dense with its BatchNormalization (convs) and ReLU folded in, fake-quantized."""
+    """A Conv2D or Dense with its BatchNormalization (convs) and ReLU folded in, fake-quantized. It computes in
+    float32 under any dtype policy (``mixed_float16`` too): the int8 model it stands for holds exact levels,
+    which float16 cannot."""
 
     def __init__(self, layer, bn=None, relu: bool = False, quantize_input: bool = True, **kwargs):
+        kwargs.setdefault("dtype", "float32")
         super().__init__(name=f"{layer.name}_qat", **kwargs)
         self.layer, self.bn, self.relu = layer, bn, relu
         self.input_quantizer = ActivationQuantizer(name=f"{layer.name}_input_q") if quantize_input else None
@@ -158,7 +163,12 @@ class QuantizedLayer(keras.layers.Layer):
 
 
 class Folded(keras.layers.Layer):
-    """Where a BatchNormalization or ReLU folded into the quantized layer before it was: passes its input on."""
+    """Where a BatchNormalization or ReLU folded into the quantized layer before it was: passes its input on
+    (in float32, as the quantized layer computes)."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("dtype", "float32")
+        super().__init__(**kwargs)
 
     def call(self, x, training=None, mask=None):
         return x
