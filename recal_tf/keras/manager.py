@@ -322,10 +322,7 @@ class ScheduledModifierManager(RecipeManager):
 
     def _restart_ops(self, k) -> None:
         k = tf.minimum(k, self.schedule.total_steps)
-        if self._masks is not None:
-            with tf.control_dependencies(self._masks.restart_ops(k)):
-                tf.group(*self._step_ops(k))
-        else:
+        with tf.control_dependencies(self._masks.restart_ops(k) if self._masks is not None else []):
             tf.group(*self._step_ops(k))
 
     def _apply_trainable(self, model: keras.Model) -> bool:
