@@ -152,3 +152,20 @@ def test_the_digits_read_from_scikit_learns_csv_are_its_load_digits():
     assert images.dtype == np.float32 and labels.dtype == np.int64 and len(digits.test_labels) == TEST_SIZE
     np.testing.assert_array_equal(images, (reference.images / 16.0).astype(np.float32)[order])
     np.testing.assert_array_equal(labels, reference.target[order])
+
+
+def test_the_digits_come_from_scikit_learns_loader_when_its_csv_is_elsewhere(monkeypatch, tmp_path):
+    """A scikit-learn that keeps its data in another place: its own loader, the same digits."""
+    import importlib.util
+
+    import numpy as np
+
+    from recal_core import datasets
+
+    expected = datasets.load_digits()
+    spec = importlib.util.find_spec("sklearn")
+    moved = importlib.util.spec_from_file_location("sklearn", tmp_path / "sklearn" / "__init__.py")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: moved if name == "sklearn" else spec)
+    got = datasets.load_digits()
+    for field in ("train_images", "train_labels", "test_images", "test_labels"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(expected, field))

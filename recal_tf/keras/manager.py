@@ -313,8 +313,9 @@ class ScheduledModifierManager(RecipeManager):
 
     def _apply_now(self) -> None:
         """The masks and LR in force at the current step, applied before the next forward pass: at ``modify`` (so a
-        custom ``GradientTape`` loop's first step runs at the recipe's LR too), at each start of ``fit`` and epoch
-        (after ``BackupAndRestore`` or a checkpoint restored the weights and ``optimizer.iterations``)."""
+        custom ``GradientTape`` loop's first step runs at the recipe's LR too) and at each epoch's start (after every
+        ``on_train_begin``: ``BackupAndRestore`` or a checkpoint may have restored the weights and
+        ``optimizer.iterations``), and at ``finalize``."""
         if self._masks is not None or self._lr_values is not None:
             if self._apply_at is None:
                 self._apply_at = tf.function(self._restart_ops)
@@ -446,8 +447,7 @@ class RecalCallback(keras.callbacks.Callback):
         if getattr(compiled, "inner_optimizer", compiled) not in (None, m._optimizer):
             raise ValueError("the model was compiled with another optimizer than the one passed to modify(): "
                              "compile with the same optimizer object (or a LossScaleOptimizer around it)")
-        m._check_pruned_in_model()
-        m._apply_now()
+        m._check_pruned_in_model()  # the state of the step is applied at on_epoch_begin, after every on_train_begin
 
     def on_epoch_begin(self, epoch, logs=None):
         m = self.manager
