@@ -308,7 +308,13 @@ def test_loggers(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="recal"):
         train_steps(model, optimizer, batches(6))
     tb.close()
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()  # what TensorBoard itself reads back
+    assert [e.step for e in events.Scalars("recal/lr")] == list(range(1, 7))
+    assert [e.value for e in events.Scalars("recal/lr")] == pytest.approx([0.05] * 6)
+    assert [e.value for e in events.Scalars("recal/epoch")] == pytest.approx([k / SPE for k in range(1, 7)])
+    assert "recal/sparsity/fc.weight" in events.Tags()["scalars"]
     lines = [r.getMessage() for r in caplog.records if r.name == "recal"]
     assert len(lines) == 3 and "lr=0.05" in lines[0] and "sparsity/conv1.weight=" in lines[0]
     scalars = manager.scalars()

@@ -90,6 +90,7 @@ class _ApplyMasks(keras.constraints.Constraint):
         self.manager = manager
         self.inner = inner
 
+    @tf.autograph.experimental.do_not_convert  # plain graph code: autograph's rewrite costs seconds, changes nothing
     def __call__(self, w):
         ops = self.manager._step_ops(self.manager._optimizer.iterations + 1)
         with tf.control_dependencies(ops):
@@ -318,7 +319,7 @@ class ScheduledModifierManager(RecipeManager):
         ``optimizer.iterations``), and at ``finalize``."""
         if self._masks is not None or self._lr_values is not None:
             if self._apply_at is None:
-                self._apply_at = tf.function(self._restart_ops)
+                self._apply_at = tf.function(self._restart_ops, autograph=False)
             self._apply_at(tf.constant(self._current_step(), tf.int64))
 
     def _restart_ops(self, k) -> None:
