@@ -25,6 +25,7 @@ from recal_app.training import train
 from recal_onnx import ModelError, quantize_qat_export
 from recal_torch import ScheduledModifierManager, export_onnx
 
+from .cli_in_process import run_recal
 from .conftest import ROOT
 from .onnx_graphs import with_float_biases
 from .torch_models import SmallCNN, batches, qat_small_cnn, train_steps
@@ -32,9 +33,12 @@ from .torch_models import SmallCNN, batches, qat_small_cnn, train_steps
 DENSE = ROOT / "scripts" / "recipes" / "dense.yaml"
 
 
-def _cli(*args, **kw):
+def _cli_process(*args, **kw):
     return subprocess.run([sys.executable, "-m", "recal_app.cli", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=600, **kw)
+
+
+_cli = run_recal  # in this process: most cases check one refusal's line (tests/cli_in_process.py)
 
 
 def _one_line(result, code=2):
@@ -149,8 +153,8 @@ def test_one_run_per_output_folder_and_resumes_match_their_run(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     recipe = load_recipe(DENSE)
-    with locked(out):  # another run is writing
-        line = _one_line(_cli("train", "--framework", "torch", "--recipe", str(DENSE), "--output", str(out)))
+    with locked(out):  # another run is writing (a lock this process holds is its own: the run is another process)
+        line = _one_line(_cli_process("train", "--framework", "torch", "--recipe", str(DENSE), "--output", str(out)))
         assert "another recal run is writing" in line
     train(recipe, "torch", out, epochs=1, progress=False, quantize=False)
     line = _one_line(_cli("train", "--framework", "torch", "--recipe", str(DENSE), "--output", str(out)))
@@ -376,7 +380,7 @@ def test_check_and_tf_tables_grow_with_the_recipe_not_its_epochs(tmp_path):
     started = time.perf_counter()
     result = _cli("check", str(recipe))
     assert result.returncode == 0, result.stderr[-2000:]
-    assert time.perf_counter() - started < 30  # a subprocess with its imports; the table itself is milliseconds
+    assert time.perf_counter() - started < 30  # the table itself is milliseconds
     assert "201 of 100001 epochs shown" in result.stdout and len(result.stdout.splitlines()) < 700
     from recal_tf.recipe_support import check_table_size
 
@@ -529,7 +533,7 @@ def test_ctrl_c_keeps_the_last_checkpoint_and_exits_130(tmp_path):
         stderr[-2000:]
     assert (out / "checkpoints" / "epoch-1.pt").is_file()
     assert not list(out.rglob(".recal-*"))
-    resumed = _cli("train", "--framework", "torch", "--recipe", str(DENSE), "--output", str(out), "--resume",
+    resumed = _cli_process("train", "--framework", "torch", "--recipe", str(DENSE), "--output", str(out), "--resume",
                    "--epochs", "2", "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
 

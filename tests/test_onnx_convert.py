@@ -16,6 +16,7 @@ from torch import nn
 from recal_onnx import UnconvertedOpsWarning, VerificationError, quantize_qat_export
 from recal_torch import ScheduledModifierManager, export_onnx
 
+from .cli_in_process import run_recal
 from .conftest import ROOT
 from .onnx_graphs import Builder, ops, with_float_biases
 from .torch_models import SmallCNN, batches, train_steps
@@ -171,11 +172,10 @@ def test_cli_and_script(tmp_path, recal_qat_model):
     script = [sys.executable, str(ROOT / "scripts" / "quantize_qat_export.py"), str(src), str(tmp_path / "b.onnx"),
               "--format", "qdq"]
     assert subprocess.run(script, capture_output=True, text=True).returncode == 0
-    typed = subprocess.run([*exe[:5], str(tmp_path / "d.onnx"), "--weight-type", "int8"], capture_output=True,
-                           text=True)
+    # the options, in this process (the command as a process is tested above)
+    typed = run_recal(*exe[3:5], str(tmp_path / "d.onnx"), "--weight-type", "int8")
     assert typed.returncode == 0 and "int8 weights" in typed.stdout, typed.stderr
-    bad = subprocess.run([*exe[:4], str(tmp_path / "missing.onnx"), str(tmp_path / "c.onnx")],
-                         capture_output=True, text=True)
+    bad = run_recal(exe[3], str(tmp_path / "missing.onnx"), str(tmp_path / "c.onnx"))
     assert bad.returncode == 2 and "missing.onnx" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 

@@ -12,6 +12,7 @@ import torch
 from recal_core import load_recipe
 from recal_app.training import train
 
+from .cli_in_process import run_recal
 from .conftest import ROOT
 
 PRUNE_QAT = """
@@ -120,8 +121,11 @@ def test_keras_train_and_resume(tmp_path):
     np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)  # resumed = uninterrupted
 
 
-def _cli(*args):
+def _cli_process(*args):
     return subprocess.run([sys.executable, "-m", "recal_app.cli", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+_cli = run_recal  # in this process: most cases check one refusal's line (tests/cli_in_process.py)
 
 
 def test_bad_input_is_one_line_and_keeps_earlier_outputs(tmp_path):
@@ -218,7 +222,7 @@ def test_a_second_demo_replaces_its_own_earlier_run_only(tmp_path):
 
 def test_progress_in_a_log_is_one_line_per_epoch(tmp_path):
     """Not a terminal (a pipe, as in CI logs): no live bars, one line per epoch on stdout."""
-    result = _cli("train", "--framework", "torch", "--recipe", str(ROOT / "scripts/recipes/dense.yaml"),
+    result = _cli_process("train", "--framework", "torch", "--recipe", str(ROOT / "scripts/recipes/dense.yaml"),
                   "--output", str(tmp_path / "run"), "--epochs", "2")
     assert result.returncode == 0, result.stderr[-2000:]
     epochs = [line for line in result.stdout.splitlines() if line.startswith("torch epoch")]
@@ -258,9 +262,8 @@ def test_a_diverging_run_stops_at_the_step_keeps_its_checkpoint_and_exports_noth
     assert history.is_file() and not (out / "checkpoints" / "epoch-2.pt").exists()
     if framework != "torch":
         assert json.loads(history.read_text())["epoch"] == 1
-    line = subprocess.run([sys.executable, "-m", "recal_app.cli", "train", "--framework", framework, "--recipe",
-                           str(tmp_path / "recipe.yaml"), "--output", str(tmp_path / "cli"), "--no-progress"],
-                          capture_output=True, text=True, cwd=ROOT)
+    line = _cli("train", "--framework", framework, "--recipe", str(tmp_path / "recipe.yaml"), "--output",
+                str(tmp_path / "cli"), "--no-progress")
     assert line.returncode == 2 and len(line.stderr.strip().splitlines()) == 1 and "diverged at step" in line.stderr
 
 
