@@ -340,15 +340,40 @@ def test_cross_framework_parity_of_targets_and_lr():
 
 
 @pytest.mark.slow
-def test_seed_example_runs_as_written():
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "examples" / "seed_tf.py")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=900)
+def test_seed_example_runs_as_written(tmp_path):
+    """The seed's example file, unchanged, on the seed's recipe with its epochs scaled 25 -> 10 (pruning 5-20 ->
+    2-8, still once per epoch): 160 steps at batch 1024 instead of 400, the same code path. The recipe as
+    written, the example's default, is run step by step in the next test."""
+    seed = (ROOT / "scripts" / "recipes" / "seed_prune_all.yaml").read_text()
+    scaled = seed.replace("end_epoch: 25.0", "end_epoch: 10.0").replace("start_epoch: 5.0", "start_epoch: 2.0")
+    scaled = scaled.replace("end_epoch: 20.0", "end_epoch: 8.0")
+    assert scaled.count("epoch: 10.0") + scaled.count("epoch: 2.0") + scaled.count("epoch: 8.0") == 3
+    (tmp_path / "seed_scaled.yaml").write_text(scaled)
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "examples" / "seed_tf.py"),
+                          str(tmp_path / "seed_scaled.yaml")], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = dict(line.rsplit(" ", 1) for line in out.stdout.splitlines() if line.startswith(("test", "sparsity")))
     print(out.stdout)
     assert float(lines["test accuracy"]) > 0.6  # chance is 0.1
     for name in KERNELS:
         assert float(lines[f"sparsity {name}"]) == pytest.approx(0.8, abs=1e-4)
+
+
+def test_the_seed_recipe_as_written_prunes_the_seed_net_exactly_at_every_step(seed_recipe_text):
+    """The seed's config.yaml in full (25 epochs, pruning 5 -> 20 once per epoch) on the seed example's net and
+    API, with small batches: every kernel holds the schedule's count of zeros after every step, 80% at the end."""
+    g = Graph(seed_recipe_text)
+    schedule = g.manager.schedule
+    assert schedule.total_steps == 25 * SPE
+    with g.session() as sess:
+        sess.run(g.init)
+        for k, batch in enumerate(_data(schedule.total_steps, batch=4), start=1):
+            g.step(sess, batch)
+            target = schedule.pruning[0].sparsity(k)
+            for name in KERNELS:
+                w = sess.run(g.variables[name])
+                assert int((w == 0).sum()) == (0 if target is None else pruned_count(target, w.size)), (k, name)
+        assert g.manager.complete_graph() == pytest.approx({name: 0.8 for name in KERNELS}, abs=1e-4)
 
 
 def test_train_op_with_ops_is_one_call_per_step():
