@@ -27,3 +27,33 @@ def pytest_collection_modifyitems(config, items):
     """The slow tests first: under ``-n auto`` the workers start on the minutes-long ones and fill in with the
     short ones, instead of one worker running a long test alone at the end."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_onnx_function_registry_per_opset():
+    """torch's dynamo exporter builds its table of ONNX functions anew for every export (about 1 s; some 70 exports
+    a run). The suite registers no custom op, so one table per opset serves every export in a worker. Only the
+    table is shared: each export still runs the exporter in full. Without that torch internal, nothing changes."""
+    try:
+        from torch.onnx._internal.exporter import _registration
+    except ImportError:
+        yield
+        return
+    build = _registration.ONNXRegistry.__dict__.get("from_torchlib")
+    if not isinstance(build, classmethod):
+        yield
+        return
+    tables = {}
+
+    def from_torchlib(cls, opset_version=None, **kwargs):
+        key = (cls, opset_version, tuple(sorted(kwargs.items())))
+        if key not in tables:
+            args = () if opset_version is None else (opset_version,)
+            tables[key] = build.__func__(cls, *args, **kwargs)
+        return tables[key]
+
+    _registration.ONNXRegistry.from_torchlib = classmethod(from_torchlib)
+    try:
+        yield
+    finally:
+        _registration.ONNXRegistry.from_torchlib = build
