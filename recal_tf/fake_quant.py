@@ -95,6 +95,12 @@ class QATTables:
         return cls(flags[:, 0].copy(), flags[:, 1].copy(), flags[:, 2].copy(), iterations,
                    weight_levels=schedule.recipe.modifiers[index].weight_levels)
 
+    @classmethod
+    def fixed(cls, enabled: bool, export: bool, weight_levels: int = WEIGHT_LEVELS) -> "QATTables":
+        """Tables that say the same at every step, with BatchNorm and observers frozen: a QAT layer loaded from a
+        ``.keras`` file, as it computed when saved, until a recipe's manager takes it on again."""
+        return cls(np.array([enabled]), np.array([True]), np.array([True]), 0, export, weight_levels)
+
     def at(self, table: np.ndarray, step=None) -> tf.Tensor:
         """``table`` at ``step`` (default: ``iterations``), clipped to its last entry."""
         k = tf.minimum(tf.cast(self.iterations if step is None else step, tf.int64), len(table) - 1)

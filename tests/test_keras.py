@@ -679,3 +679,69 @@ def test_mixed_float16_prunes_exactly_and_trains_qat(mixed_float16, wrapped):
     manager.finalize(model)
     assert manager.quantized_layers == ["c1", "c2", "fc"]
     assert np.isfinite(model.predict(_data(64)[0], verbose=0)).all()
+
+
+@pytest.mark.parametrize("stop_epoch, quantizing", [(1, False), (3, True)])
+def test_a_qat_model_round_trips_a_keras_file_and_resumes_from_it(tmp_path, stop_epoch, quantizing):
+    """``model.save(".keras")`` of a QAT model (ModelCheckpoint each epoch): the file loads with
+    ``keras.models.load_model`` and computes what the saved model computed, before QAT started (epoch 1: float)
+    or during it (epoch 3); a new manager takes the loaded model on and the run ends as the uninterrupted one
+    (BatchNorm frozen at 3.5 in both)."""
+    x, y = _data()
+    recipe = QAT.replace("end_epoch: 3.0}", "end_epoch: 4.0}").replace("start_epoch: 1.0, freeze_bn_stats_epoch: 2.5",
+                                                                       "start_epoch: 2.0, freeze_bn_stats_epoch: 3.5")
+    assert "freeze_bn_stats_epoch: 3.5" in recipe
+
+    def modified(model=None):
+        manager = ScheduledModifierManager.from_yaml(recipe)
+        opt = keras.optimizers.SGD(0.01, momentum=0.9)
+        qat, callbacks = manager.modify(model or _net(), opt if model is None else model.optimizer,
+                                        steps_per_epoch=SPE)
+        if model is None:
+            qat.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return manager, qat, callbacks
+
+    _, whole, callbacks = modified()
+    whole.fit(x, y, batch_size=32, epochs=4, callbacks=callbacks, verbose=0, shuffle=False)
+    _, first, callbacks = modified()
+    saver = keras.callbacks.ModelCheckpoint(str(tmp_path / "epoch-{epoch}.keras"))
+    first.fit(x, y, batch_size=32, epochs=stop_epoch, callbacks=callbacks + [saver], verbose=0, shuffle=False)
+    path = tmp_path / f"epoch-{stop_epoch}.keras"
+    assert path.stat().st_size > 0
+    with zipfile.ZipFile(path) as saved:
+        layers = json.loads(saved.read("config.json"))["config"]["layers"]
+    assert [c["config"]["quantizing"] for c in layers if c["class_name"] == "QuantizedLayer"] == [quantizing] * 3
+    loaded = keras.models.load_model(path)
+    assert [type(layer).__name__ for layer in loaded.layers] == [type(layer).__name__ for layer in first.layers]
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), first.predict(x, verbose=0))
+    manager, resumed, callbacks = modified(loaded)
+    assert resumed is loaded and manager.quantized_layers == ["c1", "c2", "fc"]
+    resumed.fit(x, y, batch_size=32, epochs=4, initial_epoch=stop_epoch, callbacks=callbacks, verbose=0,
+                shuffle=False)
+    for a, b in zip(whole.weights, resumed.weights):
+        assert a.path == b.path
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6, err_msg=a.path)
+        assert int((a.numpy() == 0).sum()) == int((b.numpy() == 0).sum()), a.path
+
+
+def test_a_finalized_qat_model_loads_and_exports_the_same_int8_model(tmp_path):
+    """Finalized (the export's form: biases on their int32 grid), saved and loaded: the same outputs, and the
+    loaded model's ONNX export converts to the same int8 model's outputs."""
+    pytest.importorskip("tf2onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from recal_onnx import quantize_qat_export
+
+    manager, model, callbacks = _modified(QAT, keras.optimizers.SGD(0.01, momentum=0.9))
+    x, y = _data()
+    model.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=0, shuffle=False)
+    manager.finalize(model)
+    model.save(tmp_path / "final.keras")
+    loaded = keras.models.load_model(tmp_path / "final.keras")
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    outputs = []
+    for name, m in (("a", model), ("b", loaded)):
+        export_onnx(m, tmp_path / f"{name}.onnx")
+        quantize_qat_export(tmp_path / f"{name}.onnx", tmp_path / f"{name}.int8.onnx")
+        session = ort.InferenceSession(str(tmp_path / f"{name}.int8.onnx"))
+        outputs.append(session.run(None, {session.get_inputs()[0].name: x})[0])
+    np.testing.assert_array_equal(outputs[0], outputs[1])

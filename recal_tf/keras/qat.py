@@ -8,6 +8,11 @@
 
 The original layers (and so their variables, masks and optimizer state) are reused inside the new model that
 ``keras.models.clone_model`` builds; Sequential and functional models only.
+
+The layers are registered Keras serializables: ``model.save("x.keras")`` (and so ``ModelCheckpoint``) writes a QAT
+model, and ``keras.models.load_model`` gives one that computes what the saved model computed (quantized or not yet,
+or finalized for export), with BatchNorm and observers frozen; a manager's ``modify`` takes it on again, so the
+recipe resumes from a checkpoint.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ PASS_THROUGH = (keras.layers.MaxPooling2D, keras.layers.MaxPooling1D, keras.laye
                 keras.layers.Dropout)
 
 
+@keras.saving.register_keras_serializable(package="recal")
 class ActivationQuantizer(keras.layers.Layer):
     """uint8 fake quantization of one tensor with a moving-average min/max observer (in float32, under any
     dtype policy: ``FakeQuantWithMinMaxVars`` takes float32 only)."""
@@ -83,19 +89,47 @@ def _global_moments(mean, variance):
     return mean_all, square - tf.square(mean_all)
 
 
+@keras.saving.register_keras_serializable(package="recal")
 class QuantizedLayer(keras.layers.Layer):
     """A Conv2D or Dense with its BatchNormalization (convs) and ReLU folded in, fake-quantized. It computes in
     float32 under any dtype policy (``mixed_float16`` too): the int8 model it stands for holds exact levels,
     which float16 cannot."""
 
-    def __init__(self, layer, bn=None, relu: bool = False, quantize_input: bool = True, **kwargs):
+    def __init__(self, layer, bn=None, relu: bool = False, quantize_input: bool = True, source: str | None = None,
+                 **kwargs):
         kwargs.setdefault("dtype", "float32")
-        super().__init__(name=f"{layer.name}_qat", **kwargs)
+        kwargs.setdefault("name", f"{layer.name}_qat")
+        super().__init__(**kwargs)
         self.layer, self.bn, self.relu = layer, bn, relu
         self.input_quantizer = ActivationQuantizer(name=f"{layer.name}_input_q") if quantize_input else None
         self.output_quantizer = ActivationQuantizer(name=f"{layer.name}_output_q")
         self.tables: QATTables | None = None
-        object.__setattr__(self, "input_source", None)  # the quantizer whose output it reads, when not its own
+        self.source = source  # the QuantizedLayer whose quantized output this one reads, when not its own input's
+        object.__setattr__(self, "input_source", None)  # that layer's output quantizer, once found
+
+    def get_config(self) -> dict:
+        """The inner layer and BatchNorm, how the layer quantizes, and what it does now: quantize or not yet
+        (the recipe's switch at the current step), or compute the export's form once finalized."""
+        t = self.tables
+        serialize = keras.saving.serialize_keras_object
+        return {**super().get_config(), "layer": serialize(self.layer),
+                "bn": None if self.bn is None else serialize(self.bn), "relu": self.relu,
+                "quantize_input": self.input_quantizer is not None, "source": self.source,
+                "weight_levels": WEIGHT_LEVELS if t is None else int(t.weight_levels),
+                "quantizing": t is None or t.export or bool(t.at(t.enabled).numpy()),
+                "finalized": t is not None and t.export}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "QuantizedLayer":
+        config = dict(config)
+        deserialize = keras.saving.deserialize_keras_object
+        layer = deserialize(config.pop("layer"))  # built from its own build config, under its own name
+        bn = config.pop("bn")
+        bn = None if bn is None else deserialize(bn)
+        tables = QATTables.fixed(config.pop("quantizing"), config.pop("finalized"), config.pop("weight_levels"))
+        q = cls(layer, bn, **config)
+        q.set_tables(tables)
+        return q
 
     def set_tables(self, tables: QATTables) -> None:
         self.tables = tables
@@ -104,6 +138,10 @@ class QuantizedLayer(keras.layers.Layer):
                 q.tables = tables
 
     def build(self, input_shape):
+        if not self.layer.built:
+            self.layer.build(input_shape)
+        if self.bn is not None and not self.bn.built:
+            self.bn.build(self.layer.compute_output_shape(input_shape))
         if self.input_quantizer is not None:
             self.input_quantizer.build(input_shape)
         self.output_quantizer.build(None)
@@ -145,11 +183,27 @@ class QuantizedLayer(keras.layers.Layer):
             w = w * scale
         else:
             wq = self._quantize(w)
-        source = self.input_quantizer or self.input_source  # unknown: the bias stays as it is
+        source = self.input_quantizer or self._input_source()  # unknown: the bias stays as it is
         if t is not None and t.export and source is not None:
             bias = bias_on_int32_grid(bias, w, len(w.shape) - 1, source.min_val.value, source.max_val.value,
                                       t.weight_levels)
         return self._activate(self._linear(x, wq) + bias, training)
+
+    def _input_source(self):
+        """The output quantizer of :attr:`source`, found upstream of this layer by name (a loaded model: the
+        layers are rebuilt apart, linked once the model has called them)."""
+        if self.input_source is None and self.source is not None:
+            seen, nodes = set(), list(self._inbound_nodes)
+            while nodes:
+                for parent in nodes.pop().parent_nodes:
+                    op = parent.operation
+                    if op.name == self.source and isinstance(op, QuantizedLayer):
+                        object.__setattr__(self, "input_source", op.output_quantizer)
+                        return self.input_source
+                    if id(op) not in seen:
+                        seen.add(id(op))
+                        nodes.extend(op._inbound_nodes)
+        return self.input_source
 
     def _quantize(self, w):
         t = self.tables
@@ -162,6 +216,7 @@ class QuantizedLayer(keras.layers.Layer):
         return self.output_quantizer(y, training=training)
 
 
+@keras.saving.register_keras_serializable(package="recal")
 class Folded(keras.layers.Layer):
     """Where a BatchNormalization or ReLU folded into the quantized layer before it was: passes its input on
     (in float32, as the quantized layer computes)."""
@@ -234,7 +289,15 @@ def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
 
 def quantize_model(model: keras.Model, tables: QATTables) -> tuple[keras.Model, list[QuantizedLayer], list[str]]:
     """A new model with Conv2D(-BN)(-ReLU) and Dense(-ReLU) as :class:`QuantizedLayer` s, reusing the original
-    layers' variables; and the layers with weights left float."""
+    layers' variables (a model that holds QAT layers already, loaded from a ``.keras`` file, is itself, its layers
+    switched by ``tables``); and the layers with weights left float."""
+    existing = [layer for layer in model.layers if isinstance(layer, QuantizedLayer)]
+    if existing:  # a QAT model loaded from a .keras file: the recipe's switches take it on again
+        by_name = {q.name: q for q in existing}
+        for q in existing:
+            q.set_tables(tables)
+            object.__setattr__(q, "input_source", by_name[q.source].output_quantizer if q.source in by_name else None)
+        return model, existing, [layer.name for layer in model.layers if layer.weights and layer not in existing]
     plan, floating = plan_qat(model)
     made: list[QuantizedLayer] = []
 
@@ -253,7 +316,8 @@ def quantize_model(model: keras.Model, tables: QATTables) -> tuple[keras.Model, 
     entries = {id(entry["layer"]): entry for entry in plan.values() if isinstance(entry, dict)}
     by_tail = {entries[id(q.layer)]["tail"]: q for q in made}
     for q in made:
-        source = entries[id(q.layer)]["source"]
+        source = by_tail.get(entries[id(q.layer)]["source"])
+        q.source = None if source is None else source.name
         # not a sub-layer of q (Keras would track it as one): the quantizer of the layer it reads
-        object.__setattr__(q, "input_source", by_tail[source].output_quantizer if source in by_tail else None)
+        object.__setattr__(q, "input_source", None if source is None else source.output_quantizer)
     return new, made, floating
