@@ -30,6 +30,37 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _one_onnxruntime_thread_per_worker():
+    """onnxruntime ignores OMP_NUM_THREADS: a session makes a thread per core, and they spin while they wait for
+    work, against the other worker (tests/zoo/test_cnns.py + tests/test_onnx_convert.py on 2 workers: 81.5 s,
+    61.7 s with one thread). In workers only, a session given no thread count gets one; its graph optimizations
+    (the default level unless the test sets another) are unchanged."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        yield
+        return
+    real = ort.InferenceSession
+
+    class OneThread(real):
+        def __init__(self, path_or_bytes, sess_options=None, *args, **kwargs):
+            if sess_options is None:
+                sess_options = ort.SessionOptions()
+            if sess_options.intra_op_num_threads == 0:
+                sess_options.intra_op_num_threads = 1
+            super().__init__(path_or_bytes, sess_options, *args, **kwargs)
+
+    ort.InferenceSession = OneThread
+    try:
+        yield
+    finally:
+        ort.InferenceSession = real
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _one_onnx_function_registry_per_opset():
     """torch's dynamo exporter builds its table of ONNX functions anew for every export (about 1 s; some 70 exports
     a run). The suite registers no custom op, so one table per opset serves every export in a worker. Only the
