@@ -7,7 +7,8 @@ target's weight storage, thinning); a pass whose signature takes ``findings`` re
 passes in turn until none rewrites (a QLinear op made by one pass is what the next one matches).
 
 1. constants and folds: ``constants_to_initializers``, ``remove_identities``, ``fold_constants`` (weights' Q becomes
-   int8), ``fold_weight_transposes`` (``DQ(w) -> Transpose`` becomes ``DQ(wᵀ)``), ``fold_pads_into_convs``,
+   int8), ``fold_weight_reshapes`` and ``fold_weight_transposes`` (``DQ(w) -> Reshape / Transpose`` becomes
+   ``DQ(reshaped / transposed w)``), ``fold_pads_into_convs``,
    ``gather_int4_tables``, ``gather_int8_tables``, ``fold_conv_affine`` (Div / Mul / Add / BatchNormalization after a conv into its weight
    and bias), ``zero_channel_scales``;
 2. ``thin_heads``, ``thin_channels`` (with ``thin``): the attention heads head pruning left dead; the channels (and
@@ -51,6 +52,7 @@ from .passes.sigmoid_to_qlinear import sigmoid_to_qlinear
 from .passes.thin_channels import CHANNEL_BLOCK, thin_channels
 from .passes.thin_heads import thin_heads
 from .passes.uint8_weights import uint8_weights
+from .passes.weight_reshape import fold_weight_reshapes
 from .passes.weight_transpose import fold_weight_transposes
 from .passes.zero_channel_scales import zero_channel_scales
 
@@ -80,7 +82,8 @@ class Step:
 
 
 PIPELINE: tuple[Step, ...] = (
-    Step((constants_to_initializers, remove_identities, fold_constants, fold_weight_transposes, fold_pads_into_convs,
+    Step((constants_to_initializers, remove_identities, fold_constants, fold_weight_reshapes, fold_weight_transposes,
+          fold_pads_into_convs,
           gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales)),
     Step((thin_heads,), when=lambda o: o.thin),
     Step((thin_channels,), when=lambda o: o.thin, args=lambda o: (o.channel_block,)),

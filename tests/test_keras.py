@@ -547,7 +547,7 @@ def test_qat_refusals_and_float_layers_named():
         ScheduledModifierManager.from_yaml(QAT.replace("freeze_bn_stats_epoch: 2.5", "ignore: [fc]")).modify(
             _net(), keras.optimizers.Adam(), steps_per_epoch=SPE)
     inputs = keras.Input((8, 8, 1))
-    x = keras.layers.DepthwiseConv2D(3, name="dw")(inputs)
+    x = keras.layers.DepthwiseConv2D(3, depth_multiplier=2, name="dw")(inputs)  # a multiplier: not quantized yet
     model = keras.Model(inputs, keras.layers.Dense(3, name="fc")(keras.layers.Flatten()(x)))
     with pytest.warns(RecalWarning, match="stay float.*dw"):
         ScheduledModifierManager.from_yaml(QAT).modify(model, keras.optimizers.Adam(), steps_per_epoch=SPE)
@@ -745,3 +745,50 @@ def test_a_finalized_qat_model_loads_and_exports_the_same_int8_model(tmp_path):
         session = ort.InferenceSession(str(tmp_path / f"{name}.int8.onnx"))
         outputs.append(session.run(None, {session.get_inputs()[0].name: x})[0])
     np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+def _mobilenet_block():
+    """A MobileNet's pieces: strided stem Conv-BN-ReLU6, ZeroPadding, a strided DepthwiseConv2D-BN-ReLU6, a 1x1
+    projection Conv-BN (no ReLU), global average pooling, Dense."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16, 16, 3))
+    x = keras.layers.Conv2D(8, 3, strides=2, padding="same", use_bias=False, name="stem")(inputs)
+    x = keras.layers.ReLU(6.0, name="stem_relu")(keras.layers.BatchNormalization(name="stem_bn")(x))
+    x = keras.layers.ZeroPadding2D(1, name="pad")(x)
+    x = keras.layers.DepthwiseConv2D(3, strides=2, use_bias=False, name="dw")(x)
+    x = keras.layers.ReLU(6.0, name="dw_relu")(keras.layers.BatchNormalization(name="dw_bn")(x))
+    x = keras.layers.BatchNormalization(name="project_bn")(keras.layers.Conv2D(16, 1, use_bias=False, name="project")(x))
+    x = keras.layers.GlobalAveragePooling2D(name="gap")(x)
+    return keras.Model(inputs, keras.layers.Dense(10, name="fc")(x))
+
+
+def test_depthwise_conv_relu6_and_zero_padding_run_on_the_integers(tmp_path):
+    """DepthwiseConv2D is fake-quantized per channel with its BatchNorm and ReLU6 folded in, zero padding passes
+    the quantized tensor on: every conv, the pool and the dense are integer ops in the converted model, which
+    computes the Keras QAT model's outputs (in a default session and with optimizations off)."""
+    pytest.importorskip("tf2onnx")
+    ort = pytest.importorskip("onnxruntime")
+    import onnx
+    from recal_onnx import quantize_qat_export
+
+    manager, model, callbacks = _modified(QAT, keras.optimizers.SGD(0.01, momentum=0.9), _mobilenet_block())
+    assert manager.quantized_layers == ["stem", "dw", "project", "fc"]
+    x = np.random.default_rng(0).standard_normal((SPE * 32, 16, 16, 3)).astype(np.float32)
+    y = np.random.default_rng(1).integers(0, 10, SPE * 32)
+    model.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=0, shuffle=False)
+    manager.finalize(model)
+    expected = model.predict(x, verbose=0)
+    export_onnx(model, tmp_path / "qat.onnx")
+    name = onnx.load(tmp_path / "qat.onnx").graph.input[0].name
+    result = quantize_qat_export(tmp_path / "qat.onnx", tmp_path / "int8.onnx", verify_inputs={name: x})
+    assert not result.unconverted
+    ops = [n.op_type for n in onnx.load(tmp_path / "int8.onnx").graph.node]
+    assert ops.count("QLinearConv") == 3 and "QLinearGlobalAveragePool" in ops and "QGemm" in ops
+    assert not {"Conv", "Clip", "Relu", "MatMul", "Pad", "GlobalAveragePool"} & set(ops)
+    step = float(np.diff(np.unique(expected)).min())
+    for level in (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
+        options = ort.SessionOptions()
+        options.graph_optimization_level = level
+        session = ort.InferenceSession(str(tmp_path / "int8.onnx"), options)
+        got = session.run(None, {session.get_inputs()[0].name: x})[0]
+        assert np.abs(got - expected).max() <= step + 1e-6 and (got.argmax(1) == expected.argmax(1)).mean() == 1

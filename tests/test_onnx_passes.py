@@ -28,6 +28,7 @@ from recal_onnx.passes.sigmoid_to_qlinear import sigmoid_to_qlinear
 from recal_onnx.passes.uint8_weights import uint8_weights
 from recal_onnx.passes.thin_channels import thin_channels
 from recal_onnx.passes.thin_heads import thin_heads
+from recal_onnx.passes.weight_reshape import fold_weight_reshapes
 from recal_onnx.passes.weight_transpose import fold_weight_transposes
 from recal_onnx.passes.zero_channel_scales import zero_channel_scales
 
@@ -598,6 +599,32 @@ def test_fold_weight_transposes_zero_case_an_activation_transpose_stays():
     model = b.model([("x", [2, 3, 4])], [y])
     converted, (n,) = _apply(model, fold_weight_transposes)
     assert n == 0 and "Transpose" in ops(converted)
+
+
+def _depthwise_as_tf2onnx_writes_it(new_shape=(3, 3, 1, 4)):
+    """tf2onnx's Keras DepthwiseConv2D: the [h, w, channels, 1] kernel (per channel on axis 2), reshaped to
+    ``new_shape`` and transposed to ONNX's [channels, 1, h, w], in a grouped Conv between QDQ activations."""
+    b = Builder()
+    kernel = b.node("Reshape", [b.weight((3, 3, 4, 1), axis=2), b.const(np.array(new_shape, np.int64))])
+    conv = b.node("Conv", [b.qdq("x", 0.05, 128), b.node("Transpose", [kernel], perm=[3, 2, 0, 1])], group=4,
+                  pads=[1, 1, 1, 1])
+    return b.model([("x", [2, 4, 6, 6])], [b.qdq(conv, 0.05, 128)])
+
+
+def test_fold_weight_reshapes_lets_a_keras_depthwise_conv_become_integer():
+    model = _depthwise_as_tf2onnx_writes_it()
+    feeds = _x([2, 4, 6, 6])
+    expected = reference(model, feeds)[0]
+    assert _apply(model, fold_weight_transposes, conv_to_qlinearconv)[1] == [0, 0]  # the reshape hides the weight
+    converted, counts = _apply(model, fold_weight_reshapes, fold_weight_transposes, conv_to_qlinearconv)
+    assert counts == [1, 1, 1] and ops(converted) == ["QuantizeLinear", "QLinearConv", "DequantizeLinear"]
+    np.testing.assert_allclose(run(converted, feeds)[0], expected, atol=0.05 + 1e-6)
+
+
+def test_fold_weight_reshapes_zero_case_a_reshape_that_mixes_channels_stays():
+    model = _depthwise_as_tf2onnx_writes_it(new_shape=(3, 4, 3, 1))  # channels no longer on an axis of their own
+    converted, (n,) = _apply(model, fold_weight_reshapes)
+    assert n == 0 and "Reshape" in ops(converted)
 
 
 @pytest.mark.parametrize("axis, per_channel", [(0, True), (1, True), (0, False)])

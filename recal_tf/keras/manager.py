@@ -199,11 +199,11 @@ class ScheduledModifierManager(RecipeManager):
         self._qat = QATTables.from_schedule(schedule, index, optimizer.iterations)
         quantized, made, floating = quantize_model(model, self._qat)
         if not made:
-            raise RecipeError(self.recipe.problem(index, None, f"model {model.name!r} has no Conv2D or Dense layer "
-                                                  "to quantize", expected="a model with Conv2D or Dense layers"))
+            raise RecipeError(self.recipe.problem(index, None, f"model {model.name!r} has no Conv2D, DepthwiseConv2D or Dense layer "
+                                                  "to quantize", expected="a model with Conv2D, DepthwiseConv2D or Dense layers"))
         if floating:
             warnings.warn(f"{self.recipe.describe(index)}: these layers with weights stay float (recal's Keras QAT "
-                          f"quantizes Conv2D and Dense): {', '.join(floating)}", RecalWarning, stacklevel=4)
+                          f"quantizes Conv2D, DepthwiseConv2D and Dense): {', '.join(floating)}", RecalWarning, stacklevel=4)
         self.quantized_layers = [q.layer.name for q in made]
         self._observers = [o for q in made for o in (q.input_quantizer, q.output_quantizer) if o is not None]
         return quantized

@@ -1,10 +1,11 @@
 """Quantization-aware training for Keras 3, with recal_torch's conventions (the math: :mod:`recal_tf.fake_quant`).
 
-- ``Conv2D(-BatchNormalization)(-ReLU)`` and ``Dense(-ReLU)`` become one :class:`QuantizedLayer` that
-  simulates the BatchNorm-folded weights (batch statistics while training, the moving ones once frozen), so
-  the export is already folded. The layer quantizes its output (after the ReLU: the ReLU is folded into the
-  range) and its input unless that comes from another quantized layer through max-pooling, flatten, reshape or
-  dropout.
+- ``Conv2D`` / ``DepthwiseConv2D(-BatchNormalization)(-ReLU / ReLU6)`` and ``Dense(-ReLU / ReLU6)`` become one
+  :class:`QuantizedLayer` that simulates the BatchNorm-folded weights (batch statistics while training, the
+  moving ones once frozen), so the export is already folded. Weights are per output channel (a depthwise
+  kernel's channel axis is its third). The layer quantizes its output (after the ReLU: the ReLU is folded into
+  the range) and its input unless that comes from another quantized layer through max-pooling, zero padding,
+  flatten, reshape or dropout.
 
 The original layers (and so their variables, masks and optimizer state) are reused inside the new model that
 ``keras.models.clone_model`` builds; Sequential and functional models only.
@@ -26,7 +27,9 @@ from recal_core.modifiers import WEIGHT_LEVELS
 from ..fake_quant import QATTables, bias_on_int32_grid, fake_quant_activation, fake_quant_weight, moving_range
 
 PASS_THROUGH = (keras.layers.MaxPooling2D, keras.layers.MaxPooling1D, keras.layers.Flatten, keras.layers.Reshape,
-                keras.layers.Dropout)
+                keras.layers.Dropout, keras.layers.ZeroPadding2D)
+QUANTIZABLE = (keras.layers.Conv2D, keras.layers.DepthwiseConv2D, keras.layers.Dense)
+RELU6 = 6.0  # the cap of the ReLU6 a QuantizedLayer folds (MobileNets'); ``relu=True`` is the plain ReLU
 
 
 @keras.saving.register_keras_serializable(package="recal")
@@ -91,12 +94,12 @@ def _global_moments(mean, variance):
 
 @keras.saving.register_keras_serializable(package="recal")
 class QuantizedLayer(keras.layers.Layer):
-    """A Conv2D or Dense with its BatchNormalization (convs) and ReLU folded in, fake-quantized. It computes in
-    float32 under any dtype policy (``mixed_float16`` too): the int8 model it stands for holds exact levels,
-    which float16 cannot."""
+    """A Conv2D, DepthwiseConv2D or Dense with its BatchNormalization (convs) and ReLU or ReLU6 (``relu`` True or
+    6.0) folded in, fake-quantized. It computes in float32 under any dtype policy (``mixed_float16`` too): the int8
+    model it stands for holds exact levels, which float16 cannot."""
 
-    def __init__(self, layer, bn=None, relu: bool = False, quantize_input: bool = True, source: str | None = None,
-                 **kwargs):
+    def __init__(self, layer, bn=None, relu: bool | float = False, quantize_input: bool = True,
+                 source: str | None = None, **kwargs):
         kwargs.setdefault("dtype", "float32")
         kwargs.setdefault("name", f"{layer.name}_qat")
         super().__init__(**kwargs)
@@ -146,10 +149,21 @@ class QuantizedLayer(keras.layers.Layer):
             self.input_quantizer.build(input_shape)
         self.output_quantizer.build(None)
 
+    @property
+    def _depthwise(self) -> bool:
+        return isinstance(self.layer, keras.layers.DepthwiseConv2D)
+
+    def _per_channel(self, v):
+        """A per-output-channel vector shaped to scale the kernel (a depthwise kernel is [h, w, channels, 1])."""
+        return v[:, None] if self._depthwise else v
+
     def _linear(self, x, w):
         if isinstance(self.layer, keras.layers.Dense):
             return tf.tensordot(x, w, [[x.shape.rank - 1], [0]])
         conv = self.layer
+        if self._depthwise:
+            return tf.nn.depthwise_conv2d(x, w, strides=(1, *conv.strides, 1), padding=conv.padding.upper(),
+                                          dilations=conv.dilation_rate)
         return tf.nn.convolution(x, w, strides=conv.strides, padding=conv.padding.upper(),
                                  dilations=conv.dilation_rate)
 
@@ -157,15 +171,16 @@ class QuantizedLayer(keras.layers.Layer):
         t = self.tables
         if self.input_quantizer is not None:
             x = self.input_quantizer(x, training=training)
-        w = self.layer.kernel.value
-        bias = self.layer.bias.value if self.layer.use_bias else tf.zeros([w.shape[-1]], w.dtype)
+        w = self.layer.kernel.value  # a depthwise kernel is [h, w, channels, 1]
+        axis = 2 if self._depthwise else len(w.shape) - 1  # the output channels
+        bias = self.layer.bias.value if self.layer.use_bias else tf.zeros([w.shape[axis]], w.dtype)
         if self.bn is not None:
             bn = self.bn
             gamma = bn.gamma.value if bn.scale else tf.ones_like(bn.moving_mean.value)
             beta = bn.beta.value if bn.center else tf.zeros_like(bn.moving_mean.value)
             mean, var = bn.moving_mean.value, bn.moving_variance.value
             scale = gamma / tf.sqrt(var + bn.epsilon)
-            wq = self._quantize(w * scale)
+            wq = self._quantize(w * self._per_channel(scale), axis)
             if training and t is not None and not t.export:
                 # as torch.ao's ConvBn: the weights folded with the moving std, then the output rescaled and
                 # batch-normalised with the batch statistics (gradients through them) until frozen
@@ -180,13 +195,12 @@ class QuantizedLayer(keras.layers.Layer):
                 y = gamma * (y - use_mean) / tf.sqrt(use_var + bn.epsilon) + beta
                 return self._activate(y, training)
             bias = beta + (bias - mean) * scale
-            w = w * scale
+            w = w * self._per_channel(scale)
         else:
-            wq = self._quantize(w)
+            wq = self._quantize(w, axis)
         source = self.input_quantizer or self._input_source()  # unknown: the bias stays as it is
         if t is not None and t.export and source is not None:
-            bias = bias_on_int32_grid(bias, w, len(w.shape) - 1, source.min_val.value, source.max_val.value,
-                                      t.weight_levels)
+            bias = bias_on_int32_grid(bias, w, axis, source.min_val.value, source.max_val.value, t.weight_levels)
         return self._activate(self._linear(x, wq) + bias, training)
 
     def _input_source(self):
@@ -205,14 +219,14 @@ class QuantizedLayer(keras.layers.Layer):
                         nodes.extend(op._inbound_nodes)
         return self.input_source
 
-    def _quantize(self, w):
+    def _quantize(self, w, axis: int):
         t = self.tables
-        wq = fake_quant_weight(w, len(w.shape) - 1, t.weight_levels if t is not None else WEIGHT_LEVELS)
+        wq = fake_quant_weight(w, axis, t.weight_levels if t is not None else WEIGHT_LEVELS)
         return tf.where(t.at(t.enabled), wq, w) if t is not None and not t.export else wq
 
     def _activate(self, y, training):
         if self.relu:
-            y = tf.nn.relu(y)
+            y = tf.nn.relu(y) if self.relu is True else tf.nn.relu6(y)
         return self.output_quantizer(y, training=training)
 
 
@@ -229,10 +243,21 @@ class Folded(keras.layers.Layer):
         return x
 
 
-def _is_relu(layer) -> bool:
+def _relu_of(layer) -> bool | float:
+    """True for a ReLU layer, :data:`RELU6` for a ReLU6, else False."""
     if isinstance(layer, keras.layers.ReLU):
-        return layer.max_value is None and not layer.negative_slope and not layer.threshold
-    return isinstance(layer, keras.layers.Activation) and getattr(layer.activation, "__name__", "") == "relu"
+        if layer.negative_slope or layer.threshold:
+            return False
+        return True if layer.max_value is None else RELU6 if float(layer.max_value) == RELU6 else False
+    if isinstance(layer, keras.layers.Activation):
+        return _activation_relu(layer.activation)
+    return False
+
+
+def _activation_relu(activation) -> bool | float | None:
+    """A layer's own ``activation``: False for linear, True for relu, :data:`RELU6` for relu6, None otherwise."""
+    name = getattr(activation, "__name__", "")
+    return {"linear": False, "relu": True, "relu6": RELU6}.get(name)
 
 
 def _neighbours(model: keras.Model):
@@ -256,21 +281,22 @@ def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
     producers, consumers = _neighbours(model)
     plan: dict[str, dict | str] = {}
     for layer in model.layers:
-        if type(layer) not in (keras.layers.Conv2D, keras.layers.Dense) or \
-                layer.activation not in (keras.activations.linear, keras.activations.relu):
+        if type(layer) not in QUANTIZABLE or _activation_relu(layer.activation) is None:
             continue
         if isinstance(layer, keras.layers.Conv2D) and layer.groups != 1:
             continue
-        parts = {"layer": layer, "bn": None, "relu": layer.activation is keras.activations.relu}
+        if isinstance(layer, keras.layers.DepthwiseConv2D) and layer.depth_multiplier != 1:
+            continue
+        parts = {"layer": layer, "bn": None, "relu": _activation_relu(layer.activation)}
         tail = layer
         nxt = consumers.get(tail.name, [])
-        if not parts["relu"] and isinstance(layer, keras.layers.Conv2D) and len(nxt) == 1 and \
+        if not parts["relu"] and not isinstance(layer, keras.layers.Dense) and len(nxt) == 1 and \
                 isinstance(nxt[0], keras.layers.BatchNormalization) and nxt[0].axis in (-1, [-1], [3], 3):
             parts["bn"] = tail = nxt[0]
             plan[tail.name] = "identity"
         nxt = consumers.get(tail.name, [])
-        if not parts["relu"] and len(nxt) == 1 and _is_relu(nxt[0]):
-            parts["relu"] = True
+        if not parts["relu"] and len(nxt) == 1 and _relu_of(nxt[0]):
+            parts["relu"] = _relu_of(nxt[0])
             plan[nxt[0].name] = "identity"
             tail = nxt[0]
         parts["tail"] = tail.name  # the layer whose output this QuantizedLayer's output stands for
