@@ -792,3 +792,53 @@ def test_depthwise_conv_relu6_and_zero_padding_run_on_the_integers(tmp_path):
         session = ort.InferenceSession(str(tmp_path / "int8.onnx"), options)
         got = session.run(None, {session.get_inputs()[0].name: x})[0]
         assert np.abs(got - expected).max() <= step + 1e-6 and (got.argmax(1) == expected.argmax(1)).mean() == 1
+
+
+def _residual_net():
+    """An inverted residual (expand 1x1, depthwise, linear projection, Add: MobileNetV2's) and a ResNet block
+    (two 3x3 convs, Add, ReLU) between a stem and global pooling."""
+    keras.utils.set_random_seed(0)
+    layers = keras.layers
+
+    def conv(x, filters, size, name, relu=True, depthwise=False):
+        x = (layers.DepthwiseConv2D(size, padding="same", use_bias=False, name=name) if depthwise else
+             layers.Conv2D(filters, size, padding="same", use_bias=False, name=name))(x)
+        x = layers.BatchNormalization(name=f"{name}_bn")(x)
+        return layers.ReLU(6.0 if relu == 6 else None, name=f"{name}_relu")(x) if relu else x
+
+    inputs = keras.Input((16, 16, 3))
+    x = conv(inputs, 8, 3, "stem")
+    y = conv(conv(conv(x, 16, 1, "expand", relu=6), 0, 3, "dw", relu=6, depthwise=True), 8, 1, "project", relu=False)
+    x = layers.Add(name="add1")([x, y])
+    y = conv(conv(x, 8, 3, "res_a"), 8, 3, "res_b", relu=False)
+    x = layers.ReLU(name="add2_relu")(layers.Add(name="add2")([x, y]))
+    return keras.Model(inputs, layers.Dense(10, name="fc")(layers.GlobalAveragePooling2D(name="gap")(x)))
+
+
+def test_residual_adds_run_on_the_integers_and_round_trip_a_keras_file(tmp_path):
+    """A residual Add of quantized tensors (and the ReLU after it) gets one observer on its output: the int8
+    model adds integers (QLinearAdd) and computes the Keras QAT model's outputs; the model saved and loaded
+    computes the same."""
+    pytest.importorskip("tf2onnx")
+    ort = pytest.importorskip("onnxruntime")
+    import onnx
+    from recal_onnx import quantize_qat_export
+
+    manager, model, callbacks = _modified(QAT, keras.optimizers.SGD(0.01, momentum=0.9), _residual_net())
+    assert manager.quantized_layers == ["stem", "expand", "dw", "project", "add1", "res_a", "res_b", "add2", "fc"]
+    x = np.random.default_rng(0).standard_normal((SPE * 32, 16, 16, 3)).astype(np.float32)
+    y = np.random.default_rng(1).integers(0, 10, SPE * 32)
+    model.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=0, shuffle=False)
+    manager.finalize(model)
+    expected = model.predict(x, verbose=0)
+    model.save(tmp_path / "qat.keras")
+    np.testing.assert_array_equal(keras.models.load_model(tmp_path / "qat.keras").predict(x, verbose=0), expected)
+    export_onnx(model, tmp_path / "qat.onnx")
+    result = quantize_qat_export(tmp_path / "qat.onnx", tmp_path / "int8.onnx")
+    assert not result.unconverted
+    ops = [n.op_type for n in onnx.load(tmp_path / "int8.onnx").graph.node]
+    assert ops.count("QLinearAdd") == 2 and ops.count("QLinearConv") == 6 and not {"Conv", "Relu", "Clip"} & set(ops)
+    session = ort.InferenceSession(str(tmp_path / "int8.onnx"))
+    got = session.run(None, {session.get_inputs()[0].name: x})[0]
+    step = float(np.diff(np.unique(expected)).min())
+    assert np.abs(got - expected).max() <= step + 1e-6 and (got.argmax(1) == expected.argmax(1)).mean() == 1

@@ -6,6 +6,8 @@
   kernel's channel axis is its third). The layer quantizes its output (after the ReLU: the ReLU is folded into
   the range) and its input unless that comes from another quantized layer through max-pooling, zero padding,
   flatten, reshape or dropout.
+- A residual ``Add`` of quantized tensors (and the ReLU after it) becomes a :class:`QuantizedMerge`: one observer on
+  its output, so the int8 model adds integers.
 
 The original layers (and so their variables, masks and optimizer state) are reused inside the new model that
 ``keras.models.clone_model`` builds; Sequential and functional models only.
@@ -211,7 +213,7 @@ class QuantizedLayer(keras.layers.Layer):
             while nodes:
                 for parent in nodes.pop().parent_nodes:
                     op = parent.operation
-                    if op.name == self.source and isinstance(op, QuantizedLayer):
+                    if op.name == self.source and isinstance(op, (QuantizedLayer, QuantizedMerge)):
                         object.__setattr__(self, "input_source", op.output_quantizer)
                         return self.input_source
                     if id(op) not in seen:
@@ -228,6 +230,47 @@ class QuantizedLayer(keras.layers.Layer):
         if self.relu:
             y = tf.nn.relu(y) if self.relu is True else tf.nn.relu6(y)
         return self.output_quantizer(y, training=training)
+
+
+@keras.saving.register_keras_serializable(package="recal")
+class QuantizedMerge(keras.layers.Layer):
+    """A residual ``Add`` of quantized tensors, with the ReLU after it folded in, and its output quantized: the int8
+    model adds the integers (QLinearAdd) rather than leave the sum float between two quantized layers."""
+
+    def __init__(self, layer, relu: bool | float = False, **kwargs):
+        kwargs.setdefault("dtype", "float32")
+        kwargs.setdefault("name", f"{layer.name}_qat")
+        super().__init__(**kwargs)
+        self.layer, self.relu = layer, relu
+        self.input_quantizer = None  # its inputs are quantized where they are made
+        self.output_quantizer = ActivationQuantizer(name=f"{layer.name}_output_q")
+        self.tables: QATTables | None = None
+
+    def set_tables(self, tables: QATTables) -> None:
+        self.tables = self.output_quantizer.tables = tables
+
+    def get_config(self) -> dict:
+        t = self.tables
+        return {**super().get_config(), "layer": keras.saving.serialize_keras_object(self.layer), "relu": self.relu,
+                "quantizing": t is None or t.export or bool(t.at(t.enabled).numpy()),
+                "finalized": t is not None and t.export}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "QuantizedMerge":
+        config = dict(config)
+        tables = QATTables.fixed(config.pop("quantizing"), config.pop("finalized"))
+        merge = cls(keras.saving.deserialize_keras_object(config.pop("layer")), **config)
+        merge.set_tables(tables)
+        return merge
+
+    def build(self, input_shape):
+        self.output_quantizer.build(None)
+
+    def call(self, inputs, training=None):
+        y = self.layer(inputs)
+        if self.relu:
+            y = tf.nn.relu(y) if self.relu is True else tf.nn.relu6(y)
+        return self.output_quantizer(y, training=training)  # y itself while QAT is off
 
 
 @keras.saving.register_keras_serializable(package="recal")
@@ -275,6 +318,14 @@ def _neighbours(model: keras.Model):
     return producers, consumers
 
 
+def _quantized_source(layer, producers: dict, plan: dict) -> bool:
+    """Whether ``layer``'s output is a quantized tensor: planned (a QAT layer, a merge, or what folded into one),
+    or a pass-through of one."""
+    while isinstance(layer, PASS_THROUGH) and len(producers.get(layer.name, [])) == 1:
+        layer = producers[layer.name][0]
+    return layer.name in plan
+
+
 def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
     """``{layer name: what it becomes}`` (a QuantizedLayer's parts, or "identity" for a folded BN / ReLU), and
     the layers left float."""
@@ -301,8 +352,17 @@ def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
             tail = nxt[0]
         parts["tail"] = tail.name  # the layer whose output this QuantizedLayer's output stands for
         plan[layer.name] = parts
+    for layer in model.layers:  # in order: a residual Add reads earlier Adds
+        if type(layer) is keras.layers.Add and all(_quantized_source(p, producers, plan)
+                                                   for p in producers.get(layer.name, [])):
+            parts = {"merge": layer, "relu": False, "tail": layer.name}
+            nxt = consumers.get(layer.name, [])
+            if len(nxt) == 1 and _relu_of(nxt[0]):
+                parts["relu"], parts["tail"] = _relu_of(nxt[0]), nxt[0].name
+                plan[nxt[0].name] = "identity"
+            plan[layer.name] = parts
     for name, parts in plan.items():
-        if isinstance(parts, dict):
+        if isinstance(parts, dict) and "layer" in parts:
             source = producers.get(name, [])
             while len(source) == 1 and isinstance(source[0], PASS_THROUGH):
                 source = producers.get(source[0].name, [])
@@ -313,16 +373,19 @@ def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
     return plan, floating
 
 
-def quantize_model(model: keras.Model, tables: QATTables) -> tuple[keras.Model, list[QuantizedLayer], list[str]]:
-    """A new model with Conv2D(-BN)(-ReLU) and Dense(-ReLU) as :class:`QuantizedLayer` s, reusing the original
-    layers' variables (a model that holds QAT layers already, loaded from a ``.keras`` file, is itself, its layers
-    switched by ``tables``); and the layers with weights left float."""
-    existing = [layer for layer in model.layers if isinstance(layer, QuantizedLayer)]
+def quantize_model(model: keras.Model, tables: QATTables) -> tuple[keras.Model, list, list[str]]:
+    """A new model with Conv2D / DepthwiseConv2D(-BN)(-ReLU) and Dense(-ReLU) as :class:`QuantizedLayer` s and
+    residual Adds of quantized tensors as :class:`QuantizedMerge` s, reusing the original layers' variables (a
+    model that holds QAT layers already, loaded from a ``.keras`` file, is itself, its layers switched by
+    ``tables``); and the layers with weights left float."""
+    existing = [layer for layer in model.layers if isinstance(layer, (QuantizedLayer, QuantizedMerge))]
     if existing:  # a QAT model loaded from a .keras file: the recipe's switches take it on again
         by_name = {q.name: q for q in existing}
         for q in existing:
             q.set_tables(tables)
-            object.__setattr__(q, "input_source", by_name[q.source].output_quantizer if q.source in by_name else None)
+            if isinstance(q, QuantizedLayer):
+                source = by_name.get(q.source)
+                object.__setattr__(q, "input_source", None if source is None else source.output_quantizer)
         return model, existing, [layer.name for layer in model.layers if layer.weights and layer not in existing]
     plan, floating = plan_qat(model)
     made: list[QuantizedLayer] = []
@@ -331,6 +394,11 @@ def quantize_model(model: keras.Model, tables: QATTables) -> tuple[keras.Model, 
         entry = plan.get(layer.name)
         if entry == "identity":
             return Folded(name=f"{layer.name}_folded")
+        if isinstance(entry, dict) and "merge" in entry:
+            merge = QuantizedMerge(entry["merge"], entry["relu"])
+            merge.set_tables(tables)
+            made.append(merge)
+            return merge
         if isinstance(entry, dict):
             q = QuantizedLayer(entry["layer"], entry["bn"], entry["relu"], entry["quantize_input"])
             q.set_tables(tables)
@@ -339,9 +407,11 @@ def quantize_model(model: keras.Model, tables: QATTables) -> tuple[keras.Model, 
         return layer
 
     new = keras.models.clone_model(model, clone_function=clone)
-    entries = {id(entry["layer"]): entry for entry in plan.values() if isinstance(entry, dict)}
+    entries = {id(entry.get("layer", entry.get("merge"))): entry for entry in plan.values() if isinstance(entry, dict)}
     by_tail = {entries[id(q.layer)]["tail"]: q for q in made}
     for q in made:
+        if isinstance(q, QuantizedMerge):
+            continue
         source = by_tail.get(entries[id(q.layer)]["source"])
         q.source = None if source is None else source.name
         # not a sub-layer of q (Keras would track it as one): the quantizer of the layer it reads
