@@ -795,37 +795,42 @@ def test_depthwise_conv_relu6_and_zero_padding_run_on_the_integers(tmp_path):
 
 
 def _residual_net():
-    """An inverted residual (expand 1x1, depthwise, linear projection, Add: MobileNetV2's) and a ResNet block
-    (two 3x3 convs, Add, ReLU) between a stem and global pooling."""
+    """ResNet's stem (ZeroPadding, a 7x7 strided valid Conv-BN-ReLU, ZeroPadding, MaxPool) and block (two 3x3 convs
+    and a 1x1 projection shortcut reading the same pooled tensor, Add, ReLU), then MobileNetV2's inverted residual
+    (expand 1x1, depthwise, linear projection, Add), global pooling and a softmax Dense."""
     keras.utils.set_random_seed(0)
     layers = keras.layers
 
-    def conv(x, filters, size, name, relu=True, depthwise=False):
+    def conv(x, filters, size, name, relu=True, depthwise=False, **kw):
         x = (layers.DepthwiseConv2D(size, padding="same", use_bias=False, name=name) if depthwise else
-             layers.Conv2D(filters, size, padding="same", use_bias=False, name=name))(x)
+             layers.Conv2D(filters, size, padding=kw.pop("padding", "same"), use_bias=False, name=name, **kw))(x)
         x = layers.BatchNormalization(name=f"{name}_bn")(x)
         return layers.ReLU(6.0 if relu == 6 else None, name=f"{name}_relu")(x) if relu else x
 
     inputs = keras.Input((16, 16, 3))
-    x = conv(inputs, 8, 3, "stem")
-    y = conv(conv(conv(x, 16, 1, "expand", relu=6), 0, 3, "dw", relu=6, depthwise=True), 8, 1, "project", relu=False)
-    x = layers.Add(name="add1")([x, y])
+    x = conv(layers.ZeroPadding2D(3, name="stem_pad")(inputs), 8, 7, "stem", strides=2, padding="valid")
+    x = layers.MaxPooling2D(3, strides=2, name="pool")(layers.ZeroPadding2D(1, name="pool_pad")(x))
     y = conv(conv(x, 8, 3, "res_a"), 8, 3, "res_b", relu=False)
-    x = layers.ReLU(name="add2_relu")(layers.Add(name="add2")([x, y]))
-    return keras.Model(inputs, layers.Dense(10, name="fc")(layers.GlobalAveragePooling2D(name="gap")(x)))
+    x = layers.ReLU(name="add1_relu")(layers.Add(name="add1")([conv(x, 8, 1, "shortcut", relu=False), y]))
+    y = conv(conv(conv(x, 16, 1, "expand", relu=6), 0, 3, "dw", relu=6, depthwise=True), 8, 1, "project", relu=False)
+    x = layers.Add(name="add2")([x, y])
+    x = layers.GlobalAveragePooling2D(name="gap")(x)
+    return keras.Model(inputs, layers.Dense(10, activation="softmax", name="fc")(x))
 
 
 def test_residual_adds_run_on_the_integers_and_round_trip_a_keras_file(tmp_path):
     """A residual Add of quantized tensors (and the ReLU after it) gets one observer on its output: the int8
-    model adds integers (QLinearAdd) and computes the Keras QAT model's outputs; the model saved and loaded
-    computes the same."""
+    model adds integers (QLinearAdd); the stem's paddings and pool move integers; the softmax runs in float after
+    the quantized Dense. The int8 model classifies as the Keras QAT model, and the model saved and loaded computes
+    the same."""
     pytest.importorskip("tf2onnx")
     ort = pytest.importorskip("onnxruntime")
     import onnx
     from recal_onnx import quantize_qat_export
 
     manager, model, callbacks = _modified(QAT, keras.optimizers.SGD(0.01, momentum=0.9), _residual_net())
-    assert manager.quantized_layers == ["stem", "expand", "dw", "project", "add1", "res_a", "res_b", "add2", "fc"]
+    assert sorted(manager.quantized_layers) == sorted(["stem", "res_a", "res_b", "shortcut", "add1", "expand", "dw",
+                                                       "project", "add2", "fc"])
     x = np.random.default_rng(0).standard_normal((SPE * 32, 16, 16, 3)).astype(np.float32)
     y = np.random.default_rng(1).integers(0, 10, SPE * 32)
     model.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=0, shuffle=False)
@@ -837,8 +842,9 @@ def test_residual_adds_run_on_the_integers_and_round_trip_a_keras_file(tmp_path)
     result = quantize_qat_export(tmp_path / "qat.onnx", tmp_path / "int8.onnx")
     assert not result.unconverted
     ops = [n.op_type for n in onnx.load(tmp_path / "int8.onnx").graph.node]
-    assert ops.count("QLinearAdd") == 2 and ops.count("QLinearConv") == 6 and not {"Conv", "Relu", "Clip"} & set(ops)
+    assert ops.count("QLinearAdd") == 2 and ops.count("QLinearConv") == 7 and "QGemm" in ops
+    assert not {"Conv", "Relu", "Clip", "MatMul"} & set(ops) and {"Pad", "MaxPool", "Softmax"} <= set(ops)
     session = ort.InferenceSession(str(tmp_path / "int8.onnx"))
     got = session.run(None, {session.get_inputs()[0].name: x})[0]
-    step = float(np.diff(np.unique(expected)).min())
-    assert np.abs(got - expected).max() <= step + 1e-6 and (got.argmax(1) == expected.argmax(1)).mean() == 1
+    # probabilities: a logit one output step off (onnxruntime's own rounding) moves them by about 1e-3
+    assert np.abs(got - expected).max() < 5e-3 and (got.argmax(1) == expected.argmax(1)).mean() == 1

@@ -326,6 +326,23 @@ def test_int8_passthrough_maxpool_reshape_relu():
     np.testing.assert_array_equal(run(converted, feeds)[0], expected)
 
 
+@pytest.mark.parametrize("value, moved", [(None, True), (0.0, True), (0.5, False)])
+def test_int8_passthrough_pads_zeros_with_the_zero_point(value, moved):
+    """Keras's ZeroPadding2D before a max pool (ResNet's stem): a Pad of 0.0 pads the integers with the zero point
+    (the integer of 0); any other value stays float."""
+    b = Builder()
+    pads = b.const(np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64))
+    y = b.node("Pad", [b.qdq("x", 0.03, 128), pads, *([] if value is None else [b.const(np.float32(value))])])
+    model = b.model([("x", [2, 3, 4, 4])], [b.node("MaxPool", [y], kernel_shape=[3, 3], strides=[2, 2])])
+    feeds = _x([2, 3, 4, 4])
+    expected = reference(model, feeds)[0]
+    converted, (n,) = _apply(model, int8_passthrough)
+    assert n == (2 if moved else 0)
+    if moved:
+        assert ops(converted) == ["QuantizeLinear", "Pad", "MaxPool", "DequantizeLinear"]
+    np.testing.assert_array_equal(run(converted, feeds)[0], expected)
+
+
 def test_int8_passthrough_splits_and_slices_on_the_integers():
     """A channel split (ShuffleNet's chunk) and a slice move integers: each Split output gets its own DQ."""
     b = Builder()

@@ -4,7 +4,8 @@ Before::  q -> DequantizeLinear(s, zp) -> MaxPool -> y
 After::   q -> MaxPool -> q' -> DequantizeLinear(s, zp) -> y
 
 For MaxPool, Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Identity, Slice, Split (each of its outputs
-dequantized on its own: a channel split or shuffle moves integers). A ``Relu`` or constant-bound ``Clip``
+dequantized on its own: a channel split or shuffle moves integers), and a constant-mode Pad of zeros (Keras's
+ZeroPadding2D before a pool): it pads with the zero point, the integer of 0. A ``Relu`` or constant-bound ``Clip``
 (:func:`~recal_onnx.quantized_ops.integer_bounds`) becomes nothing where its bounds lie beyond the integers'
 range (a ReLU on a lowest zero point, a ReLU6 after an op whose range already stops at 6), ``Max`` / ``Min``
 where they lie on the grid; a bound between grid points would round differently, and the op stays float.
@@ -15,12 +16,24 @@ QuantizeLinear follows becomes QLinear*Pool (:mod:`.pool_to_qlinear`), one that 
 
 from __future__ import annotations
 
-from ..graph import Graph
+import numpy as np
+
+from ..graph import Graph, attr, input_of
 from ..qdq import activation
 from ..quantized_ops import clamp_integers, integer_bounds
 
 PASSTHROUGH = {"MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Slice"}
 SPLITS = {"Split"}  # several outputs, each dequantized on its own
+
+
+def _pads_zeros(g: Graph, node) -> bool:
+    """A Pad that pads with 0.0 (constant mode, constant pads, no axes input)."""
+    if attr(node, "mode", "constant") not in ("constant", b"constant") or len(node.inputs) > 3:
+        return False
+    if len(node.inputs) < 2 or node.inputs[1] is None or not g.is_const(node.inputs[1]):
+        return False
+    value = input_of(node, 2)
+    return value is None or g.is_const(value) and float(np.asarray(g.const(value)).reshape(-1)[0]) == 0.0
 
 
 def int8_passthrough(g: Graph, clamps: bool = True) -> int:
@@ -52,6 +65,10 @@ def int8_passthrough(g: Graph, clamps: bool = True) -> int:
             if node.op_type in PASSTHROUGH:
                 q_out = g.add_node(node.op_type, [x.q, *node.inputs[1:]], name=node.name + "_int8",
                                    **node.attributes).outputs[0]
+            elif node.op_type == "Pad" and _pads_zeros(g, node):
+                pad_value = [] if x.zero_point is None else [x.zero_point]  # no zero point: 0 is the integer of 0
+                q_out = g.add_node("Pad", [x.q, node.inputs[1], *pad_value], name=node.name + "_int8",
+                                   mode="constant").outputs[0]
             elif clamps and node.op_type in ("Relu", "Clip") and \
                     (clamp := integer_bounds(g, node, x.scale, x.zero_point, on_grid=True)) is not None:
                 q_out = clamp_integers(g, node, x.q, clamp, g.const(x.zero_point).dtype)

@@ -229,7 +229,9 @@ class QuantizedLayer(keras.layers.Layer):
     def _activate(self, y, training):
         if self.relu:
             y = tf.nn.relu(y) if self.relu is True else tf.nn.relu6(y)
-        return self.output_quantizer(y, training=training)
+        y = self.output_quantizer(y, training=training)
+        after = self.layer.activation  # one that does not fold (softmax, swish...) runs after, in float
+        return y if _activation_relu(after) is not None else after(y)
 
 
 @keras.saving.register_keras_serializable(package="recal")
@@ -323,7 +325,13 @@ def _quantized_source(layer, producers: dict, plan: dict) -> bool:
     or a pass-through of one."""
     while isinstance(layer, PASS_THROUGH) and len(producers.get(layer.name, [])) == 1:
         layer = producers[layer.name][0]
-    return layer.name in plan
+    return _quantized_output(layer.name, plan)
+
+
+def _quantized_output(name: str, plan: dict) -> bool:
+    """Whether the planned layer ``name`` outputs its quantized tensor (not when its own activation runs after)."""
+    entry = plan.get(name)
+    return entry == "identity" or isinstance(entry, dict) and not entry.get("float_output")
 
 
 def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
@@ -332,13 +340,17 @@ def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
     producers, consumers = _neighbours(model)
     plan: dict[str, dict | str] = {}
     for layer in model.layers:
-        if type(layer) not in QUANTIZABLE or _activation_relu(layer.activation) is None:
+        if type(layer) not in QUANTIZABLE:
             continue
         if isinstance(layer, keras.layers.Conv2D) and layer.groups != 1:
             continue
         if isinstance(layer, keras.layers.DepthwiseConv2D) and layer.depth_multiplier != 1:
             continue
-        parts = {"layer": layer, "bn": None, "relu": _activation_relu(layer.activation)}
+        own = _activation_relu(layer.activation)
+        parts = {"layer": layer, "bn": None, "relu": own or False}
+        if own is None:  # softmax, swish...: the output is quantized before it, and it runs in float
+            plan[layer.name] = {**parts, "tail": layer.name, "float_output": True}
+            continue
         tail = layer
         nxt = consumers.get(tail.name, [])
         if not parts["relu"] and not isinstance(layer, keras.layers.Dense) and len(nxt) == 1 and \
@@ -367,7 +379,7 @@ def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
             while len(source) == 1 and isinstance(source[0], PASS_THROUGH):
                 source = producers.get(source[0].name, [])
             # quantized already when it comes from a QAT layer (or the BN / ReLU folded into one)
-            parts["quantize_input"] = not (len(source) == 1 and source[0].name in plan)
+            parts["quantize_input"] = not (len(source) == 1 and _quantized_output(source[0].name, plan))
             parts["source"] = None if parts["quantize_input"] else source[0].name
     floating = [layer.name for layer in model.layers if layer.name not in plan and layer.weights]
     return plan, floating
