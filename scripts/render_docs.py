@@ -180,9 +180,28 @@ def thinning_transformers() -> str:
             "docs/results/thinning_transformers.json`; MB = 10^6 bytes.")
 
 
+def keras_applications() -> str:
+    """keras.applications under recal's Keras QAT (scripts/bench_keras_applications.py)."""
+    data = _load("keras_applications.json")
+    lines = ["| model | QAT layers | integer ops | float ops between integer ones | max diff (output steps) | "
+             "argmax agreement |", "|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['model']} | failed: {r['error']} | | | | |")
+            continue
+        floats = ", ".join(f"{op} x{n}" for op, n in r["float_ops"].items()) or "none"
+        steps = r["max_diff"] / r["output_step"] if r["output_step"] else float("nan")
+        lines.append(f"| {r['model']} ({r['size']}x{r['size']}) | {r['quantized']} | {r['integer_ops']} | {floats} | "
+                     f"{r['max_diff']:.3g} ({steps:.2f}) | {r['agreement']:.4f} |")
+    return ("\n".join(lines) + f"\n\nweights=None, a logits head, pruned 60% and QAT-trained for 8 steps with `fit`; "
+            f"int8 model against the Keras QAT model on 256 synthetic inputs in a default session; Keras "
+            f"{data['keras']}, onnxruntime {data['onnxruntime']} "
+            "(`python scripts/bench_keras_applications.py --json docs/results/keras_applications.json`)")
+
+
 TABLES = {"demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range, "zoo": zoo,
           "transformers": transformers, "llm": llm,
-          "thinning-transformers": thinning_transformers}
+          "thinning-transformers": thinning_transformers, "keras-applications": keras_applications}
 
 
 def render(text: str) -> str:

@@ -67,6 +67,18 @@ class ActivationQuantizer(keras.layers.Layer):
         return tf.where(enabled, fake_quant_activation(x, self.min_val.value, self.max_val.value), x)
 
 
+def _state(t: QATTables | None) -> dict:
+    """What a QAT layer saved to a ``.keras`` file does now: quantize or not yet (the recipe's switch at the
+    current step), or compute the export's form once finalized; and its weights' levels."""
+    return {"weight_levels": WEIGHT_LEVELS if t is None else int(t.weight_levels),
+            "quantizing": t is None or t.export or bool(t.at(t.enabled).numpy()), "finalized": t is not None and t.export}
+
+
+def _fixed_tables(config: dict) -> QATTables:
+    """The tables a loaded QAT layer keeps until a manager takes it on (its :func:`_state` keys popped)."""
+    return QATTables.fixed(config.pop("quantizing"), config.pop("finalized"), config.pop("weight_levels"))
+
+
 def _replicas():
     """The replica context when more than one replica runs this step (a tf.distribute strategy), else None."""
     context = tf.distribute.get_replica_context()
@@ -115,14 +127,11 @@ class QuantizedLayer(keras.layers.Layer):
     def get_config(self) -> dict:
         """The inner layer and BatchNorm, how the layer quantizes, and what it does now: quantize or not yet
         (the recipe's switch at the current step), or compute the export's form once finalized."""
-        t = self.tables
         serialize = keras.saving.serialize_keras_object
         return {**super().get_config(), "layer": serialize(self.layer),
                 "bn": None if self.bn is None else serialize(self.bn), "relu": self.relu,
                 "quantize_input": self.input_quantizer is not None, "source": self.source,
-                "weight_levels": WEIGHT_LEVELS if t is None else int(t.weight_levels),
-                "quantizing": t is None or t.export or bool(t.at(t.enabled).numpy()),
-                "finalized": t is not None and t.export}
+                **_state(self.tables)}
 
     @classmethod
     def from_config(cls, config: dict) -> "QuantizedLayer":
@@ -131,7 +140,7 @@ class QuantizedLayer(keras.layers.Layer):
         layer = deserialize(config.pop("layer"))  # built from its own build config, under its own name
         bn = config.pop("bn")
         bn = None if bn is None else deserialize(bn)
-        tables = QATTables.fixed(config.pop("quantizing"), config.pop("finalized"), config.pop("weight_levels"))
+        tables = _fixed_tables(config)
         q = cls(layer, bn, **config)
         q.set_tables(tables)
         return q
@@ -252,15 +261,13 @@ class QuantizedMerge(keras.layers.Layer):
         self.tables = self.output_quantizer.tables = tables
 
     def get_config(self) -> dict:
-        t = self.tables
         return {**super().get_config(), "layer": keras.saving.serialize_keras_object(self.layer), "relu": self.relu,
-                "quantizing": t is None or t.export or bool(t.at(t.enabled).numpy()),
-                "finalized": t is not None and t.export}
+                **_state(self.tables)}
 
     @classmethod
     def from_config(cls, config: dict) -> "QuantizedMerge":
         config = dict(config)
-        tables = QATTables.fixed(config.pop("quantizing"), config.pop("finalized"))
+        tables = _fixed_tables(config)
         merge = cls(keras.saving.deserialize_keras_object(config.pop("layer")), **config)
         merge.set_tables(tables)
         return merge
