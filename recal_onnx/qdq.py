@@ -57,6 +57,21 @@ def weight(g: Graph, value: Value | None) -> QWeight | None:
     return QWeight(q, g.const(node.inputs[1]), zp, axis if axis >= 0 else axis + q.ndim, node)
 
 
+def replace_moved_weight(g: Graph, node: Node, w: QWeight, moved: np.ndarray, axis: int | None, suffix: str) -> None:
+    """``node``, which moves the dequantized weight ``w`` (a Transpose, a Reshape), replaced by a DequantizeLinear of
+    ``moved`` (``w``'s integers moved the same way; per channel on ``axis`` unless None); ``w``'s own
+    DequantizeLinear goes at once when nothing else reads it (large models)."""
+    dq = w.dq
+    q = g.add_const(dq.inputs[0].name + suffix, np.ascontiguousarray(moved))
+    g.add_node("DequantizeLinear", [q, *dq.inputs[1:3]], name=(node.name or node.op_type.lower()) + "_weight",
+               replaces=node.outputs[0], **({} if axis is None else {"axis": axis}))
+    g.remove(node)
+    if not g.uses(dq.outputs[0]):
+        q_old = dq.inputs[0]
+        g.remove(dq)
+        g.drop_if_unused(q_old)
+
+
 def quantize_node_of(g: Graph, value: Value) -> Node | None:
     """The QuantizeLinear that is the only reader of ``value`` (activation scale and zp constant), else None."""
     node = g.only_consumer(value)

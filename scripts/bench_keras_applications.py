@@ -34,14 +34,9 @@ import onnxruntime as ort  # noqa: E402
 
 from recal_onnx import quantize_qat_export  # noqa: E402
 from recal_tf.keras import RecalWarning, ScheduledModifierManager, export_onnx  # noqa: E402
+from tests.zoo.test_keras_applications import BATCH, RECIPE, STEPS  # noqa: E402 - the zoo test's recipe and steps
 
-RECIPE = """
-- !EpochRangeModifier {start_epoch: 0.0, end_epoch: 2.0}
-- !GradualKSModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.3, final_sparsity: 0.6, start_epoch: 0.0,
-                      end_epoch: 1.0, update_frequency: 0.5}
-- !QuantizationModifier {start_epoch: 1.0, freeze_bn_stats_epoch: 1.5}
-"""
-CLASSES, STEPS, BATCH = 10, 4, 16
+CLASSES = 10
 HEAD = {"weights": None, "classes": CLASSES, "classifier_activation": None}  # logits: compared on their int8 grid
 APPLICATIONS = {
     "mobilenet_v2": lambda s: keras.applications.MobileNetV2((s, s, 3), alpha=0.35, **HEAD),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..graph import Graph
-from ..qdq import weight
+from ..qdq import replace_moved_weight, weight
 
 
 def _new_axis(old_shape: tuple[int, ...], axis: int, new_shape: tuple[int, ...]) -> int | None:
@@ -49,15 +49,6 @@ def fold_weight_reshapes(g: Graph) -> int:
         axis = _new_axis(w.q.shape, w.axis, reshaped.shape) if per_axis else None
         if per_axis and axis is None:
             continue
-        dq = w.dq
-        q = g.add_const(dq.inputs[0].name + "_r", np.ascontiguousarray(reshaped))
-        attrs = {"axis": axis} if per_axis else {}
-        g.add_node("DequantizeLinear", [q, *dq.inputs[1:3]], name=(node.name or "reshape") + "_weight",
-                   replaces=node.outputs[0], **attrs)
-        g.remove(node)
-        if not g.uses(dq.outputs[0]):  # the old copy goes now, not at the end (large models)
-            q_old = dq.inputs[0]
-            g.remove(dq)
-            g.drop_if_unused(q_old)
+        replace_moved_weight(g, node, w, reshaped, axis, "_r")
         count += 1
     return count

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..graph import Graph, attr
-from ..qdq import weight
+from ..qdq import replace_moved_weight, weight
 
 
 def fold_weight_transposes(g: Graph) -> int:
@@ -28,16 +28,6 @@ def fold_weight_transposes(g: Graph) -> int:
         per_axis = w.scale.size != 1
         if per_axis and w.scale.ndim != 1:
             continue  # blocked quantization: not a layout this pass moves
-        dq = w.dq
-        q = g.add_const(dq.inputs[0].name + "_t", np.ascontiguousarray(np.transpose(w.q, perm)))
-        inputs = [q, *dq.inputs[1:3]]
-        attrs = {"axis": perm.index(w.axis)} if per_axis else {}
-        g.add_node("DequantizeLinear", inputs, name=(node.name or "transpose") + "_weight", replaces=node.outputs[0],
-                   **attrs)
-        g.remove(node)
-        if not g.uses(dq.outputs[0]):  # the untransposed copy goes now, not at the end (large models)
-            q_old = dq.inputs[0]
-            g.remove(dq)
-            g.drop_if_unused(q_old)
+        replace_moved_weight(g, node, w, np.transpose(w.q, perm), perm.index(w.axis) if per_axis else None, "_t")
         count += 1
     return count
