@@ -681,12 +681,11 @@ def test_mixed_float16_prunes_exactly_and_trains_qat(mixed_float16, wrapped):
     assert np.isfinite(model.predict(_data(64)[0], verbose=0)).all()
 
 
-@pytest.mark.parametrize("stop_epoch, quantizing", [(1, False), (3, True)])
-def test_a_qat_model_round_trips_a_keras_file_and_resumes_from_it(tmp_path, stop_epoch, quantizing):
-    """``model.save(".keras")`` of a QAT model (ModelCheckpoint each epoch): the file loads with
-    ``keras.models.load_model`` and computes what the saved model computed, before QAT started (epoch 1: float)
-    or during it (epoch 3); a new manager takes the loaded model on and the run ends as the uninterrupted one
-    (BatchNorm frozen at 3.5 in both)."""
+def test_a_qat_model_round_trips_a_keras_file_and_resumes_from_it(tmp_path):
+    """``model.save(".keras")`` of a QAT model (ModelCheckpoint each epoch): each file loads with
+    ``keras.models.load_model`` and computes what the model computed when it was saved, before QAT started
+    (epoch 1: float) and during it (epoch 3); a new manager takes a loaded model on and the run ends as the
+    uninterrupted one, from either file (BatchNorm frozen at 3.5 in both)."""
     x, y = _data()
     recipe = QAT.replace("end_epoch: 3.0}", "end_epoch: 4.0}").replace("start_epoch: 1.0, freeze_bn_stats_epoch: 2.5",
                                                                        "start_epoch: 2.0, freeze_bn_stats_epoch: 3.5")
@@ -701,50 +700,36 @@ def test_a_qat_model_round_trips_a_keras_file_and_resumes_from_it(tmp_path, stop
             qat.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return manager, qat, callbacks
 
+    class Outputs(keras.callbacks.Callback):  # what the model computes when each file is written
+        def __init__(self):
+            super().__init__()
+            self.at = {}
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.at[epoch + 1] = self.model.predict(x, verbose=0)
+
     _, whole, callbacks = modified()
     whole.fit(x, y, batch_size=32, epochs=4, callbacks=callbacks, verbose=0, shuffle=False)
     _, first, callbacks = modified()
+    outputs = Outputs()
     saver = keras.callbacks.ModelCheckpoint(str(tmp_path / "epoch-{epoch}.keras"))
-    first.fit(x, y, batch_size=32, epochs=stop_epoch, callbacks=callbacks + [saver], verbose=0, shuffle=False)
-    path = tmp_path / f"epoch-{stop_epoch}.keras"
-    assert path.stat().st_size > 0
-    with zipfile.ZipFile(path) as saved:
-        layers = json.loads(saved.read("config.json"))["config"]["layers"]
-    assert [c["config"]["quantizing"] for c in layers if c["class_name"] == "QuantizedLayer"] == [quantizing] * 3
-    loaded = keras.models.load_model(path)
-    assert [type(layer).__name__ for layer in loaded.layers] == [type(layer).__name__ for layer in first.layers]
-    np.testing.assert_array_equal(loaded.predict(x, verbose=0), first.predict(x, verbose=0))
-    manager, resumed, callbacks = modified(loaded)
-    assert resumed is loaded and manager.quantized_layers == ["c1", "c2", "fc"]
-    resumed.fit(x, y, batch_size=32, epochs=4, initial_epoch=stop_epoch, callbacks=callbacks, verbose=0,
-                shuffle=False)
-    for a, b in zip(whole.weights, resumed.weights):
-        assert a.path == b.path
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6, err_msg=a.path)
-        assert int((a.numpy() == 0).sum()) == int((b.numpy() == 0).sum()), a.path
-
-
-def test_a_finalized_qat_model_loads_and_exports_the_same_int8_model(tmp_path):
-    """Finalized (the export's form: biases on their int32 grid), saved and loaded: the same outputs, and the
-    loaded model's ONNX export converts to the same int8 model's outputs."""
-    pytest.importorskip("tf2onnx")
-    ort = pytest.importorskip("onnxruntime")
-    from recal_onnx import quantize_qat_export
-
-    manager, model, callbacks = _modified(QAT, keras.optimizers.SGD(0.01, momentum=0.9))
-    x, y = _data()
-    model.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=0, shuffle=False)
-    manager.finalize(model)
-    model.save(tmp_path / "final.keras")
-    loaded = keras.models.load_model(tmp_path / "final.keras")
-    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
-    outputs = []
-    for name, m in (("a", model), ("b", loaded)):
-        export_onnx(m, tmp_path / f"{name}.onnx")
-        quantize_qat_export(tmp_path / f"{name}.onnx", tmp_path / f"{name}.int8.onnx")
-        session = ort.InferenceSession(str(tmp_path / f"{name}.int8.onnx"))
-        outputs.append(session.run(None, {session.get_inputs()[0].name: x})[0])
-    np.testing.assert_array_equal(outputs[0], outputs[1])
+    first.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks + [saver, outputs], verbose=0, shuffle=False)
+    for stop_epoch, quantizing in ((1, False), (3, True)):
+        path = tmp_path / f"epoch-{stop_epoch}.keras"
+        with zipfile.ZipFile(path) as saved:
+            layers = json.loads(saved.read("config.json"))["config"]["layers"]
+        assert [c["config"]["quantizing"] for c in layers if c["class_name"] == "QuantizedLayer"] == [quantizing] * 3
+        loaded = keras.models.load_model(path)
+        assert [type(layer).__name__ for layer in loaded.layers] == [type(layer).__name__ for layer in first.layers]
+        np.testing.assert_array_equal(loaded.predict(x, verbose=0), outputs.at[stop_epoch])
+        manager, resumed, callbacks = modified(loaded)
+        assert resumed is loaded and manager.quantized_layers == ["c1", "c2", "fc"]
+        resumed.fit(x, y, batch_size=32, epochs=4, initial_epoch=stop_epoch, callbacks=callbacks, verbose=0,
+                    shuffle=False)
+        for a, b in zip(whole.weights, resumed.weights):
+            assert a.path == b.path
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{stop_epoch}: {a.path}")
+            assert int((a.numpy() == 0).sum()) == int((b.numpy() == 0).sum()), (stop_epoch, a.path)
 
 
 def _mobilenet_block():
@@ -821,8 +806,8 @@ def _residual_net():
 def test_residual_adds_run_on_the_integers_and_round_trip_a_keras_file(tmp_path):
     """A residual Add of quantized tensors (and the ReLU after it) gets one observer on its output: the int8
     model adds integers (QLinearAdd); the stem's paddings and pool move integers; the softmax runs in float after
-    the quantized Dense. The int8 model classifies as the Keras QAT model, and the model saved and loaded computes
-    the same."""
+    the quantized Dense. The int8 model classifies as the Keras QAT model; the finalized model saved and loaded
+    computes the same and exports the same int8 model."""
     pytest.importorskip("tf2onnx")
     ort = pytest.importorskip("onnxruntime")
     import onnx
@@ -837,10 +822,15 @@ def test_residual_adds_run_on_the_integers_and_round_trip_a_keras_file(tmp_path)
     manager.finalize(model)
     expected = model.predict(x, verbose=0)
     model.save(tmp_path / "qat.keras")
-    np.testing.assert_array_equal(keras.models.load_model(tmp_path / "qat.keras").predict(x, verbose=0), expected)
+    loaded = keras.models.load_model(tmp_path / "qat.keras")  # finalized: the export's form, biases on their grid
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), expected)
     export_onnx(model, tmp_path / "qat.onnx")
     result = quantize_qat_export(tmp_path / "qat.onnx", tmp_path / "int8.onnx")
     assert not result.unconverted
+    export_onnx(loaded, tmp_path / "loaded.onnx")  # the loaded model exports the same int8 model
+    quantize_qat_export(tmp_path / "loaded.onnx", tmp_path / "loaded.int8.onnx")
+    runs = [ort.InferenceSession(str(tmp_path / f)) for f in ("int8.onnx", "loaded.int8.onnx")]
+    np.testing.assert_array_equal(*(r.run(None, {r.get_inputs()[0].name: x})[0] for r in runs))
     ops = [n.op_type for n in onnx.load(tmp_path / "int8.onnx").graph.node]
     assert ops.count("QLinearAdd") == 2 and ops.count("QLinearConv") == 7 and "QGemm" in ops
     assert not {"Conv", "Relu", "Clip", "MatMul"} & set(ops) and {"Pad", "MaxPool", "Softmax"} <= set(ops)
