@@ -236,8 +236,7 @@ class QuantizedLayer(keras.layers.Layer):
         return tf.where(t.at(t.enabled), wq, w) if t is not None and not t.export else wq
 
     def _activate(self, y, training):
-        if self.relu:
-            y = tf.nn.relu(y) if self.relu is True else tf.nn.relu6(y)
+        y = _folded_relu(y, self.relu)
         y = self.output_quantizer(y, training=training)
         after = self.layer.activation  # one that does not fold (softmax, swish...) runs after, in float
         return y if _activation_relu(after) is not None else after(y)
@@ -277,8 +276,7 @@ class QuantizedMerge(keras.layers.Layer):
 
     def call(self, inputs, training=None):
         y = self.layer(inputs)
-        if self.relu:
-            y = tf.nn.relu(y) if self.relu is True else tf.nn.relu6(y)
+        y = _folded_relu(y, self.relu)
         return self.output_quantizer(y, training=training)  # y itself while QAT is off
 
 
@@ -293,6 +291,11 @@ class Folded(keras.layers.Layer):
 
     def call(self, x, training=None, mask=None):
         return x
+
+
+def _folded_relu(y, relu: bool | float):
+    """``y`` through the ReLU a QAT layer folds: none (False), ReLU (True) or ReLU6 (:data:`RELU6`)."""
+    return y if not relu else tf.nn.relu(y) if relu is True else tf.nn.relu6(y)
 
 
 def _relu_of(layer) -> bool | float:
