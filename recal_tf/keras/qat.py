@@ -66,6 +66,9 @@ class ActivationQuantizer(keras.layers.Layer):
             self.observed.assign(tf.where(observe, 1.0, self.observed.value))
         return tf.where(enabled, fake_quant_activation(x, self.min_val.value, self.max_val.value), x)
 
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
 
 def _state(t: QATTables | None) -> dict:
     """What a QAT layer saved to a ``.keras`` file does now: quantize or not yet (the recipe's switch at the
@@ -159,6 +162,10 @@ class QuantizedLayer(keras.layers.Layer):
         if self.input_quantizer is not None:
             self.input_quantizer.build(input_shape)
         self.output_quantizer.build(None)
+
+    def compute_output_shape(self, input_shape):
+        """The inner layer's: Keras would otherwise trace :meth:`call` to find it (3 s a MobileNetV2 clone)."""
+        return self.layer.compute_output_shape(input_shape)
 
     @property
     def _depthwise(self) -> bool:
@@ -274,6 +281,9 @@ class QuantizedMerge(keras.layers.Layer):
     def build(self, input_shape):
         self.output_quantizer.build(None)
 
+    def compute_output_shape(self, input_shape):
+        return self.layer.compute_output_shape(input_shape)
+
     def call(self, inputs, training=None):
         y = self.layer(inputs)
         y = _folded_relu(y, self.relu)
@@ -291,6 +301,9 @@ class Folded(keras.layers.Layer):
 
     def call(self, x, training=None, mask=None):
         return x
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
 
 
 def _folded_relu(y, relu: bool | float):
