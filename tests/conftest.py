@@ -8,6 +8,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # more threads sets them itself.
     for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
         os.environ.setdefault(_name, "1")
+    # A test that sets 2 threads (tests/zoo/test_cnns.py trains on 2) leaves its OpenMP threads spinning between
+    # parallel regions, on the core the other worker needs: idle threads sleep instead (tests/zoo/test_cnns.py on
+    # 2 workers: 84.3 s spinning, 51.7 s passive).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from pathlib import Path
 
 import pytest
@@ -31,33 +35,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def _one_onnxruntime_thread_per_worker():
-    """onnxruntime ignores OMP_NUM_THREADS: a session makes a thread per core, and they spin while they wait for
-    work, against the other worker (tests/zoo/test_cnns.py + tests/test_onnx_convert.py on 2 workers: 81.5 s,
-    61.7 s with one thread). In workers only, a session given no thread count gets one; its graph optimizations
-    (the default level unless the test sets another) are unchanged."""
+    """In workers only, an onnxruntime session given no thread count gets one (tests/one_thread_sessions.py)."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         yield
         return
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        yield
-        return
-    real = ort.InferenceSession
+    from .one_thread_sessions import install
 
-    class OneThread(real):
-        def __init__(self, path_or_bytes, sess_options=None, *args, **kwargs):
-            if sess_options is None:
-                sess_options = ort.SessionOptions()
-            if sess_options.intra_op_num_threads == 0:
-                sess_options.intra_op_num_threads = 1
-            super().__init__(path_or_bytes, sess_options, *args, **kwargs)
-
-    ort.InferenceSession = OneThread
+    restore = install()
     try:
         yield
     finally:
-        ort.InferenceSession = real
+        restore()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -27,6 +27,7 @@ from recal_torch import ScheduledModifierManager, export_onnx
 
 from .cli_in_process import run_recal
 from .conftest import ROOT
+from .forked import run_program
 from .onnx_graphs import with_float_biases
 from .torch_models import SmallCNN, batches, qat_small_cnn, train_steps
 
@@ -194,9 +195,7 @@ def test_tf_resume_after_a_sigkill_between_checkpoint_and_history_is_exact(tmp_p
     the resumed run repeats epoch 3 and ends with the uninterrupted run's weights."""
     recipe = ROOT / "scripts" / "recipes" / "prune.yaml"
     a = train(load_recipe(recipe), "tf", tmp_path / "a", epochs=3, progress=False)
-    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_THE_THIRD_SAVE, str(recipe), str(tmp_path / "b")],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    killed = run_program(str(recipe), str(tmp_path / "b"), code=KILLED_AFTER_THE_THIRD_SAVE, cwd=ROOT)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     b = train(load_recipe(recipe), "tf", tmp_path / "b", epochs=3, resume=True, progress=False)
     assert [h.loss for h in a.history] == [h.loss for h in b.history]
@@ -242,8 +241,7 @@ def test_a_killed_conversions_temporary_folder_goes_with_the_next_conversion_and
               "def die(*args): os.kill(os.getpid(), signal.SIGKILL)\n"
               "a.os.replace = die\n"
               "quantize_qat_export(sys.argv[1], sys.argv[2])")
-    killed = subprocess.run([sys.executable, "-c", killer, str(src), str(out / "int8.onnx")], capture_output=True,
-                            text=True, timeout=300)
+    killed = run_program(str(src), str(out / "int8.onnx"), code=killer, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     (orphan,) = out.iterdir()  # the killed conversion's folder, its model inside, nothing published
     assert orphan.name.startswith(".recal-") and list(orphan.iterdir())
@@ -511,7 +509,7 @@ def test_converter_input_it_cannot_take_is_one_line(tmp_path, opset, domain, wor
 def test_a_missing_optional_package_is_one_line(tmp_path):
     code = ("import sys; sys.modules['matplotlib'] = None; from recal_app.cli import main; "
             f"sys.exit(main(['check', {str(DENSE)!r}, '--plot', {str(tmp_path / 'p.png')!r}]))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    result = run_program(code=code, cwd=ROOT)
     assert "needs the Python package 'matplotlib'" in _one_line(result)
 
 

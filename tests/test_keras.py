@@ -1,8 +1,6 @@
 """Keras 3: the recipe applied inside Keras's own train step (recal_tf.keras)."""
 
 import json
-import subprocess
-import sys
 import textwrap
 import zipfile
 
@@ -18,6 +16,7 @@ from recal_tf.keras import RecalWarning, ScheduledModifierManager, export_onnx  
 from recal_tf.keras.params import describe_model  # noqa: E402
 
 from .conftest import ROOT  # noqa: E402
+from .forked import run_program  # noqa: E402
 
 SPE = 5
 PRUNE = """
@@ -278,7 +277,7 @@ def test_mirrored_strategy_two_replicas_exact():
         assert rows == list(range(1, 4 * {SPE} + 1)), rows
         print("replicas exact")
     """)
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = run_program(code=code, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "replicas exact" in out.stdout
 
@@ -506,7 +505,7 @@ def test_qat_under_mirrored_strategy_keeps_replicas_in_sync(tmp_path):
         assert not result.unconverted
         print("replicas in sync")
     """)
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = run_program(code=code, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "replicas in sync" in out.stdout
 

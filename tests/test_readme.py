@@ -1,15 +1,14 @@
 """The README's and the manual's examples run as written (Python blocks, and the `recal` command lines)."""
 
-import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from .conftest import ROOT
+from .forked import run_program
 
 README = (ROOT / "README.md").read_text()
 # docs/index.md is the README itself, generated (scripts/render_docs.py): its blocks run once, here
@@ -41,9 +40,9 @@ def test_the_examples_are_found():
 
 @pytest.mark.parametrize("code", [code for _, code in PYTHON_BLOCKS], ids=[name for name, _ in PYTHON_BLOCKS])
 def test_python_example_runs(code, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-c", code], cwd=_workdir(tmp_path), env=env, capture_output=True,
-                            text=True, timeout=600)
+    """Each block as ``python -c`` runs it, in a process of its own (forked with the libraries imported:
+    tests/forked.py)."""
+    result = run_program(code=code, cwd=_workdir(tmp_path), env={"PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -52,7 +51,6 @@ def test_recal_command_runs(line, tmp_path):
     argv = shlex.split(line)
     if argv[1] == "train":  # keep the README's commands, but short: the slow tests train in full
         argv += ["--epochs", "2", "--no-progress"]
-    exe = Path(sys.executable).parent / "recal"
-    result = subprocess.run([str(exe), *argv[1:]], cwd=_workdir(tmp_path), capture_output=True, text=True,
-                            timeout=600)
+    exe = Path(sys.executable).parent / "recal"  # the installed entry point's script, run as a program
+    result = run_program(str(exe), *argv[1:], cwd=_workdir(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,7 +1,5 @@
 """TensorFlow backend: the seed's API on tf.compat.v1 graphs."""
 
-import subprocess
-import sys
 import warnings
 
 import numpy as np
@@ -17,6 +15,7 @@ from recal_tf.models import mnist_net  # noqa: E402
 from recal_tf.utils import batch_cross_entropy_loss, tf_compat  # noqa: E402
 
 from .conftest import ROOT  # noqa: E402
+from .forked import run_program  # noqa: E402
 
 SPE = 3
 KERNELS = ["mnist_net/blocks/conv0/conv/weight", "mnist_net/blocks/conv1/conv/weight", "mnist_net/dense/fc/weight"]
@@ -349,8 +348,8 @@ def test_seed_example_runs_as_written(tmp_path):
     scaled = scaled.replace("end_epoch: 20.0", "end_epoch: 8.0")
     assert scaled.count("epoch: 10.0") + scaled.count("epoch: 2.0") + scaled.count("epoch: 8.0") == 3
     (tmp_path / "seed_scaled.yaml").write_text(scaled)
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "examples" / "seed_tf.py"),
-                          str(tmp_path / "seed_scaled.yaml")], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = run_program(str(ROOT / "scripts" / "examples" / "seed_tf.py"), str(tmp_path / "seed_scaled.yaml"), cwd=ROOT,
+                      timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = dict(line.rsplit(" ", 1) for line in out.stdout.splitlines() if line.startswith(("test", "sparsity")))
     print(out.stdout)

@@ -120,15 +120,11 @@ def test_tensorflow_refuses_a_scheme_it_cannot_run():
 def test_the_int4_decoder_example_runs(tmp_path):
     """scripts/examples/int4_decoder.py, as a user copies it, on a few steps: both files written, every Linear of
     the Llama (seven a layer, and the head) a MatMulNBits."""
-    import subprocess
-    import sys
-
     from .conftest import ROOT
+    from .forked import run_program
 
     out = tmp_path / "lm.onnx"
-    result = subprocess.run([sys.executable, str(ROOT / "scripts/examples/int4_decoder.py"), "--steps", "3",
-                             "--output", str(out)], capture_output=True, text=True, timeout=600,
-                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    result = run_program(str(ROOT / "scripts/examples/int4_decoder.py"), "--steps", "3", "--output", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "15 MatMulNBits" in result.stdout and out.exists() and out.with_suffix(".qat.onnx").exists()
     assert "test perplexity" in result.stdout

@@ -14,6 +14,7 @@ from recal_app.training import train
 
 from .cli_in_process import run_recal
 from .conftest import ROOT
+from .forked import run_program
 
 PRUNE_QAT = """
 - !EpochRangeModifier {start_epoch: 0, end_epoch: 4}
@@ -174,9 +175,8 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
 
 @pytest.mark.slow
 def test_make_demo_script(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--output", str(tmp_path / "demo"),
-                             "--no-progress", "--speed-size", "64", "--rounds", "3"], capture_output=True, text=True,
-                            cwd=ROOT, timeout=900)
+    result = run_program(str(ROOT / "scripts" / "demo.py"), "--output", str(tmp_path / "demo"), "--no-progress",
+                         "--speed-size", "64", "--rounds", "3", cwd=ROOT, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     table = [line for line in result.stdout.splitlines() if line.startswith(("torch ", "tf "))]
     # 85% unstructured can leave a channel no one reads: then a thinned PyTorch model is listed too
@@ -222,8 +222,9 @@ def test_a_second_demo_replaces_its_own_earlier_run_only(tmp_path):
 
 def test_progress_in_a_log_is_one_line_per_epoch(tmp_path):
     """Not a terminal (a pipe, as in CI logs): no live bars, one line per epoch on stdout."""
-    result = _cli_process("train", "--framework", "torch", "--recipe", str(ROOT / "scripts/recipes/dense.yaml"),
-                  "--output", str(tmp_path / "run"), "--epochs", "2")
+    result = run_program("-m", "recal_app.cli", "train", "--framework", "torch", "--recipe",
+                         str(ROOT / "scripts/recipes/dense.yaml"), "--output", str(tmp_path / "run"), "--epochs", "2",
+                         cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
     epochs = [line for line in result.stdout.splitlines() if line.startswith("torch epoch")]
     assert [line.split(":")[0] for line in epochs] == ["torch epoch 1/2", "torch epoch 2/2"]
