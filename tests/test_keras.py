@@ -777,6 +777,62 @@ def test_depthwise_conv_relu6_and_zero_padding_run_on_the_integers(tmp_path):
         assert np.abs(got - expected).max() <= step + 1e-6 and (got.argmax(1) == expected.argmax(1)).mean() == 1
 
 
+def _efficientnet_block():
+    """EfficientNet's MBConv pieces: a strided stem Conv-BN-swish (an Activation layer), a DepthwiseConv2D-BN-swish,
+    squeeze-excitation (global pooling, Reshape, a 1x1 Conv with its own swish, a 1x1 Conv with its own sigmoid,
+    Multiply), a linear 1x1 projection, Dropout and the residual Add; global pooling and a Dense."""
+    keras.utils.set_random_seed(0)
+    layers = keras.layers
+    inputs = keras.Input((16, 16, 3))
+    x = layers.Conv2D(16, 3, strides=2, padding="same", use_bias=False, name="stem")(inputs)
+    x = layers.Activation("swish", name="stem_act")(layers.BatchNormalization(name="stem_bn")(x))
+    y = layers.DepthwiseConv2D(3, padding="same", use_bias=False, name="dw")(x)
+    y = layers.Activation("swish", name="dw_act")(layers.BatchNormalization(name="dw_bn")(y))
+    se = layers.Reshape((1, 1, 16), name="se_reshape")(layers.GlobalAveragePooling2D(name="se_squeeze")(y))
+    se = layers.Conv2D(4, 1, activation="swish", name="se_reduce")(se)
+    se = layers.Conv2D(16, 1, activation="sigmoid", name="se_expand")(se)
+    y = layers.Multiply(name="se_excite")([y, se])
+    y = layers.BatchNormalization(name="project_bn")(layers.Conv2D(16, 1, use_bias=False, name="project")(y))
+    x = layers.Add(name="add")([layers.Dropout(0.2, name="drop")(y), x])
+    x = layers.GlobalAveragePooling2D(name="gap")(x)
+    return keras.Model(inputs, layers.Dense(10, name="fc")(x))
+
+
+def test_swish_sigmoid_and_squeeze_excitation_run_on_the_integers(tmp_path):
+    """Swish (after a BatchNorm, or a conv's own) and sigmoid run on quantized tensors, each with an observer on
+    its output (swish's sigmoid apart), and squeeze-excitation's Multiply of quantized tensors gets one: the int8
+    model computes them with QLinearSigmoid and QLinearMul, and stays within an output step of the Keras QAT model
+    (in a default session and with optimizations off)."""
+    pytest.importorskip("tf2onnx")
+    ort = pytest.importorskip("onnxruntime")
+    import onnx
+    from recal_onnx import quantize_qat_export
+
+    from .onnx_graphs import run
+
+    manager, model, callbacks = _modified(QAT, keras.optimizers.SGD(0.01, momentum=0.9), _efficientnet_block())
+    assert sorted(manager.quantized_layers) == sorted(["stem", "dw", "se_reduce", "se_expand", "se_excite",
+                                                       "project", "add", "fc"])
+    x = np.random.default_rng(0).standard_normal((SPE * 32, 16, 16, 3)).astype(np.float32)
+    y = np.random.default_rng(1).integers(0, 10, SPE * 32)
+    model.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=0, shuffle=False)
+    manager.finalize(model)
+    expected = model.predict(x, verbose=0)
+    export_onnx(model, tmp_path / "qat.onnx")
+    name = onnx.load(tmp_path / "qat.onnx").graph.input[0].name
+    result = quantize_qat_export(tmp_path / "qat.onnx", tmp_path / "int8.onnx", verify_inputs={name: x})
+    assert not result.unconverted, result.unconverted
+    ops = [n.op_type for n in result.model.graph.node]
+    # the swish of stem, dw and se_reduce: a sigmoid and a product each; se_expand's sigmoid; the excitation's product
+    assert ops.count("QLinearConv") == 5 and ops.count("QLinearSigmoid") == 4 and ops.count("QLinearMul") == 4
+    assert ops.count("QLinearAdd") == 1 and ops.count("QLinearGlobalAveragePool") == 2 and "QGemm" in ops
+    assert not {"Conv", "Sigmoid", "Mul", "MatMul", "GlobalAveragePool", "ReduceMean"} & set(ops), ops
+    step = float(np.diff(np.unique(expected)).min())
+    for level in (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
+        got = run(result.model, {name: x}, level=level, as_written=True)[0]
+        assert np.abs(got - expected).max() <= step + 1e-6 and (got.argmax(1) == expected.argmax(1)).mean() == 1
+
+
 def _residual_net():
     """ResNet's stem (ZeroPadding, a 7x7 strided valid Conv-BN-ReLU, ZeroPadding, MaxPool) and block (two 3x3 convs
     and a 1x1 projection shortcut reading the same pooled tensor, Add, ReLU), then MobileNetV2's inverted residual

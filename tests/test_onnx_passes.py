@@ -295,19 +295,22 @@ def test_qdq_pools_are_written_as_onnxruntime_fuses_them(pool, rewritten, tmp_pa
     np.testing.assert_array_equal(run(converted, feeds)[0], expected)
 
 
-@pytest.mark.parametrize("shape_op", ["Squeeze", "Flatten"])
+@pytest.mark.parametrize("shape_op", ["Squeeze", "Flatten", "Squeeze Reshape"])
 def test_pool_to_qlinear_through_a_shape_op_rounds_once(shape_op):
-    """GlobalAveragePool -> Squeeze -> Q (tf2onnx's Keras/TF pooling): one rounding, to the Q's grid, as the QDQ
-    model computes; int8_passthrough leaves it to pool_to_qlinear instead of rounding at the input's scale first."""
+    """GlobalAveragePool -> Squeeze -> Q (tf2onnx's Keras/TF pooling; squeeze-excitation reshapes back to 4-D
+    after it): one rounding, to the Q's grid, as the QDQ model computes; int8_passthrough leaves it to
+    pool_to_qlinear instead of rounding at the input's scale first."""
     b = Builder()
     y = b.node("GlobalAveragePool", [b.qdq("x", 0.05, 0)])
-    y = b.node("Squeeze", [y, b.const(np.array([2, 3], np.int64))]) if shape_op == "Squeeze" else b.node("Flatten", [y])
+    y = b.node("Squeeze", [y, b.const(np.array([2, 3], np.int64))]) if shape_op != "Flatten" else b.node("Flatten", [y])
+    if shape_op.endswith("Reshape"):
+        y = b.node("Reshape", [y, b.const(np.array([64, 1, 1, 8], np.int64))])
     model = b.model([("x", [64, 8, 4, 4])], [b.qdq(y, 0.004, 0)])  # a grid 12.5x finer than the input's
     feeds = {"x": np.random.default_rng(3).uniform(0, 2, (64, 8, 4, 4)).astype(np.float32)}
     expected = reference(model, feeds)[0]
     converted, (passed, n) = _apply(model, int8_passthrough, pool_to_qlinear)
     assert (passed, n) == (0, 1) and ops(converted) == [
-        "QuantizeLinear", "QLinearGlobalAveragePool", shape_op, "DequantizeLinear"]
+        "QuantizeLinear", "QLinearGlobalAveragePool", *shape_op.split(), "DequantizeLinear"]
     steps = np.abs(run(converted, feeds)[0] - expected) / 0.004
     assert steps.max() <= 1 + 1e-3 and np.median(steps) == 0  # rounded at the input's 0.05: up to 6 steps off
 

@@ -24,16 +24,16 @@ def fusible_qdq_pools(g: Graph) -> int:
         after = quantize_after(g, node.outputs[0]) if kind is not None else None
         if after is None or activation(g, node.inputs[0]) is None:
             continue
-        shape, q = after
+        chain, q = after
         if node.op_type == "ReduceMean":
             mean, node = node, g.add_node("GlobalAveragePool", [node.inputs[0]], name=node.name + "_pool",
                                           replaces=node.outputs[0])
             g.remove(mean)
-        elif shape is None:
+        elif not chain:
             continue  # already fusible
-        if shape is not None:
+        if chain:
             quantized = g.add_node("QuantizeLinear", [node.outputs[0], *q.inputs[1:]], name=node.name + "_q")
             dequantized = g.add_node("DequantizeLinear", [quantized.outputs[0], *q.inputs[1:]], name=node.name + "_dq")
-            shape.replace_input_with(0, dequantized.outputs[0])  # (the pool's only reader: quantize_after says so)
+            chain[0].replace_input_with(0, dequantized.outputs[0])  # (the pool's only reader: quantize_after says so)
         count += 1
     return count

@@ -1,11 +1,12 @@
 """Average pooling on quantized tensors: QLinearGlobalAveragePool / QLinearAveragePool (com.microsoft).
 
-Before::  q -> DequantizeLinear(s, zp) -> GlobalAveragePool [-> Squeeze] -> QuantizeLinear(s2, zp2) -> q2
-After::   q -> QLinearGlobalAveragePool(s, zp, s2, zp2) [-> Squeeze] -> q2
+Before::  q -> DequantizeLinear(s, zp) -> GlobalAveragePool [-> Squeeze [-> Reshape]] -> QuantizeLinear(s2, zp2) -> q2
+After::   q -> QLinearGlobalAveragePool(s, zp, s2, zp2) [-> Squeeze [-> Reshape]] -> q2
 
-One shape-only op (Squeeze, Flatten, Reshape, Unsqueeze) may sit between the pool and its QuantizeLinear, as
-tf2onnx writes Keras's and TensorFlow's global pooling: the pool then rounds once, to the QuantizeLinear's grid,
-and the shape op runs on the integers.
+Shape-only ops (Squeeze, Flatten, Reshape, Unsqueeze; a chain, each read only by the next) may sit between the pool
+and its QuantizeLinear, as tf2onnx writes Keras's and TensorFlow's global pooling (and squeeze-excitation's
+Reshape back to 4-D after it): the pool then rounds once, to the QuantizeLinear's grid, and the shape ops run on the
+integers.
 
 A ReduceMean over the spatial axes of an NCHW tensor (keepdims=1), as the dynamo exporter writes
 ``adaptive_avg_pool2d(x, 1)``, is a global average pool.
@@ -18,6 +19,7 @@ from ..qdq import QTensor, activation, quantize_node_of
 
 AVERAGE_POOL_ATTRS = ("auto_pad", "ceil_mode", "count_include_pad", "kernel_shape", "pads", "strides")
 SHAPE_ONLY = ("Squeeze", "Flatten", "Reshape", "Unsqueeze")
+MAX_SHAPE_OPS = 4  # between a pool and its QuantizeLinear
 
 
 def average_pool_kind(g: Graph, node: Node) -> str | None:
@@ -46,16 +48,20 @@ def make_qlinear_pool(g: Graph, node: Node, x: QTensor, y_scale: Value, y_zero_p
                       **attrs)
 
 
-def quantize_after(g: Graph, value: Value) -> tuple[Node | None, Node] | None:
-    """``(shape op or None, QuantizeLinear)`` when ``value`` is quantized, directly or through one shape-only op."""
-    q = quantize_node_of(g, value)
-    if q is not None:
-        return None, q
-    shape = g.only_consumer(value)
-    if shape is None or shape.op_type not in SHAPE_ONLY or shape.inputs[0] is not value:
-        return None
-    q = quantize_node_of(g, shape.outputs[0])
-    return (shape, q) if q is not None else None
+def quantize_after(g: Graph, value: Value) -> tuple[list[Node], Node] | None:
+    """``(shape ops, QuantizeLinear)`` when ``value`` is quantized, directly (no shape ops) or through a chain of
+    shape-only ops, each the only reader of the one before."""
+    chain: list[Node] = []
+    while len(chain) <= MAX_SHAPE_OPS:
+        q = quantize_node_of(g, value)
+        if q is not None:
+            return chain, q
+        shape = g.only_consumer(value)
+        if shape is None or shape.op_type not in SHAPE_ONLY or shape.inputs[0] is not value:
+            return None
+        chain.append(shape)
+        value = shape.outputs[0]
+    return None
 
 
 def pool_to_qlinear(g: Graph) -> int:
@@ -67,14 +73,14 @@ def pool_to_qlinear(g: Graph) -> int:
         after = quantize_after(g, node.outputs[0])
         if x is None or after is None:
             continue
-        shape, q = after
-        if shape is None:
+        chain, q = after
+        if not chain:
             make_qlinear_pool(g, node, x, q.inputs[1], q.inputs[2], replaces=q.outputs[0])
-            g.remove(node, q)
         else:
-            pooled = make_qlinear_pool(g, node, x, q.inputs[1], q.inputs[2]).outputs[0]
-            g.add_node(shape.op_type, [pooled, *shape.inputs[1:]], name=shape.name + "_int8",
-                       replaces=q.outputs[0], **shape.attributes)
-            g.remove(node, shape, q)
+            out = make_qlinear_pool(g, node, x, q.inputs[1], q.inputs[2]).outputs[0]
+            for i, shape in enumerate(chain):
+                out = g.add_node(shape.op_type, [out, *shape.inputs[1:]], name=shape.name + "_int8",
+                                 replaces=q.outputs[0] if i == len(chain) - 1 else None, **shape.attributes).outputs[0]
+        g.remove(node, *chain, q)
         count += 1
     return count

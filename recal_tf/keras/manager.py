@@ -204,7 +204,7 @@ class ScheduledModifierManager(RecipeManager):
             warnings.warn(f"{self.recipe.describe(index)}: these layers with weights stay float (recal's Keras QAT "
                           f"quantizes Conv2D, DepthwiseConv2D and Dense): {', '.join(floating)}", RecalWarning, stacklevel=4)
         self.quantized_layers = [q.layer.name for q in made]
-        self._observers = [o for q in made for o in (q.input_quantizer, q.output_quantizer) if o is not None]
+        self._observers = [o for q in made for o in q.quantizers]
         return quantized
 
     def _check_strategy(self, model: keras.Model) -> None:

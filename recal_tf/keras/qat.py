@@ -6,10 +6,13 @@
   kernel's channel axis is its third). The layer quantizes its output (after the ReLU: the ReLU is folded into
   the range) and its input unless that comes from another quantized layer through max-pooling, zero padding,
   flatten, reshape or dropout.
-- A residual ``Add`` of quantized tensors (and the ReLU after it) becomes a :class:`QuantizedMerge`: one observer on
-  its output, so the int8 model adds integers.
+- A sigmoid or swish after the layer (its own ``activation``, or an ``Activation`` layer after its BatchNorm) runs on
+  the integers too: the layer's output is quantized before it, and the sigmoid's output (and swish's product)
+  after, so the int8 model holds QLinearSigmoid (and QLinearMul) there (EfficientNet's blocks and squeeze-excitation).
+- A residual ``Add``, or a ``Multiply`` (squeeze-excitation's scaling), of quantized tensors (and the ReLU after an
+  Add) becomes a :class:`QuantizedMerge`: one observer on its output, so the int8 model adds or multiplies integers.
 
-The original layers (and so their variables, masks and optimizer state) are reused inside the new model that
+What each layer becomes is planned in :mod:`recal_tf.keras.qat_plan`. The original layers (and so their variables, masks and optimizer state) are reused inside the new model that
 ``keras.models.clone_model`` builds; Sequential and functional models only.
 
 The layers are registered Keras serializables: ``model.save("x.keras")`` (and so ``ModelCheckpoint``) writes a QAT
@@ -21,17 +24,13 @@ recipe resumes from a checkpoint.
 from __future__ import annotations
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from recal_core.modifiers import WEIGHT_LEVELS
 
 from ..fake_quant import QATTables, bias_on_int32_grid, fake_quant_activation, fake_quant_weight, moving_range
+from .qat_plan import activation_relu, plan_qat
 
-PASS_THROUGH = (keras.layers.MaxPooling2D, keras.layers.MaxPooling1D, keras.layers.Flatten, keras.layers.Reshape,
-                keras.layers.Dropout, keras.layers.ZeroPadding2D)
-QUANTIZABLE = (keras.layers.Conv2D, keras.layers.DepthwiseConv2D, keras.layers.Dense)
-RELU6 = 6.0  # the cap of the ReLU6 a QuantizedLayer folds (MobileNets'); ``relu=True`` is the plain ReLU
 
 
 @keras.saving.register_keras_serializable(package="recal")
@@ -112,16 +111,23 @@ def _global_moments(mean, variance):
 @keras.saving.register_keras_serializable(package="recal")
 class QuantizedLayer(keras.layers.Layer):
     """A Conv2D, DepthwiseConv2D or Dense with its BatchNormalization (convs) and ReLU or ReLU6 (``relu`` True or
-    6.0) folded in, fake-quantized. It computes in float32 under any dtype policy (``mixed_float16`` too): the int8
-    model it stands for holds exact levels, which float16 cannot."""
+    6.0) folded in, fake-quantized; or followed by a sigmoid or swish (``activation``) computed on quantized tensors.
+    It computes in float32 under any dtype policy (``mixed_float16`` too): the int8 model it stands for holds exact
+    levels, which float16 cannot."""
 
     def __init__(self, layer, bn=None, relu: bool | float = False, quantize_input: bool = True,
-                 source: str | None = None, **kwargs):
+                 source: str | None = None, activation: str | None = None, **kwargs):
         kwargs.setdefault("dtype", "float32")
         kwargs.setdefault("name", f"{layer.name}_qat")
         super().__init__(**kwargs)
-        self.layer, self.bn, self.relu = layer, bn, relu
+        if activation not in (None, "sigmoid", "swish"):
+            raise ValueError(f"{layer.name}: activation must be None, 'sigmoid' or 'swish', not {activation!r}")
+        self.layer, self.bn, self.relu, self.activation = layer, bn, relu, activation
         self.input_quantizer = ActivationQuantizer(name=f"{layer.name}_input_q") if quantize_input else None
+        # with an activation: the layer's own output (the activation's input), its sigmoid (swish: the sigmoid
+        # apart, then the product); output_quantizer is always the tensor the next layer reads
+        self.linear_quantizer = ActivationQuantizer(name=f"{layer.name}_linear_q") if activation else None
+        self.sigmoid_quantizer = ActivationQuantizer(name=f"{layer.name}_sigmoid_q") if activation == "swish" else None
         self.output_quantizer = ActivationQuantizer(name=f"{layer.name}_output_q")
         self.tables: QATTables | None = None
         self.source = source  # the QuantizedLayer whose quantized output this one reads, when not its own input's
@@ -134,7 +140,7 @@ class QuantizedLayer(keras.layers.Layer):
         return {**super().get_config(), "layer": serialize(self.layer),
                 "bn": None if self.bn is None else serialize(self.bn), "relu": self.relu,
                 "quantize_input": self.input_quantizer is not None, "source": self.source,
-                **_state(self.tables)}
+                "activation": self.activation, **_state(self.tables)}
 
     @classmethod
     def from_config(cls, config: dict) -> "QuantizedLayer":
@@ -148,11 +154,16 @@ class QuantizedLayer(keras.layers.Layer):
         q.set_tables(tables)
         return q
 
+    @property
+    def quantizers(self) -> list[ActivationQuantizer]:
+        """Every observer of the layer, in the order its tensors are computed."""
+        return [q for q in (self.input_quantizer, self.linear_quantizer, self.sigmoid_quantizer,
+                            self.output_quantizer) if q is not None]
+
     def set_tables(self, tables: QATTables) -> None:
         self.tables = tables
-        for q in (self.input_quantizer, self.output_quantizer):
-            if q is not None:
-                q.tables = tables
+        for q in self.quantizers:
+            q.tables = tables
 
     def build(self, input_shape):
         if not self.layer.built:
@@ -161,7 +172,8 @@ class QuantizedLayer(keras.layers.Layer):
             self.bn.build(self.layer.compute_output_shape(input_shape))
         if self.input_quantizer is not None:
             self.input_quantizer.build(input_shape)
-        self.output_quantizer.build(None)
+        for q in self.quantizers[1 if self.input_quantizer is not None else 0:]:
+            q.build(None)
 
     def compute_output_shape(self, input_shape):
         """The inner layer's: Keras would otherwise trace :meth:`call` to find it (3 s a MobileNetV2 clone)."""
@@ -244,15 +256,22 @@ class QuantizedLayer(keras.layers.Layer):
 
     def _activate(self, y, training):
         y = _folded_relu(y, self.relu)
+        if self.activation is not None:  # on the quantized output: QLinearSigmoid (and QLinearMul) in the int8 model
+            y = self.linear_quantizer(y, training=training)
+            s = tf.sigmoid(y)
+            if self.activation == "sigmoid":
+                return self.output_quantizer(s, training=training)
+            return self.output_quantizer(y * self.sigmoid_quantizer(s, training=training), training=training)
         y = self.output_quantizer(y, training=training)
-        after = self.layer.activation  # one that does not fold (softmax, swish...) runs after, in float
-        return y if _activation_relu(after) is not None else after(y)
+        after = self.layer.activation  # one that does not fold (softmax, hard-swish...) runs after, in float
+        return y if activation_relu(after) is not None else after(y)
 
 
 @keras.saving.register_keras_serializable(package="recal")
 class QuantizedMerge(keras.layers.Layer):
-    """A residual ``Add`` of quantized tensors, with the ReLU after it folded in, and its output quantized: the int8
-    model adds the integers (QLinearAdd) rather than leave the sum float between two quantized layers."""
+    """A residual ``Add`` (with the ReLU after it folded in) or a ``Multiply`` of quantized tensors, its output
+    quantized: the int8 model adds or multiplies the integers (QLinearAdd, QLinearMul) rather than leave the result
+    float between two quantized layers."""
 
     def __init__(self, layer, relu: bool | float = False, **kwargs):
         kwargs.setdefault("dtype", "float32")
@@ -262,6 +281,11 @@ class QuantizedMerge(keras.layers.Layer):
         self.input_quantizer = None  # its inputs are quantized where they are made
         self.output_quantizer = ActivationQuantizer(name=f"{layer.name}_output_q")
         self.tables: QATTables | None = None
+
+    @property
+    def quantizers(self) -> list[ActivationQuantizer]:
+        """Its one observer, on the output."""
+        return [self.output_quantizer]
 
     def set_tables(self, tables: QATTables) -> None:
         self.tables = self.output_quantizer.tables = tables
@@ -307,105 +331,8 @@ class Folded(keras.layers.Layer):
 
 
 def _folded_relu(y, relu: bool | float):
-    """``y`` through the ReLU a QAT layer folds: none (False), ReLU (True) or ReLU6 (:data:`RELU6`)."""
+    """``y`` through the ReLU a QAT layer folds: none (False), ReLU (True) or ReLU6 (6.0)."""
     return y if not relu else tf.nn.relu(y) if relu is True else tf.nn.relu6(y)
-
-
-def _relu_of(layer) -> bool | float:
-    """True for a ReLU layer, :data:`RELU6` for a ReLU6, else False."""
-    if isinstance(layer, keras.layers.ReLU):
-        if layer.negative_slope or layer.threshold:
-            return False
-        return True if layer.max_value is None else RELU6 if float(layer.max_value) == RELU6 else False
-    if isinstance(layer, keras.layers.Activation):
-        return _activation_relu(layer.activation)
-    return False
-
-
-def _activation_relu(activation) -> bool | float | None:
-    """A layer's own ``activation``: False for linear, True for relu, :data:`RELU6` for relu6, None otherwise."""
-    name = getattr(activation, "__name__", "")
-    return {"linear": False, "relu": True, "relu6": RELU6}.get(name)
-
-
-def _neighbours(model: keras.Model):
-    """Each layer's producer and consumer layers in ``model`` (Sequential or functional)."""
-    producers, consumers = {}, {}
-    for layer in model.layers:
-        parents = []
-        for node in layer._inbound_nodes:
-            for parent in node.parent_nodes:
-                if parent.operation in model.layers:
-                    parents.append(parent.operation)
-        producers[layer.name] = parents
-        for p in parents:
-            consumers.setdefault(p.name, []).append(layer)
-    return producers, consumers
-
-
-def _quantized_source(layer, producers: dict, plan: dict) -> bool:
-    """Whether ``layer``'s output is a quantized tensor: planned (a QAT layer, a merge, or what folded into one),
-    or a pass-through of one."""
-    while isinstance(layer, PASS_THROUGH) and len(producers.get(layer.name, [])) == 1:
-        layer = producers[layer.name][0]
-    return _quantized_output(layer.name, plan)
-
-
-def _quantized_output(name: str, plan: dict) -> bool:
-    """Whether the planned layer ``name`` outputs its quantized tensor (not when its own activation runs after)."""
-    entry = plan.get(name)
-    return entry == "identity" or isinstance(entry, dict) and not entry.get("float_output")
-
-
-def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
-    """``{layer name: what it becomes}`` (a QuantizedLayer's parts, or "identity" for a folded BN / ReLU), and
-    the layers left float."""
-    producers, consumers = _neighbours(model)
-    plan: dict[str, dict | str] = {}
-    for layer in model.layers:
-        if type(layer) not in QUANTIZABLE:
-            continue
-        if isinstance(layer, keras.layers.Conv2D) and layer.groups != 1:
-            continue
-        if isinstance(layer, keras.layers.DepthwiseConv2D) and layer.depth_multiplier != 1:
-            continue
-        own = _activation_relu(layer.activation)
-        parts = {"layer": layer, "bn": None, "relu": own or False}
-        if own is None:  # softmax, swish...: the output is quantized before it, and it runs in float
-            plan[layer.name] = {**parts, "tail": layer.name, "float_output": True}
-            continue
-        tail = layer
-        nxt = consumers.get(tail.name, [])
-        if not parts["relu"] and not isinstance(layer, keras.layers.Dense) and len(nxt) == 1 and \
-                isinstance(nxt[0], keras.layers.BatchNormalization) and nxt[0].axis in (-1, [-1], [3], 3):
-            parts["bn"] = tail = nxt[0]
-            plan[tail.name] = "identity"
-        nxt = consumers.get(tail.name, [])
-        if not parts["relu"] and len(nxt) == 1 and _relu_of(nxt[0]):
-            parts["relu"] = _relu_of(nxt[0])
-            plan[nxt[0].name] = "identity"
-            tail = nxt[0]
-        parts["tail"] = tail.name  # the layer whose output this QuantizedLayer's output stands for
-        plan[layer.name] = parts
-    for layer in model.layers:  # in order: a residual Add reads earlier Adds
-        if type(layer) is keras.layers.Add and all(_quantized_source(p, producers, plan)
-                                                   for p in producers.get(layer.name, [])):
-            parts = {"merge": layer, "relu": False, "tail": layer.name}
-            nxt = consumers.get(layer.name, [])
-            if len(nxt) == 1 and _relu_of(nxt[0]):
-                parts["relu"], parts["tail"] = _relu_of(nxt[0]), nxt[0].name
-                plan[nxt[0].name] = "identity"
-            plan[layer.name] = parts
-    for name, parts in plan.items():
-        if isinstance(parts, dict) and "layer" in parts:
-            source = producers.get(name, [])
-            while len(source) == 1 and isinstance(source[0], PASS_THROUGH):
-                source = producers.get(source[0].name, [])
-            # quantized already when it comes from a QAT layer (or the BN / ReLU folded into one)
-            parts["quantize_input"] = not (len(source) == 1 and _quantized_output(source[0].name, plan))
-            parts["source"] = None if parts["quantize_input"] else source[0].name
-    floating = [layer.name for layer in model.layers if layer.name not in plan and layer.weights]
-    return plan, floating
 
 
 def quantize_model(model: keras.Model, tables: QATTables) -> tuple[keras.Model, list, list[str]]:
@@ -435,7 +362,8 @@ def quantize_model(model: keras.Model, tables: QATTables) -> tuple[keras.Model, 
             made.append(merge)
             return merge
         if isinstance(entry, dict):
-            q = QuantizedLayer(entry["layer"], entry["bn"], entry["relu"], entry["quantize_input"])
+            q = QuantizedLayer(entry["layer"], entry["bn"], entry["relu"], entry["quantize_input"],
+                               activation=entry["activation"])
             q.set_tables(tables)
             made.append(q)
             return q

@@ -1,0 +1,134 @@
+"""What each layer of a Keras model becomes under QAT (:func:`plan_qat`): the quantized layers with what folds into
+them, the merges of quantized tensors, and the layers left float. Read by :func:`recal_tf.keras.qat.quantize_model`,
+which builds the QAT model from the plan."""
+
+from __future__ import annotations
+
+import keras
+
+PASS_THROUGH = (keras.layers.MaxPooling2D, keras.layers.MaxPooling1D, keras.layers.Flatten, keras.layers.Reshape,
+                keras.layers.Dropout, keras.layers.ZeroPadding2D)
+QUANTIZABLE = (keras.layers.Conv2D, keras.layers.DepthwiseConv2D, keras.layers.Dense)
+RELU6 = 6.0  # the cap of the ReLU6 a QuantizedLayer folds (MobileNets'); ``relu=True`` is the plain ReLU
+# activations the int8 model computes on integers (QLinearSigmoid; swish = x * sigmoid(x) with QLinearMul), by the
+# name of Keras's function (``Activation("swish")`` is ``silu``)
+INTEGER_ACTIVATIONS = {"sigmoid": "sigmoid", "silu": "swish", "swish": "swish"}
+MERGES = (keras.layers.Add, keras.layers.Multiply)
+
+
+def _relu_of(layer) -> bool | float:
+    """True for a ReLU layer, :data:`RELU6` for a ReLU6, else False."""
+    if isinstance(layer, keras.layers.ReLU):
+        if layer.negative_slope or layer.threshold:
+            return False
+        return True if layer.max_value is None else RELU6 if float(layer.max_value) == RELU6 else False
+    if isinstance(layer, keras.layers.Activation):
+        return activation_relu(layer.activation)
+    return False
+
+
+def _integer_activation(layer) -> str | None:
+    """"sigmoid" or "swish" for an ``Activation`` layer the int8 model computes on integers, else None."""
+    if isinstance(layer, keras.layers.Activation):
+        return INTEGER_ACTIVATIONS.get(getattr(layer.activation, "__name__", ""))
+    return None
+
+
+def activation_relu(activation) -> bool | float | None:
+    """False for linear, True for relu, :data:`RELU6` for relu6, None for any other activation.
+
+    Args:
+        activation: a layer's ``activation`` function."""
+    name = getattr(activation, "__name__", "")
+    return {"linear": False, "relu": True, "relu6": RELU6}.get(name)
+
+
+def _neighbours(model: keras.Model):
+    """Each layer's producer and consumer layers in ``model`` (Sequential or functional)."""
+    producers, consumers = {}, {}
+    for layer in model.layers:
+        parents = []
+        for node in layer._inbound_nodes:
+            for parent in node.parent_nodes:
+                if parent.operation in model.layers:
+                    parents.append(parent.operation)
+        producers[layer.name] = parents
+        for p in parents:
+            consumers.setdefault(p.name, []).append(layer)
+    return producers, consumers
+
+
+def _quantized_source(layer, producers: dict, plan: dict) -> bool:
+    """Whether ``layer``'s output is a quantized tensor: planned (a QAT layer, a merge, or what folded into one),
+    or a pass-through of one."""
+    while isinstance(layer, PASS_THROUGH) and len(producers.get(layer.name, [])) == 1:
+        layer = producers[layer.name][0]
+    return _quantized_output(layer.name, plan)
+
+
+def _quantized_output(name: str, plan: dict) -> bool:
+    """Whether the planned layer ``name`` outputs its quantized tensor (not when its own activation runs after)."""
+    entry = plan.get(name)
+    return entry == "identity" or isinstance(entry, dict) and not entry.get("float_output")
+
+
+def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
+    """``{layer name: what it becomes}`` (a QuantizedLayer's parts, a merge's, or "identity" for a folded BN, ReLU
+    or activation), and the layers with weights left float.
+
+    Args:
+        model: a Sequential or functional Keras model."""
+    producers, consumers = _neighbours(model)
+    plan: dict[str, dict | str] = {}
+    for layer in model.layers:
+        if type(layer) not in QUANTIZABLE:
+            continue
+        if isinstance(layer, keras.layers.Conv2D) and layer.groups != 1:
+            continue
+        if isinstance(layer, keras.layers.DepthwiseConv2D) and layer.depth_multiplier != 1:
+            continue
+        own = activation_relu(layer.activation)
+        parts = {"layer": layer, "bn": None, "relu": own or False, "activation": None}
+        if own is None:
+            parts["activation"] = INTEGER_ACTIVATIONS.get(getattr(layer.activation, "__name__", ""))
+            if parts["activation"] is None:  # softmax, hard-swish...: the output is quantized before it, runs float
+                plan[layer.name] = {**parts, "tail": layer.name, "float_output": True}
+                continue
+            plan[layer.name] = {**parts, "tail": layer.name}
+            continue
+        tail = layer
+        nxt = consumers.get(tail.name, [])
+        if not parts["relu"] and not isinstance(layer, keras.layers.Dense) and len(nxt) == 1 and \
+                isinstance(nxt[0], keras.layers.BatchNormalization) and nxt[0].axis in (-1, [-1], [3], 3):
+            parts["bn"] = tail = nxt[0]
+            plan[tail.name] = "identity"
+        nxt = consumers.get(tail.name, [])
+        if not parts["relu"] and len(nxt) == 1 and _relu_of(nxt[0]):
+            parts["relu"] = _relu_of(nxt[0])
+            plan[nxt[0].name] = "identity"
+            tail = nxt[0]
+        elif not parts["relu"] and len(nxt) == 1 and _integer_activation(nxt[0]):
+            parts["activation"] = _integer_activation(nxt[0])
+            plan[nxt[0].name] = "identity"
+            tail = nxt[0]
+        parts["tail"] = tail.name  # the layer whose output this QuantizedLayer's output stands for
+        plan[layer.name] = parts
+    for layer in model.layers:  # in order: a residual Add reads earlier Adds
+        if type(layer) in MERGES and all(_quantized_source(p, producers, plan)
+                                         for p in producers.get(layer.name, [])):
+            parts = {"merge": layer, "relu": False, "tail": layer.name}
+            nxt = consumers.get(layer.name, [])
+            if type(layer) is keras.layers.Add and len(nxt) == 1 and _relu_of(nxt[0]):
+                parts["relu"], parts["tail"] = _relu_of(nxt[0]), nxt[0].name
+                plan[nxt[0].name] = "identity"
+            plan[layer.name] = parts
+    for name, parts in plan.items():
+        if isinstance(parts, dict) and "layer" in parts:
+            source = producers.get(name, [])
+            while len(source) == 1 and isinstance(source[0], PASS_THROUGH):
+                source = producers.get(source[0].name, [])
+            # quantized already when it comes from a QAT layer (or the BN / ReLU folded into one)
+            parts["quantize_input"] = not (len(source) == 1 and _quantized_output(source[0].name, plan))
+            parts["source"] = None if parts["quantize_input"] else source[0].name
+    floating = [layer.name for layer in model.layers if layer.name not in plan and layer.weights]
+    return plan, floating
