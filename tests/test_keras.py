@@ -194,6 +194,39 @@ def test_finalize_and_export_onnx_match_keras(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["model.onnx"]
 
 
+def test_an_export_feeds_on_the_models_inputs_only(tmp_path):
+    """A Normalization layer (keras.applications' EfficientNets) holds its mean and variance as eager tensors,
+    which Keras's ONNX export writes as inputs nobody feeds: recal's export writes them as constants, and the ONNX
+    model computes what Keras does. A layer holding other such constants is refused, and nothing is written."""
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("tf2onnx")
+
+    inputs = keras.Input((4,))
+    x = keras.layers.Normalization(mean=[1.0, 2.0, 3.0, 4.0], variance=[1.0, 4.0, 9.0, 16.0])(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="fc")(x))
+    x = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
+    expected = model.predict(x, verbose=0)
+    session = ort.InferenceSession(export_onnx(model, tmp_path / "norm.onnx"))
+    assert len(session.get_inputs()) == 1
+    np.testing.assert_allclose(session.run(None, {session.get_inputs()[0].name: x})[0], expected, rtol=1e-5,
+                               atol=1e-6)
+
+    class Offset(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.offset = tf.constant(np.arange(4, dtype=np.float32))  # an eager tensor, not a weight
+
+        def call(self, x):
+            return x + self.offset
+
+    inputs = keras.Input((4,))
+    offset = keras.Model(inputs, Offset(name="offset")(inputs), name="with_offset")
+    offset.predict(x, verbose=0)
+    with pytest.raises(ValueError, match="'with_offset'.* takes 2 inputs where the model takes 1"):
+        export_onnx(offset, tmp_path / "offset.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["norm.onnx"]
+
+
 def test_subclassed_model_prunes_in_place():
     class Net(keras.Model):
         def __init__(self):
@@ -827,6 +860,46 @@ def test_swish_sigmoid_and_squeeze_excitation_run_on_the_integers(tmp_path):
     assert ops.count("QLinearConv") == 5 and ops.count("QLinearSigmoid") == 4 and ops.count("QLinearMul") == 4
     assert ops.count("QLinearAdd") == 1 and ops.count("QLinearGlobalAveragePool") == 2 and "QGemm" in ops
     assert not {"Conv", "Sigmoid", "Mul", "MatMul", "GlobalAveragePool", "ReduceMean"} & set(ops), ops
+    step = float(np.diff(np.unique(expected)).min())
+    for level in (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
+        got = run(result.model, {name: x}, level=level, as_written=True)[0]
+        assert np.abs(got - expected).max() <= step + 1e-6 and (got.argmax(1) == expected.argmax(1)).mean() == 1
+
+
+def test_a_concatenation_of_quantized_branches_runs_on_the_integers(tmp_path):
+    """Inception's branches (a 1x1 and a 3x3 Conv-BN-ReLU reading the same tensor) concatenated: one observer on
+    the Concatenate's output, so the int8 model concatenates integers (QLinearConcat) and the layers after it read
+    them; within an output step of the Keras QAT model."""
+    pytest.importorskip("tf2onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from recal_onnx import quantize_qat_export
+
+    from .onnx_graphs import run
+
+    keras.utils.set_random_seed(0)
+    layers = keras.layers
+
+    def conv(x, filters, size, name):
+        x = layers.Conv2D(filters, size, padding="same", use_bias=False, name=name)(x)
+        return layers.ReLU(name=f"{name}_relu")(layers.BatchNormalization(name=f"{name}_bn")(x))
+
+    inputs = keras.Input((12, 12, 3))
+    x = conv(inputs, 8, 3, "stem")
+    x = layers.Concatenate(name="concat")([conv(x, 4, 1, "branch1x1"), conv(x, 8, 3, "branch3x3")])
+    x = conv(layers.MaxPooling2D(2, name="pool")(x), 8, 3, "after")
+    net = keras.Model(inputs, layers.Dense(10, name="fc")(layers.GlobalAveragePooling2D(name="gap")(x)))
+    manager, model, callbacks = _modified(QAT, keras.optimizers.SGD(0.01, momentum=0.9), net)
+    assert sorted(manager.quantized_layers) == sorted(["stem", "branch1x1", "branch3x3", "concat", "after", "fc"])
+    x = np.random.default_rng(0).standard_normal((SPE * 32, 12, 12, 3)).astype(np.float32)
+    y = np.random.default_rng(1).integers(0, 10, SPE * 32)
+    model.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=0, shuffle=False)
+    manager.finalize(model)
+    expected = model.predict(x, verbose=0)
+    result = quantize_qat_export(export_onnx(model, tmp_path / "qat.onnx"), tmp_path / "int8.onnx")
+    assert not result.unconverted, result.unconverted
+    ops = [n.op_type for n in result.model.graph.node]
+    assert ops.count("QLinearConv") == 4 and ops.count("QLinearConcat") == 1 and "Conv" not in ops, ops
+    name = result.model.graph.input[0].name
     step = float(np.diff(np.unique(expected)).min())
     for level in (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
         got = run(result.model, {name: x}, level=level, as_written=True)[0]

@@ -9,8 +9,9 @@
 - A sigmoid or swish after the layer (its own ``activation``, or an ``Activation`` layer after its BatchNorm) runs on
   the integers too: the layer's output is quantized before it, and the sigmoid's output (and swish's product)
   after, so the int8 model holds QLinearSigmoid (and QLinearMul) there (EfficientNet's blocks and squeeze-excitation).
-- A residual ``Add``, or a ``Multiply`` (squeeze-excitation's scaling), of quantized tensors (and the ReLU after an
-  Add) becomes a :class:`QuantizedMerge`: one observer on its output, so the int8 model adds or multiplies integers.
+- A residual ``Add``, a ``Multiply`` (squeeze-excitation's scaling) or a ``Concatenate`` of quantized tensors (and
+  the ReLU after an Add) becomes a :class:`QuantizedMerge`: one observer on its output, so the int8 model adds,
+  multiplies or concatenates integers.
 
 What each layer becomes is planned in :mod:`recal_tf.keras.qat_plan`. The original layers (and so their variables, masks and optimizer state) are reused inside the new model that
 ``keras.models.clone_model`` builds; Sequential and functional models only.
@@ -269,9 +270,9 @@ class QuantizedLayer(keras.layers.Layer):
 
 @keras.saving.register_keras_serializable(package="recal")
 class QuantizedMerge(keras.layers.Layer):
-    """A residual ``Add`` (with the ReLU after it folded in) or a ``Multiply`` of quantized tensors, its output
-    quantized: the int8 model adds or multiplies the integers (QLinearAdd, QLinearMul) rather than leave the result
-    float between two quantized layers."""
+    """A residual ``Add`` (with the ReLU after it folded in), a ``Multiply`` or a ``Concatenate`` of quantized
+    tensors, its output quantized: the int8 model adds, multiplies or concatenates the integers (QLinearAdd,
+    QLinearMul, QLinearConcat) rather than leave the result float between two quantized layers."""
 
     def __init__(self, layer, relu: bool | float = False, **kwargs):
         kwargs.setdefault("dtype", "float32")

@@ -13,7 +13,8 @@ RELU6 = 6.0  # the cap of the ReLU6 a QuantizedLayer folds (MobileNets'); ``relu
 # activations the int8 model computes on integers (QLinearSigmoid; swish = x * sigmoid(x) with QLinearMul), by the
 # name of Keras's function (``Activation("swish")`` is ``silu``)
 INTEGER_ACTIVATIONS = {"sigmoid": "sigmoid", "silu": "swish", "swish": "swish"}
-MERGES = (keras.layers.Add, keras.layers.Multiply)
+# merges of quantized tensors that get one observer on their output (a ReLU after an Add folds in)
+MERGES = (keras.layers.Add, keras.layers.Multiply, keras.layers.Concatenate)
 
 
 def _relu_of(layer) -> bool | float:
