@@ -866,10 +866,11 @@ def test_swish_sigmoid_and_squeeze_excitation_run_on_the_integers(tmp_path):
         assert np.abs(got - expected).max() <= step + 1e-6 and (got.argmax(1) == expected.argmax(1)).mean() == 1
 
 
-def test_a_concatenation_of_quantized_branches_runs_on_the_integers(tmp_path):
-    """Inception's branches (a 1x1 and a 3x3 Conv-BN-ReLU reading the same tensor) concatenated: one observer on
-    the Concatenate's output, so the int8 model concatenates integers (QLinearConcat) and the layers after it read
-    them; within an output step of the Keras QAT model."""
+def test_a_concatenation_and_an_average_pool_of_quantized_tensors_run_on_the_integers(tmp_path):
+    """Inception's branches (a 1x1 and a 3x3 Conv-BN-ReLU reading the same tensor) concatenated, then average
+    pooling (DenseNet's transition): one observer on each one's output, so the int8 model concatenates and pools
+    integers (QLinearConcat, QLinearAveragePool) and the layers after read them; within an output step of the Keras
+    QAT model."""
     pytest.importorskip("tf2onnx")
     ort = pytest.importorskip("onnxruntime")
     from recal_onnx import quantize_qat_export
@@ -886,10 +887,11 @@ def test_a_concatenation_of_quantized_branches_runs_on_the_integers(tmp_path):
     inputs = keras.Input((12, 12, 3))
     x = conv(inputs, 8, 3, "stem")
     x = layers.Concatenate(name="concat")([conv(x, 4, 1, "branch1x1"), conv(x, 8, 3, "branch3x3")])
-    x = conv(layers.MaxPooling2D(2, name="pool")(x), 8, 3, "after")
+    x = conv(layers.AveragePooling2D(2, name="pool")(x), 8, 3, "after")
     net = keras.Model(inputs, layers.Dense(10, name="fc")(layers.GlobalAveragePooling2D(name="gap")(x)))
     manager, model, callbacks = _modified(QAT, keras.optimizers.SGD(0.01, momentum=0.9), net)
-    assert sorted(manager.quantized_layers) == sorted(["stem", "branch1x1", "branch3x3", "concat", "after", "fc"])
+    assert sorted(manager.quantized_layers) == sorted(["stem", "branch1x1", "branch3x3", "concat", "pool", "after",
+                                                       "fc"])
     x = np.random.default_rng(0).standard_normal((SPE * 32, 12, 12, 3)).astype(np.float32)
     y = np.random.default_rng(1).integers(0, 10, SPE * 32)
     model.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=0, shuffle=False)
@@ -898,7 +900,8 @@ def test_a_concatenation_of_quantized_branches_runs_on_the_integers(tmp_path):
     result = quantize_qat_export(export_onnx(model, tmp_path / "qat.onnx"), tmp_path / "int8.onnx")
     assert not result.unconverted, result.unconverted
     ops = [n.op_type for n in result.model.graph.node]
-    assert ops.count("QLinearConv") == 4 and ops.count("QLinearConcat") == 1 and "Conv" not in ops, ops
+    assert ops.count("QLinearConv") == 4 and ops.count("QLinearConcat") == 1 and "QLinearAveragePool" in ops, ops
+    assert not {"Conv", "AveragePool", "Relu"} & set(ops), ops  # (the one Concat left builds the Dense's shape)
     name = result.model.graph.input[0].name
     step = float(np.diff(np.unique(expected)).min())
     for level in (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):

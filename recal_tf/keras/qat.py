@@ -11,7 +11,7 @@
   after, so the int8 model holds QLinearSigmoid (and QLinearMul) there (EfficientNet's blocks and squeeze-excitation).
 - A residual ``Add``, a ``Multiply`` (squeeze-excitation's scaling) or a ``Concatenate`` of quantized tensors (and
   the ReLU after an Add) becomes a :class:`QuantizedMerge`: one observer on its output, so the int8 model adds,
-  multiplies or concatenates integers.
+  multiplies or concatenates integers; so does an ``AveragePooling2D`` of a quantized tensor (QLinearAveragePool).
 
 What each layer becomes is planned in :mod:`recal_tf.keras.qat_plan`. The original layers (and so their variables, masks and optimizer state) are reused inside the new model that
 ``keras.models.clone_model`` builds; Sequential and functional models only.

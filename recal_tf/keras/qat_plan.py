@@ -15,6 +15,9 @@ RELU6 = 6.0  # the cap of the ReLU6 a QuantizedLayer folds (MobileNets'); ``relu
 INTEGER_ACTIVATIONS = {"sigmoid": "sigmoid", "silu": "swish", "swish": "swish"}
 # merges of quantized tensors that get one observer on their output (a ReLU after an Add folds in)
 MERGES = (keras.layers.Add, keras.layers.Multiply, keras.layers.Concatenate)
+# average pooling of a quantized tensor: its output observed too (QLinearAveragePool); global pooling is read by a
+# quantized layer's own input observer
+POOLS = (keras.layers.AveragePooling2D,)
 
 
 def _relu_of(layer) -> bool | float:
@@ -115,8 +118,8 @@ def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
         parts["tail"] = tail.name  # the layer whose output this QuantizedLayer's output stands for
         plan[layer.name] = parts
     for layer in model.layers:  # in order: a residual Add reads earlier Adds
-        if type(layer) in MERGES and all(_quantized_source(p, producers, plan)
-                                         for p in producers.get(layer.name, [])):
+        if type(layer) in MERGES + POOLS and all(_quantized_source(p, producers, plan)
+                                                 for p in producers.get(layer.name, [])):
             parts = {"merge": layer, "relu": False, "tail": layer.name}
             nxt = consumers.get(layer.name, [])
             if type(layer) is keras.layers.Add and len(nxt) == 1 and _relu_of(nxt[0]):
