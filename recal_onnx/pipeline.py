@@ -14,9 +14,9 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
 2. ``thin_heads``, ``thin_channels`` (with ``thin``): the attention heads head pruning left dead; the channels (and
    FFN neurons) filter pruning left dead, in blocks of ``channel_block``;
 3. ``scalar_activation_qparams``, ``activations_to_uint8``, ``remove_redundant_qdq``, ``remove_noop_clamps``;
-4. format ``qoperator``: ``int8_passthrough``, ``conv_to_qlinearconv``, ``gemm_to_qgemm``, ``binary_to_qlinear``,
+4. format ``qoperator``: ``int8_passthrough``, ``affine_to_batchnorm``, ``batchnorm_to_conv``, ``conv_to_qlinearconv``, ``gemm_to_qgemm``, ``binary_to_qlinear``,
    ``sigmoid_to_qlinear``, ``concat_to_qlinear``, ``pool_to_qlinear``, ``remove_redundant_qdq``, repeated;
-   format ``qdq``: ``bias_to_int32``, ``fusible_qdq_pools``;
+   format ``qdq``: ``affine_to_batchnorm``, ``batchnorm_to_conv``, ``bias_to_int32``, ``fusible_qdq_pools``;
 5. ``matmul_to_nbits``: weight-only layers (float input, grouped or per-channel 4/8-bit weights) to ``MatMulNBits``;
 6. ``uint8_weights`` when the target stores weights beyond +-64 as uint8;
 7. ``bias_apart`` (a layer whose bias int32 cannot hold stays float, its bias in an Add of its own).
@@ -36,6 +36,7 @@ from .passes.binary_to_qlinear import binary_to_qlinear
 from .passes.concat_to_qlinear import concat_to_qlinear
 from .passes.constants import constants_to_initializers, fold_constants, remove_identities
 from .passes.conv_to_qlinearconv import conv_to_qlinearconv
+from .passes.affine_to_batchnorm import affine_to_batchnorm
 from .passes.batchnorm_to_conv import batchnorm_to_conv
 from .passes.fold_conv_affine import fold_conv_affine
 from .passes.fusible_qdq_pools import fusible_qdq_pools
@@ -88,11 +89,11 @@ PIPELINE: tuple[Step, ...] = (
     Step((thin_heads,), when=lambda o: o.thin),
     Step((thin_channels,), when=lambda o: o.thin, args=lambda o: (o.channel_block,)),
     Step((scalar_activation_qparams, activations_to_uint8, remove_redundant_qdq, remove_noop_clamps)),
-    Step((int8_passthrough, batchnorm_to_conv, conv_to_qlinearconv, gemm_to_qgemm, binary_to_qlinear, sigmoid_to_qlinear,
+    Step((int8_passthrough, affine_to_batchnorm, batchnorm_to_conv, conv_to_qlinearconv, gemm_to_qgemm, binary_to_qlinear, sigmoid_to_qlinear,
           concat_to_qlinear, pool_to_qlinear, remove_redundant_qdq), when=lambda o: o.format == "qoperator",
          repeat=True),
     Step((int8_passthrough,), when=lambda o: o.format == "qdq", args=lambda o: (False,)),
-    Step((batchnorm_to_conv, bias_to_int32, fusible_qdq_pools), when=lambda o: o.format == "qdq"),
+    Step((affine_to_batchnorm, batchnorm_to_conv, bias_to_int32, fusible_qdq_pools), when=lambda o: o.format == "qdq"),
     Step((matmul_to_nbits,), args=lambda o: (o.accuracy_level,)),
     Step((uint8_weights,), when=lambda o: o.weight_type == "uint8"),
     Step((bias_apart,)),

@@ -227,6 +227,15 @@ def test_an_export_feeds_on_the_models_inputs_only(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["norm.onnx"]
 
 
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_another_keras_backend_is_refused_with_the_fix(monkeypatch, backend):
+    """Keras on JAX or PyTorch: one error at ``modify`` that names the backend and says how to run on TensorFlow
+    (the backend is read where Keras says it, ``keras.backend.backend()``)."""
+    monkeypatch.setattr(keras.backend, "backend", lambda: backend)
+    with pytest.raises(RuntimeError, match=f"this process uses '{backend}': set KERAS_BACKEND=tensorflow"):
+        ScheduledModifierManager.from_yaml(PRUNE).modify(_net(), keras.optimizers.Adam(), steps_per_epoch=SPE)
+
+
 def test_subclassed_model_prunes_in_place():
     class Net(keras.Model):
         def __init__(self):
@@ -866,32 +875,43 @@ def test_swish_sigmoid_and_squeeze_excitation_run_on_the_integers(tmp_path):
         assert np.abs(got - expected).max() <= step + 1e-6 and (got.argmax(1) == expected.argmax(1)).mean() == 1
 
 
-def test_a_concatenation_and_an_average_pool_of_quantized_tensors_run_on_the_integers(tmp_path):
-    """Inception's branches (a 1x1 and a 3x3 Conv-BN-ReLU reading the same tensor) concatenated, then average
-    pooling (DenseNet's transition): one observer on each one's output, so the int8 model concatenates and pools
-    integers (QLinearConcat, QLinearAveragePool) and the layers after read them; within an output step of the Keras
-    QAT model."""
+def _densenet_block():
+    """DenseNet's pieces: a stem Conv-BN-ReLU and MaxPool, a dense block (pre-activation BN-ReLU-Conv 1x1,
+    BN-ReLU-Conv 3x3, concatenated with the block's input), a transition (BN-ReLU-Conv 1x1, AveragePooling), a
+    second block, the final BN-ReLU, global pooling and a Dense."""
+    keras.utils.set_random_seed(0)
+    layers = keras.layers
+
+    def preactivated(x, filters, size, name):
+        x = layers.ReLU(name=f"{name}_relu")(layers.BatchNormalization(name=f"{name}_bn")(x))
+        return layers.Conv2D(filters, size, padding="same", use_bias=False, name=name)(x)
+
+    inputs = keras.Input((12, 12, 3))
+    x = layers.Conv2D(8, 3, padding="same", use_bias=False, name="stem")(inputs)
+    x = layers.MaxPooling2D(2, name="pool")(layers.ReLU(name="stem_relu")(layers.BatchNormalization(name="stem_bn")(x)))
+    x = layers.Concatenate(name="c1")([x, preactivated(preactivated(x, 16, 1, "b1a"), 4, 3, "b1b")])
+    x = layers.AveragePooling2D(2, name="avg")(preactivated(x, 8, 1, "trans"))
+    x = layers.Concatenate(name="c2")([x, preactivated(x, 4, 3, "b2")])
+    x = layers.ReLU(name="top_relu")(layers.BatchNormalization(name="top_bn")(x))
+    return keras.Model(inputs, layers.Dense(10, name="fc")(layers.GlobalAveragePooling2D(name="gap")(x)))
+
+
+def test_densenets_concatenations_pools_and_preactivation_batchnorms_run_on_the_integers(tmp_path):
+    """A Concatenate of quantized tensors, an AveragePooling2D of one and a pre-activation BatchNorm (with its ReLU)
+    of one each get one observer on their output: the int8 model concatenates and pools integers (QLinearConcat,
+    QLinearAveragePool), and each pre-activation BatchNorm, which tf2onnx writes as a Mul and an Add on the
+    channels-last tensor, becomes a depthwise QLinearConv with exact weights; within an output step of the Keras
+    QAT model (in a default session and with optimizations off)."""
     pytest.importorskip("tf2onnx")
     ort = pytest.importorskip("onnxruntime")
     from recal_onnx import quantize_qat_export
 
     from .onnx_graphs import run
 
-    keras.utils.set_random_seed(0)
-    layers = keras.layers
-
-    def conv(x, filters, size, name):
-        x = layers.Conv2D(filters, size, padding="same", use_bias=False, name=name)(x)
-        return layers.ReLU(name=f"{name}_relu")(layers.BatchNormalization(name=f"{name}_bn")(x))
-
-    inputs = keras.Input((12, 12, 3))
-    x = conv(inputs, 8, 3, "stem")
-    x = layers.Concatenate(name="concat")([conv(x, 4, 1, "branch1x1"), conv(x, 8, 3, "branch3x3")])
-    x = conv(layers.AveragePooling2D(2, name="pool")(x), 8, 3, "after")
-    net = keras.Model(inputs, layers.Dense(10, name="fc")(layers.GlobalAveragePooling2D(name="gap")(x)))
-    manager, model, callbacks = _modified(QAT, keras.optimizers.SGD(0.01, momentum=0.9), net)
-    assert sorted(manager.quantized_layers) == sorted(["stem", "branch1x1", "branch3x3", "concat", "pool", "after",
-                                                       "fc"])
+    manager, model, callbacks = _modified(QAT, keras.optimizers.SGD(0.01, momentum=0.9), _densenet_block())
+    # b1b_bn follows a conv: it folds into b1a; the other BatchNorms are pre-activation
+    assert sorted(manager.quantized_layers) == sorted(["stem", "b1a_bn", "b1a", "b1b", "c1", "trans_bn", "trans",
+                                                       "avg", "b2_bn", "b2", "c2", "top_bn", "fc"])
     x = np.random.default_rng(0).standard_normal((SPE * 32, 12, 12, 3)).astype(np.float32)
     y = np.random.default_rng(1).integers(0, 10, SPE * 32)
     model.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=0, shuffle=False)
@@ -900,8 +920,9 @@ def test_a_concatenation_and_an_average_pool_of_quantized_tensors_run_on_the_int
     result = quantize_qat_export(export_onnx(model, tmp_path / "qat.onnx"), tmp_path / "int8.onnx")
     assert not result.unconverted, result.unconverted
     ops = [n.op_type for n in result.model.graph.node]
-    assert ops.count("QLinearConv") == 4 and ops.count("QLinearConcat") == 1 and "QLinearAveragePool" in ops, ops
-    assert not {"Conv", "AveragePool", "Relu"} & set(ops), ops  # (the one Concat left builds the Dense's shape)
+    assert ops.count("QLinearConv") == 9 and ops.count("QLinearConcat") == 2, ops  # 5 convs, 4 BatchNorms
+    assert "QLinearAveragePool" in ops and "QLinearGlobalAveragePool" in ops and "QGemm" in ops
+    assert not {"Conv", "AveragePool", "Relu", "Mul", "BatchNormalization"} & set(ops), ops
     name = result.model.graph.input[0].name
     step = float(np.diff(np.unique(expected)).min())
     for level in (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):

@@ -11,7 +11,9 @@
   after, so the int8 model holds QLinearSigmoid (and QLinearMul) there (EfficientNet's blocks and squeeze-excitation).
 - A residual ``Add``, a ``Multiply`` (squeeze-excitation's scaling) or a ``Concatenate`` of quantized tensors (and
   the ReLU after an Add) becomes a :class:`QuantizedMerge`: one observer on its output, so the int8 model adds,
-  multiplies or concatenates integers; so does an ``AveragePooling2D`` of a quantized tensor (QLinearAveragePool).
+  multiplies or concatenates integers; so does an ``AveragePooling2D`` of a quantized tensor (QLinearAveragePool),
+  and a pre-activation ``BatchNormalization`` of one with the ReLU after it (DenseNet's; the converter makes it a
+  depthwise conv).
 
 What each layer becomes is planned in :mod:`recal_tf.keras.qat_plan`. The original layers (and so their variables, masks and optimizer state) are reused inside the new model that
 ``keras.models.clone_model`` builds; Sequential and functional models only.
@@ -304,13 +306,15 @@ class QuantizedMerge(keras.layers.Layer):
         return merge
 
     def build(self, input_shape):
+        if not self.layer.built:  # a pre-activation BatchNorm's variables (a loaded model's too)
+            self.layer.build(input_shape)
         self.output_quantizer.build(None)
 
     def compute_output_shape(self, input_shape):
         return self.layer.compute_output_shape(input_shape)
 
-    def call(self, inputs, training=None):
-        y = self.layer(inputs)
+    def call(self, inputs, training=None, mask=None):
+        y = self.layer(inputs, training=training)  # a BatchNorm normalizes with the batch's statistics in training
         y = _folded_relu(y, self.relu)
         return self.output_quantizer(y, training=training)  # y itself while QAT is off
 

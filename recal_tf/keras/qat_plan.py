@@ -15,6 +15,8 @@ RELU6 = 6.0  # the cap of the ReLU6 a QuantizedLayer folds (MobileNets'); ``relu
 INTEGER_ACTIVATIONS = {"sigmoid": "sigmoid", "silu": "swish", "swish": "swish"}
 # merges of quantized tensors that get one observer on their output (a ReLU after an Add folds in)
 MERGES = (keras.layers.Add, keras.layers.Multiply, keras.layers.Concatenate)
+# a BatchNormalization that folds into no layer (pre-activation: DenseNet's BN -> ReLU -> conv) on a quantized tensor
+# is observed after its ReLU too: the converter makes it a depthwise conv with exact weights
 # average pooling of a quantized tensor: its output observed too (QLinearAveragePool); global pooling is read by a
 # quantized layer's own input observer
 POOLS = (keras.layers.AveragePooling2D,)
@@ -45,6 +47,11 @@ def activation_relu(activation) -> bool | float | None:
         activation: a layer's ``activation`` function."""
     name = getattr(activation, "__name__", "")
     return {"linear": False, "relu": True, "relu6": RELU6}.get(name)
+
+
+def _channels_last(bn) -> bool:
+    """Whether a BatchNormalization normalizes the last axis (as the int8 model's per-channel conv does)."""
+    return bn.axis in (-1, [-1], [3], 3)
 
 
 def _neighbours(model: keras.Model):
@@ -118,11 +125,14 @@ def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
         parts["tail"] = tail.name  # the layer whose output this QuantizedLayer's output stands for
         plan[layer.name] = parts
     for layer in model.layers:  # in order: a residual Add reads earlier Adds
-        if type(layer) in MERGES + POOLS and all(_quantized_source(p, producers, plan)
-                                                 for p in producers.get(layer.name, [])):
+        preactivation = isinstance(layer, keras.layers.BatchNormalization) and layer.name not in plan and \
+            _channels_last(layer)
+        if (type(layer) in MERGES + POOLS or preactivation) and all(_quantized_source(p, producers, plan)
+                                                                   for p in producers.get(layer.name, [])):
             parts = {"merge": layer, "relu": False, "tail": layer.name}
             nxt = consumers.get(layer.name, [])
-            if type(layer) is keras.layers.Add and len(nxt) == 1 and _relu_of(nxt[0]):
+            if type(layer) is not keras.layers.Multiply and not isinstance(layer, (keras.layers.Concatenate, *POOLS)) \
+                    and len(nxt) == 1 and _relu_of(nxt[0]):
                 parts["relu"], parts["tail"] = _relu_of(nxt[0]), nxt[0].name
                 plan[nxt[0].name] = "identity"
             plan[layer.name] = parts
