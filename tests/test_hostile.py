@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
 import torch
@@ -32,11 +31,6 @@ from .onnx_graphs import with_float_biases
 from .torch_models import SmallCNN, batches, qat_small_cnn, train_steps
 
 DENSE = ROOT / "scripts" / "recipes" / "dense.yaml"
-
-
-def _cli_process(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "recal_app.cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=600, **kw)
 
 
 _cli = run_recal  # in this process: most cases check one refusal's line (tests/cli_in_process.py)
@@ -155,7 +149,8 @@ def test_one_run_per_output_folder_and_resumes_match_their_run(tmp_path):
     out.mkdir()
     recipe = load_recipe(DENSE)
     with locked(out):  # another run is writing (a lock this process holds is its own: the run is another process)
-        line = _one_line(_cli_process("train", "--framework", "torch", "--recipe", str(DENSE), "--output", str(out)))
+        line = _one_line(run_program("-m", "recal_app.cli", "train", "--framework", "torch", "--recipe", str(DENSE),
+                                     "--output", str(out), cwd=ROOT))
         assert "another recal run is writing" in line
     train(recipe, "torch", out, epochs=1, progress=False, quantize=False)
     line = _one_line(_cli("train", "--framework", "torch", "--recipe", str(DENSE), "--output", str(out)))
@@ -435,7 +430,7 @@ def test_an_lr_that_underflows_or_overflows_is_a_located_error():
     for gamma, words in (("1e-300", "underflows to 0"), ("1e300", "overflows")):
         text = ("- !LearningRateModifier {start_epoch: 0, end_epoch: 50, lr_class: ExponentialLR, "
                 f"lr_kwargs: {{gamma: {gamma}}}, init_lr: 0.1}}")
-        assert f"<string>:1:" in _loads_quickly(text) and words in _loads_quickly(text)
+        assert "<string>:1:" in _loads_quickly(text) and words in _loads_quickly(text)
     path = ROOT / "scripts" / "recipes" / "seed_lr_schedule.yaml"
     bad = path.read_text().replace("gamma: 0.9", "gamma: 1e300") if "gamma: 0.9" in path.read_text() else None
     if bad is not None:
@@ -531,8 +526,8 @@ def test_ctrl_c_keeps_the_last_checkpoint_and_exits_130(tmp_path):
         stderr[-2000:]
     assert (out / "checkpoints" / "epoch-1.pt").is_file()
     assert not list(out.rglob(".recal-*"))
-    resumed = _cli_process("train", "--framework", "torch", "--recipe", str(DENSE), "--output", str(out), "--resume",
-                   "--epochs", "2", "--no-progress")
+    resumed = run_program("-m", "recal_app.cli", "train", "--framework", "torch", "--recipe", str(DENSE), "--output",
+                          str(out), "--resume", "--epochs", "2", "--no-progress", cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
 
 
