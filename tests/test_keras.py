@@ -774,8 +774,8 @@ def test_a_qat_model_round_trips_a_keras_file_and_resumes_from_it(tmp_path):
 
 
 def _mobilenet_block():
-    """A MobileNet's pieces: strided stem Conv-BN-ReLU6, ZeroPadding, a strided DepthwiseConv2D-BN-ReLU6, a 1x1
-    projection Conv-BN (no ReLU), global average pooling, Dense."""
+    """A MobileNet's pieces: strided stem Conv-BN-ReLU6, ZeroPadding, a strided DepthwiseConv2D-BN-ReLU6,
+    Xception's SeparableConv2D-BN-ReLU, a 1x1 projection Conv-BN (no ReLU), global average pooling, Dense."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((16, 16, 3))
     x = keras.layers.Conv2D(8, 3, strides=2, padding="same", use_bias=False, name="stem")(inputs)
@@ -783,15 +783,19 @@ def _mobilenet_block():
     x = keras.layers.ZeroPadding2D(1, name="pad")(x)
     x = keras.layers.DepthwiseConv2D(3, strides=2, use_bias=False, name="dw")(x)
     x = keras.layers.ReLU(6.0, name="dw_relu")(keras.layers.BatchNormalization(name="dw_bn")(x))
+    x = keras.layers.SeparableConv2D(12, 3, padding="same", use_bias=False, name="sep")(x)
+    x = keras.layers.ReLU(name="sep_relu")(keras.layers.BatchNormalization(name="sep_bn")(x))
     x = keras.layers.BatchNormalization(name="project_bn")(keras.layers.Conv2D(16, 1, use_bias=False, name="project")(x))
     x = keras.layers.GlobalAveragePooling2D(name="gap")(x)
     return keras.Model(inputs, keras.layers.Dense(10, name="fc")(x))
 
 
-def test_depthwise_conv_relu6_and_zero_padding_run_on_the_integers(tmp_path):
-    """DepthwiseConv2D is fake-quantized per channel with its BatchNorm and ReLU6 folded in, zero padding passes
-    the quantized tensor on: every conv, the pool and the dense are integer ops in the converted model, which
-    computes the Keras QAT model's outputs (in a default session and with optimizations off)."""
+def test_depthwise_and_separable_convs_relu6_and_zero_padding_run_on_the_integers(tmp_path):
+    """DepthwiseConv2D is fake-quantized per channel with its BatchNorm and ReLU6 folded in; a SeparableConv2D is
+    its two convs, the depthwise output quantized between them and the BatchNorm folded into the pointwise one;
+    zero padding passes the quantized tensor on: every conv, the pool and the dense are integer ops in the
+    converted model, which computes the Keras QAT model's outputs (in a default session and with optimizations
+    off)."""
     pytest.importorskip("tf2onnx")
     ort = pytest.importorskip("onnxruntime")
     import onnx
@@ -800,7 +804,7 @@ def test_depthwise_conv_relu6_and_zero_padding_run_on_the_integers(tmp_path):
     from .onnx_graphs import run
 
     manager, model, callbacks = _modified(QAT, keras.optimizers.SGD(0.01, momentum=0.9), _mobilenet_block())
-    assert manager.quantized_layers == ["stem", "dw", "project", "fc"]
+    assert manager.quantized_layers == ["stem", "dw", "sep", "project", "fc"]
     x = np.random.default_rng(0).standard_normal((SPE * 32, 16, 16, 3)).astype(np.float32)
     y = np.random.default_rng(1).integers(0, 10, SPE * 32)
     model.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=0, shuffle=False)
@@ -811,7 +815,7 @@ def test_depthwise_conv_relu6_and_zero_padding_run_on_the_integers(tmp_path):
     result = quantize_qat_export(tmp_path / "qat.onnx", tmp_path / "int8.onnx", verify_inputs={name: x})
     assert not result.unconverted
     ops = [n.op_type for n in onnx.load(tmp_path / "int8.onnx").graph.node]
-    assert ops.count("QLinearConv") == 3 and "QLinearGlobalAveragePool" in ops and "QGemm" in ops
+    assert ops.count("QLinearConv") == 5 and "QLinearGlobalAveragePool" in ops and "QGemm" in ops  # sep: two
     assert not {"Conv", "Clip", "Relu", "MatMul", "Pad", "GlobalAveragePool"} & set(ops)
     step = float(np.diff(np.unique(expected)).min())
     for level in (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):

@@ -1,9 +1,10 @@
 """Quantization-aware training for Keras 3, with recal_torch's conventions (the math: :mod:`recal_tf.fake_quant`).
 
-- ``Conv2D`` / ``DepthwiseConv2D(-BatchNormalization)(-ReLU / ReLU6)`` and ``Dense(-ReLU / ReLU6)`` become one
-  :class:`QuantizedLayer` that simulates the BatchNorm-folded weights (batch statistics while training, the
-  moving ones once frozen), so the export is already folded. Weights are per output channel (a depthwise
-  kernel's channel axis is its third). The layer quantizes its output (after the ReLU: the ReLU is folded into
+- ``Conv2D`` / ``DepthwiseConv2D`` / ``SeparableConv2D(-BatchNormalization)(-ReLU / ReLU6)`` and
+  ``Dense(-ReLU / ReLU6)`` become one :class:`QuantizedLayer` that simulates the BatchNorm-folded weights (batch
+  statistics while training, the moving ones once frozen), so the export is already folded. Weights are per
+  output channel (a depthwise kernel's channel axis is its third); a separable conv's depthwise output is
+  quantized before its pointwise conv. The layer quantizes its output (after the ReLU: the ReLU is folded into
   the range) and its input unless that comes from another quantized layer through max-pooling, zero padding,
   flatten, reshape or dropout.
 - A sigmoid or swish after the layer (its own ``activation``, or an ``Activation`` layer after its BatchNorm) runs on
@@ -130,6 +131,9 @@ class QuantizedLayer(keras.layers.Layer):
         # with an activation: the layer's own output (the activation's input), its sigmoid (swish: the sigmoid
         # apart, then the product); output_quantizer is always the tensor the next layer reads
         self.linear_quantizer = ActivationQuantizer(name=f"{layer.name}_linear_q") if activation else None
+        # a SeparableConv2D's depthwise output, the pointwise conv's input: int8 between the two convs
+        self.depthwise_quantizer = ActivationQuantizer(name=f"{layer.name}_depthwise_q") \
+            if isinstance(layer, keras.layers.SeparableConv2D) else None
         self.sigmoid_quantizer = ActivationQuantizer(name=f"{layer.name}_sigmoid_q") if activation == "swish" else None
         self.output_quantizer = ActivationQuantizer(name=f"{layer.name}_output_q")
         self.tables: QATTables | None = None
@@ -160,8 +164,8 @@ class QuantizedLayer(keras.layers.Layer):
     @property
     def quantizers(self) -> list[ActivationQuantizer]:
         """Every observer of the layer, in the order its tensors are computed."""
-        return [q for q in (self.input_quantizer, self.linear_quantizer, self.sigmoid_quantizer,
-                            self.output_quantizer) if q is not None]
+        return [q for q in (self.input_quantizer, self.depthwise_quantizer, self.linear_quantizer,
+                            self.sigmoid_quantizer, self.output_quantizer) if q is not None]
 
     def set_tables(self, tables: QATTables) -> None:
         self.tables = tables
@@ -194,6 +198,8 @@ class QuantizedLayer(keras.layers.Layer):
         if isinstance(self.layer, keras.layers.Dense):
             return tf.tensordot(x, w, [[x.shape.rank - 1], [0]])
         conv = self.layer
+        if self.depthwise_quantizer is not None:  # the pointwise half of a SeparableConv2D
+            return tf.nn.convolution(x, w, padding="VALID")
         if self._depthwise:
             return tf.nn.depthwise_conv2d(x, w, strides=(1, *conv.strides, 1), padding=conv.padding.upper(),
                                           dilations=conv.dilation_rate)
@@ -204,7 +210,11 @@ class QuantizedLayer(keras.layers.Layer):
         t = self.tables
         if self.input_quantizer is not None:
             x = self.input_quantizer(x, training=training)
-        w = self.layer.kernel.value  # a depthwise kernel is [h, w, channels, 1]
+        if self.depthwise_quantizer is not None:
+            x = self.depthwise_quantizer(self._separable_depthwise(x), training=training)
+            w = self.layer.pointwise_kernel.value  # [1, 1, channels, filters]: BN and bias fold in here
+        else:
+            w = self.layer.kernel.value  # a depthwise kernel is [h, w, channels, 1]
         axis = 2 if self._depthwise else len(w.shape) - 1  # the output channels
         bias = self.layer.bias.value if self.layer.use_bias else tf.zeros([w.shape[axis]], w.dtype)
         if self.bn is not None:
@@ -231,10 +241,18 @@ class QuantizedLayer(keras.layers.Layer):
             w = w * self._per_channel(scale)
         else:
             wq = self._quantize(w, axis)
-        source = self.input_quantizer or self._input_source()  # unknown: the bias stays as it is
+        source = self.depthwise_quantizer or self.input_quantizer or self._input_source()  # unknown: bias as it is
         if t is not None and t.export and source is not None:
             bias = bias_on_int32_grid(bias, w, axis, source.min_val.value, source.max_val.value, t.weight_levels)
         return self._activate(self._linear(x, wq) + bias, training)
+
+    def _separable_depthwise(self, x):
+        """A SeparableConv2D's depthwise half, its kernel fake-quantized per channel (no bias: Keras adds its one
+        bias after the pointwise conv)."""
+        conv = self.layer
+        dq = self._quantize(conv.depthwise_kernel.value, 2)
+        return tf.nn.depthwise_conv2d(x, dq, strides=(1, *conv.strides, 1), padding=conv.padding.upper(),
+                                      dilations=conv.dilation_rate)
 
     def _input_source(self):
         """The output quantizer of :attr:`source`, found upstream of this layer by name (a loaded model: the

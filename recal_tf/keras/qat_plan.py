@@ -8,7 +8,7 @@ import keras
 
 PASS_THROUGH = (keras.layers.MaxPooling2D, keras.layers.MaxPooling1D, keras.layers.Flatten, keras.layers.Reshape,
                 keras.layers.Dropout, keras.layers.ZeroPadding2D)
-QUANTIZABLE = (keras.layers.Conv2D, keras.layers.DepthwiseConv2D, keras.layers.Dense)
+QUANTIZABLE = (keras.layers.Conv2D, keras.layers.DepthwiseConv2D, keras.layers.SeparableConv2D, keras.layers.Dense)
 RELU6 = 6.0  # the cap of the ReLU6 a QuantizedLayer folds (MobileNets'); ``relu=True`` is the plain ReLU
 # activations the int8 model computes on integers (QLinearSigmoid; swish = x * sigmoid(x) with QLinearMul), by the
 # name of Keras's function (``Activation("swish")`` is ``silu``)
@@ -96,7 +96,8 @@ def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
             continue
         if isinstance(layer, keras.layers.Conv2D) and layer.groups != 1:
             continue
-        if isinstance(layer, keras.layers.DepthwiseConv2D) and layer.depth_multiplier != 1:
+        if isinstance(layer, (keras.layers.DepthwiseConv2D, keras.layers.SeparableConv2D)) and \
+                layer.depth_multiplier != 1:
             continue
         own = activation_relu(layer.activation)
         parts = {"layer": layer, "bn": None, "relu": own or False, "activation": None}
