@@ -905,7 +905,8 @@ def test_densenets_concatenations_pools_and_preactivation_batchnorms_run_on_the_
     of one each get one observer on their output: the int8 model concatenates and pools integers (QLinearConcat,
     QLinearAveragePool), and each pre-activation BatchNorm, which tf2onnx writes as a Mul and an Add on the
     channels-last tensor, becomes a depthwise QLinearConv with exact weights; within an output step of the Keras
-    QAT model (in a default session and with optimizations off)."""
+    QAT model (in a default session and with optimizations off), whose finalized BatchNorms put their shifts on
+    that conv's int32 grid."""
     pytest.importorskip("tf2onnx")
     ort = pytest.importorskip("onnxruntime")
     from recal_onnx import quantize_qat_export
@@ -932,6 +933,8 @@ def test_densenets_concatenations_pools_and_preactivation_batchnorms_run_on_the_
     for level in (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
         got = run(result.model, {name: x}, level=level, as_written=True)[0]
         assert np.abs(got - expected).max() <= step + 1e-6 and (got.argmax(1) == expected.argmax(1)).mean() == 1
+        # the finalized BatchNorms' shifts on the int32 grid the int8 convs hold them on: the same numbers
+        assert (np.abs(got - expected) <= 1e-6).mean() >= 0.99
 
 
 def _residual_net():

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from recal_core.modifiers import REDUCED_WEIGHT_LEVELS
+
 from ..graph import Graph, attr, input_of
 from ..qdq import activation
 
-LEVEL = 64  # the int8 weight every channel's factor is written as (its sign, times 64)
+LEVEL = REDUCED_WEIGHT_LEVELS  # the int8 weight every channel's factor is written as (its sign, times 64)
 
 
 def batchnorm_to_conv(g: Graph) -> int:

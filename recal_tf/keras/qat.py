@@ -30,7 +30,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from recal_core.modifiers import WEIGHT_LEVELS
+from recal_core.modifiers import REDUCED_WEIGHT_LEVELS, WEIGHT_LEVELS
 
 from ..fake_quant import QATTables, bias_on_int32_grid, fake_quant_activation, fake_quant_weight, moving_range
 from .qat_plan import activation_relu, plan_qat
@@ -71,6 +71,23 @@ class ActivationQuantizer(keras.layers.Layer):
 
     def compute_output_shape(self, input_shape):
         return input_shape
+
+
+def _input_source(layer):
+    """The output quantizer of ``layer.source`` (the QAT layer whose quantized output it reads), found upstream by
+    name (a loaded model: the layers are rebuilt apart, linked once the model has called them); None if unknown."""
+    if layer.input_source is None and layer.source is not None:
+        seen, nodes = set(), list(layer._inbound_nodes)
+        while nodes:
+            for parent in nodes.pop().parent_nodes:
+                op = parent.operation
+                if op.name == layer.source and isinstance(op, (QuantizedLayer, QuantizedMerge)):
+                    object.__setattr__(layer, "input_source", op.output_quantizer)
+                    return layer.input_source
+                if id(op) not in seen:
+                    seen.add(id(op))
+                    nodes.extend(op._inbound_nodes)
+    return layer.input_source
 
 
 def _state(t: QATTables | None) -> dict:
@@ -241,7 +258,7 @@ class QuantizedLayer(keras.layers.Layer):
             w = w * self._per_channel(scale)
         else:
             wq = self._quantize(w, axis)
-        source = self.depthwise_quantizer or self.input_quantizer or self._input_source()  # unknown: bias as it is
+        source = self.depthwise_quantizer or self.input_quantizer or _input_source(self)  # unknown: bias as it is
         if t is not None and t.export and source is not None:
             bias = bias_on_int32_grid(bias, w, axis, source.min_val.value, source.max_val.value, t.weight_levels)
         return self._activate(self._linear(x, wq) + bias, training)
@@ -253,22 +270,6 @@ class QuantizedLayer(keras.layers.Layer):
         dq = self._quantize(conv.depthwise_kernel.value, 2)
         return tf.nn.depthwise_conv2d(x, dq, strides=(1, *conv.strides, 1), padding=conv.padding.upper(),
                                       dilations=conv.dilation_rate)
-
-    def _input_source(self):
-        """The output quantizer of :attr:`source`, found upstream of this layer by name (a loaded model: the
-        layers are rebuilt apart, linked once the model has called them)."""
-        if self.input_source is None and self.source is not None:
-            seen, nodes = set(), list(self._inbound_nodes)
-            while nodes:
-                for parent in nodes.pop().parent_nodes:
-                    op = parent.operation
-                    if op.name == self.source and isinstance(op, (QuantizedLayer, QuantizedMerge)):
-                        object.__setattr__(self, "input_source", op.output_quantizer)
-                        return self.input_source
-                    if id(op) not in seen:
-                        seen.add(id(op))
-                        nodes.extend(op._inbound_nodes)
-        return self.input_source
 
     def _quantize(self, w, axis: int):
         t = self.tables
@@ -294,12 +295,14 @@ class QuantizedMerge(keras.layers.Layer):
     tensors, its output quantized: the int8 model adds, multiplies or concatenates the integers (QLinearAdd,
     QLinearMul, QLinearConcat) rather than leave the result float between two quantized layers."""
 
-    def __init__(self, layer, relu: bool | float = False, **kwargs):
+    def __init__(self, layer, relu: bool | float = False, source: str | None = None, **kwargs):
         kwargs.setdefault("dtype", "float32")
         kwargs.setdefault("name", f"{layer.name}_qat")
         super().__init__(**kwargs)
         self.layer, self.relu = layer, relu
         self.input_quantizer = None  # its inputs are quantized where they are made
+        self.source = source  # a BatchNorm's: the QAT layer whose quantized output it reads
+        object.__setattr__(self, "input_source", None)  # that layer's output quantizer, once found
         self.output_quantizer = ActivationQuantizer(name=f"{layer.name}_output_q")
         self.tables: QATTables | None = None
 
@@ -313,7 +316,7 @@ class QuantizedMerge(keras.layers.Layer):
 
     def get_config(self) -> dict:
         return {**super().get_config(), "layer": keras.saving.serialize_keras_object(self.layer), "relu": self.relu,
-                **_state(self.tables)}
+                "source": self.source, **_state(self.tables)}
 
     @classmethod
     def from_config(cls, config: dict) -> "QuantizedMerge":
@@ -332,9 +335,29 @@ class QuantizedMerge(keras.layers.Layer):
         return self.layer.compute_output_shape(input_shape)
 
     def call(self, inputs, training=None, mask=None):
-        y = self.layer(inputs, training=training)  # a BatchNorm normalizes with the batch's statistics in training
+        t = self.tables
+        if isinstance(self.layer, keras.layers.BatchNormalization) and t is not None and t.export:
+            y = self._batchnorm_on_grid(inputs)
+        else:  # a BatchNorm normalizes with the batch's statistics in training
+            y = self.layer(inputs, training=training)
         y = _folded_relu(y, self.relu)
         return self.output_quantizer(y, training=training)  # y itself while QAT is off
+
+    def _batchnorm_on_grid(self, x):
+        """A pre-activation BatchNorm as the int8 model computes it (recal_onnx's ``batchnorm_to_conv``): ``x * a``
+        exactly (``a`` held as +-64 at scale ``|a| / 64``; a zero factor as 0 at scale 1), plus the shift on its
+        int32 grid of input scale x that weight scale."""
+        bn = self.layer
+        gamma = bn.gamma.value if bn.scale else tf.ones_like(bn.moving_mean.value)
+        beta = bn.beta.value if bn.center else tf.zeros_like(bn.moving_mean.value)
+        a = gamma / tf.sqrt(bn.moving_variance.value + bn.epsilon)
+        shift = beta - bn.moving_mean.value * a
+        source = _input_source(self)
+        if source is not None:
+            as_weight = tf.where(a == 0, float(REDUCED_WEIGHT_LEVELS), a)  # |w| / 64 is the weight scale
+            shift = bias_on_int32_grid(shift, as_weight, 0, source.min_val.value, source.max_val.value,
+                                       REDUCED_WEIGHT_LEVELS)
+        return x * a + shift
 
 
 @keras.saving.register_keras_serializable(package="recal")
@@ -368,9 +391,8 @@ def quantize_model(model: keras.Model, tables: QATTables) -> tuple[keras.Model, 
         by_name = {q.name: q for q in existing}
         for q in existing:
             q.set_tables(tables)
-            if isinstance(q, QuantizedLayer):
-                source = by_name.get(q.source)
-                object.__setattr__(q, "input_source", None if source is None else source.output_quantizer)
+            source = by_name.get(q.source)
+            object.__setattr__(q, "input_source", None if source is None else source.output_quantizer)
         return model, existing, [layer.name for layer in model.layers if layer.weights and layer not in existing]
     plan, floating = plan_qat(model)
     made: list[QuantizedLayer] = []
@@ -396,9 +418,7 @@ def quantize_model(model: keras.Model, tables: QATTables) -> tuple[keras.Model, 
     entries = {id(entry.get("layer", entry.get("merge"))): entry for entry in plan.values() if isinstance(entry, dict)}
     by_tail = {entries[id(q.layer)]["tail"]: q for q in made}
     for q in made:
-        if isinstance(q, QuantizedMerge):
-            continue
-        source = by_tail.get(entries[id(q.layer)]["source"])
+        source = by_tail.get(entries[id(q.layer)].get("source"))
         q.source = None if source is None else source.name
         # not a sub-layer of q (Keras would track it as one): the quantizer of the layer it reads
         object.__setattr__(q, "input_source", None if source is None else source.output_quantizer)

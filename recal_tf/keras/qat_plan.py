@@ -138,6 +138,11 @@ def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
                 plan[nxt[0].name] = "identity"
             plan[layer.name] = parts
     for name, parts in plan.items():
+        if isinstance(parts, dict) and isinstance(parts.get("merge"), keras.layers.BatchNormalization):
+            source = producers.get(name, [])
+            while len(source) == 1 and isinstance(source[0], PASS_THROUGH):
+                source = producers.get(source[0].name, [])
+            parts["source"] = source[0].name if len(source) == 1 else None  # its input's grid: the shift's
         if isinstance(parts, dict) and "layer" in parts:
             source = producers.get(name, [])
             while len(source) == 1 and isinstance(source[0], PASS_THROUGH):
