@@ -773,6 +773,41 @@ def test_a_qat_model_round_trips_a_keras_file_and_resumes_from_it(tmp_path):
             assert int((a.numpy() == 0).sum()) == int((b.numpy() == 0).sum()), (stop_epoch, a.path)
 
 
+def _block_to_int8(net, tmp_path):
+    """``net`` under :data:`QAT` with ``fit`` on random inputs, finalized, exported and converted (verified on those
+    inputs): ``(manager, inputs, the Keras QAT model's outputs, the conversion's result, its op types)``."""
+    from recal_onnx import quantize_qat_export
+
+    manager, model, callbacks = _modified(QAT, keras.optimizers.SGD(0.01, momentum=0.9), net)
+    x = np.random.default_rng(0).standard_normal((SPE * 32, *net.input_shape[1:])).astype(np.float32)
+    y = np.random.default_rng(1).integers(0, 10, SPE * 32)
+    model.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=0, shuffle=False)
+    manager.finalize(model)
+    expected = model.predict(x, verbose=0)
+    path = export_onnx(model, tmp_path / "qat.onnx")
+    import onnx
+
+    feeds = {onnx.load(path).graph.input[0].name: x}
+    result = quantize_qat_export(path, tmp_path / "int8.onnx", verify_inputs=feeds)
+    assert not result.unconverted, result.unconverted
+    return manager, feeds, expected, result, [n.op_type for n in result.model.graph.node]
+
+
+def _assert_int8_within_a_step(result, feeds, expected) -> list:
+    """The int8 model as written, in a default session and with optimizations off: within one output step of the
+    Keras QAT model, every argmax the same; returns its outputs at each level."""
+    ort = pytest.importorskip("onnxruntime")
+    from .onnx_graphs import run
+
+    step = float(np.diff(np.unique(expected)).min())
+    outputs = []
+    for level in (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
+        got = run(result.model, feeds, level=level, as_written=True)[0]
+        assert np.abs(got - expected).max() <= step + 1e-6 and (got.argmax(1) == expected.argmax(1)).mean() == 1
+        outputs.append(got)
+    return outputs
+
+
 def _mobilenet_block():
     """A MobileNet's pieces: strided stem Conv-BN-ReLU6, ZeroPadding, a strided DepthwiseConv2D-BN-ReLU6,
     Xception's SeparableConv2D-BN-ReLU, a 1x1 projection Conv-BN (no ReLU), global average pooling, Dense."""
@@ -797,30 +832,11 @@ def test_depthwise_and_separable_convs_relu6_and_zero_padding_run_on_the_integer
     converted model, which computes the Keras QAT model's outputs (in a default session and with optimizations
     off)."""
     pytest.importorskip("tf2onnx")
-    ort = pytest.importorskip("onnxruntime")
-    import onnx
-    from recal_onnx import quantize_qat_export
-
-    from .onnx_graphs import run
-
-    manager, model, callbacks = _modified(QAT, keras.optimizers.SGD(0.01, momentum=0.9), _mobilenet_block())
+    manager, feeds, expected, result, ops = _block_to_int8(_mobilenet_block(), tmp_path)
     assert manager.quantized_layers == ["stem", "dw", "sep", "project", "fc"]
-    x = np.random.default_rng(0).standard_normal((SPE * 32, 16, 16, 3)).astype(np.float32)
-    y = np.random.default_rng(1).integers(0, 10, SPE * 32)
-    model.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=0, shuffle=False)
-    manager.finalize(model)
-    expected = model.predict(x, verbose=0)
-    export_onnx(model, tmp_path / "qat.onnx")
-    name = onnx.load(tmp_path / "qat.onnx").graph.input[0].name
-    result = quantize_qat_export(tmp_path / "qat.onnx", tmp_path / "int8.onnx", verify_inputs={name: x})
-    assert not result.unconverted
-    ops = [n.op_type for n in onnx.load(tmp_path / "int8.onnx").graph.node]
     assert ops.count("QLinearConv") == 5 and "QLinearGlobalAveragePool" in ops and "QGemm" in ops  # sep: two
     assert not {"Conv", "Clip", "Relu", "MatMul", "Pad", "GlobalAveragePool"} & set(ops)
-    step = float(np.diff(np.unique(expected)).min())
-    for level in (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
-        got = run(result.model, {name: x}, level=level, as_written=True)[0]
-        assert np.abs(got - expected).max() <= step + 1e-6 and (got.argmax(1) == expected.argmax(1)).mean() == 1
+    _assert_int8_within_a_step(result, feeds, expected)
 
 
 def _efficientnet_block():
@@ -850,33 +866,14 @@ def test_swish_sigmoid_and_squeeze_excitation_run_on_the_integers(tmp_path):
     model computes them with QLinearSigmoid and QLinearMul, and stays within an output step of the Keras QAT model
     (in a default session and with optimizations off)."""
     pytest.importorskip("tf2onnx")
-    ort = pytest.importorskip("onnxruntime")
-    import onnx
-    from recal_onnx import quantize_qat_export
-
-    from .onnx_graphs import run
-
-    manager, model, callbacks = _modified(QAT, keras.optimizers.SGD(0.01, momentum=0.9), _efficientnet_block())
+    manager, feeds, expected, result, ops = _block_to_int8(_efficientnet_block(), tmp_path)
     assert sorted(manager.quantized_layers) == sorted(["stem", "dw", "se_reduce", "se_expand", "se_excite",
                                                        "project", "add", "fc"])
-    x = np.random.default_rng(0).standard_normal((SPE * 32, 16, 16, 3)).astype(np.float32)
-    y = np.random.default_rng(1).integers(0, 10, SPE * 32)
-    model.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=0, shuffle=False)
-    manager.finalize(model)
-    expected = model.predict(x, verbose=0)
-    export_onnx(model, tmp_path / "qat.onnx")
-    name = onnx.load(tmp_path / "qat.onnx").graph.input[0].name
-    result = quantize_qat_export(tmp_path / "qat.onnx", tmp_path / "int8.onnx", verify_inputs={name: x})
-    assert not result.unconverted, result.unconverted
-    ops = [n.op_type for n in result.model.graph.node]
     # the swish of stem, dw and se_reduce: a sigmoid and a product each; se_expand's sigmoid; the excitation's product
     assert ops.count("QLinearConv") == 5 and ops.count("QLinearSigmoid") == 4 and ops.count("QLinearMul") == 4
     assert ops.count("QLinearAdd") == 1 and ops.count("QLinearGlobalAveragePool") == 2 and "QGemm" in ops
     assert not {"Conv", "Sigmoid", "Mul", "MatMul", "GlobalAveragePool", "ReduceMean"} & set(ops), ops
-    step = float(np.diff(np.unique(expected)).min())
-    for level in (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
-        got = run(result.model, {name: x}, level=level, as_written=True)[0]
-        assert np.abs(got - expected).max() <= step + 1e-6 and (got.argmax(1) == expected.argmax(1)).mean() == 1
+    _assert_int8_within_a_step(result, feeds, expected)
 
 
 def _densenet_block():
@@ -908,31 +905,14 @@ def test_densenets_concatenations_pools_and_preactivation_batchnorms_run_on_the_
     QAT model (in a default session and with optimizations off), whose finalized BatchNorms put their shifts on
     that conv's int32 grid."""
     pytest.importorskip("tf2onnx")
-    ort = pytest.importorskip("onnxruntime")
-    from recal_onnx import quantize_qat_export
-
-    from .onnx_graphs import run
-
-    manager, model, callbacks = _modified(QAT, keras.optimizers.SGD(0.01, momentum=0.9), _densenet_block())
+    manager, feeds, expected, result, ops = _block_to_int8(_densenet_block(), tmp_path)
     # b1b_bn follows a conv: it folds into b1a; the other BatchNorms are pre-activation
     assert sorted(manager.quantized_layers) == sorted(["stem", "b1a_bn", "b1a", "b1b", "c1", "trans_bn", "trans",
                                                        "avg", "b2_bn", "b2", "c2", "top_bn", "fc"])
-    x = np.random.default_rng(0).standard_normal((SPE * 32, 12, 12, 3)).astype(np.float32)
-    y = np.random.default_rng(1).integers(0, 10, SPE * 32)
-    model.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=0, shuffle=False)
-    manager.finalize(model)
-    expected = model.predict(x, verbose=0)
-    result = quantize_qat_export(export_onnx(model, tmp_path / "qat.onnx"), tmp_path / "int8.onnx")
-    assert not result.unconverted, result.unconverted
-    ops = [n.op_type for n in result.model.graph.node]
     assert ops.count("QLinearConv") == 9 and ops.count("QLinearConcat") == 2, ops  # 5 convs, 4 BatchNorms
     assert "QLinearAveragePool" in ops and "QLinearGlobalAveragePool" in ops and "QGemm" in ops
     assert not {"Conv", "AveragePool", "Relu", "Mul", "BatchNormalization"} & set(ops), ops
-    name = result.model.graph.input[0].name
-    step = float(np.diff(np.unique(expected)).min())
-    for level in (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
-        got = run(result.model, {name: x}, level=level, as_written=True)[0]
-        assert np.abs(got - expected).max() <= step + 1e-6 and (got.argmax(1) == expected.argmax(1)).mean() == 1
+    for got in _assert_int8_within_a_step(result, feeds, expected):
         # the finalized BatchNorms' shifts on the int32 grid the int8 convs hold them on: the same numbers
         assert (np.abs(got - expected) <= 1e-6).mean() >= 0.99
 
