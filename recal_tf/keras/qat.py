@@ -16,7 +16,8 @@
   and a pre-activation ``BatchNormalization`` of one with the ReLU after it (DenseNet's; the converter makes it a
   depthwise conv).
 
-What each layer becomes is planned in :mod:`recal_tf.keras.qat_plan`. The original layers (and so their variables, masks and optimizer state) are reused inside the new model that
+What each layer becomes is planned in :mod:`recal_tf.keras.qat_plan`. The original layers (and so their variables,
+masks and optimizer state) are reused inside the new model that
 ``keras.models.clone_model`` builds; Sequential and functional models only.
 
 The layers are registered Keras serializables: ``model.save("x.keras")`` (and so ``ModelCheckpoint``) writes a QAT
@@ -90,11 +91,20 @@ def _input_source(layer):
     return layer.input_source
 
 
+def _batchnorm_parameters(bn) -> tuple:
+    """A BatchNormalization's ``(gamma, beta, moving mean, moving variance)``, ones and zeros where it has no scale or
+    no center."""
+    mean, var = bn.moving_mean.value, bn.moving_variance.value
+    return (bn.gamma.value if bn.scale else tf.ones_like(mean), bn.beta.value if bn.center else tf.zeros_like(mean),
+            mean, var)
+
+
 def _state(t: QATTables | None) -> dict:
     """What a QAT layer saved to a ``.keras`` file does now: quantize or not yet (the recipe's switch at the
     current step), or compute the export's form once finalized; and its weights' levels."""
     return {"weight_levels": WEIGHT_LEVELS if t is None else int(t.weight_levels),
-            "quantizing": t is None or t.export or bool(t.at(t.enabled).numpy()), "finalized": t is not None and t.export}
+            "quantizing": t is None or t.export or bool(t.at(t.enabled).numpy()),
+            "finalized": t is not None and t.export}
 
 
 def _fixed_tables(config: dict) -> QATTables:
@@ -236,9 +246,7 @@ class QuantizedLayer(keras.layers.Layer):
         bias = self.layer.bias.value if self.layer.use_bias else tf.zeros([w.shape[axis]], w.dtype)
         if self.bn is not None:
             bn = self.bn
-            gamma = bn.gamma.value if bn.scale else tf.ones_like(bn.moving_mean.value)
-            beta = bn.beta.value if bn.center else tf.zeros_like(bn.moving_mean.value)
-            mean, var = bn.moving_mean.value, bn.moving_variance.value
+            gamma, beta, mean, var = _batchnorm_parameters(bn)
             scale = gamma / tf.sqrt(var + bn.epsilon)
             wq = self._quantize(w * self._per_channel(scale), axis)
             if training and t is not None and not t.export:
@@ -291,9 +299,10 @@ class QuantizedLayer(keras.layers.Layer):
 
 @keras.saving.register_keras_serializable(package="recal")
 class QuantizedMerge(keras.layers.Layer):
-    """A residual ``Add`` (with the ReLU after it folded in), a ``Multiply`` or a ``Concatenate`` of quantized
-    tensors, its output quantized: the int8 model adds, multiplies or concatenates the integers (QLinearAdd,
-    QLinearMul, QLinearConcat) rather than leave the result float between two quantized layers."""
+    """A layer without a conv of its own on quantized tensors, its output quantized: a residual ``Add`` (with the ReLU
+    after it folded in), a ``Multiply``, a ``Concatenate``, an ``AveragePooling2D`` or a pre-activation
+    ``BatchNormalization`` (with its ReLU). The int8 model computes it on the integers (QLinearAdd, QLinearMul,
+    QLinearConcat, QLinearAveragePool, a depthwise QLinearConv) rather than leave it float between quantized layers."""
 
     def __init__(self, layer, relu: bool | float = False, source: str | None = None, **kwargs):
         kwargs.setdefault("dtype", "float32")
@@ -347,11 +356,9 @@ class QuantizedMerge(keras.layers.Layer):
         """A pre-activation BatchNorm as the int8 model computes it (recal_onnx's ``batchnorm_to_conv``): ``x * a``
         exactly (``a`` held as +-64 at scale ``|a| / 64``; a zero factor as 0 at scale 1), plus the shift on its
         int32 grid of input scale x that weight scale."""
-        bn = self.layer
-        gamma = bn.gamma.value if bn.scale else tf.ones_like(bn.moving_mean.value)
-        beta = bn.beta.value if bn.center else tf.zeros_like(bn.moving_mean.value)
-        a = gamma / tf.sqrt(bn.moving_variance.value + bn.epsilon)
-        shift = beta - bn.moving_mean.value * a
+        gamma, beta, mean, var = _batchnorm_parameters(self.layer)
+        a = gamma / tf.sqrt(var + self.layer.epsilon)
+        shift = beta - mean * a
         source = _input_source(self)
         if source is not None:
             as_weight = tf.where(a == 0, float(REDUCED_WEIGHT_LEVELS), a)  # |w| / 64 is the weight scale
@@ -382,10 +389,10 @@ def _folded_relu(y, relu: bool | float):
 
 
 def quantize_model(model: keras.Model, tables: QATTables) -> tuple[keras.Model, list, list[str]]:
-    """A new model with Conv2D / DepthwiseConv2D(-BN)(-ReLU) and Dense(-ReLU) as :class:`QuantizedLayer` s and
-    residual Adds of quantized tensors as :class:`QuantizedMerge` s, reusing the original layers' variables (a
-    model that holds QAT layers already, loaded from a ``.keras`` file, is itself, its layers switched by
-    ``tables``); and the layers with weights left float."""
+    """A new model with the convs and Dense layers :func:`plan_qat` chose as :class:`QuantizedLayer` s and the
+    merges, pools and pre-activation BatchNorms of quantized tensors as :class:`QuantizedMerge` s, reusing the
+    original layers' variables (a model that holds QAT layers already, loaded from a ``.keras`` file, is itself, its
+    layers switched by ``tables``); and the layers with weights left float."""
     existing = [layer for layer in model.layers if isinstance(layer, (QuantizedLayer, QuantizedMerge))]
     if existing:  # a QAT model loaded from a .keras file: the recipe's switches take it on again
         by_name = {q.name: q for q in existing}

@@ -132,8 +132,8 @@ def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
                                                                    for p in producers.get(layer.name, [])):
             parts = {"merge": layer, "relu": False, "tail": layer.name}
             nxt = consumers.get(layer.name, [])
-            if type(layer) is not keras.layers.Multiply and not isinstance(layer, (keras.layers.Concatenate, *POOLS)) \
-                    and len(nxt) == 1 and _relu_of(nxt[0]):
+            folds_relu = isinstance(layer, (keras.layers.Add, keras.layers.BatchNormalization))
+            if folds_relu and len(nxt) == 1 and _relu_of(nxt[0]):  # after a residual Add or a pre-activation BN
                 parts["relu"], parts["tail"] = _relu_of(nxt[0]), nxt[0].name
                 plan[nxt[0].name] = "identity"
             plan[layer.name] = parts
