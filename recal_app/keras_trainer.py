@@ -20,6 +20,7 @@ import tensorflow as tf
 from recal_core.atomic import write_text_atomically
 from recal_core.datasets import load_digits
 from recal_core.recipe import Recipe
+from .keras_digits import digits_model
 from .run_lock import read_resume_record, restore_checkpoint
 from .training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, check_finite, epoch_line,
                         epoch_order, overall_sparsity)
@@ -30,22 +31,6 @@ from recal_tf.keras.params import describe_model
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "model.ckpt"
-
-
-def digits_model(seed: int) -> keras.Model:
-    """Conv-BN-ReLU x2, max-pool, Conv-BN-ReLU, global average pool, dense: the network the torch and graph
-    trainers use, for ``[N, 8, 8, 1]`` digits."""
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((8, 8, 1), name="inputs")
-    x = inputs
-    for i, filters in enumerate((32, 32, 64)):
-        x = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"conv{i}")(x)
-        x = keras.layers.BatchNormalization(momentum=0.9, name=f"bn{i}")(x)  # torch's 0.1
-        x = keras.layers.ReLU(name=f"relu{i}")(x)
-        if i == 1:
-            x = keras.layers.MaxPooling2D(2, name="pool")(x)
-    x = keras.layers.GlobalAveragePooling2D(name="gap")(x)
-    return keras.Model(inputs, keras.layers.Dense(10, name="fc")(x), name="digits_net")
 
 
 class _Scalars(keras.callbacks.Callback):

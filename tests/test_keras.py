@@ -227,15 +227,6 @@ def test_an_export_feeds_on_the_models_inputs_only(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["norm.onnx"]
 
 
-@pytest.mark.parametrize("backend", ["jax", "torch"])
-def test_another_keras_backend_is_refused_with_the_fix(monkeypatch, backend):
-    """Keras on JAX or PyTorch: one error at ``modify`` that names the backend and says how to run on TensorFlow
-    (the backend is read where Keras says it, ``keras.backend.backend()``)."""
-    monkeypatch.setattr(keras.backend, "backend", lambda: backend)
-    with pytest.raises(RuntimeError, match=f"this process uses '{backend}': set KERAS_BACKEND=tensorflow"):
-        ScheduledModifierManager.from_yaml(PRUNE).modify(_net(), keras.optimizers.Adam(), steps_per_epoch=SPE)
-
-
 def test_subclassed_model_prunes_in_place():
     class Net(keras.Model):
         def __init__(self):
@@ -462,7 +453,7 @@ def test_qat_int8_onnx_equals_the_keras_qat_model_on_digits(tmp_path, reduce_ran
     pytest.importorskip("tf2onnx")
     from recal_core.datasets import load_digits
     from recal_onnx import quantize_qat_export
-    from recal_app.keras_trainer import digits_model
+    from recal_app.keras_digits import digits_model
 
     digits = load_digits()
     x, y = digits.train_images[..., None], digits.train_labels
@@ -522,7 +513,7 @@ def test_qat_under_mirrored_strategy_keeps_replicas_in_sync(tmp_path):
         from recal_core.datasets import load_digits
         from recal_onnx import quantize_qat_export
         from recal_tf.keras import ScheduledModifierManager, export_onnx
-        from recal_app.keras_trainer import digits_model
+        from recal_app.keras_digits import digits_model
         from tests.test_keras import QAT
         digits = load_digits()
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -555,7 +546,7 @@ def test_qat_under_mirrored_strategy_keeps_replicas_in_sync(tmp_path):
 def test_finalized_before_qat_ran_is_left_float():
     """Finalized before QAT started: no range was ever observed, so the model is finalized float, computing what
     it computed with QAT off, and nothing is reported quantized."""
-    from recal_app.keras_trainer import digits_model
+    from recal_app.keras_digits import digits_model
 
     model = digits_model(0)
     opt = keras.optimizers.SGD(0.01)

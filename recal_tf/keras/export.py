@@ -1,14 +1,23 @@
-"""Export a Keras 3 model to ONNX (Keras's own ``model.export(format="onnx")``, which runs tf2onnx), atomically."""
+"""Export a Keras 3 model to ONNX with Keras's own ``model.export(format="onnx")``, atomically: tf2onnx on the
+TensorFlow and JAX backends (JAX through jax2tf), ``torch.onnx`` on PyTorch's."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import warnings
 
 import keras
+import numpy as np
 
 from recal_core.atomic import atomic_path
+
+_EXPORTERS = {  # backend -> (the module Keras's ONNX export needs there, how to install it)
+    "tensorflow": ("tf2onnx", "'recal[tf-cpu]' (tf2onnx>=1.17)"),
+    "jax": ("jax2onnx", "jax2onnx"),
+    "torch": ("onnxscript", "onnxscript"),
+}
 
 
 def export_onnx(model: keras.Model, path: str | os.PathLike, *, opset: int | None = None) -> str:
@@ -22,14 +31,20 @@ def export_onnx(model: keras.Model, path: str | os.PathLike, *, opset: int | Non
         opset: the ONNX opset (tf2onnx's default when None)."""
     import onnx
 
+    backend = keras.backend.backend()
+    module, extra = _EXPORTERS[backend]
     try:
-        import tf2onnx  # noqa: F401 - Keras's ONNX export needs it
+        importlib.import_module(module)  # what Keras's ONNX export runs on this backend
     except ImportError as exc:
-        raise ImportError("exporting Keras to ONNX needs tf2onnx>=1.17: pip install 'recal[tf-cpu]'") from exc
+        raise ImportError(f"exporting Keras to ONNX on the {backend} backend needs {module}: pip install {extra}") from exc
+    if backend == "jax" and not getattr(model, "_called", True):
+        _call_once(model)  # JAX's fit and predict run the model statelessly, which Keras's export does not count
     with atomic_path(path) as tmp, warnings.catch_warnings(), _normalization_constants_in_graph(model):
         warnings.filterwarnings("ignore", category=FutureWarning)  # Keras's tf2onnx shim probes np.object
         kwargs = {} if opset is None else {"opset_version": opset}
         model.export(str(tmp), format="onnx", verbose=False, **kwargs)
+        if backend == "jax":
+            _pools_channels_first(str(tmp))
         onnx.checker.check_model(str(tmp))
         inputs = [i.name for i in onnx.load(str(tmp), load_external_data=False).graph.input]
         if len(inputs) != len(model.inputs):
@@ -37,6 +52,7 @@ def export_onnx(model: keras.Model, path: str | os.PathLike, *, opset: int | Non
                              f"model takes {len(model.inputs)} ({', '.join(inputs)}): a layer computes with "
                              "constants it holds outside its weights, which Keras's ONNX export writes as graph "
                              "inputs; nothing was written")
+        _check_runs(str(tmp), model, backend)
     return str(path)
 
 
@@ -58,6 +74,67 @@ def _normalization_constants_in_graph(model: keras.Model):
     finally:
         for layer, name, value in swapped:
             object.__setattr__(layer, name, value)
+
+
+def _pools_channels_first(path: str) -> None:
+    """jax2onnx writes a channels-last 2-D pool as an ONNX ``MaxPool`` / ``AveragePool`` over a rank-6 tensor
+    (``[1, 1, N, H, W, C]``, kernel ``[1, k, k, 1]``), a four-dimensional pool onnxruntime has no kernel for; each such
+    pool becomes the 2-D pool of ``[N, C, H, W]`` between Squeeze / Transpose and Transpose / Unsqueeze, which
+    computes the same values, so the file is the model Keras computes."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(path)
+    nodes, changed = [], False
+    for node in model.graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        kernel = list(attrs.get("kernel_shape", []))
+        if node.op_type not in ("MaxPool", "AveragePool") or len(kernel) != 4 or kernel[0] != 1 or kernel[-1] != 1 \
+                or any(p != 0 for p in attrs.get("pads", [])):
+            nodes.append(node)
+            continue
+        if not changed:
+            model.graph.initializer.append(numpy_helper.from_array(np.array([0, 1], np.int64), "recal_pool_axes"))
+        changed = True
+        x = f"{node.name}_recal"
+        spatial = {"kernel_shape": kernel[1:3], "strides": list(attrs.get("strides", [1] * 4))[1:3]}
+        spatial.update({k: v for k, v in attrs.items() if k not in ("kernel_shape", "strides", "pads")})
+        nodes += [helper.make_node("Squeeze", [node.input[0], "recal_pool_axes"], [f"{x}_nhwc"]),
+                  helper.make_node("Transpose", [f"{x}_nhwc"], [f"{x}_nchw"], perm=[0, 3, 1, 2]),
+                  helper.make_node(node.op_type, [f"{x}_nchw"], [f"{x}_pooled"], name=node.name, **spatial),
+                  helper.make_node("Transpose", [f"{x}_pooled"], [f"{x}_out"], perm=[0, 2, 3, 1]),
+                  helper.make_node("Unsqueeze", [f"{x}_out", "recal_pool_axes"], [node.output[0]])]
+    if changed:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        onnx.save(model, path)
+
+
+def _check_runs(path: str, model: keras.Model, backend: str) -> None:
+    """Refuse an export onnxruntime cannot run (a default session, on a batch of zeros), naming what it said."""
+    try:
+        import onnxruntime
+    except ImportError:  # nothing to check with; the ONNX checker passed
+        return
+    try:
+        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+        zeros = {i.name: np.zeros([d if isinstance(d, int) else 1 for d in i.shape], _NUMPY.get(i.type, np.float32))
+                 for i in session.get_inputs()}
+        session.run(None, zeros)
+    except Exception as exc:  # onnxruntime's errors share no base class
+        said = str(exc).strip().splitlines()[0][:300]
+        raise ValueError(f"exporting {model.name!r} to ONNX on the {backend} backend: onnxruntime cannot run the "
+                         f"export ({said}); nothing was written") from None
+
+
+_NUMPY = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(int64)": np.int64,
+          "tensor(int32)": np.int32, "tensor(uint8)": np.uint8, "tensor(int8)": np.int8, "tensor(bool)": np.bool_}
+
+
+def _call_once(model: keras.Model) -> None:
+    """Call ``model`` on zeros of its input shapes (a batch of one)."""
+    inputs = [np.zeros([1 if d is None else d for d in i.shape], i.dtype) for i in model.inputs]
+    model(inputs if len(inputs) > 1 else inputs[0])
 
 
 def _all_layers(model):

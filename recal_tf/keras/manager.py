@@ -1,7 +1,8 @@
 """Apply a recipe to a Keras 3 model: ``model, callbacks = manager.modify(model, optimizer, steps_per_epoch)``.
 
 Everything per step happens inside Keras's own train step, so ``jit_compile``, ``steps_per_execution`` and
-distribution strategies see it as ordinary graph code, with no host call per step:
+distribution strategies see it as ordinary graph code, with no host call per step, on each Keras backend
+(TensorFlow ops on TensorFlow, ``keras.ops`` on JAX and PyTorch: :mod:`recal_tf.tensor_ops`):
 
 - **masks**: Keras applies a variable's ``constraint`` right after every optimizer update. recal sets one on
   the model's first trainable variable that updates every mask at step ``k = optimizer.iterations + 1`` from
@@ -11,7 +12,7 @@ distribution strategies see it as ordinary graph code, with no host call per ste
 - **learning rate**: the same constraint sets the optimizer's LR variable to the recipe's LR for the next step
   (from a per-step table), so ``optimizer.learning_rate`` stays an ordinary variable that Keras saves, loads
   and logs (a ``LearningRateSchedule`` set on a built optimizer makes TensorFlow unable to save it).
-- **weight decay**: the optimizer's ``weight_decay`` becomes a value read from a per-step table in the graph.
+- **weight decay**: the optimizer's ``weight_decay`` becomes the recipe's (:mod:`recal_tf.keras.optimizer_state`).
 - **trainable flags**: set at each epoch's start by the callback, with the train function rebuilt.
 """
 
@@ -24,7 +25,6 @@ from typing import Any
 import keras
 import numpy as np
 from keras.src.models.functional import Functional  # what keras.Model(inputs, outputs) builds
-import tensorflow as tf
 
 from recal_core import RecipeError
 from recal_core import modifiers as M
@@ -33,54 +33,14 @@ from recal_core.model_plan import ModelPlan, plan_model
 from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
-from ..fake_quant import quantize_at_completion
-from ..mask_ops import PruningMasks, zeroed
-from ..mask_ops import per_step
+from ..mask_ops import PruningMasks, per_step, zeroed
 from ..recipe_support import RecalWarning, check_table_size, qat_problems, torch_only_problems
+from ..tensor_ops import KerasOps, TensorFlowOps
+from .backends import backend_problems, current_backend
+from .optimizer_state import float_lr, install_weight_decay, slots_of
 from .params import describe_model
-from .qat import QATTables, quantize_model
 
 log = logging.getLogger(__name__)
-
-
-class _WeightDecayTable:
-    """The optimizer's ``weight_decay`` as a per-step table. Keras reads it with ``tf.cast`` inside the train step,
-    which calls ``__tf_tensor__`` (the value at ``optimizer.iterations``, in the graph); Python reads (``float``,
-    ``print``, the optimizer's ``get_config``) see the value in force for the next step."""
-
-    def __init__(self, values, iterations):
-        self.values = np.asarray(values, np.float32)
-        self.iterations = iterations
-
-    def __tf_tensor__(self, dtype=None, name=None):
-        k = tf.minimum(tf.cast(self.iterations, tf.int64), len(self.values) - 1)
-        value = tf.gather(tf.constant(self.values), k)
-        return tf.cast(value, dtype) if dtype is not None else value
-
-    def __float__(self) -> float:
-        return float(self.values[min(int(self.iterations.numpy()), len(self.values) - 1)])
-
-    def __eq__(self, other):
-        return float(self) == other
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return repr(float(self))
-
-    def __format__(self, spec: str) -> str:
-        return format(float(self), spec)
-
-
-def _config_with_weight_decay_now(get_config):
-    """The optimizer's ``get_config`` with the recipe's weight decay in force now, as a float (JSON, ``.keras``)."""
-
-    def config():
-        values = get_config()
-        values["weight_decay"] = float(values["weight_decay"])
-        return values
-
-    return config
 
 
 class _ApplyMasks(keras.constraints.Constraint):
@@ -89,12 +49,14 @@ class _ApplyMasks(keras.constraints.Constraint):
     def __init__(self, manager: "ScheduledModifierManager", inner):
         self.manager = manager
         self.inner = inner
+        self._step = manager._step
+        if manager._tf:  # plain graph code: autograph's rewrite costs seconds, changes nothing
+            import tensorflow as tf
 
-    @tf.autograph.experimental.do_not_convert  # plain graph code: autograph's rewrite costs seconds, changes nothing
+            self._step = tf.autograph.experimental.do_not_convert(self._step)
+
     def __call__(self, w):
-        ops = self.manager._step_ops(self.manager._optimizer.iterations + 1)
-        with tf.control_dependencies(ops):
-            value = tf.identity(self.manager._driver.value.read_value())
+        value = self._step(self.manager._optimizer.iterations + 1)
         return self.inner(value) if self.inner is not None else value
 
 
@@ -115,7 +77,11 @@ class ScheduledModifierManager(RecipeManager):
         self._model: keras.Model | None = None
         self._optimizer = None
         self._masks: PruningMasks | None = None
-        self._slots: dict[str, list[tf.Variable]] = {}
+        self._slots: dict[str, list] = {}
+        self._tf = True  # TensorFlow ops (else keras.ops on JAX or PyTorch)
+        self._ops: TensorFlowOps | KerasOps | None = None
+        self._weight_decay = None  # JAX / PyTorch: the optimizer variable holding the decay in force
+        self._wd_values: np.ndarray | None = None
         self._driver: keras.Variable | None = None
         self._driver_inner = None
         self._by_name: dict[str, keras.Variable] = {}
@@ -132,7 +98,8 @@ class ScheduledModifierManager(RecipeManager):
         """Apply the recipe to ``model`` trained by ``optimizer``; returns ``(model, callbacks)``.
 
         Call it once, after the model is built and before ``compile`` (inside a ``tf.distribute`` strategy's
-        scope when there is one), then ``model.compile(optimizer=optimizer, ...)`` and
+        scope when there is one), on Keras's TensorFlow, JAX or PyTorch backend (:mod:`recal_tf.keras.backends`
+        says what each runs), then ``model.compile(optimizer=optimizer, ...)`` and
         ``model.fit(..., callbacks=callbacks)``. Pruning, LR and the rest change the model in place; a
         QuantizationModifier returns a new model (Sequential or functional) whose QAT layers reuse the
         original layers and variables: compile and fit the returned model.
@@ -144,9 +111,7 @@ class ScheduledModifierManager(RecipeManager):
         """
         if self._model is not None:
             raise RuntimeError("modify() was already called on this manager; use one manager per model")
-        if keras.backend.backend() != "tensorflow":
-            raise RuntimeError(f"recal_tf.keras runs on Keras's TensorFlow backend; this process uses "
-                               f"{keras.backend.backend()!r}: set KERAS_BACKEND=tensorflow before importing keras")
+        backend = current_backend()
         if not isinstance(model, keras.Model):
             raise TypeError(f"modify() takes a keras.Model, not {type(model).__name__}")
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -163,13 +128,18 @@ class ScheduledModifierManager(RecipeManager):
                              "call model.build(input_shape), or call it on a batch) before modify()")
         if int(steps_per_epoch) < 1:
             raise ValueError(f"steps_per_epoch must be a positive integer, got {steps_per_epoch!r}")
-        self._check_strategy(model)
+        self._tf = backend == "tensorflow"
+        self._ops = TensorFlowOps() if self._tf else KerasOps()
+        if self._tf:
+            self._check_strategy(model)
         schedule = self.recipe.bind(int(steps_per_epoch))
         check_table_size(schedule, "recal_tf.keras")
+        if backend_problems(schedule, backend):
+            raise RecipeError(backend_problems(schedule, backend))
         if schedule.quantization:
             model = self._quantize(model, schedule, optimizer)
         infos, by_name = describe_model(model)
-        base_lr = _float_lr(optimizer)
+        base_lr = float_lr(optimizer)
         wd = optimizer.weight_decay
         self.plan = self._plan(schedule, infos, by_name, base_lr, None if wd is None else float(wd))
         self.schedule, self._model, self._optimizer, self._by_name = schedule, model, optimizer, by_name
@@ -181,7 +151,7 @@ class ScheduledModifierManager(RecipeManager):
         self._install_weight_decay(optimizer)
         if self.plan.masks:
             self._install_masks(infos, optimizer)
-        if self.plan.masks or self._lr_values is not None:
+        if self.plan.masks or self._lr_values is not None or self._wd_values is not None:
             self._attach_driver(model)
         self._apply_now()
         return model, [RecalCallback(self)]
@@ -190,6 +160,8 @@ class ScheduledModifierManager(RecipeManager):
         """The model with its Conv2D(-BN)(-ReLU) and Dense(-ReLU) as QAT layers (:mod:`recal_tf.keras.qat`),
         switched on, BN-frozen and observer-frozen at the steps the recipe says."""
         index, _ = schedule.quantization[0]
+        from .qat import QATTables, quantize_model
+
         if not isinstance(model, (keras.Sequential, Functional)):
             raise RecipeError(self.recipe.problem(
                 index, None, f"QAT rewrites the model with keras.models.clone_model, which cannot rebuild the "
@@ -208,6 +180,8 @@ class ScheduledModifierManager(RecipeManager):
         return quantized
 
     def _check_strategy(self, model: keras.Model) -> None:
+        import tensorflow as tf
+
         strategy = tf.distribute.get_strategy()
         variable = model.weights[0].value
         if not tf.distribute.has_strategy() and getattr(variable, "_distribute_strategy", None) is not None:
@@ -253,19 +227,31 @@ class ScheduledModifierManager(RecipeManager):
         if np.isnan(values).all():
             return
         values[np.isnan(values)] = float(optimizer.weight_decay or 0.0)
-        optimizer.weight_decay = _WeightDecayTable(values, optimizer.iterations)
-        optimizer.get_config = _config_with_weight_decay_now(optimizer.get_config)
+        self._weight_decay = install_weight_decay(optimizer, values, as_table=self._tf)
+        self._wd_values = None if self._weight_decay is None else values.astype(np.float32)
 
     def _install_masks(self, infos, optimizer) -> None:
-        variables = {name: v.value for name, v in self._by_name.items()}
+        variables = {name: self._native(v) for name, v in self._by_name.items()}
 
         def make_variable(name, shape, dtype, initial):
-            return tf.Variable(tf.fill(shape, tf.constant(initial, dtype)), trainable=False,
-                               name=name.replace("/", "_"), dtype=dtype)
+            if self._tf:
+                import tensorflow as tf
+
+                return tf.Variable(tf.fill(shape, tf.constant(initial, dtype)), trainable=False,
+                                   name=name.replace("/", "_"), dtype=dtype)
+            # an optimizer variable: a JAX train step carries only the optimizer's and the model's state
+            return optimizer.add_variable(tuple(shape), initializer=keras.initializers.Constant(initial), dtype=dtype,
+                                          name=name.replace("/", "_"))
 
         kernel_axes = {p.name: p.kernel_axes for p in infos}
-        self._masks = PruningMasks(self.plan, variables, kernel_axes, make_variable, variables.__getitem__)
-        self._slots = {name: _slots_of(optimizer, self._by_name[name]) for name in self.plan.masks}
+        self._masks = PruningMasks(self.plan, variables, kernel_axes, make_variable, variables.__getitem__,
+                                   ops=self._ops)
+        self._slots = {name: [self._native(s) for s in slots_of(optimizer, self._by_name[name])]
+                       for name in self.plan.masks}
+
+    def _native(self, variable):
+        """What the step's ops write: TensorFlow's own variable under a Keras one; the Keras variable elsewhere."""
+        return variable.value if self._tf else variable
 
     def _ever_trainable(self) -> set[str]:
         names = set()
@@ -288,23 +274,35 @@ class ScheduledModifierManager(RecipeManager):
             self._driver.constraint = self._driver_inner
             self._driver = self._driver_inner = None
 
+    def _step(self, k):
+        """recal's step at ``k``, run by the driver's constraint; returns the driver's value after it."""
+        ops = self._step_ops(k)
+        o, driver = self._ops, self._native(self._driver)
+        if not self._tf:
+            return o.read(driver)
+        import tensorflow as tf
+
+        with tf.control_dependencies(ops):
+            return tf.identity(o.read(driver))
+
     def _step_ops(self, k) -> list:
-        """recal's step at ``k`` (graph code): masks updated and applied, optimizer state masked, the LR of
-        the step after ``k`` updates set."""
-        k = tf.minimum(tf.cast(k, tf.int64), self.schedule.total_steps)
+        """recal's step at ``k`` (graph code): masks updated and applied, optimizer state masked, the LR and weight
+        decay of the step after ``k`` set."""
+        o = self._ops
+        k = o.minimum(o.cast(k, o.index_dtype), self.schedule.total_steps)
         ops = []
-        if self._lr_values is not None:
-            lr = self._optimizer._learning_rate.value
-            ops.append(lr.assign(tf.cast(tf.gather(tf.constant(self._lr_values), k), lr.dtype), read_value=False))
-        if self._masks is None:
-            return ops
-        mask_ops, factors = self._masks.ops_and_factors(k)
-        ops += mask_ops
-        for name, slots in self._slots.items():
-            for slot in slots:
-                ops.append(slot.assign(zeroed(tf.convert_to_tensor(slot), [tf.cast(factors[name], slot.dtype)]),
-                                       read_value=False))
-        return ops
+        tables = [(self._optimizer._learning_rate, self._lr_values), (self._weight_decay, self._wd_values)]
+        for variable, values in tables:
+            if values is not None:
+                variable = self._native(variable)
+                ops.append(o.assign(variable, o.cast(o.take(o.constant(values), k), o.dtype_of(variable))))
+        if self._masks is not None:
+            mask_ops, factors = self._masks.ops_and_factors(k)
+            ops += mask_ops
+            for name, slots in self._slots.items():
+                for slot in slots:
+                    ops.append(o.assign(slot, zeroed(o.read(slot), [factors[name]], o)))
+        return [op for op in ops if op is not None]
 
     # --- during fit -----------------------------------------------------------------------------
 
@@ -319,14 +317,22 @@ class ScheduledModifierManager(RecipeManager):
 
         Run eagerly: a few calls a fit, and tracing the step's graph for every layer cost more than running it (3.9
         s against 0.2 s for MobileNetV2's 53 layers); the eager ops run in the order a traced function would."""
-        if self._masks is not None or self._lr_values is not None:
-            with tf.init_scope():
-                self._restart_ops(tf.constant(self._current_step(), tf.int64))
+        if self._masks is None and self._lr_values is None and self._wd_values is None:
+            return
+        if not self._tf:
+            self._restart(self._current_step())
+            return
+        import tensorflow as tf
 
-    def _restart_ops(self, k) -> None:
-        k = tf.minimum(k, self.schedule.total_steps)
-        with tf.control_dependencies(self._masks.restart_ops(k) if self._masks is not None else []):
-            tf.group(*self._step_ops(k))
+        with tf.init_scope():
+            self._restart(self._current_step())
+
+    def _restart(self, step: int) -> None:
+        o = self._ops
+        k = o.constant(min(step, self.schedule.total_steps), o.index_dtype)
+        if self._masks is not None:
+            self._masks.restart_ops(k)
+        self._step_ops(k)
 
     def _apply_trainable(self, model: keras.Model) -> bool:
         """Trainable flags in force now; True when they changed (the train function must be rebuilt)."""
@@ -396,6 +402,8 @@ class ScheduledModifierManager(RecipeManager):
     def _finalize_qat(self) -> None:
         """From now on the QAT layers trace as plain fake-quantized inference; or, when QAT never ran (no range
         observed), as the float model they compute with QAT off."""
+        from ..fake_quant import quantize_at_completion
+
         unobserved = [o.name for o in self._observers if float(o.observed.numpy()) == 0]
         if quantize_at_completion(self.recipe, self.schedule.quantization[0][0], unobserved, len(self._observers),
                                   self._current_step(), RecalWarning, stacklevel=3):
@@ -405,27 +413,6 @@ class ScheduledModifierManager(RecipeManager):
             self._qat.enabled = np.zeros_like(self._qat.enabled)  # off whatever the step
         for make in (self._model.make_predict_function, self._model.make_test_function):
             make(force=True)  # traced again with the switches as they are now
-
-
-def _float_lr(optimizer) -> float | None:
-    lr = optimizer._learning_rate
-    if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule) or callable(lr) and not hasattr(lr, "numpy"):
-        return None
-    return float(lr.numpy() if hasattr(lr, "numpy") else lr)
-
-
-def _slots_of(optimizer, variable: keras.Variable) -> list[tf.Variable]:
-    """The optimizer's per-weight state of ``variable`` (momentum, Adam's moments, ...): Keras optimizers keep
-    each kind in a list indexed like their trainable variables."""
-    index = optimizer._get_variable_index(variable)
-    count = len(optimizer._trainable_variables)
-    slots = []
-    for value in vars(optimizer).values():
-        if isinstance(value, (list, tuple)) and len(value) == count and value is not optimizer._trainable_variables:
-            slot = value[index]
-            if isinstance(slot, keras.Variable) and tuple(slot.shape) == tuple(variable.shape):
-                slots.append(slot.value)
-    return slots
 
 
 class RecalCallback(keras.callbacks.Callback):

@@ -1,0 +1,96 @@
+"""One recipe on the digits net with ``recal_tf.keras`` on whichever Keras backend this process runs: what every step
+left (LR, weight decay, each pruned kernel's zeros), written to an ``.npz`` for :mod:`tests.test_keras_backends`.
+
+``KERAS_BACKEND=jax python -m tests.keras_backend_run OUT.npz [MODEL.onnx]``; the test runs TensorFlow's in its own process.
+The initial weights come from NumPy (each backend's random initializers differ), so every backend starts alike.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+RECIPE = """
+modifiers:
+  - !EpochRangeModifier {start_epoch: 0.0, end_epoch: 4.0}
+  - !LearningRateModifier {start_epoch: 0.0, end_epoch: 4.0, lr_class: ExponentialLR, lr_kwargs: {gamma: 0.7},
+                           init_lr: 0.05}
+  - !SetWeightDecayModifier {weight_decay: 0.002, start_epoch: 1.0}
+  - !GMPruningModifier {start_epoch: 0.0, end_epoch: 3.0, update_frequency: 0.5, init_sparsity: 0.05,
+                        final_sparsity: 0.8, params: [conv0/kernel, conv1/kernel]}
+  - !GMPruningModifier {start_epoch: 0.5, end_epoch: 2.0, update_frequency: 0.5, init_sparsity: 0.1,
+                        final_sparsity: 0.5, params: [conv2/kernel], mask_type: "2:4"}
+  - !GMPruningModifier {start_epoch: 0.0, end_epoch: 2.0, update_frequency: 1.0, init_sparsity: 0.2,
+                        final_sparsity: 0.6, params: [fc/kernel], mask_type: block4, leave_enabled: false}
+"""
+STEPS_PER_EPOCH, BATCH = 6, 32
+PRUNED = ("conv0/kernel", "conv1/kernel", "conv2/kernel", "fc/kernel")
+
+
+def run(out: str, onnx_path: str | None = None) -> None:
+    import keras
+
+    from recal_app.keras_digits import digits_model
+    from recal_core.datasets import load_digits
+    from recal_tf.keras import ScheduledModifierManager, export_onnx
+    from recal_tf.keras.params import describe_model
+
+    imported_tensorflow = "tensorflow" in sys.modules  # recal's own imports (keras.utils.set_random_seed seeds TF too)
+
+    model = digits_model(0)
+    rng = np.random.default_rng(0)
+    for variable in model.weights:
+        if variable.path.endswith("kernel"):
+            limit = np.sqrt(6.0 / (np.prod(variable.shape[:-1]) + variable.shape[-1]))
+            variable.assign(rng.uniform(-limit, limit, variable.shape).astype(np.float32))
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    manager = ScheduledModifierManager.from_yaml(RECIPE)
+    model, callbacks = manager.modify(model, optimizer, steps_per_epoch=STEPS_PER_EPOCH)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    _, by_name = describe_model(model)
+    rows = {"lr": [], "weight_decay": [], "step": [], **{name: [] for name in PRUNED}}
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            getattr(self.model, "jax_state_sync", lambda: None)()  # JAX keeps the state off the variables in fit
+            rows["lr"].append(float(optimizer.learning_rate.numpy()))
+            rows["weight_decay"].append(float(optimizer.weight_decay))
+
+        def on_train_batch_end(self, batch, logs=None):
+            getattr(self.model, "jax_state_sync", lambda: None)()
+            rows["step"].append(int(optimizer.iterations.numpy()))
+            for name in PRUNED:
+                rows[name].append(np.packbits(np.asarray(by_name[name].numpy()) == 0))
+
+    digits = load_digits()
+    n = STEPS_PER_EPOCH * BATCH
+    model.fit(digits.train_images[:n, ..., None], digits.train_labels[:n], batch_size=BATCH, epochs=4,
+              callbacks=callbacks + [Record()], verbose=0, shuffle=False)
+    final = manager.finalize(model)
+    if onnx_path:  # the pruned model exported with this backend's exporter, run by onnxruntime
+        import onnxruntime
+
+        images = digits.test_images[:64, ..., None]
+        session = onnxruntime.InferenceSession(export_onnx(model, onnx_path))
+        exported = session.run(None, {session.get_inputs()[0].name: images})[0]
+        rows["onnx_error"] = np.abs(exported - np.asarray(model.predict(images, verbose=0))).max()
+        rows["onnx_zeros"] = _zeros_in(onnx_path)
+    rows["final"] = np.array([final[name] for name in PRUNED])
+    rows["fc"] = np.asarray(by_name["fc/kernel"].numpy())
+    rows["bn0"] = np.asarray(by_name["bn0/gamma"].numpy())
+    rows["tensorflow_imported"] = imported_tensorflow
+    np.savez(out, backend=keras.backend.backend(), **{k: np.asarray(v) for k, v in rows.items()})
+
+
+def _zeros_in(path: str) -> int:
+    """Zeros in the exported model's weights of four or more dimensions or matrices (its conv and dense kernels)."""
+    import onnx
+    from onnx import numpy_helper
+
+    weights = [numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer]
+    return int(sum((w == 0).sum() for w in weights if w.ndim >= 2))
+
+
+if __name__ == "__main__":
+    run(*sys.argv[1:])
