@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_thinning.py
 	$(BIN)/python scripts/bench_transformer_thinning.py --quick
 	$(BIN)/python scripts/bench_keras.py
+	$(BIN)/python scripts/bench_keras_backends.py
 
 # the wheel installed with each extra into a fresh venv runs that extra's README quick start
 check-wheel:

@@ -107,7 +107,8 @@ class PruningMasks:
             ops.append(op)
 
     def ops(self, k) -> list:
-        """Per pruning modifier one conditional update of all its masks, then ``w <- 0 where mask == 0`` per variable."""
+        """Per pruning modifier one conditional update of all its masks, then ``w <- 0 where mask == 0`` per
+        variable."""
         return self.ops_and_factors(k)[0]
 
     def ops_and_factors(self, k) -> tuple[list, dict]:

@@ -1,7 +1,8 @@
 """One recipe on the digits net with ``recal_tf.keras`` on whichever Keras backend this process runs: what every step
 left (LR, weight decay, each pruned kernel's zeros), written to an ``.npz`` for :mod:`tests.test_keras_backends`.
 
-``KERAS_BACKEND=jax python -m tests.keras_backend_run OUT.npz [MODEL.onnx]``; the test runs TensorFlow's in its own process.
+``KERAS_BACKEND=jax python -m tests.keras_backend_run OUT.npz [MODEL.onnx]``; the test runs TensorFlow's in its
+own process.
 The initial weights come from NumPy (each backend's random initializers differ), so every backend starts alike.
 """
 
@@ -63,10 +64,26 @@ def run(out: str, onnx_path: str | None = None) -> None:
             for name in PRUNED:
                 rows[name].append(np.packbits(np.asarray(by_name[name].numpy()) == 0))
 
+    class SaveAtEpoch2(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1 and checkpoint:
+                self.model.save(checkpoint)
+
     digits = load_digits()
     n = STEPS_PER_EPOCH * BATCH
-    model.fit(digits.train_images[:n, ..., None], digits.train_labels[:n], batch_size=BATCH, epochs=4,
-              callbacks=callbacks + [Record()], verbose=0, shuffle=False)
+    x, y = digits.train_images[:n, ..., None], digits.train_labels[:n]
+    checkpoint = onnx_path and str(onnx_path).replace(".onnx", ".keras")
+    model.fit(x, y, batch_size=BATCH, epochs=4, callbacks=callbacks + [Record(), SaveAtEpoch2()], verbose=0,
+              shuffle=False)
+    if checkpoint:  # a new process's resume: the .keras file of epoch 2, a new manager, epochs 3 and 4
+        resumed = keras.models.load_model(checkpoint)
+        resumed, resumed_callbacks = ScheduledModifierManager.from_yaml(RECIPE).modify(
+            resumed, resumed.optimizer, steps_per_epoch=STEPS_PER_EPOCH)
+        resumed.compile(optimizer=resumed.optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        resumed.fit(x, y, batch_size=BATCH, epochs=4, initial_epoch=2, callbacks=resumed_callbacks, verbose=0,
+                    shuffle=False)
+        rows["resume_error"] = max(np.abs(np.asarray(a.numpy()) - np.asarray(b.numpy())).max()
+                                   for a, b in zip(model.weights, resumed.weights))
     final = manager.finalize(model)
     if onnx_path:  # the pruned model exported with this backend's exporter, run by onnxruntime
         import onnxruntime

@@ -21,8 +21,8 @@ from .conftest import ROOT  # noqa: E402
 def _run_on(backend: str, out, onnx_path) -> subprocess.Popen:
     """The recipe run on ``backend`` in a fresh interpreter (a process's Keras backend is fixed at import)."""
     env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "tests.keras_backend_run", str(out), str(onnx_path)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen([sys.executable, "-m", "tests.keras_backend_run", str(out), str(onnx_path)], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.mark.slow
@@ -30,7 +30,8 @@ def test_the_same_recipe_prunes_the_same_weights_at_every_step_on_every_keras_ba
     """Unstructured, 2:4 and block pruning (one released mid-run), an exponential LR and a weight decay from epoch 1:
     after every step JAX and PyTorch hold exactly TensorFlow's zeros and ran at its LR and decay, and neither
     imported TensorFlow for recal; each backend's ONNX export (tf2onnx, jax2onnx, torch.onnx) computes what its
-    Keras model does and holds the pruned zeros."""
+    Keras model does and holds the pruned zeros; a run resumed from the ``.keras`` file of epoch 2 with a new manager
+    ends on the same weights, bit for bit."""
     pytest.importorskip("jax")
     pytest.importorskip("torch")
     others = {b: _run_on(b, tmp_path / f"{b}.npz", tmp_path / f"{b}.onnx") for b in ("jax", "torch")}
@@ -44,7 +45,8 @@ def test_the_same_recipe_prunes_the_same_weights_at_every_step_on_every_keras_ba
     zeros = {name: np.unpackbits(tf_run[name], axis=1).sum(axis=1) for name in keras_backend_run.PRUNED}
     assert zeros["fc/kernel"].max() > 0 and zeros["fc/kernel"][-1] == 0  # block pruning ran, then was released
     assert zeros["conv2/kernel"][-1] == zeros["conv2/kernel"].max() > 0  # 2:4
-    assert len(set(tf_run["lr"])) > 2 and tf_run["weight_decay"][0] == 0 and tf_run["weight_decay"][-1] == np.float32(0.002)
+    assert len(set(tf_run["lr"])) > 2
+    assert tf_run["weight_decay"][0] == 0 and tf_run["weight_decay"][-1] == np.float32(0.002)
     for backend in ("jax", "torch"):
         other = ran[backend]
         assert str(other["backend"]) == backend and not other["tensorflow_imported"]
@@ -55,7 +57,9 @@ def test_the_same_recipe_prunes_the_same_weights_at_every_step_on_every_keras_ba
             np.testing.assert_array_equal(other[name], tf_run[name], err_msg=f"{backend} {name}")
         np.testing.assert_allclose(other["fc"], tf_run["fc"], atol=1e-5)  # the same training, decay included
         assert other["onnx_error"] < 1e-5 and other["onnx_zeros"] == tf_run["onnx_zeros"]  # its exporter's ONNX
-    assert tf_run["onnx_error"] < 1e-5 and tf_run["onnx_zeros"] >= sum(z[-1] for z in zeros.values())
+        assert other["resume_error"] == 0  # resumed from a .keras file of epoch 2: bit for bit
+    assert tf_run["resume_error"] == 0 and tf_run["onnx_error"] < 1e-5
+    assert tf_run["onnx_zeros"] >= sum(z[-1] for z in zeros.values())
 
 
 @pytest.mark.parametrize("backend", ["numpy", "openvino"])
@@ -112,7 +116,8 @@ def test_a_channels_last_pool_over_six_axes_becomes_a_2d_pool(tmp_path, op):
     x = np.random.default_rng(0).standard_normal((2, 4, 6, 3)).astype(np.float32)
     windows = x.reshape(2, 2, 2, 3, 2, 3).transpose(0, 1, 3, 5, 2, 4).reshape(2, 2, 3, 3, 4)
     expected = windows.max(axis=-1) if op == "MaxPool" else windows.mean(axis=-1)
-    for level in (onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL, onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL):
+    levels = onnxruntime.GraphOptimizationLevel
+    for level in (levels.ORT_DISABLE_ALL, levels.ORT_ENABLE_ALL):
         options = onnxruntime.SessionOptions()
         options.graph_optimization_level = level
         session = onnxruntime.InferenceSession(str(path), options)

@@ -36,7 +36,8 @@ def export_onnx(model: keras.Model, path: str | os.PathLike, *, opset: int | Non
     try:
         importlib.import_module(module)  # what Keras's ONNX export runs on this backend
     except ImportError as exc:
-        raise ImportError(f"exporting Keras to ONNX on the {backend} backend needs {module}: pip install {extra}") from exc
+        raise ImportError(f"exporting Keras to ONNX on the {backend} backend needs {module}: "
+                          f"pip install {extra}") from exc
     if backend == "jax" and not getattr(model, "_called", True):
         _call_once(model)  # JAX's fit and predict run the model statelessly, which Keras's export does not count
     with atomic_path(path) as tmp, warnings.catch_warnings(), _normalization_constants_in_graph(model):

@@ -37,7 +37,7 @@ from ..mask_ops import PruningMasks, per_step, zeroed
 from ..recipe_support import RecalWarning, check_table_size, qat_problems, torch_only_problems
 from ..tensor_ops import KerasOps, TensorFlowOps
 from .backends import backend_problems, current_backend
-from .optimizer_state import float_lr, install_weight_decay, slots_of
+from .optimizer_state import add_recal_variable, float_lr, install_weight_decay, slots_of
 from .params import describe_model
 
 log = logging.getLogger(__name__)
@@ -239,9 +239,7 @@ class ScheduledModifierManager(RecipeManager):
 
                 return tf.Variable(tf.fill(shape, tf.constant(initial, dtype)), trainable=False,
                                    name=name.replace("/", "_"), dtype=dtype)
-            # an optimizer variable: a JAX train step carries only the optimizer's and the model's state
-            return optimizer.add_variable(tuple(shape), initializer=keras.initializers.Constant(initial), dtype=dtype,
-                                          name=name.replace("/", "_"))
+            return add_recal_variable(optimizer, shape, initial, dtype, name.replace("/", "_"))
 
         kernel_axes = {p.name: p.kernel_axes for p in infos}
         self._masks = PruningMasks(self.plan, variables, kernel_axes, make_variable, variables.__getitem__,

@@ -54,8 +54,7 @@ def install_weight_decay(optimizer, values: np.ndarray, as_table: bool):
         optimizer.weight_decay = WeightDecayTable(values, optimizer.iterations)
         variable = None
     else:
-        variable = optimizer.add_variable((), initializer=keras.initializers.Constant(float(values[0])),
-                                          dtype="float32", name="recal_weight_decay")
+        variable = add_recal_variable(optimizer, (), float(values[0]), "float32", "recal_weight_decay")
         optimizer.weight_decay = variable
     get_config = optimizer.get_config
 
@@ -88,3 +87,34 @@ def slots_of(optimizer, variable: keras.Variable) -> list[keras.Variable]:
             if isinstance(slot, keras.Variable) and tuple(slot.shape) == tuple(variable.shape):
                 slots.append(slot)
     return slots
+
+
+def add_recal_variable(optimizer, shape, initial, dtype: str, name: str) -> keras.Variable:
+    """One of recal's own variables (a mask, an update id, the weight decay in force) as an optimizer variable: a JAX
+    train step carries only the optimizer's and the model's variables from step to step. They stay out of what the
+    optimizer saves (``.keras`` files, ``BackupAndRestore``), so a saved optimizer loads into a new one with or
+    without recal, as on TensorFlow (recal's step state is rebuilt from ``optimizer.iterations`` at every start)."""
+    variable = optimizer.add_variable(tuple(shape), initializer=keras.initializers.Constant(initial), dtype=dtype,
+                                      name=name)
+    held = getattr(optimizer, "_recal_variables", None)
+    if held is None:
+        optimizer._recal_variables = set()
+        held = optimizer._recal_variables  # Keras tracks what is set on an optimizer: a copy of the set
+        _without_recal_variables(optimizer, "save_own_variables")
+        _without_recal_variables(optimizer, "load_own_variables")
+    held.add(id(variable))
+    return variable
+
+
+def _without_recal_variables(optimizer, method: str) -> None:
+    inner = getattr(optimizer, method)
+
+    def call(store):
+        everything = optimizer._variables
+        optimizer._variables = [v for v in everything if id(v) not in optimizer._recal_variables]
+        try:
+            return inner(store)
+        finally:
+            optimizer._variables = everything
+
+    setattr(optimizer, method, call)
