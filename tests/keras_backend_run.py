@@ -25,11 +25,11 @@ modifiers:
   - !GMPruningModifier {start_epoch: 0.0, end_epoch: 2.0, update_frequency: 1.0, init_sparsity: 0.2,
                         final_sparsity: 0.6, params: [fc/kernel], mask_type: block4, leave_enabled: false}
 """
-STEPS_PER_EPOCH, BATCH = 6, 32
+STEPS_PER_EPOCH, BATCH = 4, 32
 PRUNED = ("conv0/kernel", "conv1/kernel", "conv2/kernel", "fc/kernel")
 
 
-def run(out: str, onnx_path: str | None = None) -> None:
+def run(out: str, onnx_path: str | None = None, resume: bool = True) -> None:
     import keras
 
     from recal_app.keras_digits import digits_model
@@ -72,7 +72,7 @@ def run(out: str, onnx_path: str | None = None) -> None:
     digits = load_digits()
     n = STEPS_PER_EPOCH * BATCH
     x, y = digits.train_images[:n, ..., None], digits.train_labels[:n]
-    checkpoint = onnx_path and str(onnx_path).replace(".onnx", ".keras")
+    checkpoint = resume and onnx_path and str(onnx_path).replace(".onnx", ".keras")
     model.fit(x, y, batch_size=BATCH, epochs=4, callbacks=callbacks + [Record(), SaveAtEpoch2()], verbose=0,
               shuffle=False)
     if checkpoint:  # a new process's resume: the .keras file of epoch 2, a new manager, epochs 3 and 4

@@ -35,7 +35,7 @@ def test_the_same_recipe_prunes_the_same_weights_at_every_step_on_every_keras_ba
     pytest.importorskip("jax")
     pytest.importorskip("torch")
     others = {b: _run_on(b, tmp_path / f"{b}.npz", tmp_path / f"{b}.onnx") for b in ("jax", "torch")}
-    keras_backend_run.run(str(tmp_path / "tensorflow.npz"), str(tmp_path / "tensorflow.onnx"))
+    keras_backend_run.run(str(tmp_path / "tensorflow.npz"), str(tmp_path / "tensorflow.onnx"), resume=False)
     for backend, process in others.items():
         output, _ = process.communicate(timeout=300)
         assert process.returncode == 0, output[-3000:]
@@ -58,7 +58,7 @@ def test_the_same_recipe_prunes_the_same_weights_at_every_step_on_every_keras_ba
         np.testing.assert_allclose(other["fc"], tf_run["fc"], atol=1e-5)  # the same training, decay included
         assert other["onnx_error"] < 1e-5 and other["onnx_zeros"] == tf_run["onnx_zeros"]  # its exporter's ONNX
         assert other["resume_error"] == 0  # resumed from a .keras file of epoch 2: bit for bit
-    assert tf_run["resume_error"] == 0 and tf_run["onnx_error"] < 1e-5
+    assert tf_run["onnx_error"] < 1e-5  # TensorFlow's resume from .keras: tests/test_keras.py
     assert tf_run["onnx_zeros"] >= sum(z[-1] for z in zeros.values())
 
 

@@ -1,4 +1,5 @@
-"""recal for Keras 3 (``tf.keras`` on TensorFlow 2.16+): the same recipe as recal_torch and the graph API.
+"""recal for Keras 3 on its TensorFlow, JAX and PyTorch backends: the same recipe as recal_torch and the graph API
+(:mod:`recal_tf.keras.backends` says what each backend runs).
 
 ``model, callbacks = ScheduledModifierManager.from_yaml(recipe).modify(model, optimizer, steps_per_epoch)``,
 then ``model.compile(optimizer=optimizer, ...)``, ``model.fit(..., callbacks=callbacks)``,
