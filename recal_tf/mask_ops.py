@@ -331,10 +331,10 @@ def _sum_of(parts: list):
     return result
 
 
-def zeroed(value, masks: list, ops=None):
+def zeroed(value, masks: list, ops):
     """``value`` with every place a mask holds 0 set to exactly 0 (a ``select``, not a product: a pruned weight is 0
     whatever it held, NaN or infinity included)."""
-    o = ops if ops is not None else TensorFlowOps()
+    o = ops
     one = o.one(o.dtype_of(value)) if masks else None
     keep = _product(masks, one)
     if keep is None or keep is one:  # no mask in force (eager backends see it without computing a tensor)

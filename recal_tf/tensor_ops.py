@@ -134,6 +134,3 @@ class KerasOps:
 
     def assign(self, variable, value):
         variable.assign(value)
-
-    def after(self, ops: list, values: list) -> list:
-        return values
