@@ -32,7 +32,7 @@ class Graph:
         self.graph = self.model.graph
         self._arrays: dict[Value, np.ndarray] = {}
         self._counter = itertools.count()
-        self._names = {v.name for v in self._values() if v.name}
+        self._names = {v.name for v in self._values() if v.name} | {n.name for n in self.graph if n.name}
 
     def _values(self) -> Iterator[Value]:
         yield from self.graph.inputs
@@ -115,8 +115,11 @@ class Graph:
                  outputs: int = 1, replaces: Value | None = None, **attrs) -> Node:
         """Append a node. With ``replaces``, its output stands in for that value: every reader (graph output
         too) reads it instead, and it takes the value's name and shape."""
-        node = ir.node(op_type, list(inputs), attrs, domain=domain, num_outputs=outputs,
-                       name=name or self.fresh(op_type))
+        if not name or name in self._names:  # node names are unique in a valid model (an exporter's may be empty)
+            name = self.fresh(name or op_type)
+        else:
+            self._names.add(name)
+        node = ir.node(op_type, list(inputs), attrs, domain=domain, num_outputs=outputs, name=name)
         for out in node.outputs:
             out.name = self.fresh(node.name)
         self.graph.append(node)

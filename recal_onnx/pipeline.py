@@ -7,7 +7,8 @@ target's weight storage, thinning); a pass whose signature takes ``findings`` re
 passes in turn until none rewrites (a QLinear op made by one pass is what the next one matches).
 
 1. constants and folds: ``constants_to_initializers``, ``remove_identities``, ``fold_constants`` (weights' Q becomes
-   int8), ``fold_weight_reshapes`` and ``fold_weight_transposes`` (``DQ(w) -> Reshape / Transpose`` becomes
+   int8), ``minmax_to_clip`` (jax2onnx's ``Max`` / ``Min`` by a constant: the Clip it is), ``fold_weight_reshapes``
+   and ``fold_weight_transposes`` (``DQ(w) -> Reshape / Transpose`` becomes
    ``DQ(reshaped / transposed w)``), ``fold_pads_into_convs``,
    ``gather_int4_tables``, ``gather_int8_tables``, ``fold_conv_affine`` (Div / Mul / Add / BatchNormalization after a conv into its weight
    and bias), ``zero_channel_scales``;
@@ -45,6 +46,7 @@ from .passes.gather_int8_table import gather_int8_tables
 from .passes.gemm_to_qgemm import gemm_to_qgemm
 from .passes.int8_passthrough import int8_passthrough
 from .passes.matmul_nbits import matmul_to_nbits
+from .passes.minmax_to_clip import minmax_to_clip
 from .passes.noop_clamps import remove_noop_clamps
 from .passes.pad_into_conv import fold_pads_into_convs
 from .passes.pool_to_qlinear import pool_to_qlinear
@@ -83,7 +85,8 @@ class Step:
 
 
 PIPELINE: tuple[Step, ...] = (
-    Step((constants_to_initializers, remove_identities, fold_constants, fold_weight_reshapes, fold_weight_transposes,
+    Step((constants_to_initializers, remove_identities, fold_constants, minmax_to_clip, fold_weight_reshapes,
+          fold_weight_transposes,
           fold_pads_into_convs,
           gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales)),
     Step((thin_heads,), when=lambda o: o.thin),

@@ -10,18 +10,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import warnings
-
-import numpy as np
 import tensorflow as tf
 
 from recal_core.modifiers import WEIGHT_LEVELS
-from recal_core.recipe import Recipe
-from recal_core.schedule import RecipeSchedule
 
-AVERAGING_CONSTANT = 0.01  # the observers' moving-average weight, as torch.ao's MovingAverageMinMaxObserver
+from .qat_tables import AVERAGING_CONSTANT
 
 
 def _activation_range(low, high):
@@ -72,52 +65,3 @@ def moving_range(low, high, old_low, old_high, seen):
     c = AVERAGING_CONSTANT
     return (tf.where(seen, old_low + c * (low - old_low), low),
             tf.where(seen, old_high + c * (high - old_high), high))
-
-
-@dataclass
-class QATTables:
-    """The QuantizationModifier's switches per step, read in the graph at the step ``iterations`` (Keras: the
-    optimizer's ``iterations``; the graph API: the global step)."""
-
-    enabled: np.ndarray
-    bn_frozen: np.ndarray
-    observers_frozen: np.ndarray
-    iterations: object = None
-    export: bool = False  # inference graph for export: always quantized, no switches
-    weight_levels: int = WEIGHT_LEVELS  # 64 with the modifier's reduce_range
-
-    @classmethod
-    def from_schedule(cls, schedule: RecipeSchedule, index: int, iterations) -> "QATTables":
-        """The tables of the recipe's QuantizationModifier at ``index``, read at ``iterations`` (a step tensor)."""
-        steps = schedule.total_steps + 1
-        flags = np.fromiter(((s.enabled, s.bn_frozen, s.observers_frozen) for s in
-                             (schedule.qat(index, k) for k in range(steps))), dtype=np.dtype((bool, 3)), count=steps)
-        return cls(flags[:, 0].copy(), flags[:, 1].copy(), flags[:, 2].copy(), iterations,
-                   weight_levels=schedule.recipe.modifiers[index].weight_levels)
-
-    @classmethod
-    def fixed(cls, enabled: bool, export: bool, weight_levels: int = WEIGHT_LEVELS) -> "QATTables":
-        """Tables that say the same at every step, with BatchNorm and observers frozen: a QAT layer loaded from a
-        ``.keras`` file, as it computed when saved, until a recipe's manager takes it on again."""
-        return cls(np.array([enabled]), np.array([True]), np.array([True]), 0, export, weight_levels)
-
-    def at(self, table: np.ndarray, step=None) -> tf.Tensor:
-        """``table`` at ``step`` (default: ``iterations``), clipped to its last entry."""
-        k = tf.minimum(tf.cast(self.iterations if step is None else step, tf.int64), len(table) - 1)
-        return tf.gather(tf.constant(table), k)
-
-
-def quantize_at_completion(recipe: Recipe, index: int, unobserved: list[str], observers: int, step: int,
-                           category: type[Warning], stacklevel: int) -> bool:
-    """Whether a QAT model completed at ``step`` exports quantized: yes when every range was observed; no, with a
-    warning, when none was (QAT never ran: its ranges are empty); a model with some ranges never observed is an
-    error naming them. ``stacklevel`` points the warning at the user's call."""
-    where = recipe.describe(index)
-    if unobserved and len(unobserved) < observers:
-        raise RuntimeError(f"{where}: these activations were never observed, so they have no range to quantize "
-                           f"with: {', '.join(unobserved)} (a branch no training step ran?); train until every "
-                           "quantized tensor has been seen, or remove the modifier")
-    if unobserved:
-        warnings.warn(f"{where}: QAT had not run by step {step}, so the model is completed float", category,
-                      stacklevel=stacklevel + 1)
-    return not unobserved

@@ -1,57 +1,55 @@
-"""keras.applications under recal's Keras QAT: what becomes integer, and how close the int8 model stays.
+"""keras.applications under recal's Keras QAT on each Keras backend: what becomes integer, and how close the int8
+model stays.
 
 Each model is built with ``weights=None`` (nothing downloaded) and a logits head at ``--size``, pruned 60% (every conv and
-dense kernel) and QAT-trained with ``fit`` (the zoo test's recipe, ``--steps`` per epoch) on synthetic data it can learn
-(ten class templates plus noise, so its logits separate as a trained model's do), finalized, exported with
-``recal_tf.keras.export_onnx`` and converted by ``quantize_qat_export``. One table: the layers recal's Keras QAT
-quantizes and those it leaves float, the integer ops of the int8 model and the float ops the converter names
-between them (``result.unconverted``; the classifier's bias Add after the last integer op is not among them), the int8
-model's largest difference from the Keras QAT model in that model's output steps, and argmax agreement on 256
-new inputs of the same classes (in a default onnxruntime session) beside the share of those inputs whose top two Keras logits lie within
+dense kernel) and QAT-trained with ``fit`` (the zoo test's recipe, ``--steps`` per epoch; BatchNorm momentum 0.9, as
+Keras's 0.99 leaves the moving statistics near their start after a few dozen steps) on synthetic data it can learn
+(ten class templates plus noise), finalized, exported with ``recal_tf.keras.export_onnx`` (tf2onnx, jax2onnx or
+torch.onnx) and converted by ``quantize_qat_export``. One table: the layers recal's Keras QAT quantizes and those it
+leaves float, the integer ops of the int8 model and the float ops the converter names between them
+(``result.unconverted``; the classifier's bias Add after the last integer op is not among them), the Keras QAT model's
+accuracy, the int8 model's largest difference from it in its output steps, and argmax agreement on 256 new inputs of the
+same classes (in a default onnxruntime session) beside the share of those inputs whose top two Keras logits lie within
 one output step of each other (a one-step difference can flip their argmax).
 
-    python scripts/bench_keras_applications.py [--size 32] [--steps 16] [--models mobilenet_v2 resnet50 ...]
-        [--json docs/results/keras_applications.json]
+Each backend runs in an interpreter of its own (``KERAS_BACKEND`` is read once, at import)::
+
+    python scripts/bench_keras_applications.py [--backends tensorflow jax torch] [--size 32] [--steps 48]
+        [--models mobilenet_v2 resnet50 ...] [--json docs/results/keras_applications.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
+import subprocess
 import sys
-import tempfile
-import warnings
 from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import onnx  # noqa: E402
-import onnxruntime as ort  # noqa: E402
-
-from recal_onnx import quantize_qat_export  # noqa: E402
-from recal_tf.keras import RecalWarning, ScheduledModifierManager, export_onnx  # noqa: E402
-from tests.zoo.test_keras_applications import BATCH, RECIPE  # noqa: E402 - the zoo test's recipe
-
+BACKENDS = ("tensorflow", "jax", "torch")
+MODELS = ("mobilenet_v2", "mobilenet_v3_small", "resnet50", "efficientnet_b0", "densenet121")
 CLASSES = 10
-HEAD = {"weights": None, "classes": CLASSES, "classifier_activation": None}  # logits: compared on their int8 grid
-APPLICATIONS = {
-    "mobilenet_v2": lambda s: keras.applications.MobileNetV2((s, s, 3), alpha=0.35, **HEAD),
-    "mobilenet_v3_small": lambda s: keras.applications.MobileNetV3Small((s, s, 3), include_preprocessing=False,
-                                                                        **HEAD),
-    "resnet50": lambda s: keras.applications.ResNet50(input_shape=(s, s, 3), **HEAD),
-    "efficientnet_b0": lambda s: keras.applications.EfficientNetB0(input_shape=(s, s, 3), **HEAD),
-    "densenet121": lambda s: keras.applications.DenseNet121(input_shape=(s, s, 3), **HEAD),
-}
+
+
+def applications(keras) -> dict:
+    """Each model of the zoo, a function of the input size."""
+    head = {"weights": None, "classes": CLASSES, "classifier_activation": None}  # logits: compared on their int8 grid
+    apps = keras.applications
+    return {
+        "mobilenet_v2": lambda s: apps.MobileNetV2((s, s, 3), alpha=0.35, **head),
+        "mobilenet_v3_small": lambda s: apps.MobileNetV3Small((s, s, 3), include_preprocessing=False, **head),
+        "resnet50": lambda s: apps.ResNet50(input_shape=(s, s, 3), **head),
+        "efficientnet_b0": lambda s: apps.EfficientNetB0(input_shape=(s, s, 3), **head),
+        "densenet121": lambda s: apps.DenseNet121(input_shape=(s, s, 3), **head),
+    }
 
 
 def templates(size: int, seed: int = 0):
-    """A sampler of ``(x, y)``: ``x = template[y] + noise``, ten classes a model learns in a few steps."""
+    """A sampler of ``(x, y)``: ``x = template[y] + noise``, ten classes a model learns in a few dozen steps."""
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     base = rng.standard_normal((CLASSES, size, size, 3)).astype(np.float32)
 
@@ -62,10 +60,25 @@ def templates(size: int, seed: int = 0):
     return sample
 
 
-def run(name: str, size: int, folder: Path, steps: int) -> dict:
-    """One model's row."""
+def run(name: str, size: int, folder: Path, steps: int, bn_momentum: float = 0.9) -> dict:
+    """One model's row, on this process's Keras backend."""
+    import collections
+    import warnings
+
+    import keras
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from recal_onnx import quantize_qat_export
+    from recal_tf.keras import RecalWarning, ScheduledModifierManager, export_onnx
+    from tests.zoo.test_keras_applications import BATCH, RECIPE  # the zoo test's recipe
+
     keras.utils.set_random_seed(0)
-    model = APPLICATIONS[name](size)
+    model = applications(keras)[name](size)
+    for layer in model.layers:  # Keras's 0.99 leaves the moving statistics near their initial values after a few
+        if isinstance(layer, keras.layers.BatchNormalization):  # dozen steps, and the model then predicts
+            layer.momentum = bn_momentum  # one class for every input in inference
     manager = ScheduledModifierManager.from_yaml(RECIPE)
     optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
     with warnings.catch_warnings(record=True) as caught:
@@ -98,42 +111,78 @@ def run(name: str, size: int, folder: Path, steps: int) -> dict:
             "near_ties": float((top_two[:, 1] - top_two[:, 0] <= step * (1 + 1e-3)).mean())}
 
 
-def format_table(rows: list[dict]) -> str:
-    lines = ["| model | QAT layers | layers left float | integer ops | float ops between integer ones | Keras QAT "
-             "accuracy | max diff (output steps) | argmax agreement | top two within a step |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        steps = r["max_diff"] / r["output_step"] if r["output_step"] else float("nan")
-        floats = ", ".join(f"{op} x{n}" for op, n in r["float_ops"].items()) or "none"
-        lines.append(f"| {r['model']} ({r['size']}x{r['size']}) | {r['quantized']} | {r['float_layers'][:60]} | "
-                     f"{r['integer_ops']} | {floats} | {100 * r['accuracy']:.1f}% | {r['max_diff']:.3g} ({steps:.2f}) | "
-                     f"{r['agreement']:.4f} | {r['near_ties']:.4f} |")
-    return "\n".join(lines)
+def child(models: list[str], size: int, steps: int) -> dict:
+    """Every model's row on this process's backend (a model that fails is a row that says why)."""
+    import tempfile
+
+    import keras
+    import onnxruntime as ort
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in models:
+            try:
+                rows.append(run(name, size, Path(tmp), steps))
+            except Exception as exc:  # noqa: BLE001 - a model that fails is a row that says why
+                error = f"{type(exc).__name__}: {exc}".replace(f"{tmp}/", "")  # no temporary folder in the table
+                rows.append({"model": name, "size": size, "error": error[:300]})
+                print(f"{name}: {rows[-1]['error']}", file=sys.stderr)
+    backend = keras.backend.backend()
+    version = __import__("tensorflow" if backend == "tensorflow" else backend).__version__
+    return {"backend": backend, "backend_version": version, "keras": keras.__version__,
+            "onnxruntime": ort.__version__, "rows": rows}
+
+
+def table(data: dict) -> str:
+    """The results as a Markdown table (also what ``scripts/render_docs.py`` writes into the docs)."""
+    lines = ["| backend | model | QAT layers | integer ops | float ops between integer ones | Keras QAT accuracy | "
+             "max diff (output steps) | argmax agreement | top two within a step |", "|---|---|---|---|---|---|---|---|---|"]
+    for result in data["backends"]:
+        for r in result["rows"]:
+            where = f"| {result['backend']} | {r['model']}"
+            if "error" in r:
+                lines.append(f"{where} | failed: {r['error']} | | | | | | |")
+                continue
+            floats = ", ".join(f"{op} x{n}" for op, n in r["float_ops"].items()) or "none"
+            steps = r["max_diff"] / r["output_step"] if r["output_step"] else float("nan")
+            lines.append(f"{where} ({r['size']}x{r['size']}) | {r['quantized']} | {r['integer_ops']} | {floats} | "
+                         f"{100 * r['accuracy']:.1f}% | {r['max_diff']:.3g} ({steps:.2f}) | {r['agreement']:.4f} | "
+                         f"{r['near_ties']:.4f} |")
+    first = data["backends"][0]
+    versions = ", ".join(f"{r['backend']} {r['backend_version']}" for r in data["backends"])
+    return ("\n".join(lines) + f"\n\nweights=None, a logits head, pruned 60% and QAT-trained for {2 * data['steps']} "
+            "steps with `fit` (batch 16, BatchNorm momentum 0.9) on ten learnable synthetic classes (templates plus "
+            "noise); the int8 model against the Keras QAT model on 256 new inputs of those classes in a default "
+            "session; accuracy: the Keras QAT model's on them; the last column: the inputs whose top two Keras logits "
+            f"are within one output step (a step's difference can flip them); Keras {first['keras']} ({versions}), "
+            f"onnxruntime {first['onnxruntime']} (`python scripts/bench_keras_applications.py --steps {data['steps']} "
+            "--json docs/results/keras_applications.json`)")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument("--size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=16, help="steps per epoch (two epochs: pruning, then QAT)")
-    parser.add_argument("--models", nargs="+", default=list(APPLICATIONS), choices=list(APPLICATIONS))
-    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--steps", type=int, default=48, help="steps per epoch (two epochs: pruning, then QAT)")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models:
-            try:
-                rows.append(run(name, args.size, Path(tmp), args.steps))
-            except Exception as exc:  # noqa: BLE001 - a model that fails is a row that says why
-                error = f"{type(exc).__name__}: {exc}".replace(f"{tmp}/", "")  # no temporary folder in the table
-                rows.append({"model": name, "size": args.size, "error": error[:300]})
-                print(f"{name}: {rows[-1]['error']}", file=sys.stderr)
-    print(format_table([r for r in rows if "error" not in r]))
-    for r in rows:
-        if "error" in r:
-            print(f"{r['model']}: failed: {r['error']}")
+    if args.child:
+        sys.path.insert(0, str(ROOT))
+        print(json.dumps(child(args.models, args.size, args.steps)))
+        return 0
+    results = []
+    for backend in args.backends:
+        env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+        out = subprocess.run([sys.executable, __file__, "--child", "--size", str(args.size), "--steps",
+                              str(args.steps), "--models", *args.models], env=env, check=True, cwd=ROOT,
+                             stdout=subprocess.PIPE, text=True).stdout
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    data = {"size": args.size, "steps": args.steps, "backends": results}
+    print(table(data))
     if args.json:
-        Path(args.json).write_text(json.dumps({"keras": keras.__version__, "onnxruntime": ort.__version__,
-                                               "rows": rows}, indent=1) + "\n")
+        args.json.write_text(json.dumps(data, indent=1) + "\n")
     return 0
 
 

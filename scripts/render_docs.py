@@ -190,8 +190,8 @@ def keras_backends() -> str:
 
 def keras_backends_summary() -> str:
     """The README's line per Keras backend: what runs there, and recal's cost between mask updates."""
-    support = {"tensorflow": ("yes", "yes", "tf2onnx"), "jax": ("yes, not trainable flags", "no", "jax2onnx"),
-               "torch": ("yes", "no", "torch.onnx")}
+    support = {"tensorflow": ("yes", "yes", "tf2onnx"), "jax": ("yes, not trainable flags", "yes", "jax2onnx"),
+               "torch": ("yes", "yes", "torch.onnx")}
     lines = ["| Keras backend | pruning, LR, decay, flags | QAT | export | recal step vs plain `fit` |",
              "|---|---|---|---|---|"]
     for result in _load("keras_backends.json")["backends"]:
@@ -205,26 +205,11 @@ def keras_backends_summary() -> str:
 
 
 def keras_applications() -> str:
-    """keras.applications under recal's Keras QAT (scripts/bench_keras_applications.py)."""
-    data = _load("keras_applications.json")
-    lines = ["| model | QAT layers | integer ops | float ops between integer ones | Keras QAT accuracy | max diff "
-             "(output steps) | argmax agreement | top two within a step |", "|---|---|---|---|---|---|---|---|"]
-    for r in data["rows"]:
-        if "error" in r:
-            lines.append(f"| {r['model']} | failed: {r['error']} | | | | | | |")
-            continue
-        floats = ", ".join(f"{op} x{n}" for op, n in r["float_ops"].items()) or "none"
-        steps = r["max_diff"] / r["output_step"] if r["output_step"] else float("nan")
-        lines.append(f"| {r['model']} ({r['size']}x{r['size']}) | {r['quantized']} | {r['integer_ops']} | {floats} | "
-                     f"{100 * r['accuracy']:.1f}% | {r['max_diff']:.3g} ({steps:.2f}) | {r['agreement']:.4f} | "
-                     f"{r['near_ties']:.4f} |")
-    trained = 2 * data["rows"][0].get("steps", 0)
-    return ("\n".join(lines) + f"\n\nweights=None, a logits head, pruned 60% and QAT-trained for {trained} steps with "
-            "`fit` on ten learnable synthetic classes (templates plus noise); the int8 model against the Keras QAT model "
-            "on 256 new inputs of those classes in a default session; accuracy: the Keras QAT model's on them; the last "
-            "column: the inputs whose top two Keras logits are within one output step (a step's difference can flip "
-            f"them); Keras {data['keras']}, onnxruntime {data['onnxruntime']} "
-            "(`python scripts/bench_keras_applications.py --json docs/results/keras_applications.json`)")
+    """keras.applications under recal's Keras QAT on each backend (scripts/bench_keras_applications.py)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_keras_applications import table
+
+    return table(_load("keras_applications.json"))
 
 
 TABLES = {"demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range, "zoo": zoo,

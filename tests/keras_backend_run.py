@@ -1,8 +1,10 @@
-"""One recipe on the digits net with ``recal_tf.keras`` on whichever Keras backend this process runs: what every step
-left (LR, weight decay, each pruned kernel's zeros), written to an ``.npz`` for :mod:`tests.test_keras_backends`.
+"""Two recipes on the digits net with ``recal_tf.keras`` on whichever Keras backend this process runs, for
+:mod:`tests.test_keras_backends`: pruning, LR and weight decay (what every step left: LR, decay, each pruned kernel's
+zeros), and prune + QAT (when QAT started and BatchNorm froze, the Keras QAT model's predictions, its int8 ONNX
+model's and a reloaded ``.keras`` file's), each written to an ``.npz``.
 
-``KERAS_BACKEND=jax python -m tests.keras_backend_run OUT.npz [MODEL.onnx]``; the test runs TensorFlow's in its
-own process.
+``KERAS_BACKEND=jax python -m tests.keras_backend_run OUT.npz [MODEL.onnx [QAT.npz]]``; the test runs TensorFlow's in
+its own process.
 The initial weights come from NumPy (each backend's random initializers differ), so every backend starts alike.
 """
 
@@ -29,15 +31,20 @@ STEPS_PER_EPOCH, BATCH = 4, 32
 PRUNED = ("conv0/kernel", "conv1/kernel", "conv2/kernel", "fc/kernel")
 
 
-def run(out: str, onnx_path: str | None = None, resume: bool = True) -> None:
-    import keras
+QAT_RECIPE = """
+modifiers:
+  - !EpochRangeModifier {start_epoch: 0.0, end_epoch: 3.0}
+  - !GMPruningModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.3, final_sparsity: 0.6, start_epoch: 0.0,
+                        end_epoch: 1.0, update_frequency: 0.5}
+  - !QuantizationModifier {start_epoch: 1.0, freeze_bn_stats_epoch: 2.5}
+  - !SetLearningRateModifier {learning_rate: 0.01, start_epoch: 1.0}
+"""
+QAT_STEPS_PER_EPOCH = 12
 
+
+def _digits_net():
+    """The digits net with the same NumPy-drawn kernels on every backend."""
     from recal_app.keras_digits import digits_model
-    from recal_core.datasets import load_digits
-    from recal_tf.keras import ScheduledModifierManager, export_onnx
-    from recal_tf.keras.params import describe_model
-
-    imported_tensorflow = "tensorflow" in sys.modules  # recal's own imports (keras.utils.set_random_seed seeds TF too)
 
     model = digits_model(0)
     rng = np.random.default_rng(0)
@@ -45,6 +52,19 @@ def run(out: str, onnx_path: str | None = None, resume: bool = True) -> None:
         if variable.path.endswith("kernel"):
             limit = np.sqrt(6.0 / (np.prod(variable.shape[:-1]) + variable.shape[-1]))
             variable.assign(rng.uniform(-limit, limit, variable.shape).astype(np.float32))
+    return model
+
+
+def run(out: str, onnx_path: str | None = None, resume: bool = True) -> None:
+    import keras
+
+    from recal_core.datasets import load_digits
+    from recal_tf.keras import ScheduledModifierManager, export_onnx
+    from recal_tf.keras.params import describe_model
+
+    imported_tensorflow = "tensorflow" in sys.modules  # recal's own imports (keras.utils.set_random_seed seeds TF too)
+
+    model = _digits_net()
     optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
     manager = ScheduledModifierManager.from_yaml(RECIPE)
     model, callbacks = manager.modify(model, optimizer, steps_per_epoch=STEPS_PER_EPOCH)
@@ -100,6 +120,49 @@ def run(out: str, onnx_path: str | None = None, resume: bool = True) -> None:
     np.savez(out, backend=keras.backend.backend(), **{k: np.asarray(v) for k, v in rows.items()})
 
 
+def run_qat(out: str) -> None:
+    """Prune and QAT, finalize, export with this backend's exporter, convert to int8, save and reload a ``.keras``."""
+    import onnx
+    import onnxruntime
+
+    import keras
+
+    from recal_core.datasets import load_digits
+    from recal_onnx import quantize_qat_export
+    from recal_tf.keras import ScheduledModifierManager, export_onnx
+
+    model, optimizer = _digits_net(), keras.optimizers.SGD(0.05, momentum=0.9)
+    manager = ScheduledModifierManager.from_yaml(QAT_RECIPE)
+    qat, callbacks = manager.modify(model, optimizer, steps_per_epoch=QAT_STEPS_PER_EPOCH)
+    qat.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    first = qat.get_layer("conv0_qat")
+    rows = {"observed": [], "bn0_mean": []}
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            getattr(self.model, "jax_state_sync", lambda: None)()
+            rows["observed"].append(float(first.output_quantizer.observed.numpy()))
+            rows["bn0_mean"].append(np.asarray(first.bn.moving_mean.numpy()).copy())
+
+    digits = load_digits()
+    n = QAT_STEPS_PER_EPOCH * BATCH
+    qat.fit(digits.train_images[:n, ..., None], digits.train_labels[:n], batch_size=BATCH, epochs=3,
+            callbacks=callbacks + [Record()], verbose=0, shuffle=False)
+    manager.finalize(qat)
+    images = digits.test_images[..., None]
+    rows["keras"] = np.asarray(qat.predict(images, verbose=0))
+    path = export_onnx(qat, out.replace(".npz", "_qat.onnx"))
+    result = quantize_qat_export(path, out.replace(".npz", "_int8.onnx"))
+    session = onnxruntime.InferenceSession(str(result.path))
+    rows["int8"] = session.run(None, {session.get_inputs()[0].name: images})[0]
+    rows["int8_ops"] = sorted({node.op_type for node in onnx.load(str(result.path)).graph.node})
+    rows["output_step"] = result.verification.output_step
+    qat.save(out.replace(".npz", "_qat.keras"))
+    rows["reloaded"] = np.asarray(keras.models.load_model(out.replace(".npz", "_qat.keras")).predict(images, verbose=0))
+    rows["labels"] = digits.test_labels
+    np.savez(out, backend=keras.backend.backend(), **{k: np.asarray(v) for k, v in rows.items()})
+
+
 def _zeros_in(path: str) -> int:
     """Zeros in the exported model's weights of four or more dimensions or matrices (its conv and dense kernels)."""
     import onnx
@@ -110,4 +173,6 @@ def _zeros_in(path: str) -> int:
 
 
 if __name__ == "__main__":
-    run(*sys.argv[1:])
+    run(*sys.argv[1:3])
+    if len(sys.argv) > 3:
+        run_qat(sys.argv[3])

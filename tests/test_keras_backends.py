@@ -1,5 +1,6 @@
 """Keras 3 on its TensorFlow, JAX and PyTorch backends: one recipe, the same masks, LR and weight decay at every step;
-what a backend cannot run is refused at ``modify``, located in the recipe."""
+prune + QAT exported by each backend's exporter to an int8 model that computes what the Keras QAT model does; what a
+backend cannot run is refused at ``modify``, located in the recipe."""
 
 import os
 import subprocess
@@ -18,24 +19,26 @@ from . import keras_backend_run  # noqa: E402
 from .conftest import ROOT  # noqa: E402
 
 
-def _run_on(backend: str, out, onnx_path) -> subprocess.Popen:
-    """The recipe run on ``backend`` in a fresh interpreter (a process's Keras backend is fixed at import)."""
+def _run_on(backend: str, out, onnx_path, qat_out) -> subprocess.Popen:
+    """Both recipes run on ``backend`` in a fresh interpreter (a process's Keras backend is fixed at import)."""
     env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "tests.keras_backend_run", str(out), str(onnx_path)], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen([sys.executable, "-m", "tests.keras_backend_run", str(out), str(onnx_path), str(qat_out)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.mark.slow
-def test_the_same_recipe_prunes_the_same_weights_at_every_step_on_every_keras_backend(tmp_path):
+def test_the_same_recipes_prune_alike_and_quantize_to_int8_on_every_keras_backend(tmp_path):
     """Unstructured, 2:4 and block pruning (one released mid-run), an exponential LR and a weight decay from epoch 1:
     after every step JAX and PyTorch hold exactly TensorFlow's zeros and ran at its LR and decay, and neither
     imported TensorFlow for recal; each backend's ONNX export (tf2onnx, jax2onnx, torch.onnx) computes what its
     Keras model does and holds the pruned zeros; a run resumed from the ``.keras`` file of epoch 2 with a new manager
-    ends on the same weights, bit for bit."""
+    ends on the same weights, bit for bit. The same processes run prune + QAT: :func:`_check_qat`."""
     pytest.importorskip("jax")
     pytest.importorskip("torch")
-    others = {b: _run_on(b, tmp_path / f"{b}.npz", tmp_path / f"{b}.onnx") for b in ("jax", "torch")}
+    others = {b: _run_on(b, tmp_path / f"{b}.npz", tmp_path / f"{b}.onnx", tmp_path / f"{b}_qat.npz")
+              for b in ("jax", "torch")}
     keras_backend_run.run(str(tmp_path / "tensorflow.npz"), str(tmp_path / "tensorflow.onnx"), resume=False)
+    keras_backend_run.run_qat(str(tmp_path / "tensorflow_qat.npz"))
     for backend, process in others.items():
         output, _ = process.communicate(timeout=300)
         assert process.returncode == 0, output[-3000:]
@@ -60,6 +63,29 @@ def test_the_same_recipe_prunes_the_same_weights_at_every_step_on_every_keras_ba
         assert other["resume_error"] == 0  # resumed from a .keras file of epoch 2: bit for bit
     assert tf_run["onnx_error"] < 1e-5  # TensorFlow's resume from .keras: tests/test_keras.py
     assert tf_run["onnx_zeros"] >= sum(z[-1] for z in zeros.values())
+    _check_qat({b: np.load(tmp_path / f"{b}_qat.npz") for b in ("tensorflow", "jax", "torch")})
+
+
+def _check_qat(ran: dict) -> None:
+    """Prune + QAT from epoch 1, BatchNorm frozen at 2.5: on every backend QAT starts and BatchNorm freezes at the
+    recipe's steps (JAX reads a step count of the model's own), the export converts to an int8 model whose convs and
+    dense layer all run on the integers and which computes the Keras QAT model's outputs within one output step (the
+    same classes), the ``.keras`` file reloads to the same outputs, and the three backends learned alike."""
+    steps = keras_backend_run.QAT_STEPS_PER_EPOCH
+    accuracies = []
+    for backend, run in ran.items():
+        assert str(run["backend"]) == backend
+        assert int(np.argmax(run["observed"] > 0)) == steps  # the first step of epoch 1 observed the ranges
+        means = np.array([m.sum() for m in run["bn0_mean"]])
+        assert np.nonzero(np.diff(means))[0].max() + 1 == int(2.5 * steps) - 1  # moving stats fixed from step 30
+        ops = set(run["int8_ops"].tolist())
+        assert "QLinearConv" in ops and "QGemm" in ops and not {"Conv", "MatMul", "Gemm", "ReduceMean"} & ops, backend
+        keras_out, int8 = run["keras"], run["int8"]
+        assert np.abs(int8 - keras_out).max() <= 1.01 * float(run["output_step"]), backend
+        assert (int8.argmax(1) == keras_out.argmax(1)).all(), backend
+        np.testing.assert_allclose(run["reloaded"], keras_out, atol=1e-6)
+        accuracies.append((keras_out.argmax(1) == run["labels"]).mean())
+    assert min(accuracies) > 0.5 and max(accuracies) - min(accuracies) < 0.03  # 36 steps: the same learning
 
 
 @pytest.mark.parametrize("backend", ["numpy", "openvino"])
@@ -71,7 +97,7 @@ def test_a_backend_recal_does_not_run_on_is_refused_with_the_fix(monkeypatch, ba
 
 
 def test_what_jax_cannot_run_is_refused_located_in_the_recipe(monkeypatch):
-    """QAT (TensorFlow only) and trainable flags (JAX) are one error naming each modifier, at modify."""
+    """Trainable flags cannot change mid-fit on JAX: one error naming the modifier, at modify (QAT runs there)."""
     recipe = """
     modifiers:
       - !EpochRangeModifier {start_epoch: 0.0, end_epoch: 2.0}
@@ -82,10 +108,8 @@ def test_what_jax_cannot_run_is_refused_located_in_the_recipe(monkeypatch):
     with pytest.raises(RecipeError) as err:
         ScheduledModifierManager.from_yaml(recipe).modify(_net(), keras.optimizers.SGD(), steps_per_epoch=4)
     text = str(err.value)
-    assert text.startswith("2 problems")
     assert "!TrainableParamsModifier (modifiers[1])" in text and "cannot change mid-fit on Keras's JAX backend" in text
-    assert "!QuantizationModifier (modifiers[2])" in text and "runs on the TensorFlow backend only" in text
-    assert "KERAS_BACKEND=tensorflow" in text
+    assert "QuantizationModifier" not in text and "KERAS_BACKEND=tensorflow or torch" in text
 
 
 def _net():
@@ -123,3 +147,35 @@ def test_a_channels_last_pool_over_six_axes_becomes_a_2d_pool(tmp_path, op):
         session = onnxruntime.InferenceSession(str(path), options)
         np.testing.assert_allclose(session.run(None, {"x": x})[0], expected, atol=1e-6)
     assert [n.op_type for n in onnx.load(path).graph.node].count(op) == 1
+
+
+def test_the_jax_qdq_primitive_exports_as_a_quantize_dequantize_pair(tmp_path):
+    """recal's JAX QDQ primitive computes onnxruntime's QuantizeLinear / DequantizeLinear (per tensor, uint8; per
+    channel, int8) and jax2onnx writes it as those two nodes, so a JAX QAT export holds the pairs the converter
+    reads; without the plugin jax2onnx would refuse the primitive."""
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("jax2onnx")
+    import jax2onnx
+    import onnx
+    import onnxruntime
+
+    from recal_tf.keras.jax_qdq import qdq
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 6)).astype(np.float32)
+    w_scale = (np.abs(w).max(axis=0) / 127).astype(np.float32)
+
+    def f(x):
+        return qdq(x, np.float32(0.05), np.uint8(120)) @ qdq(w, w_scale, np.zeros(6, np.int8), axis=1)
+
+    x = (rng.standard_normal((3, 4)) * 4).astype(np.float32)  # beyond the uint8 range too: clipped
+    q = np.clip(np.round(x / 0.05) + 120, 0, 255)
+    expected = ((q - 120) * 0.05).astype(np.float32) @ (np.round(w / w_scale) * w_scale)
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(x)), expected, rtol=1e-5, atol=1e-5)
+    path = str(tmp_path / "qdq.onnx")
+    jax2onnx.to_onnx(f, inputs=[jax.ShapeDtypeStruct(("n", 4), np.float32)], return_mode="file", output_path=path)
+    ops = [n.op_type for n in onnx.load(path).graph.node]
+    assert ops.count("QuantizeLinear") == 2 and ops.count("DequantizeLinear") == 2
+    session = onnxruntime.InferenceSession(path)
+    np.testing.assert_allclose(session.run(None, {session.get_inputs()[0].name: x})[0], expected, rtol=1e-5,
+                               atol=1e-5)

@@ -21,6 +21,7 @@ from recal_onnx.passes.fusible_qdq_pools import fusible_qdq_pools
 from recal_onnx.passes.gather_int8_table import gather_int8_tables
 from recal_onnx.passes.gemm_to_qgemm import gemm_to_qgemm
 from recal_onnx.passes.int8_passthrough import int8_passthrough
+from recal_onnx.passes.minmax_to_clip import minmax_to_clip
 from recal_onnx.passes.noop_clamps import remove_noop_clamps
 from recal_onnx.passes.pad_into_conv import fold_pads_into_convs
 from recal_onnx.passes.pool_to_qlinear import pool_to_qlinear
@@ -252,11 +253,17 @@ def test_relu6_after_a_conv_folds_into_its_integers(out_scale, out_zp, clamps):
     assert np.abs(run(converted, feeds)[0] - expected).max() <= out_scale + 1e-6  # the conv's own rounding
 
 
-@pytest.mark.parametrize("op", ["GlobalAveragePool", "ReduceMean", "AveragePool"])
+@pytest.mark.parametrize("op", ["GlobalAveragePool", "ReduceMean", "AveragePool", "ReduceMean channels-last",
+                                "ReduceMean channels-last keepdims"])
 def test_pool_to_qlinear(op):
+    """Every global or windowed average pool of a quantized tensor becomes onnxruntime's integer pool, a Keras
+    channels-last mean (PyTorch and JAX backends) included, keeping its dims or not."""
     b = Builder()
     x = b.qdq("x", 0.03, 128)
-    if op == "ReduceMean":
+    if op.startswith("ReduceMean channels-last"):
+        y = b.node("ReduceMean", [x], axes=[1, 2], keepdims=int(op.endswith("keepdims")))
+        op = "ReduceMean"
+    elif op == "ReduceMean":
         y = b.node(op, [x], axes=[2, 3], keepdims=1)
     elif op == "AveragePool":
         y = b.node(op, [x], kernel_shape=[2, 2], strides=[2, 2])
@@ -984,3 +991,33 @@ def test_thin_heads_removes_a_dead_head_from_every_projection(heads_const):
 def test_thin_heads_zero_rewrites():
     _, (n,) = _apply(_attention_graph(dead_head=None), thin_heads)
     assert n == 0  # every head alive
+
+
+@pytest.mark.parametrize("form", ["max-min", "min-max", "max", "min", "scalar-first", "crossed"])
+def test_minmax_to_clip(form):
+    """jax2onnx's ReLU6 (``Max(x, 0) -> Min(., 6)``) and ReLU (``Max(x, 0)``) become the Clip the integer passes fold
+    into a conv, in either order and with the constant on either side; bounds that cross (min > max) are two
+    one-sided Clips."""
+    b = Builder()
+    x = b.qdq("x", 0.05, 128)
+    y = b.node("Conv", [x, b.weight((4, 3, 1, 1))])
+    zero, six = b.const(np.array(0.0, np.float32), "zero"), b.const(np.array([6.0], np.float32), "six")
+    if form in ("max-min", "crossed"):
+        y = b.node("Min", [b.node("Max", [y, six if form == "crossed" else zero]), zero if form == "crossed" else six])
+    elif form == "min-max":
+        y = b.node("Max", [b.node("Min", [y, six]), zero])
+    elif form == "scalar-first":
+        y = b.node("Max", [zero, y])
+    else:
+        y = b.node(form.capitalize(), [y, zero if form == "max" else six])
+    model = b.model([("x", [1, 3, 4, 4])], [b.qdq(y, 0.03, 0)])
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 3, 4, 4)).astype(np.float32) * 8}
+    expected = reference(model, feeds)[0]
+    converted, (n,) = _apply(model, minmax_to_clip)
+    assert n == (2 if form == "crossed" else 1)
+    assert "Max" not in ops(converted) and "Min" not in ops(converted) and ops(converted).count("Clip") == n
+    np.testing.assert_array_equal(run(converted, feeds)[0], expected)
+    if form == "max-min":  # and the ReLU6 tail folds into the integer conv
+        integer, _ = _apply(converted, conv_to_qlinearconv)
+        assert "Clip" not in ops(integer) and "QLinearConv" in ops(integer)
+        assert np.abs(run(integer, feeds)[0] - expected).max() <= 0.03 + 1e-6

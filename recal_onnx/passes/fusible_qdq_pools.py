@@ -21,7 +21,7 @@ def fusible_qdq_pools(g: Graph) -> int:
     count = 0
     for node in g.each():
         kind = average_pool_kind(g, node) if node.inputs else None
-        after = quantize_after(g, node.outputs[0]) if kind is not None else None
+        after = quantize_after(g, node.outputs[0]) if kind in ("global", "average") else None
         if after is None or activation(g, node.inputs[0]) is None:
             continue
         chain, q = after

@@ -9,10 +9,17 @@ Reshape back to 4-D after it): the pool then rounds once, to the QuantizeLinear'
 integers.
 
 A ReduceMean over the spatial axes of an NCHW tensor (keepdims=1), as the dynamo exporter writes
-``adaptive_avg_pool2d(x, 1)``, is a global average pool.
+``adaptive_avg_pool2d(x, 1)``, is a global average pool; so is one over axes 1 and 2 of a channels-last tensor, as
+Keras's ``GlobalAveragePooling2D`` computes on its PyTorch and JAX backends (the channels-last integer pool, then a
+Squeeze of the pooled axes where the mean drops them):
+
+Before::  q -> DequantizeLinear -> ReduceMean(axes=[1, 2], keepdims=0) -> QuantizeLinear -> q2
+After::   q -> QLinearGlobalAveragePool(channels_last=1) -> Squeeze([1, 2]) -> q2
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from ..graph import MS_DOMAIN, Graph, Node, Value, attr, input_of
 from ..qdq import QTensor, activation, quantize_node_of
@@ -27,22 +34,34 @@ def average_pool_kind(g: Graph, node: Node) -> str | None:
         return "global"
     if node.op_type == "AveragePool" and not attr(node, "dilations"):
         return "average"
-    if node.op_type == "ReduceMean" and attr(node, "keepdims", 1) == 1 and g.rank(node.inputs[0]) == 4:
+    if node.op_type == "ReduceMean" and g.rank(node.inputs[0]) == 4:
         axes = attr(node, "axes")
         if axes is None and input_of(node, 1) is not None:
             value = g.const(node.inputs[1])
             axes = None if value is None else value.reshape(-1).tolist()
-        if axes is not None and sorted(a % 4 for a in axes) == [2, 3]:
+        axes = None if axes is None else sorted(a % 4 for a in axes)
+        if axes == [2, 3] and attr(node, "keepdims", 1) == 1:
             return "global"
+        if axes == [1, 2]:
+            return "global_channels_last"
     return None
 
 
 def make_qlinear_pool(g: Graph, node: Node, x: QTensor, y_scale: Value, y_zero_point: Value,
                       replaces: Value | None = None) -> Node:
     inputs = [x.q, x.scale, x.zero_point, y_scale, y_zero_point]
-    if average_pool_kind(g, node) == "global":
+    kind = average_pool_kind(g, node)
+    if kind == "global":
         return g.add_node("QLinearGlobalAveragePool", inputs, name=node.name + "_quant", domain=MS_DOMAIN,
                           channels_last=0, replaces=replaces)
+    if kind == "global_channels_last":
+        keep = attr(node, "keepdims", 1) == 1
+        pool = g.add_node("QLinearGlobalAveragePool", inputs, name=node.name + "_quant", domain=MS_DOMAIN,
+                          channels_last=1, replaces=replaces if keep else None)
+        if keep:
+            return pool
+        axes = g.add_const(node.name + "_pooled_axes", np.array([1, 2], np.int64))
+        return g.add_node("Squeeze", [pool.outputs[0], axes], name=node.name + "_squeeze", replaces=replaces)
     attrs = {k: a for k, a in node.attributes.items() if k in AVERAGE_POOL_ATTRS}
     return g.add_node("QLinearAveragePool", inputs, name=node.name + "_quant", domain=MS_DOMAIN, replaces=replaces,
                       **attrs)

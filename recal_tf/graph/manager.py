@@ -22,7 +22,7 @@ from recal_core.model_plan import ModelPlan, plan_model
 from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
-from ..fake_quant import QATTables, quantize_at_completion
+from ..qat_tables import QATTables, quantize_at_completion
 from ..mask_ops import PruningMasks, per_step as _per_step
 from ..recipe_support import RecalWarning, check_table_size, qat_problems, torch_only_problems
 from ..utils import tf_compat

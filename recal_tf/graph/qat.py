@@ -25,7 +25,8 @@ from typing import Callable
 
 import tensorflow as tf
 
-from ..fake_quant import QATTables, bias_on_int32_grid, fake_quant_activation, fake_quant_weight, moving_range
+from ..fake_quant import bias_on_int32_grid, fake_quant_activation, fake_quant_weight, moving_range
+from ..qat_tables import QATTables
 from .params import KERNEL_INPUTS, _variable_op
 from ..utils import tf_compat
 

@@ -1,12 +1,11 @@
 """What recal runs on each Keras 3 backend, checked once at ``modify`` (every problem located in the recipe).
 
 - TensorFlow: everything (pruning, LR, weight decay, trainable flags, QAT with ONNX export).
-- PyTorch: pruning, LR, weight decay and trainable flags (eager train steps; ``keras.ops``).
-- JAX: pruning, LR and weight decay. A JAX train step hands the optimizer exactly the variables it was built
-  with, so a trainable flag cannot change mid-fit with the same optimizer (Keras itself needs a new one).
-
-QAT stays on TensorFlow: its layers use TensorFlow's fake-quantization ops, which Keras's ONNX export writes as
-the QuantizeLinear / DequantizeLinear pairs the int8 converter takes.
+- PyTorch: the same (eager train steps; ``keras.ops``, and ``torch.fake_quantize_*`` in a finalized QAT model,
+  which torch.onnx writes as QuantizeLinear / DequantizeLinear).
+- JAX: pruning, LR, weight decay and QAT (a QDQ primitive jax2onnx writes as QuantizeLinear / DequantizeLinear:
+  :mod:`recal_tf.keras.jax_qdq`). A JAX train step hands the optimizer exactly the variables it was built with, so a
+  trainable flag cannot change mid-fit with the same optimizer (Keras itself needs a new one).
 """
 
 from __future__ import annotations
@@ -31,12 +30,6 @@ def current_backend() -> str:
 def backend_problems(schedule: RecipeSchedule, backend: str) -> list[Problem]:
     """One located problem per modifier ``backend`` cannot run."""
     recipe, problems = schedule.recipe, []
-    if backend != "tensorflow":
-        for index, _ in schedule.quantization:
-            problems.append(recipe.problem(
-                index, None, f"QAT on Keras runs on the TensorFlow backend only; this process uses {backend!r} "
-                "(pruning, LR and weight decay run on every backend)",
-                expected="KERAS_BACKEND=tensorflow for this recipe, or its QuantizationModifier run with recal_torch"))
     if backend == "jax":
         for index, _, _ in schedule.trainable:
             problems.append(recipe.problem(

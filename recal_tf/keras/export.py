@@ -1,5 +1,11 @@
 """Export a Keras 3 model to ONNX with Keras's own ``model.export(format="onnx")``, atomically: tf2onnx on the
-TensorFlow and JAX backends (JAX through jax2tf), ``torch.onnx`` on PyTorch's."""
+TensorFlow backend, jax2onnx on JAX's, ``torch.onnx`` on PyTorch's.
+
+A QAT model's export from JAX or PyTorch is laid out by onnxruntime's basic graph optimizations (constant folding,
+transposes cancelled, no-op casts removed): those exporters write each op of Keras's channels-last layout between
+Transposes and the constants a layer computes from its variables as ops, where tf2onnx's own optimizer leaves the
+``Q -> DQ -> Conv -> Add -> Relu -> Q`` chains the int8 converter reads.
+"""
 
 from __future__ import annotations
 
@@ -46,6 +52,8 @@ def export_onnx(model: keras.Model, path: str | os.PathLike, *, opset: int | Non
         model.export(str(tmp), format="onnx", verbose=False, **kwargs)
         if backend == "jax":
             _pools_channels_first(str(tmp))
+        if backend != "tensorflow" and _holds_qat(model):
+            _laid_out_for_int8(str(tmp))
         onnx.checker.check_model(str(tmp))
         inputs = [i.name for i in onnx.load(str(tmp), load_external_data=False).graph.input]
         if len(inputs) != len(model.inputs):
@@ -100,15 +108,45 @@ def _pools_channels_first(path: str) -> None:
         x = f"{node.name}_recal"
         spatial = {"kernel_shape": kernel[1:3], "strides": list(attrs.get("strides", [1] * 4))[1:3]}
         spatial.update({k: v for k, v in attrs.items() if k not in ("kernel_shape", "strides", "pads")})
-        nodes += [helper.make_node("Squeeze", [node.input[0], "recal_pool_axes"], [f"{x}_nhwc"]),
-                  helper.make_node("Transpose", [f"{x}_nhwc"], [f"{x}_nchw"], perm=[0, 3, 1, 2]),
+        nodes += [helper.make_node("Squeeze", [node.input[0], "recal_pool_axes"], [f"{x}_nhwc"], name=f"{x}_squeeze"),
+                  helper.make_node("Transpose", [f"{x}_nhwc"], [f"{x}_nchw"], name=f"{x}_nchw", perm=[0, 3, 1, 2]),
                   helper.make_node(node.op_type, [f"{x}_nchw"], [f"{x}_pooled"], name=node.name, **spatial),
-                  helper.make_node("Transpose", [f"{x}_pooled"], [f"{x}_out"], perm=[0, 2, 3, 1]),
-                  helper.make_node("Unsqueeze", [f"{x}_out", "recal_pool_axes"], [node.output[0]])]
+                  helper.make_node("Transpose", [f"{x}_pooled"], [f"{x}_out"], name=f"{x}_nhwc", perm=[0, 2, 3, 1]),
+                  helper.make_node("Unsqueeze", [f"{x}_out", "recal_pool_axes"], [node.output[0]], name=f"{x}_unsqueeze")]
     if changed:
         del model.graph.node[:]
         model.graph.node.extend(nodes)
         onnx.save(model, path)
+
+
+def _holds_qat(model: keras.Model) -> bool:
+    from .qat import QuantizedLayer, QuantizedMerge
+
+    return any(isinstance(layer, (QuantizedLayer, QuantizedMerge)) for layer in _all_layers(model))
+
+
+# onnxruntime's basic-level MatMul + Add fusion writes a Gemm whose bias is a dequantized int32 tensor, a form the
+# int8 converter does not read; MatMul and Add apart it turns into an integer dense layer
+_KEPT_APART = ["MatMulAddFusion"]
+
+
+def _laid_out_for_int8(path: str) -> None:
+    """Rewrite the QDQ model at ``path`` with onnxruntime's basic (ONNX-only, provider-independent) optimizations."""
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise ImportError("exporting a QAT model from Keras's JAX or PyTorch backend lays the ONNX graph out with "
+                          "onnxruntime: pip install onnxruntime") from exc
+    options = onnxruntime.SessionOptions()
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.optimized_model_filepath = path + ".basic"
+    try:
+        onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"],
+                                     disabled_optimizers=_KEPT_APART)
+        os.replace(path + ".basic", path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + ".basic")
 
 
 def _check_runs(path: str, model: keras.Model, backend: str) -> None:

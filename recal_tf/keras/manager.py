@@ -160,14 +160,15 @@ class ScheduledModifierManager(RecipeManager):
         """The model with its Conv2D(-BN)(-ReLU) and Dense(-ReLU) as QAT layers (:mod:`recal_tf.keras.qat`),
         switched on, BN-frozen and observer-frozen at the steps the recipe says."""
         index, _ = schedule.quantization[0]
-        from .qat import QATTables, quantize_model
+        from ..qat_tables import QATTables
+        from .qat import QuantizedLayer, quantize_model
 
         if not isinstance(model, (keras.Sequential, Functional)):
             raise RecipeError(self.recipe.problem(
                 index, None, f"QAT rewrites the model with keras.models.clone_model, which cannot rebuild the "
                 f"subclassed model {model.name!r} ({type(model).__name__})",
                 expected="a Sequential or functional model (keras.Model(inputs, outputs)) for QAT"))
-        self._qat = QATTables.from_schedule(schedule, index, optimizer.iterations)
+        self._qat = QATTables.from_schedule(schedule, index, optimizer.iterations, ops=self._ops)
         quantized, made, floating = quantize_model(model, self._qat)
         if not made:
             raise RecipeError(self.recipe.problem(index, None, f"model {model.name!r} has no Conv2D, DepthwiseConv2D or Dense layer "
@@ -175,6 +176,8 @@ class ScheduledModifierManager(RecipeManager):
         if floating:
             warnings.warn(f"{self.recipe.describe(index)}: these layers with weights stay float (recal's Keras QAT "
                           f"quantizes Conv2D, DepthwiseConv2D and Dense): {', '.join(floating)}", RecalWarning, stacklevel=4)
+        if keras.backend.backend() == "jax":  # a JAX forward pass reads the model's variables only
+            next(q for q in made if isinstance(q, QuantizedLayer)).count_steps(self._qat, optimizer.iterations)
         self.quantized_layers = [q.layer.name for q in made]
         self._observers = [o for q in made for o in q.quantizers]
         return quantized
@@ -315,6 +318,8 @@ class ScheduledModifierManager(RecipeManager):
 
         Run eagerly: a few calls a fit, and tracing the step's graph for every layer cost more than running it (3.9
         s against 0.2 s for MobileNetV2's 53 layers); the eager ops run in the order a traced function would."""
+        if self._qat is not None and self._qat.counter is not None:  # JAX: the step QAT's switches read
+            self._qat.counter.assign(self._current_step())
         if self._masks is None and self._lr_values is None and self._wd_values is None:
             return
         if not self._tf:
@@ -400,7 +405,7 @@ class ScheduledModifierManager(RecipeManager):
     def _finalize_qat(self) -> None:
         """From now on the QAT layers trace as plain fake-quantized inference; or, when QAT never ran (no range
         observed), as the float model they compute with QAT off."""
-        from ..fake_quant import quantize_at_completion
+        from ..qat_tables import quantize_at_completion
 
         unobserved = [o.name for o in self._observers if float(o.observed.numpy()) == 0]
         if quantize_at_completion(self.recipe, self.schedule.quantization[0][0], unobserved, len(self._observers),

@@ -28,12 +28,15 @@ recipe resumes from a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
-import tensorflow as tf
+import numpy as np
 
 from recal_core.modifiers import REDUCED_WEIGHT_LEVELS, WEIGHT_LEVELS
 
-from ..fake_quant import QATTables, bias_on_int32_grid, fake_quant_activation, fake_quant_weight, moving_range
+from ..qat_tables import QATTables
+from .qat_math import qat_math
 from .qat_plan import activation_relu, plan_qat
 
 
@@ -41,7 +44,7 @@ from .qat_plan import activation_relu, plan_qat
 @keras.saving.register_keras_serializable(package="recal")
 class ActivationQuantizer(keras.layers.Layer):
     """uint8 fake quantization of one tensor with a moving-average min/max observer (in float32, under any
-    dtype policy: ``FakeQuantWithMinMaxVars`` takes float32 only)."""
+    dtype policy: ``FakeQuantWithMinMaxVars`` takes float32 only; the ops per backend: :mod:`.qat_math`)."""
 
     def __init__(self, **kwargs):
         kwargs.setdefault("dtype", "float32")
@@ -56,19 +59,18 @@ class ActivationQuantizer(keras.layers.Layer):
         self.observed = self.add_weight(name="observed", **kwargs)
 
     def call(self, x, training=None):
-        t = self.tables
+        t, m = self.tables, qat_math()
         if t is None or t.export:
-            return fake_quant_activation(x, self.min_val.value, self.max_val.value)
-        enabled = t.at(t.enabled)
+            return m.fake_quant_activation(x, self.min_val.value, self.max_val.value, export=True)
         if training:
-            observe = tf.logical_and(enabled, tf.logical_not(t.at(t.observers_frozen)))
-            low, high = _global_range(x)
-            new_min, new_max = moving_range(low, high, self.min_val.value, self.max_val.value,
-                                            self.observed.value > 0)
-            self.min_val.assign(tf.where(observe, new_min, self.min_val.value))
-            self.max_val.assign(tf.where(observe, new_max, self.max_val.value))
-            self.observed.assign(tf.where(observe, 1.0, self.observed.value))
-        return tf.where(enabled, fake_quant_activation(x, self.min_val.value, self.max_val.value), x)
+            observe = t.at(t.observing)
+            low, high = m.global_range(x)
+            new_min, new_max = m.moving_range(low, high, self.min_val.value, self.max_val.value,
+                                              self.observed.value > 0)
+            self.min_val.assign(m.pick(observe, new_min, self.min_val.value))
+            self.max_val.assign(m.pick(observe, new_max, self.max_val.value))
+            self.observed.assign(m.pick(observe, m.ones_like(self.observed.value), self.observed.value))
+        return m.pick(t.at(t.enabled), m.fake_quant_activation(x, self.min_val.value, self.max_val.value), x)
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -94,8 +96,8 @@ def _input_source(layer):
 def _batchnorm_parameters(bn) -> tuple:
     """A BatchNormalization's ``(gamma, beta, moving mean, moving variance)``, ones and zeros where it has no scale or
     no center."""
-    mean, var = bn.moving_mean.value, bn.moving_variance.value
-    return (bn.gamma.value if bn.scale else tf.ones_like(mean), bn.beta.value if bn.center else tf.zeros_like(mean),
+    mean, var, m = bn.moving_mean.value, bn.moving_variance.value, qat_math()
+    return (bn.gamma.value if bn.scale else m.ones_like(mean), bn.beta.value if bn.center else m.zeros_like(mean),
             mean, var)
 
 
@@ -103,40 +105,15 @@ def _state(t: QATTables | None) -> dict:
     """What a QAT layer saved to a ``.keras`` file does now: quantize or not yet (the recipe's switch at the
     current step), or compute the export's form once finalized; and its weights' levels."""
     return {"weight_levels": WEIGHT_LEVELS if t is None else int(t.weight_levels),
-            "quantizing": t is None or t.export or bool(t.at(t.enabled).numpy()),
+            "quantizing": t is None or t.export or bool(np.asarray(keras.ops.convert_to_numpy(
+                t.at(t.enabled, t.iterations)))),  # the optimizer's step (saved between steps)
             "finalized": t is not None and t.export}
 
 
 def _fixed_tables(config: dict) -> QATTables:
     """The tables a loaded QAT layer keeps until a manager takes it on (its :func:`_state` keys popped)."""
-    return QATTables.fixed(config.pop("quantizing"), config.pop("finalized"), config.pop("weight_levels"))
-
-
-def _replicas():
-    """The replica context when more than one replica runs this step (a tf.distribute strategy), else None."""
-    context = tf.distribute.get_replica_context()
-    return context if context is not None and context.num_replicas_in_sync > 1 else None
-
-
-def _global_range(x):
-    """``(min, max)`` of ``x`` over the global batch: every replica gets the same, so observers stay in sync."""
-    low, high = tf.reduce_min(x), tf.reduce_max(x)
-    replicas = _replicas()
-    if replicas is not None:
-        both = replicas.all_gather(tf.stack([low, high])[None], axis=0)  # TF has no MIN/MAX all-reduce
-        low, high = tf.reduce_min(both[:, 0]), tf.reduce_max(both[:, 1])
-    return low, high
-
-
-def _global_moments(mean, variance):
-    """The global batch's mean and variance from each replica's (equal shares): the moving statistics stay in
-    sync across replicas, while each replica normalises with its own batch's, as BatchNorm does under DDP."""
-    replicas = _replicas()
-    if replicas is None:
-        return mean, variance
-    mean_all = replicas.all_reduce(tf.distribute.ReduceOp.MEAN, mean)
-    square = replicas.all_reduce(tf.distribute.ReduceOp.MEAN, variance + tf.square(mean))
-    return mean_all, square - tf.square(mean_all)
+    return QATTables.fixed(config.pop("quantizing"), config.pop("finalized"), config.pop("weight_levels"),
+                           ops=qat_math().ops)
 
 
 @keras.saving.register_keras_serializable(package="recal")
@@ -166,6 +143,8 @@ class QuantizedLayer(keras.layers.Layer):
         self.tables: QATTables | None = None
         self.source = source  # the QuantizedLayer whose quantized output this one reads, when not its own input's
         object.__setattr__(self, "input_source", None)  # that layer's output quantizer, once found
+        self.step_counter = None  # JAX: see count_steps
+        self._spatial = None  # the input's height and width, once built
 
     def get_config(self) -> dict:
         """The inner layer and BatchNorm, how the layer quantizes, and what it does now: quantize or not yet
@@ -199,7 +178,49 @@ class QuantizedLayer(keras.layers.Layer):
         for q in self.quantizers:
             q.tables = tables
 
+    def count_steps(self, tables: QATTables, iterations) -> None:
+        """Keep the step count the QAT switches read in a variable of this layer, the model's first QAT layer, which
+        every forward pass runs before the others. A JAX forward pass reads the model's variables only, not the
+        optimizer's ``iterations``; the count is a training forward pass's, set to ``iterations`` whenever recal's
+        callback starts an epoch, and is not saved (a ``.keras`` file holds the same variables on every backend)."""
+        self._tracker.unlock()
+        try:
+            self.step_counter = self.add_weight(name="recal_step", shape=(), dtype="int32", trainable=False,
+                                                initializer=keras.initializers.Constant(int(iterations.numpy())))
+        finally:
+            self._tracker.lock()
+        tables.counter = self.step_counter
+
+    def save_own_variables(self, store):
+        with self._without_step_counter():
+            super().save_own_variables(store)
+
+    def load_own_variables(self, store):
+        with self._without_step_counter():
+            super().load_own_variables(store)
+
+    @contextlib.contextmanager
+    def _without_step_counter(self):
+        held = self._non_trainable_variables
+        self._non_trainable_variables = [v for v in held if v is not self.step_counter]
+        try:
+            yield
+        finally:
+            self._non_trainable_variables = held
+
+    def _read_step(self, t: QATTables, training) -> None:
+        """Set the step the switches read in this forward pass: the steps done before it (a training pass counts
+        itself first)."""
+        counter = self.step_counter
+        if training:
+            counter.assign(counter.value + 1)
+            t.current = counter.value - 1
+        else:
+            t.current = counter.value
+
     def build(self, input_shape):
+        if len(input_shape) == 4:
+            self._spatial = tuple(input_shape[1:3])
         if not self.layer.built:
             self.layer.build(input_shape)
         if self.bn is not None and not self.bn.built:
@@ -221,80 +242,117 @@ class QuantizedLayer(keras.layers.Layer):
         """A per-output-channel vector shaped to scale the kernel (a depthwise kernel is [h, w, channels, 1])."""
         return v[:, None] if self._depthwise else v
 
-    def _linear(self, x, w):
+    def _linear(self, x, w, layout: str):
+        m = qat_math()
         if isinstance(self.layer, keras.layers.Dense):
-            return tf.tensordot(x, w, [[x.shape.rank - 1], [0]])
+            return m.dense(x, w)
         conv = self.layer
         if self.depthwise_quantizer is not None:  # the pointwise half of a SeparableConv2D
-            return tf.nn.convolution(x, w, padding="VALID")
+            return m.conv(x, w, data_format=layout)
+        x, padding = self._padded(x, layout)
         if self._depthwise:
-            return tf.nn.depthwise_conv2d(x, w, strides=(1, *conv.strides, 1), padding=conv.padding.upper(),
-                                          dilations=conv.dilation_rate)
-        return tf.nn.convolution(x, w, strides=conv.strides, padding=conv.padding.upper(),
-                                 dilations=conv.dilation_rate)
+            return m.depthwise_conv(x, w, conv.strides, padding, conv.dilation_rate, data_format=layout)
+        return m.conv(x, w, conv.strides, padding, conv.dilation_rate, data_format=layout)
+
+    def _padded(self, x, layout: str):
+        """``(x, padding)``; channels-first (an export from JAX or PyTorch), a ``"same"`` conv's zero padding as an
+        explicit pad of constant sizes from the layer's built input shape: PyTorch's exporter would write sizes computed
+        from the traced input's shape, a Pad the int8 converter cannot fold into the conv."""
+        conv, spatial = self.layer, self._spatial
+        if layout != "channels_first" or conv.padding != "same" or spatial is None or None in spatial:
+            return x, conv.padding
+        pads = [[0, 0], [0, 0]]
+        for size, kernel, stride, dilation in zip(spatial, conv.kernel_size, conv.strides, conv.dilation_rate):
+            total = max((-(-size // stride) - 1) * stride + (kernel - 1) * dilation + 1 - size, 0)
+            pads.append([total // 2, total - total // 2])
+        return qat_math().pad(x, pads), "valid"
+
+    def _layout(self) -> str:
+        """``channels_first`` for a conv in a finalized model on JAX or PyTorch: their exporters would otherwise write
+        each conv between two Transposes, with the bias added after the second, where the int8 converter cannot
+        fold it; computed channels-first, the export reads ``Transpose, QDQ, Conv, Add(bias), QDQ, Transpose``, and
+        the Transposes between two layers cancel."""
+        t = self.tables
+        exporting = t is not None and t.export and qat_math().exports_channels_first
+        return "channels_first" if exporting and not isinstance(self.layer, keras.layers.Dense) else "channels_last"
 
     def call(self, x, training=None, mask=None):
-        t = self.tables
+        t, m = self.tables, qat_math()
+        if self.step_counter is not None and t is not None and not t.export:
+            self._read_step(t, training)
+        layout = self._layout()
         if self.input_quantizer is not None:
             x = self.input_quantizer(x, training=training)
+        if layout == "channels_first":
+            x = m.transpose(x, (0, 3, 1, 2))
         if self.depthwise_quantizer is not None:
-            x = self.depthwise_quantizer(self._separable_depthwise(x), training=training)
+            x = self.depthwise_quantizer(self._separable_depthwise(x, layout), training=training)
             w = self.layer.pointwise_kernel.value  # [1, 1, channels, filters]: BN and bias fold in here
         else:
             w = self.layer.kernel.value  # a depthwise kernel is [h, w, channels, 1]
         axis = 2 if self._depthwise else len(w.shape) - 1  # the output channels
-        bias = self.layer.bias.value if self.layer.use_bias else tf.zeros([w.shape[axis]], w.dtype)
+        bias = self.layer.bias.value if self.layer.use_bias else m.zeros(w.shape[axis], w.dtype)
         if self.bn is not None:
             bn = self.bn
             gamma, beta, mean, var = _batchnorm_parameters(bn)
-            scale = gamma / tf.sqrt(var + bn.epsilon)
+            scale = gamma / m.sqrt(var + bn.epsilon)
             wq = self._quantize(w * self._per_channel(scale), axis)
             if training and t is not None and not t.export:
                 # as torch.ao's ConvBn: the weights folded with the moving std, then the output rescaled and
                 # batch-normalised with the batch statistics (gradients through them) until frozen
-                y = self._linear(x, wq) / scale + bias
-                batch_mean, batch_var = tf.nn.moments(y, axes=list(range(y.shape.rank - 1)))
+                y = self._linear(x, wq, layout) / scale + bias
+                batch_mean, batch_var = m.moments(y)
                 frozen = t.at(t.bn_frozen)
-                m = bn.momentum
-                global_mean, global_var = _global_moments(tf.stop_gradient(batch_mean), tf.stop_gradient(batch_var))
-                bn.moving_mean.assign(tf.where(frozen, mean, mean * m + global_mean * (1 - m)))
-                bn.moving_variance.assign(tf.where(frozen, var, var * m + global_var * (1 - m)))
-                use_mean, use_var = tf.where(frozen, mean, batch_mean), tf.where(frozen, var, batch_var)
-                y = gamma * (y - use_mean) / tf.sqrt(use_var + bn.epsilon) + beta
-                return self._activate(y, training)
+                momentum = bn.momentum
+                global_mean, global_var = m.global_moments(m.stop_gradient(batch_mean), m.stop_gradient(batch_var))
+                bn.moving_mean.assign(m.pick(frozen, mean, mean * momentum + global_mean * (1 - momentum)))
+                bn.moving_variance.assign(m.pick(frozen, var, var * momentum + global_var * (1 - momentum)))
+                use_mean, use_var = m.pick(frozen, mean, batch_mean), m.pick(frozen, var, batch_var)
+                y = gamma * (y - use_mean) / m.sqrt(use_var + bn.epsilon) + beta
+                return self._activate(y, training, layout)
             bias = beta + (bias - mean) * scale
             w = w * self._per_channel(scale)
         else:
             wq = self._quantize(w, axis)
         source = self.depthwise_quantizer or self.input_quantizer or _input_source(self)  # unknown: bias as it is
         if t is not None and t.export and source is not None:
-            bias = bias_on_int32_grid(bias, w, axis, source.min_val.value, source.max_val.value, t.weight_levels)
-        return self._activate(self._linear(x, wq) + bias, training)
+            bias = m.bias_on_int32_grid(bias, w, axis, source.min_val.value, source.max_val.value, t.weight_levels)
+        if layout == "channels_first":
+            bias = m.reshape(bias, (-1, 1, 1))
+        return self._activate(self._linear(x, wq, layout) + bias, training, layout)
 
-    def _separable_depthwise(self, x):
+    def _separable_depthwise(self, x, layout: str):
         """A SeparableConv2D's depthwise half, its kernel fake-quantized per channel (no bias: Keras adds its one
         bias after the pointwise conv)."""
         conv = self.layer
         dq = self._quantize(conv.depthwise_kernel.value, 2)
-        return tf.nn.depthwise_conv2d(x, dq, strides=(1, *conv.strides, 1), padding=conv.padding.upper(),
-                                      dilations=conv.dilation_rate)
+        x, padding = self._padded(x, layout)
+        return qat_math().depthwise_conv(x, dq, conv.strides, padding, conv.dilation_rate, data_format=layout)
 
     def _quantize(self, w, axis: int):
-        t = self.tables
-        wq = fake_quant_weight(w, axis, t.weight_levels if t is not None else WEIGHT_LEVELS)
-        return tf.where(t.at(t.enabled), wq, w) if t is not None and not t.export else wq
+        t, m = self.tables, qat_math()
+        export = t is not None and t.export
+        wq = m.fake_quant_weight(w, axis, t.weight_levels if t is not None else WEIGHT_LEVELS, export=export)
+        return wq if t is None or export else m.pick(t.at(t.enabled), wq, w)
 
-    def _activate(self, y, training):
+    def _activate(self, y, training, layout: str = "channels_last"):
         y = _folded_relu(y, self.relu)
         if self.activation is not None:  # on the quantized output: QLinearSigmoid (and QLinearMul) in the int8 model
             y = self.linear_quantizer(y, training=training)
-            s = tf.sigmoid(y)
+            s = qat_math().sigmoid(y)
             if self.activation == "sigmoid":
-                return self.output_quantizer(s, training=training)
-            return self.output_quantizer(y * self.sigmoid_quantizer(s, training=training), training=training)
-        y = self.output_quantizer(y, training=training)
+                y = self.output_quantizer(s, training=training)
+            else:
+                y = self.output_quantizer(y * self.sigmoid_quantizer(s, training=training), training=training)
+            return _channels_last(y, layout)
+        y = _channels_last(self.output_quantizer(y, training=training), layout)
         after = self.layer.activation  # one that does not fold (softmax, hard-swish...) runs after, in float
         return y if activation_relu(after) is not None else after(y)
+
+
+def _channels_last(y, layout: str):
+    """``y`` back in the model's channels-last layout."""
+    return qat_math().transpose(y, (0, 2, 3, 1)) if layout == "channels_first" else y
 
 
 @keras.saving.register_keras_serializable(package="recal")
@@ -357,12 +415,13 @@ class QuantizedMerge(keras.layers.Layer):
         exactly (``a`` held as +-64 at scale ``|a| / 64``; a zero factor as 0 at scale 1), plus the shift on its
         int32 grid of input scale x that weight scale."""
         gamma, beta, mean, var = _batchnorm_parameters(self.layer)
-        a = gamma / tf.sqrt(var + self.layer.epsilon)
+        m = qat_math()
+        a = gamma / m.sqrt(var + self.layer.epsilon)
         shift = beta - mean * a
         source = _input_source(self)
         if source is not None:
-            as_weight = tf.where(a == 0, float(REDUCED_WEIGHT_LEVELS), a)  # |w| / 64 is the weight scale
-            shift = bias_on_int32_grid(shift, as_weight, 0, source.min_val.value, source.max_val.value,
+            as_weight = m.where(a == 0, float(REDUCED_WEIGHT_LEVELS), a)  # |w| / 64 is the weight scale
+            shift = m.bias_on_int32_grid(shift, as_weight, 0, source.min_val.value, source.max_val.value,
                                        REDUCED_WEIGHT_LEVELS)
         return x * a + shift
 
@@ -385,7 +444,7 @@ class Folded(keras.layers.Layer):
 
 def _folded_relu(y, relu: bool | float):
     """``y`` through the ReLU a QAT layer folds: none (False), ReLU (True) or ReLU6 (6.0)."""
-    return y if not relu else tf.nn.relu(y) if relu is True else tf.nn.relu6(y)
+    return y if not relu else qat_math().relu(y) if relu is True else qat_math().relu6(y)
 
 
 def quantize_model(model: keras.Model, tables: QATTables) -> tuple[keras.Model, list, list[str]]:
