@@ -291,35 +291,45 @@ class QuantizedLayer(keras.layers.Layer):
         else:
             w = self.layer.kernel.value  # a depthwise kernel is [h, w, channels, 1]
         axis = 2 if self._depthwise else len(w.shape) - 1  # the output channels
-        bias = self.layer.bias.value if self.layer.use_bias else m.zeros(w.shape[axis], w.dtype)
+        if self.bn is not None and training and t is not None and not t.export:
+            return self._train_with_batchnorm(x, w, axis, layout, training)
+        with m.constants(t is not None and t.export):
+            w, bias = self._folded(w, axis, layout)
+        return self._activate(self._linear(x, self._quantize(w, axis), layout) + bias, training, layout)
+
+    def _bias(self, w, axis: int):
+        return self.layer.bias.value if self.layer.use_bias else qat_math().zeros(w.shape[axis], w.dtype)
+
+    def _train_with_batchnorm(self, x, w, axis: int, layout: str, training):
+        """As torch.ao's ConvBn trains: the weights folded with the moving std, then the output rescaled and
+        batch-normalised with the batch statistics (gradients through them) until BatchNorm is frozen."""
+        t, m, bn = self.tables, qat_math(), self.bn
+        gamma, beta, mean, var = _batchnorm_parameters(bn)
+        scale = gamma / m.sqrt(var + bn.epsilon)
+        y = self._linear(x, self._quantize(w * self._per_channel(scale), axis), layout) / scale + self._bias(w, axis)
+        batch_mean, batch_var = m.moments(y)
+        frozen = t.at(t.bn_frozen)
+        momentum = bn.momentum
+        global_mean, global_var = m.global_moments(m.stop_gradient(batch_mean), m.stop_gradient(batch_var))
+        bn.moving_mean.assign(m.pick(frozen, mean, mean * momentum + global_mean * (1 - momentum)))
+        bn.moving_variance.assign(m.pick(frozen, var, var * momentum + global_var * (1 - momentum)))
+        use_mean, use_var = m.pick(frozen, mean, batch_mean), m.pick(frozen, var, batch_var)
+        return self._activate(gamma * (y - use_mean) / m.sqrt(use_var + bn.epsilon) + beta, training, layout)
+
+    def _folded(self, w, axis: int, layout: str):
+        """``(kernel, bias)`` with the BatchNorm's moving statistics folded in; in a finalized model the bias on the
+        int32 grid of input scale x weight scale, shaped for ``layout``."""
+        t, m = self.tables, qat_math()
+        bias = self._bias(w, axis)
         if self.bn is not None:
-            bn = self.bn
-            gamma, beta, mean, var = _batchnorm_parameters(bn)
-            scale = gamma / m.sqrt(var + bn.epsilon)
-            wq = self._quantize(w * self._per_channel(scale), axis)
-            if training and t is not None and not t.export:
-                # as torch.ao's ConvBn: the weights folded with the moving std, then the output rescaled and
-                # batch-normalised with the batch statistics (gradients through them) until frozen
-                y = self._linear(x, wq, layout) / scale + bias
-                batch_mean, batch_var = m.moments(y)
-                frozen = t.at(t.bn_frozen)
-                momentum = bn.momentum
-                global_mean, global_var = m.global_moments(m.stop_gradient(batch_mean), m.stop_gradient(batch_var))
-                bn.moving_mean.assign(m.pick(frozen, mean, mean * momentum + global_mean * (1 - momentum)))
-                bn.moving_variance.assign(m.pick(frozen, var, var * momentum + global_var * (1 - momentum)))
-                use_mean, use_var = m.pick(frozen, mean, batch_mean), m.pick(frozen, var, batch_var)
-                y = gamma * (y - use_mean) / m.sqrt(use_var + bn.epsilon) + beta
-                return self._activate(y, training, layout)
+            gamma, beta, mean, var = _batchnorm_parameters(self.bn)
+            scale = gamma / m.sqrt(var + self.bn.epsilon)
             bias = beta + (bias - mean) * scale
             w = w * self._per_channel(scale)
-        else:
-            wq = self._quantize(w, axis)
         source = self.depthwise_quantizer or self.input_quantizer or _input_source(self)  # unknown: bias as it is
         if t is not None and t.export and source is not None:
             bias = m.bias_on_int32_grid(bias, w, axis, source.min_val.value, source.max_val.value, t.weight_levels)
-        if layout == "channels_first":
-            bias = m.reshape(bias, (-1, 1, 1))
-        return self._activate(self._linear(x, wq, layout) + bias, training, layout)
+        return w, m.reshape(bias, (-1, 1, 1)) if layout == "channels_first" else bias
 
     def _separable_depthwise(self, x, layout: str):
         """A SeparableConv2D's depthwise half, its kernel fake-quantized per channel (no bias: Keras adds its one
@@ -414,15 +424,16 @@ class QuantizedMerge(keras.layers.Layer):
         """A pre-activation BatchNorm as the int8 model computes it (recal_onnx's ``batchnorm_to_conv``): ``x * a``
         exactly (``a`` held as +-64 at scale ``|a| / 64``; a zero factor as 0 at scale 1), plus the shift on its
         int32 grid of input scale x that weight scale."""
-        gamma, beta, mean, var = _batchnorm_parameters(self.layer)
         m = qat_math()
-        a = gamma / m.sqrt(var + self.layer.epsilon)
-        shift = beta - mean * a
-        source = _input_source(self)
-        if source is not None:
-            as_weight = m.where(a == 0, float(REDUCED_WEIGHT_LEVELS), a)  # |w| / 64 is the weight scale
-            shift = m.bias_on_int32_grid(shift, as_weight, 0, source.min_val.value, source.max_val.value,
-                                       REDUCED_WEIGHT_LEVELS)
+        with m.constants():
+            gamma, beta, mean, var = _batchnorm_parameters(self.layer)
+            a = gamma / m.sqrt(var + self.layer.epsilon)
+            shift = beta - mean * a
+            source = _input_source(self)
+            if source is not None:
+                as_weight = m.where(a == 0, float(REDUCED_WEIGHT_LEVELS), a)  # |w| / 64 is the weight scale
+                shift = m.bias_on_int32_grid(shift, as_weight, 0, source.min_val.value, source.max_val.value,
+                                             REDUCED_WEIGHT_LEVELS)
         return x * a + shift
 
 

@@ -13,6 +13,7 @@ channel with scale ``max|w| / levels``, biases on the int32 grid of input scale 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import keras
@@ -43,6 +44,10 @@ class TensorFlowQATMath:
 
     def pick(self, pred, a, b):
         return self.tf.where(pred, a, b)
+
+    def constants(self, exporting: bool = True):
+        """tf2onnx folds a layer's constant math itself."""
+        return contextlib.nullcontext()
 
     def fake_quant_activation(self, x, low, high, export: bool = False):
         """The same op trains and exports (tf2onnx writes it as a QDQ pair)."""
@@ -114,6 +119,17 @@ class KerasQATMath:
     def pick(self, pred, a, b):
         return self.ops.pick(pred, a, b)
 
+    def constants(self, exporting: bool = True):
+        """A finalized layer's math on its variables (folded kernel and bias, qparams), computed as the export's
+        constants. On JAX, jax2onnx traces the model with every op staged, constants' too, and its conversion time grows
+        with the square of the ops; ``ensure_compile_time_eval`` computes ops on concrete values now. The QDQ ops stay
+        outside it: a staged QuantizeLinear / DequantizeLinear is what the converter reads."""
+        if exporting and self.backend == "jax":
+            import jax
+
+            return jax.ensure_compile_time_eval()
+        return contextlib.nullcontext()
+
     def zeros(self, n: int, dtype):
         return self.k.zeros((n,), dtype)
 
@@ -155,7 +171,8 @@ class KerasQATMath:
         """``x`` on the uint8 grid over ``[min(low, 0), max(high, low + 1e-6)]``; gradient 1 inside it, 0 outside;
         with ``export``, the backend's QDQ op (an inference model: no gradient)."""
         k = self.k
-        _, _, scale, zero_point = self._activation_qparams(low, high)
+        with self.constants(export):
+            _, _, scale, zero_point = self._activation_qparams(low, high)
         if export:
             return self._qdq(x, scale, zero_point, None, "uint8")
         q = k.clip(k.round(x / scale) + zero_point, 0.0, 255.0)
@@ -172,9 +189,11 @@ class KerasQATMath:
         """``w`` on the int8 grid, symmetric, one scale ``max|w| / levels`` per index of ``axis`` (with ``export``,
         the backend's QDQ op)."""
         k = self.k
-        scale = self._weight_scale(k.stop_gradient(w), axis, levels)
+        with self.constants(export):
+            scale = self._weight_scale(k.stop_gradient(w), axis, levels)
+            zero_point = k.zeros_like(scale)
         if export:
-            return self._qdq(w, scale, k.zeros_like(scale), axis, "int8")
+            return self._qdq(w, scale, zero_point, axis, "int8")
         shape = [1] * len(w.shape)
         shape[axis] = -1
         scale = k.reshape(scale, shape)
@@ -200,7 +219,9 @@ class KerasQATMath:
         if self.backend == "jax":
             from .jax_qdq import qdq
 
-            return qdq(x, scale, k.cast(zero_point, dtype), axis)
+            with self.constants():
+                zero_point = k.cast(zero_point, dtype)
+            return qdq(x, scale, zero_point, axis)
         import torch
 
         low, high = (0, 255) if dtype == "uint8" else (-128, 127)  # the exporter writes the zero point's type so
