@@ -3,8 +3,8 @@
 zeros), and prune + QAT (when QAT started and BatchNorm froze, the Keras QAT model's predictions, its int8 ONNX
 model's and a reloaded ``.keras`` file's), each written to an ``.npz``.
 
-``KERAS_BACKEND=jax python -m tests.keras_backend_run OUT.npz [MODEL.onnx [QAT.npz]]``; the test runs TensorFlow's in
-its own process.
+``KERAS_BACKEND=jax python -m tests.keras_backend_run OUT.npz [MODEL.onnx [QAT.npz]]`` (the blocks' run:
+``QAT_blocks.npz``); the test runs TensorFlow's in its own process (its blocks: :mod:`tests.test_keras`).
 The initial weights come from NumPy (each backend's random initializers differ), so every backend starts alike.
 """
 
@@ -163,6 +163,33 @@ def run_qat(out: str) -> None:
     np.savez(out, backend=keras.backend.backend(), **{k: np.asarray(v) for k, v in rows.items()})
 
 
+def run_blocks(out: str) -> None:
+    """keras.applications' pieces (:data:`tests.keras_blocks.BLOCKS`, and ResNet's stem and residual block) under
+    prune + QAT, exported by this backend's exporter and converted: each one's op types, the float ops the
+    converter left between integer ones, the Keras QAT model's outputs and the int8 model's as written, in a default
+    onnxruntime session and with optimizations off."""
+    import tempfile
+
+    import keras
+    import onnxruntime
+
+    from tests.keras_blocks import BLOCKS, block_to_int8, residual_net
+    from tests.onnx_graphs import run as run_onnx
+
+    rows = {}
+    levels = (onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL, onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    for name, build in {**BLOCKS, "residual": residual_net}.items():
+        with tempfile.TemporaryDirectory() as folder:
+            manager, feeds, expected, result, ops = block_to_int8(build(), folder)
+        rows[f"{name}_quantized"] = sorted(manager.quantized_layers)
+        rows[f"{name}_ops"] = ops
+        rows[f"{name}_unconverted"] = [f"{op} {node}" for op, node in result.unconverted] or [""]
+        rows[f"{name}_keras"] = expected
+        rows[f"{name}_int8"] = np.stack([run_onnx(result.model, feeds, level=level, as_written=True)[0]
+                                         for level in levels])
+    np.savez(out, backend=keras.backend.backend(), **{k: np.asarray(v) for k, v in rows.items()})
+
+
 def _zeros_in(path: str) -> int:
     """Zeros in the exported model's weights of four or more dimensions or matrices (its conv and dense kernels)."""
     import onnx
@@ -176,3 +203,4 @@ if __name__ == "__main__":
     run(*sys.argv[1:3])
     if len(sys.argv) > 3:
         run_qat(sys.argv[3])
+        run_blocks(sys.argv[3].replace(".npz", "_blocks.npz"))

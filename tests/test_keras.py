@@ -17,8 +17,9 @@ from recal_tf.keras.params import describe_model  # noqa: E402
 
 from .conftest import ROOT  # noqa: E402
 from .forked import run_program  # noqa: E402
+from .keras_blocks import (QAT, SPE, block_to_int8, densenet_block, efficientnet_block, mobilenet_block,  # noqa: E402
+                           residual_net)
 
-SPE = 5
 PRUNE = """
 - !GradualKSModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.05, final_sparsity: 0.8, start_epoch: 0.0,
                       end_epoch: 3.0, update_frequency: 0.6}
@@ -435,13 +436,6 @@ def test_same_recipe_same_zeros_and_lr_in_torch_tf_graph_and_keras():
     assert keras_rows[-1][1][2] < round(0.7 * 1280)  # GradualKS released (leave_enabled: false)
 
 
-QAT = """
-- !EpochRangeModifier {start_epoch: 0.0, end_epoch: 3.0}
-- !GradualKSModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.3, final_sparsity: 0.6, start_epoch: 0.0,
-                      end_epoch: 1.0, update_frequency: 0.5}
-- !QuantizationModifier {start_epoch: 1.0, freeze_bn_stats_epoch: 2.5}
-- !SetLearningRateModifier {learning_rate: 0.005, start_epoch: 1.0}
-"""
 
 
 @pytest.mark.parametrize("reduce_range", [False, True])
@@ -514,7 +508,7 @@ def test_qat_under_mirrored_strategy_keeps_replicas_in_sync(tmp_path):
         from recal_onnx import quantize_qat_export
         from recal_tf.keras import ScheduledModifierManager, export_onnx
         from recal_app.keras_digits import digits_model
-        from tests.test_keras import QAT
+        from tests.keras_blocks import QAT
         digits = load_digits()
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
         with strategy.scope():
@@ -765,23 +759,11 @@ def test_a_qat_model_round_trips_a_keras_file_and_resumes_from_it(tmp_path):
 
 
 def _block_to_int8(net, tmp_path):
-    """``net`` under :data:`QAT` with ``fit`` on random inputs, finalized, exported and converted (verified on those
-    inputs): ``(manager, inputs, the Keras QAT model's outputs, the conversion's result, its op types)``."""
-    from recal_onnx import quantize_qat_export
-
-    manager, model, callbacks = _modified(QAT, keras.optimizers.SGD(0.01, momentum=0.9), net)
-    x = np.random.default_rng(0).standard_normal((SPE * 32, *net.input_shape[1:])).astype(np.float32)
-    y = np.random.default_rng(1).integers(0, 10, SPE * 32)
-    model.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=0, shuffle=False)
-    manager.finalize(model)
-    expected = model.predict(x, verbose=0)
-    path = export_onnx(model, tmp_path / "qat.onnx")
-    import onnx
-
-    feeds = {onnx.load(path).graph.input[0].name: x}
-    result = quantize_qat_export(path, tmp_path / "int8.onnx", verify_inputs=feeds)
+    """``net`` QAT-trained, finalized, exported and converted (:func:`tests.keras_blocks.block_to_int8`), with
+    nothing left float between integer ops."""
+    manager, feeds, expected, result, ops = block_to_int8(net, tmp_path)
     assert not result.unconverted, result.unconverted
-    return manager, feeds, expected, result, [n.op_type for n in result.model.graph.node]
+    return manager, feeds, expected, result, ops
 
 
 def _assert_int8_within_a_step(result, feeds, expected) -> list:
@@ -799,23 +781,6 @@ def _assert_int8_within_a_step(result, feeds, expected) -> list:
     return outputs
 
 
-def _mobilenet_block():
-    """A MobileNet's pieces: strided stem Conv-BN-ReLU6, ZeroPadding, a strided DepthwiseConv2D-BN-ReLU6,
-    Xception's SeparableConv2D-BN-ReLU, a 1x1 projection Conv-BN (no ReLU), global average pooling, Dense."""
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((16, 16, 3))
-    x = keras.layers.Conv2D(8, 3, strides=2, padding="same", use_bias=False, name="stem")(inputs)
-    x = keras.layers.ReLU(6.0, name="stem_relu")(keras.layers.BatchNormalization(name="stem_bn")(x))
-    x = keras.layers.ZeroPadding2D(1, name="pad")(x)
-    x = keras.layers.DepthwiseConv2D(3, strides=2, use_bias=False, name="dw")(x)
-    x = keras.layers.ReLU(6.0, name="dw_relu")(keras.layers.BatchNormalization(name="dw_bn")(x))
-    x = keras.layers.SeparableConv2D(12, 3, padding="same", use_bias=False, name="sep")(x)
-    x = keras.layers.ReLU(name="sep_relu")(keras.layers.BatchNormalization(name="sep_bn")(x))
-    x = keras.layers.BatchNormalization(name="project_bn")(keras.layers.Conv2D(16, 1, use_bias=False, name="project")(x))
-    x = keras.layers.GlobalAveragePooling2D(name="gap")(x)
-    return keras.Model(inputs, keras.layers.Dense(10, name="fc")(x))
-
-
 def test_depthwise_and_separable_convs_relu6_and_zero_padding_run_on_the_integers(tmp_path):
     """DepthwiseConv2D is fake-quantized per channel with its BatchNorm and ReLU6 folded in; a SeparableConv2D is
     its two convs, the depthwise output quantized between them and the BatchNorm folded into the pointwise one;
@@ -823,32 +788,11 @@ def test_depthwise_and_separable_convs_relu6_and_zero_padding_run_on_the_integer
     converted model, which computes the Keras QAT model's outputs (in a default session and with optimizations
     off)."""
     pytest.importorskip("tf2onnx")
-    manager, feeds, expected, result, ops = _block_to_int8(_mobilenet_block(), tmp_path)
+    manager, feeds, expected, result, ops = _block_to_int8(mobilenet_block(), tmp_path)
     assert manager.quantized_layers == ["stem", "dw", "sep", "project", "fc"]
     assert ops.count("QLinearConv") == 5 and "QLinearGlobalAveragePool" in ops and "QGemm" in ops  # sep: two
     assert not {"Conv", "Clip", "Relu", "MatMul", "Pad", "GlobalAveragePool"} & set(ops)
     _assert_int8_within_a_step(result, feeds, expected)
-
-
-def _efficientnet_block():
-    """EfficientNet's MBConv pieces: a strided stem Conv-BN-swish (an Activation layer), a DepthwiseConv2D-BN-swish,
-    squeeze-excitation (global pooling, Reshape, a 1x1 Conv with its own swish, a 1x1 Conv with its own sigmoid,
-    Multiply), a linear 1x1 projection, Dropout and the residual Add; global pooling and a Dense."""
-    keras.utils.set_random_seed(0)
-    layers = keras.layers
-    inputs = keras.Input((16, 16, 3))
-    x = layers.Conv2D(16, 3, strides=2, padding="same", use_bias=False, name="stem")(inputs)
-    x = layers.Activation("swish", name="stem_act")(layers.BatchNormalization(name="stem_bn")(x))
-    y = layers.DepthwiseConv2D(3, padding="same", use_bias=False, name="dw")(x)
-    y = layers.Activation("swish", name="dw_act")(layers.BatchNormalization(name="dw_bn")(y))
-    se = layers.Reshape((1, 1, 16), name="se_reshape")(layers.GlobalAveragePooling2D(name="se_squeeze")(y))
-    se = layers.Conv2D(4, 1, activation="swish", name="se_reduce")(se)
-    se = layers.Conv2D(16, 1, activation="sigmoid", name="se_expand")(se)
-    y = layers.Multiply(name="se_excite")([y, se])
-    y = layers.BatchNormalization(name="project_bn")(layers.Conv2D(16, 1, use_bias=False, name="project")(y))
-    x = layers.Add(name="add")([layers.Dropout(0.2, name="drop")(y), x])
-    x = layers.GlobalAveragePooling2D(name="gap")(x)
-    return keras.Model(inputs, layers.Dense(10, name="fc")(x))
 
 
 def test_swish_sigmoid_and_squeeze_excitation_run_on_the_integers(tmp_path):
@@ -857,7 +801,7 @@ def test_swish_sigmoid_and_squeeze_excitation_run_on_the_integers(tmp_path):
     model computes them with QLinearSigmoid and QLinearMul, and stays within an output step of the Keras QAT model
     (in a default session and with optimizations off)."""
     pytest.importorskip("tf2onnx")
-    manager, feeds, expected, result, ops = _block_to_int8(_efficientnet_block(), tmp_path)
+    manager, feeds, expected, result, ops = _block_to_int8(efficientnet_block(), tmp_path)
     assert sorted(manager.quantized_layers) == sorted(["stem", "dw", "se_reduce", "se_expand", "se_excite",
                                                        "project", "add", "fc"])
     # the swish of stem, dw and se_reduce: a sigmoid and a product each; se_expand's sigmoid; the excitation's product
@@ -865,27 +809,6 @@ def test_swish_sigmoid_and_squeeze_excitation_run_on_the_integers(tmp_path):
     assert ops.count("QLinearAdd") == 1 and ops.count("QLinearGlobalAveragePool") == 2 and "QGemm" in ops
     assert not {"Conv", "Sigmoid", "Mul", "MatMul", "GlobalAveragePool", "ReduceMean"} & set(ops), ops
     _assert_int8_within_a_step(result, feeds, expected)
-
-
-def _densenet_block():
-    """DenseNet's pieces: a stem Conv-BN-ReLU and MaxPool, a dense block (pre-activation BN-ReLU-Conv 1x1,
-    BN-ReLU-Conv 3x3, concatenated with the block's input), a transition (BN-ReLU-Conv 1x1, AveragePooling), a
-    second block, the final BN-ReLU, global pooling and a Dense."""
-    keras.utils.set_random_seed(0)
-    layers = keras.layers
-
-    def preactivated(x, filters, size, name):
-        x = layers.ReLU(name=f"{name}_relu")(layers.BatchNormalization(name=f"{name}_bn")(x))
-        return layers.Conv2D(filters, size, padding="same", use_bias=False, name=name)(x)
-
-    inputs = keras.Input((12, 12, 3))
-    x = layers.Conv2D(8, 3, padding="same", use_bias=False, name="stem")(inputs)
-    x = layers.MaxPooling2D(2, name="pool")(layers.ReLU(name="stem_relu")(layers.BatchNormalization(name="stem_bn")(x)))
-    x = layers.Concatenate(name="c1")([x, preactivated(preactivated(x, 16, 1, "b1a"), 4, 3, "b1b")])
-    x = layers.AveragePooling2D(2, name="avg")(preactivated(x, 8, 1, "trans"))
-    x = layers.Concatenate(name="c2")([x, preactivated(x, 4, 3, "b2")])
-    x = layers.ReLU(name="top_relu")(layers.BatchNormalization(name="top_bn")(x))
-    return keras.Model(inputs, layers.Dense(10, name="fc")(layers.GlobalAveragePooling2D(name="gap")(x)))
 
 
 def test_densenets_concatenations_pools_and_preactivation_batchnorms_run_on_the_integers(tmp_path):
@@ -896,7 +819,7 @@ def test_densenets_concatenations_pools_and_preactivation_batchnorms_run_on_the_
     QAT model (in a default session and with optimizations off), whose finalized BatchNorms put their shifts on
     that conv's int32 grid."""
     pytest.importorskip("tf2onnx")
-    manager, feeds, expected, result, ops = _block_to_int8(_densenet_block(), tmp_path)
+    manager, feeds, expected, result, ops = _block_to_int8(densenet_block(), tmp_path)
     # b1b_bn follows a conv: it folds into b1a; the other BatchNorms are pre-activation
     assert sorted(manager.quantized_layers) == sorted(["stem", "b1a_bn", "b1a", "b1b", "c1", "trans_bn", "trans",
                                                        "avg", "b2_bn", "b2", "c2", "top_bn", "fc"])
@@ -906,30 +829,6 @@ def test_densenets_concatenations_pools_and_preactivation_batchnorms_run_on_the_
     for got in _assert_int8_within_a_step(result, feeds, expected):
         # the finalized BatchNorms' shifts on the int32 grid the int8 convs hold them on: the same numbers
         assert (np.abs(got - expected) <= 1e-6).mean() >= 0.99
-
-
-def _residual_net():
-    """ResNet's stem (ZeroPadding, a 7x7 strided valid Conv-BN-ReLU, ZeroPadding, MaxPool) and block (two 3x3 convs
-    and a 1x1 projection shortcut reading the same pooled tensor, Add, ReLU), then MobileNetV2's inverted residual
-    (expand 1x1, depthwise, linear projection, Add), global pooling and a softmax Dense."""
-    keras.utils.set_random_seed(0)
-    layers = keras.layers
-
-    def conv(x, filters, size, name, relu=True, depthwise=False, **kw):
-        x = (layers.DepthwiseConv2D(size, padding="same", use_bias=False, name=name) if depthwise else
-             layers.Conv2D(filters, size, padding=kw.pop("padding", "same"), use_bias=False, name=name, **kw))(x)
-        x = layers.BatchNormalization(name=f"{name}_bn")(x)
-        return layers.ReLU(6.0 if relu == 6 else None, name=f"{name}_relu")(x) if relu else x
-
-    inputs = keras.Input((16, 16, 3))
-    x = conv(layers.ZeroPadding2D(3, name="stem_pad")(inputs), 8, 7, "stem", strides=2, padding="valid")
-    x = layers.MaxPooling2D(3, strides=2, name="pool")(layers.ZeroPadding2D(1, name="pool_pad")(x))
-    y = conv(conv(x, 8, 3, "res_a"), 8, 3, "res_b", relu=False)
-    x = layers.ReLU(name="add1_relu")(layers.Add(name="add1")([conv(x, 8, 1, "shortcut", relu=False), y]))
-    y = conv(conv(conv(x, 16, 1, "expand", relu=6), 0, 3, "dw", relu=6, depthwise=True), 8, 1, "project", relu=False)
-    x = layers.Add(name="add2")([x, y])
-    x = layers.GlobalAveragePooling2D(name="gap")(x)
-    return keras.Model(inputs, layers.Dense(10, activation="softmax", name="fc")(x))
 
 
 def test_residual_adds_run_on_the_integers_and_round_trip_a_keras_file(tmp_path):
@@ -942,7 +841,7 @@ def test_residual_adds_run_on_the_integers_and_round_trip_a_keras_file(tmp_path)
     import onnx
     from recal_onnx import quantize_qat_export
 
-    manager, model, callbacks = _modified(QAT, keras.optimizers.SGD(0.01, momentum=0.9), _residual_net())
+    manager, model, callbacks = _modified(QAT, keras.optimizers.SGD(0.01, momentum=0.9), residual_net())
     assert sorted(manager.quantized_layers) == sorted(["stem", "res_a", "res_b", "shortcut", "add1", "expand", "dw",
                                                        "project", "add2", "fc"])
     x = np.random.default_rng(0).standard_normal((SPE * 32, 16, 16, 3)).astype(np.float32)

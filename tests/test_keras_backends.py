@@ -32,7 +32,8 @@ def test_the_same_recipes_prune_alike_and_quantize_to_int8_on_every_keras_backen
     after every step JAX and PyTorch hold exactly TensorFlow's zeros and ran at its LR and decay, and neither
     imported TensorFlow for recal; each backend's ONNX export (tf2onnx, jax2onnx, torch.onnx) computes what its
     Keras model does and holds the pruned zeros; a run resumed from the ``.keras`` file of epoch 2 with a new manager
-    ends on the same weights, bit for bit. The same processes run prune + QAT: :func:`_check_qat`."""
+    ends on the same weights, bit for bit. The same processes run prune + QAT: :func:`_check_qat`, and
+    keras.applications' pieces: :func:`_check_blocks`."""
     pytest.importorskip("jax")
     pytest.importorskip("torch")
     others = {b: _run_on(b, tmp_path / f"{b}.npz", tmp_path / f"{b}.onnx", tmp_path / f"{b}_qat.npz")
@@ -40,7 +41,7 @@ def test_the_same_recipes_prune_alike_and_quantize_to_int8_on_every_keras_backen
     keras_backend_run.run(str(tmp_path / "tensorflow.npz"), str(tmp_path / "tensorflow.onnx"), resume=False)
     keras_backend_run.run_qat(str(tmp_path / "tensorflow_qat.npz"))
     for backend, process in others.items():
-        output, _ = process.communicate(timeout=300)
+        output, _ = process.communicate(timeout=600)
         assert process.returncode == 0, output[-3000:]
     ran = {b: np.load(tmp_path / f"{b}.npz") for b in ("tensorflow", "jax", "torch")}
     tf_run = ran["tensorflow"]
@@ -64,6 +65,7 @@ def test_the_same_recipes_prune_alike_and_quantize_to_int8_on_every_keras_backen
     assert tf_run["onnx_error"] < 1e-5  # TensorFlow's resume from .keras: tests/test_keras.py
     assert tf_run["onnx_zeros"] >= sum(z[-1] for z in zeros.values())
     _check_qat({b: np.load(tmp_path / f"{b}_qat.npz") for b in ("tensorflow", "jax", "torch")})
+    _check_blocks({b: np.load(tmp_path / f"{b}_qat_blocks.npz") for b in ("jax", "torch")})
 
 
 def _check_qat(ran: dict) -> None:
@@ -86,6 +88,31 @@ def _check_qat(ran: dict) -> None:
         np.testing.assert_allclose(run["reloaded"], keras_out, atol=1e-6)
         accuracies.append((keras_out.argmax(1) == run["labels"]).mean())
     assert min(accuracies) > 0.5 and max(accuracies) - min(accuracies) < 0.03  # 36 steps: the same learning
+
+
+def _check_blocks(ran: dict) -> None:
+    """keras.applications' pieces (depthwise and separable convs, ReLU6, zero padding, swish, squeeze-excitation,
+    residual Adds, concatenation, average pooling, pre-activation BatchNorms) QAT-trained on JAX and PyTorch and
+    exported by their exporters: the int8 model holds the integer ops TensorFlow's export gives
+    (:mod:`tests.test_keras`), nothing float between them, and computes the Keras QAT model's outputs within one
+    output step with the same classes, in a default session and with optimizations off."""
+    from .keras_blocks import INTEGER_OPS
+
+    for backend, run in ran.items():
+        for block, expected_ops in INTEGER_OPS.items():
+            where = f"{backend} {block}"
+            assert run[f"{block}_unconverted"].tolist() == [""], (where, run[f"{block}_unconverted"])
+            ops = run[f"{block}_ops"].tolist()
+            assert {op: ops.count(op) for op in expected_ops} == expected_ops, (where, ops)
+            assert not {"Conv", "MatMul", "Gemm", "Relu", "Clip", "Max", "Min", "Sigmoid", "Mul", "Concat", "Div",
+                        "AveragePool", "GlobalAveragePool", "ReduceMean", "BatchNormalization"} & set(ops), (where, ops)
+            keras_out = run[f"{block}_keras"]
+            # logits within one output step; the residual block's softmax probabilities within 5e-3 (as on TensorFlow)
+            tolerance = 5e-3 if block == "residual" else float(np.diff(np.unique(keras_out)).min()) + 1e-6
+            for got in run[f"{block}_int8"]:  # a default session, then optimizations off
+                assert np.abs(got - keras_out).max() <= tolerance, where
+                assert (got.argmax(1) == keras_out.argmax(1)).all(), where
+        assert run["mobilenet_quantized"].tolist() == sorted(["stem", "dw", "sep", "project", "fc"]), backend
 
 
 @pytest.mark.parametrize("backend", ["numpy", "openvino"])
@@ -117,10 +144,12 @@ def _net():
     return keras.Model(inputs, keras.layers.Dense(2, name="d")(inputs))
 
 
-@pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool", "window sum"])
 def test_a_channels_last_pool_over_six_axes_becomes_a_2d_pool(tmp_path, op):
-    """jax2onnx's form of a channels-last 2-D pool (rank 6, kernel [1, 2, 2, 1]), which onnxruntime cannot run, is
-    rewritten to the 2-D pool it means; the values are the pool of each 2x2 window per channel."""
+    """jax2onnx's forms of a channels-last 2-D pool (rank 6, window [1, 2, 2, 1]): a MaxPool or AveragePool that
+    onnxruntime cannot run, or Keras's average pool as a window sum (a Conv with an all-ones kernel, a Squeeze and a
+    Div by the window's size) that no int8 pass reads as a pool, are rewritten to the 2-D pool they mean; the values
+    are the pool of each 2x2 window per channel."""
     import onnx
     import onnxruntime
     from onnx import TensorProto, helper, numpy_helper
@@ -128,15 +157,23 @@ def test_a_channels_last_pool_over_six_axes_becomes_a_2d_pool(tmp_path, op):
     from recal_tf.keras.export import _pools_channels_first
 
     axes = numpy_helper.from_array(np.array([0, 1], np.int64), "axes")
-    graph = helper.make_graph(
-        [helper.make_node("Unsqueeze", ["x", "axes"], ["x6"]),
-         helper.make_node(op, ["x6"], ["p6"], name="pool", kernel_shape=[1, 2, 2, 1], strides=[1, 2, 2, 1]),
-         helper.make_node("Squeeze", ["p6", "axes"], ["y"])],
-        "pool", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4, 6, 3])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [axes])
+    if op == "window sum":
+        constants = [axes, numpy_helper.from_array(np.ones((1, 1, 1, 2, 2, 1), np.float32), "ones"),
+                     numpy_helper.from_array(np.array(4.0, np.float32), "size")]
+        nodes = [helper.make_node("Unsqueeze", ["x", "axes"], ["x6"]),
+                 helper.make_node("Conv", ["x6", "ones"], ["s6"], name="sum", strides=[1, 2, 2, 1], group=1),
+                 helper.make_node("Squeeze", ["s6", "axes"], ["s"]), helper.make_node("Div", ["s", "size"], ["y"])]
+    else:
+        constants = [axes]
+        nodes = [helper.make_node("Unsqueeze", ["x", "axes"], ["x6"]),
+                 helper.make_node(op, ["x6"], ["p6"], name="pool", kernel_shape=[1, 2, 2, 1], strides=[1, 2, 2, 1]),
+                 helper.make_node("Squeeze", ["p6", "axes"], ["y"])]
+    graph = helper.make_graph(nodes, "pool", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4, 6, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 2, 3, 3])], constants)
     path = tmp_path / "pool.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     _pools_channels_first(str(path))
+    onnx.checker.check_model(str(path))
     x = np.random.default_rng(0).standard_normal((2, 4, 6, 3)).astype(np.float32)
     windows = x.reshape(2, 2, 2, 3, 2, 3).transpose(0, 1, 3, 5, 2, 4).reshape(2, 2, 3, 3, 4)
     expected = windows.max(axis=-1) if op == "MaxPool" else windows.mean(axis=-1)
@@ -146,7 +183,8 @@ def test_a_channels_last_pool_over_six_axes_becomes_a_2d_pool(tmp_path, op):
         options.graph_optimization_level = level
         session = onnxruntime.InferenceSession(str(path), options)
         np.testing.assert_allclose(session.run(None, {"x": x})[0], expected, atol=1e-6)
-    assert [n.op_type for n in onnx.load(path).graph.node].count(op) == 1
+    ops = [n.op_type for n in onnx.load(path).graph.node]
+    assert ops.count("MaxPool" if op == "MaxPool" else "AveragePool") == 1 and not {"Conv", "Div"} & set(ops)
 
 
 def test_the_jax_qdq_primitive_exports_as_a_quantize_dequantize_pair(tmp_path):

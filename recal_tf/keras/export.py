@@ -86,37 +86,88 @@ def _normalization_constants_in_graph(model: keras.Model):
 
 
 def _pools_channels_first(path: str) -> None:
-    """jax2onnx writes a channels-last 2-D pool as an ONNX ``MaxPool`` / ``AveragePool`` over a rank-6 tensor
-    (``[1, 1, N, H, W, C]``, kernel ``[1, k, k, 1]``), a four-dimensional pool onnxruntime has no kernel for; each such
-    pool becomes the 2-D pool of ``[N, C, H, W]`` between Squeeze / Transpose and Transpose / Unsqueeze, which
-    computes the same values, so the file is the model Keras computes."""
+    """jax2onnx writes a channels-last 2-D pool over a rank-6 tensor (``[1, 1, N, H, W, C]``, window ``[1, k, k, 1]``),
+    a four-dimensional op onnxruntime has no kernel for (a ``MaxPool`` / ``AveragePool``), or, for Keras's average
+    pool (a window sum divided by the window's size), a ``Conv`` with an all-ones kernel, a ``Squeeze`` and a ``Div``
+    that no int8 pass reads as a pool. Each becomes the 2-D pool of ``[N, C, H, W]`` between Squeeze / Transpose
+    and Transpose (/ Unsqueeze), which computes the same values, so the file is the model Keras computes."""
     import onnx
     from onnx import helper, numpy_helper
 
     model = onnx.load(path)
-    nodes, changed = [], False
+    constants = {i.name: i for i in model.graph.initializer}
+    readers: dict[str, list] = {}
     for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    nodes, dropped, changed = [], set(), False
+    for node in model.graph.node:
+        if node.output[0] in dropped:
+            continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        kernel = list(attrs.get("kernel_shape", []))
-        if node.op_type not in ("MaxPool", "AveragePool") or len(kernel) != 4 or kernel[0] != 1 or kernel[-1] != 1 \
-                or any(p != 0 for p in attrs.get("pads", [])):
+        pool = _six_axis_pool(node, attrs) or _window_sum_average(node, attrs, constants, readers)
+        if pool is None:
             nodes.append(node)
             continue
+        op, window, strides, x_in, y_out, replaced = pool
+        dropped.update(n.output[0] for n in replaced)
         if not changed:
             model.graph.initializer.append(numpy_helper.from_array(np.array([0, 1], np.int64), "recal_pool_axes"))
         changed = True
         x = f"{node.name}_recal"
-        spatial = {"kernel_shape": kernel[1:3], "strides": list(attrs.get("strides", [1] * 4))[1:3]}
-        spatial.update({k: v for k, v in attrs.items() if k not in ("kernel_shape", "strides", "pads")})
-        nodes += [helper.make_node("Squeeze", [node.input[0], "recal_pool_axes"], [f"{x}_nhwc"], name=f"{x}_squeeze"),
+        spatial = {"kernel_shape": window, "strides": strides}
+        if op == "MaxPool":
+            spatial.update({k: v for k, v in attrs.items() if k not in ("kernel_shape", "strides", "pads")})
+        pooled = [helper.make_node("Squeeze", [x_in, "recal_pool_axes"], [f"{x}_nhwc"], name=f"{x}_squeeze"),
                   helper.make_node("Transpose", [f"{x}_nhwc"], [f"{x}_nchw"], name=f"{x}_nchw", perm=[0, 3, 1, 2]),
-                  helper.make_node(node.op_type, [f"{x}_nchw"], [f"{x}_pooled"], name=node.name, **spatial),
-                  helper.make_node("Transpose", [f"{x}_pooled"], [f"{x}_out"], name=f"{x}_nhwc", perm=[0, 2, 3, 1]),
-                  helper.make_node("Unsqueeze", [f"{x}_out", "recal_pool_axes"], [node.output[0]], name=f"{x}_unsqueeze")]
+                  helper.make_node(op, [f"{x}_nchw"], [f"{x}_pooled"], name=node.name, **spatial)]
+        if op == "AveragePool" and node.op_type == "Conv":  # the Div's output is [N, H, W, C]
+            pooled.append(helper.make_node("Transpose", [f"{x}_pooled"], [y_out], name=f"{x}_nhwc", perm=[0, 2, 3, 1]))
+        else:
+            pooled += [helper.make_node("Transpose", [f"{x}_pooled"], [f"{x}_out"], name=f"{x}_nhwc", perm=[0, 2, 3, 1]),
+                       helper.make_node("Unsqueeze", [f"{x}_out", "recal_pool_axes"], [y_out], name=f"{x}_unsqueeze")]
+        nodes += pooled
     if changed:
         del model.graph.node[:]
         model.graph.node.extend(nodes)
         onnx.save(model, path)
+
+
+def _six_axis_pool(node, attrs: dict):
+    """``(op, window, strides, input, output, nodes replaced)`` of a rank-6 ``MaxPool`` / ``AveragePool``."""
+    kernel = list(attrs.get("kernel_shape", []))
+    if node.op_type not in ("MaxPool", "AveragePool") or len(kernel) != 4 or kernel[0] != 1 or kernel[-1] != 1 \
+            or any(p != 0 for p in attrs.get("pads", [])):
+        return None
+    return node.op_type, kernel[1:3], list(attrs.get("strides", [1] * 4))[1:3], node.input[0], node.output[0], [node]
+
+
+def _window_sum_average(node, attrs: dict, constants: dict, readers: dict):
+    """The same for jax2onnx's average pool: ``Conv(x6, ones[1, 1, 1, kh, kw, 1]) -> Squeeze([0, 1]) -> Div(kh * kw)``
+    without padding."""
+    from onnx import numpy_helper
+
+    if node.op_type != "Conv" or len(node.input) != 2 or node.input[1] not in constants or attrs.get("group", 1) != 1 \
+            or any(p != 0 for p in attrs.get("pads", [])) or any(d != 1 for d in attrs.get("dilations", [])):
+        return None
+    kernel = numpy_helper.to_array(constants[node.input[1]])
+    if kernel.ndim != 6 or kernel.shape[:3] != (1, 1, 1) or kernel.shape[5] != 1 or not np.all(kernel == 1):
+        return None
+    squeeze = readers.get(node.output[0], [])
+    divide = readers.get(squeeze[0].output[0], []) if len(squeeze) == 1 and squeeze[0].op_type == "Squeeze" else []
+    if len(divide) != 1 or divide[0].op_type != "Div" or divide[0].input[0] != squeeze[0].output[0] \
+            or divide[0].input[1] not in constants:
+        return None
+    axes = constants.get(squeeze[0].input[1]) if len(squeeze[0].input) > 1 else None
+    size = numpy_helper.to_array(constants[divide[0].input[1]])
+    window = [int(kernel.shape[3]), int(kernel.shape[4])]
+    if axes is None or sorted(numpy_helper.to_array(axes).tolist()) != [0, 1] or size.size != 1 \
+            or float(size.reshape(-1)[0]) != window[0] * window[1]:
+        return None
+    strides = list(attrs.get("strides", [1] * 4))
+    if len(strides) != 4 or strides[0] != 1 or strides[3] != 1:
+        return None
+    return "AveragePool", window, strides[1:3], node.input[0], divide[0].output[0], [node, squeeze[0], divide[0]]
 
 
 def _holds_qat(model: keras.Model) -> bool:
