@@ -47,3 +47,24 @@ def test_a_wrong_model_of_each_output_kind_is_refused(kind):
     assert problem is not None and f"({kind})" in problem, (kind, wrong.outputs)
     (output,) = wrong.outputs
     assert output.kind == kind
+
+
+@pytest.mark.parametrize("case", ["drift", "op by op", "agreement", "tolerance given"])
+def test_a_refusal_for_end_to_end_drift_alone_says_how_to_accept_it(case):
+    """Every integer op within a step of the QAT model's (op by op) but 5 output steps end to end: the refusal gives
+    the measured figures and the tolerance that would accept them. A refusal for anything else (an op off by more
+    than a step, too low an agreement asked for) or one under the user's own tolerance gets no such advice."""
+    from recal_onnx.convert import _drift_note
+    from recal_onnx.verify import OutputDiff, Verification
+
+    output = OutputDiff("logits", "float", max_abs_diff=1.407, output_range=30.0, step=0.2814)
+    v = Verification(max_abs_diff=1.407, output_range=30.0, argmax_agreement=0.99, samples=256, output_step=0.2814,
+                     local_steps=3 if case == "op by op" else 1, local_tensor="t", local_tensors=120,
+                     outputs=(output,))
+    assert v.problem(None) is not None  # refused in every case
+    note = _drift_note(v, 2.0 if case == "tolerance given" else None, 0.999 if case == "agreement" else None)
+    if case == "drift":
+        assert "within 1 step(s)" in note and "argmax agreement 0.9900" in note and "tolerance=1.421" in note
+        assert "--tolerance" in note
+    else:
+        assert note == ""
