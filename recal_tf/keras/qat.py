@@ -16,9 +16,9 @@
   and a pre-activation ``BatchNormalization`` of one with the ReLU after it (DenseNet's; the converter makes it a
   depthwise conv).
 
-What each layer becomes is planned in :mod:`recal_tf.keras.qat_plan`. The original layers (and so their variables,
-masks and optimizer state) are reused inside the new model that
-``keras.models.clone_model`` builds; Sequential and functional models only.
+What each layer becomes is planned in :mod:`recal_tf.keras.qat_plan`; :mod:`recal_tf.keras.qat_model` builds the new
+model around the original layers (and so their variables, masks and optimizer state) with
+``keras.models.clone_model``: Sequential and functional models only.
 
 The layers are registered Keras serializables: ``model.save("x.keras")`` (and so ``ModelCheckpoint``) writes a QAT
 model, and ``keras.models.load_model`` gives one that computes what the saved model computed (quantized or not yet,
@@ -37,7 +37,7 @@ from recal_core.modifiers import REDUCED_WEIGHT_LEVELS, WEIGHT_LEVELS
 
 from ..qat_tables import QATTables
 from .qat_math import qat_math
-from .qat_plan import activation_relu, plan_qat
+from .qat_plan import activation_relu
 
 
 
@@ -456,47 +456,3 @@ class Folded(keras.layers.Layer):
 def _folded_relu(y, relu: bool | float):
     """``y`` through the ReLU a QAT layer folds: none (False), ReLU (True) or ReLU6 (6.0)."""
     return y if not relu else qat_math().relu(y) if relu is True else qat_math().relu6(y)
-
-
-def quantize_model(model: keras.Model, tables: QATTables) -> tuple[keras.Model, list, list[str]]:
-    """A new model with the convs and Dense layers :func:`plan_qat` chose as :class:`QuantizedLayer` s and the
-    merges, pools and pre-activation BatchNorms of quantized tensors as :class:`QuantizedMerge` s, reusing the
-    original layers' variables (a model that holds QAT layers already, loaded from a ``.keras`` file, is itself, its
-    layers switched by ``tables``); and the layers with weights left float."""
-    existing = [layer for layer in model.layers if isinstance(layer, (QuantizedLayer, QuantizedMerge))]
-    if existing:  # a QAT model loaded from a .keras file: the recipe's switches take it on again
-        by_name = {q.name: q for q in existing}
-        for q in existing:
-            q.set_tables(tables)
-            source = by_name.get(q.source)
-            object.__setattr__(q, "input_source", None if source is None else source.output_quantizer)
-        return model, existing, [layer.name for layer in model.layers if layer.weights and layer not in existing]
-    plan, floating = plan_qat(model)
-    made: list[QuantizedLayer] = []
-
-    def clone(layer):
-        entry = plan.get(layer.name)
-        if entry == "identity":
-            return Folded(name=f"{layer.name}_folded")
-        if isinstance(entry, dict) and "merge" in entry:
-            merge = QuantizedMerge(entry["merge"], entry["relu"])
-            merge.set_tables(tables)
-            made.append(merge)
-            return merge
-        if isinstance(entry, dict):
-            q = QuantizedLayer(entry["layer"], entry["bn"], entry["relu"], entry["quantize_input"],
-                               activation=entry["activation"])
-            q.set_tables(tables)
-            made.append(q)
-            return q
-        return layer
-
-    new = keras.models.clone_model(model, clone_function=clone)
-    entries = {id(entry.get("layer", entry.get("merge"))): entry for entry in plan.values() if isinstance(entry, dict)}
-    by_tail = {entries[id(q.layer)]["tail"]: q for q in made}
-    for q in made:
-        source = by_tail.get(entries[id(q.layer)].get("source"))
-        q.source = None if source is None else source.name
-        # not a sub-layer of q (Keras would track it as one): the quantizer of the layer it reads
-        object.__setattr__(q, "input_source", None if source is None else source.output_quantizer)
-    return new, made, floating
