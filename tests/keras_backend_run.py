@@ -190,6 +190,28 @@ def run_blocks(out: str) -> None:
     np.savez(out, backend=keras.backend.backend(), **{k: np.asarray(v) for k, v in rows.items()})
 
 
+def run_large_export(out: str) -> None:
+    """A model whose weights (1 MiB) the exporter writes beside the model file (jax2onnx does): what the export
+    folder holds afterwards, and how far the file's outputs are from the model's."""
+    import os
+    import tempfile
+
+    import keras
+    import onnxruntime
+
+    from recal_tf.keras import export_onnx
+
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(4096), keras.layers.Dense(10)])
+    x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    expected = np.asarray(model.predict(x, verbose=0))
+    with tempfile.TemporaryDirectory() as folder:
+        path = export_onnx(model, os.path.join(folder, "large.onnx"))
+        files = sorted(os.listdir(folder))
+        session = onnxruntime.InferenceSession(path)
+        error = float(np.abs(session.run(None, {session.get_inputs()[0].name: x})[0] - expected).max())
+    np.savez(out, files=np.array(files), error=error)
+
+
 def _zeros_in(path: str) -> int:
     """Zeros in the exported model's weights of four or more dimensions or matrices (its conv and dense kernels)."""
     import onnx
@@ -204,3 +226,4 @@ if __name__ == "__main__":
     if len(sys.argv) > 3:
         run_qat(sys.argv[3])
         run_blocks(sys.argv[3].replace(".npz", "_blocks.npz"))
+        run_large_export(sys.argv[3].replace(".npz", "_large.npz"))

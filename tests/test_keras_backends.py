@@ -66,6 +66,9 @@ def test_the_same_recipes_prune_alike_and_quantize_to_int8_on_every_keras_backen
     assert tf_run["onnx_zeros"] >= sum(z[-1] for z in zeros.values())
     _check_qat({b: np.load(tmp_path / f"{b}_qat.npz") for b in ("tensorflow", "jax", "torch")})
     _check_blocks({b: np.load(tmp_path / f"{b}_qat_blocks.npz") for b in ("jax", "torch")})
+    for backend in ("jax", "torch"):  # weights an exporter writes beside the model: back in the one file written
+        large = np.load(tmp_path / f"{backend}_qat_large.npz")
+        assert large["files"].tolist() == ["large.onnx"] and float(large["error"]) < 1e-5, backend
 
 
 def _check_qat(ran: dict) -> None:

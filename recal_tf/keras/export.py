@@ -49,7 +49,12 @@ def export_onnx(model: keras.Model, path: str | os.PathLike, *, opset: int | Non
     with atomic_path(path) as tmp, warnings.catch_warnings(), _normalization_constants_in_graph(model):
         warnings.filterwarnings("ignore", category=FutureWarning)  # Keras's tf2onnx shim probes np.object
         kwargs = {} if opset is None else {"opset_version": opset}
-        model.export(str(tmp), format="onnx", verbose=False, **kwargs)
+        try:
+            model.export(str(tmp), format="onnx", verbose=False, **kwargs)
+            _external_data_inline(str(tmp))
+        finally:  # a failed export's side file too
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(str(tmp) + ".data")
         if backend == "jax":
             _pools_channels_first(str(tmp))
         if backend != "tensorflow" and _holds_qat(model):
@@ -63,6 +68,21 @@ def export_onnx(model: keras.Model, path: str | os.PathLike, *, opset: int | Non
                              "inputs; nothing was written")
         _check_runs(str(tmp), model, backend)
     return str(path)
+
+
+def _external_data_inline(path: str) -> None:
+    """An exporter that wrote the weights beside the model (jax2onnx: ``<path>.data``, a name of the temporary
+    file's) has them put back in the model file and its side file removed: the ``.onnx`` written is one file that
+    reads no hidden neighbour (the caller removes the side file; a model over protobuf's 2 GB is refused)."""
+    import onnx
+
+    if not os.path.exists(path + ".data"):
+        return
+    model = onnx.load(path)  # with the external data
+    if model.ByteSize() >= 2**31:
+        raise ValueError(f"the ONNX export is {model.ByteSize() / 2**30:.1f} GiB, over the 2 GiB a single .onnx "
+                         "file holds; export a smaller model (nothing was written)")
+    onnx.save(model, path)
 
 
 @contextlib.contextmanager
