@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(ROOT))
         print(json.dumps(child(args.models, args.size, args.steps)))
         return 0
+    saved = json.loads(args.json.read_text()) if args.update and args.json and args.json.exists() else None
     results = []
     for backend in args.backends:
         env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
@@ -193,12 +194,12 @@ def main(argv: list[str] | None = None) -> int:
                               str(args.steps), "--models", *args.models], env=env, check=True, cwd=ROOT,
                              stdout=subprocess.PIPE, text=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
-    data = {"size": args.size, "steps": args.steps, "backends": results}
-    if args.update and args.json and args.json.exists():
-        data = _updated(json.loads(args.json.read_text()), data)
+        data = {"size": args.size, "steps": args.steps, "backends": results}
+        if saved is not None:
+            data = _updated(json.loads(json.dumps(saved)), data)
+        if args.json:  # after each backend: a run cut short keeps what it measured
+            args.json.write_text(json.dumps(data, indent=1) + "\n")
     print(table(data))
-    if args.json:
-        args.json.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def _updated(saved: dict, new: dict) -> dict:
