@@ -63,8 +63,10 @@ class QATTables:
             step = self.current
         step = self.iterations if step is None else step
         step = getattr(step, "value", step)  # a Keras variable: its value in this step (a JAX trace's own)
-        if getattr(o, "eager", False) or isinstance(step, int):
-            return bool(table[min(int(o.ops.convert_to_numpy(step)) if not isinstance(step, int) else step, last)])
+        if isinstance(step, int):
+            return bool(table[min(step, last)])
+        if getattr(o, "eager", False):
+            return bool(table[min(int(o.ops.convert_to_numpy(step)), last)])
         return o.take(o.constant(table), o.minimum(o.cast(step, o.index_dtype), last))
 
 

@@ -169,7 +169,8 @@ def test_a_channels_last_pool_over_six_axes_becomes_a_2d_pool(tmp_path, op):
     else:
         constants = [axes]
         nodes = [helper.make_node("Unsqueeze", ["x", "axes"], ["x6"]),
-                 helper.make_node(op, ["x6"], ["p6"], name="pool", kernel_shape=[1, 2, 2, 1], strides=[1, 2, 2, 1]),
+                 helper.make_node(op, ["x6"], ["p6"], name="pool", kernel_shape=[1, 2, 2, 1], strides=[1, 2, 2, 1],
+                                  ceil_mode=1),  # a pool's own attribute (no effect on these even sizes): kept
                  helper.make_node("Squeeze", ["p6", "axes"], ["y"])]
     graph = helper.make_graph(nodes, "pool", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4, 6, 3])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 2, 3, 3])], constants)
@@ -186,8 +187,12 @@ def test_a_channels_last_pool_over_six_axes_becomes_a_2d_pool(tmp_path, op):
         options.graph_optimization_level = level
         session = onnxruntime.InferenceSession(str(path), options)
         np.testing.assert_allclose(session.run(None, {"x": x})[0], expected, atol=1e-6)
-    ops = [n.op_type for n in onnx.load(path).graph.node]
+    nodes = onnx.load(path).graph.node
+    ops = [n.op_type for n in nodes]
     assert ops.count("MaxPool" if op == "MaxPool" else "AveragePool") == 1 and not {"Conv", "Div"} & set(ops)
+    pool = next(n for n in nodes if n.op_type.endswith("Pool"))
+    assert {a.name: helper.get_attribute_value(a) for a in pool.attribute}.get("ceil_mode") == \
+        (None if op == "window sum" else 1)
 
 
 def test_the_jax_qdq_primitive_exports_as_a_quantize_dequantize_pair(tmp_path):

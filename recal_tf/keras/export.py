@@ -135,13 +135,14 @@ def _pools_channels_first(path: str) -> None:
             model.graph.initializer.append(numpy_helper.from_array(np.array([0, 1], np.int64), "recal_pool_axes"))
         changed = True
         x = f"{node.name}_recal"
+        window_sum = node.op_type == "Conv"  # a Conv's attributes are not a pool's; the Div's output is [N, H, W, C]
         spatial = {"kernel_shape": window, "strides": strides}
-        if op == "MaxPool":
+        if not window_sum:  # a pool's own attributes (ceil_mode, count_include_pad...) stay
             spatial.update({k: v for k, v in attrs.items() if k not in ("kernel_shape", "strides", "pads")})
         pooled = [helper.make_node("Squeeze", [x_in, "recal_pool_axes"], [f"{x}_nhwc"], name=f"{x}_squeeze"),
                   helper.make_node("Transpose", [f"{x}_nhwc"], [f"{x}_nchw"], name=f"{x}_nchw", perm=[0, 3, 1, 2]),
                   helper.make_node(op, [f"{x}_nchw"], [f"{x}_pooled"], name=node.name, **spatial)]
-        if op == "AveragePool" and node.op_type == "Conv":  # the Div's output is [N, H, W, C]
+        if window_sum:
             pooled.append(helper.make_node("Transpose", [f"{x}_pooled"], [y_out], name=f"{x}_nhwc", perm=[0, 2, 3, 1]))
         else:
             pooled += [helper.make_node("Transpose", [f"{x}_pooled"], [f"{x}_out"], name=f"{x}_nhwc", perm=[0, 2, 3, 1]),
