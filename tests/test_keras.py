@@ -866,3 +866,24 @@ def test_residual_adds_run_on_the_integers_and_round_trip_a_keras_file(tmp_path)
     got = session.run(None, {session.get_inputs()[0].name: x})[0]
     # probabilities: a logit one output step off (onnxruntime's own rounding) moves them by about 1e-3
     assert np.abs(got - expected).max() < 5e-3 and (got.argmax(1) == expected.argmax(1)).mean() == 1
+
+
+def test_evaluated_when_qat_starts_before_any_range_is_observed_it_computes_the_float_activations():
+    """Evaluated at the step QAT starts, before a training step has observed a range (Keras's validation at the end
+    of the epoch before QAT; ``recal train``'s test accuracy there), the activations pass as they are: there is no
+    range to quantize them with yet. (They were quantized to an empty range, and every digit got one class.)"""
+    from recal_app.keras_digits import digits_model
+
+    model = digits_model(0)
+    opt = keras.optimizers.SGD(0.01)
+    manager = ScheduledModifierManager.from_yaml(QAT)  # QAT from epoch 1
+    qat, callbacks = manager.modify(model, opt, steps_per_epoch=SPE)
+    qat.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = np.random.default_rng(0).random((SPE * 32, 8, 8, 1), np.float32), np.arange(SPE * 32) % 10
+    qat.fit(x, y, batch_size=32, epochs=1, callbacks=callbacks, verbose=0)
+    at_start = qat.predict(x[:64], verbose=0)  # step SPE: QAT on, nothing observed yet
+    float_model = model.predict(x[:64], verbose=0)  # the same layers, unwrapped
+    assert np.ptp(at_start) > 0.1 * np.ptp(float_model)  # not one value for every input
+    np.testing.assert_allclose(at_start, float_model, atol=0.05 * np.ptp(float_model))  # weights fake-quantized only
+    qat.fit(x, y, batch_size=32, epochs=2, initial_epoch=1, callbacks=callbacks, verbose=0)
+    assert not np.allclose(qat.predict(x[:64], verbose=0), model.predict(x[:64], verbose=0), atol=1e-6)  # QAT now

@@ -70,7 +70,10 @@ class ActivationQuantizer(keras.layers.Layer):
             self.min_val.assign(m.pick(observe, new_min, self.min_val.value))
             self.max_val.assign(m.pick(observe, new_max, self.max_val.value))
             self.observed.assign(m.pick(observe, m.ones_like(self.observed.value), self.observed.value))
-        return m.pick(t.at(t.enabled), m.fake_quant_activation(x, self.min_val.value, self.max_val.value), x)
+        # until a training step has observed a range there is none to quantize with (an evaluation at the step QAT
+        # starts, such as Keras's validation at the end of the epoch before it): the tensor passes as it is
+        on = t.at(t.enabled) if training else keras.ops.logical_and(t.at(t.enabled), self.observed.value > 0)
+        return m.pick(on, m.fake_quant_activation(x, self.min_val.value, self.max_val.value), x)
 
     def compute_output_shape(self, input_shape):
         return input_shape
