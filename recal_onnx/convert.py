@@ -127,7 +127,8 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     be the input file. ``inputs`` (or its other name ``verify_inputs``) feeds the verification (generated
     when absent: integer inputs cover the table they index, masks are ones); ``tolerance`` is the largest
     max-abs-difference accepted (default: 3 quantization steps of a quantized output, 10% of the reference
-    outputs' range for a float one). Argmax agreement (2-D outputs) is always reported; it is enforced only
+    outputs' range for a float one, or, where every integer op matches op by op, as far as the input model's own
+    outputs move when each activation quantizer's input moves by 8 float32 ulps: :mod:`recal_onnx.verify`). Argmax agreement (2-D outputs) is always reported; it is enforced only
     with ``min_agreement`` (on generated inputs a model's near-tied logits flip on rounding alone,
     and a flip on a clear margin already exceeds the tolerance). ``thin`` removes the channels filter
     pruning left dead (exactly zero, or read by no one) where the channel-coupling rules allow: the
@@ -215,12 +216,15 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
             result.weights_note += ("; verified as its target computes it (this CPU has no VNNI and would saturate "
                                     "its int8 weights beyond +-64: run it on the target)")
         result.verification = verify_models(reference, run_here, inputs, thinned=findings.thinned,
-                                            output_steps=output_steps)
+                                            output_steps=output_steps, noise=tolerance is None)
         problem = result.verification.problem(tolerance, min_agreement)
         if problem:
             hint = f" ({result.rounded_biases_note})" if result.rounded_biases else ""
             raise VerificationError(f"the converted model does not match the input model: {problem}{hint}; "
                                     f"nothing was written{_drift_note(result.verification, tolerance, min_agreement)}")
+        if result.verification.within_noise:
+            log.warning("quantize_qat_export: accepted beyond the default end-to-end tolerance, within the QAT "
+                        "model's own rounding noise: %s", result.verification)
     if output_path is not None:
         result.path = save_model_atomically(model, output_path)
     result.seconds = time.perf_counter() - started

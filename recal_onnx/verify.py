@@ -7,6 +7,14 @@ the converted model's every integer tensor that the QAT model quantizes too (a Q
 name), each computed from the QAT model's own values of the integer tensors it reads, so a rounding difference
 upstream does not travel: a correct conversion differs there by at most one step (a value on a rounding boundary),
 whatever the model. The op-by-op check adds to the end-to-end one and never replaces it.
+
+A deep trained model can pass op by op and still differ end to end by more than the default tolerance: the few
+values on a rounding boundary at each layer flip, and later layers carry the flips on. The QAT model's own float
+evaluation is no more certain than that: moving each activation quantizer's input by 8 float32 ulps (2**-20 of
+it, a float sum's rounding error over a few dozen terms; another kernel's summation order does as much) moves its
+outputs as far (``scripts/bench_keras_applications.py`` sets the int8 difference of trained keras.applications
+models beside Keras's own float run of the same QAT model). So where the op-by-op check is clean, the end-to-end
+default also accepts what that nudge of the QAT model itself produces (:func:`rounding_noise`), and says so.
 """
 
 from __future__ import annotations
@@ -29,7 +37,10 @@ CLASS_AGREEMENT = 0.95  # ... for class ids (ArgMax, TopK indices): the share th
 CLASS_ID_OPS = {"ArgMax", "ArgMin", "TopK"}
 LOCAL_STEPS = 1  # op by op: an integer tensor may differ by one step (a value on a rounding boundary)
 LOCAL_FLOAT = 0.001  # op by op: a float output within 0.1% of its range (the ops after the last integer tensor)
+LOCAL_SHARE = 1e-3  # op by op: at most this share of the compared integer values may differ (by that one step)
 LOCAL_SAMPLES = 16  # the op-by-op check runs on the first samples
+NUDGE = 2.0 ** -20  # rounding_noise: the relative move of each activation quantizer's input (8 float32 ulps)
+NOISE_PATTERNS = 3  # ... and its seeded draws (each quantizer up or down)
 CHUNK = 16  # samples per onnxruntime run in the end-to-end comparison
 LOCAL_MAX_BYTES = 1_500_000_000  # above this a model is not copied for the op-by-op check (protobuf's 2 GB)
 
@@ -44,6 +55,7 @@ class OutputDiff:
     output_range: float
     step: float = 0.0  # a float output written by a DequantizeLinear: its quantization step; an integer one: 1
     agreement: float | None = None  # class ids: the share equal
+    noise: float | None = None  # the QAT model's own max abs difference under 8-ulp nudges (rounding_noise)
 
     def problem(self, tolerance: float | None, min_agreement: float | None) -> str | None:
         if self.kind == "class ids":
@@ -57,10 +69,17 @@ class OutputDiff:
             limit = STEPS * self.step * (1 + 1e-6)
         else:
             limit = max(FLOAT_SHARE * self.output_range, 1e-4)
+        noise = ""
+        if tolerance is None and self.noise is not None:
+            limit = max(limit, self.noise * (1 + 1e-6))
+            noise = f", the QAT model's own rounding noise {self._in_steps(self.noise)}"
         if np.isfinite(self.max_abs_diff) and self.max_abs_diff <= limit:
             return None
-        steps = f" ({self.max_abs_diff / self.step:.2f} steps)" if self.step > 0 else ""
-        return f"output {self.name!r} ({self.kind}): max abs difference {self.max_abs_diff:.4g}{steps} > {limit:.4g}"
+        return (f"output {self.name!r} ({self.kind}): max abs difference {self._in_steps(self.max_abs_diff)} > "
+                f"{limit:.4g}{noise}")
+
+    def _in_steps(self, value: float) -> str:
+        return f"{value:.4g} ({value / self.step:.2f} steps)" if self.step > 0 else f"{value:.4g}"
 
 
 @dataclass
@@ -74,6 +93,7 @@ class Verification:
     local_tensor: str = ""  # ... and which tensor
     local_float: float | None = None  # op by op: the largest float-output difference, share of its range
     local_tensors: int = 0  # integer tensors compared op by op
+    local_share: float | None = None  # op by op: the share of their values that differ
     median_abs_diff: float = 0.0  # end to end, of every output value
     outputs: tuple[OutputDiff, ...] = ()  # end to end, each graph output in its own units
 
@@ -82,11 +102,25 @@ class Verification:
         """The largest difference in output quantization steps (None for a float output)."""
         return self.max_abs_diff / self.output_step if self.output_step > 0 else None
 
+    @property
+    def clean_op_by_op(self) -> bool:
+        """Every compared integer tensor within a step, few values on a boundary, float outputs within 0.1%."""
+        return (self.local_steps is not None and self.local_steps <= LOCAL_STEPS
+                and self.local_share is not None and self.local_share <= LOCAL_SHARE
+                and (self.local_float is None or self.local_float <= LOCAL_FLOAT))
+
+    @property
+    def within_noise(self) -> bool:
+        """Accepted end to end only because the QAT model's own rounding noise is as large (see the module)."""
+        return any(o.noise is not None and o.problem(None, None) is None
+                   and replace(o, noise=None).problem(None, None) is not None for o in self.outputs)
+
     def problem(self, tolerance: float | None, min_agreement: float | None = None) -> str | None:
         """Why the candidate fails, or None. Op by op: every compared integer tensor within one step, float outputs
         within 0.1% of their range. End to end, always, every output in its own units (:class:`OutputDiff`):
         ``tolerance`` (a max abs difference) when given; without it 3 steps of a quantized or integer output, 10%
-        of a float output's range; class ids agreeing on ``min_agreement`` (default 0.95).
+        of a float output's range, or the QAT model's own rounding noise where it is larger and the op-by-op check
+        is clean (:func:`rounding_noise`); class ids agreeing on ``min_agreement`` (default 0.95).
 
         Args:
             tolerance: the largest max-abs difference accepted end to end, or None for the per-unit defaults.
@@ -95,6 +129,9 @@ class Verification:
         if self.local_steps is not None and self.local_steps > LOCAL_STEPS:
             parts.append(f"op by op, tensor {self.local_tensor!r} differs by {self.local_steps} quantization steps "
                          f"from the QAT model's (computed from the QAT model's own inputs; at most {LOCAL_STEPS})")
+        if self.local_share is not None and self.local_share > LOCAL_SHARE:
+            parts.append(f"op by op, {100 * self.local_share:.3g}% of the integer values differ from the QAT model's "
+                         f"(at most {100 * LOCAL_SHARE:g}%: values on a rounding boundary)")
         if self.local_float is not None and not self.local_float <= LOCAL_FLOAT:
             parts.append(f"op by op, a float output differs by {100 * self.local_float:.2f}% of its range "
                          f"(at most {100 * LOCAL_FLOAT:g}%)")
@@ -111,7 +148,13 @@ class Verification:
         steps = "" if self.max_steps is None else f", {self.max_steps:.2f} output steps"
         local = "" if self.local_steps is None else (
             f"; op by op: {self.local_tensors} integer tensors within {self.local_steps} step(s)"
+            + ("" if self.local_share is None else f" ({self.local_share:.2g} of their values differ)")
             + ("" if self.local_float is None else f", float outputs within {100 * self.local_float:.3f}% of range"))
+        noise = [o for o in self.outputs if o.noise is not None]
+        if noise:
+            local += ("; the QAT model's own rounding noise (its outputs when each activation quantizer's input moves "
+                      "by 8 float32 ulps): " + ", ".join(o._in_steps(o.noise) for o in noise)
+                      + (", within which the difference is accepted" if self.within_noise else ""))
         return (f"max abs diff {self.max_abs_diff:.4g} (median {self.median_abs_diff:.3g}, output range "
                 f"{self.output_range:.4g}{steps}){agree} on "
                 f"{self.samples} samples{local}")
@@ -201,7 +244,7 @@ def generated_inputs(model: onnx.ModelProto, batch: int = 256, seed: int = 0) ->
 def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
                   inputs: dict[str, np.ndarray] | None = None, output_step: float = 0.0,
                   thinned: dict[str, np.ndarray] | None = None,
-                  output_steps: dict[str, float] | None = None) -> Verification:
+                  output_steps: dict[str, float] | None = None, noise: bool = True) -> Verification:
     """Compare ``candidate`` with ``reference`` in onnxruntime, end to end and op by op.
 
     Args:
@@ -211,7 +254,9 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
         output_step: the float outputs' quantization step, when a DequantizeLinear writes them (0: float outputs).
         thinned: per tensor name, the channels (axis 1) the candidate kept of a tensor whose dead channels it
             removed.
-        output_steps: per output name, its quantization step (overrides ``output_step`` for that output)."""
+        output_steps: per output name, its quantization step (overrides ``output_step`` for that output).
+        noise: where only the end-to-end default fails and the op-by-op check is clean, measure the QAT model's own
+            rounding noise (:func:`rounding_noise`), which the default then accepts."""
     feeds = inputs if inputs is not None else generated_inputs(candidate)
     batched = _batched_inputs(candidate)
     producers = {o: n.op_type for n in candidate.graph.node for o in n.output}
@@ -236,7 +281,66 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
     median = float(np.median(sample)) if sample.size else 0.0
     first_step = next((o.step for o in outputs if o.kind == "float"), output_step)
     result = Verification(diff, span, agreement, samples, first_step, median_abs_diff=median, outputs=outputs)
-    return op_by_op(reference, candidate, feeds, result, thinned or {}, per_sample)
+    result = op_by_op(reference, candidate, feeds, result, thinned or {}, per_sample)
+    failing = [o for o in result.outputs if o.problem(None, None)]
+    if noise and result.clean_op_by_op and failing and all(o.kind != "class ids" for o in failing):
+        own = rounding_noise(reference, feeds, batched)
+        result = replace(result, outputs=tuple(replace(o, noise=own.get(o.name)) if o.kind != "class ids" else o
+                                               for o in result.outputs))
+    return result
+
+
+def rounding_noise(reference: onnx.ModelProto | str, feeds: dict[str, np.ndarray], batched: set[str],
+                   patterns: int = NOISE_PATTERNS) -> dict[str, float]:
+    """Per float or integer output, how far the QAT model's own outputs move when the input of each activation
+    quantizer (a QuantizeLinear that reads a computed tensor, not a weight) moves by :data:`NUDGE` of itself, up or
+    down (random per quantizer, ``patterns`` seeded draws): the most, over the draws, of the max abs difference.
+
+    The QAT model's meaning is float arithmetic, whose summation order is the kernel's choice: another order moves a
+    conv's output by about that much, and a value on a rounding boundary then lands one step over. An int8 model is
+    exact where the float one is not, so it can be this far from it with every op right."""
+    if isinstance(reference, str):
+        if os.path.getsize(reference) > LOCAL_MAX_BYTES:
+            return {}
+        reference = onnx.load(reference)
+    elif reference.ByteSize() > LOCAL_MAX_BYTES:
+        return {}
+    names = [o.name for o in reference.graph.output]
+    worst: dict[str, float] = {}
+    plain = reference_session(reference)
+    for seed in range(patterns):
+        nudged = reference_session(_nudged(reference, seed))
+        for ref, got in _paired_chunks((plain, nudged), feeds, batched):
+            for name, r, g in zip(names, ref, got):
+                if r.shape == g.shape and r.size and (np.issubdtype(r.dtype, np.floating) or r.dtype.itemsize < 4):
+                    diff = float(np.abs(r.astype(np.float64) - g.astype(np.float64)).max())
+                    worst[name] = max(worst.get(name, 0.0), diff)
+    return worst
+
+
+def _nudged(model: onnx.ModelProto, seed: int) -> onnx.ModelProto:
+    """``model`` with each activation quantizer's input multiplied by ``1 + NUDGE`` or ``1 - NUDGE``."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    graph = copy.graph
+    constant = {i.name for i in graph.initializer} | {o for n in graph.node if n.op_type == "Constant"
+                                                      for o in n.output}
+    float32 = {i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT} | {  # a scale: x's type
+        n.output[0] for n in graph.node if n.op_type == "Constant" and n.attribute
+        and n.attribute[0].type == onnx.AttributeProto.TENSOR and n.attribute[0].t.data_type == onnx.TensorProto.FLOAT}
+    rng = np.random.default_rng(seed)
+    up, down = np.float32(1 + NUDGE), np.float32(1 - NUDGE)  # both exact in float32
+    nodes = []
+    for i, node in enumerate(graph.node):
+        if node.op_type == "QuantizeLinear" and node.input[0] not in constant and node.input[1] in float32:
+            factor, moved = f"__recal_nudge_{i}", f"__recal_nudged_{i}"
+            graph.initializer.append(onnx.numpy_helper.from_array(np.array(up if rng.integers(2) else down), factor))
+            nodes.append(onnx.helper.make_node("Mul", [node.input[0], factor], [moved]))
+            node.input[0] = moved
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return copy
 
 
 MEMORY = 256 * 2**20  # bytes of both models' outputs held at once in the end-to-end comparison
@@ -376,10 +480,14 @@ def op_by_op(reference: onnx.ModelProto | str, candidate: onnx.ModelProto, feeds
     probe.graph.input.extend(onnx.helper.make_tensor_value_info(n + "__qat", onnx.helper.np_dtype_to_tensor_dtype(
         v.dtype), None) for n, v in given.items())
     got = session(probe).run(None, {**feeds, **{n + "__qat": v for n, v in given.items()}})
-    steps = {name: int(np.abs(value.astype(np.int32) - given[name].astype(np.int32)).max(initial=0))
-             for name, value in zip(names, got[outputs:]) if name in given}
+    steps, differing, compared = {}, 0, 0
+    for name, value in zip(names, got[outputs:]):
+        if name in given:
+            diff = np.abs(value.astype(np.int32) - given[name].astype(np.int32))
+            steps[name] = int(diff.max(initial=0))
+            differing, compared = differing + int(np.count_nonzero(diff)), compared + diff.size
     where = max(steps, key=steps.get)
     floats = [float(np.max(np.abs(g.astype(np.float64) - r.astype(np.float64)))) / max(float(np.ptp(r)), 1e-12)
               for g, r in zip(got, ref_outputs) if np.issubdtype(r.dtype, np.floating) and r.size]
     return replace(result, local_steps=steps[where], local_tensor=where, local_float=max(floats) if floats else None,
-                   local_tensors=len(given))
+                   local_tensors=len(given), local_share=differing / max(compared, 1))

@@ -72,6 +72,7 @@ def run(name: str, size: int, folder: Path, steps: int, bn_momentum: float = 0.9
     import onnxruntime as ort
 
     from recal_onnx import VerificationError, quantize_qat_export
+    from recal_onnx.verify import reference_session
     from recal_tf.keras import RecalWarning, ScheduledModifierManager, export_onnx
     from tests.zoo.test_keras_applications import BATCH, RECIPE  # the zoo test's recipe
 
@@ -93,6 +94,7 @@ def run(name: str, size: int, folder: Path, steps: int, bn_momentum: float = 0.9
     manager.finalize(qat)
     test, labels = sample(256)
     expected = qat.predict(test, verbose=0)
+    np.savez(folder / f"{name}.npz", test=test, expected=expected, labels=labels)  # kept with --keep
     qdq = export_onnx(qat, folder / f"{name}.onnx")
     feeds = {onnx.load(qdq).graph.input[0].name: test}
     refused = None
@@ -104,6 +106,7 @@ def run(name: str, size: int, folder: Path, steps: int, bn_momentum: float = 0.9
     ops = collections.Counter(n.op_type for n in result.model.graph.node)
     session = ort.InferenceSession(str(folder / f"{name}.int8.onnx"))
     got = session.run(None, {session.get_inputs()[0].name: test})[0]
+    as_float = reference_session(str(qdq)).run(None, feeds)[0]  # the same QAT model, in onnxruntime's float kernels
     step = float(np.diff(np.unique(expected)).min()) if expected.size > 1 else 0.0
     top_two = np.sort(expected, axis=1)[:, -2:]
     return {"model": name, "size": size, "quantized": len(manager.quantized_layers),
@@ -112,21 +115,25 @@ def run(name: str, size: int, folder: Path, steps: int, bn_momentum: float = 0.9
             "float_ops": dict(sorted(collections.Counter(op for op, _ in result.unconverted).items())),
             "unconverted": len(result.unconverted),
             "max_diff": float(np.abs(got - expected).max()), "output_step": step,
+            "float_export_diff": float(np.abs(as_float - expected).max()),
+            "within_noise": bool(result.verification.within_noise),
             "agreement": float((got.argmax(1) == expected.argmax(1)).mean()), "steps": steps,
             "accuracy": float((expected.argmax(1) == labels).mean()),
             "near_ties": float((top_two[:, 1] - top_two[:, 0] <= step * (1 + 1e-3)).mean()),
             "refused": refused, "int8_vs_qdq": str(result.verification)}
 
 
-def child(models: list[str], size: int, steps: int) -> dict:
-    """Every model's row on this process's backend (a model that fails is a row that says why)."""
+def child(models: list[str], size: int, steps: int, keep: Path | None = None) -> dict:
+    """Every model's row on this process's backend (a model that fails is a row that says why); ``keep``: a folder
+    that keeps each model's QDQ and int8 exports and its test inputs with the Keras outputs (``.npz``)."""
+    import contextlib
     import tempfile
 
     import keras
     import onnxruntime as ort
 
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with (contextlib.nullcontext(str(keep)) if keep else tempfile.TemporaryDirectory()) as tmp:
         for name in models:
             try:
                 rows.append(run(name, size, Path(tmp), steps))
@@ -143,31 +150,41 @@ def child(models: list[str], size: int, steps: int) -> dict:
 def table(data: dict) -> str:
     """The results as a Markdown table (also what ``scripts/render_docs.py`` writes into the docs)."""
     lines = ["| backend | model | QAT layers | integer ops | float ops between integer ones | Keras QAT accuracy | "
-             "max diff (output steps) | argmax agreement | top two within a step |", "|---|---|---|---|---|---|---|---|---|"]
+             "int8 vs Keras QAT: max diff (output steps) | the QAT model in onnxruntime float vs Keras (output steps) "
+             "| argmax agreement | top two within a step | converter's default check |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     refusals = []
     for result in data["backends"]:
         for r in result["rows"]:
             where = f"| {result['backend']} | {r['model']}"
             if "error" in r:
-                lines.append(f"{where} | failed: {r['error']} | | | | | | |")
+                lines.append(f"{where} | failed: {r['error']} | | | | | | | | |")
                 continue
             floats = ", ".join(f"{op} x{n}" for op, n in r["float_ops"].items()) or "none"
-            steps = r["max_diff"] / r["output_step"] if r["output_step"] else float("nan")
-            mark = " *" if r.get("refused") else ""
-            lines.append(f"{where} ({r['size']}x{r['size']}){mark} | {r['quantized']} | {r['integer_ops']} | {floats} | "
-                         f"{100 * r['accuracy']:.1f}% | {r['max_diff']:.3g} ({steps:.2f}) | {r['agreement']:.4f} | "
-                         f"{r['near_ties']:.4f} |")
-            refusals.append(f"{result['backend']} {r['model']}: {r['refused']}" if mark else "")
+            step = r["output_step"] or float("nan")
+            float_export = (f"{r['float_export_diff']:.3g} ({r['float_export_diff'] / step:.2f})"
+                            if "float_export_diff" in r else "not measured")
+            check = ("refused *" if r.get("refused") else
+                     "passed, within the QAT model's rounding noise" if r.get("within_noise") else "passed")
+            lines.append(f"{where} ({r['size']}x{r['size']}) | {r['quantized']} | {r['integer_ops']} | {floats} | "
+                         f"{100 * r['accuracy']:.1f}% | {r['max_diff']:.3g} ({r['max_diff'] / step:.2f}) | "
+                         f"{float_export} | {r['agreement']:.4f} | {r['near_ties']:.4f} | {check} |")
+            if r.get("refused"):
+                refusals.append(f"{result['backend']} {r['model']}: {r['refused']}")
     first = data["backends"][0]
     versions = ", ".join(f"{r['backend']} {r['backend_version']}" for r in data["backends"])
     refused = "".join(f"\n\n\\* refused by `quantize_qat_export`'s default check ({r}), measured here with "
-                      "`tolerance=inf`" for r in refusals if r)
+                      "`tolerance=inf`" for r in refusals)
     return ("\n".join(lines) + refused + f"\n\nweights=None, a logits head, pruned 60% and QAT-trained for {2 * data['steps']} "
             "steps with `fit` (batch 16, BatchNorm momentum 0.9) on ten learnable synthetic classes (templates plus "
             "noise); the int8 model against the Keras QAT model on 256 new inputs of those classes in a default "
-            "session; accuracy: the Keras QAT model's on them; the last column: the inputs whose top two Keras logits "
-            f"are within one output step (a step's difference can flip them); Keras {first['keras']} ({versions}), "
-            f"onnxruntime {first['onnxruntime']} (`python scripts/bench_keras_applications.py --steps {data['steps']} "
+            "session, beside the exported QAT model itself run in float by onnxruntime (two float runs of one model: "
+            "how far kernels' rounding alone moves the outputs); accuracy: the Keras QAT model's on them; top two "
+            "within a step: the inputs whose top two Keras logits are within one output step (a step's difference can "
+            "flip them); the converter's check compares the int8 model with the exported QAT model (3 output steps, or "
+            "that model's own rounding noise where every integer op matches op by op: docs/onnx.md); "
+            f"Keras {first['keras']} ({versions}), onnxruntime {first['onnxruntime']} "
+            f"(`python scripts/bench_keras_applications.py --steps {data['steps']} "
             "--json docs/results/keras_applications.json`)")
 
 
@@ -180,18 +197,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--update", action="store_true",
                         help="with --json: replace only the rows of the backends and models run in that file's results")
+    parser.add_argument("--keep", type=Path, help="keep each model's exports and test data in this folder "
+                        "(<folder>/<backend>/<model>.onnx, .int8.onnx, .npz), to look into a row")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         sys.path.insert(0, str(ROOT))
-        print(json.dumps(child(args.models, args.size, args.steps)))
+        print(json.dumps(child(args.models, args.size, args.steps, args.keep)))
         return 0
     saved = json.loads(args.json.read_text()) if args.update and args.json and args.json.exists() else None
     results = []
     for backend in args.backends:
         env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+        keep = []
+        if args.keep:
+            (args.keep / backend).mkdir(parents=True, exist_ok=True)
+            keep = ["--keep", str((args.keep / backend).resolve())]
         out = subprocess.run([sys.executable, __file__, "--child", "--size", str(args.size), "--steps",
-                              str(args.steps), "--models", *args.models], env=env, check=True, cwd=ROOT,
+                              str(args.steps), "--models", *args.models, *keep], env=env, check=True, cwd=ROOT,
                              stdout=subprocess.PIPE, text=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
         data = {"size": args.size, "steps": args.steps, "backends": results}
@@ -200,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:  # after each backend: a run cut short keeps what it measured
             args.json.write_text(json.dumps(data, indent=1) + "\n")
     print(table(data))
+    return 0
 
 
 def _updated(saved: dict, new: dict) -> dict:
@@ -215,7 +239,6 @@ def _updated(saved: dict, new: dict) -> dict:
         fresh = {r["model"]: r for r in result["rows"]}
         old["rows"] = [fresh.pop(r["model"], r) for r in old["rows"]] + list(fresh.values())
     return saved
-    return 0
 
 
 if __name__ == "__main__":

@@ -68,3 +68,44 @@ def test_a_refusal_for_end_to_end_drift_alone_says_how_to_accept_it(case):
         assert "--tolerance" in note
     else:
         assert note == ""
+
+
+def _amplifier(gain: float = 5.0, input_move: float = 0.0):
+    """x -> QDQ -> Mul(gain) -> QDQ: one step of the first quantized tensor is ``gain`` steps of the output (as a
+    per-tensor activation grid read by a large per-channel weight is in a real network). ``input_move`` multiplies
+    the input by ``1 + input_move`` first: the same model with another kernel's rounding."""
+    b = Builder(seed=2)
+    x = b.node("Mul", ["x", b.const(np.float32(1 + input_move))])  # by 1 (exact) unless moved: the same names
+    y = b.node("Mul", [b.qdq(x, 1.0, 128), b.const(np.float32(gain))])
+    return b.model([("x", [None, 512])], [b.qdq(y, 1.0, 128)])
+
+
+def test_the_default_accepts_what_the_qat_models_own_rounding_noise_reaches_and_nothing_else():
+    """A value on a rounding boundary (2.5 and 3.5 steps) lands one step over in a model that differs only by
+    its rounding, and the model carries that step on as 5 output steps: beyond the default 3. Op by op it is one
+    step in one value, and moving each activation quantizer's input by 8 float32 ulps moves the QAT model itself
+    as far, so the default accepts it and says why. A user's tolerance is taken as given; a wrong model (gain 6)
+    is refused without the noise being measured."""
+    from recal_onnx.verify import rounding_noise
+
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-20, 20, (64, 512)).astype(np.float32)
+    plain = {"x": x.copy()}
+    x[0, 0], x[1, 0] = 2.5, 3.5  # exactly on boundaries: round half to even gives 2 and 4
+    feeds = {"x": x}
+    reference = _amplifier()
+    assert rounding_noise(reference, plain, {"x"}) == {reference.graph.output[0].name: 0.0}
+    assert rounding_noise(reference, feeds, {"x"})[reference.graph.output[0].name] == 5.0
+
+    exact = verify_models(reference, _amplifier(input_move=2.0 ** -22), feeds, output_step=1.0)
+    assert exact.max_abs_diff == 5.0 and exact.local_steps == 1 and 0 < exact.local_share <= 1e-3
+    assert exact.clean_op_by_op and exact.outputs[0].noise == 5.0
+    assert exact.problem(None) is None and exact.within_noise
+    assert "own rounding noise" in str(exact) and "within which the difference is accepted" in str(exact)
+    assert exact.problem(3.0) is not None  # the user's own tolerance: as given
+    unmeasured = verify_models(reference, _amplifier(input_move=2.0 ** -22), feeds, output_step=1.0, noise=False)
+    assert unmeasured.outputs[0].noise is None and "5.00 steps" in unmeasured.problem(None)
+
+    wrong = verify_models(reference, _amplifier(gain=6.0), feeds, output_step=1.0)
+    assert not wrong.clean_op_by_op and wrong.outputs[0].noise is None and not wrong.within_noise
+    assert "op by op" in wrong.problem(None)
