@@ -7,6 +7,7 @@ import pytest
 
 from recal_onnx.verify import verify_models
 
+from .conftest import ROOT
 from .onnx_graphs import Builder
 
 
@@ -109,3 +110,29 @@ def test_the_default_accepts_what_the_qat_models_own_rounding_noise_reaches_and_
     wrong = verify_models(reference, _amplifier(gain=6.0), feeds, output_step=1.0)
     assert not wrong.clean_op_by_op and wrong.outputs[0].noise is None and not wrong.within_noise
     assert "op by op" in wrong.problem(None)
+
+
+def test_cpu_exactness_script_runs_models_and_compares_two_machines_runs(tmp_path):
+    """``scripts/cpu_exactness.py``: a run saves each model's outputs (both session levels) with what ran them; a
+    comparison of a run with itself is exact, and one with a changed output says by how much."""
+    import importlib.util
+    import json
+
+    import onnx
+
+    spec = importlib.util.spec_from_file_location("cpu_exactness", ROOT / "scripts" / "cpu_exactness.py")
+    cpu_exactness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cpu_exactness)
+
+    onnx.save(_amplifier(), tmp_path / "m.onnx")
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).uniform(-20, 20, (8, 512)).astype(np.float32))
+    cpu_exactness.main(["run", str(tmp_path / "m.onnx"), "--inputs", str(tmp_path / "x.npy"),
+                        "--out", str(tmp_path / "a.npz")])
+    saved = dict(np.load(tmp_path / "a.npz"))
+    assert set(saved) == {"__meta__", "m.onnx|default", "m.onnx|disabled"}
+    assert "onnxruntime" in json.loads(str(saved["__meta__"]))
+    same = cpu_exactness.compare(tmp_path / "a.npz", tmp_path / "a.npz")
+    assert "| m.onnx | default | 0 | 1.0000 |" in same
+    saved["m.onnx|default"] = saved["m.onnx|default"] + np.eye(8, 512, dtype=np.float32)
+    np.savez(tmp_path / "b.npz", **saved)
+    assert "| m.onnx | default | 1 | 0.9980 |" in cpu_exactness.compare(tmp_path / "a.npz", tmp_path / "b.npz")
