@@ -16,7 +16,8 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
    FFN neurons) filter pruning left dead, in blocks of ``channel_block``;
 3. ``scalar_activation_qparams``, ``activations_to_uint8``, ``remove_redundant_qdq``, ``remove_noop_clamps``;
 4. format ``qoperator``: ``int8_passthrough``, ``affine_to_batchnorm``, ``batchnorm_to_conv``, ``conv_to_qlinearconv``, ``gemm_to_qgemm``, ``binary_to_qlinear``,
-   ``sigmoid_to_qlinear``, ``concat_to_qlinear``, ``pool_to_qlinear``, ``remove_redundant_qdq``, repeated;
+   ``sigmoid_to_qlinear``, ``concat_to_qlinear``, ``pool_to_qlinear``, ``unary_to_table`` (any other function of
+   one quantized tensor: a 256-entry table), ``remove_redundant_qdq``, repeated;
    format ``qdq``: ``affine_to_batchnorm``, ``batchnorm_to_conv``, ``bias_to_int32``, ``fusible_qdq_pools``;
 5. ``matmul_to_nbits``: weight-only layers (float input, grouped or per-channel 4/8-bit weights) to ``MatMulNBits``;
 6. ``uint8_weights`` when the target stores weights beyond +-64 as uint8;
@@ -55,6 +56,7 @@ from .passes.sigmoid_to_qlinear import sigmoid_to_qlinear
 from .passes.thin_channels import CHANNEL_BLOCK, thin_channels
 from .passes.thin_heads import thin_heads
 from .passes.uint8_weights import uint8_weights
+from .passes.unary_to_table import unary_to_table
 from .passes.weight_reshape import fold_weight_reshapes
 from .passes.weight_transpose import fold_weight_transposes
 from .passes.zero_channel_scales import zero_channel_scales
@@ -93,7 +95,7 @@ PIPELINE: tuple[Step, ...] = (
     Step((thin_channels,), when=lambda o: o.thin, args=lambda o: (o.channel_block,)),
     Step((scalar_activation_qparams, activations_to_uint8, remove_redundant_qdq, remove_noop_clamps)),
     Step((int8_passthrough, affine_to_batchnorm, batchnorm_to_conv, conv_to_qlinearconv, gemm_to_qgemm, binary_to_qlinear, sigmoid_to_qlinear,
-          concat_to_qlinear, pool_to_qlinear, remove_redundant_qdq), when=lambda o: o.format == "qoperator",
+          concat_to_qlinear, pool_to_qlinear, unary_to_table, remove_redundant_qdq), when=lambda o: o.format == "qoperator",
          repeat=True),
     Step((int8_passthrough,), when=lambda o: o.format == "qdq", args=lambda o: (False,)),
     Step((affine_to_batchnorm, batchnorm_to_conv, bias_to_int32, fusible_qdq_pools), when=lambda o: o.format == "qdq"),

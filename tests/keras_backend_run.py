@@ -183,6 +183,7 @@ def run_blocks(out: str) -> None:
             manager, feeds, expected, result, ops = block_to_int8(build(), folder)
         rows[f"{name}_quantized"] = sorted(manager.quantized_layers)
         rows[f"{name}_ops"] = ops
+        rows[f"{name}_tables"] = result.rewrites.get("unary_to_table", 0)
         rows[f"{name}_unconverted"] = [f"{op} {node}" for op, node in result.unconverted] or [""]
         rows[f"{name}_keras"] = expected
         rows[f"{name}_int8"] = np.stack([run_onnx(result.model, feeds, level=level, as_written=True)[0]

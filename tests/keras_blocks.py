@@ -57,6 +57,27 @@ def efficientnet_block():
     return keras.Model(inputs, layers.Dense(10, name="fc")(x))
 
 
+def mobilenet_v3_block():
+    """MobileNetV3's pieces: a strided stem Conv-BN-hard-swish (an Activation layer), ZeroPadding, a strided
+    DepthwiseConv2D-BN-hard-swish, squeeze-excitation with a ReLU and a hard-sigmoid gate (a 1x1 conv's own) and
+    Multiply, a linear 1x1 projection, global pooling and a Dense."""
+    keras.utils.set_random_seed(0)
+    layers = keras.layers
+    inputs = keras.Input((16, 16, 3))
+    x = layers.Conv2D(16, 3, strides=2, padding="same", use_bias=False, name="stem")(inputs)
+    x = layers.Activation("hard_swish", name="stem_act")(layers.BatchNormalization(name="stem_bn")(x))
+    x = layers.ZeroPadding2D(1, name="pad")(x)
+    x = layers.DepthwiseConv2D(3, strides=2, use_bias=False, name="dw")(x)
+    x = layers.Activation("hard_swish", name="dw_act")(layers.BatchNormalization(name="dw_bn")(x))
+    se = layers.GlobalAveragePooling2D(keepdims=True, name="se_squeeze")(x)
+    se = layers.Conv2D(8, 1, activation="relu", name="se_reduce")(se)
+    se = layers.Conv2D(16, 1, activation="hard_sigmoid", name="se_expand")(se)
+    x = layers.Multiply(name="se_excite")([x, se])
+    x = layers.BatchNormalization(name="project_bn")(layers.Conv2D(16, 1, use_bias=False, name="project")(x))
+    x = layers.GlobalAveragePooling2D(name="gap")(x)
+    return keras.Model(inputs, layers.Dense(10, name="fc")(x))
+
+
 def densenet_block():
     """DenseNet's pieces: a stem Conv-BN-ReLU and MaxPool, a dense block (pre-activation BN-ReLU-Conv 1x1,
     BN-ReLU-Conv 3x3, concatenated with the block's input), a transition (BN-ReLU-Conv 1x1, AveragePooling), a
@@ -102,7 +123,8 @@ def residual_net():
     return keras.Model(inputs, layers.Dense(10, activation="softmax", name="fc")(x))
 
 
-BLOCKS = {"mobilenet": mobilenet_block, "efficientnet": efficientnet_block, "densenet": densenet_block}
+BLOCKS = {"mobilenet": mobilenet_block, "efficientnet": efficientnet_block, "densenet": densenet_block,
+          "mobilenet_v3": mobilenet_v3_block}
 # what each block's int8 model holds, from any backend's exporter: the convs (a separable conv: two; DenseNet's four
 # pre-activation BatchNorms: depthwise convs), swish's and squeeze-excitation's sigmoids and products, merges, pools
 INTEGER_OPS = {
@@ -112,7 +134,11 @@ INTEGER_OPS = {
     "densenet": {"QLinearConv": 9, "QLinearConcat": 2, "QLinearAveragePool": 1, "QLinearGlobalAveragePool": 1,
                  "QGemm": 1},
     "residual": {"QLinearConv": 7, "QLinearAdd": 2, "QLinearGlobalAveragePool": 1, "QGemm": 1},
+    "mobilenet_v3": {"QLinearConv": 5, "QLinearMul": 1, "QLinearGlobalAveragePool": 2, "QGemm": 1},
 }
+# the activations each block's int8 model looks up in a table of integers (``unary_to_table``): MobileNetV3's
+# hard-swish (stem, dw) and hard-sigmoid gate
+TABLES = {"mobilenet_v3": 3}
 
 
 def block_to_int8(net: keras.Model, folder: Path) -> tuple:

@@ -17,7 +17,7 @@ from recal_tf.keras.params import describe_model  # noqa: E402
 
 from .conftest import ROOT  # noqa: E402
 from .forked import run_program  # noqa: E402
-from .keras_blocks import (QAT, SPE, block_to_int8, densenet_block, efficientnet_block, mobilenet_block,  # noqa: E402
+from .keras_blocks import (QAT, SPE, block_to_int8, densenet_block, efficientnet_block, mobilenet_block, mobilenet_v3_block,  # noqa: E402
                            residual_net)
 
 PRUNE = """
@@ -808,6 +808,23 @@ def test_swish_sigmoid_and_squeeze_excitation_run_on_the_integers(tmp_path):
     assert ops.count("QLinearConv") == 5 and ops.count("QLinearSigmoid") == 4 and ops.count("QLinearMul") == 4
     assert ops.count("QLinearAdd") == 1 and ops.count("QLinearGlobalAveragePool") == 2 and "QGemm" in ops
     assert not {"Conv", "Sigmoid", "Mul", "MatMul", "GlobalAveragePool", "ReduceMean"} & set(ops), ops
+    _assert_int8_within_a_step(result, feeds, expected)
+
+
+def test_hard_swish_and_hard_sigmoid_run_on_the_integers_as_tables(tmp_path):
+    """MobileNetV3's hard-swish (an Activation after a BatchNorm) and hard-sigmoid gate (a conv's own activation)
+    are quantized before and after as a whole; onnxruntime has no integer kernel for them, so the converter makes
+    each a 256-entry table of its input's integers (Gather), and squeeze-excitation's Multiply multiplies integers:
+    nothing float, within an output step of the Keras QAT model (in a default session and with optimizations off)."""
+    pytest.importorskip("tf2onnx")
+    manager, feeds, expected, result, ops = _block_to_int8(mobilenet_v3_block(), tmp_path)
+    assert sorted(manager.quantized_layers) == sorted(["stem", "dw", "se_reduce", "se_expand", "se_excite",
+                                                       "project", "fc"])
+    assert ops.count("QLinearConv") == 5 and result.rewrites["unary_to_table"] == 3, ops
+    assert ops.count("QLinearMul") == 1
+    assert ops.count("QLinearGlobalAveragePool") == 2 and "QGemm" in ops
+    assert not {"Conv", "Clip", "Relu", "Mul", "Div", "HardSwish", "HardSigmoid", "GlobalAveragePool",
+                "ReduceMean"} & set(ops), ops  # the classifier's bias Add after tf2onnx's Reshape stays float
     _assert_int8_within_a_step(result, feeds, expected)
 
 

@@ -95,11 +95,11 @@ def _check_qat(ran: dict) -> None:
 
 def _check_blocks(ran: dict) -> None:
     """keras.applications' pieces (depthwise and separable convs, ReLU6, zero padding, swish, squeeze-excitation,
-    residual Adds, concatenation, average pooling, pre-activation BatchNorms) QAT-trained on JAX and PyTorch and
+    residual Adds, concatenation, average pooling, pre-activation BatchNorms, hard-swish) QAT-trained on JAX and PyTorch and
     exported by their exporters: the int8 model holds the integer ops TensorFlow's export gives
     (:mod:`tests.test_keras`), nothing float between them, and computes the Keras QAT model's outputs within one
     output step with the same classes, in a default session and with optimizations off."""
-    from .keras_blocks import INTEGER_OPS
+    from .keras_blocks import INTEGER_OPS, TABLES
 
     for backend, run in ran.items():
         for block, expected_ops in INTEGER_OPS.items():
@@ -107,8 +107,10 @@ def _check_blocks(ran: dict) -> None:
             assert run[f"{block}_unconverted"].tolist() == [""], (where, run[f"{block}_unconverted"])
             ops = run[f"{block}_ops"].tolist()
             assert {op: ops.count(op) for op in expected_ops} == expected_ops, (where, ops)
+            assert int(run[f"{block}_tables"]) == TABLES.get(block, 0), where
             assert not {"Conv", "MatMul", "Gemm", "Relu", "Clip", "Max", "Min", "Sigmoid", "Mul", "Concat", "Div",
-                        "AveragePool", "GlobalAveragePool", "ReduceMean", "BatchNormalization"} & set(ops), (where, ops)
+                        "HardSwish", "HardSigmoid", "AveragePool", "GlobalAveragePool", "ReduceMean",
+                        "BatchNormalization"} & set(ops), (where, ops)
             keras_out = run[f"{block}_keras"]
             # logits within one output step; the residual block's softmax probabilities within 5e-3 (as on TensorFlow)
             tolerance = 5e-3 if block == "residual" else float(np.diff(np.unique(keras_out)).min()) + 1e-6

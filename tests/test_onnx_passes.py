@@ -28,6 +28,7 @@ from recal_onnx.passes.pool_to_qlinear import pool_to_qlinear
 from recal_onnx.passes.redundant_qdq import remove_redundant_qdq
 from recal_onnx.passes.sigmoid_to_qlinear import sigmoid_to_qlinear
 from recal_onnx.passes.uint8_weights import uint8_weights
+from recal_onnx.passes.unary_to_table import unary_to_table
 from recal_onnx.passes.thin_channels import thin_channels
 from recal_onnx.passes.thin_heads import thin_heads
 from recal_onnx.passes.weight_reshape import fold_weight_reshapes
@@ -1021,3 +1022,45 @@ def test_minmax_to_clip(form):
         integer, _ = _apply(converted, conv_to_qlinearconv)
         assert "Clip" not in ops(integer) and "QLinearConv" in ops(integer)
         assert np.abs(run(integer, feeds)[0] - expected).max() <= 0.03 + 1e-6
+
+
+@pytest.mark.parametrize("form", ["hard-swish ops", "HardSwish", "hard-sigmoid, int8", "padded", "read elsewhere",
+                                  "per channel", "two inputs", "sigmoid alone"])
+def test_unary_to_table(form):
+    """A function of one quantized tensor computed in float before a QuantizeLinear (MobileNetV3's hard-swish as
+    Keras's TF export writes it, as ONNX's HardSwish, hard-sigmoid on an int8 grid) becomes a 256-entry table
+    looked up with Gather, equal to the float model on every value. Not when a value inside is read elsewhere,
+    a constant is per channel, the ops read two quantized tensors, or it is a sigmoid alone (QLinearSigmoid's).
+    A zero padding before the QuantizeLinear (ZeroPadding2D's) moves after the table, padding with its zero point."""
+    b = Builder()
+    dtype, zp = (np.int8, -5) if "int8" in form else (np.uint8, 120)
+    x = b.qdq("x", 0.05, zp, dtype)
+    c = b.const
+    if form == "HardSwish":
+        y = b.node("HardSwish", [x])
+    elif form == "sigmoid alone":
+        y = b.node("Sigmoid", [x])
+    elif form == "two inputs":
+        y = b.node("Mul", [x, b.qdq("z", 0.02, 128)])
+    else:
+        three = c(np.array([3.0] if form != "per channel" else [[[3.0]], [[2.0]], [[1.0]]], np.float32))
+        gate = b.node("Div", [b.node("Clip", [b.node("Add", [x, three]), c(np.float32(0)), c(np.float32(6))]),
+                              c(np.float32(6))])
+        y = gate if "hard-sigmoid" in form else b.node("Mul", [x, gate])
+    if form == "padded":
+        y = b.node("Pad", [y, c(np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64))])
+    outputs = [b.qdq(y, 0.02, 3)] + ([gate] if form == "read elsewhere" else [])
+    inputs = [("x", [2, 3, 4, 4])] + ([("z", [2, 3, 4, 4])] if form == "two inputs" else [])
+    model = b.model(inputs, outputs)
+    rng = np.random.default_rng(0)
+    feeds = {name: (rng.standard_normal((2, 3, 4, 4)) * 4).astype(np.float32) for name, _ in inputs}
+    expected = reference(model, feeds)
+    converted, (n,) = _apply(model, unary_to_table)
+    converts = form in ("hard-swish ops", "HardSwish", "hard-sigmoid, int8", "padded")
+    assert n == int(converts)
+    if converts:
+        assert "Gather" in ops(converted) and not {"Add", "Clip", "Div", "Mul", "HardSwish"} & set(ops(converted))
+        for level in (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
+            np.testing.assert_array_equal(run(converted, feeds, level=level)[0], expected[0])
+    else:
+        assert ops(converted) == ops(model)

@@ -10,6 +10,8 @@
 - A sigmoid or swish after the layer (its own ``activation``, or an ``Activation`` layer after its BatchNorm) runs on
   the integers too: the layer's output is quantized before it, and the sigmoid's output (and swish's product)
   after, so the int8 model holds QLinearSigmoid (and QLinearMul) there (EfficientNet's blocks and squeeze-excitation).
+  A hard-swish or hard-sigmoid (MobileNetV3's) is quantized before and after as a whole: the converter makes it a
+  256-entry table of its input's integers.
 - A residual ``Add``, a ``Multiply`` (squeeze-excitation's scaling) or a ``Concatenate`` of quantized tensors (and
   the ReLU after an Add) becomes a :class:`QuantizedMerge`: one observer on its output, so the int8 model adds,
   multiplies or concatenates integers; so does an ``AveragePooling2D`` of a quantized tensor (QLinearAveragePool),
@@ -113,6 +115,10 @@ def _state(t: QATTables | None) -> dict:
             "finalized": t is not None and t.export}
 
 
+# activations quantized before and after as a whole (the int8 model: a table of the input's integers)
+TABLED = {"hard_swish": keras.activations.hard_silu, "hard_sigmoid": keras.activations.hard_sigmoid}
+
+
 def _fixed_tables(config: dict) -> QATTables:
     """The tables a loaded QAT layer keeps until a manager takes it on (its :func:`_state` keys popped)."""
     return QATTables.fixed(config.pop("quantizing"), config.pop("finalized"), config.pop("weight_levels"),
@@ -122,7 +128,8 @@ def _fixed_tables(config: dict) -> QATTables:
 @keras.saving.register_keras_serializable(package="recal")
 class QuantizedLayer(keras.layers.Layer):
     """A Conv2D, DepthwiseConv2D or Dense with its BatchNormalization (convs) and ReLU or ReLU6 (``relu`` True or
-    6.0) folded in, fake-quantized; or followed by a sigmoid or swish (``activation``) computed on quantized tensors.
+    6.0) folded in, fake-quantized; or followed by a sigmoid, swish, hard-swish or hard-sigmoid (``activation``)
+    computed on quantized tensors.
     It computes in float32 under any dtype policy (``mixed_float16`` too): the int8 model it stands for holds exact
     levels, which float16 cannot."""
 
@@ -131,8 +138,9 @@ class QuantizedLayer(keras.layers.Layer):
         kwargs.setdefault("dtype", "float32")
         kwargs.setdefault("name", f"{layer.name}_qat")
         super().__init__(**kwargs)
-        if activation not in (None, "sigmoid", "swish"):
-            raise ValueError(f"{layer.name}: activation must be None, 'sigmoid' or 'swish', not {activation!r}")
+        if activation not in TABLED and activation not in (None, "sigmoid", "swish"):
+            raise ValueError(f"{layer.name}: activation must be None, 'sigmoid', 'swish', 'hard_swish' or "
+                             f"'hard_sigmoid', not {activation!r}")
         self.layer, self.bn, self.relu, self.activation = layer, bn, relu, activation
         self.input_quantizer = ActivationQuantizer(name=f"{layer.name}_input_q") if quantize_input else None
         # with an activation: the layer's own output (the activation's input), its sigmoid (swish: the sigmoid
@@ -352,6 +360,8 @@ class QuantizedLayer(keras.layers.Layer):
         y = _folded_relu(y, self.relu)
         if self.activation is not None:  # on the quantized output: QLinearSigmoid (and QLinearMul) in the int8 model
             y = self.linear_quantizer(y, training=training)
+            if self.activation in TABLED:
+                return _channels_last(self.output_quantizer(TABLED[self.activation](y), training=training), layout)
             s = qat_math().sigmoid(y)
             if self.activation == "sigmoid":
                 y = self.output_quantizer(s, training=training)

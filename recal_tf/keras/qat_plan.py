@@ -10,9 +10,11 @@ PASS_THROUGH = (keras.layers.MaxPooling2D, keras.layers.MaxPooling1D, keras.laye
                 keras.layers.Dropout, keras.layers.ZeroPadding2D)
 QUANTIZABLE = (keras.layers.Conv2D, keras.layers.DepthwiseConv2D, keras.layers.SeparableConv2D, keras.layers.Dense)
 RELU6 = 6.0  # the cap of the ReLU6 a QuantizedLayer folds (MobileNets'); ``relu=True`` is the plain ReLU
-# activations the int8 model computes on integers (QLinearSigmoid; swish = x * sigmoid(x) with QLinearMul), by the
-# name of Keras's function (``Activation("swish")`` is ``silu``)
-INTEGER_ACTIVATIONS = {"sigmoid": "sigmoid", "silu": "swish", "swish": "swish"}
+# activations the int8 model computes on integers (QLinearSigmoid; swish = x * sigmoid(x) with QLinearMul; hard-swish
+# and hard-sigmoid as a 256-entry table of their quantized input), by the name of Keras's function
+# (``Activation("swish")`` is ``silu``, ``"hard_swish"`` is ``hard_silu``)
+INTEGER_ACTIVATIONS = {"sigmoid": "sigmoid", "silu": "swish", "swish": "swish", "hard_silu": "hard_swish",
+                       "hard_swish": "hard_swish", "hard_sigmoid": "hard_sigmoid"}
 # merges of quantized tensors that get one observer on their output (a ReLU after an Add folds in)
 MERGES = (keras.layers.Add, keras.layers.Multiply, keras.layers.Concatenate)
 # a BatchNormalization that folds into no layer (pre-activation: DenseNet's BN -> ReLU -> conv) on a quantized tensor
@@ -34,7 +36,8 @@ def _relu_of(layer) -> bool | float:
 
 
 def _integer_activation(layer) -> str | None:
-    """"sigmoid" or "swish" for an ``Activation`` layer the int8 model computes on integers, else None."""
+    """The :data:`INTEGER_ACTIVATIONS` name of an ``Activation`` layer the int8 model computes on integers, else
+    None."""
     if isinstance(layer, keras.layers.Activation):
         return INTEGER_ACTIVATIONS.get(getattr(layer.activation, "__name__", ""))
     return None
@@ -103,7 +106,7 @@ def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
         parts = {"layer": layer, "bn": None, "relu": own or False, "activation": None}
         if own is None:
             parts["activation"] = INTEGER_ACTIVATIONS.get(getattr(layer.activation, "__name__", ""))
-            if parts["activation"] is None:  # softmax, hard-swish...: the output is quantized before it, runs float
+            if parts["activation"] is None:  # softmax, gelu...: the output is quantized before it, runs float
                 plan[layer.name] = {**parts, "tail": layer.name, "float_output": True}
                 continue
             plan[layer.name] = {**parts, "tail": layer.name}
