@@ -59,8 +59,9 @@ def efficientnet_block():
 
 def mobilenet_v3_block():
     """MobileNetV3's pieces: a strided stem Conv-BN-hard-swish (an Activation layer), ZeroPadding, a strided
-    DepthwiseConv2D-BN-hard-swish, squeeze-excitation with a ReLU and a hard-sigmoid gate (a 1x1 conv's own) and
-    Multiply, a linear 1x1 projection, global pooling and a Dense."""
+    DepthwiseConv2D-BN-hard-swish, squeeze-excitation with a ReLU and keras.applications' hard-sigmoid gate (ops on
+    Keras tensors around a ReLU6 layer: ``ReLU(6)(x + 3) * (1 / 6)``) and Multiply, a linear 1x1 projection with a
+    hard-sigmoid of its own (a conv's ``activation``), global pooling and a Dense."""
     keras.utils.set_random_seed(0)
     layers = keras.layers
     inputs = keras.Input((16, 16, 3))
@@ -71,9 +72,9 @@ def mobilenet_v3_block():
     x = layers.Activation("hard_swish", name="dw_act")(layers.BatchNormalization(name="dw_bn")(x))
     se = layers.GlobalAveragePooling2D(keepdims=True, name="se_squeeze")(x)
     se = layers.Conv2D(8, 1, activation="relu", name="se_reduce")(se)
-    se = layers.Conv2D(16, 1, activation="hard_sigmoid", name="se_expand")(se)
-    x = layers.Multiply(name="se_excite")([x, se])
-    x = layers.BatchNormalization(name="project_bn")(layers.Conv2D(16, 1, use_bias=False, name="project")(x))
+    se = layers.Conv2D(16, 1, name="se_expand")(se)
+    x = layers.Multiply(name="se_excite")([x, layers.ReLU(6.0, name="se_relu6")(se + 3.0) * (1.0 / 6.0)])
+    x = layers.Conv2D(16, 1, activation="hard_sigmoid", name="project")(x)
     x = layers.GlobalAveragePooling2D(name="gap")(x)
     return keras.Model(inputs, layers.Dense(10, name="fc")(x))
 
@@ -137,8 +138,8 @@ INTEGER_OPS = {
     "mobilenet_v3": {"QLinearConv": 5, "QLinearMul": 1, "QLinearGlobalAveragePool": 2, "QGemm": 1},
 }
 # the activations each block's int8 model looks up in a table of integers (``unary_to_table``): MobileNetV3's
-# hard-swish (stem, dw) and hard-sigmoid gate
-TABLES = {"mobilenet_v3": 3}
+# hard-swish (stem, dw), its gate's ops and the projection's hard-sigmoid
+TABLES = {"mobilenet_v3": 4}
 
 
 def block_to_int8(net: keras.Model, folder: Path) -> tuple:

@@ -1024,14 +1024,15 @@ def test_minmax_to_clip(form):
         assert np.abs(run(integer, feeds)[0] - expected).max() <= 0.03 + 1e-6
 
 
-@pytest.mark.parametrize("form", ["hard-swish ops", "HardSwish", "hard-sigmoid, int8", "padded", "read elsewhere",
-                                  "per channel", "two inputs", "sigmoid alone"])
+@pytest.mark.parametrize("form", ["hard-swish ops", "HardSwish", "hard-sigmoid, int8", "padded", "nodes unsorted",
+                                  "read elsewhere", "per channel", "two inputs", "sigmoid alone"])
 def test_unary_to_table(form):
     """A function of one quantized tensor computed in float before a QuantizeLinear (MobileNetV3's hard-swish as
     Keras's TF export writes it, as ONNX's HardSwish, hard-sigmoid on an int8 grid) becomes a 256-entry table
     looked up with Gather, equal to the float model on every value. Not when a value inside is read elsewhere,
     a constant is per channel, the ops read two quantized tensors, or it is a sigmoid alone (QLinearSigmoid's).
-    A zero padding before the QuantizeLinear (ZeroPadding2D's) moves after the table, padding with its zero point."""
+    A zero padding before the QuantizeLinear (ZeroPadding2D's) moves after the table, padding with its zero point.
+    The table is right when earlier rewrites left the graph's nodes out of computing order."""
     b = Builder()
     dtype, zp = (np.int8, -5) if "int8" in form else (np.uint8, 120)
     x = b.qdq("x", 0.05, zp, dtype)
@@ -1055,8 +1056,17 @@ def test_unary_to_table(form):
     rng = np.random.default_rng(0)
     feeds = {name: (rng.standard_normal((2, 3, 4, 4)) * 4).astype(np.float32) for name, _ in inputs}
     expected = reference(model, feeds)
-    converted, (n,) = _apply(model, unary_to_table)
-    converts = form in ("hard-swish ops", "HardSwish", "hard-sigmoid, int8", "padded")
+    if form == "nodes unsorted":  # as a Graph holds them after rewrites (a valid model file cannot)
+        g = Graph(onnx.shape_inference.infer_shapes(model))
+        g.graph.sort()
+        nodes = list(g.graph)
+        g.graph.remove(nodes)
+        g.graph.extend(nodes[::-1])
+        n = unary_to_table(g)
+        converted = g.commit()
+    else:
+        converted, (n,) = _apply(model, unary_to_table)
+    converts = form in ("hard-swish ops", "HardSwish", "hard-sigmoid, int8", "padded", "nodes unsorted")
     assert n == int(converts)
     if converts:
         assert "Gather" in ops(converted) and not {"Add", "Clip", "Div", "Mul", "HardSwish"} & set(ops(converted))

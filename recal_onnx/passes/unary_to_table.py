@@ -65,9 +65,9 @@ def _zero_pad(g: Graph, node: Node | None) -> bool:
 
 
 def _island(g: Graph, q: Node):
-    """``(the dequantized activation, the island's nodes in graph order, a zero Pad before the Q or None)`` for a
-    QuantizeLinear fed by elementwise ops of one dequantized activation and scalar constants, each read only inside
-    the island; else None."""
+    """``(the dequantized activation, the island's nodes in the order they compute, a zero Pad before the Q or
+    None)`` for a QuantizeLinear fed by elementwise ops of one dequantized activation and scalar constants, each
+    read only inside the island; else None."""
     if g.is_const(q.inputs[0]) or len(q.inputs) < 3 or \
             any(g.const(v) is None or g.const(v).size != 1 for v in q.inputs[1:3]):
         return None
@@ -106,8 +106,19 @@ def _island(g: Graph, q: Node):
     rank = g.rank(source.dq.outputs[0])
     if any(g.is_const(v) and g.const(v).ndim > (rank if rank is not None else 0) for n in nodes for v in n.inputs):
         return None  # a constant of higher rank would change the output's shape
-    order = {id(n): i for i, n in enumerate(g.nodes)}
-    return source, sorted(nodes, key=lambda n: order[id(n)]), pad
+    return source, _in_order(nodes, source.dq), pad
+
+
+def _in_order(nodes: list[Node], dq: Node) -> list[Node]:
+    """``nodes`` each after the nodes it reads (a graph rewritten by earlier passes is not in that order)."""
+    made = {id(n.outputs[0]) for n in nodes}
+    ready, ordered, left = {id(dq.outputs[0])}, [], list(nodes)
+    while left:
+        node = next(n for n in left if all(v is None or id(v) not in made or id(v) in ready for v in n.inputs))
+        ordered.append(node)
+        ready.add(id(node.outputs[0]))
+        left.remove(node)
+    return ordered
 
 
 def _table(g: Graph, source, nodes: list[Node], q: Node) -> np.ndarray | None:

@@ -383,14 +383,20 @@ class QuantizedMerge(keras.layers.Layer):
     """A layer without a conv of its own on quantized tensors, its output quantized: a residual ``Add`` (with the ReLU
     after it folded in), a ``Multiply``, a ``Concatenate``, an ``AveragePooling2D`` or a pre-activation
     ``BatchNormalization`` (with its ReLU). The int8 model computes it on the integers (QLinearAdd, QLinearMul,
-    QLinearConcat, QLinearAveragePool, a depthwise QLinearConv) rather than leave it float between quantized layers."""
+    QLinearConcat, QLinearAveragePool, a depthwise QLinearConv) rather than leave it float between quantized layers.
+    ``observe_inputs``: per input, whether the merge observes it itself, because ops the layer graph does not hold
+    made it (MobileNetV3's squeeze-excitation gate, ``ReLU(6)(x + 3) * (1 / 6)``: the converter makes that a table)."""
 
-    def __init__(self, layer, relu: bool | float = False, source: str | None = None, **kwargs):
+    def __init__(self, layer, relu: bool | float = False, source: str | None = None,
+                 observe_inputs: list[bool] | None = None, **kwargs):
         kwargs.setdefault("dtype", "float32")
         kwargs.setdefault("name", f"{layer.name}_qat")
         super().__init__(**kwargs)
         self.layer, self.relu = layer, relu
-        self.input_quantizer = None  # its inputs are quantized where they are made
+        self.input_quantizer = None  # its inputs are quantized where they are made, or by input_observers
+        self.observe_inputs = [bool(flag) for flag in observe_inputs or []]
+        self.input_observers = [ActivationQuantizer(name=f"{layer.name}_input{i}_q")
+                                for i, flag in enumerate(self.observe_inputs) if flag]
         self.source = source  # a BatchNorm's: the QAT layer whose quantized output it reads
         object.__setattr__(self, "input_source", None)  # that layer's output quantizer, once found
         self.output_quantizer = ActivationQuantizer(name=f"{layer.name}_output_q")
@@ -398,15 +404,17 @@ class QuantizedMerge(keras.layers.Layer):
 
     @property
     def quantizers(self) -> list[ActivationQuantizer]:
-        """Its one observer, on the output."""
-        return [self.output_quantizer]
+        """Its observers: the inputs it observes itself, then the output."""
+        return [*self.input_observers, self.output_quantizer]
 
     def set_tables(self, tables: QATTables) -> None:
-        self.tables = self.output_quantizer.tables = tables
+        self.tables = tables
+        for q in self.quantizers:
+            q.tables = tables
 
     def get_config(self) -> dict:
         return {**super().get_config(), "layer": keras.saving.serialize_keras_object(self.layer), "relu": self.relu,
-                "source": self.source, **_state(self.tables)}
+                "source": self.source, "observe_inputs": self.observe_inputs, **_state(self.tables)}
 
     @classmethod
     def from_config(cls, config: dict) -> "QuantizedMerge":
@@ -419,13 +427,18 @@ class QuantizedMerge(keras.layers.Layer):
     def build(self, input_shape):
         if not self.layer.built:  # a pre-activation BatchNorm's variables (a loaded model's too)
             self.layer.build(input_shape)
-        self.output_quantizer.build(None)
+        for q in self.quantizers:
+            q.build(None)
 
     def compute_output_shape(self, input_shape):
         return self.layer.compute_output_shape(input_shape)
 
     def call(self, inputs, training=None, mask=None):
         t = self.tables
+        if self.input_observers:
+            observers = iter(self.input_observers)
+            inputs = [next(observers)(x, training=training) if flag else x
+                      for x, flag in zip(inputs, self.observe_inputs)]
         if isinstance(self.layer, keras.layers.BatchNormalization) and t is not None and t.export:
             y = self._batchnorm_on_grid(inputs)
         else:  # a BatchNorm normalizes with the batch's statistics in training

@@ -32,7 +32,7 @@ def quantize_model(model: keras.Model, tables: QATTables) -> tuple[keras.Model, 
         if entry == "identity":
             return Folded(name=f"{layer.name}_folded")
         if isinstance(entry, dict) and "merge" in entry:
-            merge = QuantizedMerge(entry["merge"], entry["relu"])
+            merge = QuantizedMerge(entry["merge"], entry["relu"], observe_inputs=entry.get("observe_inputs"))
             merge.set_tables(tables)
             made.append(merge)
             return merge

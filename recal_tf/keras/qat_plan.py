@@ -72,6 +72,14 @@ def _neighbours(model: keras.Model):
     return producers, consumers
 
 
+def _made_by_ops(layer, model: keras.Model) -> list[bool]:
+    """Per input of ``layer``, whether an op the layer graph does not hold made it (``x + 3.0``, ``x * (1 / 6)`` on
+    Keras tensors) rather than a layer."""
+    layers = {id(each) for each in model.layers}
+    node = layer._inbound_nodes[0]
+    return [id(t._keras_history.operation) not in layers for t in node.arguments.keras_tensors]
+
+
 def _quantized_source(layer, producers: dict, plan: dict) -> bool:
     """Whether ``layer``'s output is a quantized tensor: planned (a QAT layer, a merge, or what folded into one),
     or a pass-through of one."""
@@ -139,6 +147,9 @@ def plan_qat(model: keras.Model) -> tuple[dict, list[str]]:
             if folds_relu and len(nxt) == 1 and _relu_of(nxt[0]):  # after a residual Add or a pre-activation BN
                 parts["relu"], parts["tail"] = _relu_of(nxt[0]), nxt[0].name
                 plan[nxt[0].name] = "identity"
+            made_by_ops = _made_by_ops(layer, model) if type(layer) in MERGES else []
+            if any(made_by_ops):  # observed by the merge itself (MobileNetV3's hard-sigmoid gate)
+                parts["observe_inputs"] = made_by_ops
             plan[layer.name] = parts
     for name, parts in plan.items():
         if isinstance(parts, dict) and isinstance(parts.get("merge"), keras.layers.BatchNormalization):
