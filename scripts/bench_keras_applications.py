@@ -6,11 +6,12 @@ dense kernel) and QAT-trained with ``fit`` (the zoo test's recipe, ``--steps`` p
 Keras's 0.99 leaves the moving statistics near their start after a few dozen steps) on synthetic data it can learn
 (ten class templates plus noise), finalized, exported with ``recal_tf.keras.export_onnx`` (tf2onnx, jax2onnx or
 torch.onnx) and converted by ``quantize_qat_export``. One table: the layers recal's Keras QAT quantizes and those it
-leaves float, the integer ops of the int8 model and the float ops the converter names between them
-(``result.unconverted``; the classifier's bias Add after the last integer op is not among them), the Keras QAT model's
-accuracy, the int8 model's largest difference from it in its output steps, and argmax agreement on 256 new inputs of the
-same classes (in a default onnxruntime session) beside the share of those inputs whose top two Keras logits lie within
-one output step of each other (a one-step difference can flip their argmax).
+leaves float, the integer ops of the int8 model (and the activations it looks up in tables of integers: hard-swish)
+and the float ops the converter names between them (``result.unconverted``; the classifier's bias Add after the last
+integer op is not among them), the Keras QAT model's accuracy, the int8 model's largest difference from it in its
+output steps beside the same QAT model's run in onnxruntime's float kernels, argmax agreement on 256 new inputs of the
+same classes (in a default onnxruntime session), the share of those inputs whose top two Keras logits lie within one
+output step of each other (a one-step difference can flip their argmax), and what the converter's default check said.
 
 Each backend runs in an interpreter of its own (``KERAS_BACKEND`` is read once, at import)::
 
@@ -112,6 +113,7 @@ def run(name: str, size: int, folder: Path, steps: int, bn_momentum: float = 0.9
     return {"model": name, "size": size, "quantized": len(manager.quantized_layers),
             "float_layers": ", ".join(float_layers) or "none",
             "integer_ops": sum(n for op, n in ops.items() if op.startswith(("QLinear", "QGemm"))),
+            "tables": result.rewrites.get("unary_to_table", 0),
             "float_ops": dict(sorted(collections.Counter(op for op, _ in result.unconverted).items())),
             "unconverted": len(result.unconverted),
             "max_diff": float(np.abs(got - expected).max()), "output_step": step,
@@ -166,7 +168,9 @@ def table(data: dict) -> str:
                             if "float_export_diff" in r else "not measured")
             check = ("refused *" if r.get("refused") else
                      "passed, within the QAT model's rounding noise" if r.get("within_noise") else "passed")
-            lines.append(f"{where} ({r['size']}x{r['size']}) | {r['quantized']} | {r['integer_ops']} | {floats} | "
+            tables = f" + {r['tables']} tables" if r.get("tables") else ""
+            lines.append(f"{where} ({r['size']}x{r['size']}) | {r['quantized']} | {r['integer_ops']}{tables} | "
+                         f"{floats} | "
                          f"{100 * r['accuracy']:.1f}% | {r['max_diff']:.3g} ({r['max_diff'] / step:.2f}) | "
                          f"{float_export} | {r['agreement']:.4f} | {r['near_ties']:.4f} | {check} |")
             if r.get("refused"):
@@ -175,7 +179,8 @@ def table(data: dict) -> str:
     versions = ", ".join(f"{r['backend']} {r['backend_version']}" for r in data["backends"])
     refused = "".join(f"\n\n\\* refused by `quantize_qat_export`'s default check ({r}), measured here with "
                       "`tolerance=inf`" for r in refusals)
-    return ("\n".join(lines) + refused + f"\n\nweights=None, a logits head, pruned 60% and QAT-trained for {2 * data['steps']} "
+    return ("\n".join(lines) + refused + "\n\nweights=None, a logits head, pruned 60% and QAT-trained for "
+            f"{2 * data['steps']} "
             "steps with `fit` (batch 16, BatchNorm momentum 0.9) on ten learnable synthetic classes (templates plus "
             "noise); the int8 model against the Keras QAT model on 256 new inputs of those classes in a default "
             "session, beside the exported QAT model itself run in float by onnxruntime (two float runs of one model: "
