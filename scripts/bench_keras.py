@@ -6,11 +6,11 @@ per-step times Keras reports between batches. With ``--peer`` the same CNN and t
 Optimization 0.8.1 on tf-keras 2.21 (``scripts/peer_tfmot.py``) joins the table: it runs in its own
 environment, ``.venv-tfmot``, which the script creates on first use (tf-keras pulls the full ``tensorflow``
 wheel, about 2.3 GB, and tfmot switches a process to legacy Keras), never in ``.venv``. Part 2 trains the digits
-net with ``recal train`` in Keras, the TF graph API and PyTorch, dense, pruned to 90%, and pruned to 90% + QAT
-converted to int8, over several seeds.
+net with ``recal train`` in Keras, the TF graph API and PyTorch, dense, pruned to 90%, pruned to 90% + QAT
+converted to int8, and the demo's recipe (``prune_quant.yaml``: pruned to 85% + QAT, int8), over several seeds.
 
     python scripts/bench_keras.py [--rounds 5] [--steps 40] [--seeds 3] [--peer] [--jit] [--skip-accuracy]
-                                  [--skip-overhead]
+                                  [--skip-overhead] [--frameworks keras tf torch]
 
 ``--jit`` compiles every variant with ``jit_compile=True`` (XLA), plain jit ``fit`` being the base.
 """
@@ -129,16 +129,17 @@ def overhead(rounds: int, steps: int, peer: bool, jit: bool = False) -> None:
             print(f"| {framework} | {name} | {1000 * m:.2f} | {100 * (m / base - 1):+.1f}% |")
 
 
-def accuracy(seeds: int) -> None:
+def accuracy(seeds: int, frameworks: tuple[str, ...] = ("keras", "tf", "torch")) -> None:
     from recal_core import load_recipe
     from recal_app.training import train
 
     recipes = {"dense": ROOT / "scripts/recipes/dense.yaml", "pruned 90%": ROOT / "scripts/recipes/prune90.yaml",
-               "pruned 90% + QAT, int8": ROOT / "scripts/recipes/prune90_quant.yaml"}
+               "pruned 90% + QAT, int8": ROOT / "scripts/recipes/prune90_quant.yaml",
+               "the demo's, pruned 85% + QAT, int8": ROOT / "scripts/recipes/prune_quant.yaml"}
     results: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(seeds):
-            for framework in ("keras", "tf", "torch"):
+            for framework in frameworks:
                 for label, path in recipes.items():
                     out = Path(tmp) / f"{framework}-{label}-{seed}".replace(" ", "_").replace("%", "")
                     run = train(load_recipe(path), framework, out, seed=seed, progress=False)
@@ -147,7 +148,7 @@ def accuracy(seeds: int) -> None:
     print(f"\ndigits test accuracy of the ONNX model (recal train, {seeds} seeds: mean, min-max)")
     print("| framework | " + " | ".join(recipes) + " |")
     print("| --- | " + " | ".join("---:" for _ in recipes) + " |")
-    for framework in ("keras", "tf", "torch"):
+    for framework in frameworks:
         cells = []
         for label in recipes:
             values = results[(framework, label)]
@@ -164,11 +165,13 @@ def main() -> None:
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--jit", action="store_true", help="compile every variant with jit_compile=True (XLA)")
     parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--frameworks", nargs="+", default=["keras", "tf", "torch"], choices=["keras", "tf", "torch"],
+                        help="the accuracy part's front ends")
     args = parser.parse_args()
     if not args.skip_overhead:
         overhead(args.rounds, args.steps, args.peer, args.jit)
     if not args.skip_accuracy:
-        accuracy(args.seeds)
+        accuracy(args.seeds, tuple(args.frameworks))
 
 
 if __name__ == "__main__":
