@@ -187,7 +187,7 @@ def table(data: dict) -> str:
             "how far kernels' rounding alone moves the outputs); accuracy: the Keras QAT model's on them; top two "
             "within a step: the inputs whose top two Keras logits are within one output step (a step's difference can "
             "flip them); the converter's check compares the int8 model with the exported QAT model (3 output steps, or "
-            "that model's own rounding noise where every integer op matches op by op: docs/onnx.md); "
+            "that model's own rounding noise where every integer op matches op by op: docs/converter.md); "
             f"Keras {first['keras']} ({versions}), onnxruntime {first['onnxruntime']} "
             f"(`python scripts/bench_keras_applications.py --steps {data['steps']} "
             "--json docs/results/keras_applications.json`)")
