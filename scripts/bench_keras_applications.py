@@ -16,7 +16,8 @@ output step of each other (a one-step difference can flip their argmax), and wha
 Each backend runs in an interpreter of its own (``KERAS_BACKEND`` is read once, at import)::
 
     python scripts/bench_keras_applications.py [--backends tensorflow jax torch] [--size 32] [--steps 48]
-        [--models mobilenet_v2 resnet50 ...] [--json docs/results/keras_applications.json]
+        [--models mobilenet_v2 resnet50 ...] [--json docs/results/keras_applications.json] [--update] [--keep DIR]
+    python scripts/bench_keras_applications.py --json docs/results/keras_applications.json --rescore DIR
 """
 
 from __future__ import annotations
@@ -73,7 +74,6 @@ def run(name: str, size: int, folder: Path, steps: int, bn_momentum: float = 0.9
     import onnxruntime as ort
 
     from recal_onnx import VerificationError, quantize_qat_export
-    from recal_onnx.verify import reference_session
     from recal_tf.keras import RecalWarning, ScheduledModifierManager, export_onnx
     from tests.zoo.test_keras_applications import BATCH, RECIPE  # the zoo test's recipe
 
@@ -105,24 +105,47 @@ def run(name: str, size: int, folder: Path, steps: int, bn_momentum: float = 0.9
         refused = str(exc).partition(": ")[2].partition("; nothing was written")[0]
         result = quantize_qat_export(qdq, folder / f"{name}.int8.onnx", verify_inputs=feeds, tolerance=math.inf)
     ops = collections.Counter(n.op_type for n in result.model.graph.node)
-    session = ort.InferenceSession(str(folder / f"{name}.int8.onnx"))
-    got = session.run(None, {session.get_inputs()[0].name: test})[0]
-    as_float = reference_session(str(qdq)).run(None, feeds)[0]  # the same QAT model, in onnxruntime's float kernels
-    step = float(np.diff(np.unique(expected)).min()) if expected.size > 1 else 0.0
-    top_two = np.sort(expected, axis=1)[:, -2:]
     return {"model": name, "size": size, "quantized": len(manager.quantized_layers),
             "float_layers": ", ".join(float_layers) or "none",
             "integer_ops": sum(n for op, n in ops.items() if op.startswith(("QLinear", "QGemm"))),
             "tables": result.rewrites.get("unary_to_table", 0),
             "float_ops": dict(sorted(collections.Counter(op for op, _ in result.unconverted).items())),
-            "unconverted": len(result.unconverted),
-            "max_diff": float(np.abs(got - expected).max()), "output_step": step,
+            "unconverted": len(result.unconverted), "within_noise": bool(result.verification.within_noise),
+            "steps": steps, "refused": refused, "int8_vs_qdq": str(result.verification), **compared(folder, name)}
+
+
+def compared(folder: Path, name: str) -> dict:
+    """The int8 model and the QAT model's float run in onnxruntime against the Keras QAT model's outputs, from the
+    files a run keeps (``<name>.int8.onnx``, ``<name>.onnx``, ``<name>.npz``)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from recal_onnx.verify import reference_session
+
+    kept = np.load(folder / f"{name}.npz")
+    test, expected, labels = kept["test"], kept["expected"], kept["labels"]
+    session = ort.InferenceSession(str(folder / f"{name}.int8.onnx"))
+    got = session.run(None, {session.get_inputs()[0].name: test})[0]
+    qdq = reference_session(str(folder / f"{name}.onnx"))  # the same QAT model, in onnxruntime's float kernels
+    as_float = qdq.run(None, {qdq.get_inputs()[0].name: test})[0]
+    step = float(np.diff(np.unique(expected)).min()) if expected.size > 1 else 0.0
+    top_two = np.sort(expected, axis=1)[:, -2:]
+    return {"max_diff": float(np.abs(got - expected).max()), "output_step": step,
+            "agreement": float((got.argmax(1) == expected.argmax(1)).mean()),
             "float_export_diff": float(np.abs(as_float - expected).max()),
-            "within_noise": bool(result.verification.within_noise),
-            "agreement": float((got.argmax(1) == expected.argmax(1)).mean()), "steps": steps,
+            "float_export_agreement": float((as_float.argmax(1) == expected.argmax(1)).mean()),
             "accuracy": float((expected.argmax(1) == labels).mean()),
-            "near_ties": float((top_two[:, 1] - top_two[:, 0] <= step * (1 + 1e-3)).mean()),
-            "refused": refused, "int8_vs_qdq": str(result.verification)}
+            "near_ties": float((top_two[:, 1] - top_two[:, 0] <= step * (1 + 1e-3)).mean())}
+
+
+def rescored(data: dict, keep: Path) -> dict:
+    """``data`` with each row's comparisons measured again from the models ``--keep`` saved in ``keep``."""
+    for result in data["backends"]:
+        for row in result["rows"]:
+            folder = keep / result["backend"]
+            if "error" not in row and (folder / f"{row['model']}.npz").exists():
+                row.update(compared(folder, row["model"]))
+    return data
 
 
 def child(models: list[str], size: int, steps: int, keep: Path | None = None) -> dict:
@@ -166,6 +189,8 @@ def table(data: dict) -> str:
             step = r["output_step"] or float("nan")
             float_export = (f"{r['float_export_diff']:.3g} ({r['float_export_diff'] / step:.2f})"
                             if "float_export_diff" in r else "not measured")
+            if "float_export_agreement" in r:
+                float_export += f", agreement {r['float_export_agreement']:.4f}"
             check = ("refused *" if r.get("refused") else
                      "passed, within the QAT model's rounding noise" if r.get("within_noise") else "passed")
             tables = f" + {r['tables']} tables" if r.get("tables") else ""
@@ -204,8 +229,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --json: replace only the rows of the backends and models run in that file's results")
     parser.add_argument("--keep", type=Path, help="keep each model's exports and test data in this folder "
                         "(<folder>/<backend>/<model>.onnx, .int8.onnx, .npz), to look into a row")
+    parser.add_argument("--rescore", type=Path, metavar="KEEP",
+                        help="train nothing: measure the comparisons of --json's rows again from the models a run "
+                             "kept in KEEP (--keep), and write them back")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.rescore:
+        if not args.json:
+            parser.error("--rescore needs --json (the results to measure again)")
+        sys.path.insert(0, str(ROOT))
+        data = rescored(json.loads(args.json.read_text()), args.rescore)
+        args.json.write_text(json.dumps(data, indent=1) + "\n")
+        print(table(data))
+        return 0
     if args.child:
         sys.path.insert(0, str(ROOT))
         print(json.dumps(child(args.models, args.size, args.steps, args.keep)))
