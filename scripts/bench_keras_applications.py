@@ -64,16 +64,11 @@ def templates(size: int, seed: int = 0):
 
 def run(name: str, size: int, folder: Path, steps: int, bn_momentum: float = 0.9) -> dict:
     """One model's row, on this process's Keras backend."""
-    import collections
-    import math
     import warnings
 
     import keras
     import numpy as np
-    import onnx
-    import onnxruntime as ort
 
-    from recal_onnx import VerificationError, quantize_qat_export
     from recal_tf.keras import RecalWarning, ScheduledModifierManager, export_onnx
     from tests.zoo.test_keras_applications import BATCH, RECIPE  # the zoo test's recipe
 
@@ -96,8 +91,25 @@ def run(name: str, size: int, folder: Path, steps: int, bn_momentum: float = 0.9
     test, labels = sample(256)
     expected = qat.predict(test, verbose=0)
     np.savez(folder / f"{name}.npz", test=test, expected=expected, labels=labels)  # kept with --keep
-    qdq = export_onnx(qat, folder / f"{name}.onnx")
-    feeds = {onnx.load(qdq).graph.input[0].name: test}
+    export_onnx(qat, folder / f"{name}.onnx")
+    return {"model": name, "size": size, "quantized": len(manager.quantized_layers),
+            "float_layers": ", ".join(float_layers) or "none", "steps": steps, **converted(folder, name),
+            **compared(folder, name)}
+
+
+def converted(folder: Path, name: str) -> dict:
+    """``<name>.onnx`` converted by ``quantize_qat_export`` into ``<name>.int8.onnx``, verified on the kept test
+    inputs: what became integer, what stayed float, and what the default check said."""
+    import collections
+    import math
+
+    import numpy as np
+    import onnx
+
+    from recal_onnx import VerificationError, quantize_qat_export
+
+    qdq = folder / f"{name}.onnx"
+    feeds = {onnx.load(qdq).graph.input[0].name: np.load(folder / f"{name}.npz")["test"]}
     refused = None
     try:
         result = quantize_qat_export(qdq, folder / f"{name}.int8.onnx", verify_inputs=feeds)
@@ -105,13 +117,11 @@ def run(name: str, size: int, folder: Path, steps: int, bn_momentum: float = 0.9
         refused = str(exc).partition(": ")[2].partition("; nothing was written")[0]
         result = quantize_qat_export(qdq, folder / f"{name}.int8.onnx", verify_inputs=feeds, tolerance=math.inf)
     ops = collections.Counter(n.op_type for n in result.model.graph.node)
-    return {"model": name, "size": size, "quantized": len(manager.quantized_layers),
-            "float_layers": ", ".join(float_layers) or "none",
-            "integer_ops": sum(n for op, n in ops.items() if op.startswith(("QLinear", "QGemm"))),
+    return {"integer_ops": sum(n for op, n in ops.items() if op.startswith(("QLinear", "QGemm"))),
             "tables": result.rewrites.get("unary_to_table", 0),
             "float_ops": dict(sorted(collections.Counter(op for op, _ in result.unconverted).items())),
             "unconverted": len(result.unconverted), "within_noise": bool(result.verification.within_noise),
-            "steps": steps, "refused": refused, "int8_vs_qdq": str(result.verification), **compared(folder, name)}
+            "refused": refused, "int8_vs_qdq": str(result.verification)}
 
 
 def compared(folder: Path, name: str) -> dict:
@@ -139,11 +149,13 @@ def compared(folder: Path, name: str) -> dict:
 
 
 def rescored(data: dict, keep: Path) -> dict:
-    """``data`` with each row's comparisons measured again from the models ``--keep`` saved in ``keep``."""
+    """``data`` with each row converted and compared again from the QAT models ``--keep`` saved in ``keep`` (the
+    training's own figures, its QAT layers, stay)."""
     for result in data["backends"]:
         for row in result["rows"]:
             folder = keep / result["backend"]
             if "error" not in row and (folder / f"{row['model']}.npz").exists():
+                row.update(converted(folder, row["model"]))
                 row.update(compared(folder, row["model"]))
     return data
 
@@ -230,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=Path, help="keep each model's exports and test data in this folder "
                         "(<folder>/<backend>/<model>.onnx, .int8.onnx, .npz), to look into a row")
     parser.add_argument("--rescore", type=Path, metavar="KEEP",
-                        help="train nothing: measure the comparisons of --json's rows again from the models a run "
-                             "kept in KEEP (--keep), and write them back")
+                        help="train nothing: convert and compare --json's rows again from the QAT models a run kept "
+                             "in KEEP (--keep), and write them back")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rescore:

@@ -1025,14 +1025,15 @@ def test_minmax_to_clip(form):
 
 
 @pytest.mark.parametrize("form", ["hard-swish ops", "HardSwish", "hard-sigmoid, int8", "padded", "nodes unsorted",
-                                  "read elsewhere", "per channel", "two inputs", "sigmoid alone"])
+                                  "read elsewhere", "per channel", "two inputs", "sigmoid alone", "feature map"])
 def test_unary_to_table(form):
     """A function of one quantized tensor computed in float before a QuantizeLinear (MobileNetV3's hard-swish as
     Keras's TF export writes it, as ONNX's HardSwish, hard-sigmoid on an int8 grid) becomes a 256-entry table
     looked up with Gather, equal to the float model on every value. Not when a value inside is read elsewhere,
     a constant is per channel, the ops read two quantized tensors, or it is a sigmoid alone (QLinearSigmoid's).
     A zero padding before the QuantizeLinear (ZeroPadding2D's) moves after the table, padding with its zero point.
-    The table is right when earlier rewrites left the graph's nodes out of computing order."""
+    The table is right when earlier rewrites left the graph's nodes out of computing order. A feature map (over
+    TABLE_MAX values a sample), where onnxruntime's float ops are faster than its lookup, stays float, named."""
     b = Builder()
     dtype, zp = (np.int8, -5) if "int8" in form else (np.uint8, 120)
     x = b.qdq("x", 0.05, zp, dtype)
@@ -1051,10 +1052,11 @@ def test_unary_to_table(form):
     if form == "padded":
         y = b.node("Pad", [y, c(np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64))])
     outputs = [b.qdq(y, 0.02, 3)] + ([gate] if form == "read elsewhere" else [])
-    inputs = [("x", [2, 3, 4, 4])] + ([("z", [2, 3, 4, 4])] if form == "two inputs" else [])
+    shape = [2, 3, 32, 32] if form == "feature map" else [2, 3, 4, 4]
+    inputs = [("x", shape)] + ([("z", shape)] if form == "two inputs" else [])
     model = b.model(inputs, outputs)
     rng = np.random.default_rng(0)
-    feeds = {name: (rng.standard_normal((2, 3, 4, 4)) * 4).astype(np.float32) for name, _ in inputs}
+    feeds = {name: (rng.standard_normal(shape) * 4).astype(np.float32) for name, _ in inputs}
     expected = reference(model, feeds)
     if form == "nodes unsorted":  # as a Graph holds them after rewrites (a valid model file cannot)
         g = Graph(onnx.shape_inference.infer_shapes(model))
@@ -1065,7 +1067,10 @@ def test_unary_to_table(form):
         n = unary_to_table(g)
         converted = g.commit()
     else:
-        converted, (n,) = _apply(model, unary_to_table)
+        findings = Findings()
+        converted, (n,) = _apply(model, unary_to_table, findings=findings)
+        assert (form == "feature map") == bool(findings.kept_float)
+        assert all("3072 values a sample" in why for _, why in findings.kept_float.values())
     converts = form in ("hard-swish ops", "HardSwish", "hard-sigmoid, int8", "padded", "nodes unsorted")
     assert n == int(converts)
     if converts:
