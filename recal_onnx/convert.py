@@ -128,9 +128,10 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     when absent: integer inputs cover the table they index, masks are ones); ``tolerance`` is the largest
     max-abs-difference accepted (default: 3 quantization steps of a quantized output, 10% of the reference
     outputs' range for a float one, or, where every integer op matches op by op, as far as the input model's own
-    outputs move when each activation quantizer's input moves by 8 float32 ulps: :mod:`recal_onnx.verify`). Argmax agreement (2-D outputs) is always reported; it is enforced only
-    with ``min_agreement`` (on generated inputs a model's near-tied logits flip on rounding alone,
-    and a flip on a clear margin already exceeds the tolerance). ``thin`` removes the channels filter
+    outputs move when each activation quantizer's input moves by 8 float32 ulps: :mod:`recal_onnx.verify`).
+    Argmax agreement (2-D outputs) is always reported; it is enforced only with ``min_agreement`` (on generated
+    inputs a model's near-tied logits flip on rounding alone, and a flip on a clear margin already exceeds the
+    tolerance). ``thin`` removes the channels filter
     pruning left dead (exactly zero, or read by no one) where the channel-coupling rules allow: the
     outputs stay the same, the multiply-adds go down (``rewrites["thin_channels"]``: channels removed); the
     channels kept are a multiple of ``channel_block`` (dead ones kept to make it up: onnxruntime's int8

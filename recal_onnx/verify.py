@@ -281,10 +281,13 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
     median = float(np.median(sample)) if sample.size else 0.0
     first_step = next((o.step for o in outputs if o.kind == "float"), output_step)
     result = Verification(diff, span, agreement, samples, first_step, median_abs_diff=median, outputs=outputs)
-    result = op_by_op(reference, candidate, feeds, result, thinned or {}, per_sample)
+    copy = _copyable(reference)  # loaded once for both checks below (None: too large to copy; end to end only)
+    if copy is None:
+        return result
+    result = op_by_op(copy, candidate, feeds, result, thinned or {}, per_sample)
     failing = [o for o in result.outputs if o.problem(None, None)]
     if noise and result.clean_op_by_op and failing and all(o.kind != "class ids" for o in failing):
-        own = rounding_noise(reference, feeds, batched)
+        own = rounding_noise(copy, feeds, batched)
         result = replace(result, outputs=tuple(replace(o, noise=own.get(o.name)) if o.kind != "class ids" else o
                                                for o in result.outputs))
     return result
@@ -299,23 +302,27 @@ def rounding_noise(reference: onnx.ModelProto | str, feeds: dict[str, np.ndarray
     The QAT model's meaning is float arithmetic, whose summation order is the kernel's choice: another order moves a
     conv's output by about that much, and a value on a rounding boundary then lands one step over. An int8 model is
     exact where the float one is not, so it can be this far from it with every op right."""
-    if isinstance(reference, str):
-        if os.path.getsize(reference) > LOCAL_MAX_BYTES:
-            return {}
-        reference = onnx.load(reference)
-    elif reference.ByteSize() > LOCAL_MAX_BYTES:
+    reference = _copyable(reference)
+    if reference is None:
         return {}
     names = [o.name for o in reference.graph.output]
     worst: dict[str, float] = {}
-    plain = reference_session(reference)
-    for seed in range(patterns):
-        nudged = reference_session(_nudged(reference, seed))
-        for ref, got in _paired_chunks((plain, nudged), feeds, batched):
-            for name, r, g in zip(names, ref, got):
+    runners = (reference_session(reference), *(reference_session(_nudged(reference, s)) for s in range(patterns)))
+    for plain, *nudged in _paired_chunks(runners, feeds, batched):  # the plain model once for every draw
+        for got in nudged:
+            for name, r, g in zip(names, plain, got):
                 if r.shape == g.shape and r.size and (np.issubdtype(r.dtype, np.floating) or r.dtype.itemsize < 4):
                     diff = float(np.abs(r.astype(np.float64) - g.astype(np.float64)).max())
                     worst[name] = max(worst.get(name, 0.0), diff)
     return worst
+
+
+def _copyable(reference: onnx.ModelProto | str) -> onnx.ModelProto | None:
+    """``reference`` as a model the checks beyond end to end may copy, or None above :data:`LOCAL_MAX_BYTES`."""
+    size = os.path.getsize(reference) if isinstance(reference, str) else reference.ByteSize()
+    if size > LOCAL_MAX_BYTES:
+        return None
+    return onnx.load(reference) if isinstance(reference, str) else reference
 
 
 def _nudged(model: onnx.ModelProto, seed: int) -> onnx.ModelProto:
@@ -443,11 +450,9 @@ def op_by_op(reference: onnx.ModelProto | str, candidate: onnx.ModelProto, feeds
     """``result`` with the op-by-op comparison filled in (unchanged where a model is too large to copy).
     ``per_sample``: the bytes one sample's outputs took end to end; the op-by-op run takes as many samples as
     fit :data:`MEMORY` (at most :data:`LOCAL_SAMPLES`)."""
-    size = os.path.getsize(reference) if isinstance(reference, str) else reference.ByteSize()
-    if size > LOCAL_MAX_BYTES or candidate.ByteSize() > LOCAL_MAX_BYTES:
+    reference = _copyable(reference)
+    if reference is None or candidate.ByteSize() > LOCAL_MAX_BYTES:
         return result
-    if isinstance(reference, str):
-        reference = onnx.load(reference)
     batched = _batched_inputs(candidate)
     local = int(max(1, min(LOCAL_SAMPLES, MEMORY // max(per_sample, 1))))
     feeds = {k: v[:local] if k in batched else v for k, v in feeds.items()}  # a fixed batch stays whole

@@ -39,7 +39,7 @@ from recal_core.modifiers import REDUCED_WEIGHT_LEVELS, WEIGHT_LEVELS
 
 from ..qat_tables import QATTables
 from .qat_math import qat_math
-from .qat_plan import activation_relu
+from .qat_plan import INTEGER_ACTIVATIONS, activation_relu
 
 
 
@@ -138,9 +138,9 @@ class QuantizedLayer(keras.layers.Layer):
         kwargs.setdefault("dtype", "float32")
         kwargs.setdefault("name", f"{layer.name}_qat")
         super().__init__(**kwargs)
-        if activation not in TABLED and activation not in (None, "sigmoid", "swish"):
-            raise ValueError(f"{layer.name}: activation must be None, 'sigmoid', 'swish', 'hard_swish' or "
-                             f"'hard_sigmoid', not {activation!r}")
+        if activation is not None and activation not in INTEGER_ACTIVATIONS.values():
+            raise ValueError(f"{layer.name}: activation must be None or one of "
+                             f"{sorted(set(INTEGER_ACTIVATIONS.values()))}, not {activation!r}")
         self.layer, self.bn, self.relu, self.activation = layer, bn, relu, activation
         self.input_quantizer = ActivationQuantizer(name=f"{layer.name}_input_q") if quantize_input else None
         # with an activation: the layer's own output (the activation's input), its sigmoid (swish: the sigmoid
