@@ -26,9 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-thin", action="store_true",
                         help="keep channels filter pruning left dead (by default they are removed)")
     parser.add_argument("--target", choices=TARGETS, default=DEFAULT_TARGET,
-                        help="the CPUs the model is for: any (default: exact on every CPU), x86-avx2, x86-vnni "
-                             "(VNNI or AMX), arm64, native (this CPU's kind); decides how weights beyond +-64 are "
-                             "stored (a model trained with reduce_range: true has none: int8 for every target)")
+                        help="the CPUs the model is for: any (default: int8 weights for x86 with VNNI or AMX and "
+                             "Arm, and beside the output OUTPUT-stem.x86-avx2.onnx, exact on x86 without VNNI), "
+                             "x86-avx2, x86-vnni, arm64, native (this CPU's kind); decides how weights beyond +-64 "
+                             "are stored (a model trained with reduce_range: true has none: one int8 file for every "
+                             "target)")
     parser.add_argument("--weight-type", choices=WEIGHT_TYPES, default="auto",
                         help="override the target's choice: int8 (exact with VNNI / AMX and on Arm), uint8 (weights "
                              "beyond +-64 as uint8: exact everywhere); auto (default): the target's")
@@ -55,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {w.message}")
     done = ", ".join(f"{k} {v}" for k, v in result.rewrites.items() if v)
     print(f"wrote {result.path} ({result.path.stat().st_size / 1e6:.2f} MB) in {result.seconds:.2f}s: {done}")
+    if result.avx2_path is not None:
+        print(f"wrote {result.avx2_path} ({result.avx2_path.stat().st_size / 1e6:.2f} MB): for x86 without VNNI")
     print(result.weights_note)
     if result.rounded_biases:
         print(f"note: {result.rounded_biases_note}")

@@ -7,8 +7,9 @@ is a :class:`~recal_onnx.findings.Findings` record the result reports from.
 
 How weights are stored follows the ``target`` (:mod:`recal_onnx.targets`), never the converting CPU: a model
 trained with ``reduce_range: true`` (7-bit weights) is int8 throughout, exact and fast on every CPU; an 8-bit one
-keeps int8 weights for ``x86-vnni`` / ``arm64`` and stores its layers with weights beyond +-64 as uint8 for the
-default ``any`` (exact everywhere).
+keeps int8 weights for ``x86-vnni`` / ``arm64``, stores its layers with weights beyond +-64 as uint8 for
+``x86-avx2``, and for the default ``any`` writes both: the int8 model, and beside it its uint8-weight twin for x86
+CPUs without VNNI (:mod:`recal_onnx.twin`).
 
 Whatever stays float between a DequantizeLinear and a QuantizeLinear is listed in a
 :class:`UnconvertedOpsWarning`. With ``verify`` both models run in onnxruntime on the same inputs;
@@ -32,14 +33,17 @@ import onnx
 from recal_core.atomic import atomic_folder
 from recal_core.errors import VerificationFailed
 
+from . import cpu
 from .findings import Findings
+from .float_reasons import display_name, float_reason
 from .float_report import QDQ_FUSIBLE, QDQ_OPS, float_compute, float_islands, module_paths
 from .graph import EXTERNAL_DATA_BYTES, Graph
 from .passes.thin_channels import CHANNEL_BLOCK
 from .passes.uint8_weights import exact_on_this_cpu, saturating_layers
 from .pipeline import Options, run_pipeline
 from .targets import DEFAULT_TARGET, WeightChoice, choose_weights
-from .verify import Verification, verify_models
+from .twin import INT8_CPUS, TWIN_SAMPLES, avx2_twin, mark, twin_differs, twin_path
+from .verify import NonFiniteReference, Verification, generated_inputs, verify_models
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +78,11 @@ class ConversionResult:
     weights_note: str = ""  # which weight form was written, and why, in one sentence
     # node name -> how far (in int32 steps, <= 0.5) its float bias was from the grid the int8 layer holds it on
     rounded_biases: dict[str, float] = field(default_factory=dict)
+    # node name (op type and position where it has none) of each node left float -> why, in one clause
+    float_reasons: dict[str, str] = field(default_factory=dict)
+    # target any, weights beyond +-64: the twin for x86 without VNNI (uint8 weights there), and where it was written
+    avx2_model: onnx.ModelProto | None = None
+    avx2_path: Path | None = None
 
     @property
     def rounded_biases_note(self) -> str:
@@ -136,7 +145,9 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     outputs stay the same, the multiply-adds go down (``rewrites["thin_channels"]``: channels removed); the
     channels kept are a multiple of ``channel_block`` (dead ones kept to make it up: onnxruntime's int8
     kernels run other counts up to 3x slower; 1 removes every dead channel).
-    ``target``: the CPUs the model is for (:mod:`recal_onnx.targets`): ``"any"`` (default: exact on every CPU),
+    ``target``: the CPUs the model is for (:mod:`recal_onnx.targets`): ``"any"`` (default: the int8 model, fast and
+    exact with VNNI / AMX and on Arm, and where weights pass +-64 its twin for x86 without VNNI beside it,
+    ``<name>.x86-avx2.onnx``, ``result.avx2_path`` / ``result.avx2_model``),
     ``"x86-avx2"``, ``"x86-vnni"``, ``"arm64"`` or ``"native"`` (this CPU's kind, said in the result). It
     decides how weights beyond +-64 are stored; a model trained with ``reduce_range: true`` has none, and is int8
     for every target. ``weight_type`` (``"auto"``: the target's choice; ``"int8"``; ``"uint8"``) overrides it.
@@ -162,6 +173,8 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     model, reads = _load(model_or_path)
     if output_path is not None:
         _refuse_overwriting(Path(output_path), reads)
+        if choice.twin:
+            _refuse_overwriting(twin_path(output_path), reads)
     _check_input(model, str(model_or_path) if from_path else "the model")
     if from_path:
         reference: onnx.ModelProto | str = str(model_or_path)  # the file stays as it is; no second copy
@@ -188,10 +201,15 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
     rewrites = run_pipeline(g, Options(format, choice.weight_type, thin, channel_block, accuracy_level), findings)
     # layers with weights beyond +-64: those still int8, and those uint8_weights shifted (exactly those it takes)
     saturating = saturating_layers(g) + rewrites.get("uint8_weights", 0)
-    unconverted = float_islands(g, QDQ_FUSIBLE if format == "qdq" else set())
-    present = {node.name for node in g.nodes} - {name for _, name in unconverted}
+    positions = {node: i for i, node in enumerate(g.nodes)}
+    islands = float_islands(g, QDQ_FUSIBLE if format == "qdq" else set())
+    why = {display_name(n, positions[n]): findings.kept_float[n.name][1] if n.name in findings.kept_float
+           else float_reason(g, n) for n in islands}
+    unconverted = [(n.op_type, display_name(n, positions[n])) for n in islands]
+    present = {node.name for node in g.nodes} - {n.name for n in islands}
     unconverted += [(op, name) for name, (op, _) in findings.kept_float.items() if name in present]
-    reasons = {name: f" ({why})" for name, (_, why) in findings.kept_float.items()}
+    why.update({name: reason for name, (_, reason) in findings.kept_float.items() if name in present})
+    reasons = {name: f" ({reason})" for name, reason in why.items()}
     modules = module_paths(g)
     output_steps = _output_quanta(g)
     rewrites["remove_dead"] = g.remove_dead()
@@ -204,33 +222,85 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
         kinds = ", ".join(f"{op} x{n}" for op, n in Counter(op for op, _ in unconverted).most_common())
         warnings.warn(f"left in float between DequantizeLinear and QuantizeLinear, {len(unconverted)} nodes "
                       f"({kinds}):\n" + "\n".join(lines), UnconvertedOpsWarning, stacklevel=3)
+    twin = avx2_twin(model) if choice.twin and saturating else None
+    if twin is not None:
+        mark(model, INT8_CPUS)
+    twin_name = twin_path(output_path).name if twin is not None and output_path is not None else "result.avx2_model"
     result = ConversionResult(model, None, rewrites, unconverted, float_ops=float_compute(model, format == "qdq"),
                               weight_type="uint8" if rewrites.get("uint8_weights") else "int8", target=choice.target,
-                              weights_note=_weights_note(choice, saturating, rewrites.get("uint8_weights", 0)),
-                              rounded_biases=dict(findings.rounded_biases))
+                              weights_note=_weights_note(choice, saturating, rewrites.get("uint8_weights", 0),
+                                                         twin_name if twin is not None else None),
+                              rounded_biases=dict(findings.rounded_biases), float_reasons=why)
     if result.float_ops:
         log.info("quantize_qat_export: computing in float (outside quantized tensors, by design, or listed above): "
                  "%s", ", ".join(f"{op} x{n}" for op, n in result.float_ops.items()))
+    result.avx2_model = twin
     if verify:
-        run_here = exact_on_this_cpu(model)
-        if run_here is not model:
+        exact_here = cpu.int8_weights_exact_here()
+        run_here = twin if twin is not None and not exact_here else exact_on_this_cpu(model)
+        if run_here is twin:
+            result.weights_note += ("; verified as the twin for x86 without VNNI (this CPU's kind), whose integers are "
+                                    "the int8 model's")
+        elif run_here is not model:
             result.weights_note += ("; verified as its target computes it (this CPU has no VNNI and would saturate "
                                     "its int8 weights beyond +-64: run it on the target)")
-        result.verification = verify_models(reference, run_here, inputs, thinned=findings.thinned,
-                                            output_steps=output_steps, noise=tolerance is None)
+        try:
+            result.verification = verify_models(reference, run_here, inputs, thinned=findings.thinned,
+                                                output_steps=output_steps, noise=tolerance is None)
+        except NonFiniteReference as exc:
+            raise ModelError(f"{exc}: the QAT model itself computes nothing finite"
+                             f"{_nonfinite_initializers(reference)}; nothing was written") from None
         problem = result.verification.problem(tolerance, min_agreement)
         if problem:
             hint = f" ({result.rounded_biases_note})" if result.rounded_biases else ""
             raise VerificationError(f"the converted model does not match the input model: {problem}{hint}; "
                                     f"nothing was written{_drift_note(result.verification, tolerance, min_agreement)}")
+        if twin is not None and run_here is model:
+            differs = twin_differs(model, twin, inputs if inputs is not None else generated_inputs(model, TWIN_SAMPLES))
+            if differs:
+                raise VerificationError(f"the uint8-weight twin for x86 without VNNI differs from the verified int8 "
+                                        f"model on output {differs!r}; nothing was written")
         if result.verification.within_noise:
             log.warning("quantize_qat_export: accepted beyond the default end-to-end tolerance, within the QAT "
                         "model's own rounding noise: %s", result.verification)
     if output_path is not None:
-        result.path = save_model_atomically(model, output_path)
+        if twin is not None:
+            result.avx2_path = save_model_atomically(twin, twin_path(output_path))
+        try:
+            result.path = save_model_atomically(model, output_path)
+        except BaseException:  # the pair or nothing: no twin left without its model
+            if result.avx2_path is not None:
+                result.avx2_path.unlink(missing_ok=True)
+                Path(str(result.avx2_path) + ".data").unlink(missing_ok=True)
+            raise
     result.seconds = time.perf_counter() - started
     log.debug("quantize_qat_export: %s in %.2fs", {k: v for k, v in rewrites.items() if v}, result.seconds)
     return result
+
+
+def _nonfinite_initializers(reference: onnx.ModelProto | str, listed: int = 5) -> str:
+    """``" (non-finite initializers: a, b)"``: the QAT model's float constants holding NaN or inf, '' if none."""
+    model = onnx.load(reference, load_external_data=False) if isinstance(reference, str) else reference
+    bad = []
+    for tensor in model.graph.initializer:
+        if tensor.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE) \
+                and not _finite(tensor):
+            bad.append(tensor.name)
+    if not bad:
+        return " (every float initializer is finite: an op overflows or divides by zero)"
+    more = f" and {len(bad) - listed} more" if len(bad) > listed else ""
+    return f" (non-finite initializers: {', '.join(map(repr, bad[:listed]))}{more})"
+
+
+def _finite(tensor: onnx.TensorProto) -> bool:
+    """Whether a float initializer holds no NaN or inf (one stored outside the file, or malformed, counts as finite:
+    the checks that read it say what is wrong)."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return True
+    try:
+        return bool(np.isfinite(onnx.numpy_helper.to_array(tensor)).all())
+    except (ValueError, TypeError):
+        return True
 
 
 def _drift_note(v, tolerance: float | None, min_agreement: float | None) -> str:
@@ -243,11 +313,16 @@ def _drift_note(v, tolerance: float | None, min_agreement: float | None) -> str:
             f"tolerance={v.max_abs_diff * 1.01:.4g} (recal quantize-qat-export --tolerance)")
 
 
-def _weights_note(choice: WeightChoice, saturating: int, shifted: int) -> str:
-    """One sentence: which weight form was written and why."""
+def _weights_note(choice: WeightChoice, saturating: int, shifted: int, twin: str | None = None) -> str:
+    """One sentence: which weight form was written and why (which file for which CPU, with a twin)."""
     if not saturating:
-        return (f"int8 weights: every weight within +-64 (7-bit QAT, reduce_range), exact and fast on every CPU "
+        return (f"one file: every int8 weight (if any) within +-64, none saturates, exact and fast on every CPU "
                 f"(target {choice.target})")
+    if twin is not None:
+        return (f"int8 weights, {saturating} layers beyond +-64: this model is exact and fast on x86 with VNNI or AMX "
+                f"and on Arm; on x86 without VNNI (AVX2) run {twin}, the same model with those layers' weights uint8, "
+                "exact there (target any; weights within +-64, as recal's reduce_range: true trains them, make one "
+                "file exact and fast everywhere)")
     if shifted:
         return f"uint8 weights in {shifted} layers ({choice.why})"
     return f"int8 weights, {saturating} layers beyond +-64 ({choice.why}; they saturate on x86 without VNNI)"
@@ -353,9 +428,20 @@ def _check_quantized_types(model: onnx.ModelProto, name: str) -> None:
     """Every quantized tensor is uint8 / int8 (an int32 bias too), refused at the start otherwise: int16, uint16,
     4-bit or float8 tensors have no QLinear kernels here, and a model written with them would be invalid."""
     initializers = {t.name: t.data_type for t in model.graph.initializer}
+    tensors = {t.name: t for t in model.graph.initializer}
     for node in model.graph.node:
         if node.op_type not in QDQ_OPS or not node.input:  # a node without inputs: the checker names it later
             continue
+        blocked = next((a.i for a in node.attribute if a.name == "block_size"), 0)
+        if blocked:
+            raise ModelError(f"{name}: {node.op_type} {node.name or node.output[0]!r} quantizes in blocks of "
+                             f"{blocked} (opset 21 block_size), which this converter does not read; export the weight "
+                             "per channel, or grouped as recal's weight-only QAT writes it")
+        scale = tensors.get(node.input[1]) if len(node.input) > 1 else None
+        if scale is not None and scale.data_type == onnx.TensorProto.FLOAT and not _finite(scale):
+            raise ModelError(f"{name}: {node.op_type} {node.name or node.output[0]!r} has a scale that is NaN or "
+                             f"infinite (initializer {scale.name!r}): the QAT model itself computes nothing finite "
+                             "(a diverged training or a broken export)")
         zero_point = node.input[2] if len(node.input) > 2 and node.input[2] else ""
         dtype = initializers.get(zero_point)
         if dtype is None and node.op_type == "DequantizeLinear":

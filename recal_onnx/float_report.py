@@ -113,7 +113,7 @@ def module_paths(g: Graph) -> dict[str, str]:
     return paths
 
 
-def float_islands(g: Graph, expected: set[str]) -> list[tuple[str, str]]:
+def float_islands(g: Graph, expected: set[str]) -> list[Node]:
     """Nodes (not Q/DQ, not ``expected``) on a float path from a dequantized activation to a QuantizeLinear,
     chains of several included (``DQ -> Add -> Relu -> Q`` lists both), in graph order.
 
@@ -140,5 +140,15 @@ def float_islands(g: Graph, expected: set[str]) -> list[tuple[str, str]]:
             continue
         before_q.add(node)
         stack.extend(g.producer(i) for i in node.inputs)
-    return [(node.op_type, node.name) for node in g.nodes
-            if node in after_dq and node in before_q and node.op_type not in expected]
+    return [node for node in g.nodes if node in after_dq and node in before_q and node.op_type not in expected
+            and not _no_op_cast(node)]
+
+
+def _no_op_cast(node: Node) -> bool:
+    """A Cast to the type it reads (float to float) or an Identity: it computes nothing, so it is no float op."""
+    if node.op_type == "Identity":
+        return True
+    if node.op_type != "Cast" or not node.inputs or node.inputs[0] is None or node.inputs[0].type is None:
+        return False
+    to = node.attributes.get("to")
+    return to is not None and int(to.value) == int(node.inputs[0].type.dtype)

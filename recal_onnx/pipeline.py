@@ -7,7 +7,9 @@ target's weight storage, thinning); a pass whose signature takes ``findings`` re
 passes in turn until none rewrites (a QLinear op made by one pass is what the next one matches).
 
 1. constants and folds: ``constants_to_initializers``, ``remove_identities``, ``fold_constants`` (weights' Q becomes
-   int8), ``minmax_to_clip`` (jax2onnx's ``Max`` / ``Min`` by a constant: the Clip it is), ``fold_weight_reshapes``
+   int8), ``fold_int32_biases`` (a ``DequantizeLinear(int32)`` bias: the float it means), ``weights_to_int8``
+   (a weight with a zero point: symmetric int8 where its values fit), ``minmax_to_clip``
+   (jax2onnx's ``Max`` / ``Min`` by a constant: the Clip it is), ``fold_weight_reshapes``
    and ``fold_weight_transposes`` (``DQ(w) -> Reshape / Transpose`` becomes
    ``DQ(reshaped / transposed w)``), ``fold_pads_into_convs``,
    ``gather_int4_tables``, ``gather_int8_tables``, ``fold_conv_affine`` (Div / Mul / Add / BatchNormalization after a conv into its weight
@@ -45,6 +47,7 @@ from .passes.fusible_qdq_pools import fusible_qdq_pools
 from .passes.gather_int4_table import gather_int4_tables
 from .passes.gather_int8_table import gather_int8_tables
 from .passes.gemm_to_qgemm import gemm_to_qgemm
+from .passes.int32_bias import fold_int32_biases
 from .passes.int8_passthrough import int8_passthrough
 from .passes.matmul_nbits import matmul_to_nbits
 from .passes.minmax_to_clip import minmax_to_clip
@@ -59,6 +62,7 @@ from .passes.uint8_weights import uint8_weights
 from .passes.unary_to_table import unary_to_table
 from .passes.weight_reshape import fold_weight_reshapes
 from .passes.weight_transpose import fold_weight_transposes
+from .passes.weight_zero_points import weights_to_int8
 from .passes.zero_channel_scales import zero_channel_scales
 
 Pass = Callable[..., int]
@@ -87,10 +91,8 @@ class Step:
 
 
 PIPELINE: tuple[Step, ...] = (
-    Step((constants_to_initializers, remove_identities, fold_constants, minmax_to_clip, fold_weight_reshapes,
-          fold_weight_transposes,
-          fold_pads_into_convs,
-          gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales)),
+    Step((constants_to_initializers, remove_identities, fold_constants, fold_int32_biases, weights_to_int8,
+          minmax_to_clip, fold_weight_reshapes, fold_weight_transposes, fold_pads_into_convs, gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales)),
     Step((thin_heads,), when=lambda o: o.thin),
     Step((thin_channels,), when=lambda o: o.thin, args=lambda o: (o.channel_block,)),
     Step((scalar_activation_qparams, activations_to_uint8, remove_redundant_qdq, remove_noop_clamps)),

@@ -25,6 +25,9 @@ def quantized_bias(g: Graph, node: Node, x: QTensor, w: QWeight, index: int | No
     bias = g.const(node.inputs[index])
     if bias is None:
         return None
+    if not np.isfinite(bias).all():
+        findings.kept_float[node.name] = (node.op_type, "its bias holds NaN or inf")
+        return None
     scale = scalar(g, x.scale) * w.scale.astype(np.float64).reshape(-1)
     steps = np.asarray(bias, np.float64).reshape(-1) / scale
     values = np.round(steps)

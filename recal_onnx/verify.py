@@ -26,9 +26,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import onnx
 
-_NP_TYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.DOUBLE: np.float64,
-             onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32, onnx.TensorProto.UINT8: np.uint8,
-             onnx.TensorProto.INT8: np.int8, onnx.TensorProto.FLOAT16: np.float16, onnx.TensorProto.BOOL: np.bool_}
+from .verify_inputs import batched_inputs, fixed_batch, generated_inputs, integer_ranges  # noqa: F401 (re-exported)
+
 
 
 STEPS = 3  # the end-to-end tolerance for a quantized or integer output, in its quantization steps
@@ -185,60 +184,14 @@ def reference_session(model: onnx.ModelProto | str):
     return session(model, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
 
 
-def integer_ranges(model: onnx.ModelProto) -> dict[str, int]:
-    """Per integer graph input that indexes a table (``Gather``'s indices, directly or through a ``Cast``,
-    ``Reshape``, ``Unsqueeze``, ``Squeeze`` or ``Identity``): the table's size along the gathered axis."""
-    shapes = {t.name: list(t.dims) for t in model.graph.initializer}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in model.graph.node:  # graph order: a (quantized) table's DequantizeLinear comes before its Gather
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
-        if node.op_type in ("DequantizeLinear", "Identity", "Cast") and node.input and node.input[0] in shapes:
-            shapes[node.output[0]] = shapes[node.input[0]]
-    ranges = {}
-    for info in model.graph.input:
-        stack, seen = [info.name], set()
-        while stack:
-            name = stack.pop()
-            if name in seen:
-                continue
-            seen.add(name)
-            for node in consumers.get(name, []):
-                if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] == name \
-                        and node.input[0] in shapes:
-                    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-                    table = shapes[node.input[0]]
-                    size = table[axis % len(table)] if table else 0
-                    ranges[info.name] = min(ranges.get(info.name, size), size)
-                elif node.op_type in ("Cast", "Reshape", "Unsqueeze", "Squeeze", "Identity") and node.input[0] == name:
-                    stack.extend(node.output)
-    return ranges
+class NonFiniteReference(ValueError):
+    """The model being verified against gives no finite value on some output: a defect of that model, not of a
+    conversion (nothing can be compared with it)."""
 
-
-def generated_inputs(model: onnx.ModelProto, batch: int = 256, seed: int = 0) -> dict[str, np.ndarray]:
-    """Standard-normal float inputs; symbolic dims become ``batch``/1. Integer inputs: uniform over the table
-    they index (a ``Gather``'s size: token ids cover the vocabulary), ones for an input named like a mask
-    (attention masks), otherwise {0, 1}."""
-    rng = np.random.default_rng(seed)
-    initializers = {t.name for t in model.graph.initializer}
-    ranges = integer_ranges(model)
-    feeds = {}
-    for info in model.graph.input:
-        if info.name in initializers:
-            continue
-        tensor = info.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else (batch if i == 0 else 1)
-                for i, d in enumerate(tensor.shape.dim)]
-        dtype = _NP_TYPES.get(tensor.elem_type, np.float32)
-        if np.issubdtype(dtype, np.floating):
-            feeds[info.name] = rng.standard_normal(dims).astype(dtype)
-        elif info.name in ranges and ranges[info.name] > 0:
-            feeds[info.name] = rng.integers(0, ranges[info.name], dims).astype(dtype)
-        elif "mask" in info.name.lower():
-            feeds[info.name] = np.ones(dims, dtype)
-        else:
-            feeds[info.name] = rng.integers(0, 2, dims).astype(dtype)
-    return feeds
+    def __init__(self, outputs: list[str]):
+        self.outputs = outputs
+        super().__init__(f"the input model's output(s) {', '.join(map(repr, outputs))} are NaN or infinite on every "
+                         "verification input")
 
 
 def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
@@ -258,19 +211,22 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
         noise: where only the end-to-end default fails and the op-by-op check is clean, measure the QAT model's own
             rounding noise (:func:`rounding_noise`), which the default then accepts."""
     feeds = inputs if inputs is not None else generated_inputs(candidate)
-    batched = _batched_inputs(candidate)
+    batched, fixed = batched_inputs(candidate), fixed_batch(candidate)
     producers = {o: n.op_type for n in candidate.graph.node for o in n.output}
     names = [o.name for o in candidate.graph.output]
     steps = output_steps or {}
     stats = [_OutputStats() for _ in names]
     runners = reference_session(reference), session(candidate)  # the converted model must load with defaults
     samples, per_sample = 0, 0
-    for ref, got in _paired_chunks(runners, feeds, batched):
+    for ref, got in _paired_chunks(runners, feeds, batched, fixed):
         samples += int(ref[0].shape[0]) if ref and ref[0].ndim else 1
         per_sample = max(per_sample, sum(r.nbytes + g.nbytes for r, g in zip(ref, got)) // max(
             int(ref[0].shape[0]) if ref and ref[0].ndim else 1, 1))
         for stat, r, g in zip(stats, ref, got):
             stat.add(r, g)
+    dead = [name for s, name in zip(stats, names) if s.count and s.nonfinite == s.count]
+    if dead:
+        raise NonFiniteReference(dead)
     outputs = tuple(s.diff(name, producers.get(name, ""), steps.get(name, output_step))
                     for s, name in zip(stats, names))
     diff = max((o.max_abs_diff for o in outputs if o.kind != "class ids"), default=0.0)
@@ -287,14 +243,14 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
     result = op_by_op(copy, candidate, feeds, result, thinned or {}, per_sample)
     failing = [o for o in result.outputs if o.problem(None, None)]
     if noise and result.clean_op_by_op and failing and all(o.kind != "class ids" for o in failing):
-        own = rounding_noise(copy, feeds, batched)
+        own = rounding_noise(copy, feeds, batched, fixed=fixed)
         result = replace(result, outputs=tuple(replace(o, noise=own.get(o.name)) if o.kind != "class ids" else o
                                                for o in result.outputs))
     return result
 
 
 def rounding_noise(reference: onnx.ModelProto | str, feeds: dict[str, np.ndarray], batched: set[str],
-                   patterns: int = NOISE_PATTERNS) -> dict[str, float]:
+                   patterns: int = NOISE_PATTERNS, fixed: int | None = None) -> dict[str, float]:
     """Per float or integer output, how far the QAT model's own outputs move when the input of each activation
     quantizer (a QuantizeLinear that reads a computed tensor, not a weight) moves by :data:`NUDGE` of itself, up or
     down (random per quantizer, ``patterns`` seeded draws): the most, over the draws, of the max abs difference.
@@ -308,7 +264,7 @@ def rounding_noise(reference: onnx.ModelProto | str, feeds: dict[str, np.ndarray
     names = [o.name for o in reference.graph.output]
     worst: dict[str, float] = {}
     runners = (reference_session(reference), *(reference_session(_nudged(reference, s)) for s in range(patterns)))
-    for plain, *nudged in _paired_chunks(runners, feeds, batched):  # the plain model once for every draw
+    for plain, *nudged in _paired_chunks(runners, feeds, batched, fixed):  # the plain model once for every draw
         for got in nudged:
             for name, r, g in zip(names, plain, got):
                 if r.shape == g.shape and r.size and (np.issubdtype(r.dtype, np.floating) or r.dtype.itemsize < 4):
@@ -360,7 +316,7 @@ class _OutputStats:
     def __init__(self):
         self.mismatch = False
         self.max_diff, self.low, self.high = 0.0, math.inf, -math.inf
-        self.equal = self.count = 0
+        self.equal = self.count = self.nonfinite = 0
         self.argmax_agree = self.argmax_rows = 0
         self.dtype: np.dtype | None = None
         self.kept: list[np.ndarray] = []
@@ -372,9 +328,18 @@ class _OutputStats:
             self.mismatch = True
             return
         diff = np.abs(ref.astype(np.float64) - got.astype(np.float64)).reshape(-1)
+        finite = np.isfinite(ref).reshape(-1) if np.issubdtype(ref.dtype, np.floating) else None
+        if finite is not None and not finite.all():  # NaN where both are NaN, the same inf: equal; else inf apart
+            self.nonfinite += int(np.count_nonzero(~finite))
+            r, g = ref.reshape(-1), got.reshape(-1)
+            same = (np.isnan(r) & np.isnan(g)) | (~np.isnan(r) & (r == g))
+            diff = np.where(same, 0.0, np.where(np.isnan(diff), np.inf, diff))
+        elif np.issubdtype(got.dtype, np.floating):
+            diff = np.where(np.isnan(diff), np.inf, diff)  # a NaN the reference does not have is a difference
         self.max_diff = max(self.max_diff, float(diff.max(initial=0.0)))
-        if ref.size:
-            self.low, self.high = min(self.low, float(ref.min())), max(self.high, float(ref.max()))
+        values = ref.reshape(-1)[finite] if finite is not None else ref
+        if values.size:
+            self.low, self.high = min(self.low, float(values.min())), max(self.high, float(values.max()))
         self.equal += int(np.count_nonzero(ref == got))
         self.count += int(ref.size)
         if ref.ndim == 2 and ref.shape[1] > 1:
@@ -404,19 +369,16 @@ class _OutputStats:
         return OutputDiff(name, "float", self.max_diff, span, step=step)
 
 
-def _batched_inputs(model: onnx.ModelProto) -> set[str]:
-    """The inputs whose first dimension is not fixed (a batch the verification may split)."""
-    return {i.name for i in model.graph.input if i.type.tensor_type.shape.dim
-            and not i.type.tensor_type.shape.dim[0].HasField("dim_value")}
-
-
-def _paired_chunks(runners, feeds: dict[str, np.ndarray], batched: set[str]):
+def _paired_chunks(runners, feeds: dict[str, np.ndarray], batched: set[str], fixed: int | None = None):
     """Both models' outputs on the same samples, a chunk at a time: the first sample alone (to measure what one
     costs), then as many as fit :data:`MEMORY` (at most :data:`CHUNK`), so memory stays bounded whatever the
-    output size (a language model's logits over its vocabulary). One run where the batch is fixed, or an output
-    does not follow it."""
+    output size (a language model's logits over its vocabulary). A ``fixed`` batch runs one batch at a time
+    (feeds of several batches stacked); one run where an output does not follow the batch."""
     sizes = {np.shape(v)[0] if np.ndim(v) else -1 for v in feeds.values()}
     total = next(iter(sizes)) if len(sizes) == 1 else -1
+    if fixed and feeds and total > fixed and total % fixed == 0 and not set(feeds) & batched:
+        yield from _fixed_chunks(runners, feeds, fixed, total)
+        return
     if not feeds or set(feeds) - batched or total <= 1:
         yield tuple(r.run(None, feeds) for r in runners)
         return
@@ -437,6 +399,27 @@ def _paired_chunks(runners, feeds: dict[str, np.ndarray], batched: set[str]):
         start += rows
 
 
+def _fixed_chunks(runners, feeds: dict[str, np.ndarray], fixed: int, total: int):
+    """:func:`_paired_chunks` for a model whose batch is fixed: ``total / fixed`` runs of one batch each; only the
+    first where an output does not follow the batch (it would be counted once per run)."""
+    for start in range(0, total, fixed):
+        outs = tuple(r.run(None, {k: v[start:start + fixed] for k, v in feeds.items()}) for r in runners)
+        yield outs
+        if start == 0 and any(np.ndim(o) == 0 or np.shape(o)[0] != fixed for out in outs for o in out):
+            return
+
+
+def run_batches(sess, feeds: dict[str, np.ndarray], fixed: int | None) -> list[np.ndarray]:
+    """``sess`` on ``feeds``, one fixed batch at a time where ``fixed`` splits them, outputs concatenated."""
+    total = {np.shape(v)[0] if np.ndim(v) else -1 for v in feeds.values()}
+    if not fixed or len(total) != 1 or (n := total.pop()) <= fixed or n % fixed:
+        return sess.run(None, feeds)
+    parts = [sess.run(None, {k: v[s:s + fixed] for k, v in feeds.items()}) for s in range(0, n, fixed)]
+    if any(np.ndim(o) == 0 or np.shape(o)[0] != fixed for o in parts[0]):
+        return parts[0]  # an output that does not follow the batch: the first batch's alone
+    return [np.concatenate(outs) for outs in zip(*parts)]
+
+
 def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
@@ -453,19 +436,23 @@ def op_by_op(reference: onnx.ModelProto | str, candidate: onnx.ModelProto, feeds
     reference = _copyable(reference)
     if reference is None or candidate.ByteSize() > LOCAL_MAX_BYTES:
         return result
-    batched = _batched_inputs(candidate)
+    batched, fixed = batched_inputs(candidate), fixed_batch(candidate)
     local = int(max(1, min(LOCAL_SAMPLES, MEMORY // max(per_sample, 1))))
-    feeds = {k: v[:local] if k in batched else v for k, v in feeds.items()}  # a fixed batch stays whole
+    if fixed:  # whole fixed batches, as many as make ``local`` samples (at least one)
+        local = max(local // fixed, 1) * fixed
+        feeds = {k: v[:local] for k, v in feeds.items()}
+    else:
+        feeds = {k: v[:local] if k in batched else v for k, v in feeds.items()}
     produced = {o for n in candidate.graph.node for o in n.output} - {o.name for o in candidate.graph.output}
     names = [n.output[0] for n in reference.graph.node if n.op_type == "QuantizeLinear" and n.output[0] in produced]
     outputs = len(candidate.graph.output)
-    ref_values = reference_session(_with_outputs(reference, names)).run(None, feeds)
+    ref_values = run_batches(reference_session(_with_outputs(reference, names)), feeds, fixed)
     ref_outputs, ref = ref_values[:outputs], dict(zip(names, ref_values[outputs:]))
     for name, kept in thinned.items():
         if name in ref and ref[name].ndim > 1 and ref[name].shape[1] > kept.max(initial=-1):
             ref[name] = np.take(ref[name], kept, axis=1)
     probe = _with_outputs(candidate, names)  # its own values first (their types and shapes), then forced
-    own = dict(zip(names, session(probe).run(None, feeds)[outputs:]))
+    own = dict(zip(names, run_batches(session(probe), feeds, fixed)[outputs:]))
     given = {}  # the QAT model's values on the candidate's grid (int8 activations became uint8: +128)
     for name in names:
         mine, theirs = own[name], ref[name]
@@ -484,7 +471,7 @@ def op_by_op(reference: onnx.ModelProto | str, candidate: onnx.ModelProto, feeds
                 node.input[i] = name + "__qat"
     probe.graph.input.extend(onnx.helper.make_tensor_value_info(n + "__qat", onnx.helper.np_dtype_to_tensor_dtype(
         v.dtype), None) for n, v in given.items())
-    got = session(probe).run(None, {**feeds, **{n + "__qat": v for n, v in given.items()}})
+    got = run_batches(session(probe), {**feeds, **{n + "__qat": v for n, v in given.items()}}, fixed)
     steps, differing, compared = {}, 0, 0
     for name, value in zip(names, got[outputs:]):
         if name in given:

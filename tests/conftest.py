@@ -12,6 +12,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # parallel regions, on the core the other worker needs: idle threads sleep instead (tests/zoo/test_cnns.py on
     # 2 workers: 84.3 s spinning, 51.7 s passive).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# TensorFlow fixes its thread count when it starts, and the count decides the order of its sums, so the weights a
+# Keras test trains: one thread in every run, so that a test run alone trains the model `make test` trains (a Keras
+# MobileNetV2 trained on 2 threads and on 1 differed enough to pass alone and fail under `make test`).
+for _name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
+    os.environ.setdefault(_name, "1")
 from pathlib import Path
 
 import pytest

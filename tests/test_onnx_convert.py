@@ -68,7 +68,11 @@ def test_recal_torch_exports_convert(recal_qat_model, tmp_path, dynamo, fmt):
     int8_bytes = sum(t.ByteSize() for t in onnx.load(str(result.path)).graph.initializer)
     float_bytes = sum(p.numel() * 4 for p in SmallCNN().parameters())
     assert int8_bytes < 0.6 * float_bytes  # tiny model: scales and biases weigh in; the benchmark measures size
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["int8.onnx", "qat.onnx"]
+    # 8-bit weights: beside the int8 model, its twin for x86 without VNNI (target any)
+    assert result.avx2_path == tmp_path / "int8.x86-avx2.onnx" and "int8.x86-avx2.onnx" in result.weights_note
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["int8.onnx", "int8.x86-avx2.onnx", "qat.onnx"]
+    assert any(t.data_type == onnx.TensorProto.UINT8 and "_u8" in t.name  # weights shifted to uint8
+               for t in onnx.load(str(result.avx2_path)).graph.initializer)
 
 
 def _weight_dtypes(model):
@@ -79,12 +83,13 @@ def _weight_dtypes(model):
 
 
 @pytest.mark.parametrize("target, weight_type, expected", [
-    ("any", "auto", {"uint8"}), ("x86-avx2", "auto", {"uint8"}), ("x86-vnni", "auto", {"int8"}),
+    ("any", "auto", {"int8"}), ("x86-avx2", "auto", {"uint8"}), ("x86-vnni", "auto", {"int8"}),
     ("arm64", "auto", {"int8"}), ("x86-vnni", "uint8", {"uint8"}), ("any", "int8", {"int8"})])
 def test_the_target_decides_the_weights_not_the_converting_cpu(recal_qat_model, tmp_path, monkeypatch, target,
                                                                weight_type, expected):
     """8-bit QAT weights reach +-127: int8 for targets that compute them exactly (VNNI / AMX / Arm), uint8 beyond +-64
-    for the others; the same file on a CPU with or without VNNI. Verification runs what the target computes."""
+    for x86 without VNNI, both files for the default ``any``; the same files on a CPU with or without VNNI.
+    Verification runs what the target computes (on a CPU without VNNI, the default's twin)."""
     import recal_onnx.cpu as cpu
     import recal_onnx.passes.uint8_weights as uint8_pass
     import recal_onnx.targets as targets
@@ -100,9 +105,16 @@ def test_the_target_decides_the_weights_not_the_converting_cpu(recal_qat_model, 
                                      verify=really_exact or not exact_here)
         assert result.target == target and result.weight_type == ("int8" if expected == {"int8"} else "uint8")
         assert _weight_dtypes(onnx.load(str(out))) == expected
-        assert ("uint8" in result.weights_note) == (expected == {"uint8"}), result.weights_note
-        written[exact_here] = out.read_bytes()
-    assert written[False] == written[True]  # nothing about the file depends on the converting CPU
+        assert ("uint8" in result.weights_note) == (expected == {"uint8"} or result.avx2_path is not None)
+        twin = target == "any" and weight_type == "auto"
+        assert (result.avx2_path is not None) == twin, result.weights_note
+        if twin:  # which file for which CPU, in the result and in each file
+            assert "VNNI or AMX" in result.weights_note and out.with_name(out.stem + ".x86-avx2.onnx").is_file()
+            assert _weight_dtypes(onnx.load(str(result.avx2_path))) == {"uint8"}
+            assert "without VNNI" in onnx.load(str(result.avx2_path)).metadata_props[-1].value
+            assert ("this CPU's kind" in result.weights_note) == (not exact_here)
+        written[exact_here] = out.read_bytes() + (result.avx2_path.read_bytes() if twin else b"")
+    assert written[False] == written[True]  # nothing about the files depends on the converting CPU
     with pytest.raises(ValueError, match="weight_type must be one of"):
         quantize_qat_export(src, weight_type="int4")
     with pytest.raises(ValueError, match="target must be one of"):
@@ -282,7 +294,7 @@ def test_verification_streams_in_bounded_chunks_with_the_same_result(recal_qat_m
 
     real = verify._paired_chunks
     monkeypatch.setattr(verify, "_paired_chunks",
-                        lambda runners, f, batched: real([Counted(r) for r in runners], f, batched))
+                        lambda runners, f, batched, *a: real([Counted(r) for r in runners], f, batched, *a))
     chunked = quantize_qat_export(src, inputs=feeds).verification
     assert batches == [1, 1, 16, 16, 16, 16, 7, 7]  # the QAT model and the converted one, chunk by chunk
     batches.clear()

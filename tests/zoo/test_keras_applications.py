@@ -13,7 +13,9 @@ keras = pytest.importorskip("keras")
 pytest.importorskip("tf2onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from recal_onnx import quantize_qat_export  # noqa: E402
+import onnx  # noqa: E402
+
+from recal_onnx import quantize_qat_export, verify  # noqa: E402
 from recal_tf.keras import ScheduledModifierManager, export_onnx  # noqa: E402
 
 from ..onnx_graphs import run  # noqa: E402
@@ -32,6 +34,12 @@ def test_mobilenet_v2_prunes_trains_qat_and_runs_on_the_integers(tmp_path):
     keras.utils.set_random_seed(0)
     model = keras.applications.MobileNetV2((SIZE, SIZE, 3), alpha=0.35, weights=None, classes=10,
                                            classifier_activation=None)
+    # keras.applications' BatchNormalization keeps 0.999 of its moving statistics a step: after this test's 8 steps
+    # they are still the initial ones, inference normalizes with the wrong statistics and the logits collapse (1 to
+    # 9 distinct values over 256 inputs, one class, on 1 and 2 threads); a short run's momentum keeps them alive
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.BatchNormalization):
+            layer.momentum = 0.5
     manager = ScheduledModifierManager.from_yaml(RECIPE)
     optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
     qat, callbacks = manager.modify(model, optimizer, steps_per_epoch=STEPS)  # nothing left float: no warning
@@ -54,9 +62,20 @@ def test_mobilenet_v2_prunes_trains_qat_and_runs_on_the_integers(tmp_path):
     left = set(ops) - {"QLinearConv", "QLinearAdd", "QLinearGlobalAveragePool", "QGemm", "QuantizeLinear",
                        "DequantizeLinear", "Transpose", "Reshape", "Shape", "Gather", "Concat", "Cast", "Squeeze"}
     assert left <= {"Add"} and ops.count("Add") <= 1, left  # the classifier's bias, after tf2onnx's Reshape
-    step = float(np.diff(np.unique(expected)).min())
+    values = np.unique(expected)
+    if values.size < 16 or np.unique(expected.argmax(1)).size < 2:
+        pytest.fail(f"training collapsed: the Keras QAT model gives {values.size} distinct logits and "
+                    f"{np.unique(expected.argmax(1)).size} class(es) over 256 inputs, nothing to compare the int8 "
+                    "model with (its BatchNormalization statistics, learning rate or seed)")
+    step = float(np.diff(values).min())
     feeds = {result.model.graph.input[0].name: test}
+    # within 2 output steps of Keras or, beyond, within the QAT export's own rounding noise: Keras and onnxruntime
+    # sum in another order (trained on 2 threads, this model's int8 output is 3 steps from Keras's)
+    noise = None
     for level in (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
         got = run(result.model, feeds, level=level, as_written=True)[0]  # the int8 model as written
-        assert np.abs(got - expected).max() <= 2 * step + 1e-6
+        diff = float(np.abs(got - expected).max())
+        if diff > 2 * step + 1e-6 and noise is None:
+            noise = max(verify.rounding_noise(str(path), feeds, verify.batched_inputs(onnx.load(path))).values())
+        assert diff <= 2 * step + 1e-6 or diff <= noise, (diff, step, noise)
         assert (got.argmax(1) == expected.argmax(1)).mean() >= 0.99

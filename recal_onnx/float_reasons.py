@@ -1,0 +1,81 @@
+"""Why a node stayed float: the rule of the converter it failed, with the value that failed it.
+
+The converter's warning, ``ConversionResult.float_reasons`` and the CLI give every node left between a
+DequantizeLinear and a QuantizeLinear one reason, so a user knows what to change in the QAT model (or that the
+runtime has no integer kernel for it) instead of guessing. A pass that keeps a node float on purpose records its
+own reason in ``Findings.kept_float``; this module explains the rest from the graph as the passes left it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .graph import Graph, Node, input_of
+from .qdq import activation, weight
+
+WEIGHTED = {"Conv": 1, "Gemm": 1, "MatMul": 1, "ConvTranspose": 1}
+NO_INTEGER_KERNEL = {"ConvTranspose", "LayerNormalization", "Softmax", "Erf", "Gelu", "Div", "Pow", "Sqrt", "Exp",
+                     "Log", "Tanh", "ReduceMean", "ReduceSum", "InstanceNormalization", "GroupNormalization"}
+
+
+def display_name(node: Node, position: int) -> str:
+    """A node's name, or where its name is empty its op type and position in the graph (``Conv #12``)."""
+    return node.name or f"{node.op_type} #{position}"
+
+
+def float_reason(g: Graph, node: Node) -> str:
+    """One clause: why ``node`` has no integer form here."""
+    if node.op_type in WEIGHTED:
+        return _weighted_reason(g, node)
+    quantized_out = any(_quantized(g, c) for o in node.outputs for c in g.consumers(o))
+    floats = [i for i in node.inputs if i is not None and not g.is_const(i) and activation(g, i) is None]
+    if node.op_type in NO_INTEGER_KERNEL:
+        return f"onnxruntime has no integer kernel for {node.op_type}"
+    if floats:
+        source = g.producer(floats[0])
+        return (f"its input {floats[0].name!r} is float (made by {source.op_type if source else 'the graph input'}"
+                ", not a DequantizeLinear of an integer tensor)")
+    if not quantized_out:
+        return "its output is float (no QuantizeLinear of scalar scale reads it alone)"
+    return f"no integer form of {node.op_type} with these inputs and attributes in this converter"
+
+
+def _weighted_reason(g: Graph, node: Node) -> str:
+    x, w_value = input_of(node, 0), input_of(node, WEIGHTED[node.op_type])
+    if node.op_type == "ConvTranspose":
+        return "onnxruntime has no integer kernel for ConvTranspose"
+    source = g.producer(x)
+    if activation(g, x) is None:
+        if source is not None and source.op_type == "DequantizeLinear":
+            scale = g.const(input_of(source, 1))
+            if scale is not None and scale.size != 1:
+                return f"its input is quantized per channel ({scale.size} scales; the integer ops take one)"
+            return "its input's DequantizeLinear has a scale or zero point that is not a constant"
+        return (f"its input {x.name!r} is float (made by {source.op_type if source else 'the graph input'}, "
+                "not a DequantizeLinear of an integer tensor)")
+    w = weight(g, w_value)
+    if w is None:
+        maker = g.producer(w_value)
+        return (f"its weight is not a DequantizeLinear of a constant (made by "
+                f"{maker.op_type if maker else 'a graph input' if not g.is_const(w_value) else 'a float constant'})")
+    if w.q.dtype != np.int8 or np.any(w.zero_point != 0):
+        zps = np.unique(w.zero_point)
+        return (f"its weight is {w.q.dtype} with zero point {zps[0] if zps.size == 1 else f'{zps.min()}..{zps.max()}'}"
+                f", and its values minus the zero point do not fit int8 (the integer kernels take int8 with zero "
+                "point 0)")
+    if w.scale.size != 1 and w.scale.size != w.q.shape[w.axis]:
+        return f"its weight has {w.scale.size} scales along axis {w.axis} of shape {list(w.q.shape)}"
+    readers = [c for o in node.outputs for c in g.consumers(o)]
+    if not any(_quantized(g, c) for c in readers):
+        if node.op_type in ("MatMul", "Gemm"):
+            return "its output is float and its weight is not per output channel along the last axis"
+        return "its output is not quantized (no QuantizeLinear reads it, through at most a ReLU or Clip)"
+    return f"its weight's {w.scale.size} scales are not along its output channels (axis {w.axis})"
+
+
+def _quantized(g: Graph, node: Node) -> bool:
+    if node.op_type == "QuantizeLinear":
+        return True
+    if node.op_type in ("Relu", "Clip"):
+        return any(c.op_type == "QuantizeLinear" for o in node.outputs for c in g.consumers(o))
+    return False

@@ -1,0 +1,49 @@
+"""Constant weights with a zero point become symmetric int8, the same values: what the integer kernels take.
+
+``quantize_static(weight_type=QUInt8)``, recal's own ``format="qdq"`` output for AVX2 CPUs (uint8, zero point 128)
+and asymmetric weight quantizers write ``DequantizeLinear(w_uint8, s, zp)``. Where every ``w - zp`` fits int8 the
+weight means exactly ``DequantizeLinear(w - zp, s, 0)``; the later passes then treat it as any int8 weight (and
+:mod:`~recal_onnx.passes.uint8_weights` stores it back as uint8 where the target needs that).
+
+Before::  DequantizeLinear(w_uint8, s, zp)         -> Conv
+After::   DequantizeLinear((w - zp) as int8, s, 0) -> Conv
+
+A weight whose values minus its zero point leave int8 (an asymmetric 8-bit range) stays as it is, and its layer stays
+float with that reason (:mod:`recal_onnx.float_reasons`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..graph import Graph, attr, input_of, set_input
+
+
+def weights_to_int8(g: Graph) -> int:
+    count = 0
+    for node in g.each("DequantizeLinear"):
+        q, zero_point = g.const(node.inputs[0]), input_of(node, 2)
+        zp = g.const(zero_point)
+        if q is None or zp is None or q.dtype not in (np.uint8, np.int8) or not g.is_const(input_of(node, 1)):
+            continue
+        if q.dtype == np.int8 and not np.any(zp):
+            continue  # already symmetric int8
+        if attr(node, "block_size", 0):
+            continue
+        if zp.size != 1:
+            axis = attr(node, "axis", 1)
+            axis = axis + q.ndim if axis < 0 else axis
+            if not 0 <= axis < q.ndim or q.shape[axis] != zp.size:
+                continue
+            shape = [1] * q.ndim
+            shape[axis] = -1
+            zp_b = zp.reshape(shape)
+        else:
+            zp_b = zp.reshape(())
+        shifted = q.astype(np.int16) - zp_b.astype(np.int16)
+        if shifted.size and (shifted.min() < -128 or shifted.max() > 127):
+            continue
+        node.replace_input_with(0, g.add_const(node.inputs[0].name + "_s8", shifted.astype(np.int8)))
+        set_input(node, 2, g.add_const(zero_point.name + "_s8", np.zeros(zp.shape, np.int8)))
+        count += 1
+    return count

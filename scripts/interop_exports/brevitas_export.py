@@ -1,0 +1,30 @@
+"""Brevitas's documented flow at its defaults, into tests/fixtures/interop/brevitas-small-resnet.onnx.
+
+The float SmallResNet (``common.py``) is trained a few steps, prepared and quantized by Brevitas's graph mode
+(``preprocess_for_quantize`` + ``quantize``: 8-bit weights and activations, int32 biases), calibrated
+(``calibration_mode``), QAT-trained a few steps, and exported with ``export_onnx_qcdq`` (QuantizeLinear, Clip,
+DequantizeLinear) by its TorchScript path (its dynamo path refuses the int32 biases), batch fixed at 1. Run in a venv with ``torch==2.13.0`` installed first, then ``brevitas``:
+
+    python -m venv /tmp/venv_brevitas && /tmp/venv_brevitas/bin/pip install torch==2.13.0 && \\
+        /tmp/venv_brevitas/bin/pip install brevitas onnx onnxscript
+    /tmp/venv_brevitas/bin/python scripts/interop_exports/brevitas_export.py
+"""
+
+import torch
+from brevitas.export import export_onnx_qcdq
+from brevitas.graph.calibrate import calibration_mode
+from brevitas.graph.quantize import preprocess_for_quantize, quantize
+
+from common import FIXTURES, SIZE, SmallResNet, calibration, trained
+
+torch.manual_seed(0)
+model = trained(SmallResNet())
+quant = quantize(preprocess_for_quantize(model))
+with torch.no_grad(), calibration_mode(quant):
+    for x in calibration():
+        quant(x)
+quant = trained(quant, steps=10, seed=1)  # QAT
+FIXTURES.mkdir(parents=True, exist_ok=True)
+export_onnx_qcdq(quant, args=torch.randn(1, 3, SIZE, SIZE), export_path=str(FIXTURES / "brevitas-small-resnet.onnx"),
+                 opset_version=13, dynamo=False)  # its dynamo path refuses int32 biases, Brevitas's default
+print("wrote", FIXTURES / "brevitas-small-resnet.onnx")

@@ -1,0 +1,197 @@
+"""The QDQ forms other tools write, each on a tiny graph: int32 biases (``DequantizeLinear(int32, s_x * s_w)``), weights
+with a zero point (uint8, recal's own ``format="qdq"`` output), a fixed batch verified on the promised sample count,
+a QAT model that is itself not finite, every float node's reason; and onnxruntime's ``quantize_static`` exports of a
+small CNN, as the tool writes them."""
+
+import collections
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from recal_onnx import ModelError, UnconvertedOpsWarning, quantize_qat_export
+
+from .onnx_graphs import Builder, ops, reference, run
+
+X_SCALE, OUT_SCALE = 0.03, 0.02
+
+
+def _int32_bias(b, w_scale, n, per_channel, grid=1.0):
+    """``DequantizeLinear(int32, s_x * s_w * grid)``: a bias as quantize_static, Brevitas and AIMET write it."""
+    scale = (np.float32(X_SCALE) * np.asarray(w_scale, np.float32) * np.float32(grid)).astype(np.float32)
+    q = b.rng.integers(-3000, 3000, n).astype(np.int32)
+    return b.node("DequantizeLinear", [b.const(q, "bq"), b.const(scale if per_channel else scale.reshape(-1)[0], "bs")],
+                  **({"axis": 0} if per_channel else {}))
+
+
+def _weight_scale(b, w):
+    producer = next(n for n in b.nodes if n.output[0] == w)
+    return onnx.numpy_helper.to_array(next(t for t in b.inits if t.name == producer.input[1]))
+
+
+def _layer(op, per_channel, grid=1.0, batch=2):
+    b = Builder()
+    if op == "Conv":
+        x = b.qdq("x", X_SCALE, 128)
+        w = b.weight((4, 3, 3, 3), per_channel=per_channel)
+        y = b.node("Conv", [x, w, _int32_bias(b, _weight_scale(b, w), 4, per_channel, grid)], pads=[1, 1, 1, 1])
+        shape = [batch, 3, 6, 6]
+    else:
+        x = b.qdq("x", X_SCALE, 128)
+        w = b.weight((8, 4), axis=1, per_channel=per_channel)
+        bias = _int32_bias(b, _weight_scale(b, w), 4, per_channel, grid)
+        y = b.node("Gemm", [x, w, bias]) if op == "Gemm" else b.node("Add", [b.node("MatMul", [x, w]), bias])
+        shape = [batch, 8]
+    model = b.model([("x", shape)], [b.qdq(y, OUT_SCALE, 128)])
+    out = model.graph.output[0].type.tensor_type.shape  # as exporters declare it (onnxruntime's contrib QGemm has
+    out.dim.extend(onnx.TensorShapeProto.Dimension(dim_value=d) for d in shape[:1] + [4])  # no shape inference)
+    if op == "Conv":
+        out.dim.extend(onnx.TensorShapeProto.Dimension(dim_value=d) for d in (6, 6))
+    return model, shape
+
+
+@pytest.mark.parametrize("op", ["Conv", "Gemm", "MatMul"])
+@pytest.mark.parametrize("per_channel", [True, False], ids=["per-channel", "per-tensor"])
+def test_an_int32_bias_on_the_grid_converts_exactly(op, per_channel):
+    model, shape = _layer(op, per_channel)
+    feeds = {"x": np.random.default_rng(1).standard_normal(shape).astype(np.float32)}
+    result = quantize_qat_export(model, inputs=feeds)
+    assert op not in ops(result.model) and not result.float_nodes, ops(result.model)
+    assert not result.rounded_biases  # s_b is s_x * s_w: the int32 values as written
+    np.testing.assert_array_equal(run(result.model, feeds)[0], reference(model, feeds)[0])
+
+
+def test_an_int32_bias_on_another_grid_is_rounded_and_said():
+    model, shape = _layer("Conv", True, grid=0.5)
+    feeds = {"x": np.random.default_rng(1).standard_normal(shape).astype(np.float32)}
+    result = quantize_qat_export(model, inputs=feeds)
+    assert "QLinearConv" in ops(result.model) and result.rounded_biases
+    assert "rounded" in result.rounded_biases_note
+    assert np.abs(run(result.model, feeds)[0] - reference(model, feeds)[0]).max() <= OUT_SCALE + 1e-6
+
+
+def _uint8_weight_conv(zero_point, low, high):
+    b = Builder()
+    x = b.qdq("x", X_SCALE, 128)
+    q = b.rng.integers(low, high + 1, (4, 3, 3, 3)).astype(np.uint8)
+    w = b.node("DequantizeLinear", [b.const(q, "w"), b.const(np.float32(0.01), "ws"),
+                                    b.const(np.uint8(zero_point), "wz")])
+    return b.model([("x", [2, 3, 6, 6])], [b.qdq(b.node("Conv", [x, w], pads=[1, 1, 1, 1]), OUT_SCALE, 128)])
+
+
+@pytest.mark.parametrize("zero_point, low, high", [(128, 1, 255), (100, 0, 227)], ids=["zp128", "zp100"])
+def test_uint8_weights_with_a_zero_point_become_int8(zero_point, low, high):
+    model = _uint8_weight_conv(zero_point, low, high)
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 3, 6, 6)).astype(np.float32)}
+    result = quantize_qat_export(model, inputs=feeds)
+    assert "QLinearConv" in ops(result.model) and not result.float_nodes
+    np.testing.assert_array_equal(run(result.model, feeds)[0], reference(model, feeds)[0])
+
+
+def test_a_weight_whose_values_leave_int8_stays_float_and_says_why():
+    model = _uint8_weight_conv(10, 0, 255)  # 255 - 10 does not fit int8
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnconvertedOpsWarning)
+        result = quantize_qat_export(model)
+    (op, name), = result.float_nodes
+    assert op == "Conv" and "zero point 10" in result.float_reasons[name]
+    assert "zero point 10" in str(caught[0].message)
+
+
+def test_recals_own_qdq_output_converts_again(tmp_path):
+    model, shape = _layer("Conv", True)
+    feeds = {"x": np.random.default_rng(1).standard_normal(shape).astype(np.float32)}
+    qdq = quantize_qat_export(model, tmp_path / "qdq.onnx", format="qdq", weight_type="uint8", inputs=feeds)
+    assert any(t.data_type == TensorProto.UINT8 for t in qdq.model.graph.initializer)
+    again = quantize_qat_export(tmp_path / "qdq.onnx", inputs=feeds)
+    assert "QLinearConv" in ops(again.model) and not again.float_nodes
+
+
+def test_a_fixed_batch_is_verified_on_the_promised_sample_count():
+    model, _ = _layer("Conv", True, batch=1)
+    result = quantize_qat_export(model)
+    assert result.verification.samples == 256 and result.verification.local_tensors >= 1
+
+
+def test_a_qat_model_that_is_not_finite_is_refused_naming_its_constants():
+    model, _ = _layer("Gemm", True)
+    scale = next(t for t in model.graph.initializer if t.name.startswith("ws"))
+    scale.CopyFrom(onnx.numpy_helper.from_array(np.full(onnx.numpy_helper.to_array(scale).shape, np.nan, np.float32),
+                                                scale.name))
+    with pytest.raises(ModelError, match=f"scale that is NaN or infinite \\(initializer '{scale.name}'\\)"):
+        quantize_qat_export(model)
+    b = Builder()  # a NaN float bias: every output of the QAT model is NaN, compared with nothing
+    y = b.node("Gemm", [b.qdq("x", X_SCALE, 128), b.weight((8, 4), axis=1), b.const(np.full(4, np.nan, np.float32),
+                                                                                     "bias")])
+    model = b.model([("x", [2, 8])], [y])
+    with pytest.raises(ModelError, match="NaN or infinite on every verification input.*non-finite initializers: 'bias"), \
+            pytest.warns(UnconvertedOpsWarning, match="its bias holds NaN or inf"):
+        quantize_qat_export(model)
+
+
+def test_every_float_node_has_a_reason_and_unnamed_ones_a_position():
+    b = Builder()
+    x = b.qdq("x", X_SCALE, 128)
+    y = b.node("Cast", [b.node("Div", [x, b.qdq("x2", X_SCALE, 0)])], to=TensorProto.FLOAT)  # a float Div, a no-op Cast
+    model = b.model([("x", [2, 8]), ("x2", [2, 8])], [b.qdq(y, 0.1, 128)])
+    for node in model.graph.node:
+        node.name = ""
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always", UnconvertedOpsWarning)
+        result = quantize_qat_export(model)
+    (op, name), = result.float_nodes  # the Cast computes nothing: not listed
+    assert op == "Div" and name.startswith("Div #")
+    assert "no integer kernel for Div" in result.float_reasons[name]
+
+
+class SmallNet(torch.nn.Module):
+    """Two convs (one grouped) with a residual add, a pool and a classifier."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.Conv2d(16, 16, 3, padding=1, groups=4)
+        self.fc = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.conv1(x))
+        y = torch.relu(self.conv2(y)) + y
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(y, 1), 1))
+
+
+@pytest.mark.parametrize("activation, per_channel", [("QUInt8", True), ("QUInt8", False), ("QInt8", True)])
+def test_quantize_static_exports_convert_with_every_layer_integer(activation, per_channel, tmp_path):
+    """onnxruntime's quantize_static (QDQ) of a small CNN exported by torch.onnx with its fixed batch of 1: int32
+    biases, the residual add, every conv and the classifier integer; verified on 256 samples, op by op within a
+    step of the QDQ file run as written."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    torch.manual_seed(0)
+    net = SmallNet().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, torch.randn(1, 3, 8, 8), tmp_path / "fp32.onnx", dynamo=False, input_names=["input"])
+    rng = np.random.default_rng(0)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.items = iter([{"input": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)} for _ in range(8)])
+
+        def get_next(self):
+            return next(self.items, None)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize_static(str(tmp_path / "fp32.onnx"), str(tmp_path / "qdq.onnx"), Reader(), quant_format=QuantFormat.QDQ,
+                        activation_type=getattr(QuantType, activation), weight_type=QuantType.QInt8,
+                        per_channel=per_channel)
+    written = collections.Counter(ops(onnx.load(tmp_path / "qdq.onnx")))
+    assert written["DequantizeLinear"] > written["QuantizeLinear"]  # int32 biases among them
+    result = quantize_qat_export(tmp_path / "qdq.onnx", tmp_path / "int8.onnx")
+    kinds = collections.Counter(ops(result.model))
+    assert not {"Conv", "Gemm", "MatMul"} & set(kinds) and kinds["QLinearConv"] == 2 and kinds["QGemm"] == 1, kinds
+    assert not result.float_nodes, result.float_reasons
+    v = result.verification
+    assert v.samples >= 256 and v.local_steps <= 1 and v.local_tensors >= 3, v
