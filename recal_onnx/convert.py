@@ -413,7 +413,10 @@ def _check_input(model: onnx.ModelProto, name: str) -> None:
     foreign = sorted({(n.domain, n.op_type) for n in model.graph.node if n.domain not in KNOWN_DOMAINS})
     if foreign:
         listed = ", ".join(f"{op} ({domain})" for domain, op in foreign[:5])
-        raise ModelError(f"{name} has ops of custom domains, which onnxruntime cannot run: {listed}")
+        hint = ("; NNCF writes OpenVINO's FakeQuantize by default: for QuantizeLinear/DequantizeLinear, strip the "
+                "model (nncf.strip(model, example_input=x)) and export it with torch.onnx.export"
+                if any(op == "FakeQuantize" for _, op in foreign) else "")
+        raise ModelError(f"{name} has ops of custom domains, which onnxruntime cannot run: {listed}{hint}")
     if not any(n.op_type in QDQ_OPS for n in model.graph.node):
         raise ModelError(f"{name} is not a QAT model: it has no QuantizeLinear/DequantizeLinear nodes")
     _check_quantized_types(model, name)

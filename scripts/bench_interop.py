@@ -17,6 +17,8 @@ recal's default output (int8 weights) and, where written, its twin for x86 witho
 +-64). The CPU is named: which file is fast depends on it.
 
     python scripts/bench_interop.py [--quick] [--rounds 15] [--json docs/results/interop.json]
+
+``--json`` keeps the runs of other CPUs in that file and replaces this CPU's: docs/interop.md shows each.
 """
 
 from __future__ import annotations
@@ -53,9 +55,15 @@ class _Logits(torch.nn.Module):
 
 
 def hf_mobilenet_v2() -> torch.nn.Module:
+    """Hugging Face's MobileNetV2 at its default config, with torch's own initialisation: transformers draws its
+    BatchNorm scales near 0 and every activation of the random net vanishes (logits spanning 2e-22)."""
     import transformers
 
-    return _Logits(transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config()))
+    model = _Logits(transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config()))
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Conv2d, torch.nn.BatchNorm2d, torch.nn.Linear)):
+            module.reset_parameters()
+    return model
 
 
 FP32 = {"resnet18": lambda: ResNet18(1000), "hf-mobilenet-v2": hf_mobilenet_v2}
@@ -129,6 +137,22 @@ def row(label: str, qdq: Path, folder: Path, rounds: int) -> dict:
             "weights": result.weights_note}
 
 
+def table(data: dict) -> str:
+    """docs/interop.md's table: every run in ``data`` (one per CPU), each under the CPU it ran on."""
+    parts = []
+    for run in data["runs"]:
+        parts.append(f"{run['cpu']}; batch 1, 1 thread, median of {run['rounds']} interleaved rounds, "
+                     f"quantize_static rows at {run['size']}x{run['size']} (`python scripts/bench_interop.py "
+                     "--json docs/results/interop.json`)\n\n" + format_rows(run["rows"]))
+    return "\n\n".join(parts)
+
+
+def merged(path: Path, run: dict) -> dict:
+    """``path``'s runs with ``run`` replacing the one measured on the same CPU."""
+    runs = json.loads(path.read_text())["runs"] if path.exists() else []
+    return {"runs": [*(r for r in runs if r["cpu"] != run["cpu"]), run]}
+
+
 def format_rows(rows: list[dict]) -> str:
     lines = ["| QDQ file | layers | left float | verified on | op by op | argmax agreement | QDQ file (ms) | recal "
              "(ms) | x QDQ file | recal avx2 twin (ms) |", "|---" * 10 + "|"]
@@ -161,9 +185,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row(label, path, Path(tmp), rounds))
             print(format_rows(rows[-1:]).splitlines()[-1], flush=True)
     print(format_rows(rows))
-    if args.json:
-        args.json.write_text(json.dumps({"cpu": cpu.describe(), "size": size, "rounds": rounds, "rows": rows},
-                                        indent=1, default=str))
+    if args.json:  # one run per CPU: a run on another CPU is kept beside this one
+        run = {"cpu": cpu.describe(), "size": size, "rounds": rounds, "rows": rows}
+        args.json.write_text(json.dumps(merged(args.json, run), indent=1, default=str))
     return 0
 
 

@@ -212,7 +212,15 @@ def keras_applications() -> str:
     return table(_load("keras_applications.json"))
 
 
-TABLES = {"demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range, "zoo": zoo,
+def interop() -> str:
+    """Other tools' QDQ files converted, on each CPU measured (scripts/bench_interop.py)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_interop import table
+
+    return table(_load("interop.json"))
+
+
+TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range, "zoo": zoo,
           "transformers": transformers, "llm": llm,
           "thinning-transformers": thinning_transformers, "keras-applications": keras_applications,
           "keras-backends": keras_backends, "keras-backends-summary": keras_backends_summary}

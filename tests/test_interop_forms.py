@@ -5,6 +5,7 @@ small CNN, as the tool writes them."""
 
 import collections
 import warnings
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -195,3 +196,49 @@ def test_quantize_static_exports_convert_with_every_layer_integer(activation, pe
     assert not result.float_nodes, result.float_reasons
     v = result.verification
     assert v.samples >= 256 and v.local_steps <= 1 and v.local_tensors >= 3, v
+
+
+FIXTURES = sorted((Path(__file__).parent / "fixtures" / "interop").glob("*.onnx"))
+
+
+def _runtime_float_layers(path, tmp_path):
+    """The Conv / Gemm / MatMul onnxruntime's own QDQ fusion (extended level) leaves float in ``path``."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(tmp_path / "fused.onnx")
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return sum(op in ("Conv", "Gemm", "MatMul", "FusedConv") for op in ops(onnx.load(tmp_path / "fused.onnx")))
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
+def test_other_tools_exports_convert_with_every_layer_integer(path, tmp_path):
+    """Each committed export of another tool (``scripts/interop_exports/``: Brevitas's QCDQ with int32 biases,
+    NNCF's QDQ with its BatchNorms apart, ModelOpt's with only layer inputs quantized): every Conv / Gemm / MatMul
+    whose output a QuantizeLinear reads is integer (ModelOpt quantizes no residual add: the convs that feed one
+    stay float, each with that reason, as onnxruntime's own fusion leaves them); verified on 256 samples (their
+    batch is fixed at 1), op by op within a step of the file run as written, the file left as it was."""
+    before = path.read_bytes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnconvertedOpsWarning)
+        result = quantize_qat_export(path, tmp_path / "int8.onnx")
+    kinds = collections.Counter(ops(result.model))
+    left = kinds["Conv"] + kinds["Gemm"] + kinds["MatMul"]
+    assert left <= _runtime_float_layers(path, tmp_path), kinds  # never more float than onnxruntime's own fusion
+    assert kinds["QLinearConv"] + left >= 12 and (left == 0) == (not path.stem.startswith("modelopt")), kinds
+    assert all("not by one QuantizeLinear alone" in why for name, why in result.float_reasons.items()
+               if name.endswith("Conv")), result.float_reasons
+    v = result.verification
+    assert v.samples >= 256 and v.local_steps <= 1 and v.local_share <= 1e-3 and v.argmax_agreement >= 0.99, v
+    assert path.read_bytes() == before
+
+
+def test_nncfs_openvino_export_is_refused_with_the_way_to_qdq():
+    b = Builder()
+    y = b.node("FakeQuantize", ["x", b.const(np.float32(-1)), b.const(np.float32(1)), b.const(np.float32(-1)),
+                                b.const(np.float32(1))], domain="org.openvinotoolkit", levels=256)
+    model = b.model([("x", [1, 4])], [b.qdq(y, 0.1, 128)])
+    model.opset_import.append(helper.make_opsetid("org.openvinotoolkit", 1))
+    with pytest.raises(ModelError, match="FakeQuantize \\(org.openvinotoolkit\\).*nncf.strip"):
+        quantize_qat_export(model)

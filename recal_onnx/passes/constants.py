@@ -1,4 +1,5 @@
-"""Constant handling: Constant nodes become initializers, Identity nodes go, constant subgraphs fold.
+"""Constant handling: Constant nodes become initializers, Identity nodes (and Casts to the type they read) go,
+constant subgraphs fold.
 
 Before::  Constant -> X,  W -> Identity -> Y,  W -> Mul(c) -> QuantizeLinear(s, zp) -> DQ -> Conv
 After::   X (initializer), Y = W,              q_int8 (initializer) -> DQ -> Conv
@@ -38,16 +39,25 @@ def _becomes_const(g: Graph, out: Value, value: np.ndarray) -> None:
 
 
 def remove_identities(g: Graph) -> int:
-    """Identity nodes, and Concats of a single input (``torch.cat([x])``: DenseNet's first layer), go."""
+    """Identity nodes, Casts to the type they read (ModelOpt writes float-to-float ones on residual paths), and
+    Concats of a single input (``torch.cat([x])``: DenseNet's first layer), go."""
     count = 0
-    for node in g.each("Identity", "Concat"):
+    for node in g.each("Identity", "Concat", "Cast"):
         if node.op_type == "Concat" and len(node.inputs) != 1:
+            continue
+        if node.op_type == "Cast" and not _same_type_cast(node):
             continue
         if not node.outputs[0].is_graph_output():
             g.replace(node.outputs[0], node.inputs[0])
             g.remove(node)
             count += 1
     return count
+
+
+def _same_type_cast(node: Node) -> bool:
+    to, source = node.attributes.get("to"), node.inputs[0] if node.inputs else None
+    return (to is not None and source is not None and source.type is not None
+            and int(to.value) == int(source.type.dtype))
 
 
 def fold_constants(g: Graph) -> int:
