@@ -10,12 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 from typing import Sequence
 
 from recal_core.atomic import write_text_atomically
 from recal_core.errors import RecipeError, VerificationFailed
+from recal_core.input_gate import refuse_overwriting
 from recal_core.recipe import load_recipe, recipe_json_schema
+
 from .report import format_table, plot_schedule
 
 log = logging.getLogger(__name__)
@@ -23,6 +27,7 @@ log = logging.getLogger(__name__)
 EXIT_VERIFICATION_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -30,6 +35,7 @@ def _check(args: argparse.Namespace) -> int:
     schedule = recipe.bind(args.steps_per_epoch)
     print(format_table(schedule))
     if args.plot:
+        refuse_overwriting(args.plot, [args.recipe], "plot")
         path = plot_schedule(schedule, args.plot)
         print(f"wrote {path}")
     return 0
@@ -126,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # other libraries: warnings only
     for name in ("recal", "recal_core", "recal_torch", "recal_tf", "recal_onnx"):
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    previous = _on_sigterm_raise()
     try:
         return int(args.func(args) or 0)
     except RecipeError as exc:
@@ -137,10 +144,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except VerificationFailed as exc:
         _fail(args, str(exc))
         return EXIT_VERIFICATION_FAILED
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         kept = "; the last complete checkpoint is kept (continue with --resume)" if args.command == "train" else ""
-        _fail(args, f"interrupted{kept}")
-        return EXIT_INTERRUPTED
+        terminated = isinstance(exc, Terminated)
+        _fail(args, f"{'terminated (SIGTERM)' if terminated else 'interrupted'}{kept}")
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except ImportError as exc:
         name = getattr(exc, "name", None) or str(exc)
         _fail(args, f"needs the Python package {name!r}, which is not installed "
@@ -154,7 +162,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         _fail(args, f"internal error ({type(exc).__name__}: {exc}); run with -v for the traceback and please "
                     "report it")
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return EXIT_BAD_INPUT
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command runs: it ends as Ctrl-C does (temporaries removed, one line, an exit code)."""
+
+
+def _on_sigterm_raise():
+    """SIGTERM raises :class:`Terminated` (in the main thread; elsewhere nothing changes); the previous handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def _fail(args: argparse.Namespace, message: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from .errors import Location, Problem, RecipeError
+from .input_gate import InputFileError, read_bounded
 
 
 @dataclass
@@ -272,7 +273,10 @@ def read_recipe_text(source: str | os.PathLike) -> RecipeText:
             if size > MAX_RECIPE_BYTES:
                 raise RecipeError(Problem(Location(str(path)), f"the recipe file is {size:,} bytes",
                                           expected=f"a recipe of at most {MAX_RECIPE_BYTES:,} bytes"))
-            raw = path.read_bytes()
+            raw = read_bounded(path, MAX_RECIPE_BYTES, "recipe")  # a FIFO or a device refused, the limit counted
+        except InputFileError as exc:
+            raise RecipeError(Problem(Location(str(path)), str(exc).split(": ", 1)[-1],
+                                      expected=f"a regular file of at most {MAX_RECIPE_BYTES:,} bytes")) from None
         except FileNotFoundError:
             raise RecipeError(Problem(Location(str(path)), "recipe file not found")) from None
         except OSError as exc:

@@ -260,6 +260,9 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
             if differs:
                 raise VerificationError(f"the uint8-weight twin for x86 without VNNI differs from the verified int8 "
                                         f"model on output {differs!r}; nothing was written")
+        if result.verification.compared_nothing:
+            warnings.warn("the verification compared nothing end to end: every output is constant over its inputs "
+                          f"({result.verification}); give inputs= that make the outputs vary", UserWarning, stacklevel=3)
         if result.verification.within_noise:
             log.warning("quantize_qat_export: accepted beyond the default end-to-end tolerance, within the QAT "
                         "model's own rounding noise: %s", result.verification)
@@ -321,8 +324,8 @@ def _weights_note(choice: WeightChoice, saturating: int, shifted: int, twin: str
     if twin is not None:
         return (f"int8 weights, {saturating} layers beyond +-64: this model is exact and fast on x86 with VNNI or AMX "
                 f"and on Arm; on x86 without VNNI (AVX2) run {twin}, the same model with those layers' weights uint8, "
-                "exact there (target any; weights within +-64, as recal's reduce_range: true trains them, make one "
-                "file exact and fast everywhere)")
+                "exact there (target any; 7-bit weights, as recal's reduce_range: true trains them, make one file "
+                "exact and fast everywhere)")
     if shifted:
         return f"uint8 weights in {shifted} layers ({choice.why})"
     return f"int8 weights, {saturating} layers beyond +-64 ({choice.why}; they saturate on x86 without VNNI)"
@@ -392,7 +395,8 @@ def _tensors(graph: onnx.GraphProto):
 def _refuse_overwriting(target: Path, reads: set[Path]) -> None:
     """The output (and the external data file it may get) must be none of the files the input reads."""
     for candidate in (target, target.with_name(target.name + ".data")):
-        if candidate.resolve() in reads:
+        if candidate.resolve() in reads or (candidate.exists() and any(
+                read.exists() and os.path.samefile(candidate, read) for read in reads)):  # a hard link too
             raise ValueError(f"refusing to write {candidate}: the input model reads that file (the model or its "
                              "external data); choose another output path")
 

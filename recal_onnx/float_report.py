@@ -46,13 +46,16 @@ def float_compute(model: onnx.ModelProto, qdq: bool = False) -> dict[str, int]:
         if optimized is not None:
             return _float_nodes_by_dtype(optimized)
     types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.value_info, *model.graph.output]}
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
     counts: dict[str, int] = {}
+    # shape inference types nothing after onnxruntime's contrib ops (MatMulIntegerToFloat, QGemm): there the type
+    # is followed from integer sources instead
+    untyped = set(_float_nodes_by_dtype(model, names=True))
     for node in model.graph.node:
-        if node.op_type in QDQ_OPS or node.op_type in NO_ARITHMETIC:
+        if node.op_type in QDQ_OPS or node.op_type in NO_ARITHMETIC or not node.output:
             continue
-        if node.output and types.get(node.output[0]) in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
-                                                         onnx.TensorProto.BFLOAT16) \
-                and node.op_type not in INTEGER_TO_FLOAT:
+        known = types.get(node.output[0])
+        if (known in floats if known else node.output[0] in untyped) and node.op_type not in INTEGER_TO_FLOAT:
             counts[node.op_type] = counts.get(node.op_type, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
@@ -80,23 +83,34 @@ _INTEGER_OPS = INTEGER_TO_FLOAT | {"QuantizeLinear", "MatMulInteger", "ConvInteg
                                    "DynamicQuantizeMatMul", "QAttention", "QOrderedMatMul"}
 
 
-def _float_nodes_by_dtype(model: onnx.ModelProto) -> dict[str, int]:
-    """Per op type, the nodes of an optimized model that compute on float data: integer tensors are followed
-    from integer initializers, QuantizeLinear and QLinear* ops through data movement (what onnxruntime's
-    optimized model leaves untyped)."""
-    integer = {i.name for i in model.graph.initializer if i.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8,
-                                                                            onnx.TensorProto.INT32)}
+def _float_nodes_by_dtype(model: onnx.ModelProto, names: bool = False) -> dict[str, int] | list[str]:
+    """Per op type, the nodes of an optimized model that compute on float data (with ``names``: their first
+    outputs): integer tensors are followed from integer initializers and inputs, shape reads, QuantizeLinear and
+    QLinear* ops through data movement (what onnxruntime's optimized model leaves untyped)."""
+    integer_types = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT32, onnx.TensorProto.INT64,
+                     onnx.TensorProto.BOOL)
+    integer = {i.name for i in model.graph.initializer if i.data_type in integer_types}
+    integer |= {i.name for i in model.graph.input if i.type.tensor_type.elem_type in integer_types}
     counts: dict[str, int] = {}
+    found = []
     for node in model.graph.node:  # onnxruntime writes its optimized graph in topological order
         data = [i for i in node.input[:1] if i]
-        if node.op_type.startswith("QLinear") or node.op_type in _INTEGER_OPS or (
-                data and all(i in integer for i in data) and node.op_type not in QDQ_OPS):
+        if node.op_type.startswith("QLinear") or node.op_type in _INTEGER_OPS | SHAPE_READERS | {"ArgMax"} or (
+                data and all(i in integer for i in data) and node.op_type not in QDQ_OPS) or (
+                node.op_type == "Cast" and _casts_to_integer(node)):
             integer.update(o for o in node.output if node.op_type not in INTEGER_TO_FLOAT)
             continue
         if node.op_type in QDQ_OPS or node.op_type in NO_ARITHMETIC:
             continue
         counts[node.op_type] = counts.get(node.op_type, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+        found.extend(node.output[:1])
+    return found if names else dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def _casts_to_integer(node: onnx.NodeProto) -> bool:
+    to = next((a.i for a in node.attribute if a.name == "to"), None)
+    return to in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT32, onnx.TensorProto.INT64,
+                  onnx.TensorProto.BOOL)
 
 
 def module_paths(g: Graph) -> dict[str, str]:

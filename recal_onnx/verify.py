@@ -19,21 +19,18 @@ default also accepts what that nudge of the QAT model itself produces (:func:`ro
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
 
+from .output_diff import (CLASS_AGREEMENT, CLASS_ID_OPS, FLOAT_SHARE, STEPS,  # noqa: F401 (re-exported)
+                          OutputDiff, OutputStats, float_gap)
 from .verify_inputs import batched_inputs, fixed_batch, generated_inputs, integer_ranges  # noqa: F401 (re-exported)
 
 
 
-STEPS = 3  # the end-to-end tolerance for a quantized or integer output, in its quantization steps
-FLOAT_SHARE = 0.1  # ... for a float output: a share of its range
-CLASS_AGREEMENT = 0.95  # ... for class ids (ArgMax, TopK indices): the share that must agree
-CLASS_ID_OPS = {"ArgMax", "ArgMin", "TopK"}
 LOCAL_STEPS = 1  # op by op: an integer tensor may differ by one step (a value on a rounding boundary)
 LOCAL_FLOAT = 0.001  # op by op: a float output within 0.1% of its range (the ops after the last integer tensor)
 LOCAL_SHARE = 1e-3  # op by op: at most this share of the compared integer values may differ (by that one step)
@@ -42,43 +39,6 @@ NUDGE = 2.0 ** -20  # rounding_noise: the relative move of each activation quant
 NOISE_PATTERNS = 3  # ... and its seeded draws (each quantizer up or down)
 CHUNK = 16  # samples per onnxruntime run in the end-to-end comparison
 LOCAL_MAX_BYTES = 1_500_000_000  # above this a model is not copied for the op-by-op check (protobuf's 2 GB)
-
-
-@dataclass(frozen=True)
-class OutputDiff:
-    """One graph output compared end to end, in its own units."""
-
-    name: str
-    kind: str  # "float", "integer" (a quantized or integer tensor) or "class ids"
-    max_abs_diff: float
-    output_range: float
-    step: float = 0.0  # a float output written by a DequantizeLinear: its quantization step; an integer one: 1
-    agreement: float | None = None  # class ids: the share equal
-    noise: float | None = None  # the QAT model's own max abs difference under 8-ulp nudges (rounding_noise)
-
-    def problem(self, tolerance: float | None, min_agreement: float | None) -> str | None:
-        if self.kind == "class ids":
-            need = CLASS_AGREEMENT if min_agreement is None else min_agreement
-            if self.agreement is None or self.agreement < need:
-                return f"output {self.name!r} (class ids): {self.agreement} agree, fewer than {need}"
-            return None
-        if tolerance is not None:
-            limit = tolerance
-        elif self.step > 0:
-            limit = STEPS * self.step * (1 + 1e-6)
-        else:
-            limit = max(FLOAT_SHARE * self.output_range, 1e-4)
-        noise = ""
-        if tolerance is None and self.noise is not None:
-            limit = max(limit, self.noise * (1 + 1e-6))
-            noise = f", the QAT model's own rounding noise {self._in_steps(self.noise)}"
-        if np.isfinite(self.max_abs_diff) and self.max_abs_diff <= limit:
-            return None
-        return (f"output {self.name!r} ({self.kind}): max abs difference {self._in_steps(self.max_abs_diff)} > "
-                f"{limit:.4g}{noise}")
-
-    def _in_steps(self, value: float) -> str:
-        return f"{value:.4g} ({value / self.step:.2f} steps)" if self.step > 0 else f"{value:.4g}"
 
 
 @dataclass
@@ -95,6 +55,12 @@ class Verification:
     local_share: float | None = None  # op by op: the share of their values that differ
     median_abs_diff: float = 0.0  # end to end, of every output value
     outputs: tuple[OutputDiff, ...] = ()  # end to end, each graph output in its own units
+
+    @property
+    def compared_nothing(self) -> bool:
+        """Every float or integer output was constant over the inputs: the end-to-end check saw no variation."""
+        ranged = [o for o in self.outputs if o.kind in ("float", "integer")]
+        return bool(ranged) and all(o.output_range == 0 for o in ranged)
 
     @property
     def max_steps(self) -> float | None:
@@ -215,7 +181,7 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
     producers = {o: n.op_type for n in candidate.graph.node for o in n.output}
     names = [o.name for o in candidate.graph.output]
     steps = output_steps or {}
-    stats = [_OutputStats() for _ in names]
+    stats = [OutputStats() for _ in names]
     runners = reference_session(reference), session(candidate)  # the converted model must load with defaults
     samples, per_sample = 0, 0
     for ref, got in _paired_chunks(runners, feeds, batched, fixed):
@@ -231,7 +197,7 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
                     for s, name in zip(stats, names))
     diff = max((o.max_abs_diff for o in outputs if o.kind != "class ids"), default=0.0)
     span = max((o.output_range for o in outputs if o.kind != "class ids"), default=0.0)
-    first = stats[0] if stats else _OutputStats()
+    first = stats[0] if stats else OutputStats()
     agreement = first.argmax_agree / first.argmax_rows if first.argmax_rows else None
     sample = np.concatenate([s.sample() for s in stats]) if stats else np.zeros(0)
     median = float(np.median(sample)) if sample.size else 0.0
@@ -242,9 +208,10 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
         return result
     result = op_by_op(copy, candidate, feeds, result, thinned or {}, per_sample)
     failing = [o for o in result.outputs if o.problem(None, None)]
-    if noise and result.clean_op_by_op and failing and all(o.kind != "class ids" for o in failing):
+    if noise and result.clean_op_by_op and failing and all(o.kind not in ("class ids", "bool") for o in failing):
         own = rounding_noise(copy, feeds, batched, fixed=fixed)
-        result = replace(result, outputs=tuple(replace(o, noise=own.get(o.name)) if o.kind != "class ids" else o
+        ranged = ("float", "integer")
+        result = replace(result, outputs=tuple(replace(o, noise=own.get(o.name)) if o.kind in ranged else o
                                                for o in result.outputs))
     return result
 
@@ -307,68 +274,6 @@ def _nudged(model: onnx.ModelProto, seed: int) -> onnx.ModelProto:
 
 
 MEMORY = 256 * 2**20  # bytes of both models' outputs held at once in the end-to-end comparison
-MEDIAN_SAMPLE = 1_000_000  # differences kept per output for the median
-
-
-class _OutputStats:
-    """One graph output compared chunk by chunk: what the comparison needs, never the outputs themselves."""
-
-    def __init__(self):
-        self.mismatch = False
-        self.max_diff, self.low, self.high = 0.0, math.inf, -math.inf
-        self.equal = self.count = self.nonfinite = 0
-        self.argmax_agree = self.argmax_rows = 0
-        self.dtype: np.dtype | None = None
-        self.kept: list[np.ndarray] = []
-        self.kept_size = 0
-
-    def add(self, ref: np.ndarray, got: np.ndarray) -> None:
-        self.dtype = ref.dtype
-        if ref.shape != got.shape:
-            self.mismatch = True
-            return
-        diff = np.abs(ref.astype(np.float64) - got.astype(np.float64)).reshape(-1)
-        finite = np.isfinite(ref).reshape(-1) if np.issubdtype(ref.dtype, np.floating) else None
-        if finite is not None and not finite.all():  # NaN where both are NaN, the same inf: equal; else inf apart
-            self.nonfinite += int(np.count_nonzero(~finite))
-            r, g = ref.reshape(-1), got.reshape(-1)
-            same = (np.isnan(r) & np.isnan(g)) | (~np.isnan(r) & (r == g))
-            diff = np.where(same, 0.0, np.where(np.isnan(diff), np.inf, diff))
-        elif np.issubdtype(got.dtype, np.floating):
-            diff = np.where(np.isnan(diff), np.inf, diff)  # a NaN the reference does not have is a difference
-        self.max_diff = max(self.max_diff, float(diff.max(initial=0.0)))
-        values = ref.reshape(-1)[finite] if finite is not None else ref
-        if values.size:
-            self.low, self.high = min(self.low, float(values.min())), max(self.high, float(values.max()))
-        self.equal += int(np.count_nonzero(ref == got))
-        self.count += int(ref.size)
-        if ref.ndim == 2 and ref.shape[1] > 1:
-            self.argmax_agree += int(np.count_nonzero(ref.argmax(1) == got.argmax(1)))
-            self.argmax_rows += int(ref.shape[0])
-        room = MEDIAN_SAMPLE - self.kept_size
-        if room > 0 and diff.size:
-            stride = max(1, -(-diff.size // room))
-            self.kept.append(diff[::stride].copy())
-            self.kept_size += self.kept[-1].size
-
-    def sample(self) -> np.ndarray:
-        return np.concatenate(self.kept) if self.kept else np.zeros(0)
-
-    def diff(self, name: str, producer: str, step: float) -> OutputDiff:
-        """The output in its own units (see :class:`OutputDiff`)."""
-        dtype = self.dtype if self.dtype is not None else np.dtype(np.float32)
-        integer = np.issubdtype(dtype, np.integer)
-        if self.mismatch:
-            return OutputDiff(name, "integer" if integer else "float", math.inf, 0.0)
-        span = self.high - self.low if self.count else 0.0
-        if producer in CLASS_ID_OPS or (integer and dtype.itemsize >= 4 and producer != "QuantizeLinear"):
-            return OutputDiff(name, "class ids", self.max_diff, 0.0,
-                              agreement=self.equal / self.count if self.count else 1.0)
-        if integer or dtype == np.bool_:
-            return OutputDiff(name, "integer", self.max_diff, span, step=1.0)
-        return OutputDiff(name, "float", self.max_diff, span, step=step)
-
-
 def _paired_chunks(runners, feeds: dict[str, np.ndarray], batched: set[str], fixed: int | None = None):
     """Both models' outputs on the same samples, a chunk at a time: the first sample alone (to measure what one
     costs), then as many as fit :data:`MEMORY` (at most :data:`CHUNK`), so memory stays bounded whatever the
@@ -479,7 +384,8 @@ def op_by_op(reference: onnx.ModelProto | str, candidate: onnx.ModelProto, feeds
             steps[name] = int(diff.max(initial=0))
             differing, compared = differing + int(np.count_nonzero(diff)), compared + diff.size
     where = max(steps, key=steps.get)
-    floats = [float(np.max(np.abs(g.astype(np.float64) - r.astype(np.float64)))) / max(float(np.ptp(r)), 1e-12)
-              for g, r in zip(got, ref_outputs) if np.issubdtype(r.dtype, np.floating) and r.size]
+    floats = [float_gap(g, r) for g, r in zip(got, ref_outputs) if np.issubdtype(r.dtype, np.floating) and r.size]
     return replace(result, local_steps=steps[where], local_tensor=where, local_float=max(floats) if floats else None,
                    local_tensors=len(given), local_share=differing / max(compared, 1))
+
+

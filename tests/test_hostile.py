@@ -543,3 +543,44 @@ def test_a_torn_tensorflow_checkpoint_is_one_line_naming_it(tmp_path):
     fresh = tf.train.Checkpoint(v=tf.Variable(tf.zeros([64, 64])))
     with pytest.raises(ValueError, match=r"--resume: checkpoint .*model.ckpt-1 cannot be restored \(.*\): it is torn"):
         restore_checkpoint(lambda: fresh.read(prefix).assert_existing_objects_matched(), Path(prefix))
+
+
+def test_sigterm_ends_a_command_as_ctrl_c_does_with_one_line(tmp_path):
+    """SIGTERM (a scheduler's kill, a container's stop) gets the same clean end as Ctrl-C: one line, exit 143."""
+    code = ("import sys, time, recal_app.cli as cli\n"
+            "cli.load_recipe = lambda path: (print('ready', flush=True), time.sleep(60))\n"
+            "sys.exit(cli.main(['check', 'recipe.yaml']))")
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 143, stderr
+    assert stderr.strip().splitlines() == ["recal check: terminated (SIGTERM)"], stderr
+
+
+def test_a_recipe_that_is_a_fifo_a_device_or_a_folder_is_refused_at_once(tmp_path):
+    """A FIFO would block the reader forever and /dev/zero never end (its size says 0): neither is opened."""
+    fifo = tmp_path / "recipe.yaml"
+    os.mkfifo(fifo)
+    (tmp_path / "folder.yaml").mkdir()
+    for path, kind in ((fifo, "a FIFO"), (Path("/dev/zero"), "a device"), (tmp_path / "folder.yaml", "a directory")):
+        started = time.perf_counter()
+        with pytest.raises(RecipeError, match=f"the recipe is {kind}, not a regular file"):
+            load_recipe(str(path))
+        assert time.perf_counter() - started < 2
+
+
+def test_no_command_writes_over_its_input_however_spelled(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    shutil.copy(ROOT / "scripts" / "recipes" / "prune.yaml", recipe)
+    before = recipe.read_bytes()
+    os.link(recipe, tmp_path / "hard.yaml")
+    (tmp_path / "soft.yaml").symlink_to(recipe)
+    for spelling in (recipe, tmp_path / "hard.yaml", tmp_path / "soft.yaml", tmp_path / "." / "r.yaml"):
+        result = run_recal("check", str(recipe), "--plot", str(spelling))
+        assert result.returncode == 2 and "refusing to write the plot" in result.stderr, (spelling, result.stderr)
+    assert recipe.read_bytes() == before

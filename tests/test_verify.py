@@ -136,3 +136,37 @@ def test_cpu_exactness_script_runs_models_and_compares_two_machines_runs(tmp_pat
     saved["m.onnx|default"] = saved["m.onnx|default"] + np.eye(8, 512, dtype=np.float32)
     np.savez(tmp_path / "b.npz", **saved)
     assert "| m.onnx | default | 1 | 0.9980 |" in cpu_exactness.compare(tmp_path / "a.npz", tmp_path / "b.npz")
+
+
+def _unary(*ops, out_type=None):
+    """x -> ops in turn, the model's one output (bool where the last op makes one)."""
+    from onnx import TensorProto, helper
+
+    b = Builder()
+    y = "x"
+    for op, *extra in ops:
+        y = b.node(op, [y, *(b.const(np.float32(v)) for v in extra)])
+    model = b.model([("x", [4, 8])], [y])
+    if out_type is not None:
+        model.graph.output[0].CopyFrom(helper.make_tensor_value_info(y, out_type, None))
+    return model
+
+
+def test_bool_outputs_must_be_equal_and_nan_is_a_value():
+    from onnx import TensorProto
+
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    flipped = verify_models(_unary(("Greater", 0.0), out_type=TensorProto.BOOL),
+                            _unary(("Greater", 0.5), out_type=TensorProto.BOOL), feeds, noise=False)
+    assert "bools must be equal" in flipped.problem(None)  # 3 "steps" of a bool would let every value flip
+    same = verify_models(_unary(("Sqrt",)), _unary(("Sqrt",)), feeds, noise=False)  # NaN where x < 0, in both
+    assert same.problem(None) is None and same.max_abs_diff == 0
+    one_side = verify_models(_unary(("Sqrt",)), _unary(("Abs",), ("Sqrt",)), feeds, noise=False)
+    assert one_side.max_abs_diff == np.inf and "max abs difference inf" in one_side.problem(None)
+
+
+def test_outputs_constant_over_the_inputs_say_the_check_compared_nothing():
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    flat = verify_models(_unary(("Mul", 0.0)), _unary(("Mul", 0.0)), feeds, noise=False)
+    assert flat.compared_nothing and flat.problem(None) is None
+    assert not verify_models(_unary(("Mul", 2.0)), _unary(("Mul", 2.0)), feeds, noise=False).compared_nothing

@@ -3,10 +3,11 @@
 The float SmallResNet (``common.py``) is trained a few steps, prepared and quantized by Brevitas's graph mode
 (``preprocess_for_quantize`` + ``quantize``: 8-bit weights and activations, int32 biases), calibrated
 (``calibration_mode``), QAT-trained a few steps, and exported with ``export_onnx_qcdq`` (QuantizeLinear, Clip,
-DequantizeLinear) by its TorchScript path (its dynamo path refuses the int32 biases), batch fixed at 1. Run in a venv with ``torch==2.13.0`` installed first, then ``brevitas``:
+DequantizeLinear) by its TorchScript path (its dynamo path refuses the int32 biases), batch fixed at
+1. Run in a venv with ``torch==2.13.0`` installed first, then ``brevitas``:
 
     python -m venv /tmp/venv_brevitas && /tmp/venv_brevitas/bin/pip install torch==2.13.0 && \\
-        /tmp/venv_brevitas/bin/pip install brevitas onnx onnxscript
+        /tmp/venv_brevitas/bin/pip install brevitas onnx onnxscript onnxoptimizer
     /tmp/venv_brevitas/bin/python scripts/interop_exports/brevitas_export.py
 """
 

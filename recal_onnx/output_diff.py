@@ -1,0 +1,132 @@
+"""One graph output of two models compared end to end, in its own units: the running figures kept chunk by chunk
+(never the outputs themselves) and the verdict they give (:class:`OutputDiff`). NaN and inf are values: equal where
+both models give the same one, an infinite difference where only one does."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+STEPS = 3  # the end-to-end tolerance for a quantized or integer output, in its quantization steps
+FLOAT_SHARE = 0.1  # ... for a float output: a share of its range
+CLASS_AGREEMENT = 0.95  # ... for class ids (ArgMax, TopK indices): the share that must agree
+CLASS_ID_OPS = {"ArgMax", "ArgMin", "TopK"}
+MEDIAN_SAMPLE = 1_000_000  # differences kept per output for the median
+
+
+@dataclass(frozen=True)
+class OutputDiff:
+    """One graph output compared end to end, in its own units."""
+
+    name: str
+    kind: str  # "float", "integer" (a quantized or integer tensor), "class ids" or "bool" (must be equal)
+    max_abs_diff: float
+    output_range: float
+    step: float = 0.0  # a float output written by a DequantizeLinear: its quantization step; an integer one: 1
+    agreement: float | None = None  # class ids: the share equal
+    noise: float | None = None  # the QAT model's own max abs difference under 8-ulp nudges (rounding_noise)
+
+    def problem(self, tolerance: float | None, min_agreement: float | None) -> str | None:
+        if self.kind == "bool":  # a mask or a decision: no tolerance means anything but equal
+            if self.max_abs_diff == 0:
+                return None
+            differ = 1 - (self.agreement or 0)
+            return f"output {self.name!r} (bool): {differ:.2%} of its values differ; bools must be equal"
+        if self.kind == "class ids":
+            need = CLASS_AGREEMENT if min_agreement is None else min_agreement
+            if self.agreement is None or self.agreement < need:
+                return f"output {self.name!r} (class ids): {self.agreement} agree, fewer than {need}"
+            return None
+        if tolerance is not None:
+            limit = tolerance
+        elif self.step > 0:
+            limit = STEPS * self.step * (1 + 1e-6)
+        else:
+            limit = max(FLOAT_SHARE * self.output_range, 1e-4)
+        noise = ""
+        if tolerance is None and self.noise is not None:
+            limit = max(limit, self.noise * (1 + 1e-6))
+            noise = f", the QAT model's own rounding noise {self._in_steps(self.noise)}"
+        if np.isfinite(self.max_abs_diff) and self.max_abs_diff <= limit:
+            return None
+        return (f"output {self.name!r} ({self.kind}): max abs difference {self._in_steps(self.max_abs_diff)} > "
+                f"{limit:.4g}{noise}")
+
+    def _in_steps(self, value: float) -> str:
+        return f"{value:.4g} ({value / self.step:.2f} steps)" if self.step > 0 else f"{value:.4g}"
+
+
+
+
+class OutputStats:
+    """One graph output compared chunk by chunk: what the comparison needs, never the outputs themselves."""
+
+    def __init__(self):
+        self.mismatch = False
+        self.max_diff, self.low, self.high = 0.0, math.inf, -math.inf
+        self.equal = self.count = self.nonfinite = 0
+        self.argmax_agree = self.argmax_rows = 0
+        self.dtype: np.dtype | None = None
+        self.kept: list[np.ndarray] = []
+        self.kept_size = 0
+
+    def add(self, ref: np.ndarray, got: np.ndarray) -> None:
+        self.dtype = ref.dtype
+        if ref.shape != got.shape:
+            self.mismatch = True
+            return
+        diff = np.abs(ref.astype(np.float64) - got.astype(np.float64)).reshape(-1)
+        finite = np.isfinite(ref).reshape(-1) if np.issubdtype(ref.dtype, np.floating) else None
+        if finite is not None and not finite.all():  # NaN where both are NaN, the same inf: equal; else inf apart
+            self.nonfinite += int(np.count_nonzero(~finite))
+            r, g = ref.reshape(-1), got.reshape(-1)
+            same = (np.isnan(r) & np.isnan(g)) | (~np.isnan(r) & (r == g))
+            diff = np.where(same, 0.0, np.where(np.isnan(diff), np.inf, diff))
+        elif np.issubdtype(got.dtype, np.floating):
+            diff = np.where(np.isnan(diff), np.inf, diff)  # a NaN the reference does not have is a difference
+        self.max_diff = max(self.max_diff, float(diff.max(initial=0.0)))
+        values = ref.reshape(-1)[finite] if finite is not None else ref
+        if values.size:
+            self.low, self.high = min(self.low, float(values.min())), max(self.high, float(values.max()))
+        self.equal += int(np.count_nonzero(ref == got))
+        self.count += int(ref.size)
+        if ref.ndim == 2 and ref.shape[1] > 1:
+            self.argmax_agree += int(np.count_nonzero(ref.argmax(1) == got.argmax(1)))
+            self.argmax_rows += int(ref.shape[0])
+        room = MEDIAN_SAMPLE - self.kept_size
+        if room > 0 and diff.size:
+            stride = max(1, -(-diff.size // room))
+            self.kept.append(diff[::stride].copy())
+            self.kept_size += self.kept[-1].size
+
+    def sample(self) -> np.ndarray:
+        return np.concatenate(self.kept) if self.kept else np.zeros(0)
+
+    def diff(self, name: str, producer: str, step: float) -> OutputDiff:
+        """The output in its own units (see :class:`OutputDiff`)."""
+        dtype = self.dtype if self.dtype is not None else np.dtype(np.float32)
+        integer = np.issubdtype(dtype, np.integer)
+        if self.mismatch:
+            return OutputDiff(name, "integer" if integer else "float", math.inf, 0.0)
+        span = self.high - self.low if self.count else 0.0
+        if producer in CLASS_ID_OPS or (integer and dtype.itemsize >= 4 and producer != "QuantizeLinear"):
+            return OutputDiff(name, "class ids", self.max_diff, 0.0,
+                              agreement=self.equal / self.count if self.count else 1.0)
+        if dtype == np.bool_:
+            return OutputDiff(name, "bool", self.max_diff, 1.0, agreement=self.equal / self.count if self.count else 1.0)
+        if integer:
+            return OutputDiff(name, "integer", self.max_diff, span, step=1.0)
+        return OutputDiff(name, "float", self.max_diff, span, step=step)
+
+
+def float_gap(got: np.ndarray, ref: np.ndarray) -> float:
+    """The largest difference of a float output as a share of the reference's finite range: NaN where both are NaN
+    (and the same inf) is no difference; a NaN or inf on one side alone is an infinite one."""
+    got, ref = got.astype(np.float64), ref.astype(np.float64)
+    same = (np.isnan(got) & np.isnan(ref)) | (got == ref)
+    diff = np.where(same, 0.0, np.abs(got - ref))
+    finite = ref[np.isfinite(ref)]
+    span = float(np.ptp(finite)) if finite.size else 0.0
+    return float(np.nan_to_num(diff, nan=np.inf).max(initial=0.0)) / max(span, 1e-12)
