@@ -54,3 +54,16 @@ def trained(model: nn.Module, steps: int = 20, seed: int = 0) -> nn.Module:
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
     return model.eval()
+
+
+def export_torchscript(model: nn.Module, name: str, opset: int) -> None:
+    """``model`` by torch.onnx's TorchScript path (the one these tools document), batch fixed at 1, into
+    ``FIXTURES / name``."""
+    import warnings
+
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, torch.randn(1, 3, SIZE, SIZE), FIXTURES / name, dynamo=False, input_names=["input"],
+                          opset_version=opset)
+    print("wrote", FIXTURES / name)

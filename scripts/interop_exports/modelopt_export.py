@@ -11,12 +11,10 @@ installed first, then ModelOpt (which imports requests and huggingface_hub witho
     /tmp/venv_mo/bin/python scripts/interop_exports/modelopt_export.py
 """
 
-import warnings
-
 import modelopt.torch.quantization as mtq
 import torch
 
-from common import FIXTURES, SIZE, SmallResNet, calibration, trained
+from common import SmallResNet, calibration, export_torchscript, trained
 
 torch.manual_seed(0)
 model = trained(SmallResNet())
@@ -29,9 +27,4 @@ def forward_loop(m):
 
 
 quantized = trained(mtq.quantize(model, mtq.INT8_DEFAULT_CFG, forward_loop), steps=10, seed=1)  # QAT
-FIXTURES.mkdir(parents=True, exist_ok=True)
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    torch.onnx.export(quantized, torch.randn(1, 3, SIZE, SIZE), FIXTURES / "modelopt-small-resnet.onnx", dynamo=False,
-                      input_names=["input"], opset_version=17)
-print("wrote", FIXTURES / "modelopt-small-resnet.onnx")
+export_torchscript(quantized, "modelopt-small-resnet.onnx", opset=17)

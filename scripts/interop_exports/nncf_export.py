@@ -12,21 +12,14 @@ default OpenVINO export (``FakeQuantize``) is a custom-domain op that the conver
     /tmp/venv_nncf/bin/python scripts/interop_exports/nncf_export.py
 """
 
-import warnings
-
 import nncf
 import torch
 
-from common import FIXTURES, SIZE, SmallResNet, calibration, trained
+from common import SIZE, SmallResNet, calibration, export_torchscript, trained
 
 torch.manual_seed(0)
 model = trained(SmallResNet())
 quantized = nncf.quantize(model, nncf.Dataset(calibration()))
 quantized = trained(quantized, steps=10, seed=1)  # QAT
 stripped = nncf.strip(quantized, example_input=torch.randn(1, 3, SIZE, SIZE))
-FIXTURES.mkdir(parents=True, exist_ok=True)
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    torch.onnx.export(stripped, torch.randn(1, 3, SIZE, SIZE), FIXTURES / "nncf-small-resnet.onnx", dynamo=False,
-                      input_names=["input"], opset_version=13)
-print("wrote", FIXTURES / "nncf-small-resnet.onnx")
+export_torchscript(stripped, "nncf-small-resnet.onnx", opset=13)
