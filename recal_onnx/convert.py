@@ -78,6 +78,8 @@ class ConversionResult:
     weights_note: str = ""  # which weight form was written, and why, in one sentence
     # node name -> how far (in int32 steps, <= 0.5) its float bias was from the grid the int8 layer holds it on
     rounded_biases: dict[str, float] = field(default_factory=dict)
+    # node name -> its largest bias in int32 steps, where beyond 2^24 (no float32 bias lies on that grid)
+    coarse_biases: dict[str, float] = field(default_factory=dict)
     # node name (op type and position where it has none) of each node left float -> why, in one clause
     float_reasons: dict[str, str] = field(default_factory=dict)
     # target any, weights beyond +-64: the twin for x86 without VNNI (uint8 weights there), and where it was written
@@ -89,9 +91,15 @@ class ConversionResult:
         """What rounding another exporter's float biases means, in one clause ('' when none were rounded)."""
         if not self.rounded_biases:
             return ""
-        return (f"{len(self.rounded_biases)} float biases lay between the int32 steps their int8 layers hold (up to "
+        note = (f"{len(self.rounded_biases)} float biases lay between the int32 steps their int8 layers hold (up to "
                 f"{max(self.rounded_biases.values()):.2f} step) and were rounded: values near a rounding boundary can "
                 "differ by one step from the QAT model (recal's exporters write biases on the grid)")
+        if self.coarse_biases:
+            note += (f"; {len(self.coarse_biases)} of them are beyond 2^24 steps (up to "
+                     f"{max(self.coarse_biases.values()):.3g}), where no float32 bias lies on the grid: those layers' "
+                     "inputs are nearly dead (a tiny input scale), in the QAT model itself: check its initialisation "
+                     "or training")
+        return note
 
     @property
     def float_nodes(self) -> list[tuple[str, str]]:
@@ -230,7 +238,8 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
                               weight_type="uint8" if rewrites.get("uint8_weights") else "int8", target=choice.target,
                               weights_note=_weights_note(choice, saturating, rewrites.get("uint8_weights", 0),
                                                          twin_name if twin is not None else None),
-                              rounded_biases=dict(findings.rounded_biases), float_reasons=why)
+                              rounded_biases=dict(findings.rounded_biases), float_reasons=why,
+                              coarse_biases=dict(findings.coarse_biases))
     if result.float_ops:
         log.info("quantize_qat_export: computing in float (outside quantized tensors, by design, or listed above): "
                  "%s", ", ".join(f"{op} x{n}" for op, n in result.float_ops.items()))
@@ -349,6 +358,9 @@ def infer_shapes_in_place(model: onnx.ModelProto, check: bool = False) -> None:
         opset_imports=list(model.opset_import), ir_version=model.ir_version)
     inferred = onnx.shape_inference.infer_shapes(skeleton)
     if check:
+        for output in inferred.graph.output:  # declared without a shape, after a contrib op shape inference does not
+            if output.type.HasField("tensor_type") and not output.type.tensor_type.HasField("shape"):  # know: the
+                output.type.tensor_type.shape.SetInParent()  # checker wants the field (this copy only is checked)
         onnx.checker.check_model(inferred)
     del graph.value_info[:]
     graph.value_info.extend(inferred.graph.value_info)

@@ -9,7 +9,8 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
 1. constants and folds: ``constants_to_initializers``, ``remove_identities``, ``fold_constants`` (weights' Q becomes
    int8), ``fold_int32_biases`` (a ``DequantizeLinear(int32)`` bias: the float it means), ``weights_to_int8``
    (a weight with a zero point: symmetric int8 where its values fit), ``minmax_to_clip``
-   (jax2onnx's ``Max`` / ``Min`` by a constant: the Clip it is), ``fold_weight_reshapes``
+   (jax2onnx's ``Max`` / ``Min`` by a constant: the Clip it is), ``average_pool_windows`` (an AveragePool whose window
+   passes its input: what onnxruntime's integer kernel then means too), ``fold_weight_reshapes``
    and ``fold_weight_transposes`` (``DQ(w) -> Reshape / Transpose`` becomes
    ``DQ(reshaped / transposed w)``), ``fold_pads_into_convs``,
    ``gather_int4_tables``, ``gather_int8_tables``, ``fold_conv_affine`` (Div / Mul / Add / BatchNormalization after a conv into its weight
@@ -41,6 +42,7 @@ from .passes.concat_to_qlinear import concat_to_qlinear
 from .passes.constants import constants_to_initializers, fold_constants, remove_identities
 from .passes.conv_to_qlinearconv import conv_to_qlinearconv
 from .passes.affine_to_batchnorm import affine_to_batchnorm
+from .passes.average_pool_windows import average_pool_windows
 from .passes.batchnorm_to_conv import batchnorm_to_conv
 from .passes.fold_conv_affine import fold_conv_affine
 from .passes.fusible_qdq_pools import fusible_qdq_pools
@@ -92,7 +94,8 @@ class Step:
 
 PIPELINE: tuple[Step, ...] = (
     Step((constants_to_initializers, remove_identities, fold_constants, fold_int32_biases, weights_to_int8,
-          minmax_to_clip, fold_weight_reshapes, fold_weight_transposes, fold_pads_into_convs, gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales)),
+          minmax_to_clip, average_pool_windows, fold_weight_reshapes, fold_weight_transposes, fold_pads_into_convs,
+          gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales)),
     Step((thin_heads,), when=lambda o: o.thin),
     Step((thin_channels,), when=lambda o: o.thin, args=lambda o: (o.channel_block,)),
     Step((scalar_activation_qparams, activations_to_uint8, remove_redundant_qdq, remove_noop_clamps)),

@@ -13,6 +13,7 @@ from .graph import Graph, Node, Value, attr, input_of
 from .qdq import QTensor, QWeight, quantize_node_of, scalar
 
 OFF_GRID = 1e-3  # a bias further than this from a whole int32 step (in steps) is reported as rounded
+FLOAT32_EXACT = 2**24  # beyond this many steps a float32 bias cannot hold every whole step
 
 
 def quantized_bias(g: Graph, node: Node, x: QTensor, w: QWeight, index: int | None,
@@ -34,6 +35,8 @@ def quantized_bias(g: Graph, node: Node, x: QTensor, w: QWeight, index: int | No
     off = np.abs(steps - values)
     if np.any(off > OFF_GRID + 1e-6 * np.abs(steps)):  # beyond float32's rounding of an on-grid bias
         findings.rounded_biases[node.name] = float(off.max())  # recal's exporters write them on the grid; others do not
+        if np.abs(steps).max() >= FLOAT32_EXACT:  # no float32 bias lies on a grid this fine
+            findings.coarse_biases[node.name] = float(np.abs(steps).max())
     if np.abs(values).max(initial=0) > np.iinfo(np.int32).max:
         findings.kept_float[node.name] = (node.op_type, f"its bias is beyond int32 in steps of input scale x weight scale "
                                                  f"(input scale {scalar(g, x.scale):.3g})")

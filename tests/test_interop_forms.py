@@ -242,3 +242,37 @@ def test_nncfs_openvino_export_is_refused_with_the_way_to_qdq():
     model.opset_import.append(helper.make_opsetid("org.openvinotoolkit", 1))
     with pytest.raises(ModelError, match="FakeQuantize \\(org.openvinotoolkit\\).*nncf.strip"):
         quantize_qat_export(model)
+
+
+@pytest.mark.parametrize("spatial, global_pool", [(["h", "w"], False), ([3, 3], True)], ids=["dynamic", "static"])
+def test_an_average_pool_past_the_input_means_the_same_in_the_integer_kernel(spatial, global_pool):
+    """``nn.AvgPool2d(2560, ceil_mode=True)`` (Hugging Face's EfficientNet pooler) over a 2x2 map: onnxruntime's float
+    pool averages the 4 values, its QDQ fusion with count_include_pad divided by the whole window (every output its
+    zero point). The converted model, in a default session, gives the float pool's values; with a known spatial size
+    the pool is the GlobalAveragePool it means. (A 3x3 map: a mean of 9 grid values is never a rounding tie.)"""
+    b = Builder()
+    y = b.node("AveragePool", [b.qdq("x", 0.01, 128)], kernel_shape=[64, 64], strides=[64, 64], ceil_mode=1,
+               count_include_pad=1)
+    model = b.model([("x", [2, 4, *spatial])], [b.qdq(y, 0.01, 128)])
+    feeds = {"x": np.random.default_rng(0).uniform(-1, 1, (2, 4, 3, 3)).astype(np.float32)}
+    expected = reference(model, feeds)[0]
+    np.testing.assert_allclose(expected.reshape(2, 4), feeds["x"].mean((2, 3)), atol=0.011)  # the mean of 9
+    result = quantize_qat_export(model, inputs=feeds)
+    assert ("QLinearGlobalAveragePool" in ops(result.model)) == global_pool
+    np.testing.assert_array_equal(run(result.model, feeds)[0], expected)  # a default session, as users run it
+
+
+def test_biases_beyond_float32s_grid_are_said_to_be_the_qat_models():
+    """A layer whose bias spans more int32 steps than float32 resolves (2^24: a nearly dead input, a tiny input scale)
+    holds no float32 bias on its grid: the note says so, rather than blaming the conversion."""
+    b = Builder()
+    x = b.qdq("x", 0.01, 128)
+    w = b.weight((2, 3, 1, 1))
+    scales = _weight_scale(b, w).astype(np.float64) * 0.01
+    bias = np.array([1000.5 * scales[0], 3e7 * scales[1]], np.float32)  # between two steps; beyond 2^24 steps
+    y = b.node("Conv", [x, w, b.const(bias, "bias")])
+    model = b.model([("x", [1, 3, 4, 4])], [b.qdq(y, 0.01, 128)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnconvertedOpsWarning)
+        result = quantize_qat_export(model, verify=False)
+    assert result.rounded_biases and result.coarse_biases and "beyond 2^24 steps" in result.rounded_biases_note

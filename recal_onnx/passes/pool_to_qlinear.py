@@ -22,10 +22,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..graph import MS_DOMAIN, Graph, Node, Value, attr, input_of
-from ..qdq import QTensor, activation, quantize_node_of
+from ..qdq import QTensor, activation
 
 AVERAGE_POOL_ATTRS = ("auto_pad", "ceil_mode", "count_include_pad", "kernel_shape", "pads", "strides")
 SHAPE_ONLY = ("Squeeze", "Flatten", "Reshape", "Unsqueeze")
+SHAPE_READERS = ("Shape", "Size")
 MAX_SHAPE_OPS = 4  # between a pool and its QuantizeLinear
 
 
@@ -69,18 +70,36 @@ def make_qlinear_pool(g: Graph, node: Node, x: QTensor, y_scale: Value, y_zero_p
 
 def quantize_after(g: Graph, value: Value) -> tuple[list[Node], Node] | None:
     """``(shape ops, QuantizeLinear)`` when ``value`` is quantized, directly (no shape ops) or through a chain of
-    shape-only ops, each the only reader of the one before."""
+    shape-only ops, each the only reader of the one before (besides ``Shape`` / ``Size`` nodes reading the pool's
+    own output, as Hugging Face's ``pooled.reshape(pooled.shape[:2])`` writes: the integer pool has that shape)."""
     chain: list[Node] = []
     while len(chain) <= MAX_SHAPE_OPS:
-        q = quantize_node_of(g, value)
-        if q is not None:
-            return chain, q
-        shape = g.only_consumer(value)
-        if shape is None or shape.op_type not in SHAPE_ONLY or shape.inputs[0] is not value:
+        reader = g.only_consumer(value) if chain else _only_data_reader(g, value)
+        if reader is None:
             return None
-        chain.append(shape)
-        value = shape.outputs[0]
+        if reader.op_type == "QuantizeLinear" and _quantizes(g, reader, value):
+            return chain, reader
+        if reader.op_type not in SHAPE_ONLY or reader.inputs[0] is not value:
+            return None
+        chain.append(reader)
+        value = reader.outputs[0]
     return None
+
+
+def _only_data_reader(g: Graph, value: Value) -> Node | None:
+    """The one node that reads ``value``'s values (Shape / Size readers aside), once."""
+    if value.is_graph_output():
+        return None
+    readers = [n for n in g.consumers(value) if n.op_type not in SHAPE_READERS]
+    if len(readers) != 1:
+        return None
+    return readers[0] if sum(u.node is readers[0] for u in value.uses()) == 1 else None
+
+
+def _quantizes(g: Graph, q: Node, value: Value) -> bool:
+    """``q`` is a QuantizeLinear of ``value`` with a constant scalar scale and zero point."""
+    return (q.inputs[0] is value and g.is_const(input_of(q, 1)) and g.is_const(input_of(q, 2))
+            and g.const(q.inputs[1]).size == 1)
 
 
 def pool_to_qlinear(g: Graph) -> int:
@@ -93,13 +112,16 @@ def pool_to_qlinear(g: Graph) -> int:
         if x is None or after is None:
             continue
         chain, q = after
+        shape_readers = [(u.node, u.idx) for u in node.outputs[0].uses() if u.node.op_type in SHAPE_READERS]
         if not chain:
-            make_qlinear_pool(g, node, x, q.inputs[1], q.inputs[2], replaces=q.outputs[0])
+            pooled = make_qlinear_pool(g, node, x, q.inputs[1], q.inputs[2], replaces=q.outputs[0]).outputs[0]
         else:
-            out = make_qlinear_pool(g, node, x, q.inputs[1], q.inputs[2]).outputs[0]
+            out = pooled = make_qlinear_pool(g, node, x, q.inputs[1], q.inputs[2]).outputs[0]
             for i, shape in enumerate(chain):
                 out = g.add_node(shape.op_type, [out, *shape.inputs[1:]], name=shape.name + "_int8",
                                  replaces=q.outputs[0] if i == len(chain) - 1 else None, **shape.attributes).outputs[0]
+        for reader, index in shape_readers:  # the integer pool has the float one's shape
+            reader.replace_input_with(index, pooled)
         g.remove(node, *chain, q)
         count += 1
     return count

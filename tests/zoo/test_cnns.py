@@ -60,9 +60,10 @@ def hf_mobilenet_v2():
 
 
 def hf_efficientnet():  # hidden_dim must match the top conv's width (1280 scaled by width_coefficient)
+    # transformers' default pooler, nn.AvgPool2d(hidden_dim, ceil_mode=True): a window past the input, which
+    # onnxruntime's QDQ fusion divided by whole (the classifier off by 54 steps until average_pool_windows)
     model = HF(transformers.EfficientNetForImageClassification(transformers.EfficientNetConfig(
-        image_size=SIZE, width_coefficient=0.25, depth_coefficient=0.2, hidden_dim=320, pooling_type="max",
-        num_labels=CLASSES)))
+        image_size=SIZE, width_coefficient=0.25, depth_coefficient=0.2, hidden_dim=320, num_labels=CLASSES)))
     # transformers draws BatchNorm scales from N(0, 0.02): every activation of the random net vanishes (1e-35 at
     # the top conv), a dead model; torch's own initialisation keeps it alive, as training would
     for module in model.modules():
@@ -260,17 +261,18 @@ def _assert_runtime_runs_the_export(qat, feeds, reference, result, noise, tmp_pa
     the logits' range or 3 of their steps (quantized logits: EfficientNet's); beyond that, where onnxruntime's fused
     kernels are within a step of the export op by op, within the export's own rounding noise (on a VNNI/AMX Xeon,
     hf-mobilenet-v2: 2.3% of range, its noise 12%); where they are not (onnxruntime's fusion clips the int32 bias of
-    a pruned channel whose weight scale is an epsilon: hf-efficientnet, 204 steps there), recal's conversion, held to
-    its own op-by-op check, is at least as close end to end."""
+    a pruned channel whose weight scale is an epsilon, 204 steps there, and divides transformers' EfficientNet pooler,
+    a window past its input, by the whole window: hf-efficientnet), recal's conversion, held to its own op-by-op
+    check, is at least as close end to end."""
     agreement, error = _runtime_int8(qat, feeds, reference)
-    assert agreement >= 0.99, (agreement, error)
     step = float(np.diff(np.unique(reference)).min()) if np.unique(reference).size > 1 else 0.0
-    if error <= 0.02 * np.ptp(reference) or error <= 3.01 * step:
+    if agreement >= 0.99 and (error <= 0.02 * np.ptp(reference) or error <= 3.01 * step):
         return
     fused = _runtime_op_by_op(qat, feeds, tmp_path)
     if fused.clean_op_by_op:
-        assert error <= float(noise), (error, noise.value, fused)
-    else:
+        assert agreement >= 0.99 and error <= float(noise), (agreement, error, noise.value, fused)
+    else:  # onnxruntime's kernels are not the model's, op by op (hf-efficientnet's pooler: agreement 0 until
+        # transformers' mean pooling was written for them): recal's conversion is at least as close
         assert result.verification.max_abs_diff <= error, (error, result.verification, fused)
     print(f"onnxruntime's fusion {error:.4g} from the export ({fused}); recal's {result.verification.max_abs_diff:.4g}")
 
