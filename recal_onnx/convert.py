@@ -36,8 +36,9 @@ from recal_core.errors import VerificationFailed
 from . import cpu
 from .findings import Findings
 from .float_reasons import display_name, float_reason
-from .float_report import QDQ_FUSIBLE, QDQ_OPS, float_compute, float_islands, module_paths
+from .float_report import QDQ_FUSIBLE, float_compute, float_islands, module_paths
 from .graph import EXTERNAL_DATA_BYTES, Graph
+from .input_checks import ModelError, check_input, nonfinite_initializers
 from .passes.thin_channels import CHANNEL_BLOCK
 from .passes.uint8_weights import exact_on_this_cpu, saturating_layers
 from .pipeline import Options, run_pipeline
@@ -58,10 +59,6 @@ class UnconvertedOpsWarning(UserWarning):
 
 class VerificationError(VerificationFailed):
     """The converted model's outputs differ from the input model's beyond tolerance."""
-
-
-class ModelError(ValueError):
-    """The input is not an ONNX model this converter can read, run or convert; the message says why."""
 
 
 @dataclass
@@ -183,7 +180,7 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         _refuse_overwriting(Path(output_path), reads)
         if choice.twin:
             _refuse_overwriting(twin_path(output_path), reads)
-    _check_input(model, str(model_or_path) if from_path else "the model")
+    check_input(model, str(model_or_path) if from_path else "the model")
     if from_path:
         reference: onnx.ModelProto | str = str(model_or_path)  # the file stays as it is; no second copy
     else:
@@ -258,7 +255,7 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
                                                 output_steps=output_steps, noise=tolerance is None)
         except NonFiniteReference as exc:
             raise ModelError(f"{exc}: the QAT model itself computes nothing finite"
-                             f"{_nonfinite_initializers(reference)}; nothing was written") from None
+                             f"{nonfinite_initializers(reference)}; nothing was written") from None
         problem = result.verification.problem(tolerance, min_agreement)
         if problem:
             hint = f" ({result.rounded_biases_note})" if result.rounded_biases else ""
@@ -288,31 +285,6 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
     result.seconds = time.perf_counter() - started
     log.debug("quantize_qat_export: %s in %.2fs", {k: v for k, v in rewrites.items() if v}, result.seconds)
     return result
-
-
-def _nonfinite_initializers(reference: onnx.ModelProto | str, listed: int = 5) -> str:
-    """``" (non-finite initializers: a, b)"``: the QAT model's float constants holding NaN or inf, '' if none."""
-    model = onnx.load(reference, load_external_data=False) if isinstance(reference, str) else reference
-    bad = []
-    for tensor in model.graph.initializer:
-        if tensor.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE) \
-                and not _finite(tensor):
-            bad.append(tensor.name)
-    if not bad:
-        return " (every float initializer is finite: an op overflows or divides by zero)"
-    more = f" and {len(bad) - listed} more" if len(bad) > listed else ""
-    return f" (non-finite initializers: {', '.join(map(repr, bad[:listed]))}{more})"
-
-
-def _finite(tensor: onnx.TensorProto) -> bool:
-    """Whether a float initializer holds no NaN or inf (one stored outside the file, or malformed, counts as finite:
-    the checks that read it say what is wrong)."""
-    if tensor.data_location == onnx.TensorProto.EXTERNAL:
-        return True
-    try:
-        return bool(np.isfinite(onnx.numpy_helper.to_array(tensor)).all())
-    except (ValueError, TypeError):
-        return True
 
 
 def _drift_note(v, tolerance: float | None, min_agreement: float | None) -> str:
@@ -411,69 +383,6 @@ def _refuse_overwriting(target: Path, reads: set[Path]) -> None:
                 read.exists() and os.path.samefile(candidate, read) for read in reads)):  # a hard link too
             raise ValueError(f"refusing to write {candidate}: the input model reads that file (the model or its "
                              "external data); choose another output path")
-
-
-# onnxruntime runs the default domain's opsets in this range (QuantizeLinear needs 10, per-channel 13)
-MIN_OPSET = 10
-KNOWN_DOMAINS = {"", "ai.onnx", "com.microsoft", "ai.onnx.ml"}
-
-
-def _check_input(model: onnx.ModelProto, name: str) -> None:
-    """What the converter cannot take, said before any work: opsets, foreign ops, not a QAT model."""
-    opsets = {o.domain or "": o.version for o in model.opset_import}
-    version = opsets.get("", opsets.get("ai.onnx"))
-    newest = onnx.defs.onnx_opset_version()
-    if version is None or not MIN_OPSET <= version <= newest:
-        raise ModelError(f"{name} uses opset {version} of the default ONNX domain; the converter takes "
-                         f"opsets {MIN_OPSET} to {newest} (QuantizeLinear needs 10, per-channel weights 13)")
-    foreign = sorted({(n.domain, n.op_type) for n in model.graph.node if n.domain not in KNOWN_DOMAINS})
-    if foreign:
-        listed = ", ".join(f"{op} ({domain})" for domain, op in foreign[:5])
-        hint = ("; NNCF writes OpenVINO's FakeQuantize by default: for QuantizeLinear/DequantizeLinear, strip the "
-                "model (nncf.strip(model, example_input=x)) and export it with torch.onnx.export"
-                if any(op == "FakeQuantize" for _, op in foreign) else "")
-        raise ModelError(f"{name} has ops of custom domains, which onnxruntime cannot run: {listed}{hint}")
-    if not any(n.op_type in QDQ_OPS for n in model.graph.node):
-        raise ModelError(f"{name} is not a QAT model: it has no QuantizeLinear/DequantizeLinear nodes")
-    _check_quantized_types(model, name)
-
-
-# the integer types the converter writes kernels for: uint8 / int8 tensors, int32 biases behind a DequantizeLinear
-QUANTIZED_TYPES = {onnx.TensorProto.UINT8, onnx.TensorProto.INT8}
-BIAS_TYPES = {onnx.TensorProto.INT32}
-
-
-def _check_quantized_types(model: onnx.ModelProto, name: str) -> None:
-    """Every quantized tensor is uint8 / int8 (an int32 bias too), refused at the start otherwise: int16, uint16,
-    4-bit or float8 tensors have no QLinear kernels here, and a model written with them would be invalid."""
-    initializers = {t.name: t.data_type for t in model.graph.initializer}
-    tensors = {t.name: t for t in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type not in QDQ_OPS or not node.input:  # a node without inputs: the checker names it later
-            continue
-        blocked = next((a.i for a in node.attribute if a.name == "block_size"), 0)
-        if blocked:
-            raise ModelError(f"{name}: {node.op_type} {node.name or node.output[0]!r} quantizes in blocks of "
-                             f"{blocked} (opset 21 block_size), which this converter does not read; export the weight "
-                             "per channel, or grouped as recal's weight-only QAT writes it")
-        scale = tensors.get(node.input[1]) if len(node.input) > 1 else None
-        if scale is not None and scale.data_type == onnx.TensorProto.FLOAT and not _finite(scale):
-            raise ModelError(f"{name}: {node.op_type} {node.name or node.output[0]!r} has a scale that is NaN or "
-                             f"infinite (initializer {scale.name!r}): the QAT model itself computes nothing finite "
-                             "(a diverged training or a broken export)")
-        zero_point = node.input[2] if len(node.input) > 2 and node.input[2] else ""
-        dtype = initializers.get(zero_point)
-        if dtype is None and node.op_type == "DequantizeLinear":
-            dtype = initializers.get(node.input[0])
-        if dtype is None:
-            attr = next((a.i for a in node.attribute if a.name == "output_dtype"), 0)
-            dtype = attr or (onnx.TensorProto.UINT8 if node.op_type == "QuantizeLinear" else None)
-        if dtype is None or dtype in QUANTIZED_TYPES or (node.op_type == "DequantizeLinear" and dtype in BIAS_TYPES):
-            continue
-        verb = "quantizes tensor {!r} to" if node.op_type == "QuantizeLinear" else "dequantizes tensor {!r} from"
-        raise ModelError(f"{name}: {node.op_type} {node.name!r} {verb.format(node.input[0])} "
-                         f"{onnx.TensorProto.DataType.Name(dtype).lower()}; the converter writes uint8 / int8 "
-                         "tensors (int32 biases): re-export with 8-bit quantization")
 
 
 # ops that move, index or reshape values, or read shapes: no arithmetic, nothing to quantize

@@ -34,6 +34,8 @@ def fusible_qdq_pools(g: Graph) -> int:
         if chain:
             quantized = g.add_node("QuantizeLinear", [node.outputs[0], *q.inputs[1:]], name=node.name + "_q")
             dequantized = g.add_node("DequantizeLinear", [quantized.outputs[0], *q.inputs[1:]], name=node.name + "_dq")
-            chain[0].replace_input_with(0, dequantized.outputs[0])  # (the pool's only reader: quantize_after says so)
+            for use in list(node.outputs[0].uses()):  # the chain's head, and Shape readers: the same shape
+                if use.node is not quantized:
+                    use.node.replace_input_with(use.idx, dequantized.outputs[0])
         count += 1
     return count
