@@ -157,39 +157,80 @@ def load_thinned(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
             cannot rebuild per-layer sizes).
         state_dict: the thinned model's ``state_dict()`` (``save_pretrained``'s safetensors, loaded).
     """
+    _check_thinning_only(model, state_dict)  # before anything changes
+    changed: list[tuple[nn.Module, str, object]] = []  # (module, attribute, value before): undone on a refusal
+
+    def change(m: nn.Module, attr: str, value) -> None:
+        changed.append((m, attr, getattr(m, attr)))
+        setattr(m, attr, value)
+
+    try:
+        for name, m in model.named_modules():
+            prefix = f"{name}." if name else ""
+            for attr in ("weight", "bias", "running_mean", "running_var"):
+                t, new = getattr(m, attr, None), state_dict.get(prefix + attr)
+                if isinstance(t, torch.Tensor) and isinstance(new, torch.Tensor) and t.shape != new.shape:
+                    empty = torch.empty(new.shape, dtype=t.dtype, device=t.device)
+                    change(m, attr, nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter)
+                           else empty)
+            weight = getattr(m, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.dim() >= 2:
+                for attr, axis in (("out_features", 0), ("out_channels", 0), ("in_features", 1), ("in_channels", 1)):
+                    if isinstance(getattr(m, attr, None), int):
+                        change(m, attr, weight.shape[axis] * (getattr(m, "groups", 1) if attr == "in_channels" else 1))
+                if getattr(m, "groups", 1) > 1 and weight.shape[1] == 1:  # depthwise: one filter per channel
+                    change(m, "groups", weight.shape[0])
+                    change(m, "in_channels", weight.shape[0])
+            elif isinstance(weight, torch.Tensor) and isinstance(getattr(m, "num_features", None), int):
+                change(m, "num_features", weight.shape[0])
+        for m in model.modules():
+            for attr, value in _head_counts(m):
+                change(m, attr, value)
+        model.load_state_dict(state_dict)
+    except BaseException:  # all or nothing: the model as it was built
+        for m, attr, value in reversed(changed):
+            setattr(m, attr, value)
+        raise
+
+
+THINNED_AXES = {"weight": (0, 1), "bias": (0,), "running_mean": (0,), "running_var": (0,)}
+
+
+def _check_thinning_only(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Every tensor whose shape differs from the dense model's is that tensor thinned: the same rank, smaller only
+    along the axes thinning removes (a weight's output and input channels, a bias's or a norm's one axis), never
+    larger, so nothing bigger than the dense model is ever allocated. Raises ValueError naming the layer and axis."""
     for name, m in model.named_modules():
         prefix = f"{name}." if name else ""
-        for attr in ("weight", "bias", "running_mean", "running_var"):
+        for attr, axes in THINNED_AXES.items():
             t, new = getattr(m, attr, None), state_dict.get(prefix + attr)
-            if isinstance(t, torch.Tensor) and isinstance(new, torch.Tensor) and t.shape != new.shape:
-                empty = torch.empty(new.shape, dtype=t.dtype, device=t.device)
-                setattr(m, attr, nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter)
-                        else empty)
-        weight = getattr(m, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.dim() >= 2:
-            for attr, axis in (("out_features", 0), ("out_channels", 0), ("in_features", 1), ("in_channels", 1)):
-                if isinstance(getattr(m, attr, None), int):
-                    setattr(m, attr, weight.shape[axis] * (getattr(m, "groups", 1) if attr == "in_channels" else 1))
-            if getattr(m, "groups", 1) > 1 and weight.shape[1] == 1:  # depthwise: one filter per channel
-                m.groups = m.in_channels = weight.shape[0]
-        elif isinstance(weight, torch.Tensor) and isinstance(getattr(m, "num_features", None), int):
-            m.num_features = weight.shape[0]
-    for m in model.modules():
-        _follow_head_counts(m)
-    model.load_state_dict(state_dict)
+            if not isinstance(t, torch.Tensor) or not isinstance(new, torch.Tensor) or t.shape == new.shape:
+                continue
+            where = f"{prefix + attr} ({type(m).__name__})"
+            if new.dim() != t.dim():
+                raise ValueError(f"load_thinned: {where} has rank {new.dim()} in the state dict, {t.dim()} in the "
+                                 "model: thinning removes channels, it does not reshape")
+            for axis, (was, now) in enumerate(zip(t.shape, new.shape)):
+                if now > was:
+                    raise ValueError(f"load_thinned: {where} is larger along axis {axis} in the state dict ({now}) "
+                                     f"than in the model ({was}): thinning only removes")
+                if now != was and axis not in axes:
+                    raise ValueError(f"load_thinned: {where} differs along axis {axis} ({was} -> {now}), which "
+                                     f"thinning does not remove (it removes along axes {list(axes)})")
 
 
-def _follow_head_counts(m: nn.Module) -> None:
-    """An attention module's head counts from its (resized) projections, where it keeps them as attributes."""
+def _head_counts(m: nn.Module) -> list[tuple[str, int]]:
+    """An attention module's head counts from its (resized) projections, where it keeps them as attributes:
+    ``(attribute, value)`` pairs that differ from what it holds."""
     head_dim = next((getattr(m, a) for a in ("attention_head_size", "head_dim") if isinstance(getattr(m, a, None), int)),
                     None)
     children = dict(m.named_children())
     query = next((children[n] for n in ("query", "q_proj") if n in children), None)
     key = next((children[n] for n in ("key", "k_proj") if n in children), None)
     if head_dim is None or not isinstance(query, nn.Linear):
-        return
+        return []
     heads = query.out_features // head_dim
-    for attr, value in (("num_attention_heads", heads), ("num_heads", heads), ("all_head_size", heads * head_dim),
-                        ("num_key_value_heads", key.out_features // head_dim if isinstance(key, nn.Linear) else None)):
-        if isinstance(getattr(m, attr, None), int) and value is not None:
-            setattr(m, attr, value)
+    return [(attr, value) for attr, value in (
+        ("num_attention_heads", heads), ("num_heads", heads), ("all_head_size", heads * head_dim),
+        ("num_key_value_heads", key.out_features // head_dim if isinstance(key, nn.Linear) else None))
+        if isinstance(getattr(m, attr, None), int) and value is not None and getattr(m, attr) != value]

@@ -51,20 +51,71 @@ def run(models: list[Path], inputs: Path, out: Path) -> None:
           f"onnxruntime {meta['onnxruntime']}")
 
 
+MAX_BYTES = 512 * 2**20  # the outputs a run may hold once inflated (a run file comes from another machine)
+MAX_ENTRIES = 10_000
+
+
+class RunFileError(ValueError):
+    """A run file this script cannot compare; the message names the file and why."""
+
+
+def load_run(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """A run file's metadata and outputs, checked as untrusted data: a regular ``.npz`` file, no pickled objects,
+    at most :data:`MAX_BYTES` once inflated (each member's declared size read before any is), numeric outputs only,
+    metadata with its fields."""
+    import zipfile
+
+    if not path.is_file():
+        raise RunFileError(f"{path}: not a regular file")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
+            if len(members) > MAX_ENTRIES or sum(m.file_size for m in members) > MAX_BYTES:
+                raise RunFileError(f"{path}: holds {len(members)} arrays of {sum(m.file_size for m in members):,} "
+                                   f"bytes inflated (at most {MAX_ENTRIES} and {MAX_BYTES:,})")
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {key: data[key] for key in data.files}
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        if isinstance(exc, RunFileError):
+            raise
+        raise RunFileError(f"{path}: not a run file of this script ({type(exc).__name__}: {exc})") from None
+    try:
+        meta = json.loads(str(arrays.pop("__meta__")))
+        if not isinstance(meta, dict) or not isinstance(meta.get("cpu"), str) or not isinstance(
+                meta.get("onnxruntime"), str) or not isinstance(meta.get("int8_flags"), list):
+            raise ValueError("fields missing")
+    except (KeyError, ValueError) as exc:
+        raise RunFileError(f"{path}: its metadata (__meta__: cpu, int8_flags, onnxruntime) is missing or malformed "
+                           f"({exc})") from None
+    for key, value in arrays.items():
+        if value.dtype.kind not in "biuf":
+            raise RunFileError(f"{path}: output {key!r} holds {value.dtype} values, not numbers")
+    return meta, arrays
+
+
+def _cell(text: str) -> str:
+    """``text`` as one markdown table cell (a name from another machine)."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
 def compare(a: Path, b: Path) -> str:
-    first, second = np.load(a), np.load(b)
-    metas = [json.loads(str(f["__meta__"])) for f in (first, second)]
+    (meta_a, first), (meta_b, second) = load_run(a), load_run(b)
     lines = ["| model | session | max abs difference | values equal |", "|---|---|---:|---:|"]
-    for key in sorted(k for k in first.files if k != "__meta__"):
-        if key not in second.files:
-            lines.append(f"| {key.split('|')[0]} | {key.split('|')[1]} | missing in {b.name} | |")
+    for key in sorted(first):
+        model, _, session = key.partition("|")
+        row = f"| {_cell(model)} | {_cell(session)} |"
+        if key not in second:
+            lines.append(f"{row} missing in {_cell(b.name)} | |")
             continue
         x, y = first[key], second[key]
-        lines.append(f"| {key.split('|')[0]} | {key.split('|')[1]} | {float(np.abs(x - y).max()):.3g} | "
-                     f"{float(np.mean(x == y)):.4f} |")
-    said = [f"{m['cpu']} ({' '.join(m['int8_flags']) or 'no VNNI / AMX'}), onnxruntime {m['onnxruntime']}"
-            for m in metas]
-    return "\n".join(lines) + f"\n\n{a.name}: {said[0]}; {b.name}: {said[1]}"
+        if x.shape != y.shape:  # never broadcast: outputs of different shapes are different outputs
+            lines.append(f"{row} shapes differ: {list(x.shape)} and {list(y.shape)} | |")
+            continue
+        diff = np.abs(x.astype(np.float64) - y.astype(np.float64))
+        lines.append(f"{row} {float(diff.max(initial=0.0)):.3g} | {float(np.mean(x == y)) if x.size else 1.0:.4f} |")
+    said = [f"{_cell(m['cpu'])} ({' '.join(map(_cell, m['int8_flags'])) or 'no VNNI / AMX'}), onnxruntime "
+            f"{_cell(m['onnxruntime'])}" for m in (meta_a, meta_b)]
+    return "\n".join(lines) + f"\n\n{_cell(a.name)}: {said[0]}; {_cell(b.name)}: {said[1]}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,8 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "run":
         run(args.models, args.inputs, args.out)
-    else:
+        return 0
+    try:
         print(compare(args.first, args.second))
+    except RunFileError as exc:
+        print(f"cpu_exactness compare: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -584,3 +584,21 @@ def test_no_command_writes_over_its_input_however_spelled(tmp_path):
         result = run_recal("check", str(recipe), "--plot", str(spelling))
         assert result.returncode == 2 and "refusing to write the plot" in result.stderr, (spelling, result.stderr)
     assert recipe.read_bytes() == before
+
+
+def test_a_ten_thousand_node_elementwise_chain_converts_in_bounded_time():
+    """A hostile 10,000-node chain of elementwise ops between a DQ and a Q: one table, in linear time (the island's
+    ordering searched the nodes left at every step: 176 s; now 6.6 s on this project's machine)."""
+    import numpy as np
+
+    from .onnx_graphs import Builder
+
+    b = Builder()
+    y = b.qdq("x", 0.03, 128)
+    for _ in range(10_000):
+        y = b.node("Add", [y, b.const(np.float32(1e-4))])
+    model = b.model([("x", [1, 16])], [b.qdq(y, 0.05, 128)])
+    started = time.perf_counter()
+    result = quantize_qat_export(model)
+    assert time.perf_counter() - started < 60
+    assert [n.op_type for n in result.model.graph.node].count("Gather") == 1 and result.verification.max_steps == 0

@@ -250,3 +250,33 @@ def test_torch_export_finds_the_spaces_torch_fx_finds(case):
                       if s.producers)
 
     assert spaces(model_graph(model, torch.ones(2, *shape))) == spaces(model_graph(model))
+
+
+def test_load_thinned_takes_only_thinning_and_changes_nothing_when_it_refuses():
+    """Only removal along the axes thinning removes is loaded (a 3x3 kernel as 5x5, or a larger layer, is refused,
+    naming the layer and axis, before anything is allocated); a refusal at any point leaves the model as built."""
+    from recal_torch import load_thinned
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                   torch.nn.Conv2d(8, 4, 3, padding=1))
+
+    dense = net()
+    before = {k: v.clone() for k, v in dense.state_dict().items()}
+    bad_kernel = dict(dense.state_dict(), **{"0.weight": torch.zeros(8, 3, 5, 5)})
+    with pytest.raises(ValueError, match=r"0\.weight \(Conv2d\).*axis 2 \(3 -> 5\)|0\.weight \(Conv2d\) is larger"):
+        load_thinned(dense, bad_kernel)
+    wider = dict(dense.state_dict(), **{"3.weight": torch.zeros(4, 16, 3, 3)})
+    with pytest.raises(ValueError, match=r"3\.weight \(Conv2d\) is larger along axis 1"):
+        load_thinned(dense, wider)
+    thinned = {k: v[:6] if k.startswith(("0.", "1.")) and v.dim() >= 1 and k != "1.num_batches_tracked" else v
+               for k, v in dense.state_dict().items()}
+    thinned["3.weight"] = dense.state_dict()["3.weight"][:, :6]
+    missing = {k: v for k, v in thinned.items() if k != "3.bias"}  # passes the shape check, fails the strict load
+    with pytest.raises(RuntimeError, match="3.bias"):
+        load_thinned(dense, missing)
+    assert dense[0].out_channels == 8 and dense[1].num_features == 8 and dense[3].in_channels == 8
+    assert all(torch.equal(v, before[k]) for k, v in dense.state_dict().items())
+    load_thinned(dense, thinned)  # the real thing still loads
+    assert dense[0].out_channels == 6 and dense(torch.randn(1, 3, 5, 5)).shape == (1, 4, 5, 5)

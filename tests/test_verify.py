@@ -136,6 +136,28 @@ def test_cpu_exactness_script_runs_models_and_compares_two_machines_runs(tmp_pat
     saved["m.onnx|default"] = saved["m.onnx|default"] + np.eye(8, 512, dtype=np.float32)
     np.savez(tmp_path / "b.npz", **saved)
     assert "| m.onnx | default | 1 | 0.9980 |" in cpu_exactness.compare(tmp_path / "a.npz", tmp_path / "b.npz")
+    # a run file comes from another machine: each defect is one located line (exit 2), never a traceback
+    good = dict(np.load(tmp_path / "a.npz"))
+    bombs = {
+        "objects": {**good, "m.onnx|default": np.array([object()], dtype=object)},
+        "strings": {**good, "m.onnx|default": np.array(["a", "b"])},
+        "no metadata": {k: v for k, v in good.items() if k != "__meta__"},
+        "bad metadata": {**good, "__meta__": np.array("[1, 2]")},
+        "zeros": {**good, "big|default": np.zeros(64 * 2**20, np.uint8)},  # 64 MB inflated, 65 kB on disk
+    }
+    cpu_exactness.MAX_BYTES = 32 * 2**20  # (512 MB in use; a smaller bomb here)
+    for name, arrays in bombs.items():
+        np.savez_compressed(tmp_path / f"{name}.npz", **arrays) if name != "objects" else np.savez(
+            tmp_path / f"{name}.npz", **arrays)
+    for name in [*bombs, "a folder"]:
+        path = tmp_path / f"{name}.npz" if name != "a folder" else tmp_path
+        assert cpu_exactness.main(["compare", str(path), str(tmp_path / "a.npz")]) == 2, name
+    shapes = {**good, "m.onnx|default": good["m.onnx|default"][:4]}
+    np.savez(tmp_path / "shapes.npz", **shapes)
+    assert "shapes differ: [8, 512] and [4, 512]" in cpu_exactness.compare(tmp_path / "a.npz", tmp_path / "shapes.npz")
+    piped = {**good, "x|y|z|default": good["m.onnx|default"]}
+    np.savez(tmp_path / "piped.npz", **piped)
+    assert "| x | y\\|z\\|default |" in cpu_exactness.compare(tmp_path / "piped.npz", tmp_path / "piped.npz")
 
 
 def _unary(*ops, out_type=None):

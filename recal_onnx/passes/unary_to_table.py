@@ -135,14 +135,25 @@ def _island(g: Graph, q: Node):
 
 
 def _in_order(nodes: list[Node], dq: Node) -> list[Node]:
-    """``nodes`` each after the nodes it reads (a graph rewritten by earlier passes is not in that order)."""
-    made = {id(n.outputs[0]) for n in nodes}
-    ready, ordered, left = {id(dq.outputs[0])}, [], list(nodes)
-    while left:
-        node = next(n for n in left if all(v is None or id(v) not in made or id(v) in ready for v in n.inputs))
+    """``nodes`` each after the nodes it reads (a graph rewritten by earlier passes is not in that order): Kahn's
+    topological sort, linear in the island's size (a hostile 10,000-node chain took minutes when each step searched
+    the nodes left)."""
+    producer = {id(n.outputs[0]): n for n in nodes}
+    waiting = {id(n): sum(v is not None and id(v) in producer for v in n.inputs) for n in nodes}
+    readers: dict[int, list[Node]] = {}
+    for node in nodes:
+        for v in node.inputs:
+            if v is not None and id(v) in producer:
+                readers.setdefault(id(v), []).append(node)
+    ready = [n for n in nodes if waiting[id(n)] == 0]
+    ordered = []
+    while ready:
+        node = ready.pop()
         ordered.append(node)
-        ready.add(id(node.outputs[0]))
-        left.remove(node)
+        for reader in readers.get(id(node.outputs[0]), []):
+            waiting[id(reader)] -= 1
+            if waiting[id(reader)] == 0:
+                ready.append(reader)
     return ordered
 
 
