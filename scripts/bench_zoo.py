@@ -5,7 +5,8 @@ The models of ``tests/zoo/test_cnns.py`` (Hugging Face ResNet, MobileNetV2, Effi
 configs; torchvision-style ResNet / MobileNetV2 / Inception blocks) and two full-width ones, ResNet-18
 (``scripts/zoo.py``) and Hugging Face's default ResNet-50; random weights, nothing downloaded. Each is pruned 80% and
 QAT-trained for a few steps on synthetic 32x32 data, exported at ``--size`` (QDQ) and converted by
-``quantize_qat_export`` (``weight_type`` int8, uint8, and this CPU's choice for ``qdq``); the float model (same
+``quantize_qat_export`` (the 7-bit net at the defaults, both formats; the 8-bit net as the two files target
+``any`` writes, int8 weights and their uint8 twin for x86 without VNNI); the float model (same
 seed, not trained) is exported and quantized by onnxruntime's ``quantize_static`` (QDQ, uint8 activations,
 int8 per-channel weights, after ``quant_pre_process``, calibrated on 8 synthetic inputs).
 
@@ -51,10 +52,11 @@ def hf_resnet50() -> torch.nn.Module:
 
 
 BUILDERS = {"resnet18": lambda: ResNet18(CLASSES), "hf-resnet50": hf_resnet50, **{name: m[0] for name, m in MODELS.items()}}
-# recal's default (target any: 7-bit QAT weights stay int8), its QDQ form, and the 8-bit-weight forms (uint8 weights
-# for target any, int8 for x86-vnni) of the same network trained without reduce_range
+# recal's default (target any: 7-bit QAT weights stay int8), its QDQ form, and the two files target any writes for
+# the same network trained without reduce_range (8-bit weights): the int8 model (for VNNI / AMX and Arm) and its
+# uint8-weight twin for x86 without VNNI (what target x86-avx2 writes alone)
 RECAL = {"recal": ("qoperator", "any", True), "recal qdq": ("qdq", "any", True),
-         "recal 8-bit any": ("qoperator", "any", False), "recal 8-bit vnni": ("qoperator", "x86-vnni", False)}
+         "recal 8-bit int8": ("qoperator", "x86-vnni", False), "recal 8-bit uint8": ("qoperator", "x86-avx2", False)}
 
 
 def bench(name: str, size: int, rounds: int, folder: Path) -> dict:
@@ -96,11 +98,12 @@ def main() -> None:
     models = args.models or list(MODELS if args.quick else BUILDERS)
     torch.set_num_threads(1)
     print(f"{cpu.describe()}\nbatch 1, 1 thread, {size}x{size}, median of {rounds} interleaved rounds (ms); sizes in "
-          "KB (1024 B); 'recal' = the default: 7-bit QAT (reduce_range), target any; '8-bit any / vnni' = the same "
-          "net trained with 8-bit weights, converted for target any (uint8 weights beyond +-64) or x86-vnni (int8); "
+          "KB (1024 B); 'recal' = the default: 7-bit QAT (reduce_range), target any; '8-bit int8 / uint8' = the same "
+          "net trained with 8-bit weights: the two files target any writes (int8 weights; their uint8 twin for x86 "
+          "without VNNI); "
           "fidelity on 64 inputs, default onnxruntime session against the model it was made from run as written "
           "(recal: its QAT export; onnxruntime: fp32): argmax agreement, max |difference| as % of the range")
-    print("| model | fp32 | recal | recal qdq | recal 8-bit any | recal 8-bit vnni | ort static | ort static rr | "
+    print("| model | fp32 | recal | recal qdq | recal 8-bit int8 | recal 8-bit uint8 | ort static | ort static rr | "
           "recal vs fp32 | recal vs static | recal vs static rr | size fp32 / recal / static | float ops left | "
           "QAT export (default session) | recal | ort static | ort static rr |")
     print("|---" * 17 + "|")
@@ -113,7 +116,7 @@ def main() -> None:
             left = ", ".join(f"{op} x{n}" for op, n in r["float_ops"].items()) or "none"
             cell = lambda label: f"{a[label][0]:.3f}, {100 * a[label][1]:.2f}%"  # noqa: E731
             print(f"| {name} | {ms['fp32']:.2f} | {ms['recal']:.2f} | {ms['recal qdq']:.2f} | "
-                  f"{ms['recal 8-bit any']:.2f} | {ms['recal 8-bit vnni']:.2f} | {ms[STATIC]:.2f} | "
+                  f"{ms['recal 8-bit int8']:.2f} | {ms['recal 8-bit uint8']:.2f} | {ms[STATIC]:.2f} | "
                   f"{ms[STATIC_REDUCED]:.2f} | {ms['fp32'] / ms['recal']:.2f}x | {ms[STATIC] / ms['recal']:.2f}x | "
                   f"{ms[STATIC_REDUCED] / ms['recal']:.2f}x | {kb['fp32']:.0f} / {kb['recal']:.0f} / {kb[STATIC]:.0f} | "
                   f"{left} | {cell('qat export')} | {cell('recal')} | {cell(STATIC)} | {cell(STATIC_REDUCED)} |",

@@ -27,7 +27,7 @@ def test_every_table_marker_names_a_table_and_every_json_is_used():
     assert names == set(render_docs.TABLES)
     assert {p.name for p in render_docs.RESULTS.glob("*.json")} == {
         "demo.json", "interop.json", "keras_applications.json", "keras_backends.json", "llm.json", "reduce_range.json", "thinning_transformers.json",
-        "transformers.json", "zoo.json"}
+        "transformers.json", "zoo.json", "zoo_vnni.json"}
 
 
 def test_readme_is_short_and_links_only_pages_that_exist():
