@@ -282,6 +282,10 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
                 result.avx2_path.unlink(missing_ok=True)
                 Path(str(result.avx2_path) + ".data").unlink(missing_ok=True)
             raise
+        stale = twin_path(output_path)
+        if twin is None and stale.exists():  # an earlier conversion's twin beside a model it no longer matches
+            warnings.warn(f"{stale} is not the twin of the model just written ({result.weights_note}): it is left "
+                          "from an earlier conversion to this path; remove it", UserWarning, stacklevel=2)
     result.seconds = time.perf_counter() - started
     log.debug("quantize_qat_export: %s in %.2fs", {k: v for k, v in rewrites.items() if v}, result.seconds)
     return result

@@ -276,3 +276,20 @@ def test_biases_beyond_float32s_grid_are_said_to_be_the_qat_models():
         warnings.simplefilter("ignore", UnconvertedOpsWarning)
         result = quantize_qat_export(model, verify=False)
     assert result.rounded_biases and result.coarse_biases and "beyond 2^24 steps" in result.rounded_biases_note
+
+
+def test_a_twin_left_from_an_earlier_conversion_is_said_to_be_stale(tmp_path):
+    """An 8-bit model converted to ``out.onnx`` writes ``out.x86-avx2.onnx`` beside it; a 7-bit one converted later to
+    the same path has no twin, and the old file is named as not its own (it is the user's to remove)."""
+    model, shape = _layer("Conv", True)
+    feeds = {"x": np.random.default_rng(1).standard_normal(shape).astype(np.float32)}
+    first = quantize_qat_export(model, tmp_path / "out.onnx", inputs=feeds)
+    assert first.avx2_path == tmp_path / "out.x86-avx2.onnx"  # Builder's weights reach +-127
+    small = onnx.ModelProto()
+    small.CopyFrom(model)
+    for t in small.graph.initializer:
+        if t.data_type == TensorProto.INT8 and t.name.startswith("w"):
+            t.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(t) // 2, t.name))  # within +-64
+    with pytest.warns(UserWarning, match="out.x86-avx2.onnx is not the twin of the model just written"):
+        second = quantize_qat_export(small, tmp_path / "out.onnx", inputs=feeds)
+    assert second.avx2_path is None and (tmp_path / "out.x86-avx2.onnx").exists()
