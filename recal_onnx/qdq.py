@@ -75,11 +75,13 @@ def replace_moved_weight(g: Graph, node: Node, w: QWeight, moved: np.ndarray, ax
 def quantize_node_of(g: Graph, value: Value) -> Node | None:
     """The QuantizeLinear that is the only reader of ``value`` (activation scale and zp constant), else None."""
     node = g.only_consumer(value)
-    if node is None or node.op_type != "QuantizeLinear" or node.inputs[0] is not value:
-        return None
-    if not g.is_const(input_of(node, 1)) or not g.is_const(input_of(node, 2)):
-        return None
-    return node if g.const(node.inputs[1]).size == 1 else None
+    return node if node is not None and quantizes(g, node, value) else None
+
+
+def quantizes(g: Graph, node: Node, value: Value) -> bool:
+    """Whether ``node`` is a QuantizeLinear of ``value`` with a constant scalar scale and a constant zero point."""
+    return (node.op_type == "QuantizeLinear" and node.inputs[0] is value and g.is_const(input_of(node, 1))
+            and g.is_const(input_of(node, 2)) and g.const(node.inputs[1]).size == 1)
 
 
 def scalar(g: Graph, value: Value) -> float:

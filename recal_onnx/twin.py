@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from .graph import Graph
-from .passes.uint8_weights import uint8_weights
+from .passes.uint8_weights import uint8_twin
 
 EXACT_ON = "recal.exact_on"
 INT8_CPUS = "x86 with VNNI or AMX, Arm"
@@ -25,11 +24,9 @@ TWIN_SAMPLES = 16  # the twin is compared with the verified model on this many s
 
 def avx2_twin(model: onnx.ModelProto) -> onnx.ModelProto | None:
     """``model`` with every weight beyond +-64 stored as uint8, zero point 128; None where it has none."""
-    g = Graph(model)
-    if not uint8_weights(g):
-        return None
-    twin = g.commit()
-    mark(twin, UINT8_CPUS)
+    twin = uint8_twin(model)
+    if twin is not None:
+        mark(twin, UINT8_CPUS)
     return twin
 
 
@@ -54,8 +51,7 @@ def twin_differs(model: onnx.ModelProto, twin: onnx.ModelProto, inputs: dict[str
 
     fixed = fixed_batch(model)
     count = max(TWIN_SAMPLES // fixed, 1) * fixed if fixed else TWIN_SAMPLES
-    sample = {k: v[:count] if np.ndim(v) and fixed else v[:TWIN_SAMPLES] if np.ndim(v) else v
-              for k, v in inputs.items()}
+    sample = {k: v[:count] if np.ndim(v) else v for k, v in inputs.items()}
     mine, theirs = run_batches(session(model), sample, fixed), run_batches(session(twin), sample, fixed)
     names = [o.name for o in model.graph.output]
     return next((name for name, a, b in zip(names, mine, theirs) if not np.array_equal(a, b, equal_nan=True)), None)

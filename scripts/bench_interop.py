@@ -5,8 +5,9 @@ Sources, each a QDQ ONNX file as its tool writes it at its documented 8-bit sett
 
 - onnxruntime's ``quantize_static`` of full-width fp32 models built here (ResNet-18, ``scripts/zoo.py``; Hugging
   Face's MobileNetV2 from its default config; random weights, nothing downloaded), exported by torch.onnx with its
-  default fixed batch of 1: uint8 activations with int8 per-channel weights (onnxruntime's advice for CNNs), and
-  int8 activations with per-tensor weights;
+  default fixed batch of 1, calibrated on 8 synthetic inputs (``peers.quantize_static``: ``quant_pre_process`` first):
+  uint8 activations with int8 per-channel weights (onnxruntime's advice for CNNs), and int8 activations with
+  per-tensor weights;
 - the exports other tools wrote, committed under ``tests/fixtures/interop/`` with the script that made each
   (``scripts/interop_exports/``): every ``*.onnx`` there is a row.
 
@@ -37,6 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+from peers import quantize_static  # noqa: E402
 from speed import interleaved_latency  # noqa: E402
 from recal_onnx import cpu, quantize_qat_export  # noqa: E402
 from zoo import ResNet18  # noqa: E402
@@ -45,21 +47,14 @@ FIXTURES = ROOT / "tests" / "fixtures" / "interop"
 WEIGHTED = {"Conv", "Gemm", "MatMul", "ConvTranspose"}
 
 
-class _Logits(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        return self.model(pixel_values=x).logits
-
-
 def hf_mobilenet_v2() -> torch.nn.Module:
     """Hugging Face's MobileNetV2 at its default config, with torch's own initialisation: transformers draws its
     BatchNorm scales near 0 and every activation of the random net vanishes (logits spanning 2e-22)."""
     import transformers
 
-    model = _Logits(transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config()))
+    from tests.zoo.test_cnns import HF  # the zoo's logits wrapper
+
+    model = HF(transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config()))
     for module in model.modules():
         if isinstance(module, (torch.nn.Conv2d, torch.nn.BatchNorm2d, torch.nn.Linear)):
             module.reset_parameters()
@@ -69,32 +64,6 @@ def hf_mobilenet_v2() -> torch.nn.Module:
 FP32 = {"resnet18": lambda: ResNet18(1000), "hf-mobilenet-v2": hf_mobilenet_v2}
 # label -> quantize_static settings: (activation type, per channel)
 STATIC = {"ort static u8/s8 per-channel": ("QUInt8", True), "ort static s8/s8 per-tensor": ("QInt8", False)}
-
-
-def static_qdq(fp32: Path, out: Path, activation: str, per_channel: bool, size: int) -> Path:
-    """onnxruntime's quantize_static of ``fp32`` (after ``quant_pre_process``), calibrated on 8 synthetic inputs."""
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    rng = np.random.default_rng(0)
-
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.items = iter([{"input": rng.standard_normal((1, 3, size, size)).astype(np.float32)}
-                               for _ in range(8)])
-
-        def get_next(self):
-            return next(self.items, None)
-
-    prepared = out.with_suffix(".pre.onnx")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        quant_pre_process(str(fp32), str(prepared), skip_symbolic_shape=True)
-        quantize_static(str(prepared), str(out), Reader(), quant_format=QuantFormat.QDQ,
-                        activation_type=getattr(QuantType, activation), weight_type=QuantType.QInt8,
-                        per_channel=per_channel)
-    prepared.unlink()
-    return out
 
 
 def sources(folder: Path, size: int, models: list[str]) -> dict[str, Path]:
@@ -107,9 +76,12 @@ def sources(folder: Path, size: int, models: list[str]) -> dict[str, Path]:
             warnings.simplefilter("ignore")
             torch.onnx.export(FP32[name]().eval(), torch.randn(1, 3, size, size), fp32, dynamo=False,
                               input_names=["input"])
+        rng = np.random.default_rng(0)
+        calibration = [{"input": rng.standard_normal((1, 3, size, size)).astype(np.float32)} for _ in range(8)]
         for label, (activation, per_channel) in STATIC.items():
-            found[f"{label}: {name}"] = static_qdq(fp32, folder / f"{name}.{activation}.{per_channel}.onnx",
-                                                   activation, per_channel, size)
+            path = folder / f"{name}.{activation}.{per_channel}.onnx"
+            quantize_static(fp32, path, calibration, activation_type=activation, per_channel=per_channel)
+            found[f"{label}: {name}"] = path
     for path in sorted(FIXTURES.glob("*.onnx")) if FIXTURES.is_dir() else []:
         found[path.stem] = path
     return found

@@ -21,8 +21,10 @@ STATIC_REDUCED = "ort quantize_static reduce_range"
 DYNAMIC = "ort quantize_dynamic"
 
 
-def quantize_static(fp32: Path, out: Path, feeds: list[dict[str, np.ndarray]], reduce_range: bool = False) -> float:
-    """onnxruntime's static quantization of ``fp32`` into ``out``; returns the seconds it took."""
+def quantize_static(fp32: Path, out: Path, feeds: list[dict[str, np.ndarray]], reduce_range: bool = False,
+                    activation_type: str = "QUInt8", per_channel: bool = True) -> float:
+    """onnxruntime's static quantization of ``fp32`` into ``out`` (QDQ, int8 weights; uint8 activations and
+    per-channel weights unless told otherwise); returns the seconds it took."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType
     from onnxruntime.quantization import quantize_static as ort_quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -40,7 +42,8 @@ def quantize_static(fp32: Path, out: Path, feeds: list[dict[str, np.ndarray]], r
         warnings.simplefilter("ignore")
         quant_pre_process(str(fp32), str(prepared), skip_symbolic_shape=True)
         ort_quantize_static(str(prepared), str(out), Reader(), quant_format=QuantFormat.QDQ,
-                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True,
+                            activation_type=getattr(QuantType, activation_type), weight_type=QuantType.QInt8,
+                            per_channel=per_channel,
                             reduce_range=reduce_range)
     prepared.unlink()
     return time.perf_counter() - started

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..graph import MS_DOMAIN, Graph, Node, Value, attr, input_of
-from ..qdq import QTensor, activation
+from ..qdq import QTensor, activation, quantizes
 
 AVERAGE_POOL_ATTRS = ("auto_pad", "ceil_mode", "count_include_pad", "kernel_shape", "pads", "strides")
 SHAPE_ONLY = ("Squeeze", "Flatten", "Reshape", "Unsqueeze")
@@ -77,7 +77,7 @@ def quantize_after(g: Graph, value: Value) -> tuple[list[Node], Node] | None:
         reader = g.only_consumer(value) if chain else _only_data_reader(g, value)
         if reader is None:
             return None
-        if reader.op_type == "QuantizeLinear" and _quantizes(g, reader, value):
+        if quantizes(g, reader, value):
             return chain, reader
         if reader.op_type not in SHAPE_ONLY or reader.inputs[0] is not value:
             return None
@@ -94,12 +94,6 @@ def _only_data_reader(g: Graph, value: Value) -> Node | None:
     if len(readers) != 1:
         return None
     return readers[0] if sum(u.node is readers[0] for u in value.uses()) == 1 else None
-
-
-def _quantizes(g: Graph, q: Node, value: Value) -> bool:
-    """``q`` is a QuantizeLinear of ``value`` with a constant scalar scale and zero point."""
-    return (q.inputs[0] is value and g.is_const(input_of(q, 1)) and g.is_const(input_of(q, 2))
-            and g.const(q.inputs[1]).size == 1)
 
 
 def pool_to_qlinear(g: Graph) -> int:

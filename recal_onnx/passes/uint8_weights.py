@@ -72,13 +72,20 @@ def _shift(g: Graph, node: Node, q_index: int, zp_index: int) -> bool:
     return True
 
 
+def uint8_twin(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """``model`` with every int8 weight beyond +-64 stored as uint8, zero point 128 (a new model, the same values);
+    None where it has none."""
+    g = Graph(model)
+    return g.commit() if uint8_weights(g) else None
+
+
 def exact_on_this_cpu(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model``, or on a CPU whose int8 kernels saturate its uint8-weight twin (a new model; the same values),
     so that running it here measures the model, not this CPU."""
     if int8_weights_exact_here():
         return model
-    g = Graph(model)
-    if not uint8_weights(g):
+    twin = uint8_twin(model)
+    if twin is None:
         return model
     log.debug("running the uint8-weight twin of the model: int8 weights beyond +-64 saturate on this CPU")
-    return g.commit()
+    return twin
