@@ -57,6 +57,22 @@ def weight(g: Graph, value: Value | None) -> QWeight | None:
     return QWeight(q, g.const(node.inputs[1]), zp, axis if axis >= 0 else axis + q.ndim, node)
 
 
+def along_axis(dq: Node, q: np.ndarray, *params: np.ndarray) -> list[np.ndarray] | None:
+    """A DequantizeLinear's per-tensor or per-channel ``params`` (its scale, its zero point) shaped to broadcast
+    against its integers ``q`` along its ``axis``; None for blocked quantization or an axis the integers lack."""
+    if attr(dq, "block_size", 0):
+        return None  # blocked: the converter's Q/DQ check refuses it by name
+    if all(p.size == 1 for p in params):
+        return [p.reshape(()) for p in params]
+    axis = attr(dq, "axis", 1)
+    axis = axis + q.ndim if axis < 0 else axis
+    if not 0 <= axis < q.ndim or any(p.size not in (1, q.shape[axis]) for p in params):
+        return None
+    shape = [1] * q.ndim
+    shape[axis] = -1
+    return [p.reshape(shape) if p.size != 1 else p.reshape(()) for p in params]
+
+
 def replace_moved_weight(g: Graph, node: Node, w: QWeight, moved: np.ndarray, axis: int | None, suffix: str) -> None:
     """``node``, which moves the dequantized weight ``w`` (a Transpose, a Reshape), replaced by a DequantizeLinear of
     ``moved`` (``w``'s integers moved the same way; per channel on ``axis`` unless None); ``w``'s own

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph, attr, input_of
+from ..graph import Graph, input_of
+from ..qdq import along_axis
 
 
 def fold_int32_biases(g: Graph) -> int:
@@ -29,16 +30,10 @@ def fold_int32_biases(g: Graph) -> int:
         if zero_point is not None and not g.is_const(zero_point):
             continue
         zp = g.const(zero_point) if zero_point is not None else np.zeros((), np.int32)
-        if scale.size != 1 or zp.size != 1:  # per channel: the scale lies along axis
-            if attr(node, "block_size", 0):
-                continue  # blocked: the converter's Q/DQ check refuses it by name
-            axis = attr(node, "axis", 1)
-            axis = axis + q.ndim if axis < 0 else axis
-            if not 0 <= axis < max(q.ndim, 1):
-                continue
-            shape = [1] * q.ndim
-            shape[axis] = -1
-            scale, zp = scale.reshape(shape), zp.reshape(shape) if zp.size != 1 else zp
+        shaped = along_axis(node, q, scale, zp)
+        if shaped is None:
+            continue
+        scale, zp = shaped
         # onnxruntime's DequantizeLinear: float32(q - zp) * scale, in float32
         value = ((q.astype(np.int64) - zp.astype(np.int64)).astype(np.float32) * scale.astype(np.float32))
         g.replace(node.outputs[0], g.add_const(node.inputs[0].name + "_float", value))

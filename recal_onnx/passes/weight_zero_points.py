@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph, attr, input_of, set_input
+from ..graph import Graph, input_of, set_input
+from ..qdq import along_axis
 
 
 def weights_to_int8(g: Graph) -> int:
@@ -28,18 +29,10 @@ def weights_to_int8(g: Graph) -> int:
             continue
         if q.dtype == np.int8 and not np.any(zp):
             continue  # already symmetric int8
-        if attr(node, "block_size", 0):
+        shaped = along_axis(node, q, zp)
+        if shaped is None:
             continue
-        if zp.size != 1:
-            axis = attr(node, "axis", 1)
-            axis = axis + q.ndim if axis < 0 else axis
-            if not 0 <= axis < q.ndim or q.shape[axis] != zp.size:
-                continue
-            shape = [1] * q.ndim
-            shape[axis] = -1
-            zp_b = zp.reshape(shape)
-        else:
-            zp_b = zp.reshape(())
+        zp_b, = shaped
         shifted = q.astype(np.int16) - zp_b.astype(np.int16)
         if shifted.size and (shifted.min() < -128 or shifted.max() > 127):
             continue
