@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from recal_core.atomic import TEMP_PREFIX
+from recal_core.atomic import made_by_recal
 
 LOCK_NAME = ".recal.lock"
 RUN_FILE = "run.json"
@@ -76,7 +76,7 @@ def check_fresh(checkpoints: Path) -> None:
         raise RuntimeError(f"{checkpoints} holds an earlier run's checkpoints; continue it with --resume, or give "
                            "another --output")
     out = checkpoints.parent
-    foreign = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME and not p.name.startswith(TEMP_PREFIX)
+    foreign = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME and not made_by_recal(p)
                      and p != checkpoints) if out.is_dir() else []
     if foreign:
         listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")

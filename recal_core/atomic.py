@@ -1,14 +1,16 @@
 """Write files atomically: a temp file beside the target, flushed to disk, renamed over it only on success.
 
 A crash, an exception or a refused overwrite leaves no partial file and the old one intact. Temporaries carry the
-writing process's id (``.recal-<pid>-...``): a later write in the same folder removes those whose process is gone
-(a killed conversion's), and never another live process's.
+writing process's id and a seal of it (``.recal-<pid>-<seal>-...``): a later write in the same folder removes those
+whose process is gone (a killed conversion's), never another live process's, and never a file whose name lacks the
+seal or that another user owns (a user's own ``.recal-1-notes`` stays).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import shutil
 import tempfile
@@ -44,14 +46,31 @@ def _disk_full_is_said(folder: Path, target: Path) -> Iterator[None]:
         raise
 
 
+def _seal(pid: int) -> str:
+    """Eight hex digits only recal's temporaries carry after their process id."""
+    return hashlib.blake2b(f"recal temporary of process {pid}".encode(), digest_size=4).hexdigest()
+
+
 def _temp_prefix() -> str:
-    return f"{TEMP_PREFIX}{os.getpid()}-"
+    return f"{TEMP_PREFIX}{os.getpid()}-{_seal(os.getpid())}-"
 
 
 def _writer_pid(name: str) -> int | None:
-    """The process id in a temporary's name (``.recal-<pid>-...``), or None for another name."""
-    head = name[len(TEMP_PREFIX):].split("-", 1)[0] if name.startswith(TEMP_PREFIX) else ""
-    return int(head) if head.isdigit() else None
+    """The process id in a temporary's name (``.recal-<pid>-<seal>-...``), or None for any other name (one without
+    the seal of its id is not recal's)."""
+    if not name.startswith(TEMP_PREFIX):
+        return None
+    head, seal, *_ = name[len(TEMP_PREFIX):].split("-", 2) + ["", ""]
+    return int(head) if head.isdigit() and seal == _seal(int(head)) else None
+
+
+def made_by_recal(path: Path) -> bool:
+    """Whether ``path`` is a temporary recal wrote: its name sealed (:func:`_writer_pid`), owned by this user."""
+    try:
+        owner = path.lstat().st_uid
+    except OSError:
+        return False
+    return _writer_pid(path.name) is not None and owner == getattr(os, "getuid", lambda: owner)()
 
 
 def _alive(pid: int) -> bool:
@@ -70,7 +89,7 @@ def remove_orphaned_temporaries(folder: str | os.PathLike) -> list[Path]:
     removed = []
     for item in Path(folder).glob(TEMP_PREFIX + "*"):
         pid = _writer_pid(item.name)
-        if pid is None or pid == os.getpid() or _alive(pid):
+        if not made_by_recal(item) or pid == os.getpid() or _alive(pid):
             continue
         if item.is_dir() and not item.is_symlink():
             shutil.rmtree(item, ignore_errors=True)
@@ -172,6 +191,8 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
     """
     removed = []
     for item in Path(folder).glob(TEMP_PREFIX + "*"):
+        if not made_by_recal(item):
+            continue
         if item.is_dir() and not item.is_symlink():
             shutil.rmtree(item, ignore_errors=True)
         elif item.name.endswith(".tmp"):

@@ -11,6 +11,8 @@ import numpy as np
 
 STEPS = 3  # the end-to-end tolerance for a quantized or integer output, in its quantization steps
 FLOAT_SHARE = 0.1  # ... for a float output: a share of its range
+FLOAT_ONLY_SHARE = 1e-4  # ... when neither model quantizes an activation (weight-only layers dequantizing in float):
+# the same float arithmetic in another order, which moves a decoder's logits by about 1e-6 of their range
 CLASS_AGREEMENT = 0.95  # ... for class ids (ArgMax, TopK indices): the share that must agree
 CLASS_ID_OPS = {"ArgMax", "ArgMin", "TopK"}
 MEDIAN_SAMPLE = 1_000_000  # differences kept per output for the median
@@ -27,6 +29,7 @@ class OutputDiff:
     step: float = 0.0  # a float output written by a DequantizeLinear: its quantization step; an integer one: 1
     agreement: float | None = None  # class ids: the share equal
     noise: float | None = None  # the QAT model's own max abs difference under 8-ulp nudges (rounding_noise)
+    share: float = FLOAT_SHARE  # a float output's tolerance, as a share of its range
 
     def problem(self, tolerance: float | None, min_agreement: float | None) -> str | None:
         if self.kind == "bool":  # a mask or a decision: no tolerance means anything but equal
@@ -44,7 +47,7 @@ class OutputDiff:
         elif self.step > 0:
             limit = STEPS * self.step * (1 + 1e-6)
         else:
-            limit = max(FLOAT_SHARE * self.output_range, 1e-4)
+            limit = max(self.share * self.output_range, 1e-3 * self.share)
         noise = ""
         if tolerance is None and self.noise is not None:
             limit = max(limit, self.noise * (1 + 1e-6))
@@ -104,8 +107,8 @@ class OutputStats:
     def sample(self) -> np.ndarray:
         return np.concatenate(self.kept) if self.kept else np.zeros(0)
 
-    def diff(self, name: str, producer: str, step: float) -> OutputDiff:
-        """The output in its own units (see :class:`OutputDiff`)."""
+    def diff(self, name: str, producer: str, step: float, share: float = FLOAT_SHARE) -> OutputDiff:
+        """The output in its own units (see :class:`OutputDiff`); ``share``: a float output's tolerance."""
         dtype = self.dtype if self.dtype is not None else np.dtype(np.float32)
         integer = np.issubdtype(dtype, np.integer)
         if self.mismatch:
@@ -118,7 +121,7 @@ class OutputStats:
             return OutputDiff(name, "bool", self.max_diff, 1.0, agreement=self.equal / self.count if self.count else 1.0)
         if integer:
             return OutputDiff(name, "integer", self.max_diff, span, step=1.0)
-        return OutputDiff(name, "float", self.max_diff, span, step=step)
+        return OutputDiff(name, "float", self.max_diff, span, step=step, share=share)
 
 
 def float_gap(got: np.ndarray, ref: np.ndarray) -> float:

@@ -6,7 +6,7 @@ target's weight storage, thinning); a pass whose signature takes ``findings`` re
 :func:`run_pipeline` runs the steps in order and returns every pass's rewrite count; a repeated step runs its
 passes in turn until none rewrites (a QLinear op made by one pass is what the next one matches).
 
-1. constants and folds: ``constants_to_initializers``, ``remove_identities``, ``fold_constants`` (weights' Q becomes
+1. constants and folds: ``remove_dead_nodes`` (what no output reads), ``constants_to_initializers``, ``remove_identities``, ``fold_constants`` (weights' Q becomes
    int8), ``fold_int32_biases`` (a ``DequantizeLinear(int32)`` bias: the float it means), ``weights_to_int8``
    (a weight with a zero point: symmetric int8 where its values fit), ``minmax_to_clip``
    (jax2onnx's ``Max`` / ``Min`` by a constant: the Clip it is), ``average_pool_windows`` (an AveragePool whose window
@@ -39,7 +39,7 @@ from .passes.bias_apart import bias_apart
 from .passes.bias_to_int32 import bias_to_int32
 from .passes.binary_to_qlinear import binary_to_qlinear
 from .passes.concat_to_qlinear import concat_to_qlinear
-from .passes.constants import constants_to_initializers, fold_constants, remove_identities
+from .passes.constants import constants_to_initializers, fold_constants, remove_dead_nodes, remove_identities
 from .passes.conv_to_qlinearconv import conv_to_qlinearconv
 from .passes.affine_to_batchnorm import affine_to_batchnorm
 from .passes.average_pool_windows import average_pool_windows
@@ -93,7 +93,7 @@ class Step:
 
 
 PIPELINE: tuple[Step, ...] = (
-    Step((constants_to_initializers, remove_identities, fold_constants, fold_int32_biases, weights_to_int8,
+    Step((remove_dead_nodes, constants_to_initializers, remove_identities, fold_constants, fold_int32_biases, weights_to_int8,
           minmax_to_clip, average_pool_windows, fold_weight_reshapes, fold_weight_transposes, fold_pads_into_convs,
           gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales)),
     Step((thin_heads,), when=lambda o: o.thin),

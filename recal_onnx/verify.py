@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import onnx
 
-from .output_diff import (CLASS_AGREEMENT, CLASS_ID_OPS, FLOAT_SHARE, STEPS,  # noqa: F401 (re-exported)
-                          OutputDiff, OutputStats, float_gap)
+from .output_diff import (CLASS_AGREEMENT, CLASS_ID_OPS, FLOAT_ONLY_SHARE, FLOAT_SHARE,  # noqa: F401 (re-exported)
+                          STEPS, OutputDiff, OutputStats, float_gap)
 from .verify_inputs import batched_inputs, fixed_batch, generated_inputs, integer_ranges  # noqa: F401 (re-exported)
 
 
@@ -53,6 +53,7 @@ class Verification:
     local_float: float | None = None  # op by op: the largest float-output difference, share of its range
     local_tensors: int = 0  # integer tensors compared op by op
     local_share: float | None = None  # op by op: the share of their values that differ
+    local_share_tensor: str = ""  # ... and the tensor with the most differing values
     median_abs_diff: float = 0.0  # end to end, of every output value
     outputs: tuple[OutputDiff, ...] = ()  # end to end, each graph output in its own units
 
@@ -96,7 +97,8 @@ class Verification:
                          f"from the QAT model's (computed from the QAT model's own inputs; at most {LOCAL_STEPS})")
         if self.local_share is not None and self.local_share > LOCAL_SHARE:
             parts.append(f"op by op, {100 * self.local_share:.3g}% of the integer values differ from the QAT model's "
-                         f"(at most {100 * LOCAL_SHARE:g}%: values on a rounding boundary)")
+                         f"(at most {100 * LOCAL_SHARE:g}%: values on a rounding boundary), most in tensor "
+                         f"{self.local_share_tensor!r}")
         if self.local_float is not None and not self.local_float <= LOCAL_FLOAT:
             parts.append(f"op by op, a float output differs by {100 * self.local_float:.2f}% of its range "
                          f"(at most {100 * LOCAL_FLOAT:g}%)")
@@ -193,7 +195,8 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
     dead = [name for s, name in zip(stats, names) if s.count and s.nonfinite == s.count]
     if dead:
         raise NonFiniteReference(dead)
-    outputs = tuple(s.diff(name, producers.get(name, ""), steps.get(name, output_step))
+    share = FLOAT_ONLY_SHARE if float_only(reference, candidate) else FLOAT_SHARE
+    outputs = tuple(s.diff(name, producers.get(name, ""), steps.get(name, output_step), share)
                     for s, name in zip(stats, names))
     diff = max((o.max_abs_diff for o in outputs if o.kind != "class ids"), default=0.0)
     span = max((o.output_range for o in outputs if o.kind != "class ids"), default=0.0)
@@ -214,6 +217,27 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
         result = replace(result, outputs=tuple(replace(o, noise=own.get(o.name)) if o.kind in ranged else o
                                                for o in result.outputs))
     return result
+
+
+def float_only(reference: onnx.ModelProto | str, candidate: onnx.ModelProto) -> bool:
+    """Neither model quantizes an activation: every QuantizeLinear of the reference reads a constant (weight-only
+    layers, dequantized in float) and the candidate computes in float (no ``MatMulNBits`` told to quantize its input,
+    ``accuracy_level`` > 0). Both are then the same float arithmetic, compared at float precision
+    (:data:`FLOAT_ONLY_SHARE` of a float output's range), not at the share integer rounding needs."""
+    model = _copyable(reference)
+    if model is None:
+        return False
+    graph = model.graph
+    constant = {i.name for i in graph.initializer} | {o for n in graph.node if n.op_type == "Constant"
+                                                      for o in n.output}
+    if any(n.op_type == "QuantizeLinear" and n.input[0] not in constant for n in graph.node):
+        return False
+    approximate = any(n.op_type == "MatMulNBits" and any(a.name == "accuracy_level" and a.i > 0 for a in n.attribute)
+                      for n in candidate.graph.node)
+    integer = any(n.op_type in ("QLinearConv", "QLinearMatMul", "QGemm", "MatMulInteger", "ConvInteger",
+                                "DynamicQuantizeLinear", "MatMulIntegerToFloat", "QuantizeLinear")
+                  for n in candidate.graph.node)
+    return not approximate and not integer
 
 
 def rounding_noise(reference: onnx.ModelProto | str, feeds: dict[str, np.ndarray], batched: set[str],
@@ -377,15 +401,16 @@ def op_by_op(reference: onnx.ModelProto | str, candidate: onnx.ModelProto, feeds
     probe.graph.input.extend(onnx.helper.make_tensor_value_info(n + "__qat", onnx.helper.np_dtype_to_tensor_dtype(
         v.dtype), None) for n, v in given.items())
     got = run_batches(session(probe), {**feeds, **{n + "__qat": v for n, v in given.items()}}, fixed)
-    steps, differing, compared = {}, 0, 0
+    steps, counts, compared = {}, {}, 0
     for name, value in zip(names, got[outputs:]):
         if name in given:
             diff = np.abs(value.astype(np.int32) - given[name].astype(np.int32))
-            steps[name] = int(diff.max(initial=0))
-            differing, compared = differing + int(np.count_nonzero(diff)), compared + diff.size
+            steps[name], counts[name] = int(diff.max(initial=0)), int(np.count_nonzero(diff))
+            compared += diff.size
     where = max(steps, key=steps.get)
     floats = [float_gap(g, r) for g, r in zip(got, ref_outputs) if np.issubdtype(r.dtype, np.floating) and r.size]
     return replace(result, local_steps=steps[where], local_tensor=where, local_float=max(floats) if floats else None,
-                   local_tensors=len(given), local_share=differing / max(compared, 1))
+                   local_tensors=len(given), local_share=sum(counts.values()) / max(compared, 1),
+                   local_share_tensor=max(counts, key=counts.get))
 
 

@@ -207,7 +207,7 @@ def _frozen_weights(path):
 
 
 def test_outputs_get_the_mode_of_any_new_file_and_stale_temporaries_go(tmp_path):
-    from recal_core.atomic import TEMP_PREFIX, write_text_atomically
+    from recal_core.atomic import TEMP_PREFIX, _seal, write_text_atomically
 
     plain = tmp_path / "plain.txt"
     plain.write_text("x")
@@ -215,19 +215,29 @@ def test_outputs_get_the_mode_of_any_new_file_and_stale_temporaries_go(tmp_path)
     assert (tmp_path / "atomic.txt").stat().st_mode == plain.stat().st_mode
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)
-    stale = [out / f"{TEMP_PREFIX}report.json.abc.tmp", out / "checkpoints" / f"{TEMP_PREFIX}epoch-1.pt.x.tmp"]
+    sealed = f"{TEMP_PREFIX}4000000-{_seal(4000000)}-"  # what kill -9 leaves: recal's names, sealed
+    stale = [out / f"{sealed}report.json.abc.tmp", out / "checkpoints" / f"{sealed}epoch-1.pt.x.tmp"]
     for path in stale:
-        path.write_bytes(b"")  # what kill -9 leaves
-    (out / "checkpoints" / "keep.txt").write_text("not recal's")
+        path.write_bytes(b"")
+    users = [out / "checkpoints" / name for name in ("keep.txt", f"{TEMP_PREFIX}4000000-notes.tmp",
+                                                     f"{TEMP_PREFIX}4000000-deadbeef-x.tmp")]
+    for path in users:  # the user's own files, two named like temporaries but not sealed
+        path.write_text("not recal's")
     with pytest.raises(RuntimeError, match="earlier run"):  # refused, but the stale files are cleaned first
         train(load_recipe(DENSE), "torch", out, epochs=1, progress=False)
-    assert not any(p.exists() for p in stale) and (out / "checkpoints" / "keep.txt").exists()
+    assert not any(p.exists() for p in stale) and all(p.exists() for p in users)
 
 
 def test_a_killed_conversions_temporary_folder_goes_with_the_next_conversion_and_a_live_ones_stays(tmp_path,
                                                                                                   qat_model):
-    """A conversion killed by SIGKILL leaves its ``.recal-<pid>-...`` folder; the next conversion into that folder
-    removes it (its process is gone) and leaves a running writer's alone."""
+    """A conversion killed by SIGKILL leaves its ``.recal-<pid>-<seal>-...`` folder; the next conversion into that
+    folder removes it (its process is gone) and leaves a running writer's alone, and a user's file named like one
+    without the seal."""
+    from recal_core.atomic import _seal, _writer_pid
+
+    def killed_pid(path):
+        return _writer_pid(path.name)
+
     src = export_onnx(qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
     out = tmp_path / "out"
     out.mkdir()
@@ -242,11 +252,14 @@ def test_a_killed_conversions_temporary_folder_goes_with_the_next_conversion_and
     assert orphan.name.startswith(".recal-") and list(orphan.iterdir())
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        live = out / f".recal-{sleeper.pid}-writing"
+        live = out / f".recal-{sleeper.pid}-{_seal(sleeper.pid)}-writing"
         live.mkdir()
+        mine = out / f".recal-{killed_pid(orphan)}-my-notes"  # the user's, named like one but unsealed
+        mine.write_text("kept")
         quantize_qat_export(str(src), out / "int8.onnx")
         # the int8 model and its twin for x86 without VNNI (8-bit weights, target any)
-        assert sorted(p.name for p in out.iterdir()) == sorted([live.name, "int8.onnx", "int8.x86-avx2.onnx"])
+        assert sorted(p.name for p in out.iterdir()) == sorted([live.name, mine.name, "int8.onnx",
+                                                                "int8.x86-avx2.onnx"])
     finally:
         sleeper.kill()
         sleeper.wait()

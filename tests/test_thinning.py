@@ -2,6 +2,7 @@
 masked one did, with fewer multiply-adds, on residual, depthwise and flatten-linear nets, float and QAT."""
 
 import copy
+import io
 import sys
 from pathlib import Path
 
@@ -270,6 +271,11 @@ def test_load_thinned_takes_only_thinning_and_changes_nothing_when_it_refuses():
     wider = dict(dense.state_dict(), **{"3.weight": torch.zeros(4, 16, 3, 3)})
     with pytest.raises(ValueError, match=r"3\.weight \(Conv2d\) is larger along axis 1"):
         load_thinned(dense, wider)
+    expanded = io.BytesIO()  # a 1 kB checkpoint whose tensor claims 3.6 GB (stride 0): refused before a copy
+    torch.save(dict(dense.state_dict(), **{"3.weight": torch.zeros(1).expand(4, 10**8, 3, 3)}), expanded)
+    expanded.seek(0)
+    with pytest.raises(ValueError, match=r"3\.weight \(Conv2d\) is larger along axis 1"):
+        load_thinned(dense, torch.load(expanded, weights_only=True))
     thinned = {k: v[:6] if k.startswith(("0.", "1.")) and v.dim() >= 1 and k != "1.num_batches_tracked" else v
                for k, v in dense.state_dict().items()}
     thinned["3.weight"] = dense.state_dict()["3.weight"][:, :6]

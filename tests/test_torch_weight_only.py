@@ -1,6 +1,7 @@
 """Weight-only QAT (W4A16, W8A16): int4 / int8 weights per group or channel, float activations, MatMulNBits in ONNX."""
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -8,6 +9,7 @@ from torch import nn
 
 from recal_core import RecipeError
 from recal_onnx import quantize_qat_export
+from recal_onnx.verify import verify_models
 from recal_torch import ScheduledModifierManager, export_onnx
 from recal_torch.fake_quant import GroupWeightFakeQuantize
 from recal_torch.qat_modules import QATEmbedding, QATLinear, WeightOnlyLinear
@@ -75,6 +77,18 @@ def test_w4a16_trains_exports_and_runs_as_matmulnbits(tmp_path, dynamo):
         session = ort.InferenceSession(str(tmp_path / "w4_int.onnx"), options, providers=["CPUExecutionProvider"])
         got = session.run(None, {"ids": ids.numpy()})[0]
         np.testing.assert_allclose(got, expected, atol=1e-5 * max(1.0, float(np.ptp(expected))))
+    assert result.verification.outputs[0].share == 1e-4  # float on both sides: compared at float precision
+    # the same model with each row's block scales in the wrong places (what reading a blocked DequantizeLinear as
+    # per channel wrote): refused, though far within the 10% of range that integer rounding needs
+    wrong = onnx.ModelProto()
+    wrong.CopyFrom(result.model)
+    scales = {n.input[2] for n in wrong.graph.node if n.op_type == "MatMulNBits"}
+    for tensor in wrong.graph.initializer:
+        if tensor.name in scales:
+            values = onnx.numpy_helper.to_array(tensor)
+            tensor.CopyFrom(onnx.numpy_helper.from_array(np.roll(values, 1), tensor.name))
+    verdict = verify_models(str(path), wrong, {"ids": ids.numpy()})
+    assert verdict.max_abs_diff < 0.1 * verdict.output_range and "max abs difference" in verdict.problem(None)
 
 
 def test_weight_only_beside_w8a8_layers(tmp_path):

@@ -192,3 +192,28 @@ def test_outputs_constant_over_the_inputs_say_the_check_compared_nothing():
     flat = verify_models(_unary(("Mul", 0.0)), _unary(("Mul", 0.0)), feeds, noise=False)
     assert flat.compared_nothing and flat.problem(None) is None
     assert not verify_models(_unary(("Mul", 2.0)), _unary(("Mul", 2.0)), feeds, noise=False).compared_nothing
+
+
+def test_generated_inputs_are_bounded_before_anything_is_allocated():
+    """What an input declares is checked before an array exists: 256 samples of a 4 MB input are cut to the 64
+    that fit, with a warning that says so; one sample of 4 TB, or one fixed batch beyond the bound, is refused
+    naming the input and its shape, at once."""
+    import time
+
+    from recal_onnx.input_checks import ModelError
+    from recal_onnx.verify_inputs import INPUT_BYTES, generated_inputs
+
+    with pytest.warns(UserWarning, match="verification on 64 generated samples, not 256"):
+        feeds = generated_inputs(_shaped(["n", 1024, 1024]))
+    assert feeds["x"].shape == (64, 1024, 1024) and feeds["x"].nbytes <= INPUT_BYTES
+    for shape, words in ((["n", 10**6, 10**6], r"input 'x' declares shape \[1, 1000000, 1000000\].*for one sample"),
+                         ([8, 10**5, 10**3], r"input 'x' declares shape \[8, 100000, 1000\].*one batch of 8")):
+        start = time.perf_counter()
+        with pytest.raises(ModelError, match=words):
+            generated_inputs(_shaped(shape))
+        assert time.perf_counter() - start < 1
+
+
+def _shaped(shape):
+    b = Builder()
+    return b.model([("x", shape)], [b.node("Relu", ["x"])])

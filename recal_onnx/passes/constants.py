@@ -38,6 +38,12 @@ def _becomes_const(g: Graph, out: Value, value: np.ndarray) -> None:
     g.replace(out, g.add_const(None, value, name=name))
 
 
+def remove_dead_nodes(g: Graph) -> int:
+    """Nodes whose outputs reach no graph output go first (onnxruntime drops them too): a value they read would
+    otherwise look read outside the pattern it belongs to (an elementwise island, a layer and its Q)."""
+    return g.remove_dead()
+
+
 def remove_identities(g: Graph) -> int:
     """Identity nodes, Casts to the type they read (ModelOpt writes float-to-float ones on residual paths), and
     Concats of a single input (``torch.cat([x])``: DenseNet's first layer), go."""
