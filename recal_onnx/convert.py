@@ -193,8 +193,27 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     except (VerificationError, ModelError, OSError, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - a malformed model must end in one clear error, not a traceback
-        raise ModelError(f"cannot convert {model_or_path if from_path else 'the model'}: "
-                         f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}") from exc
+        label = model_or_path if from_path else "the model"
+        own = _runtime_refusal(reference)
+        if own is not None:  # the input itself is broken: say so in onnxruntime's words about its own nodes
+            raise ModelError(f"{label} does not run in onnxruntime itself, as written: {own}") from exc
+        raise ModelError(f"cannot convert {label}: {type(exc).__name__}: {' '.join(str(exc).split())[:500]}") from exc
+
+
+def _runtime_refusal(reference: onnx.ModelProto | str) -> str | None:
+    """onnxruntime's reason for refusing the input model as written, loaded and run on one generated sample, or None
+    when it runs (or cannot be tried)."""
+    from .verify import reference_session
+
+    try:
+        model = onnx.load(reference, load_external_data=False) if isinstance(reference, str) else reference
+        feeds = generated_inputs(model, 1)
+        reference_session(reference).run(None, feeds)
+    except (MemoryError, ModelError):
+        return None
+    except Exception as exc:  # noqa: BLE001 - its message is the answer
+        return " ".join(str(exc).split())[:500]
+    return None
 
 
 def _convert(model, reference, output_path, format, verify, inputs, tolerance, min_agreement,

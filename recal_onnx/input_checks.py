@@ -37,7 +37,38 @@ def check_input(model: onnx.ModelProto, name: str) -> None:
         raise ModelError(f"{name} has ops of custom domains, which onnxruntime cannot run: {listed}{hint}")
     if not any(n.op_type in QDQ_OPS for n in model.graph.node):
         raise ModelError(f"{name} is not a QAT model: it has no QuantizeLinear/DequantizeLinear nodes")
+    for output in model.graph.output:
+        if output.type.WhichOneof("value") not in ("tensor_type", None):
+            raise ModelError(f"{name}: output {output.name!r} is a {output.type.WhichOneof('value')[:-5]}, not a "
+                             "tensor; the converter and its verification take tensor outputs")
     _check_quantized_types(model, name)
+    _check_clamp_bounds(model, name)
+
+
+def _constants(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
+    """Every constant tensor by name: initializers and ``Constant`` nodes' values."""
+    found = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.output:
+            value = next((a.t for a in node.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR),
+                         None)
+            if value is not None:
+                found[node.output[0]] = value
+    return found
+
+
+def _check_clamp_bounds(model: onnx.ModelProto, name: str) -> None:
+    """A NaN bound of ``Max``, ``Min`` or ``Clip`` makes its output NaN (or the bound meaningless): refused, named."""
+    constants = _constants(model)
+    for node in model.graph.node:
+        if node.op_type not in ("Max", "Min", "Clip"):
+            continue
+        for value in node.input:
+            tensor = constants.get(value)
+            if tensor is not None and tensor.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
+                                                           onnx.TensorProto.DOUBLE) and _has_nan(tensor):
+                raise ModelError(f"{name}: {node.op_type} {node.name or node.output[0]!r} has a NaN bound (constant "
+                                 f"{value!r}): its output is NaN or unbounded, a broken export")
 
 
 # the integer types the converter writes kernels for: uint8 / int8 tensors, int32 biases behind a DequantizeLinear
@@ -48,8 +79,8 @@ BIAS_TYPES = {onnx.TensorProto.INT32}
 def _check_quantized_types(model: onnx.ModelProto, name: str) -> None:
     """Every quantized tensor is uint8 / int8 (an int32 bias too), refused at the start otherwise: int16, uint16,
     4-bit or float8 tensors have no QLinear kernels here, and a model written with them would be invalid."""
-    initializers = {t.name: t.data_type for t in model.graph.initializer}
-    tensors = {t.name: t for t in model.graph.initializer}
+    tensors = _constants(model)  # initializers and Constant nodes alike
+    initializers = {name: t.data_type for name, t in tensors.items()}
     for node in model.graph.node:
         if node.op_type not in QDQ_OPS or not node.input:  # a node without inputs: the checker names it later
             continue
@@ -90,6 +121,15 @@ def nonfinite_initializers(reference: onnx.ModelProto | str, listed: int = 5) ->
         return " (every float initializer is finite: an op overflows or divides by zero)"
     more = f" and {len(bad) - listed} more" if len(bad) > listed else ""
     return f" (non-finite initializers: {', '.join(map(repr, bad[:listed]))}{more})"
+
+
+def _has_nan(tensor: onnx.TensorProto) -> bool:
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return False
+    try:
+        return bool(np.isnan(onnx.numpy_helper.to_array(tensor)).any())
+    except (ValueError, TypeError):
+        return False
 
 
 def _finite(tensor: onnx.TensorProto) -> bool:

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -615,3 +616,70 @@ def test_a_ten_thousand_node_elementwise_chain_converts_in_bounded_time():
     result = quantize_qat_export(model)
     assert time.perf_counter() - started < 60
     assert [n.op_type for n in result.model.graph.node].count("Gather") == 1 and result.verification.max_steps == 0
+
+
+def _converter_cases():
+    """Inputs the converter once met with a raw exception or an invalid model: each built by name."""
+    from onnx import TensorProto, helper
+
+    from .onnx_graphs import Builder
+
+    b = Builder()
+    y = b.node("Max", [b.qdq("x", 0.1, 128), b.const(np.float32(np.nan))])
+    yield "a NaN bound", b.model([("x", [None, 4])], [b.qdq(y, 0.1, 128)]), r"Max 'Max\d+' has a NaN bound"
+    b = Builder()
+    y = b.qdq(b.node("Relu", [b.qdq("x", 0.1, 128)]), 0.1, 128)
+    sequence = b.node("SequenceConstruct", [y])
+    model = b.model([("x", [None, 4])], [y])
+    model.graph.output.append(helper.make_tensor_sequence_value_info(sequence, TensorProto.FLOAT, None))
+    yield "a sequence output", model, r"output 'sequenceconstruct\d+' is a sequence, not a tensor"
+    b = Builder()
+    b.nodes.append(helper.make_node("Constant", [], ["w4"], value=helper.make_tensor(
+        "w4", TensorProto.INT4, [8, 16], [0] * 128)))
+    y = b.node("MatMul", ["x", b.node("Transpose", [b.node("DequantizeLinear", ["w4", b.const(np.float32(0.1))])])])
+    model = b.model([("x", [4, 16])], [y])
+    model.opset_import[0].version, model.ir_version = 21, 10
+    yield "an int4 Constant node", model, r"dequantizes tensor 'w4' from int4"
+    b = Builder()
+    q = np.random.default_rng(0).integers(-7, 8, (8, 16)).astype(np.int8)
+    w = b.node("DequantizeLinear", [b.const(q), b.const(np.full(8, 0.1, np.float32)), b.const(np.zeros(8, np.int8))],
+               axis=0)
+    y = b.node("Gemm", ["x", w, b.const(np.ones((8, 1), np.float32))], transB=1)
+    yield "a bias that does not broadcast", b.model([("x", [4, 16])], [y]), \
+        r"does not run in onnxruntime itself, as written: .*Gemm\d+.*bias"
+
+
+@pytest.mark.parametrize("case", list(_converter_cases()), ids=lambda case: case[0])
+def test_what_the_converter_once_raised_raw_is_a_located_refusal(tmp_path, case):
+    """A NaN clamp bound, a sequence output, an int4 weight in a Constant node, a Gemm bias the model itself
+    cannot broadcast: one ModelError naming the node or tensor, at once; nothing written."""
+    _, model, words = case
+    started = time.perf_counter()
+    with pytest.raises(ModelError, match=words):
+        quantize_qat_export(model, tmp_path / "out.onnx")
+    assert time.perf_counter() - started < 2 and not list(tmp_path.iterdir())
+
+
+def test_a_weight_only_gemm_whose_bias_is_a_column_runs_as_matmulnbits():
+    """A Gemm bias of shape [N, 1] (valid where the batch is N) is not MatMulNBits' [N] bias: the layer stays a
+    float Gemm with that reason, and the model converts and verifies; [1, N] becomes MatMulNBits' bias."""
+    import warnings
+
+    from recal_onnx import UnconvertedOpsWarning
+
+    from .onnx_graphs import Builder
+
+    feeds = {"x": np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)}
+    for shape, nbits in (((8, 1), 0), ((1, 8), 1)):
+        b = Builder()
+        q = np.random.default_rng(0).integers(-7, 8, (8, 16)).astype(np.int8)
+        w = b.node("DequantizeLinear", [b.const(q), b.const(np.full(8, 0.1, np.float32)),
+                                        b.const(np.zeros(8, np.int8))], axis=0)
+        y = b.node("Gemm", ["x", w, b.const(np.linspace(-1, 1, 8, dtype=np.float32).reshape(shape))], transB=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnconvertedOpsWarning)
+            result = quantize_qat_export(b.model([("x", [8, 16])], [y]), inputs=feeds)
+        assert [n.op_type for n in result.model.graph.node].count("MatMulNBits") == nbits
+        assert result.verification.problem(None) is None
+        if not nbits:
+            assert "[N] or [1, N]" in next(iter(result.float_reasons.values()))

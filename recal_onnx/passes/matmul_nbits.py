@@ -100,8 +100,14 @@ def matmul_to_nbits(g: Graph, accuracy_level: int = 0, findings: Findings | None
                                                   "takes blocks of a power of two >= 16")
             continue
         bias = input_of(node, 2) if node.op_type == "Gemm" else None
-        if bias is not None and (g.const(bias) is None or g.const(bias).size != w.q.shape[0]):
+        if bias is not None and (g.const(bias) is None or g.const(bias).shape not in ((w.q.shape[0],),
+                                                                                      (1, w.q.shape[0]))):
+            if findings is not None:  # MatMulNBits adds a bias of shape [N] alone
+                findings.kept_float[node.name] = (node.op_type, "its bias is not a constant of shape [N] or [1, N] "
+                                                  f"(N = {w.q.shape[0]}), the one bias MatMulNBits adds")
             continue
+        if bias is not None and g.const(bias).ndim == 2:
+            bias = g.add_const((bias.name or "bias") + "_vector", np.asarray(g.const(bias), np.float32).reshape(-1))
         add = _bias_add(g, node, w.q.shape[0]) if bias is None else None
         if add is not None:  # MatMul + Add(b): the bias becomes MatMulNBits' own input
             bias = next(v for v in add.inputs if g.is_const(v))
