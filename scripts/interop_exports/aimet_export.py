@@ -1,0 +1,57 @@
+"""AIMET's documented QAT flow at its defaults, into tests/fixtures/interop/aimet-small-resnet.onnx.
+
+The float SmallResNet (``common.py``) is trained a few steps, wrapped in ``QuantizationSimModel`` (8-bit weights and
+activations, AIMET's default config, ``training_range_learning_with_tf_init``: QAT that learns its ranges from
+calibrated starts), calibrated by ``compute_encodings``, QAT-trained a few steps and exported by
+``aimet_torch.onnx.export`` (QuantizeLinear / DequantizeLinear, int32 biases, opset 21, TorchScript path as its
+documentation shows; batch fixed at 1). aimet-torch asks for torchvision, whose registry build is for another torch;
+this script stands in the few names aimet imports at load. Run in a venv with ``torch==2.13.0`` installed first,
+then aimet-torch without its dependencies and those it needs:
+
+    python -m venv /tmp/venv_aimet && /tmp/venv_aimet/bin/pip install torch==2.13.0 && \\
+        /tmp/venv_aimet/bin/pip install --no-deps aimet-torch && /tmp/venv_aimet/bin/pip install Jinja2 PyYAML \\
+        jsonschema networkx numpy onnx onnx_ir onnxscript pandas psutil safetensors scipy tqdm scikit-learn \\
+        matplotlib tensorboard "bokeh<=3.6.3" holoviews hvplot cvxpy osqp
+    /tmp/venv_aimet/bin/python scripts/interop_exports/aimet_export.py
+"""
+
+import sys
+import types
+import warnings
+
+import torch
+
+
+def _stand_in_torchvision() -> None:
+    """The names aimet-torch reads from torchvision at import (its detection ops and data helpers), none used here."""
+    vision = types.ModuleType("torchvision")
+    for part in ("ops", "transforms", "datasets"):
+        setattr(vision, part, types.ModuleType(f"torchvision.{part}"))
+        sys.modules[f"torchvision.{part}"] = getattr(vision, part)
+    vision.ops.RoIPool = type("RoIPool", (torch.nn.Module,), {})
+    vision.ops.roi_align = vision.ops.nms = None
+    vision.transforms.Resize = type("Resize", (torch.nn.Module,), {})
+    sys.modules["torchvision"] = vision
+
+
+_stand_in_torchvision()
+
+import aimet_torch.onnx  # noqa: E402
+from aimet_torch.common.defs import QuantScheme  # noqa: E402
+from aimet_torch.quantsim import QuantizationSimModel  # noqa: E402
+
+from common import FIXTURES, SIZE, SmallResNet, calibration, trained  # noqa: E402
+
+torch.manual_seed(0)
+model = trained(SmallResNet())
+example = torch.randn(1, 3, SIZE, SIZE)
+sim = QuantizationSimModel(model, example, quant_scheme=QuantScheme.training_range_learning_with_tf_init,
+                           default_output_bw=8, default_param_bw=8)
+sim.compute_encodings(lambda m: [m(x) for x in calibration()])
+trained(sim.model, steps=10, seed=1)  # QAT, ranges learned
+FIXTURES.mkdir(parents=True, exist_ok=True)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    aimet_torch.onnx.export(sim.model, example, str(FIXTURES / "aimet-small-resnet.onnx"), input_names=["input"],
+                            opset_version=21, dynamo=False, export_int32_bias=True)
+print("wrote", FIXTURES / "aimet-small-resnet.onnx")
