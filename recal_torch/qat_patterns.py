@@ -89,3 +89,27 @@ def clamping_activation(node: torch.fx.Node, module: nn.Module | None) -> str | 
     elif node.op == "call_method" and node.target in ("relu", "relu_"):
         return "relu"
     return None
+
+
+_PROBE = torch.linspace(-8.0, 8.0, 129)
+
+
+def is_silu_module(module: nn.Module | None) -> bool:
+    """``nn.SiLU``, or a library's own SiLU module (Hugging Face's ``SiLUActivation``, timm's ``Swish``): a module
+    with no parameters, buffers or children, from outside torch, that computes exactly ``F.silu`` on a probe. Its
+    call site then quantizes the sigmoid too (``SiLUFakeQuantize``), as for ``nn.SiLU``."""
+    if isinstance(module, nn.SiLU):
+        return True
+    if module is None or type(module).__module__.startswith("torch.") or any(True for _ in module.children()) \
+            or any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
+        return False
+    known = module.__dict__.get("_recal_is_silu")
+    if known is None:
+        try:
+            with torch.no_grad():
+                out = module(_PROBE.clone())
+            known = isinstance(out, torch.Tensor) and out.shape == _PROBE.shape and torch.equal(out, F.silu(_PROBE))
+        except Exception:  # noqa: BLE001 - a module that cannot take the probe is not a SiLU
+            known = False
+        module.__dict__["_recal_is_silu"] = known
+    return known

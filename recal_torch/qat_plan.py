@@ -28,7 +28,7 @@ from .qat_attention import AttentionFakeQuantize
 from .qat_modules import (CONVS, NORMS, FoldedBatchNorm, QATConv, QATEmbedding, QATLinear, QATModule, QuantizedReLU,
                           WeightOnlyLinear, device_of, is_table, is_transposed_linear_type)
 from .qat_patterns import (AVG_POOL_FUNCTIONS, AVG_POOLS, CATS, clamping_activation, identity_at_eval,
-                           norm_activation, preserves_quantization)
+                           is_silu_module, norm_activation, preserves_quantization)
 from .qat_trace import ADDS, MULS, evaluating, own_children, record_forward
 
 log = logging.getLogger(__name__)
@@ -357,7 +357,7 @@ def _site_kind(node: torch.fx.Node, modules: dict[str, nn.Module]) -> str | None
     function = node.target if node.op == "call_function" else None
     if type(module) is nn.Sigmoid or function is torch.sigmoid:
         return "sigmoid"
-    if type(module) is nn.SiLU or function is F.silu:
+    if is_silu_module(module) or function is F.silu:
         return "silu"
     return "clamp" if clamping_activation(node, module) is not None else None
 

@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from .fake_quant import ActivationFakeQuantize, SiLUFakeQuantize
 from .qat_modules import device_of
+from .qat_patterns import is_silu_module
 from .qat_trace import active_modes, holds_tensor, mode_during_forward, op_name, own_children
 
 CONTAINER = "recal_sites"
@@ -93,7 +94,7 @@ def restore(root: nn.Module, state_dict, prefix: str, *args) -> None:
 
 def _is_silu(root: nn.Module, site: Site) -> bool:
     scope, op, _ = site
-    return op == "silu" or (op == "forward" and isinstance(root.get_submodule(scope), nn.SiLU))
+    return op == "silu" or (op == "forward" and is_silu_module(root.get_submodule(scope)))
 
 
 def _quantized(quantizer: nn.Module | None, args: tuple, out):

@@ -1,8 +1,8 @@
 """Transformers on onnxruntime: fp32 vs recal's int8 (``qoperator``, ``qdq``) vs onnxruntime's own quantizers.
 
-A BERT-base-shaped encoder (12 layers, hidden 768, 12 heads, vocabulary 30522) at sequence 128 and a
-ViT-B/16-shaped model at 224x224, built by Hugging Face ``transformers`` with random weights (nothing is
-downloaded). Each runs a few QAT steps under a recal recipe on synthetic data, so the observers hold real
+A BERT-base-shaped encoder (12 layers, hidden 768, 12 heads, vocabulary 30522) at sequence 128, a
+ViT-B/16-shaped model at 224x224, Swin-tiny (224x224) and MobileViT-small (256x256) at their default configs, built
+by Hugging Face ``transformers`` with random weights (nothing is downloaded). Each runs a few QAT steps under a recal recipe on synthetic data, so the observers hold real
 ranges, and is exported (QDQ) and converted by ``quantize_qat_export``; the float model is exported too and
 quantized by onnxruntime's ``quantize_dynamic`` (int8 weights) and ``quantize_static`` (QDQ, uint8
 activations, int8 per-channel weights, after ``quant_pre_process``, calibrated on 8 synthetic inputs).
@@ -13,7 +13,10 @@ resident memory above its imports (a fresh process, sampled every 2 ms) against 
 argmax agreement with the model's own reference on 16 inputs, 64 with ``--quick`` (recal: the QAT export run
 as float QDQ; onnxruntime's: the fp32 model). Run it on an idle machine: it measures latency.
 
-    python scripts/bench_transformers.py [--quick] [--rounds 15] [--models bert vit] [--attention]
+    python scripts/bench_transformers.py [--quick] [--rounds 15] [--models bert vit swin mobilevit] [--attention]
+        [--json docs/results/transformers.json]
+
+``--json`` keeps the runs of other CPUs in that file and replaces this CPU's.
 
 ``--attention`` adds rows for the same model with its attention matmuls quantized too
 (``modify(..., quantize_attention=True)``).
@@ -92,6 +95,37 @@ def vit(quick: bool, seq: int):
         return (torch.randn(n, 3, size, size, generator=g),)
 
     return model, batch, ("pixel_values",)
+
+
+def _image_model(model_class, config, size: int):
+    model = Classifier(model_class(config), ("pixel_values",))
+
+    def batch(n: int, g: torch.Generator):
+        return (torch.randn(n, 3, size, size, generator=g),)
+
+    return model, batch, ("pixel_values",)
+
+
+def swin(quick: bool, seq: int):
+    """Swin-tiny at its default config (what ``SwinConfig()`` builds), 224x224."""
+    import transformers
+
+    shape = dict(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4) \
+        if quick else {}
+    config = transformers.SwinConfig(num_labels=10, **shape)
+    return _image_model(transformers.SwinForImageClassification, config, config.image_size)
+
+
+def mobilevit(quick: bool, seq: int):
+    """MobileViT-small at its default config (``MobileViTConfig()``), 256x256: convolutions, SiLUs and
+    transformer blocks."""
+    import transformers
+
+    config = transformers.MobileViTConfig(num_labels=10, **(dict(image_size=64) if quick else {}))
+    return _image_model(transformers.MobileViTForImageClassification, config, config.image_size)
+
+
+MODELS = {"bert": bert, "vit": vit, "swin": swin, "mobilevit": mobilevit}
 
 
 def feeds(batch, names, n: int, seed: int) -> dict[str, np.ndarray]:
@@ -180,18 +214,20 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2-layer, hidden-128 models (a smoke test)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--models", nargs="+", default=["bert", "vit"], choices=["bert", "vit"])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--attention", action="store_true", help="also rows with the attention matmuls quantized")
     parser.add_argument("--json", type=Path, help="also write the tables here (docs/results/transformers.json)")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="recal-bench-transformers-"))
     warnings.filterwarnings("ignore")
-    models = [bench(name, {"bert": bert, "vit": vit}[name], args.quick, args.seq, args.rounds, folder, args.attention)
+    models = [bench(name, MODELS[name], args.quick, args.seq, args.rounds, folder, args.attention)
               for name in args.models]
     print(f"\nmodels in {folder}")
-    if args.json:
-        data = {"cpu": cpu.describe(), "onnxruntime": ort.__version__, "rounds": args.rounds, "quick": args.quick,
-                "models": models}
+    if args.json:  # one run per CPU: a run measured on another CPU is kept beside this one
+        run = {"cpu": cpu.describe(), "onnxruntime": ort.__version__, "rounds": args.rounds, "quick": args.quick,
+               "models": models}
+        runs = json.loads(args.json.read_text())["runs"] if args.json.exists() else []
+        data = {"runs": [*(r for r in runs if r["cpu"] != run["cpu"]), run]}
         args.json.write_text(json.dumps(data, indent=1) + "\n")
         print(f"wrote {args.json}")
 

@@ -103,7 +103,8 @@ def zoo(name: str = "zoo.json") -> str:
             "export; onnxruntime: fp32).")
 
 
-_TRANSFORMER_TITLES = {"bert": "BERT-base-shaped, sequence {seq}", "vit": "ViT-B/16-shaped, 224x224"}
+_TRANSFORMER_TITLES = {"bert": "BERT-base-shaped, sequence {seq}", "vit": "ViT-B/16-shaped, 224x224",
+                       "swin": "Swin-tiny, 224x224", "mobilevit": "MobileViT-small, 256x256"}
 
 
 def _latency_rows(model: dict, base_ms: float) -> list[str]:
@@ -117,16 +118,20 @@ def _latency_rows(model: dict, base_ms: float) -> list[str]:
 
 def transformers() -> str:
     """BERT-base- and ViT-B/16-shaped models: fp32, recal int8, onnxruntime's quantizers (scripts/bench_transformers.py)."""
-    data = _load("transformers.json")
-    lines = ["| model | variant | MB (x fp32) | 1 thread ms | 2 threads ms | x fp32 (1 thread) | argmax agreement |",
-             "|---" * 7 + "|"]
-    for model in data["models"]:
-        lines += _latency_rows(model, next(row["ms_1"] for row in model["rows"] if row["label"] == "fp32"))
-    return ("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}, batch 1, median of "
-            f"{data['rounds']} interleaved rounds (`python scripts/bench_transformers.py --rounds {data['rounds']} "
-            "--json docs/results/transformers.json`); MB = 10^6 bytes. Agreement: argmax on "
-            f"{data['models'][0]['checks']} inputs against the model each was made from (recal: its QAT export; "
-            "onnxruntime: fp32).")
+    parts = []
+    for data in _load("transformers.json")["runs"]:  # one table per CPU
+        lines = ["| model | variant | MB (x fp32) | 1 thread ms | 2 threads ms | x fp32 (1 thread) | argmax agreement |",
+                 "|---" * 7 + "|"]
+        for model in data["models"]:
+            lines += _latency_rows(model, next(row["ms_1"] for row in model["rows"] if row["label"] == "fp32"))
+        names = " ".join(model["model"] for model in data["models"])
+        attention = " --attention" if any("+attention" in r["label"] for m in data["models"] for r in m["rows"]) else ""
+        parts.append("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}, batch 1, median of "
+                     f"{data['rounds']} interleaved rounds (`python scripts/bench_transformers.py --rounds "
+                     f"{data['rounds']} --models {names}{attention} --json docs/results/transformers.json`); MB = 10^6 "
+                     f"bytes. Agreement: argmax on {data['models'][0]['checks']} inputs against the model each was "
+                     "made from (recal: its QAT export; onnxruntime: fp32).")
+    return "\n\n".join(parts)
 
 
 def llm() -> str:

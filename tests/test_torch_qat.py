@@ -622,6 +622,33 @@ def test_silu_and_squeeze_excitation_run_on_the_integers(dynamo, tmp_path):
     assert np.abs(got - expected).max() <= 2e-3
 
 
+class LibrarySiLU(nn.Module):
+    """A library's own SiLU module (Hugging Face's ``SiLUActivation``, timm's ``Swish``): F.silu in a class of its
+    own, not nn.SiLU."""
+
+    def forward(self, x):
+        return torch.nn.functional.silu(x)
+
+
+def test_a_librarys_own_silu_module_is_a_silu_site(tmp_path):
+    """MobileViT, EfficientNet and others run SiLU through ``transformers.activations.SiLUActivation``: recognised
+    by what it computes (F.silu exactly, no parameters), its call site quantizes the sigmoid too and the int8
+    model runs QLinearSigmoid and QLinearMul where it sat (MobileViT-small went from 0.81x to 1.20x
+    ``quantize_static`` on the VNNI/AMX Xeon); a parameterless module computing something else is not one."""
+    from recal_torch.qat_patterns import is_silu_module
+
+    torch.manual_seed(0)
+    model = SqueezeExcite()
+    model.act = LibrarySiLU()
+    fake_quantize_model(model)
+    result = _int8(model, tmp_path, False)
+    assert "act:forward:0" in model.recal_sites and "act:forward:1" in model.recal_sites
+    kinds = [n.op_type for n in result.model.graph.node]
+    assert kinds.count("QLinearSigmoid") == 4 and kinds.count("QLinearMul") == 4 and not result.float_nodes, kinds
+    assert not is_silu_module(nn.Hardswish()) and not is_silu_module(type("Gelu", (nn.Module,), {
+        "forward": lambda self, x: torch.nn.functional.gelu(x)})())
+
+
 def test_silu_sites_travel_in_checkpoints():
     torch.manual_seed(0)
     model = SqueezeExcite()
