@@ -27,6 +27,11 @@ _SAME = {_aten.gelu.default, _aten.relu.default, _aten.relu_.default, _aten.silu
 _SAME |= {_aten.max_pool1d.default, _aten.max_pool2d.default, _aten.max_pool3d.default, _aten.avg_pool1d.default,
           _aten.avg_pool2d.default, _aten.avg_pool3d.default, _aten.adaptive_avg_pool1d.default,
           _aten.adaptive_avg_pool2d.default, _aten.adaptive_avg_pool3d.default, _aten.adaptive_max_pool2d.default}
+# a QAT model's fake quantizers: a weight's (per channel) is the weight to the graph; an activation's (per
+# tensor) keeps every channel and head where it is
+_FAKE_QUANTS = {_aten.fake_quantize_per_channel_affine.default, _aten.fake_quantize_per_tensor_affine.default,
+                _aten.fake_quantize_per_tensor_affine.tensor_qparams}
+_SAME |= _FAKE_QUANTS
 _CONVS = {_aten.conv1d.default, _aten.conv2d.default, _aten.conv3d.default}
 _JOIN = {_aten.add.Tensor, _aten.mul.Tensor}
 # ops a head's tensors may pass through between its projection and the attention (splitting heads,
@@ -35,14 +40,28 @@ _HEAD_LOCAL = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.def
                _aten.permute.default, _aten.contiguous.default, _aten.clone.default, _aten.mul.Tensor,
                _aten.add.Tensor, _aten.sub.Tensor, _aten.neg.default, _aten.cat.default, _aten.slice.Tensor,
                _aten.unsqueeze.default, _aten.expand.default, _aten._to_copy.default, _aten.to.dtype,
-               _aten.type_as.default, _aten.alias.default, _aten.squeeze.dim}
+               _aten.type_as.default, _aten.alias.default, _aten.squeeze.dim, *_FAKE_QUANTS}
 _MERGE = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.transpose.int,
-          _aten.permute.default, _aten.contiguous.default, _aten.clone.default, _aten.alias.default}
+          _aten.permute.default, _aten.contiguous.default, _aten.clone.default, _aten.alias.default, *_FAKE_QUANTS}
+
+
+EXAMPLE_INPUTS = "_recal_example_inputs"  # where modify(..., example_inputs=) keeps them on the model
+
+
+def remember_example_inputs(model: nn.Module, example_inputs: Any) -> None:
+    """Keep ``example_inputs`` on ``model`` (a plain attribute, not state), so that ``thin`` and the channel and
+    head graphs trace it with them later without being given them again."""
+    if example_inputs is not None:
+        model.__dict__[EXAMPLE_INPUTS] = example_inputs
 
 
 def example_inputs_of(model: nn.Module) -> tuple[tuple, dict] | None:
-    """Inputs to trace a Hugging Face model with when the user gave none: ``model.dummy_inputs``, or one
-    image of the config's size for vision models. None when the model is not one recal knows how to feed."""
+    """Inputs to trace ``model`` with when the user gave none: those given to ``modify``; for a Hugging Face
+    model, ``model.dummy_inputs``, or one image of the config's size for vision models. None when recal knows no
+    way to feed it."""
+    stored = model.__dict__.get(EXAMPLE_INPUTS)
+    if stored is not None:
+        return _as_args(model, stored)
     config = getattr(model, "config", None)
     name = getattr(model, "main_input_name", None)
     if config is None or name is None:
@@ -97,9 +116,23 @@ def _ops(program: torch.export.ExportedProgram) -> tuple[list[Op], list[Attentio
     sig = program.graph_signature
     params = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
     graph = program.graph
+    constant = _constants(graph, params)
+    for node in graph.nodes:  # a QAT layer's weight, fake-quantized (and BatchNorm-scaled), is its parameter
+        source = node.args[0] if node.target in _FAKE_QUANTS else None
+        if isinstance(source, torch.fx.Node) and source.target is _aten.mul.Tensor and source.name not in params:
+            weight = next((a for a in source.args if isinstance(a, torch.fx.Node) and a.name in params), None)
+            if weight is not None and all(a.name in constant for a in source.all_input_nodes):
+                params[source.name] = params[weight.name]  # conv weight x BatchNorm factor (a folded QAT conv)
+        if isinstance(source, torch.fx.Node) and source.name in params:
+            params[node.name] = params[source.name]
     ops: list[Op] = []
     for node in graph.nodes:
         tensors = tuple(a.name for a in node.all_input_nodes if a.name not in params)
+        if node.name in params and node.op != "placeholder":
+            continue  # a weight's fake quantizer: the weight itself
+        if _undoes_batchnorm_factor(node, constant):
+            ops.append(Op(_where(node), "same", (node.args[0].name,), node.name))
+            continue
         if node.op == "placeholder":
             if node.name not in params:
                 ops.append(Op(node.name, "input", (), node.name))
@@ -132,6 +165,31 @@ def _ops(program: torch.export.ExportedProgram) -> tuple[list[Op], list[Attentio
     attentions = [_attention(node, params) for node in graph.nodes
                   if node.target is _aten.scaled_dot_product_attention.default]
     return ops, attentions
+
+
+def _constants(graph: torch.fx.Graph, params: dict[str, str]) -> dict[str, frozenset[str]]:
+    """Every parameter, buffer and value computed from them alone (not from an input), by name: the parameters
+    and buffers it is computed from."""
+    constant = {name: frozenset((name,)) for name in params}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.all_input_nodes \
+                and all(a.name in constant for a in node.all_input_nodes):
+            constant[node.name] = frozenset().union(*(constant[a.name] for a in node.all_input_nodes))
+    return constant
+
+
+def _undoes_batchnorm_factor(node: torch.fx.Node, constant: dict[str, frozenset[str]]) -> bool:
+    """A folded QAT conv's ``conv / factor`` before its BatchNorm, the factor computed from that BatchNorm's own
+    tensors alone: it scales each channel (zeros stay zeros), and thinning slices the BatchNorm, so the factor."""
+    if node.target is not _aten.div.Tensor or len(node.args) != 2 or not isinstance(node.args[1], torch.fx.Node):
+        return False
+    x, factor = node.args
+    users = list(node.users)
+    if not isinstance(x, torch.fx.Node) or x.name in constant or factor.name not in constant or len(users) != 1 \
+            or users[0].target is not _aten.batch_norm.default:
+        return False
+    norm = {a.name for a in users[0].all_input_nodes[1:]}
+    return constant[factor.name] <= norm
 
 
 def _conv(node: torch.fx.Node, params: dict[str, str], tensors: tuple[str, ...]) -> Op:

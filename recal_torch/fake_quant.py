@@ -52,7 +52,9 @@ class ActivationFakeQuantize(nn.Module):
     """uint8 per-tensor fake quantization with a moving-average min/max observer.
 
     Under ``torch.distributed`` the batch min/max are reduced across ranks, so every rank
-    holds the same scale.
+    holds the same scale. Whether it is on and whether it has observed are kept as Python flags beside their buffers
+    (set with them, read back from a loaded state dict), so ``forward`` branches on no tensor: ``torch.export`` and
+    ``torch.fx`` trace a QAT model in any phase.
     """
 
     def __init__(self, averaging_constant: float = 0.01):
@@ -66,14 +68,21 @@ class ActivationFakeQuantize(nn.Module):
         # False once a hook-made plan (a model torch.fx cannot trace) found this tensor needs no quantizer;
         # a buffer, so the plan travels in checkpoints and the state dict keeps its keys
         self.register_buffer("enabled", torch.tensor(True))
+        self._active, self._observed = True, False  # the two buffers' values, as Python flags
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         state_dict.setdefault(prefix + "enabled", torch.tensor(True))  # checkpoints from before the flag
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._active, self._observed = bool(self.enabled), not bool(torch.isinf(self.min_val).item())
 
     @property
     def active(self) -> bool:
-        return bool(self.enabled)
+        return self._active
+
+    def set_active(self, active: bool) -> None:
+        """Switch this quantizer on or off (a plan found its tensor is, or is not, held as integers)."""
+        self.enabled.fill_(active)
+        self._active = bool(active)
 
     @torch.no_grad()
     def observe(self, x: torch.Tensor) -> None:
@@ -92,10 +101,11 @@ class ActivationFakeQuantize(nn.Module):
         scale, zero_point = activation_qparams(self.min_val, self.max_val)
         self.scale.copy_(scale)
         self.zero_point.copy_(zero_point)
+        self._observed = True
 
     @property
     def has_observed(self) -> bool:
-        return not bool(torch.isinf(self.min_val).item())
+        return self._observed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.active:

@@ -33,6 +33,7 @@ from recal_core.recipe import Recipe
 
 from .distillation import Teacher, distillation_loss
 from .channel_graph import model_graph
+from .export_graph import remember_example_inputs
 from .masks import MaskState
 from .model_params import describe_parameters, sparsity, unwrap
 from .param_groups import ParamGroupSettings, group_bases
@@ -112,7 +113,8 @@ class ScheduledModifierManager(RecipeManager):
             quantize_attention: also quantize attention's matmuls (see the PyTorch page).
             example_inputs: a batch of the model's inputs (a tensor, a tuple, or ``(args, kwargs)``) to trace
                 it with ``torch.export`` when a modifier prunes ``filter``, ``channel`` or ``head`` and
-                ``torch.fx`` cannot trace it; Hugging Face models need none.
+                ``torch.fx`` cannot trace it; Hugging Face models need none. Kept on the model: ``thin(model)``
+                traces with them too.
         """
         if self._model is not None:
             raise RuntimeError("this manager already modified a model; create a new manager per model")
@@ -124,6 +126,7 @@ class ScheduledModifierManager(RecipeManager):
             if thing in _MODIFIED:
                 raise RuntimeError(f"this {what} is already modified by another recal manager; finalize() that "
                                    "one first, or apply one recipe that holds every modifier")
+        remember_example_inputs(unwrap(model), example_inputs)  # thin() and the graphs trace with them later
         schedule = self.recipe.bind(steps_per_epoch)
         infos, params = describe_parameters(model)
         sizes = {name: p.numel() for name, p in params.items()}

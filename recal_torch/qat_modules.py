@@ -129,7 +129,7 @@ class QATConv(QATModule):
         if bn is None:
             return self.weight, self.bias
         factor = self._bn_scale()
-        weight = self.weight * factor.reshape(-1, *([1] * (self.weight.dim() - 1)))
+        weight = self.weight * factor.reshape(-1, *([1] * (self.dims + 1)))
         beta = bn.bias if bn.affine else torch.zeros_like(bn.running_mean)
         bias = self.bias if self.bias is not None else torch.zeros_like(bn.running_mean)
         return weight, beta + (bias - bn.running_mean) * factor
@@ -147,7 +147,7 @@ class QATConv(QATModule):
         # Simulated folding: conv with quantized BN-scaled weights, then undo the scale and run
         # BatchNorm, which uses batch statistics while training (and updates the running ones).
         factor = self._bn_scale()
-        shape = [1] * (self.weight.dim() - 1)
+        shape = [1] * (self.dims + 1)  # the weight's axes after the first (a static count: fx traces this)
         y = self._conv(x, self.weight_fake_quant(self.weight * factor.reshape(-1, *shape)), None)
         y = y / factor.reshape(1, -1, *shape[1:])
         if self.bias is not None:

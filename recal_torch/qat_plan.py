@@ -190,12 +190,12 @@ def _plan_on_first_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
         qat_sites.install(root, [node.meta["site"] for node in sites])
     if not traced:  # the int8 model's matmul returns float where no quantized layer or add reads its output
         for linear in _unread_linears(graph, modules, set(sites)):
-            linear.activation_post_process.enabled.fill_(False)
+            linear.activation_post_process.set_active(False)
     for node in graph.nodes:
         layer = modules.get(node.target) if node.op == "call_module" else None
         if isinstance(layer, QATModule) and not isinstance(layer, QATEmbedding) and layer.input_fake_quant is not None \
                 and node.args and _reaches(node.args[0], quantized, modules):
-            layer.input_fake_quant.enabled.fill_(False)
+            layer.input_fake_quant.set_active(False)
     fused = sum(isinstance(modules[n], QATConv) and modules[n].folded_bn is not None for n in layers)
     inputs = sum(modules[n].input_fake_quant is not None and modules[n].input_fake_quant.active for n in layers)
     outputs = sum(modules[n].activation_post_process is not None and modules[n].activation_post_process.active

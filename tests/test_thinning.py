@@ -286,3 +286,42 @@ def test_load_thinned_takes_only_thinning_and_changes_nothing_when_it_refuses():
     assert all(torch.equal(v, before[k]) for k, v in dense.state_dict().items())
     load_thinned(dense, thinned)  # the real thing still loads
     assert dense[0].out_channels == 6 and dense(torch.randn(1, 3, 5, 5)).shape == (1, 4, 5, 5)
+
+
+@pytest.mark.parametrize("traced_by", ["fx", "export"])
+def test_filter_pruning_and_qat_in_one_recipe_thin_whichever_trace(traced_by):
+    """Conv-BatchNorm layers under QAT (the BatchNorm folded into the fake-quantized weight, undone before it)
+    with filter pruning in the same recipe: ``thin`` finds the dead filters through torch.fx and through
+    torch.export on the inputs given to ``modify`` (kept for it), and the thinned model computes the same."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.b1 = nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+            self.c2, self.b2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):
+            x = torch.relu(self.b2(self.c2(torch.relu(self.b1(self.c1(x))))))
+            return self.fc(x.mean((2, 3)))
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(4, 1, 8, 8)
+    manager = ScheduledModifierManager.from_yaml(
+        "- !GradualKSModifier {params: [c1.weight, c2.weight], init_sparsity: 0.5, final_sparsity: 0.5, "
+        "start_epoch: 0, end_epoch: 1, update_frequency: 1, mask_type: filter}\n"
+        "- !QuantizationModifier {start_epoch: 0}\n")
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.01), steps_per_epoch=2,
+                               example_inputs=x if traced_by == "export" else None)
+    for _ in range(4):
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+    manager.finalize(model)
+    model.eval()
+    with torch.no_grad():
+        before = model(x)
+    report = thin(model)
+    assert [after for _, _, after in report.spaces] == [4, 4], str(report)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, atol=1e-6, rtol=0)

@@ -142,6 +142,64 @@ def test_the_head_count_per_layer_follows_thinning_and_save_pretrained_round_tri
     assert fresh.bert.encoder.layer[1].attention.self.num_attention_heads == 3
 
 
+class _UserWrapper(torch.nn.Module):
+    """A user's own wrapper around a Hugging Face classifier: positional inputs in, logits out."""
+
+    def __init__(self, bert=None):
+        super().__init__()
+        self.bert = bert if bert is not None else _bert()
+
+    def forward(self, ids, mask):
+        return self.bert(input_ids=ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("wrapped, qat_start", [(True, 0), (False, 2)], ids=["wrapped-qat-throughout",
+                                                                             "hf-qat-after-pruning"])
+def test_one_recipe_prunes_heads_and_neurons_with_qat_then_thins_and_converts(tmp_path, wrapped, qat_start):
+    """Head pruning, FFN neuron pruning and QAT in one recipe, QAT from the start or after the pruning: the
+    inputs given to ``modify`` serve ``thin`` (not given again), the QAT layers trace, the thinned model computes
+    what the masked one did (1e-5 of the logits' range), and its export converts to int8, verified."""
+    import numpy as np
+
+    from recal_onnx import quantize_qat_export
+    from recal_torch import export_onnx
+
+    torch.manual_seed(0)
+    model = _UserWrapper() if wrapped else _bert()
+    recipe = _recipe(BERT_HEADS, BERT_FFN) + f"- !QuantizationModifier {{start_epoch: {qat_start}}}\n"
+    manager = ScheduledModifierManager.from_yaml(recipe)
+    first, _ = _batch("bert", 0)
+    ids, mask = first["input_ids"], first["attention_mask"]
+    example = (ids, mask) if wrapped else ((), {"input_ids": ids, "attention_mask": mask})
+    optimizer = manager.modify(model, torch.optim.AdamW(model.parameters(), lr=1e-3), steps_per_epoch=4,
+                               example_inputs=example)
+    model.train()
+    for step in range(12):
+        inputs, labels = _batch("bert", step)
+        logits = model(inputs["input_ids"], inputs["attention_mask"]) if wrapped else model(**inputs).logits
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(logits, labels).backward()
+        optimizer.step()
+    manager.finalize()
+    model.eval()
+    inputs, _ = _batch("bert", 99)
+    args = (inputs["input_ids"], inputs["attention_mask"])
+
+    def logits():
+        with torch.no_grad():
+            return model(*args) if wrapped else model(**inputs).logits
+
+    masked = logits()
+    report = thin(model)  # no inputs: those given to modify
+    assert len(report.heads) == 2 and len(report.spaces) >= 2, str(report)
+    torch.testing.assert_close(logits(), masked, atol=1e-5 * float(masked.max() - masked.min()), rtol=0)
+    exported = model if wrapped else _UserWrapper(model)  # the HF model exported as users wrap it for ONNX: logits out
+    path = export_onnx(exported, args, tmp_path / "thinned.qat.onnx", dynamo=False, input_names=["ids", "mask"])
+    feeds = {"ids": np.random.default_rng(0).integers(0, 120, (64, 10)), "mask": np.ones((64, 10), np.int64)}
+    result = quantize_qat_export(str(path), tmp_path / "thinned.int8.onnx", inputs=feeds)
+    assert result.verification.problem(None) is None and result.verification.samples == 64
+
+
 def test_a_head_modifier_missing_the_output_projection_is_a_located_error():
     model = _bert()
     recipe = _recipe(r"['re:.*attention\.self\.(query|key|value)\.weight']", BERT_FFN)
