@@ -102,8 +102,9 @@ class KerasOps:
         return tensor
 
     def pick(self, pred, a, b):
-        """``a`` where the scalar ``pred`` holds, else ``b``: a Python branch on PyTorch, a select under JAX's jit."""
-        if self.eager:
+        """``a`` where the scalar ``pred`` holds, else ``b``: a Python branch on PyTorch, a select under JAX's jit
+        and under torch.jit's trace (an ONNX export, where a branch would be baked in with a warning)."""
+        if self.eager and not _torch_tracing():
             return a if bool(pred) else b
         return self.ops.where(pred, a, b)
 
@@ -134,3 +135,11 @@ class KerasOps:
 
     def assign(self, variable, value):
         variable.assign(value)
+
+
+def _torch_tracing() -> bool:
+    """Whether torch.jit is tracing (Keras's ONNX export on the PyTorch backend); False without torch loaded."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.jit.is_tracing())

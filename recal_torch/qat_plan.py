@@ -146,6 +146,7 @@ def plan_pending(root: nn.Module, args: tuple, kwargs: dict | None = None) -> No
             root(*args, **(kwargs or {}))
 
 
+@torch.compiler.disable  # under torch.compile the recording runs eagerly (a graph break), then compiling resumes
 def _plan_on_first_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
     """The plan read off the first forward (a forward pre-hook of ``root``; runs once per QAT start).
 

@@ -227,3 +227,32 @@ def test_the_jax_qdq_primitive_exports_as_a_quantize_dequantize_pair(tmp_path):
     session = onnxruntime.InferenceSession(path)
     np.testing.assert_allclose(session.run(None, {session.get_inputs()[0].name: x})[0], expected, rtol=1e-5,
                                atol=1e-5)
+
+
+_NEVER_CALLED = """
+import warnings, keras, numpy as np, torch
+from recal_tf.keras import ScheduledModifierManager, export_onnx
+model = keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=10)
+manager = ScheduledModifierManager.from_yaml("- !QuantizationModifier {start_epoch: 0.0}\\n")
+qat, _ = manager.modify(model, keras.optimizers.SGD(0.01), steps_per_epoch=4)
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    export_onnx(qat, "%s")
+tracer = [w for w in said if issubclass(w.category, torch.jit.TracerWarning)]
+print("tracer warnings", len(tracer), [str(w.message)[:80] for w in tracer[:2]])
+"""
+
+
+@pytest.mark.slow
+def test_a_keras_application_never_called_exports_on_the_torch_backend_without_a_flood(tmp_path):
+    """keras.applications' MobileNetV2, QAT-prepared and never called (no fit, no predict): on the PyTorch backend
+    ``export_onnx`` calls it once on zeros (Keras's own export refuses a model never called) and writes it, and
+    torch.jit's TracerWarnings about the qparams becoming constants (one per layer, by design) are not shown."""
+    pytest.importorskip("torch")
+    out = tmp_path / "never_called.onnx"
+    env = {**os.environ, "KERAS_BACKEND": "torch", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", _NEVER_CALLED % out], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tracer warnings 0 " in done.stdout, done.stdout
+    assert out.exists()

@@ -28,8 +28,8 @@ _EXPORTERS = {  # backend -> (the module Keras's ONNX export needs there, how to
 
 def export_onnx(model: keras.Model, path: str | os.PathLike, *, opset: int | None = None) -> str:
     """Write ``model`` as ONNX to ``path`` (nothing is written unless the whole export and the ONNX checker
-    succeed, and the ONNX model takes the Keras model's inputs only); returns the path. The model must have been
-    called once (``fit``, ``predict`` or ``model(x)``).
+    succeed, and the ONNX model takes the Keras model's inputs only); returns the path. A model never called is
+    called once on zeros of its input shapes first (Keras's own export refuses it on the JAX and PyTorch backends).
 
     Args:
         model: a Keras model; after a QuantizationModifier, the model ``modify`` returned (a QDQ export).
@@ -44,10 +44,17 @@ def export_onnx(model: keras.Model, path: str | os.PathLike, *, opset: int | Non
     except ImportError as exc:
         raise ImportError(f"exporting Keras to ONNX on the {backend} backend needs {module}: "
                           f"pip install {extra}") from exc
-    if backend == "jax" and not getattr(model, "_called", True):
-        _call_once(model)  # JAX's fit and predict run the model statelessly, which Keras's export does not count
+    if backend in ("jax", "torch") and not getattr(model, "_called", True):
+        # JAX's fit and predict run the model statelessly, which Keras's export does not count; on PyTorch's a
+        # model built from Input layers (keras.applications) and never called is refused by Keras's export
+        _call_once(model)
     with atomic_path(path) as tmp, warnings.catch_warnings(), _normalization_constants_in_graph(model):
         warnings.filterwarnings("ignore", category=FutureWarning)  # Keras's tf2onnx shim probes np.object
+        if backend == "torch":  # Keras's own ops convert tensors to Python numbers as torch.jit traces them (some
+            # 900 warnings for a MobileNetV2): the written model is run against the Keras model below instead
+            import torch
+
+            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
         kwargs = {} if opset is None else {"opset_version": opset}
         try:
             model.export(str(tmp), format="onnx", verbose=False, **kwargs)
