@@ -1017,7 +1017,7 @@ def test_pruning_and_qat_train_the_same_under_torch_compile(backend):
     """A recipe pruning from step 0 and starting QAT mid-run trains a ``torch.compile``'d model exactly as the
     plain one: QAT's first-forward plan records outside the compiled region (a graph break) and plans the same
     call sites (the squeeze-excitation's SiLUs, sigmoid and product), and the losses agree step by step (to float
-    order under aot_eager's decompositions)."""
+    order, later on)."""
     from recal_torch.qat_plan import QATPlanWarning
 
     recipe = ("- !GradualKSModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.2, final_sparsity: 0.5, "
@@ -1040,5 +1040,7 @@ def test_pruning_and_qat_train_the_same_under_torch_compile(backend):
                 losses[compiled].append(float(loss.detach()))
         sites[compiled] = sorted(model.recal_sites)
     assert sites[True] == sites[False] and len(sites[True]) == 5, sites
-    # aot_eager decomposes ops and sums in another order: a value on a rounding boundary may take the next step
-    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5 if backend == "eager" else 1e-3)
+    # the same through QAT's first steps; later a compiled graph's other float order moves a value on a rounding
+    # boundary to the next step now and then (measured: 2.5e-4 of the loss by step 6)
+    np.testing.assert_allclose(losses[True][:5], losses[False][:5], rtol=1e-5)
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-3)
