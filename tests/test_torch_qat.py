@@ -1044,3 +1044,18 @@ def test_pruning_and_qat_train_the_same_under_torch_compile(backend):
     # boundary to the next step now and then (measured: 2.5e-4 of the loss by step 6)
     np.testing.assert_allclose(losses[True][:5], losses[False][:5], rtol=1e-5)
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-3)
+
+
+def test_fake_quantizers_under_bf16_autocast_round_on_the_float32_grid():
+    """An activation quantizer given a bf16 tensor (what autocast makes a conv return) returns bf16 holding exactly
+    the float32 grid's values rounded to bf16: the same integers as in float32, whatever the dtype."""
+    from recal_torch.fake_quant import ActivationFakeQuantize
+
+    torch.manual_seed(0)
+    fq = ActivationFakeQuantize()
+    fq.observe(torch.tensor([-1.0, 9.0]))
+    x = (torch.rand(100_000) * 10 - 1).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fq(x)
+    expected = torch.fake_quantize_per_tensor_affine(x.float(), fq.scale, fq.zero_point, 0, 255).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
