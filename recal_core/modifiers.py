@@ -183,9 +183,14 @@ class QuantizationArgs(BaseModel):
     symmetric: StrictBool = True
     strategy: Literal["tensor", "channel", "group"] | None = None
     group_size: Annotated[int, Field(strict=True)] | None = None
-    observer: Literal["minmax", "mse"] = Field(
-        "minmax", description="how a weight's scale is chosen: its largest magnitude (minmax), or the clipping of "
-                              "it that quantizes the weight with the least squared error (mse; weight-only layers)")
+    observer: Literal["minmax", "mse", "lsq"] = Field(
+        "minmax", description="how a weight's scale is chosen: its largest magnitude (minmax), the clipping of it "
+                              "that quantizes the weight with the least squared error (mse; weight-only layers), or "
+                              "learned by gradient descent from that mse start (lsq, LSQ's scaled gradient; "
+                              "weight-only layers, PyTorch)")
+    observer_kwargs: dict[str, float] | None = Field(
+        None, description="lsq: {lr_factor: f}, the scales' learning rate as a multiple of the first param group's "
+                          "(default 1.0)")
     type: Literal["int"] = _unsupported("int", "recal quantizes to integers")
 
     @field_validator("num_bits")
@@ -210,8 +215,28 @@ class QuantizationArgs(BaseModel):
             data = {**data, "strategy": "group"}  # compressed-tensors' reading of a bare group_size
         return data
 
+    @field_validator("observer_kwargs")
+    @classmethod
+    def _observer_kwargs(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        unknown = sorted(set(v) - {"lr_factor"})
+        if unknown:
+            raise ValueError(f"observer_kwargs takes lr_factor (lsq), not {', '.join(map(repr, unknown))}")
+        factor = v.get("lr_factor", 1.0)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
+            raise ValueError(f"lr_factor must be a positive number, not {factor!r}")
+        return v
+
+    @property
+    def lr_factor(self) -> float:
+        """lsq: the scales' learning rate over the first param group's."""
+        return float((self.observer_kwargs or {}).get("lr_factor", 1.0))
+
     @model_validator(mode="after")
     def _group(self) -> "QuantizationArgs":
+        if self.observer_kwargs is not None and self.observer != "lsq":
+            raise ValueError(f"observer_kwargs go with observer: lsq, not {self.observer}")
         if self.group_size is not None and self.strategy != "group":
             raise ValueError(f"group_size goes with strategy: group, not strategy: {self.strategy}")
         if self.strategy == "group" and self.group_size is None:
@@ -261,7 +286,7 @@ class QuantizationScheme(BaseModel):
         out = []
         if any(a is not None and a.observer != "minmax" for a in (self.input_activations, self.weights,
                                                                    self.output_activations)):
-            out.append("an mse observer outside weight-only layers")
+            out.append("an mse or lsq observer outside weight-only layers")
         if not self.leaves_float and (self.input_activations is None or self.weights is None):
             out.append("a layer with some tensors float and others quantized (list the layer in ignore "
                        "to leave it float)")

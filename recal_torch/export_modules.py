@@ -108,7 +108,7 @@ class WeightOnlyExport(nn.Module):
         self.is_table = isinstance(layer, WeightOnlyEmbedding)
         fq = layer.weight_fake_quant
         q = fq.integers(layer.oriented_weight()).reshape(-1, fq.group_size)
-        scale = fq.scale.reshape(-1).clone()  # what integers() quantized with
+        scale = fq.scale.detach().reshape(-1).clone()  # what integers() quantized with
         if dynamo:
             self.register_buffer("weight_int", q)
         else:

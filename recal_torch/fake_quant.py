@@ -13,6 +13,8 @@ The exporter (:mod:`recal_torch.export`) writes these same grids as QuantizeLine
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -167,7 +169,9 @@ class GroupWeightFakeQuantize(nn.Module):
 
     ``observer``: ``"minmax"`` maps each group's largest magnitude to the top level; ``"mse"`` tries clipping it
     (:data:`MSE_CLIPS`) and keeps, per group, the scale with the least squared error. The scale follows the weights
-    until frozen, as :class:`WeightFakeQuantize`'s does."""
+    until frozen, as :class:`WeightFakeQuantize`'s does. ``"lsq"`` learns it: the mse scale at the first forward
+    (a calibrated start), then a parameter the optimizer trains (the manager gives it a param group of its own),
+    with LSQ's gradient scale ``1 / sqrt(group_size * levels)``; frozen, it stops training."""
 
     def __init__(self, out_features: int, in_features: int, bits: int, group_size: int | None,
                  observer: str = "minmax"):
@@ -175,12 +179,37 @@ class GroupWeightFakeQuantize(nn.Module):
         group = group_size or in_features
         if in_features % group:
             raise ValueError(f"{in_features} inputs do not split into groups of {group}")
-        if bits not in (4, 8) or observer not in ("minmax", "mse"):
-            raise ValueError(f"bits must be 4 or 8 and observer minmax or mse, got {bits!r} and {observer!r}")
+        if bits not in (4, 8) or observer not in ("minmax", "mse", "lsq"):
+            raise ValueError(f"bits must be 4 or 8 and observer minmax, mse or lsq, got {bits!r} and {observer!r}")
         self.bits, self.group_size, self.per_channel, self.observer = bits, group, group_size is None, observer
         self.levels = float(INT4_WEIGHT_LEVELS if bits == 4 else WEIGHT_LEVELS)
+        scale = torch.ones(out_features, in_features // group)
+        if observer == "lsq":
+            self.scale = nn.Parameter(scale)
+            self.register_buffer("started", torch.tensor(False))  # the mse start taken (a checkpoint carries it)
+            self._started = False
+        else:
+            self.register_buffer("scale", scale)
         self.observer_enabled = True
-        self.register_buffer("scale", torch.ones(out_features, in_features // group))
+
+    @property
+    def learned(self) -> bool:
+        return self.observer == "lsq"
+
+    @property
+    def observer_enabled(self) -> bool:
+        return self._observer_enabled
+
+    @observer_enabled.setter
+    def observer_enabled(self, enabled: bool) -> None:
+        self._observer_enabled = bool(enabled)
+        if self.observer == "lsq":  # a learned scale trains while the observer would observe, not once frozen
+            self.scale.requires_grad_(self._observer_enabled)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.observer == "lsq":
+            self._started = bool(self.started)
 
     def _fake(self, rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         zero = torch.zeros(scale.numel(), dtype=torch.int32, device=rows.device)
@@ -191,7 +220,7 @@ class GroupWeightFakeQuantize(nn.Module):
     def _observe(self, rows: torch.Tensor) -> torch.Tensor:
         amax = rows.abs().amax(dim=1)
         best = torch.clamp(amax / self.levels, min=EPS)
-        if self.observer == "mse":
+        if self.observer in ("mse", "lsq"):
             error = ((self._fake(rows, best) - rows) ** 2).sum(dim=1)
             for clip in MSE_CLIPS[1:]:
                 scale = torch.clamp(amax * clip / self.levels, min=EPS)
@@ -205,18 +234,33 @@ class GroupWeightFakeQuantize(nn.Module):
 
         Args:
             weight: the ``[out, in]`` weight (observed, unless frozen)."""
+        if self.observer == "lsq":
+            with torch.no_grad():
+                if not self._started:  # LSQ's start: the mse scales of the weights as they are now
+                    self.scale.copy_(self._observe(weight.detach().float().reshape(-1, self.group_size)).reshape(
+                        self.scale.shape))
+                    self.started.fill_(True)
+                    self._started = True
+                self.scale.clamp_(min=EPS)  # a step may not take a scale through zero
+            return self.scale
         if self.observer_enabled:
             self.scale.copy_(self._observe(weight.detach().float().reshape(-1, self.group_size)).reshape(
                 self.scale.shape))
         return self.scale
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` on its grid, the gradient passed straight through.
+        """``weight`` on its grid, the gradient passed straight through (and, learned, to the scale, LSQ's way).
 
         Args:
             weight: the ``[out, in]`` weight."""
         scale = self.qparams(weight)
-        return self._fake(weight.reshape(-1, self.group_size), scale).reshape(weight.shape)
+        rows = weight.reshape(-1, self.group_size)
+        if self.observer != "lsq":
+            return self._fake(rows, scale).reshape(weight.shape)
+        zero = torch.zeros(scale.numel(), device=rows.device)
+        grad_scale = 1.0 / math.sqrt(self.group_size * self.levels)
+        return torch._fake_quantize_learnable_per_channel_affine(
+            rows, scale.reshape(-1), zero, 0, -int(self.levels), int(self.levels), grad_scale).reshape(weight.shape)
 
     def integers(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight``'s integers on this grid, ``[out, in]`` int8 (what the export writes).
@@ -224,7 +268,7 @@ class GroupWeightFakeQuantize(nn.Module):
         Args:
             weight: the ``[out, in]`` weight."""
         with torch.no_grad():
-            rows = weight.detach().reshape(-1, self.group_size) / self.qparams(weight).reshape(-1, 1)
+            rows = weight.detach().reshape(-1, self.group_size) / self.qparams(weight).detach().reshape(-1, 1)
             return torch.clamp(torch.round(rows), -self.levels, self.levels).reshape(weight.shape).to(torch.int8)
 
     def describe(self) -> str:

@@ -179,6 +179,8 @@ class ScheduledModifierManager(RecipeManager):
                         if isinstance(m, M.QuantizationModifier)}
         self.qat = QATControl(unwrap(model), roots, schemes.left_float, attention=quantize_attention,
                               reduce_range=reduce_range, weight_only=schemes.weight_only)
+        self.qat.on_learned_scales = self._train_scales
+        self._learned_scales: list[nn.Parameter] = []
         self.teacher = Teacher(teacher) if teacher is not None else None
         self.loggers = list(loggers)
         self._hooks = [
@@ -198,6 +200,18 @@ class ScheduledModifierManager(RecipeManager):
     def _before_step(self) -> None:
         self.param_groups.check_untouched(self._step)
         self.masks.mask_gradients()
+        average_gradients(self._learned_scales)
+
+    def _train_scales(self, scales: list[nn.Parameter], lr_factor: float) -> None:
+        """Learned (lsq) quantization scales join the optimizer as a param group of their own: the first group's
+        LR times ``lr_factor`` (following it as the recipe moves it), no weight decay. Made again, in the same
+        order, when a checkpoint re-creates the QAT layers, so the optimizer's state loads onto them."""
+        base = self._optimizer.param_groups[0]
+        group = {"params": scales, "lr": float(base["lr"]) * lr_factor, "recal_lr_factor": lr_factor}
+        if "weight_decay" in base:
+            group["weight_decay"] = 0.0
+        self._optimizer.add_param_group(group)
+        self._learned_scales.extend(scales)
 
     def _after_step(self) -> None:
         self._check_pruned_layers_in_place()
@@ -419,6 +433,19 @@ class _StateDictHook(_Hook):
     def __call__(self, optimizer, state_dict):
         state_dict[RECAL_STATE_KEY] = self.manager.state_dict()
         return state_dict
+
+
+def average_gradients(params: list[nn.Parameter]) -> None:
+    """Average ``params``' gradients over the ranks of a distributed run: recal's learned scales appear after the
+    model was wrapped (DDP reduces only the parameters it found), and every rank must take the same step."""
+    if not params or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    world = torch.distributed.get_world_size()
+    if world > 1:
+        for p in params:
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad)
+                p.grad.div_(world)
 
 
 class _LoadStateDictHook(_Hook):

@@ -56,6 +56,10 @@ class ParamGroupSettings:
             wd = plan.weight_decay(k)
             if wd is not None:
                 _set(group, "weight_decay", wd)
+        first = self.optimizer.param_groups[0]
+        for group in self.optimizer.param_groups[len(self.plans):]:  # recal's own (learned scales): a factor of
+            if "recal_lr_factor" in group:  # the first group's LR, wherever the recipe or the user moves it
+                _set(group, "lr", float(first["lr"]) * group["recal_lr_factor"])
 
 
 def _set(group: dict, key: str, value: float) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -168,6 +169,9 @@ class QATControl:
         self.attention = attention  # also the attention matmuls (Q·Kᵀ, P·V): recal_torch.qat_attention
         self.prepared: set[int] = set()
         self._applied: dict[int, tuple[bool, bool]] = {}
+        # learned (lsq) scales, when a QuantizationModifier makes them: called with them and their LR factor (the
+        # manager gives them a param group of the optimizer)
+        self.on_learned_scales: Callable[[list[nn.Parameter], float], None] | None = None
 
     def apply(self, states: list[tuple[int, QATState]], step: int) -> None:
         for index, state in states:
@@ -193,12 +197,20 @@ class QATControl:
                            if n.startswith(prefix)}
             created = fake_quantize_model(root, skip=skip | set(weight_only),
                                           reduce_range=self.reduce_range.get(index, False))
+            learned: dict[float, list[nn.Parameter]] = {}
             for rel, args in weight_only.items():
                 float_layer = root.get_submodule(rel)
                 kind = WeightOnlyEmbedding if is_table(float_layer) else WeightOnlyLinear
                 layer = kind(float_layer, args.num_bits, args.group_size if args.strategy == "group" else None,
                              args.observer)
                 replace_layer(root, rel, layer)
+                if layer.weight_fake_quant.learned:
+                    learned.setdefault(args.lr_factor, []).append(layer.weight_fake_quant.scale)
+            for factor, scales in learned.items():
+                if self.on_learned_scales is not None:
+                    self.on_learned_scales(scales, factor)
+                log.info("QAT on %s: %d layers learn their scales (lsq), LR x%g", name or type(root).__name__,
+                         len(scales), factor)
             if weight_only:
                 bits = Counter(args.num_bits for args in weight_only.values())
                 log.info("QAT on %s: %s weight-only layers (activations float)", name or type(root).__name__,

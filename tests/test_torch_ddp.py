@@ -23,15 +23,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+LSQ_RECIPE = """
+- !QuantizationModifier {start_epoch: 1, scheme_overrides: {fc: {input_activations: null,
+    weights: {num_bits: 4, group_size: 16, observer: lsq}}}}
+"""
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, recipe: str = RECIPE, width: int = 8) -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from recal_torch import ScheduledModifierManager
     from tests.torch_models import SmallCNN, batches, train_steps
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(SmallCNN())
-    manager = ScheduledModifierManager.from_yaml(RECIPE)
+    model = torch.nn.parallel.DistributedDataParallel(SmallCNN(width=width))
+    manager = ScheduledModifierManager.from_yaml(recipe)
     optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), steps_per_epoch=4)
     data = batches(12, seed=rank)  # each rank its own shard
     train_steps(model, optimizer, data)
@@ -59,3 +65,15 @@ def test_ddp_two_ranks_identical_masks_and_exact_sparsity(tmp_path):
     for key in r0["state"]:
         if key.endswith(("scale", "zero_point", "min_val", "max_val")):
             assert torch.equal(r0["state"][key], r1["state"][key]), key
+
+
+@pytest.mark.slow
+def test_ddp_learned_scales_agree_across_ranks(tmp_path):
+    """Learned (lsq) scales appear at QAT's start, after DDP wrapped the model, so DDP does not reduce their
+    gradients: recal averages them over the ranks, and both ranks, each on its own shard, end on the same scales."""
+    port = _free_port()
+    mp.spawn(_worker, args=(2, port, str(tmp_path), LSQ_RECIPE, 16), nprocs=2, join=True)
+    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    scale = "fc.weight_fake_quant.scale"
+    assert scale in r0["state"] and torch.equal(r0["state"][scale], r1["state"][scale])
+    assert torch.equal(r0["state"]["fc.weight"], r1["state"]["fc.weight"])

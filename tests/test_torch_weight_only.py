@@ -194,3 +194,76 @@ def test_an_int4_table_is_gathered_packed(tmp_path):
     assert result.verification.max_abs_diff <= 1e-5 * max(1.0, result.verification.output_range)
     with pytest.raises(RecipeError, match=r"'Embedding' \(emb\).*other than symmetric per row or per group"):
         _manager(W4_GROUP16, "{Embedding: {input_activations: null, weights: {num_bits: 4, symmetric: false}}}")
+
+
+W4_LSQ = ("{input_activations: null, weights: {num_bits: 4, strategy: group, group_size: 16, observer: lsq, "
+          "observer_kwargs: {lr_factor: 0.5}}}")
+
+
+def test_learned_scales_train_in_their_own_param_group_freeze_resume_and_export(tmp_path):
+    """``observer: lsq``: each weight-only layer's group scales start at the mse fit and then train (LSQ's scaled
+    gradient) in a param group of their own at half the first group's LR, following the recipe's LR schedule; they
+    stop when the observers freeze; a run resumed mid-way (optimizer first) ends on the same weights, scales and
+    LRs; the export converts to MatMulNBits holding the learned scales, verified."""
+    import copy
+
+    recipe = ("- !QuantizationModifier {start_epoch: 1, disable_quantization_observer_epoch: 2.5, scheme: "
+              + W4_LSQ + "}\n- !LearningRateFunctionModifier {start_epoch: 0, end_epoch: 3, lr_func: cosine, "
+              "init_lr: 0.01, final_lr: 0.001}\n")
+    data = _data(12)
+
+    def fresh(seed):
+        torch.manual_seed(seed)
+        model = TinyEncoder()
+        manager = ScheduledModifierManager.from_yaml(recipe)
+        return model, manager, manager.modify(model, torch.optim.Adam(model.parameters(), 1e-3), steps_per_epoch=4)
+
+    model_a, manager_a, opt_a = fresh(0)
+    seen, ckpt = {}, {}
+
+    def after(k):
+        scale = model_a.q.weight_fake_quant.scale if isinstance(model_a.q, WeightOnlyLinear) else None
+        seen[k] = None if scale is None else (scale.detach().clone(), [g["lr"] for g in opt_a.param_groups])
+        if k == 6:
+            ckpt.update(copy.deepcopy({"model": model_a.state_dict(), "optimizer": opt_a.state_dict()}))
+
+    _train(model_a, opt_a, data, after_step=after)
+    assert seen[3] is None and len(opt_a.param_groups) == 2  # QAT from step 4: the scales' group appears then
+    scales = opt_a.param_groups[1]["params"]
+    assert len(scales) == 8 and any(s is model_a.q.weight_fake_quant.scale for s in scales)
+    for k in (5, 8):
+        first, group = seen[k][1]
+        assert group == pytest.approx(0.5 * first)  # half the first group's LR, as the cosine moves it
+    assert not torch.equal(seen[5][0], seen[8][0])  # learned between steps 5 and 8
+    assert torch.equal(seen[10][0], seen[12][0]) and not model_a.q.weight_fake_quant.scale.requires_grad  # frozen
+    model_b, _, opt_b = fresh(1)
+    opt_b.load_state_dict(ckpt["optimizer"])
+    model_b.load_state_dict(ckpt["model"])
+    _train(model_b, opt_b, data[6:])
+    for (na, pa), (nb, pb) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
+        assert na == nb and torch.equal(pa, pb), na
+    assert [g["lr"] for g in opt_a.param_groups] == [g["lr"] for g in opt_b.param_groups]
+    manager_a.finalize(model_a)
+    ids = torch.randint(0, VOCAB, (4, TOKENS))
+    path = export_onnx(model_a.eval(), ids, tmp_path / "lsq.onnx", input_names=["ids"])
+    result = quantize_qat_export(str(path), tmp_path / "lsq_int.onnx", inputs={"ids": ids.numpy()})
+    assert [n.op_type for n in result.model.graph.node].count("MatMulNBits") == 8
+    assert result.verification.problem(None) is None
+    with torch.no_grad():
+        expected = model_a(ids).numpy()
+    got = ort.InferenceSession(str(tmp_path / "lsq_int.onnx"), providers=["CPUExecutionProvider"]).run(
+        None, {"ids": ids.numpy()})[0]
+    np.testing.assert_allclose(got, expected, atol=1e-5 * max(1.0, float(np.ptp(expected))))
+
+
+def test_learned_scales_are_weight_only_and_pytorch_only_for_now():
+    with pytest.raises(RecipeError, match=r"'scheme'.*an mse or lsq observer outside weight-only layers"):
+        _manager("{weights: {observer: lsq}}")
+    with pytest.raises(RecipeError, match=r"observer_kwargs go with observer: lsq"):
+        _manager("{input_activations: null, weights: {num_bits: 4, group_size: 16, observer_kwargs: "
+                 "{lr_factor: 2}}}")
+    from recal_core.recipe import load_recipe
+    from recal_tf.recipe_support import qat_problems
+
+    recipe = load_recipe("- !QuantizationModifier {start_epoch: 0, scheme: " + W4_LSQ + "}\n")
+    assert qat_problems(recipe.bind(10), "in TensorFlow")
