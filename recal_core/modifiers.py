@@ -186,8 +186,8 @@ class QuantizationArgs(BaseModel):
     observer: Literal["minmax", "mse", "lsq"] = Field(
         "minmax", description="how a weight's scale is chosen: its largest magnitude (minmax), the clipping of it "
                               "that quantizes the weight with the least squared error (mse; weight-only layers), or "
-                              "learned by gradient descent from that mse start (lsq, LSQ's scaled gradient; "
-                              "weight-only layers, PyTorch)")
+                              "learned by gradient descent (lsq, LSQ's scaled gradient; PyTorch; from the mse fit for "
+                              "weight-only layers, from minmax for W8A8 weights and input activations)")
     observer_kwargs: dict[str, float] | None = Field(
         None, description="lsq: {lr_factor: f}, the scales' learning rate as a multiple of the first param group's "
                           "(default 1.0)")
@@ -271,6 +271,14 @@ class QuantizationScheme(BaseModel):
         return self.weights is not None and self.input_activations is None and self.output_activations is None
 
     @property
+    def learned(self) -> tuple[float | None, float | None] | None:
+        """For a W8A8 layer whose weights or input activations have ``observer: lsq``: the LR factor of each that
+        learns its scale (None: that one observes); None when neither learns."""
+        factors = tuple(x.lr_factor if x is not None and x.observer == "lsq" else None
+                        for x in (self.weights, self.input_activations))
+        return None if self.weight_only or factors == (None, None) else factors
+
+    @property
     def weights_not_per_channel(self) -> bool:
         """Quantized weights other than recal's int8 symmetric per channel (per row, for a table)."""
         w = self.weights
@@ -284,9 +292,11 @@ class QuantizationScheme(BaseModel):
             return [] if self.weights.symmetric and self.weights.strategy != "tensor" else [
                 "weight-only weights other than symmetric per channel or per group"]
         out = []
-        if any(a is not None and a.observer != "minmax" for a in (self.input_activations, self.weights,
-                                                                   self.output_activations)):
-            out.append("an mse or lsq observer outside weight-only layers")
+        if any(a is not None and a.observer == "mse" for a in (self.input_activations, self.weights,
+                                                                self.output_activations)):
+            out.append("an mse observer outside weight-only layers")
+        if self.output_activations is not None and self.output_activations.observer == "lsq":
+            out.append("an lsq observer on output activations (input activations and weights learn theirs)")
         if not self.leaves_float and (self.input_activations is None or self.weights is None):
             out.append("a layer with some tensors float and others quantized (list the layer in ignore "
                        "to leave it float)")

@@ -60,7 +60,12 @@ def qat_problems(schedule: RecipeSchedule, where: str) -> list[Problem]:
         if n:
             problems.append(recipe.problem(index, None, "a second QuantizationModifier",
                                            expected=f"one QuantizationModifier per recipe {where}"))
-        if m.base_scheme != M.SCHEME_PRESETS["W8A8"]:
+        learned = [a for a in (m.base_scheme.weights, m.base_scheme.input_activations) if a and a.observer == "lsq"]
+        if learned:
+            problems.append(recipe.problem(
+                index, "scheme", f"learned scales (observer: lsq) are not available {where} yet",
+                expected="observer: minmax (or run this recipe with recal_torch)"))
+        elif m.base_scheme != M.SCHEME_PRESETS["W8A8"]:
             problems.append(recipe.problem(
                 index, "scheme", f"scheme {m.scheme if isinstance(m.scheme, str) else 'other than W8A8'} is not "
                 "available " + where + " yet: weights int8 per channel, activations uint8",

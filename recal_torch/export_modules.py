@@ -185,4 +185,4 @@ def _qparams(fq) -> tuple[float, int] | None:
     if not fq.has_observed:
         raise ValueError("a QAT activation quantizer has not observed any data yet (its range is unknown): "
                          "train at least one step with quantization on before exporting")
-    return float(fq.scale), int(fq.zero_point)
+    return float(fq.scale.detach()), int(fq.zero_point)

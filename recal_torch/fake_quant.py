@@ -71,6 +71,7 @@ class ActivationFakeQuantize(nn.Module):
         # a buffer, so the plan travels in checkpoints and the state dict keeps its keys
         self.register_buffer("enabled", torch.tensor(True))
         self._active, self._observed = True, False  # the two buffers' values, as Python flags
+        self.learned = False  # lsq: the scale a parameter trained from the first batch's range on (learn())
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         state_dict.setdefault(prefix + "enabled", torch.tensor(True))  # checkpoints from before the flag
@@ -101,22 +102,57 @@ class ActivationFakeQuantize(nn.Module):
             self.min_val.add_(c * (lo - self.min_val))
             self.max_val.add_(c * (hi - self.max_val))
         scale, zero_point = activation_qparams(self.min_val, self.max_val)
-        self.scale.copy_(scale)
-        self.zero_point.copy_(zero_point)
+        if not (self.learned and self._observed):  # a learned scale takes the range once, as its start
+            self.scale.copy_(scale)
+            self.zero_point.copy_(zero_point)
         self._observed = True
 
     @property
     def has_observed(self) -> bool:
         return self._observed
 
+    def learn(self) -> nn.Parameter:
+        """Make the scale learned (LSQ): a parameter, started from the first batch's range, then trained with LSQ's
+        gradient scale ``1 / sqrt(values a sample * 255)``; the zero point stays where that range put it."""
+        scale = self._buffers.pop("scale")
+        self.scale = nn.Parameter(scale.detach().clone())
+        self.learned = True
+        self.observer_enabled = self.observer_enabled  # the parameter trains while the observer would observe
+        return self.scale
+
+    @property
+    def observer_enabled(self) -> bool:
+        return self._observer_enabled
+
+    @observer_enabled.setter
+    def observer_enabled(self, enabled: bool) -> None:
+        self._observer_enabled = bool(enabled)
+        if getattr(self, "learned", False):
+            self.scale.requires_grad_(self._observer_enabled)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.active:
             return x
+        if self.learned:
+            return self._learned(x)
         if self.training and self.observer_enabled:
             self.observe(x)
         if not self.has_observed:  # just switched on, no range yet: an evaluation now sees float values
             return x
         return torch.fake_quantize_per_tensor_affine(x, self.scale, self.zero_point, ACT_QMIN, ACT_QMAX)
+
+    def _learned(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.has_observed:
+            if not (self.training and self.observer_enabled):
+                return x
+            with torch.no_grad():  # the start: this batch's range
+                self.observe(x)
+        with torch.no_grad():
+            self.scale.clamp_(min=EPS)
+        per_sample = max(x[0].numel() if x.dim() else 1, 1)
+        return torch._fake_quantize_learnable_per_tensor_affine(
+            x, self.scale.reshape(1), self.zero_point.float().reshape(1), ACT_QMIN, ACT_QMAX,
+            1.0 / math.sqrt(per_sample * ACT_QMAX))
 
     def extra_repr(self) -> str:
         if not self.active:
@@ -135,13 +171,46 @@ class WeightFakeQuantize(nn.Module):
         if levels not in (W_LEVELS, REDUCED_W_LEVELS):
             raise ValueError(f"weight levels must be {W_LEVELS:g} or {REDUCED_W_LEVELS:g}, got {levels!r}")
         self.levels = float(levels)
+        self.learned = False  # lsq: the scale a parameter trained from the minmax start on (learn())
         self.observer_enabled = True
         self.register_buffer("scale", torch.ones(channels))
         self.register_buffer("zero_point", torch.zeros(channels, dtype=torch.int32))
 
+    def learn(self) -> nn.Parameter:
+        """Make the scale learned (LSQ): a parameter, started from the weights' minmax at the next forward, then
+        trained with LSQ's gradient scale ``1 / sqrt(weights a channel * levels)``."""
+        scale = self._buffers.pop("scale")
+        self.scale = nn.Parameter(scale.detach().clone())
+        self.register_buffer("started", torch.tensor(False))
+        self.learned, self._started = True, False
+        self.observer_enabled = self.observer_enabled
+        return self.scale
+
+    @property
+    def observer_enabled(self) -> bool:
+        return self._observer_enabled
+
+    @observer_enabled.setter
+    def observer_enabled(self, enabled: bool) -> None:
+        self._observer_enabled = bool(enabled)
+        if getattr(self, "learned", False):
+            self.scale.requires_grad_(self._observer_enabled)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.learned:
+            self._started = bool(self.started)
+
     def qparams(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The scale and zero point this quantizer applies to ``weight`` now."""
-        if self.observer_enabled:
+        if self.learned:
+            with torch.no_grad():
+                if not self._started:
+                    self.scale.copy_(weight_qparams(weight, self.levels)[0])
+                    self.started.fill_(True)
+                    self._started = True
+                self.scale.clamp_(min=EPS)
+        elif self.observer_enabled:
             with torch.no_grad():
                 scale, zero_point = weight_qparams(weight, self.levels)
                 self.scale.copy_(scale)
@@ -150,6 +219,10 @@ class WeightFakeQuantize(nn.Module):
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         scale, zero_point = self.qparams(weight)
+        if self.learned:
+            grad_scale = 1.0 / math.sqrt(weight[0].numel() * self.levels)
+            return torch._fake_quantize_learnable_per_channel_affine(
+                weight, scale, zero_point.float(), 0, -int(self.levels), int(self.levels), grad_scale)
         # +-levels as export writes it: with a frozen scale a weight that grew past it saturates the same way in both
         return torch.fake_quantize_per_channel_affine(weight, scale, zero_point, 0, -int(self.levels),
                                                       int(self.levels))

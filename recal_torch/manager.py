@@ -34,6 +34,7 @@ from recal_core.recipe import Recipe
 from .distillation import Teacher, distillation_loss
 from .channel_graph import model_graph
 from .export_graph import remember_example_inputs
+from .fake_quant import EPS
 from .masks import MaskState
 from .model_params import describe_parameters, sparsity, unwrap
 from .param_groups import ParamGroupSettings, group_bases
@@ -178,7 +179,7 @@ class ScheduledModifierManager(RecipeManager):
         reduce_range = {i: m.reduce_range for i, m in enumerate(self.recipe.modifiers)
                         if isinstance(m, M.QuantizationModifier)}
         self.qat = QATControl(unwrap(model), roots, schemes.left_float, attention=quantize_attention,
-                              reduce_range=reduce_range, weight_only=schemes.weight_only)
+                              reduce_range=reduce_range, weight_only=schemes.weight_only, learned=schemes.learned)
         self.qat.on_learned_scales = self._train_scales
         self._learned_scales: list[nn.Parameter] = []
         self.teacher = Teacher(teacher) if teacher is not None else None
@@ -202,6 +203,17 @@ class ScheduledModifierManager(RecipeManager):
         self.masks.mask_gradients()
         average_gradients(self._learned_scales)
 
+    def _say_floored_scales(self) -> None:
+        """Learned scales that a step took through zero are held at float32's eps (as torch.ao's LSQ does): the
+        channels they quantize saturate; said once, at the end, naming them (checking every step would wait on the
+        device)."""
+        names = {id(p): n for n, p in unwrap(self._model).named_parameters()}
+        floored = [names.get(id(p), "?") for p in self._learned_scales if bool((p.detach() <= EPS).any())]
+        if floored:
+            warnings.warn(f"{len(floored)} learned scale(s) reached zero and were held at float32's eps, which "
+                          f"saturates what they quantize: {', '.join(floored[:5])}; lower observer_kwargs lr_factor",
+                          RecipeWarning, stacklevel=3)
+
     def _train_scales(self, scales: list[nn.Parameter], lr_factor: float) -> None:
         """Learned (lsq) quantization scales join the optimizer as a param group of their own: the first group's
         LR times ``lr_factor`` (following it as the recipe moves it), no weight decay. Made again, in the same
@@ -216,6 +228,9 @@ class ScheduledModifierManager(RecipeManager):
     def _after_step(self) -> None:
         self._check_pruned_layers_in_place()
         self.masks.apply()
+        if self._learned_scales:  # a step may take a learned scale through zero: kept positive as it lands
+            with torch.no_grad():
+                torch._foreach_clamp_min_(self._learned_scales, EPS)
         self._step += 1
         self._apply_state(self._step)
         self.masks.update(self._step)
@@ -386,6 +401,7 @@ class ScheduledModifierManager(RecipeManager):
         result = {name: sparsity(self._params[name])
                   for names in self.plan.prune_targets.values() for name in names}
         self.qat.freeze()
+        self._say_floored_scales()
         self.masks.release()
         for handle in self._hooks:
             handle.remove()

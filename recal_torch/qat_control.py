@@ -61,6 +61,7 @@ class LayerSchemes:
 
     left_float: dict[int, set[str]] = field(default_factory=dict)  # Conv/Linear/Embedding layers that stay float
     weight_only: dict[int, dict[str, M.QuantizationArgs]] = field(default_factory=dict)  # W4A16 / W8A16 linears
+    learned: dict[int, dict[str, tuple[float | None, float | None]]] = field(default_factory=dict)  # W8A8 lsq
     problems: list[Problem] = field(default_factory=list)  # what recal cannot honour (errors)
     notes: list[str] = field(default_factory=list)  # entries that apply to nothing (warnings)
 
@@ -73,7 +74,7 @@ def layer_schemes(recipe: Recipe, model: nn.Module) -> LayerSchemes:
     layers = set(quantizable_layers(model))
     out = LayerSchemes()
     for index, m in recipe.of_type(M.QuantizationModifier):
-        out.left_float[index], out.weight_only[index] = set(), {}
+        out.left_float[index], out.weight_only[index], out.learned[index] = set(), {}, {}
         where = f"{recipe.describe(index)}"
         for entry in m.ignore or ():
             if not any(_matches(entry, n, modules) for n in modules):
@@ -130,6 +131,8 @@ def _apply_scheme(recipe: Recipe, index: int, source: str, entry: str | None, sc
             expected="null for every tensor (float), int8 symmetric per-channel weights with uint8 asymmetric "
                      "activations (W8A8), weight-only symmetric 8- or 4-bit weights per channel or group (W8A16, "
                      "W4A16), or the layer in ignore"))
+    elif scheme.learned is not None:  # W8A8 with learned scales
+        out.learned[index].update({n: scheme.learned for n in others})
     elif scheme.weight_only:
         convs = [n for n in others if not is_linear_like(modules[n])]
         if convs:
@@ -160,8 +163,10 @@ class QATControl:
 
     def __init__(self, model: nn.Module, roots: dict[int, list[str]], left_float: dict[int, set[str]] | None = None,
                  attention: bool = False, reduce_range: dict[int, bool] | None = None,
-                 weight_only: dict[int, dict[str, M.QuantizationArgs]] | None = None):
+                 weight_only: dict[int, dict[str, M.QuantizationArgs]] | None = None,
+                 learned: dict[int, dict[str, tuple[float | None, float | None]]] | None = None):
         self.model = model
+        self.learned = learned or {}  # per QuantizationModifier: W8A8 layers whose weights / inputs learn scales
         self.weight_only = weight_only or {}  # per QuantizationModifier: the W4A16 / W8A16 layers and their weights
         self.roots = roots
         self.reduce_range = reduce_range or {}  # per QuantizationModifier: 7-bit weights
@@ -198,6 +203,14 @@ class QATControl:
             created = fake_quantize_model(root, skip=skip | set(weight_only),
                                           reduce_range=self.reduce_range.get(index, False))
             learned: dict[float, list[nn.Parameter]] = {}
+            chosen = {n[len(prefix):]: how for n, how in self.learned.get(index, {}).items() if n.startswith(prefix)}
+            for rel, layer in root.named_modules():
+                how = chosen.get(rel)
+                if how is None or not isinstance(layer, QATModule):
+                    continue
+                for quantizer, factor in zip((layer.weight_fake_quant, layer.input_fake_quant), how):
+                    if factor is not None and quantizer is not None:
+                        learned.setdefault(factor, []).append(quantizer.learn())
             for rel, args in weight_only.items():
                 float_layer = root.get_submodule(rel)
                 kind = WeightOnlyEmbedding if is_table(float_layer) else WeightOnlyLinear
@@ -209,7 +222,7 @@ class QATControl:
             for factor, scales in learned.items():
                 if self.on_learned_scales is not None:
                     self.on_learned_scales(scales, factor)
-                log.info("QAT on %s: %d layers learn their scales (lsq), LR x%g", name or type(root).__name__,
+                log.info("QAT on %s: %d scales learned (lsq), LR x%g", name or type(root).__name__,
                          len(scales), factor)
             if weight_only:
                 bits = Counter(args.num_bits for args in weight_only.values())

@@ -318,9 +318,12 @@ def describe(module: QATModule | WeightOnlyLinear) -> str:
         return f"Embedding, table {tuple(module.weight.shape)} int8 per row, rows float"
     fq_in, fq_out = module.input_fake_quant, module.activation_post_process
     source = "uint8" if fq_in is not None and fq_in.active else "from a quantized layer"
+    if fq_in is not None and fq_in.active and fq_in.learned:
+        source += " (learned scale)"
     output = "uint8" if fq_out is not None and fq_out.active else "float"
     bits = "int8" if module.weight_fake_quant.levels == W_LEVELS else "7-bit int8 (reduce_range)"
-    return (f"{module.extra_repr().split(',')[0]}, weight {tuple(module.weight.shape)} {bits} per channel, "
+    learned = " (learned scales)" if module.weight_fake_quant.learned else ""
+    return (f"{module.extra_repr().split(',')[0]}, weight {tuple(module.weight.shape)} {bits} per channel{learned}, "
             f"input {source}, output {output}")
 
 

@@ -1059,3 +1059,55 @@ def test_fake_quantizers_under_bf16_autocast_round_on_the_float32_grid():
         got = fq(x)
     expected = torch.fake_quantize_per_tensor_affine(x.float(), fq.scale, fq.zero_point, 0, 255).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+
+
+def test_learned_scales_for_w8a8_weights_and_inputs_train_freeze_resume_and_convert(tmp_path):
+    """``observer: lsq`` on a W8A8 scheme's weights and input activations: per-channel weight scales (from minmax)
+    and the input quantizers' scales (from the first batch's range) train in param groups of their own, one per
+    LR factor; they stop at the observers' freeze; a resumed run ends on the same bits; the int8 model verifies
+    exactly as for observed scales (``quantized_layers`` says which scales are learned)."""
+    import copy
+
+    recipe = ("- !QuantizationModifier {start_epoch: 1, disable_quantization_observer_epoch: 2.5, scheme: "
+              "{input_activations: {symmetric: false, observer: lsq}, weights: {observer: lsq, observer_kwargs: "
+              "{lr_factor: %g}}}}\n")
+    data = batches(12)
+
+    def fresh(seed, factor=0.01):
+        torch.manual_seed(seed)
+        model = SmallCNN()
+        manager = ScheduledModifierManager.from_yaml(recipe % factor)
+        return model, manager, manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                              steps_per_epoch=4)
+
+    model, manager, optimizer = fresh(0)
+    seen, ckpt = {}, {}
+
+    def after(k):
+        seen[k] = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("scale")}
+        if k == 6:
+            ckpt.update(copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()}))
+
+    train_steps(model, optimizer, data, after_step=after)
+    weights, inputs = optimizer.param_groups[1:]
+    assert len(weights["params"]) == 4 and weights["lr"] == pytest.approx(0.0005)  # conv1..3, fc
+    assert len(inputs["params"]) == 2 and inputs["lr"] == pytest.approx(0.05)  # the model's input, and fc's
+    assert "per channel (learned scales), input uint8 (learned scale)" in manager.quantized_layers["conv1"]
+    assert all(not torch.equal(seen[5][n], seen[9][n]) for n in seen[9])  # every learned scale moved
+    assert all(torch.equal(seen[10][n], seen[12][n]) for n in seen[12])  # frozen from step 10
+    resumed, _, resumed_opt = fresh(1)
+    resumed_opt.load_state_dict(ckpt["optimizer"])
+    resumed.load_state_dict(ckpt["model"])
+    train_steps(resumed, resumed_opt, data[6:])
+    for (na, pa), (nb, pb) in zip(model.state_dict().items(), resumed.state_dict().items()):
+        assert na == nb and torch.equal(pa, pb), na
+    manager.finalize(model)
+    result = _int8(model, tmp_path, False)
+    assert result.verification.local_steps <= 1 and result.verification.max_steps <= 1, result.verification
+    # an LR that takes a weight scale through zero: held at eps, and said at the end, naming it
+    model, manager, optimizer = fresh(0, factor=10)
+    train_steps(model, optimizer, data)
+    from recal_core.errors import RecipeWarning
+
+    with pytest.warns(RecipeWarning, match=r"learned scale\(s\) reached zero .*weight_fake_quant.scale"):
+        manager.finalize(model)

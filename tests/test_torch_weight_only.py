@@ -256,9 +256,9 @@ def test_learned_scales_train_in_their_own_param_group_freeze_resume_and_export(
     np.testing.assert_allclose(got, expected, atol=1e-5 * max(1.0, float(np.ptp(expected))))
 
 
-def test_learned_scales_are_weight_only_and_pytorch_only_for_now():
-    with pytest.raises(RecipeError, match=r"'scheme'.*an mse or lsq observer outside weight-only layers"):
-        _manager("{weights: {observer: lsq}}")
+def test_what_learned_scales_cannot_do_is_a_located_error():
+    with pytest.raises(RecipeError, match=r"'scheme'.*an lsq observer on output activations"):
+        _manager("{weights: {observer: lsq}, output_activations: {symmetric: false, observer: lsq}}")
     with pytest.raises(RecipeError, match=r"observer_kwargs go with observer: lsq"):
         _manager("{input_activations: null, weights: {num_bits: 4, group_size: 16, observer_kwargs: "
                  "{lr_factor: 2}}}")
@@ -267,3 +267,6 @@ def test_learned_scales_are_weight_only_and_pytorch_only_for_now():
 
     recipe = load_recipe("- !QuantizationModifier {start_epoch: 0, scheme: " + W4_LSQ + "}\n")
     assert qat_problems(recipe.bind(10), "in TensorFlow")
+    recipe = load_recipe("- !QuantizationModifier {start_epoch: 0, scheme: {weights: {observer: lsq}}}\n")
+    (problem,) = qat_problems(recipe.bind(10), "in TensorFlow")
+    assert "learned scales (observer: lsq) are not available in TensorFlow yet" in str(problem)
