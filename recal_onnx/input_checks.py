@@ -105,7 +105,7 @@ def _check_quantized_types(model: onnx.ModelProto, name: str) -> None:
             continue
         verb = "quantizes tensor {!r} to" if node.op_type == "QuantizeLinear" else "dequantizes tensor {!r} from"
         raise ModelError(f"{name}: {node.op_type} {node.name!r} {verb.format(node.input[0])} "
-                         f"{onnx.TensorProto.DataType.Name(dtype).lower()}; the converter writes uint8 / int8 "
+                         f"{_type_name(dtype)}; the converter writes uint8 / int8 "
                          "tensors (int32 biases): re-export with 8-bit quantization")
 
 
@@ -121,6 +121,14 @@ def nonfinite_initializers(reference: onnx.ModelProto | str, listed: int = 5) ->
         return " (every float initializer is finite: an op overflows or divides by zero)"
     more = f" and {len(bad) - listed} more" if len(bad) > listed else ""
     return f" (non-finite initializers: {', '.join(map(repr, bad[:listed]))}{more})"
+
+
+def _type_name(dtype: int) -> str:
+    """An ONNX element type's name (``int16``), or its number where the file holds none ONNX defines."""
+    try:
+        return onnx.TensorProto.DataType.Name(dtype).lower()
+    except ValueError:
+        return f"element type {dtype} (not one ONNX defines)"
 
 
 def _has_nan(tensor: onnx.TensorProto) -> bool:
