@@ -1,10 +1,11 @@
-"""Accuracy on the digits test set: dense vs GradualKS 90% vs GradualKS 90% + QAT -> int8 ONNX.
+"""Accuracy on the digits test set: dense vs GradualKS 90% vs GradualKS 90% + QAT -> int8 ONNX (observed scales,
+and learned ones: LSQ).
 
 Three seeds each; pruning rows in both frameworks. Prints mean and spread, and checks the goals:
 90% sparsity within 1.0 point of dense, int8 within 1.5 points of dense, TF and PyTorch pruned
 accuracies within 1.5 points of each other.
 
-    python scripts/bench_accuracy.py [--seeds 0 1 2] [--output runs/bench_accuracy]
+    python scripts/bench_accuracy.py [--seeds 0 1 2] [--output runs/bench_accuracy] [--rows QAT]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ ROWS = [  # label, framework, recipe, artefact name prefix
     ("GradualKS 90%", "torch", "prune90.yaml", "PyTorch model"),
     ("GradualKS 90%", "tf", "prune90.yaml", "TensorFlow frozen graph"),
     ("GradualKS 90% + QAT -> int8 ONNX", "torch", "prune90_quant.yaml", "int8 ONNX"),
+    ("GradualKS 90% + QAT (lsq) -> int8 ONNX", "torch", "prune90_quant_lsq.yaml", "int8 ONNX"),
 ]
 
 
@@ -31,27 +33,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--output", default=None, help="keep the runs here (default: a temp folder)")
+    parser.add_argument("--rows", nargs="+", help="only the rows whose label holds one of these (goals need all)")
     args = parser.parse_args()
     root = Path(args.output or tempfile.mkdtemp(prefix="recal-accuracy-"))
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for label, framework, recipe_name, prefix in ROWS:
+        if args.rows and not any(part in label for part in args.rows):
+            continue
         for seed in args.seeds:
             folder = root / f"{framework}-{recipe_name.split('.')[0]}-seed{seed}"
             run = train(load_recipe(RECIPES / recipe_name), framework, folder, seed=seed, progress=False)
             artefact = next(a for a in run.artefacts if a.name.startswith(prefix))
             results.setdefault((label, framework), []).append((artefact.accuracy, artefact.sparsity))
-            print(f"{label:34s} {framework:5s} seed {seed}: accuracy {artefact.accuracy:.4f} "
+            print(f"{label:40s} {framework:5s} seed {seed}: accuracy {artefact.accuracy:.4f} "
                   f"sparsity {artefact.sparsity:.3f}", flush=True)
 
     def mean(label, framework):
         return 100 * statistics.fmean(a for a, _ in results[(label, framework)])
 
     print(f"\ndigits test set (360 images), seeds {args.seeds}, accuracy in %")
-    print(f"{'run':34s} {'framework':9s} {'mean':>7s} {'min':>7s} {'max':>7s} {'sparsity':>8s}")
+    print(f"{'run':40s} {'framework':9s} {'mean':>7s} {'min':>7s} {'max':>7s} {'sparsity':>8s}")
     for (label, framework), values in results.items():
         accs = [100 * a for a, _ in values]
-        print(f"{label:34s} {framework:9s} {statistics.fmean(accs):7.2f} {min(accs):7.2f} {max(accs):7.2f} "
+        print(f"{label:40s} {framework:9s} {statistics.fmean(accs):7.2f} {min(accs):7.2f} {max(accs):7.2f} "
               f"{statistics.fmean(s for _, s in values):8.3f}")
+    if args.rows:
+        print(f"\nruns in {root}")
+        return
     goals = [
         ("torch 90% sparse within 1.0 pt of dense", mean("dense", "torch") - mean("GradualKS 90%", "torch"), 1.0),
         ("tf 90% sparse within 1.0 pt of dense", mean("dense", "tf") - mean("GradualKS 90%", "tf"), 1.0),

@@ -9,7 +9,8 @@ has the same training budget as the baseline, the fp32 model trained on for ``--
   size = recal's group size: RTN symmetric and asymmetric (its default), HQQ, and GPTQ when its tools run here;
 - recal int4 without training, on the baseline (the QAT model's grid at its first step: recal's round-to-nearest);
 - recal int4 QAT (``scheme`` int4 per group, activations float) for ``--qat-steps`` from the fp32 model, with the
-  minmax and the mse observer, exported and converted to ``MatMulNBits`` by ``quantize_qat_export``.
+  minmax and the mse observer and with learned scales (lsq, from the mse fit), exported and converted to
+  ``MatMulNBits`` by ``quantize_qat_export``.
 
 Each row: test perplexity (the ONNX model in a default onnxruntime session, next-token cross-entropy over the test
 windows), file size, and latency on one thread (batch 1; a 128-token prompt, and one token: a decode step of the
@@ -233,7 +234,7 @@ def main() -> None:
         rows[label] = {"path": path, "seconds": info if path else None, "note": "" if path else info}
     rows["recal int4, no QAT"] = dict(zip(("path", "seconds"), recal_int4(
         more, train_data, 0, "minmax", args, folder, sample, "recal_rtn")))
-    for observer in ("minmax", "mse"):
+    for observer in ("minmax", "mse", "lsq"):
         print(f"  recal int4 QAT ({observer}): {args.qat_steps} steps", flush=True)
         rows[f"recal int4 QAT ({observer})"] = dict(zip(("path", "seconds"), recal_int4(
             model, train_data, args.qat_steps, observer, args, folder, sample, f"recal_qat_{observer}")))
