@@ -18,6 +18,7 @@ from torch import nn
 
 from recal_core.atomic import atomic_path
 from recal_core.datasets import load_digits
+from recal_core.input_gate import regular_file
 from recal_core.recipe import Recipe
 from .training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, check_finite, epoch_line,
                         epoch_order, median_latency_ms, overall_sparsity, progress_bar)
@@ -87,6 +88,7 @@ CHECKPOINT_KEYS = ("epoch", "model", "optimizer", "history", "torch_rng")
 
 def _read_checkpoint(path: Path) -> dict:
     """A checkpoint as data (``weights_only``: a crafted file runs no code), with every key it needs."""
+    regular_file(path, "checkpoint")  # a FIFO or a device left in its place would block the load
     try:
         state = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # noqa: BLE001 - unpickling refuses code, a truncated zip, ... in its own types

@@ -32,6 +32,7 @@ import onnx
 
 from recal_core.atomic import atomic_folder
 from recal_core.errors import VerificationFailed
+from recal_core.input_gate import regular_file
 
 from . import cpu
 from .findings import Findings
@@ -368,8 +369,9 @@ def _load(model_or_path) -> tuple[onnx.ModelProto, set[Path]]:
     if not isinstance(model_or_path, (str, os.PathLike)):
         raise TypeError(f"expected an onnx.ModelProto or a path, not {type(model_or_path).__name__}")
     path = Path(model_or_path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"{path}: no such ONNX file")
+    regular_file(path, "ONNX model")  # a FIFO or a device would block or never end the read
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # noqa: BLE001 - protobuf raises several types for a bad file
@@ -379,6 +381,9 @@ def _load(model_or_path) -> tuple[onnx.ModelProto, set[Path]]:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             location = next((e.value for e in tensor.external_data if e.key == "location"), "")
             reads.add((path.parent / location).resolve())
+    for data in reads - {path.resolve()}:
+        if data.exists():
+            regular_file(data, "external data file of the ONNX model")
     if len(reads) > 1:
         try:
             onnx.load_external_data_for_model(model, str(path.parent))

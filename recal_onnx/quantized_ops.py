@@ -6,6 +6,8 @@ op, and the replacement of a float op (and that tail) by one quantized node.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .findings import Findings
@@ -123,8 +125,10 @@ def clamp_integers(g: Graph, act: Node, source: Value, ops: list[tuple[str, int]
 
 
 def replace_with_quantized(g: Graph, replaced: list[Node], act: Node | None, q: Node, op_type: str,
-                           inputs: list[Value | None], *, name: str, domain: str = "", **attrs) -> None:
-    """Replace ``replaced`` (with ``act`` and ``q``) by one ``op_type`` node that writes ``q``'s integers.
+                           inputs: list[Value | None], *, name: str, domain: str = "",
+                           then: Callable[[Value], Value] | None = None, **attrs) -> None:
+    """Replace ``replaced`` (with ``act`` and ``q``) by one ``op_type`` node that writes ``q``'s integers
+    (passed through ``then`` when given: a reshape back to the layer's shape).
 
     A clamping activation costs nothing where the output type's own range is the clamp (a ReLU with the
     lowest zero point, a ReLU6 whose 6 is beyond the top); otherwise it becomes ``Max`` / ``Min`` with the
@@ -134,5 +138,7 @@ def replace_with_quantized(g: Graph, replaced: list[Node], act: Node | None, q: 
     dtype = g.const(q.inputs[2]).dtype
     out = g.add_node(op_type, inputs, name=name, domain=domain, **attrs).outputs[0]
     out = clamp_integers(g, act, out, clamp, dtype)
+    if then is not None:
+        out = then(out)
     g.replace(q.outputs[0], out, rename=True)
     g.remove(*replaced, *(n for n in (act, q) if n is not None))

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from peers import quantize_static  # noqa: E402
 from speed import interleaved_latency  # noqa: E402
 from recal_onnx import cpu, quantize_qat_export  # noqa: E402
-from zoo import ResNet18  # noqa: E402
+from zoo import ResNet18, torch_init  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "interop"
 WEIGHTED = {"Conv", "Gemm", "MatMul", "ConvTranspose"}
@@ -54,11 +54,7 @@ def hf_mobilenet_v2() -> torch.nn.Module:
 
     from tests.zoo.test_cnns import HF  # the zoo's logits wrapper
 
-    model = HF(transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config()))
-    for module in model.modules():
-        if isinstance(module, (torch.nn.Conv2d, torch.nn.BatchNorm2d, torch.nn.Linear)):
-            module.reset_parameters()
-    return model
+    return torch_init(HF(transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config())))
 
 
 FP32 = {"resnet18": lambda: ResNet18(1000), "hf-mobilenet-v2": hf_mobilenet_v2}

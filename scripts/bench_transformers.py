@@ -118,11 +118,14 @@ def swin(quick: bool, seq: int):
 
 def mobilevit(quick: bool, seq: int):
     """MobileViT-small at its default config (``MobileViTConfig()``), 256x256: convolutions, SiLUs and
-    transformer blocks."""
+    transformer blocks; torch-initialised (``zoo.torch_init``: transformers' draws make its activations vanish)."""
     import transformers
 
+    from zoo import torch_init
+
     config = transformers.MobileViTConfig(num_labels=10, **(dict(image_size=64) if quick else {}))
-    return _image_model(transformers.MobileViTForImageClassification, config, config.image_size)
+    model, batch, names = _image_model(transformers.MobileViTForImageClassification, config, config.image_size)
+    return torch_init(model), batch, names
 
 
 MODELS = {"bert": bert, "vit": vit, "swin": swin, "mobilevit": mobilevit}

@@ -42,7 +42,7 @@ from speed import interleaved_latency  # noqa: E402
 from recal_onnx import cpu, quantize_qat_export  # noqa: E402
 from recal_torch import export_onnx  # noqa: E402
 from tests.zoo.test_cnns import CLASSES, HF, MODELS, prune_and_qat  # noqa: E402
-from zoo import ResNet18  # noqa: E402
+from zoo import ResNet18, torch_init  # noqa: E402
 
 
 def hf_resnet50() -> torch.nn.Module:
@@ -52,16 +52,12 @@ def hf_resnet50() -> torch.nn.Module:
 
 
 def hf_mobilevit() -> torch.nn.Module:
-    """MobileViT-small at its default config (convolutions, SiLUs, transformer blocks), with torch's own
-    initialisation of its convs, norms and linears: transformers' draws make the random net's activations vanish
-    into denormals (its fp32 run then takes 25x longer)."""
+    """MobileViT-small at its default config (convolutions, SiLUs, transformer blocks), torch-initialised
+    (:func:`zoo.torch_init`)."""
     import transformers
 
-    model = HF(transformers.MobileViTForImageClassification(transformers.MobileViTConfig(num_labels=CLASSES)))
-    for module in model.modules():
-        if isinstance(module, (torch.nn.Conv2d, torch.nn.BatchNorm2d, torch.nn.Linear, torch.nn.LayerNorm)):
-            module.reset_parameters()
-    return model
+    return torch_init(HF(transformers.MobileViTForImageClassification(transformers.MobileViTConfig(
+        num_labels=CLASSES))))
 
 
 BUILDERS = {"resnet18": lambda: ResNet18(CLASSES), "hf-resnet50": hf_resnet50, "hf-mobilevit": hf_mobilevit,

@@ -683,3 +683,30 @@ def test_a_weight_only_gemm_whose_bias_is_a_column_runs_as_matmulnbits():
         assert result.verification.problem(None) is None
         if not nbits:
             assert "[N] or [1, N]" in next(iter(result.float_reasons.values()))
+
+
+def test_an_onnx_model_or_its_data_that_is_a_fifo_is_refused_at_once(tmp_path):
+    """The ONNX model and every external data file it names go through the same gate as recipes: a FIFO (which
+    would block the read forever) is refused naming it, before anything is read."""
+    import time
+
+    from recal_core.input_gate import InputFileError
+
+    from .onnx_graphs import Builder
+
+    fifo = tmp_path / "model.onnx"
+    os.mkfifo(fifo)
+    started = time.perf_counter()
+    with pytest.raises(InputFileError, match=r"model.onnx: the ONNX model is a FIFO"):
+        quantize_qat_export(fifo, tmp_path / "out.onnx")
+    b = Builder()
+    model = b.model([("x", [1, 4])], [b.qdq(b.node("Relu", [b.qdq("x", 0.1, 128)]), 0.1, 128)])
+    weights = onnx.numpy_helper.from_array(np.ones((64, 64), np.float32), "big")
+    model.graph.initializer.append(weights)
+    onnx.external_data_helper.set_external_data(model.graph.initializer[-1], "weights.bin")
+    model.graph.initializer[-1].ClearField("raw_data")
+    onnx.save(model, tmp_path / "with_data.onnx")
+    os.mkfifo(tmp_path / "weights.bin")
+    with pytest.raises(InputFileError, match=r"weights.bin: the external data file of the ONNX model is a FIFO"):
+        quantize_qat_export(tmp_path / "with_data.onnx", tmp_path / "out.onnx")
+    assert time.perf_counter() - started < 2

@@ -175,16 +175,30 @@ def test_gemm_to_qgemm_quantized_and_float_outputs():
     np.testing.assert_allclose(run(converted, feeds)[0], expected, atol=0.05)
 
 
-def test_matmul_3d_to_matmul_integer_to_float():
+@pytest.mark.parametrize("bias, quantized_out", [("on grid", True), ("on grid", False), ("off grid", True),
+                                                 ("none", True)])
+def test_matmul_3d_becomes_a_flattened_qgemm_or_matmul_integer_to_float(bias, quantized_out):
+    """A ``[batch, tokens, hidden]`` MatMul (+ bias) becomes QGemm on ``[-1, hidden]`` and is reshaped back (bias
+    and requantization inside the GEMM; float out where nothing quantizes it), for any batch and sequence; a float
+    bias between its int32 steps (another tool's export) keeps MatMulIntegerToFloat, which adds it exactly."""
     b = Builder()
     a = b.qdq("x", 0.05, 128)
-    y = b.node("Add", [b.node("MatMul", [a, b.weight((8, 6), axis=1)]), b.const(np.full(6, 0.2, np.float32))])
-    model = b.model([("x", [2, 3, 8])], [b.qdq(y, 0.05, 128)])
-    feeds = _x([2, 3, 8])
-    expected = reference(model, feeds)[0]
+    w = b.weight((8, 6), axis=1)
+    y = b.node("MatMul", [a, w])
+    if bias != "none":
+        scale = 0.05 * onnx.numpy_helper.to_array(next(t for t in b.inits if t.name.startswith("ws")))
+        value = np.round(np.linspace(-3, 3, 6) / scale) * scale + (0.3 * scale if bias == "off grid" else 0)
+        y = b.node("Add", [y, b.const(value.astype(np.float32))])
+    model = b.model([("x", ["batch", "tokens", 8])], [b.qdq(y, 0.05, 128) if quantized_out else y])
     converted, (n,) = _apply(model, gemm_to_qgemm)
-    assert n == 1 and "MatMulIntegerToFloat" in ops(converted)
-    np.testing.assert_allclose(run(converted, feeds)[0], expected, atol=0.05 + 1e-6)
+    kinds = ops(converted)
+    assert n == 1 and (kinds.count("QGemm") == 1) == (bias != "off grid"), kinds
+    assert ("MatMulIntegerToFloat" in kinds) == (bias == "off grid"), kinds
+    for shape in ([2, 3, 8], [1, 5, 8]):
+        feeds = _x(shape)
+        expected, got = reference(model, feeds)[0], run(converted, feeds)[0]
+        assert got.shape == expected.shape
+        np.testing.assert_allclose(got, expected, atol=(0.05 if quantized_out else 1e-5) + 1e-6)
 
 
 def test_add_to_qlinearadd_and_zero_case():
