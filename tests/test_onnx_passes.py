@@ -1093,3 +1093,24 @@ def test_unary_to_table(form):
             np.testing.assert_array_equal(run(converted, feeds, level=level)[0], expected[0])
     else:
         assert ops(converted) == ops(model)
+
+
+def test_attention_matmuls_with_a_quantized_output_become_qlinearmatmul_and_a_bias_first_is_a_bias():
+    """P·V whose output a QuantizeLinear reads: QLinearMatMul (requantized in the kernel); Q·Kᵀ read by a float
+    op: MatMulIntegerToFloat. A Linear written ``Add(bias, MatMul)`` converts as ``MatMul + bias``."""
+    b = Builder()
+    q, k = b.qdq("x", 0.05, 128), b.qdq("y", 0.04, 128)
+    scores = b.node("Softmax", [b.node("MatMul", [q, k])], axis=-1)
+    probs = b.qdq(scores, 1 / 255, 0)
+    out = b.qdq(b.node("MatMul", [probs, b.qdq("v", 0.03, 128)]), 0.02, 128)
+    w = b.weight((4, 6), axis=1)
+    scale = 0.02 * onnx.numpy_helper.to_array(next(t for t in b.inits if t.name.startswith("ws")))
+    bias = (np.round(np.linspace(-2, 2, 6) / scale) * scale).astype(np.float32)
+    y = b.qdq(b.node("Add", [b.const(bias), b.node("MatMul", [out, w])]), 0.05, 128)
+    model = b.model([("x", [2, 3, 4]), ("y", [2, 4, 3]), ("v", [2, 3, 4])], [y])
+    converted, (n,) = _apply(model, gemm_to_qgemm)
+    kinds = ops(converted)
+    assert kinds.count("QLinearMatMul") == 1 and kinds.count("MatMulIntegerToFloat") == 1, kinds
+    assert kinds.count("QGemm") == 1 and "Add" not in kinds, kinds
+    feeds = {"x": _x([2, 3, 4])["x"], "y": _x([2, 4, 3], seed=2)["x"], "v": _x([2, 3, 4], seed=3)["x"]}
+    np.testing.assert_allclose(run(converted, feeds)[0], reference(model, feeds)[0], atol=2 * 0.05 + 1e-6)

@@ -7,8 +7,9 @@ Without a QuantizeLinear after it, QGemm returns float (a model's logits). A Mat
 (a transformer's ``[batch, tokens, hidden]``) is flattened to ``[-1, hidden]`` around the QGemm and reshaped back
 (what onnxruntime's own QDQ fusion does): one GEMM with the bias and the requantization inside, where
 ``MatMulIntegerToFloat`` + ``Add`` + ``QuantizeLinear`` wrote float and read it again (Swin-tiny with quantized
-attention 1.09x faster on the VNNI/AMX Xeon). A MatMul of two quantized activations (attention's Q·Kᵀ and P·V)
-becomes MatMulIntegerToFloat.
+attention ~FIG on the VNNI/AMX Xeon). A bias written first, ``Add(bias, MatMul)``, is the same bias. A MatMul of two
+quantized activations (attention's Q·Kᵀ and P·V) becomes QLinearMatMul where a QuantizeLinear alone reads its
+output, MatMulIntegerToFloat otherwise.
 """
 
 from __future__ import annotations
@@ -47,7 +48,13 @@ def _gemm(g: Graph, node: Node, findings: Findings) -> int:
 def _matmul(g: Graph, node: Node, findings: Findings) -> int:
     a, w = activation(g, node.inputs[0]), weight(g, node.inputs[1])
     b = activation(g, node.inputs[1]) if w is None else None
-    if a is not None and b is not None:  # both operands are activations: int32 products, scaled to float
+    if a is not None and b is not None:  # both operands are activations (attention's Q·Kᵀ and P·V)
+        relu, q = output_tail(g, node.outputs[0])
+        if q is not None and relu is None:  # its output quantized: the requantization inside the kernel
+            replace_with_quantized(g, [node], None, q, "QLinearMatMul", [a.q, a.scale, a.zero_point, b.q, b.scale,
+                                                                        b.zero_point, q.inputs[1], q.inputs[2]],
+                                   name=node.name + "_quant")
+            return 1
         g.add_node("MatMulIntegerToFloat", [a.q, b.q, a.scale, b.scale, a.zero_point, b.zero_point],
                    name=node.name + "_quant", domain=MS_DOMAIN, replaces=node.outputs[0])
         g.remove(node)
@@ -55,8 +62,12 @@ def _matmul(g: Graph, node: Node, findings: Findings) -> int:
     if a is None or w is None or w.q.ndim != 2:
         return 0
     add = g.only_consumer(node.outputs[0])
-    has_bias = add is not None and add.op_type == "Add" and add.inputs[0] is node.outputs[0] \
-        and g.is_const(add.inputs[1]) and g.const(add.inputs[1]).size == w.q.shape[1]
+    slot = (1 if add.inputs[0] is node.outputs[0] else 0) if add is not None and add.op_type == "Add" else None
+    has_bias = slot is not None and g.is_const(add.inputs[slot]) and g.const(add.inputs[slot]).size == w.q.shape[1]
+    if has_bias and slot == 0:  # Add(bias, MatMul), as an exporter may write a Linear: the same sum, bias second
+        bias, product = add.inputs[0], add.inputs[1]
+        add.replace_input_with(0, product)
+        add.replace_input_with(1, bias)
     restore = None
     if g.rank(node.inputs[0]) != 2:
         if has_bias and not _on_grid(g, add, a, w) or weight_inputs(g, w, 1) is None:
