@@ -131,20 +131,27 @@ def _type_name(dtype: int) -> str:
         return f"element type {dtype} (not one ONNX defines)"
 
 
-def _has_nan(tensor: onnx.TensorProto) -> bool:
+def _values(tensor: onnx.TensorProto) -> np.ndarray | None:
+    """A constant's values, or None where they are stored outside the file or malformed (the checks that read it
+    say what is wrong)."""
     if tensor.data_location == onnx.TensorProto.EXTERNAL:
-        return False
+        return None
     try:
-        return bool(np.isnan(onnx.numpy_helper.to_array(tensor)).any())
+        return onnx.numpy_helper.to_array(tensor)
     except (ValueError, TypeError):
-        return False
+        return None
+
+
+def _has_nan(tensor: onnx.TensorProto) -> bool:
+    values = _values(tensor)
+    return values is not None and bool(np.isnan(values).any())
 
 
 def _finite(tensor: onnx.TensorProto) -> bool:
-    """Whether a float initializer holds no NaN or inf (one stored outside the file, or malformed, counts as finite:
-    the checks that read it say what is wrong)."""
-    if tensor.data_location == onnx.TensorProto.EXTERNAL:
-        return True
+    """Whether a float initializer holds no NaN or inf (one stored outside the file, or malformed, counts as
+    finite)."""
+    values = _values(tensor)
+    return values is None or bool(np.isfinite(values).all())
     try:
         return bool(np.isfinite(onnx.numpy_helper.to_array(tensor)).all())
     except (ValueError, TypeError):

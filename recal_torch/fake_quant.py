@@ -50,7 +50,32 @@ def weight_qparams(weight: torch.Tensor, levels: float = W_LEVELS) -> tuple[torc
 # --- fake quantizers -----------------------------------------------------------------------
 
 
-class ActivationFakeQuantize(nn.Module):
+class LearnableScale:
+    """What a quantizer whose scale may be learned (LSQ) shares: ``learned`` says so; the scale, then a parameter,
+    trains while the observer would observe (``observer_enabled``) and stops when frozen."""
+
+    learned = False
+
+    @property
+    def observer_enabled(self) -> bool:
+        return self._observer_enabled
+
+    @observer_enabled.setter
+    def observer_enabled(self, enabled: bool) -> None:
+        self._observer_enabled = bool(enabled)
+        if self.learned:
+            self.scale.requires_grad_(self._observer_enabled)
+
+    def _scale_to_parameter(self) -> nn.Parameter:
+        """The ``scale`` buffer made a parameter (same name in the state dict)."""
+        scale = self._buffers.pop("scale")
+        self.scale = nn.Parameter(scale.detach().clone())
+        self.learned = True
+        self.observer_enabled = self.observer_enabled
+        return self.scale
+
+
+class ActivationFakeQuantize(LearnableScale, nn.Module):
     """uint8 per-tensor fake quantization with a moving-average min/max observer.
 
     Under ``torch.distributed`` the batch min/max are reduced across ranks, so every rank
@@ -71,7 +96,6 @@ class ActivationFakeQuantize(nn.Module):
         # a buffer, so the plan travels in checkpoints and the state dict keeps its keys
         self.register_buffer("enabled", torch.tensor(True))
         self._active, self._observed = True, False  # the two buffers' values, as Python flags
-        self.learned = False  # lsq: the scale a parameter trained from the first batch's range on (learn())
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         state_dict.setdefault(prefix + "enabled", torch.tensor(True))  # checkpoints from before the flag
@@ -114,21 +138,7 @@ class ActivationFakeQuantize(nn.Module):
     def learn(self) -> nn.Parameter:
         """Make the scale learned (LSQ): a parameter, started from the first batch's range, then trained with LSQ's
         gradient scale ``1 / sqrt(values a sample * 255)``; the zero point stays where that range put it."""
-        scale = self._buffers.pop("scale")
-        self.scale = nn.Parameter(scale.detach().clone())
-        self.learned = True
-        self.observer_enabled = self.observer_enabled  # the parameter trains while the observer would observe
-        return self.scale
-
-    @property
-    def observer_enabled(self) -> bool:
-        return self._observer_enabled
-
-    @observer_enabled.setter
-    def observer_enabled(self, enabled: bool) -> None:
-        self._observer_enabled = bool(enabled)
-        if getattr(self, "learned", False):
-            self.scale.requires_grad_(self._observer_enabled)
+        return self._scale_to_parameter()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.active:
@@ -160,7 +170,7 @@ class ActivationFakeQuantize(nn.Module):
         return f"uint8 per-tensor, observer={'on' if self.observer_enabled else 'frozen'}"
 
 
-class WeightFakeQuantize(nn.Module):
+class WeightFakeQuantize(LearnableScale, nn.Module):
     """int8 symmetric per-channel fake quantization; the scale follows the weights until frozen.
 
     ``levels``: the largest integer a weight takes, 127 (8 bits) or 64 (``reduce_range``: 7 bits, exact in every
@@ -171,7 +181,6 @@ class WeightFakeQuantize(nn.Module):
         if levels not in (W_LEVELS, REDUCED_W_LEVELS):
             raise ValueError(f"weight levels must be {W_LEVELS:g} or {REDUCED_W_LEVELS:g}, got {levels!r}")
         self.levels = float(levels)
-        self.learned = False  # lsq: the scale a parameter trained from the minmax start on (learn())
         self.observer_enabled = True
         self.register_buffer("scale", torch.ones(channels))
         self.register_buffer("zero_point", torch.zeros(channels, dtype=torch.int32))
@@ -179,22 +188,9 @@ class WeightFakeQuantize(nn.Module):
     def learn(self) -> nn.Parameter:
         """Make the scale learned (LSQ): a parameter, started from the weights' minmax at the next forward, then
         trained with LSQ's gradient scale ``1 / sqrt(weights a channel * levels)``."""
-        scale = self._buffers.pop("scale")
-        self.scale = nn.Parameter(scale.detach().clone())
-        self.register_buffer("started", torch.tensor(False))
-        self.learned, self._started = True, False
-        self.observer_enabled = self.observer_enabled
-        return self.scale
-
-    @property
-    def observer_enabled(self) -> bool:
-        return self._observer_enabled
-
-    @observer_enabled.setter
-    def observer_enabled(self, enabled: bool) -> None:
-        self._observer_enabled = bool(enabled)
-        if getattr(self, "learned", False):
-            self.scale.requires_grad_(self._observer_enabled)
+        self.register_buffer("started", torch.tensor(False))  # the minmax start taken (a checkpoint carries it)
+        self._started = False
+        return self._scale_to_parameter()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -235,7 +231,7 @@ class WeightFakeQuantize(nn.Module):
 MSE_CLIPS = torch.linspace(1.0, 0.5, 11).tolist()  # the fractions of max|w| the mse observer tries per group
 
 
-class GroupWeightFakeQuantize(nn.Module):
+class GroupWeightFakeQuantize(LearnableScale, nn.Module):
     """Symmetric fake quantization of a ``[out, in]`` weight to ``bits`` (4: ``|q| <= 7``; 8: ``|q| <= 127``), one
     scale per ``group_size`` consecutive inputs of an output channel (``None``: per channel): the grid of a
     weight-only layer, which onnxruntime's ``MatMulNBits`` runs with block size = group size.
@@ -256,28 +252,12 @@ class GroupWeightFakeQuantize(nn.Module):
             raise ValueError(f"bits must be 4 or 8 and observer minmax, mse or lsq, got {bits!r} and {observer!r}")
         self.bits, self.group_size, self.per_channel, self.observer = bits, group, group_size is None, observer
         self.levels = float(INT4_WEIGHT_LEVELS if bits == 4 else WEIGHT_LEVELS)
-        scale = torch.ones(out_features, in_features // group)
+        self.register_buffer("scale", torch.ones(out_features, in_features // group))
+        self.observer_enabled = True
         if observer == "lsq":
-            self.scale = nn.Parameter(scale)
             self.register_buffer("started", torch.tensor(False))  # the mse start taken (a checkpoint carries it)
             self._started = False
-        else:
-            self.register_buffer("scale", scale)
-        self.observer_enabled = True
-
-    @property
-    def learned(self) -> bool:
-        return self.observer == "lsq"
-
-    @property
-    def observer_enabled(self) -> bool:
-        return self._observer_enabled
-
-    @observer_enabled.setter
-    def observer_enabled(self, enabled: bool) -> None:
-        self._observer_enabled = bool(enabled)
-        if self.observer == "lsq":  # a learned scale trains while the observer would observe, not once frozen
-            self.scale.requires_grad_(self._observer_enabled)
+            self._scale_to_parameter()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
