@@ -23,6 +23,8 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
    one quantized tensor: a 256-entry table), ``remove_redundant_qdq``, repeated;
    format ``qdq``: ``affine_to_batchnorm``, ``batchnorm_to_conv``, ``bias_to_int32``, ``fusible_qdq_pools``;
 5. ``matmul_to_nbits``: weight-only layers (float input, grouped or per-channel 4/8-bit weights) to ``MatMulNBits``;
+   ``shapes_from_integers``: a Shape of a dequantized tensor reads its integers (the dequantization, made only to be
+   measured, goes);
 6. ``uint8_weights`` when the target stores weights beyond +-64 as uint8;
 7. ``bias_apart`` (a layer whose bias int32 cannot hold stays float, its bias in an Add of its own).
 """
@@ -57,6 +59,7 @@ from .passes.noop_clamps import remove_noop_clamps
 from .passes.pad_into_conv import fold_pads_into_convs
 from .passes.pool_to_qlinear import pool_to_qlinear
 from .passes.redundant_qdq import remove_redundant_qdq
+from .passes.shape_of_integers import shapes_from_integers
 from .passes.sigmoid_to_qlinear import sigmoid_to_qlinear
 from .passes.thin_channels import CHANNEL_BLOCK, thin_channels
 from .passes.thin_heads import thin_heads
@@ -105,6 +108,7 @@ PIPELINE: tuple[Step, ...] = (
     Step((int8_passthrough,), when=lambda o: o.format == "qdq", args=lambda o: (False,)),
     Step((affine_to_batchnorm, batchnorm_to_conv, bias_to_int32, fusible_qdq_pools), when=lambda o: o.format == "qdq"),
     Step((matmul_to_nbits,), args=lambda o: (o.accuracy_level,)),
+    Step((shapes_from_integers,)),
     Step((uint8_weights,), when=lambda o: o.weight_type == "uint8"),
     Step((bias_apart,)),
 )

@@ -1114,3 +1114,18 @@ def test_attention_matmuls_with_a_quantized_output_become_qlinearmatmul_and_a_bi
     assert kinds.count("QGemm") == 1 and "Add" not in kinds, kinds
     feeds = {"x": _x([2, 3, 4])["x"], "y": _x([2, 4, 3], seed=2)["x"], "v": _x([2, 3, 4], seed=3)["x"]}
     np.testing.assert_allclose(run(converted, feeds)[0], reference(model, feeds)[0], atol=2 * 0.05 + 1e-6)
+
+
+def test_a_shape_of_a_dequantized_tensor_reads_its_integers():
+    """ShuffleNet's ``x.size()``: a DequantizeLinear read only by a Shape is not computed; the shape is the same."""
+    from recal_onnx.passes.shape_of_integers import shapes_from_integers
+
+    b = Builder()
+    x = b.qdq("x", 0.05, 128)
+    shape = b.node("Shape", [x])
+    model = b.model([("x", ["n", 4, 3, 3])], [shape])
+    model.graph.output[0].type.tensor_type.elem_type = onnx.TensorProto.INT64
+    converted, (n,) = _apply(model, shapes_from_integers)
+    assert n == 1 and "DequantizeLinear" not in ops(converted), ops(converted)
+    feeds = _x([2, 4, 3, 3])
+    assert run(converted, feeds)[0].tolist() == reference(model, feeds)[0].tolist() == [2, 4, 3, 3]
