@@ -23,6 +23,8 @@ Node = ir.Node
 
 EXTERNAL_DATA_BYTES = 1_800_000_000  # above this a model's tensors go to <name>.data (protobuf's limit is 2 GB)
 
+SHAPE_READERS = ("Shape", "Size")  # ops that read only a tensor's shape: any tensor of that shape will do
+
 
 class Graph:
     """A model being rewritten; :meth:`commit` returns it as a ``ModelProto`` (dead nodes gone, sorted)."""

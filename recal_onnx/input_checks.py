@@ -41,8 +41,9 @@ def check_input(model: onnx.ModelProto, name: str) -> None:
         if output.type.WhichOneof("value") not in ("tensor_type", None):
             raise ModelError(f"{name}: output {output.name!r} is a {output.type.WhichOneof('value')[:-5]}, not a "
                              "tensor; the converter and its verification take tensor outputs")
-    _check_quantized_types(model, name)
-    _check_clamp_bounds(model, name)
+    constants = _constants(model)
+    _check_quantized_types(model, name, constants)
+    _check_clamp_bounds(model, name, constants)
 
 
 def _constants(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
@@ -57,30 +58,29 @@ def _constants(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
     return found
 
 
-def _check_clamp_bounds(model: onnx.ModelProto, name: str) -> None:
+def _check_clamp_bounds(model: onnx.ModelProto, name: str, constants: dict[str, onnx.TensorProto]) -> None:
     """A NaN bound of ``Max``, ``Min`` or ``Clip`` makes its output NaN (or the bound meaningless): refused, named."""
-    constants = _constants(model)
     for node in model.graph.node:
         if node.op_type not in ("Max", "Min", "Clip"):
             continue
         for value in node.input:
             tensor = constants.get(value)
-            if tensor is not None and tensor.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
-                                                           onnx.TensorProto.DOUBLE) and _has_nan(tensor):
+            if tensor is not None and tensor.data_type in FLOAT_TYPES and _has_nan(tensor):
                 raise ModelError(f"{name}: {node.op_type} {node.name or node.output[0]!r} has a NaN bound (constant "
                                  f"{value!r}): its output is NaN or unbounded, a broken export")
 
 
+FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
 # the integer types the converter writes kernels for: uint8 / int8 tensors, int32 biases behind a DequantizeLinear
 QUANTIZED_TYPES = {onnx.TensorProto.UINT8, onnx.TensorProto.INT8}
 BIAS_TYPES = {onnx.TensorProto.INT32}
 
 
-def _check_quantized_types(model: onnx.ModelProto, name: str) -> None:
+def _check_quantized_types(model: onnx.ModelProto, name: str, tensors: dict[str, onnx.TensorProto]) -> None:
     """Every quantized tensor is uint8 / int8 (an int32 bias too), refused at the start otherwise: int16, uint16,
-    4-bit or float8 tensors have no QLinear kernels here, and a model written with them would be invalid."""
-    tensors = _constants(model)  # initializers and Constant nodes alike
-    initializers = {name: t.data_type for name, t in tensors.items()}
+    4-bit or float8 tensors have no QLinear kernels here, and a model written with them would be invalid. ``tensors``:
+    the model's constants (initializers and ``Constant`` nodes alike)."""
+    types = {value: t.data_type for value, t in tensors.items()}
     for node in model.graph.node:
         if node.op_type not in QDQ_OPS or not node.input:  # a node without inputs: the checker names it later
             continue
@@ -95,9 +95,9 @@ def _check_quantized_types(model: onnx.ModelProto, name: str) -> None:
                              f"infinite (initializer {scale.name!r}): the QAT model itself computes nothing finite "
                              "(a diverged training or a broken export)")
         zero_point = node.input[2] if len(node.input) > 2 and node.input[2] else ""
-        dtype = initializers.get(zero_point)
+        dtype = types.get(zero_point)
         if dtype is None and node.op_type == "DequantizeLinear":
-            dtype = initializers.get(node.input[0])
+            dtype = types.get(node.input[0])
         if dtype is None:
             attr = next((a.i for a in node.attribute if a.name == "output_dtype"), 0)
             dtype = attr or (onnx.TensorProto.UINT8 if node.op_type == "QuantizeLinear" else None)
@@ -114,8 +114,7 @@ def nonfinite_initializers(reference: onnx.ModelProto | str, listed: int = 5) ->
     model = onnx.load(reference, load_external_data=False) if isinstance(reference, str) else reference
     bad = []
     for tensor in model.graph.initializer:
-        if tensor.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE) \
-                and not _finite(tensor):
+        if tensor.data_type in FLOAT_TYPES and not _finite(tensor):
             bad.append(tensor.name)
     if not bad:
         return " (every float initializer is finite: an op overflows or divides by zero)"

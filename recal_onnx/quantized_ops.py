@@ -31,11 +31,9 @@ def quantized_bias(g: Graph, node: Node, x: QTensor, w: QWeight, index: int | No
     if not np.isfinite(bias).all():
         findings.kept_float[node.name] = (node.op_type, "its bias holds NaN or inf")
         return None
-    scale = scalar(g, x.scale) * w.scale.astype(np.float64).reshape(-1)
-    steps = np.asarray(bias, np.float64).reshape(-1) / scale
+    steps, off = bias_steps(g, bias, x, w)
     values = np.round(steps)
-    off = np.abs(steps - values)
-    if np.any(off > OFF_GRID + 1e-6 * np.abs(steps)):  # beyond float32's rounding of an on-grid bias
+    if not on_grid(steps, off):
         findings.rounded_biases[node.name] = float(off.max())  # recal's exporters write them on the grid; others do not
         if np.abs(steps).max() >= FLOAT32_EXACT:  # no float32 bias lies on a grid this fine
             findings.coarse_biases[node.name] = float(np.abs(steps).max())
@@ -44,6 +42,17 @@ def quantized_bias(g: Graph, node: Node, x: QTensor, w: QWeight, index: int | No
                                                  f"(input scale {scalar(g, x.scale):.3g})")
         return None
     return g.add_const(node.inputs[index].name + "_int32", values.astype(np.int32))
+
+
+def bias_steps(g: Graph, bias: np.ndarray, x: QTensor, w: QWeight) -> tuple[np.ndarray, np.ndarray]:
+    """``bias`` in int32 steps of input scale x weight scale, and each one's distance from a whole step."""
+    steps = np.asarray(bias, np.float64).reshape(-1) / (scalar(g, x.scale) * w.scale.astype(np.float64).reshape(-1))
+    return steps, np.abs(steps - np.round(steps))
+
+
+def on_grid(steps: np.ndarray, off: np.ndarray) -> bool:
+    """Every step whole, to float32's rounding of an on-grid bias (recal's exporters write biases so)."""
+    return not np.any(off > OFF_GRID + 1e-6 * np.abs(steps))
 
 
 def weight_inputs(g: Graph, w: QWeight, channels_axis: int) -> tuple[Value, Value, Value] | None:

@@ -195,7 +195,8 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
     dead = [name for s, name in zip(stats, names) if s.count and s.nonfinite == s.count]
     if dead:
         raise NonFiniteReference(dead)
-    share = FLOAT_ONLY_SHARE if float_only(reference, candidate) else FLOAT_SHARE
+    copy = _copyable(reference)  # loaded once for the checks below (None: too large to copy; end to end only)
+    share = FLOAT_ONLY_SHARE if copy is not None and float_only(copy, candidate) else FLOAT_SHARE
     outputs = tuple(s.diff(name, producers.get(name, ""), steps.get(name, output_step), share)
                     for s, name in zip(stats, names))
     diff = max((o.max_abs_diff for o in outputs if o.kind != "class ids"), default=0.0)
@@ -206,7 +207,6 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
     median = float(np.median(sample)) if sample.size else 0.0
     first_step = next((o.step for o in outputs if o.kind == "float"), output_step)
     result = Verification(diff, span, agreement, samples, first_step, median_abs_diff=median, outputs=outputs)
-    copy = _copyable(reference)  # loaded once for both checks below (None: too large to copy; end to end only)
     if copy is None:
         return result
     result = op_by_op(copy, candidate, feeds, result, thinned or {}, per_sample)
@@ -219,15 +219,12 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
     return result
 
 
-def float_only(reference: onnx.ModelProto | str, candidate: onnx.ModelProto) -> bool:
+def float_only(reference: onnx.ModelProto, candidate: onnx.ModelProto) -> bool:
     """Neither model quantizes an activation: every QuantizeLinear of the reference reads a constant (weight-only
     layers, dequantized in float) and the candidate computes in float (no ``MatMulNBits`` told to quantize its input,
     ``accuracy_level`` > 0). Both are then the same float arithmetic, compared at float precision
     (:data:`FLOAT_ONLY_SHARE` of a float output's range), not at the share integer rounding needs."""
-    model = _copyable(reference)
-    if model is None:
-        return False
-    graph = model.graph
+    graph = reference.graph
     constant = {i.name for i in graph.initializer} | {o for n in graph.node if n.op_type == "Constant"
                                                       for o in n.output}
     if any(n.op_type == "QuantizeLinear" and n.input[0] not in constant for n in graph.node):

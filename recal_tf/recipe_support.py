@@ -60,8 +60,7 @@ def qat_problems(schedule: RecipeSchedule, where: str) -> list[Problem]:
         if n:
             problems.append(recipe.problem(index, None, "a second QuantizationModifier",
                                            expected=f"one QuantizationModifier per recipe {where}"))
-        learned = [a for a in (m.base_scheme.weights, m.base_scheme.input_activations) if a and a.observer == "lsq"]
-        if learned:
+        if m.base_scheme.learned is not None:
             problems.append(recipe.problem(
                 index, "scheme", f"learned scales (observer: lsq) are not available {where} yet",
                 expected="observer: minmax (or run this recipe with recal_torch)"))

@@ -66,13 +66,33 @@ class LearnableScale:
         if self.learned:
             self.scale.requires_grad_(self._observer_enabled)
 
-    def _scale_to_parameter(self) -> nn.Parameter:
-        """The ``scale`` buffer made a parameter (same name in the state dict)."""
+    def _scale_to_parameter(self, started: bool = True) -> nn.Parameter:
+        """The ``scale`` buffer made a parameter (same name in the state dict); with ``started``, a ``started``
+        buffer too, set once :meth:`_learned_scale` has taken the start (a checkpoint carries that it did)."""
         scale = self._buffers.pop("scale")
         self.scale = nn.Parameter(scale.detach().clone())
         self.learned = True
+        if started:
+            self.register_buffer("started", torch.tensor(False))
+            self._started = False
         self.observer_enabled = self.observer_enabled
         return self.scale
+
+    def _learned_scale(self, start) -> torch.Tensor:
+        """The learned scale: ``start()`` (the weights' fit) the first time, kept positive (a step may take it
+        through zero)."""
+        with torch.no_grad():
+            if not self._started:
+                self.scale.copy_(start())
+                self.started.fill_(True)
+                self._started = True
+            self.scale.clamp_(min=EPS)
+        return self.scale
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if "started" in self._buffers:
+            self._started = bool(self.started)
 
 
 class ActivationFakeQuantize(LearnableScale, nn.Module):
@@ -137,8 +157,9 @@ class ActivationFakeQuantize(LearnableScale, nn.Module):
 
     def learn(self) -> nn.Parameter:
         """Make the scale learned (LSQ): a parameter, started from the first batch's range, then trained with LSQ's
-        gradient scale ``1 / sqrt(values a sample * 255)``; the zero point stays where that range put it."""
-        return self._scale_to_parameter()
+        gradient scale ``1 / sqrt(values a sample * 255)``; the zero point stays where that range put it (its start
+        is its observer's first range)."""
+        return self._scale_to_parameter(started=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.active:
@@ -188,24 +209,12 @@ class WeightFakeQuantize(LearnableScale, nn.Module):
     def learn(self) -> nn.Parameter:
         """Make the scale learned (LSQ): a parameter, started from the weights' minmax at the next forward, then
         trained with LSQ's gradient scale ``1 / sqrt(weights a channel * levels)``."""
-        self.register_buffer("started", torch.tensor(False))  # the minmax start taken (a checkpoint carries it)
-        self._started = False
         return self._scale_to_parameter()
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if self.learned:
-            self._started = bool(self.started)
 
     def qparams(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The scale and zero point this quantizer applies to ``weight`` now."""
         if self.learned:
-            with torch.no_grad():
-                if not self._started:
-                    self.scale.copy_(weight_qparams(weight, self.levels)[0])
-                    self.started.fill_(True)
-                    self._started = True
-                self.scale.clamp_(min=EPS)
+            self._learned_scale(lambda: weight_qparams(weight, self.levels)[0])
         elif self.observer_enabled:
             with torch.no_grad():
                 scale, zero_point = weight_qparams(weight, self.levels)
@@ -254,15 +263,8 @@ class GroupWeightFakeQuantize(LearnableScale, nn.Module):
         self.levels = float(INT4_WEIGHT_LEVELS if bits == 4 else WEIGHT_LEVELS)
         self.register_buffer("scale", torch.ones(out_features, in_features // group))
         self.observer_enabled = True
-        if observer == "lsq":
-            self.register_buffer("started", torch.tensor(False))  # the mse start taken (a checkpoint carries it)
-            self._started = False
+        if observer == "lsq":  # learned, from the mse fit
             self._scale_to_parameter()
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if self.observer == "lsq":
-            self._started = bool(self.started)
 
     def _fake(self, rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         zero = torch.zeros(scale.numel(), dtype=torch.int32, device=rows.device)
@@ -287,18 +289,13 @@ class GroupWeightFakeQuantize(LearnableScale, nn.Module):
 
         Args:
             weight: the ``[out, in]`` weight (observed, unless frozen)."""
-        if self.observer == "lsq":
-            with torch.no_grad():
-                if not self._started:  # LSQ's start: the mse scales of the weights as they are now
-                    self.scale.copy_(self._observe(weight.detach().float().reshape(-1, self.group_size)).reshape(
-                        self.scale.shape))
-                    self.started.fill_(True)
-                    self._started = True
-                self.scale.clamp_(min=EPS)  # a step may not take a scale through zero
-            return self.scale
+        def fit() -> torch.Tensor:
+            return self._observe(weight.detach().float().reshape(-1, self.group_size)).reshape(self.scale.shape)
+
+        if self.learned:  # LSQ's start: the mse scales of the weights as they are at the first forward
+            return self._learned_scale(fit)
         if self.observer_enabled:
-            self.scale.copy_(self._observe(weight.detach().float().reshape(-1, self.group_size)).reshape(
-                self.scale.shape))
+            self.scale.copy_(fit())
         return self.scale
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
@@ -308,7 +305,7 @@ class GroupWeightFakeQuantize(LearnableScale, nn.Module):
             weight: the ``[out, in]`` weight."""
         scale = self.qparams(weight)
         rows = weight.reshape(-1, self.group_size)
-        if self.observer != "lsq":
+        if not self.learned:
             return self._fake(rows, scale).reshape(weight.shape)
         zero = torch.zeros(scale.numel(), device=rows.device)
         grad_scale = 1.0 / math.sqrt(self.group_size * self.levels)

@@ -7,9 +7,9 @@ Without a QuantizeLinear after it, QGemm returns float (a model's logits). A Mat
 (a transformer's ``[batch, tokens, hidden]``) is flattened to ``[-1, hidden]`` around the QGemm and reshaped back
 (what onnxruntime's own QDQ fusion does): one GEMM with the bias and the requantization inside, where
 ``MatMulIntegerToFloat`` + ``Add`` + ``QuantizeLinear`` wrote float and read it again (Swin-tiny with quantized
-attention, VNNI/AMX Xeon: recal's file was 1.09x slower than its QDQ form run by onnxruntime, now 1.00x). A bias written first, ``Add(bias, MatMul)``, is the same bias. A MatMul of two
-quantized activations (attention's Q·Kᵀ and P·V) becomes QLinearMatMul where a QuantizeLinear alone reads its
-output, MatMulIntegerToFloat otherwise.
+attention, VNNI/AMX Xeon: recal's file was 1.09x slower than its QDQ form run by onnxruntime, now 1.00x). A bias
+written first, ``Add(bias, MatMul)``, is the same bias. A MatMul of two quantized activations (attention's Q·Kᵀ
+and P·V) becomes QLinearMatMul where a QuantizeLinear alone reads its output, MatMulIntegerToFloat otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import numpy as np
 from ..findings import Findings
 from ..graph import MS_DOMAIN, Graph, Node, attr
 from ..qdq import activation, weight
-from ..quantized_ops import OFF_GRID, output_tail, quantized_bias, replace_with_quantized, weight_inputs
+from ..quantized_ops import (bias_steps, on_grid, output_tail, quantized_bias, replace_with_quantized,
+                             weight_inputs)
 
 
 def gemm_to_qgemm(g: Graph, findings: Findings | None = None) -> int:
@@ -62,21 +63,18 @@ def _matmul(g: Graph, node: Node, findings: Findings) -> int:
     if a is None or w is None or w.q.ndim != 2:
         return 0
     add = g.only_consumer(node.outputs[0])
-    slot = (1 if add.inputs[0] is node.outputs[0] else 0) if add is not None and add.op_type == "Add" else None
-    has_bias = slot is not None and g.is_const(add.inputs[slot]) and g.const(add.inputs[slot]).size == w.q.shape[1]
-    if has_bias and slot == 0:  # Add(bias, MatMul), as an exporter may write a Linear: the same sum, bias second
-        bias, product = add.inputs[0], add.inputs[1]
-        add.replace_input_with(0, product)
-        add.replace_input_with(1, bias)
-    restore = None
-    if g.rank(node.inputs[0]) != 2:
-        if has_bias and not _on_grid(g, add, a, w) or weight_inputs(g, w, 1) is None:
-            # a float bias between the int32 steps: MatMulIntegerToFloat adds it exactly, where QGemm would round
-            return _matmul_integer_to_float(g, node, a, w, add, has_bias)
-        a, restore = _flattened(g, node, a, w.q.shape[0], w.q.shape[1])  # [-1, K] around the QGemm
-    if has_bias:  # treat MatMul + Add as one Gemm(bias)
-        return _emit_qgemm(g, node, a, w, 0, add, 1, findings, extra=[add], restore=restore)
-    return _emit_qgemm(g, node, a, w, 0, node, None, findings, restore=restore)
+    slot = None  # the Add's input holding the bias: ``Add(MatMul, b)``, or ``Add(b, MatMul)`` as some exporters write
+    if add is not None and add.op_type == "Add" and node.outputs[0] in add.inputs:
+        slot = 1 if add.inputs[0] is node.outputs[0] else 0
+        if not (g.is_const(add.inputs[slot]) and g.const(add.inputs[slot]).size == w.q.shape[1]):
+            slot = None
+    flatten = g.rank(node.inputs[0]) != 2  # a [batch, tokens, hidden] input: [-1, hidden] around the QGemm
+    if flatten and slot is not None and not on_grid(*bias_steps(g, g.const(add.inputs[slot]), a, w)):
+        # a float bias between the int32 steps: MatMulIntegerToFloat adds it exactly, where QGemm would round
+        return _matmul_integer_to_float(g, node, a, w, add, slot)
+    if slot is not None:  # treat MatMul + Add as one Gemm(bias)
+        return _emit_qgemm(g, node, a, w, 0, add, slot, findings, extra=[add], flatten=flatten)
+    return _emit_qgemm(g, node, a, w, 0, node, None, findings, flatten=flatten)
 
 
 def _flattened(g: Graph, node: Node, a, k: int, n: int):
@@ -93,35 +91,31 @@ def _flattened(g: Graph, node: Node, a, k: int, n: int):
     return replace(a, q=flat), restore
 
 
-def _on_grid(g: Graph, add: Node, a, w) -> bool:
-    """The bias ``add`` adds lies on the int32 grid of input scale x weight scale (recal's exports write it so)."""
-    steps = g.const(add.inputs[1]).astype(np.float64).reshape(-1) / (
-        float(np.asarray(g.const(a.scale)).reshape(-1)[0]) * w.scale.astype(np.float64).reshape(-1))
-    return bool(np.all(np.abs(steps - np.round(steps)) <= OFF_GRID + 1e-6 * np.abs(steps)))
-
-
-def _matmul_integer_to_float(g: Graph, node: Node, a, w, add, has_bias) -> int:
+def _matmul_integer_to_float(g: Graph, node: Node, a, w, add: Node, slot: int) -> int:
+    """MatMul + Add(bias in ``add.inputs[slot]``) as MatMulIntegerToFloat with that float bias."""
     w_inputs = weight_inputs(g, w, 1)
     if w_inputs is None:
         return 0
-    inputs = [a.q, w_inputs[0], a.scale, w_inputs[1], a.zero_point, w_inputs[2]]
-    if has_bias:
-        inputs.append(g.add_const(add.inputs[1].name + "_f32", g.const(add.inputs[1]).astype(np.float32).reshape(-1)))
-    out = add.outputs[0] if has_bias else node.outputs[0]
-    g.add_node("MatMulIntegerToFloat", inputs, name=node.name + "_quant", domain=MS_DOMAIN, replaces=out)
-    g.remove(*([node, add] if has_bias else [node]))
+    bias = add.inputs[slot]
+    inputs = [a.q, w_inputs[0], a.scale, w_inputs[1], a.zero_point, w_inputs[2],
+              g.add_const(bias.name + "_f32", g.const(bias).astype(np.float32).reshape(-1))]
+    g.add_node("MatMulIntegerToFloat", inputs, name=node.name + "_quant", domain=MS_DOMAIN, replaces=add.outputs[0])
+    g.remove(node, add)
     return 1
 
 
 def _emit_qgemm(g: Graph, node, a, w, trans_b: int, last, bias_index, findings: Findings, extra=(),
-                restore=None) -> int:
-    """QGemm for ``node`` (through ``last``: its bias Add); ``restore``: the output shape of a flattened input."""
+                flatten: bool = False) -> int:
+    """QGemm for ``node`` (through ``last``: its bias Add); ``flatten``: its input reshaped to 2-D around it."""
     w_inputs = weight_inputs(g, w, 0 if trans_b else 1)
     if w_inputs is None:
         return 0
     bias = quantized_bias(g, last, a, w, bias_index, findings)
     if bias is None:
         return 0
+    restore = None
+    if flatten:
+        a, restore = _flattened(g, node, a, w.q.shape[0], w.q.shape[1])
     relu, q = output_tail(g, last.outputs[0])
     inputs = [a.q, a.scale, a.zero_point, *w_inputs, bias if bias is not False else None]
 

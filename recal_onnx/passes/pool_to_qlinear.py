@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import MS_DOMAIN, Graph, Node, Value, attr, input_of
+from ..graph import MS_DOMAIN, SHAPE_READERS, Graph, Node, Value, attr, input_of
 from ..qdq import QTensor, activation, quantizes
 
 AVERAGE_POOL_ATTRS = ("auto_pad", "ceil_mode", "count_include_pad", "kernel_shape", "pads", "strides")
 SHAPE_ONLY = ("Squeeze", "Flatten", "Reshape", "Unsqueeze")
-SHAPE_READERS = ("Shape", "Size")
 MAX_SHAPE_OPS = 4  # between a pool and its QuantizeLinear
 
 

@@ -11,13 +11,13 @@ numbers (tv-shufflenet: six of them, 0.91x ``quantize_static`` on the VNNI/AMX X
 
 from __future__ import annotations
 
-from ..graph import Graph
+from ..graph import SHAPE_READERS, Graph
 
 
 def shapes_from_integers(g: Graph) -> int:
     """Point every Shape / Size of a DequantizeLinear's output at its integer input; return how many moved."""
     count = 0
-    for node in g.each("Shape", "Size"):
+    for node in g.each(*SHAPE_READERS):
         if not node.inputs or node.domain not in ("", "ai.onnx"):
             continue
         dq = g.producer(node.inputs[0])

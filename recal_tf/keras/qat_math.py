@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 
 import keras
 import numpy as np
@@ -226,13 +225,11 @@ class KerasQATMath:
         import torch
 
         low, high = (0, 255) if dtype == "uint8" else (-128, 127)  # the exporter writes the zero point's type so
-        # the qparams become constants of the traced export on purpose (a frozen model's values, checked by running
-        # the written file): torch.jit's warning that the trace keeps them constant would say so once per layer
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", torch.jit.TracerWarning)
-            if axis is None:
-                return torch.fake_quantize_per_tensor_affine(x, float(scale), int(zero_point), low, high)
-            scale = torch.tensor(k.convert_to_numpy(scale).astype(np.float32))
+        # the qparams become constants of the traced export on purpose (a frozen model's values; export_onnx runs the
+        # written file against the Keras model, and keeps torch.jit's TracerWarnings about it out of sight)
+        if axis is None:
+            return torch.fake_quantize_per_tensor_affine(x, float(scale), int(zero_point), low, high)
+        scale = torch.tensor(k.convert_to_numpy(scale).astype(np.float32))
         return torch.fake_quantize_per_channel_affine(x, scale, torch.zeros(scale.shape, dtype=torch.int32), axis,
                                                       low, high)
 
