@@ -15,7 +15,7 @@ from recal_torch.export import to_export_model
 from recal_torch.qat import ActivationFakeQuantize, FoldedBatchNorm, QuantizedReLU, WeightFakeQuantize
 
 from .onnx_graphs import assert_biases_on_grid
-from .torch_models import SmallCNN, batches, train_steps
+from .torch_models import SmallCNN, assert_same_state, batches, load_checkpoint, train_steps
 from .zoo.library_patterns import StochasticDepth
 
 SPE = 4
@@ -195,8 +195,7 @@ def test_resume_is_bit_identical(resume_at):
     model_b.load_state_dict(ckpt["model"])
     assert manager_b.step == resume_at
     train_steps(model_b, opt_b, data, start=resume_at, stop=total)
-    for (na, pa), (nb, pb) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
-        assert na == nb and torch.equal(pa, pb), na
+    assert_same_state(model_a, model_b)
     assert opt_a.param_groups[0]["lr"] == opt_b.param_groups[0]["lr"]
     for name in manager_a.masks.effective:
         assert torch.equal(manager_a.masks.effective[name], manager_b.masks.effective[name])
@@ -1096,11 +1095,9 @@ def test_learned_scales_for_w8a8_weights_and_inputs_train_freeze_resume_and_conv
     assert all(not torch.equal(seen[5][n], seen[9][n]) for n in seen[9])  # every learned scale moved
     assert all(torch.equal(seen[10][n], seen[12][n]) for n in seen[12])  # frozen from step 10
     resumed, _, resumed_opt = fresh(1)
-    resumed_opt.load_state_dict(ckpt["optimizer"])
-    resumed.load_state_dict(ckpt["model"])
+    load_checkpoint(resumed, resumed_opt, ckpt)
     train_steps(resumed, resumed_opt, data[6:])
-    for (na, pa), (nb, pb) in zip(model.state_dict().items(), resumed.state_dict().items()):
-        assert na == nb and torch.equal(pa, pb), na
+    assert_same_state(model, resumed)
     manager.finalize(model)
     result = _int8(model, tmp_path, False)
     assert result.verification.local_steps <= 1 and result.verification.max_steps <= 1, result.verification

@@ -15,8 +15,17 @@ from recal_torch.fake_quant import GroupWeightFakeQuantize
 from recal_torch.qat_modules import QATEmbedding, QATLinear, WeightOnlyLinear
 
 from .test_torch_transformer_qat import TOKENS, VOCAB, TinyEncoder, _data, _train
+from .torch_models import assert_same_state, load_checkpoint
 
 W4_GROUP16 = "{input_activations: null, weights: {num_bits: 4, strategy: group, group_size: 16}}"
+
+
+def _fresh(recipe: str, seed: int):
+    """A TinyEncoder seeded ``seed`` under ``recipe`` with Adam: (model, manager, optimizer)."""
+    torch.manual_seed(seed)
+    model = TinyEncoder()
+    manager = ScheduledModifierManager.from_yaml(recipe)
+    return model, manager, manager.modify(model, torch.optim.Adam(model.parameters(), 1e-3), steps_per_epoch=4)
 
 
 def _manager(scheme: str, overrides: str = "null", model=None):
@@ -155,23 +164,15 @@ def test_resume_mid_weight_only_qat_is_bit_identical():
               "final_lr: 0.001}\n")
     data = _data(12)
 
-    def fresh(seed):
-        torch.manual_seed(seed)
-        model = TinyEncoder()
-        manager = ScheduledModifierManager.from_yaml(recipe)
-        return model, manager.modify(model, torch.optim.Adam(model.parameters(), 1e-3), steps_per_epoch=4)
-
-    model_a, opt_a = fresh(0)
+    model_a, _, opt_a = _fresh(recipe, 0)
     ckpt = {}
     _train(model_a, opt_a, data, after_step=lambda k: ckpt.update(copy.deepcopy(
         {"model": model_a.state_dict(), "optimizer": opt_a.state_dict()})) if k == 6 else None)
-    model_b, opt_b = fresh(1)
-    opt_b.load_state_dict(ckpt["optimizer"])
-    model_b.load_state_dict(ckpt["model"])
+    model_b, _, opt_b = _fresh(recipe, 1)
+    load_checkpoint(model_b, opt_b, ckpt)
     assert isinstance(model_b.q, WeightOnlyLinear)
     _train(model_b, opt_b, data[6:])
-    for (na, pa), (nb, pb) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
-        assert na == nb and torch.equal(pa, pb), na
+    assert_same_state(model_a, model_b)
     assert opt_a.param_groups[0]["lr"] == opt_b.param_groups[0]["lr"]
 
 
@@ -212,13 +213,7 @@ def test_learned_scales_train_in_their_own_param_group_freeze_resume_and_export(
               "init_lr: 0.01, final_lr: 0.001}\n")
     data = _data(12)
 
-    def fresh(seed):
-        torch.manual_seed(seed)
-        model = TinyEncoder()
-        manager = ScheduledModifierManager.from_yaml(recipe)
-        return model, manager, manager.modify(model, torch.optim.Adam(model.parameters(), 1e-3), steps_per_epoch=4)
-
-    model_a, manager_a, opt_a = fresh(0)
+    model_a, manager_a, opt_a = _fresh(recipe, 0)
     seen, ckpt = {}, {}
 
     def after(k):
@@ -236,12 +231,10 @@ def test_learned_scales_train_in_their_own_param_group_freeze_resume_and_export(
         assert group == pytest.approx(0.5 * first)  # half the first group's LR, as the cosine moves it
     assert not torch.equal(seen[5][0], seen[8][0])  # learned between steps 5 and 8
     assert torch.equal(seen[10][0], seen[12][0]) and not model_a.q.weight_fake_quant.scale.requires_grad  # frozen
-    model_b, _, opt_b = fresh(1)
-    opt_b.load_state_dict(ckpt["optimizer"])
-    model_b.load_state_dict(ckpt["model"])
+    model_b, _, opt_b = _fresh(recipe, 1)
+    load_checkpoint(model_b, opt_b, ckpt)
     _train(model_b, opt_b, data[6:])
-    for (na, pa), (nb, pb) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
-        assert na == nb and torch.equal(pa, pb), na
+    assert_same_state(model_a, model_b)
     assert [g["lr"] for g in opt_a.param_groups] == [g["lr"] for g in opt_b.param_groups]
     manager_a.finalize(model_a)
     ids = torch.randint(0, VOCAB, (4, TOKENS))

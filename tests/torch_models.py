@@ -71,3 +71,15 @@ class CausalLMLogits(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=ids, use_cache=False).logits
+
+
+def load_checkpoint(model, optimizer, checkpoint: dict) -> None:
+    """Resume as recal's docs say: the optimizer first (it re-creates the QAT layers), then the model."""
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    model.load_state_dict(checkpoint["model"])
+
+
+def assert_same_state(a, b) -> None:
+    """Two models hold the same state dict, key for key and bit for bit."""
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert na == nb and torch.equal(pa, pb), na
