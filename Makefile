@@ -30,17 +30,27 @@ docs: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto -m "not slow"
 
-# every benchmark script, each printing its table (several minutes on 2 cores)
+# every benchmark, each at a small setting, printing its table (a check that each runs: ~25 min on 2 cores);
+# the docs' figures come from each script's defaults with --json (docs/benchmarks.md)
+BENCH_TMP := $(shell mktemp -u -d /tmp/recal-bench-XXXXXX)
 bench: $(STAMP)
-	$(BIN)/python scripts/bench_torch_overhead.py --steps 60
-	$(BIN)/python scripts/bench_tf_overhead.py
-	$(BIN)/python scripts/bench_onnx.py --quick
-	$(BIN)/python scripts/bench_accuracy.py
-	$(BIN)/python scripts/bench_pruning.py
-	$(BIN)/python scripts/bench_thinning.py
+	$(BIN)/python scripts/speed.py --size 64 --rounds 3 --output $(BENCH_TMP)/speed
+	$(BIN)/python scripts/bench_torch_overhead.py --steps 20
+	$(BIN)/python scripts/bench_tf_overhead.py --steps 20
+	$(BIN)/python scripts/bench_onnx.py --quick --repeat 5
+	$(BIN)/python scripts/bench_accuracy.py --seeds 0
+	$(BIN)/python scripts/bench_pruning.py --seeds 0
+	$(BIN)/python scripts/bench_reduce_range.py --seeds 0
+	$(BIN)/python scripts/bench_thinning.py --seeds 0 --size 64 --rounds 3
+	$(BIN)/python scripts/bench_zoo.py --quick --models resnet18 hf-mobilenet-v2
+	$(BIN)/python scripts/bench_interop.py --quick
+	$(BIN)/python scripts/bench_transformers.py --quick --rounds 3 --models bert
 	$(BIN)/python scripts/bench_transformer_thinning.py --quick
-	$(BIN)/python scripts/bench_keras.py
-	$(BIN)/python scripts/bench_keras_backends.py
+	$(BIN)/python scripts/bench_llm.py --steps 20 --qat-steps 10 --layers 1 --hidden 64 --rounds 3 --test-windows 16 --train-mb 0.5
+	$(BIN)/python scripts/bench_keras.py --rounds 2 --steps 10 --seeds 1
+	$(BIN)/python scripts/bench_keras_backends.py --rounds 2 --steps 5
+	$(BIN)/python scripts/bench_keras_applications.py --models mobilenet_v3_small --steps 4
+	$(BIN)/python scripts/bench_hostile_inputs.py
 
 # the wheel installed with each extra into a fresh venv runs that extra's README quick start
 check-wheel:

@@ -24,9 +24,8 @@ from .run_lock import read_resume_record, restore_checkpoint
 from .training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, check_finite, epoch_line,
                         epoch_order, median_latency_ms, overall_sparsity, progress_bar)
 
-from recal_tf.graph.export import frozen_graph_def, graph_def_to_onnx
-from recal_tf.graph.params import describe_variables
-from recal_tf.graph.manager import EXTRAS_KEY_LEARNING_RATE, EXTRAS_KEY_WEIGHT_DECAY, ScheduledModifierManager
+from recal_tf.graph import (EXTRAS_KEY_LEARNING_RATE, EXTRAS_KEY_WEIGHT_DECAY, ScheduledModifierManager, describe_variables,
+                            frozen_graph_def, graph_def_to_onnx)
 from recal_tf.models import digits_net
 from recal_tf.utils import batch_cross_entropy_loss, tf_compat
 

@@ -28,7 +28,7 @@ from recal_torch.flops import count_macs
 from recal_torch.loggers import TensorBoardLogger
 from recal_torch.manager import ScheduledModifierManager
 from recal_torch.model_params import check_weights, describe_parameters, sparsity
-from recal_torch.qat_modules import qat_modules
+from recal_torch.qat import qat_modules
 from recal_torch.thin import thin
 
 log = logging.getLogger(__name__)

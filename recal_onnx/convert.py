@@ -40,8 +40,7 @@ from .float_reasons import display_name, float_reason
 from .float_report import QDQ_FUSIBLE, float_compute, float_islands, module_paths
 from .graph import EXTERNAL_DATA_BYTES, Graph
 from .input_checks import ModelError, check_input, nonfinite_initializers
-from .passes.thin_channels import CHANNEL_BLOCK
-from .passes.uint8_weights import exact_on_this_cpu, saturating_layers
+from .passes import CHANNEL_BLOCK, exact_on_this_cpu, saturating_layers
 from .pipeline import Options, run_pipeline
 from .targets import DEFAULT_TARGET, WeightChoice, choose_weights
 from .twin import INT8_CPUS, TWIN_SAMPLES, avx2_twin, mark, twin_differs, twin_path

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from .passes.uint8_weights import uint8_twin
+from .passes import uint8_twin
 
 EXACT_ON = "recal.exact_on"
 INT8_CPUS = "x86 with VNNI or AMX, Arm"

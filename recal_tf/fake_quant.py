@@ -51,7 +51,7 @@ def fake_quant_weight(w, axis: int, levels: int = WEIGHT_LEVELS):
 
 def bias_on_int32_grid(bias, w, axis: int, low, high, levels: int = WEIGHT_LEVELS):
     """``bias`` rounded to whole steps of input scale x weight scale, the int32 an int8 layer holds it as (as
-    ``recal_torch.bias_grid`` writes it: an off-grid bias flips output values near a rounding boundary in the
+    ``recal_torch.export.bias_grid`` writes it: an off-grid bias flips output values near a rounding boundary in the
     converted model). The scales are those :func:`fake_quant_activation` over ``[low, high]`` (its nudging moves
     the range, not the scale) and :func:`fake_quant_weight` of ``w`` quantize with; beyond int32, the converter
     keeps the layer float and says why."""

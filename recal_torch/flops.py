@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from .qat_modules import CONVS, QATConv, QATLinear
+from .qat import CONVS, QATConv, QATLinear
 
 
 @torch.no_grad()

@@ -7,10 +7,10 @@ sparsity of step ``k`` (exact count per layer), and the LR, weight decay, traina
 state of step ``k`` are in force for the next forward pass. What those values are is decided by
 the core (:mod:`recal_core.model_plan`); the parts here apply them:
 
-- :class:`~recal_torch.masks.MaskState`: masks, gradient masking;
-- :class:`~recal_torch.param_groups.ParamGroupSettings`: LR and weight decay per param group;
-- :class:`~recal_torch.trainable.TrainableFlags`: ``requires_grad``;
-- :class:`~recal_torch.qat_control.QATControl`: QAT modules and their switches.
+- :class:`~recal_torch.pruning.masks.MaskState`: masks, gradient masking;
+- :class:`~recal_torch.training.param_groups.ParamGroupSettings`: LR and weight decay per param group;
+- :class:`~recal_torch.training.trainable.TrainableFlags`: ``requires_grad``;
+- :class:`~recal_torch.qat.control.QATControl`: QAT modules and their switches.
 """
 
 from __future__ import annotations
@@ -31,15 +31,11 @@ from recal_core.manager import RecipeManager
 from recal_core.model_plan import ModelPlan, plan_groups, plan_model
 from recal_core.recipe import Recipe
 
-from .distillation import Teacher, distillation_loss
-from .channel_graph import model_graph
-from .export_graph import remember_example_inputs
-from .fake_quant import EPS
-from .masks import MaskState
+from .graph import model_graph, remember_example_inputs
 from .model_params import describe_parameters, sparsity, unwrap
-from .param_groups import ParamGroupSettings, group_bases
-from .qat_control import QATControl, layer_schemes, qat_roots
-from .trainable import TrainableFlags
+from .pruning import MaskState
+from .qat import EPS, QATControl, layer_schemes, qat_roots
+from .training import ParamGroupSettings, Teacher, TrainableFlags, distillation_loss, group_bases
 
 STATE_VERSION = 2
 # OBS / M-FAC curvature above this is refused at modify(), before any allocation
@@ -103,7 +99,7 @@ class ScheduledModifierManager(RecipeManager):
         Every ``params`` / ``submodules`` entry is resolved now: one that matches nothing is a
         :class:`RecipeError` here, not at some later step. ``teacher``: the model a DistillationModifier
         distils from (see :meth:`loss`). ``quantize_attention``: QAT also quantizes the attention matmuls
-        (Q·Kᵀ and P·V) of modules with query / key / value projections (:mod:`recal_torch.qat_attention`).
+        (Q·Kᵀ and P·V) of modules with query / key / value projections (:mod:`recal_torch.qat.attention`).
 
         Args:
             model: the model to train.
@@ -260,7 +256,7 @@ class ScheduledModifierManager(RecipeManager):
 
     def loss(self, loss: torch.Tensor, inputs: Any, student_outputs: Any) -> torch.Tensor:
         """The loss to back-propagate at this step: ``loss`` blended with knowledge distillation while a
-        DistillationModifier is in force (:mod:`recal_torch.distillation`), else ``loss`` as is; in the
+        DistillationModifier is in force (:mod:`recal_torch.training.distillation`), else ``loss`` as is; in the
         training loop: ``loss = manager.loss(criterion(outputs, labels), inputs, outputs)``.
 
         Args:

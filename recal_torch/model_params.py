@@ -7,7 +7,7 @@ from torch import nn
 
 from recal_core.params import ParamInfo
 
-from .qat_modules import QATModule, is_transposed_linear_type  # a QAT module keeps the kernel (or table) of the layer it was built from
+from .qat import QATModule, is_transposed_linear_type  # a QAT module keeps the kernel (or table) of the layer it was built from
 
 PRUNABLE_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
                    nn.ConvTranspose3d, nn.Linear)

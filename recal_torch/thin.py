@@ -18,9 +18,8 @@ from torch import nn
 from recal_core.channel_coupling import input_columns, live_channels
 from recal_core.head_coupling import Attention, live_heads, unit_rows
 
-from .channel_graph import model_graph
-from .fake_quant import WeightFakeQuantize
-from .qat_modules import QATModule
+from .graph import model_graph
+from .qat import QATModule, WeightFakeQuantize
 
 _BN_TENSORS = ("weight", "bias", "running_mean", "running_var")
 

@@ -3,7 +3,7 @@ file the user already has.
 
 Sources, each a QDQ ONNX file as its tool writes it at its documented 8-bit settings:
 
-- onnxruntime's ``quantize_static`` of full-width fp32 models built here (ResNet-18, ``scripts/zoo.py``; Hugging
+- onnxruntime's ``quantize_static`` of full-width fp32 models built here (ResNet-18, ``scripts/bench/models.py``; Hugging
   Face's MobileNetV2 from its default config; random weights, nothing downloaded), exported by torch.onnx with its
   default fixed batch of 1, calibrated on 8 synthetic inputs (``peers.quantize_static``: ``quant_pre_process`` first):
   uint8 activations with int8 per-channel weights (onnxruntime's advice for CNNs), and int8 activations with
@@ -25,7 +25,6 @@ recal's default output (int8 weights) and, where written, its twin for x86 witho
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import warnings
@@ -38,10 +37,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from peers import quantize_static  # noqa: E402
-from speed import interleaved_latency  # noqa: E402
+from bench.peers import quantize_static  # noqa: E402
+from bench.results import machine, save_run  # noqa: E402
+from bench.timing import interleaved_latency  # noqa: E402
 from recal_onnx import cpu, quantize_qat_export  # noqa: E402
-from zoo import ResNet18, torch_init  # noqa: E402
+from bench.models import ResNet18, torch_init  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "interop"
 WEIGHTED = {"Conv", "Gemm", "MatMul", "ConvTranspose"}
@@ -115,12 +115,6 @@ def table(data: dict) -> str:
     return "\n\n".join(parts)
 
 
-def merged(path: Path, run: dict) -> dict:
-    """``path``'s runs with ``run`` replacing the one measured on the same CPU."""
-    runs = json.loads(path.read_text())["runs"] if path.exists() else []
-    return {"runs": [*(r for r in runs if r["cpu"] != run["cpu"]), run]}
-
-
 def format_rows(rows: list[dict]) -> str:
     lines = ["| QDQ file | layers | left float | verified on | op by op | argmax agreement | QDQ file (ms) | recal "
              "(ms) | x QDQ file | recal avx2 twin (ms) |", "|---" * 10 + "|"]
@@ -154,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             print(format_rows(rows[-1:]).splitlines()[-1], flush=True)
     print(format_rows(rows))
     if args.json:  # one run per CPU: a run on another CPU is kept beside this one
-        run = {"cpu": cpu.describe(), "size": size, "rounds": rounds, "rows": rows}
-        args.json.write_text(json.dumps(merged(args.json, run), indent=1, default=str))
+        save_run(args.json, {**machine(), "size": size, "rounds": rounds, "rows": rows})
     return 0
 
 

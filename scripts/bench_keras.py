@@ -3,7 +3,7 @@
 Part 1 times a CNN (batch 128, 28x28) under plain ``fit`` and under recal (GMP between mask updates,
 GMP with every step an update, and LR + GMP), the variants interleaved round by round, medians of the
 per-step times Keras reports between batches. With ``--peer`` the same CNN and timing under TF Model
-Optimization 0.8.1 on tf-keras 2.21 (``scripts/peer_tfmot.py``) joins the table: it runs in its own
+Optimization 0.8.1 on tf-keras 2.21 (``scripts/bench/peer_tfmot.py``) joins the table: it runs in its own
 environment, ``.venv-tfmot``, which the script creates on first use (tf-keras pulls the full ``tensorflow``
 wheel, about 2.3 GB, and tfmot switches a process to legacy Keras), never in ``.venv``. Part 2 trains the digits
 net with ``recal train`` in Keras, the TF graph API and PyTorch, dense, pruned to 90%, pruned to 90% + QAT
@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -33,6 +32,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from recal_tf.keras import ScheduledModifierManager  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.fit_timing import fit_step_times  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_ENV = ROOT / ".venv-tfmot"
@@ -61,18 +63,6 @@ def _cnn(seed: int = 0) -> keras.Model:
     ])
 
 
-class _StepTimes(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.times, self._last = [], None
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._last = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter() - self._last)
-
-
 def _variant(recipe: str | None, steps: int, jit: bool = False):
     model = _cnn()
     optimizer = keras.optimizers.Adam(1e-3)
@@ -85,13 +75,13 @@ def _variant(recipe: str | None, steps: int, jit: bool = False):
 
 
 def peer_times(rounds: int, steps: int) -> tuple[str, dict[str, list[float]]]:
-    """tfmot's per-step times from ``scripts/peer_tfmot.py`` in ``.venv-tfmot`` (created when missing)."""
+    """tfmot's per-step times from ``scripts/bench/peer_tfmot.py`` in ``.venv-tfmot`` (created when missing)."""
     python = PEER_ENV / "bin" / "python"
     if not python.exists():
         print(f"creating {PEER_ENV} for the tfmot peer ({', '.join(PEER_PACKAGES)})", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "venv", str(PEER_ENV)], check=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", *PEER_PACKAGES], check=True)
-    out = subprocess.run([str(python), str(ROOT / "scripts" / "peer_tfmot.py"), "--rounds", str(rounds),
+    out = subprocess.run([str(python), str(ROOT / "scripts" / "bench" / "peer_tfmot.py"), "--rounds", str(rounds),
                           "--steps", str(steps)], check=True, capture_output=True, text=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
     v = result["versions"]
@@ -105,15 +95,7 @@ def overhead(rounds: int, steps: int, peer: bool, jit: bool = False) -> None:
     variants = {"plain fit": None, "recal GMP, between updates": BETWEEN, "recal GMP, update every step": EVERY_STEP,
                 "recal GMP + cosine LR": WITH_LR}
     built = {name: _variant(recipe, steps, jit) for name, recipe in variants.items()}
-    for model, callbacks in built.values():  # trace and warm up
-        model.fit(x, y, batch_size=128, epochs=1, callbacks=callbacks, verbose=0)
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for r in range(rounds):
-        for name, (model, callbacks) in built.items():
-            timer = _StepTimes()
-            model.fit(x, y, batch_size=128, epochs=r + 2, initial_epoch=r + 1, callbacks=callbacks + [timer],
-                      verbose=0)
-            times[name] += timer.times[1:]
+    times = fit_step_times(keras, built, x, y, rounds)
     tables = {f"recal on Keras {keras.__version__}" + (", jit_compile" if jit else ""): times}
     if peer:
         label, peer_result = peer_times(rounds, steps)

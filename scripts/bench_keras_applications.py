@@ -29,6 +29,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.results import load, save  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("tensorflow", "jax", "torch")
 MODELS = ("mobilenet_v2", "mobilenet_v3_small", "resnet50", "efficientnet_b0", "densenet121")
@@ -250,15 +253,15 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             parser.error("--rescore needs --json (the results to measure again)")
         sys.path.insert(0, str(ROOT))
-        data = rescored(json.loads(args.json.read_text()), args.rescore)
-        args.json.write_text(json.dumps(data, indent=1) + "\n")
+        data = rescored(load(args.json), args.rescore)
+        save(args.json, data)
         print(table(data))
         return 0
     if args.child:
         sys.path.insert(0, str(ROOT))
         print(json.dumps(child(args.models, args.size, args.steps, args.keep)))
         return 0
-    saved = json.loads(args.json.read_text()) if args.update and args.json and args.json.exists() else None
+    saved = load(args.json) if args.update and args.json and args.json.exists() else None
     results = []
     for backend in args.backends:
         env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
@@ -274,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         if saved is not None:
             data = _updated(json.loads(json.dumps(saved)), data)
         if args.json:  # after each backend: a run cut short keeps what it measured
-            args.json.write_text(json.dumps(data, indent=1) + "\n")
+            save(args.json, data)
     print(table(data))
     return 0
 

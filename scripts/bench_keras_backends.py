@@ -25,6 +25,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.results import save  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("tensorflow", "jax", "torch")
 
@@ -105,7 +108,7 @@ def main() -> None:
     data = {"rounds": args.rounds, "steps": args.steps, "backends": results}
     print(table(data))
     if args.json:
-        args.json.write_text(json.dumps(data, indent=1) + "\n")
+        save(args.json, data)
 
 
 def table(data: dict) -> str:

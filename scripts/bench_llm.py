@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
-import json
 import math
 import os
 import sys
@@ -48,7 +47,8 @@ from recal_torch import ScheduledModifierManager, export_onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from examples.int4_decoder import Logits  # noqa: E402  (ids -> logits, no KV cache)
-from speed import interleaved_latency  # noqa: E402
+from bench.timing import interleaved_latency  # noqa: E402
+from bench.results import machine, save  # noqa: E402
 
 SEQ = 128
 
@@ -264,12 +264,11 @@ def main() -> None:
                       "bytes": row["bytes"], "ms_prompt": ms_prompt[label], "ms_token": ms_token[label]})
     print(f"\nmodels in {folder}")
     if args.json:
-        data = {"cpu": cpu.describe(), "onnxruntime": ort.__version__, "rounds": args.rounds, "group": args.group,
+        data = {**machine(), "rounds": args.rounds, "group": args.group,
                 "steps": args.steps, "qat_steps": args.qat_steps, "params": params, "layers": args.layers,
                 "hidden": args.hidden, "test_tokens": int(windows[:, 1:].size), "train_bytes": len(train_data),
                 "files": files, "fp32_bytes": base["bytes"], "baseline": baseline, "rows": table}
-        args.json.write_text(json.dumps(data, indent=1) + "\n")
-        print(f"wrote {args.json}")
+        save(args.json, data)
 
 
 if __name__ == "__main__":

@@ -15,21 +15,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import onnxruntime as ort
 import torch
 from torch import nn
 
 from recal_torch import ScheduledModifierManager, export_onnx
 
-from zoo import QAT_RECIPE, LinearStack, ResNet18, ResNet50, templates, train_steps
+from bench.models import QAT_RECIPE, LinearStack, ResNet18, ResNet50, templates, train_steps
+from bench.peers import quantize_static
+from bench.results import machine
+from bench.timing import interleaved_latency
 
 
 def qat_train(model: nn.Module, make_batch, steps: int) -> nn.Module:
@@ -43,22 +43,6 @@ def qat_train(model: nn.Module, make_batch, steps: int) -> nn.Module:
         optimizer.step()
     manager.finalize(model)
     return model.eval()
-
-
-def latency(path: Path, feed: np.ndarray, threads: int, repeat: int) -> float:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    name = session.get_inputs()[0].name
-    for _ in range(3):
-        session.run(None, {name: feed})
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        session.run(None, {name: feed})
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def agreement(path: Path, model: nn.Module, inputs: torch.Tensor) -> float:
@@ -109,8 +93,6 @@ def convert_measured(src: Path, dst: Path, fmt: str) -> tuple[float, float]:
 
 def bench(name: str, float_model: nn.Module, qat_model: nn.Module, sample: torch.Tensor, check_inputs: torch.Tensor,
           batches: tuple[int, ...], repeat: int, folder: Path) -> None:
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
-
     paths = {"fp32": folder / f"{name}.fp32.onnx", "QAT export (QDQ)": folder / f"{name}.qat.onnx",
              "recal qoperator": folder / f"{name}.int8.onnx", "recal qdq": folder / f"{name}.qdq.onnx",
              "ort quantize_static": folder / f"{name}.static.onnx"}
@@ -119,34 +101,24 @@ def bench(name: str, float_model: nn.Module, qat_model: nn.Module, sample: torch
     conversion = {"recal qoperator": convert_measured(paths["QAT export (QDQ)"], paths["recal qoperator"], "qoperator"),
                   "recal qdq": convert_measured(paths["QAT export (QDQ)"], paths["recal qdq"], "qdq")}
 
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.items = iter([{"input": check_inputs[i: i + 8].numpy()} for i in range(0, 64, 8)])
-
-        def get_next(self):
-            return next(self.items, None)
-
-    t0 = time.perf_counter()
-    quantize_static(str(paths["fp32"]), str(paths["ort quantize_static"]), Reader(), quant_format=QuantFormat.QDQ,
-                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True)
-    conversion["ort quantize_static"] = (time.perf_counter() - t0, float("nan"))
+    feeds = [{"input": check_inputs[i: i + 8].numpy()} for i in range(0, 64, 8)]
+    conversion["ort quantize_static"] = (quantize_static(paths["fp32"], paths["ort quantize_static"], feeds), float("nan"))
 
     fp32_size = paths["fp32"].stat().st_size
     columns = [(t, b) for t in (1, 2) for b in batches]
     header = f"{'model':22s} {'MB':>7s} {'x fp32':>7s} " + " ".join(f"{f't{t} b{b} ms':>11s}" for t, b in columns) \
         + f" {'speedup t1b1':>12s} {'agree':>6s} {'convert s':>9s} {'peak MB':>8s}"
-    print(f"\n{name}: onnxruntime {ort.__version__}, median of {repeat} runs")
+    print(f"\n{name}: {machine()['cpu']}, onnxruntime {ort.__version__}, median of {repeat} interleaved rounds")
     print(header)
-    base = None
+    ms = {(t, b): interleaved_latency(paths, {"input": torch.cat([sample] * b).numpy()}, rounds=repeat, per_round=1,
+                                      threads=t) for t, b in columns}
     for label, path in paths.items():
         reference = float_model if label in ("fp32", "ort quantize_static") else qat_model
-        times = [latency(path, torch.cat([sample] * b).numpy() if b > 1 else sample.numpy(), t, repeat)
-                 for t, b in columns]
-        base = times[0] if label == "fp32" else base
+        times = [ms[c][label] for c in columns]
         size = path.stat().st_size
         sec, peak = conversion.get(label, (float("nan"), float("nan")))
-        print(f"{label:22s} {size / 1e6:7.2f} {size / fp32_size:7.3f} " + " ".join(f"{v * 1e3:11.2f}" for v in times)
-              + f" {base / times[0]:11.2f}x {agreement(path, reference, check_inputs):6.3f}"
+        print(f"{label:22s} {size / 1e6:7.2f} {size / fp32_size:7.3f} " + " ".join(f"{v:11.2f}" for v in times)
+              + f" {ms[columns[0]]['fp32'] / times[0]:11.2f}x {agreement(path, reference, check_inputs):6.3f}"
               + f" {sec:9.2f} {peak / 1e6:8.1f}")
 
 

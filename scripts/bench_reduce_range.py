@@ -11,13 +11,16 @@ writes the runs' figures as JSON.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import statistics
 import tempfile
 from pathlib import Path
 
 from recal_core import load_recipe
 from recal_app.training import train
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.results import machine, save  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parent / "recipes" / "prune_quant.yaml"
 SEVEN_BIT = "reduce_range: true"
@@ -58,7 +61,7 @@ def main() -> None:
         print(f"| {framework} | {100 * mean[False]:.2f}% | {100 * mean[True]:.2f}% | "
               f"{100 * (mean[True] - mean[False]):+.2f} |")
     if args.json:
-        args.json.write_text(json.dumps({"recipe": RECIPE.name, "seeds": args.seeds, "rows": rows}, indent=1))
+        save(args.json, {"recipe": RECIPE.name, "seeds": args.seeds, **machine(), "rows": rows})
 
 
 if __name__ == "__main__":

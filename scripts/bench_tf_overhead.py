@@ -10,14 +10,18 @@ mask updates (the common case), at steps where every mask is recomputed, and of 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import numpy as np
 
 from recal_tf import ScheduledModifierManager
 from recal_tf.models import mnist_net
 from recal_tf.utils import batch_cross_entropy_loss, tf_compat
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.results import machine  # noqa: E402
+from bench.timing import interleaved, medians  # noqa: E402
 
 BETWEEN = """
 - !EpochRangeModifier {start_epoch: 0, end_epoch: 100}
@@ -58,37 +62,21 @@ def main() -> None:
     variants = {"plain": _build(None), "recal, between updates": _build(BETWEEN),
                 "recal, update every step": _build(EVERY_STEP),
                 "recal fused, between updates": _build(BETWEEN, fused=True)}
-    samples = {name: [] for name in variants}
-    for name, (sess, train_op, ops, x, y) in variants.items():
-        for _ in range(5):  # warm-up
-            sess.run(train_op, {x: feed_x, y: feed_y})
-            if ops:
-                sess.run(ops)
-    names = list(variants)
-    for i in range(args.steps):
-        for name in names[i % len(names):] + names[: i % len(names)]:  # rotate so drift affects all alike
-            sess, train_op, ops, x, y = variants[name]
-            t0 = time.perf_counter()
-            sess.run(train_op, {x: feed_x, y: feed_y})
-            if ops:
-                sess.run(ops)
-            samples[name].append(time.perf_counter() - t0)
-    base = statistics.median(samples["plain"])
-    print(f"\nmnist_net, batch 128, CPU, median of {args.steps} steps")
-    print(f"{'variant':28s} {'ms/step':>9s} {'overhead':>9s}")
-    for name, values in samples.items():
-        value = statistics.median(values)
-        print(f"{name:28s} {value * 1e3:9.2f} {100 * (value / base - 1):+8.1f}%")
-    # the recal ops alone (between updates), timed apart from the step
-    sess, _, ops, _, _ = variants["recal, between updates"]
-    alone = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        sess.run(ops)
-        alone.append(time.perf_counter() - t0)
-    value = statistics.median(alone)
-    print(f"{'recal ops alone (between)':28s} {value * 1e3:9.2f} {100 * value / base:+8.1f}%")
+    def step(sess, train_op, ops, x, y):
+        sess.run(train_op, {x: feed_x, y: feed_y})
+        if ops:
+            sess.run(ops)
 
+    # one step of each variant per round, in turn, so drift affects all alike
+    ms = medians(interleaved({name: lambda v=v: step(*v) for name, v in variants.items()}, args.steps, warmup=5), 1e3)
+    sess, _, ops, _, _ = variants["recal, between updates"]
+    alone = medians(interleaved({"recal ops alone (between)": lambda: sess.run(ops)}, args.steps, warmup=0), 1e3)
+    print(f"\nmnist_net, batch 128, {machine()['cpu']}, median of {args.steps} interleaved steps")
+    print(f"{'variant':28s} {'ms/step':>9s} {'overhead':>9s}")
+    for name, value in ms.items():
+        print(f"{name:28s} {value:9.2f} {100 * (value / ms['plain'] - 1):+8.1f}%")
+    for name, value in alone.items():  # the recal ops alone (between updates), timed apart from the step
+        print(f"{name:28s} {value:9.2f} {100 * value / ms['plain']:+8.1f}%")
 
 if __name__ == "__main__":
     main()

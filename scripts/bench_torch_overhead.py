@@ -8,14 +8,18 @@ A small ResNet-style CNN, batch 32, 32x32 inputs, CPU. Prints a table of median 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn.utils import prune
 
 from recal_torch import ScheduledModifierManager
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.results import machine  # noqa: E402
+from bench.timing import interleaved, medians  # noqa: E402
 
 
 class Block(nn.Module):
@@ -44,15 +48,10 @@ class SmallResNet(nn.Module):
         return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
 
 
-def _time_steps(model, optimizer, steps: int, x, y) -> list[float]:
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
-        times.append(time.perf_counter() - t0)
-    return times
+def _step(model, optimizer, x, y) -> None:
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
 
 
 def _recipe(update_every_step: bool) -> str:
@@ -72,6 +71,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+
     def plain(model):
         return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
@@ -92,46 +92,37 @@ def main() -> None:
 
     variants = {"plain": plain, "recal, between updates": recal(False),
                 "recal, mask update every step": recal(True), "torch.nn.utils.prune": torch_prune}
-    runs = {}
+    models, steps = {}, {}
     for name, setup in variants.items():
         torch.manual_seed(0)
-        model = SmallResNet()
-        runs[name] = (model, setup(model))
-        _time_steps(*runs[name], 3, x, y)  # warm-up
-    # one step of each variant per round, in rotating order, so drift affects all alike
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    names = list(variants)
-    for i in range(args.steps):
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            samples[name] += _time_steps(*runs[name], 1, x, y)
-    results = {name: statistics.median(values) for name, values in samples.items()}
+        models[name] = model = SmallResNet()
+        steps[name] = lambda model=model, optimizer=setup(model): _step(model, optimizer, x, y)
+    results = medians(interleaved(steps, args.steps, warmup=3))  # one step of each per round, in turn
 
     # the masking work alone, timed apart from the step (robust to step-time noise)
     manager = managers[False]
-    recal_work = []
-    for _ in range(args.steps):  # what recal's step hooks do between mask updates
-        t0 = time.perf_counter()
+
+    def recal_work():  # what recal's step hooks do between mask updates
         manager._before_step()
         manager.masks.apply()
         manager._apply_state(manager.step)
         manager.masks.update(manager.step)
-        recal_work.append(time.perf_counter() - t0)
-    pruned = [m for m in runs["torch.nn.utils.prune"][0].modules() if hasattr(m, "weight_mask")]
-    prune_work = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        for m in pruned:  # what prune's forward pre-hook does each forward (its backward adds a mul too)
-            setattr(m, "weight", m.weight_orig * m.weight_mask)
-        prune_work.append(time.perf_counter() - t0)
 
+    pruned = [m for m in models["torch.nn.utils.prune"].modules() if hasattr(m, "weight_mask")]
+
+    def prune_work():  # what prune's forward pre-hook does each forward (its backward adds a mul too)
+        for m in pruned:
+            setattr(m, "weight", m.weight_orig * m.weight_mask)
+
+    alone = medians(interleaved({"recal masking work alone": recal_work,
+                                 "torch.nn.utils.prune hook work alone (fwd)": prune_work}, args.steps, warmup=0))
     base = results["plain"]
-    print(f"\nSmallResNet, batch 32, 32x32, CPU, {args.threads} threads, median of {args.steps} steps")
+    print(f"\nSmallResNet, batch 32, 32x32, {machine()['cpu']}, {args.threads} threads, median of {args.steps} "
+          "interleaved steps")
     print(f"{'variant':44s} {'ms/step':>9s} {'vs plain':>9s}")
     for name, value in results.items():
         print(f"{name:44s} {value * 1e3:9.2f} {100 * (value / base - 1):+8.1f}%")
-    for name, values in (("recal masking work alone", recal_work),
-                         ("torch.nn.utils.prune hook work alone (fwd)", prune_work)):
-        value = statistics.median(values)
+    for name, value in alone.items():
         print(f"{name:44s} {value * 1e3:9.3f} {100 * value / base:+8.2f}%")
 
 

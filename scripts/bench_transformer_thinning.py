@@ -23,7 +23,6 @@ With ``--json`` and one part, the file's other part is kept (run the latency par
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -37,13 +36,14 @@ import torch
 import torch.nn.functional as F
 
 from recal_core.datasets import load_digits
-from recal_onnx import cpu, quantize_qat_export
+from recal_onnx import quantize_qat_export
 from recal_onnx.verify import session
 from recal_torch import ScheduledModifierManager, export_onnx, thin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_transformers import Classifier, agreement, bert, feeds, ort_quantized, vit  # noqa: E402
-from speed import interleaved_latency  # noqa: E402
+from bench.timing import interleaved_latency  # noqa: E402
+from bench.results import load, machine, save  # noqa: E402
 
 SETTINGS = {"1/3 heads, 1/2 FFN": (1 / 3, 0.5), "1/2 heads, 3/4 FFN": (0.5, 0.75)}
 HEADS = {"bert": r"['re:.*attention\.self\.(query|key|value)\.weight', 're:.*attention\.output\.dense\.weight']",
@@ -233,7 +233,7 @@ def main() -> None:
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="recal-bench-thinning-"))
     warnings.filterwarnings("ignore")
-    out = {"cpu": cpu.describe(), "onnxruntime": ort.__version__, "quick": args.quick, "rounds": args.rounds}
+    out = {**machine(), "quick": args.quick, "rounds": args.rounds}
     if "accuracy" in args.parts:
         seeds, epochs = (args.seeds[:1], 2) if args.quick else (args.seeds, args.epochs)
         out["accuracy"] = accuracy_part(seeds, epochs, max(2, epochs // 2), max(1, epochs // 8), folder)
@@ -242,10 +242,8 @@ def main() -> None:
                           for m in args.models]
     if args.json:
         if args.json.exists():  # one part run again: the other part's figures stay
-            out = {**{k: v for k, v in json.loads(args.json.read_text()).items() if k in ("accuracy", "latency")},
-                   **out}
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
-        print(f"wrote {args.json}")
+            out = {**{k: v for k, v in load(args.json).items() if k in ("accuracy", "latency")}, **out}
+        save(args.json, out)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ as float QDQ; onnxruntime's: the fp32 model). Run it on an idle machine: it meas
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -39,14 +38,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recal_onnx import cpu
 from recal_onnx.verify import reference_session, session
 from recal_torch import ScheduledModifierManager, export_onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_onnx import convert_measured  # noqa: E402
-from peers import DYNAMIC, STATIC, quantize_dynamic, quantize_static  # noqa: E402
-from speed import interleaved_latency  # noqa: E402
+from bench.peers import DYNAMIC, STATIC, quantize_dynamic, quantize_static  # noqa: E402
+from bench.results import machine, save_run  # noqa: E402
+from bench.timing import interleaved_latency  # noqa: E402
 
 QAT_ONLY = """
 - !EpochRangeModifier {start_epoch: 0, end_epoch: 1}
@@ -121,7 +120,7 @@ def mobilevit(quick: bool, seq: int):
     transformer blocks; torch-initialised (``zoo.torch_init``: transformers' draws make its activations vanish)."""
     import transformers
 
-    from zoo import torch_init
+    from bench.models import torch_init
 
     config = transformers.MobileViTConfig(num_labels=10, **(dict(image_size=64) if quick else {}))
     model, batch, names = _image_model(transformers.MobileViTForImageClassification, config, config.image_size)
@@ -151,7 +150,7 @@ def qat(model: nn.Module, batch, steps: int, attention: bool = False) -> nn.Modu
 
 
 def ort_quantized(fp32: Path, folder: Path, calibration: list[dict[str, np.ndarray]]) -> dict[str, tuple[Path, float]]:
-    """onnxruntime's dynamic and static quantization of ``fp32`` (:mod:`peers`): path and seconds, by label."""
+    """onnxruntime's dynamic and static quantization of ``fp32`` (:mod:`bench.peers`): path and seconds, by label."""
     out = {DYNAMIC: (folder / "dynamic.onnx", quantize_dynamic(fp32, folder / "dynamic.onnx"))}
     out[STATIC] = (folder / "static.onnx", quantize_static(fp32, folder / "static.onnx", calibration))
     return out
@@ -227,12 +226,7 @@ def main() -> None:
               for name in args.models]
     print(f"\nmodels in {folder}")
     if args.json:  # one run per CPU: a run measured on another CPU is kept beside this one
-        run = {"cpu": cpu.describe(), "onnxruntime": ort.__version__, "rounds": args.rounds, "quick": args.quick,
-               "models": models}
-        runs = json.loads(args.json.read_text())["runs"] if args.json.exists() else []
-        data = {"runs": [*(r for r in runs if r["cpu"] != run["cpu"]), run]}
-        args.json.write_text(json.dumps(data, indent=1) + "\n")
-        print(f"wrote {args.json}")
+        save_run(args.json, {**machine(), "rounds": args.rounds, "quick": args.quick, "models": models})
 
 
 if __name__ == "__main__":

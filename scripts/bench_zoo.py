@@ -25,7 +25,6 @@ int8 execution of that same QDQ export. Run it on an idle machine: it measures l
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import warnings
@@ -37,12 +36,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from peers import STATIC, STATIC_REDUCED, fidelity, static_peers  # noqa: E402
-from speed import interleaved_latency  # noqa: E402
+from bench.peers import STATIC, STATIC_REDUCED, fidelity, static_peers  # noqa: E402
+from bench.results import load, machine, save  # noqa: E402
+from bench.timing import interleaved_latency  # noqa: E402
 from recal_onnx import cpu, quantize_qat_export  # noqa: E402
 from recal_torch import export_onnx  # noqa: E402
 from tests.zoo.test_cnns import CLASSES, HF, MODELS, prune_and_qat  # noqa: E402
-from zoo import ResNet18, torch_init  # noqa: E402
+from bench.models import ResNet18, torch_init  # noqa: E402
 
 
 def hf_resnet50() -> torch.nn.Module:
@@ -135,15 +135,14 @@ def main() -> None:
                   flush=True)
     if args.json:
         if args.merge and args.json.exists():
-            kept = json.loads(args.json.read_text())
+            kept = load(args.json)
             if (kept["cpu"], kept["size"], kept["rounds"]) != (cpu.describe(), size, rounds):
                 raise SystemExit(f"{args.json} was measured on another CPU, size or rounds: rerun every model")
             new = {row["model"]: row for row in rows}
             order = list(BUILDERS)
             rows = sorted([*(r for r in kept["rows"] if r["model"] not in new), *new.values()],
                           key=lambda r: order.index(r["model"]) if r["model"] in order else len(order))
-        args.json.write_text(json.dumps({"cpu": cpu.describe(), "size": size, "rounds": rounds, "rows": rows},
-                                        indent=1, default=str))
+        save(args.json, {**machine(), "size": size, "rounds": rounds, "rows": rows})
 
 
 if __name__ == "__main__":

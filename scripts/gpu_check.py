@@ -2,7 +2,7 @@
 
 Two models under a recipe, each trained in ``torch.autocast`` (bf16) on ``--device``:
 
-- a ResNet-18 (``scripts/zoo.py``, 10 classes, 64x64 synthetic images) with magnitude pruning and QAT starting
+- a ResNet-18 (``scripts/bench/models.py``, 10 classes, 64x64 synthetic images) with magnitude pruning and QAT starting
   mid-run;
 - a Llama-shaped decoder (Hugging Face ``transformers`` from a small config, random weights) with magnitude pruning
   of its MLPs and int4 weight-only QAT (groups of 32).
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import io
-import json
 import statistics
 import sys
 import tempfile
@@ -37,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from recal_onnx import quantize_qat_export  # noqa: E402
 from recal_torch import ScheduledModifierManager, export_onnx  # noqa: E402
-from zoo import ResNet18  # noqa: E402
+from bench.models import ResNet18  # noqa: E402
+from bench.results import machine, save  # noqa: E402
 
 RESNET_RECIPE = """
 - !GMPruningModifier {{params: __ALL_PRUNABLE__, init_sparsity: 0.3, final_sparsity: 0.7, start_epoch: 0,
@@ -189,8 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [check(m, builders[m], args.device, args.steps, Path(tmp)) for m in args.models]
     failed = [r["model"] for r in rows if r["off_device"] or not r["resume_exact"] or not r["verified"]]
     if args.json:
-        args.json.write_text(json.dumps({"device": args.device, "name": name, "torch": torch.__version__,
-                                         "rows": rows}, indent=1) + "\n")
+        save(args.json, {"device": args.device, "name": name, **machine(), "rows": rows})
     print("PASS" if not failed else f"FAIL: {', '.join(failed)}")
     return 1 if failed else 0
 

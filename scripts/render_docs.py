@@ -12,7 +12,6 @@ differs from what the JSON gives (CI runs it through ``tests/test_docs.py``).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import statistics
@@ -20,12 +19,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "docs" / "results"
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench.results import load  # noqa: E402
+from code_layout import layout_table  # noqa: E402
+
 MARKER = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.DOTALL)
-
-
-def _load(name: str) -> dict:
-    return json.loads((RESULTS / name).read_text())
 
 
 def _pct(x: float | None) -> str:
@@ -34,7 +32,7 @@ def _pct(x: float | None) -> str:
 
 def demo_accuracy() -> str:
     """`make demo`'s first table: the digits, dense vs one recipe in PyTorch and the TensorFlow graph API."""
-    demo = _load("demo.json")
+    demo = load("demo.json")
     lines = ["| framework | run | artefact | test accuracy | sparsity | size |", "|---|---|---|---|---|---|"]
     for job in demo["jobs"]:
         lines.append(f"| {job['framework']} | {job['run']} | {job['artefact']} | {100 * job['accuracy']:.2f}% | "
@@ -44,7 +42,7 @@ def demo_accuracy() -> str:
 
 def demo_speed() -> str:
     """`make demo`'s second table: ResNet-18 at 224x224 in onnxruntime, with fidelity beside speed."""
-    speed = _load("demo.json")["speed"]
+    speed = load("demo.json")["speed"]
     rows = speed["rows"]
     fp32 = rows[0]
     lines = ["| model | size | latency | x fp32 | argmax agreement | max difference | measured against (as written) |",
@@ -65,7 +63,7 @@ def demo_speed() -> str:
 
 def reduce_range() -> str:
     """What 7-bit weights cost on the digits, per front end (scripts/bench_reduce_range.py)."""
-    data = _load("reduce_range.json")
+    data = load("reduce_range.json")
     lines = ["| front end | 8-bit weights | 7-bit weights (`reduce_range: true`) | difference |", "|---|---|---|---|"]
     for framework in dict.fromkeys(r["framework"] for r in data["rows"]):
         mean = {flag: statistics.mean(r["int8_accuracy"] for r in data["rows"]
@@ -79,7 +77,7 @@ def reduce_range() -> str:
 
 def zoo(name: str = "zoo.json") -> str:
     """The CNN zoo at 224x224 against fp32 and onnxruntime's quantize_static, with fidelity (scripts/bench_zoo.py)."""
-    data = _load(name)
+    data = load(name)
     lines = ["| model | fp32 ms | recal ms | x fp32 | x static | x static rr | recal 8-bit: int8 / uint8 ms | "
              "QAT export in a default session | recal int8 | ort static | ort static rr | float ops left |",
              "|---" * 12 + "|"]
@@ -119,7 +117,7 @@ def _latency_rows(model: dict, base_ms: float) -> list[str]:
 def transformers() -> str:
     """BERT-base- and ViT-B/16-shaped models: fp32, recal int8, onnxruntime's quantizers (scripts/bench_transformers.py)."""
     parts = []
-    for data in _load("transformers.json")["runs"]:  # one table per CPU
+    for data in load("transformers.json")["runs"]:  # one table per CPU
         lines = ["| model | variant | MB (x fp32) | 1 thread ms | 2 threads ms | x fp32 (1 thread) | argmax agreement |",
                  "|---" * 7 + "|"]
         for model in data["models"]:
@@ -137,7 +135,7 @@ def transformers() -> str:
 def llm() -> str:
     """A small decoder on the standard library's source: fp32, onnxruntime's int4 quantizers, recal's int4 QAT
     (scripts/bench_llm.py)."""
-    data = _load("llm.json")
+    data = load("llm.json")
     lines = ["| model | test perplexity | recovered | MB (x fp32) | prompt of 128 ms | one token ms |", "|---" * 6 + "|"]
     for row in data["rows"]:
         if "ppl" not in row:
@@ -161,7 +159,7 @@ def llm() -> str:
 def thinning_transformers() -> str:
     """Transformers with heads and FFN neurons thinned: digits ViT accuracy, BERT-base / ViT-B latency
     (scripts/bench_transformer_thinning.py)."""
-    data = _load("thinning_transformers.json")
+    data = load("thinning_transformers.json")
     acc = data["accuracy"]
     lines = ["| digits ViT | seed | dense | dense, trained on | pruned (masked) | thinned | thinned int8 | parameters |",
              "|---" * 8 + "|"]
@@ -192,7 +190,7 @@ def keras_backends() -> str:
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_keras_backends import table
 
-    return table(_load("keras_backends.json"))
+    return table(load("keras_backends.json"))
 
 
 def keras_backends_summary() -> str:
@@ -201,7 +199,7 @@ def keras_backends_summary() -> str:
                "torch": ("yes", "yes", "torch.onnx")}
     lines = ["| Keras backend | pruning, LR, decay, flags | QAT | export | recal step vs plain `fit` |",
              "|---|---|---|---|---|"]
-    for result in _load("keras_backends.json")["backends"]:
+    for result in load("keras_backends.json")["backends"]:
         times = result["times"]
         ratio = statistics.median(times["recal GMP, between updates"]) / statistics.median(times["plain fit"])
         recal, qat, export = support[result["backend"]]
@@ -216,7 +214,7 @@ def keras_applications() -> str:
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_keras_applications import table
 
-    return table(_load("keras_applications.json"))
+    return table(load("keras_applications.json"))
 
 
 def interop() -> str:
@@ -224,14 +222,14 @@ def interop() -> str:
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_interop import table
 
-    return table(_load("interop.json"))
+    return table(load("interop.json"))
 
 
 TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range, "zoo": zoo,
           "zoo-vnni": lambda: zoo("zoo_vnni.json"),
           "transformers": transformers, "llm": llm,
           "thinning-transformers": thinning_transformers, "keras-applications": keras_applications,
-          "keras-backends": keras_backends, "keras-backends-summary": keras_backends_summary}
+          "keras-backends": keras_backends, "keras-backends-summary": keras_backends_summary, "layout": layout_table}
 
 
 def render(text: str) -> str:

@@ -4,7 +4,7 @@ A ResNet-18-shaped model at 224x224 (random weights; a few float steps, then a f
 recal on synthetic data, so BatchNorm statistics and QAT observers hold real ranges) is exported and
 converted with recal's defaults (7-bit weights, ``reduce_range: true``; target ``any``), and so is a copy with half
 its filters pruned and thinned (``recal_torch.thin``); onnxruntime's ``quantize_static`` quantizes the fp32 model
-as it comes and with ``reduce_range=True`` (:mod:`peers`). onnxruntime runs each model at batch 1 on one thread,
+as it comes and with ``reduce_range=True`` (:mod:`bench.peers`). onnxruntime runs each model at batch 1 on one thread,
 the models in turn, and the table reports median latency, size, the speed-up over fp32 and fidelity: each model
 in a default session against the model it was made from, run as written (recal: its QAT export; onnxruntime's:
 the fp32 model, and its own QDQ file). The rows are saved as ``speed.json``. Used by ``make demo``; also alone:
@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -29,12 +27,13 @@ import onnxruntime as ort
 import torch
 
 from recal_onnx import cpu, quantize_qat_export
-from recal_onnx.verify import session
 from recal_torch import ScheduledModifierManager, count_macs, export_onnx, thin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import STATIC, STATIC_REDUCED, fidelity, static_peers  # noqa: E402
-from zoo import QAT_RECIPE, ResNet18, templates, train_steps  # noqa: E402
+from bench.models import QAT_RECIPE, ResNet18, templates, train_steps  # noqa: E402
+from bench.results import machine, save  # noqa: E402
+from bench.peers import STATIC, STATIC_REDUCED, fidelity, static_peers  # noqa: E402
+from bench.timing import interleaved_latency  # noqa: E402
 
 @dataclass
 class SpeedRow:
@@ -110,30 +109,6 @@ def build_models(folder: Path, size: int = 224, float_steps: int = 3, qat_steps:
     return paths, feeds, steps
 
 
-def interleaved_latency(paths: dict[str, Path], feed: dict[str, np.ndarray], rounds: int = 15, per_round: int = 3,
-                        threads: int = 1, min_seconds: float = 0.0) -> dict[str, float]:
-    """Median batch latency (ms) of each model on ``threads``. The models take turns each round, in a rotating
-    order, so that drift on a shared machine touches them alike; each of a round's ``per_round`` samples runs a
-    model as many times as fill ``min_seconds`` (a millisecond model timed once is mostly noise)."""
-    sessions = {k: session(str(p), threads) for k, p in paths.items()}
-    repeat = {}
-    for k, s in sessions.items():
-        s.run(None, feed)
-        t0 = time.perf_counter()
-        s.run(None, feed)
-        repeat[k] = max(1, int(min_seconds / max(time.perf_counter() - t0, 1e-6)))
-    times: dict[str, list[float]] = {k: [] for k in sessions}
-    order = list(sessions)
-    for r in range(rounds):
-        for k in order[r % len(order):] + order[:r % len(order)]:
-            for _ in range(per_round):
-                t0 = time.perf_counter()
-                for _ in range(repeat[k]):
-                    sessions[k].run(None, feed)
-                times[k].append((time.perf_counter() - t0) / repeat[k])
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
-
-
 def speed_table(folder: Path, size: int = 224, rounds: int = 15, checks: int = 64, log=print) -> list[SpeedRow]:
     """Build, time and check the models (see the module); the rows are also written to ``folder/speed.json``."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -155,9 +130,8 @@ def speed_table(folder: Path, size: int = 224, rounds: int = 15, checks: int = 6
         row.agreement, row.max_diff = fidelity(row.path, reference, batch)
         if row.reference == "fp32":  # onnxruntime's own file: does a default session compute what it says?
             row.own_agreement = fidelity(row.path, row.path, batch)[0]
-    (folder / "speed.json").write_text(json.dumps(
-        {"size": size, "rounds": rounds, "checks": checks, "cpu": cpu.describe(), "onnxruntime": ort.__version__,
-         "rows": [{**asdict(r), "path": str(r.path), "size_mb": r.size_mb} for r in rows]}, indent=1))
+    save(folder / "speed.json", {"size": size, "rounds": rounds, "checks": checks, **machine(),
+                                 "rows": [{**asdict(r), "path": str(r.path), "size_mb": r.size_mb} for r in rows]})
     return rows
 
 

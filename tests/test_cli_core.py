@@ -138,6 +138,38 @@ def test_no_module_is_over_500_lines_and_no_import_cycle():
             visit(name, [name])
 
 
+def test_a_subpackage_is_entered_through_its_init():
+    """A package's modules are its own: code outside ``recal_torch.qat`` (or any subpackage) imports the names the
+    package's ``__init__`` gives, never one of its modules, so a package can rearrange its rooms without a caller
+    noticing."""
+    import ast
+
+    from .conftest import ROOT
+
+    packages = {".".join(p.parent.relative_to(ROOT).parts) for lib in ("recal_core", "recal_torch", "recal_tf",
+                "recal_onnx", "recal_app") for p in (ROOT / lib).rglob("__init__.py")}
+    declared = {("recal_onnx.pipeline", "recal_onnx.passes")}  # the pipeline names each pass, in the order they run
+    reached = []
+    for lib in ("recal_core", "recal_torch", "recal_tf", "recal_onnx", "recal_app"):
+        for path in (ROOT / lib).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ImportFrom):
+                    continue
+                base = here.rsplit(".", node.level - 1)[0] if node.level > 1 else here
+                module = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+                if not module or not module.startswith("recal_"):
+                    continue
+                targets = [module] if node.module else [f"{module}.{a.name}" for a in node.names]
+                for target in targets:
+                    owner = target if target in packages else target.rpartition(".")[0]
+                    if (owner.count(".") and owner != target and not (here + ".").startswith(owner + ".")
+                            and (name, owner) not in declared):
+                        reached.append(f"{path.relative_to(ROOT)} imports {target}, inside {owner}")
+    assert not reached, "\n".join(reached)
+
+
 def test_the_digits_read_from_scikit_learns_csv_are_its_load_digits():
     """recal reads scikit-learn's bundled CSV without importing scikit-learn: the same images, labels and split."""
     import numpy as np

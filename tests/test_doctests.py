@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 MODULES = ["recal_core.recipe", "recal_core.schedule", "recal_core.schedules", "recal_core.expressions",
-           "recal_core.atomic", "recal_torch.manager", "recal_torch.export", "recal_torch", "recal_onnx.targets"]
+           "recal_core.atomic", "recal_torch.manager", "recal_torch.export.to_onnx", "recal_torch", "recal_onnx.targets"]
 
 
 @pytest.mark.parametrize("name", MODULES)

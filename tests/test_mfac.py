@@ -4,11 +4,10 @@ holds the schedule's exact counts."""
 
 import pytest
 import torch
-from torch import nn
 
 from recal_core import load_recipe
 from recal_torch import ScheduledModifierManager
-from recal_torch.mfac import GradientWindow, mfac_step
+from recal_torch.pruning.mfac import GradientWindow, mfac_step
 from recal_torch.pruning import magnitude_mask
 
 from .test_obs import _example_gradients, _fit, _loss, _problem, _two_layers, _zeros_after_each_step
@@ -87,7 +86,7 @@ def test_mfac_in_training_holds_exact_counts(glob):
 def test_mfac_equals_obs_on_the_same_gradients():
     """Same Fisher, same ranking, same joint update: M-FAC's differs from OBS's only in memory."""
     from recal_core.modifiers import OBSPruningModifier
-    from recal_torch.obs import FisherBlocks, obs_step
+    from recal_torch.pruning.obs import FisherBlocks, obs_step
 
     torch.manual_seed(0)
     w = torch.randn(6, 10)  # 60 weights: blocks of 16, the last padded

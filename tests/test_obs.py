@@ -7,7 +7,7 @@ from torch import nn
 
 from recal_core import load_recipe
 from recal_torch import ScheduledModifierManager
-from recal_torch.obs import FisherBlocks, obs_step
+from recal_torch.pruning.obs import FisherBlocks, obs_step
 from recal_torch.pruning import magnitude_mask
 
 OBS = """

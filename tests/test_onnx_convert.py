@@ -4,21 +4,19 @@ residual adds, int8 zero points, errors, atomic writes, the CLI."""
 import hashlib
 import subprocess
 import sys
-import warnings
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from torch import nn
 
-from recal_onnx import UnconvertedOpsWarning, VerificationError, quantize_qat_export
+from recal_onnx import UnconvertedOpsWarning, quantize_qat_export
 from recal_torch import ScheduledModifierManager, export_onnx
 
 from .cli_in_process import run_recal
 from .conftest import ROOT
-from .onnx_graphs import Builder, ops, with_float_biases
+from .onnx_graphs import Builder, ops
 from .torch_models import SmallCNN, batches, train_steps
 
 QAT = """

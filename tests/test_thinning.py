@@ -16,7 +16,7 @@ from recal_torch import ScheduledModifierManager, count_macs, fake_quantize_mode
 from .torch_models import SmallCNN
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from zoo import BasicBlock, Bottleneck  # noqa: E402
+from bench.models import BasicBlock, Bottleneck  # noqa: E402
 
 
 class ResNetTiny(nn.Module):
@@ -240,7 +240,7 @@ def _steps(model, optimizer, n, shape=(3, 16, 16), seed=3):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_torch_export_finds_the_spaces_torch_fx_finds(case):
-    from recal_torch.channel_graph import model_graph
+    from recal_torch.graph import model_graph
 
     build, _, _, shape = CASES[case]
     model = build()

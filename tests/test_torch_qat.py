@@ -425,7 +425,7 @@ def test_a_shared_relu_gets_an_observer_per_call_site(tmp_path):
 
 
 def test_a_shared_conv_is_named_in_a_warning():
-    from recal_torch.qat_plan import QATPlanWarning
+    from recal_torch.qat import QATPlanWarning
 
     class SharedConv(nn.Module):
         def __init__(self):
@@ -443,7 +443,7 @@ def test_a_shared_conv_is_named_in_a_warning():
 def test_a_residual_add_without_activation_is_quantized_once(kind, tmp_path, caplog):
     torch.manual_seed(0)
     model = kind()
-    with caplog.at_level("INFO", logger="recal_torch.qat_plan"):
+    with caplog.at_level("INFO", logger="recal_torch.qat.plan"):
         fake_quantize_model(model)
         result = _int8(model, tmp_path)
     assert sorted(model.recal_sites) == [":add:0", ":add:1"]  # both sums, each read by a conv and the next add
@@ -482,7 +482,7 @@ def test_an_add_in_a_module_that_calls_a_stranger_stays_float_and_is_named():
 
     torch.manual_seed(0)
     model = Net()
-    from recal_torch.qat_plan import QATPlanWarning
+    from recal_torch.qat import QATPlanWarning
 
     fake_quantize_model(model)
     with pytest.warns(QATPlanWarning, match=r"residual add in 'borrower' stays float.*\(blocks\.0\)"):
@@ -636,7 +636,7 @@ def test_a_librarys_own_silu_module_is_a_silu_site(tmp_path):
     by what it computes (F.silu exactly, no parameters), its call site quantizes the sigmoid too and the int8
     model runs QLinearSigmoid and QLinearMul where it sat (MobileViT-small went from 0.81x to 1.20x
     ``quantize_static`` on the VNNI/AMX Xeon); a parameterless module computing something else is not one."""
-    from recal_torch.qat_patterns import is_silu_module
+    from recal_torch.qat.patterns import is_silu_module
 
     torch.manual_seed(0)
     model = SqueezeExcite()
@@ -712,7 +712,7 @@ def test_export_writes_each_bias_on_the_int32_grid_of_its_layer(dynamo, tmp_path
 
 def test_the_bias_grid_forgets_a_tensor_changed_in_place():
     """``out += identity`` changes a tensor that a quantize-dequantize had tagged: it is off that grid now."""
-    from recal_torch.bias_grid import _GridTags
+    from recal_torch.export.bias_grid import _GridTags
 
     tags = _GridTags()
     with tags:
@@ -826,7 +826,7 @@ def test_modules_made_inside_forward_are_part_of_their_callers_plan(tmp_path, re
 
 
 def test_a_forward_the_planner_cannot_record_is_a_warning_naming_the_layers():
-    from recal_torch.qat_plan import QATPlanWarning
+    from recal_torch.qat import QATPlanWarning
 
     class Unrecordable(InlineModules):
         def forward(self, x):
@@ -918,7 +918,7 @@ class SharedConv(nn.Module):
 
 
 def test_a_layer_called_twice_is_left_float_with_a_warning_naming_it():
-    from recal_torch.qat_plan import QATPlanWarning
+    from recal_torch.qat import QATPlanWarning
 
     model = SharedConv()
     with pytest.warns(QATPlanWarning, match=r"'c2' \(2 calls\) called more than once in SharedConv's forward: left "
@@ -969,7 +969,7 @@ def test_a_torch_compiled_submodule_is_planned_and_runs_on_the_integers(tmp_path
 def test_the_users_forward_hooks_follow_their_layer_into_qat():
     """A feature-extraction hook on a conv keeps firing on its QAT module; a hook on a BatchNorm that folds away is
     named in a warning."""
-    from recal_torch.qat_plan import QATPlanWarning
+    from recal_torch.qat import QATPlanWarning
 
     seen = []
     model = SmallCNN()
@@ -993,7 +993,7 @@ def test_the_users_forward_hooks_follow_their_layer_into_qat():
 
 
 def test_a_branch_the_first_forward_did_not_take_is_named():
-    from recal_torch.qat_plan import QATPlanWarning
+    from recal_torch.qat import QATPlanWarning
 
     class Branchy(nn.Module):
         def __init__(self):
@@ -1017,7 +1017,7 @@ def test_pruning_and_qat_train_the_same_under_torch_compile(backend):
     plain one: QAT's first-forward plan records outside the compiled region (a graph break) and plans the same
     call sites (the squeeze-excitation's SiLUs, sigmoid and product), and the losses agree step by step (to float
     order, later on)."""
-    from recal_torch.qat_plan import QATPlanWarning
+    from recal_torch.qat import QATPlanWarning
 
     recipe = ("- !GradualKSModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.2, final_sparsity: 0.5, "
               "start_epoch: 0, end_epoch: 2, update_frequency: 1}\n- !QuantizationModifier {start_epoch: 1}\n")
@@ -1048,7 +1048,7 @@ def test_pruning_and_qat_train_the_same_under_torch_compile(backend):
 def test_fake_quantizers_under_bf16_autocast_round_on_the_float32_grid():
     """An activation quantizer given a bf16 tensor (what autocast makes a conv return) returns bf16 holding exactly
     the float32 grid's values rounded to bf16: the same integers as in float32, whatever the dtype."""
-    from recal_torch.fake_quant import ActivationFakeQuantize
+    from recal_torch.qat import ActivationFakeQuantize
 
     torch.manual_seed(0)
     fq = ActivationFakeQuantize()

@@ -60,7 +60,7 @@ def _train(model, optimizer, data, after_step=None):
 def test_a_model_fx_cannot_trace_is_planned_from_its_first_forward(caplog):
     torch.manual_seed(0)
     model = TinyEncoder()
-    with caplog.at_level(logging.INFO, logger="recal_torch.qat_plan"):
+    with caplog.at_level(logging.INFO, logger="recal_torch.qat.plan"):
         created = fake_quantize_model(model)
         keys = set(model.state_dict())
         assert {type(m) for m in created} == {QATEmbedding, QATLinear} and len(created) == 9
@@ -209,7 +209,7 @@ def test_the_result_names_what_computes_in_float(tmp_path, caplog):
 
 
 def test_an_attention_forward_that_raises_leaves_no_mode_behind():
-    from recal_torch.qat_attention import quantize_attention
+    from recal_torch.qat import quantize_attention
 
     class Failing(TinyEncoder):
         def forward(self, ids):

@@ -11,8 +11,8 @@ from recal_core import RecipeError
 from recal_onnx import quantize_qat_export
 from recal_onnx.verify import verify_models
 from recal_torch import ScheduledModifierManager, export_onnx
-from recal_torch.fake_quant import GroupWeightFakeQuantize
-from recal_torch.qat_modules import QATEmbedding, QATLinear, WeightOnlyLinear
+from recal_torch.qat import GroupWeightFakeQuantize
+from recal_torch.qat import QATEmbedding, QATLinear, WeightOnlyLinear
 
 from .test_torch_transformer_qat import TOKENS, VOCAB, TinyEncoder, _data, _train
 from .torch_models import assert_same_state, load_checkpoint

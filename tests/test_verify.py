@@ -162,7 +162,7 @@ def test_cpu_exactness_script_runs_models_and_compares_two_machines_runs(tmp_pat
 
 def _unary(*ops, out_type=None):
     """x -> ops in turn, the model's one output (bool where the last op makes one)."""
-    from onnx import TensorProto, helper
+    from onnx import helper
 
     b = Builder()
     y = "x"

@@ -1,4 +1,9 @@
 """Graph rewrite passes; each takes a :class:`~recal_onnx.graph.Graph` (an ``onnx_ir`` model) and returns how many
 rewrites it made."""
 
-__all__: list[str] = []  # internal: the pipeline (recal_onnx.pipeline) runs them in its declared order
+# The pipeline (recal_onnx.pipeline) names each pass module, in its declared order. What the rest of recal_onnx
+# reads from a pass (the channel block thinning keeps, the uint8 weight form and its CPU check) it imports from here.
+from .thin_channels import CHANNEL_BLOCK
+from .uint8_weights import exact_on_this_cpu, saturating_layers, uint8_twin
+
+__all__: list[str] = []  # internal: none of this is a user's API

@@ -1,7 +1,7 @@
 """A weight-only layer (W4A16, W8A16) becomes onnxruntime's ``MatMulNBits``: float input, 4- or 8-bit weights.
 
 recal's export writes a weight-only layer's integers as rows of one group each, ``[out * groups, group_size]``, with
-a per-row (per-channel, axis 0) DequantizeLinear reshaped to ``[out, in]`` (:mod:`recal_torch.export_modules`): a form
+a per-row (per-channel, axis 0) DequantizeLinear reshaped to ``[out, in]`` (:mod:`recal_torch.export.modules`): a form
 every exporter and opset >= 13 writes and onnxruntime runs as it is. ``MatMulNBits`` keeps the integers packed (two
 4-bit values a byte, zero point 8; or bytes, zero point 128) with one scale per block of ``group_size`` inputs, and
 dequantizes a block at a time inside its GEMM: a smaller file and less memory traffic than a float weight.

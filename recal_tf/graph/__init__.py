@@ -4,7 +4,8 @@
 :mod:`recal_tf` re-exports all of it, so the seed's ``from recal_tf import ScheduledModifierManager`` works.
 """
 
-from .export import export_onnx
+# frozen_graph_def, graph_def_to_onnx and describe_variables: for recal train
+from .export import export_onnx, frozen_graph_def, graph_def_to_onnx
 from .manager import (
     EXTRAS_KEY_LEARNING_RATE,
     EXTRAS_KEY_SUMMARIES,
@@ -15,6 +16,7 @@ from .manager import (
     ModifierSessionRunHook,
     ScheduledModifierManager,
 )
+from .params import describe_variables
 
 __all__ = [
     "EXTRAS_KEY_LEARNING_RATE", "EXTRAS_KEY_SUMMARIES", "EXTRAS_KEY_UPDATE_OPS", "EXTRAS_KEY_VAR_LIST",

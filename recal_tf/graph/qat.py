@@ -206,7 +206,7 @@ class GraphQAT:
 
     def complete(self) -> None:
         """Rewire for inference and export: every switch to its quantized side, BatchNorms folded, each bias on
-        the int32 grid its int8 layer holds it on (as ``recal_torch.bias_grid`` writes it)."""
+        the int32 grid its int8 layer holds it on (as ``recal_torch.export.bias_grid`` writes it)."""
         sources = {t.op.name: self._source(t.op.inputs[0]) for t in self.targets}
         for out, fq, _ in self._switches:
             _reroute(out, fq)

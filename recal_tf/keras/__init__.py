@@ -8,5 +8,6 @@ then ``model.compile(optimizer=optimizer, ...)``, ``model.fit(..., callbacks=cal
 
 from .export import export_onnx
 from .manager import RecalCallback, RecalWarning, ScheduledModifierManager
+from .params import describe_model  # recal train's
 
 __all__ = ["RecalCallback", "RecalWarning", "ScheduledModifierManager", "export_onnx"]

@@ -187,7 +187,7 @@ def test_a_transformer_with_external_data_converts_and_its_input_is_untouched(qa
     import hashlib
 
     import recal_onnx.convert as convert
-    import recal_torch.export as export
+    import recal_torch.export.to_onnx as export
 
     model, kind = qat_model
     monkeypatch.setattr(export, "EXTERNAL_DATA_BYTES", 1)  # pretend the model is above protobuf's limit

@@ -2,13 +2,13 @@
 
 A ``nn.ReLU`` module that follows a residual addition becomes a :class:`QuantizedReLU`, which
 quantizes the sum, so the addition runs in int8 too; other residual adds (no activation after them, a shared
-or functional ReLU) get an observer at their call site (:mod:`recal_torch.qat_sites`).
+or functional ReLU) get an observer at their call site (:mod:`recal_torch.qat.sites`).
 
 Which outputs are quantized is read off a ``torch.fx`` trace of the model: every QAT
 module quantizes its output, and its input only when that input does not already come
 from a QAT module through quantization-preserving ops (max-pool, flatten, ReLU ...).
 A model fx cannot trace (Hugging Face models check shapes in Python) is planned the same way from a
-recording of its first forward (:mod:`recal_torch.qat_trace`).
+recording of its first forward (:mod:`recal_torch.qat.trace`).
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import qat_sites
-from .fake_quant import REDUCED_W_LEVELS, W_LEVELS, ActivationFakeQuantize, SiLUFakeQuantize, WeightFakeQuantize
-from .qat_attention import AttentionFakeQuantize
-from .qat_modules import (CONVS, NORMS, FoldedBatchNorm, QATConv, QATEmbedding, QATLinear, QATModule, QuantizedReLU,
+from . import sites as qat_sites
+from .quantizers import REDUCED_W_LEVELS, W_LEVELS, ActivationFakeQuantize, SiLUFakeQuantize, WeightFakeQuantize
+from .attention import AttentionFakeQuantize
+from .layers import (CONVS, NORMS, FoldedBatchNorm, QATConv, QATEmbedding, QATLinear, QATModule, QuantizedReLU,
                           WeightOnlyLinear, device_of, is_table, is_transposed_linear_type)
-from .qat_patterns import (AVG_POOL_FUNCTIONS, AVG_POOLS, CATS, clamping_activation, identity_at_eval,
+from .patterns import (AVG_POOL_FUNCTIONS, AVG_POOLS, CATS, clamping_activation, identity_at_eval,
                            is_silu_module, norm_activation, preserves_quantization)
-from .qat_trace import ADDS, MULS, evaluating, own_children, record_forward
+from .trace import ADDS, MULS, evaluating, own_children, record_forward
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +150,11 @@ def plan_pending(root: nn.Module, args: tuple, kwargs: dict | None = None) -> No
 def _plan_on_first_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
     """The plan read off the first forward (a forward pre-hook of ``root``; runs once per QAT start).
 
-    One forward is recorded (:mod:`recal_torch.qat_trace`, eval mode, no gradients). A model torch.fx could not
+    One forward is recorded (:mod:`recal_torch.qat.trace`, eval mode, no gradients). A model torch.fx could not
     trace gets its fusions here: BatchNorm folded, ReLU / ReLU6 folded into the layer's output range. Then, for
     every model: a residual add or a product whose operands are both quantized gets its own observer on its output
     (or on the ReLU / ReLU6 that alone reads it), and so does a sigmoid or SiLU of a quantized tensor (a SiLU on
-    its sigmoid too), by call site (:mod:`recal_torch.qat_sites`); a layer whose input is
+    its sigmoid too), by call site (:mod:`recal_torch.qat.sites`); a layer whose input is
     already quantized (through max-pool, flatten, ReLU ...) switches its input quantizer off; in a model fx
     could not trace, a linear's output stays float unless a quantized layer or add reads it. The switches are
     buffers and the observers are in ``root.recal_sites``: checkpoints carry the plan.

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .qat_modules import NORMS, FoldedBatchNorm, QuantizedReLU
-from .qat_trace import RELUS
+from .layers import NORMS, FoldedBatchNorm, QuantizedReLU
+from .trace import RELUS
 
 
 _PRESERVING_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.ReLU, nn.ReLU6, nn.Flatten, nn.Unflatten,

@@ -16,10 +16,10 @@ from recal_core.params import strip_wrapper
 from recal_core.recipe import Recipe
 from recal_core.schedule import QATState
 
-from .qat_modules import (QATModule, WeightOnlyEmbedding, WeightOnlyLinear, describe, fake_quantizers,
+from .layers import (QATModule, WeightOnlyEmbedding, WeightOnlyLinear, describe, fake_quantizers,
                           features, is_linear_like, is_table, qat_modules)
-from .qat_plan import FLOAT_REASON, fake_quantize_model, quantizable_layers, replace_layer
-from .qat_attention import AttentionFakeQuantize, quantize_attention
+from .plan import FLOAT_REASON, fake_quantize_model, quantizable_layers, replace_layer
+from .attention import AttentionFakeQuantize, quantize_attention
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class QATControl:
         self.roots = roots
         self.reduce_range = reduce_range or {}  # per QuantizationModifier: 7-bit weights
         self.left_float = left_float or {}
-        self.attention = attention  # also the attention matmuls (Q·Kᵀ, P·V): recal_torch.qat_attention
+        self.attention = attention  # also the attention matmuls (Q·Kᵀ, P·V): recal_torch.qat.attention
         self.prepared: set[int] = set()
         self._applied: dict[int, tuple[bool, bool]] = {}
         # learned (lsq) scales, when a QuantizationModifier makes them: called with them and their LR factor (the

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .export_modules import QuantizedExportModule
+from .modules import QuantizedExportModule
 
 log = logging.getLogger(__name__)
 

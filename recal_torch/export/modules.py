@@ -12,10 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fake_quant import ACT_QMAX, ACT_QMIN, W_QMAX, W_QMIN, ActivationFakeQuantize
-from .qat_attention import SLOTS, AttentionFakeQuantize
-from .qat_modules import (QATConv, QATEmbedding, QATModule, QuantizedReLU, WeightOnlyEmbedding, WeightOnlyLinear,
-                          clamp)
+from ..qat import (ACT_QMAX, ACT_QMIN, SLOTS, W_QMAX, W_QMIN, ActivationFakeQuantize, AttentionFakeQuantize, QATConv,
+                   QATEmbedding, QATModule, QuantizedReLU, WeightOnlyEmbedding, WeightOnlyLinear, clamp)
 
 
 def decomposed_ops():

@@ -4,7 +4,7 @@
 the exported model is already folded and runtimes fuse it. Each QAT module adopts the float module's Parameter
 objects (the optimizer and its momentum/Adam state carry on); the BatchNorm becomes a :class:`FoldedBatchNorm`
 that keeps its parameters and statistics under the same names but passes its input through. Which layers become
-QAT modules, and what they fuse, is the planner's choice (:mod:`recal_torch.qat_plan`).
+QAT modules, and what they fuse, is the planner's choice (:mod:`recal_torch.qat.plan`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fake_quant import W_LEVELS, ActivationFakeQuantize, GroupWeightFakeQuantize, WeightFakeQuantize
+from .quantizers import W_LEVELS, ActivationFakeQuantize, GroupWeightFakeQuantize, WeightFakeQuantize
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -229,7 +229,7 @@ class WeightOnlyLinear(nn.Module):
         linear: the float layer.
         bits: 4 or 8.
         group_size: inputs per scale (``None``: one scale per output channel).
-        observer: ``"minmax"`` or ``"mse"`` (:class:`~recal_torch.fake_quant.GroupWeightFakeQuantize`).
+        observer: ``"minmax"`` or ``"mse"`` (:class:`~recal_torch.qat.quantizers.GroupWeightFakeQuantize`).
     """
 
     def __init__(self, linear: nn.Module, bits: int, group_size: int | None, observer: str = "minmax"):

@@ -13,8 +13,7 @@ from torch import nn
 from recal_core.channel_coupling import ModelGraph, Op, Space, channel_spaces
 
 from .export_graph import example_inputs_of, exported_graph
-from .fake_quant import ActivationFakeQuantize
-from .qat_modules import CONVS, FoldedBatchNorm, QATConv, QATLinear, QATModule, QuantizedReLU
+from ..qat import CONVS, ActivationFakeQuantize, FoldedBatchNorm, QATConv, QATLinear, QATModule, QuantizedReLU
 
 _ZERO_PRESERVING_MODULES = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.LeakyReLU, nn.SiLU, nn.GELU, nn.Tanh, nn.Hardswish,
                             nn.Dropout, nn.Identity, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d,

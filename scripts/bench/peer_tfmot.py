@@ -4,7 +4,7 @@ Runs only in the separate environment ``bench_keras.py --peer`` creates (tf-kera
 wheel and importing tfmot switches the process to legacy Keras). Prints one JSON object:
 ``{"versions": ..., "ms_per_step": {variant: [per-step seconds, ...]}}``.
 
-    .venv-tfmot/bin/python scripts/peer_tfmot.py --rounds 5 --steps 40
+    .venv-tfmot/bin/python scripts/bench/peer_tfmot.py --rounds 5 --steps 40
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
+import sys
+from pathlib import Path
 
 os.environ["TF_USE_LEGACY_KERAS"] = "1"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -21,6 +22,9 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tensorflow_model_optimization as tfmot  # noqa: E402
 import tf_keras as keras  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the harness, nothing of recal
+from bench.fit_timing import fit_step_times  # noqa: E402
 
 
 def _cnn() -> keras.Model:
@@ -35,18 +39,6 @@ def _cnn() -> keras.Model:
         keras.layers.Dense(128, activation="relu"),
         keras.layers.Dense(10),
     ])
-
-
-class _StepTimes(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.times, self._last = [], 0.0
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._last = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter() - self._last)
 
 
 def _variant(frequency: int | None, steps: int):
@@ -71,15 +63,7 @@ def main() -> None:
     y = rng.integers(0, 10, args.steps * 128)
     variants = {"plain fit": None, "tfmot GMP, between updates": 10 * args.steps, "tfmot GMP, update every step": 1}
     built = {name: _variant(frequency, args.steps) for name, frequency in variants.items()}
-    for model, callbacks in built.values():  # trace and warm up
-        model.fit(x, y, batch_size=128, epochs=1, callbacks=callbacks, verbose=0)
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for r in range(args.rounds):
-        for name, (model, callbacks) in built.items():
-            timer = _StepTimes()
-            model.fit(x, y, batch_size=128, epochs=r + 2, initial_epoch=r + 1, callbacks=callbacks + [timer],
-                      verbose=0)
-            times[name] += timer.times[1:]
+    times = fit_step_times(keras, built, x, y, args.rounds)
     pruned = built["tfmot GMP, update every step"][0]
     zeros = [float((w.numpy() == 0).mean()) for w in pruned.weights if "kernel" in w.name and "mask" not in w.name]
     print(json.dumps({"versions": {"tensorflow": tf.__version__, "tf_keras": keras.__version__,

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .fake_quant import ActivationFakeQuantize
-from .qat_trace import mode_during_forward
+from .quantizers import ActivationFakeQuantize
+from .trace import mode_during_forward
 
 SLOTS = ("query", "key", "probs", "value")
 PROJECTIONS = (("query", "key", "value"), ("q_proj", "k_proj", "v_proj"), ("q", "k", "v"))

@@ -16,10 +16,10 @@ from torch import nn
 from recal_core import modifiers as M
 from recal_core.model_plan import MaskPlan, ModelPlan, is_second_order
 
-from .channel_masks import expand, group_masks
+from .channels import expand, group_masks
 from .mfac import GradientWindow, mfac_step
 from .obs import FisherBlocks, obs_step
-from .pruning import joint_magnitude_masks, magnitude_mask, nonzero_mask, structured_mask
+from .magnitude import joint_magnitude_masks, magnitude_mask, nonzero_mask, structured_mask
 
 
 class MaskState:

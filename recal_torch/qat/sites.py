@@ -3,7 +3,7 @@ call of a shared module.
 
 Model code writes ``out = out + identity`` or ``self.relu(out)`` (the same ReLU module twice, as torchvision's
 ``BasicBlock`` does); no module owns those tensors, so no module swap can quantize them. The plan names each
-such tensor by its call site (:mod:`recal_torch.qat_trace`): ``(owner path, op, k)``. While the model runs
+such tensor by its call site (:mod:`recal_torch.qat.trace`): ``(owner path, op, k)``. While the model runs
 forward, hooks count calls the same way and pass the output of each planned call through its own observer:
 a forward hook on a module with a planned call; for a function, a ``TorchFunctionMode`` entered only while the
 module that calls it runs its own code (hooks on its children pause the count). Nothing else is hooked, so a
@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .fake_quant import ActivationFakeQuantize, SiLUFakeQuantize
-from .qat_modules import device_of
-from .qat_patterns import is_silu_module
-from .qat_trace import active_modes, holds_tensor, mode_during_forward, op_name, own_children
+from .quantizers import ActivationFakeQuantize, SiLUFakeQuantize
+from .layers import device_of
+from .patterns import is_silu_module
+from .trace import active_modes, holds_tensor, mode_during_forward, op_name, own_children
 
 CONTAINER = "recal_sites"
 Site = tuple[str, str, int]

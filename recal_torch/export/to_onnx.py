@@ -3,7 +3,7 @@
 QAT modules are replaced, in a copy of the model, by export modules whose quantization
 parameters are constants and whose BatchNorm is already folded into the conv weight and
 bias, so runtimes see ``DQ(x), DQ(w_int8) -> Conv -> (Relu) -> Q`` and fuse it. Each bias is
-written on the int32 grid the int8 layer holds it on (:mod:`recal_torch.bias_grid`).
+written on the int32 grid the int8 layer holds it on (:mod:`recal_torch.export.bias_grid`).
 
 Under the default (dynamo) exporter the quantize/dequantize steps are written with
 ``torch.ops.quantized_decomposed`` (``torch.fake_quantize_*`` does not export there);
@@ -26,15 +26,12 @@ from torch import nn
 
 from recal_core.atomic import atomic_folder
 
+from ..model_params import unwrap
+from ..qat import (CONTAINER, ActivationFakeQuantize, AttentionFakeQuantize, QATModule, QuantizedReLU,
+                   WeightOnlyLinear, adopt, plan_pending, qat_modules)
 from .bias_grid import round_biases
-from .export_modules import (ActivationQDQ, AttentionQDQ, QuantizedExportModule, QuantizedReLUExport,
-                             WeightOnlyExport, decomposed_ops)
-from .fake_quant import ActivationFakeQuantize
-from .model_params import unwrap
-from .qat_attention import AttentionFakeQuantize
-from .qat_modules import QATModule, QuantizedReLU, WeightOnlyLinear, qat_modules
-from .qat_plan import plan_pending
-from .qat_sites import CONTAINER, adopt
+from .modules import (ActivationQDQ, AttentionQDQ, QuantizedExportModule, QuantizedReLUExport, WeightOnlyExport,
+                      decomposed_ops)
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +59,7 @@ def to_export_model(model: nn.Module, dynamo: bool = True, sample_input: Sequenc
         model: a model (maybe wrapped in DDP) with QAT modules.
         dynamo: write quantize/dequantize as the dynamo exporter reads them (else as TorchScript's exporter does).
         sample_input: a tuple of the model's inputs; when given, each conv / linear bias is put on the int32 grid
-            its int8 layer holds it on (:mod:`recal_torch.bias_grid`), as :func:`export_onnx` does."""
+            its int8 layer holds it on (:mod:`recal_torch.export.bias_grid`), as :func:`export_onnx` does."""
     model = unwrap(model)
     exported = copy.deepcopy(model)
     exported.eval()

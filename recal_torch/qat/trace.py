@@ -7,7 +7,7 @@ The result is an ordinary ``torch.fx.Graph``, so one planner reads both kinds of
 
 Every recorded node carries its call site in ``node.meta["site"]``: ``(owner path, op, k)`` for a function (the
 k-th call of that op by that module's own forward in one forward pass of the root), ``(module path, "forward",
-k)`` for a module; ``graph.module_calls`` lists which module called which. :mod:`recal_torch.qat_sites` counts
+k)`` for a module; ``graph.module_calls`` lists which module called which. :mod:`recal_torch.qat.sites` counts
 the same way while training, so it can put a quantizer on exactly one call's output.
 """
 

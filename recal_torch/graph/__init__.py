@@ -1,0 +1,11 @@
+"""A PyTorch model as the core's channel-coupling ops and attentions: what filter, channel and head pruning rank
+together and what :func:`recal_torch.thin` removes.
+
+- :mod:`~recal_torch.graph.model_graph`: from a ``torch.fx`` trace, or (models fx cannot trace) from
+  :mod:`~recal_torch.graph.export_graph`'s ``torch.export`` trace on example inputs, remembered from ``modify``.
+"""
+
+from .export_graph import example_inputs_of, exported_graph, remember_example_inputs
+from .model_graph import model_graph, model_ops, model_spaces
+
+__all__ = ["example_inputs_of", "exported_graph", "model_graph", "model_ops", "model_spaces", "remember_example_inputs"]

@@ -1,0 +1,36 @@
+"""Quantization-aware training without ``torch.ao``: the QAT subsystem, and its names for users and for recal's
+other packages.
+
+- :mod:`~recal_torch.qat.quantizers`: the uint8 / int8 grids, their observers and learned scales (the math);
+- :mod:`~recal_torch.qat.layers`: the QAT layers built around a float layer's own Parameters;
+- :mod:`~recal_torch.qat.trace` and :mod:`~recal_torch.qat.patterns`: one real forward as a graph, and what the
+  planner recognises in it;
+- :mod:`~recal_torch.qat.plan`: which layers become QAT layers, what they fuse, which tensors are quantized;
+- :mod:`~recal_torch.qat.sites` and :mod:`~recal_torch.qat.attention`: quantizers on single calls (residual adds,
+  products, SiLUs) and on the attention matmuls;
+- :mod:`~recal_torch.qat.control`: the recipe's QuantizationModifiers switched on and frozen at their steps.
+
+The model is changed in place by :func:`fake_quantize_model`; the recipe's QuantizationModifier calls it at its
+start. The rest of recal_torch imports from here, never from a module of this package.
+"""
+
+from .attention import SLOTS, AttentionFakeQuantize, quantize_attention
+from .control import QATControl, layer_schemes, qat_roots
+from .layers import (CONVS, FoldedBatchNorm, QATConv, QATEmbedding, QATLinear, QATModule, QuantizedReLU,
+                     WeightOnlyEmbedding, WeightOnlyLinear, clamp, describe, fake_quantizers, is_table,
+                     is_transposed_linear_type, qat_modules)
+from .plan import QATPlanWarning, fake_quantize_model, plan_pending, quantizable_layers
+from .quantizers import (ACT_QMAX, ACT_QMIN, EPS, REDUCED_W_LEVELS, W_LEVELS, W_QMAX, W_QMIN, ActivationFakeQuantize,
+                         GroupWeightFakeQuantize, SiLUFakeQuantize, WeightFakeQuantize, activation_qparams,
+                         weight_qparams)
+from .sites import CONTAINER, adopt
+
+__all__ = ["ACT_QMAX", "ACT_QMIN", "REDUCED_W_LEVELS", "W_LEVELS", "W_QMAX", "W_QMIN", "ActivationFakeQuantize",
+           "SiLUFakeQuantize", "WeightFakeQuantize", "GroupWeightFakeQuantize", "WeightOnlyLinear",
+           "WeightOnlyEmbedding", "activation_qparams", "weight_qparams", "CONVS", "AttentionFakeQuantize",
+           "FoldedBatchNorm", "QATConv", "QATEmbedding", "QATLinear", "QATModule", "QATPlanWarning", "QuantizedReLU",
+           "describe", "fake_quantizers", "is_table", "qat_modules", "fake_quantize_model", "plan_pending",
+           "quantizable_layers", "quantize_attention"]
+# for recal_torch's other packages (export, graph, the manager), not a user's API
+_INTERNAL = ["CONTAINER", "EPS", "SLOTS", "QATControl", "adopt", "clamp", "is_transposed_linear_type", "layer_schemes",
+             "qat_roots"]

@@ -1,0 +1,10 @@
+"""What a recipe sets in the training loop besides masks and quantizers: each param group's LR and weight decay
+(:mod:`~recal_torch.training.param_groups`), ``requires_grad`` (:mod:`~recal_torch.training.trainable`) and the
+distillation loss (:mod:`~recal_torch.training.distillation`).
+"""
+
+from .distillation import Teacher, distillation_loss
+from .param_groups import ParamGroupSettings, group_bases
+from .trainable import TrainableFlags
+
+__all__ = ["ParamGroupSettings", "Teacher", "TrainableFlags", "distillation_loss", "group_bases"]

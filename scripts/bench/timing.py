@@ -1,0 +1,64 @@
+"""One way to time: the variants take turns in a rotating order, so that drift on a shared machine touches them
+alike, and each reports its median.
+
+Timings on a 2-core machine are noisy: compare variants measured in one run, as ratios of medians, never figures
+from two runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import numpy as np
+
+
+def interleaved(calls: Mapping[str, Callable[[], object]], rounds: int, per_round: int = 1, warmup: int = 1,
+                repeat: Mapping[str, int] | None = None) -> dict[str, list[float]]:
+    """Seconds of each call, ``rounds`` rounds in which every call runs ``per_round`` samples in turn (the first
+    of a round moves on by one each round). A sample of a call runs it ``repeat[name]`` times (a millisecond call
+    timed once is mostly noise) and records the mean. ``warmup`` untimed calls of each come first."""
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            n = (repeat or {}).get(name, 1)
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    calls[name]()
+                times[name].append((time.perf_counter() - t0) / n)
+    return times
+
+
+def medians(times: Mapping[str, list[float]], scale: float = 1.0) -> dict[str, float]:
+    """Each variant's median, times ``scale`` (1e3: milliseconds)."""
+    return {name: statistics.median(values) * scale for name, values in times.items()}
+
+
+def seconds(call: Callable[[], object]) -> tuple[object, float]:
+    """``call()``'s result and the seconds it took."""
+    t0 = time.perf_counter()
+    result = call()
+    return result, time.perf_counter() - t0
+
+
+def interleaved_latency(paths: Mapping[str, Path], feed: dict[str, np.ndarray], rounds: int = 15, per_round: int = 3,
+                        threads: int = 1, min_seconds: float = 0.0) -> dict[str, float]:
+    """Median batch latency (ms) of each ONNX model in an onnxruntime session (default optimizations) on
+    ``threads``, interleaved; each sample runs a model as many times as fill ``min_seconds``."""
+    from recal_onnx.verify import session
+
+    sessions = {k: session(str(p), threads) for k, p in paths.items()}
+    repeat = {}
+    for k, s in sessions.items():
+        s.run(None, feed)
+        _, once = seconds(lambda s=s: s.run(None, feed))
+        repeat[k] = max(1, int(min_seconds / max(once, 1e-6)))
+    calls = {k: (lambda s=s: s.run(None, feed)) for k, s in sessions.items()}
+    return medians(interleaved(calls, rounds, per_round, warmup=0, repeat=repeat), 1e3)
