@@ -35,7 +35,7 @@ from .graph import model_graph, remember_example_inputs
 from .model_params import describe_parameters, sparsity, unwrap
 from .pruning import MaskState
 from .qat import EPS, QATControl, layer_schemes, qat_roots
-from .training import ParamGroupSettings, Teacher, TrainableFlags, distillation_loss, group_bases
+from .training import ParamGroupSettings, Teacher, TrainableFlags, distillation_loss, follow_recipe, group_bases
 
 STATE_VERSION = 2
 # OBS / M-FAC curvature above this is refused at modify(), before any allocation
@@ -85,6 +85,11 @@ class ScheduledModifierManager(RecipeManager):
         return self._step
 
     @property
+    def active(self) -> bool:
+        """A model is under this recipe: :meth:`modify` was called and :meth:`finalize` not yet."""
+        return self._model is not None and not self._finalized
+
+    @property
     def schedule(self):
         """The recipe bound to ``steps_per_epoch`` (:class:`~recal_core.schedule.RecipeSchedule`)."""
         return None if self.plan is None else self.plan.schedule
@@ -93,7 +98,8 @@ class ScheduledModifierManager(RecipeManager):
 
     def modify(self, model: nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int,
                loggers: Iterable[RecalLogger] = (), teacher: nn.Module | None = None,
-               quantize_attention: bool = False, example_inputs: Any = None) -> torch.optim.Optimizer:
+               quantize_attention: bool = False, example_inputs: Any = None,
+               lr_scheduler: Any = None) -> torch.optim.Optimizer:
         """Bind the recipe to ``model`` and ``optimizer``; return ``optimizer`` (hooked, not wrapped).
 
         Every ``params`` / ``submodules`` entry is resolved now: one that matches nothing is a
@@ -112,6 +118,9 @@ class ScheduledModifierManager(RecipeManager):
                 it with ``torch.export`` when a modifier prunes ``filter``, ``channel`` or ``head`` and
                 ``torch.fx`` cannot trace it; Hugging Face models need none. Kept on the model: ``thin(model)``
                 traces with them too.
+            lr_scheduler: a ``LambdaLR`` already on ``optimizer`` that a training framework steps (the Hugging
+                Face ``Trainer``'s, Lightning's): while the recipe sets the LR, it is made to follow the recipe,
+                so the framework logs and uses the recipe's LR; elsewhere it keeps its own schedule.
         """
         if self._model is not None:
             raise RuntimeError("this manager already modified a model; create a new manager per model")
@@ -161,10 +170,13 @@ class ScheduledModifierManager(RecipeManager):
                                   RecipeWarning, stacklevel=2)
         for note in schemes.notes:
             warnings.warn(note, RecipeWarning, stacklevel=2)
-        if any("initial_lr" in g for g in optimizer.param_groups) and schedule.controls_lr:
+        if any("initial_lr" in g for g in optimizer.param_groups) and schedule.controls_lr and lr_scheduler is None:
             raise RuntimeError("a torch LR scheduler is already attached to this optimizer, and the recipe has "
                                "LR modifiers: they would compound; use either the recipe's LR modifiers or the "
-                               "scheduler")
+                               "scheduler (a LambdaLR a framework steps: pass it as modify(..., lr_scheduler=...) "
+                               "and it follows the recipe)")
+        if lr_scheduler is not None and schedule.controls_lr:
+            follow_recipe(lr_scheduler, plan.groups, lambda: self._step)
         self.plan = plan
         self._bases = group_bases(optimizer)
         self._model, self._optimizer, self._params = model, optimizer, params

@@ -8,6 +8,7 @@ from torch import nn
 from recal_core.params import ParamInfo
 
 from .qat import QATModule, is_transposed_linear_type  # a QAT module keeps the kernel (or table) of the layer it was built from
+from .sharding import whole
 
 PRUNABLE_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
                    nn.ConvTranspose3d, nn.Linear)
@@ -67,7 +68,8 @@ def describe_parameters(model: nn.Module) -> tuple[list[ParamInfo], dict[str, nn
 
 
 def sparsity(tensor: torch.Tensor) -> float:
-    return float((tensor == 0).sum().item()) / max(1, tensor.numel())
+    """The share of exact zeros (of the whole tensor, when FSDP2 shards it)."""
+    return float((whole(tensor) == 0).sum().item()) / max(1, tensor.numel())
 
 
 def check_weights(state: dict, model: nn.Module, where: str) -> None:

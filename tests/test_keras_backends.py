@@ -256,3 +256,21 @@ def test_a_keras_application_never_called_exports_on_the_torch_backend_without_a
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tracer warnings 0 " in done.stdout, done.stdout
     assert out.exists()
+
+
+def test_the_keras_callbacks_run_under_jax_data_parallelism_as_on_one_device(tmp_path):
+    """``keras.distribution.DataParallel`` on two (CPU) devices: the same masks, LR and weights as one device."""
+    out = tmp_path / "dp.npz"
+    env = {**os.environ, "KERAS_BACKEND": "jax"}
+    subprocess.run([sys.executable, "-m", "tests.keras_data_parallel_run", str(out)], cwd=ROOT, env=env, check=True,
+                   capture_output=True, timeout=600)
+    run = np.load(out)
+    assert int(run["parallel/devices"]) == 2 and int(run["single/devices"]) == 1
+    assert float(run["parallel/lr"]) == float(run["single/lr"]) == pytest.approx(0.05 * 0.5 ** 2)
+    kernels = [k.split("/", 1)[1] for k in run.files if k.startswith("single/") and k.endswith("kernel")]
+    assert kernels
+    for name in kernels:
+        single, parallel = run[f"single/{name}"], run[f"parallel/{name}"]
+        assert np.array_equal(single == 0, parallel == 0), name  # the same masks
+        assert abs(float((single == 0).mean()) - 0.7) < 0.02
+        np.testing.assert_allclose(parallel, single, atol=1e-6)

@@ -32,11 +32,33 @@ def _is_depthwise(m: nn.Module) -> bool:
 
 
 class _Tracer(torch.fx.Tracer):
-    """recal's QAT modules are leaves, as torch's own layers are."""
+    """recal's QAT modules are leaves, as torch's own layers are. A module FSDP2 sharded (``fully_shard`` makes
+    its class a subclass ``FSDP<Layer>`` with hooks that gather the weights) is traced as the layer it was: a torch
+    layer is a leaf, anything else is entered through its own ``forward``, without the hooks."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return isinstance(m, (QATModule, QuantizedReLU, FoldedBatchNorm, ActivationFakeQuantize)) \
-            or super().is_leaf_module(m, qualname)
+            or super().is_leaf_module(m, qualname) or (_sharded(m) and _unsharded_class(m).__module__.startswith(
+                "torch.nn") and not isinstance(m, nn.Sequential))
+
+    def call_module(self, m: nn.Module, forward, args, kwargs):
+        if _sharded(m) and not self.is_leaf_module(m, self.path_of_module(m)):
+            forward = type(m).forward.__get__(m)  # the layer's forward, not FSDP's gathering hooks around it
+        return super().call_module(m, forward, args, kwargs)
+
+
+def _sharded(m: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(m, FSDPModule)
+
+
+def _unsharded_class(m: nn.Module) -> type:
+    """The class ``fully_shard`` subclassed (``FSDPLinear`` -> ``Linear``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(m).__mro__[1:] if c is not FSDPModule and issubclass(c, nn.Module)
+                and not issubclass(c, FSDPModule))
 
 
 def model_ops(model: nn.Module) -> list[Op]:
@@ -74,7 +96,8 @@ def model_ops(model: nn.Module) -> list[Op]:
 def _module_op(name: str, m: nn.Module, tensors: tuple[str, ...], out: str) -> Op:
     if _is_depthwise(m):
         return Op(name, "depthwise", tensors, out, f"{name}.weight", _param(m, name, "bias"))
-    if (isinstance(m, CONVS) and m.groups == 1) or type(m) is nn.Linear or \
+    layer = _unsharded_class(m) if _sharded(m) else type(m)
+    if (isinstance(m, CONVS) and m.groups == 1) or layer is nn.Linear or \
             (isinstance(m, (QATConv, QATLinear)) and getattr(m, "groups", 1) == 1):
         return Op(name, "layer", tensors, out, f"{name}.weight", _param(m, name, "bias"))
     if isinstance(m, (*_NORMS, FoldedBatchNorm)):  # BN(0) = 0 once its shift and running mean are 0

@@ -16,6 +16,7 @@ from torch import nn
 from recal_core import modifiers as M
 from recal_core.model_plan import MaskPlan, ModelPlan, is_second_order
 
+from ..sharding import is_sharded, like, whole
 from .channels import expand, group_masks
 from .mfac import GradientWindow, mfac_step
 from .obs import FisherBlocks, obs_step
@@ -46,6 +47,11 @@ class MaskState:
         self._next_update: dict[int, int] = {}  # per OBS modifier: its next update step (cached)
         self._last_step = max((ps.span.end or 0 for ps in self._second_order), default=0) + 1
         self._step = 0
+        sharded = [name for name, p in self.params.items() if is_sharded(p)]
+        if sharded and self._second_order:
+            raise ValueError(f"{type(self._second_order[0].modifier).__name__} keeps per-layer curvature of whole "
+                             f"gradients, and {sharded[0]} is sharded (FSDP2): second-order pruning does not run "
+                             "sharded yet; prune by magnitude, or shard after pruning")
 
     @torch.no_grad()
     def mask_gradients(self) -> None:
@@ -109,8 +115,9 @@ class MaskState:
         self._in_force = signature
         joint = {}  # global modifiers: one ranking across their layers
         for g in self.plan.global_updates(k):
-            for name, mask in zip(g.names, joint_magnitude_masks([self.params[n].data for n in g.names], g.count)):
-                joint.setdefault(name, {})[g.modifier] = mask
+            weights = [whole(self.params[n].data) for n in g.names]
+            for name, mask in zip(g.names, joint_magnitude_masks(weights, g.count)):
+                joint.setdefault(name, {})[g.modifier] = like(mask, self.params[name])
         for ps, removed in self.plan.second_order_updates(k):
             fishers = self._fishers(ps)
             step = mfac_step if isinstance(ps.modifier, M.MFACPruningModifier) else obs_step
@@ -120,9 +127,9 @@ class MaskState:
             for fisher in fishers.values():
                 fisher.reset()
         for group, count in self.plan.channel_updates(k):
-            weights = {n: self.params[n].data for n in group.members}
+            weights = {n: whole(self.params[n].data) for n in group.members}
             for name, mask in group_masks(group, weights, count).items():
-                joint.setdefault(name, {})[group.modifier] = mask
+                joint.setdefault(name, {})[group.modifier] = like(mask, self.params[name])
         for name, plan in self.plans.items():
             per_modifier = self.masks[name]
             in_force = set(plan.in_force(k))
@@ -130,20 +137,23 @@ class MaskState:
             for index in [i for i in per_modifier if i not in in_force]:
                 del per_modifier[index]
                 changed = True
-            weight = self.params[name].data  # already carries the masks of step k - 1
+            param = self.params[name].data  # already carries the masks of step k - 1
             if name in joint:
                 per_modifier.update(joint[name])
                 changed = True
-            for u in plan.updates(k):
+            updates = plan.updates(k)
+            weight = whole(param) if updates else param
+            for u in updates:
                 if u.count is None:
-                    per_modifier[u.modifier] = nonzero_mask(weight)
+                    mask = nonzero_mask(weight)
                 elif u.layout is None:
-                    per_modifier[u.modifier] = magnitude_mask(weight, u.count)
+                    mask = magnitude_mask(weight, u.count)
                 else:
-                    per_modifier[u.modifier] = structured_mask(weight, u.layout, u.count, self.kernel_axes[name])
+                    mask = structured_mask(weight, u.layout, u.count, self.kernel_axes[name])
+                per_modifier[u.modifier] = like(mask, param)
                 changed = True
             if changed and self._combine(name):
-                weight.masked_fill_(self._pruned[name], 0.0)
+                param.masked_fill_(self._pruned[name], 0.0)
         self._update_followers()
         self._apply_followers()
 
@@ -155,11 +165,11 @@ class MaskState:
             mask = self.masks[first].get(group.modifier)
             if group.kind == "channel" or mask is None:
                 continue
-            keep = mask.reshape(group.channels, -1).amax(1)  # first member: rows, group.members[first] per channel
+            keep = whole(mask).reshape(group.channels, -1).amax(1)  # first member: rows, its widths per channel
             for name in group.followers:
                 tensor = self._tensors[name]
-                pruned = expand(keep, tensor, False, group.follower_widths.get(name, 1)) == 0
-                self._followers.append((tensor, pruned))
+                pruned = expand(keep, whole(tensor), False, group.follower_widths.get(name, 1)) == 0
+                self._followers.append((tensor, like(pruned, tensor)))
 
     def _combine(self, name: str) -> bool:
         masks = list(self.masks[name].values())
@@ -177,7 +187,7 @@ class MaskState:
     # --- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, dict[int, torch.Tensor]]:
-        return {name: {i: m.clone() for i, m in per.items()} for name, per in self.masks.items() if per}
+        return {name: {i: whole(m).clone() for i, m in per.items()} for name, per in self.masks.items() if per}
 
     def check_state_dict(self, state: Any) -> None:
         """Raise ValueError (and change nothing) unless ``state`` fits these parameters."""
@@ -207,7 +217,7 @@ class MaskState:
         self._in_force = None
         for name, per in state.items():
             param = self.params[name]
-            self.masks[name] = {int(i): m.to(device=param.device, dtype=param.dtype) for i, m in per.items()}
+            self.masks[name] = {int(i): like(m.to(dtype=param.dtype), param) for i, m in per.items()}
             self._combine(name)
         self._update_followers()
 

@@ -24,12 +24,25 @@ from .attention import AttentionFakeQuantize, quantize_attention
 log = logging.getLogger(__name__)
 
 
+def _sharded(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
 def qat_roots(recipe: Recipe, model: nn.Module) -> tuple[dict[int, list[str]], list[Problem]]:
     """Each QuantizationModifier's submodule names (``""``: the whole model), and what does not resolve."""
     roots: dict[int, list[str]] = {}
     problems = []
     available = {n for n, _ in model.named_modules()}
+    sharded = next((n or type(model).__name__ for n, sub in model.named_modules() if _sharded(sub)), None)
     for index, m in recipe.of_type(M.QuantizationModifier):
+        if sharded is not None:  # FSDP2 manages a sharded module's parameters; QAT rebuilds the layers around them
+            problems.append(recipe.problem(index, None, f"{sharded} is sharded with fully_shard (FSDP2), and QAT does "
+                                           "not run on sharded layers yet (it rebuilds each layer as a QAT layer)",
+                                           expected="QAT on the unsharded model or under DistributedDataParallel; "
+                                                    "pruning, LR and weight-decay modifiers run sharded"))
+            continue
         names = [strip_wrapper(n) for n in (m.submodules or [""])]
         for name in names:
             if name not in available:

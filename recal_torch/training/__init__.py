@@ -4,7 +4,7 @@ distillation loss (:mod:`~recal_torch.training.distillation`).
 """
 
 from .distillation import Teacher, distillation_loss
-from .param_groups import ParamGroupSettings, group_bases
+from .param_groups import ParamGroupSettings, follow_recipe, group_bases
 from .trainable import TrainableFlags
 
-__all__ = ["ParamGroupSettings", "Teacher", "TrainableFlags", "distillation_loss", "group_bases"]
+__all__ = ["ParamGroupSettings", "Teacher", "TrainableFlags", "distillation_loss", "follow_recipe", "group_bases"]

@@ -2,10 +2,14 @@
 
 The recipe owns a group's LR once one of its LR modifiers has started. A torch LR scheduler (or
 any code) that changes that LR afterwards would silently compound with the recipe's value, so the
-next step refuses it with a message that says what to do.
+next step refuses it with a message that says what to do. A training framework's own scheduler (the Hugging Face
+``Trainer``'s, Lightning's) is instead made to follow the recipe (:func:`follow_recipe`), so that what the framework
+logs and checkpoints is the LR each step used.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -41,7 +45,8 @@ class ParamGroupSettings:
     def check_untouched(self, k: int) -> None:
         """Raise if a group's LR is no longer the one the recipe set (an LR scheduler on the same optimizer)."""
         for g, (group, expected) in enumerate(zip(self.optimizer.param_groups, self.recipe_lrs)):
-            if expected is not None and float(group["lr"]) != expected:
+            # a scheduler that follows the recipe computes base * (lr / base): equal to within rounding
+            if expected is not None and abs(float(group["lr"]) - expected) > 1e-9 * abs(expected):
                 raise RuntimeError(
                     f"param group {g}'s lr is {float(group['lr']):.6g}, but recal's recipe set it to {expected:.6g} "
                     f"at step {k}: something else changed it (a torch LR scheduler?). The recipe's LR modifiers own "
@@ -68,3 +73,29 @@ def _set(group: dict, key: str, value: float) -> None:
         current.fill_(value)
     else:
         group[key] = value
+
+
+def follow_recipe(scheduler, plans: list[GroupPlan], step: Callable[[], int]) -> None:
+    """Make a ``LambdaLR`` (what Hugging Face's ``Trainer`` and most training frameworks build) give each group the
+    recipe's LR at every step where the recipe sets one, and its own schedule elsewhere.
+
+    The recipe's LR is read at the manager's ``step()``, not at the scheduler's count (accelerate steps a
+    scheduler once per process). The new factors are plain functions, which ``LambdaLR.state_dict`` leaves out: a
+    checkpoint holds nothing of recal's in the scheduler, and a resumed run follows the recipe from its own plan."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    if not isinstance(scheduler, LambdaLR):
+        raise TypeError(f"the recipe sets the LR, and recal can make a LambdaLR follow it, but this optimizer's "
+                        f"scheduler is a {type(scheduler).__name__}: leave the LR to one of them (remove the recipe's "
+                        "LR modifiers, or use a LambdaLR-based schedule such as the Trainer's defaults)")
+    if len(scheduler.lr_lambdas) != len(plans):
+        raise ValueError(f"the scheduler has {len(scheduler.lr_lambdas)} LR factors for {len(plans)} param groups")
+    for g, (plan, own, base) in enumerate(zip(plans, list(scheduler.lr_lambdas), scheduler.base_lrs)):
+        if not base:
+            raise ValueError(f"param group {g}'s scheduler starts from LR {base}: no factor of it gives the recipe's LR")
+
+        def factor(k: int, plan=plan, own=own, base=base) -> float:
+            lr = plan.lr(step())
+            return own(k) if lr is None else lr / base
+
+        scheduler.lr_lambdas[g] = factor

@@ -1,0 +1,91 @@
+"""The Hugging Face ``Trainer`` under a recipe: ``Trainer(..., callbacks=[RecalTrainerCallback("recipe.yaml")])``.
+
+The Trainer keeps its loop, gradient accumulation, mixed precision, checkpoints and logs. At ``on_train_begin``
+(the optimizer, its scheduler and the data exist) the callback binds the recipe to them, with one optimizer step
+as the recipe's step; a recipe that sets the LR makes the Trainer's scheduler follow it, so the logged LR is the
+one each step used. recal's part of a checkpoint rides in the Trainer's own ``optimizer.pt`` (under ``"recal"``);
+a resumed run reads it back, with the quantizer tensors of ``model.safetensors`` once QAT has re-created its
+layers. Each log record gains recal's scalars (sparsity, QAT state). At ``on_train_end`` the recipe is finalized:
+masks baked in, QAT observers frozen, the model ready for :func:`recal_torch.export_onnx`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from ..manager import RECAL_STATE_KEY, ScheduledModifierManager
+from .session import check_length, inner, load_model_state, manager_of
+
+
+class RecalTrainerCallback(TrainerCallback):
+    """Apply a recal recipe to a Hugging Face ``Trainer`` run.
+
+    Args:
+        recipe: the recipe (a path or YAML text), or a :class:`~recal_torch.ScheduledModifierManager`.
+        teacher: the model a DistillationModifier distils from (its loss is added in ``compute_loss`` by you:
+            ``loss = callback.manager.loss(loss, inputs, outputs)``).
+        quantize_attention: also quantize the attention matmuls (see the PyTorch page).
+        example_inputs: inputs to trace the model with when structured pruning needs ``torch.export``.
+    """
+
+    def __init__(self, recipe: str | os.PathLike | ScheduledModifierManager, *, teacher: torch.nn.Module | None = None,
+                 quantize_attention: bool = False, example_inputs: Any = None):
+        self.manager = manager_of(recipe)
+        self._options = {"teacher": teacher, "quantize_attention": quantize_attention,
+                         "example_inputs": example_inputs}
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None,
+                       train_dataloader=None, **kwargs):
+        batches = len(train_dataloader)
+        steps_per_epoch = max(math.ceil(batches / args.gradient_accumulation_steps), 1)
+        self.manager.modify(model, inner(optimizer), steps_per_epoch, lr_scheduler=inner(lr_scheduler),
+                            **self._options)
+        check_length(self.manager, state.max_steps / steps_per_epoch, "the Trainer")
+        if state.global_step > 0:
+            self._resume(args, state, model)
+
+    def _resume(self, args, state, model) -> None:
+        """The Trainer loaded the checkpoint's optimizer before recal's hooks were on it: read recal's part (and,
+        after it, the quantizer tensors of the model) from the checkpoint folder."""
+        folder = Path(args.resume_from_checkpoint or Path(args.output_dir) / f"checkpoint-{state.global_step}")
+        saved = folder / "optimizer.pt"
+        if not saved.is_file():
+            raise FileNotFoundError(f"the Trainer resumed at step {state.global_step}, but recal finds no {saved} to "
+                                    "read its state from: set TrainingArguments(resume_from_checkpoint=<folder>) to "
+                                    "the checkpoint you resume from")
+        optimizer_state = torch.load(saved, map_location="cpu", weights_only=True)
+        if RECAL_STATE_KEY not in optimizer_state:
+            raise ValueError(f"{saved} holds no recal state: it was not saved under this callback")
+        self.manager.load_state_dict(optimizer_state[RECAL_STATE_KEY])
+        if self.manager.qat.prepared:
+            load_model_state(model, _model_tensors(folder), str(folder))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and self.manager.active:
+            scalars = {f"recal/{k}": v for k, v in self.manager.scalars().items()}
+            logs.update(scalars)
+            if state.log_history:
+                state.log_history[-1].update(scalars)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if self.manager.active:
+            self.manager.finalize(model)
+
+
+def _model_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of a Trainer checkpoint: safetensors (one file or shards), else ``pytorch_model.bin``."""
+    shards = sorted(folder.glob("model*.safetensors"))
+    if shards:
+        from safetensors.torch import load_file
+
+        return {k: v for shard in shards for k, v in load_file(str(shard)).items()}
+    binary = folder / "pytorch_model.bin"
+    if binary.is_file():
+        return torch.load(binary, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{folder} holds no model.safetensors or pytorch_model.bin to resume QAT's tensors from")

@@ -1,0 +1,77 @@
+"""Lightning under a recipe: ``Trainer(callbacks=[RecalLightningCallback("recipe.yaml")])``.
+
+Lightning keeps its loop, precision, checkpoints and loggers. At ``on_fit_start`` (after ``configure_optimizers``)
+the callback binds the recipe to the LightningModule, its one optimizer and the scheduler if any (which then
+follows a recipe that sets the LR), with one optimizer step as the recipe's step. recal's part of a checkpoint
+rides in the optimizer's state that Lightning saves; on resume Lightning restores it through recal's hook, and the
+quantizer tensors of the checkpoint go in once QAT has re-created its layers (``on_train_start``), so the module
+is loaded non-strictly by Lightning and strictly by recal. recal's scalars (sparsity, LR, QAT state) are logged
+with ``LightningModule.log_dict`` each step. At the end of fitting the recipe is finalized.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback
+
+from ..manager import ScheduledModifierManager
+from .session import check_length, load_model_state, manager_of
+
+
+class RecalLightningCallback(Callback):
+    """Apply a recal recipe to a Lightning ``Trainer.fit`` run.
+
+    Args:
+        recipe: the recipe (a path or YAML text), or a :class:`~recal_torch.ScheduledModifierManager`.
+        teacher: the model a DistillationModifier distils from (add ``callback.manager.loss(...)`` to your
+            ``training_step``'s loss).
+        quantize_attention: also quantize the attention matmuls (see the PyTorch page).
+        example_inputs: inputs to trace the model with when structured pruning needs ``torch.export``.
+        log_scalars: log recal's scalars each step (``recal/...``).
+    """
+
+    def __init__(self, recipe: str | os.PathLike | ScheduledModifierManager, *, teacher: torch.nn.Module | None = None,
+                 quantize_attention: bool = False, example_inputs: Any = None, log_scalars: bool = True):
+        self.manager = manager_of(recipe)
+        self._options = {"teacher": teacher, "quantize_attention": quantize_attention,
+                         "example_inputs": example_inputs}
+        self._log_scalars = log_scalars
+        self._resumed: dict[str, torch.Tensor] | None = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit":  # a checkpoint taken during QAT holds quantizer tensors the float module lacks until the
+            pl_module.strict_loading = False  # recipe re-creates them; recal loads them strictly (on_train_start)
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        self._resumed = checkpoint.get("state_dict")
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if len(trainer.optimizers) != 1:
+            raise ValueError(f"a recipe drives one optimizer; configure_optimizers returned {len(trainer.optimizers)}")
+        configs = trainer.lr_scheduler_configs
+        if len(configs) > 1:
+            raise ValueError(f"a recipe drives one optimizer and its scheduler; there are {len(configs)} schedulers")
+        total = trainer.estimated_stepping_batches  # sets up the training data, so its length is known
+        steps_per_epoch = max(math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches), 1)
+        self.manager.modify(pl_module, trainer.optimizers[0], steps_per_epoch,
+                            lr_scheduler=configs[0].scheduler if configs else None, **self._options)
+        check_length(self.manager, total / steps_per_epoch, "the Lightning Trainer")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # Lightning restored the optimizer (and, through recal's hook, the recipe's state) after on_fit_start
+        if self._resumed is not None and self.manager.qat.prepared:
+            load_model_state(pl_module, self._resumed, "the checkpoint Lightning resumed from")
+        self._resumed = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._log_scalars and self.manager.active:
+            pl_module.log_dict({f"recal/{k}": v for k, v in self.manager.scalars().items()}, on_step=True,
+                               on_epoch=False)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if self.manager.active:
+            self.manager.finalize(pl_module)

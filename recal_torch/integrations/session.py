@@ -1,0 +1,58 @@
+"""What the framework callbacks share: a manager bound to the framework's optimizer and scheduler, the recipe's
+length checked against the run's, and the QAT state of a resumed run filled from the checkpoint.
+
+A framework restores a checkpoint's model weights before the callback can bind the recipe; a run resumed after QAT
+began saved quantizer buffers (scales, observer ranges) that the float model does not have yet. Once the manager's
+state has re-created the QAT modules, :func:`load_model_state` puts them in, and refuses a checkpoint that does not
+fit rather than resume inexactly.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from recal_core.errors import RecipeWarning
+
+from ..manager import ScheduledModifierManager
+from ..model_params import unwrap
+
+
+def manager_of(recipe: str | os.PathLike | ScheduledModifierManager) -> ScheduledModifierManager:
+    """A recipe (a path or YAML text) as a fresh manager; a manager as it is."""
+    if isinstance(recipe, ScheduledModifierManager):
+        return recipe
+    return ScheduledModifierManager.from_yaml(recipe)
+
+
+def inner(wrapped: Any) -> Any:
+    """The torch optimizer or scheduler inside accelerate's wrapper (``AcceleratedOptimizer.optimizer``,
+    ``AcceleratedScheduler.scheduler``); anything else as it is."""
+    if type(wrapped).__module__.split(".")[0] == "accelerate":
+        return getattr(wrapped, "scheduler", None) or getattr(wrapped, "optimizer")
+    return wrapped
+
+
+def check_length(manager: ScheduledModifierManager, epochs: float, who: str) -> None:
+    """Warn when the run stops before the recipe's last modifier ends: its pruning or QAT would never finish."""
+    recipe_epochs = manager.recipe.max_epochs_exact
+    if epochs + 1e-9 < recipe_epochs:
+        warnings.warn(f"the recipe runs {recipe_epochs:g} epochs, but {who} trains {epochs:g}: the modifiers still "
+                      "running at the end do not reach their final values; train as long as the recipe (its "
+                      "EpochRangeModifier), or shorten the recipe", RecipeWarning, stacklevel=3)
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """Load a checkpoint's model tensors once the resumed recipe has re-created its QAT modules; a tensor the
+    model lacks, or one the checkpoint lacks, is an error that names them."""
+    result = unwrap(model).load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        parts = [f"the model has no {', '.join(result.unexpected_keys[:5])}" if result.unexpected_keys else "",
+                 f"the checkpoint has no {', '.join(result.missing_keys[:5])}" if result.missing_keys else ""]
+        raise ValueError(f"{where} does not fit the model under this recipe: {'; '.join(p for p in parts if p)} "
+                         "(was it saved under another recipe or model?)")
+

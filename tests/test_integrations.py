@@ -1,0 +1,137 @@
+"""recal in Hugging Face's ``Trainer`` and in Lightning: a recipe in, no loop of the user's; the framework's own
+checkpoints resume exactly; its scheduler follows the recipe's LR."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from recal_core.datasets import load_digits
+
+RECIPE = """
+modifiers:
+- !EpochRangeModifier {start_epoch: 0, end_epoch: 4}
+- !LearningRateModifier {start_epoch: 0, end_epoch: 3, lr_class: ExponentialLR, lr_kwargs: {gamma: 0.7}, init_lr: 0.1}
+- !GMPruningModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.1, final_sparsity: 0.6, start_epoch: 0,
+                      end_epoch: 2, update_frequency: 0.5}
+- !QuantizationModifier {start_epoch: 1.5, freeze_bn_stats_epoch: 3, disable_quantization_observer_epoch: 3.5}
+"""
+SAMPLES, BATCH = 640, 64  # 10 steps an epoch
+
+
+class DigitsNet(nn.Module):
+    """The digits MLP, in the shape a Trainer wants: keyword inputs, a dict with the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, pixels, labels=None):
+        logits = self.body(pixels)
+        return {"logits": logits} if labels is None else {"loss": nn.functional.cross_entropy(logits, labels),
+                                                          "logits": logits}
+
+
+def _digits():
+    d = load_digits()
+    return [{"pixels": torch.from_numpy(d.train_images[i]), "labels": int(d.train_labels[i])} for i in range(SAMPLES)]
+
+
+def _hf_trainer(folder, callback, epochs=4):
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=str(folder), num_train_epochs=epochs, per_device_train_batch_size=BATCH,
+                             learning_rate=0.1, optim="sgd", weight_decay=0.0, save_strategy="epoch", logging_steps=5,
+                             report_to="none", use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    return Trainer(model=DigitsNet(), args=args, train_dataset=_digits(), callbacks=[callback])
+
+
+def test_a_hugging_face_trainer_runs_the_recipe_and_resumes_exactly(tmp_path):
+    pytest.importorskip("accelerate")
+    from recal_torch import export_onnx
+    from recal_torch.integrations import RecalTrainerCallback
+
+    callback = RecalTrainerCallback(RECIPE)
+    trainer = _hf_trainer(tmp_path, callback)
+    trainer.train()
+    model = trainer.model
+    final = {k: v.clone() for k, v in model.state_dict().items()}
+    # the recipe ran: 60% of each layer's weights are zero, QAT layers in place, the LR the recipe's at each log
+    for layer in (model.body[1], model.body[3]):
+        assert abs(float((layer.weight == 0).float().mean()) - 0.6) < 0.02
+    assert any("fake_quant" in k or "scale" in k for k in final), "QAT left no quantizer state in the model"
+    logged = [r for r in trainer.state.log_history if "learning_rate" in r]
+    assert len(logged) == 8 and all("recal/sparsity/body.1.weight" in r for r in logged)
+    for record in logged:  # the Trainer logs the LR of the step just taken (its 0-based index: step - 1); the
+        # recipe's: 0.1, x0.7 an epoch to epoch 3, then held (not the Trainer's own linear decay to 0)
+        assert record["learning_rate"] == pytest.approx(0.1 * 0.7 ** min(math.floor((record["step"] - 1) / 10), 2),
+                                                        rel=1e-9)
+    assert not callback.manager.active  # finalized at the end: masks baked in, observers frozen
+    export_onnx(model.body.eval(), torch.zeros(1, 8, 8), tmp_path / "digits.onnx")
+
+    # the same run from the Trainer's checkpoint after epoch 2 (QAT began at 1.5): the same model, bit for bit
+    again = _hf_trainer(tmp_path, RecalTrainerCallback(RECIPE))
+    again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-20"))
+    resumed = again.model.state_dict()
+    assert resumed.keys() == final.keys()
+    different = [k for k in final if not torch.equal(final[k], resumed[k])]
+    assert not different, different
+
+
+def _lightning_fit(folder, callback, resume=None):
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class DigitsModule(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+        def forward(self, x):
+            return self.body(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self(x), y)
+
+        def configure_optimizers(self):  # the user's own schedule: the recipe's LR modifiers take it over
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 - k / 40)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    torch.manual_seed(0)
+    module = DigitsModule()
+    data = [(d["pixels"], d["labels"]) for d in _digits()]
+    loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
+    trainer = L.Trainer(max_epochs=4, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(folder),
+                        callbacks=[callback, ModelCheckpoint(dirpath=str(folder), save_top_k=-1, every_n_epochs=1)])
+    trainer.fit(module, loader, ckpt_path=resume)
+    return module, trainer
+
+
+def test_lightning_runs_the_recipe_and_resumes_exactly(tmp_path):
+    pytest.importorskip("lightning")
+    from recal_torch.integrations import RecalLightningCallback
+
+    callback = RecalLightningCallback(RECIPE)
+    module, trainer = _lightning_fit(tmp_path, callback)
+    final = {k: v.clone() for k, v in module.state_dict().items()}
+    for layer in (module.body[1], module.body[3]):
+        assert abs(float((layer.weight == 0).float().mean()) - 0.6) < 0.02
+    assert any("scale" in k for k in final)
+    # the module's own LambdaLR followed the recipe: 0.1 x 0.7 an epoch to epoch 3, then held (not 1 - k/40)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.7 ** 2, rel=1e-9)
+    assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0] == pytest.approx(0.049, rel=1e-9)
+    assert not callback.manager.active
+    assert callback.manager.step == 40
+
+    checkpoint = sorted(tmp_path.glob("epoch=1-*.ckpt"))  # after epoch 2, QAT began at 1.5
+    assert checkpoint, list(tmp_path.iterdir())
+    again, _ = _lightning_fit(tmp_path / "again", RecalLightningCallback(RECIPE), resume=str(checkpoint[0]))
+    resumed = again.state_dict()
+    assert resumed.keys() == final.keys()
+    different = [k for k in final if not torch.equal(final[k], resumed[k])]
+    assert not different, different
