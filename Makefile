@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_keras_backends.py --rounds 2 --steps 5
 	$(BIN)/python scripts/bench_keras_applications.py --models mobilenet_v3_small --steps 4
 	$(BIN)/python scripts/bench_hostile_inputs.py
+	$(BIN)/python scripts/bench_large_decoder.py --hidden 256 --ffn 512 --layers 2 --vocab 4000
 
 # the wheel installed with each extra into a fresh venv runs that extra's README quick start
 check-wheel:

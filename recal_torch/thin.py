@@ -19,7 +19,7 @@ from recal_core.channel_coupling import input_columns, live_channels
 from recal_core.head_coupling import Attention, live_heads, unit_rows
 
 from .graph import model_graph
-from .qat import QATModule, WeightFakeQuantize
+from .qat import QATModule, WeightFakeQuantize, WeightOnlyLinear
 
 _BN_TENSORS = ("weight", "bias", "running_mean", "running_var")
 
@@ -69,6 +69,11 @@ def thin(model: nn.Module, example_inputs: Any = None) -> ThinReport:
             continue
         tensors = {**dict(model.named_buffers()), **dict(model.named_parameters())}  # current after slicing
         keep = live_channels(space, lambda name: (tensors[name] == 0).cpu().numpy())
+        groups = {_group_of(modules[op.name]) for op, _ in space.consumers} - {None}
+        if groups and any(modules[op.name].in_features != keep.size for op, _ in space.consumers):
+            continue  # group-quantized inputs behind a flatten: whole groups are not whole channels here
+        for group in groups:  # a weight-only consumer's scales cover whole groups of inputs: keep groups whole
+            keep = _whole_groups(keep, 1, group)
         if keep.all():
             continue
         index = torch.from_numpy(np.flatnonzero(keep))
@@ -87,12 +92,8 @@ def thin(model: nn.Module, example_inputs: Any = None) -> ThinReport:
                 m.num_features = len(index)
         for op, _ in space.consumers:
             m = modules[op.name]
-            cols = torch.from_numpy(input_columns(index.numpy(), keep.size, m.weight.shape[1]))
-            _slice_attr(m, "weight", cols, 1)
-            if hasattr(m, "in_channels"):
-                m.in_channels = len(cols)
-            if hasattr(m, "in_features"):
-                m.in_features = len(cols)
+            cols = torch.from_numpy(input_columns(index.numpy(), keep.size, _in_width(m)))
+            _slice_in(m, cols)
         done.append((tuple(p.name for p in space.producers), keep.size, len(index)))
     return ThinReport(tuple(done), tuple(heads))
 
@@ -100,6 +101,9 @@ def thin(model: nn.Module, example_inputs: Any = None) -> ThinReport:
 def _thin_heads(model: nn.Module, modules: dict[str, nn.Module], att: Attention):
     tensors = dict(model.named_parameters())
     keep = live_heads(att, lambda name: (tensors[name] == 0).cpu().numpy())
+    output = modules[att.output.rsplit(".", 1)[0]]
+    if _group_of(output):  # the output projection's scales cover whole groups of its inputs: keep groups whole
+        keep = _whole_groups(keep, att.widths()[att.output], _group_of(output))
     if keep.all():
         return None
     units = np.flatnonzero(keep)
@@ -107,8 +111,7 @@ def _thin_heads(model: nn.Module, modules: dict[str, nn.Module], att: Attention)
         index = torch.from_numpy(unit_rows(units, width))
         layer = modules[weight.rsplit(".", 1)[0]]
         if weight == att.output:
-            _slice_attr(layer, "weight", index, 1)
-            layer.in_features = len(index)
+            _slice_in(layer, index)
         else:
             _slice_out(layer, index)
     attention = modules.get(att.name)
@@ -143,6 +146,47 @@ def _slice_out(m: nn.Module, index: torch.Tensor) -> None:
         fq: WeightFakeQuantize = m.weight_fake_quant
         _slice_attr(fq, "scale", index, 0)
         _slice_attr(fq, "zero_point", index, 0)
+    if isinstance(m, WeightOnlyLinear):  # its scales: one row per output channel
+        _slice_attr(m.weight_fake_quant, "scale", index, 0)
+
+
+def _in_width(m: nn.Module) -> int:
+    return m.in_features if isinstance(m, WeightOnlyLinear) else m.weight.shape[1]
+
+
+def _slice_in(m: nn.Module, cols: torch.Tensor) -> None:
+    """A conv or linear (float, QAT or weight-only) down to the input columns ``cols``; a weight-only layer in
+    groups keeps its groups' scales (``cols`` are whole groups: :func:`_whole_groups`)."""
+    _slice_attr(m, "weight", cols, 1)
+    if hasattr(m, "in_channels"):
+        m.in_channels = len(cols)
+    if hasattr(m, "in_features"):
+        m.in_features = len(cols)
+    if isinstance(m, WeightOnlyLinear):
+        fq = m.weight_fake_quant
+        if fq.per_channel:
+            fq.group_size = len(cols)
+        else:
+            _slice_attr(fq, "scale", torch.unique(cols // fq.group_size), 1)
+
+
+def _group_of(m: nn.Module) -> int | None:
+    """Inputs per scale of a weight-only layer quantized in groups (None: per channel, or not weight-only)."""
+    if isinstance(m, WeightOnlyLinear) and not m.weight_fake_quant.per_channel:
+        return m.weight_fake_quant.group_size
+    return None
+
+
+def _whole_groups(keep: np.ndarray, width: int, group: int) -> np.ndarray:
+    """``keep`` (per unit of ``width`` input columns) widened until the columns kept are whole groups of
+    ``group``: a group with one live unit keeps all of its units, so the quantizer's scales still fit."""
+    keep = keep.copy()
+    while True:
+        columns = np.repeat(keep, width).reshape(-1, group).any(1)
+        widened = np.repeat(columns, group).reshape(-1, width).any(1) | keep
+        if (widened == keep).all():
+            return keep
+        keep = widened
 
 
 @torch.no_grad()

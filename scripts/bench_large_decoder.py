@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
+import gc
 import subprocess
 import sys
 import tempfile
@@ -100,6 +100,9 @@ def stage_export(args, folder: Path) -> dict:
     model.load_state_dict(torch.load(folder / "qat.pt", weights_only=True))
     manager.finalize(model)
     (folder / "qat.pt").unlink()
+    del manager
+    gc.collect()
+    _reset_peak()  # what follows is the export, with the trained model in memory as after training
     sample = _tokens(2 * args.seq, args.vocab, 99).reshape(2, args.seq)
     path = export_onnx(CausalLMLogits(model).eval(), sample, folder / "qat.onnx", input_names=["ids"],
                        dynamic_sequence=True)
@@ -121,6 +124,17 @@ def stage_convert(args, folder: Path) -> dict:
 
 
 STAGES = {"train": stage_train, "export": stage_export, "convert": stage_convert}
+
+
+def _reset_peak() -> None:
+    """Start this process's peak resident memory (VmHWM) again from now (Linux: ``/proc/self/clear_refs``)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak() -> int:
+    """This process's peak resident memory, in bytes, since it started or :func:`_reset_peak`."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         base = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         t0 = time.perf_counter()
         out = STAGES[args.stage](args, args.folder)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = _peak()
         out.update(seconds=time.perf_counter() - t0, peak_bytes=peak, above_imports=peak - base)
         print("RESULT " + json.dumps(out), flush=True)
         return 0
@@ -176,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {stage} | {r['seconds']:.0f} | {r['peak_bytes'] / 1e9:.2f} | {r['above_imports'] / 1e9:.2f} | "
               f"{r['above_imports'] / fp32:.2f} | {wrote[stage]} |")
     if args.json:
-        save(args.json, {**machine(), "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
+        import torch  # noqa: F401  (so that machine() records its version)
+        import transformers
+
+        save(args.json, {**machine(), "transformers": transformers.__version__, "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
                          "ffn": args.ffn, "steps": args.steps, "seq": args.seq, "stages": rows})
     return 0
 

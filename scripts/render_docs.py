@@ -156,6 +156,27 @@ def llm() -> str:
             "docs/results/llm.json`; MB = 10^6 bytes.")
 
 
+def large_decoder() -> str:
+    """A 0.6 B decoder through QAT, export and conversion: time and peak memory per stage (bench_large_decoder.py)."""
+    data = load("large_decoder.json")
+    fp32 = data["stages"]["train"]["fp32_bytes"]
+    lines = ["| stage | seconds | peak memory above imports (GB) | x fp32 weights | wrote |", "|---|---:|---:|---:|---|"]
+    wrote = {"train": f"{data['steps']} QAT steps of batch 1 x {data['seq']} tokens",
+             "export": f"{data['stages']['export']['onnx_bytes'] / 1e9:.2f} GB QDQ ONNX",
+             "convert": f"{data['stages']['convert']['int4_bytes'] / 1e9:.2f} GB int4 ONNX, verified: "
+                        f"{data['stages']['convert']['verification']}"}
+    for stage, row in data["stages"].items():
+        lines.append(f"| {stage} | {row['seconds']:.0f} | {row['above_imports'] / 1e9:.2f} | "
+                     f"{row['above_imports'] / fp32:.2f} | {wrote[stage]} |")
+    params = data["stages"]["train"]["params"]
+    versions = "".join(f"; {name} {data[name]}" for name in ("torch", "transformers") if name in data)
+    return ("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}{versions}. "
+            f"A Llama-shaped decoder from a real config ({params / 1e9:.2f} B parameters, {fp32 / 1e9:.2f} GB of fp32 "
+            f"weights: hidden {data['hidden']}, {data['layers']} layers, FFN {data['ffn']}, vocabulary {data['vocab']}; "
+            "random weights), W4A16 in groups of 128, the embedding table int4 too; each stage in a process of its "
+            "own (`python scripts/bench_large_decoder.py --json docs/results/large_decoder.json`).")
+
+
 def thinning_transformers() -> str:
     """Transformers with heads and FFN neurons thinned: digits ViT accuracy, BERT-base / ViT-B latency
     (scripts/bench_transformer_thinning.py)."""
@@ -229,7 +250,8 @@ TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo
           "zoo-vnni": lambda: zoo("zoo_vnni.json"),
           "transformers": transformers, "llm": llm,
           "thinning-transformers": thinning_transformers, "keras-applications": keras_applications,
-          "keras-backends": keras_backends, "keras-backends-summary": keras_backends_summary, "layout": layout_table}
+          "keras-backends": keras_backends, "keras-backends-summary": keras_backends_summary, "layout": layout_table,
+          "large-decoder": large_decoder}
 
 
 def render(text: str) -> str:

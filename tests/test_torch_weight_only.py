@@ -71,7 +71,10 @@ def test_w4a16_trains_exports_and_runs_as_matmulnbits(tmp_path, dynamo):
     assert model.q.weight_fake_quant.scale.shape == (16, 1)  # 16 inputs: one group
     manager.finalize(model)
     ids = torch.randint(0, VOCAB, (4, TOKENS))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     path = export_onnx(model.eval(), ids, tmp_path / "w4.onnx", input_names=["ids"], dynamo=dynamo)
+    # the export's copy shares the swapped layers' weights (read, not copied): the model is not changed
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     result = quantize_qat_export(str(path), tmp_path / "w4_int.onnx", inputs={"ids": ids.numpy()})
     kinds = [n.op_type for n in result.model.graph.node]
     assert kinds.count("MatMulNBits") == 8 and kinds.count("MatMul") == 2 and "Gemm" not in kinds  # Q·Kᵀ, P·V

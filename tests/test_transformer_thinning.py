@@ -340,3 +340,69 @@ def test_the_tensorflow_graph_api_refuses_head_pruning_as_pytorch_only():
         manager = TFManager.from_yaml(_head_recipe("['re:[qkvo]/weight']"))
         with pytest.raises(RecipeError, match=r"modifiers\[1\].*mask_type.*only the PyTorch backend"):
             manager.create_ops(steps_per_epoch=2)
+
+
+def test_a_llama_pruned_thinned_and_int4_in_one_recipe_converts_and_reloads(tmp_path):
+    """Heads (grouped-query: a unit is a key/value head with its query heads) and FFN neurons pruned, then W4A16
+    QAT in groups of 32, in one recipe: ``thin`` removes the dead heads (whole groups of the output projection's
+    inputs), the thinned model computes what the masked one did, exports, converts to MatMulNBits verified, and
+    ``load_thinned`` rebuilds it from the dense config."""
+    from recal_onnx import quantize_qat_export
+    from recal_torch import export_onnx, load_thinned
+
+    from .torch_models import CausalLMLogits
+
+    torch.manual_seed(0)
+    model = _llama()
+    recipe = _recipe(LLAMA_HEADS, LLAMA_FFN) + ("- !QuantizationModifier {start_epoch: 2, scheme: {input_activations: "
+                                                "null, weights: {num_bits: 4, group_size: 32}}}\n")
+    manager = ScheduledModifierManager.from_yaml(recipe)
+    optimizer = manager.modify(model, torch.optim.AdamW(model.parameters(), lr=1e-3), steps_per_epoch=4)
+    model.train()
+    for step in range(12):
+        inputs, labels = _batch("llama", step)
+        optimizer.zero_grad()
+        model(**inputs, labels=labels, use_cache=False).loss.backward()
+        optimizer.step()
+    manager.finalize()
+    model.eval()
+    ids = _batch("llama", 99)[0]["input_ids"]
+    with torch.no_grad():
+        masked = model(input_ids=ids, use_cache=False).logits
+    report = thin(model)
+    assert [(b, a) for _, b, a in report.heads] == [(4, 2), (4, 2)], str(report)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, masked, atol=0, rtol=0)
+    path = export_onnx(CausalLMLogits(model).eval(), ids, tmp_path / "thin.qat.onnx", input_names=["ids"],
+                       dynamic_sequence=True)
+    result = quantize_qat_export(str(path), tmp_path / "thin.int4.onnx", inputs={"ids": ids.numpy()})
+    assert [n.op_type for n in result.model.graph.node].count("MatMulNBits") == 15
+    assert result.verification.problem(None) is None and result.verification.max_abs_diff == 0
+    rebuilt = _llama()
+    load_thinned(rebuilt, {k: v for k, v in model.state_dict().items() if "fake_quant" not in k})
+    assert rebuilt.model.layers[0].self_attn.q_proj.weight.shape == (32, 64)
+
+
+def test_thinning_keeps_the_groups_of_a_weight_only_layer_whole():
+    """A channel that shares an int4 group with a live one stays (its scales cover the whole group); channels that
+    fill dead groups go; the thinned model computes what the masked one did."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    manager = ScheduledModifierManager.from_yaml(
+        "- !QuantizationModifier {start_epoch: 0, scheme: {input_activations: null, weights: {num_bits: 4, "
+        "group_size: 16}}}\n")
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=1)
+    x = torch.randn(16, 16)
+    model(x).sum().backward()
+    optimizer.step()
+    manager.finalize(model)
+    with torch.no_grad():
+        dead = [*range(16), 20, 21]  # the whole first group, and two channels of the second
+        model[0].weight[dead] = 0
+        model[0].bias[dead] = 0
+        masked = model(x)
+    report = thin(model, x)
+    assert report.spaces[0][1:] == (64, 48), str(report)  # the first group went; 20 and 21 stayed with their group
+    assert model[2].in_features == 48 and model[2].weight_fake_quant.scale.shape == (4, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), masked, atol=0, rtol=0)

@@ -125,6 +125,13 @@ def _ops(program: torch.export.ExportedProgram) -> tuple[list[Op], list[Attentio
                 params[source.name] = params[weight.name]  # conv weight x BatchNorm factor (a folded QAT conv)
         if isinstance(source, torch.fx.Node) and source.name in params:
             params[node.name] = params[source.name]
+    for node in graph.nodes:  # a weight computed from one parameter of its shape and constants (a group-wise or
+        if node.target is _aten.linear.default or node.target in _CONVS:  # learned-scale fake quantizer): that one
+            weight = node.args[1]
+            if isinstance(weight, torch.fx.Node) and weight.name not in params and weight.name in constant:
+                source = _weight_source(weight, constant[weight.name], sig.inputs_to_parameters, graph)
+                if source is not None:
+                    params[weight.name] = source
     ops: list[Op] = []
     for node in graph.nodes:
         tensors = tuple(a.name for a in node.all_input_nodes if a.name not in params)
@@ -171,11 +178,23 @@ def _constants(graph: torch.fx.Graph, params: dict[str, str]) -> dict[str, froze
     """Every parameter, buffer and value computed from them alone (not from an input), by name: the parameters
     and buffers it is computed from."""
     constant = {name: frozenset((name,)) for name in params}
-    for node in graph.nodes:
-        if node.op == "call_function" and node.all_input_nodes \
-                and all(a.name in constant for a in node.all_input_nodes):
+    for node in graph.nodes:  # (a tensor made from literals alone, a quantizer's zeros, is from none of them)
+        if node.op == "call_function" and all(a.name in constant for a in node.all_input_nodes):
             constant[node.name] = frozenset().union(*(constant[a.name] for a in node.all_input_nodes))
     return constant
+
+
+def _weight_source(weight: torch.fx.Node, sources: frozenset[str], parameters: dict[str, str],
+                   graph: torch.fx.Graph) -> str | None:
+    """The one parameter among ``sources`` with ``weight``'s shape (or, a Conv1D's, its transpose): the weight a
+    fake quantizer computed from it and its scales."""
+    shape = _shape(weight)
+    if shape is None:
+        return None
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    found = {parameters[s] for s in sources if s in parameters and s in placeholders
+             and _shape(placeholders[s]) in (shape, shape[::-1])}
+    return found.pop() if len(found) == 1 else None
 
 
 def _undoes_batchnorm_factor(node: torch.fx.Node, constant: dict[str, frozenset[str]]) -> bool:
@@ -189,7 +208,7 @@ def _undoes_batchnorm_factor(node: torch.fx.Node, constant: dict[str, frozenset[
             or users[0].target is not _aten.batch_norm.default:
         return False
     norm = {a.name for a in users[0].all_input_nodes[1:]}
-    return constant[factor.name] <= norm
+    return bool(constant[factor.name]) and constant[factor.name] <= norm
 
 
 def _conv(node: torch.fx.Node, params: dict[str, str], tensors: tuple[str, ...]) -> Op:
