@@ -23,6 +23,8 @@ How modifiers combine (the same in every backend):
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -111,6 +113,7 @@ class ChannelGroup:
     channels: int
     inputs: frozenset[str] = frozenset()  # members pruned along their input axis (a head's output projection)
     follower_widths: Mapping[str, int] = field(default_factory=dict)  # elements per channel (absent: 1)
+    block: int = 1  # channels ranked and pruned together: a weight-only reader's quantization group, in channels
 
     def along_input(self, weight: str) -> bool:
         """Whether ``weight`` loses input columns (channel groups, a head's output projection) or rows."""
@@ -158,8 +161,10 @@ class ModelPlan:
         return out
 
     def channel_count(self, group: ChannelGroup, k: int) -> int:
-        """The channels ``group`` zeroes after an update at ``k``: ``floor(s * channels + 0.5)``."""
-        return pruned_count(self._pruning(group.modifier).sparsity(k), group.channels)
+        """The channels ``group`` zeroes after an update at ``k``: ``floor(s * channels + 0.5)``, or, for a
+        group pruned in blocks, ``floor(s * blocks + 0.5)`` whole blocks."""
+        blocks = pruned_count(self._pruning(group.modifier).sparsity(k), group.channels // group.block)
+        return blocks * group.block
 
     def channel_updates(self, k: int) -> list[tuple[ChannelGroup, int]]:
         """The channel groups whose masks are recomputed at ``k``, with the channels they zero."""
@@ -247,13 +252,17 @@ def plan_groups(schedule: RecipeSchedule,
 
 def plan_model(schedule: RecipeSchedule, params: Sequence[ParamInfo], sizes: Mapping[str, int], *,
                groups: Sequence[tuple[float | None, float | None]] = ((None, None),),
-               channel_spaces: Callable[[], list[Space] | ModelGraph] | None = None) -> ModelPlan:
+               channel_spaces: Callable[[], list[Space] | ModelGraph] | None = None,
+               input_groups: Callable[[str], int] | None = None) -> ModelPlan:
     """Resolve ``schedule``'s recipe against a model; every problem at once in one :class:`RecipeError`.
 
     ``groups``: each optimizer param group's own ``(lr, weight_decay)`` (None: unknown or absent).
     ``channel_spaces``: the backend's reader of the model's channel spaces (and attentions), called only
     when a modifier prunes ``filter``, ``channel`` or ``head`` (without it, filter and channel masks rank
     each layer alone, and head masks are refused).
+    ``input_groups``: per weight, the inputs that share one quantization scale when the recipe makes its layer
+    weight-only in groups (1: none): channels and heads that such a layer reads are pruned in whole groups, so
+    thinning can remove them and the int4 layer keeps its groups.
 
     >>> from recal_core import load_recipe
     >>> r = load_recipe("- !GradualKSModifier {params: [fc], init_sparsity: 0.5, final_sparsity: 0.5, "
@@ -324,7 +333,8 @@ def plan_model(schedule: RecipeSchedule, params: Sequence[ParamInfo], sizes: Map
             problems.append(_no_attentions(recipe, heads[0]))
             graph = None
         try:
-            channel_groups = _channel_groups(graph, pruned, infos) if graph is not None else []
+            channel_groups = _channel_groups(graph, pruned, infos, input_groups or (lambda weight: 1)) \
+                if graph is not None else []
         except CouplingError as exc:
             problems.append(recipe.problem(exc.modifier, "mask_type", str(exc),
                                            expected="channels every layer sharing them can drop"))
@@ -346,16 +356,19 @@ def _no_attentions(recipe, index: int) -> Problem:
                           "framework")
 
 
-def _channel_groups(graph: ModelGraph, pruned: dict[str, tuple[int, str]],
-                    infos: Mapping[str, ParamInfo]) -> list[ChannelGroup]:
+def _channel_groups(graph: ModelGraph, pruned: dict[str, tuple[int, str]], infos: Mapping[str, ParamInfo],
+                    input_groups: Callable[[str], int]) -> list[ChannelGroup]:
     def canonical(name: str) -> tuple[int, ...]:
         info = infos[name]
         return tuple(info.shape[a] for a in info.kernel_axes) if info.kernel_axes else tuple(info.shape)
 
     out = []
     for att, modifier in head_groups(graph.attentions, pruned):
+        width = att.widths()[att.output]  # the output projection's input columns a unit holds
+        group = input_groups(att.output)
+        block = group // width if group > width and group % width == 0 and att.kv_heads % (group // width) == 0 else 1
         out.append(ChannelGroup(modifier, "head", att.widths(), tuple(b for _, b in att.biases), att.kv_heads,
-                                frozenset({att.output}), att.bias_widths()))
+                                frozenset({att.output}), att.bias_widths(), block))
     per_channel = {w: v for w, v in pruned.items() if v[1] != "head"}
     for space, kind, members in pruning_groups(graph.spaces, per_channel) if per_channel else []:
         if kind == "filter":
@@ -366,5 +379,11 @@ def _channel_groups(graph: ModelGraph, pruned: dict[str, tuple[int, str]],
             channels = canonical(direct[0])[1] if direct else canonical(space.producers[0].weight)[0]
             widths = {c.weight: 1 if per == 1 else canonical(c.weight)[1] // channels for c, per in space.consumers}
         followers = tuple(followers_of(space)) if kind == "filter" else ()
-        out.append(ChannelGroup(pruned[members[0].weight][0], kind, widths, followers, channels))
+        block = 1
+        if kind == "filter":  # weight-only readers in groups: whole groups of channels (all readers' groups)
+            for consumer, per in space.consumers:
+                group = input_groups(consumer.weight) if per == 1 else 1
+                block = block * group // math.gcd(block, group)
+            block = block if channels % block == 0 else 1
+        out.append(ChannelGroup(pruned[members[0].weight][0], kind, widths, followers, channels, block=block))
     return out

@@ -34,7 +34,7 @@ from recal_core.recipe import Recipe
 from .graph import model_graph, remember_example_inputs
 from .model_params import describe_parameters, sparsity, unwrap
 from .pruning import MaskState
-from .qat import EPS, QATControl, layer_schemes, qat_roots
+from .qat import EPS, QATControl, input_groups, layer_schemes, qat_roots
 from .training import ParamGroupSettings, Teacher, TrainableFlags, distillation_loss, follow_recipe, group_bases
 
 STATE_VERSION = 2
@@ -137,9 +137,11 @@ class ScheduledModifierManager(RecipeManager):
         infos, params = describe_parameters(model)
         sizes = {name: p.numel() for name, p in params.items()}
         problems = []
+        schemes = layer_schemes(self.recipe, unwrap(model))
         try:
             plan = plan_model(schedule, infos, sizes, groups=group_bases(optimizer),
-                              channel_spaces=lambda: model_graph(unwrap(model), example_inputs))
+                              channel_spaces=lambda: model_graph(unwrap(model), example_inputs),
+                              input_groups=input_groups(schemes))
             for ps, size in plan.curvature_bytes():
                 if size > MAX_CURVATURE_BYTES:
                     field = "num_grads" if isinstance(ps.modifier, M.MFACPruningModifier) else "fisher_block_size"
@@ -151,7 +153,6 @@ class ScheduledModifierManager(RecipeManager):
         except RecipeError as err:
             problems += err.problems
         roots, qat_problems = qat_roots(self.recipe, unwrap(model))
-        schemes = layer_schemes(self.recipe, unwrap(model))
         problems += qat_problems + schemes.problems
         for index, _, _ in schedule.distillation:
             if teacher is None:

@@ -170,3 +170,17 @@ def test_tf_global_magnitude_equals_torch_on_the_same_weights():
     masks = joint_magnitude_masks([torch.from_numpy(conv), torch.from_numpy(fc)], count)
     assert np.array_equal(np.transpose(got_conv, (3, 2, 0, 1)), conv * masks[0].numpy())
     assert np.array_equal(got_fc.T, fc * masks[1].numpy())
+
+
+def test_a_group_pruned_in_blocks_zeroes_whole_blocks_ranked_by_their_sums():
+    """A weight-only reader quantized in groups of 4 inputs: channels go in whole blocks of 4, the block of least
+    summed squared norm first, even when a single channel elsewhere is smaller."""
+    from recal_core.model_plan import ChannelGroup
+    from recal_torch.pruning.channels import group_masks
+
+    weight = torch.ones(8, 3)
+    weight[6] = 0.01  # the smallest channel, in a block whose other channels are large
+    weight[0:4] *= 0.5  # the block of least summed norm
+    group = ChannelGroup(0, "filter", {"w": 1}, (), 8, block=4)
+    mask = group_masks(group, {"w": weight}, 4)["w"]
+    assert mask[:, 0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]

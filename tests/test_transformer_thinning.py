@@ -344,9 +344,9 @@ def test_the_tensorflow_graph_api_refuses_head_pruning_as_pytorch_only():
 
 def test_a_llama_pruned_thinned_and_int4_in_one_recipe_converts_and_reloads(tmp_path):
     """Heads (grouped-query: a unit is a key/value head with its query heads) and FFN neurons pruned, then W4A16
-    QAT in groups of 32, in one recipe: ``thin`` removes the dead heads (whole groups of the output projection's
-    inputs), the thinned model computes what the masked one did, exports, converts to MatMulNBits verified, and
-    ``load_thinned`` rebuilds it from the dense config."""
+    QAT in groups of 32, in one recipe: the neurons are pruned in whole groups of the down projection's scales, so
+    ``thin`` removes them and the dead heads, the thinned model computes what the masked one did, exports, converts
+    to MatMulNBits verified, and ``load_thinned`` rebuilds it from the dense config."""
     from recal_onnx import quantize_qat_export
     from recal_torch import export_onnx, load_thinned
 
@@ -371,6 +371,9 @@ def test_a_llama_pruned_thinned_and_int4_in_one_recipe_converts_and_reloads(tmp_
         masked = model(input_ids=ids, use_cache=False).logits
     report = thin(model)
     assert [(b, a) for _, b, a in report.heads] == [(4, 2), (4, 2)], str(report)
+    # FFN neurons pruned in whole groups of the down projection's int4 scales (32): 2 of 3 blocks of 96, all thinned
+    assert sorted((b, a) for _, b, a in report.spaces if a < b) == [(96, 32), (96, 32)], str(report)
+    assert model.model.layers[0].mlp.down_proj.in_features == 32
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, masked, atol=0, rtol=0)
     path = export_onnx(CausalLMLogits(model).eval(), ids, tmp_path / "thin.qat.onnx", input_names=["ids"],

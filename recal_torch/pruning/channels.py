@@ -20,10 +20,12 @@ def _channel_view(weight: torch.Tensor, along_input: bool, width: int) -> torch.
 @torch.no_grad()
 def group_masks(group: ChannelGroup, weights: dict[str, torch.Tensor], count: int) -> dict[str, torch.Tensor]:
     """Each member's mask: the group's ``count`` channels (heads) of least summed squared norm (ties by
-    position) zeroed in every member."""
+    position) zeroed in every member; in whole blocks of ``group.block`` channels, ranked by their sums."""
     score = sum(_channel_view(weights[n], group.along_input(n), w).pow(2).sum(1) for n, w in group.members.items())
-    keep = torch.ones(group.channels, device=score.device)
-    keep[torch.argsort(score, stable=True)[:count]] = 0
+    block = group.block  # channels ranked and zeroed together (a weight-only reader's quantization group)
+    keep = torch.ones(group.channels // block, device=score.device)
+    keep[torch.argsort(score.reshape(-1, block).sum(1), stable=True)[:count // block]] = 0
+    keep = keep.repeat_interleave(block) if block > 1 else keep
     return {name: expand(keep, weights[name], group.along_input(name), width)
             for name, width in group.members.items()}
 

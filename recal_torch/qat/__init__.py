@@ -15,7 +15,7 @@ start. The rest of recal_torch imports from here, never from a module of this pa
 """
 
 from .attention import SLOTS, AttentionFakeQuantize, quantize_attention
-from .control import QATControl, layer_schemes, qat_roots
+from .control import QATControl, input_groups, layer_schemes, qat_roots
 from .layers import (CONVS, FoldedBatchNorm, QATConv, QATEmbedding, QATLinear, QATModule, QuantizedReLU,
                      WeightOnlyEmbedding, WeightOnlyLinear, clamp, describe, fake_quantizers, is_table,
                      is_transposed_linear_type, qat_modules)
@@ -32,5 +32,5 @@ __all__ = ["ACT_QMAX", "ACT_QMIN", "REDUCED_W_LEVELS", "W_LEVELS", "W_QMAX", "W_
            "describe", "fake_quantizers", "is_table", "qat_modules", "fake_quantize_model", "plan_pending",
            "quantizable_layers", "quantize_attention"]
 # for recal_torch's other packages (export, graph, the manager), not a user's API
-_INTERNAL = ["CONTAINER", "EPS", "SLOTS", "QATControl", "adopt", "clamp", "is_transposed_linear_type", "layer_schemes",
-             "qat_roots"]
+_INTERNAL = ["CONTAINER", "EPS", "SLOTS", "QATControl", "adopt", "clamp", "input_groups", "is_transposed_linear_type",
+             "layer_schemes", "qat_roots"]

@@ -79,6 +79,14 @@ class LayerSchemes:
     notes: list[str] = field(default_factory=list)  # entries that apply to nothing (warnings)
 
 
+def input_groups(schemes: LayerSchemes) -> Callable[[str], int]:
+    """Per weight (a parameter name, wrapped or not), the inputs one scale covers when the recipe makes its layer
+    weight-only in groups (1: otherwise): what structured pruning keeps whole so that thinning can remove it."""
+    sizes = {layer: args.group_size for per in schemes.weight_only.values() for layer, args in per.items()
+             if args.group_size}
+    return lambda weight: sizes.get(strip_wrapper(weight.rsplit(".", 1)[0]), 1)
+
+
 def layer_schemes(recipe: Recipe, model: nn.Module) -> LayerSchemes:
     """Per QuantizationModifier, how each quantizable layer is quantized: the modifier's ``scheme`` (a preset, or
     W8A8), replaced by the last ``scheme_overrides`` entry that names the layer, a parent or either's class; the
