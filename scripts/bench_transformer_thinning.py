@@ -1,7 +1,7 @@
 """Transformers thinned: attention heads and FFN neurons pruned by a recipe, removed by ``recal_torch.thin``,
 then QAT-trained, exported and converted to int8, against the dense model and onnxruntime's quantizers.
 
-Two parts:
+Three parts:
 
 - **accuracy** on real data: a ViT (4 layers, hidden 64, 6 heads, FFN 128) trained on the digits (8x8, patches
   of 2). Per seed: the dense model trained ``--epochs``; then, at each setting below, the recipe prunes heads
@@ -14,6 +14,7 @@ Two parts:
   heads and 3/4 of the neurons). Batch 1, 1 and 2 threads, median of interleaved rounds; sizes; argmax
   agreement of each int8 model with its own float (QAT) export. BERT's token table is int4 in the thinned
   rows (``scheme_overrides: {Embedding: ...}``).
+- **decoder**: :func:`decoder_part`, an int4 decoder pruned and thinned against dense int4 on real text.
 
     python scripts/bench_transformer_thinning.py [--quick] [--parts accuracy latency] [--json F]
 
@@ -220,10 +221,78 @@ def latency_part(name: str, quick: bool, seq: int, rounds: int, folder: Path) ->
     return {"model": name, "seq": seq, "fp32_bytes": fp32_size, "rows": rows}
 
 
+DECODER_HEADS = r"['re:.*self_attn\.[qkvo]_proj\.weight']"
+DECODER_FFN = r"['re:.*mlp\.(gate|up)_proj\.weight']"
+DECODER_SETTINGS = {"1/4 heads, 1/2 FFN": (0.25, 0.5), "1/2 heads, 3/4 FFN": (0.5, 0.75)}
+
+
+def decoder_part(quick: bool, rounds: int, folder: Path) -> dict:
+    """A Llama-shaped decoder on the standard library's source (``bench_llm.py``'s data, model and training): int4
+    dense (onnxruntime's RTN of the fp32 model trained on, recal's QAT) against recal's int4 QAT with heads and FFN
+    neurons pruned during the same steps (in whole groups of the int4 scales) and thinned; perplexity, size and
+    latency (a 128-token prompt, one token)."""
+    import copy
+    from types import SimpleNamespace
+
+    import bench_llm as llm
+
+    steps, qat_steps, layers, hidden, mb, windows_n = (60, 30, 2, 128, 1.0, 16) if quick else (800, 300, 4, 256, 8.0, 256)
+    args = SimpleNamespace(qat_lr=2e-4, group=32, batch=16)
+    train_data, test_data, files = llm.corpus(int(mb * 1e6), (windows_n + 1) * (llm.SEQ + 1))
+    windows = np.stack([test_data[i * (llm.SEQ + 1):(i + 1) * (llm.SEQ + 1)] for i in range(windows_n)])
+    torch.manual_seed(0)
+    model = llm.build(layers, hidden)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"  decoder: {params / 1e6:.2f} M parameters, {steps} fp32 steps, then {qat_steps} for each int4 row",
+          flush=True)
+    llm.train(model, train_data, steps, 2e-3, args.batch, seed=0)
+    model.eval()
+    sample = torch.from_numpy(windows[:2, :llm.SEQ].astype(np.int64))
+    more = copy.deepcopy(model)  # the fp32 model trained on for the QAT's steps: what onnxruntime quantizes
+    llm.train(more, train_data, qat_steps, args.qat_lr, args.batch, seed=1,
+              manager=ScheduledModifierManager.from_yaml(llm.LR_RECIPE.format(lr=args.qat_lr, final_lr=args.qat_lr / 10)))
+    baseline = folder / "decoder_fp32.onnx"
+    export_onnx(llm.Logits(more.eval()), sample, baseline, input_names=["ids"], output_names=["logits"],
+                dynamic_sequence=True)
+    rtn = llm.ort_int4(baseline, folder, args.group, [])["ort RTN asymmetric (default)"][0]
+    paths = {"fp32 (trained on)": baseline, "ort RTN int4, dense": rtn}
+    paths["recal int4 QAT, dense"] = llm.recal_int4(model, train_data, qat_steps, "minmax", args, folder, sample,
+                                                    "decoder_dense")[0]
+    for label, (heads, ffn) in DECODER_SETTINGS.items():
+        pruned = copy.deepcopy(model)
+        recipe = llm.QAT_RECIPE.format(group=args.group, observer="minmax", lr=args.qat_lr, final_lr=args.qat_lr / 10) + f"""
+- !GradualKSModifier {{params: {DECODER_HEADS}, init_sparsity: 0.0, final_sparsity: {heads}, start_epoch: 0,
+                      end_epoch: 0.5, update_frequency: 0.05, mask_type: head}}
+- !GradualKSModifier {{params: {DECODER_FFN}, init_sparsity: 0.0, final_sparsity: {ffn}, start_epoch: 0,
+                      end_epoch: 0.5, update_frequency: 0.05, mask_type: filter}}
+"""
+        llm.train(pruned, train_data, qat_steps, args.qat_lr, args.batch, seed=1,
+                  manager=ScheduledModifierManager.from_yaml(recipe))
+        report = thin(pruned.eval())
+        print(f"    {label}: {report.removed} heads and neurons thinned", flush=True)
+        qat = folder / f"decoder_{heads}_{ffn}.qat.onnx"
+        export_onnx(llm.Logits(pruned), sample, qat, input_names=["ids"], output_names=["logits"],
+                    dynamic_sequence=True)
+        paths[f"recal int4 QAT, {label} thinned"] = folder / f"decoder_{heads}_{ffn}.onnx"
+        quantize_qat_export(str(qat), paths[f"recal int4 QAT, {label} thinned"], inputs={"ids": sample.numpy()})
+    prompt = {"ids": windows[:1, :llm.SEQ].astype(np.int64)}
+    token = {"ids": windows[:1, :1].astype(np.int64)}
+    ms_prompt = interleaved_latency(paths, prompt, rounds, per_round=1, threads=1)
+    ms_token = interleaved_latency(paths, token, rounds, per_round=3, threads=1, min_seconds=0.05)
+    rows = [{"label": label, "ppl": llm.perplexity(path, windows), "bytes": path.stat().st_size,
+             "ms_prompt": ms_prompt[label], "ms_token": ms_token[label]} for label, path in paths.items()]
+    for r in rows:
+        print(f"  {r['label']:44s} ppl {r['ppl']:.4f}  {r['bytes'] / 1e6:6.2f} MB  prompt {r['ms_prompt']:7.2f} ms  "
+              f"token {r['ms_token']:6.3f} ms", flush=True)
+    return {**machine(), "params": params, "layers": layers, "hidden": hidden, "steps": steps, "qat_steps": qat_steps,
+            "group": args.group, "test_tokens": int(windows[:, 1:].size), "files": files, "rounds": rounds, "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small models, 1 seed, few epochs (a smoke test)")
-    parser.add_argument("--parts", nargs="+", default=["accuracy", "latency"], choices=["accuracy", "latency"])
+    parser.add_argument("--parts", nargs="+", default=["accuracy", "latency", "decoder"],
+                        choices=["accuracy", "latency", "decoder"])
     parser.add_argument("--models", nargs="+", default=["bert", "vit"], choices=["bert", "vit"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=40)
@@ -240,9 +309,15 @@ def main() -> None:
     if "latency" in args.parts:
         out["latency"] = [latency_part(m, args.quick, args.seq, 3 if args.quick else args.rounds, folder)
                           for m in args.models]
+    if "decoder" in args.parts:
+        out["decoder"] = decoder_part(args.quick, 3 if args.quick else args.rounds, folder)
     if args.json:
-        if args.json.exists():  # one part run again: the other part's figures stay
-            out = {**{k: v for k, v in load(args.json).items() if k in ("accuracy", "latency")}, **out}
+        if args.json.exists():  # one part run again: the other parts' figures stay, with the labels they had
+            old = load(args.json)
+            if {"accuracy", "latency"} & set(args.parts):
+                out = {**{k: v for k, v in old.items() if k in ("accuracy", "latency", "decoder")}, **out}
+            else:
+                out = {**old, "decoder": out["decoder"]}
         save(args.json, out)
 
 

@@ -156,6 +156,28 @@ def llm() -> str:
             "docs/results/llm.json`; MB = 10^6 bytes.")
 
 
+def thinning_decoder() -> str:
+    """An int4 decoder pruned and thinned against dense int4 (bench_transformer_thinning.py, its decoder part)."""
+    data = load("thinning_transformers.json")["decoder"]
+    rows = {r["label"]: r for r in data["rows"]}
+    rtn, dense = rows["ort RTN int4, dense"], rows["recal int4 QAT, dense"]
+    lines = ["| model | test perplexity | x recal dense int4 | MB | x ort RTN | prompt of 128 ms | one token ms | "
+             "token speed x ort RTN |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        lines.append(f"| {r['label']} | {r['ppl']:.4f} | {r['ppl'] / dense['ppl']:.3f} | {r['bytes'] / 1e6:.2f} | "
+                     f"{r['bytes'] / rtn['bytes']:.2f} | {r['ms_prompt']:.2f} | {r['ms_token']:.3f} | "
+                     f"{rtn['ms_token'] / r['ms_token']:.2f}x |")
+    return ("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. A Llama-shaped decoder "
+            f"({data['params'] / 1e6:.2f} M parameters, {data['layers']} layers, hidden {data['hidden']}, bytes as "
+            f"tokens) trained {data['steps']} steps on the standard library's source ({data['files']} files); every "
+            f"int4 row has {data['qat_steps']} more steps: onnxruntime's RTN quantizes the fp32 model trained on for "
+            "them, recal's QAT trains them on the int4 grid (groups of "
+            f"{data['group']}), the thinned rows pruning heads and FFN neurons during the first half and thinning "
+            f"them after. Perplexity on {data['test_tokens']:,} held-out tokens; latency 1 thread, batch 1, median of "
+            f"{data['rounds']} interleaved rounds (`python scripts/bench_transformer_thinning.py --parts decoder "
+            "--json docs/results/thinning_transformers.json`).")
+
+
 def large_decoder() -> str:
     """A 0.6 B decoder through QAT, export and conversion: time and peak memory per stage (bench_large_decoder.py)."""
     data = load("large_decoder.json")
@@ -251,7 +273,7 @@ TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo
           "transformers": transformers, "llm": llm,
           "thinning-transformers": thinning_transformers, "keras-applications": keras_applications,
           "keras-backends": keras_backends, "keras-backends-summary": keras_backends_summary, "layout": layout_table,
-          "large-decoder": large_decoder}
+          "large-decoder": large_decoder, "thinning-decoder": thinning_decoder}
 
 
 def render(text: str) -> str:
