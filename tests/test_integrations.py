@@ -135,3 +135,32 @@ def test_lightning_runs_the_recipe_and_resumes_exactly(tmp_path):
     assert resumed.keys() == final.keys()
     different = [k for k in final if not torch.equal(final[k], resumed[k])]
     assert not different, different
+
+
+def test_a_tied_language_model_resumes_qat_from_the_trainers_safetensors(tmp_path):
+    """GPT-2 ties its LM head to the token table, and the Trainer's safetensors save that tensor once: resuming in
+    QAT loads it (the head is not "missing"), and the run ends as the uninterrupted one, bit for bit."""
+    pytest.importorskip("accelerate")
+    import transformers
+    from transformers import Trainer, TrainingArguments
+
+    from recal_torch.integrations import RecalTrainerCallback
+
+    recipe = "- !EpochRangeModifier {start_epoch: 0, end_epoch: 2}\n- !QuantizationModifier {start_epoch: 0.5}\n"
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (32, 12), generator=g)]
+
+    def run(resume=None):
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+        args = TrainingArguments(output_dir=str(tmp_path), num_train_epochs=2, per_device_train_batch_size=8,
+                                 learning_rate=1e-3, save_strategy="epoch", report_to="none", use_cpu=True, seed=0,
+                                 disable_tqdm=True)
+        trainer = Trainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=data,
+                          callbacks=[RecalTrainerCallback(recipe)])
+        trainer.train(resume_from_checkpoint=resume)
+        return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+    straight = run()
+    resumed = run(str(tmp_path / "checkpoint-4"))
+    assert [k for k in straight if not torch.equal(straight[k], resumed[k])] == []

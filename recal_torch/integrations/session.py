@@ -48,11 +48,15 @@ def check_length(manager: ScheduledModifierManager, epochs: float, who: str) -> 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
     """Load a checkpoint's model tensors once the resumed recipe has re-created its QAT modules; a tensor the
-    model lacks, or one the checkpoint lacks, is an error that names them."""
+    model lacks, or one the checkpoint lacks, is an error that names them (a tied weight the checkpoint saved once,
+    as Hugging Face's safetensors do, is not missing)."""
     result = unwrap(model).load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
+    own = unwrap(model).state_dict(keep_vars=True)
+    present = {own[k].data_ptr() for k in own if k in state}
+    missing = [k for k in result.missing_keys if own[k].data_ptr() not in present]  # not a tied alias (an LM head)
+    if missing or result.unexpected_keys:
         parts = [f"the model has no {', '.join(result.unexpected_keys[:5])}" if result.unexpected_keys else "",
-                 f"the checkpoint has no {', '.join(result.missing_keys[:5])}" if result.missing_keys else ""]
+                 f"the checkpoint has no {', '.join(missing[:5])}" if missing else ""]
         raise ValueError(f"{where} does not fit the model under this recipe: {'; '.join(p for p in parts if p)} "
                          "(was it saved under another recipe or model?)")
 
