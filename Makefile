@@ -50,6 +50,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_keras.py --rounds 2 --steps 10 --seeds 1
 	$(BIN)/python scripts/bench_keras_backends.py --rounds 2 --steps 5
 	$(BIN)/python scripts/bench_keras_applications.py --models mobilenet_v3_small --steps 4
+	$(BIN)/python scripts/bench_jax_compile.py --models MobileNetV2
 	$(BIN)/python scripts/bench_hostile_inputs.py
 	$(BIN)/python scripts/bench_large_decoder.py --hidden 256 --ffn 512 --layers 2 --vocab 4000
 

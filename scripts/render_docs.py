@@ -178,6 +178,13 @@ def thinning_decoder() -> str:
             "--json docs/results/thinning_transformers.json`).")
 
 
+def jax_compile() -> str:
+    """The first (compiled) and later epochs of Keras on JAX under recipes (scripts/bench_jax_compile.py)."""
+    from bench_jax_compile import table
+
+    return table(load("jax_compile.json"))
+
+
 def large_decoder() -> str:
     """A 0.6 B decoder through QAT, export and conversion: time and peak memory per stage (bench_large_decoder.py)."""
     data = load("large_decoder.json")
@@ -273,7 +280,8 @@ TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo
           "transformers": transformers, "llm": llm,
           "thinning-transformers": thinning_transformers, "keras-applications": keras_applications,
           "keras-backends": keras_backends, "keras-backends-summary": keras_backends_summary, "layout": layout_table,
-          "large-decoder": large_decoder, "thinning-decoder": thinning_decoder}
+          "large-decoder": large_decoder, "thinning-decoder": thinning_decoder,
+          "jax-compile": jax_compile}
 
 
 def render(text: str) -> str:
