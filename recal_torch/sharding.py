@@ -18,6 +18,22 @@ def is_sharded(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def is_sharded_module(module: torch.nn.Module) -> bool:
+    """Whether ``fully_shard`` wrapped ``module`` (its class is then ``FSDP<Layer>``, a subclass of ``FSDPModule``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def unsharded_class(module: torch.nn.Module) -> type:
+    """The class ``fully_shard`` subclassed (``FSDPLinear`` -> ``Linear``); a module's own class otherwise."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not is_sharded_module(module):
+        return type(module)
+    return next(c for c in type(module).__mro__[1:] if issubclass(c, torch.nn.Module) and not issubclass(c, FSDPModule))
+
+
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """The full tensor (gathered from every rank for a DTensor; ``tensor`` itself otherwise)."""
     return tensor.full_tensor() if is_sharded(tensor) else tensor

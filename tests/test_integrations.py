@@ -106,6 +106,7 @@ def _lightning_fit(folder, callback, resume=None):
     data = [(d["pixels"], d["labels"]) for d in _digits()]
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
     trainer = L.Trainer(max_epochs=4, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        log_every_n_steps=5,
                         enable_model_summary=False, default_root_dir=str(folder),
                         callbacks=[callback, ModelCheckpoint(dirpath=str(folder), save_top_k=-1, every_n_epochs=1)])
     trainer.fit(module, loader, ckpt_path=resume)
@@ -127,6 +128,7 @@ def test_lightning_runs_the_recipe_and_resumes_exactly(tmp_path):
     assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0] == pytest.approx(0.049, rel=1e-9)
     assert not callback.manager.active
     assert callback.manager.step == 40
+    assert trainer.callback_metrics["recal/lr"] == pytest.approx(0.049)  # logged at Lightning's logging steps
 
     checkpoint = sorted(tmp_path.glob("epoch=1-*.ckpt"))  # after epoch 2, QAT began at 1.5
     assert checkpoint, list(tmp_path.iterdir())

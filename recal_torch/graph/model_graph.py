@@ -14,6 +14,7 @@ from recal_core.channel_coupling import ModelGraph, Op, Space, channel_spaces
 
 from .export_graph import example_inputs_of, exported_graph
 from ..qat import CONVS, ActivationFakeQuantize, FoldedBatchNorm, QATConv, QATLinear, QATModule, QuantizedReLU
+from ..sharding import is_sharded_module, unsharded_class
 
 _ZERO_PRESERVING_MODULES = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.LeakyReLU, nn.SiLU, nn.GELU, nn.Tanh, nn.Hardswish,
                             nn.Dropout, nn.Identity, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d,
@@ -37,28 +38,15 @@ class _Tracer(torch.fx.Tracer):
     layer is a leaf, anything else is entered through its own ``forward``, without the hooks."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        sharded_layer = is_sharded_module(m) and unsharded_class(m).__module__.startswith("torch.nn") \
+            and not isinstance(m, nn.Sequential)
         return isinstance(m, (QATModule, QuantizedReLU, FoldedBatchNorm, ActivationFakeQuantize)) \
-            or super().is_leaf_module(m, qualname) or (_sharded(m) and _unsharded_class(m).__module__.startswith(
-                "torch.nn") and not isinstance(m, nn.Sequential))
+            or super().is_leaf_module(m, qualname) or sharded_layer
 
     def call_module(self, m: nn.Module, forward, args, kwargs):
-        if _sharded(m) and not self.is_leaf_module(m, self.path_of_module(m)):
+        if is_sharded_module(m) and not self.is_leaf_module(m, self.path_of_module(m)):
             forward = type(m).forward.__get__(m)  # the layer's forward, not FSDP's gathering hooks around it
         return super().call_module(m, forward, args, kwargs)
-
-
-def _sharded(m: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(m, FSDPModule)
-
-
-def _unsharded_class(m: nn.Module) -> type:
-    """The class ``fully_shard`` subclassed (``FSDPLinear`` -> ``Linear``)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return next(c for c in type(m).__mro__[1:] if c is not FSDPModule and issubclass(c, nn.Module)
-                and not issubclass(c, FSDPModule))
 
 
 def model_ops(model: nn.Module) -> list[Op]:
@@ -96,7 +84,7 @@ def model_ops(model: nn.Module) -> list[Op]:
 def _module_op(name: str, m: nn.Module, tensors: tuple[str, ...], out: str) -> Op:
     if _is_depthwise(m):
         return Op(name, "depthwise", tensors, out, f"{name}.weight", _param(m, name, "bias"))
-    layer = _unsharded_class(m) if _sharded(m) else type(m)
+    layer = unsharded_class(m)
     if (isinstance(m, CONVS) and m.groups == 1) or layer is nn.Linear or \
             (isinstance(m, (QATConv, QATLinear)) and getattr(m, "groups", 1) == 1):
         return Op(name, "layer", tensors, out, f"{name}.weight", _param(m, name, "bias"))

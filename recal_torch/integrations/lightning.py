@@ -6,7 +6,8 @@ follows a recipe that sets the LR), with one optimizer step as the recipe's step
 rides in the optimizer's state that Lightning saves; on resume Lightning restores it through recal's hook, and the
 quantizer tensors of the checkpoint go in once QAT has re-created its layers (``on_train_start``), so the module
 is loaded non-strictly by Lightning and strictly by recal. recal's scalars (sparsity, LR, QAT state) are logged
-with ``LightningModule.log_dict`` each step. At the end of fitting the recipe is finalized.
+with ``LightningModule.log_dict`` at Lightning's logging steps (``log_every_n_steps``). At the end of fitting the
+recipe is finalized.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class RecalLightningCallback(Callback):
             ``training_step``'s loss).
         quantize_attention: also quantize the attention matmuls (see the PyTorch page).
         example_inputs: inputs to trace the model with when structured pruning needs ``torch.export``.
-        log_scalars: log recal's scalars each step (``recal/...``).
+        log_scalars: log recal's scalars (``recal/...``) at Lightning's logging steps.
     """
 
     def __init__(self, recipe: str | os.PathLike | ScheduledModifierManager, *, teacher: torch.nn.Module | None = None,
@@ -68,7 +69,9 @@ class RecalLightningCallback(Callback):
         self._resumed = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._log_scalars and self.manager.active:
+        # only on the steps Lightning writes to its loggers: the scalars measure every pruned weight's zeros (on a
+        # sharded model, gathered), work a step between logs should not pay
+        if self._log_scalars and self.manager.active and trainer.global_step % trainer.log_every_n_steps == 0:
             pl_module.log_dict({f"recal/{k}": v for k, v in self.manager.scalars().items()}, on_step=True,
                                on_epoch=False)
 

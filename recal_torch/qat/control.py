@@ -16,6 +16,7 @@ from recal_core.params import strip_wrapper
 from recal_core.recipe import Recipe
 from recal_core.schedule import QATState
 
+from ..sharding import is_sharded_module
 from .layers import (QATModule, WeightOnlyEmbedding, WeightOnlyLinear, describe, fake_quantizers,
                           features, is_linear_like, is_table, qat_modules)
 from .plan import FLOAT_REASON, fake_quantize_model, quantizable_layers, replace_layer
@@ -24,18 +25,12 @@ from .attention import AttentionFakeQuantize, quantize_attention
 log = logging.getLogger(__name__)
 
 
-def _sharded(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
-
-
 def qat_roots(recipe: Recipe, model: nn.Module) -> tuple[dict[int, list[str]], list[Problem]]:
     """Each QuantizationModifier's submodule names (``""``: the whole model), and what does not resolve."""
     roots: dict[int, list[str]] = {}
     problems = []
     available = {n for n, _ in model.named_modules()}
-    sharded = next((n or type(model).__name__ for n, sub in model.named_modules() if _sharded(sub)), None)
+    sharded = next((n or type(model).__name__ for n, sub in model.named_modules() if is_sharded_module(sub)), None)
     for index, m in recipe.of_type(M.QuantizationModifier):
         if sharded is not None:  # FSDP2 manages a sharded module's parameters; QAT rebuilds the layers around them
             problems.append(recipe.problem(index, None, f"{sharded} is sharded with fully_shard (FSDP2), and QAT does "
