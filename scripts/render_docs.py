@@ -185,6 +185,13 @@ def jax_compile() -> str:
     return table(load("jax_compile.json"))
 
 
+def gpu_check() -> str:
+    """recal on a GPU: step time against plain bf16 training, eager and compiled, and the checks (gpu_check.py)."""
+    from gpu_check import table
+
+    return table(load("gpu_check.json"))
+
+
 def large_decoder() -> str:
     """A 0.6 B decoder through QAT, export and conversion: time and peak memory per stage (bench_large_decoder.py)."""
     data = load("large_decoder.json")
@@ -281,7 +288,7 @@ TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo
           "thinning-transformers": thinning_transformers, "keras-applications": keras_applications,
           "keras-backends": keras_backends, "keras-backends-summary": keras_backends_summary, "layout": layout_table,
           "large-decoder": large_decoder, "thinning-decoder": thinning_decoder,
-          "jax-compile": jax_compile}
+          "jax-compile": jax_compile, "gpu-check": gpu_check}
 
 
 def render(text: str) -> str:

@@ -149,9 +149,11 @@ class QATConv(QATModule):
         factor = self._bn_scale()
         shape = [1] * (self.dims + 1)  # the weight's axes after the first (a static count: fx traces this)
         y = self._conv(x, self.weight_fake_quant(self.weight * factor.reshape(-1, *shape)), None)
-        y = y / factor.reshape(1, -1, *shape[1:])
+        # in y's dtype: a bf16 conv output under autocast stays bf16, as in plain training (promoted, BatchNorm and
+        # all that followed ran in float32 with conversions back and forth)
+        y = y / factor.reshape(1, -1, *shape[1:]).to(y.dtype)
         if self.bias is not None:
-            y = y + self.bias.reshape(1, -1, *shape[1:])
+            y = y + self.bias.reshape(1, -1, *shape[1:]).to(y.dtype)
         update = self.training and not self.bn_frozen and bn.track_running_stats
         momentum = bn.momentum
         if update:

@@ -20,6 +20,8 @@ from torch import nn
 
 from recal_core.modifiers import INT4_WEIGHT_LEVELS, REDUCED_WEIGHT_LEVELS, WEIGHT_LEVELS
 
+from .fake_quant import fake_quantize, per_channel
+
 ACT_QMIN, ACT_QMAX = 0, 255
 W_QMIN, W_QMAX = -128, 127
 W_LEVELS = float(WEIGHT_LEVELS)  # symmetric: |q| <= 127, so -128 is never used
@@ -133,7 +135,7 @@ class ActivationFakeQuantize(LearnableScale, nn.Module):
 
     @torch.no_grad()
     def observe(self, x: torch.Tensor) -> None:
-        lo, hi = torch.aminmax(x.detach().float())
+        lo, hi = (v.float() for v in torch.aminmax(x.detach()))  # in x's dtype: no float32 copy of x
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(lo, op=torch.distributed.ReduceOp.MIN)
@@ -181,9 +183,7 @@ class ActivationFakeQuantize(LearnableScale, nn.Module):
         with torch.no_grad():
             self.scale.clamp_(min=EPS)
         per_sample = max(x[0].numel() if x.dim() else 1, 1)
-        return torch._fake_quantize_learnable_per_tensor_affine(
-            x, self.scale.reshape(1), self.zero_point.float().reshape(1), ACT_QMIN, ACT_QMAX,
-            1.0 / math.sqrt(per_sample * ACT_QMAX))
+        return fake_quantize(x, self.scale, self.zero_point, ACT_QMIN, ACT_QMAX, 1.0 / math.sqrt(per_sample * ACT_QMAX))
 
     def extra_repr(self) -> str:
         if not self.active:
@@ -223,14 +223,10 @@ class WeightFakeQuantize(LearnableScale, nn.Module):
         return self.scale, self.zero_point
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        scale, zero_point = self.qparams(weight)
-        if self.learned:
-            grad_scale = 1.0 / math.sqrt(weight[0].numel() * self.levels)
-            return torch._fake_quantize_learnable_per_channel_affine(
-                weight, scale, zero_point.float(), 0, -int(self.levels), int(self.levels), grad_scale)
+        scale, _ = self.qparams(weight)  # symmetric: zero point 0
+        grad_scale = 1.0 / math.sqrt(weight[0].numel() * self.levels)  # LSQ's, for a learned scale
         # +-levels as export writes it: with a frozen scale a weight that grew past it saturates the same way in both
-        return torch.fake_quantize_per_channel_affine(weight, scale, zero_point, 0, -int(self.levels),
-                                                      int(self.levels))
+        return fake_quantize(weight, per_channel(scale, weight), 0.0, -int(self.levels), int(self.levels), grad_scale)
 
     def extra_repr(self) -> str:
         bits = "int8" if self.levels == W_LEVELS else "7-bit (reduce_range)"
@@ -267,9 +263,7 @@ class GroupWeightFakeQuantize(LearnableScale, nn.Module):
             self._scale_to_parameter()
 
     def _fake(self, rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        zero = torch.zeros(scale.numel(), dtype=torch.int32, device=rows.device)
-        return torch.fake_quantize_per_channel_affine(rows, scale.reshape(-1), zero, 0, -int(self.levels),
-                                                      int(self.levels))
+        return fake_quantize(rows, scale.reshape(-1, 1), 0.0, -int(self.levels), int(self.levels))
 
     @torch.no_grad()
     def _observe(self, rows: torch.Tensor) -> torch.Tensor:
@@ -305,12 +299,9 @@ class GroupWeightFakeQuantize(LearnableScale, nn.Module):
             weight: the ``[out, in]`` weight."""
         scale = self.qparams(weight)
         rows = weight.reshape(-1, self.group_size)
-        if not self.learned:
-            return self._fake(rows, scale).reshape(weight.shape)
-        zero = torch.zeros(scale.numel(), device=rows.device)
-        grad_scale = 1.0 / math.sqrt(self.group_size * self.levels)
-        return torch._fake_quantize_learnable_per_channel_affine(
-            rows, scale.reshape(-1), zero, 0, -int(self.levels), int(self.levels), grad_scale).reshape(weight.shape)
+        grad_scale = 1.0 / math.sqrt(self.group_size * self.levels)  # LSQ's, for a learned scale
+        return fake_quantize(rows, scale.reshape(-1, 1), 0.0, -int(self.levels), int(self.levels),
+                             grad_scale).reshape(weight.shape)
 
     def integers(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight``'s integers on this grid, ``[out, in]`` int8 (what the export writes).
