@@ -40,18 +40,24 @@ LR_CLASSES = ("ExponentialLR", "StepLR", "MultiStepLR", "CosineAnnealingWarmRest
 INTER_FUNCS = ("linear", "cubic", "inverse_cubic")
 
 
+def check_patterns(entries) -> None:
+    """The ``re:`` entries among ``entries`` compile within recal's limits (ValueError naming the entry)."""
+    for entry in entries:
+        if entry.startswith("re:"):
+            try:
+                compile_pattern(entry[3:])
+            except ValueError as exc:
+                raise ValueError(f"{entry!r}: {exc}") from None
+
+
 def _check_params(value: ParamSpec) -> ParamSpec:
     items = (value,) if isinstance(value, str) else value
     if not items:
         raise ValueError("params is empty; give __ALL__, __ALL_PRUNABLE__, names or re: patterns")
+    check_patterns(items)
     for item in items:
         if not item.strip():
             raise ValueError("params holds an empty name")
-        if item.startswith("re:"):
-            try:
-                compile_pattern(item[3:])
-            except ValueError as exc:
-                raise ValueError(f"{item!r}: {exc}") from None
         if item in (ALL, ALL_PRUNABLE) and len(items) > 1:
             raise ValueError(f"{item} selects everything; do not list it with other names")
     return value

@@ -18,7 +18,7 @@ from .mask_layout import max_sparsity, normalise_mask_type
 # re-exported: the backends and the core read M.ALL, M.Epoch and the rest from this one module
 from .modifier_base import (_NUMBER, ALL, ALL_PRUNABLE, INTER_FUNCS, LR_CLASSES, MAX_EPOCH, Epoch,  # noqa: F401
                             Modifier, NonNegativeNumber, Number, ParamGroups, ParamSpec, PositiveNumber,
-                            _check_params, _unsupported)
+                            _check_params, _unsupported, check_patterns)
 
 
 class EpochRangeModifier(Modifier):
@@ -341,7 +341,8 @@ class QuantizationModifier(Modifier):
                               "it; write start_epoch to say when")}
     start_epoch: Epoch
     submodules: tuple[str, ...] | None = None
-    ignore: tuple[str, ...] | None = Field(None, description="module names or class names to leave float")
+    ignore: tuple[str, ...] | None = Field(
+        None, description="module names, class names or re: patterns of module names to leave float")
     scheme: QuantizationScheme | Literal["W8A8", "W8A16", "W4A16"] | None = Field(
         None, description="how every Conv/Linear is quantized: a preset (W8A8, the default; W8A16 and W4A16 "
                           "weight-only, W4A16 in groups of 128) or a scheme; scheme_overrides refine it")
@@ -371,6 +372,14 @@ class QuantizationModifier(Modifier):
     def _names(cls, v: tuple[str, ...] | None, info: ValidationInfo) -> tuple[str, ...] | None:
         if v is not None and (not v or any(not s.strip() for s in v)):
             raise ValueError(f"{info.field_name} must be a non-empty list of module names")
+        if info.field_name == "ignore":
+            check_patterns(v or ())
+        return v
+
+    @field_validator("scheme_overrides")
+    @classmethod
+    def _override_patterns(cls, v: dict | None) -> dict | None:
+        check_patterns(v or ())
         return v
 
     @field_validator("freeze_bn_stats_epoch", "disable_quantization_observer_epoch")

@@ -83,6 +83,21 @@ def test_ties_broken_deterministically():
     assert magnitude_mask(torch.ones(2, 4), 2).tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
 
 
+def test_the_selection_picks_what_a_stable_sort_picks():
+    """Masks select the smallest magnitudes in linear time; on ties, zeros, NaN and every count they pick exactly
+    the first ``count`` of a stable sort."""
+    from recal_torch.pruning.magnitude import smallest
+
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.randint(0, 5, (200,), generator=g).float(), torch.randn(1000, generator=g).abs(),
+             torch.tensor([0.0, -0.0, 0.0, 1.0, 0.0]).abs(), torch.tensor([1.0, float("nan"), 0.5, float("nan")])]
+    for values in cases:
+        for count in sorted({0, 1, 2, 3, values.numel() // 2, values.numel() - 1, values.numel()}):
+            expected = torch.zeros(values.numel(), dtype=torch.bool)
+            expected[torch.argsort(values, stable=True)[:count]] = True
+            assert torch.equal(smallest(values, count), expected), (values[:8], count)
+
+
 def test_leave_enabled_false_releases_masks():
     recipe = PRUNE.replace("update_frequency: 0.5}", "update_frequency: 0.5, leave_enabled: false}")
     model, manager, optimizer = _setup(recipe)

@@ -338,6 +338,23 @@ def test_ignore_leaves_named_layers_and_classes_float_and_the_next_layer_quantiz
     assert not any(isinstance(m, (QATConv, QATLinear)) for m in model.modules())
 
 
+def test_ignore_and_scheme_overrides_take_re_patterns_of_module_names():
+    """llm-compressor's spelling (``ignore: ['re:.*lm_head']``): a pattern matches a module's whole name or a
+    parent's; one that cannot compile is a located error at load."""
+    from recal_core import RecipeError
+
+    model = _qat_with("['re:conv[12]']", "null")
+    assert type(model.conv1) is nn.Conv2d and type(model.conv2) is nn.Conv2d and isinstance(model.conv3, QATConv)
+    model = _qat_with("null", "{'re:f.': {input_activations: null, weights: null}}")
+    assert type(model.fc) is nn.Linear and isinstance(model.conv1, QATConv)
+    with pytest.warns(UserWarning, match=r"ignore entry 're:conv' names no module"):  # a whole name, not a prefix
+        _qat_with("['re:conv']", "null")
+    with pytest.raises(RecipeError, match=r"<string>:5:\d+: .*ignore.*'re:\(conv': invalid regular expression"):
+        _qat_with("['re:(conv']", "null")
+    with pytest.raises(RecipeError, match=r"scheme_overrides.*'re:\(\?:a\{2000\}\)\{2000\}'.*unroll"):
+        _qat_with("null", "{'re:(?:a{2000}){2000}': {weights: null}}")
+
+
 def test_scheme_overrides_recal_cannot_honour_are_located_errors_and_unused_entries_warn():
     from recal_core import RecipeError
 

@@ -13,6 +13,7 @@ from torch import nn
 from recal_core import Problem
 from recal_core import modifiers as M
 from recal_core.params import strip_wrapper
+from recal_core.patterns import PatternBudget
 from recal_core.recipe import Recipe
 from recal_core.schedule import QATState
 
@@ -53,14 +54,20 @@ def qat_roots(recipe: Recipe, model: nn.Module) -> tuple[dict[int, list[str]], l
     return roots, problems
 
 
-def _matches(entry: str, name: str, modules: dict[str, nn.Module]) -> bool:
-    """SparseML's rule: ``entry`` names the module, one of its parents, or the class of either."""
-    parts = name.split(".")
-    for i in range(len(parts), 0, -1):
-        prefix = ".".join(parts[:i])
-        if prefix == entry or type(modules[prefix]).__name__ == entry:
-            return True
-    return False
+def _matcher(entry: str, modules: dict[str, nn.Module], budget: PatternBudget) -> Callable[[str], bool]:
+    """SparseML's rule: ``entry`` names the module, one of its parents, or the class of either; ``re:...``
+    (llm-compressor's spelling) matches the whole name of the module or a parent, within the recipe's time budget."""
+    hits = budget.fullmatches(entry, tuple(modules)) if entry.startswith("re:") else None
+
+    def matches(name: str) -> bool:
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            prefix = ".".join(parts[:i])
+            if prefix in hits if hits is not None else prefix == entry or type(modules[prefix]).__name__ == entry:
+                return True
+        return False
+
+    return matches
 
 
 @dataclass
@@ -89,18 +96,21 @@ def layer_schemes(recipe: Recipe, model: nn.Module) -> LayerSchemes:
     modules = {n: m for n, m in model.named_modules() if n}
     layers = set(quantizable_layers(model))
     out = LayerSchemes()
+    budget = PatternBudget()
     for index, m in recipe.of_type(M.QuantizationModifier):
         out.left_float[index], out.weight_only[index], out.learned[index] = set(), {}, {}
         where = f"{recipe.describe(index)}"
         for entry in m.ignore or ():
-            if not any(_matches(entry, n, modules) for n in modules):
+            matches = _matcher(entry, modules, budget)
+            if not any(matches(n) for n in modules):
                 out.notes.append(f"{recipe.location(index, 'ignore')}: {where}: ignore entry {entry!r} names no "
                                  "module or module class of this model")
-            out.left_float[index] |= {n for n in layers if _matches(entry, n, modules)}
+            out.left_float[index] |= {n for n in layers if matches(n)}
         chosen: dict[str, tuple[str, str | None, M.QuantizationScheme]] = {
             n: ("scheme", None, m.base_scheme) for n in layers - out.left_float[index]}
         for entry, scheme in (m.scheme_overrides or {}).items():
-            matched = {n for n in modules if _matches(entry, n, modules)}
+            matches = _matcher(entry, modules, budget)
+            matched = {n for n in modules if matches(n)}
             quantized = matched & layers
             loc = recipe.location(index, "scheme_overrides")
             if not matched:
