@@ -35,7 +35,8 @@ from .graph import model_graph, remember_example_inputs
 from .model_params import describe_parameters, sparsity, unwrap
 from .pruning import MaskState
 from .qat import EPS, QATControl, input_groups, layer_schemes, qat_roots
-from .training import ParamGroupSettings, Teacher, TrainableFlags, distillation_loss, follow_recipe, group_bases
+from .training import (ParamGroupSettings, Teacher, TrainableFlags, distillation_loss, follow_recipe, group_bases,
+                       join_learned_groups, split_learned_groups)
 
 STATE_VERSION = 2
 # OBS / M-FAC curvature above this is refused at modify(), before any allocation
@@ -191,6 +192,7 @@ class ScheduledModifierManager(RecipeManager):
                               reduce_range=reduce_range, weight_only=schemes.weight_only, learned=schemes.learned)
         self.qat.on_learned_scales = self._train_scales
         self._learned_scales: list[nn.Parameter] = []
+        self._lr_scheduler = lr_scheduler
         self.teacher = Teacher(teacher) if teacher is not None else None
         self.loggers = list(loggers)
         self._hooks = [
@@ -233,6 +235,12 @@ class ScheduledModifierManager(RecipeManager):
             group["weight_decay"] = 0.0
         self._optimizer.add_param_group(group)
         self._learned_scales.extend(scales)
+        scheduler, index = self._lr_scheduler, len(self._optimizer.param_groups) - 1
+        if scheduler is not None:  # it steps every group: the scales' follows the first group's schedule
+            group["initial_lr"] = float(scheduler.base_lrs[0]) * lr_factor
+            scheduler.base_lrs[index:] = [group["initial_lr"]]  # (a resumed scheduler's state may list it already)
+            if hasattr(scheduler, "lr_lambdas"):  # a plain function: LambdaLR's state dict keeps it out
+                scheduler.lr_lambdas[index:] = [lambda k, first=scheduler.lr_lambdas[0]: first(k)]
 
     def _after_step(self) -> None:
         self._check_pruned_layers_in_place()
@@ -455,8 +463,13 @@ class _StepPostHook(_Hook):
 
 
 class _StateDictHook(_Hook):
+    """recal's part under ``"recal"``, its learned scales' param groups with it (the rest: the user's optimizer)."""
+
     def __call__(self, optimizer, state_dict):
+        state_dict, learned = split_learned_groups(state_dict)
         state_dict[RECAL_STATE_KEY] = self.manager.state_dict()
+        if learned is not None:
+            state_dict[RECAL_STATE_KEY]["learned_groups"] = learned
         return state_dict
 
 
@@ -481,4 +494,5 @@ class _LoadStateDictHook(_Hook):
             return None
         rest = {k: v for k, v in state_dict.items() if k != RECAL_STATE_KEY}
         self.manager.load_state_dict(state_dict[RECAL_STATE_KEY])
-        return rest
+        learned = state_dict[RECAL_STATE_KEY].get("learned_groups")
+        return rest if learned is None else join_learned_groups(rest, learned)

@@ -166,3 +166,36 @@ def test_a_tied_language_model_resumes_qat_from_the_trainers_safetensors(tmp_pat
     straight = run()
     resumed = run(str(tmp_path / "checkpoint-4"))
     assert [k for k in straight if not torch.equal(straight[k], resumed[k])] == []
+
+
+def test_learned_scales_resume_through_the_trainer(tmp_path):
+    """Learned (lsq) scales train in param groups of recal's own, which the Trainer's freshly built optimizer lacks
+    when it loads ``optimizer.pt`` (before any callback runs): the checkpoint keeps them apart from the user's groups,
+    recal puts them (and their AdamW moments) back once the scales exist again, and the run ends bit for bit as the
+    uninterrupted one."""
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    from recal_torch.integrations import RecalTrainerCallback
+
+    recipe = ("- !EpochRangeModifier {start_epoch: 0, end_epoch: 4}\n"
+              "- !QuantizationModifier {start_epoch: 1.5, scheme: {input_activations: {symmetric: false, observer: "
+              "lsq}, weights: {observer: lsq, observer_kwargs: {lr_factor: 0.1}}}}\n")
+
+    def run(resume=None):
+        torch.manual_seed(0)
+        args = TrainingArguments(output_dir=str(tmp_path), num_train_epochs=4, per_device_train_batch_size=BATCH,
+                                 learning_rate=1e-3, optim="adamw_torch", save_strategy="epoch", report_to="none",
+                                 use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
+        trainer = Trainer(model=DigitsNet(), args=args, train_dataset=_digits(), callbacks=[RecalTrainerCallback(recipe)])
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+    trainer, straight = run()
+    groups = trainer.optimizer.param_groups  # the Trainer's two (decay, no decay), recal's two (one per LR factor)
+    assert [g.get("recal_lr_factor") for g in groups] == [None, None, 0.1, 1.0]
+    assert [g["initial_lr"] for g in groups] == pytest.approx([1e-3, 1e-3, 1e-4, 1e-3])  # the scheduler's bases
+    saved = torch.load(tmp_path / "checkpoint-20" / "optimizer.pt", weights_only=True)
+    assert len(saved["param_groups"]) == 2 and len(saved["recal"]["learned_groups"]["param_groups"]) == 2
+    _, resumed = run(str(tmp_path / "checkpoint-20"))
+    assert [k for k in straight if not torch.equal(straight[k], resumed[k])] == []

@@ -20,6 +20,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..manager import RECAL_STATE_KEY, ScheduledModifierManager
+from ..training import join_learned_groups
 from .session import check_length, inner, load_model_state, manager_of
 
 
@@ -48,11 +49,12 @@ class RecalTrainerCallback(TrainerCallback):
                             **self._options)
         check_length(self.manager, state.max_steps / steps_per_epoch, "the Trainer")
         if state.global_step > 0:
-            self._resume(args, state, model)
+            self._resume(args, state, model, inner(optimizer))
 
-    def _resume(self, args, state, model) -> None:
-        """The Trainer loaded the checkpoint's optimizer before recal's hooks were on it: read recal's part (and,
-        after it, the quantizer tensors of the model) from the checkpoint folder."""
+    def _resume(self, args, state, model, optimizer: torch.optim.Optimizer) -> None:
+        """The Trainer loaded the checkpoint's optimizer before recal's hooks were on it (the user's param groups):
+        read recal's part from the checkpoint folder, then the quantizer tensors of the model, then the optimizer
+        state of the learned scales' param groups, which exist again now."""
         folder = Path(args.resume_from_checkpoint or Path(args.output_dir) / f"checkpoint-{state.global_step}")
         saved = folder / "optimizer.pt"
         if not saved.is_file():
@@ -65,6 +67,10 @@ class RecalTrainerCallback(TrainerCallback):
         self.manager.load_state_dict(optimizer_state[RECAL_STATE_KEY])
         if self.manager.qat.prepared:
             load_model_state(model, _model_tensors(folder), str(folder))
+        learned = optimizer_state[RECAL_STATE_KEY].get("learned_groups")
+        if learned is not None:
+            theirs = {k: v for k, v in optimizer_state.items() if k != RECAL_STATE_KEY}
+            optimizer.load_state_dict(join_learned_groups(theirs, learned))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is not None and self.manager.active:

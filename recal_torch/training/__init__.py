@@ -1,10 +1,13 @@
 """What a recipe sets in the training loop besides masks and quantizers: each param group's LR and weight decay
 (:mod:`~recal_torch.training.param_groups`), ``requires_grad`` (:mod:`~recal_torch.training.trainable`) and the
-distillation loss (:mod:`~recal_torch.training.distillation`).
+distillation loss (:mod:`~recal_torch.training.distillation`); and recal's own param groups kept apart in an
+optimizer's checkpoint (:mod:`~recal_torch.training.learned_groups`).
 """
 
 from .distillation import Teacher, distillation_loss
+from .learned_groups import join_learned_groups, split_learned_groups
 from .param_groups import ParamGroupSettings, follow_recipe, group_bases
 from .trainable import TrainableFlags
 
-__all__ = ["ParamGroupSettings", "Teacher", "TrainableFlags", "distillation_loss", "follow_recipe", "group_bases"]
+__all__ = ["ParamGroupSettings", "Teacher", "TrainableFlags", "distillation_loss", "follow_recipe", "group_bases",
+           "join_learned_groups", "split_learned_groups"]
