@@ -199,3 +199,22 @@ def test_learned_scales_resume_through_the_trainer(tmp_path):
     assert len(saved["param_groups"]) == 2 and len(saved["recal"]["learned_groups"]["param_groups"]) == 2
     _, resumed = run(str(tmp_path / "checkpoint-20"))
     assert [k for k in straight if not torch.equal(straight[k], resumed[k])] == []
+
+
+def test_learned_scales_resume_through_lightning(tmp_path):
+    """The same in Lightning: the module's LambdaLR steps recal's groups too, and a checkpoint after QAT began
+    resumes bit for bit."""
+    pytest.importorskip("lightning")
+    from recal_torch.integrations import RecalLightningCallback
+
+    recipe = ("- !EpochRangeModifier {start_epoch: 0, end_epoch: 4}\n"
+              "- !QuantizationModifier {start_epoch: 1.5, scheme: {input_activations: {symmetric: false, observer: "
+              "lsq}, weights: {observer: lsq, observer_kwargs: {lr_factor: 0.1}}}}\n")
+    module, trainer = _lightning_fit(tmp_path, RecalLightningCallback(recipe))
+    final = {k: v.clone() for k, v in module.state_dict().items()}
+    groups = trainer.optimizers[0].param_groups
+    assert [g.get("recal_lr_factor") for g in groups] == [None, 0.1, 1.0]
+    assert [g["initial_lr"] for g in groups] == pytest.approx([0.1, 0.01, 0.1])  # the LambdaLR's bases
+    checkpoint = sorted(tmp_path.glob("epoch=1-*.ckpt"))
+    again, _ = _lightning_fit(tmp_path / "again", RecalLightningCallback(recipe), resume=str(checkpoint[0]))
+    assert [k for k in final if not torch.equal(final[k], again.state_dict()[k])] == []
