@@ -9,7 +9,8 @@ has the same training budget as the baseline, the fp32 model trained on for ``--
   size = recal's group size: RTN symmetric and asymmetric (its default), HQQ, and GPTQ when its tools run here;
 - recal int4 without training, on the baseline (the QAT model's grid at its first step: recal's round-to-nearest);
 - recal int4 QAT (``scheme`` int4 per group, activations float) for ``--qat-steps`` from the fp32 model, with the
-  minmax and the mse observer and with learned scales (lsq, from the mse fit), exported and converted to
+  minmax and the mse observer and with learned scales (lsq, from the mse fit; and lsq again with half its loss
+  distilled from the fp32 model trained on, the one onnxruntime's rows quantize), exported and converted to
   ``MatMulNBits`` by ``quantize_qat_export``.
 
 Each row: test perplexity (the ONNX model in a default onnxruntime session, next-token cross-entropy over the test
@@ -60,8 +61,11 @@ QAT_RECIPE = LR_RECIPE + """
   start_epoch: 0
   scheme:
     input_activations: null
-    weights: {{num_bits: 4, symmetric: true, strategy: group, group_size: {group}, observer: {observer}}}
+    weights: {{num_bits: 4, symmetric: true, {grouping}, observer: {observer}}}
 """
+DISTILL_RECIPE = """
+- !DistillationModifier {start_epoch: 0, end_epoch: 1, hardness: 0.5, temperature: 1.0}
+"""  # half the loss from the text, half from the fp32 model trained on (the teacher onnxruntime's rows quantize)
 
 
 def corpus(train_bytes: int, test_bytes: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -78,10 +82,12 @@ def corpus(train_bytes: int, test_bytes: int) -> tuple[np.ndarray, np.ndarray, i
     return np.frombuffer(bytes(train), np.uint8), np.frombuffer(bytes(test), np.uint8), len(files)
 
 
-def build(layers: int, hidden: int) -> nn.Module:
+def build(layers: int, hidden: int, ffn: int | None = None) -> nn.Module:
+    """A Llama-shaped decoder over bytes (its MLP ``ffn`` wide: 3 x ``hidden`` unless given)."""
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=3 * hidden,
+    ffn = ffn or 3 * hidden
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=ffn,
                                       num_hidden_layers=layers, num_attention_heads=hidden // 64,
                                       num_key_value_heads=hidden // 64, max_position_embeddings=2 * SEQ,
                                       tie_word_embeddings=False)
@@ -97,11 +103,13 @@ def batches(data: np.ndarray, batch: int, seed: int):
 
 
 def train(model: nn.Module, data: np.ndarray, steps: int, lr: float, batch: int, seed: int,
-          manager: ScheduledModifierManager | None = None) -> float:
-    """AdamW on next-token loss; the LR warms up then follows a cosine (or the recipe's, under ``manager``)."""
+          manager: ScheduledModifierManager | None = None, teacher: nn.Module | None = None) -> float:
+    """AdamW on next-token loss; the LR warms up then follows a cosine (or the recipe's, under ``manager``, which
+    blends in distillation from ``teacher`` when its recipe says)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     if manager is not None:
-        optimizer = manager.modify(model, optimizer, steps_per_epoch=steps)
+        optimizer = manager.modify(model, optimizer, steps_per_epoch=steps,
+                                   teacher=None if teacher is None else Logits(teacher))
     model.train()
     t0, loss = time.perf_counter(), float("nan")
     for step, (x, y) in zip(range(steps), batches(data, batch, seed)):
@@ -112,6 +120,8 @@ def train(model: nn.Module, data: np.ndarray, steps: int, lr: float, batch: int,
         optimizer.zero_grad()
         out = model(input_ids=x, use_cache=False).logits
         loss_t = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        if manager is not None:
+            loss_t = manager.loss(loss_t, x, out)
         loss_t.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -170,14 +180,17 @@ def ort_int4(fp32: Path, folder: Path, group: int, calibration: list[dict[str, n
 
 
 def recal_int4(fp32_model: nn.Module, data: np.ndarray, steps: int, observer: str, args, folder: Path,
-               sample: torch.Tensor, label: str) -> tuple[Path, float]:
-    """QAT from the fp32 model for ``steps`` (0: the grid alone), exported and converted; (path, seconds)."""
+               sample: torch.Tensor, label: str, teacher: nn.Module | None = None) -> tuple[Path, float]:
+    """QAT from the fp32 model for ``steps`` (0: the grid alone; with ``teacher``: distilling its outputs too),
+    exported and converted; (path, seconds)."""
     model = copy.deepcopy(fp32_model)
     lr = args.qat_lr if steps else 0.0  # no QAT: one step at LR 0 sets the grid and changes no weight
-    recipe = QAT_RECIPE.format(group=args.group, observer=observer, lr=lr, final_lr=lr / 10)
-    manager = ScheduledModifierManager.from_yaml(recipe)
+    grouping = f"strategy: group, group_size: {args.group}" if args.group else "strategy: channel"
+    recipe = QAT_RECIPE.format(grouping=grouping, observer=observer, lr=lr, final_lr=lr / 10)
+    manager = ScheduledModifierManager.from_yaml(recipe + (DISTILL_RECIPE if teacher is not None else ""))
     t0 = time.perf_counter()
-    train(model, data, max(steps, 1), lr, args.batch, seed=1, manager=manager)
+    train(model, data, max(steps, 1), lr, args.batch, seed=1, manager=manager,
+          teacher=None if teacher is None else copy.deepcopy(teacher))
     qat = folder / f"{label}.qat.onnx"
     export_onnx(Logits(model).eval(), sample, qat, input_names=["ids"], output_names=["logits"],
                 dynamic_sequence=True)
@@ -197,7 +210,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--group", type=int, default=32)
+    parser.add_argument("--ffn", type=int, help="the MLP's width (default: 3 x hidden)")
+    parser.add_argument("--group", type=int, default=32, help="int4 group size; 0: one scale per output channel")
     parser.add_argument("--train-mb", type=float, default=8.0)
     parser.add_argument("--test-windows", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=15)
@@ -208,7 +222,8 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="recal-bench-llm-"))
     train_data, test_data, files = corpus(int(args.train_mb * 1e6), (args.test_windows + 1) * (SEQ + 1))
     windows = np.stack([test_data[i * (SEQ + 1):(i + 1) * (SEQ + 1)] for i in range(args.test_windows)])
-    model = build(args.layers, args.hidden)
+    args.ffn = args.ffn or 3 * args.hidden
+    model = build(args.layers, args.hidden, args.ffn)
     params = sum(p.numel() for p in model.parameters())
     print(f"{files} stdlib files: {len(train_data) / 1e6:.1f} MB train, {windows.size / 1e3:.0f} KB test; "
           f"Llama-shaped decoder, {params / 1e6:.2f} M parameters", flush=True)
@@ -230,14 +245,18 @@ def main() -> None:
     export_onnx(Logits(more), sample, rows[baseline]["path"], input_names=["ids"], output_names=["logits"],
                 dynamic_sequence=True)
     calibration = [{"ids": windows[i:i + 1, :SEQ].astype(np.int64)} for i in range(32)]
-    for label, (path, info) in ort_int4(rows[baseline]["path"], folder, args.group, calibration).items():
+    # per channel: onnxruntime's blocks as wide as the widest input (a power of two, >= 16); narrower ones are padded
+    block = args.group or 1 << (max(args.hidden, args.ffn) - 1).bit_length()
+    for label, (path, info) in ort_int4(rows[baseline]["path"], folder, block, calibration).items():
         rows[label] = {"path": path, "seconds": info if path else None, "note": "" if path else info}
     rows["recal int4, no QAT"] = dict(zip(("path", "seconds"), recal_int4(
         more, train_data, 0, "minmax", args, folder, sample, "recal_rtn")))
-    for observer in ("minmax", "mse", "lsq"):
-        print(f"  recal int4 QAT ({observer}): {args.qat_steps} steps", flush=True)
-        rows[f"recal int4 QAT ({observer})"] = dict(zip(("path", "seconds"), recal_int4(
-            model, train_data, args.qat_steps, observer, args, folder, sample, f"recal_qat_{observer}")))
+    for observer, distill in (("minmax", False), ("mse", False), ("lsq", False), ("lsq", True)):
+        label = f"recal int4 QAT ({observer}{', distilled' if distill else ''})"
+        print(f"  {label}: {args.qat_steps} steps", flush=True)
+        rows[label] = dict(zip(("path", "seconds"), recal_int4(
+            model, train_data, args.qat_steps, observer, args, folder, sample,
+            f"recal_qat_{observer}{'_kd' if distill else ''}", teacher=more if distill else None)))
     ready = {k: r["path"] for k, r in rows.items() if r["path"] is not None}
     for label, path in ready.items():
         rows[label]["ppl"] = perplexity(path, windows)
@@ -266,7 +285,7 @@ def main() -> None:
     if args.json:
         data = {**machine(), "rounds": args.rounds, "group": args.group,
                 "steps": args.steps, "qat_steps": args.qat_steps, "params": params, "layers": args.layers,
-                "hidden": args.hidden, "test_tokens": int(windows[:, 1:].size), "train_bytes": len(train_data),
+                "hidden": args.hidden, "ffn": args.ffn, "test_tokens": int(windows[:, 1:].size), "train_bytes": len(train_data),
                 "files": files, "fp32_bytes": base["bytes"], "baseline": baseline, "rows": table}
         save(args.json, data)
 

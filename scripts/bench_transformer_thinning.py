@@ -260,7 +260,8 @@ def decoder_part(quick: bool, rounds: int, folder: Path) -> dict:
                                                     "decoder_dense")[0]
     for label, (heads, ffn) in DECODER_SETTINGS.items():
         pruned = copy.deepcopy(model)
-        recipe = llm.QAT_RECIPE.format(group=args.group, observer="minmax", lr=args.qat_lr, final_lr=args.qat_lr / 10) + f"""
+        recipe = llm.QAT_RECIPE.format(grouping=f"strategy: group, group_size: {args.group}", observer="minmax",
+                                       lr=args.qat_lr, final_lr=args.qat_lr / 10) + f"""
 - !GradualKSModifier {{params: {DECODER_HEADS}, init_sparsity: 0.0, final_sparsity: {heads}, start_epoch: 0,
                       end_epoch: 0.5, update_frequency: 0.05, mask_type: head}}
 - !GradualKSModifier {{params: {DECODER_FFN}, init_sparsity: 0.0, final_sparsity: {ffn}, start_epoch: 0,

@@ -185,6 +185,13 @@ def jax_compile() -> str:
     return table(load("jax_compile.json"))
 
 
+def lsq_overhead() -> str:
+    """The step time of learned against observed quantization scales (bench_lsq_overhead.py)."""
+    from bench_lsq_overhead import table
+
+    return table(load("lsq_overhead.json"))
+
+
 def gpu_check() -> str:
     """recal on a GPU: step time against plain bf16 training, eager and compiled, and the checks (gpu_check.py)."""
     from gpu_check import table
@@ -288,7 +295,8 @@ TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo
           "thinning-transformers": thinning_transformers, "keras-applications": keras_applications,
           "keras-backends": keras_backends, "keras-backends-summary": keras_backends_summary, "layout": layout_table,
           "large-decoder": large_decoder, "thinning-decoder": thinning_decoder,
-          "jax-compile": jax_compile, "gpu-check": gpu_check}
+          "jax-compile": jax_compile, "gpu-check": gpu_check,
+          "lsq-overhead": lsq_overhead}
 
 
 def render(text: str) -> str:

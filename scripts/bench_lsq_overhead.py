@@ -1,0 +1,120 @@
+"""What learned quantization scales (``observer: lsq``) cost per training step, against observed scales and plain
+training, in PyTorch on the CPU.
+
+Two models, each variant stepped in turn (interleaved rounds, medians), QAT on from the first step (its plan is
+made in the warm-up):
+
+- a small ResNet (``bench_torch_overhead.py``'s, batch 32, 32x32) in W8A8: observed (minmax weights, moving-average
+  activations) against learned (weights per channel and input activations);
+- a Llama-shaped decoder (``bench_llm.py``'s, bytes as tokens, 8 x 128 tokens) with int4 weight-only layers in
+  groups of 32: minmax, mse and learned scales.
+
+    python scripts/bench_lsq_overhead.py [--steps 40] [--threads 2] [--json docs/results/lsq_overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from recal_torch import ScheduledModifierManager
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.results import machine, save_run  # noqa: E402
+from bench.timing import interleaved, medians  # noqa: E402
+from bench_torch_overhead import SmallResNet  # noqa: E402
+
+W8A8 = {"observed": "{}",
+        "learned": "{scheme: {input_activations: {symmetric: false, observer: lsq}, weights: {observer: lsq}}}"}
+INT4 = "{scheme: {input_activations: null, weights: {num_bits: 4, group_size: 32, observer: %s}}}"
+
+
+def _setup(model: nn.Module, fields: str | None) -> torch.optim.Optimizer:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if fields is None:
+        return optimizer
+    recipe = "- !QuantizationModifier " + fields.replace("{", "{start_epoch: 0, ", 1).replace(", }", "}")
+    return ScheduledModifierManager.from_yaml(recipe).modify(model, optimizer, steps_per_epoch=1000)
+
+
+def _cnn(fields: str | None):
+    torch.manual_seed(0)
+    model = SmallResNet()
+    optimizer = _setup(model, fields)
+    x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+    return lambda: _step(model, optimizer, x, y)
+
+
+def _decoder(fields: str | None):
+    import bench_llm
+
+    torch.manual_seed(0)
+    lm = bench_llm.build(2, 128)
+    optimizer = _setup(lm, fields)
+    ids = torch.randint(0, 256, (8, 129))
+
+    def step():
+        optimizer.zero_grad()
+        logits = lm(input_ids=ids[:, :-1], use_cache=False).logits
+        nn.functional.cross_entropy(logits.reshape(-1, 256), ids[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+    return step
+
+
+def _step(model, optimizer, x, y) -> None:
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+
+
+def table(data: dict) -> str:
+    """The docs' table of the saved runs (one per CPU)."""
+    lines = ["| CPU | model | variant | ms/step | x plain | x observed QAT |", "|---|---|---|---:|---:|---:|"]
+    for run in data["runs"]:
+        cpu = run["cpu"].split(",")[0].removeprefix("CPU: ")
+        for row in run["rows"]:
+            vs = "" if row["x_observed"] is None else f"{row['x_observed']:.2f}"
+            lines.append(f"| {cpu} | {row['model']} | {row['variant']} | {row['ms']:.1f} | {row['x_plain']:.2f} | "
+                         f"{vs} |")
+    notes = "; ".join(f"{run['cpu']}: {run['threads']} threads, medians of {run['steps']} interleaved steps"
+                      for run in data["runs"])
+    return ("\n".join(lines) + f"\n\n{notes}. x observed QAT: against the model's first QAT row (minmax). "
+            "`python scripts/bench_lsq_overhead.py --json docs/results/lsq_overhead.json`.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, help="also keep this CPU's run here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    models = {
+        "small ResNet, W8A8": (_cnn, {"plain": None, "QAT, observed": W8A8["observed"],
+                                      "QAT, learned (lsq)": W8A8["learned"]}),
+        "decoder, int4 groups of 32": (_decoder, {"plain": None, "QAT, minmax": INT4 % "minmax",
+                                                  "QAT, mse": INT4 % "mse", "QAT, learned (lsq)": INT4 % "lsq"}),
+    }
+    rows = []
+    for model, (build, variants) in models.items():
+        steps = {name: build(fields) for name, fields in variants.items()}
+        ms = medians(interleaved(steps, args.steps, warmup=3), scale=1e3)
+        observed = ms[list(variants)[1]]
+        print(f"\n{model}: {machine()['cpu']}, {args.threads} threads, median of {args.steps} interleaved steps")
+        for name, value in ms.items():
+            ratio = None if variants[name] is None else value / observed
+            rows.append({"model": model, "variant": name, "ms": value, "x_plain": value / ms["plain"],
+                         "x_observed": ratio})
+            print(f"  {name:22s} {value:8.2f} ms  x{value / ms['plain']:.2f} plain"
+                  + ("" if ratio is None else f"  x{ratio:.2f} observed QAT"), flush=True)
+    if args.json:
+        save_run(args.json, {**machine(), "threads": args.threads, "steps": args.steps, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
