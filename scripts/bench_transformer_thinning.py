@@ -223,7 +223,8 @@ def latency_part(name: str, quick: bool, seq: int, rounds: int, folder: Path) ->
 
 DECODER_HEADS = r"['re:.*self_attn\.[qkvo]_proj\.weight']"
 DECODER_FFN = r"['re:.*mlp\.(gate|up)_proj\.weight']"
-DECODER_SETTINGS = {"1/4 heads, 1/2 FFN": (0.25, 0.5), "1/2 heads, 3/4 FFN": (0.5, 0.75)}
+DECODER_SETTINGS = {"1/4 heads, 1/2 FFN": (0.25, 0.5, False), "1/4 heads, 1/2 FFN, distilled": (0.25, 0.5, True),
+                    "1/2 heads, 3/4 FFN": (0.5, 0.75, False)}  # distilled: half the loss from the fp32 model
 
 
 def decoder_part(quick: bool, rounds: int, folder: Path) -> dict:
@@ -258,7 +259,7 @@ def decoder_part(quick: bool, rounds: int, folder: Path) -> dict:
     paths = {"fp32 (trained on)": baseline, "ort RTN int4, dense": rtn}
     paths["recal int4 QAT, dense"] = llm.recal_int4(model, train_data, qat_steps, "minmax", args, folder, sample,
                                                     "decoder_dense")[0]
-    for label, (heads, ffn) in DECODER_SETTINGS.items():
+    for label, (heads, ffn, distill) in DECODER_SETTINGS.items():
         pruned = copy.deepcopy(model)
         recipe = llm.QAT_RECIPE.format(grouping=f"strategy: group, group_size: {args.group}", observer="minmax",
                                        lr=args.qat_lr, final_lr=args.qat_lr / 10) + f"""
@@ -266,15 +267,16 @@ def decoder_part(quick: bool, rounds: int, folder: Path) -> dict:
                       end_epoch: 0.5, update_frequency: 0.05, mask_type: head}}
 - !GradualKSModifier {{params: {DECODER_FFN}, init_sparsity: 0.0, final_sparsity: {ffn}, start_epoch: 0,
                       end_epoch: 0.5, update_frequency: 0.05, mask_type: filter}}
-"""
+""" + (llm.DISTILL_RECIPE if distill else "")
         llm.train(pruned, train_data, qat_steps, args.qat_lr, args.batch, seed=1,
-                  manager=ScheduledModifierManager.from_yaml(recipe))
+                  manager=ScheduledModifierManager.from_yaml(recipe), teacher=more if distill else None)
         report = thin(pruned.eval())
         print(f"    {label}: {report.removed} heads and neurons thinned", flush=True)
-        qat = folder / f"decoder_{heads}_{ffn}.qat.onnx"
+        stem = f"decoder_{heads}_{ffn}{'_kd' if distill else ''}"
+        qat = folder / f"{stem}.qat.onnx"
         export_onnx(llm.Logits(pruned), sample, qat, input_names=["ids"], output_names=["logits"],
                     dynamic_sequence=True)
-        paths[f"recal int4 QAT, {label} thinned"] = folder / f"decoder_{heads}_{ffn}.onnx"
+        paths[f"recal int4 QAT, {label} thinned"] = folder / f"{stem}.onnx"
         quantize_qat_export(str(qat), paths[f"recal int4 QAT, {label} thinned"], inputs={"ids": sample.numpy()})
     prompt = {"ids": windows[:1, :llm.SEQ].astype(np.int64)}
     token = {"ids": windows[:1, :1].astype(np.int64)}
