@@ -112,3 +112,4 @@ def test_a_qat_step_reads_nothing_back_from_the_device():
         step()
     assert "aten.convolution.default" in seen.ops
     assert not HOST_READS & set(seen.ops), sorted(HOST_READS & set(seen.ops))
+
