@@ -190,7 +190,8 @@ class QuantizationArgs(BaseModel):
                               "weight-only layers, from minmax for W8A8 weights and input activations)")
     observer_kwargs: dict[str, float] | None = Field(
         None, description="lsq: {lr_factor: f}, the scales' learning rate as a multiple of the first param group's "
-                          "(default 1.0)")
+                          "(default 1.0); input activations also {calibration_steps: n}, the range averaged over "
+                          "the first n training batches as the start (default 1)")
     type: Literal["int"] = _unsupported("int", "recal quantizes to integers")
 
     @field_validator("num_bits")
@@ -220,18 +221,26 @@ class QuantizationArgs(BaseModel):
     def _observer_kwargs(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         if v is None:
             return v
-        unknown = sorted(set(v) - {"lr_factor"})
+        unknown = sorted(set(v) - {"lr_factor", "calibration_steps"})
         if unknown:
-            raise ValueError(f"observer_kwargs takes lr_factor (lsq), not {', '.join(map(repr, unknown))}")
+            raise ValueError(f"observer_kwargs takes lr_factor, calibration_steps, not {', '.join(map(repr, unknown))}")
         factor = v.get("lr_factor", 1.0)
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
             raise ValueError(f"lr_factor must be a positive number, not {factor!r}")
+        steps = v.get("calibration_steps", 1)
+        if isinstance(steps, bool) or steps != int(steps) or not 1 <= steps <= 100_000:
+            raise ValueError(f"calibration_steps must be a whole number of steps from 1 to 100,000, not {steps!r}")
         return v
 
     @property
     def lr_factor(self) -> float:
         """lsq: the scales' learning rate over the first param group's."""
         return float((self.observer_kwargs or {}).get("lr_factor", 1.0))
+
+    @property
+    def calibration_steps(self) -> int:
+        """lsq input activations: the training batches whose ranges, averaged, start the scale."""
+        return int((self.observer_kwargs or {}).get("calibration_steps", 1))
 
     @model_validator(mode="after")
     def _group(self) -> "QuantizationArgs":
@@ -259,6 +268,13 @@ class QuantizationScheme(BaseModel):
     input_activations: QuantizationArgs | None = QuantizationArgs(symmetric=False)
     weights: QuantizationArgs | None = QuantizationArgs(symmetric=True)
     output_activations: QuantizationArgs | None = None
+
+    @model_validator(mode="after")
+    def _calibrated_inputs_only(self) -> "QuantizationScheme":
+        if self.weights is not None and "calibration_steps" in (self.weights.observer_kwargs or {}):
+            raise ValueError("calibration_steps goes with input_activations (a weight's learned scale starts from "
+                             "the weight itself)")
+        return self
 
     @property
     def leaves_float(self) -> bool:
@@ -372,13 +388,11 @@ class QuantizationModifier(Modifier):
     def _names(cls, v: tuple[str, ...] | None, info: ValidationInfo) -> tuple[str, ...] | None:
         if v is not None and (not v or any(not s.strip() for s in v)):
             raise ValueError(f"{info.field_name} must be a non-empty list of module names")
-        if info.field_name == "ignore":
-            check_patterns(v or ())
         return v
 
-    @field_validator("scheme_overrides")
+    @field_validator("ignore", "scheme_overrides")
     @classmethod
-    def _override_patterns(cls, v: dict | None) -> dict | None:
+    def _patterns(cls, v):
         check_patterns(v or ())
         return v
 

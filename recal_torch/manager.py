@@ -35,8 +35,8 @@ from .graph import model_graph, remember_example_inputs
 from .model_params import describe_parameters, sparsity, unwrap
 from .pruning import MaskState
 from .qat import EPS, QATControl, input_groups, layer_schemes, qat_roots
-from .training import (ParamGroupSettings, Teacher, TrainableFlags, distillation_loss, follow_recipe, group_bases,
-                       join_learned_groups, split_learned_groups)
+from .training import (LR_FACTOR_KEY, ParamGroupSettings, Teacher, TrainableFlags, distillation_loss, follow_recipe,
+                       group_bases, join_learned_groups, split_learned_groups)
 
 STATE_VERSION = 2
 # OBS / M-FAC curvature above this is refused at modify(), before any allocation
@@ -230,7 +230,7 @@ class ScheduledModifierManager(RecipeManager):
         LR times ``lr_factor`` (following it as the recipe moves it), no weight decay. Made again, in the same
         order, when a checkpoint re-creates the QAT layers, so the optimizer's state loads onto them."""
         base = self._optimizer.param_groups[0]
-        group = {"params": scales, "lr": float(base["lr"]) * lr_factor, "recal_lr_factor": lr_factor}
+        group = {"params": scales, "lr": float(base["lr"]) * lr_factor, LR_FACTOR_KEY: lr_factor}
         if "weight_decay" in base:
             group["weight_decay"] = 0.0
         self._optimizer.add_param_group(group)
@@ -369,9 +369,10 @@ class ScheduledModifierManager(RecipeManager):
         if unknown_qat:
             raise ValueError(f"the checkpoint has QAT state for modifiers {sorted(unknown_qat)}, which this recipe lacks")
         bases = [tuple(b) for b in state["group_bases"]]
-        if len(bases) != len(self._optimizer.param_groups):
-            raise ValueError(f"the checkpoint's optimizer had {len(bases)} param groups, this one "
-                             f"{len(self._optimizer.param_groups)}")
+        # the user's groups (a QAT that starts at step 0 has made recal's groups of learned scales already)
+        users = [g for g in self._optimizer.param_groups if LR_FACTOR_KEY not in g]
+        if len(bases) != len(users):
+            raise ValueError(f"the checkpoint's optimizer had {len(bases)} param groups, this one {len(users)}")
         groups = plan_groups(self.plan.schedule, bases) if bases != self._bases else None
         # checked: now change
         if groups is not None:

@@ -1077,6 +1077,52 @@ def test_fake_quantizers_under_bf16_autocast_round_on_the_float32_grid():
     assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
 
 
+def test_learned_input_scales_start_from_the_ranges_of_their_calibration_steps():
+    """``observer_kwargs: {calibration_steps: 3}``: an input's learned scale starts from the first three training
+    batches' ranges averaged (set at each of their forwards, then only trained); a run stopped mid-calibration
+    resumes bit for bit; calibration on weights, or of zero steps, is a located error."""
+    import copy
+
+    from recal_core import RecipeError
+    from recal_torch.qat import activation_qparams
+
+    recipe = ("- !QuantizationModifier {start_epoch: 0, scheme: {weights: {}, input_activations: {symmetric: false, "
+              "observer: lsq, observer_kwargs: {calibration_steps: 3}}}}\n")
+    data = batches(8)
+
+    def fresh():
+        torch.manual_seed(0)
+        model = SmallCNN()
+        manager = ScheduledModifierManager.from_yaml(recipe)
+        return model, manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.05), steps_per_epoch=4)
+
+    model, optimizer = fresh()
+    scales, ckpt = [], {}
+    model.conv1.register_forward_hook(lambda m, args, out: scales.append(m.input_fake_quant.scale.detach().clone()))
+    def keep(k):
+        if k == 2:  # mid-calibration
+            ckpt.update(copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()}))
+
+    train_steps(model, optimizer, data, after_step=keep)
+    fq = model.conv1.input_fake_quant
+    lo = torch.stack([x.min() for x, _ in data[:3]]).mean()
+    hi = torch.stack([x.max() for x, _ in data[:3]]).mean()
+    torch.testing.assert_close(fq.min_val, lo)
+    torch.testing.assert_close(fq.max_val, hi)
+    scales = scales[-len(data):]  # one per step (the plan's first forward recorded before them)
+    torch.testing.assert_close(scales[2], activation_qparams(lo, hi)[0])  # the start, at the third batch
+    assert int(fq.calibrated) == 3 and not torch.equal(scales[3], scales[7])  # then trained
+    resumed, resumed_opt = fresh()
+    load_checkpoint(resumed, resumed_opt, ckpt)
+    train_steps(resumed, resumed_opt, data, start=2)
+    assert_same_state(model, resumed)
+    with pytest.raises(RecipeError, match=r"calibration_steps goes with input_activations"):
+        ScheduledModifierManager.from_yaml(recipe.replace("weights: {}", "weights: {observer: lsq, observer_kwargs: "
+                                                          "{calibration_steps: 2}}"))
+    with pytest.raises(RecipeError, match=r"calibration_steps must be a whole number of steps from 1"):
+        ScheduledModifierManager.from_yaml(recipe.replace("calibration_steps: 3", "calibration_steps: 0"))
+
+
 def test_learned_scales_for_w8a8_weights_and_inputs_train_freeze_resume_and_convert(tmp_path):
     """``observer: lsq`` on a W8A8 scheme's weights and input activations: per-channel weight scales (from minmax)
     and the input quantizers' scales (from the first batch's range) train in param groups of their own, one per

@@ -76,7 +76,8 @@ class LayerSchemes:
 
     left_float: dict[int, set[str]] = field(default_factory=dict)  # Conv/Linear/Embedding layers that stay float
     weight_only: dict[int, dict[str, M.QuantizationArgs]] = field(default_factory=dict)  # W4A16 / W8A16 linears
-    learned: dict[int, dict[str, tuple[float | None, float | None]]] = field(default_factory=dict)  # W8A8 lsq
+    # W8A8 lsq: per layer, the QuantizationArgs of its weights and input activations that learn (None: observed)
+    learned: dict[int, dict[str, tuple[M.QuantizationArgs | None, ...]]] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)  # what recal cannot honour (errors)
     notes: list[str] = field(default_factory=list)  # entries that apply to nothing (warnings)
 
@@ -158,7 +159,9 @@ def _apply_scheme(recipe: Recipe, index: int, source: str, entry: str | None, sc
                      "activations (W8A8), weight-only symmetric 8- or 4-bit weights per channel or group (W8A16, "
                      "W4A16), or the layer in ignore"))
     elif scheme.learned is not None:  # W8A8 with learned scales
-        out.learned[index].update({n: scheme.learned for n in others})
+        how = tuple(x if x is not None and x.observer == "lsq" else None
+                    for x in (scheme.weights, scheme.input_activations))
+        out.learned[index].update({n: how for n in others})
     elif scheme.weight_only:
         convs = [n for n in others if not is_linear_like(modules[n])]
         if convs:
@@ -190,7 +193,7 @@ class QATControl:
     def __init__(self, model: nn.Module, roots: dict[int, list[str]], left_float: dict[int, set[str]] | None = None,
                  attention: bool = False, reduce_range: dict[int, bool] | None = None,
                  weight_only: dict[int, dict[str, M.QuantizationArgs]] | None = None,
-                 learned: dict[int, dict[str, tuple[float | None, float | None]]] | None = None):
+                 learned: dict[int, dict[str, tuple[M.QuantizationArgs | None, ...]]] | None = None):
         self.model = model
         self.learned = learned or {}  # per QuantizationModifier: W8A8 layers whose weights / inputs learn scales
         self.weight_only = weight_only or {}  # per QuantizationModifier: the W4A16 / W8A16 layers and their weights
@@ -234,9 +237,12 @@ class QATControl:
                 how = chosen.get(rel)
                 if how is None or not isinstance(layer, QATModule):
                     continue
-                for quantizer, factor in zip((layer.weight_fake_quant, layer.input_fake_quant), how):
-                    if factor is not None and quantizer is not None:
-                        learned.setdefault(factor, []).append(quantizer.learn())
+                weights, inputs = how
+                if weights is not None:
+                    learned.setdefault(weights.lr_factor, []).append(layer.weight_fake_quant.learn())
+                if inputs is not None and layer.input_fake_quant is not None:
+                    scale = layer.input_fake_quant.learn(inputs.calibration_steps)
+                    learned.setdefault(inputs.lr_factor, []).append(scale)
             for rel, args in weight_only.items():
                 float_layer = root.get_submodule(rel)
                 kind = WeightOnlyEmbedding if is_table(float_layer) else WeightOnlyLinear

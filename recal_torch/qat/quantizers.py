@@ -121,8 +121,13 @@ class ActivationFakeQuantize(LearnableScale, nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         state_dict.setdefault(prefix + "enabled", torch.tensor(True))  # checkpoints from before the flag
+        if "calibrated" in self._buffers and prefix + "calibrated" not in state_dict:  # ... before calibration
+            started = prefix + "min_val" in state_dict and not bool(torch.isinf(state_dict[prefix + "min_val"]))
+            state_dict[prefix + "calibrated"] = torch.tensor(self.calibration_steps if started else 0)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._active, self._observed = bool(self.enabled), not bool(torch.isinf(self.min_val).item())
+        if "calibrated" in self._buffers:
+            self._calibrated = int(self.calibrated)
 
     @property
     def active(self) -> bool:
@@ -134,7 +139,9 @@ class ActivationFakeQuantize(LearnableScale, nn.Module):
         self._active = bool(active)
 
     @torch.no_grad()
-    def observe(self, x: torch.Tensor) -> None:
+    def observe(self, x: torch.Tensor, average: float | None = None) -> None:
+        """Move the range towards ``x``'s (by ``averaging_constant``, or ``average``) and set the scale and zero
+        point from it (a learned scale only while ``average`` is given: its start)."""
         lo, hi = (v.float() for v in torch.aminmax(x.detach()))  # in x's dtype: no float32 copy of x
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
@@ -144,11 +151,11 @@ class ActivationFakeQuantize(LearnableScale, nn.Module):
             self.min_val.copy_(lo)
             self.max_val.copy_(hi)
         else:
-            c = self.averaging_constant
+            c = self.averaging_constant if average is None else average
             self.min_val.add_(c * (lo - self.min_val))
             self.max_val.add_(c * (hi - self.max_val))
         scale, zero_point = activation_qparams(self.min_val, self.max_val)
-        if not (self.learned and self._observed):  # a learned scale takes the range once, as its start
+        if not self.learned or average is not None:  # a learned scale takes the range as its start only
             self.scale.copy_(scale)
             self.zero_point.copy_(zero_point)
         self._observed = True
@@ -157,10 +164,13 @@ class ActivationFakeQuantize(LearnableScale, nn.Module):
     def has_observed(self) -> bool:
         return self._observed
 
-    def learn(self) -> nn.Parameter:
-        """Make the scale learned (LSQ): a parameter, started from the first batch's range, then trained with LSQ's
-        gradient scale ``1 / sqrt(values a sample * 255)``; the zero point stays where that range put it (its start
-        is its observer's first range)."""
+    def learn(self, calibration_steps: int = 1) -> nn.Parameter:
+        """Make the scale learned (LSQ): a parameter, started from the range of the first ``calibration_steps``
+        training batches (their minima and maxima averaged), then trained with LSQ's gradient scale
+        ``1 / sqrt(values a sample * 255)``; the zero point stays where that range put it."""
+        self.calibration_steps = calibration_steps
+        self.register_buffer("calibrated", torch.tensor(0))  # batches the start has seen (a checkpoint keeps it)
+        self._calibrated = 0
         return self._scale_to_parameter(started=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,11 +185,14 @@ class ActivationFakeQuantize(LearnableScale, nn.Module):
         return torch.fake_quantize_per_tensor_affine(x, self.scale, self.zero_point, ACT_QMIN, ACT_QMAX)
 
     def _learned(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.has_observed:
-            if not (self.training and self.observer_enabled):
-                return x
-            with torch.no_grad():  # the start: this batch's range
-                self.observe(x)
+        calibrating = self.training and self.observer_enabled and self._calibrated < self.calibration_steps
+        if not self.has_observed and not calibrating:
+            return x
+        if calibrating:  # the start: the batches' ranges averaged, the scale and zero point set from them
+            with torch.no_grad():
+                self._calibrated += 1
+                self.calibrated.fill_(self._calibrated)
+                self.observe(x, average=1.0 / self._calibrated)
         with torch.no_grad():
             self.scale.clamp_(min=EPS)
         per_sample = max(x[0].numel() if x.dim() else 1, 1)

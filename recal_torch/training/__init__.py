@@ -5,9 +5,9 @@ optimizer's checkpoint (:mod:`~recal_torch.training.learned_groups`).
 """
 
 from .distillation import Teacher, distillation_loss
-from .learned_groups import join_learned_groups, split_learned_groups
+from .learned_groups import LR_FACTOR_KEY, join_learned_groups, split_learned_groups
 from .param_groups import ParamGroupSettings, follow_recipe, group_bases
 from .trainable import TrainableFlags
 
-__all__ = ["ParamGroupSettings", "Teacher", "TrainableFlags", "distillation_loss", "follow_recipe", "group_bases",
-           "join_learned_groups", "split_learned_groups"]
+__all__ = ["LR_FACTOR_KEY", "ParamGroupSettings", "Teacher", "TrainableFlags", "distillation_loss", "follow_recipe",
+           "group_bases", "join_learned_groups", "split_learned_groups"]

@@ -10,19 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
-MARK = "recal_lr_factor"  # the key recal's param groups carry (their LR as a factor of the first group's)
+LR_FACTOR_KEY = "recal_lr_factor"  # the key recal's param groups carry (their LR as a factor of the first group's)
 
 
 def split_learned_groups(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """An optimizer ``state_dict`` as (the user's groups and their state, recal's groups and theirs, or None)."""
     groups = state_dict.get("param_groups", [])
-    positions = [i for i, g in enumerate(groups) if MARK in g]
+    positions = [i for i, g in enumerate(groups) if LR_FACTOR_KEY in g]
     if not positions:
         return state_dict, None
     mine = [groups[i] for i in positions]
     ids = {p for g in mine for p in g["params"]}
     state = state_dict.get("state", {})
-    theirs = {**state_dict, "param_groups": [g for g in groups if MARK not in g],
+    theirs = {**state_dict, "param_groups": [g for g in groups if LR_FACTOR_KEY not in g],
               "state": {k: v for k, v in state.items() if k not in ids}}
     return theirs, {"positions": positions, "param_groups": mine,
                     "state": {k: v for k, v in state.items() if k in ids}}

@@ -15,6 +15,8 @@ import torch
 
 from recal_core.model_plan import GroupPlan
 
+from .learned_groups import LR_FACTOR_KEY
+
 
 def group_bases(optimizer: torch.optim.Optimizer) -> list[tuple[float | None, float | None]]:
     """Each param group's own ``(lr, weight_decay)``, as the core's plan takes them."""
@@ -63,8 +65,8 @@ class ParamGroupSettings:
                 _set(group, "weight_decay", wd)
         first = self.optimizer.param_groups[0]
         for group in self.optimizer.param_groups[len(self.plans):]:  # recal's own (learned scales): a factor of
-            if "recal_lr_factor" in group:  # the first group's LR, wherever the recipe or the user moves it
-                _set(group, "lr", float(first["lr"]) * group["recal_lr_factor"])
+            if LR_FACTOR_KEY in group:  # the first group's LR, wherever the recipe or the user moves it
+                _set(group, "lr", float(first["lr"]) * group[LR_FACTOR_KEY])
 
 
 def _set(group: dict, key: str, value: float) -> None:
