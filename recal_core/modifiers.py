@@ -287,12 +287,12 @@ class QuantizationScheme(BaseModel):
         return self.weights is not None and self.input_activations is None and self.output_activations is None
 
     @property
-    def learned(self) -> tuple[float | None, float | None] | None:
-        """For a W8A8 layer whose weights or input activations have ``observer: lsq``: the LR factor of each that
+    def learned(self) -> tuple[QuantizationArgs | None, QuantizationArgs | None] | None:
+        """For a W8A8 layer whose weights or input activations have ``observer: lsq``: the args of each that
         learns its scale (None: that one observes); None when neither learns."""
-        factors = tuple(x.lr_factor if x is not None and x.observer == "lsq" else None
-                        for x in (self.weights, self.input_activations))
-        return None if self.weight_only or factors == (None, None) else factors
+        args = tuple(x if x is not None and x.observer == "lsq" else None
+                     for x in (self.weights, self.input_activations))
+        return None if self.weight_only or args == (None, None) else args
 
     @property
     def weights_not_per_channel(self) -> bool:

@@ -36,7 +36,7 @@ from .model_params import describe_parameters, sparsity, unwrap
 from .pruning import MaskState
 from .qat import EPS, QATControl, input_groups, layer_schemes, qat_roots
 from .training import (LR_FACTOR_KEY, ParamGroupSettings, Teacher, TrainableFlags, distillation_loss, follow_recipe,
-                       group_bases, join_learned_groups, split_learned_groups)
+                       group_bases, join_learned_groups, schedule_added_group, split_learned_groups)
 
 STATE_VERSION = 2
 # OBS / M-FAC curvature above this is refused at modify(), before any allocation
@@ -235,12 +235,8 @@ class ScheduledModifierManager(RecipeManager):
             group["weight_decay"] = 0.0
         self._optimizer.add_param_group(group)
         self._learned_scales.extend(scales)
-        scheduler, index = self._lr_scheduler, len(self._optimizer.param_groups) - 1
-        if scheduler is not None:  # it steps every group: the scales' follows the first group's schedule
-            group["initial_lr"] = float(scheduler.base_lrs[0]) * lr_factor
-            scheduler.base_lrs[index:] = [group["initial_lr"]]  # (a resumed scheduler's state may list it already)
-            if hasattr(scheduler, "lr_lambdas"):  # a plain function: LambdaLR's state dict keeps it out
-                scheduler.lr_lambdas[index:] = [lambda k, first=scheduler.lr_lambdas[0]: first(k)]
+        if self._lr_scheduler is not None:
+            schedule_added_group(self._lr_scheduler, len(self._optimizer.param_groups) - 1, lr_factor)
 
     def _after_step(self) -> None:
         self._check_pruned_layers_in_place()

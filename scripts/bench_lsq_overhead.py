@@ -26,35 +26,36 @@ from recal_torch import ScheduledModifierManager
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.results import machine, save_run  # noqa: E402
 from bench.timing import interleaved, medians  # noqa: E402
-from bench_torch_overhead import SmallResNet  # noqa: E402
+from bench_torch_overhead import SmallResNet, _step  # noqa: E402
 
-W8A8 = {"observed": "{}",
-        "learned": "{scheme: {input_activations: {symmetric: false, observer: lsq}, weights: {observer: lsq}}}"}
-INT4 = "{scheme: {input_activations: null, weights: {num_bits: 4, group_size: 32, observer: %s}}}"
+W8A8 = {"observed": "- !QuantizationModifier {start_epoch: 0}",
+        "learned": "- !QuantizationModifier {start_epoch: 0, scheme: {input_activations: {symmetric: false, "
+                   "observer: lsq}, weights: {observer: lsq}}}"}
+INT4 = ("- !QuantizationModifier {start_epoch: 0, scheme: {input_activations: null, weights: {num_bits: 4, "
+        "group_size: 32, observer: %s}}}")
 
 
-def _setup(model: nn.Module, fields: str | None) -> torch.optim.Optimizer:
+def _setup(model: nn.Module, recipe: str | None) -> torch.optim.Optimizer:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if fields is None:
+    if recipe is None:
         return optimizer
-    recipe = "- !QuantizationModifier " + fields.replace("{", "{start_epoch: 0, ", 1).replace(", }", "}")
     return ScheduledModifierManager.from_yaml(recipe).modify(model, optimizer, steps_per_epoch=1000)
 
 
-def _cnn(fields: str | None):
+def _cnn(recipe: str | None):
     torch.manual_seed(0)
     model = SmallResNet()
-    optimizer = _setup(model, fields)
+    optimizer = _setup(model, recipe)
     x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
     return lambda: _step(model, optimizer, x, y)
 
 
-def _decoder(fields: str | None):
+def _decoder(recipe: str | None):
     import bench_llm
 
     torch.manual_seed(0)
     lm = bench_llm.build(2, 128)
-    optimizer = _setup(lm, fields)
+    optimizer = _setup(lm, recipe)
     ids = torch.randint(0, 256, (8, 129))
 
     def step():
@@ -63,12 +64,6 @@ def _decoder(fields: str | None):
         nn.functional.cross_entropy(logits.reshape(-1, 256), ids[:, 1:].reshape(-1)).backward()
         optimizer.step()
     return step
-
-
-def _step(model, optimizer, x, y) -> None:
-    optimizer.zero_grad()
-    nn.functional.cross_entropy(model(x), y).backward()
-    optimizer.step()
 
 
 def table(data: dict) -> str:
@@ -101,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows = []
     for model, (build, variants) in models.items():
-        steps = {name: build(fields) for name, fields in variants.items()}
+        steps = {name: build(recipe) for name, recipe in variants.items()}
         ms = medians(interleaved(steps, args.steps, warmup=3), scale=1e3)
         observed = ms[list(variants)[1]]
         print(f"\n{model}: {machine()['cpu']}, {args.threads} threads, median of {args.steps} interleaved steps")

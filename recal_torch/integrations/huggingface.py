@@ -20,7 +20,6 @@ import torch
 from transformers import TrainerCallback
 
 from ..manager import RECAL_STATE_KEY, ScheduledModifierManager
-from ..training import join_learned_groups
 from .session import check_length, inner, load_model_state, manager_of
 
 
@@ -64,13 +63,11 @@ class RecalTrainerCallback(TrainerCallback):
         optimizer_state = torch.load(saved, map_location="cpu", weights_only=True)
         if RECAL_STATE_KEY not in optimizer_state:
             raise ValueError(f"{saved} holds no recal state: it was not saved under this callback")
-        self.manager.load_state_dict(optimizer_state[RECAL_STATE_KEY])
+        # again, now through recal's hook: its state (QAT layers re-created), its learned scales' param groups
+        # back in place, the user's groups as the Trainer loaded them
+        optimizer.load_state_dict(optimizer_state)
         if self.manager.qat.prepared:
             load_model_state(model, _model_tensors(folder), str(folder))
-        learned = optimizer_state[RECAL_STATE_KEY].get("learned_groups")
-        if learned is not None:
-            theirs = {k: v for k, v in optimizer_state.items() if k != RECAL_STATE_KEY}
-            optimizer.load_state_dict(join_learned_groups(theirs, learned))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is not None and self.manager.active:

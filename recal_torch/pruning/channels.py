@@ -8,6 +8,8 @@ import torch
 
 from recal_core.model_plan import ChannelGroup
 
+from .magnitude import smallest
+
 
 def _channel_view(weight: torch.Tensor, along_input: bool, width: int) -> torch.Tensor:
     """``weight`` as ``[channels, rest]``: ``width`` rows per channel, or ``width`` input columns."""
@@ -23,8 +25,7 @@ def group_masks(group: ChannelGroup, weights: dict[str, torch.Tensor], count: in
     position) zeroed in every member; in whole blocks of ``group.block`` channels, ranked by their sums."""
     score = sum(_channel_view(weights[n], group.along_input(n), w).pow(2).sum(1) for n, w in group.members.items())
     block = group.block  # channels ranked and zeroed together (a weight-only reader's quantization group)
-    keep = torch.ones(group.channels // block, device=score.device)
-    keep[torch.argsort(score.reshape(-1, block).sum(1), stable=True)[:count // block]] = 0
+    keep = (~smallest(score.reshape(-1, block).sum(1), count // block)).float()
     keep = keep.repeat_interleave(block) if block > 1 else keep
     return {name: expand(keep, weights[name], group.along_input(name), width)
             for name, width in group.members.items()}

@@ -64,9 +64,7 @@ def structured_mask(weight: torch.Tensor, layout: MaskLayout, count: int,
         tiles = view.reshape(layout.rows // layout.group_rows, layout.group_rows,
                              layout.cols // layout.group_cols, layout.group_cols)
         scores = tiles.pow(2).sum(dim=(1, 3)).sqrt() if layout.score == "l2" else tiles.mean(dim=(1, 3))
-        flat = torch.ones(scores.numel(), dtype=weight.dtype, device=weight.device)
-        if count:
-            flat[torch.argsort(scores.flatten(), stable=True)[:count]] = 0
+        flat = (~smallest(scores.flatten(), count)).to(weight.dtype)
         mask_view = flat.reshape(scores.shape)[:, None, :, None].expand_as(tiles).reshape(layout.rows, layout.cols)
     permuted = mask_view.reshape([canonical.shape[a] for a in layout.perm])
     canonical_mask = permuted.permute(*_inverse(layout.perm))

@@ -159,9 +159,7 @@ def _apply_scheme(recipe: Recipe, index: int, source: str, entry: str | None, sc
                      "activations (W8A8), weight-only symmetric 8- or 4-bit weights per channel or group (W8A16, "
                      "W4A16), or the layer in ignore"))
     elif scheme.learned is not None:  # W8A8 with learned scales
-        how = tuple(x if x is not None and x.observer == "lsq" else None
-                    for x in (scheme.weights, scheme.input_activations))
-        out.learned[index].update({n: how for n in others})
+        out.learned[index].update({n: scheme.learned for n in others})
     elif scheme.weight_only:
         convs = [n for n in others if not is_linear_like(modules[n])]
         if convs:

@@ -6,8 +6,8 @@ optimizer's checkpoint (:mod:`~recal_torch.training.learned_groups`).
 
 from .distillation import Teacher, distillation_loss
 from .learned_groups import LR_FACTOR_KEY, join_learned_groups, split_learned_groups
-from .param_groups import ParamGroupSettings, follow_recipe, group_bases
+from .param_groups import ParamGroupSettings, follow_recipe, group_bases, schedule_added_group
 from .trainable import TrainableFlags
 
 __all__ = ["LR_FACTOR_KEY", "ParamGroupSettings", "Teacher", "TrainableFlags", "distillation_loss", "follow_recipe",
-           "group_bases", "join_learned_groups", "split_learned_groups"]
+           "group_bases", "join_learned_groups", "schedule_added_group", "split_learned_groups"]

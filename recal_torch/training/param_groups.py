@@ -77,6 +77,17 @@ def _set(group: dict, key: str, value: float) -> None:
         group[key] = value
 
 
+def schedule_added_group(scheduler, index: int, lr_factor: float) -> None:
+    """A param group added to the optimizer after ``scheduler`` was made (recal's learned scales, at ``index``):
+    stepped on the first group's schedule, from ``lr_factor`` times its base LR (an LR scheduler steps every group
+    and fails on one it has no base for)."""
+    group = scheduler.optimizer.param_groups[index]
+    group["initial_lr"] = float(scheduler.base_lrs[0]) * lr_factor
+    scheduler.base_lrs[index:] = [group["initial_lr"]]  # (a resumed scheduler's state may list it already)
+    if hasattr(scheduler, "lr_lambdas"):  # a plain function: LambdaLR's state dict leaves it out
+        scheduler.lr_lambdas[index:] = [lambda k, first=scheduler.lr_lambdas[0]: first(k)]
+
+
 def follow_recipe(scheduler, plans: list[GroupPlan], step: Callable[[], int]) -> None:
     """Make a ``LambdaLR`` (what Hugging Face's ``Trainer`` and most training frameworks build) give each group the
     recipe's LR at every step where the recipe sets one, and its own schedule elsewhere.
