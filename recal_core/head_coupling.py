@@ -6,6 +6,8 @@ output (``heads * head_dim`` input columns) and what else touches those tensors.
 ``h*d:(h+1)*d`` of the query, key and value projections and the same columns of the output projection.
 With grouped-query attention (``kv_heads < heads``) the unit is a key/value head with the
 ``heads / kv_heads`` query heads that read it, so removing a unit leaves an attention that still runs.
+A packed projection (GPT-2's ``c_attn``: Q, K and V as consecutive row blocks of one weight) holds a unit's
+rows once in each block: its width is one per block, in row order.
 
 A head-pruning modifier lists the four projections of each attention together; the group ranks its units
 by their summed squared norms (rows of Q, K, V and columns of the output projection) and zeroes the
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .channel_coupling import CouplingError
+
+Width = int | tuple[int, ...]  # rows per unit: one block, or one per block of a packed weight
 
 
 @dataclass(frozen=True)
@@ -36,18 +40,41 @@ class Attention:
     head_dim: int
     biases: tuple[tuple[str, str], ...] = ()  # (projection weight, its bias) for the query, key and value
     blockers: tuple[str, ...] = ()  # why its heads cannot be removed (another reader, an op not followed)
+    offsets: tuple[int, int, int] = (0, 0, 0)  # the first row of the query, key and value in their weights
 
     @property
     def per_unit(self) -> int:
         """Query heads per pruned unit: 1, or the query heads sharing one key/value head."""
         return self.heads // self.kv_heads
 
-    def widths(self) -> dict[str, int]:
-        """Rows (Q, K, V) or columns (output) each weight holds per unit."""
-        q = self.per_unit * self.head_dim
-        return {self.query: q, self.key: self.head_dim, self.value: self.head_dim, self.output: q}
+    def projections(self) -> tuple[tuple[str, int, int], ...]:
+        """``(weight, first row, rows per unit)`` of the query, key and value."""
+        return ((self.query, self.offsets[0], self.per_unit * self.head_dim),
+                (self.key, self.offsets[1], self.head_dim), (self.value, self.offsets[2], self.head_dim))
 
-    def bias_widths(self) -> dict[str, int]:
+    def widths(self) -> dict[str, Width]:
+        """Rows (Q, K, V) or columns (output) each weight holds per unit: one width per projection a packed
+        weight holds, in the order of its rows."""
+        held: dict[str, list[tuple[int, int]]] = {}
+        for weight, offset, width in self.projections():
+            held.setdefault(weight, []).append((offset, width))
+        out: dict[str, Width] = {w: blocks[0][1] if len(blocks) == 1 else tuple(x for _, x in sorted(blocks))
+                                 for w, blocks in held.items()}
+        out[self.output] = self.per_unit * self.head_dim
+        return out
+
+    def packing_problem(self, rows: dict[str, int]) -> str | None:
+        """Why the projections sharing one weight (of ``rows[weight]`` rows) do not fill it block after block
+        (None: they do, or none share one): only then is a unit's set of rows known."""
+        for weight in {w for w, _, _ in self.projections()}:
+            blocks = sorted((o, x * self.kv_heads) for w, o, x in self.projections() if w == weight)
+            ends = [o + n for o, n in blocks]
+            if len(blocks) > 1 and ([o for o, _ in blocks] != [0, *ends[:-1]] or rows.get(weight) != ends[-1]):
+                return (f"{weight}: its query, key and value rows {[(o, e) for (o, _), e in zip(blocks, ends)]} do "
+                        f"not fill its {rows.get(weight)} rows one block after another")
+        return None
+
+    def bias_widths(self) -> dict[str, Width]:
         """Elements per unit of each bias."""
         widths = self.widths()
         return {bias: widths[weight] for weight, bias in self.biases}
@@ -82,7 +109,7 @@ def head_groups(attentions: list[Attention], pruned: dict[str, tuple[int, str]])
             raise CouplingError(f"{att.name}: mask_type head: its heads also reach {att.blockers[0]}, so they "
                                 "cannot be removed; prune this attention's projections unstructured, or leave it "
                                 "out of params", modifier)
-        missing = [w for w in (att.query, att.key, att.value, att.output) if heads.get(w) != modifier]
+        missing = [w for w in dict.fromkeys((att.query, att.key, att.value, att.output)) if heads.get(w) != modifier]
         if missing:
             raise CouplingError(
                 f"{att.name}: mask_type head on {weight} ({role}): a head is rows of the query, key and value "
@@ -98,10 +125,15 @@ def live_heads(att: Attention, is_zero) -> np.ndarray:
     the backend's elementwise "is zero" of a weight or bias in canonical ``[out, in]`` order. One unit is
     always kept (an attention needs one)."""
     units = att.kv_heads
-    value = is_zero(att.value).reshape(units, -1).all(1)
-    for weight, bias in att.biases:
+    _, start, width = att.projections()[2]
+
+    def value_rows(name: str) -> np.ndarray:
+        return is_zero(name)[start:start + units * width].reshape(units, -1).all(1)
+
+    value = value_rows(att.value)
+    for weight, bias in dict(att.biases).items():
         if weight == att.value:
-            value &= is_zero(bias).reshape(units, -1).all(1)
+            value &= value_rows(bias)
     unread = np.moveaxis(is_zero(att.output), 1, 0).reshape(units, -1).all(1)
     keep = ~(value | unread)
     if not keep.any():
@@ -109,6 +141,11 @@ def live_heads(att: Attention, is_zero) -> np.ndarray:
     return keep
 
 
-def unit_rows(kept: np.ndarray, width: int) -> np.ndarray:
-    """The rows (or columns) of a weight holding ``width`` per unit, for the ``kept`` unit indices."""
-    return (np.asarray(kept)[:, None] * width + np.arange(width)).reshape(-1)
+def unit_rows(kept: np.ndarray, width: Width, units: int) -> np.ndarray:
+    """The rows (or columns) of a weight of ``units`` units holding ``width`` per unit (one block, or one width
+    per block of a packed weight), for the ``kept`` unit indices."""
+    out, start = [], 0
+    for w in (width,) if isinstance(width, int) else width:
+        out.append((start + np.asarray(kept)[:, None] * w + np.arange(w)).reshape(-1))
+        start += units * w
+    return np.concatenate(out)

@@ -19,7 +19,7 @@ from recal_core.channel_coupling import input_columns, live_channels
 from recal_core.head_coupling import Attention, live_heads, unit_rows
 
 from .graph import model_graph
-from .qat import QATModule, WeightFakeQuantize, WeightOnlyLinear
+from .qat import QATLinear, QATModule, WeightFakeQuantize, WeightOnlyLinear, is_transposed_linear_type
 
 _BN_TENSORS = ("weight", "bias", "running_mean", "running_var")
 
@@ -67,8 +67,7 @@ def thin(model: nn.Module, example_inputs: Any = None) -> ThinReport:
     for space in graph.spaces:
         if not space.thinnable:
             continue
-        tensors = {**dict(model.named_buffers()), **dict(model.named_parameters())}  # current after slicing
-        keep = live_channels(space, lambda name: (tensors[name] == 0).cpu().numpy())
+        keep = live_channels(space, _zeros(model, modules))  # the tensors as they are after slicing
         groups = {_group_of(modules[op.name]) for op, _ in space.consumers} - {None}
         if groups and any(modules[op.name].in_features != keep.size for op, _ in space.consumers):
             continue  # group-quantized inputs behind a flatten: whole groups are not whole channels here
@@ -98,9 +97,25 @@ def thin(model: nn.Module, example_inputs: Any = None) -> ThinReport:
     return ThinReport(tuple(done), tuple(heads))
 
 
+def _zeros(model: nn.Module, modules: dict[str, nn.Module]):
+    """``is_zero(name)``: where parameter or buffer ``name`` is exactly zero, in the canonical ``[out, in]`` order
+    the core counts in (a transformers Conv1D's weight transposed)."""
+    tensors = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+
+    def is_zero(name: str) -> np.ndarray:
+        owner, _, attr = name.rpartition(".")
+        zero = (tensors[name] == 0).cpu().numpy()
+        return zero.T if attr == "weight" and _stores_inputs_first(modules[owner]) else zero
+    return is_zero
+
+
+def _stores_inputs_first(m: nn.Module) -> bool:
+    """A transformers Conv1D, or a QAT or weight-only layer made from one: its weight is ``[in, out]``."""
+    return is_transposed_linear_type(type(m)) or isinstance(m, (QATLinear, WeightOnlyLinear)) and m.transposed
+
+
 def _thin_heads(model: nn.Module, modules: dict[str, nn.Module], att: Attention):
-    tensors = dict(model.named_parameters())
-    keep = live_heads(att, lambda name: (tensors[name] == 0).cpu().numpy())
+    keep = live_heads(att, _zeros(model, modules))
     output = modules[att.output.rsplit(".", 1)[0]]
     if _group_of(output):  # the output projection's scales cover whole groups of its inputs: keep groups whole
         keep = _whole_groups(keep, att.widths()[att.output], _group_of(output))
@@ -108,7 +123,7 @@ def _thin_heads(model: nn.Module, modules: dict[str, nn.Module], att: Attention)
         return None
     units = np.flatnonzero(keep)
     for weight, width in att.widths().items():
-        index = torch.from_numpy(unit_rows(units, width))
+        index = torch.from_numpy(unit_rows(units, width, att.kv_heads))
         layer = modules[weight.rsplit(".", 1)[0]]
         if weight == att.output:
             _slice_in(layer, index)
@@ -120,6 +135,8 @@ def _thin_heads(model: nn.Module, modules: dict[str, nn.Module], att: Attention)
                         ("all_head_size", heads * att.head_dim)):
         if isinstance(getattr(attention, attr, None), int):
             setattr(attention, attr, value)
+    if att.query == att.key and getattr(attention, "split_size", None) == att.heads * att.head_dim:
+        attention.split_size = heads * att.head_dim  # GPT-2 splits its packed c_attn's output by this size
     return (att.name, att.heads, heads)
 
 
@@ -135,13 +152,12 @@ def _slice_attr(m: nn.Module, attr: str, index: torch.Tensor, dim: int) -> None:
 
 
 def _slice_out(m: nn.Module, index: torch.Tensor) -> None:
-    """A conv or linear (float or QAT) down to the output channels ``index``."""
-    for attr in ("weight", "bias"):
-        _slice_attr(m, attr, index, 0)
-    if hasattr(m, "out_channels"):
-        m.out_channels = len(index)
-    if hasattr(m, "out_features"):
-        m.out_features = len(index)
+    """A conv or linear (float or QAT; a transformers Conv1D) down to the output channels ``index``."""
+    _slice_attr(m, "weight", index, 1 if _stores_inputs_first(m) else 0)
+    _slice_attr(m, "bias", index, 0)
+    for attr in ("out_channels", "out_features", "nf"):  # nf: a Conv1D's outputs
+        if hasattr(m, attr):
+            setattr(m, attr, len(index))
     if isinstance(m, QATModule):
         fq: WeightFakeQuantize = m.weight_fake_quant
         _slice_attr(fq, "scale", index, 0)
@@ -151,17 +167,16 @@ def _slice_out(m: nn.Module, index: torch.Tensor) -> None:
 
 
 def _in_width(m: nn.Module) -> int:
-    return m.in_features if isinstance(m, WeightOnlyLinear) else m.weight.shape[1]
+    return m.in_features if isinstance(m, WeightOnlyLinear) else m.weight.shape[0 if _stores_inputs_first(m) else 1]
 
 
 def _slice_in(m: nn.Module, cols: torch.Tensor) -> None:
     """A conv or linear (float, QAT or weight-only) down to the input columns ``cols``; a weight-only layer in
     groups keeps its groups' scales (``cols`` are whole groups: :func:`_whole_groups`)."""
-    _slice_attr(m, "weight", cols, 1)
-    if hasattr(m, "in_channels"):
-        m.in_channels = len(cols)
-    if hasattr(m, "in_features"):
-        m.in_features = len(cols)
+    _slice_attr(m, "weight", cols, 0 if _stores_inputs_first(m) else 1)
+    for attr in ("in_channels", "in_features", "nx"):  # nx: a Conv1D's inputs
+        if hasattr(m, attr):
+            setattr(m, attr, len(cols))
     if isinstance(m, WeightOnlyLinear):
         fq = m.weight_fake_quant
         if fq.per_channel:
@@ -218,7 +233,9 @@ def load_thinned(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
                            else empty)
             weight = getattr(m, "weight", None)
             if isinstance(weight, torch.Tensor) and weight.dim() >= 2:
-                for attr, axis in (("out_features", 0), ("out_channels", 0), ("in_features", 1), ("in_channels", 1)):
+                out, into = (1, 0) if _stores_inputs_first(m) else (0, 1)
+                for attr, axis in (("out_features", out), ("out_channels", out), ("nf", out), ("in_features", into),
+                                   ("in_channels", into), ("nx", into)):
                     if isinstance(getattr(m, attr, None), int):
                         change(m, attr, weight.shape[axis] * (getattr(m, "groups", 1) if attr == "in_channels" else 1))
                 if getattr(m, "groups", 1) > 1 and weight.shape[1] == 1:  # depthwise: one filter per channel
@@ -270,6 +287,12 @@ def _head_counts(m: nn.Module) -> list[tuple[str, int]]:
     children = dict(m.named_children())
     query = next((children[n] for n in ("query", "q_proj") if n in children), None)
     key = next((children[n] for n in ("key", "k_proj") if n in children), None)
+    packed = children.get("c_attn")  # GPT-2: Q, K and V in one Conv1D, split by split_size
+    if head_dim is not None and packed is not None and isinstance(getattr(m, "split_size", None), int) \
+            and not getattr(m, "is_cross_attention", False):
+        heads = packed.weight.shape[-1 if _stores_inputs_first(packed) else 0] // 3 // head_dim
+        return [(attr, value) for attr, value in (("num_heads", heads), ("split_size", heads * head_dim))
+                if isinstance(getattr(m, attr, None), int) and getattr(m, attr) != value]
     if head_dim is None or not isinstance(query, nn.Linear):
         return []
     heads = query.out_features // head_dim

@@ -1008,6 +1008,66 @@ def test_thin_heads_zero_rewrites():
     assert n == 0  # every head alive
 
 
+def _gqa_graph(dead_unit=1):
+    """A Llama attention: x[1, 5, 8] -> Q (4 heads of 2), K and V (2 key/value heads) -> Reshape -> Transpose ->
+    rotary (``x * cos + cat(-x[.., 1:], x[.., :1]) * sin``) on Q and K -> K and V repeated for 2 query heads each
+    (``Unsqueeze -> Expand -> Reshape``, constant shapes holding the head counts) -> softmax(Q Kᵀ) V -> Transpose ->
+    Reshape -> Q/DQ -> MatMul(Wo); key/value head ``dead_unit``'s value columns are zero."""
+    b = Builder()
+    cos = b.const(np.cos(np.arange(10, dtype=np.float32)).reshape(1, 1, 5, 2), "cos")
+    sin = b.const(np.sin(np.arange(10, dtype=np.float32)).reshape(1, 1, 5, 2), "sin")
+
+    def projection(heads, zero=None):
+        w = b.weight((8, 2 * heads), axis=1)
+        if zero is not None:
+            init = next(i for i in reversed(b.inits) if i.name[0] == "w" and i.name[1:].isdigit())
+            values = onnx.numpy_helper.to_array(init).copy()
+            values[:, 2 * zero:2 * zero + 2] = 0
+            init.CopyFrom(onnx.numpy_helper.from_array(values, init.name))
+        split = b.node("Reshape", [b.node("MatMul", ["x", w]), b.const(np.array([1, 5, heads, 2], np.int64), "s")])
+        return b.node("Transpose", [split], perm=[0, 2, 1, 3])
+
+    def rotary(t):
+        def part(start, end):
+            return b.node("Slice", [t, b.const(np.array([start], np.int64)), b.const(np.array([end], np.int64)),
+                                    b.const(np.array([-1], np.int64))])
+        half = b.node("Concat", [b.node("Neg", [part(1, 2)]), part(0, 1)], axis=-1)
+        return b.node("Add", [b.node("Mul", [t, cos]), b.node("Mul", [half, sin])])
+
+    def repeat(t):
+        wide = b.node("Expand", [b.node("Unsqueeze", [t, b.const(np.array([2], np.int64))]),
+                                 b.const(np.array([1, 2, 2, 5, 2], np.int64), "e")])
+        return b.node("Reshape", [wide, b.const(np.array([1, 4, 5, 2], np.int64), "r")])
+
+    q = rotary(projection(4))
+    k = b.node("Transpose", [repeat(rotary(projection(2)))], perm=[0, 1, 3, 2])
+    v = repeat(projection(2, dead_unit))
+    heads = b.node("MatMul", [b.node("Softmax", [b.node("MatMul", [q, k])], axis=-1), v])
+    merged = b.node("Reshape", [b.node("Transpose", [heads], perm=[0, 2, 1, 3]),
+                                b.const(np.array([1, 5, 8], np.int64), "shape")])
+    out = b.node("MatMul", [b.qdq(merged, 0.02, 128), b.weight((8, 8), axis=1)])
+    return b.model([("x", [1, 5, 8])], [out])
+
+
+def test_thin_heads_removes_a_dead_key_value_head_with_its_query_heads_through_rotary_and_repeat():
+    """Grouped-query attention: a unit is a key/value head and the query heads that read it; the rotary embedding
+    works within each head, and the repeat's Expand and Reshape shapes are rewritten to the heads left."""
+    model = _gqa_graph()
+    feeds = _x([1, 5, 8])
+    expected = reference(model, feeds)[0]
+    thinned, (n,) = _apply(model, thin_heads)
+    assert n == 2  # query heads 2 and 3 with key/value head 1
+    shapes = sorted(onnx.numpy_helper.to_array(t).shape for t in thinned.graph.initializer
+                    if onnx.numpy_helper.to_array(t).dtype == np.int8 and onnx.numpy_helper.to_array(t).ndim == 2)
+    assert shapes == [(4, 8), (8, 2), (8, 2), (8, 4)]  # Wo loses rows; Wq two heads' columns, Wk and Wv one head's
+    for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, None):
+        np.testing.assert_allclose(run(thinned, feeds, level=level)[0], expected, atol=0.05)
+    off = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    np.testing.assert_allclose(run(thinned, feeds, level=off)[0], run(model, feeds, level=off)[0], atol=1e-6)
+    _, (n,) = _apply(_gqa_graph(dead_unit=None), thin_heads)
+    assert n == 0
+
+
 @pytest.mark.parametrize("form", ["max-min", "min-max", "max", "min", "scalar-first", "crossed"])
 def test_minmax_to_clip(form):
     """jax2onnx's ReLU6 (``Max(x, 0) -> Min(., 6)``) and ReLU (``Max(x, 0)``) become the Clip the integer passes fold

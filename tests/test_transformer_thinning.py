@@ -10,7 +10,7 @@ import torch
 
 from recal_core import RecipeError
 from recal_core.channel_coupling import CouplingError
-from recal_core.head_coupling import Attention, head_groups, live_heads
+from recal_core.head_coupling import Attention, head_groups, live_heads, unit_rows
 from recal_torch import ScheduledModifierManager, load_thinned, thin
 
 transformers = pytest.importorskip("transformers")
@@ -243,13 +243,85 @@ def _head_recipe(params):
 """
 
 
-def test_fused_qkv_and_eager_attention_are_located_errors_that_say_why():
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=1,
-                                                                n_head=2, bos_token_id=0, eos_token_id=0))
-    manager = ScheduledModifierManager.from_yaml(_head_recipe(r"['re:.*attn\.c_attn\.weight', 're:.*attn\.c_proj\.weight']"))
-    with pytest.raises(RecipeError, match=r"c_attn\.weight: mask_type head: .*transformer\.h\.0\.attn's heads cannot be "
-                                          r"followed.*must each come from one linear"):
-        manager.modify(gpt2, torch.optim.SGD(gpt2.parameters(), lr=0.1), 2)
+def test_a_packed_qkv_is_one_weight_of_three_blocks():
+    """GPT-2's c_attn: Q, K and V as consecutive row blocks of one weight; a unit's rows are taken from each."""
+    att = Attention("a", "a.c.weight", "a.c.weight", "a.c.weight", "a.o.weight", heads=4, kv_heads=2, head_dim=3,
+                    biases=(("a.c.weight", "a.c.bias"),), offsets=(0, 12, 18))
+    assert att.widths() == {"a.c.weight": (6, 3, 3), "a.o.weight": 6}
+    assert att.packing_problem({"a.c.weight": 24}) is None
+    assert "do not fill its 30 rows" in att.packing_problem({"a.c.weight": 30})
+    assert unit_rows([1], (6, 3, 3), 2).tolist() == [6, 7, 8, 9, 10, 11, 15, 16, 17, 21, 22, 23]
+    weights = {"a.c.weight": torch.ones(24, 8), "a.c.bias": torch.ones(24), "a.o.weight": torch.ones(8, 12)}
+    weights["a.c.weight"][21:] = 0  # unit 1's value rows (the third block's second unit)
+    weights["a.c.bias"][21:] = 0
+    assert live_heads(att, lambda n: (weights[n] == 0).numpy()).tolist() == [True, False]
+
+
+GPT2_HEADS = r"['re:.*attn\.c_attn\.weight', 're:.*attn\.c_proj\.weight']"
+GPT2_FFN = r"['re:.*mlp\.c_fc\.weight']"
+GPT2_QAT = {"float": "", "int8": "- !QuantizationModifier {start_epoch: 0, reduce_range: true}\n",
+            "int4": "- !QuantizationModifier {start_epoch: 2, scheme: {input_activations: null, weights: {num_bits: 4, "
+                    "group_size: 16}}}\n"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qat", sorted(GPT2_QAT))
+def test_gpt2s_packed_c_attn_is_pruned_and_thinned_per_head(qat, tmp_path):
+    """GPT-2 keeps Q, K and V in one Conv1D (c_attn, weight [in, 3 * hidden]) split after the projection: a head
+    prunes its rows of each block and its columns of c_proj together, FFN neurons go by c_fc's filters; ``thin``
+    slices the Conv1Ds and ``split_size``, the thinned model computes what the masked one did, converts (float,
+    int8 QAT from the start, or int4 weight-only after pruning) verified, and ``load_thinned`` rebuilds it."""
+    from recal_onnx import quantize_qat_export
+    from recal_torch import export_onnx
+
+    from .torch_models import CausalLMLogits
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=120, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config)
+    _train("gpt2", model, _recipe(GPT2_HEADS, GPT2_FFN) + GPT2_QAT[qat])
+    for block in model.transformer.h:
+        rows = block.attn.c_attn.weight.t().reshape(3, 4, -1)  # [Q|K|V, head, head_dim * inputs]
+        dead = (rows == 0).all(2)
+        assert dead.sum(1).tolist() == [2, 2, 2] and (dead == dead[2]).all(), "a head's Q, K and V rows together"
+        assert int((block.mlp.c_fc.weight == 0).all(0).sum()) == 128
+    model.eval()
+    ids = _batch("gpt2", 99)[0]["input_ids"]
+    with torch.no_grad():
+        masked = model(input_ids=ids).logits
+    report = thin(model)
+    assert [(b, a) for _, b, a in report.heads] == [(4, 2), (4, 2)], str(report)
+    assert sorted((b, a) for _, b, a in report.spaces if a < b) == [(256, 128), (256, 128)], str(report)
+    attention = model.transformer.h[0].attn
+    assert attention.c_attn.weight.shape == (64, 96) and attention.split_size == 32 and attention.num_heads == 2
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, masked, atol=1e-5 * float(masked.abs().max()), rtol=0)
+    path = export_onnx(CausalLMLogits(model).eval(), ids, tmp_path / "gpt2.onnx", input_names=["ids"],
+                       dynamic_sequence=True)
+    result = quantize_qat_export(str(path), tmp_path / "gpt2.out.onnx", inputs={"ids": ids.numpy()}) if qat != \
+        "float" else None
+    if result is not None:
+        assert result.verification.problem(None) is None, result.verification
+    state = {k: v for k, v in model.state_dict().items() if "fake_quant" not in k and "post_process" not in k}
+    rebuilt = transformers.GPT2LMHeadModel(config)
+    load_thinned(rebuilt, copy.deepcopy(state))
+    assert rebuilt.transformer.h[1].attn.split_size == 32 and rebuilt.transformer.h[1].mlp.c_fc.nf == 128
+    if qat == "float":
+        with torch.no_grad():
+            torch.testing.assert_close(rebuilt.eval()(input_ids=ids).logits, model(input_ids=ids).logits, atol=0,
+                                       rtol=0)
+
+
+def test_per_head_packing_and_eager_attention_are_located_errors_that_say_why():
+    neox = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=32))
+    manager = ScheduledModifierManager.from_yaml(_head_recipe(
+        r"['re:.*attention\.query_key_value\.weight', 're:.*attention\.dense\.weight']"))
+    with pytest.raises(RecipeError, match=r"attention: mask_type head: its heads also reach .*chunk.*not an op recal "
+                                          r"follows a head through"):
+        manager.modify(neox, torch.optim.SGD(neox.parameters(), lr=0.1), 2)
     config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                                      vocab_size=100)
     eager = transformers.BertModel._from_config(config, attn_implementation="eager")
@@ -281,8 +353,9 @@ class _Logits(torch.nn.Module):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,dynamo", [("bert", False), ("vit", True), ("bert", True)],
-                         ids=["bert-torchscript", "vit-dynamo", "bert-dynamo"])
+@pytest.mark.parametrize("name,dynamo", [("bert", False), ("vit", True), ("bert", True), ("llama", False),
+                                        ("llama", True)],
+                         ids=["bert-torchscript", "vit-dynamo", "bert-dynamo", "llama-torchscript", "llama-dynamo"])
 def test_the_converter_thins_a_masked_export_as_thin_does(name, dynamo, tmp_path):
     import numpy as np
     import onnx
@@ -306,7 +379,7 @@ def test_the_converter_thins_a_masked_export_as_thin_does(name, dynamo, tmp_path
         warnings.simplefilter("ignore", UnconvertedOpsWarning)
         thinned = quantize_qat_export(tmp_path / "masked.onnx", tmp_path / "thinned.onnx")
         quantize_qat_export(tmp_path / "masked.onnx", tmp_path / "dense.onnx", thin=False)
-    assert thinned.rewrites["thin_heads"] == 2 * units // 2  # half the heads of both layers
+    assert thinned.rewrites["thin_heads"] == 4  # half the 4 heads of both layers (Llama: 1 of 2 key/value heads)
     assert thinned.rewrites["thin_channels"] == 2 * ffn_width // 2
     feeds = {k: v[:1].numpy() for k, v in inputs.items()}
     for options in (None, ort.SessionOptions()):
@@ -323,7 +396,11 @@ def test_the_converter_thins_a_masked_export_as_thin_does(name, dynamo, tmp_path
     dense_weights = int8_weights(tmp_path / "dense.onnx")
     # 2 layers: half the heads of Q, K, V and O, half the neurons of up and down, and their per-channel zero points
     h = 32 if name == "vit" else 64
-    assert int8_weights(tmp_path / "thinned.onnx") == dense_weights - (4 * h * h + 2 * ffn_width * h + 3 * h + ffn_width)
+    if name == "llama":  # K and V are h / 2 wide (2 key/value heads of 16); gate, up and down; rotary in the way
+        removed = 2 * (2 * h * h // 2 + 2 * h * h // 4 + 3 * ffn_width // 2 * h + h // 2 + 2 * h // 4 + ffn_width)
+    else:
+        removed = 4 * h * h + 2 * ffn_width * h + 3 * h + ffn_width
+    assert int8_weights(tmp_path / "thinned.onnx") == dense_weights - removed
 
 
 def test_the_tensorflow_graph_api_refuses_head_pruning_as_pytorch_only():

@@ -9,7 +9,9 @@ graph in its terms and slices the initializers::
     After:   x -> Conv(W[32], b[32]) -> Relu -> Q -> DQ -> Conv(V[., 32]) ...
 
 A transformer's FFN is the same: ``MatMul(W[in, out]) -> Add(bias) -> GELU (Erf written out) or SiLU``,
-then the down-projection's ``MatMul``; its neurons are channels on the last axis.
+then the down-projection's ``MatMul``; its neurons are channels on the last axis. A gated MLP's
+``SiLU(gate) * up`` (two tensors of one shape) joins the gate's and the up projection's channels, as an ``Add``
+joins a residual's.
 
 The channels kept are a multiple of 16 (dead ones are kept to make it up): onnxruntime's kernels run odd counts
 much slower than the channels removed save.
@@ -167,6 +169,9 @@ def _kind(g: Graph, node: Node, data: tuple[str, ...]) -> str | None:
         return "same"  # a global average pool written as a mean over the spatial axes
     if t == "Add" and len(data) == 2 and len(node.inputs) == 2:
         return "add"
+    if t == "Mul" and len(data) == 2 and len(node.inputs) == 2 and node.inputs[0].shape is not None \
+            and node.inputs[0].shape == node.inputs[1].shape:
+        return "add"  # a gated MLP's act(gate) * up: one channel space, as a sum's
     if t == "Flatten" and attr(node, "axis", 1) == 1:
         return "flatten"
     return "other"
@@ -190,7 +195,8 @@ def _scalar(g: Graph, value: Value | None, want: float | None = None) -> bool:
 
 def _activations(g: Graph) -> dict[Node, str | None]:
     """GELU written out (``x * 0.5 * (1 + erf(x / sqrt 2))``, as the exporters write it) and SiLU
-    (``x * sigmoid(x)``): their nodes, the last one mapped to the activation's input, the others to None."""
+    (``x * sigmoid(x)``, the sigmoid quantized or not): their nodes, the last one mapped to the activation's
+    input, the others to None."""
     found: dict[Node, str | None] = {}
     for erf in g.each("Erf"):
         div = g.producer(erf.inputs[0])
@@ -213,10 +219,15 @@ def _activations(g: Graph) -> dict[Node, str | None]:
             found.update({n: None for n in chain[:-1]})
             found[chain[-1]] = x.name
     for sigmoid in g.each("Sigmoid"):
-        x = sigmoid.inputs[0]
+        x, chain = sigmoid.inputs[0], [sigmoid]
         mul = g.only_consumer(sigmoid.outputs[0])
+        while mul is not None and mul.op_type in ("QuantizeLinear", "DequantizeLinear") and \
+                _scalar(g, input_of(mul, 1)):  # a QAT export's sigmoid, quantized on its way to the product
+            chain.append(mul)
+            mul = g.only_consumer(mul.outputs[0])
         if mul is not None and mul.op_type == "Mul" and x in mul.inputs:
-            found[sigmoid], found[mul] = None, x.name
+            found.update({n: None for n in chain})
+            found[mul] = x.name
     return found
 
 

@@ -7,12 +7,15 @@ projection are (the core's :func:`~recal_core.head_coupling.live_heads`), from a
     After:   the same with Wq, Wk, Wv [., 3*d], their biases [3*d] and Wo [3*d, .]
 
 An attention is found from its ``Softmax``: the ``MatMul`` of queries and keys before it, the ``MatMul`` with
-the values after it, and, through reshapes, transposes, scalar scales and scalar (de)quantization, the
-``MatMul`` (+ bias ``Add``) layers that make the queries, keys and values and the one that reads the merged
-heads. Every tensor on the way must be read only there, the head size must be a constant of the reshape that
-splits the heads, and that reshape must infer the head count (``-1``) or hold it as a constant (rewritten);
-an attention that does not pass is left as it is. Grouped-query attention is left as it is. Quantized weights
-are sliced with their per-channel scales.
+the values after it, and, through reshapes, transposes, scalar scales and scalar (de)quantization, rotary
+embeddings (``x * cos + rotate_half(x) * sin``, within each head) and the repeat of grouped-query attention's
+key/value heads (``Unsqueeze -> Expand -> Reshape``), the ``MatMul`` (+ bias ``Add``) layers that make the
+queries, keys and values and the one that reads the merged heads. Every tensor on the way must be read only
+there, the head size must be a constant of the reshape that splits the heads, and each shape on the way holds
+the head count at the head axis as a constant (rewritten), ``-1``, or a value computed from the tensors' own
+shapes (which follows); an attention that does not pass is left as it is. With grouped-query attention a unit
+is a key/value head with its query heads (:mod:`recal_core.head_coupling`). Quantized weights are sliced with
+their per-channel scales.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 
 from recal_core.head_coupling import Attention, live_heads, unit_rows
 
-from ..graph import Graph, Node, Value
+from ..graph import Graph, Node, Value, attr, input_of
 from ..qdq import weight as weight_dq
 from .thin_channels import _is_zero, _slice_weight, _weight
 
@@ -47,20 +50,20 @@ def thin_heads(g: Graph) -> int:
         units = np.flatnonzero(keep)
         for weight, width in att.widths().items():
             node = layers[weight]
-            _slice_weight(g, node, 1, unit_rows(units, width), 0 if weight == att.output else 1)
+            _slice_weight(g, node, 1, unit_rows(units, width, att.kv_heads), 0 if weight == att.output else 1)
         for weight, key in att.biases:
             add = biases[key]
             slot = 0 if g.is_const(add.inputs[0]) else 1
-            index = unit_rows(units, att.head_dim)
+            index = unit_rows(units, att.widths()[weight], att.kv_heads)
             const = add.inputs[slot]
             add.replace_input_with(slot, g.add_const(const.name, np.take(g.const(const), index, axis=-1)))
-        for reshape, axis, per in splits:
-            shape = g.const(reshape.inputs[1]).copy()
-            if shape[axis] != -1:
-                shape[axis] = len(units) * per
-                reshape.replace_input_with(1, g.add_const(reshape.inputs[1].name, shape))
-        removed += att.heads - len(units)
-        log.info("thinned %s: %d -> %d heads", att.name, att.heads, len(units))
+        shapes: dict[tuple[Node, int], dict[int, int]] = {}  # a shape read by two sides (K and V) is edited once
+        for node, index, position, per in splits:
+            shapes.setdefault((node, index), {})[position] = len(units) * per
+        for (node, index), values in shapes.items():
+            _rewrite_shape(g, node, index, values)
+        removed += att.heads - len(units) * att.per_unit
+        log.info("thinned %s: %d -> %d heads", att.name, att.heads, len(units) * att.per_unit)
     return removed
 
 
@@ -93,31 +96,34 @@ def _attention(g: Graph, softmax: Node):
         if node.op_type == "Reshape" and g.is_const(node.inputs[1]):
             merges.append(node)
         value = next(i for i in node.inputs if i is not None and not g.is_const(i))
-    (q, qb, qs, d, qo), (k, kb, ks, _, ko), (v, vb, vs, _, vo) = sides
-    if d is None or _weight(g, q)[0].shape[1] % d:
+    (q, qb, q_split, d), (k, kb, k_split, _), (v, vb, v_split, _) = sides
+    if d is None or _weight(g, q)[0].shape[1] % d or _weight(g, k)[0].shape[1] % d:
         return None
     heads, kv = _weight(g, q)[0].shape[1] // d, _weight(g, k)[0].shape[1] // d
-    if any(heads in s or heads * d in s for s in (*qo, *ko, *vo)):
-        return None  # a reshape between the split and the attention holds the head count
-    if heads != kv or _weight(g, v)[0].shape[1] != heads * d or _weight(g, merged)[0].shape[0] != heads * d:
-        return None  # grouped-query attention, or shapes this pass does not follow
+    if heads % kv or _weight(g, v)[0].shape[1] != kv * d or _weight(g, merged)[0].shape[0] != heads * d:
+        return None  # shapes this pass does not follow
     names = {"q": q.inputs[1].name, "k": k.inputs[1].name, "v": v.inputs[1].name, "o": merged.inputs[1].name}
     if len(set(names.values())) != 4:
         return None
+    splits = []
+    for (reshape, steps), per in zip((q_split, k_split, v_split), (heads // kv, 1, 1)):
+        edits = _follow_heads(g, reshape, steps, kv, per, heads // kv)
+        if edits is None:
+            return None
+        splits += edits
     layers = {names[r]: n for r, n in zip("qkvo", (q, k, v, merged))}
     biases, pairs = {}, []
     for role, add in zip("qkv", (qb, kb, vb)):
         if add is not None:  # by the Add's output: exporters share one constant among equal biases
             biases[add.outputs[0].name] = add
             pairs.append((names[role], add.outputs[0].name))
-    splits = [s for s in (qs, ks, vs) if s is not None]
     for reshape in merges:
         shape = g.const(reshape.inputs[1])
         if shape[-1] == heads * d:
-            splits.append((reshape, len(shape) - 1, d))
+            splits.append((reshape, 1, len(shape) - 1, heads // kv * d))
         elif shape[-1] != -1:
             return None
-    att = Attention(softmax.name or "attention", names["q"], names["k"], names["v"], names["o"], heads, heads, d,
+    att = Attention(softmax.name or "attention", names["q"], names["k"], names["v"], names["o"], heads, kv, d,
                     tuple(pairs))
     return att, layers, biases, splits
 
@@ -165,56 +171,242 @@ def _forward(g: Graph, value: Value, through: set[str]) -> Node | None:
 
 def _projection(g: Graph, value: Value):
     """The ``MatMul`` layer (and its bias ``Add``) behind a query, key or value input, the reshape that splits
-    its heads (the one nearest the layer: its node, head axis, and whether its shape is a constant), the head
-    size, and the constant entries of the other reshapes on the way: None where the way is not plain."""
-    reshapes = []
+    its heads with the steps from there to the attention (nodes, and rotary regions as ``(add, region)``), and
+    the head size: None where the way is not plain."""
+    steps: list = []
     while True:
         node = g.producer(value)
-        if node is None or len(_readers(g, value)) != 1:
+        if node is None:
             return None
-        if node.op_type == "Reshape":
-            shape = g.const(node.inputs[1])
-            reshapes.append((node, shape if shape is not None else _concat_shape(g, node.inputs[1])))
-        elif node.op_type in _PLUMBING or (node.op_type in _SCALAR_OPS and all(
-                g.is_const(i) and g.const(i).size == 1 for i in node.inputs[1:] if i is not None)):
-            pass
-        elif node.op_type == "Add":
+        readers = _readers(g, value)
+        if steps and isinstance(steps[-1], tuple) and set(readers) <= steps[-1][1]:
+            readers = readers[:1]  # a rotary region's input: read by its nodes alone
+        if len(readers) != 1:
+            return None
+        if node.op_type == "Add" and not any(g.is_const(i) for i in node.inputs):
+            region = _rotary(g, node)
+            if region is None:
+                return None
+            steps.append((node, region[1]))
+            value = region[0]
+            continue
+        if node.op_type == "Add":
             layer = g.producer(next((i for i in node.inputs if not g.is_const(i)), None))
             if layer is None or layer.op_type != "MatMul" or len(_readers(g, layer.outputs[0])) != 1:
                 return None
-            return _layer(g, layer, node, reshapes)
-        elif node.op_type == "MatMul":
-            return _layer(g, node, None, reshapes)
-        else:
+            return _layer(g, layer, node, steps)
+        if node.op_type == "MatMul":
+            return _layer(g, node, None, steps)
+        if not (node.op_type in _PLUMBING | _REPEAT or _scalar_op(g, node) or
+                node.op_type == "Concat" and len(node.inputs) == 1):
             return None
+        steps.append(node)
         value = next((i for i in node.inputs if i is not None and not g.is_const(i)), None)
         if value is None:
             return None
 
 
-def _layer(g: Graph, layer: Node, bias: Node | None, reshapes):
-    if _weight(g, layer) is None or not reshapes:
-        return None
-    split, shape = reshapes[-1]
-    if shape is None or len(shape) < 3 or shape[-1] <= 0:
-        return None
-    const = g.is_const(split.inputs[1])
-    if not const and shape[-2] != -1:
-        return None  # a computed shape holding the head count: not rewritten
-    others = [s for _, s in reshapes[:-1]]
-    if any(s is None for s in others):
-        return None
-    return layer, bias, (split, len(shape) - 2, 1) if const else None, int(shape[-1]), others
+_REPEAT = {"Unsqueeze", "Expand"}  # grouped-query attention's repeat of key/value heads (with a Reshape)
+_ROTARY = {"Mul", "Add", "Sub", "Neg", "Slice", "Concat", "Cast"}
 
 
-def _concat_shape(g: Graph, value: Value) -> np.ndarray | None:
-    """A reshape's shape made by ``Concat`` of computed dims and constants: the constants, with 0 for each
-    computed dim (a dim read off a tensor's shape follows thinning)."""
+def _scalar_op(g: Graph, node: Node) -> bool:
+    return node.op_type in _SCALAR_OPS and all(g.is_const(i) and g.const(i).size == 1 for i in node.inputs[1:]
+                                               if i is not None)
+
+
+def _rotary(g: Graph, add: Node) -> tuple[Value, set[Node]] | None:
+    """A rotary embedding ending in ``add`` (``x * cos + rotate_half(x) * sin``): its one input ``x`` (made by a
+    transpose or reshape) and its nodes; cos and sin are constants or ``Unsqueeze`` outputs (checked to be one
+    value for every head by :func:`_rotary_keeps_heads`). None for anything else."""
+    region, starts, stack = set(), set(), [add]
+    while stack:
+        node = stack.pop()
+        if node in region:
+            continue
+        if len(region) >= 16:
+            return None
+        region.add(node)
+        for value in node.inputs[:1] if node.op_type == "Slice" else node.inputs:
+            producer = g.producer(value)
+            if value is None or g.is_const(value) or producer is not None and producer.op_type == "Unsqueeze":
+                continue  # a number, cos or sin
+            if producer is not None and producer.op_type in _ROTARY:
+                stack.append(producer)
+            elif producer is not None and producer.op_type in _PLUMBING:
+                starts.add(value)
+            else:
+                return None
+    return (starts.pop(), region) if len(starts) == 1 else None
+
+
+def _follow_heads(g: Graph, split: Node, steps: list, units: int, per: int, per_unit: int):
+    """The edits ``(node, input, position, per)`` that keep each shape from the reshape ``split`` down to the
+    attention right once units go (``position`` then holds ``units * per``): the head axis followed through
+    transposes, rotary regions, a key/value repeat (``per`` becomes ``per_unit``) and a merge of the heads into the
+    batch; None where a shape holds the head count in a way this pass does not follow."""
+    entries = _shape_entries(g, split, 1)
+    rank, axis, repeat, edits = len(entries), len(entries) - 2, None, []
+    if entries[axis] not in (-1, units * per):
+        return None
+    edits += [(split, 1, axis, per)] if entries[axis] == units * per else []
+    for step in steps:
+        if isinstance(step, tuple):
+            if axis is None or not _rotary_keeps_heads(g, step[1], rank, axis):
+                return None
+            continue
+        op = step.op_type
+        if op == "Transpose":
+            perm = list(attr(step, "perm") or range(rank)[::-1])
+            if axis is None and perm[0] != 0:
+                return None
+            axis = perm.index(axis) if axis is not None else None
+        elif op == "Unsqueeze" and axis is not None:
+            added = g.const(input_of(step, 1)) if input_of(step, 1) is not None else attr(step, "axes")
+            if added is None:
+                return None
+            rank += np.size(added)
+            for a in sorted(int(x) % rank for x in np.ravel(added)):
+                axis += a <= axis
+                repeat = a if a == axis + 1 else repeat
+        elif op == "Expand" and axis is not None:
+            shape = _shape_entries(g, step, 1)
+            at = axis - (rank - len(shape)) if shape is not None else -1
+            if shape is None or len(shape) > rank or at >= 0 and shape[at] not in (1, None, units * per):
+                return None
+            edits += [(step, 1, at, per)] if at >= 0 and shape[at] == units * per else []
+        elif op == "Reshape":
+            shape = _shape_entries(g, step, 1)
+            if shape is None:
+                return None
+            if axis is not None and repeat == axis + 1 and len(shape) == rank - 1:  # the repeat merged
+                per, repeat = per_unit, None
+            elif axis == 1 and len(shape) == rank - 1 and shape[0] in (-1, None):
+                axis = None  # heads merged into the batch: later shapes read their sizes off the tensors
+            elif axis is None and shape[0] not in (-1, None) or axis is not None and len(shape) != rank:
+                return None
+            rank = len(shape)
+            if axis is not None and shape[axis] not in (-1, None, units * per):
+                return None
+            edits += [(step, 1, axis, per)] if axis is not None and shape[axis] == units * per else []
+        elif op in _REPEAT:
+            return None
+    return edits
+
+
+def _rotary_keeps_heads(g: Graph, region: set[Node], rank: int, axis: int) -> bool:
+    """A rotary region works within each head: its slices and concats are on the last axis, and what it multiplies
+    by (cos, sin) is one value for every head (a constant of size 1 there, or unsqueezed there)."""
+    for node in region:
+        if node.op_type == "Slice":
+            axes = g.const(input_of(node, 3))
+            if axes is None or [int(a) % rank for a in np.ravel(axes)] != [rank - 1]:
+                return False
+        elif node.op_type == "Concat" and int(attr(node, "axis")) % rank != rank - 1:
+            return False
+        for value in node.inputs[:1] if node.op_type == "Slice" else node.inputs:
+            producer = g.producer(value)
+            if g.is_const(value):
+                shape = g.const(value).shape
+                if len(shape) > rank - axis and shape[len(shape) - rank + axis] != 1:
+                    return False
+            elif producer is not None and producer.op_type == "Unsqueeze":
+                added = g.const(input_of(producer, 1))
+                if added is None or axis not in [int(a) % rank for a in np.ravel(added)]:
+                    return False
+    return True
+
+
+def _layer(g: Graph, layer: Node, bias: Node | None, steps: list):
+    """The layer, its bias, the reshape splitting its heads (the one nearest the layer) with the steps after it,
+    and the head size; None without a constant head size."""
+    if _weight(g, layer) is None:
+        return None
+    at = next((i for i in range(len(steps) - 1, -1, -1) if not isinstance(steps[i], tuple)
+               and steps[i].op_type == "Reshape"), None)
+    if at is None:
+        return None
+    split = steps[at]
+    entries = _shape_entries(g, split, 1)
+    if entries is None or len(entries) < 3 or entries[-1] is None or entries[-1] <= 0:
+        return None
+    return layer, bias, (split, steps[:at][::-1]), entries[-1]
+
+
+def _shape_entries(g: Graph, node: Node, index: int) -> list[int | None] | None:
+    """The entries of ``node``'s shape input ``index``: a constant, or a ``Concat`` of constants and dims computed at
+    run time (``None``: read off a tensor's shape, so they follow thinning). None when it is neither."""
+    parts = _shape_parts(g, node.inputs[index])
+    return None if parts is None else [v for _, _, v in parts]
+
+
+def _shape_parts(g: Graph, value: Value) -> list[tuple[int | None, int, int | None]] | None:
+    """Per entry of a shape: ``(Concat input, offset in it, value)`` (input None: the shape is one constant)."""
+    if g.is_const(value):
+        return [(None, i, int(x)) for i, x in enumerate(np.ravel(g.const(value)))]
+    node = _shape_concat(g, value)
+    if node is None:
+        return None
+    out = []
+    for index, part in enumerate(node.inputs):
+        c = g.const(part)
+        if c is not None:
+            out += [(index, i, int(x)) for i, x in enumerate(np.ravel(c))]
+            continue
+        size = part.shape[0] if part.shape is not None and len(part.shape) == 1 else 1  # a dim read off a shape
+        if not isinstance(size, int):
+            return None
+        out += [(index, i, None) for i in range(size)]
+    return out
+
+
+def _shape_concat(g: Graph, value: Value) -> Node | None:
+    """The ``Concat`` that lists a computed shape's entries, through what exporters put after it: a flattening
+    ``Reshape``, a ``Cast``, and torch's ``Where(Equal(s, -1), ones, s)`` for ``expand``'s -1."""
     node = g.producer(value)
-    if node is None or node.op_type != "Concat":
-        return None
-    parts = []
-    for i in node.inputs:
-        c = g.const(i)
-        parts.append(np.zeros(1, np.int64) if c is None else np.asarray(c, np.int64).reshape(-1))
-    return np.concatenate(parts)
+    while node is not None and node.op_type != "Concat":
+        if node.op_type == "Cast" or node.op_type == "Reshape" and list(np.ravel(g.const(node.inputs[1]))) == [-1]:
+            node = g.producer(node.inputs[0])
+        elif node.op_type == "Where" and (equal := g.producer(node.inputs[0])) is not None and \
+                equal.op_type == "Equal" and equal.inputs[0] is node.inputs[2] and _minus_ones(g, equal.inputs[1]):
+            node = g.producer(node.inputs[2])
+        else:
+            return None
+    return node
+
+
+def _minus_ones(g: Graph, value: Value) -> bool:
+    """``value`` is all -1: a constant, or ``ConstantOfShape(.., 1) * -1`` (as torch writes it)."""
+    if g.is_const(value):
+        return bool((g.const(value) == -1).all())
+    node = g.producer(value)
+    if node is None or node.op_type != "Mul" or len(node.inputs) != 2:
+        return False
+    ones, minus = sorted(node.inputs, key=g.is_const)
+    fill = g.producer(ones)
+    return g.is_const(minus) and bool((g.const(minus) == -1).all()) and fill is not None and \
+        fill.op_type == "ConstantOfShape" and "value" in fill.attributes and \
+        bool((fill.attributes["value"].value.numpy() == 1).all())
+
+
+def _rewrite_shape(g: Graph, node: Node, index: int, values: dict[int, int]) -> None:
+    """Set entries ``values`` (position: value) of ``node``'s shape input ``index``: a new constant, or a new
+    ``Concat`` with new constant parts (the old one may have other readers)."""
+    value = node.inputs[index]
+    parts = _shape_parts(g, value)
+    if g.is_const(value):
+        shape = g.const(value).copy()
+        for position, new in values.items():
+            shape[position] = new
+        node.replace_input_with(index, g.add_const(value.name, shape))
+        return
+    concat = _shape_concat(g, value)
+    if concat is not g.producer(value) and any(v == -1 for _, _, v in parts):
+        raise AssertionError("unreachable: _follow_heads refuses a shape it cannot rewrite")
+    inputs = list(concat.inputs)
+    for position, new in values.items():
+        part, offset, _ = parts[position]
+        array = g.const(inputs[part]).copy()
+        array.reshape(-1)[offset] = new
+        inputs[part] = g.add_const(concat.inputs[part].name, array)
+    node.replace_input_with(index, g.add_node("Concat", inputs, axis=0).outputs[0])

@@ -11,6 +11,8 @@ inputs (through the view that splits heads and head-local ops such as rotary emb
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from typing import Any
 
 import torch
@@ -41,6 +43,13 @@ _HEAD_LOCAL = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.def
                _aten.add.Tensor, _aten.sub.Tensor, _aten.neg.default, _aten.cat.default, _aten.slice.Tensor,
                _aten.unsqueeze.default, _aten.expand.default, _aten._to_copy.default, _aten.to.dtype,
                _aten.type_as.default, _aten.alias.default, _aten.squeeze.dim, *_FAKE_QUANTS}
+# ops that compute an elementwise function of one tensor (and numbers): a gate such as GELU's ``1 + tanh(...)``
+_ELEMENTWISE = {_aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor, _aten.pow.Tensor_Scalar,
+                _aten.tanh.default, _aten.sigmoid.default, _aten.erf.default, _aten.exp.default, _aten.neg.default,
+                _aten.rsub.Scalar, _aten.add.Scalar, _aten.mul.Scalar}
+_VIEWS = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
+# a packed projection (Q, K and V in one weight) split into its blocks before the heads are
+_SPLITS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default}
 _MERGE = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.transpose.int,
           _aten.permute.default, _aten.contiguous.default, _aten.clone.default, _aten.alias.default, *_FAKE_QUANTS}
 
@@ -132,11 +141,18 @@ def _ops(program: torch.export.ExportedProgram) -> tuple[list[Op], list[Attentio
                 source = _weight_source(weight, constant[weight.name], sig.inputs_to_parameters, graph)
                 if source is not None:
                     params[weight.name] = source
+    gates, inside = _self_gates(graph, params)
     ops: list[Op] = []
     for node in graph.nodes:
         tensors = tuple(a.name for a in node.all_input_nodes if a.name not in params)
-        if node.name in params and node.op != "placeholder":
-            continue  # a weight's fake quantizer: the weight itself
+        if node.name in params and node.op != "placeholder" or node in inside:
+            continue  # a weight's fake quantizer (the weight itself); a gate's own ops (the gate is one op)
+        if node in gates:
+            ops.append(Op(_where(node), "same", (gates[node].name,), node.name))
+            continue
+        if _flattens_for_conv1d(node, params):
+            ops.append(Op(_where(node), "same", tensors[:1], node.name))
+            continue
         if _undoes_batchnorm_factor(node, constant):
             ops.append(Op(_where(node), "same", (node.args[0].name,), node.name))
             continue
@@ -152,6 +168,10 @@ def _ops(program: torch.export.ExportedProgram) -> tuple[list[Op], list[Attentio
                 ops.append(Op(_where(node), "other", tensors, node.name))
             else:
                 ops.append(Op(weight.rsplit(".", 1)[0], "layer", tensors[:1], node.name, weight, bias))
+        elif node.target is _aten.addmm.default and _projection(node, params):  # transformers' Conv1D
+            weight = params[node.args[2].name]
+            bias = params.get(node.args[0].name) if isinstance(node.args[0], torch.fx.Node) else None
+            ops.append(Op(weight.rsplit(".", 1)[0], "layer", (node.args[1].name,), node.name, weight, bias))
         elif node.target in _CONVS and node.args[1].name in params:
             ops.append(_conv(node, params, tensors))
         elif node.target is _aten.batch_norm.default and node.args[1] is not None and node.args[3] is not None:
@@ -172,6 +192,71 @@ def _ops(program: torch.export.ExportedProgram) -> tuple[list[Op], list[Attentio
     attentions = [_attention(node, params) for node in graph.nodes
                   if node.target is _aten.scaled_dot_product_attention.default]
     return ops, attentions
+
+
+def _projection(node: torch.fx.Node, params: dict[str, str]) -> tuple[torch.fx.Node, Any] | None:
+    """``(weight, bias)`` of a ``linear`` or a transformers Conv1D's ``addmm(bias, x, weight)`` on a parameter
+    (None for anything else)."""
+    if node.target is _aten.linear.default and node.args[1].name in params:
+        return node.args[1], node.args[2] if len(node.args) > 2 else None
+    if node.target is _aten.addmm.default and isinstance(node.args[2], torch.fx.Node) \
+            and node.args[2].name in params and not node.kwargs:
+        return node.args[2], node.args[0]
+    return None
+
+
+def _flattens_for_conv1d(node: torch.fx.Node, params: dict[str, str]) -> bool:
+    """A view that keeps the last axis (the channels) on the way into or out of a Conv1D's ``addmm``: the
+    ``[-1, in]`` it multiplies, or the ``[..., out]`` it returns."""
+    if node.target not in _VIEWS or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    into, out = _shape(node.args[0]), _shape(node)
+    if not into or not out or into[-1] != out[-1]:
+        return False
+    source, users = node.args[0], list(node.users)
+    return (source.target is _aten.addmm.default and _projection(source, params) is not None) or \
+        (len(users) == 1 and _projection(users[0], params) is not None and users[0].args[1] is node
+         and users[0].target is _aten.addmm.default)
+
+
+def _self_gates(graph: torch.fx.Graph, params: dict[str, str]):
+    """Products ``a * g`` where ``a`` is ``x`` or ``x`` times a number and ``g`` an elementwise function of ``x``
+    alone (GELU's tanh and erf forms, SiLU written out): zero where ``x`` is, so one channel-keeping op from
+    ``a``. Returns those products with their ``a``, and the ops computing the ``g``s (read by nothing else)."""
+    gates: dict[torch.fx.Node, torch.fx.Node] = {}
+    inside: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.target is not _aten.mul.Tensor or len(node.all_input_nodes) != 2 or \
+                any(a.name in params for a in node.all_input_nodes):
+            continue
+        for a, g in (node.args[:2], node.args[1::-1]):
+            if not isinstance(a, torch.fx.Node) or not isinstance(g, torch.fx.Node):
+                continue
+            root = a.args[0] if a.target is _aten.mul.Tensor and len(a.all_input_nodes) == 1 \
+                and isinstance(a.args[0], torch.fx.Node) else a
+            ops = _function_of(g, root)
+            if ops and all(set(n.users) <= ops | {node} for n in ops):
+                gates[node] = a
+                inside |= ops
+                break
+    return gates, inside
+
+
+def _function_of(node: torch.fx.Node, root: torch.fx.Node) -> set[torch.fx.Node] | None:
+    """The elementwise ops that compute ``node`` from ``root`` and numbers alone (None if anything else feeds
+    it, or it is ``root`` itself)."""
+    ops: set[torch.fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n is root or n in ops:
+            continue
+        if n.op != "call_function" or n.target not in _ELEMENTWISE or \
+                not all(isinstance(a, (torch.fx.Node, int, float)) for a in n.args) or n.kwargs:
+            return None
+        ops.add(n)
+        stack.extend(n.all_input_nodes)
+    return ops or None
 
 
 def _constants(graph: torch.fx.Graph, params: dict[str, str]) -> dict[str, frozenset[str]]:
@@ -257,47 +342,93 @@ def _pos(node: torch.fx.Node) -> int:
 def _attention(sdpa: torch.fx.Node, params: dict[str, str]) -> Attention:
     """The projections of one attention, its head counts, and what blocks removing its heads."""
     name = _where(sdpa).split(" (")[0]
+    order = {n: i for i, n in enumerate(sdpa.graph.nodes)}
     blockers: list[str] = []
     found = []
     for arg in sdpa.args[:3]:
         linear, path = _producer(arg, params)
+        path.sort(key=order.__getitem__)
+        found.append((linear, path, _head_split(path)))
         if linear is None:
             blockers.append(f"{_where(arg)} (its query, key and value must each come from one linear)")
-            found.append((None, None, None))
-            continue
-        split = next((n for n in linear.users if n.target in (_aten.view.default, _aten.reshape.default,
-                                                              _aten._unsafe_view.default)), None)
-        shape = _shape(split) if split is not None else None
-        found.append((linear, shape, path))
-        for n in [linear, *path]:
-            for user in n.users:
-                if user is not sdpa and user not in path:
-                    blockers.append(f"{_where(user)}, which also reads {n.name}")
-        blockers += [f"{_where(n)} (not an op recal follows a head through)" for n in path
-                     if n.target not in _HEAD_LOCAL]
     output, merge_path = _consumer(sdpa, params)
     if output is None:
         blockers.append(merge_path or f"whatever reads {name}'s output (not one linear)")
-    q, k, v = found
+    packed = found[0][0] is not None and found[0][0] is found[1][0] is found[2][0]
+    inside = {n for linear, path, _ in found for n in (linear, *path) if n is not None}
+    offsets = [0, 0, 0]
+    for i, (linear, path, split) in enumerate(found):
+        if linear is None:
+            continue
+        before = path[:path.index(split)] if split in path else path
+        for n in [linear, *path]:
+            for user in n.users:
+                if user is not sdpa and user not in inside:
+                    blockers.append(f"{_where(user)}, which also reads {n.name}")
+        for n in path:
+            if n.target not in _HEAD_LOCAL and not (packed and n in before and n.target in (*_SPLITS, operator.getitem)):
+                blockers.append(f"{_where(n)} (not an op recal follows a head through)")
+        if packed:
+            offset = _block_start(before)
+            if offset is None:
+                blockers.append(f"{name}: its query, key and value come from one projection, but not as blocks "
+                                "split off its last axis before the heads are (GPT-2's c_attn is; GPT-NeoX's and "
+                                "BLOOM's, packed per head, are not followed)")
+            offsets[i] = offset or 0
+    q, k = found[0][2], found[1][2]
     heads = kv_heads = head_dim = 1
-    if q[1] is None or k[1] is None or len(q[1]) < 2:
+    if q is None or k is None:
         blockers.append(f"{name}: recal cannot read the head count from the views that split its heads")
     else:
-        heads, head_dim = q[1][-2], q[1][-1]
-        kv_heads = k[1][-2]
+        heads, head_dim = _shape(q)[-2:]
+        kv_heads = _shape(k)[-2]
         if kv_heads <= 0 or heads % kv_heads:
             blockers.append(f"{name}: {heads} query heads do not share {kv_heads} key/value heads evenly")
             kv_heads = heads
-    weights = [params[n.args[1].name] if n is not None else f"{name}.?" for n, _, _ in found]
-    biases = tuple((params[n.args[1].name], params[n.args[2].name]) for n, _, _ in found
-                   if n is not None and len(n.args) > 2 and n.args[2] is not None)
-    return Attention(name, *weights, params[output.args[1].name] if output is not None else f"{name}.?",
-                     heads, kv_heads, head_dim, biases, tuple(dict.fromkeys(blockers)))
+    weights = [params[_projection(n, params)[0].name] if n is not None else f"{name}.?" for n, _, _ in found]
+    biases = tuple(dict.fromkeys((params[w.name], params[b.name]) for w, b in (
+        _projection(n, params) for n, _, _ in found if n is not None) if isinstance(b, torch.fx.Node)))
+    att = Attention(name, *weights, params[_projection(output, params)[0].name] if output is not None else
+                    f"{name}.?", heads, kv_heads, head_dim, biases, offsets=tuple(offsets))
+    if packed and not blockers:
+        blockers += filter(None, [att.packing_problem({weights[0]: _shape(found[0][0])[-1]})])
+    return dataclasses.replace(att, blockers=tuple(dict.fromkeys(blockers)))
+
+
+def _head_split(path: list[torch.fx.Node]) -> torch.fx.Node | None:
+    """The first view on ``path`` (in graph order) that splits its last axis into heads x head size."""
+    for n in path:
+        into, out = _shape(n.args[0]) if n.target in _VIEWS else None, _shape(n)
+        if into and out and len(out) == len(into) + 1 and out[-2] * out[-1] == into[-1] and out[-1] != into[-1]:
+            return n
+    return None
+
+
+def _block_start(path: list[torch.fx.Node]) -> int | None:
+    """Where the block of a packed projection ``path`` takes starts: the rows before it, read off the split (or
+    slice) of the last axis on the way (None: no such split)."""
+    for n in path:
+        source = n.args[0] if n.target is operator.getitem else None
+        if isinstance(source, torch.fx.Node) and source.target in _SPLITS and _is_last_axis(source, 2):
+            sizes, index = source.args[1], n.args[1]
+            if source.target is _aten.chunk.default:  # chunk(x, n): blocks of ceil(len / n)
+                sizes = -(-_shape(source.args[0])[-1] // sizes)
+            sizes = [sizes] * (index + 1) if isinstance(sizes, int) else list(sizes)
+            return sum(sizes[:index])
+        if n.target is _aten.slice.Tensor and _is_last_axis(n, 1) and len(n.args) > 2:
+            return int(n.args[2] or 0)
+    return None
+
+
+def _is_last_axis(node: torch.fx.Node, position: int) -> bool:
+    rank = len(_shape(node.args[0]) or ())
+    dim = node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)
+    return rank > 0 and isinstance(dim, int) and dim % rank == rank - 1
 
 
 def _producer(node: torch.fx.Node, params: dict[str, str]) -> tuple[torch.fx.Node | None, list[torch.fx.Node]]:
-    """The one ``linear`` (on a parameter) whose output reaches ``node``, and the ops on the way (head
-    splits, rotary embeddings): inputs that no linear reaches (cos and sin tables) are not followed."""
+    """The one ``linear`` (or Conv1D ``addmm``) on a parameter whose output reaches ``node``, and the ops on the
+    way (head splits, rotary embeddings): inputs that no linear reaches (cos and sin tables) are not followed."""
     path: list[torch.fx.Node] = []
     linears: set[torch.fx.Node] = set()
     seen: set[torch.fx.Node] = set()
@@ -307,7 +438,7 @@ def _producer(node: torch.fx.Node, params: dict[str, str]) -> tuple[torch.fx.Nod
         if n in seen or not isinstance(n, torch.fx.Node):
             continue
         seen.add(n)
-        if n.target is _aten.linear.default and n.args[1].name in params:
+        if _projection(n, params):
             linears.add(n)
             continue
         if n.op != "call_function" or not _reaches_linear(n, params):
@@ -326,7 +457,7 @@ def _reaches_linear(node: torch.fx.Node, params: dict[str, str]) -> bool:
         if n in seen:
             continue
         seen.add(n)
-        if n.target is _aten.linear.default and n.args[1].name in params:
+        if _projection(n, params):
             return True
         stack.extend(n.all_input_nodes)
     return False
@@ -340,7 +471,7 @@ def _consumer(sdpa: torch.fx.Node, params: dict[str, str]) -> tuple[torch.fx.Nod
         if len(users) != 1:
             return None, f"{len(users)} readers of {n.name}" if users else None
         user = users[0]
-        if user.target is _aten.linear.default and user.args[0] is n and user.args[1].name in params:
+        if _projection(user, params) and user.args[0 if user.target is _aten.linear.default else 1] is n:
             return user, None
         if user.target not in _MERGE:
             return None, f"{_where(user)} (reads {sdpa.name}'s output; recal follows only reshapes to a linear)"

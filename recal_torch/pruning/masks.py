@@ -17,7 +17,7 @@ from recal_core import modifiers as M
 from recal_core.model_plan import MaskPlan, ModelPlan, is_second_order
 
 from ..sharding import is_sharded, like, whole
-from .channels import expand, group_masks
+from .channels import channel_view, expand, group_masks
 from .mfac import GradientWindow, mfac_step
 from .obs import FisherBlocks, obs_step
 from .magnitude import joint_magnitude_masks, magnitude_mask, nonzero_mask, structured_mask
@@ -127,9 +127,10 @@ class MaskState:
             for fisher in fishers.values():
                 fisher.reset()
         for group, count in self.plan.channel_updates(k):
-            weights = {n: whole(self.params[n].data) for n in group.members}
+            weights = {n: self._canonical(n, whole(self.params[n].data)) for n in group.members}
             for name, mask in group_masks(group, weights, count).items():
-                joint.setdefault(name, {})[group.modifier] = like(mask, self.params[name])
+                joint.setdefault(name, {})[group.modifier] = like(self._canonical(name, mask, back=True),
+                                                                  self.params[name])
         for name, plan in self.plans.items():
             per_modifier = self.masks[name]
             in_force = set(plan.in_force(k))
@@ -165,11 +166,19 @@ class MaskState:
             mask = self.masks[first].get(group.modifier)
             if group.kind == "channel" or mask is None:
                 continue
-            keep = whole(mask).reshape(group.channels, -1).amax(1)  # first member: rows, its widths per channel
+            keep = channel_view(self._canonical(first, whole(mask)), False, group.members[first]).amax(1)
             for name in group.followers:
                 tensor = self._tensors[name]
                 pruned = expand(keep, whole(tensor), False, group.follower_widths.get(name, 1)) == 0
                 self._followers.append((tensor, like(pruned, tensor)))
+
+    def _canonical(self, name: str, tensor: torch.Tensor, back: bool = False) -> torch.Tensor:
+        """``tensor`` (laid out as parameter ``name``) in the canonical ``[out, in, ...]`` order the core's channel
+        groups count in (a transformers Conv1D or a transposed conv stores its inputs first), or ``back``."""
+        axes = self.kernel_axes[name]
+        if axes is None or axes == tuple(range(tensor.dim())):
+            return tensor
+        return tensor.permute(*(sorted(range(len(axes)), key=axes.__getitem__) if back else axes)).contiguous()
 
     def _combine(self, name: str) -> bool:
         masks = list(self.masks[name].values())
