@@ -10,12 +10,29 @@ from __future__ import annotations
 
 import torch
 
+if torch.distributed.is_available():  # a build without distributed has no DTensor (and nothing sharded)
+    from torch.distributed.tensor import DTensor as _DTensor
+else:
+    _DTensor = None
+
 
 def is_sharded(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a DTensor (FSDP2's parameters and gradients)."""
-    from torch.distributed.tensor import DTensor
+    return _DTensor is not None and isinstance(tensor, _DTensor)
 
-    return isinstance(tensor, DTensor)
+
+def gathered(own: torch.Tensor | None, source: torch.nn.Module, name: str) -> torch.Tensor | None:
+    """The tensor a layer that adopted ``source``'s parameter ``name`` (a QAT layer, a folded BatchNorm) computes
+    with: ``own``, or, where FSDP2 shards it, the gathered one ``fully_shard`` puts on ``source`` (the module it
+    recorded) for each forward of the block holding it."""
+    if own is None or not is_sharded(own):
+        return own
+    live = getattr(source, name, None)
+    if live is None or is_sharded(live):
+        raise RuntimeError(f"{type(source).__name__}.{name} is still sharded in forward: FSDP2 gathers a layer's "
+                           "parameters in the forward of the module fully_shard wrapped; shard the block holding "
+                           "this layer, not the layer QAT replaced")
+    return live
 
 
 def is_sharded_module(module: torch.nn.Module) -> bool:
@@ -48,3 +65,10 @@ def like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         return distribute_tensor(full.to(param.to_local().device), param.device_mesh, param.placements,
                                  src_data_rank=None)
     return full.to(param.device) if full.device != param.device else full
+
+
+def forward_to_trace(module: torch.nn.Module, forward):
+    """What a ``torch.fx`` tracer calls for ``module``: a module ``fully_shard`` wrapped runs its own class's forward,
+    without FSDP2's hooks around it (they gather weights, and the root's first one inspects the inputs, which a
+    trace cannot give it)."""
+    return type(module).forward.__get__(module) if is_sharded_module(module) else forward

@@ -173,7 +173,8 @@ def thinning_decoder() -> str:
             f"int4 row has {data['qat_steps']} more steps: onnxruntime's RTN quantizes the fp32 model trained on for "
             "them, recal's QAT trains them on the int4 grid (groups of "
             f"{data['group']}), the thinned rows pruning heads and FFN neurons during the first half and thinning "
-            "them after (distilled: half of the loss from the fp32 model trained on, the one RTN quantizes). Perplexity on {data['test_tokens']:,} held-out tokens; latency 1 thread, batch 1, median of "
+            "them after (distilled: half of the loss from the fp32 model trained on, the one RTN quantizes). "
+            f"Perplexity on {data['test_tokens']:,} held-out tokens; latency 1 thread, batch 1, median of "
             f"{data['rounds']} interleaved rounds (`python scripts/bench_transformer_thinning.py --parts decoder "
             "--json docs/results/thinning_transformers.json`).")
 

@@ -21,6 +21,15 @@ def test_generated_tables_and_index_equal_what_the_json_gives():
     assert not stale, f"run python scripts/render_docs.py: {stale}"
 
 
+def test_generated_text_has_no_unfilled_placeholder():
+    """A note written as a plain string beside f-strings keeps its ``{data[...]}`` as text: caught here."""
+    import re
+
+    for path, text in render_docs.outputs().items():
+        left = re.findall(r"\{(?:data|r|row|rows|dense|rtn)\[[^}]*\}[^ ]*", text)
+        assert not left, f"{path.name}: {left[:3]}"
+
+
 def test_every_table_marker_names_a_table_and_every_json_is_used():
     pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
     names = {m.group("name") for page in pages for m in render_docs.MARKER.finditer(page.read_text())}

@@ -93,7 +93,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from recal_core import RecipeError
     from recal_torch import ScheduledModifierManager
 
-    try:  # QAT rebuilds layers that FSDP2 manages: refused at modify, located, not a failure mid-run
+    try:  # QAT replaces a layer fully_shard wrapped itself: refused at modify, located, not a failure mid-run
         ScheduledModifierManager.from_yaml("- !QuantizationModifier {start_epoch: 1}").modify(
             fresh := _sharded(_model()), torch.optim.SGD(fresh.parameters(), lr=0.1), steps_per_epoch=STEPS_PER_EPOCH)
         qat = "accepted"
@@ -130,7 +130,7 @@ def test_fsdp2_two_ranks_match_the_single_process_run_and_resume_exactly(tmp_pat
             torch.testing.assert_close(r["straight"][name], tensor, rtol=1e-5, atol=1e-6)
             assert torch.equal(r["resumed"][name], r["straight"][name]), name  # resumed: bit for bit
         assert r["lr"] == optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5)  # epoch 1, then held
-    assert "QuantizationModifier" in r0["qat"] and "sharded with fully_shard (FSDP2)" in r0["qat"]
+    assert "QuantizationModifier" in r0["qat"] and "layer '0' is itself sharded with fully_shard (FSDP2)" in r0["qat"]
     assert int((single["2.weight"] == 0).all(1).sum()) >= 8  # the filter modifier removed a quarter of the rows
 
     # recal's state from the sharded run holds whole masks: a single-process run resumes from it
@@ -145,3 +145,72 @@ def test_fsdp2_two_ranks_match_the_single_process_run_and_resume_exactly(tmp_pat
     assert manager.step == STEPS // 2
     for name, mask in manager.masks.effective.items():
         assert mask.shape == model.get_parameter(name).shape and ((mask == 0) == (r0["half"][name] == 0)).all()
+
+
+QAT_RECIPE = """
+- !EpochRangeModifier {start_epoch: 0, end_epoch: 3}
+- !GMPruningModifier {params: ['re:.*\\.0\\.weight'], init_sparsity: 0.1, final_sparsity: 0.5, start_epoch: 0,
+                      end_epoch: 2, update_frequency: 0.5}
+- !QuantizationModifier
+  start_epoch: 1
+  scheme: {input_activations: {symmetric: false, observer: lsq}, weights: {}}
+"""
+
+
+def _blocks() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Sequential(nn.Linear(16, 32), nn.ReLU()), nn.Sequential(nn.Linear(32, 32), nn.ReLU()),
+                         nn.Linear(32, 4))
+
+
+def _qat_setup(shard: bool):
+    from torch.distributed.fsdp import fully_shard
+
+    from recal_torch import ScheduledModifierManager
+
+    model = _blocks()
+    if shard:  # the blocks and the model, as a transformer's layers are sharded: QAT replaces the layers inside
+        fully_shard(model[0])
+        fully_shard(model[1])
+        fully_shard(model)
+    manager = ScheduledModifierManager.from_yaml(QAT_RECIPE)
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               steps_per_epoch=STEPS_PER_EPOCH)
+    return model, optimizer, manager
+
+
+def _qat_worker(rank: int, world: int, port: int, out: str) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    batches = _batches()
+    model, optimizer, _ = _qat_setup(shard=True)
+    _train(model, optimizer, batches, rank, world)
+    straight = _whole(model)
+    model, optimizer, manager = _qat_setup(shard=True)
+    _train(model, optimizer, batches[:STEPS // 2 + 1], rank, world)  # into QAT (epoch 1 starts at step 4)
+    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    model, optimizer, manager = _qat_setup(shard=True)
+    optimizer.load_state_dict(saved["optimizer"])
+    model.load_state_dict(saved["model"])
+    _train(model, optimizer, batches[STEPS // 2 + 1:], rank, world)
+    torch.save({"straight": straight, "resumed": _whole(model)}, os.path.join(out, f"qat{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_qat_with_learned_scales_matches_the_single_process_run_and_resumes_exactly(tmp_path):
+    """QAT on a model whose blocks are sharded (FSDP2 gathers each block's weights in its forward; the QAT layers
+    read them there): weights, observed ranges and learned input scales as in one process, and a sharded
+    checkpoint taken during QAT resumes bit for bit."""
+    mp.spawn(_qat_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    model, optimizer, _ = _qat_setup(shard=False)
+    _train(model, optimizer, _batches())
+    single = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert any(k.endswith("input_fake_quant.scale") for k in single)  # the learned scales are in the state
+    for rank in (0, 1):
+        r = torch.load(tmp_path / f"qat{rank}.pt", weights_only=False)
+        assert r["straight"].keys() == single.keys()
+        for name, tensor in single.items():
+            torch.testing.assert_close(r["straight"][name].float(), tensor.float(), rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+            assert torch.equal(r["resumed"][name], r["straight"][name]), name

@@ -14,7 +14,7 @@ from recal_core.channel_coupling import ModelGraph, Op, Space, channel_spaces
 
 from .export_graph import example_inputs_of, exported_graph
 from ..qat import CONVS, ActivationFakeQuantize, FoldedBatchNorm, QATConv, QATLinear, QATModule, QuantizedReLU
-from ..sharding import is_sharded_module, unsharded_class
+from ..sharding import forward_to_trace, is_sharded_module, unsharded_class
 
 _ZERO_PRESERVING_MODULES = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.LeakyReLU, nn.SiLU, nn.GELU, nn.Tanh, nn.Hardswish,
                             nn.Dropout, nn.Identity, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d,
@@ -44,8 +44,8 @@ class _Tracer(torch.fx.Tracer):
             or super().is_leaf_module(m, qualname) or sharded_layer
 
     def call_module(self, m: nn.Module, forward, args, kwargs):
-        if is_sharded_module(m) and not self.is_leaf_module(m, self.path_of_module(m)):
-            forward = type(m).forward.__get__(m)  # the layer's forward, not FSDP's gathering hooks around it
+        if not self.is_leaf_module(m, self.path_of_module(m)):
+            forward = forward_to_trace(m, forward)  # the layer's forward, not FSDP's gathering hooks around it
         return super().call_module(m, forward, args, kwargs)
 
 

@@ -17,9 +17,9 @@ from recal_core.patterns import PatternBudget
 from recal_core.recipe import Recipe
 from recal_core.schedule import QATState
 
-from ..sharding import is_sharded_module
-from .layers import (QATModule, WeightOnlyEmbedding, WeightOnlyLinear, describe, fake_quantizers,
-                          features, is_linear_like, is_table, qat_modules)
+from ..sharding import is_sharded_module, unsharded_class
+from .layers import (CONVS, QATModule, WeightOnlyEmbedding, WeightOnlyLinear, describe, fake_quantizers,
+                          features, is_linear_like, is_table, is_transposed_linear_type, qat_modules)
 from .plan import FLOAT_REASON, fake_quantize_model, quantizable_layers, replace_layer
 from .attention import AttentionFakeQuantize, quantize_attention
 
@@ -31,13 +31,17 @@ def qat_roots(recipe: Recipe, model: nn.Module) -> tuple[dict[int, list[str]], l
     roots: dict[int, list[str]] = {}
     problems = []
     available = {n for n, _ in model.named_modules()}
-    sharded = next((n or type(model).__name__ for n, sub in model.named_modules() if is_sharded_module(sub)), None)
+    # FSDP2 gathers a module's parameters in the forward of the module fully_shard wrapped: a layer QAT replaces
+    # must not be that module (its replacement would never gather), the block holding it may
+    sharded = next((n for n, sub in model.named_modules() if is_sharded_module(sub) and (issubclass(
+        unsharded_class(sub), (nn.Linear, nn.Embedding, *CONVS)) or is_transposed_linear_type(unsharded_class(sub)))),
+        None)
     for index, m in recipe.of_type(M.QuantizationModifier):
-        if sharded is not None:  # FSDP2 manages a sharded module's parameters; QAT rebuilds the layers around them
-            problems.append(recipe.problem(index, None, f"{sharded} is sharded with fully_shard (FSDP2), and QAT does "
-                                           "not run on sharded layers yet (it rebuilds each layer as a QAT layer)",
-                                           expected="QAT on the unsharded model or under DistributedDataParallel; "
-                                                    "pruning, LR and weight-decay modifiers run sharded"))
+        if sharded is not None:
+            problems.append(recipe.problem(index, None, f"layer {sharded!r} is itself sharded with fully_shard (FSDP2), and "
+                                           "QAT replaces that layer (FSDP2 would no longer gather its parameters)",
+                                           expected="fully_shard the blocks that hold the layers QAT quantizes (a "
+                                                    "transformer block, the model), not the layers themselves"))
             continue
         names = [strip_wrapper(n) for n in (m.submodules or [""])]
         for name in names:

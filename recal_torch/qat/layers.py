@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..sharding import gathered
 from .quantizers import W_LEVELS, ActivationFakeQuantize, GroupWeightFakeQuantize, WeightFakeQuantize
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -56,10 +57,18 @@ class FoldedBatchNorm(nn.Module):
         self.num_features, self.eps, self.momentum = bn.num_features, bn.eps, bn.momentum
         self.affine, self.track_running_stats = bn.affine, bn.track_running_stats
         self.original_type = type(bn)
+        object.__setattr__(self, "adopted_from", bn)  # where FSDP2 puts the gathered parameters (sharding.gathered)
         for name, param in bn.named_parameters(recurse=False):
             self.register_parameter(name, param)
         for name, buf in bn.named_buffers(recurse=False):
             self.register_buffer(name, buf)
+
+    def live(self, name: str) -> torch.Tensor | None:
+        """Parameter ``name`` as the forward computes with it (gathered, under FSDP2).
+
+        Args:
+            name: ``"weight"`` or ``"bias"``."""
+        return gathered(getattr(self, name), self.adopted_from, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -78,6 +87,7 @@ class QATModule(nn.Module):
                  relu6: bool = False, weight_levels: float = W_LEVELS):
         super().__init__()
         self.float_type = type(float_module)
+        object.__setattr__(self, "adopted_from", float_module)  # where FSDP2 puts the gathered parameters
         self.weight = float_module.weight
         self.register_parameter("bias", getattr(float_module, "bias", None))
         self.relu = relu
@@ -89,9 +99,16 @@ class QATModule(nn.Module):
         device = self.weight.device
         self.to(device)
 
+    def live(self, name: str) -> torch.Tensor | None:
+        """Parameter ``name`` as the forward computes with it (gathered, under FSDP2).
+
+        Args:
+            name: ``"weight"`` or ``"bias"``."""
+        return gathered(getattr(self, name), self.adopted_from, name)
+
     def folded_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight and bias with any BatchNorm folded in, from its running statistics."""
-        return self.weight, self.bias
+        return self.live("weight"), self.live("bias")
 
     @property
     def activation_name(self) -> str:
@@ -121,17 +138,17 @@ class QATConv(QATModule):
 
     def _bn_scale(self) -> torch.Tensor:
         bn = self.folded_bn
-        gamma = bn.weight if bn.affine else torch.ones_like(bn.running_var)
+        gamma = bn.live("weight") if bn.affine else torch.ones_like(bn.running_var)
         return gamma / torch.sqrt(bn.running_var + bn.eps)
 
     def folded_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         bn = self.folded_bn
         if bn is None:
-            return self.weight, self.bias
+            return self.live("weight"), self.live("bias")
         factor = self._bn_scale()
-        weight = self.weight * factor.reshape(-1, *([1] * (self.dims + 1)))
-        beta = bn.bias if bn.affine else torch.zeros_like(bn.running_mean)
-        bias = self.bias if self.bias is not None else torch.zeros_like(bn.running_mean)
+        weight = self.live("weight") * factor.reshape(-1, *([1] * (self.dims + 1)))
+        beta = bn.live("bias") if bn.affine else torch.zeros_like(bn.running_mean)
+        bias = self.live("bias") if self.bias is not None else torch.zeros_like(bn.running_mean)
         return weight, beta + (bias - bn.running_mean) * factor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,24 +160,24 @@ class QATConv(QATModule):
             x = self.input_fake_quant(x)
         bn = self.folded_bn
         if bn is None:
-            return self._finish(self._conv(x, self.weight_fake_quant(self.weight), self.bias))
+            return self._finish(self._conv(x, self.weight_fake_quant(self.live("weight")), self.live("bias")))
         # Simulated folding: conv with quantized BN-scaled weights, then undo the scale and run
         # BatchNorm, which uses batch statistics while training (and updates the running ones).
         factor = self._bn_scale()
         shape = [1] * (self.dims + 1)  # the weight's axes after the first (a static count: fx traces this)
-        y = self._conv(x, self.weight_fake_quant(self.weight * factor.reshape(-1, *shape)), None)
+        y = self._conv(x, self.weight_fake_quant(self.live("weight") * factor.reshape(-1, *shape)), None)
         # in y's dtype: a bf16 conv output under autocast stays bf16, as in plain training (promoted, BatchNorm and
         # all that followed ran in float32 with conversions back and forth)
         y = y / factor.reshape(1, -1, *shape[1:]).to(y.dtype)
         if self.bias is not None:
-            y = y + self.bias.reshape(1, -1, *shape[1:]).to(y.dtype)
+            y = y + self.live("bias").reshape(1, -1, *shape[1:]).to(y.dtype)
         update = self.training and not self.bn_frozen and bn.track_running_stats
         momentum = bn.momentum
         if update:
             bn.num_batches_tracked.add_(1)
             if momentum is None:
                 momentum = 1.0 / float(bn.num_batches_tracked)
-        y = F.batch_norm(y, bn.running_mean, bn.running_var, bn.weight, bn.bias,
+        y = F.batch_norm(y, bn.running_mean, bn.running_var, bn.live("weight"), bn.live("bias"),
                          training=self.training and not self.bn_frozen, momentum=momentum or 0.0, eps=bn.eps)
         return self._finish(y)
 
@@ -185,7 +202,8 @@ class QATLinear(QATModule):
 
     def folded_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight as ``[out, in]`` (a Conv1D's transposed) and the bias."""
-        return (self.weight.t() if self.transposed else self.weight), self.bias
+        weight = self.live("weight")
+        return (weight.t() if self.transposed else weight), self.live("bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The linear map of fake-quantized ``x`` by the fake-quantized weight.
@@ -195,7 +213,7 @@ class QATLinear(QATModule):
         if self.input_fake_quant is not None:
             x = self.input_fake_quant(x)
         weight, _ = self.folded_weight_and_bias()
-        return self._finish(F.linear(x, self.weight_fake_quant(weight), self.bias))
+        return self._finish(F.linear(x, self.weight_fake_quant(weight), self.live("bias")))
 
     def extra_repr(self) -> str:
         act = f"-{self.activation_name}" if self.activation_name else ""
@@ -215,7 +233,7 @@ class QATEmbedding(QATModule):
         self.scale_grad_by_freq, self.sparse = embedding.scale_grad_by_freq, embedding.sparse
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight_fake_quant(self.weight), self.padding_idx, None, self.norm_type,
+        return F.embedding(ids, self.weight_fake_quant(self.live("weight")), self.padding_idx, None, self.norm_type,
                            self.scale_grad_by_freq, self.sparse)
 
     def extra_repr(self) -> str:
@@ -237,6 +255,7 @@ class WeightOnlyLinear(nn.Module):
     def __init__(self, linear: nn.Module, bits: int, group_size: int | None, observer: str = "minmax"):
         super().__init__()
         self.float_type = type(linear)
+        object.__setattr__(self, "adopted_from", linear)  # where FSDP2 puts the gathered parameters
         self.weight = linear.weight
         self.register_parameter("bias", getattr(linear, "bias", None))
         self.transposed = is_transposed_linear_type(type(linear))
@@ -246,14 +265,22 @@ class WeightOnlyLinear(nn.Module):
 
     def oriented_weight(self) -> torch.Tensor:
         """The weight as ``[out, in]`` (a Conv1D's transposed)."""
-        return self.weight.t() if self.transposed else self.weight
+        weight = self.live("weight")
+        return weight.t() if self.transposed else weight
+
+    def live(self, name: str) -> torch.Tensor | None:
+        """Parameter ``name`` as the forward computes with it (gathered, under FSDP2).
+
+        Args:
+            name: ``"weight"`` or ``"bias"``."""
+        return gathered(getattr(self, name), self.adopted_from, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The linear map of float ``x`` by the fake-quantized weight.
 
         Args:
             x: the layer's float input."""
-        return F.linear(x, self.weight_fake_quant(self.oriented_weight()), self.bias)
+        return F.linear(x, self.weight_fake_quant(self.oriented_weight()), self.live("bias"))
 
     def extra_repr(self) -> str:
         return f"{self.float_type.__name__}, weight {tuple(self.weight.shape)} {self.weight_fake_quant.describe()}"
@@ -280,7 +307,7 @@ class WeightOnlyEmbedding(WeightOnlyLinear):
 
         Args:
             ids: the token ids."""
-        return F.embedding(ids, self.weight_fake_quant(self.weight), self.padding_idx, None, 2.0,
+        return F.embedding(ids, self.weight_fake_quant(self.live("weight")), self.padding_idx, None, 2.0,
                            self.scale_grad_by_freq, self.sparse)
 
 

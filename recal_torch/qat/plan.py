@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..sharding import forward_to_trace
 from . import sites as qat_sites
 from .quantizers import REDUCED_W_LEVELS, W_LEVELS, ActivationFakeQuantize, SiLUFakeQuantize, WeightFakeQuantize
 from .attention import AttentionFakeQuantize
@@ -256,6 +257,11 @@ class _LayerTracer(torch.fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return qualname in self.layers or identity_at_eval(m) or norm_activation(m) is not None \
             or super().is_leaf_module(m, qualname)
+
+    def call_module(self, m: nn.Module, forward, args, kwargs):
+        if not self.is_leaf_module(m, self.path_of_module(m)):
+            forward = forward_to_trace(m, forward)  # a block fully_shard wrapped: its forward, not FSDP2's hooks
+        return super().call_module(m, forward, args, kwargs)
 
 
 def _float_type(module: nn.Module | None) -> type | None:
