@@ -218,3 +218,32 @@ def test_learned_scales_resume_through_lightning(tmp_path):
     checkpoint = sorted(tmp_path.glob("epoch=1-*.ckpt"))
     again, _ = _lightning_fit(tmp_path / "again", RecalLightningCallback(recipe), resume=str(checkpoint[0]))
     assert [k for k in final if not torch.equal(final[k], again.state_dict()[k])] == []
+
+
+@pytest.mark.slow
+def test_the_trainer_callback_under_two_launched_processes(tmp_path):
+    """The Trainer started in two processes (``torchrun``, the launcher ``accelerate launch`` runs for several
+    devices; a CPU run is DDP): pruning then QAT through the callback, every rank with the same weights, masks and
+    observed ranges (observers reduce across ranks)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from .conftest import ROOT
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+                           "tests.trainer_launch_run", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert [r["world"] for r in ranks] == [2, 2] and "MULTI_CPU" in ranks[0]["distributed"]
+    state = ranks[0]["state"]
+    assert any(k.endswith("activation_post_process.scale") for k in state), "QAT layers in place"
+    for key, value in state.items():
+        assert torch.equal(value, ranks[1]["state"][key]), key
+    for layer in (0, 1):
+        weight = state[f"transformer.h.{layer}.mlp.c_fc.weight"]
+        assert abs(float((weight == 0).float().mean()) - 0.5) < 0.01
