@@ -193,7 +193,18 @@ def _qat_worker(rank: int, world: int, port: int, out: str) -> None:
     optimizer.load_state_dict(saved["optimizer"])
     model.load_state_dict(saved["model"])
     _train(model, optimizer, batches[STEPS // 2 + 1:], rank, world)
-    torch.save({"straight": straight, "resumed": _whole(model)}, os.path.join(out, f"qat{rank}.pt"))
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from recal_torch import export_onnx
+
+    try:  # a sharded model does not export: the error says how to
+        export_onnx(model, torch.randn(2, 16), os.path.join(out, f"direct{rank}.onnx"), dynamo=False)
+        direct = "exported"
+    except ValueError as err:
+        direct = str(err)
+    gathered = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # every rank takes part
+    torch.save({"straight": straight, "resumed": _whole(model), "direct": direct, "gathered": gathered,
+                "recal": manager.state_dict()}, os.path.join(out, f"qat{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -214,3 +225,21 @@ def test_fsdp2_qat_with_learned_scales_matches_the_single_process_run_and_resume
             torch.testing.assert_close(r["straight"][name].float(), tensor.float(), rtol=1e-4, atol=1e-5,
                                        msg=lambda m, name=name: f"{name}: {m}")
             assert torch.equal(r["resumed"][name], r["straight"][name]), name
+        assert "sharded with fully_shard (FSDP2)" in r["direct"] and "get_model_state_dict" in r["direct"]
+
+    # the export the error describes: the gathered weights and recal's state in an unsharded model, in one process
+    from recal_onnx import quantize_qat_export
+    from recal_torch import ScheduledModifierManager, export_onnx
+
+    r0 = torch.load(tmp_path / "qat0.pt", weights_only=False)
+    plain = _blocks()
+    manager = ScheduledModifierManager.from_yaml(QAT_RECIPE)
+    manager.modify(plain, torch.optim.SGD(plain.parameters(), lr=0.1), steps_per_epoch=STEPS_PER_EPOCH)
+    manager.load_state_dict(r0["recal"])
+    plain.load_state_dict(r0["gathered"])
+    assert all(torch.equal(v, r0["resumed"][k]) for k, v in plain.state_dict().items())
+    manager.finalize(plain)
+    path = export_onnx(plain.eval(), torch.randn(2, 16), tmp_path / "gathered.onnx", dynamo=False)
+    result = quantize_qat_export(str(path), tmp_path / "gathered.int8.onnx",
+                                 inputs={"input": torch.randn(64, 16).numpy()})
+    assert result.verification.problem(None) is None and result.verification.samples == 64

@@ -27,6 +27,7 @@ from torch import nn
 from recal_core.atomic import atomic_folder
 
 from ..model_params import unwrap
+from ..sharding import is_sharded
 from ..qat import (CONTAINER, ActivationFakeQuantize, AttentionFakeQuantize, QATModule, QuantizedReLU,
                    WeightOnlyLinear, adopt, plan_pending, qat_modules)
 from .bias_grid import round_biases
@@ -129,6 +130,14 @@ def export_onnx(model: nn.Module, sample_input: torch.Tensor | Sequence[torch.Te
     """
     if isinstance(model, QATModule):
         raise TypeError("export the model that contains the QAT module, not the module itself")
+    sharded = next((name for name, p in model.named_parameters() if is_sharded(p)), None)
+    if sharded is not None:
+        raise ValueError(
+            f"{type(unwrap(model)).__name__} is sharded with fully_shard (FSDP2) ({sharded} is a DTensor): export "
+            "needs whole weights. On every rank, gather them (torch.distributed.checkpoint.state_dict."
+            "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))) and take "
+            "manager.state_dict(); then, in one process, build the model, modify it with the same recipe, "
+            "manager.load_state_dict(that state), model.load_state_dict(the gathered weights), and export that")
     if dynamo and opset is not None and opset < MIN_DYNAMO_OPSET:
         raise ValueError(f"torch's default (dynamo) exporter writes opset {MIN_DYNAMO_OPSET} or later, not {opset}; "
                          f"pass opset>={MIN_DYNAMO_OPSET}, or dynamo=False for opset {opset}")
