@@ -641,6 +641,34 @@ def test_thin_channels_leaves_a_matmul_reading_a_convs_width_alone():
     np.testing.assert_allclose(run(thinned, feeds)[0], run(model, feeds)[0], atol=1e-6)
 
 
+def test_thin_channels_reads_gelus_tanh_form_and_a_gated_product():
+    """GPT-2's GELU written out (``0.5 x (1 + tanh(0.798 (x + 0.0447 x^3)))``) keeps a dead neuron dead: MatMul(W[8, 32],
+    neurons 16..31 zero with their bias) -> GELU -> MatMul(W[32, 4]) loses those 16 inputs."""
+    b = Builder()
+    w = b.weight((8, 32), axis=1)
+    q = next(t for t in b.inits if t.name == b.nodes[-1].input[0])
+    values = onnx.numpy_helper.to_array(q).copy()
+    values[:, 16:] = 0
+    q.CopyFrom(onnx.numpy_helper.from_array(values, q.name))
+    bias = b.rng.standard_normal(32).astype(np.float32) * 0.1
+    bias[16:] = 0
+    x = b.node("Add", [b.node("MatMul", [b.qdq("x", 0.03, 128), w]), b.const(bias, "bias")])
+    inner = b.node("Mul", [b.node("Add", [x, b.node("Mul", [b.node("Pow", [x, b.const(np.float32(3.0))]),
+                                                            b.const(np.float32(0.044715))])]),
+                           b.const(np.float32(0.7978845608))])
+    gelu = b.node("Mul", [b.node("Mul", [x, b.const(np.float32(0.5))]),
+                          b.node("Add", [b.node("Tanh", [inner]), b.const(np.float32(1.0))])])
+    model = b.model([("x", [2, 5, 8])], [b.node("MatMul", [b.qdq(gelu, 0.02, 0), b.weight((32, 4), axis=1)])])
+    feeds = _x([2, 5, 8])
+    thinned, (n,) = _apply(model, thin_channels)
+    assert n == 16
+    shapes = sorted(onnx.numpy_helper.to_array(t).shape for t in thinned.graph.initializer
+                    if onnx.numpy_helper.to_array(t).ndim == 2)
+    assert shapes == [(8, 16), (16, 4)]
+    np.testing.assert_allclose(run(thinned, feeds, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)[0],
+                               run(model, feeds, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)[0], atol=1e-6)
+
+
 def test_thin_channels_keeps_whole_blocks_of_16():
     """40 channels, 11 dead: 32 stay (the first 3 dead ones among them), as onnxruntime runs such counts fastest."""
     b = Builder()
@@ -1001,6 +1029,45 @@ def test_thin_heads_removes_a_dead_head_from_every_projection(heads_const):
     np.testing.assert_allclose(run(thinned, feeds, level=off)[0], expected, atol=1e-6)  # the removed terms were 0
     # a default session fuses the final QDQ MatMul alike in both: within one output quantum of each other
     assert np.abs(run(thinned, feeds)[0] - run(model, feeds)[0]).max() <= 0.05
+
+
+def _packed_attention_graph():
+    """GPT-2's packed ``c_attn``: x[1, 5, 8] -> MatMul(W[8, 24]) -> Add(b) -> Split([8, 8, 8]) into Q, K, V (2 heads of
+    4 each) -> Reshape -> Transpose -> softmax(Q Kᵀ) V -> Transpose -> Reshape -> Q/DQ -> MatMul(Wo); head 1's value
+    columns (16 + 4 .. 24) and bias are zero."""
+    b = Builder()
+    w = b.weight((8, 24), axis=1)
+    init = next(i for i in reversed(b.inits) if i.name[0] == "w" and i.name[1:].isdigit())
+    values = onnx.numpy_helper.to_array(init).copy()
+    values[:, 20:24] = 0
+    init.CopyFrom(onnx.numpy_helper.from_array(values, init.name))
+    bias = b.rng.standard_normal(24).astype(np.float32) * 0.1
+    bias[20:24] = 0
+    packed = b.node("Add", [b.node("MatMul", ["x", w]), b.const(bias, "b")])
+    q, k, v = (f"{packed}_{i}" for i in range(3))
+    b.nodes.append(onnx.helper.make_node("Split", [packed, b.const(np.array([8, 8, 8], np.int64), "sizes")], [q, k, v],
+                                         axis=2))
+    heads = [b.node("Reshape", [t, b.const(np.array([1, 5, 2, 4], np.int64), "s")]) for t in (q, k, v)]
+    q, k, v = (b.node("Transpose", [t], perm=p) for t, p in zip(heads, ([0, 2, 1, 3], [0, 2, 3, 1], [0, 2, 1, 3])))
+    out = b.node("MatMul", [b.node("Softmax", [b.node("MatMul", [q, k])], axis=-1), v])
+    merged = b.node("Reshape", [b.node("Transpose", [out], perm=[0, 2, 1, 3]),
+                                b.const(np.array([1, 5, 8], np.int64), "shape")])
+    return b.model([("x", [1, 5, 8])], [b.node("MatMul", [b.qdq(merged, 0.02, 128), b.weight((8, 8), axis=1)])])
+
+
+def test_thin_heads_takes_a_dead_head_from_each_block_of_a_packed_projection():
+    model = _packed_attention_graph()
+    feeds = _x([1, 5, 8])
+    thinned, (n,) = _apply(model, thin_heads)
+    assert n == 1
+    shapes = sorted(onnx.numpy_helper.to_array(t).shape for t in thinned.graph.initializer
+                    if onnx.numpy_helper.to_array(t).dtype == np.int8 and onnx.numpy_helper.to_array(t).ndim == 2)
+    assert shapes == [(4, 8), (8, 12)]  # Wo loses rows; the packed W 4 columns of each of Q, K and V
+    split = next(n for n in thinned.graph.node if n.op_type == "Split")
+    sizes = next(t for t in thinned.graph.initializer if t.name == split.input[1])
+    assert onnx.numpy_helper.to_array(sizes).tolist() == [4, 4, 4]
+    off = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    np.testing.assert_allclose(run(thinned, feeds, level=off)[0], run(model, feeds, level=off)[0], atol=1e-6)
 
 
 def test_thin_heads_zero_rewrites():

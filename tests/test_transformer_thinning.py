@@ -257,6 +257,12 @@ def test_a_packed_qkv_is_one_weight_of_three_blocks():
     assert live_heads(att, lambda n: (weights[n] == 0).numpy()).tolist() == [True, False]
 
 
+def _gpt2():
+    config = transformers.GPT2Config(vocab_size=120, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config)
+
+
 GPT2_HEADS = r"['re:.*attn\.c_attn\.weight', 're:.*attn\.c_proj\.weight']"
 GPT2_FFN = r"['re:.*mlp\.c_fc\.weight']"
 GPT2_QAT = {"float": "", "int8": "- !QuantizationModifier {start_epoch: 0, reduce_range: true}\n",
@@ -277,9 +283,7 @@ def test_gpt2s_packed_c_attn_is_pruned_and_thinned_per_head(qat, tmp_path):
     from .torch_models import CausalLMLogits
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=120, n_positions=32, n_embd=64, n_layer=2, n_head=4,
-                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(config)
+    model = _gpt2()
     _train("gpt2", model, _recipe(GPT2_HEADS, GPT2_FFN) + GPT2_QAT[qat])
     for block in model.transformer.h:
         rows = block.attn.c_attn.weight.t().reshape(3, 4, -1)  # [Q|K|V, head, head_dim * inputs]
@@ -304,7 +308,7 @@ def test_gpt2s_packed_c_attn_is_pruned_and_thinned_per_head(qat, tmp_path):
     if result is not None:
         assert result.verification.problem(None) is None, result.verification
     state = {k: v for k, v in model.state_dict().items() if "fake_quant" not in k and "post_process" not in k}
-    rebuilt = transformers.GPT2LMHeadModel(config)
+    rebuilt = _gpt2()
     load_thinned(rebuilt, copy.deepcopy(state))
     assert rebuilt.transformer.h[1].attn.split_size == 32 and rebuilt.transformer.h[1].mlp.c_fc.nf == 128
     if qat == "float":
@@ -354,8 +358,9 @@ class _Logits(torch.nn.Module):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,dynamo", [("bert", False), ("vit", True), ("bert", True), ("llama", False),
-                                        ("llama", True)],
-                         ids=["bert-torchscript", "vit-dynamo", "bert-dynamo", "llama-torchscript", "llama-dynamo"])
+                                        ("llama", True), ("gpt2", False), ("gpt2", True)],
+                         ids=["bert-torchscript", "vit-dynamo", "bert-dynamo", "llama-torchscript", "llama-dynamo",
+                              "gpt2-torchscript", "gpt2-dynamo"])
 def test_the_converter_thins_a_masked_export_as_thin_does(name, dynamo, tmp_path):
     import numpy as np
     import onnx
@@ -365,7 +370,7 @@ def test_the_converter_thins_a_masked_export_as_thin_does(name, dynamo, tmp_path
     from recal_onnx.convert import UnconvertedOpsWarning
     from recal_torch import export_onnx
 
-    build, heads, ffn, units, ffn_width = MODELS[name]
+    build, heads, ffn, units, ffn_width = {**MODELS, "gpt2": (_gpt2, GPT2_HEADS, GPT2_FFN, 4, 256)}[name]
     torch.manual_seed(0)
     model = build()
     recipe = _recipe(heads, ffn) + "- !QuantizationModifier {start_epoch: 2, reduce_range: true}\n"

@@ -9,7 +9,8 @@ graph in its terms and slices the initializers::
     After:   x -> Conv(W[32], b[32]) -> Relu -> Q -> DQ -> Conv(V[., 32]) ...
 
 A transformer's FFN is the same: ``MatMul(W[in, out]) -> Add(bias) -> GELU (Erf written out) or SiLU``,
-then the down-projection's ``MatMul``; its neurons are channels on the last axis. A gated MLP's
+(or any ``x * g(x)`` with ``g`` elementwise in ``x``: GELU's tanh form, GPT-2's) then the down-projection's
+``MatMul``; its neurons are channels on the last axis. A gated MLP's
 ``SiLU(gate) * up`` (two tensors of one shape) joins the gate's and the up projection's channels, as an ``Add``
 joins a residual's.
 
@@ -228,7 +229,39 @@ def _activations(g: Graph) -> dict[Node, str | None]:
         if mul is not None and mul.op_type == "Mul" and x in mul.inputs:
             found.update({n: None for n in chain})
             found[mul] = x.name
+    for mul in g.each("Mul"):  # any other x * g(x), g elementwise in x alone: GELU's tanh form (GPT-2's)
+        if mul not in found and len(mul.inputs) == 2 and not any(g.is_const(i) for i in mul.inputs):
+            found.update(_self_gate(g, mul))
     return found
+
+
+_ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Tanh", "Erf", "Sigmoid", "Exp", "Neg", "Sqrt", "Reciprocal"}
+
+
+def _self_gate(g: Graph, mul: Node) -> dict[Node, str | None]:
+    """``mul`` as ``a * g`` with ``a`` = ``x`` or ``x`` times a number and ``g`` computed from ``x`` and constants
+    alone by elementwise ops read nowhere else: zero where ``x`` is, one op from ``x`` (empty if not so)."""
+    for a, gate in (mul.inputs, mul.inputs[::-1]):
+        scaled = g.producer(a)
+        x = a
+        if scaled is not None and scaled.op_type == "Mul" and g.only_consumer(a) is mul and \
+                sum(g.is_const(i) and _scalar(g, i) for i in scaled.inputs) == 1:
+            x = next(i for i in scaled.inputs if not g.is_const(i))
+        inside, stack = set(), [g.producer(gate)]
+        while stack:
+            node = stack.pop()
+            if node is None or node.op_type not in _ELEMENTWISE or len(inside) > 16:
+                inside = None
+                break
+            if node in inside:
+                continue
+            inside.add(node)
+            stack += [g.producer(i) for i in node.inputs if i is not None and not g.is_const(i) and i is not x]
+        if inside and all(set(g.consumers(n.outputs[0])) <= inside | {mul} for n in inside) and \
+                any(x in n.inputs for n in inside):
+            parts = {n: None for n in inside} | ({scaled: None} if x is not a else {})
+            return {**parts, mul: x.name}
+    return {}
 
 
 def _spatial_axes(g: Graph, node: Node) -> bool:

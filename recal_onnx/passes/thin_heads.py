@@ -13,7 +13,9 @@ key/value heads (``Unsqueeze -> Expand -> Reshape``), the ``MatMul`` (+ bias ``A
 queries, keys and values and the one that reads the merged heads. Every tensor on the way must be read only
 there, the head size must be a constant of the reshape that splits the heads, and each shape on the way holds
 the head count at the head axis as a constant (rewritten), ``-1``, or a value computed from the tensors' own
-shapes (which follows); an attention that does not pass is left as it is. With grouped-query attention a unit
+shapes (which follows); a packed projection (GPT-2's ``c_attn``: one ``MatMul``, its Q, K and V blocks taken by a
+``Split`` of the last axis) loses a head's rows from each block, and the split's sizes follow; an attention that
+does not pass is left as it is. With grouped-query attention a unit
 is a key/value head with its query heads (:mod:`recal_core.head_coupling`). Quantized weights are sliced with
 their per-channel scales.
 """
@@ -96,16 +98,20 @@ def _attention(g: Graph, softmax: Node):
         if node.op_type == "Reshape" and g.is_const(node.inputs[1]):
             merges.append(node)
         value = next(i for i in node.inputs if i is not None and not g.is_const(i))
-    (q, qb, q_split, d), (k, kb, k_split, _), (v, vb, v_split, _) = sides
-    if d is None or _weight(g, q)[0].shape[1] % d or _weight(g, k)[0].shape[1] % d:
+    (q, qb, q_split, d, _), (k, kb, k_split, _, _), (v, vb, v_split, _, _) = sides
+    blocks = _blocks(g, [(side[0], side[4]) for side in sides])
+    if d is None or blocks is None or any(rows % d for _, rows in blocks):
         return None
-    heads, kv = _weight(g, q)[0].shape[1] // d, _weight(g, k)[0].shape[1] // d
-    if heads % kv or _weight(g, v)[0].shape[1] != kv * d or _weight(g, merged)[0].shape[0] != heads * d:
+    (_, q_rows), (_, k_rows), (_, v_rows) = blocks
+    heads, kv = q_rows // d, k_rows // d
+    if heads % kv or v_rows != kv * d or _weight(g, merged)[0].shape[0] != heads * d:
         return None  # shapes this pass does not follow
     names = {"q": q.inputs[1].name, "k": k.inputs[1].name, "v": v.inputs[1].name, "o": merged.inputs[1].name}
-    if len(set(names.values())) != 4:
+    if len(set(names.values())) != (2 if q is k is v else 4):
         return None
     splits = []
+    if q is k is v and len(sides[0][4][0].inputs) > 1 and sides[0][4][0].inputs[1] is not None:
+        splits += [(sides[0][4][0], 1, side[4][1], per * d) for side, per in zip(sides, (heads // kv, 1, 1))]
     for (reshape, steps), per in zip((q_split, k_split, v_split), (heads // kv, 1, 1)):
         edits = _follow_heads(g, reshape, steps, kv, per, heads // kv)
         if edits is None:
@@ -114,8 +120,8 @@ def _attention(g: Graph, softmax: Node):
     layers = {names[r]: n for r, n in zip("qkvo", (q, k, v, merged))}
     biases, pairs = {}, []
     for role, add in zip("qkv", (qb, kb, vb)):
-        if add is not None:  # by the Add's output: exporters share one constant among equal biases
-            biases[add.outputs[0].name] = add
+        if add is not None and add.outputs[0].name not in biases:  # by the Add's output: exporters share one
+            biases[add.outputs[0].name] = add  # constant among equal biases (a packed layer has one Add)
             pairs.append((names[role], add.outputs[0].name))
     for reshape in merges:
         shape = g.const(reshape.inputs[1])
@@ -124,8 +130,28 @@ def _attention(g: Graph, softmax: Node):
         elif shape[-1] != -1:
             return None
     att = Attention(softmax.name or "attention", names["q"], names["k"], names["v"], names["o"], heads, kv, d,
-                    tuple(pairs))
+                    tuple(pairs), offsets=tuple(start for start, _ in blocks))
+    if q is k is v and att.packing_problem({names["q"]: _weight(g, q)[0].shape[1]}) is not None:
+        return None
     return att, layers, biases, splits
+
+
+def _blocks(g: Graph, sides: list[tuple[Node, tuple | None]]) -> list[tuple[int, int]] | None:
+    """``(first row, rows)`` of the query, key and value in their layers' weights (``sides``: each layer with the
+    ``(Split, output)`` of its block or None): whole weights, or, for one packed layer, the blocks its ``Split``
+    outputs take (sizes given, or equal parts). None for any other split."""
+    layers, splits = [n for n, _ in sides], [s for _, s in sides]
+    if not any(splits):
+        return [(0, int(_weight(g, n)[0].shape[1])) for n in layers]
+    if any(s is None for s in splits) or len({id(n) for n in layers}) != 1 or len({id(s[0]) for s in splits}) != 1:
+        return None
+    split, total = splits[0][0], int(_weight(g, layers[0])[0].shape[1])
+    sizes = g.const(input_of(split, 1)) if input_of(split, 1) is not None else \
+        [total // len(split.outputs)] * len(split.outputs)
+    sizes = None if sizes is None else [int(x) for x in np.ravel(sizes)]
+    if sizes is None or sum(sizes) != total:
+        return None
+    return [(sum(sizes[:index]), sizes[index]) for _, index in splits]
 
 
 def _scores_matmul(g: Graph, value: Value) -> Node | None:
@@ -172,8 +198,10 @@ def _forward(g: Graph, value: Value, through: set[str]) -> Node | None:
 def _projection(g: Graph, value: Value):
     """The ``MatMul`` layer (and its bias ``Add``) behind a query, key or value input, the reshape that splits
     its heads with the steps from there to the attention (nodes, and rotary regions as ``(add, region)``), and
-    the head size: None where the way is not plain."""
+    the head size, and for a packed projection (GPT-2's ``c_attn``) the ``(Split, output)`` that takes its block:
+    None where the way is not plain."""
     steps: list = []
+    block = None
     while True:
         node = g.producer(value)
         if node is None:
@@ -194,9 +222,16 @@ def _projection(g: Graph, value: Value):
             layer = g.producer(next((i for i in node.inputs if not g.is_const(i)), None))
             if layer is None or layer.op_type != "MatMul" or len(_readers(g, layer.outputs[0])) != 1:
                 return None
-            return _layer(g, layer, node, steps)
+            return _layer(g, layer, node, steps, block)
         if node.op_type == "MatMul":
-            return _layer(g, node, None, steps)
+            return _layer(g, node, None, steps, block)
+        if node.op_type == "Split" and block is None and not any(isinstance(st, tuple) for st in steps):
+            rank = g.rank(node.inputs[0])
+            if rank is None or int(attr(node, "axis", 0)) % rank != rank - 1:
+                return None  # blocks of a packed projection are split off its last axis
+            block = (node, list(node.outputs).index(value))
+            value = node.inputs[0]
+            continue
         if not (node.op_type in _PLUMBING | _REPEAT or _scalar_op(g, node) or
                 node.op_type == "Concat" and len(node.inputs) == 1):
             return None
@@ -317,9 +352,9 @@ def _rotary_keeps_heads(g: Graph, region: set[Node], rank: int, axis: int) -> bo
     return True
 
 
-def _layer(g: Graph, layer: Node, bias: Node | None, steps: list):
+def _layer(g: Graph, layer: Node, bias: Node | None, steps: list, block=None):
     """The layer, its bias, the reshape splitting its heads (the one nearest the layer) with the steps after it,
-    and the head size; None without a constant head size."""
+    the head size, and the block of a packed layer; None without a constant head size."""
     if _weight(g, layer) is None:
         return None
     at = next((i for i in range(len(steps) - 1, -1, -1) if not isinstance(steps[i], tuple)
@@ -330,7 +365,7 @@ def _layer(g: Graph, layer: Node, bias: Node | None, steps: list):
     entries = _shape_entries(g, split, 1)
     if entries is None or len(entries) < 3 or entries[-1] is None or entries[-1] <= 0:
         return None
-    return layer, bias, (split, steps[:at][::-1]), entries[-1]
+    return layer, bias, (split, steps[:at][::-1]), entries[-1], block
 
 
 def _shape_entries(g: Graph, node: Node, index: int) -> list[int | None] | None:
