@@ -307,6 +307,9 @@ def test_gpt2s_packed_c_attn_is_pruned_and_thinned_per_head(qat, tmp_path):
         "float" else None
     if result is not None:
         assert result.verification.problem(None) is None, result.verification
+        kinds = [n.op_type for n in result.model.graph.node]
+        if qat == "int4":  # every thinned Conv1D (4 a layer) and the LM head as MatMulNBits
+            assert kinds.count("MatMulNBits") == 9, kinds
     state = {k: v for k, v in model.state_dict().items() if "fake_quant" not in k and "post_process" not in k}
     rebuilt = _gpt2()
     load_thinned(rebuilt, copy.deepcopy(state))

@@ -366,7 +366,8 @@ def _attention(sdpa: torch.fx.Node, params: dict[str, str]) -> Attention:
                 if user is not sdpa and user not in inside:
                     blockers.append(f"{_where(user)}, which also reads {n.name}")
         for n in path:
-            if n.target not in _HEAD_LOCAL and not (packed and n in before and n.target in (*_SPLITS, operator.getitem)):
+            splits_block = packed and n in before and n.target in (*_SPLITS, operator.getitem)
+            if n.target not in _HEAD_LOCAL and not splits_block:
                 blockers.append(f"{_where(n)} (not an op recal follows a head through)")
         if packed:
             offset = _block_start(before)
@@ -386,8 +387,9 @@ def _attention(sdpa: torch.fx.Node, params: dict[str, str]) -> Attention:
             blockers.append(f"{name}: {heads} query heads do not share {kv_heads} key/value heads evenly")
             kv_heads = heads
     weights = [params[_projection(n, params)[0].name] if n is not None else f"{name}.?" for n, _, _ in found]
-    biases = tuple(dict.fromkeys((params[w.name], params[b.name]) for w, b in (
-        _projection(n, params) for n, _, _ in found if n is not None) if isinstance(b, torch.fx.Node)))
+    pairs = (_projection(n, params) for n, _, _ in found if n is not None)
+    biases = tuple(dict.fromkeys((params[w.name], params[b.name]) for w, b in pairs
+                                 if isinstance(b, torch.fx.Node) and b.name in params))
     att = Attention(name, *weights, params[_projection(output, params)[0].name] if output is not None else
                     f"{name}.?", heads, kv_heads, head_dim, biases, offsets=tuple(offsets))
     if packed and not blockers:
