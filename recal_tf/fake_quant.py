@@ -38,25 +38,37 @@ def _weight_range(w, axis: int):
     return tf.where(amax > 0, amax, tf.ones_like(amax))
 
 
-def fake_quant_weight(w, axis: int, levels: int = WEIGHT_LEVELS):
-    """``w`` fake-quantized to int8, symmetric, one scale per index of ``axis`` (its output channels): ``max|w|``
-    maps to ``levels`` (127; 64 with ``reduce_range``).
+def weight_scale(w, axis: int, levels: int = WEIGHT_LEVELS):
+    """The per-channel scale :func:`fake_quant_weight` gives ``w``: ``max|w| / levels``."""
+    return _weight_range(w, axis) / levels
 
-    The op quantizes ``[-r, r]`` to +-127; ``r = max|w| * 127 / levels`` gives the scale ``max|w| / levels``, so
-    the integers stay within +-levels and tf2onnx writes that scale."""
-    amax = _weight_range(w, axis) * (WEIGHT_LEVELS / levels)
+
+def fake_quant_weight(w, axis: int, levels: int = WEIGHT_LEVELS, scale=None):
+    """``w`` fake-quantized to int8, symmetric, one scale per index of ``axis`` (its output channels): ``max|w|``
+    maps to ``levels`` (127; 64 with ``reduce_range``), or the given (learned) ``scale``, ``w`` clipped to its
+    ``+-levels`` steps first.
+
+    The op quantizes ``[-r, r]`` to +-127; ``r = scale * 127`` gives that scale, so the integers stay within
+    +-levels and tf2onnx writes that scale."""
+    if scale is not None:
+        shape = [1] * len(w.shape)
+        shape[axis] = -1
+        bound = tf.reshape(scale * levels, shape)
+        w = tf.clip_by_value(w, -bound, bound)
+    amax = (weight_scale(w, axis, levels) if scale is None else scale) * WEIGHT_LEVELS
     return tf.raw_ops.QuantizeAndDequantizeV3(input=w, input_min=-amax, input_max=amax, num_bits=8,
                                               signed_input=True, range_given=True, narrow_range=True, axis=axis)
 
 
-def bias_on_int32_grid(bias, w, axis: int, low, high, levels: int = WEIGHT_LEVELS):
+def bias_on_int32_grid(bias, w, axis: int, low, high, levels: int = WEIGHT_LEVELS, weight_scale=None):
     """``bias`` rounded to whole steps of input scale x weight scale, the int32 an int8 layer holds it as (as
     ``recal_torch.export.bias_grid`` writes it: an off-grid bias flips output values near a rounding boundary in the
     converted model). The scales are those :func:`fake_quant_activation` over ``[low, high]`` (its nudging moves
-    the range, not the scale) and :func:`fake_quant_weight` of ``w`` quantize with; beyond int32, the converter
+    the range, not the scale) and :func:`fake_quant_weight` of ``w`` quantize with (``weight_scale``: a learned
+    one); beyond int32, the converter
     keeps the layer float and says why."""
     low, high = _activation_range(low, high)
-    step = (high - low) / 255.0 * _weight_range(w, axis) / levels
+    step = (high - low) / 255.0 * (_weight_range(w, axis) / levels if weight_scale is None else weight_scale)
     return tf.round(bias / step) * step
 
 

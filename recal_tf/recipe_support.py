@@ -51,20 +51,46 @@ def torch_only_problems(schedule: RecipeSchedule, where: str) -> list[Problem]:
     return problems
 
 
-def qat_problems(schedule: RecipeSchedule, where: str) -> list[Problem]:
+def _observed(args: M.QuantizationArgs | None) -> M.QuantizationArgs | None:
+    return None if args is None else args.model_copy(update={"observer": "minmax", "observer_kwargs": None})
+
+
+def learned_scales(m: M.QuantizationModifier) -> tuple[bool, bool]:
+    """Whether ``m``'s weights and its layers' input activations learn their scales (``observer: lsq``)."""
+    learned = m.base_scheme.learned or (None, None)
+    return learned[0] is not None, learned[1] is not None
+
+
+def qat_problems(schedule: RecipeSchedule, where: str, learns: bool = False) -> list[Problem]:
     """A second QuantizationModifier, and the fields that pick what to quantize (TensorFlow quantizes every
-    conv and dense/matmul it can): one located problem each."""
+    conv and dense/matmul it can): one located problem each. ``learns``: the front end learns scales
+    (``observer: lsq`` on weights and input activations), with one learning rate for every variable."""
     recipe = schedule.recipe
     problems = []
     for n, (index, m) in enumerate(schedule.quantization):
         if n:
             problems.append(recipe.problem(index, None, "a second QuantizationModifier",
                                            expected=f"one QuantizationModifier per recipe {where}"))
-        if m.base_scheme.learned is not None:
+        scheme = m.base_scheme
+        if scheme.learned is not None and not learns:
             problems.append(recipe.problem(
                 index, "scheme", f"learned scales (observer: lsq) are not available {where} yet",
-                expected="observer: minmax (or run this recipe with recal_torch)"))
-        elif m.base_scheme != M.SCHEME_PRESETS["W8A8"]:
+                expected="observer: minmax (or run this recipe with Keras or recal_torch)"))
+        elif scheme.learned is not None:
+            for args in filter(None, scheme.learned):
+                if args.lr_factor != 1.0 or args.calibration_steps != 1:
+                    problems.append(recipe.problem(
+                        index, "scheme", f"observer_kwargs {args.observer_kwargs} {where}: a Keras optimizer takes "
+                        "one learning rate for every variable, and a learned scale starts from the first QAT "
+                        "step's range", expected="observer: lsq without lr_factor or calibration_steps (or run "
+                        "this recipe with recal_torch)"))
+            plain = scheme.model_copy(update={"weights": _observed(scheme.weights),
+                                              "input_activations": _observed(scheme.input_activations)})
+            if plain != M.SCHEME_PRESETS["W8A8"]:
+                problems.append(recipe.problem(
+                    index, "scheme", f"learned scales {where} on a scheme other than W8A8", expected="W8A8's "
+                    "tensors (int8 per-channel weights, uint8 input activations) with observer: lsq"))
+        elif scheme != M.SCHEME_PRESETS["W8A8"]:
             problems.append(recipe.problem(
                 index, "scheme", f"scheme {m.scheme if isinstance(m.scheme, str) else 'other than W8A8'} is not "
                 "available " + where + " yet: weights int8 per channel, activations uint8",

@@ -142,16 +142,16 @@ INTEGER_OPS = {
 TABLES = {"mobilenet_v3": 4}
 
 
-def block_to_int8(net: keras.Model, folder: Path) -> tuple:
-    """``net`` under :data:`QAT` with ``fit`` on random inputs, finalized, exported with this backend's exporter and
-    converted (verified on those inputs): ``(manager, feeds, the Keras QAT model's outputs, the conversion's
-    result, its op types)``."""
+def block_to_int8(net: keras.Model, folder: Path, recipe: str = QAT) -> tuple:
+    """``net`` under ``recipe`` (:data:`QAT`) with ``fit`` on random inputs, finalized, exported with this backend's
+    exporter and converted (verified on those inputs): ``(manager, feeds, the Keras QAT model's outputs, the
+    conversion's result, its op types)``."""
     import onnx
 
     from recal_onnx import quantize_qat_export
     from recal_tf.keras import ScheduledModifierManager, export_onnx
 
-    manager = ScheduledModifierManager.from_yaml(QAT)
+    manager = ScheduledModifierManager.from_yaml(recipe)
     optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
     model, callbacks = manager.modify(net, optimizer, steps_per_epoch=SPE)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

@@ -758,10 +758,10 @@ def test_a_qat_model_round_trips_a_keras_file_and_resumes_from_it(tmp_path):
             assert int((a.numpy() == 0).sum()) == int((b.numpy() == 0).sum()), (stop_epoch, a.path)
 
 
-def _block_to_int8(net, tmp_path):
+def _block_to_int8(net, tmp_path, recipe=QAT):
     """``net`` QAT-trained, finalized, exported and converted (:func:`tests.keras_blocks.block_to_int8`), with
     nothing left float between integer ops."""
-    manager, feeds, expected, result, ops = block_to_int8(net, tmp_path)
+    manager, feeds, expected, result, ops = block_to_int8(net, tmp_path, recipe)
     assert not result.unconverted, result.unconverted
     return manager, feeds, expected, result, ops
 
@@ -906,3 +906,17 @@ def test_evaluated_when_qat_starts_before_any_range_is_observed_it_computes_the_
     np.testing.assert_allclose(at_start, float_model, atol=0.05 * np.ptp(float_model))  # weights fake-quantized only
     qat.fit(x, y, batch_size=32, epochs=2, initial_epoch=1, callbacks=callbacks, verbose=0)
     assert not np.allclose(qat.predict(x[:64], verbose=0), model.predict(x[:64], verbose=0), atol=1e-6)  # QAT now
+
+
+def test_learned_scales_on_depthwise_and_separable_convs_convert_exactly(tmp_path):
+    """``observer: lsq`` on a MobileNet's pieces: the depthwise kernel's per-channel scales and both kernels of a
+    separable conv learn theirs (8 scale sets in all), and the int8 model computes the Keras QAT model's outputs."""
+    pytest.importorskip("tf2onnx")
+    lsq = QAT.replace("freeze_bn_stats_epoch: 2.5}", "freeze_bn_stats_epoch: 2.5, scheme: {input_activations: "
+                      "{symmetric: false, observer: lsq}, weights: {observer: lsq}}}")
+    assert "lsq" in lsq
+    manager, feeds, expected, result, ops = _block_to_int8(mobilenet_block(), tmp_path, lsq)
+    learned = [w.path for layer in manager._model.layers for w in layer.weights if w.name == "log_ratio"]
+    assert len(learned) == 8 and any("sep_depthwise_scales" in p for p in learned), learned
+    assert result.verification.max_abs_diff <= result.verification.output_range / 255, result.verification
+    assert {"QLinearConv", "QGemm"} <= set(ops)

@@ -34,7 +34,7 @@ from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
 from ..mask_ops import PruningMasks, per_step, zeroed
-from ..recipe_support import RecalWarning, check_table_size, qat_problems, torch_only_problems
+from ..recipe_support import RecalWarning, check_table_size, learned_scales, qat_problems, torch_only_problems
 from ..tensor_ops import KerasOps, TensorFlowOps
 from .backends import backend_problems, current_backend
 from .optimizer_state import add_recal_variable, float_lr, install_weight_decay, slots_of
@@ -170,7 +170,8 @@ class ScheduledModifierManager(RecipeManager):
                 f"subclassed model {model.name!r} ({type(model).__name__})",
                 expected="a Sequential or functional model (keras.Model(inputs, outputs)) for QAT"))
         self._qat = QATTables.from_schedule(schedule, index, optimizer.iterations, ops=self._ops)
-        quantized, made, floating = quantize_model(model, self._qat)
+        learn = learned_scales(schedule.recipe.modifiers[index])
+        quantized, made, floating = quantize_model(model, self._qat, learn)
         if not made:
             raise RecipeError(self.recipe.problem(index, None, f"model {model.name!r} has no Conv2D, DepthwiseConv2D or Dense layer "
                                                   "to quantize", expected="a model with Conv2D, DepthwiseConv2D or Dense layers"))
@@ -181,6 +182,8 @@ class ScheduledModifierManager(RecipeManager):
             next(q for q in made if isinstance(q, QuantizedLayer)).count_steps(self._qat, optimizer.iterations)
         self.quantized_layers = [q.layer.name for q in made]
         self._observers = [o for q in made for o in q.quantizers]
+        if any(learn):
+            _no_decay_on_scales(optimizer, quantized)
         return quantized
 
     def _check_strategy(self, model: keras.Model) -> None:
@@ -197,7 +200,7 @@ class ScheduledModifierManager(RecipeManager):
 
     def _plan(self, schedule: RecipeSchedule, infos, by_name, base_lr, base_wd) -> ModelPlan:
         """The core's plan for this model; plus what Keras cannot do yet, every problem at once."""
-        problems = qat_problems(schedule, "for Keras")
+        problems = qat_problems(schedule, "for Keras", learns=True)
         problems += torch_only_problems(schedule, "for Keras")
         try:
             plan = plan_model(schedule, infos, {n: int(np.prod(v.shape)) for n, v in by_name.items()},
@@ -458,3 +461,18 @@ class RecalCallback(keras.callbacks.Callback):
             warnings.warn(f"epoch {epoch} ran {ran} steps, but the recipe was bound with steps_per_epoch={expected}: "
                           f"the recipe's epochs are {expected} steps each, not this fit's epochs", RecalWarning,
                           stacklevel=1)  # called by Keras: the user's line is not on the stack
+
+
+def _no_decay_on_scales(optimizer, model: keras.Model) -> None:
+    """Learned scales take no weight decay (recal_torch's param group of them has none). Keras's
+    ``exclude_from_weight_decay`` resets the exclusions and refuses a built optimizer (one loaded with its model from a
+    ``.keras`` file): the scales are added to the optimizer's own set, the user's exclusions kept, its cache cleared."""
+    if not optimizer.weight_decay:
+        return
+    if not hasattr(optimizer, "_var_key"):
+        warnings.warn(f"{type(optimizer).__name__} keeps no weight-decay exclusions recal knows: its weight decay also "
+                      "decays the learned quantization scales", RecalWarning, stacklevel=4)
+        return
+    keys = {optimizer._var_key(v) for v in model.trainable_weights if v.name == "log_ratio"}
+    optimizer._exclude_from_weight_decay = set(getattr(optimizer, "_exclude_from_weight_decay", set())) | keys
+    optimizer._exclude_from_weight_decay_cache = {}

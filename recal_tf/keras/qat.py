@@ -1,31 +1,20 @@
 """Quantization-aware training for Keras 3, with recal_torch's conventions (the math: :mod:`recal_tf.fake_quant`).
 
-- ``Conv2D`` / ``DepthwiseConv2D`` / ``SeparableConv2D(-BatchNormalization)(-ReLU / ReLU6)`` and
-  ``Dense(-ReLU / ReLU6)`` become one :class:`QuantizedLayer` that simulates the BatchNorm-folded weights (batch
-  statistics while training, the moving ones once frozen), so the export is already folded. Weights are per
-  output channel (a depthwise kernel's channel axis is its third); a separable conv's depthwise output is
-  quantized before its pointwise conv. The layer quantizes its output (after the ReLU: the ReLU is folded into
-  the range) and its input unless that comes from another quantized layer through max-pooling, zero padding,
-  flatten, reshape or dropout.
-- A sigmoid or swish after the layer (its own ``activation``, or an ``Activation`` layer after its BatchNorm) runs on
-  the integers too: the layer's output is quantized before it, and the sigmoid's output (and swish's product)
-  after, so the int8 model holds QLinearSigmoid (and QLinearMul) there (EfficientNet's blocks and squeeze-excitation).
-  A hard-swish or hard-sigmoid (MobileNetV3's) is quantized before and after as a whole: the converter makes it a
-  256-entry table of its input's integers.
-- A residual ``Add``, a ``Multiply`` (squeeze-excitation's scaling) or a ``Concatenate`` of quantized tensors (and
-  the ReLU after an Add) becomes a :class:`QuantizedMerge`: one observer on its output, so the int8 model adds,
-  multiplies or concatenates integers; so does an ``AveragePooling2D`` of a quantized tensor (QLinearAveragePool),
-  and a pre-activation ``BatchNormalization`` of one with the ReLU after it (DenseNet's; the converter makes it a
-  depthwise conv).
+- ``Conv2D`` / ``DepthwiseConv2D`` / ``SeparableConv2D(-BatchNormalization)(-ReLU / ReLU6)`` and ``Dense(-ReLU /
+  ReLU6)`` become one :class:`QuantizedLayer` simulating the BatchNorm-folded weights (batch statistics while
+  training, the moving ones once frozen), weights per output channel; it quantizes its output (the ReLU folded into
+  the range) and its input unless another quantized layer made it (through pooling, padding, flatten, reshape or
+  dropout). A sigmoid or swish after it runs on the integers too (QLinearSigmoid, QLinearMul); a hard-swish or
+  hard-sigmoid is quantized before and after as a whole (a table of its input's integers).
+- A residual ``Add``, a ``Multiply``, a ``Concatenate`` of quantized tensors (and the ReLU after an Add), an
+  ``AveragePooling2D`` of one and a pre-activation ``BatchNormalization`` with its ReLU become a
+  :class:`QuantizedMerge`: one observer on its output, so the int8 model computes it on the integers.
+- ``observer: lsq`` learns the weights' and inputs' scales (:mod:`recal_tf.keras.learned_scales`).
 
 What each layer becomes is planned in :mod:`recal_tf.keras.qat_plan`; :mod:`recal_tf.keras.qat_model` builds the new
-model around the original layers (and so their variables, masks and optimizer state) with
-``keras.models.clone_model``: Sequential and functional models only.
-
-The layers are registered Keras serializables: ``model.save("x.keras")`` (and so ``ModelCheckpoint``) writes a QAT
-model, and ``keras.models.load_model`` gives one that computes what the saved model computed (quantized or not yet,
-or finalized for export), with BatchNorm and observers frozen; a manager's ``modify`` takes it on again, so the
-recipe resumes from a checkpoint.
+model around the original layers (their variables, masks and optimizer state) with ``keras.models.clone_model``.
+The layers are registered Keras serializables: ``model.save("x.keras")`` writes a QAT model, ``load_model`` gives one
+that computes what it computed (BatchNorm and observers frozen), and ``modify`` takes it on again to resume.
 """
 
 from __future__ import annotations
@@ -40,7 +29,6 @@ from recal_core.modifiers import REDUCED_WEIGHT_LEVELS, WEIGHT_LEVELS
 from ..qat_tables import QATTables
 from .qat_math import qat_math
 from .qat_plan import INTEGER_ACTIVATIONS, activation_relu
-
 
 
 @keras.saving.register_keras_serializable(package="recal")
@@ -65,15 +53,23 @@ class ActivationQuantizer(keras.layers.Layer):
         if t is None or t.export:
             return m.fake_quant_activation(x, self.min_val.value, self.max_val.value, export=True)
         if training:
-            observe = t.at(t.observing)
-            low, high = m.global_range(x)
-            new_min, new_max = m.moving_range(low, high, self.min_val.value, self.max_val.value,
-                                              self.observed.value > 0)
-            self.min_val.assign(m.pick(observe, new_min, self.min_val.value))
-            self.max_val.assign(m.pick(observe, new_max, self.max_val.value))
-            self.observed.assign(m.pick(observe, m.ones_like(self.observed.value), self.observed.value))
-        # until a training step has observed a range there is none to quantize with (an evaluation at the step QAT
-        # starts, such as Keras's validation at the end of the epoch before it): the tensor passes as it is
+            self.observe(x, t.at(t.observing))
+        return self.quantized(x, training)
+
+    def observe(self, x, when) -> None:
+        """Move the range towards ``x``'s (the batch's own the first time) where ``when`` holds."""
+        m = qat_math()
+        low, high = m.global_range(x)
+        new_min, new_max = m.moving_range(low, high, self.min_val.value, self.max_val.value, self.observed.value > 0)
+        self.min_val.assign(m.pick(when, new_min, self.min_val.value))
+        self.max_val.assign(m.pick(when, new_max, self.max_val.value))
+        self.observed.assign(m.pick(when, m.ones_like(self.observed.value), self.observed.value))
+
+    def quantized(self, x, training):
+        """``x`` on the grid of the range held, while QAT is on. Until a training step has observed a range there is
+        none to quantize with (an evaluation at the step QAT starts, such as Keras's validation at the end of the
+        epoch before it): the tensor passes as it is."""
+        t, m = self.tables, qat_math()
         on = t.at(t.enabled) if training else keras.ops.logical_and(t.at(t.enabled), self.observed.value > 0)
         return m.pick(on, m.fake_quant_activation(x, self.min_val.value, self.max_val.value), x)
 
@@ -134,7 +130,8 @@ class QuantizedLayer(keras.layers.Layer):
     levels, which float16 cannot."""
 
     def __init__(self, layer, bn=None, relu: bool | float = False, quantize_input: bool = True,
-                 source: str | None = None, activation: str | None = None, **kwargs):
+                 source: str | None = None, activation: str | None = None, learn: tuple[bool, bool] = (False, False),
+                 **kwargs):
         kwargs.setdefault("dtype", "float32")
         kwargs.setdefault("name", f"{layer.name}_qat")
         super().__init__(**kwargs)
@@ -142,7 +139,12 @@ class QuantizedLayer(keras.layers.Layer):
             raise ValueError(f"{layer.name}: activation must be None or one of "
                              f"{sorted(set(INTEGER_ACTIVATIONS.values()))}, not {activation!r}")
         self.layer, self.bn, self.relu, self.activation = layer, bn, relu, activation
-        self.input_quantizer = ActivationQuantizer(name=f"{layer.name}_input_q") if quantize_input else None
+        self.learn = tuple(bool(f) for f in learn)  # (weights, input): learned scales (.learned_scales)
+        from .learned_scales import LearnedActivationQuantizer  # (it builds on this module)
+
+        quantizer = LearnedActivationQuantizer if self.learn[1] else ActivationQuantizer
+        self.input_quantizer = quantizer(name=f"{layer.name}_input_q") if quantize_input else None
+        self.weight_scales = self.depthwise_scales = None  # learned weights' scales, made in build
         # with an activation: the layer's own output (the activation's input), its sigmoid (swish: the sigmoid
         # apart, then the product); output_quantizer is always the tensor the next layer reads
         self.linear_quantizer = ActivationQuantizer(name=f"{layer.name}_linear_q") if activation else None
@@ -164,7 +166,7 @@ class QuantizedLayer(keras.layers.Layer):
         return {**super().get_config(), "layer": serialize(self.layer),
                 "bn": None if self.bn is None else serialize(self.bn), "relu": self.relu,
                 "quantize_input": self.input_quantizer is not None, "source": self.source,
-                "activation": self.activation, **_state(self.tables)}
+                "activation": self.activation, "learn": list(self.learn), **_state(self.tables)}
 
     @classmethod
     def from_config(cls, config: dict) -> "QuantizedLayer":
@@ -240,6 +242,15 @@ class QuantizedLayer(keras.layers.Layer):
             self.input_quantizer.build(input_shape)
         for q in self.quantizers[1 if self.input_quantizer is not None else 0:]:
             q.build(None)
+        if self.learn[0]:
+            from .learned_scales import LearnedWeightScales
+
+            kernel = self.layer.pointwise_kernel if self.depthwise_quantizer is not None else self.layer.kernel
+            self.weight_scales = LearnedWeightScales(kernel.shape[2 if self._depthwise else -1],
+                                                     name=f"{self.layer.name}_weight_scales")
+            if self.depthwise_quantizer is not None:
+                self.depthwise_scales = LearnedWeightScales(self.layer.depthwise_kernel.shape[2],
+                                                            name=f"{self.layer.name}_depthwise_scales")
 
     def compute_output_shape(self, input_shape):
         """The inner layer's: Keras would otherwise trace :meth:`call` to find it (3 s a MobileNetV2 clone)."""
@@ -297,7 +308,7 @@ class QuantizedLayer(keras.layers.Layer):
         if layout == "channels_first":
             x = m.transpose(x, (0, 3, 1, 2))
         if self.depthwise_quantizer is not None:
-            x = self.depthwise_quantizer(self._separable_depthwise(x, layout), training=training)
+            x = self.depthwise_quantizer(self._separable_depthwise(x, layout, training), training=training)
             w = self.layer.pointwise_kernel.value  # [1, 1, channels, filters]: BN and bias fold in here
         else:
             w = self.layer.kernel.value  # a depthwise kernel is [h, w, channels, 1]
@@ -306,7 +317,7 @@ class QuantizedLayer(keras.layers.Layer):
             return self._train_with_batchnorm(x, w, axis, layout, training)
         with m.constants(t is not None and t.export):
             w, bias = self._folded(w, axis, layout)
-        return self._activate(self._linear(x, self._quantize(w, axis), layout) + bias, training, layout)
+        return self._activate(self._linear(x, self._quantize(w, axis, training), layout) + bias, training, layout)
 
     def _bias(self, w, axis: int):
         return self.layer.bias.value if self.layer.use_bias else qat_math().zeros(w.shape[axis], w.dtype)
@@ -317,7 +328,8 @@ class QuantizedLayer(keras.layers.Layer):
         t, m, bn = self.tables, qat_math(), self.bn
         gamma, beta, mean, var = _batchnorm_parameters(bn)
         scale = gamma / m.sqrt(var + bn.epsilon)
-        y = self._linear(x, self._quantize(w * self._per_channel(scale), axis), layout) / scale + self._bias(w, axis)
+        y = self._linear(x, self._quantize(w * self._per_channel(scale), axis, training), layout) / scale + \
+            self._bias(w, axis)
         batch_mean, batch_var = m.moments(y)
         frozen = t.at(t.bn_frozen)
         momentum = bn.momentum
@@ -339,22 +351,26 @@ class QuantizedLayer(keras.layers.Layer):
             w = w * self._per_channel(scale)
         source = self.depthwise_quantizer or self.input_quantizer or _input_source(self)  # unknown: bias as it is
         if t is not None and t.export and source is not None:
-            bias = m.bias_on_int32_grid(bias, w, axis, source.min_val.value, source.max_val.value, t.weight_levels)
+            learned = None if self.weight_scales is None else self.weight_scales.current.value
+            bias = m.bias_on_int32_grid(bias, w, axis, source.min_val.value, source.max_val.value, t.weight_levels,
+                                        weight_scale=learned)
         return w, m.reshape(bias, (-1, 1, 1)) if layout == "channels_first" else bias
 
-    def _separable_depthwise(self, x, layout: str):
+    def _separable_depthwise(self, x, layout: str, training=None):
         """A SeparableConv2D's depthwise half, its kernel fake-quantized per channel (no bias: Keras adds its one
         bias after the pointwise conv)."""
         conv = self.layer
-        dq = self._quantize(conv.depthwise_kernel.value, 2)
+        dq = self._quantize(conv.depthwise_kernel.value, 2, training, self.depthwise_scales)
         x, padding = self._padded(x, layout)
         return qat_math().depthwise_conv(x, dq, conv.strides, padding, conv.dilation_rate, data_format=layout)
 
-    def _quantize(self, w, axis: int):
+    def _quantize(self, w, axis: int, training=None, scales=None):
         t, m = self.tables, qat_math()
-        export = t is not None and t.export
-        wq = m.fake_quant_weight(w, axis, t.weight_levels if t is not None else WEIGHT_LEVELS, export=export)
-        return wq if t is None or export else m.pick(t.at(t.enabled), wq, w)
+        export, levels = t is not None and t.export, t.weight_levels if t is not None else WEIGHT_LEVELS
+        scales = scales or self.weight_scales  # learned (the separable depthwise kernel's given), or None
+        wq = scales.fake_quantize(w, axis, t, levels, training) if scales is not None else \
+            m.fake_quant_weight(w, axis, levels, export=export)
+        return wq if t is None or export else m.pick(t.at(t.enabled), wq, w if scales is None else scales.held(w))
 
     def _activate(self, y, training, layout: str = "channels_last"):
         y = _folded_relu(y, self.relu)

@@ -35,6 +35,7 @@ class TensorFlowQATMath:
 
         self.tf, self.ops = tf, TensorFlowOps()
         self._activation, self._weight = fake_quant.fake_quant_activation, fake_quant.fake_quant_weight
+        self._weight_scale = fake_quant.weight_scale
         self.bias_on_int32_grid = fake_quant.bias_on_int32_grid
         self.moving_range = fake_quant.moving_range
         for name in ("where", "sqrt", "sigmoid", "stop_gradient", "ones_like", "zeros_like", "transpose", "reshape",
@@ -53,8 +54,11 @@ class TensorFlowQATMath:
         """The same op trains and exports (tf2onnx writes it as a QDQ pair)."""
         return self._activation(x, low, high)
 
-    def fake_quant_weight(self, w, axis: int, levels: int = WEIGHT_LEVELS, export: bool = False):
-        return self._weight(w, axis, levels)
+    def fake_quant_weight(self, w, axis: int, levels: int = WEIGHT_LEVELS, export: bool = False, scale=None):
+        return self._weight(w, axis, levels, scale)
+
+    def weight_scale(self, w, axis: int, levels: int = WEIGHT_LEVELS):
+        return self._weight_scale(w, axis, levels)
 
     def zeros(self, n: int, dtype):
         return self.tf.zeros([n], dtype)
@@ -179,30 +183,39 @@ class KerasQATMath:
         inside = k.logical_and(x >= -zero_point * scale, x <= (255.0 - zero_point) * scale)
         return self._straight_through(x, (q - zero_point) * scale, inside)
 
+    def weight_scale(self, w, axis: int, levels: int = WEIGHT_LEVELS):
+        """``max|w| / levels`` per index of ``axis``."""
+        return self._weight_scale(w, axis, levels)
+
     def _weight_scale(self, w, axis: int, levels: int):
         k = self.k
         amax = k.max(k.abs(w), axis=[a for a in range(len(w.shape)) if a != axis])
         # a channel pruned to zeros gets scale 1 / levels: a tiny scale would overflow its int32 bias
         return k.where(amax > 0, amax, k.ones_like(amax)) / float(levels)
 
-    def fake_quant_weight(self, w, axis: int, levels: int = WEIGHT_LEVELS, export: bool = False):
-        """``w`` on the int8 grid, symmetric, one scale ``max|w| / levels`` per index of ``axis`` (with ``export``,
-        the backend's QDQ op)."""
+    def fake_quant_weight(self, w, axis: int, levels: int = WEIGHT_LEVELS, export: bool = False, scale=None):
+        """``w`` on the int8 grid, symmetric, one scale ``max|w| / levels`` (or the given, learned, ``scale``, ``w``
+        clipped to its ``+-levels`` steps) per index of ``axis`` (with ``export``, the backend's QDQ op)."""
         k = self.k
+        shape = [1] * len(w.shape)
+        shape[axis] = -1
         with self.constants(export):
-            scale = self._weight_scale(k.stop_gradient(w), axis, levels)
+            if scale is not None:
+                w = k.clip(w, -k.reshape(scale * levels, shape), k.reshape(scale * levels, shape))
+            scale = self._weight_scale(k.stop_gradient(w), axis, levels) if scale is None else scale
             zero_point = k.zeros_like(scale)
         if export:
             return self._qdq(w, scale, zero_point, axis, "int8")
-        shape = [1] * len(w.shape)
-        shape[axis] = -1
         scale = k.reshape(scale, shape)
         return self._straight_through(w, k.round(w / scale) * scale, None)
 
-    def bias_on_int32_grid(self, bias, w, axis: int, low, high, levels: int = WEIGHT_LEVELS):
-        """``bias`` in whole steps of input scale x weight scale (the int32 an int8 layer holds it as)."""
+    def bias_on_int32_grid(self, bias, w, axis: int, low, high, levels: int = WEIGHT_LEVELS, weight_scale=None):
+        """``bias`` in whole steps of input scale x weight scale (the int32 an int8 layer holds it as; a learned
+        ``weight_scale`` given)."""
         _, _, scale, _ = self._activation_qparams(low, high)
-        step = scale * self._weight_scale(self.k.stop_gradient(w), axis, levels)
+        if weight_scale is None:
+            weight_scale = self._weight_scale(self.k.stop_gradient(w), axis, levels)
+        step = scale * weight_scale
         return self.k.round(bias / step) * step
 
     def _straight_through(self, x, quantized, inside):

@@ -11,11 +11,13 @@ from .qat import Folded, QuantizedLayer, QuantizedMerge
 from .qat_plan import plan_qat
 
 
-def quantize_model(model: keras.Model, tables: QATTables) -> tuple[keras.Model, list, list[str]]:
+def quantize_model(model: keras.Model, tables: QATTables,
+                   learn: tuple[bool, bool] = (False, False)) -> tuple[keras.Model, list, list[str]]:
     """A new model with the convs and Dense layers :func:`plan_qat` chose as :class:`QuantizedLayer` s and the
     merges, pools and pre-activation BatchNorms of quantized tensors as :class:`QuantizedMerge` s, reusing the
     original layers' variables (a model that holds QAT layers already, loaded from a ``.keras`` file, is itself, its
-    layers switched by ``tables``); and the layers with weights left float."""
+    layers switched by ``tables``); and the layers with weights left float. ``learn``: the weights' and the layers'
+    inputs' scales are learned (``observer: lsq``)."""
     existing = [layer for layer in model.layers if isinstance(layer, (QuantizedLayer, QuantizedMerge))]
     if existing:  # a QAT model loaded from a .keras file: the recipe's switches take it on again
         by_name = {q.name: q for q in existing}
@@ -38,7 +40,7 @@ def quantize_model(model: keras.Model, tables: QATTables) -> tuple[keras.Model, 
             return merge
         if isinstance(entry, dict):
             q = QuantizedLayer(entry["layer"], entry["bn"], entry["relu"], entry["quantize_input"],
-                               activation=entry["activation"])
+                               activation=entry["activation"], learn=learn)
             q.set_tables(tables)
             made.append(q)
             return q
