@@ -6,6 +6,7 @@ then ``model.compile(optimizer=optimizer, ...)``, ``model.fit(..., callbacks=cal
 ``manager.finalize(model)`` and :func:`export_onnx`.
 """
 
+from . import learned_scales  # noqa: F401 - registers the learned-scale layers QAT layers are built with
 from .export import export_onnx
 from .manager import RecalCallback, RecalWarning, ScheduledModifierManager
 from .params import describe_model  # recal train's

@@ -140,9 +140,9 @@ class QuantizedLayer(keras.layers.Layer):
                              f"{sorted(set(INTEGER_ACTIVATIONS.values()))}, not {activation!r}")
         self.layer, self.bn, self.relu, self.activation = layer, bn, relu, activation
         self.learn = tuple(bool(f) for f in learn)  # (weights, input): learned scales (.learned_scales)
-        from .learned_scales import LearnedActivationQuantizer  # (it builds on this module)
-
-        quantizer = LearnedActivationQuantizer if self.learn[1] else ActivationQuantizer
+        # learned scales (.learned_scales builds on this module): by the names they are registered under
+        quantizer = keras.saving.get_registered_object("recal>LearnedActivationQuantizer") if self.learn[1] else \
+            ActivationQuantizer
         self.input_quantizer = quantizer(name=f"{layer.name}_input_q") if quantize_input else None
         self.weight_scales = self.depthwise_scales = None  # learned weights' scales, made in build
         # with an activation: the layer's own output (the activation's input), its sigmoid (swish: the sigmoid
@@ -243,8 +243,7 @@ class QuantizedLayer(keras.layers.Layer):
         for q in self.quantizers[1 if self.input_quantizer is not None else 0:]:
             q.build(None)
         if self.learn[0]:
-            from .learned_scales import LearnedWeightScales
-
+            LearnedWeightScales = keras.saving.get_registered_object("recal>LearnedWeightScales")  # noqa: N806
             kernel = self.layer.pointwise_kernel if self.depthwise_quantizer is not None else self.layer.kernel
             self.weight_scales = LearnedWeightScales(kernel.shape[2 if self._depthwise else -1],
                                                      name=f"{self.layer.name}_weight_scales")
