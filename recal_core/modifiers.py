@@ -186,7 +186,7 @@ class QuantizationArgs(BaseModel):
     observer: Literal["minmax", "mse", "lsq"] = Field(
         "minmax", description="how a weight's scale is chosen: its largest magnitude (minmax), the clipping of it "
                               "that quantizes the weight with the least squared error (mse; weight-only layers), or "
-                              "learned by gradient descent (lsq, LSQ's scaled gradient; PyTorch, and Keras for W8A8; "
+                              "learned by gradient descent (lsq, LSQ's scaled gradient; PyTorch, and Keras / TF for W8A8; "
                               "from the mse fit for weight-only layers, from minmax for W8A8 weights and inputs)")
     observer_kwargs: dict[str, float] | None = Field(
         None, description="lsq: {lr_factor: f}, the scales' learning rate as a multiple of the first param group's "

@@ -75,12 +75,12 @@ def qat_problems(schedule: RecipeSchedule, where: str, learns: bool = False) -> 
         if scheme.learned is not None and not learns:
             problems.append(recipe.problem(
                 index, "scheme", f"learned scales (observer: lsq) are not available {where} yet",
-                expected="observer: minmax (or run this recipe with Keras or recal_torch)"))
+                expected="observer: minmax (or run this recipe with recal_torch)"))
         elif scheme.learned is not None:
             for args in filter(None, scheme.learned):
                 if args.lr_factor != 1.0 or args.calibration_steps != 1:
                     problems.append(recipe.problem(
-                        index, "scheme", f"observer_kwargs {args.observer_kwargs} {where}: a Keras optimizer takes "
+                        index, "scheme", f"observer_kwargs {args.observer_kwargs} {where}: the optimizer takes "
                         "one learning rate for every variable, and a learned scale starts from the first QAT "
                         "step's range", expected="observer: lsq without lr_factor or calibration_steps (or run "
                         "this recipe with recal_torch)"))

@@ -1,4 +1,5 @@
-"""The few tensor ops recal's in-graph pruning math (:mod:`recal_tf.mask_ops`) needs, per framework.
+"""The few tensor ops recal's in-graph pruning math (:mod:`recal_tf.mask_ops`) and learned quantization scales
+(:func:`lsq`) need, per framework.
 
 The masks are computed by one piece of code in every front end; it calls these adapters, so the ``tf.compat.v1``
 graph API and Keras on TensorFlow run TensorFlow ops (``tf.argsort(stable=True)``, explicit control dependencies
@@ -21,8 +22,10 @@ class TensorFlowOps:
 
         self.tf = tf
         for name in ("where", "maximum", "minimum", "cast", "reshape", "transpose", "abs", "square", "sqrt",
-                     "broadcast_to", "cond", "not_equal", "logical_and", "zeros_like", "ones_like"):
+                     "broadcast_to", "cond", "not_equal", "logical_and", "zeros_like", "ones_like", "stop_gradient",
+                     "round", "exp"):
             setattr(self, name, getattr(tf, name))
+        self.clip = tf.clip_by_value
 
     def constant(self, value, dtype=None):
         return self.tf.constant(value, dtype)
@@ -84,7 +87,7 @@ class KerasOps:
         self._tables: dict[tuple[int, str | None], tuple[object, object]] = {}
         for name in ("where", "maximum", "minimum", "cast", "reshape", "transpose", "abs", "square", "sqrt",
                      "broadcast_to", "cond", "not_equal", "logical_and", "zeros_like", "ones_like", "take",
-                     "argsort"):  # keras.ops.argsort is stable on JAX and PyTorch
+                     "argsort", "stop_gradient", "round", "exp", "clip"):  # (argsort: stable on JAX and PyTorch)
             setattr(self, name, getattr(ops, name))
 
     def constant(self, value, dtype=None):
@@ -143,3 +146,14 @@ def _torch_tracing() -> bool:
 
     torch = sys.modules.get("torch")
     return bool(torch is not None and torch.jit.is_tracing())
+
+
+def lsq(ops, x, scale, zero_point, qmin: float, qmax: float, grad_factor: float):
+    """``x`` on the grid ``(clip(round(x / scale) + zero_point, qmin, qmax) - zero_point) * scale`` with ``ops`` (an
+    adapter above): the gradient passes to ``x`` inside the grid and to ``scale`` as LSQ's (``round(v) - v`` inside,
+    the grid's ends outside), times ``grad_factor``; the value is exactly the grid's (recal_torch's
+    ``fake_quantize``, written with ``stop_gradient``)."""
+    scale = scale * grad_factor + ops.stop_gradient(scale - scale * grad_factor)  # value: scale; gradient: scaled
+    v = ops.clip(x / scale + zero_point, qmin, qmax)
+    q = v + ops.stop_gradient(ops.round(v) - v)
+    return (q - zero_point) * scale

@@ -309,18 +309,16 @@ def test_learned_scales_train_resume_and_convert_on_every_keras_backend(tmp_path
 
 
 def test_learned_scales_refusals_are_located():
-    """What Keras cannot learn is refused at modify, located: a learning rate of the scales' own (a Keras optimizer
-    has one for every variable) and a calibrated start; the TensorFlow graph API learns none."""
+    """What Keras and the TensorFlow graph API cannot learn is refused, located: a learning rate of the scales' own
+    (their optimizers have one for every variable) and a calibrated start."""
+    from recal_core.recipe import load_recipe
+    from recal_tf.recipe_support import qat_problems
+
     base = ("- !QuantizationModifier {start_epoch: 0, scheme: {input_activations: {symmetric: false, observer: lsq, "
             "observer_kwargs: %s}, weights: {}}}\n")
     for kwargs in ("{lr_factor: 0.1}", "{calibration_steps: 4}"):
         manager = ScheduledModifierManager.from_yaml(base % kwargs)
         with pytest.raises(RecipeError, match=r"modifiers\[0\].*scheme.*one learning rate for every variable"):
             manager.modify(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), keras.optimizers.SGD(), 2)
-    from recal_tf.recipe_support import qat_problems
-    from recal_core.recipe import load_recipe
-
-    recipe = load_recipe(base % "{}".replace("observer_kwargs: {}", ""))
-    problems = qat_problems(recipe.bind(2), "in the TensorFlow graph API")
-    assert any("learned scales (observer: lsq) are not available in the TensorFlow graph API" in p.message
-               for p in problems)
+        problems = qat_problems(load_recipe(base % kwargs).bind(2), "in the TensorFlow graph API", learns=True)
+        assert [p.field for p in problems] == ["scheme"] and "graph API" in problems[0].message

@@ -24,7 +24,7 @@ from recal_core.schedule import RecipeSchedule
 
 from ..qat_tables import QATTables, quantize_at_completion
 from ..mask_ops import PruningMasks, per_step as _per_step
-from ..recipe_support import RecalWarning, check_table_size, qat_problems, torch_only_problems
+from ..recipe_support import RecalWarning, check_table_size, learned_scales, qat_problems, torch_only_problems
 from ..utils import tf_compat
 from .channel_graph import graph_spaces
 from .params import describe_variables
@@ -125,7 +125,7 @@ class ScheduledModifierManager(RecipeManager):
 
     def _plan(self, schedule: RecipeSchedule, infos, sizes, base_lr: float | None) -> ModelPlan:
         """The core's plan for this graph's variables; plus TensorFlow's own limits, every problem at once."""
-        problems = qat_problems(schedule, "in the TensorFlow graph API")
+        problems = qat_problems(schedule, "in the TensorFlow graph API", learns=True)
         problems += torch_only_problems(schedule, "in the TensorFlow graph API")
         gradients = [op.name for op in tf_compat.get_default_graph().get_operations()
                      if op.name.startswith("gradients") or op.type.endswith("Grad")][:3] if schedule.quantization else []
@@ -153,12 +153,13 @@ class ScheduledModifierManager(RecipeManager):
         """Rewire the forward graph for QAT (:mod:`recal_tf.graph.qat`); its observer updates join UPDATE_OPS."""
         index, _ = schedule.quantization[0]
 
-        def make_variable(name, shape, dtype, initial):
-            var = self._variable(f"qat/{name}", shape, dtype, initial)
+        def make_variable(name, shape, dtype, initial, trainable=False):
+            var = self._variable(f"qat/{name}", shape, dtype, initial, trainable)
             self._kept.append(var)
             return var
 
-        qat = GraphQAT(QATTables.from_schedule(schedule, index, k), make_variable)
+        learn = learned_scales(schedule.recipe.modifiers[index])
+        qat = GraphQAT(QATTables.from_schedule(schedule, index, k), make_variable, learn)
         qat.plan(graph, set(by_name))
         if not qat.targets:
             raise RecipeError(self.recipe.problem(
@@ -193,10 +194,13 @@ class ScheduledModifierManager(RecipeManager):
             table[np.isnan(table)] = base_lr
         return table
 
-    def _variable(self, name: str, shape, dtype, initial) -> tf.Variable:
+    def _variable(self, name: str, shape, dtype, initial, trainable: bool = False) -> tf.Variable:
+        """A variable of recal's (``trainable``: a learned quantization scale's, which the optimizer built after
+        ``create_ops`` trains with the model's; no weight decay, which reads the model's variables)."""
+        collections = [tf_compat.GraphKeys.GLOBAL_VARIABLES, RECAL_VARIABLES]
+        collections += [tf_compat.GraphKeys.TRAINABLE_VARIABLES] if trainable else []
         var = tf_compat.get_variable(name, shape=shape, dtype=dtype, initializer=tf_compat.constant_initializer(initial),
-                                     trainable=False, use_resource=True,
-                                     collections=[tf_compat.GraphKeys.GLOBAL_VARIABLES, RECAL_VARIABLES])
+                                     trainable=trainable, use_resource=True, collections=collections)
         self._variables.append(var)
         return var
 

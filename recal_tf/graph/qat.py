@@ -25,8 +25,11 @@ from typing import Callable
 
 import tensorflow as tf
 
-from ..fake_quant import bias_on_int32_grid, fake_quant_activation, fake_quant_weight, moving_range
+import math
+
+from ..fake_quant import bias_on_int32_grid, fake_quant_activation, fake_quant_weight, moving_range, weight_scale
 from ..qat_tables import QATTables
+from ..tensor_ops import TensorFlowOps, lsq
 from .params import KERNEL_INPUTS, _variable_op
 from ..utils import tf_compat
 
@@ -49,6 +52,7 @@ class _Target:
     folded_weight: tf.Tensor | None = None  # q(w * s) (BatchNorm) or q(w)
     scale: tf.Tensor | None = None  # s, with a folded BatchNorm
     float_weight: tf.Tensor | None = None  # what the op read before the rewrite
+    learned_scale: tf.Tensor | None = None  # the weight's learned per-channel scales as last trained (observer: lsq)
 
 
 @dataclass
@@ -56,7 +60,8 @@ class GraphQAT:
     """The QAT rewrite of one graph, with its switches (to remove for export) and observer updates."""
 
     tables: QATTables
-    make_variable: Callable  # (name, shape, dtype, initial) -> a recal variable
+    make_variable: Callable  # (name, shape, dtype, initial, trainable=False) -> a recal variable
+    learn: tuple[bool, bool] = (False, False)  # the weights' and the layers' inputs' scales learned (observer: lsq)
     targets: list[_Target] = field(default_factory=list)
     floating: list[str] = field(default_factory=list)  # ops with a variable weight left float
     notes: list[str] = field(default_factory=list)  # what was not folded, and why
@@ -127,7 +132,8 @@ class GraphQAT:
             x = t.op.inputs[0]
             if self._source(x) is None:
                 with tf_compat.name_scope(_scope(t.op)):
-                    fq = self._quantized.get(x.name) or self._observe(x, f"{_scope(t.op)}_input", enabled)
+                    fq = self._quantized.get(x.name) or self._observe(x, f"{_scope(t.op)}_input", enabled,
+                                                                      self.learn[1])
                 t.op._update_input(0, fq)
 
     def _quantize_weight(self, t: _Target, enabled) -> None:
@@ -135,11 +141,42 @@ class GraphQAT:
         if t.bn_infer is not None:
             gamma, variance = t.bn_infer.inputs[1], t.bn_infer.inputs[4]
             t.scale = gamma / tf.sqrt(tf.stop_gradient(variance) + t.bn_infer.get_attr("epsilon"))
-            t.folded_weight = fake_quant_weight(w * t.scale, t.axis, self.tables.weight_levels)
-            quantized = t.folded_weight / t.scale
+        folded = w * t.scale if t.scale is not None else w
+        levels = self.tables.weight_levels
+        if self.learn[0]:
+            trained = self._learned_weight(t, folded, levels)
+            t.folded_weight = fake_quant_weight(folded, t.axis, levels, scale=t.learned_scale)
         else:
-            t.folded_weight = quantized = fake_quant_weight(w, t.axis, self.tables.weight_levels)
+            t.folded_weight = trained = fake_quant_weight(folded, t.axis, levels)
+        quantized = trained / t.scale if t.scale is not None else trained
         t.op._update_input(1, tf.where(enabled, quantized, w, name="weight"))
+
+    def _learned_weight(self, t: _Target, w: tf.Tensor, levels: int) -> tf.Tensor:
+        """``w`` on its per-channel grid with learned scales (:mod:`recal_tf.keras.learned_scales`' rule: ``start *
+        exp(log_ratio)``, the start ``max|w| / levels`` at the first QAT step, trained while the observers run, the
+        trained scale recorded after each step for the rest of the run and the export)."""
+        name, channels = f"{_scope(t.op)}_weight_scales", w.shape[t.axis]
+        start, current = (self.make_variable(f"{name}/{n}", [channels], tf.float32, 0.0) for n in ("start", "current"))
+        started = self.make_variable(f"{name}/started", [], tf.float32, 0.0)
+        log_ratio = self.make_variable(f"{name}/log_ratio", [channels], tf.float32, 0.0, trainable=True)
+        observing = self.tables.at(self.tables.observing)
+        first = tf.logical_and(observing, tf.equal(started.read_value(), 0.0))  # (== is identity in v1 graphs)
+        begin = tf.where(first, weight_scale(tf.stop_gradient(w), t.axis, levels), start.read_value())
+        learned = tf.maximum(begin * tf.exp(log_ratio.read_value()), 1e-8)
+        t.learned_scale = tf.maximum(current.read_value(), 1e-8)
+        scale = tf.where(observing, learned, t.learned_scale)
+        shape = [1] * len(w.shape)
+        shape[t.axis] = -1
+        per_value = float(w.shape.num_elements() // channels)
+        out = lsq(TensorFlowOps(), w, tf.reshape(scale, shape), 0.0, -float(levels), float(levels),
+                  1.0 / math.sqrt(per_value * levels))
+        with tf_compat.control_dependencies([out]):
+            self.updates.append(tf.group(start.assign(begin, read_value=False),
+                                         started.assign(tf.where(observing, 1.0, started.read_value()), read_value=False),
+                                         current.assign(tf.where(observing, tf.stop_gradient(learned),
+                                                                 current.read_value()), read_value=False),
+                                         name="learned_scales"))
+        return out
 
     def _freeze_bn(self, t: _Target) -> None:
         """From ``freeze_bn_stats_epoch``: the training path normalises with the moving statistics, and the
@@ -154,8 +191,9 @@ class GraphQAT:
                 switched = tf.where(frozen, moving, out, name=f"bn_frozen_{index}")
                 _reroute(out, switched, keep={switched.op})
 
-    def _observe(self, x: tf.Tensor, name: str, enabled) -> tf.Tensor:
-        """``x`` fake-quantized with a moving-average range; registers the range's update op."""
+    def _observe(self, x: tf.Tensor, name: str, enabled, learned: bool = False) -> tf.Tensor:
+        """``x`` fake-quantized with a moving-average range (``learned``: a learned scale, its range recorded in
+        the same variables); registers the range's update op."""
         low = self.make_variable(f"{name}/min", [], tf.float32, 0.0)
         high = self.make_variable(f"{name}/max", [], tf.float32, 0.0)
         seen = self.make_variable(f"{name}/observed", [], tf.float32, 0.0)
@@ -163,9 +201,12 @@ class GraphQAT:
         low_now, high_now, seen_now = low.read_value(), high.read_value(), seen.read_value()
         fq = fake_quant_activation(x, low_now, high_now)
         out = tf.where(tf.logical_and(enabled, seen_now > 0), fq, x, name="quantized")
+        observe = tf.logical_and(enabled, tf.logical_not(self.tables.at(self.tables.observers_frozen)))
+        if learned:
+            out, new_low, new_high = self._learned_input(x, name, observe, out, seen_now)
         with tf_compat.control_dependencies([out]):  # after the forward pass used the range so far
-            observe = tf.logical_and(enabled, tf.logical_not(self.tables.at(self.tables.observers_frozen)))
-            new_low, new_high = moving_range(tf.reduce_min(x), tf.reduce_max(x), low_now, high_now, seen_now > 0)
+            if not learned:
+                new_low, new_high = moving_range(tf.reduce_min(x), tf.reduce_max(x), low_now, high_now, seen_now > 0)
             update = tf.group(low.assign(tf.where(observe, new_low, low_now), read_value=False),
                               high.assign(tf.where(observe, new_high, high_now), read_value=False),
                               seen.assign(tf.where(observe, 1.0, seen_now), read_value=False),
@@ -175,6 +216,28 @@ class GraphQAT:
         self._quantized[x.name] = out
         self._ranges[out.name] = (low_now, high_now)
         return out
+
+    def _learned_input(self, x: tf.Tensor, name: str, observe, out: tf.Tensor, seen):
+        """A layer input's learned scale (``start * exp(log_ratio)``, started from the first QAT step's batch range,
+        the zero point kept): ``(x`` on its grid while the observers run, else ``out``; the range it records)."""
+        start = self.make_variable(f"{name}/start_scale", [], tf.float32, 0.0)
+        zero = self.make_variable(f"{name}/zero_point", [], tf.float32, 0.0)
+        log_ratio = self.make_variable(f"{name}/log_ratio", [], tf.float32, 0.0, trainable=True)
+        low = tf.minimum(tf.reduce_min(tf.stop_gradient(x)), 0.0)
+        first_scale = (tf.maximum(tf.reduce_max(tf.stop_gradient(x)), low + 1e-6) - low) / 255.0
+        first = seen <= 0
+        begin = tf.where(first, first_scale, start.read_value())
+        zero_point = tf.where(first, tf.clip_by_value(tf.round(-low / first_scale), 0.0, 255.0), zero.read_value())
+        scale = tf.maximum(begin * tf.exp(log_ratio.read_value()), 1e-8)
+        values = float(x.shape[1:].num_elements() or 1)
+        learned = lsq(TensorFlowOps(), x, scale, zero_point, 0.0, 255.0, 1.0 / math.sqrt(values * 255.0))
+        out = tf.where(observe, learned, out, name="learned")
+        with tf_compat.control_dependencies([out]):
+            self.updates.append(tf.group(start.assign(tf.where(observe, begin, start.read_value()), read_value=False),
+                                         zero.assign(tf.where(observe, zero_point, zero.read_value()),
+                                                     read_value=False), name="learned_scale"))
+        held = tf.stop_gradient(scale)
+        return out, -zero_point * held, (255.0 - zero_point) * held
 
     def _source(self, x: tf.Tensor) -> tf.Tensor | None:
         """The fake-quantized output ``x`` comes from through pass-through ops, if any."""
@@ -219,7 +282,7 @@ class GraphQAT:
                         index, b = next((i, b) for i, b in enumerate(t.bias.inputs) if b is not t.op.outputs[0])
                         t.bias._update_input(index, bias_on_int32_grid(b, t.float_weight, t.axis,
                                                                        *self._ranges[source.name],
-                                                                       self.tables.weight_levels))
+                                                                       self.tables.weight_levels, t.learned_scale))
                     continue
                 bn = t.bn_infer
                 bias = bn.inputs[2] - bn.inputs[3] * t.scale
@@ -228,7 +291,7 @@ class GraphQAT:
                     bias = bias + b * t.scale
                 if source is not None:
                     bias = bias_on_int32_grid(bias, t.float_weight * t.scale, t.axis, *self._ranges[source.name],
-                                              self.tables.weight_levels)
+                                              self.tables.weight_levels, t.learned_scale)
                 attrs = {a: t.op.get_attr(a) for a in ("strides", "padding", "explicit_paddings", "dilations")}
                 y = tf.raw_ops.Conv2D(input=t.op.inputs[0], filter=t.folded_weight, data_format="NHWC", **attrs)
                 _reroute(t.pre_activation, tf.nn.bias_add(y, bias))

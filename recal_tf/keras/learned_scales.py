@@ -8,7 +8,8 @@ variable (recal_torch gives the scales a param group and ``lr_factor`` of their 
 about its learning rate a step whatever its size, which would take a scale of 0.002 to zero and below within a
 few dozen steps at a weight's rate, while a step moves ``log_ratio`` by a relative amount and the scale stays
 positive. The gradient is LSQ's, scaled by ``1 / sqrt(values * levels)``, written
-with ``stop_gradient`` in ``keras.ops``, so TensorFlow, JAX and PyTorch compute the same. While the observers
+with ``stop_gradient`` (:func:`recal_tf.tensor_ops.lsq`, the graph API's too), so TensorFlow, JAX and PyTorch
+compute the same. While the observers
 run the scale trains and its value is copied to the variables the rest of QAT reads (an activation's
 ``min_val`` / ``max_val``; a kernel's ``current`` scale); once they are frozen the forward pass reads those copies,
 so the optimizer's momentum moving ``delta`` afterwards changes nothing, and export, the bias grid and a
@@ -22,21 +23,11 @@ import math
 import keras
 import numpy as np
 
+from ..tensor_ops import lsq
 from .qat import ActivationQuantizer
 from .qat_math import qat_math
 
 TINY = 1e-8  # a scale never reaches 0 (the grid's division), whatever a step does to it
-
-
-def lsq(x, scale, zero_point, qmin: float, qmax: float, grad_factor: float):
-    """``x`` on the grid ``(clip(round(x / scale) + zero_point, qmin, qmax) - zero_point) * scale``: the gradient
-    passes to ``x`` inside the grid and to ``scale`` as LSQ's (``round(v) - v`` inside, the grid's ends outside),
-    times ``grad_factor``."""
-    k = keras.ops
-    scale = scale * grad_factor + k.stop_gradient(scale - scale * grad_factor)  # value: scale; gradient: scaled
-    v = k.clip(x / scale + zero_point, qmin, qmax)
-    q = v + k.stop_gradient(k.round(v) - v)
-    return (q - zero_point) * scale
 
 
 @keras.saving.register_keras_serializable(package="recal")
@@ -66,7 +57,7 @@ class LearnedActivationQuantizer(ActivationQuantizer):
         scale = k.maximum(self.start_scale.value * k.exp(self.log_ratio.value), TINY)
         zero_point = self.zero_point.value
         values = float(np.prod([d for d in x.shape[1:] if d is not None]) or 1)
-        learned = lsq(x, scale, zero_point, 0.0, 255.0, 1.0 / math.sqrt(values * 255.0))
+        learned = lsq(m.ops, x, scale, zero_point, 0.0, 255.0, 1.0 / math.sqrt(values * 255.0))
         held = k.stop_gradient(scale)  # what eval, export and the frozen observers read: the learned grid
         self.min_val.assign(m.pick(observing, -zero_point * held, self.min_val.value))
         self.max_val.assign(m.pick(observing, (255.0 - zero_point) * held, self.max_val.value))
@@ -102,7 +93,7 @@ class LearnedWeightScales(keras.layers.Layer):
         (recorded in ``current``), the recorded one after."""
         m, k = qat_math(), keras.ops
         observing = tables.at(tables.observing)
-        first = k.logical_and(observing, self.started.value == 0)
+        first = k.logical_and(observing, k.equal(self.started.value, 0.0))
         start = m.weight_scale(k.stop_gradient(w), axis, levels)
         self.start.assign(m.pick(first, start, self.start.value))
         self.started.assign(m.pick(observing, k.ones_like(self.started.value), self.started.value))
@@ -123,7 +114,7 @@ class LearnedWeightScales(keras.layers.Layer):
         shape = [1] * len(w.shape)
         shape[axis] = -1
         per_value = float(np.prod(w.shape) // w.shape[axis])
-        return lsq(w, k.reshape(scale, shape), 0.0, -float(levels), float(levels),
+        return lsq(m.ops, w, k.reshape(scale, shape), 0.0, -float(levels), float(levels),
                    1.0 / math.sqrt(per_value * levels))
 
     def held(self, w):
