@@ -225,65 +225,70 @@ LSQ = QAT.replace("reduce_range: true}", "reduce_range: true,\n  scheme: {input_
                   "observer: lsq}, weights: {observer: lsq}}}")
 
 
-def test_learned_scales_train_export_and_resume_in_the_graph_api(tmp_path):
-    """``observer: lsq`` in the graph API: the kernels' and the layer inputs' scales are trainable variables the
-    optimizer built after ``create_ops`` trains; they stop at ``disable_quantization_observer_epoch``; the export
-    converts to int8 (7-bit weights, every conv and the dense integer) that classifies as TensorFlow does; a run
-    resumed from a ``Saver`` checkpoint taken during QAT ends on the uninterrupted run's variables, bit for bit."""
-    x_train, y_train, x_test, _ = _digits()
-    spe = math.ceil(len(x_train) / BATCH)
-    graph = tf_compat.Graph()
-    with graph.as_default():
-        tf_compat.set_random_seed(0)
-        inputs, labels, training, logits, manager, mod_ops, extras, train_op = _build(LSQ, spe)
-        learned = [v for v in tf_compat.trainable_variables() if v.op.name.endswith("log_ratio")]
-        assert len(learned) == 6  # 4 kernels, the image and the pooled features' inputs
-        saver = tf_compat.train.Saver()
-        sess = tf_compat.Session()
-        sess.run(tf_compat.global_variables_initializer())
-        manager.initialize_session(sess)
-        rng = np.random.default_rng(0)
-        ratios = []
-        for epoch in range(manager.max_epochs):
-            order = rng.permutation(len(x_train))
-            for b in range(spe):
+def _steps(sess, built, x_train, y_train, spe, first=0, after=None):
+    """Every training step of the recipe from ``first`` on (the same shuffled batches whichever step a run starts
+    at), ``after(step)`` called after each."""
+    inputs, labels, training, _, manager, mod_ops, _, train_op = built
+    rng = np.random.default_rng(0)
+    for epoch in range(manager.max_epochs):
+        order = rng.permutation(len(x_train))
+        for b in range(spe):
+            if epoch * spe + b >= first:
                 index = order[b * BATCH:(b + 1) * BATCH]
                 sess.run(train_op, {inputs: x_train[index], labels: y_train[index], training: True})
                 sess.run(mod_ops)
-                ratios.append(sess.run(learned))
-                if epoch * spe + b + 1 == int(2.5 * spe):
-                    checkpoint = saver.save(sess, str(tmp_path / "ckpt"))
+                if after is not None:
+                    after(epoch * spe + b + 1)
+
+
+def test_learned_scales_train_export_and_resume_in_the_graph_api(tmp_path):
+    """``observer: lsq`` in the graph API: the kernels' and the layer inputs' scales are trainable variables the
+    optimizer built after ``create_ops`` trains; the scales QAT uses stop moving at
+    ``disable_quantization_observer_epoch``; the export converts to int8 (7-bit weights, every conv and the dense
+    integer) that classifies as TensorFlow does; a run resumed from a ``Saver`` checkpoint taken during QAT ends on
+    the uninterrupted run's variables, bit for bit."""
+    x_train, y_train, x_test, _ = _digits()
+    spe = math.ceil(len(x_train) / BATCH)
+    middle, start, frozen = int(2.5 * spe), 2 * spe, 4 * spe
+    with tf_compat.Graph().as_default():
+        tf_compat.set_random_seed(0)
+        built = _build(LSQ, spe)
+        learned = [v for v in tf_compat.trainable_variables() if v.op.name.endswith("log_ratio")]
+        assert len(learned) == 6  # 4 kernels, the image and the pooled features' inputs
+        used = [v for v in tf_compat.global_variables() if v.op.name.endswith(("weight_scales/current", "input/max"))]
+        saver, sess = tf_compat.train.Saver(), tf_compat.Session()
+        sess.run(tf_compat.global_variables_initializer())
+        built[4].initialize_session(sess)
+        ratios, scales = {}, {}
+
+        def read(step):
+            ratios[step], scales[step] = sess.run(learned), sess.run(used)
+            if step == middle:
+                ratios["checkpoint"] = saver.save(sess, str(tmp_path / "ckpt"))
+
+        _steps(sess, built, x_train, y_train, spe, after=read)
         whole = {v.op.name: sess.run(v) for v in tf_compat.global_variables()}
-        manager.complete_graph(sess=sess)
-        tf_logits = sess.run(logits, {inputs: x_test})
+        built[4].complete_graph(sess=sess)
+        tf_logits = sess.run(built[3], {built[0]: x_test})
         path = export_onnx(sess, tmp_path / "lsq.onnx", ["inputs:0"], ["digits_net/logits:0"])
         sess.close()
-    start, frozen = 2 * spe, 4 * spe
-    moved = [(k, i, float(np.abs(r).max())) for k, step in enumerate(ratios[:start]) for i, r in enumerate(step) if np.any(r)]
-    assert not moved, moved[:5]  # QAT off: nothing learned
-    assert all(np.abs(r).max() > 0 for r in ratios[frozen - 1]), [(v.op.name, float(np.abs(r).max())) for v, r in zip(learned, ratios[frozen - 1])]  # every scale trained
+    assert not any(np.any(r) for step in range(1, start + 1) for r in ratios[step])  # QAT off: nothing learned
+    assert all(np.abs(r).max() > 0 for r in ratios[frozen])  # every scale trained
+    assert all(not np.array_equal(a, b) for a, b in zip(scales[start + 1], scales[frozen]))  # they moved...
+    assert all(np.array_equal(a, b) for a, b in zip(scales[frozen + 1], scales[max(scales)]))  # ...then stopped
     result = quantize_qat_export(path, tmp_path / "int8.onnx")
     assert not result.unconverted and result.verification.problem(None) is None
     int8 = ort.InferenceSession(str(tmp_path / "int8.onnx")).run(None, {"inputs:0": x_test.astype(np.float32)})[0]
     assert (int8.argmax(1) == tf_logits.argmax(1)).mean() >= 0.99
 
-    graph = tf_compat.Graph()  # resumed from the checkpoint taken at step 2.5 epochs
-    with graph.as_default():
+    with tf_compat.Graph().as_default():  # resumed from the checkpoint taken halfway through epoch 2
         tf_compat.set_random_seed(0)
-        inputs, labels, training, logits, manager, mod_ops, extras, train_op = _build(LSQ, spe)
+        built = _build(LSQ, spe)
         with tf_compat.Session() as sess:
             sess.run(tf_compat.global_variables_initializer())
-            manager.initialize_session(sess)
-            tf_compat.train.Saver().restore(sess, checkpoint)
-            rng = np.random.default_rng(0)
-            for epoch in range(manager.max_epochs):
-                order = rng.permutation(len(x_train))
-                for b in range(spe):
-                    if epoch * spe + b < int(2.5 * spe):
-                        continue
-                    index = order[b * BATCH:(b + 1) * BATCH]
-                    sess.run(train_op, {inputs: x_train[index], labels: y_train[index], training: True})
-                    sess.run(mod_ops)
+            built[4].initialize_session(sess)
+            tf_compat.train.Saver().restore(sess, ratios["checkpoint"])
+            _steps(sess, built, x_train, y_train, spe, first=middle)
             resumed = {v.op.name: sess.run(v) for v in tf_compat.global_variables()}
     for name, value in whole.items():
         assert np.array_equal(resumed[name], value), name
