@@ -251,9 +251,9 @@ def _function_of(node: torch.fx.Node, root: torch.fx.Node) -> set[torch.fx.Node]
         n = stack.pop()
         if n is root or n in ops:
             continue
-        if n.op != "call_function" or n.target not in _ELEMENTWISE or \
+        if n.op != "call_function" or n.target not in _ELEMENTWISE or len(ops) >= 32 or \
                 not all(isinstance(a, (torch.fx.Node, int, float)) for a in n.args) or n.kwargs:
-            return None
+            return None  # (a gate is a few ops: a residual stream of adds is not walked to its start)
         ops.add(n)
         stack.extend(n.all_input_nodes)
     return ops or None
