@@ -213,13 +213,13 @@ class QuantizedLayer(keras.layers.Layer):
             super().load_own_variables(store)
 
     @contextlib.contextmanager
-    def _without_step_counter(self):
-        held = self._non_trainable_variables
-        self._non_trainable_variables = [v for v in held if v is not self.step_counter]
+    def _without_step_counter(self):  # (not through Keras's setattr: it would track a copy of the list, and a
+        held = self._non_trainable_variables  # variable added later, a loaded model's step count, would miss it)
+        object.__setattr__(self, "_non_trainable_variables", [v for v in held if v is not self.step_counter])
         try:
             yield
         finally:
-            self._non_trainable_variables = held
+            object.__setattr__(self, "_non_trainable_variables", held)
 
     def _read_step(self, t: QATTables, training) -> None:
         """Set the step the switches read in this forward pass: the steps done before it (a training pass counts
