@@ -7,7 +7,9 @@ made in the warm-up):
 - a small ResNet (``bench_torch_overhead.py``'s, batch 32, 32x32) in W8A8: observed (minmax weights, moving-average
   activations) against learned (weights per channel and input activations);
 - a Llama-shaped decoder (``bench_llm.py``'s, bytes as tokens, 8 x 128 tokens) with int4 weight-only layers in
-  groups of 32: minmax, mse and learned scales.
+  groups of 32: minmax, mse and learned scales;
+- the same W8A8 pair on Keras (the TensorFlow backend): the digits net (``recal_app.keras_digits``), batch 128,
+  timed per ``fit`` step (``bench/fit_timing.py``).
 
     python scripts/bench_lsq_overhead.py [--steps 40] [--threads 2] [--json docs/results/lsq_overhead.json]
 """
@@ -66,6 +68,27 @@ def _decoder(recipe: str | None):
     return step
 
 
+def _keras_steps(rounds: int) -> dict[str, list[float]]:
+    """Seconds per ``fit`` step of the digits net in Keras: plain, observed and learned W8A8 QAT."""
+    import keras
+    import numpy as np
+
+    from bench.fit_timing import fit_step_times
+    from recal_app.keras_digits import digits_model
+    from recal_tf.keras import ScheduledModifierManager as KerasManager
+
+    rng = np.random.default_rng(0)
+    x, y = rng.random((1024, 8, 8, 1), dtype=np.float32), rng.integers(0, 10, 1024)
+    built = {}
+    for name, recipe in {"plain": None, "QAT, observed": W8A8["observed"], "QAT, learned (lsq)": W8A8["learned"]}.items():
+        model, optimizer, callbacks = digits_model(0), keras.optimizers.AdamW(1e-4), []
+        if recipe is not None:
+            model, callbacks = KerasManager.from_yaml(recipe).modify(model, optimizer, steps_per_epoch=1024 // 128)
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        built[name] = (model, callbacks)
+    return fit_step_times(keras, built, x, y, rounds)
+
+
 def table(data: dict) -> str:
     """The docs' table of the saved runs (one per CPU)."""
     lines = ["| CPU | model | variant | ms/step | x plain | x observed QAT |", "|---|---|---|---:|---:|---:|"]
@@ -77,7 +100,8 @@ def table(data: dict) -> str:
                          f"{vs} |")
     notes = "; ".join(f"{run['cpu']}: {run['threads']} threads, medians of {run['steps']} interleaved steps"
                       for run in data["runs"])
-    return ("\n".join(lines) + f"\n\n{notes}. x observed QAT: against the model's first QAT row (minmax). "
+    return ("\n".join(lines) + f"\n\n{notes} (Keras: its `fit` epochs in turn, each step timed, the first of each "
+            "left out). x observed QAT: against the model's first QAT row (minmax). "
             "`python scripts/bench_lsq_overhead.py --json docs/results/lsq_overhead.json`.")
 
 
@@ -95,9 +119,14 @@ def main(argv: list[str] | None = None) -> int:
                                                   "QAT, mse": INT4 % "mse", "QAT, learned (lsq)": INT4 % "lsq"}),
     }
     rows = []
+    keras_variants = {"plain": None, "QAT, observed": W8A8["observed"], "QAT, learned (lsq)": W8A8["learned"]}
+    models["Keras (TensorFlow) digits net, W8A8"] = (None, keras_variants)
     for model, (build, variants) in models.items():
-        steps = {name: build(recipe) for name, recipe in variants.items()}
-        ms = medians(interleaved(steps, args.steps, warmup=3), scale=1e3)
+        if build is None:  # Keras: whole fit epochs per variant in turn (8 steps each), steps timed inside them
+            ms = medians(_keras_steps(max(args.steps // 7, 3)), scale=1e3)
+        else:
+            ms = medians(interleaved({name: build(recipe) for name, recipe in variants.items()}, args.steps,
+                                     warmup=3), scale=1e3)
         observed = ms[list(variants)[1]]
         print(f"\n{model}: {machine()['cpu']}, {args.threads} threads, median of {args.steps} interleaved steps")
         for name, value in ms.items():
