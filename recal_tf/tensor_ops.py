@@ -1,5 +1,5 @@
 """The few tensor ops recal's in-graph pruning math (:mod:`recal_tf.mask_ops`) and learned quantization scales
-(:func:`lsq`) need, per framework.
+(:mod:`recal_tf.lsq`) need, per framework.
 
 The masks are computed by one piece of code in every front end; it calls these adapters, so the ``tf.compat.v1``
 graph API and Keras on TensorFlow run TensorFlow ops (``tf.argsort(stable=True)``, explicit control dependencies
@@ -147,13 +147,3 @@ def _torch_tracing() -> bool:
     torch = sys.modules.get("torch")
     return bool(torch is not None and torch.jit.is_tracing())
 
-
-def lsq(ops, x, scale, zero_point, qmin: float, qmax: float, grad_factor: float):
-    """``x`` on the grid ``(clip(round(x / scale) + zero_point, qmin, qmax) - zero_point) * scale`` with ``ops`` (an
-    adapter above): the gradient passes to ``x`` inside the grid and to ``scale`` as LSQ's (``round(v) - v`` inside,
-    the grid's ends outside), times ``grad_factor``; the value is exactly the grid's (recal_torch's
-    ``fake_quantize``, written with ``stop_gradient``)."""
-    scale = scale * grad_factor + ops.stop_gradient(scale - scale * grad_factor)  # value: scale; gradient: scaled
-    v = ops.clip(x / scale + zero_point, qmin, qmax)
-    q = v + ops.stop_gradient(ops.round(v) - v)
-    return (q - zero_point) * scale

@@ -7,7 +7,7 @@ from torch import nn
 
 from recal_core.params import ParamInfo
 
-from .qat import QATModule, is_transposed_linear_type  # a QAT module keeps the kernel (or table) of the layer it was built from
+from .qat import QATModule, WeightOnlyLinear, is_transposed_linear_type  # a QAT module keeps the kernel (or table) of the layer it was built from
 from .sharding import whole
 
 PRUNABLE_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
@@ -26,8 +26,9 @@ TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)  # wei
 
 
 def _layer_type(module: nn.Module) -> type:
-
-    return module.float_type if isinstance(module, QATModule) else type(module)
+    """The float layer's class (a QAT or weight-only layer keeps the class of the layer it was made from)."""
+    return getattr(module, "float_type", type(module)) if isinstance(module, (QATModule, WeightOnlyLinear)) \
+        else type(module)
 
 
 def is_prunable(module: nn.Module, param_name: str) -> bool:

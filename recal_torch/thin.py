@@ -19,7 +19,8 @@ from recal_core.channel_coupling import input_columns, live_channels
 from recal_core.head_coupling import Attention, live_heads, unit_rows
 
 from .graph import model_graph
-from .qat import QATLinear, QATModule, WeightFakeQuantize, WeightOnlyLinear, is_transposed_linear_type
+from .model_params import kernel_axes
+from .qat import QATModule, WeightFakeQuantize, WeightOnlyLinear
 
 _BN_TENSORS = ("weight", "bias", "running_mean", "running_var")
 
@@ -110,8 +111,8 @@ def _zeros(model: nn.Module, modules: dict[str, nn.Module]):
 
 
 def _stores_inputs_first(m: nn.Module) -> bool:
-    """A transformers Conv1D, or a QAT or weight-only layer made from one: its weight is ``[in, out]``."""
-    return is_transposed_linear_type(type(m)) or isinstance(m, (QATLinear, WeightOnlyLinear)) and m.transposed
+    """A transformers Conv1D (or a QAT or weight-only layer made from one): its weight is ``[in, out]``."""
+    return kernel_axes(m, m.weight)[:2] == (1, 0)
 
 
 def _thin_heads(model: nn.Module, modules: dict[str, nn.Module], att: Attention):

@@ -68,8 +68,8 @@ def _decoder(recipe: str | None):
     return step
 
 
-def _keras_steps(rounds: int) -> dict[str, list[float]]:
-    """Seconds per ``fit`` step of the digits net in Keras: plain, observed and learned W8A8 QAT."""
+def _keras_steps(variants: dict[str, str | None], rounds: int) -> dict[str, list[float]]:
+    """Seconds per ``fit`` step of the digits net in Keras under each variant's recipe (None: plain)."""
     import keras
     import numpy as np
 
@@ -80,7 +80,7 @@ def _keras_steps(rounds: int) -> dict[str, list[float]]:
     rng = np.random.default_rng(0)
     x, y = rng.random((1024, 8, 8, 1), dtype=np.float32), rng.integers(0, 10, 1024)
     built = {}
-    for name, recipe in {"plain": None, "QAT, observed": W8A8["observed"], "QAT, learned (lsq)": W8A8["learned"]}.items():
+    for name, recipe in variants.items():
         model, optimizer, callbacks = digits_model(0), keras.optimizers.AdamW(1e-4), []
         if recipe is not None:
             model, callbacks = KerasManager.from_yaml(recipe).modify(model, optimizer, steps_per_epoch=1024 // 128)
@@ -119,11 +119,10 @@ def main(argv: list[str] | None = None) -> int:
                                                   "QAT, mse": INT4 % "mse", "QAT, learned (lsq)": INT4 % "lsq"}),
     }
     rows = []
-    keras_variants = {"plain": None, "QAT, observed": W8A8["observed"], "QAT, learned (lsq)": W8A8["learned"]}
-    models["Keras (TensorFlow) digits net, W8A8"] = (None, keras_variants)
+    models["Keras (TensorFlow) digits net, W8A8"] = (None, models["small ResNet, W8A8"][1])  # (the same recipes)
     for model, (build, variants) in models.items():
         if build is None:  # Keras: whole fit epochs per variant in turn (8 steps each), steps timed inside them
-            ms = medians(_keras_steps(max(args.steps // 7, 3)), scale=1e3)
+            ms = medians(_keras_steps(variants, max(args.steps // 7, 3)), scale=1e3)
         else:
             ms = medians(interleaved({name: build(recipe) for name, recipe in variants.items()}, args.steps,
                                      warmup=3), scale=1e3)

@@ -109,10 +109,12 @@ def _attention(g: Graph, softmax: Node):
     names = {"q": q.inputs[1].name, "k": k.inputs[1].name, "v": v.inputs[1].name, "o": merged.inputs[1].name}
     if len(set(names.values())) != (2 if q is k is v else 4):
         return None
+    per_unit = (heads // kv, 1, 1)  # heads of Q, K and V a unit holds
     splits = []
-    if q is k is v and len(sides[0][4][0].inputs) > 1 and sides[0][4][0].inputs[1] is not None:
-        splits += [(sides[0][4][0], 1, side[4][1], per * d) for side, per in zip(sides, (heads // kv, 1, 1))]
-    for (reshape, steps), per in zip((q_split, k_split, v_split), (heads // kv, 1, 1)):
+    packed = sides[0][4][0] if q is k is v else None  # the Split that takes a packed layer's blocks
+    if packed is not None and input_of(packed, 1) is not None:  # (sizes given; equal parts follow by themselves)
+        splits += [(packed, 1, side[4][1], per * d) for side, per in zip(sides, per_unit)]
+    for (reshape, steps), per in zip((q_split, k_split, v_split), per_unit):
         edits = _follow_heads(g, reshape, steps, kv, per, heads // kv)
         if edits is None:
             return None

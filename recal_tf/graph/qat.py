@@ -25,11 +25,10 @@ from typing import Callable
 
 import tensorflow as tf
 
-import math
-
 from ..fake_quant import bias_on_int32_grid, fake_quant_activation, fake_quant_weight, moving_range, weight_scale
 from ..qat_tables import QATTables
-from ..tensor_ops import TensorFlowOps, lsq
+from ..lsq import LOG_RATIO, TINY, input_step, kernel_step, per_channel, per_tensor
+from ..tensor_ops import TensorFlowOps
 from .params import KERNEL_INPUTS, _variable_op
 from ..utils import tf_compat
 
@@ -152,31 +151,27 @@ class GraphQAT:
         t.op._update_input(1, tf.where(enabled, quantized, w, name="weight"))
 
     def _learned_weight(self, t: _Target, w: tf.Tensor, levels: int) -> tf.Tensor:
-        """``w`` on its per-channel grid with learned scales (:mod:`recal_tf.keras.learned_scales`' rule: ``start *
-        exp(log_ratio)``, the start ``max|w| / levels`` at the first QAT step, trained while the observers run, the
-        trained scale recorded after each step for the rest of the run and the export)."""
+        """``w`` on its per-channel grid with learned scales (:mod:`recal_tf.lsq`): their variables, assigned by an
+        update op after the forward pass; the recorded scale is what the export quantizes with."""
         name, channels = f"{_scope(t.op)}_weight_scales", w.shape[t.axis]
-        start, current = (self.make_variable(f"{name}/{n}", [channels], tf.float32, 0.0) for n in ("start", "current"))
-        started = self.make_variable(f"{name}/started", [], tf.float32, 0.0)
-        log_ratio = self.make_variable(f"{name}/log_ratio", [channels], tf.float32, 0.0, trainable=True)
-        observing = self.tables.at(self.tables.observing)
-        first = tf.logical_and(observing, tf.equal(started.read_value(), 0.0))  # (== is identity in v1 graphs)
-        begin = tf.where(first, weight_scale(tf.stop_gradient(w), t.axis, levels), start.read_value())
-        learned = tf.maximum(begin * tf.exp(log_ratio.read_value()), 1e-8)
-        t.learned_scale = tf.maximum(current.read_value(), 1e-8)
-        scale = tf.where(observing, learned, t.learned_scale)
-        shape = [1] * len(w.shape)
-        shape[t.axis] = -1
-        per_value = float(w.shape.num_elements() // channels)
-        out = lsq(TensorFlowOps(), w, tf.reshape(scale, shape), 0.0, -float(levels), float(levels),
-                  1.0 / math.sqrt(per_value * levels))
-        with tf_compat.control_dependencies([out]):
-            self.updates.append(tf.group(start.assign(begin, read_value=False),
-                                         started.assign(tf.where(observing, 1.0, started.read_value()), read_value=False),
-                                         current.assign(tf.where(observing, tf.stop_gradient(learned),
-                                                                 current.read_value()), read_value=False),
-                                         name="learned_scales"))
+        held = {n: self.make_variable(f"{name}/{n}", [channels], tf.float32, 0.0) for n in ("start", "current")}
+        held["started"] = self.make_variable(f"{name}/started", [], tf.float32, 0.0)
+        log_ratio = self.make_variable(f"{name}/{LOG_RATIO}", [channels], tf.float32, 0.0, trainable=True)
+        ops = TensorFlowOps()
+        scale, new = kernel_step(ops, self.tables.at(self.tables.observing),
+                                 weight_scale(tf.stop_gradient(w), t.axis, levels), held["start"].read_value(),
+                                 held["started"].read_value(), held["current"].read_value(), log_ratio.read_value())
+        t.learned_scale = tf.maximum(held["current"].read_value(), TINY)
+        out = per_channel(ops, w, scale, t.axis, levels)
+        self._update_after(out, held, new, "learned_scales")
         return out
+
+    def _update_after(self, out: tf.Tensor, variables: dict, values: dict, name: str) -> None:
+        """Assign ``values`` to ``variables`` (by name) once the forward pass computed ``out`` (an ``UPDATE_OPS``
+        op)."""
+        with tf_compat.control_dependencies([out]):
+            self.updates.append(tf.group(*(v.assign(values[n], read_value=False) for n, v in variables.items()),
+                                         name=name))
 
     def _freeze_bn(self, t: _Target) -> None:
         """From ``freeze_bn_stats_epoch``: the training path normalises with the moving statistics, and the
@@ -218,26 +213,18 @@ class GraphQAT:
         return out
 
     def _learned_input(self, x: tf.Tensor, name: str, observe, out: tf.Tensor, seen):
-        """A layer input's learned scale (``start * exp(log_ratio)``, started from the first QAT step's batch range,
-        the zero point kept): ``(x`` on its grid while the observers run, else ``out``; the range it records)."""
-        start = self.make_variable(f"{name}/start_scale", [], tf.float32, 0.0)
-        zero = self.make_variable(f"{name}/zero_point", [], tf.float32, 0.0)
-        log_ratio = self.make_variable(f"{name}/log_ratio", [], tf.float32, 0.0, trainable=True)
-        low = tf.minimum(tf.reduce_min(tf.stop_gradient(x)), 0.0)
-        first_scale = (tf.maximum(tf.reduce_max(tf.stop_gradient(x)), low + 1e-6) - low) / 255.0
-        first = seen <= 0
-        begin = tf.where(first, first_scale, start.read_value())
-        zero_point = tf.where(first, tf.clip_by_value(tf.round(-low / first_scale), 0.0, 255.0), zero.read_value())
-        scale = tf.maximum(begin * tf.exp(log_ratio.read_value()), 1e-8)
-        values = float(x.shape[1:].num_elements() or 1)
-        learned = lsq(TensorFlowOps(), x, scale, zero_point, 0.0, 255.0, 1.0 / math.sqrt(values * 255.0))
-        out = tf.where(observe, learned, out, name="learned")
-        with tf_compat.control_dependencies([out]):
-            self.updates.append(tf.group(start.assign(tf.where(observe, begin, start.read_value()), read_value=False),
-                                         zero.assign(tf.where(observe, zero_point, zero.read_value()),
-                                                     read_value=False), name="learned_scale"))
-        held = tf.stop_gradient(scale)
-        return out, -zero_point * held, (255.0 - zero_point) * held
+        """A layer input's learned scale (:mod:`recal_tf.lsq`, started from the first QAT step's batch range):
+        ``(x`` on its grid while the observers run, else ``out``; the range it records)."""
+        held = {"start": self.make_variable(f"{name}/start_scale", [], tf.float32, 0.0),
+                "zero_point": self.make_variable(f"{name}/zero_point", [], tf.float32, 0.0)}
+        log_ratio = self.make_variable(f"{name}/{LOG_RATIO}", [], tf.float32, 0.0, trainable=True)
+        ops = TensorFlowOps()
+        scale, zero, new = input_step(ops, tf.logical_and(observe, seen <= 0), tf.reduce_min(tf.stop_gradient(x)),
+                                      tf.reduce_max(tf.stop_gradient(x)), held["start"].read_value(),
+                                      held["zero_point"].read_value(), log_ratio.read_value())
+        out = tf.where(observe, per_tensor(ops, x, scale, zero), out, name="learned")
+        self._update_after(out, held, new, "learned_scale")
+        return out, new["min"], new["max"]
 
     def _source(self, x: tf.Tensor) -> tf.Tensor | None:
         """The fake-quantized output ``x`` comes from through pass-through ops, if any."""

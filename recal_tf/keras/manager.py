@@ -33,6 +33,7 @@ from recal_core.model_plan import ModelPlan, plan_model
 from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
+from ..lsq import LOG_RATIO
 from ..mask_ops import PruningMasks, per_step, zeroed
 from ..recipe_support import RecalWarning, check_table_size, learned_scales, qat_problems, torch_only_problems
 from ..tensor_ops import KerasOps, TensorFlowOps
@@ -473,6 +474,6 @@ def _no_decay_on_scales(optimizer, model: keras.Model) -> None:
         warnings.warn(f"{type(optimizer).__name__} keeps no weight-decay exclusions recal knows: its weight decay also "
                       "decays the learned quantization scales", RecalWarning, stacklevel=4)
         return
-    keys = {optimizer._var_key(v) for v in model.trainable_weights if v.name == "log_ratio"}
+    keys = {optimizer._var_key(v) for v in model.trainable_weights if v.name == LOG_RATIO}
     optimizer._exclude_from_weight_decay = set(getattr(optimizer, "_exclude_from_weight_decay", set())) | keys
     optimizer._exclude_from_weight_decay_cache = {}

@@ -35,7 +35,7 @@ class TensorFlowQATMath:
 
         self.tf, self.ops = tf, TensorFlowOps()
         self._activation, self._weight = fake_quant.fake_quant_activation, fake_quant.fake_quant_weight
-        self._weight_scale = fake_quant.weight_scale
+        self.weight_scale = fake_quant.weight_scale
         self.bias_on_int32_grid = fake_quant.bias_on_int32_grid
         self.moving_range = fake_quant.moving_range
         for name in ("where", "sqrt", "sigmoid", "stop_gradient", "ones_like", "zeros_like", "transpose", "reshape",
@@ -56,9 +56,6 @@ class TensorFlowQATMath:
 
     def fake_quant_weight(self, w, axis: int, levels: int = WEIGHT_LEVELS, export: bool = False, scale=None):
         return self._weight(w, axis, levels, scale)
-
-    def weight_scale(self, w, axis: int, levels: int = WEIGHT_LEVELS):
-        return self._weight_scale(w, axis, levels)
 
     def zeros(self, n: int, dtype):
         return self.tf.zeros([n], dtype)
@@ -185,9 +182,6 @@ class KerasQATMath:
 
     def weight_scale(self, w, axis: int, levels: int = WEIGHT_LEVELS):
         """``max|w| / levels`` per index of ``axis``."""
-        return self._weight_scale(w, axis, levels)
-
-    def _weight_scale(self, w, axis: int, levels: int):
         k = self.k
         amax = k.max(k.abs(w), axis=[a for a in range(len(w.shape)) if a != axis])
         # a channel pruned to zeros gets scale 1 / levels: a tiny scale would overflow its int32 bias
@@ -202,7 +196,7 @@ class KerasQATMath:
         with self.constants(export):
             if scale is not None:
                 w = k.clip(w, -k.reshape(scale * levels, shape), k.reshape(scale * levels, shape))
-            scale = self._weight_scale(k.stop_gradient(w), axis, levels) if scale is None else scale
+            scale = self.weight_scale(k.stop_gradient(w), axis, levels) if scale is None else scale
             zero_point = k.zeros_like(scale)
         if export:
             return self._qdq(w, scale, zero_point, axis, "int8")
@@ -214,7 +208,7 @@ class KerasQATMath:
         ``weight_scale`` given)."""
         _, _, scale, _ = self._activation_qparams(low, high)
         if weight_scale is None:
-            weight_scale = self._weight_scale(self.k.stop_gradient(w), axis, levels)
+            weight_scale = self.weight_scale(self.k.stop_gradient(w), axis, levels)
         step = scale * weight_scale
         return self.k.round(bias / step) * step
 

@@ -161,17 +161,10 @@ def _ops(program: torch.export.ExportedProgram) -> tuple[list[Op], list[Attentio
                 ops.append(Op(node.name, "input", (), node.name))
         elif node.op == "output":
             ops.append(Op("the model's output", "output", tensors))
-        elif node.target is _aten.linear.default:
-            weight = params.get(node.args[1].name)
-            bias = params.get(node.args[2].name) if len(node.args) > 2 and node.args[2] is not None else None
-            if weight is None:  # a linear on a computed weight (a fake-quantized one): not a layer recal slices
-                ops.append(Op(_where(node), "other", tensors, node.name))
-            else:
-                ops.append(Op(weight.rsplit(".", 1)[0], "layer", tensors[:1], node.name, weight, bias))
-        elif node.target is _aten.addmm.default and _projection(node, params):  # transformers' Conv1D
-            weight = params[node.args[2].name]
-            bias = params.get(node.args[0].name) if isinstance(node.args[0], torch.fx.Node) else None
-            ops.append(Op(weight.rsplit(".", 1)[0], "layer", (node.args[1].name,), node.name, weight, bias))
+        elif (projection := _projection(node, params)) is not None:  # (a linear on a computed weight: "other")
+            x, weight, bias = projection
+            weight, bias = params[weight.name], params.get(bias.name) if isinstance(bias, torch.fx.Node) else None
+            ops.append(Op(weight.rsplit(".", 1)[0], "layer", (x.name,), node.name, weight, bias))
         elif node.target in _CONVS and node.args[1].name in params:
             ops.append(_conv(node, params, tensors))
         elif node.target is _aten.batch_norm.default and node.args[1] is not None and node.args[3] is not None:
@@ -189,19 +182,20 @@ def _ops(program: torch.export.ExportedProgram) -> tuple[list[Op], list[Attentio
             ops.append(Op(_where(node), "same", tensors, node.name))  # times a scalar
         elif node.op == "call_function":
             ops.append(Op(_where(node), "other", tensors, node.name))
-    attentions = [_attention(node, params) for node in graph.nodes
+    order = {n: i for i, n in enumerate(graph.nodes)}  # (the ops on a projection's way, sorted as the graph runs)
+    attentions = [_attention(node, params, order) for node in graph.nodes
                   if node.target is _aten.scaled_dot_product_attention.default]
     return ops, attentions
 
 
-def _projection(node: torch.fx.Node, params: dict[str, str]) -> tuple[torch.fx.Node, Any] | None:
-    """``(weight, bias)`` of a ``linear`` or a transformers Conv1D's ``addmm(bias, x, weight)`` on a parameter
-    (None for anything else)."""
+def _projection(node: torch.fx.Node, params: dict[str, str]) -> tuple[torch.fx.Node, torch.fx.Node, Any] | None:
+    """``(input, weight, bias)`` of a ``linear`` or a transformers Conv1D's ``addmm(bias, x, weight)`` on a
+    parameter (None for anything else)."""
     if node.target is _aten.linear.default and node.args[1].name in params:
-        return node.args[1], node.args[2] if len(node.args) > 2 else None
+        return node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else None
     if node.target is _aten.addmm.default and isinstance(node.args[2], torch.fx.Node) \
             and node.args[2].name in params and not node.kwargs:
-        return node.args[2], node.args[0]
+        return node.args[1], node.args[2], node.args[0]
     return None
 
 
@@ -213,10 +207,13 @@ def _flattens_for_conv1d(node: torch.fx.Node, params: dict[str, str]) -> bool:
     into, out = _shape(node.args[0]), _shape(node)
     if not into or not out or into[-1] != out[-1]:
         return False
-    source, users = node.args[0], list(node.users)
-    return (source.target is _aten.addmm.default and _projection(source, params) is not None) or \
-        (len(users) == 1 and _projection(users[0], params) is not None and users[0].args[1] is node
-         and users[0].target is _aten.addmm.default)
+    users = list(node.users)
+    return _is_conv1d(node.args[0], params) or len(users) == 1 and _is_conv1d(users[0], params) \
+        and _projection(users[0], params)[0] is node
+
+
+def _is_conv1d(node: torch.fx.Node, params: dict[str, str]) -> bool:
+    return node.target is _aten.addmm.default and _projection(node, params) is not None
 
 
 def _self_gates(graph: torch.fx.Graph, params: dict[str, str]):
@@ -339,10 +336,10 @@ def _pos(node: torch.fx.Node) -> int:
     return 0 if _is_tensor(node.args[0]) else 1
 
 
-def _attention(sdpa: torch.fx.Node, params: dict[str, str]) -> Attention:
-    """The projections of one attention, its head counts, and what blocks removing its heads."""
+def _attention(sdpa: torch.fx.Node, params: dict[str, str], order: dict[torch.fx.Node, int]) -> Attention:
+    """The projections of one attention, its head counts, and what blocks removing its heads (``order``: each node's
+    position in the graph)."""
     name = _where(sdpa).split(" (")[0]
-    order = {n: i for i, n in enumerate(sdpa.graph.nodes)}
     blockers: list[str] = []
     found = []
     for arg in sdpa.args[:3]:
@@ -386,11 +383,11 @@ def _attention(sdpa: torch.fx.Node, params: dict[str, str]) -> Attention:
         if kv_heads <= 0 or heads % kv_heads:
             blockers.append(f"{name}: {heads} query heads do not share {kv_heads} key/value heads evenly")
             kv_heads = heads
-    weights = [params[_projection(n, params)[0].name] if n is not None else f"{name}.?" for n, _, _ in found]
-    pairs = (_projection(n, params) for n, _, _ in found if n is not None)
-    biases = tuple(dict.fromkeys((params[w.name], params[b.name]) for w, b in pairs
+    weights = [params[_projection(n, params)[1].name] if n is not None else f"{name}.?" for n, _, _ in found]
+    projections = (_projection(n, params) for n, _, _ in found if n is not None)
+    biases = tuple(dict.fromkeys((params[w.name], params[b.name]) for _, w, b in projections
                                  if isinstance(b, torch.fx.Node) and b.name in params))
-    att = Attention(name, *weights, params[_projection(output, params)[0].name] if output is not None else
+    att = Attention(name, *weights, params[_projection(output, params)[1].name] if output is not None else
                     f"{name}.?", heads, kv_heads, head_dim, biases, offsets=tuple(offsets))
     if packed and not blockers:
         blockers += filter(None, [att.packing_problem({weights[0]: _shape(found[0][0])[-1]})])
@@ -473,7 +470,7 @@ def _consumer(sdpa: torch.fx.Node, params: dict[str, str]) -> tuple[torch.fx.Nod
         if len(users) != 1:
             return None, f"{len(users)} readers of {n.name}" if users else None
         user = users[0]
-        if _projection(user, params) and user.args[0 if user.target is _aten.linear.default else 1] is n:
+        if _projection(user, params) and _projection(user, params)[0] is n:
             return user, None
         if user.target not in _MERGE:
             return None, f"{_where(user)} (reads {sdpa.name}'s output; recal follows only reshapes to a linear)"

@@ -51,7 +51,7 @@ def structured_mask(weight: torch.Tensor, layout: MaskLayout, count: int,
     """The mask of a structured ``layout`` (:mod:`recal_core.mask_layout`) zeroing ``count`` groups (N:M:
     weights of every run), ranked by the layout's score with ties by group position, in ``weight``'s own
     axis order (``kernel_axes`` takes it to the canonical ``[out, in, *spatial]``)."""
-    canonical = weight.detach().permute(*kernel_axes)
+    canonical = to_canonical(weight.detach(), kernel_axes)
     view = canonical.permute(*layout.perm).reshape(layout.rows, layout.cols).abs()
     if layout.n_of_m is not None:
         runs = view.reshape(-1, layout.n_of_m[1])
@@ -68,7 +68,13 @@ def structured_mask(weight: torch.Tensor, layout: MaskLayout, count: int,
         mask_view = flat.reshape(scores.shape)[:, None, :, None].expand_as(tiles).reshape(layout.rows, layout.cols)
     permuted = mask_view.reshape([canonical.shape[a] for a in layout.perm])
     canonical_mask = permuted.permute(*_inverse(layout.perm))
-    return canonical_mask.permute(*_inverse(kernel_axes)).contiguous().to(weight.dtype)
+    return to_canonical(canonical_mask, kernel_axes, back=True).contiguous().to(weight.dtype)
+
+
+def to_canonical(tensor: torch.Tensor, kernel_axes: tuple[int, ...], back: bool = False) -> torch.Tensor:
+    """``tensor``, laid out as its parameter, in the canonical ``[out, in, *spatial]`` order ``kernel_axes`` gives
+    (a transformers Conv1D or a transposed conv stores its inputs first), or ``back`` from it."""
+    return tensor.permute(*(_inverse(kernel_axes) if back else kernel_axes))
 
 
 def _inverse(perm: tuple[int, ...]) -> list[int]:

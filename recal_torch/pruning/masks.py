@@ -20,7 +20,7 @@ from ..sharding import is_sharded, like, whole
 from .channels import channel_view, expand, group_masks
 from .mfac import GradientWindow, mfac_step
 from .obs import FisherBlocks, obs_step
-from .magnitude import joint_magnitude_masks, magnitude_mask, nonzero_mask, structured_mask
+from .magnitude import joint_magnitude_masks, magnitude_mask, nonzero_mask, structured_mask, to_canonical
 
 
 class MaskState:
@@ -173,12 +173,12 @@ class MaskState:
                 self._followers.append((tensor, like(pruned, tensor)))
 
     def _canonical(self, name: str, tensor: torch.Tensor, back: bool = False) -> torch.Tensor:
-        """``tensor`` (laid out as parameter ``name``) in the canonical ``[out, in, ...]`` order the core's channel
-        groups count in (a transformers Conv1D or a transposed conv stores its inputs first), or ``back``."""
+        """``tensor`` (laid out as parameter ``name``) in the canonical order the core's channel groups count in, or
+        ``back`` (:func:`~recal_torch.pruning.magnitude.to_canonical`)."""
         axes = self.kernel_axes[name]
         if axes is None or axes == tuple(range(tensor.dim())):
             return tensor
-        return tensor.permute(*(sorted(range(len(axes)), key=axes.__getitem__) if back else axes)).contiguous()
+        return to_canonical(tensor, axes, back).contiguous()
 
     def _combine(self, name: str) -> bool:
         masks = list(self.masks[name].values())

@@ -49,19 +49,19 @@ def clamp(y: torch.Tensor, relu: bool, relu6: bool) -> torch.Tensor:
 
 
 
-class FoldedBatchNorm(nn.Module):
-    """A BatchNorm folded into the QAT conv before it: same parameters and statistics, identity forward."""
+class AdoptsParameters:
+    """A module holding another module's Parameters as its own (a QAT layer, a folded BatchNorm): the optimizer,
+    masks and checkpoints carry on. Under FSDP2 they stay the sharded DTensors ``fully_shard`` made, and for each
+    forward it puts the gathered tensors on the module it recorded, the one adopted from: :meth:`live` reads them."""
 
-    def __init__(self, bn: nn.modules.batchnorm._BatchNorm):
-        super().__init__()
-        self.num_features, self.eps, self.momentum = bn.num_features, bn.eps, bn.momentum
-        self.affine, self.track_running_stats = bn.affine, bn.track_running_stats
-        self.original_type = type(bn)
-        object.__setattr__(self, "adopted_from", bn)  # where FSDP2 puts the gathered parameters (sharding.gathered)
-        for name, param in bn.named_parameters(recurse=False):
-            self.register_parameter(name, param)
-        for name, buf in bn.named_buffers(recurse=False):
-            self.register_buffer(name, buf)
+    adopted_from: nn.Module
+
+    def adopt_from(self, source: nn.Module) -> None:
+        """Remember ``source`` (not a child: the model owns it, or it is gone from the model).
+
+        Args:
+            source: the module whose Parameters this one holds."""
+        object.__setattr__(self, "adopted_from", source)
 
     def live(self, name: str) -> torch.Tensor | None:
         """Parameter ``name`` as the forward computes with it (gathered, under FSDP2).
@@ -70,6 +70,21 @@ class FoldedBatchNorm(nn.Module):
             name: ``"weight"`` or ``"bias"``."""
         return gathered(getattr(self, name), self.adopted_from, name)
 
+
+class FoldedBatchNorm(AdoptsParameters, nn.Module):
+    """A BatchNorm folded into the QAT conv before it: same parameters and statistics, identity forward."""
+
+    def __init__(self, bn: nn.modules.batchnorm._BatchNorm):
+        super().__init__()
+        self.num_features, self.eps, self.momentum = bn.num_features, bn.eps, bn.momentum
+        self.affine, self.track_running_stats = bn.affine, bn.track_running_stats
+        self.original_type = type(bn)
+        self.adopt_from(bn)
+        for name, param in bn.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, buf in bn.named_buffers(recurse=False):
+            self.register_buffer(name, buf)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
@@ -77,7 +92,7 @@ class FoldedBatchNorm(nn.Module):
         return f"{self.num_features}, folded into the preceding QAT conv"
 
 
-class QATModule(nn.Module):
+class QATModule(AdoptsParameters, nn.Module):
     """Base of the QAT conv and linear: weight/bias are the float module's own Parameters."""
 
     weight: nn.Parameter
@@ -87,7 +102,7 @@ class QATModule(nn.Module):
                  relu6: bool = False, weight_levels: float = W_LEVELS):
         super().__init__()
         self.float_type = type(float_module)
-        object.__setattr__(self, "adopted_from", float_module)  # where FSDP2 puts the gathered parameters
+        self.adopt_from(float_module)
         self.weight = float_module.weight
         self.register_parameter("bias", getattr(float_module, "bias", None))
         self.relu = relu
@@ -98,13 +113,6 @@ class QATModule(nn.Module):
         self.bn_frozen = False
         device = self.weight.device
         self.to(device)
-
-    def live(self, name: str) -> torch.Tensor | None:
-        """Parameter ``name`` as the forward computes with it (gathered, under FSDP2).
-
-        Args:
-            name: ``"weight"`` or ``"bias"``."""
-        return gathered(getattr(self, name), self.adopted_from, name)
 
     def folded_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight and bias with any BatchNorm folded in, from its running statistics."""
@@ -240,7 +248,7 @@ class QATEmbedding(QATModule):
         return f"Embedding, int8 per-row table {tuple(self.weight.shape)}"
 
 
-class WeightOnlyLinear(nn.Module):
+class WeightOnlyLinear(AdoptsParameters, nn.Module):
     """A Linear (or transformers' ``Conv1D``) whose weight is fake-quantized and whose input and output stay float
     (W4A16, W8A16): the weight-only layer onnxruntime runs as ``MatMulNBits``. Like a QAT module it adopts the float
     module's Parameters, so the optimizer, masks and checkpoints carry on.
@@ -255,7 +263,7 @@ class WeightOnlyLinear(nn.Module):
     def __init__(self, linear: nn.Module, bits: int, group_size: int | None, observer: str = "minmax"):
         super().__init__()
         self.float_type = type(linear)
-        object.__setattr__(self, "adopted_from", linear)  # where FSDP2 puts the gathered parameters
+        self.adopt_from(linear)
         self.weight = linear.weight
         self.register_parameter("bias", getattr(linear, "bias", None))
         self.transposed = is_transposed_linear_type(type(linear))
@@ -267,13 +275,6 @@ class WeightOnlyLinear(nn.Module):
         """The weight as ``[out, in]`` (a Conv1D's transposed)."""
         weight = self.live("weight")
         return weight.t() if self.transposed else weight
-
-    def live(self, name: str) -> torch.Tensor | None:
-        """Parameter ``name`` as the forward computes with it (gathered, under FSDP2).
-
-        Args:
-            name: ``"weight"`` or ``"bias"``."""
-        return gathered(getattr(self, name), self.adopted_from, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The linear map of float ``x`` by the fake-quantized weight.
