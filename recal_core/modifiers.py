@@ -176,7 +176,7 @@ class QuantizationArgs(BaseModel):
     """How one tensor is quantized (SparseML's / compressed-tensors' ``QuantizationArgs``).
 
     recal quantizes activations to 8 bits, and weights to 8 bits or, weight-only (``input_activations: null``), to
-    4; ``strategy: group`` gives every ``group_size`` consecutive inputs of an output channel their own scale."""
+    4 or 2 (ternary: -1, 0, 1); ``strategy: group`` gives every ``group_size`` consecutive inputs of an output channel their own scale."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     num_bits: Annotated[int, Field(strict=True)] = 8
@@ -197,8 +197,8 @@ class QuantizationArgs(BaseModel):
     @field_validator("num_bits")
     @classmethod
     def _bits(cls, v: int) -> int:
-        if v not in (4, 8):
-            raise ValueError(f"recal quantizes to 8 bits (or 4-bit weights), not {v}")
+        if v not in (2, 4, 8):
+            raise ValueError(f"recal quantizes to 8 bits (or weight-only weights to 4 or 2), not {v}")
         return v
 
     @field_validator("group_size")
@@ -257,7 +257,7 @@ WEIGHT_LEVELS = 127  # int8 symmetric weights: |q| <= 127
 # reduce_range: |q| <= 64, so |q1| + |q2| <= 128 and x86's vpmaddubsw (uint8 x int8 pairs summed in int16) never
 # saturates: 255 * 128 = 32640 <= 32767
 REDUCED_WEIGHT_LEVELS = 64
-INT4_WEIGHT_LEVELS = 7  # int4 symmetric weights: |q| <= 7 (stored as uint4 with zero point 8, as MatMulNBits reads)
+WEIGHT_ONLY_LEVELS = {8: 127, 4: 7, 2: 1}  # symmetric |q| <= levels, stored + 2**(bits-1) by MatMulNBits; 2: ternary
 
 
 class QuantizationScheme(BaseModel):
@@ -317,7 +317,7 @@ class QuantizationScheme(BaseModel):
             out.append("a layer with some tensors float and others quantized (list the layer in ignore "
                        "to leave it float)")
         if self.weights_not_per_channel:
-            out.append("weights other than int8 symmetric per channel with quantized activations (4-bit or "
+            out.append("weights other than int8 symmetric per channel with quantized activations (2- or 4-bit or "
                        "per-group weights are weight-only: input_activations: null)")
         for act in (self.input_activations, self.output_activations):
             if act is not None and (act.symmetric or act.strategy in ("channel", "group") or act.num_bits != 8):
@@ -329,8 +329,8 @@ class QuantizationScheme(BaseModel):
         """What this scheme asks of an embedding table that recal's QAT does not do: tables are symmetric, 8 or 4
         bits, per row or per group of a row (ids are integers and the rows the table returns float)."""
         w = self.weights
-        return ["embedding tables other than symmetric per row or per group"] if (
-            w is not None and (not w.symmetric or w.strategy == "tensor")) else []
+        return ["embedding tables other than symmetric 8 or 4 bits per row or per group"] if (
+            w is not None and (not w.symmetric or w.strategy == "tensor" or w.num_bits == 2)) else []
 
     @property
     def table_is_int8_per_row(self) -> bool:

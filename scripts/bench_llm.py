@@ -11,14 +11,20 @@ has the same training budget as the baseline, the fp32 model trained on for ``--
 - recal int4 QAT (``scheme`` int4 per group, activations float) for ``--qat-steps`` from the fp32 model, with the
   minmax and the mse observer and with learned scales (lsq, from the mse fit; and lsq again with half its loss
   distilled from the fp32 model trained on, the one onnxruntime's rows quantize), exported and converted to
-  ``MatMulNBits`` by ``quantize_qat_export``.
+  ``MatMulNBits`` by ``quantize_qat_export``; the last once more at ``accuracy_level=4`` (the input quantized to
+  int8 per block: onnxruntime's fast kernel, not exact).
 
 Each row: test perplexity (the ONNX model in a default onnxruntime session, next-token cross-entropy over the test
 windows), file size, and latency on one thread (batch 1; a 128-token prompt, and one token: a decode step of the
 ``use_cache=False`` export), medians of interleaved rounds. ``recovered``: the share of the perplexity onnxruntime's
 default RTN loses against the baseline that the row wins back, ``(ppl_rtn - ppl) / (ppl_rtn - ppl_baseline)``.
 
-    python scripts/bench_llm.py [--steps 800] [--qat-steps 300] [--group 32] [--json docs/results/llm.json]
+``--ternary REGEX`` puts the layers whose parameter names match at 2 bits (ternary in recal: ``num_bits: 2``; 2-bit
+RTN and HQQ in onnxruntime's rows; its GPTQ writes 4 bits only), the rest at 4: a setting where round-to-nearest loses far more than at 4
+bits alone.
+
+    python scripts/bench_llm.py [--steps 800] [--qat-steps 300] [--group 32] [--ternary 'mlp\.(gate|up)_proj']
+                                [--json docs/results/llm.json]
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import copy
 import hashlib
 import math
 import os
+import shlex
 import sys
 import sysconfig
 import tempfile
@@ -62,6 +69,10 @@ QAT_RECIPE = LR_RECIPE + """
   scheme:
     input_activations: null
     weights: {{num_bits: 4, symmetric: true, {grouping}, observer: {observer}}}
+"""
+TERNARY_OVERRIDE = """\
+  scheme_overrides:
+    're:.*(?:{pattern}).*': {{input_activations: null, weights: {{num_bits: 2, {grouping}, observer: {observer}}}}}
 """
 DISTILL_RECIPE = """
 - !DistillationModifier {start_epoch: 0, end_epoch: 1, hardness: 0.5, temperature: 1.0}
@@ -145,8 +156,31 @@ def perplexity(path: Path, windows: np.ndarray) -> float:
     return float(math.exp(nll / count))
 
 
-def ort_int4(fp32: Path, folder: Path, group: int, calibration: list[dict[str, np.ndarray]]) -> dict[str, tuple]:
-    """onnxruntime's own int4 weight-only quantizers on the fp32 model: (path, seconds) or (None, why)."""
+def linear_nodes(path: Path, model: nn.Module, pattern: str) -> set[str]:
+    """The names of the MatMul nodes of the ONNX model at ``path`` that multiply by a Linear weight of ``model``
+    whose parameter name matches ``pattern`` (found by value: the exporter names nodes its own way)."""
+    import re
+
+    from onnx import numpy_helper
+
+    wanted = [p.detach().numpy().T for n, p in model.named_parameters() if p.dim() == 2 and re.search(pattern, n)]
+    graph = onnx.load(str(path)).graph
+    consts = {t.name: t for t in graph.initializer}
+    found = set()
+    for node in graph.node:
+        if node.op_type == "MatMul" and node.input[1] in consts:
+            value = numpy_helper.to_array(consts[node.input[1]])
+            if any(w.shape == value.shape and np.array_equal(w, value) for w in wanted):
+                found.add(node.name)
+    if len(found) != len(wanted):
+        raise SystemExit(f"--ternary {pattern!r}: {len(wanted)} weights match, {len(found)} MatMul nodes read them")
+    return found
+
+
+def ort_int4(fp32: Path, folder: Path, group: int, calibration: list[dict[str, np.ndarray]],
+             two_bit: set[str] = frozenset()) -> dict[str, tuple]:
+    """onnxruntime's own int4 weight-only quantizers on the fp32 model (the ``two_bit`` MatMul nodes at 2 bits):
+    (path, seconds) or (None, why)."""
     from onnxruntime.quantization import CalibrationDataReader
     from onnxruntime.quantization import matmul_nbits_quantizer as nbits
 
@@ -158,21 +192,37 @@ def ort_int4(fp32: Path, folder: Path, group: int, calibration: list[dict[str, n
             return next(self.feeds, None)
 
     configs = {
-        "ort RTN asymmetric (default)": lambda: nbits.DefaultWeightOnlyQuantConfig(block_size=group, is_symmetric=False),
-        "ort RTN symmetric": lambda: nbits.DefaultWeightOnlyQuantConfig(block_size=group, is_symmetric=True),
-        "ort HQQ": lambda: nbits.HQQWeightOnlyQuantConfig(block_size=group, bits=4),
-        "ort GPTQ": lambda: nbits.GPTQWeightOnlyQuantConfig(calibration_data_reader=Reader(), block_size=group),
+        "ort RTN asymmetric (default)": lambda bits: nbits.DefaultWeightOnlyQuantConfig(block_size=group,
+                                                                                        is_symmetric=False, bits=bits),
+        "ort RTN symmetric": lambda bits: nbits.DefaultWeightOnlyQuantConfig(block_size=group, is_symmetric=True,
+                                                                             bits=bits),
+        "ort HQQ": lambda bits: nbits.HQQWeightOnlyQuantConfig(block_size=group, bits=bits),
+        "ort GPTQ": lambda bits: nbits.GPTQWeightOnlyQuantConfig(calibration_data_reader=Reader(), block_size=group),
     }
     out = {}
     for label, config in configs.items():
         target = folder / (label.split(" (")[0].replace(" ", "_") + ".onnx")
         t0 = time.perf_counter()
+        symmetric = "symmetric" in label and "asym" not in label
         try:
-            quantizer = nbits.MatMulNBitsQuantizer(onnx.load(str(fp32)), bits=4, block_size=group,
-                                                   is_symmetric="symmetric" in label and "asym" not in label,
-                                                   algo_config=config())
-            quantizer.process()
-            quantizer.model.save_model_to_file(str(target), False)
+            model = onnx.load(str(fp32))
+            if "GPTQ" in label and two_bit:
+                raise NotImplementedError("onnxruntime's GPTQ writes 4 bits only (it leaves a node asked for in 2 "
+                                          "bits float)")
+            if "GPTQ" in label:
+                passes = [(4, config(4), [])]
+            else:  # the 2-bit nodes first (every other node excluded), then the rest (those are MatMulNBits by then)
+                others = [n.name for n in model.graph.node if n.name not in two_bit]
+                passes = ([(2, config(2), others)] if two_bit else []) + [(4, config(4), [])]
+            for bits, algo, exclude in passes:
+                quantizer = nbits.MatMulNBitsQuantizer(model, bits=bits, block_size=group, is_symmetric=symmetric,
+                                                       nodes_to_exclude=exclude, algo_config=algo)
+                quantizer.process()
+                model = quantizer.model.model
+            if two_bit and sorted(a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+                                  if a.name == "bits").count(2) != len(two_bit):
+                raise RuntimeError(f"the {len(two_bit)} 2-bit layers asked for were not all written in 2 bits")
+            onnx.save(model, str(target))
             out[label] = (target, time.perf_counter() - t0)
         except Exception as exc:  # noqa: BLE001 - a peer's tool that does not run here is a row that says why
             out[label] = (None, f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}")
@@ -187,6 +237,8 @@ def recal_int4(fp32_model: nn.Module, data: np.ndarray, steps: int, observer: st
     lr = args.qat_lr if steps else 0.0  # no QAT: one step at LR 0 sets the grid and changes no weight
     grouping = f"strategy: group, group_size: {args.group}" if args.group else "strategy: channel"
     recipe = QAT_RECIPE.format(grouping=grouping, observer=observer, lr=lr, final_lr=lr / 10)
+    if args.ternary:
+        recipe += TERNARY_OVERRIDE.format(pattern=args.ternary, grouping=grouping, observer=observer)
     manager = ScheduledModifierManager.from_yaml(recipe + (DISTILL_RECIPE if teacher is not None else ""))
     t0 = time.perf_counter()
     train(model, data, max(steps, 1), lr, args.batch, seed=1, manager=manager,
@@ -212,6 +264,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--ffn", type=int, help="the MLP's width (default: 3 x hidden)")
     parser.add_argument("--group", type=int, default=32, help="int4 group size; 0: one scale per output channel")
+    parser.add_argument("--ternary", metavar="REGEX", help="layers (parameter names) at 2 bits, the rest at 4")
     parser.add_argument("--train-mb", type=float, default=8.0)
     parser.add_argument("--test-windows", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=15)
@@ -247,16 +300,24 @@ def main() -> None:
     calibration = [{"ids": windows[i:i + 1, :SEQ].astype(np.int64)} for i in range(32)]
     # per channel: onnxruntime's blocks as wide as the widest input (a power of two, >= 16); narrower ones are padded
     block = args.group or 1 << (max(args.hidden, args.ffn) - 1).bit_length()
-    for label, (path, info) in ort_int4(rows[baseline]["path"], folder, block, calibration).items():
+    two_bit = linear_nodes(rows[baseline]["path"], more, args.ternary) if args.ternary else set()
+    for label, (path, info) in ort_int4(rows[baseline]["path"], folder, block, calibration, two_bit).items():
         rows[label] = {"path": path, "seconds": info if path else None, "note": "" if path else info}
-    rows["recal int4, no QAT"] = dict(zip(("path", "seconds"), recal_int4(
+    grid = "int2/int4" if args.ternary else "int4"
+    rows[f"recal {grid}, no QAT"] = dict(zip(("path", "seconds"), recal_int4(
         more, train_data, 0, "minmax", args, folder, sample, "recal_rtn")))
     for observer, distill in (("minmax", False), ("mse", False), ("lsq", False), ("lsq", True)):
-        label = f"recal int4 QAT ({observer}{', distilled' if distill else ''})"
+        label = f"recal {grid} QAT ({observer}{', distilled' if distill else ''})"
         print(f"  {label}: {args.qat_steps} steps", flush=True)
         rows[label] = dict(zip(("path", "seconds"), recal_int4(
             model, train_data, args.qat_steps, observer, args, folder, sample,
             f"recal_qat_{observer}{'_kd' if distill else ''}", teacher=more if distill else None)))
+    # the last QAT model again, with onnxruntime quantizing each layer's input to int8 per block (not exact; the
+    # fast 2-bit kernel)
+    fast = folder / "recal_qat_lsq_kd_level4.onnx"
+    quantize_qat_export(str(folder / "recal_qat_lsq_kd.qat.onnx"), fast, inputs={"ids": sample.numpy()},
+                        accuracy_level=4)
+    rows[f"recal {grid} QAT (lsq, distilled), accuracy_level 4"] = {"path": fast, "seconds": None}
     ready = {k: r["path"] for k, r in rows.items() if r["path"] is not None}
     for label, path in ready.items():
         rows[label]["ppl"] = perplexity(path, windows)
@@ -283,7 +344,8 @@ def main() -> None:
                       "bytes": row["bytes"], "ms_prompt": ms_prompt[label], "ms_token": ms_token[label]})
     print(f"\nmodels in {folder}")
     if args.json:
-        data = {**machine(), "rounds": args.rounds, "group": args.group,
+        data = {**machine(), "rounds": args.rounds, "group": args.group, "ternary": args.ternary,
+                "command": shlex.join(["python", "scripts/bench_llm.py", *sys.argv[1:]]),
                 "steps": args.steps, "qat_steps": args.qat_steps, "params": params, "layers": args.layers,
                 "hidden": args.hidden, "ffn": args.ffn, "test_tokens": int(windows[:, 1:].size), "train_bytes": len(train_data),
                 "files": files, "fp32_bytes": base["bytes"], "baseline": baseline, "rows": table}

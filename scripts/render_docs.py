@@ -132,10 +132,10 @@ def transformers() -> str:
     return "\n\n".join(parts)
 
 
-def llm() -> str:
+def llm(name: str = "llm.json") -> str:
     """A small decoder on the standard library's source: fp32, onnxruntime's int4 quantizers, recal's int4 QAT
-    (scripts/bench_llm.py)."""
-    data = load("llm.json")
+    (scripts/bench_llm.py); with ``ternary`` layers, those at 2 bits."""
+    data = load(name)
     lines = ["| model | test perplexity | recovered | MB (x fp32) | prompt of 128 ms | one token ms |", "|---" * 6 + "|"]
     for row in data["rows"]:
         if "ppl" not in row:
@@ -144,16 +144,21 @@ def llm() -> str:
         recovered = "" if row["recovered"] is None else f"{round(100 * row['recovered']) or 0}%"
         lines.append(f"| {row['label']} | {row['ppl']:.4f} | {recovered} | {row['bytes'] / 1e6:.2f} "
                      f"({row['bytes'] / data['fp32_bytes']:.3f}) | {row['ms_prompt']:.2f} | {row['ms_token']:.3f} |")
+    ternary = data.get("ternary")
+    bits = (f"the layers matching `{ternary}` in 2 bits (recal: ternary, `num_bits: 2`; onnxruntime: its 2-bit "
+            f"quantizers), the others int4; blocks (groups) of {data['group']}" if ternary
+            else f"int4 in blocks (groups) of {data['group']}")
+    grid = "the int2 / int4 grid" if ternary else "the int4 grid"
+    command = data.get("command", f"python scripts/bench_llm.py --json docs/results/{name}")
     return ("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. A Llama-shaped decoder "
             f"({data['params'] / 1e6:.2f} M parameters, {data['layers']} layers, hidden {data['hidden']}, bytes as "
             f"tokens) trained {data['steps']} steps on {data['train_bytes'] / 1e6:.1f} MB of the standard library's "
-            f"source ({data['files']} files, split by file); perplexity on {data['test_tokens']:,} test tokens; int4 "
-            f"in blocks (groups) of {data['group']}; QAT {data['qat_steps']} steps. Latency: 1 thread, batch 1, "
-            f"median of {data['rounds']} interleaved rounds. Every int4 row has the training of the baseline ({data['baseline']}): "
-            "onnxruntime's quantizers and recal's no-QAT row quantize it; recal's QAT trains the last "
-            f"{data['qat_steps']} steps on the int4 grid. Recovered: the share of the perplexity onnxruntime's default "
-            "RTN loses against the baseline that the row wins back. `python scripts/bench_llm.py --json "
-            "docs/results/llm.json`; MB = 10^6 bytes.")
+            f"source ({data['files']} files, split by file); perplexity on {data['test_tokens']:,} test tokens; "
+            f"{bits}; QAT {data['qat_steps']} steps. Latency: 1 thread, batch 1, "
+            f"median of {data['rounds']} interleaved rounds. Every quantized row has the training of the baseline "
+            f"({data['baseline']}): onnxruntime's quantizers and recal's no-QAT row quantize it; recal's QAT trains "
+            f"the last {data['qat_steps']} steps on {grid}. Recovered: the share of the perplexity onnxruntime's "
+            f"default RTN loses against the baseline that the row wins back. `{command}`; MB = 10^6 bytes.")
 
 
 def thinning_decoder() -> str:
@@ -292,7 +297,7 @@ def interop() -> str:
 
 TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range, "zoo": zoo,
           "zoo-vnni": lambda: zoo("zoo_vnni.json"),
-          "transformers": transformers, "llm": llm,
+          "transformers": transformers, "llm": llm, "llm-ternary": lambda: llm("llm_ternary.json"),
           "thinning-transformers": thinning_transformers, "keras-applications": keras_applications,
           "keras-backends": keras_backends, "keras-backends-summary": keras_backends_summary, "layout": layout_table,
           "large-decoder": large_decoder, "thinning-decoder": thinning_decoder,

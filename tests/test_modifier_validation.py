@@ -69,7 +69,7 @@ BAD = [
     ("QuantizationModifier", "start_epoch", -3, ">= 0"),
     ("QuantizationModifier", "submodules", [], "non-empty"),
     ("QuantizationModifier", "ignore", [" "], "non-empty list of module names"),
-    ("QuantizationModifier", "scheme_overrides", {"Linear": {"weights": {"num_bits": 3}}}, "8 bits (or 4-bit weights)"),
+    ("QuantizationModifier", "scheme_overrides", {"Linear": {"weights": {"num_bits": 3}}}, "8 bits (or weight-only weights to 4 or 2)"),
     ("QuantizationModifier", "scheme_overrides", {"Linear": {"weights": {"group_size": 24}}}, "power of two >= 16"),
     ("QuantizationModifier", "scheme_overrides", {"Linear": {"weights": {"strategy": "group"}}}, "needs a group_size"),
     ("QuantizationModifier", "scheme", "W4A4", "W4A16"),

@@ -909,9 +909,9 @@ def test_the_pipeline_declares_every_pass_module_once_in_order():
 
 def _weight_only_graph(gemm: bool, group: int, n: int = 24, k: int = 64, bits: int = 4):
     """``x -> MatMul(Transpose(Reshape(DQ(q [n*k/group, group], s, axis 0))))`` + bias: recal's weight-only export
-    (``Gemm(transB=1)`` for a 2-D input); integers within +-7 (4 bits) or +-127."""
+    (``Gemm(transB=1)`` for a 2-D input); integers within +-1 (2 bits: ternary), +-7 (4 bits) or +-127."""
     b = Builder()
-    levels = 7 if bits == 4 else 127
+    levels = {2: 1, 4: 7, 8: 127}[bits]
     q = b.rng.integers(-levels, levels + 1, (n * k // group, group)).astype(np.int8)
     scale = b.rng.uniform(0.01, 0.05, n * k // group).astype(np.float32)
     dq = b.node("DequantizeLinear", [b.const(q, "w"), b.const(scale, "ws"), b.const(np.zeros(scale.size, np.int8))],
@@ -925,8 +925,10 @@ def _weight_only_graph(gemm: bool, group: int, n: int = 24, k: int = 64, bits: i
     return b.model([("x", [None, 3, k] if not gemm else [None, k])], [y])
 
 
-@pytest.mark.parametrize("gemm, group, bits", [(False, 32, 4), (True, 16, 4), (False, 64, 8)],
-                         ids=["matmul-g32-int4", "gemm-g16-int4", "per-channel-int8"])
+@pytest.mark.parametrize("gemm, group, bits", [(False, 32, 4), (True, 16, 4), (False, 64, 8), (False, 16, 2),
+                                               (True, 64, 2)],
+                         ids=["matmul-g32-int4", "gemm-g16-int4", "per-channel-int8", "matmul-g16-ternary",
+                              "gemm-per-channel-ternary"])
 def test_matmul_to_nbits(gemm, group, bits):
     """A weight-only layer becomes one MatMulNBits (its bias Add folded in) with the same values, run by a default
     and an unoptimized session; a MatMul whose input is a dequantized activation (W8A8) is not touched."""
@@ -940,6 +942,8 @@ def test_matmul_to_nbits(gemm, group, bits):
     node = converted.graph.node[0]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     assert attrs["bits"] == bits and attrs["block_size"] == (group if group < 64 else 64) and attrs["N"] == 24
+    packed = onnx.numpy_helper.to_array(next(t for t in converted.graph.initializer if t.name == node.input[1]))
+    assert packed.shape == (24, 64 // attrs["block_size"], attrs["block_size"] * bits // 8)  # 8 / bits values a byte
     for level in (None, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
         np.testing.assert_allclose(run(converted, feeds, level=level)[0], expected, rtol=1e-5, atol=1e-5)
 

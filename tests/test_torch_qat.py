@@ -365,7 +365,7 @@ def test_scheme_overrides_recal_cannot_honour_are_located_errors_and_unused_entr
     with pytest.warns(UserWarning, match=r"ignore entry 'LlamaRMSNorm' names no module"):
         _qat_with("[LlamaRMSNorm]", "null")
     model = nn.Sequential(nn.Embedding(10, 8), nn.Flatten(), nn.Linear(16, 4))
-    with pytest.raises(RecipeError, match=r"'Embedding' \(0\).*embedding tables other than symmetric per row"):
+    with pytest.raises(RecipeError, match=r"'Embedding' \(0\).*embedding tables other than symmetric 8 or 4 bits per row"):
         _qat_with("null", "{Embedding: {input_activations: null, weights: {num_bits: 8, symmetric: false}}}", model)
     model = nn.Sequential(nn.Embedding(10, 8), nn.Flatten(), nn.Linear(16, 4))
     _qat_with("null", "{Embedding: {weights: null}}", model)  # the table stays float, the Linear quantizes

@@ -196,8 +196,47 @@ def test_an_int4_table_is_gathered_packed(tmp_path):
     kinds = [n.op_type for n in result.model.graph.node]
     assert kinds.count("GatherBlockQuantized") == 1 and kinds.count("MatMulNBits") == 8 and "Gather" not in kinds
     assert result.verification.max_abs_diff <= 1e-5 * max(1.0, result.verification.output_range)
-    with pytest.raises(RecipeError, match=r"'Embedding' \(emb\).*other than symmetric per row or per group"):
+    with pytest.raises(RecipeError, match=r"'Embedding' \(emb\).*other than symmetric 8 or 4 bits per row or per"):
         _manager(W4_GROUP16, "{Embedding: {input_activations: null, weights: {num_bits: 4, symmetric: false}}}")
+    with pytest.raises(RecipeError, match=r"'Embedding' \(emb\).*other than symmetric 8 or 4 bits per row or per"):
+        _manager(W4_GROUP16, "{Embedding: {input_activations: null, weights: {num_bits: 2, group_size: 16}}}")
+
+
+def test_ternary_weights_train_export_and_run_as_2bit_matmulnbits(tmp_path):
+    """``num_bits: 2`` on the feed-forward layers (ternary: -1, 0, 1 times a scale per group), int4 elsewhere: the mse
+    observer finds a scale no worse than minmax's, and the converted model runs those layers as 2-bit MatMulNBits,
+    equal to the QAT model; W2A8 is refused like W4A8."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 64)
+    errors = {}
+    for observer in ("minmax", "mse"):
+        fq = GroupWeightFakeQuantize(8, 64, bits=2, group_size=16, observer=observer)
+        assert set(fq.integers(w).unique().tolist()) <= {-1, 0, 1}
+        errors[observer] = float(((fq(w) - w) ** 2).sum())
+    assert errors["mse"] < 0.7 * errors["minmax"]  # a ternary grid's best threshold is far below max|w|
+    w2 = "{input_activations: null, weights: {num_bits: 2, group_size: 16, observer: mse}}"
+    model, manager, optimizer = _manager(W4_GROUP16, f"{{up: {w2}, down: {w2}}}")
+    ternary = [n for n, d in manager.quantized_layers.items() if "int2 symmetric per group of 16 (mse)" in d]
+    assert ternary == ["up", "down"]
+    _train(model, optimizer, _data())
+    manager.finalize(model)
+    ids = torch.randint(0, VOCAB, (4, TOKENS))
+    path = export_onnx(model.eval(), ids, tmp_path / "w2.onnx", input_names=["ids"])
+    result = quantize_qat_export(str(path), tmp_path / "w2_int.onnx", inputs={"ids": ids.numpy()})
+    bits = [next(a.i for a in n.attribute if a.name == "bits") for n in result.model.graph.node
+            if n.op_type == "MatMulNBits"]
+    assert sorted(bits) == sorted([2] * len(ternary) + [4] * (8 - len(ternary)))
+    with torch.no_grad():
+        expected = model(ids).numpy()
+    for level in (None, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
+        options = ort.SessionOptions()
+        options.graph_optimization_level = level if level is not None else options.graph_optimization_level
+        got = ort.InferenceSession(str(tmp_path / "w2_int.onnx"), options,
+                                   providers=["CPUExecutionProvider"]).run(None, {"ids": ids.numpy()})[0]
+        np.testing.assert_allclose(got, expected, atol=1e-5 * max(1.0, float(np.ptp(expected))))
+    assert result.verification.max_abs_diff <= 1e-5 * max(1.0, result.verification.output_range)
+    with pytest.raises(RecipeError, match=r"'scheme'.*4-bit or per-group weights are weight-only"):
+        _manager("{weights: {num_bits: 2}}")
 
 
 W4_LSQ = ("{input_activations: null, weights: {num_bits: 4, strategy: group, group_size: 16, observer: lsq, "

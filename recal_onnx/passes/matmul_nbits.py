@@ -1,9 +1,10 @@
-"""A weight-only layer (W4A16, W8A16) becomes onnxruntime's ``MatMulNBits``: float input, 4- or 8-bit weights.
+"""A weight-only layer (W4A16, W8A16, W2A16) becomes onnxruntime's ``MatMulNBits``: float input, 2-, 4- or 8-bit
+weights.
 
 recal's export writes a weight-only layer's integers as rows of one group each, ``[out * groups, group_size]``, with
 a per-row (per-channel, axis 0) DequantizeLinear reshaped to ``[out, in]`` (:mod:`recal_torch.export.modules`): a form
-every exporter and opset >= 13 writes and onnxruntime runs as it is. ``MatMulNBits`` keeps the integers packed (two
-4-bit values a byte, zero point 8; or bytes, zero point 128) with one scale per block of ``group_size`` inputs, and
+every exporter and opset >= 13 writes and onnxruntime runs as it is. ``MatMulNBits`` keeps the integers packed (four
+ternary values a byte, zero point 2; two 4-bit values, zero point 8; or bytes, zero point 128) with one scale per block of ``group_size`` inputs, and
 dequantizes a block at a time inside its GEMM: a smaller file and less memory traffic than a float weight.
 
 Before::  q [N*K/G, G] -> DequantizeLinear(s, axis=0) -> Reshape [N, K] -> Transpose -> MatMul(x, .)   (+ Add(b))
@@ -13,7 +14,9 @@ After::   MatMulNBits(x, packed [N, K/G, G*bits/8], s [N*K/G], K, N, bits, block
 A per-channel weight (one group the size of the input) is written with blocks of up to :data:`CHANNEL_BLOCK` inputs,
 the channel's scale repeated in each. ``accuracy_level`` (0: float arithmetic, exactly the QAT model's values; 4:
 onnxruntime quantizes the input to int8 per block, faster on CPUs with int8 dot products, not exact) is the
-converter's option.
+converter's option. A layer whose integers are all -1, 0 or 1 (ternary: QAT at ``num_bits: 2``) is written in 2
+bits; onnxruntime (1.32) computes 2-bit blocks fast only at ``accuracy_level`` 4, and at 0 dequantizes the weight
+on every call (exact, a few times slower than 4 bits on one token).
 """
 
 from __future__ import annotations
@@ -150,22 +153,26 @@ def _block_size(w: GroupedWeight) -> int | None:
 
 def pack(q: np.ndarray, bits: int, block: int) -> np.ndarray:
     """``[N, K]`` signed integers as ``MatMulNBits`` stores them: ``[N, ceil(K / block), block * bits / 8]`` uint8,
-    offset by the default zero point (8 or 128), two 4-bit values a byte (low nibble first), padding at zero."""
+    offset by the default zero point (2, 8 or 128), 8 / ``bits`` values a byte (the first in the lowest bits),
+    padding at zero."""
     n, k = q.shape
     blocks = -(-k // block)
     offset = 1 << (bits - 1)
     stored = np.full((n, blocks * block), offset, np.uint8)
     stored[:, :k] = (q.astype(np.int16) + offset).astype(np.uint8)
     stored = stored.reshape(n, blocks, block)
-    if bits == 4:
-        stored = stored[..., 0::2] | (stored[..., 1::2] << 4)
-    return np.ascontiguousarray(stored)
+    per_byte = 8 // bits
+    packed = stored[..., 0::per_byte].copy()
+    for j in range(1, per_byte):
+        packed |= stored[..., j::per_byte] << (bits * j)
+    return np.ascontiguousarray(packed)
 
 
 def _rewrite(g: Graph, node: Node, x: Value, w: GroupedWeight, block: int, bias: Value | None,
              accuracy_level: int, add: Node | None) -> None:
     n, k = w.q.shape
-    bits = 4 if w.q.min() >= -8 and w.q.max() <= 7 else 8
+    low, high = int(w.q.min()), int(w.q.max())
+    bits = 2 if low >= -1 and high <= 1 else 4 if low >= -8 and high <= 7 else 8
     blocks = -(-k // block)
     per_channel = w.scale.shape[1] == 1 and w.group == k
     scale = np.repeat(w.scale, blocks, axis=1) if per_channel else w.scale  # grouped: block == group

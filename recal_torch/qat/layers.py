@@ -255,7 +255,7 @@ class WeightOnlyLinear(AdoptsParameters, nn.Module):
 
     Args:
         linear: the float layer.
-        bits: 4 or 8.
+        bits: 2 (ternary), 4 or 8.
         group_size: inputs per scale (``None``: one scale per output channel).
         observer: ``"minmax"`` or ``"mse"`` (:class:`~recal_torch.qat.quantizers.GroupWeightFakeQuantize`).
     """

@@ -5,7 +5,7 @@
   7-bit (``|q| <= 64``, scale ``max|w| / 64``): exact in the u8s8 kernels of every x86 CPU
   (:mod:`recal_onnx.cpu`).
 
-- Weight-only layers (W4A16, W8A16): int4 (``|q| <= 7``) or int8 symmetric weights, per output channel or per group
+- Weight-only layers (W4A16, W8A16): int4 (``|q| <= 7``), ternary int2 (``|q| <= 1``) or int8 symmetric weights, per output channel or per group
   of ``group_size`` inputs (:class:`GroupWeightFakeQuantize`), activations float.
 
 The exporter (:mod:`recal_torch.export`) writes these same grids as QuantizeLinear / DequantizeLinear.
@@ -18,7 +18,7 @@ import math
 import torch
 from torch import nn
 
-from recal_core.modifiers import INT4_WEIGHT_LEVELS, REDUCED_WEIGHT_LEVELS, WEIGHT_LEVELS
+from recal_core.modifiers import REDUCED_WEIGHT_LEVELS, WEIGHT_LEVELS, WEIGHT_ONLY_LEVELS
 
 from .fake_quant import fake_quantize, per_channel
 
@@ -247,6 +247,8 @@ class WeightFakeQuantize(LearnableScale, nn.Module):
 
 
 MSE_CLIPS = torch.linspace(1.0, 0.5, 11).tolist()  # the fractions of max|w| the mse observer tries per group
+# ternary weights: a Gaussian group's best threshold is near a third of its largest magnitude, so the search goes lower
+TERNARY_MSE_CLIPS = torch.linspace(1.0, 0.1, 19).tolist()
 
 
 class GroupWeightFakeQuantize(LearnableScale, nn.Module):
@@ -266,10 +268,10 @@ class GroupWeightFakeQuantize(LearnableScale, nn.Module):
         group = group_size or in_features
         if in_features % group:
             raise ValueError(f"{in_features} inputs do not split into groups of {group}")
-        if bits not in (4, 8) or observer not in ("minmax", "mse", "lsq"):
-            raise ValueError(f"bits must be 4 or 8 and observer minmax, mse or lsq, got {bits!r} and {observer!r}")
+        if bits not in WEIGHT_ONLY_LEVELS or observer not in ("minmax", "mse", "lsq"):
+            raise ValueError(f"bits must be 2, 4 or 8 and observer minmax, mse or lsq, got {bits!r} and {observer!r}")
         self.bits, self.group_size, self.per_channel, self.observer = bits, group, group_size is None, observer
-        self.levels = float(INT4_WEIGHT_LEVELS if bits == 4 else WEIGHT_LEVELS)
+        self.levels = float(WEIGHT_ONLY_LEVELS[bits])
         self.register_buffer("scale", torch.ones(out_features, in_features // group))
         self.observer_enabled = True
         if observer == "lsq":  # learned, from the mse fit
@@ -284,7 +286,7 @@ class GroupWeightFakeQuantize(LearnableScale, nn.Module):
         best = torch.clamp(amax / self.levels, min=EPS)
         if self.observer in ("mse", "lsq"):
             error = ((self._fake(rows, best) - rows) ** 2).sum(dim=1)
-            for clip in MSE_CLIPS[1:]:
+            for clip in (TERNARY_MSE_CLIPS if self.bits == 2 else MSE_CLIPS)[1:]:
                 scale = torch.clamp(amax * clip / self.levels, min=EPS)
                 candidate = ((self._fake(rows, scale) - rows) ** 2).sum(dim=1)
                 better = candidate < error
