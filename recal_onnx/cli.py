@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override the target's choice: int8 (exact with VNNI / AMX and on Arm), uint8 (weights "
                              "beyond +-64 as uint8: exact everywhere); auto (default): the target's")
     parser.add_argument("--tolerance", type=_tolerance, help="largest accepted max-abs difference (a finite number >= 0)")
+    parser.add_argument("--keep-exporter-metadata", action="store_true",
+                        help="keep the torch exporter's per-node module paths and stack traces (dropped by default)")
 
 
 def _tolerance(text: str) -> float:
@@ -52,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
         warnings.simplefilter("always", UnconvertedOpsWarning)
         result = quantize_qat_export(args.input, args.output, format=args.format, verify=not args.no_verify,
                                      tolerance=args.tolerance, thin=not args.no_thin,
-                                     weight_type=args.weight_type, target=args.target)
+                                     weight_type=args.weight_type, target=args.target,
+                                     keep_exporter_metadata=args.keep_exporter_metadata)
     for w in caught:
         print(f"warning: {w.message}")
     done = ", ".join(f"{k} {v}" for k, v in result.rewrites.items() if v)

@@ -40,7 +40,7 @@ from .float_reasons import display_name, float_reason
 from .float_report import QDQ_FUSIBLE, float_compute, float_islands, module_paths
 from .graph import EXTERNAL_DATA_BYTES, Graph
 from .input_checks import ModelError, check_input, nonfinite_initializers
-from .passes import CHANNEL_BLOCK, exact_on_this_cpu, saturating_layers
+from .passes import CHANNEL_BLOCK, drop_exporter_metadata, exact_on_this_cpu, saturating_layers
 from .pipeline import Options, run_pipeline
 from .targets import DEFAULT_TARGET, WeightChoice, choose_weights
 from .twin import INT8_CPUS, TWIN_SAMPLES, avx2_twin, mark, twin_differs, twin_path
@@ -109,7 +109,8 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
                         tolerance: float | None = None, min_agreement: float | None = None,
                         thin: bool = True, verify_inputs: dict[str, np.ndarray] | None = None,
                         weight_type: str = "auto", channel_block: int = CHANNEL_BLOCK,
-                        target: str = DEFAULT_TARGET, accuracy_level: int = 0) -> ConversionResult:
+                        target: str = DEFAULT_TARGET, accuracy_level: int = 0,
+                        keep_exporter_metadata: bool = False) -> ConversionResult:
     """Convert a QAT ONNX model into a fully quantized one (``qoperator``) or a folded, clean QDQ one.
 
     Args:
@@ -128,6 +129,8 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         accuracy_level: how ``MatMulNBits`` (weight-only layers) computes: 0 (default) in float, exactly the QAT
             model's values; 4 with the input quantized to int8 per block, faster where the CPU has int8 dot
             products, verified with the same tolerance; 1-3 as onnxruntime defines them.
+        keep_exporter_metadata: keep the torch exporter's per-node record (module path, stack trace), which is
+            dropped by default (:mod:`recal_onnx.passes.exporter_metadata`; ``rewrites["exporter_metadata_bytes"]``).
 
     Returns:
         A :class:`ConversionResult`: the model, its path, the rewrites made, what stays float and why, the
@@ -189,7 +192,8 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         model.CopyFrom(model_or_path)  # never modify the caller's model
     try:
         return _convert(model, reference, output_path, format, verify, inputs, tolerance, min_agreement, started,
-                        thin=thin, choice=choice, channel_block=channel_block, accuracy_level=accuracy_level)
+                        thin=thin, choice=choice, channel_block=channel_block, accuracy_level=accuracy_level,
+                        keep_exporter_metadata=keep_exporter_metadata)
     except (VerificationError, ModelError, OSError, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - a malformed model must end in one clear error, not a traceback
@@ -218,7 +222,7 @@ def _runtime_refusal(reference: onnx.ModelProto | str) -> str | None:
 
 def _convert(model, reference, output_path, format, verify, inputs, tolerance, min_agreement,
              started, *, thin: bool, choice: WeightChoice, channel_block: int,
-             accuracy_level: int = 0) -> ConversionResult:
+             accuracy_level: int = 0, keep_exporter_metadata: bool = False) -> ConversionResult:
     infer_shapes_in_place(model)
     g = Graph(model)
     findings = Findings()
@@ -234,7 +238,9 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
     unconverted += [(op, name) for name, (op, _) in findings.kept_float.items() if name in present]
     why.update({name: reason for name, (_, reason) in findings.kept_float.items() if name in present})
     reasons = {name: f" ({reason})" for name, reason in why.items()}
-    modules = module_paths(g)
+    modules = module_paths(g)  # read before the exporter's record goes
+    if not keep_exporter_metadata:
+        rewrites["exporter_metadata_bytes"] = drop_exporter_metadata(g)
     output_steps = _output_quanta(g)
     rewrites["remove_dead"] = g.remove_dead()
     model = g.commit()

@@ -1260,3 +1260,20 @@ def test_a_shape_of_a_dequantized_tensor_reads_its_integers():
     assert n == 1 and "DequantizeLinear" not in ops(converted), ops(converted)
     feeds = _x([2, 4, 3, 3])
     assert run(converted, feeds)[0].tolist() == reference(model, feeds)[0].tolist() == [2, 4, 3, 3]
+
+
+def test_drop_exporter_metadata_keeps_other_keys():
+    """The torch exporter's per-node record goes (its bytes counted); a user's own node metadata stays."""
+    from recal_onnx.passes.exporter_metadata import drop_exporter_metadata
+
+    b = Builder()
+    y = b.node("Relu", ["x"])
+    model = b.model([("x", [2, 3])], [y])
+    onnx.helper.set_metadata_props(model.graph.node[0], {"namespace": "m: M/relu: aten.relu",
+                                                         "pkg.torch.onnx.stack_trace": 'File "/home/me/m.py"',
+                                                         "owner": "team-a"})
+    g = Graph(model)
+    assert drop_exporter_metadata(g) == len("namespace") + len("m: M/relu: aten.relu") + len(
+        "pkg.torch.onnx.stack_trace") + len('File "/home/me/m.py"')
+    kept = g.commit().graph.node[0].metadata_props
+    assert {p.key: p.value for p in kept} == {"owner": "team-a"}

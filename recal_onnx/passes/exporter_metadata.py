@@ -1,0 +1,30 @@
+"""The torch exporter's per-node debugging record is not carried into the integer model.
+
+torch.onnx's dynamo exporter writes on every node where it came from: the module path (``namespace``), the class
+hierarchy, the fx node and the Python stack trace (``pkg.torch.onnx.*``), about 2 KB a node. In a small decoder that
+is as many bytes as its int4 weights, and the stack traces name files on the machine that exported it. The converter
+reads the module paths for its messages first (:func:`recal_onnx.float_report.module_paths`), then drops these keys;
+any other metadata a node carries is kept, and ``keep_exporter_metadata=True`` keeps them all.
+
+Before::  Mul {namespace: "lm: LlamaForCausalLM/...", pkg.torch.onnx.stack_trace: "File ...", other: "x"}
+After::   Mul {other: "x"}
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from ..graph import Graph
+
+EXPORTER_KEYS = ("namespace",)
+EXPORTER_PREFIX = "pkg.torch.onnx."
+
+
+def drop_exporter_metadata(g: Graph) -> int:
+    """Remove the exporter's debugging keys from every node (subgraphs too); return how many bytes of text went."""
+    dropped = 0
+    for node in ir.traversal.RecursiveGraphIterator(g.graph):
+        props = node.metadata_props
+        for key in [k for k in props if k in EXPORTER_KEYS or k.startswith(EXPORTER_PREFIX)]:
+            dropped += len(key) + len(props.pop(key))
+    return dropped
