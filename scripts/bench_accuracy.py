@@ -5,18 +5,25 @@ Three seeds each; pruning rows in both frameworks. Prints mean and spread, and c
 90% sparsity within 1.0 point of dense, int8 within 1.5 points of dense, TF and PyTorch pruned
 accuracies within 1.5 points of each other.
 
-    python scripts/bench_accuracy.py [--seeds 0 1 2] [--output runs/bench_accuracy] [--rows QAT]
+    python scripts/bench_accuracy.py [--seeds 0 1 2] [--output runs/bench_accuracy] [--rows QAT] [--json F]
+
+``--rows QAT --json docs/results/digits_int8.json`` saves the int8 rows (observed and learned scales) that
+docs/decoders.md shows beside the decoder's.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 from recal_core import load_recipe
 from recal_app.training import train
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.results import machine, save  # noqa: E402
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
 ROWS = [  # label, framework, recipe, artefact name prefix
@@ -34,6 +41,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--output", default=None, help="keep the runs here (default: a temp folder)")
     parser.add_argument("--rows", nargs="+", help="only the rows whose label holds one of these (goals need all)")
+    parser.add_argument("--json", type=Path, help="also write the rows' accuracies here")
     args = parser.parse_args()
     root = Path(args.output or tempfile.mkdtemp(prefix="recal-accuracy-"))
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
@@ -57,6 +65,12 @@ def main() -> None:
         accs = [100 * a for a, _ in values]
         print(f"{label:40s} {framework:9s} {statistics.fmean(accs):7.2f} {min(accs):7.2f} {max(accs):7.2f} "
               f"{statistics.fmean(s for _, s in values):8.3f}")
+    if args.json:
+        save(args.json, {**machine(), "seeds": args.seeds, "rows": [
+            {"label": label, "framework": framework, "recipe": next(r for lb, fw, r, _ in ROWS
+                                                                    if (lb, fw) == (label, framework)),
+             "accuracy": [a for a, _ in values], "sparsity": statistics.fmean(s for _, s in values)}
+            for (label, framework), values in results.items()]})
     if args.rows:
         print(f"\nruns in {root}")
         return

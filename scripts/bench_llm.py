@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recal_onnx import cpu, quantize_qat_export
+from recal_onnx.passes.exporter_metadata import EXPORTER_KEYS, EXPORTER_PREFIX
 from recal_onnx.verify import session
 from recal_torch import ScheduledModifierManager, export_onnx
 
@@ -103,6 +104,18 @@ def build(layers: int, hidden: int, ffn: int | None = None) -> nn.Module:
                                       num_key_value_heads=hidden // 64, max_position_embeddings=2 * SEQ,
                                       tie_word_embeddings=False)
     return transformers.LlamaForCausalLM(config)
+
+
+def drop_exporter_record(path: Path) -> Path:
+    """The fp32 file without the torch exporter's per-node record, as recal's converter writes its own: onnxruntime's
+    quantizers copy it into theirs, and the files' sizes then compare the models, not the record."""
+    model = onnx.load(str(path))
+    for node in model.graph.node:
+        kept = [p for p in node.metadata_props if p.key not in EXPORTER_KEYS and not p.key.startswith(EXPORTER_PREFIX)]
+        del node.metadata_props[:]
+        node.metadata_props.extend(kept)
+    onnx.save(model, str(path))
+    return path
 
 
 def batches(data: np.ndarray, batch: int, seed: int):
@@ -286,6 +299,7 @@ def main() -> None:
     sample = torch.from_numpy(windows[:2, :SEQ].astype(np.int64))
     fp32 = folder / "fp32.onnx"
     export_onnx(Logits(model), sample, fp32, input_names=["ids"], output_names=["logits"], dynamic_sequence=True)
+    drop_exporter_record(fp32)
     rows: dict[str, dict] = {f"fp32, {args.steps} steps": {"path": fp32, "seconds": None}}
     print(f"  fp32 trained on for {args.qat_steps} steps at the QAT's LR: the baseline with the QAT's training",
           flush=True)
@@ -297,6 +311,7 @@ def main() -> None:
     rows[baseline] = {"path": folder / "fp32_more.onnx", "seconds": None}
     export_onnx(Logits(more), sample, rows[baseline]["path"], input_names=["ids"], output_names=["logits"],
                 dynamic_sequence=True)
+    drop_exporter_record(rows[baseline]["path"])
     calibration = [{"ids": windows[i:i + 1, :SEQ].astype(np.int64)} for i in range(32)]
     # per channel: onnxruntime's blocks as wide as the widest input (a power of two, >= 16); narrower ones are padded
     block = args.group or 1 << (max(args.hidden, args.ffn) - 1).bit_length()
@@ -344,7 +359,7 @@ def main() -> None:
                       "bytes": row["bytes"], "ms_prompt": ms_prompt[label], "ms_token": ms_token[label]})
     print(f"\nmodels in {folder}")
     if args.json:
-        data = {**machine(), "rounds": args.rounds, "group": args.group, "ternary": args.ternary,
+        data = {**machine(), "rounds": args.rounds, "group": args.group, "ternary": args.ternary, "record_dropped": True,
                 "command": shlex.join(["python", "scripts/bench_llm.py", *sys.argv[1:]]),
                 "steps": args.steps, "qat_steps": args.qat_steps, "params": params, "layers": args.layers,
                 "hidden": args.hidden, "ffn": args.ffn, "test_tokens": int(windows[:, 1:].size), "train_bytes": len(train_data),

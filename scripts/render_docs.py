@@ -132,6 +132,10 @@ def transformers() -> str:
     return "\n\n".join(parts)
 
 
+NO_RECORD = ("; MB without the torch exporter's per-node record, which recal's converter drops (taken out of the fp32 "
+             "file before onnxruntime quantizes it)")
+
+
 def llm(name: str = "llm.json") -> str:
     """A small decoder on the standard library's source: fp32, onnxruntime's int4 quantizers, recal's int4 QAT
     (scripts/bench_llm.py); with ``ternary`` layers, those at 2 bits."""
@@ -154,11 +158,26 @@ def llm(name: str = "llm.json") -> str:
             f"({data['params'] / 1e6:.2f} M parameters, {data['layers']} layers, hidden {data['hidden']}, bytes as "
             f"tokens) trained {data['steps']} steps on {data['train_bytes'] / 1e6:.1f} MB of the standard library's "
             f"source ({data['files']} files, split by file); perplexity on {data['test_tokens']:,} test tokens; "
-            f"{bits}; QAT {data['qat_steps']} steps. Latency: 1 thread, batch 1, "
+            f"{bits}; QAT {data['qat_steps']} steps{NO_RECORD if data.get('record_dropped') else ''}. Latency: 1 "
+            "thread, batch 1, "
             f"median of {data['rounds']} interleaved rounds. Every quantized row has the training of the baseline "
             f"({data['baseline']}): onnxruntime's quantizers and recal's no-QAT row quantize it; recal's QAT trains "
             f"the last {data['qat_steps']} steps on {grid}. Recovered: the share of the perplexity onnxruntime's "
             f"default RTN loses against the baseline that the row wins back. `{command}`; MB = 10^6 bytes.")
+
+
+def digits_int8() -> str:
+    """The digits CNN in int8, observed against learned scales (scripts/bench_accuracy.py --rows QAT)."""
+    data = load("digits_int8.json")
+    lines = ["| run | recipe | accuracy, mean (%) | min | max |", "|---|---|---:|---:|---:|"]
+    for row in data["rows"]:
+        accs = [100 * a for a in row["accuracy"]]
+        lines.append(f"| {row['label']} | `{row['recipe']}` | {sum(accs) / len(accs):.2f} | {min(accs):.2f} | "
+                     f"{max(accs):.2f} |")
+    return ("\n".join(lines) + f"\n\n{data['cpu']}. The digits' 360 test images, the int8 ONNX model in onnxruntime; "
+            f"seeds {', '.join(map(str, data['seeds']))}; recipes in `scripts/recipes/`, the same but for the "
+            "QuantizationModifier's scheme (`python scripts/bench_accuracy.py --rows QAT --json "
+            "docs/results/digits_int8.json`).")
 
 
 def thinning_decoder() -> str:
@@ -175,10 +194,13 @@ def thinning_decoder() -> str:
     return ("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. A Llama-shaped decoder "
             f"({data['params'] / 1e6:.2f} M parameters, {data['layers']} layers, hidden {data['hidden']}, bytes as "
             f"tokens) trained {data['steps']} steps on the standard library's source ({data['files']} files); every "
-            f"int4 row has {data['qat_steps']} more steps: onnxruntime's RTN quantizes the fp32 model trained on for "
-            "them, recal's QAT trains them on the int4 grid (groups of "
-            f"{data['group']}), the thinned rows pruning heads and FFN neurons during the first half and thinning "
-            "them after (distilled: half of the loss from the fp32 model trained on, the one RTN quantizes). "
+            f"int4 row has {data['qat_steps']} more steps at LR {data.get('qat_lr', 2e-4):g}: onnxruntime's RTN "
+            "quantizes the fp32 model trained on for them, recal's QAT trains them on the int4 grid (groups of "
+            f"{data['group']}), the thinned rows pruning heads and FFN neurons during the first "
+            f"{round(100 * data.get('prune_end', 0.5))}% of them and thinning them after (distilled: "
+            + ("the whole loss from the fp32 model trained on, the one RTN quantizes, at temperature 2" if "hardness: 1.0"
+               in data.get("distill", "") else "half of the loss from the fp32 model trained on, the one RTN quantizes")
+            + ")" + (NO_RECORD if data.get("record_dropped") else "") + ". "
             f"Perplexity on {data['test_tokens']:,} held-out tokens; latency 1 thread, batch 1, median of "
             f"{data['rounds']} interleaved rounds (`python scripts/bench_transformer_thinning.py --parts decoder "
             "--json docs/results/thinning_transformers.json`).")
@@ -298,6 +320,7 @@ def interop() -> str:
 TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range, "zoo": zoo,
           "zoo-vnni": lambda: zoo("zoo_vnni.json"),
           "transformers": transformers, "llm": llm, "llm-ternary": lambda: llm("llm_ternary.json"),
+          "digits-int8": digits_int8,
           "thinning-transformers": thinning_transformers, "keras-applications": keras_applications,
           "keras-backends": keras_backends, "keras-backends-summary": keras_backends_summary, "layout": layout_table,
           "large-decoder": large_decoder, "thinning-decoder": thinning_decoder,
