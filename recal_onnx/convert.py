@@ -40,7 +40,7 @@ from .float_reasons import display_name, float_reason
 from .float_report import QDQ_FUSIBLE, float_compute, float_islands, module_paths
 from .graph import EXTERNAL_DATA_BYTES, Graph
 from .input_checks import ModelError, check_input, nonfinite_initializers
-from .passes import CHANNEL_BLOCK, drop_exporter_metadata, exact_on_this_cpu, saturating_layers
+from .passes import CHANNEL_BLOCK, exact_on_this_cpu, saturating_layers
 from .pipeline import Options, run_pipeline
 from .targets import DEFAULT_TARGET, WeightChoice, choose_weights
 from .twin import INT8_CPUS, TWIN_SAMPLES, avx2_twin, mark, twin_differs, twin_path
@@ -130,7 +130,7 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
             model's values; 4 with the input quantized to int8 per block, faster where the CPU has int8 dot
             products, verified with the same tolerance; 1-3 as onnxruntime defines them.
         keep_exporter_metadata: keep the torch exporter's per-node record (module path, stack trace), which is
-            dropped by default (:mod:`recal_onnx.passes.exporter_metadata`; ``rewrites["exporter_metadata_bytes"]``).
+            dropped by default (:mod:`recal_onnx.passes.exporter_metadata`; ``rewrites["drop_exporter_metadata"]``: bytes).
 
     Returns:
         A :class:`ConversionResult`: the model, its path, the rewrites made, what stays float and why, the
@@ -226,7 +226,9 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
     infer_shapes_in_place(model)
     g = Graph(model)
     findings = Findings()
-    rewrites = run_pipeline(g, Options(format, choice.weight_type, thin, channel_block, accuracy_level), findings)
+    modules = module_paths(g)  # from the exporter's record, which the pipeline's last step drops
+    rewrites = run_pipeline(g, Options(format, choice.weight_type, thin, channel_block, accuracy_level,
+                                       keep_exporter_metadata), findings)
     # layers with weights beyond +-64: those still int8, and those uint8_weights shifted (exactly those it takes)
     saturating = saturating_layers(g) + rewrites.get("uint8_weights", 0)
     positions = {node: i for i, node in enumerate(g.nodes)}
@@ -238,9 +240,6 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
     unconverted += [(op, name) for name, (op, _) in findings.kept_float.items() if name in present]
     why.update({name: reason for name, (_, reason) in findings.kept_float.items() if name in present})
     reasons = {name: f" ({reason})" for name, reason in why.items()}
-    modules = module_paths(g)  # read before the exporter's record goes
-    if not keep_exporter_metadata:
-        rewrites["exporter_metadata_bytes"] = drop_exporter_metadata(g)
     output_steps = _output_quanta(g)
     rewrites["remove_dead"] = g.remove_dead()
     model = g.commit()

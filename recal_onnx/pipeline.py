@@ -52,6 +52,7 @@ from .passes.gather_int4_table import gather_int4_tables
 from .passes.gather_int8_table import gather_int8_tables
 from .passes.gemm_to_qgemm import gemm_to_qgemm
 from .passes.int32_bias import fold_int32_biases
+from .passes.exporter_metadata import drop_exporter_metadata
 from .passes.int8_passthrough import int8_passthrough
 from .passes.matmul_nbits import matmul_to_nbits
 from .passes.minmax_to_clip import minmax_to_clip
@@ -82,6 +83,7 @@ class Options:
     thin: bool = True
     channel_block: int = CHANNEL_BLOCK
     accuracy_level: int = 0  # MatMulNBits: 0 float arithmetic (exact), 4 int8 inputs per block (faster, inexact)
+    keep_exporter_metadata: bool = False  # the torch exporter's per-node record (module paths, stack traces)
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ PIPELINE: tuple[Step, ...] = (
     Step((shapes_from_integers,)),
     Step((uint8_weights,), when=lambda o: o.weight_type == "uint8"),
     Step((bias_apart,)),
+    Step((drop_exporter_metadata,), when=lambda o: not o.keep_exporter_metadata),
 )
 
 

@@ -224,13 +224,14 @@ def latency_part(name: str, quick: bool, seq: int, rounds: int, folder: Path) ->
 DECODER_HEADS = r"['re:.*self_attn\.[qkvo]_proj\.weight']"
 DECODER_FFN = r"['re:.*mlp\.(gate|up)_proj\.weight']"
 # label: (heads, FFN neurons pruned, distilled); distilled: the whole loss from the fp32 model trained on
-DECODER_SETTINGS = {"1/2 FFN, distilled": (0.0, 0.5, True), "1/4 heads, 1/2 FFN": (0.25, 0.5, False),
+DECODER_SETTINGS = {"1/2 FFN, distilled": (0.0, 0.5, True), "7/12 FFN, distilled": (0.0, 7 / 12, True),
+                    "1/4 heads, 1/2 FFN": (0.25, 0.5, False),
                     "1/4 heads, 1/2 FFN, distilled": (0.25, 0.5, True),
                     "1/2 heads, 3/4 FFN, distilled": (0.5, 0.75, True)}
 DECODER_QAT_LR = 1e-3  # every int4 row's (and the fp32 model trained on's): 2e-4 left the pruned rows unrecovered
 DECODER_PRUNE_END = 0.1  # the share of the steps over which heads and neurons are pruned; the rest recovers
 DECODER_DISTILL = """
-- !DistillationModifier {start_epoch: 0, end_epoch: 1, hardness: 1.0, temperature: 2.0}
+- !DistillationModifier {start_epoch: 0, end_epoch: 1, hardness: 1.0, temperature: 1.0}
 """
 
 
@@ -271,10 +272,10 @@ def decoder_part(quick: bool, rounds: int, folder: Path) -> dict:
         pruned = copy.deepcopy(model)
         recipe = llm.QAT_RECIPE.format(grouping=f"strategy: group, group_size: {args.group}", observer="minmax",
                                        lr=args.qat_lr, final_lr=args.qat_lr / 10)
-        for params, sparsity, mask in ((DECODER_HEADS, heads, "head"), (DECODER_FFN, ffn, "filter")):
+        for names, sparsity, mask in ((DECODER_HEADS, heads, "head"), (DECODER_FFN, ffn, "filter")):
             if sparsity:
                 recipe += f"""
-- !GradualKSModifier {{params: {params}, init_sparsity: 0.0, final_sparsity: {sparsity}, start_epoch: 0,
+- !GradualKSModifier {{params: {names}, init_sparsity: 0.0, final_sparsity: {sparsity}, start_epoch: 0,
                       end_epoch: {DECODER_PRUNE_END}, update_frequency: 0.05, mask_type: {mask}}}
 """
         recipe += DECODER_DISTILL if distill else ""
@@ -282,7 +283,7 @@ def decoder_part(quick: bool, rounds: int, folder: Path) -> dict:
                   manager=ScheduledModifierManager.from_yaml(recipe), teacher=more if distill else None)
         report = thin(pruned.eval())
         print(f"    {label}: {report.removed} heads and neurons thinned", flush=True)
-        stem = f"decoder_{heads}_{ffn}{'_kd' if distill else ''}"
+        stem = f"decoder_{heads:.3f}_{ffn:.3f}{'_kd' if distill else ''}"
         qat = folder / f"{stem}.qat.onnx"
         export_onnx(llm.Logits(pruned), sample, qat, input_names=["ids"], output_names=["logits"],
                     dynamic_sequence=True)

@@ -198,7 +198,7 @@ def thinning_decoder() -> str:
             "quantizes the fp32 model trained on for them, recal's QAT trains them on the int4 grid (groups of "
             f"{data['group']}), the thinned rows pruning heads and FFN neurons during the first "
             f"{round(100 * data.get('prune_end', 0.5))}% of them and thinning them after (distilled: "
-            + ("the whole loss from the fp32 model trained on, the one RTN quantizes, at temperature 2" if "hardness: 1.0"
+            + ("the whole loss from the fp32 model trained on, the one RTN quantizes" if "hardness: 1.0"
                in data.get("distill", "") else "half of the loss from the fp32 model trained on, the one RTN quantizes")
             + ")" + (NO_RECORD if data.get("record_dropped") else "") + ". "
             f"Perplexity on {data['test_tokens']:,} held-out tokens; latency 1 thread, batch 1, median of "

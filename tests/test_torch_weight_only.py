@@ -82,7 +82,7 @@ def test_w4a16_trains_exports_and_runs_as_matmulnbits(tmp_path, dynamo):
     assert bits == {4}
     # the dynamo exporter's per-node record (module paths, stack traces) is not carried into the integer model
     records = [p.key for n in result.model.graph.node for p in n.metadata_props if p.key.startswith("pkg.torch.onnx.")]
-    assert not records and (result.rewrites["exporter_metadata_bytes"] > 1000) == dynamo
+    assert not records and (result.rewrites["drop_exporter_metadata"] > 1000) == dynamo
     if dynamo:
         kept = quantize_qat_export(str(path), inputs={"ids": ids.numpy()}, keep_exporter_metadata=True)
         assert any(p.key == "pkg.torch.onnx.stack_trace" for n in kept.model.graph.node for p in n.metadata_props)

@@ -2,8 +2,7 @@
 rewrites it made."""
 
 # The pipeline (recal_onnx.pipeline) names each pass module, in its declared order. What the rest of recal_onnx
-# reads from a pass (the channel block thinning keeps, the uint8 weight form and its CPU check, the exporter's record dropped) it imports from here.
-from .exporter_metadata import drop_exporter_metadata
+# reads from a pass (the channel block thinning keeps, the uint8 weight form and its CPU check) it imports from here.
 from .thin_channels import CHANNEL_BLOCK
 from .uint8_weights import exact_on_this_cpu, saturating_layers, uint8_twin
 

@@ -3,8 +3,9 @@
 torch.onnx's dynamo exporter writes on every node where it came from: the module path (``namespace``), the class
 hierarchy, the fx node and the Python stack trace (``pkg.torch.onnx.*``), about 2 KB a node. In a small decoder that
 is as many bytes as its int4 weights, and the stack traces name files on the machine that exported it. The converter
-reads the module paths for its messages first (:func:`recal_onnx.float_report.module_paths`), then drops these keys;
-any other metadata a node carries is kept, and ``keep_exporter_metadata=True`` keeps them all.
+reads the module paths for its messages before its pipeline runs (:func:`recal_onnx.float_report.module_paths`), and
+this, its last step, drops these keys; any other metadata a node carries is kept, and ``keep_exporter_metadata=True``
+keeps them all.
 
 Before::  Mul {namespace: "lm: LlamaForCausalLM/...", pkg.torch.onnx.stack_trace: "File ...", other: "x"}
 After::   Mul {other: "x"}

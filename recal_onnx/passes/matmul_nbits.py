@@ -16,7 +16,7 @@ the channel's scale repeated in each. ``accuracy_level`` (0: float arithmetic, e
 onnxruntime quantizes the input to int8 per block, faster on CPUs with int8 dot products, not exact) is the
 converter's option. A layer whose integers are all -1, 0 or 1 (ternary: QAT at ``num_bits: 2``) is written in 2
 bits; onnxruntime (1.32) computes 2-bit blocks fast only at ``accuracy_level`` 4, and at 0 dequantizes the weight
-on every call (exact, a few times slower than 4 bits on one token).
+on every call (exact, many times slower than 4 bits on one token).
 """
 
 from __future__ import annotations
