@@ -20,8 +20,8 @@ windows), file size, and latency on one thread (batch 1; a 128-token prompt, and
 default RTN loses against the baseline that the row wins back, ``(ppl_rtn - ppl) / (ppl_rtn - ppl_baseline)``.
 
 ``--ternary REGEX`` puts the layers whose parameter names match at 2 bits (ternary in recal: ``num_bits: 2``; 2-bit
-RTN and HQQ in onnxruntime's rows; its GPTQ writes 4 bits only), the rest at 4: a setting where round-to-nearest loses far more than at 4
-bits alone.
+RTN and HQQ in onnxruntime's rows; its GPTQ writes 4 bits only), the rest at 4: a setting where round-to-nearest
+loses far more than at 4 bits alone.
 
     python scripts/bench_llm.py [--steps 800] [--qat-steps 300] [--group 32] [--ternary 'mlp\.(gate|up)_proj']
                                 [--json docs/results/llm.json]

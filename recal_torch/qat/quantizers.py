@@ -5,8 +5,8 @@
   7-bit (``|q| <= 64``, scale ``max|w| / 64``): exact in the u8s8 kernels of every x86 CPU
   (:mod:`recal_onnx.cpu`).
 
-- Weight-only layers (W4A16, W8A16): int4 (``|q| <= 7``), ternary int2 (``|q| <= 1``) or int8 symmetric weights, per output channel or per group
-  of ``group_size`` inputs (:class:`GroupWeightFakeQuantize`), activations float.
+- Weight-only layers (W4A16, W8A16): int4 (``|q| <= 7``), ternary int2 (``|q| <= 1``) or int8 symmetric weights,
+  per output channel or per group of ``group_size`` inputs (:class:`GroupWeightFakeQuantize`), activations float.
 
 The exporter (:mod:`recal_torch.export`) writes these same grids as QuantizeLinear / DequantizeLinear.
 """
@@ -252,13 +252,13 @@ TERNARY_MSE_CLIPS = torch.linspace(1.0, 0.1, 19).tolist()
 
 
 class GroupWeightFakeQuantize(LearnableScale, nn.Module):
-    """Symmetric fake quantization of a ``[out, in]`` weight to ``bits`` (4: ``|q| <= 7``; 8: ``|q| <= 127``), one
-    scale per ``group_size`` consecutive inputs of an output channel (``None``: per channel): the grid of a
-    weight-only layer, which onnxruntime's ``MatMulNBits`` runs with block size = group size.
+    """Symmetric fake quantization of a ``[out, in]`` weight to ``bits`` (2: ``|q| <= 1``; 4: ``|q| <= 7``; 8:
+    ``|q| <= 127``), one scale per ``group_size`` consecutive inputs of an output channel (``None``: per channel): the
+    grid of a weight-only layer, which onnxruntime's ``MatMulNBits`` runs with block size = group size.
 
     ``observer``: ``"minmax"`` maps each group's largest magnitude to the top level; ``"mse"`` tries clipping it
-    (:data:`MSE_CLIPS`) and keeps, per group, the scale with the least squared error. The scale follows the weights
-    until frozen, as :class:`WeightFakeQuantize`'s does. ``"lsq"`` learns it: the mse scale at the first forward
+    (:data:`MSE_CLIPS`; for 2 bits :data:`TERNARY_MSE_CLIPS`) and keeps, per group, the scale with the least squared
+    error. The scale follows the weights until frozen, as :class:`WeightFakeQuantize`'s does. ``"lsq"`` learns it: the mse scale at the first forward
     (a calibrated start), then a parameter the optimizer trains (the manager gives it a param group of its own),
     with LSQ's gradient scale ``1 / sqrt(group_size * levels)``; frozen, it stops training."""
 
