@@ -27,8 +27,7 @@ TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)  # wei
 
 def _layer_type(module: nn.Module) -> type:
     """The float layer's class (a QAT or weight-only layer keeps the class of the layer it was made from)."""
-    return getattr(module, "float_type", type(module)) if isinstance(module, (QATModule, WeightOnlyLinear)) \
-        else type(module)
+    return module.float_type if isinstance(module, (QATModule, WeightOnlyLinear)) else type(module)
 
 
 def is_prunable(module: nn.Module, param_name: str) -> bool:

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recal_onnx import cpu, quantize_qat_export
-from recal_onnx.passes.exporter_metadata import EXPORTER_KEYS, EXPORTER_PREFIX
+from recal_onnx.passes.exporter_metadata import is_exporter_key
 from recal_onnx.verify import session
 from recal_torch import ScheduledModifierManager, export_onnx
 
@@ -111,7 +111,7 @@ def drop_exporter_record(path: Path) -> Path:
     quantizers copy it into theirs, and the files' sizes then compare the models, not the record."""
     model = onnx.load(str(path))
     for node in model.graph.node:
-        kept = [p for p in node.metadata_props if p.key not in EXPORTER_KEYS and not p.key.startswith(EXPORTER_PREFIX)]
+        kept = [p for p in node.metadata_props if not is_exporter_key(p.key)]
         del node.metadata_props[:]
         node.metadata_props.extend(kept)
     onnx.save(model, str(path))
@@ -359,7 +359,7 @@ def main() -> None:
                       "bytes": row["bytes"], "ms_prompt": ms_prompt[label], "ms_token": ms_token[label]})
     print(f"\nmodels in {folder}")
     if args.json:
-        data = {**machine(), "rounds": args.rounds, "group": args.group, "ternary": args.ternary, "record_dropped": True,
+        data = {**machine(), "rounds": args.rounds, "group": args.group, "ternary": args.ternary,
                 "command": shlex.join(["python", "scripts/bench_llm.py", *sys.argv[1:]]),
                 "steps": args.steps, "qat_steps": args.qat_steps, "params": params, "layers": args.layers,
                 "hidden": args.hidden, "ffn": args.ffn, "test_tokens": int(windows[:, 1:].size), "train_bytes": len(train_data),

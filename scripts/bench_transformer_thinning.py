@@ -300,7 +300,6 @@ def decoder_part(quick: bool, rounds: int, folder: Path) -> dict:
               f"token {r['ms_token']:6.3f} ms", flush=True)
     return {**machine(), "params": params, "layers": layers, "hidden": hidden, "steps": steps, "qat_steps": qat_steps,
             "qat_lr": args.qat_lr, "prune_end": DECODER_PRUNE_END, "distill": DECODER_DISTILL.strip(),
-            "record_dropped": True,
             "group": args.group, "test_tokens": int(windows[:, 1:].size), "files": files, "rounds": rounds, "rows": rows}
 
 

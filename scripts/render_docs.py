@@ -148,22 +148,20 @@ def llm(name: str = "llm.json") -> str:
         recovered = "" if row["recovered"] is None else f"{round(100 * row['recovered']) or 0}%"
         lines.append(f"| {row['label']} | {row['ppl']:.4f} | {recovered} | {row['bytes'] / 1e6:.2f} "
                      f"({row['bytes'] / data['fp32_bytes']:.3f}) | {row['ms_prompt']:.2f} | {row['ms_token']:.3f} |")
-    ternary = data.get("ternary")
+    ternary = data["ternary"]
     bits = (f"the layers matching `{ternary}` in 2 bits (recal: ternary, `num_bits: 2`; onnxruntime: its 2-bit "
             f"quantizers), the others int4; blocks (groups) of {data['group']}" if ternary
             else f"int4 in blocks (groups) of {data['group']}")
     grid = "the int2 / int4 grid" if ternary else "the int4 grid"
-    command = data.get("command", f"python scripts/bench_llm.py --json docs/results/{name}")
     return ("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. A Llama-shaped decoder "
             f"({data['params'] / 1e6:.2f} M parameters, {data['layers']} layers, hidden {data['hidden']}, bytes as "
             f"tokens) trained {data['steps']} steps on {data['train_bytes'] / 1e6:.1f} MB of the standard library's "
             f"source ({data['files']} files, split by file); perplexity on {data['test_tokens']:,} test tokens; "
-            f"{bits}; QAT {data['qat_steps']} steps{NO_RECORD if data.get('record_dropped') else ''}. Latency: 1 "
-            "thread, batch 1, "
+            f"{bits}; QAT {data['qat_steps']} steps{NO_RECORD}. Latency: 1 thread, batch 1, "
             f"median of {data['rounds']} interleaved rounds. Every quantized row has the training of the baseline "
             f"({data['baseline']}): onnxruntime's quantizers and recal's no-QAT row quantize it; recal's QAT trains "
             f"the last {data['qat_steps']} steps on {grid}. Recovered: the share of the perplexity onnxruntime's "
-            f"default RTN loses against the baseline that the row wins back. `{command}`; MB = 10^6 bytes.")
+            f"default RTN loses against the baseline that the row wins back. `{data['command']}`; MB = 10^6 bytes.")
 
 
 def digits_int8() -> str:
@@ -195,13 +193,11 @@ def thinning_decoder() -> str:
     return ("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. A Llama-shaped decoder "
             f"({data['params'] / 1e6:.2f} M parameters, {data['layers']} layers, hidden {data['hidden']}, bytes as "
             f"tokens) trained {data['steps']} steps on the standard library's source ({data['files']} files); every "
-            f"int4 row has {data['qat_steps']} more steps at LR {data.get('qat_lr', 2e-4):g}: onnxruntime's RTN "
+            f"int4 row has {data['qat_steps']} more steps at LR {data['qat_lr']:g}: onnxruntime's RTN "
             "quantizes the fp32 model trained on for them, recal's QAT trains them on the int4 grid (groups of "
             f"{data['group']}), the thinned rows pruning heads and FFN neurons during the first "
-            f"{round(100 * data.get('prune_end', 0.5))}% of them and thinning them after (distilled: "
-            + ("the whole loss from the fp32 model trained on, the one RTN quantizes" if "hardness: 1.0"
-               in data.get("distill", "") else "half of the loss from the fp32 model trained on, the one RTN quantizes")
-            + ")" + (NO_RECORD if data.get("record_dropped") else "") + ". "
+            f"{round(100 * data['prune_end'])}% of them and thinning them after (distilled: "
+            f"`{data['distill'].lstrip('- ')}` from the fp32 model trained on, the one RTN quantizes){NO_RECORD}. "
             f"Perplexity on {data['test_tokens']:,} held-out tokens; latency 1 thread, batch 1, median of "
             f"{data['rounds']} interleaved rounds (`python scripts/bench_transformer_thinning.py --parts decoder "
             "--json docs/results/thinning_transformers.json`).")

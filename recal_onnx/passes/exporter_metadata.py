@@ -17,8 +17,9 @@ import onnx_ir as ir
 
 from ..graph import Graph
 
-EXPORTER_KEYS = ("namespace",)
-EXPORTER_PREFIX = "pkg.torch.onnx."
+def is_exporter_key(key: str) -> bool:
+    """Whether a node's metadata ``key`` is the torch exporter's record."""
+    return key == "namespace" or key.startswith("pkg.torch.onnx.")
 
 
 def drop_exporter_metadata(g: Graph) -> int:
@@ -26,6 +27,6 @@ def drop_exporter_metadata(g: Graph) -> int:
     dropped = 0
     for node in ir.traversal.RecursiveGraphIterator(g.graph):
         props = node.metadata_props
-        for key in [k for k in props if k in EXPORTER_KEYS or k.startswith(EXPORTER_PREFIX)]:
+        for key in [k for k in props if is_exporter_key(k)]:
             dropped += len(key) + len(props.pop(key))
     return dropped

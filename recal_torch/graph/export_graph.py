@@ -470,7 +470,7 @@ def _consumer(sdpa: torch.fx.Node, params: dict[str, str]) -> tuple[torch.fx.Nod
         if len(users) != 1:
             return None, f"{len(users)} readers of {n.name}" if users else None
         user = users[0]
-        if _projection(user, params) and _projection(user, params)[0] is n:
+        if (projection := _projection(user, params)) is not None and projection[0] is n:
             return user, None
         if user.target not in _MERGE:
             return None, f"{_where(user)} (reads {sdpa.name}'s output; recal follows only reshapes to a linear)"
