@@ -6,8 +6,10 @@ output (``heads * head_dim`` input columns) and what else touches those tensors.
 ``h*d:(h+1)*d`` of the query, key and value projections and the same columns of the output projection.
 With grouped-query attention (``kv_heads < heads``) the unit is a key/value head with the
 ``heads / kv_heads`` query heads that read it, so removing a unit leaves an attention that still runs.
-A packed projection (GPT-2's ``c_attn``: Q, K and V as consecutive row blocks of one weight) holds a unit's
-rows once in each block: its width is one per block, in row order.
+A packed projection holds a unit's rows either once in each block (GPT-2's ``c_attn``: Q, K and V as
+consecutive row blocks of one weight; its width is one per block, in row order) or together, one unit after
+another (GPT-NeoX's ``query_key_value``: each head's Q, K and V rows side by side; its width is their sum).
+:func:`head_layout` reads which from the rows each head was traced to read.
 
 A head-pruning modifier lists the four projections of each attention together; the group ranks its units
 by their summed squared norms (rows of Q, K, V and columns of the output projection) and zeroes the
@@ -41,11 +43,26 @@ class Attention:
     biases: tuple[tuple[str, str], ...] = ()  # (projection weight, its bias) for the query, key and value
     blockers: tuple[str, ...] = ()  # why its heads cannot be removed (another reader, an op not followed)
     offsets: tuple[int, int, int] = (0, 0, 0)  # the first row of the query, key and value in their weights
+    # the weight holding more than one of Q, K and V holds each unit's rows together (offsets: within a unit)
+    interleaved: bool = False
 
     @property
     def per_unit(self) -> int:
         """Query heads per pruned unit: 1, or the query heads sharing one key/value head."""
         return self.heads // self.kv_heads
+
+    def _shared(self, weight: str) -> bool:
+        return [self.query, self.key, self.value].count(weight) > 1
+
+    def unit_span(self, weight: str) -> int:
+        """Rows of ``weight`` from one unit to the next where it holds units together (interleaved)."""
+        return sum(x for w, _, x in self.projections() if w == weight)
+
+    def rows(self, role: int) -> np.ndarray:
+        """``[kv_heads, width]``: the rows of the query (0), key (1) or value (2) each unit reads."""
+        weight, start, width = self.projections()[role]
+        step = self.unit_span(weight) if self.interleaved and self._shared(weight) else width
+        return start + np.arange(self.kv_heads)[:, None] * step + np.arange(width)
 
     def projections(self) -> tuple[tuple[str, int, int], ...]:
         """``(weight, first row, rows per unit)`` of the query, key and value."""
@@ -58,18 +75,27 @@ class Attention:
         held: dict[str, list[tuple[int, int]]] = {}
         for weight, offset, width in self.projections():
             held.setdefault(weight, []).append((offset, width))
-        out: dict[str, Width] = {w: blocks[0][1] if len(blocks) == 1 else tuple(x for _, x in sorted(blocks))
+        out: dict[str, Width] = {w: blocks[0][1] if len(blocks) == 1 else sum(x for _, x in blocks)
+                                 if self.interleaved else tuple(x for _, x in sorted(blocks))
                                  for w, blocks in held.items()}
         out[self.output] = self.per_unit * self.head_dim
         return out
 
     def packing_problem(self, rows: dict[str, int]) -> str | None:
-        """Why the projections sharing one weight (of ``rows[weight]`` rows) do not fill it block after block
-        (None: they do, or none share one): only then is a unit's set of rows known."""
+        """Why the projections sharing one weight (of ``rows[weight]`` rows; and any other weight ``rows`` names)
+        do not fill it block after block (None: they do): only then is a unit's set of rows known."""
         for weight in {w for w, _, _ in self.projections()}:
+            if self.interleaved and self._shared(weight):  # one unit's blocks fill its span; the units, the weight
+                blocks = sorted((o, x) for w, o, x in self.projections() if w == weight)
+                ends = [o + n for o, n in blocks]
+                if [o for o, _ in blocks] != [0, *ends[:-1]] or rows.get(weight) != ends[-1] * self.kv_heads:
+                    return (f"{weight}: its query, key and value rows {blocks} of each of {self.kv_heads} heads do "
+                            f"not fill its {rows.get(weight)} rows one head after another")
+                continue
             blocks = sorted((o, x * self.kv_heads) for w, o, x in self.projections() if w == weight)
             ends = [o + n for o, n in blocks]
-            if len(blocks) > 1 and ([o for o, _ in blocks] != [0, *ends[:-1]] or rows.get(weight) != ends[-1]):
+            if (len(blocks) > 1 or weight in rows) and ([o for o, _ in blocks] != [0, *ends[:-1]]
+                                                        or rows.get(weight) != ends[-1]):
                 return (f"{weight}: its query, key and value rows {[(o, e) for (o, _), e in zip(blocks, ends)]} do "
                         f"not fill its {rows.get(weight)} rows one block after another")
         return None
@@ -78,6 +104,70 @@ class Attention:
         """Elements per unit of each bias."""
         widths = self.widths()
         return {bias: widths[weight] for weight, bias in self.biases}
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Where an attention's heads are in its projections: the :class:`Attention` fields :func:`head_layout`
+    reads off the rows each head was traced to."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    offsets: tuple[int, int, int]
+    interleaved: bool
+
+
+def head_layout(weights: tuple[str, str, str], rows: tuple[np.ndarray, np.ndarray, np.ndarray],
+                ) -> HeadLayout | str:
+    """The units of an attention from ``rows``: for its query, key and value, ``[heads, head_dim]``, the rows
+    of its projection's weight (``weights``) each head of the attention computes from, as traced (key and value
+    heads repeated for grouped-query attention are the same rows). A string says why they are no layout whose
+    units thinning can slice: a unit's query heads consecutive, its rows consecutive, one unit after the next
+    in each weight (as blocks, or all its rows together where Q, K and V share a weight)."""
+    q, k, v = (np.asarray(r) for r in rows)
+    heads, head_dim = q.shape
+    if k.shape[1] != head_dim or v.shape != k.shape or heads % k.shape[0]:
+        return (f"its query heads {q.shape}, key heads {k.shape} and value heads {v.shape} ([heads, head size]) "
+                "are not one head size with the query heads shared evenly")
+    key_sets = [tuple(np.sort(r)) for r in k]
+    units = list(dict.fromkeys(key_sets))
+    unit_of_key = [units.index(s) for s in key_sets]
+    kv = len(units)
+    value_of = {}
+    for u, r in zip(unit_of_key, v):
+        value_of.setdefault(u, set()).add(tuple(np.sort(r)))
+    if heads % kv or any(len(s) != 1 for s in value_of.values()) or \
+            len({next(iter(s)) for s in value_of.values()}) != kv:
+        return f"its {k.shape[0]} key heads and value heads do not pair into key/value heads one to one"
+    per_unit = heads // kv
+    key_of_query = np.arange(heads) // (heads // k.shape[0])
+    if [unit_of_key[j] for j in key_of_query] != list(np.arange(heads) // per_unit):
+        return "the query heads sharing one key/value head are not consecutive"
+    if np.unique(q).size != q.size:
+        return "two of its query heads read the same rows"
+    first_key = [unit_of_key.index(u) for u in range(kv)]
+    per_role = [np.sort(q.reshape(kv, -1), axis=1), np.sort(k[first_key], axis=1), np.sort(v[first_key], axis=1)]
+    starts, steps = [], []
+    for role, r in zip(("query", "key", "value"), per_role):
+        if not (r == r[:, :1] + np.arange(r.shape[1])).all():
+            return f"the {role} rows of one key/value head are not consecutive in {weights[('query', 'key', 'value').index(role)]}"
+        step = np.diff(r[:, 0])
+        if step.size and not (step == step[0]).all():
+            return f"its {role} heads are not evenly spaced in their weight"
+        starts.append(int(r[0, 0]))
+        steps.append(int(step[0]) if step.size else r.shape[1])
+    widths = [r.shape[1] for r in per_role]
+    shared = [weights.count(w) > 1 for w in weights]
+    interleaved = kv > 1 and any(s and step != width for s, step, width in zip(shared, steps, widths))
+    for w, start, step, width, is_shared in zip(weights, starts, steps, widths, shared):
+        span = sum(x for o, x in zip(weights, widths) if o == w) if interleaved and is_shared else width
+        if kv > 1 and step != span:
+            return (f"{w}: its heads are {step} rows apart, neither one block of heads ({width}) nor one head's "
+                    f"query, key and value together ({span})")
+        if not is_shared and start != 0:
+            return f"{w}: its heads start at row {start}, not 0"
+    return HeadLayout(heads, kv, head_dim, (starts[0], starts[1], starts[2]), interleaved)
 
 
 def head_groups(attentions: list[Attention], pruned: dict[str, tuple[int, str]]) -> list[tuple[Attention, int]]:
@@ -125,10 +215,11 @@ def live_heads(att: Attention, is_zero) -> np.ndarray:
     the backend's elementwise "is zero" of a weight or bias in canonical ``[out, in]`` order. One unit is
     always kept (an attention needs one)."""
     units = att.kv_heads
-    _, start, width = att.projections()[2]
+    rows = att.rows(2)
 
     def value_rows(name: str) -> np.ndarray:
-        return is_zero(name)[start:start + units * width].reshape(units, -1).all(1)
+        zero = is_zero(name)
+        return zero[rows].reshape(units, -1).all(1)
 
     value = value_rows(att.value)
     for weight, bias in dict(att.biases).items():

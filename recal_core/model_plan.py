@@ -162,9 +162,10 @@ class ModelPlan:
 
     def channel_count(self, group: ChannelGroup, k: int) -> int:
         """The channels ``group`` zeroes after an update at ``k``: ``floor(s * channels + 0.5)``, or, for a
-        group pruned in blocks, ``floor(s * blocks + 0.5)`` whole blocks."""
-        blocks = pruned_count(self._pruning(group.modifier).sparsity(k), group.channels // group.block)
-        return blocks * group.block
+        group pruned in blocks, ``floor(s * blocks + 0.5)`` whole blocks; an attention keeps one block of heads."""
+        total = group.channels // group.block
+        blocks = pruned_count(self._pruning(group.modifier).sparsity(k), total)
+        return min(blocks, total - 1 if group.kind == "head" else total) * group.block
 
     def channel_updates(self, k: int) -> list[tuple[ChannelGroup, int]]:
         """The channel groups whose masks are recomputed at ``k``, with the channels they zero."""
@@ -367,6 +368,11 @@ def _channel_groups(graph: ModelGraph, pruned: dict[str, tuple[int, str]], infos
         width = att.widths()[att.output]  # the output projection's input columns a unit holds
         group = input_groups(att.output)
         block = group // width if group > width and group % width == 0 and att.kv_heads % (group // width) == 0 else 1
+        if att.kv_heads // block < 2:
+            raise CouplingError(
+                f"{att.name}: mask_type head: its {att.heads} heads are one unit (they share "
+                f"{'one key/value head' if att.kv_heads == 1 else 'one group of the output projection scales'}), and an "
+                "attention keeps one unit, so none can be removed; leave this attention out of params", modifier)
         out.append(ChannelGroup(modifier, "head", att.widths(), tuple(b for _, b in att.biases), att.kv_heads,
                                 frozenset({att.output}), att.bias_widths(), block))
     per_channel = {w: v for w, v in pruned.items() if v[1] != "head"}

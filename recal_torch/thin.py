@@ -132,7 +132,7 @@ def _thin_heads(model: nn.Module, modules: dict[str, nn.Module], att: Attention)
             _slice_out(layer, index)
     attention = modules.get(att.name)
     heads = len(units) * att.per_unit
-    for attr, value in (("num_attention_heads", heads), ("num_heads", heads), ("num_key_value_heads", len(units)),
+    for attr, value in (("num_attention_heads", heads), ("num_heads", heads), ("num_key_value_heads", len(units)), ("num_kv_heads", len(units)),
                         ("all_head_size", heads * att.head_dim)):
         if isinstance(getattr(attention, attr, None), int):
             setattr(attention, attr, value)
@@ -288,6 +288,13 @@ def _head_counts(m: nn.Module) -> list[tuple[str, int]]:
     children = dict(m.named_children())
     query = next((children[n] for n in ("query", "q_proj") if n in children), None)
     key = next((children[n] for n in ("key", "k_proj") if n in children), None)
+    fused = children.get("query_key_value")  # Falcon: each key/value head's queries, key and value together
+    if head_dim is not None and fused is not None and isinstance(getattr(m, "num_heads", None), int):
+        kv = getattr(m, "num_kv_heads", m.num_heads)
+        per_unit = m.num_heads // kv
+        units = fused.weight.shape[0] // ((per_unit + 2) * head_dim)
+        return [(attr, value) for attr, value in (("num_heads", units * per_unit), ("num_kv_heads", units))
+                if isinstance(getattr(m, attr, None), int) and getattr(m, attr) != value]
     packed = children.get("c_attn")  # GPT-2: Q, K and V in one Conv1D, split by split_size
     if head_dim is not None and packed is not None and isinstance(getattr(m, "split_size", None), int) \
             and not getattr(m, "is_cross_attention", False):

@@ -1171,3 +1171,31 @@ def test_learned_scales_for_w8a8_weights_and_inputs_train_freeze_resume_and_conv
 
     with pytest.warns(RecipeWarning, match=r"learned scale\(s\) reached zero .*weight_fake_quant.scale"):
         manager.finalize(model)
+
+
+class _MatmulLinear(nn.Linear):
+    """transformers' FalconLinear: ``x @ W.T + b`` written out, a Linear by what it computes."""
+
+    def forward(self, x):
+        return x @ self.weight.T + self.bias
+
+
+class _AdapterLinear(nn.Linear):
+    """A Linear with its own low-rank adapter: replacing it by a QAT linear would drop the adapter."""
+
+    def __init__(self, n):
+        super().__init__(n, n)
+        self.down, self.up = nn.Parameter(torch.randn(2, n)), nn.Parameter(torch.randn(n, 2))
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.down.T @ self.up.T
+
+
+def test_a_linear_subclass_computing_a_linear_is_quantized_and_any_other_stays_float_with_a_warning_that_says_why():
+    model = nn.Sequential(_MatmulLinear(8, 8), nn.ReLU(), _AdapterLinear(8))
+    manager = ScheduledModifierManager.from_yaml("- !QuantizationModifier {start_epoch: 0}\n")
+    with pytest.warns(UserWarning, match=r"1 Linear layers stay float: 2 \(_AdapterLinear\): a subclass of nn.Linear "
+                                         r"whose own forward computes something other than x @ W.T \+ b"):
+        manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=2)
+    model(torch.randn(3, 8))
+    assert isinstance(model[0], QATLinear) and type(model[2]) is _AdapterLinear

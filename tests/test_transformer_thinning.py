@@ -5,12 +5,13 @@ that computes what the masked one did."""
 import copy
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
 from recal_core import RecipeError
 from recal_core.channel_coupling import CouplingError
-from recal_core.head_coupling import Attention, head_groups, live_heads, unit_rows
+from recal_core.head_coupling import Attention, head_groups, head_layout, live_heads, unit_rows
 from recal_torch import ScheduledModifierManager, load_thinned, thin
 
 transformers = pytest.importorskip("transformers")
@@ -257,6 +258,67 @@ def test_a_packed_qkv_is_one_weight_of_three_blocks():
     assert live_heads(att, lambda n: (weights[n] == 0).numpy()).tolist() == [True, False]
 
 
+def test_a_per_head_packed_qkv_holds_each_units_rows_together():
+    """GPT-NeoX's query_key_value: each head's Q, K and V rows side by side; a unit is one contiguous run."""
+    att = Attention("a", "a.c.weight", "a.c.weight", "a.c.weight", "a.o.weight", heads=2, kv_heads=2, head_dim=3,
+                    biases=(("a.c.weight", "a.c.bias"),), offsets=(0, 3, 6), interleaved=True)
+    assert att.widths() == {"a.c.weight": 9, "a.o.weight": 3}
+    assert att.rows(2).tolist() == [[6, 7, 8], [15, 16, 17]]
+    assert att.packing_problem({"a.c.weight": 18}) is None
+    assert "one head after another" in att.packing_problem({"a.c.weight": 27})
+    assert unit_rows([1], 9, 2).tolist() == list(range(9, 18))
+    weights = {"a.c.weight": torch.ones(18, 4), "a.c.bias": torch.ones(18), "a.o.weight": torch.ones(4, 6)}
+    weights["a.c.weight"][15:] = 0  # unit 1's value rows
+    weights["a.c.bias"][15:] = 0
+    assert live_heads(att, lambda n: (weights[n] == 0).numpy()).tolist() == [True, False]
+
+
+def _rows(blocks):
+    """``[heads, head_dim]`` rows from ``(first row, head size)`` per head."""
+    return np.array([np.arange(start, start + size) for start, size in blocks])
+
+
+@pytest.mark.parametrize("case", ["gpt2", "neox", "falcon", "llama-gqa", "repeated-kv"])
+def test_head_layout_reads_blocks_per_head_and_grouped_layouts_off_the_traced_rows(case):
+    d = 4
+    w = ("c", "c", "c")
+    if case == "gpt2":  # 4 heads: Q block, K block, V block
+        rows, expected = (_rows([(h * d, d) for h in range(4)]), _rows([(16 + h * d, d) for h in range(4)]),
+                          _rows([(32 + h * d, d) for h in range(4)])), (4, 4, (0, 16, 32), False)
+    elif case == "neox":  # per head [q k v]
+        rows, expected = tuple(_rows([(h * 3 * d + r * d, d) for h in range(4)]) for r in range(3)), \
+            (4, 4, (0, 4, 8), True)
+    elif case == "falcon":  # 2 key/value groups of [q q k v]; key and value broadcast to the 4 query heads
+        rows = (_rows([(g * 4 * d + i * d, d) for g in range(2) for i in range(2)]),
+                _rows([(g * 4 * d + 2 * d, d) for g in range(2) for _ in range(2)]),
+                _rows([(g * 4 * d + 3 * d, d) for g in range(2) for _ in range(2)]))
+        expected = (4, 2, (0, 8, 12), True)
+    elif case == "llama-gqa":  # separate weights, 2 key/value heads read by 4 query heads
+        w = ("q", "k", "v")
+        rows, expected = (_rows([(h * d, d) for h in range(4)]), _rows([(h * d, d) for h in range(2)]),
+                          _rows([(h * d, d) for h in range(2)])), (4, 2, (0, 0, 0), False)
+    else:  # repeat_kv: the key heads repeated to 4 at the attention
+        w = ("q", "k", "v")
+        rows, expected = (_rows([(h * d, d) for h in range(4)]), _rows([(h // 2 * d, d) for h in range(4)]),
+                          _rows([(h // 2 * d, d) for h in range(4)])), (4, 2, (0, 0, 0), False)
+    layout = head_layout(w, rows)
+    assert (layout.heads, layout.kv_heads, layout.offsets, layout.interleaved) == expected and layout.head_dim == d
+
+
+def test_head_layout_says_why_rows_are_no_layout_thinning_can_slice():
+    d = 2
+    q = _rows([(h * d, d) for h in range(4)])
+    k = v = _rows([(h * d, d) for h in range(2)])
+    swapped = q[[0, 2, 1, 3]]  # the query heads reading key head 0 are rows 0-1 and 4-5
+    assert "query rows of one key/value head are not consecutive" in head_layout(("q", "k", "v"), (swapped, k, v))
+    assert "same rows" in head_layout(("q", "k", "v"), (np.repeat(q[:1], 4, 0), k, v))
+    assert "evenly" in head_layout(("q", "k", "v"), (q[:3], k, v))
+    assert "do not pair" in head_layout(("q", "k", "v"), (q, k, v[[0, 0]]))
+    spread = _rows([(h * 3 * d, d) for h in range(4)])  # heads 3 * d rows apart in a weight only they read
+    k = v = _rows([(h * d, d) for h in range(4)])
+    assert "rows apart" in head_layout(("q", "k", "v"), (spread, k, v))
+
+
 def _gpt2():
     config = transformers.GPT2Config(vocab_size=120, n_positions=32, n_embd=64, n_layer=2, n_head=4,
                                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -320,15 +382,109 @@ def test_gpt2s_packed_c_attn_is_pruned_and_thinned_per_head(qat, tmp_path):
                                        rtol=0)
 
 
-def test_per_head_packing_and_eager_attention_are_located_errors_that_say_why():
-    neox = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
-        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=32))
-    manager = ScheduledModifierManager.from_yaml(_head_recipe(
-        r"['re:.*attention\.query_key_value\.weight', 're:.*attention\.dense\.weight']"))
-    with pytest.raises(RecipeError, match=r"attention: mask_type head: its heads also reach .*chunk.*not an op recal "
+def _neox():
+    config = transformers.GPTNeoXConfig(vocab_size=120, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                                        num_hidden_layers=2, rotary_pct=0.25, max_position_embeddings=64,
+                                        attention_bias=True, hidden_dropout=0.0, attention_dropout=0.0)
+    return transformers.GPTNeoXForCausalLM(config)
+
+
+def _falcon(grouped):
+    arch = {"new_decoder_architecture": True, "num_kv_heads": 2} if grouped is True else {
+        "new_decoder_architecture": False, "multi_query": grouped == "multi-query"}
+    config = transformers.FalconConfig(vocab_size=120, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                                       alibi=False, bias=True, hidden_dropout=0.0, attention_dropout=0.0, **arch)
+    return transformers.FalconForCausalLM(config)
+
+
+PACKED_PER_HEAD = {  # build, units (key/value heads), FFN width, QAT
+    "gpt-neox-int8": (_neox, 4, 128, GPT2_QAT["int8"]),
+    "falcon-grouped-int4": (lambda: _falcon(True), 2, 256, GPT2_QAT["int4"]),
+    "falcon-float": (lambda: _falcon(False), 4, 256, ""),
+}
+PER_HEAD_PARAMS = r"['re:.*attention\.query_key_value\.weight', 're:.*attention\.dense\.weight']"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PACKED_PER_HEAD))
+def test_qkv_packed_per_head_is_pruned_and_thinned_per_head(name, tmp_path):
+    """GPT-NeoX and Falcon keep each head's (each key/value group's) Q, K and V rows together in one
+    query_key_value, split after the heads are: recal finds each head's rows by running the ops between the
+    projection and the attention on row numbers, prunes a unit's rows together with its columns of the output
+    projection, and ``thin`` slices them; Falcon's FalconLinear (``x @ W.T + b``) is a layer and a QAT linear. The
+    thinned model computes what the masked one did, converts verified, and ``load_thinned`` rebuilds it."""
+    from recal_onnx import quantize_qat_export
+    from recal_torch import export_onnx
+
+    from .torch_models import CausalLMLogits
+
+    from recal_onnx.convert import UnconvertedOpsWarning
+
+    build, units, ffn, qat = PACKED_PER_HEAD[name]
+    torch.manual_seed(0)
+    model = build()
+    _train("gpt2", model, _recipe(PER_HEAD_PARAMS, r"['re:.*mlp\.dense_h_to_4h\.weight']") + qat)
+    blocks = model.gpt_neox.layers if name.startswith("gpt-neox") else model.transformer.h
+    for block in blocks:
+        attention = getattr(block, "attention", None) or block.self_attention
+        dead = (attention.query_key_value.weight.reshape(units, -1) == 0).all(1)
+        assert int(dead.sum()) == units // 2, "a unit's queries, key and value rows, all or none"
+        assert (attention.dense.weight.reshape(64, units, -1) == 0).all(2).all(0).tolist() == dead.tolist()
+        assert int((block.mlp.dense_h_to_4h.weight == 0).all(1).sum()) == ffn // 2
+    model.eval()
+    ids = _batch("gpt2", 99)[0]["input_ids"]
+    with torch.no_grad():
+        masked = model(input_ids=ids).logits
+    report = thin(model)
+    assert [(b, a) for _, b, a in report.heads] == [(4, 2), (4, 2)], str(report)
+    assert sorted((b, a) for _, b, a in report.spaces if a < b) == [(ffn, ffn // 2)] * 2, str(report)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, masked, atol=1e-5 * float(masked.abs().max()), rtol=0)
+    path = export_onnx(CausalLMLogits(model).eval(), ids, tmp_path / "m.onnx", input_names=["ids"],
+                       dynamic_sequence=True)
+    if qat:
+        with warnings.catch_warnings():  # the layer norms (and the residual adds between them) stay float, named
+            warnings.simplefilter("ignore", UnconvertedOpsWarning)
+            result = quantize_qat_export(str(path), tmp_path / "m.out.onnx", inputs={"ids": ids.numpy()})
+        assert result.verification.problem(None) is None, result.verification
+        kinds = [n.op_type for n in result.model.graph.node]
+        assert kinds.count("MatMulNBits" if "int4" in name else "QGemm") == 9, kinds  # 4 layers a block, the LM head
+    state = {k: v for k, v in model.state_dict().items() if not any(
+        s in k for s in ("fake_quant", "post_process", "recal_sites"))}
+    rebuilt = build()
+    load_thinned(rebuilt, copy.deepcopy(state))
+    if not qat:
+        assert rebuilt.transformer.h[1].self_attention.num_heads == 2
+        with torch.no_grad():
+            torch.testing.assert_close(rebuilt.eval()(input_ids=ids).logits, model(input_ids=ids).logits, atol=0,
+                                       rtol=0)
+
+
+class _MixedHeads(torch.nn.Module):
+    """An attention whose queries pass a running sum across heads on the way: its heads cannot be removed alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, 4, 4).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        out = torch.nn.functional.scaled_dot_product_attention(q.cumsum(1), k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, 16))
+
+
+def test_heads_an_op_mixes_one_shared_key_value_head_and_eager_attention_are_located_errors_that_say_why():
+    falcon = _falcon("multi-query")  # Falcon-7B's multi-query attention: every query head reads one key/value head
+    manager = ScheduledModifierManager.from_yaml(_head_recipe(PER_HEAD_PARAMS))
+    with pytest.raises(RecipeError, match=r"self_attention: mask_type head: its 4 heads are one unit \(they share one "
+                                          r"key/value head\).*leave this attention out of params"):
+        manager.modify(falcon, torch.optim.SGD(falcon.parameters(), lr=0.1), 2)
+    model = _MixedHeads()
+    manager = ScheduledModifierManager.from_yaml(_head_recipe(r"['re:.*_proj\.weight']"))
+    with pytest.raises(RecipeError, match=r"mask_type head: its heads also reach .*cumsum.*not an op recal "
                                           r"follows a head through"):
-        manager.modify(neox, torch.optim.SGD(neox.parameters(), lr=0.1), 2)
+        manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, example_inputs=torch.randn(1, 3, 16))
     config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                                      vocab_size=100)
     eager = transformers.BertModel._from_config(config, attn_implementation="eager")

@@ -12,14 +12,15 @@ inputs (through the view that splits heads and head-local ops such as rotary emb
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any
 
 import torch
 from torch import nn
 
 from recal_core.channel_coupling import ModelGraph, Op, channel_spaces
-from recal_core.head_coupling import Attention
+from recal_core.head_coupling import Attention, HeadLayout, head_layout
+
+from .head_rows import NotFollowed, head_rows
 
 _aten = torch.ops.aten
 _SAME = {_aten.gelu.default, _aten.relu.default, _aten.relu_.default, _aten.silu.default, _aten.tanh.default,
@@ -36,20 +37,13 @@ _FAKE_QUANTS = {_aten.fake_quantize_per_channel_affine.default, _aten.fake_quant
 _SAME |= _FAKE_QUANTS
 _CONVS = {_aten.conv1d.default, _aten.conv2d.default, _aten.conv3d.default}
 _JOIN = {_aten.add.Tensor, _aten.mul.Tensor}
-# ops a head's tensors may pass through between its projection and the attention (splitting heads,
-# rotary embeddings, repeating key/value heads); a head index stays a head index through them
-_HEAD_LOCAL = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.transpose.int,
-               _aten.permute.default, _aten.contiguous.default, _aten.clone.default, _aten.mul.Tensor,
-               _aten.add.Tensor, _aten.sub.Tensor, _aten.neg.default, _aten.cat.default, _aten.slice.Tensor,
-               _aten.unsqueeze.default, _aten.expand.default, _aten._to_copy.default, _aten.to.dtype,
-               _aten.type_as.default, _aten.alias.default, _aten.squeeze.dim, *_FAKE_QUANTS}
 # ops that compute an elementwise function of one tensor (and numbers): a gate such as GELU's ``1 + tanh(...)``
 _ELEMENTWISE = {_aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor, _aten.pow.Tensor_Scalar,
                 _aten.tanh.default, _aten.sigmoid.default, _aten.erf.default, _aten.exp.default, _aten.neg.default,
                 _aten.rsub.Scalar, _aten.add.Scalar, _aten.mul.Scalar}
+# a weight transposed for ``x @ w.T`` (transformers' FalconLinear): the weight
+_TRANSPOSES = {_aten.t.default, _aten.transpose.int, _aten.permute.default, _aten.numpy_T.default}
 _VIEWS = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
-# a packed projection (Q, K and V in one weight) split into its blocks before the heads are
-_SPLITS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default}
 _MERGE = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.transpose.int,
           _aten.permute.default, _aten.contiguous.default, _aten.clone.default, _aten.alias.default, *_FAKE_QUANTS}
 
@@ -126,6 +120,8 @@ def _ops(program: torch.export.ExportedProgram) -> tuple[list[Op], list[Attentio
     params = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
     graph = program.graph
     constant = _constants(graph, params)
+    lifted = {node: program.constants[name] for node, name in sig.inputs_to_lifted_tensor_constants.items()
+              if isinstance(program.constants.get(name), torch.Tensor)}
     for node in graph.nodes:  # a QAT layer's weight, fake-quantized (and BatchNorm-scaled), is its parameter
         source = node.args[0] if node.target in _FAKE_QUANTS else None
         if isinstance(source, torch.fx.Node) and source.target is _aten.mul.Tensor and source.name not in params:
@@ -134,6 +130,8 @@ def _ops(program: torch.export.ExportedProgram) -> tuple[list[Op], list[Attentio
                 params[source.name] = params[weight.name]  # conv weight x BatchNorm factor (a folded QAT conv)
         if isinstance(source, torch.fx.Node) and source.name in params:
             params[node.name] = params[source.name]
+        if node.target in _TRANSPOSES and isinstance(node.args[0], torch.fx.Node) and node.args[0].name in params and len(_shape(node) or ()) == 2:
+            params[node.name] = params[node.args[0].name]
     for node in graph.nodes:  # a weight computed from one parameter of its shape and constants (a group-wise or
         if node.target is _aten.linear.default or node.target in _CONVS:  # learned-scale fake quantizer): that one
             weight = node.args[1]
@@ -145,8 +143,10 @@ def _ops(program: torch.export.ExportedProgram) -> tuple[list[Op], list[Attentio
     ops: list[Op] = []
     for node in graph.nodes:
         tensors = tuple(a.name for a in node.all_input_nodes if a.name not in params)
-        if node.name in params and node.op != "placeholder" or node in inside:
-            continue  # a weight's fake quantizer (the weight itself); a gate's own ops (the gate is one op)
+        if node.name in params and node.op != "placeholder" or node in inside or \
+                _matmul_on_weight(node, params) and _bias_add(node, params) is not None:
+            continue  # a weight's fake quantizer (the weight itself); a gate's own ops (the gate is one op); a
+            # matmul whose bias add is the layer
         if node in gates:
             ops.append(Op(_where(node), "same", (gates[node].name,), node.name))
             continue
@@ -183,7 +183,7 @@ def _ops(program: torch.export.ExportedProgram) -> tuple[list[Op], list[Attentio
         elif node.op == "call_function":
             ops.append(Op(_where(node), "other", tensors, node.name))
     order = {n: i for i, n in enumerate(graph.nodes)}  # (the ops on a projection's way, sorted as the graph runs)
-    attentions = [_attention(node, params, order) for node in graph.nodes
+    attentions = [_attention(node, params, order, lifted) for node in graph.nodes
                   if node.target is _aten.scaled_dot_product_attention.default]
     return ops, attentions
 
@@ -196,7 +196,29 @@ def _projection(node: torch.fx.Node, params: dict[str, str]) -> tuple[torch.fx.N
     if node.target is _aten.addmm.default and isinstance(node.args[2], torch.fx.Node) \
             and node.args[2].name in params and not node.kwargs:
         return node.args[1], node.args[2], node.args[0]
+    if _matmul_on_weight(node, params) and _bias_add(node, params) is None:
+        return node.args[0], node.args[1], None
+    if node.target is _aten.add.Tensor and len(node.args) == 2 and isinstance(node.args[0], torch.fx.Node) \
+            and _matmul_on_weight(node.args[0], params) and _bias_add(node.args[0], params) is node:
+        return node.args[0].args[0], node.args[0].args[1], node.args[1]
     return None
+
+
+def _matmul_on_weight(node: torch.fx.Node, params: dict[str, str]) -> bool:
+    """``x @ w.T`` on a parameter ``w`` (a FalconLinear)."""
+    weight = node.args[1] if node.target is _aten.matmul.default and len(node.args) == 2 else None
+    return isinstance(weight, torch.fx.Node) and weight.target in _TRANSPOSES and weight.name in params
+
+
+def _bias_add(matmul: torch.fx.Node, params: dict[str, str]) -> torch.fx.Node | None:
+    """The ``+ bias`` (a one-axis parameter) that alone reads a matmul's output: part of the layer."""
+    users = list(matmul.users)
+    if len(users) != 1 or users[0].target is not _aten.add.Tensor or len(users[0].args) != 2 \
+            or users[0].args[0] is not matmul:
+        return None
+    bias = users[0].args[1]
+    return users[0] if isinstance(bias, torch.fx.Node) and bias.name in params and len(_shape(bias) or ()) == 1 \
+        else None
 
 
 def _flattens_for_conv1d(node: torch.fx.Node, params: dict[str, str]) -> bool:
@@ -336,93 +358,51 @@ def _pos(node: torch.fx.Node) -> int:
     return 0 if _is_tensor(node.args[0]) else 1
 
 
-def _attention(sdpa: torch.fx.Node, params: dict[str, str], order: dict[torch.fx.Node, int]) -> Attention:
+def _attention(sdpa: torch.fx.Node, params: dict[str, str], order: dict[torch.fx.Node, int],
+               constants: dict[str, torch.Tensor]) -> Attention:
     """The projections of one attention, its head counts, and what blocks removing its heads (``order``: each node's
-    position in the graph)."""
+    position in the graph; ``constants``: lifted tensor constants by placeholder name)."""
     name = _where(sdpa).split(" (")[0]
     blockers: list[str] = []
     found = []
     for arg in sdpa.args[:3]:
         linear, path = _producer(arg, params)
         path.sort(key=order.__getitem__)
-        found.append((linear, path, _head_split(path)))
+        found.append((linear, path))
         if linear is None:
             blockers.append(f"{_where(arg)} (its query, key and value must each come from one linear)")
     output, merge_path = _consumer(sdpa, params)
     if output is None:
         blockers.append(merge_path or f"whatever reads {name}'s output (not one linear)")
-    packed = found[0][0] is not None and found[0][0] is found[1][0] is found[2][0]
-    inside = {n for linear, path, _ in found for n in (linear, *path) if n is not None}
-    offsets = [0, 0, 0]
-    for i, (linear, path, split) in enumerate(found):
+    inside = {n for linear, path in found for n in (linear, *path) if n is not None}
+    rows = []
+    for (linear, path), arg in zip(found, sdpa.args[:3]):
         if linear is None:
             continue
-        before = path[:path.index(split)] if split in path else path
         for n in [linear, *path]:
             for user in n.users:
                 if user is not sdpa and user not in inside:
                     blockers.append(f"{_where(user)}, which also reads {n.name}")
-        for n in path:
-            splits_block = packed and n in before and n.target in (*_SPLITS, operator.getitem)
-            if n.target not in _HEAD_LOCAL and not splits_block:
-                blockers.append(f"{_where(n)} (not an op recal follows a head through)")
-        if packed:
-            offset = _block_start(before)
-            if offset is None:
-                blockers.append(f"{name}: its query, key and value come from one projection, but not as blocks "
-                                "split off its last axis before the heads are (GPT-2's c_attn is; GPT-NeoX's and "
-                                "BLOOM's, packed per head, are not followed)")
-            offsets[i] = offset or 0
-    q, k = found[0][2], found[1][2]
-    heads = kv_heads = head_dim = 1
-    if q is None or k is None:
-        blockers.append(f"{name}: recal cannot read the head count from the views that split its heads")
-    else:
-        heads, head_dim = _shape(q)[-2:]
-        kv_heads = _shape(k)[-2]
-        if kv_heads <= 0 or heads % kv_heads:
-            blockers.append(f"{name}: {heads} query heads do not share {kv_heads} key/value heads evenly")
-            kv_heads = heads
-    weights = [params[_projection(n, params)[1].name] if n is not None else f"{name}.?" for n, _, _ in found]
-    projections = (_projection(n, params) for n, _, _ in found if n is not None)
+        try:
+            rows.append(head_rows(linear, path, arg, constants))
+        except NotFollowed as exc:
+            blockers.append(f"{_where(exc.node)} (not an op recal follows a head through{exc.why})")
+    weights = [params[_projection(n, params)[1].name] if n is not None else f"{name}.?" for n, _ in found]
+    layout = head_layout(tuple(weights), tuple(rows)) if len(rows) == 3 else None
+    if isinstance(layout, str):
+        blockers.append(f"{name}: {layout}")
+    if not isinstance(layout, HeadLayout):  # (counts for messages only: nothing is removed)
+        shape = _shape(sdpa.args[0]) or (1, 1, 1, 1)
+        layout = HeadLayout(shape[-3], shape[-3], shape[-1], (0, 0, 0), False)
+    projections = (_projection(n, params) for n, _ in found if n is not None)
     biases = tuple(dict.fromkeys((params[w.name], params[b.name]) for _, w, b in projections
                                  if isinstance(b, torch.fx.Node) and b.name in params))
     att = Attention(name, *weights, params[_projection(output, params)[1].name] if output is not None else
-                    f"{name}.?", heads, kv_heads, head_dim, biases, offsets=tuple(offsets))
-    if packed and not blockers:
-        blockers += filter(None, [att.packing_problem({weights[0]: _shape(found[0][0])[-1]})])
+                    f"{name}.?", layout.heads, layout.kv_heads, layout.head_dim, biases, offsets=layout.offsets,
+                    interleaved=layout.interleaved)
+    if not blockers:
+        blockers += filter(None, [att.packing_problem({w: _shape(n)[-1] for w, (n, _) in zip(weights, found)})])
     return dataclasses.replace(att, blockers=tuple(dict.fromkeys(blockers)))
-
-
-def _head_split(path: list[torch.fx.Node]) -> torch.fx.Node | None:
-    """The first view on ``path`` (in graph order) that splits its last axis into heads x head size."""
-    for n in path:
-        into, out = _shape(n.args[0]) if n.target in _VIEWS else None, _shape(n)
-        if into and out and len(out) == len(into) + 1 and out[-2] * out[-1] == into[-1] and out[-1] != into[-1]:
-            return n
-    return None
-
-
-def _block_start(path: list[torch.fx.Node]) -> int | None:
-    """Where the block of a packed projection ``path`` takes starts: the rows before it, read off the split (or
-    slice) of the last axis on the way (None: no such split)."""
-    for n in path:
-        source = n.args[0] if n.target is operator.getitem else None
-        if isinstance(source, torch.fx.Node) and source.target in _SPLITS and _is_last_axis(source, 2):
-            sizes, index = source.args[1], n.args[1]
-            if source.target is _aten.chunk.default:  # chunk(x, n): blocks of ceil(len / n)
-                sizes = -(-_shape(source.args[0])[-1] // sizes)
-            sizes = [sizes] * (index + 1) if isinstance(sizes, int) else list(sizes)
-            return sum(sizes[:index])
-        if n.target is _aten.slice.Tensor and _is_last_axis(n, 1) and len(n.args) > 2:
-            return int(n.args[2] or 0)
-    return None
-
-
-def _is_last_axis(node: torch.fx.Node, position: int) -> bool:
-    rank = len(_shape(node.args[0]) or ())
-    dim = node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)
-    return rank > 0 and isinstance(dim, int) and dim % rank == rank - 1
 
 
 def _producer(node: torch.fx.Node, params: dict[str, str]) -> tuple[torch.fx.Node | None, list[torch.fx.Node]]:
@@ -470,6 +450,7 @@ def _consumer(sdpa: torch.fx.Node, params: dict[str, str]) -> tuple[torch.fx.Nod
         if len(users) != 1:
             return None, f"{len(users)} readers of {n.name}" if users else None
         user = users[0]
+        user = _bias_add(user, params) or user if _matmul_on_weight(user, params) else user
         if (projection := _projection(user, params)) is not None and projection[0] is n:
             return user, None
         if user.target not in _MERGE:

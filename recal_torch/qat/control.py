@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,8 +20,8 @@ from recal_core.schedule import QATState
 
 from ..sharding import is_sharded_module, unsharded_class
 from .layers import (CONVS, QATModule, WeightOnlyEmbedding, WeightOnlyLinear, describe, fake_quantizers,
-                          features, is_linear_like, is_table, is_transposed_linear_type, qat_modules)
-from .plan import FLOAT_REASON, fake_quantize_model, quantizable_layers, replace_layer
+                          features, is_linear_like, is_table, is_transposed_linear_type, linears_left_float, qat_modules)
+from .plan import FLOAT_REASON, QATPlanWarning, fake_quantize_model, quantizable_layers, replace_layer
 from .attention import AttentionFakeQuantize, quantize_attention
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,12 @@ def qat_roots(recipe: Recipe, model: nn.Module) -> tuple[dict[int, list[str]], l
                     f"{'submodule ' + repr(name) if name else 'the model'} has no quantizable layer",
                     expected="Conv1d/2d/3d (zero padding), Linear or Embedding layers to quantize"))
         roots[index] = names
+        odd = [f for name in names if name in available for f in linears_left_float(model.get_submodule(name))]
+        if odd:
+            warnings.warn(f"QuantizationModifier (modifiers[{index}]): {len(odd)} Linear layers stay float: "
+                          f"{', '.join(odd[:4])}{'...' if len(odd) > 4 else ''}: a subclass of nn.Linear whose own "
+                          "forward computes something other than x @ W.T + b, which a QAT linear would replace",
+                          QATPlanWarning, stacklevel=3)
     return roots, problems
 
 

@@ -33,8 +33,37 @@ def features(module: nn.Module) -> tuple[int, int]:
 
 
 def is_linear_like(module: nn.Module) -> bool:
-    """``nn.Linear`` or transformers' ``Conv1D``: what a weight-only scheme quantizes."""
-    return type(module) is nn.Linear or is_transposed_linear_type(type(module))
+    """``nn.Linear``, transformers' ``Conv1D``, or a subclass of ``nn.Linear`` whose own ``forward`` computes
+    what ``F.linear`` does (transformers' ``FalconLinear``: ``x @ W.T + b``): what QAT replaces by a QAT linear."""
+    kind = type(module)
+    if kind is nn.Linear or is_transposed_linear_type(kind):
+        return True
+    return isinstance(module, nn.Linear) and (kind.forward is nn.Linear.forward or _computes_linear(module))
+
+
+@torch.no_grad()
+def _computes_linear(module: nn.Linear) -> bool:
+    """A subclass's ``forward`` on two random rows equals ``F.linear`` with its weight and bias (anything that adds
+    to it, an adapter or a different product, does not, and stays the user's module)."""
+    weight = module.weight
+    if weight.is_meta or weight.dim() != 2 or not weight.dtype.is_floating_point:
+        return False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, weight.shape[1], generator=g).to(weight)
+    try:
+        y = module(x)
+    except Exception:  # noqa: BLE001 - a forward that needs more than one tensor is not a Linear's
+        return False
+    expected = F.linear(x, weight, module.bias)
+    return isinstance(y, torch.Tensor) and y.shape == expected.shape and \
+        bool(torch.allclose(y, expected, rtol=1e-3, atol=1e-3 * float(expected.abs().max()) + 1e-6))
+
+
+def linears_left_float(root: nn.Module) -> list[str]:
+    """Subclasses of ``nn.Linear`` QAT does not replace (their ``forward`` computes something else): named in a
+    warning, each with its class."""
+    return [f"{n} ({type(m).__name__})" for n, m in root.named_modules()
+            if isinstance(m, nn.Linear) and not is_linear_like(m)]
 
 
 NORMS = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.BatchNorm3d}

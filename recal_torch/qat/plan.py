@@ -27,7 +27,7 @@ from . import sites as qat_sites
 from .quantizers import REDUCED_W_LEVELS, W_LEVELS, ActivationFakeQuantize, SiLUFakeQuantize, WeightFakeQuantize
 from .attention import AttentionFakeQuantize
 from .layers import (CONVS, NORMS, FoldedBatchNorm, QATConv, QATEmbedding, QATLinear, QATModule, QuantizedReLU,
-                          WeightOnlyLinear, device_of, is_table, is_transposed_linear_type)
+                          WeightOnlyLinear, device_of, is_linear_like, is_table)
 from .patterns import (AVG_POOL_FUNCTIONS, AVG_POOLS, CATS, clamping_activation, identity_at_eval,
                            is_silu_module, norm_activation, preserves_quantization)
 from .trace import ADDS, MULS, evaluating, own_children, record_forward
@@ -59,8 +59,7 @@ def quantizable_layers(root: nn.Module, skip: frozenset[str] | set[str] = frozen
     """Names of the Conv1d/2d/3d (zero padding), Linear, transformers Conv1D and Embedding modules QAT can quantize,
     less ``skip``."""
     return [n for n, m in root.named_modules()
-            if ((isinstance(m, CONVS) and m.padding_mode == "zeros") or type(m) is nn.Linear or is_table(m)
-                 or is_transposed_linear_type(type(m)))
+            if ((isinstance(m, CONVS) and m.padding_mode == "zeros") or is_linear_like(m) or is_table(m))
             and n not in skip]
 
 
