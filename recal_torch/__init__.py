@@ -12,9 +12,9 @@ from .flops import count_macs
 from .loggers import TensorBoardLogger
 from .manager import ScheduledModifierManager
 from .qat import QATConv, QATLinear, QATModule, fake_quantize_model
-from .thin import ThinReport, load_thinned, thin
+from .thin import ThinningError, ThinningWarning, ThinReport, load_thinned, thin
 
 __all__ = [
     "ExportError", "ExportWarning", "PythonLogger", "QATConv", "QATLinear", "QATModule", "RecalLogger", "ScheduledModifierManager",
-    "TensorBoardLogger", "ThinReport", "count_macs", "export_onnx", "fake_quantize_model", "load_thinned", "thin", "to_export_model",
+    "TensorBoardLogger", "ThinReport", "ThinningError", "ThinningWarning", "count_macs", "export_onnx", "fake_quantize_model", "load_thinned", "thin", "to_export_model",
 ]

@@ -8,6 +8,7 @@ they were (a test checks it on residual, depthwise and flatten-linear nets, floa
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch import nn
 from recal_core.channel_coupling import input_columns, live_channels
 from recal_core.head_coupling import Attention, live_heads, unit_rows
 
-from .graph import model_graph
+from .graph import example_inputs_of, model_graph, trace_args
 from .model_params import kernel_axes
 from .qat import QATModule, WeightFakeQuantize, WeightOnlyLinear
 
@@ -44,11 +45,25 @@ class ThinReport:
         return "\n".join(rows) or "no dead channels"
 
 
+class ThinningError(ValueError):
+    """The thinned model would not compute what the masked one did: nothing was removed."""
+
+
+class ThinningWarning(UserWarning):
+    """Heads left in place because removing them changed what the model computes (the message says how)."""
+
+
 @torch.no_grad()
 def thin(model: nn.Module, example_inputs: Any = None) -> ThinReport:
     """Remove ``model``'s dead channels and attention heads in place (call it after training: the optimizer
     and the manager hold the old tensors). Spaces and attentions the coupling rules cannot thin are left as
     they are. A thinned attention keeps its head size; its module's head counts are updated.
+
+    Where recal has inputs for the model (``example_inputs``, those given to ``modify``, a Hugging Face model's
+    own), the thinned model is run on them and must compute what the masked one did: an attention whose own
+    code splits heads by a count recal cannot change (nanoGPT's ``split(n_embd)``) keeps its heads, with a
+    :class:`ThinningWarning` saying why; if the channels alone still differ, nothing is removed and a
+    :class:`ThinningError` says what went wrong.
 
     Args:
         model: a trained model whose filter / channel / head pruning left channels or heads exactly zero.
@@ -57,10 +72,45 @@ def thin(model: nn.Module, example_inputs: Any = None) -> ThinReport:
 
     Returns:
         What was removed, per coupled channel space and per attention (its heads)."""
-    modules = dict(model.named_modules())
     graph = model_graph(model, example_inputs)
+    inputs = trace_args(model, example_inputs) if example_inputs is not None else example_inputs_of(model)
+    if inputs is None:
+        return _thin(model, graph, with_heads=True)
+    was_training = model.training
+    model.eval()
+    try:
+        expected = _run(model, inputs)
+        before = _snapshot(model)
+        report = _thin(model, graph, with_heads=True)
+        problem = _differs(model, inputs, expected)
+        if problem is None:
+            return report
+        _restore(before)
+        if report.heads:
+            names = ", ".join(name for name, b, a in report.heads if a < b)
+            report = _thin(model, graph, with_heads=False)
+            if _differs(model, inputs, expected) is None:
+                warnings.warn(f"thin: the heads of {names} stay: with them removed, the model {problem}. recal "
+                              f"updates an attention's {', '.join(HEAD_COUNTS)} where it has them; an attention whose "
+                              "own code splits its heads by another count (its input's width, a constant) cannot be "
+                              "thinned by head here; quantize_qat_export (thin=True) removes them from its QAT "
+                              "export, where those counts are constants", ThinningWarning, stacklevel=3)
+                return report
+            _restore(before)
+        raise ThinningError(f"thin: with its dead channels and heads removed, the model {problem}; nothing was "
+                            "removed (a module whose code reads a layer's size some other way cannot be thinned)")
+    finally:
+        model.train(was_training)
+
+
+HEAD_COUNTS = ("num_attention_heads", "num_heads", "num_key_value_heads", "num_kv_heads", "all_head_size",
+               "split_size")
+
+
+def _thin(model: nn.Module, graph, with_heads: bool) -> ThinReport:
+    modules = dict(model.named_modules())
     done, heads = [], []
-    for att in graph.attentions:
+    for att in graph.attentions if with_heads else ():
         if not att.blockers:
             thinned = _thin_heads(model, modules, att)
             if thinned is not None:
@@ -98,6 +148,44 @@ def thin(model: nn.Module, example_inputs: Any = None) -> ThinReport:
     return ThinReport(tuple(done), tuple(heads))
 
 
+def _run(model: nn.Module, inputs: tuple[tuple, dict]) -> list[torch.Tensor]:
+    args, kwargs = inputs
+    out = model(*args, **kwargs)
+    return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _differs(model: nn.Module, inputs: tuple[tuple, dict], expected: list[torch.Tensor]) -> str | None:
+    """How the model's outputs on ``inputs`` differ from ``expected`` (None: within float rounding)."""
+    try:
+        got = _run(model, inputs)
+    except Exception as exc:  # noqa: BLE001 - any failure of the thinned forward is the finding
+        return f"fails on its example inputs ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+    if [t.shape for t in got] != [t.shape for t in expected]:
+        return f"returns other shapes ({[tuple(t.shape) for t in got]} against {[tuple(t.shape) for t in expected]})"
+    for i, (a, b) in enumerate(zip(got, expected)):
+        scale = float(b.abs().max()) if b.numel() else 0.0
+        diff = float((a - b).abs().max()) if b.numel() else 0.0
+        if not diff <= 1e-3 * scale + 1e-6:
+            return f"computes other values (output {i} differs by {diff:.3g} of a range of {scale:.3g})"
+    return None
+
+
+def _snapshot(model: nn.Module) -> list[tuple[nn.Module, dict, dict, dict]]:
+    """Each module's attributes, parameters and buffers as they are (references, not copies)."""
+    return [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m in model.modules()]
+
+
+def _restore(snapshot: list[tuple[nn.Module, dict, dict, dict]]) -> None:
+    for m, attrs, params, buffers in snapshot:
+        m._parameters.clear()
+        m._parameters.update(params)
+        m._buffers.clear()
+        m._buffers.update(buffers)
+        for key in set(m.__dict__) - set(attrs):
+            del m.__dict__[key]
+        m.__dict__.update({k: v for k, v in attrs.items() if k not in ("_parameters", "_buffers")})
+
+
 def _zeros(model: nn.Module, modules: dict[str, nn.Module]):
     """``is_zero(name)``: where parameter or buffer ``name`` is exactly zero, in the canonical ``[out, in]`` order
     the core counts in (a transformers Conv1D's weight transposed)."""
@@ -132,8 +220,8 @@ def _thin_heads(model: nn.Module, modules: dict[str, nn.Module], att: Attention)
             _slice_out(layer, index)
     attention = modules.get(att.name)
     heads = len(units) * att.per_unit
-    for attr, value in (("num_attention_heads", heads), ("num_heads", heads), ("num_key_value_heads", len(units)), ("num_kv_heads", len(units)),
-                        ("all_head_size", heads * att.head_dim)):
+    for attr, value in (("num_attention_heads", heads), ("num_heads", heads), ("num_key_value_heads", len(units)),
+                        ("num_kv_heads", len(units)), ("all_head_size", heads * att.head_dim)):
         if isinstance(getattr(attention, attr, None), int):
             setattr(attention, attr, value)
     if att.query == att.key and getattr(attention, "split_size", None) == att.heads * att.head_dim:

@@ -1074,6 +1074,47 @@ def test_thin_heads_takes_a_dead_head_from_each_block_of_a_packed_projection():
     np.testing.assert_allclose(run(thinned, feeds, level=off)[0], run(model, feeds, level=off)[0], atol=1e-6)
 
 
+def _per_head_packed_attention_graph():
+    """GPT-NeoX's ``query_key_value``, packed per head: x[1, 5, 8] -> MatMul(W[8, 24]) -> Add(b) ->
+    Reshape([1, 5, 2, 12]) -> Transpose -> Split([4, 4, 4], last axis) into Q, K, V of each head -> softmax(Q Kᵀ) V
+    -> Transpose -> Reshape -> Q/DQ -> MatMul(Wo); head 1 is columns 12 .. 24, its value columns 20 .. 24 and bias
+    zero."""
+    b = Builder()
+    w = b.weight((8, 24), axis=1)
+    init = next(i for i in reversed(b.inits) if i.name[0] == "w" and i.name[1:].isdigit())
+    values = onnx.numpy_helper.to_array(init).copy()
+    values[:, 20:24] = 0
+    init.CopyFrom(onnx.numpy_helper.from_array(values, init.name))
+    bias = b.rng.standard_normal(24).astype(np.float32) * 0.1
+    bias[20:24] = 0
+    packed = b.node("Add", [b.node("MatMul", ["x", w]), b.const(bias, "b")])
+    heads = b.node("Transpose", [b.node("Reshape", [packed, b.const(np.array([1, 5, 2, 12], np.int64), "s")])],
+                   perm=[0, 2, 1, 3])
+    q, k, v = (f"{heads}_{i}" for i in range(3))
+    b.nodes.append(onnx.helper.make_node("Split", [heads, b.const(np.array([4, 4, 4], np.int64), "sizes")], [q, k, v],
+                                         axis=-1))
+    k = b.node("Transpose", [k], perm=[0, 1, 3, 2])
+    out = b.node("MatMul", [b.node("Softmax", [b.node("MatMul", [q, k])], axis=-1), v])
+    merged = b.node("Reshape", [b.node("Transpose", [out], perm=[0, 2, 1, 3]),
+                                b.const(np.array([1, 5, 8], np.int64), "shape")])
+    return b.model([("x", [1, 5, 8])], [b.node("MatMul", [b.qdq(merged, 0.02, 128), b.weight((8, 8), axis=1)])])
+
+
+def test_thin_heads_takes_a_dead_heads_run_of_rows_from_a_projection_packed_per_head():
+    model = _per_head_packed_attention_graph()
+    feeds = _x([1, 5, 8])
+    thinned, (n,) = _apply(model, thin_heads)
+    assert n == 1
+    shapes = sorted(onnx.numpy_helper.to_array(t).shape for t in thinned.graph.initializer
+                    if onnx.numpy_helper.to_array(t).dtype == np.int8 and onnx.numpy_helper.to_array(t).ndim == 2)
+    assert shapes == [(4, 8), (8, 12)]  # Wo loses rows; the packed W head 1's 12 columns (its Q, K and V)
+    split = next(n for n in thinned.graph.node if n.op_type == "Split")
+    sizes = next(t for t in thinned.graph.initializer if t.name == split.input[1])
+    assert onnx.numpy_helper.to_array(sizes).tolist() == [4, 4, 4]  # within a head: unchanged
+    off = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    np.testing.assert_allclose(run(thinned, feeds, level=off)[0], run(model, feeds, level=off)[0], atol=1e-6)
+
+
 def test_thin_heads_zero_rewrites():
     _, (n,) = _apply(_attention_graph(dead_head=None), thin_heads)
     assert n == 0  # every head alive

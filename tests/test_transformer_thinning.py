@@ -12,7 +12,7 @@ import torch
 from recal_core import RecipeError
 from recal_core.channel_coupling import CouplingError
 from recal_core.head_coupling import Attention, head_groups, head_layout, live_heads, unit_rows
-from recal_torch import ScheduledModifierManager, load_thinned, thin
+from recal_torch import ScheduledModifierManager, ThinningError, ThinningWarning, load_thinned, thin
 
 transformers = pytest.importorskip("transformers")
 
@@ -493,6 +493,81 @@ def test_heads_an_op_mixes_one_shared_key_value_head_and_eager_attention_are_loc
         manager.modify(eager, torch.optim.SGD(eager.parameters(), lr=0.1), 2)
 
 
+class _NanoGPTAttention(torch.nn.Module):
+    """nanoGPT's attention: one c_attn split by the input's width, heads by ``n_head``: a head's rows can be zeroed,
+    but the module splits by ``n_embd``, which removing them does not change."""
+
+    def __init__(self, width=32, n_head=4):
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn, self.c_proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        self.fc = torch.nn.Linear(width, 2 * width)
+        self.out = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        b, s, c = x.shape
+        q, k, v = (t.view(b, s, self.n_head, c // self.n_head).transpose(1, 2)
+                   for t in self.c_attn(x).split(c, dim=2))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(b, s, c))
+        return x + self.out(torch.relu(self.fc(x)))
+
+
+def test_thin_runs_the_thinned_model_and_keeps_heads_its_code_cannot_lose_with_a_warning_that_says_why():
+    torch.manual_seed(0)
+    model = _NanoGPTAttention()
+    recipe = _head_recipe("['c_attn.weight', 'c_proj.weight']") + \
+        "- !GradualKSModifier {params: [fc.weight], init_sparsity: 0.5, final_sparsity: 0.5, start_epoch: 0, " \
+        "end_epoch: 1, update_frequency: 1, mask_type: filter}\n"
+    x = torch.randn(2, 6, 32)
+    manager = ScheduledModifierManager.from_yaml(recipe)
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.01), 2, example_inputs=x)
+    for _ in range(4):
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+    manager.finalize()
+    with torch.no_grad():
+        masked = model(x)
+    with pytest.warns(ThinningWarning, match=r"the heads of .* stay: with them removed, the model fails on its example "
+                                             r"inputs \((Value|Runtime)Error.*quantize_qat_export \(thin=True\) removes them"):
+        report = thin(model)
+    assert report.heads == () and [(b, a) for _, b, a in report.spaces] == [(64, 32)], str(report)
+    assert model.c_attn.out_features == 96 and model.fc.out_features == 32
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), masked, atol=1e-5, rtol=0)
+
+
+class _ChecksItsWidth(torch.nn.Module):
+    """A model whose own code reads a layer's size: thinning it changes what the code does."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.fc(x))) * (self.fc.out_features / 16)
+
+
+def test_thin_removes_nothing_when_the_thinned_model_computes_something_else():
+    model = _ChecksItsWidth()
+    with torch.no_grad():
+        model.fc.weight[:8] = 0
+        model.fc.bias[:8] = 0
+    x = torch.randn(3, 8)
+    params = dict(model.named_parameters())
+    with pytest.raises(ThinningError, match=r"model computes other values \(output 0 differs by .*nothing was removed"):
+        thin(model, x)
+    assert dict(model.named_parameters()) == params and model.fc.out_features == 16  # the same objects, as it was
+    assert report_free(model, x)
+
+
+def report_free(model, x):
+    """Without inputs to check against, thin slices as the coupling rules say (the caller's risk)."""
+    model.__dict__.pop("_recal_example_inputs", None)
+    return thin(model).removed == 8 and model.fc.out_features == 8
+
+
 def test_tensorflow_refuses_head_pruning_with_a_located_error():
     from recal_core.model_plan import plan_model
     from recal_core.params import ParamInfo
@@ -517,9 +592,9 @@ class _Logits(torch.nn.Module):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,dynamo", [("bert", False), ("vit", True), ("bert", True), ("llama", False),
-                                        ("llama", True), ("gpt2", False), ("gpt2", True)],
+                                        ("llama", True), ("gpt2", False), ("gpt2", True), ("neox", True)],
                          ids=["bert-torchscript", "vit-dynamo", "bert-dynamo", "llama-torchscript", "llama-dynamo",
-                              "gpt2-torchscript", "gpt2-dynamo"])
+                              "gpt2-torchscript", "gpt2-dynamo", "neox-dynamo"])
 def test_the_converter_thins_a_masked_export_as_thin_does(name, dynamo, tmp_path):
     import numpy as np
     import onnx
@@ -529,7 +604,8 @@ def test_the_converter_thins_a_masked_export_as_thin_does(name, dynamo, tmp_path
     from recal_onnx.convert import UnconvertedOpsWarning
     from recal_torch import export_onnx
 
-    build, heads, ffn, units, ffn_width = {**MODELS, "gpt2": (_gpt2, GPT2_HEADS, GPT2_FFN, 4, 256)}[name]
+    build, heads, ffn, units, ffn_width = {**MODELS, "gpt2": (_gpt2, GPT2_HEADS, GPT2_FFN, 4, 256), "neox": (
+        _neox, PER_HEAD_PARAMS, r"['re:.*mlp\.dense_h_to_4h\.weight']", 4, 128)}[name]
     torch.manual_seed(0)
     model = build()
     recipe = _recipe(heads, ffn) + "- !QuantizationModifier {start_epoch: 2, reduce_range: true}\n"

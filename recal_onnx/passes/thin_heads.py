@@ -14,8 +14,10 @@ queries, keys and values and the one that reads the merged heads. Every tensor o
 there, the head size must be a constant of the reshape that splits the heads, and each shape on the way holds
 the head count at the head axis as a constant (rewritten), ``-1``, or a value computed from the tensors' own
 shapes (which follows); a packed projection (GPT-2's ``c_attn``: one ``MatMul``, its Q, K and V blocks taken by a
-``Split`` of the last axis) loses a head's rows from each block, and the split's sizes follow; an attention that
-does not pass is left as it is. With grouped-query attention a unit
+``Split`` of the last axis) loses a head's rows from each block, and the split's sizes follow; one packed per head
+(GPT-NeoX's ``query_key_value``: the ``Split`` after the heads are, within each head's rows, and a partial rotary
+embedding ending in a ``Concat``) loses each dead head's run of rows; an attention that does not pass is left as
+it is. With grouped-query attention a unit
 is a key/value head with its query heads (:mod:`recal_core.head_coupling`). Quantized weights are sliced with
 their per-channel scales.
 """
@@ -99,21 +101,30 @@ def _attention(g: Graph, softmax: Node):
             merges.append(node)
         value = next(i for i in node.inputs if i is not None and not g.is_const(i))
     (q, qb, q_split, d, _), (k, kb, k_split, _, _), (v, vb, v_split, _, _) = sides
-    blocks = _blocks(g, [(side[0], side[4]) for side in sides])
-    if d is None or blocks is None or any(rows % d for _, rows in blocks):
+    found = _blocks(g, [(side[0], side[4]) for side in sides], d)
+    if d is None or found is None:
         return None
-    (_, q_rows), (_, k_rows), (_, v_rows) = blocks
-    heads, kv = q_rows // d, k_rows // d
-    if heads % kv or v_rows != kv * d or _weight(g, merged)[0].shape[0] != heads * d:
-        return None  # shapes this pass does not follow
+    blocks, interleaved = found
+    if interleaved:  # per head (GPT-NeoX): the reshape's last axis holds one head's Q, K and V of d rows each
+        d = blocks[1][1]
+        heads = kv = int(_weight(g, q)[0].shape[1]) // sum(rows for _, rows in blocks)
+        if any(rows != d for _, rows in blocks) or _weight(g, merged)[0].shape[0] != heads * d:
+            return None  # (a grouped per-head layout, Falcon's, is not followed here)
+    else:
+        if any(rows % d for _, rows in blocks):
+            return None
+        (_, q_rows), (_, k_rows), (_, v_rows) = blocks
+        heads, kv = q_rows // d, k_rows // d
+        if heads % kv or v_rows != kv * d or _weight(g, merged)[0].shape[0] != heads * d:
+            return None  # shapes this pass does not follow
     names = {"q": q.inputs[1].name, "k": k.inputs[1].name, "v": v.inputs[1].name, "o": merged.inputs[1].name}
     if len(set(names.values())) != (2 if q is k is v else 4):
         return None
     per_unit = (heads // kv, 1, 1)  # heads of Q, K and V a unit holds
     splits = []
     packed = sides[0][4][0] if q is k is v else None  # the Split that takes a packed layer's blocks
-    if packed is not None and input_of(packed, 1) is not None:  # (sizes given; equal parts follow by themselves)
-        splits += [(packed, 1, side[4][1], per * d) for side, per in zip(sides, per_unit)]
+    if packed is not None and input_of(packed, 1) is not None and not interleaved:  # (sizes given; equal parts
+        splits += [(packed, 1, side[4][1], per * d) for side, per in zip(sides, per_unit)]  # follow by themselves)
     for (reshape, steps), per in zip((q_split, k_split, v_split), per_unit):
         edits = _follow_heads(g, reshape, steps, kv, per, heads // kv)
         if edits is None:
@@ -129,31 +140,37 @@ def _attention(g: Graph, softmax: Node):
         shape = g.const(reshape.inputs[1])
         if shape[-1] == heads * d:
             splits.append((reshape, 1, len(shape) - 1, heads // kv * d))
+        elif len(shape) == 4 and shape[1] == heads and shape[-1] == d:  # [batch, heads, tokens, d] back from
+            splits.append((reshape, 1, 1, heads // kv))  # the heads merged into the batch
         elif shape[-1] != -1:
             return None
     att = Attention(softmax.name or "attention", names["q"], names["k"], names["v"], names["o"], heads, kv, d,
-                    tuple(pairs), offsets=tuple(start for start, _ in blocks))
+                    tuple(pairs), offsets=tuple(start for start, _ in blocks), interleaved=interleaved)
     if q is k is v and att.packing_problem({names["q"]: _weight(g, q)[0].shape[1]}) is not None:
         return None
     return att, layers, biases, splits
 
 
-def _blocks(g: Graph, sides: list[tuple[Node, tuple | None]]) -> list[tuple[int, int]] | None:
+def _blocks(g: Graph, sides: list[tuple[Node, tuple | None]], span: int | None
+            ) -> tuple[list[tuple[int, int]], bool] | None:
     """``(first row, rows)`` of the query, key and value in their layers' weights (``sides``: each layer with the
     ``(Split, output)`` of its block or None): whole weights, or, for one packed layer, the blocks its ``Split``
-    outputs take (sizes given, or equal parts). None for any other split."""
+    outputs take (sizes given, or equal parts) of the whole weight (GPT-2), or of each head's ``span`` rows after
+    the heads are split (GPT-NeoX: then the rows are within a head, and the flag is True). None for any other."""
     layers, splits = [n for n, _ in sides], [s for _, s in sides]
     if not any(splits):
-        return [(0, int(_weight(g, n)[0].shape[1])) for n in layers]
+        return [(0, int(_weight(g, n)[0].shape[1])) for n in layers], False
     if any(s is None for s in splits) or len({id(n) for n in layers}) != 1 or len({id(s[0]) for s in splits}) != 1:
         return None
     split, total = splits[0][0], int(_weight(g, layers[0])[0].shape[1])
+    per_head = span is not None and g.rank(split.inputs[0]) == 4 and total % span == 0 and span < total
+    whole = span if per_head else total
     sizes = g.const(input_of(split, 1)) if input_of(split, 1) is not None else \
-        [total // len(split.outputs)] * len(split.outputs)
+        [whole // len(split.outputs)] * len(split.outputs)
     sizes = None if sizes is None else [int(x) for x in np.ravel(sizes)]
-    if sizes is None or sum(sizes) != total:
+    if sizes is None or sum(sizes) != whole:
         return None
-    return [(sum(sizes[:index]), sizes[index]) for _, index in splits]
+    return [(sum(sizes[:index]), sizes[index]) for _, index in splits], per_head
 
 
 def _scores_matmul(g: Graph, value: Value) -> Node | None:
@@ -213,7 +230,8 @@ def _projection(g: Graph, value: Value):
             readers = readers[:1]  # a rotary region's input: read by its nodes alone
         if len(readers) != 1:
             return None
-        if node.op_type == "Add" and not any(g.is_const(i) for i in node.inputs):
+        if (node.op_type == "Add" or node.op_type == "Concat" and len(node.inputs) > 1) and \
+                not any(g.is_const(i) for i in node.inputs):  # (a partial rotary embedding ends in a Concat)
             region = _rotary(g, node)
             if region is None:
                 return None
@@ -227,7 +245,7 @@ def _projection(g: Graph, value: Value):
             return _layer(g, layer, node, steps, block)
         if node.op_type == "MatMul":
             return _layer(g, node, None, steps, block)
-        if node.op_type == "Split" and block is None and not any(isinstance(st, tuple) for st in steps):
+        if node.op_type == "Split" and block is None:
             rank = g.rank(node.inputs[0])
             if rank is None or int(attr(node, "axis", 0)) % rank != rank - 1:
                 return None  # blocks of a packed projection are split off its last axis
@@ -270,8 +288,8 @@ def _rotary(g: Graph, add: Node) -> tuple[Value, set[Node]] | None:
                 continue  # a number, cos or sin
             if producer is not None and producer.op_type in _ROTARY:
                 stack.append(producer)
-            elif producer is not None and producer.op_type in _PLUMBING:
-                starts.add(value)
+            elif producer is not None and (producer.op_type in _PLUMBING or producer.op_type == "Split"):
+                starts.add(value)  # (a Split: a per-head packed projection's block, GPT-NeoX's)
             else:
                 return None
     return (starts.pop(), region) if len(starts) == 1 else None

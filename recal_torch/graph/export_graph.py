@@ -64,7 +64,7 @@ def example_inputs_of(model: nn.Module) -> tuple[tuple, dict] | None:
     way to feed it."""
     stored = model.__dict__.get(EXAMPLE_INPUTS)
     if stored is not None:
-        return _as_args(model, stored)
+        return trace_args(model, stored)
     config = getattr(model, "config", None)
     name = getattr(model, "main_input_name", None)
     if config is None or name is None:
@@ -87,7 +87,7 @@ def example_inputs_of(model: nn.Module) -> tuple[tuple, dict] | None:
 def exported_graph(model: nn.Module, example_inputs: Any = None) -> ModelGraph:
     """``model``'s channel spaces and attentions from a ``torch.export`` trace on ``example_inputs`` (a
     tensor, a tuple of positional inputs, or ``(args, kwargs)``; None: :func:`example_inputs_of`)."""
-    args, kwargs = _as_args(model, example_inputs)
+    args, kwargs = trace_args(model, example_inputs)
     was_training = model.training
     model.eval()  # dropout and batch statistics out of the trace; the ops' channels are the same
     try:
@@ -98,7 +98,8 @@ def exported_graph(model: nn.Module, example_inputs: Any = None) -> ModelGraph:
     return ModelGraph(channel_spaces(ops), attentions)
 
 
-def _as_args(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict]:
+def trace_args(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` to call ``model`` with from ``example_inputs`` (None: :func:`example_inputs_of`)."""
     if example_inputs is None:
         found = example_inputs_of(model)
         if found is None:
