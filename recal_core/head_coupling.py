@@ -184,15 +184,17 @@ def head_groups(attentions: list[Attention], pruned: dict[str, tuple[int, str]])
     for weight, modifier in heads.items():
         if weight not in roles:
             if not attentions:
-                found = ("none traced in this model: one built with attn_implementation='eager' has none; build "
-                         "it with 'sdpa', the default")
+                found = ("none traced in this model: an attention whose scores are not one matmul of queries and "
+                         "keys (an einsum, a custom kernel) is not found; write it with "
+                         "scaled_dot_product_attention")
             else:
                 blocked = next((a for a in attentions if a.blockers), None)
                 found = f"{len(attentions)} traced in this model" + (
                     f"; {blocked.name}'s heads cannot be followed: {blocked.blockers[0]}" if blocked else "")
             raise CouplingError(
                 f"{weight}: mask_type head: recal traced no attention that reads it as a query, key, value or "
-                f"output projection (it finds attentions through scaled_dot_product_attention; {found}); list "
+                f"output projection (it finds attentions through scaled_dot_product_attention or softmax(q @ kᵀ) @ v "
+                f"written out; {found}); list "
                 "only the four projections of each attention", modifier)
         att, role = roles[weight]
         if att.blockers:

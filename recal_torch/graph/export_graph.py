@@ -20,6 +20,7 @@ from torch import nn
 from recal_core.channel_coupling import ModelGraph, Op, channel_spaces
 from recal_core.head_coupling import Attention, HeadLayout, head_layout
 
+from .attention_sites import Site, attention_sites, readers
 from .head_rows import NotFollowed, head_rows
 
 _aten = torch.ops.aten
@@ -184,8 +185,7 @@ def _ops(program: torch.export.ExportedProgram) -> tuple[list[Op], list[Attentio
         elif node.op == "call_function":
             ops.append(Op(_where(node), "other", tensors, node.name))
     order = {n: i for i, n in enumerate(graph.nodes)}  # (the ops on a projection's way, sorted as the graph runs)
-    attentions = [_attention(node, params, order, lifted) for node in graph.nodes
-                  if node.target is _aten.scaled_dot_product_attention.default]
+    attentions = [_attention(site, params, order, lifted) for site in attention_sites(graph, params)]
     return ops, attentions
 
 
@@ -359,33 +359,34 @@ def _pos(node: torch.fx.Node) -> int:
     return 0 if _is_tensor(node.args[0]) else 1
 
 
-def _attention(sdpa: torch.fx.Node, params: dict[str, str], order: dict[torch.fx.Node, int],
+def _attention(site: Site, params: dict[str, str], order: dict[torch.fx.Node, int],
                constants: dict[str, torch.Tensor]) -> Attention:
     """The projections of one attention, its head counts, and what blocks removing its heads (``order``: each node's
     position in the graph; ``constants``: lifted tensor constants by placeholder name)."""
-    name = _where(sdpa).split(" (")[0]
+    name = _where(site.node).split(" (")[0]
     blockers: list[str] = []
     found = []
-    for arg in sdpa.args[:3]:
+    targets = (site.query, site.key, site.value)
+    for arg in targets:
         linear, path = _producer(arg, params)
         path.sort(key=order.__getitem__)
         found.append((linear, path))
         if linear is None:
             blockers.append(f"{_where(arg)} (its query, key and value must each come from one linear)")
-    output, merge_path = _consumer(sdpa, params)
+    output, merge_path = _consumer(site.output, params)
     if output is None:
         blockers.append(merge_path or f"whatever reads {name}'s output (not one linear)")
     inside = {n for linear, path in found for n in (linear, *path) if n is not None}
     rows = []
-    for (linear, path), arg in zip(found, sdpa.args[:3]):
+    for (linear, path), arg, role in zip(found, targets, range(3)):
         if linear is None:
             continue
         for n in [linear, *path]:
-            for user in n.users:
-                if user is not sdpa and user not in inside:
+            for user in readers(n):
+                if user is not site.node and user not in site.products and user not in inside:
                     blockers.append(f"{_where(user)}, which also reads {n.name}")
         try:
-            rows.append(head_rows(linear, path, arg, constants))
+            rows.append(head_rows(linear, path, arg, constants, transposed=role == 1 and site.key_transposed))
         except NotFollowed as exc:
             blockers.append(f"{_where(exc.node)} (not an op recal follows a head through{exc.why})")
     weights = [params[_projection(n, params)[1].name] if n is not None else f"{name}.?" for n, _ in found]
@@ -393,7 +394,7 @@ def _attention(sdpa: torch.fx.Node, params: dict[str, str], order: dict[torch.fx
     if isinstance(layout, str):
         blockers.append(f"{name}: {layout}")
     if not isinstance(layout, HeadLayout):  # (counts for messages only: nothing is removed)
-        shape = _shape(sdpa.args[0]) or (1, 1, 1, 1)
+        shape = _shape(site.query) or (1, 1, 1, 1)
         layout = HeadLayout(shape[-3], shape[-3], shape[-1], (0, 0, 0), False)
     projections = (_projection(n, params) for n, _ in found if n is not None)
     biases = tuple(dict.fromkeys((params[w.name], params[b.name]) for _, w, b in projections
@@ -443,11 +444,11 @@ def _reaches_linear(node: torch.fx.Node, params: dict[str, str]) -> bool:
     return False
 
 
-def _consumer(sdpa: torch.fx.Node, params: dict[str, str]) -> tuple[torch.fx.Node | None, str | None]:
-    """The ``linear`` that reads ``sdpa``'s heads merged back (through transposes and reshapes only)."""
-    n = sdpa
+def _consumer(heads: torch.fx.Node, params: dict[str, str]) -> tuple[torch.fx.Node | None, str | None]:
+    """The ``linear`` that reads the attention's ``heads`` merged back (through transposes and reshapes only)."""
+    n = heads
     while True:
-        users = list(n.users)
+        users = readers(n)
         if len(users) != 1:
             return None, f"{len(users)} readers of {n.name}" if users else None
         user = users[0]
@@ -455,5 +456,5 @@ def _consumer(sdpa: torch.fx.Node, params: dict[str, str]) -> tuple[torch.fx.Nod
         if (projection := _projection(user, params)) is not None and projection[0] is n:
             return user, None
         if user.target not in _MERGE:
-            return None, f"{_where(user)} (reads {sdpa.name}'s output; recal follows only reshapes to a linear)"
+            return None, f"{_where(user)} (reads {heads.name}'s output; recal follows only reshapes to a linear)"
         n = user

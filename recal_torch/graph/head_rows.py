@@ -48,11 +48,12 @@ class NotFollowed(Exception):
 
 
 def head_rows(linear: torch.fx.Node, path: list[torch.fx.Node], target: torch.fx.Node,
-              constants: dict[str, torch.Tensor]) -> np.ndarray:
-    """``[heads, head_dim]``: the rows of ``linear``'s weight that each head of ``target`` (a
-    ``scaled_dot_product_attention`` input, ``[batch, heads, tokens, head_dim]``) is computed from, running
-    ``path`` (the ops between them, in graph order). ``constants``: the values of lifted tensor constants (index
-    tensors). Raises :class:`NotFollowed` for an op that mixes rows in a way that is not a head's own."""
+              constants: dict[str, torch.Tensor], transposed: bool = False) -> np.ndarray:
+    """``[heads, head_dim]``: the rows of ``linear``'s weight that each head of ``target`` (an attention's
+    input, ``[batch, heads, tokens, head_dim]``, or ``[batch * heads, tokens, head_dim]``; ``transposed``: its last
+    two axes swapped, a key as ``kᵀ``) is computed from, running ``path`` (the ops between them, in graph order).
+    ``constants``: the values of lifted tensor constants (index tensors). Raises :class:`NotFollowed` for an op
+    that mixes rows in a way that is not a head's own."""
     shape = _shape(linear)
     if shape is None:
         raise NotFollowed(linear, ": it has no recorded shape")
@@ -60,11 +61,25 @@ def head_rows(linear: torch.fx.Node, path: list[torch.fx.Node], target: torch.fx
     for node in path:
         values[node] = _run(node, values, constants)
     rows = values.get(target)
+    if isinstance(rows, torch.Tensor) and transposed and rows.dim() >= 2:
+        rows = rows.transpose(-1, -2)
+    if isinstance(rows, torch.Tensor) and rows.dim() == 3:
+        rows = _heads_of_merged_batch(rows)
     if not isinstance(rows, torch.Tensor) or rows.dim() != 4:
         raise NotFollowed(target, ": not reached as one [batch, heads, tokens, head size] tensor")
     if not (rows == rows[:1, :, :1]).all():
         raise NotFollowed(target, ": its heads read different rows at different tokens")
     return rows[0, :, 0].numpy().astype(np.int64)
+
+
+def _heads_of_merged_batch(rows: torch.Tensor) -> torch.Tensor | None:
+    """``[batch * heads, tokens, d]`` (heads within each batch entry) as ``[1, heads, tokens, d]``: the rows repeat
+    from one batch entry to the next, so the heads are the shortest period that divides the first axis."""
+    n = rows.shape[0]
+    for heads in (p for p in range(1, n + 1) if n % p == 0):
+        if torch.equal(rows, rows[:heads].repeat(n // heads, 1, 1)):
+            return rows[:heads].unsqueeze(0)
+    return None
 
 
 def _run(node: torch.fx.Node, values: dict, constants: dict[str, torch.Tensor]):
