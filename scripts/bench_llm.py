@@ -94,10 +94,21 @@ def corpus(train_bytes: int, test_bytes: int) -> tuple[np.ndarray, np.ndarray, i
     return np.frombuffer(bytes(train), np.uint8), np.frombuffer(bytes(test), np.uint8), len(files)
 
 
-def build(layers: int, hidden: int, ffn: int | None = None) -> nn.Module:
-    """A Llama-shaped decoder over bytes (its MLP ``ffn`` wide: 3 x ``hidden`` unless given)."""
+ARCHS = {"llama": "Llama-shaped", "gpt-neox": "GPT-NeoX-shaped (Pythia's layout)"}
+
+
+def build(layers: int, hidden: int, ffn: int | None = None, arch: str = "llama") -> nn.Module:
+    """A decoder over bytes, heads of 64: Llama-shaped (a gated MLP ``ffn`` wide, 3 x ``hidden`` unless given) or
+    GPT-NeoX-shaped as Pythia is (Q, K and V packed per head, a quarter of each head rotary, parallel residual, a
+    GELU MLP 4 x ``hidden`` wide unless given)."""
     import transformers
 
+    if arch == "gpt-neox":
+        config = transformers.GPTNeoXConfig(vocab_size=256, hidden_size=hidden, intermediate_size=ffn or 4 * hidden,
+                                            num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                                            rotary_pct=0.25, max_position_embeddings=2 * SEQ,
+                                            tie_word_embeddings=False, hidden_dropout=0.0, attention_dropout=0.0)
+        return transformers.GPTNeoXForCausalLM(config)
     ffn = ffn or 3 * hidden
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=ffn,
                                       num_hidden_layers=layers, num_attention_heads=hidden // 64,

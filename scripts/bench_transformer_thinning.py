@@ -221,8 +221,10 @@ def latency_part(name: str, quick: bool, seq: int, rounds: int, folder: Path) ->
     return {"model": name, "seq": seq, "fp32_bytes": fp32_size, "rows": rows}
 
 
-DECODER_HEADS = r"['re:.*self_attn\.[qkvo]_proj\.weight']"
-DECODER_FFN = r"['re:.*mlp\.(gate|up)_proj\.weight']"
+# per architecture: the four projections of each attention, the FFN's up (and gate) projections
+DECODER_HEADS = {"llama": r"['re:.*self_attn\.[qkvo]_proj\.weight']",
+                 "gpt-neox": r"['re:.*attention\.query_key_value\.weight', 're:.*attention\.dense\.weight']"}
+DECODER_FFN = {"llama": r"['re:.*mlp\.(gate|up)_proj\.weight']", "gpt-neox": r"['re:.*mlp\.dense_h_to_4h\.weight']"}
 # label: (heads, FFN neurons pruned, distilled); distilled: the whole loss from the fp32 model trained on
 DECODER_SETTINGS = {"1/2 FFN, distilled": (0.0, 0.5, True), "7/12 FFN, distilled": (0.0, 7 / 12, True),
                     "1/4 heads, 1/2 FFN": (0.25, 0.5, False),
@@ -235,8 +237,10 @@ DECODER_DISTILL = """
 """
 
 
-def decoder_part(quick: bool, rounds: int, folder: Path) -> dict:
-    """A Llama-shaped decoder on the standard library's source (``bench_llm.py``'s data, model and training): int4
+def decoder_part(quick: bool, rounds: int, folder: Path, arch: str = "llama",
+                 settings: list[str] | None = None) -> dict:
+    """A decoder (``arch``: Llama- or GPT-NeoX-shaped) on the standard library's source (``bench_llm.py``'s data,
+    model and training; ``settings``: the rows of :data:`DECODER_SETTINGS` to run, all unless given): int4
     dense (onnxruntime's RTN of the fp32 model trained on, recal's QAT) against recal's int4 QAT with heads and FFN
     neurons pruned during the same steps (in whole groups of the int4 scales) and thinned; perplexity, size and
     latency (a 128-token prompt, one token)."""
@@ -250,9 +254,9 @@ def decoder_part(quick: bool, rounds: int, folder: Path) -> dict:
     train_data, test_data, files = llm.corpus(int(mb * 1e6), (windows_n + 1) * (llm.SEQ + 1))
     windows = np.stack([test_data[i * (llm.SEQ + 1):(i + 1) * (llm.SEQ + 1)] for i in range(windows_n)])
     torch.manual_seed(0)
-    model = llm.build(layers, hidden)
+    model = llm.build(layers, hidden, arch=arch)
     params = sum(p.numel() for p in model.parameters())
-    print(f"  decoder: {params / 1e6:.2f} M parameters, {steps} fp32 steps, then {qat_steps} for each int4 row",
+    print(f"  {arch} decoder: {params / 1e6:.2f} M parameters, {steps} fp32 steps, then {qat_steps} for each int4 row",
           flush=True)
     llm.train(model, train_data, steps, 2e-3, args.batch, seed=0)
     model.eval()
@@ -268,11 +272,11 @@ def decoder_part(quick: bool, rounds: int, folder: Path) -> dict:
     paths = {"fp32 (trained on)": baseline, "ort RTN int4, dense": rtn}
     paths["recal int4 QAT, dense"] = llm.recal_int4(model, train_data, qat_steps, "minmax", args, folder, sample,
                                                     "decoder_dense")[0]
-    for label, (heads, ffn, distill) in DECODER_SETTINGS.items():
+    for label, (heads, ffn, distill) in ((k, DECODER_SETTINGS[k]) for k in settings or DECODER_SETTINGS):
         pruned = copy.deepcopy(model)
         recipe = llm.QAT_RECIPE.format(grouping=f"strategy: group, group_size: {args.group}", observer="minmax",
                                        lr=args.qat_lr, final_lr=args.qat_lr / 10)
-        for names, sparsity, mask in ((DECODER_HEADS, heads, "head"), (DECODER_FFN, ffn, "filter")):
+        for names, sparsity, mask in ((DECODER_HEADS[arch], heads, "head"), (DECODER_FFN[arch], ffn, "filter")):
             if sparsity:
                 recipe += f"""
 - !GradualKSModifier {{params: {names}, init_sparsity: 0.0, final_sparsity: {sparsity}, start_epoch: 0,
@@ -283,7 +287,7 @@ def decoder_part(quick: bool, rounds: int, folder: Path) -> dict:
                   manager=ScheduledModifierManager.from_yaml(recipe), teacher=more if distill else None)
         report = thin(pruned.eval())
         print(f"    {label}: {report.removed} heads and neurons thinned", flush=True)
-        stem = f"decoder_{heads:.3f}_{ffn:.3f}{'_kd' if distill else ''}"
+        stem = f"{arch}_{heads:.3f}_{ffn:.3f}{'_kd' if distill else ''}"
         qat = folder / f"{stem}.qat.onnx"
         export_onnx(llm.Logits(pruned), sample, qat, input_names=["ids"], output_names=["logits"],
                     dynamic_sequence=True)
@@ -299,8 +303,8 @@ def decoder_part(quick: bool, rounds: int, folder: Path) -> dict:
         print(f"  {r['label']:44s} ppl {r['ppl']:.4f}  {r['bytes'] / 1e6:6.2f} MB  prompt {r['ms_prompt']:7.2f} ms  "
               f"token {r['ms_token']:6.3f} ms", flush=True)
     return {**machine(), "params": params, "layers": layers, "hidden": hidden, "steps": steps, "qat_steps": qat_steps,
-            "qat_lr": args.qat_lr, "prune_end": DECODER_PRUNE_END, "distill": DECODER_DISTILL.strip(),
-            "group": args.group, "test_tokens": int(windows[:, 1:].size), "files": files, "rounds": rounds, "rows": rows}
+            "settings": list(settings or DECODER_SETTINGS), "qat_lr": args.qat_lr, "prune_end": DECODER_PRUNE_END,
+            "distill": DECODER_DISTILL.strip(), "group": args.group, "test_tokens": int(windows[:, 1:].size), "files": files, "rounds": rounds, "rows": rows}
 
 
 def main() -> None:
@@ -313,6 +317,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--arch", choices=sorted(DECODER_HEADS), default="llama",
+                        help="the decoder part's model (its figures go under decoder, or decoder_<arch>)")
+    parser.add_argument("--settings", nargs="+", choices=sorted(DECODER_SETTINGS),
+                        help="the decoder part's pruned rows (all unless given)")
     parser.add_argument("--json", type=Path, help="also write the results here (docs/results/thinning_transformers.json)")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="recal-bench-thinning-"))
@@ -324,15 +332,16 @@ def main() -> None:
     if "latency" in args.parts:
         out["latency"] = [latency_part(m, args.quick, args.seq, 3 if args.quick else args.rounds, folder)
                           for m in args.models]
+    key = "decoder" if args.arch == "llama" else f"decoder_{args.arch}"
     if "decoder" in args.parts:
-        out["decoder"] = decoder_part(args.quick, 3 if args.quick else args.rounds, folder)
+        out[key] = decoder_part(args.quick, 3 if args.quick else args.rounds, folder, args.arch, args.settings)
     if args.json:
         if args.json.exists():  # one part run again: the other parts' figures stay, with the labels they had
             old = load(args.json)
             if {"accuracy", "latency"} & set(args.parts):
-                out = {**{k: v for k, v in old.items() if k in ("accuracy", "latency", "decoder")}, **out}
+                out = {**{k: v for k, v in old.items() if k.startswith(("accuracy", "latency", "decoder"))}, **out}
             else:
-                out = {**old, "decoder": out["decoder"]}
+                out = {**old, key: out[key]}
         save(args.json, out)
 
 

@@ -153,7 +153,8 @@ def llm(name: str = "llm.json") -> str:
             f"quantizers), the others int4; blocks (groups) of {data['group']}" if ternary
             else f"int4 in blocks (groups) of {data['group']}")
     grid = "the int2 / int4 grid" if ternary else "the int4 grid"
-    return ("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. A Llama-shaped decoder "
+    run = "" if arch == "llama" else f" --arch {arch} --settings {' '.join(repr(s) for s in data['settings'])}"
+    return ("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. A {ARCHS[arch]} decoder "
             f"({data['params'] / 1e6:.2f} M parameters, {data['layers']} layers, hidden {data['hidden']}, bytes as "
             f"tokens) trained {data['steps']} steps on {data['train_bytes'] / 1e6:.1f} MB of the standard library's "
             f"source ({data['files']} files, split by file); perplexity on {data['test_tokens']:,} test tokens; "
@@ -178,9 +179,12 @@ def digits_int8() -> str:
             "docs/results/digits_int8.json`).")
 
 
-def thinning_decoder() -> str:
-    """An int4 decoder pruned and thinned against dense int4 (bench_transformer_thinning.py, its decoder part)."""
-    data = load("thinning_transformers.json")["decoder"]
+def thinning_decoder(arch: str = "llama") -> str:
+    """An int4 decoder pruned and thinned against dense int4 (bench_transformer_thinning.py, its decoder part run
+    with ``--arch``: its figures under ``decoder``, or ``decoder_<arch>``)."""
+    from bench_llm import ARCHS
+
+    data = load("thinning_transformers.json")["decoder" if arch == "llama" else f"decoder_{arch}"]
     rows = {r["label"]: r for r in data["rows"]}
     rtn, dense = rows["ort RTN int4, dense"], rows["recal int4 QAT, dense"]
     lines = ["| model | test perplexity | ppl x ort RTN | ppl x recal dense int4 | MB | MB x ort RTN | prompt of 128 "
@@ -190,7 +194,8 @@ def thinning_decoder() -> str:
                      f"{r['bytes'] / 1e6:.2f} | "
                      f"{r['bytes'] / rtn['bytes']:.2f} | {r['ms_prompt']:.2f} | {r['ms_token']:.3f} | "
                      f"{rtn['ms_token'] / r['ms_token']:.2f}x |")
-    return ("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. A Llama-shaped decoder "
+    run = "" if arch == "llama" else f" --arch {arch} --settings {' '.join(repr(s) for s in data['settings'])}"
+    return ("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. A {ARCHS[arch]} decoder "
             f"({data['params'] / 1e6:.2f} M parameters, {data['layers']} layers, hidden {data['hidden']}, bytes as "
             f"tokens) trained {data['steps']} steps on the standard library's source ({data['files']} files); every "
             f"int4 row has {data['qat_steps']} more steps at LR {data['qat_lr']:g}: onnxruntime's RTN "
@@ -199,7 +204,7 @@ def thinning_decoder() -> str:
             f"{round(100 * data['prune_end'])}% of them and thinning them after (distilled: "
             f"`{data['distill'].lstrip('- ')}` from the fp32 model trained on, the one RTN quantizes){NO_RECORD}. "
             f"Perplexity on {data['test_tokens']:,} held-out tokens; latency 1 thread, batch 1, median of "
-            f"{data['rounds']} interleaved rounds (`python scripts/bench_transformer_thinning.py --parts decoder "
+            f"{data['rounds']} interleaved rounds (`python scripts/bench_transformer_thinning.py --parts decoder{run} "
             "--json docs/results/thinning_transformers.json`).")
 
 
@@ -321,6 +326,7 @@ TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo
           "thinning-transformers": thinning_transformers, "keras-applications": keras_applications,
           "keras-backends": keras_backends, "keras-backends-summary": keras_backends_summary, "layout": layout_table,
           "large-decoder": large_decoder, "thinning-decoder": thinning_decoder,
+          "thinning-decoder-neox": lambda: thinning_decoder("gpt-neox"),
           "jax-compile": jax_compile, "gpu-check": gpu_check,
           "lsq-overhead": lsq_overhead}
 
