@@ -103,6 +103,7 @@ def thin(model: nn.Module, example_inputs: Any = None) -> ThinReport:
         model.train(was_training)
 
 
+# the head counts thinning sets on an attention module where it has them (split_size: GPT-2's, when it is one)
 HEAD_COUNTS = ("num_attention_heads", "num_heads", "num_key_value_heads", "num_kv_heads", "all_head_size",
                "split_size")
 
@@ -220,12 +221,12 @@ def _thin_heads(model: nn.Module, modules: dict[str, nn.Module], att: Attention)
             _slice_out(layer, index)
     attention = modules.get(att.name)
     heads = len(units) * att.per_unit
-    for attr, value in (("num_attention_heads", heads), ("num_heads", heads), ("num_key_value_heads", len(units)),
-                        ("num_kv_heads", len(units)), ("all_head_size", heads * att.head_dim)):
+    counts = dict(zip(HEAD_COUNTS, (heads, heads, len(units), len(units), heads * att.head_dim)))
+    if att.query == att.key and getattr(attention, "split_size", None) == att.heads * att.head_dim:
+        counts["split_size"] = heads * att.head_dim  # GPT-2 splits its packed c_attn's output by this size
+    for attr, value in counts.items():
         if isinstance(getattr(attention, attr, None), int):
             setattr(attention, attr, value)
-    if att.query == att.key and getattr(attention, "split_size", None) == att.heads * att.head_dim:
-        attention.split_size = heads * att.head_dim  # GPT-2 splits its packed c_attn's output by this size
     return (att.name, att.heads, heads)
 
 

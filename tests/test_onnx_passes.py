@@ -1059,21 +1059,6 @@ def _packed_attention_graph():
     return b.model([("x", [1, 5, 8])], [b.node("MatMul", [b.qdq(merged, 0.02, 128), b.weight((8, 8), axis=1)])])
 
 
-def test_thin_heads_takes_a_dead_head_from_each_block_of_a_packed_projection():
-    model = _packed_attention_graph()
-    feeds = _x([1, 5, 8])
-    thinned, (n,) = _apply(model, thin_heads)
-    assert n == 1
-    shapes = sorted(onnx.numpy_helper.to_array(t).shape for t in thinned.graph.initializer
-                    if onnx.numpy_helper.to_array(t).dtype == np.int8 and onnx.numpy_helper.to_array(t).ndim == 2)
-    assert shapes == [(4, 8), (8, 12)]  # Wo loses rows; the packed W 4 columns of each of Q, K and V
-    split = next(n for n in thinned.graph.node if n.op_type == "Split")
-    sizes = next(t for t in thinned.graph.initializer if t.name == split.input[1])
-    assert onnx.numpy_helper.to_array(sizes).tolist() == [4, 4, 4]
-    off = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    np.testing.assert_allclose(run(thinned, feeds, level=off)[0], run(model, feeds, level=off)[0], atol=1e-6)
-
-
 def _per_head_packed_attention_graph():
     """GPT-NeoX's ``query_key_value``, packed per head: x[1, 5, 8] -> MatMul(W[8, 24]) -> Add(b) ->
     Reshape([1, 5, 2, 12]) -> Transpose -> Split([4, 4, 4], last axis) into Q, K, V of each head -> softmax(Q Kᵀ) V
@@ -1100,17 +1085,19 @@ def _per_head_packed_attention_graph():
     return b.model([("x", [1, 5, 8])], [b.node("MatMul", [b.qdq(merged, 0.02, 128), b.weight((8, 8), axis=1)])])
 
 
-def test_thin_heads_takes_a_dead_heads_run_of_rows_from_a_projection_packed_per_head():
-    model = _per_head_packed_attention_graph()
+@pytest.mark.parametrize("build", [_packed_attention_graph, _per_head_packed_attention_graph],
+                         ids=["blocks (GPT-2)", "per head (GPT-NeoX)"])
+def test_thin_heads_takes_a_dead_heads_rows_from_a_packed_projection(build):
+    model = build()
     feeds = _x([1, 5, 8])
     thinned, (n,) = _apply(model, thin_heads)
     assert n == 1
     shapes = sorted(onnx.numpy_helper.to_array(t).shape for t in thinned.graph.initializer
                     if onnx.numpy_helper.to_array(t).dtype == np.int8 and onnx.numpy_helper.to_array(t).ndim == 2)
-    assert shapes == [(4, 8), (8, 12)]  # Wo loses rows; the packed W head 1's 12 columns (its Q, K and V)
+    assert shapes == [(4, 8), (8, 12)]  # Wo loses rows; the packed W the head's 4 columns of each of Q, K and V
     split = next(n for n in thinned.graph.node if n.op_type == "Split")
     sizes = next(t for t in thinned.graph.initializer if t.name == split.input[1])
-    assert onnx.numpy_helper.to_array(sizes).tolist() == [4, 4, 4]  # within a head: unchanged
+    assert onnx.numpy_helper.to_array(sizes).tolist() == [4, 4, 4]  # blocks: 8 each before; per head: unchanged
     off = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     np.testing.assert_allclose(run(thinned, feeds, level=off)[0], run(model, feeds, level=off)[0], atol=1e-6)
 

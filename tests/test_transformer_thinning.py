@@ -258,6 +258,21 @@ def test_a_packed_qkv_is_one_weight_of_three_blocks():
     assert live_heads(att, lambda n: (weights[n] == 0).numpy()).tolist() == [True, False]
 
 
+def _thin_checked(model, heads, spaces):
+    """``thin`` a trained causal LM: the attentions' ``(heads before, after)``, the thinned spaces' ``(channels before,
+    after)`` as given, and the same logits as the masked model. Returns the ids it checked with."""
+    model.eval()
+    ids = _batch("gpt2", 99)[0]["input_ids"]
+    with torch.no_grad():
+        masked = model(input_ids=ids).logits
+    report = thin(model)
+    assert [(b, a) for _, b, a in report.heads] == heads, str(report)
+    assert sorted((b, a) for _, b, a in report.spaces if a < b) == spaces, str(report)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, masked, atol=1e-5 * float(masked.abs().max()), rtol=0)
+    return ids
+
+
 def test_a_per_head_packed_qkv_holds_each_units_rows_together():
     """GPT-NeoX's query_key_value: each head's Q, K and V rows side by side; a unit is one contiguous run."""
     att = Attention("a", "a.c.weight", "a.c.weight", "a.c.weight", "a.o.weight", heads=2, kv_heads=2, head_dim=3,
@@ -352,17 +367,9 @@ def test_gpt2s_packed_c_attn_is_pruned_and_thinned_per_head(qat, tmp_path):
         dead = (rows == 0).all(2)
         assert dead.sum(1).tolist() == [2, 2, 2] and (dead == dead[2]).all(), "a head's Q, K and V rows together"
         assert int((block.mlp.c_fc.weight == 0).all(0).sum()) == 128
-    model.eval()
-    ids = _batch("gpt2", 99)[0]["input_ids"]
-    with torch.no_grad():
-        masked = model(input_ids=ids).logits
-    report = thin(model)
-    assert [(b, a) for _, b, a in report.heads] == [(4, 2), (4, 2)], str(report)
-    assert sorted((b, a) for _, b, a in report.spaces if a < b) == [(256, 128), (256, 128)], str(report)
+    ids = _thin_checked(model, [(4, 2), (4, 2)], [(256, 128), (256, 128)])
     attention = model.transformer.h[0].attn
     assert attention.c_attn.weight.shape == (64, 96) and attention.split_size == 32 and attention.num_heads == 2
-    with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids).logits, masked, atol=1e-5 * float(masked.abs().max()), rtol=0)
     path = export_onnx(CausalLMLogits(model).eval(), ids, tmp_path / "gpt2.onnx", input_names=["ids"],
                        dynamic_sequence=True)
     result = quantize_qat_export(str(path), tmp_path / "gpt2.out.onnx", inputs={"ids": ids.numpy()}) if qat != \
@@ -431,15 +438,7 @@ def test_qkv_packed_per_head_is_pruned_and_thinned_per_head(name, tmp_path):
         assert int(dead.sum()) == units // 2, "a unit's queries, key and value rows, all or none"
         assert (attention.dense.weight.reshape(64, units, -1) == 0).all(2).all(0).tolist() == dead.tolist()
         assert int((block.mlp.dense_h_to_4h.weight == 0).all(1).sum()) == ffn // 2
-    model.eval()
-    ids = _batch("gpt2", 99)[0]["input_ids"]
-    with torch.no_grad():
-        masked = model(input_ids=ids).logits
-    report = thin(model)
-    assert [(b, a) for _, b, a in report.heads] == [(4, 2), (4, 2)], str(report)
-    assert sorted((b, a) for _, b, a in report.spaces if a < b) == [(ffn, ffn // 2)] * 2, str(report)
-    with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids).logits, masked, atol=1e-5 * float(masked.abs().max()), rtol=0)
+    ids = _thin_checked(model, [(4, 2), (4, 2)], [(ffn, ffn // 2)] * 2)
     path = export_onnx(CausalLMLogits(model).eval(), ids, tmp_path / "m.onnx", input_names=["ids"],
                        dynamic_sequence=True)
     if qat:
@@ -530,22 +529,14 @@ def test_attention_written_out_is_pruned_by_head_and_thinned_where_the_model_all
     torch.manual_seed(0)
     model = _eager(kind)
     _train("gpt2", model, _recipe(heads, ffn))
-    model.eval()
-    ids = _batch("gpt2", 99)[0]["input_ids"]
-    with torch.no_grad():
-        masked = model(input_ids=ids).logits
     if kind == "bloom":
-        with pytest.warns(ThinningWarning, match=r"the heads of transformer\.h\.0\.self_attention, "
-                                                 r"transformer\.h\.1\.self_attention stay"):
-            report = thin(model)
         dead = (model.transformer.h[0].self_attention.query_key_value.weight.reshape(4, -1) == 0).all(1)
         assert int(dead.sum()) == 2, "pruned by head all the same: each head's Q, K and V rows together"
+        with pytest.warns(ThinningWarning, match=r"the heads of transformer\.h\.0\.self_attention, "
+                                                 r"transformer\.h\.1\.self_attention stay"):
+            _thin_checked(model, [], [(width, width // 2)] * 2)
     else:
-        report = thin(model)
-        assert [(b, a) for _, b, a in report.heads] == [(4, 2), (4, 2)], str(report)
-    assert sorted((b, a) for _, b, a in report.spaces if a < b) == [(width, width // 2)] * 2, str(report)
-    with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids).logits, masked, atol=1e-5 * float(masked.abs().max()), rtol=0)
+        _thin_checked(model, [(4, 2), (4, 2)], [(width, width // 2)] * 2)
 
 
 def test_tensorflow_refuses_head_pruning_with_a_located_error():
