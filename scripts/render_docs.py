@@ -153,8 +153,7 @@ def llm(name: str = "llm.json") -> str:
             f"quantizers), the others int4; blocks (groups) of {data['group']}" if ternary
             else f"int4 in blocks (groups) of {data['group']}")
     grid = "the int2 / int4 grid" if ternary else "the int4 grid"
-    run = "" if arch == "llama" else f" --arch {arch} --settings {' '.join(repr(s) for s in data['settings'])}"
-    return ("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. A {ARCHS[arch]} decoder "
+    return ("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. A Llama-shaped decoder "
             f"({data['params'] / 1e6:.2f} M parameters, {data['layers']} layers, hidden {data['hidden']}, bytes as "
             f"tokens) trained {data['steps']} steps on {data['train_bytes'] / 1e6:.1f} MB of the standard library's "
             f"source ({data['files']} files, split by file); perplexity on {data['test_tokens']:,} test tokens; "
