@@ -104,8 +104,8 @@ def thin(model: nn.Module, example_inputs: Any = None) -> ThinReport:
 
 
 # the head counts thinning sets on an attention module where it has them (split_size: GPT-2's, when it is one)
-HEAD_COUNTS = ("num_attention_heads", "num_heads", "num_key_value_heads", "num_kv_heads", "all_head_size",
-               "split_size")
+HEAD_COUNTS = ("num_attention_heads", "num_heads", "n_heads", "n_head", "num_key_value_heads", "num_kv_heads",
+               "all_head_size", "split_size")
 
 
 def _thin(model: nn.Module, graph, with_heads: bool) -> ThinReport:
@@ -221,7 +221,7 @@ def _thin_heads(model: nn.Module, modules: dict[str, nn.Module], att: Attention)
             _slice_out(layer, index)
     attention = modules.get(att.name)
     heads = len(units) * att.per_unit
-    counts = dict(zip(HEAD_COUNTS, (heads, heads, len(units), len(units), heads * att.head_dim)))
+    counts = dict(zip(HEAD_COUNTS, (heads, heads, heads, heads, len(units), len(units), heads * att.head_dim)))
     if att.query == att.key and getattr(attention, "split_size", None) == att.heads * att.head_dim:
         counts["split_size"] = heads * att.head_dim  # GPT-2 splits its packed c_attn's output by this size
     for attr, value in counts.items():

@@ -539,6 +539,69 @@ def test_attention_written_out_is_pruned_by_head_and_thinned_where_the_model_all
         _thin_checked(model, [(4, 2), (4, 2)], [(width, width // 2)] * 2)
 
 
+def _config(name):
+    """One-layer models of architectures whose attention code differs (rotary by interleaved pairs, norms of each
+    head's queries and keys, packed and per-head layouts, cross attention), from their real definitions."""
+    t, small = transformers, {"vocab_size": 128}
+    decoder = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4, **small}
+    return {
+        "gpt-j": lambda: t.GPTJForCausalLM(t.GPTJConfig(n_embd=64, n_layer=1, n_head=4, rotary_dim=8, n_positions=64,
+                                                        **small)),
+        "codegen": lambda: t.CodeGenForCausalLM(t.CodeGenConfig(n_embd=64, n_layer=1, n_head=4, rotary_dim=8,
+                                                                n_positions=64, **small)),
+        "qwen3": lambda: t.Qwen3ForCausalLM(t.Qwen3Config(num_key_value_heads=2, head_dim=16, **decoder)),
+        "gemma3": lambda: t.Gemma3ForCausalLM(t.Gemma3TextConfig(num_key_value_heads=2, head_dim=16, **decoder)),
+        "phi": lambda: t.PhiForCausalLM(t.PhiConfig(partial_rotary_factor=0.5, **decoder)),
+        "gpt-bigcode": lambda: t.GPTBigCodeForCausalLM(t.GPTBigCodeConfig(n_embd=64, n_layer=1, n_head=4,
+                                                                          multi_query=False, n_positions=64, **small)),
+        "bart": lambda: t.BartForConditionalGeneration(t.BartConfig(
+            d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+            encoder_ffn_dim=96, decoder_ffn_dim=96, **small)),
+        "olmo2": lambda: t.Olmo2ForCausalLM(t.Olmo2Config(**decoder)),
+    }[name]()
+
+
+def _one_shot_heads(model):
+    """Half the heads of every attention recal traced, pruned at once: the masked model."""
+    from recal_torch.graph import exported_graph
+
+    attentions = exported_graph(model.eval()).attentions
+    blocked = [a.blockers[0] for a in attentions if a.blockers]
+    if blocked:
+        return blocked
+    weights = sorted({w for a in attentions for w in (a.query, a.key, a.value, a.output)})
+    manager = ScheduledModifierManager.from_yaml(_head_recipe(weights))
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.0), 1)
+    optimizer.step()
+    manager.finalize()
+    return []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt-j", "codegen", "qwen3", "gemma3", "phi", "gpt-bigcode", "bart"])
+def test_attention_code_of_many_architectures_is_followed_pruned_by_head_and_thinned(name):
+    from recal_torch.graph import example_inputs_of
+
+    torch.manual_seed(0)
+    model = _config(name)
+    assert _one_shot_heads(model) == []
+    args, kwargs = example_inputs_of(model)
+    with torch.no_grad():
+        masked = model(*args, **kwargs).logits
+    report = thin(model)
+    assert report.heads and all((b, a) == (4, 2) for _, b, a in report.heads), str(report)
+    with torch.no_grad():
+        torch.testing.assert_close(model(*args, **kwargs).logits, masked, atol=1e-5 * float(masked.abs().max()),
+                                   rtol=0)
+
+
+def test_a_norm_over_every_heads_queries_is_a_located_reason_not_a_wrong_thinning():
+    """OLMo 2 normalizes the queries and keys over all heads at once: removing a head would change every other
+    head's norm, so its heads are not removed, and the reason names the op."""
+    assert "q_norm (aten.mean.dim) (not an op recal follows a head through: it mixes the rows of more than one " \
+           "head)" in _one_shot_heads(_config("olmo2"))[0]
+
+
 def test_tensorflow_refuses_head_pruning_with_a_located_error():
     from recal_core.model_plan import plan_model
     from recal_core.params import ParamInfo

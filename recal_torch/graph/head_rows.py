@@ -25,15 +25,21 @@ _MOVES = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default,
           _aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default, _aten.flatten.using_ints,
           _aten.index.Tensor, _aten.cat.default, _aten.detach.default, _aten.squeeze.dims, _aten.unbind.int,
           _aten.unflatten.int, _aten.repeat.default, _aten.repeat_interleave.self_int, _aten.narrow.default,
-          _aten.broadcast_to.default, _aten.expand_as.default,
+          _aten.broadcast_to.default, _aten.expand_as.default, _aten.stack.default,
           operator.getitem}
 # elementwise ops that keep a head's values in its head: the row numbers pass through
 _KEEPS = {_aten.mul.Tensor, _aten.add.Tensor, _aten.sub.Tensor, _aten.div.Tensor, _aten.neg.default,
+          _aten.pow.Tensor_Scalar, _aten.rsqrt.default, _aten.sqrt.default, _aten.reciprocal.default,
+          _aten.add.Scalar, _aten.mul.Scalar, _aten.div.Scalar, _aten.clamp.default,
           _aten._to_copy.default, _aten.to.dtype, _aten.type_as.default,
           _aten.fake_quantize_per_channel_affine.default, _aten.fake_quantize_per_tensor_affine.default,
           _aten.fake_quantize_per_tensor_affine.tensor_qparams}
 
 
+# reductions over the last axis, kept (a per-head norm of queries and keys, Qwen3's and Gemma 3's q_norm): the
+# rows they mix must turn out to be one head's
+_REDUCES = {_aten.mean.dim, _aten.sum.dim_IntList, _aten.amax.default, _aten.var.correction,
+            _aten.linalg_vector_norm.default}
 _CONSTANT_COPIES = {_aten.lift_fresh_copy.default, _aten.clone.default, _aten.detach.default,
                     _aten._to_copy.default}
 _MISSING = object()
@@ -58,8 +64,13 @@ def head_rows(linear: torch.fx.Node, path: list[torch.fx.Node], target: torch.fx
     if shape is None:
         raise NotFollowed(linear, ": it has no recorded shape")
     values: dict[torch.fx.Node, Any] = {linear: torch.arange(shape[-1], dtype=torch.float64).expand(shape)}
+    mixed: list[tuple[torch.fx.Node, torch.Tensor]] = []  # (a reduction, the rows it mixes along its last axis)
     for node in path:
-        values[node] = _run(node, values, constants)
+        if node.target in _REDUCES and isinstance(values.get(node.args[0]), torch.Tensor):
+            values[node] = _reduce(node, values[node.args[0]])
+            mixed.append((node, values[node.args[0]]))
+        else:
+            values[node] = _run(node, values, constants)
     rows = values.get(target)
     if isinstance(rows, torch.Tensor) and transposed and rows.dim() >= 2:
         rows = rows.transpose(-1, -2)
@@ -69,7 +80,31 @@ def head_rows(linear: torch.fx.Node, path: list[torch.fx.Node], target: torch.fx
         raise NotFollowed(target, ": not reached as one [batch, heads, tokens, head size] tensor")
     if not (rows == rows[:1, :, :1]).all():
         raise NotFollowed(target, ": its heads read different rows at different tokens")
-    return rows[0, :, 0].numpy().astype(np.int64)
+    heads = rows[0, :, 0]
+    for node, reduced in mixed:
+        if not _within_heads(reduced, heads):
+            raise NotFollowed(node, ": it mixes the rows of more than one head")
+    return heads.numpy().astype(np.int64)
+
+
+def _reduce(node: torch.fx.Node, rows: torch.Tensor) -> torch.Tensor:
+    """A reduction over the last axis, kept: one of the rows it mixes stands for them (checked at the end)."""
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keep = node.args[2] if len(node.args) > 2 and isinstance(node.args[2], bool) else node.kwargs.get("keepdim", False)
+    dims = [dims] if isinstance(dims, int) else list(dims or ())
+    if [d % rows.dim() for d in dims] != [rows.dim() - 1] or not keep:
+        raise NotFollowed(node, ": a reduction recal follows only over the last axis, kept")
+    return rows[..., :1]
+
+
+def _within_heads(reduced: torch.Tensor, heads: torch.Tensor) -> bool:
+    """Each vector along ``reduced``'s last axis holds rows of one head (of ``heads``, ``[heads, d]``)."""
+    head_of = {int(r): h for h, row in enumerate(heads) for r in row.tolist()}
+    for vector in reduced.reshape(-1, reduced.shape[-1])[:64]:  # (every position mixes alike; a few suffice)
+        owners = {head_of.get(int(r)) for r in vector.tolist()}
+        if len(owners) != 1 or None in owners:
+            return False
+    return True
 
 
 def _heads_of_merged_batch(rows: torch.Tensor) -> torch.Tensor | None:
@@ -107,9 +142,12 @@ def _run(node: torch.fx.Node, values: dict, constants: dict[str, torch.Tensor]):
         out = _shape(node)
         if not rows or out is None:
             raise NotFollowed(node)
-        first = rows[0]
-        for other in rows[1:]:  # q * cos + rotate_half(q) * sin: the same rows of each head, in another order
-            if other.shape != first.shape or not torch.equal(other.sort(-1).values, first.sort(-1).values):
+        first = max(rows, key=lambda t: t.shape[-1])
+        for other in rows:  # q * cos + rotate_half(q) * sin: the same rows of each head, in another order; x times
+            if other.shape[-1] == 1 and first.shape[-1] > 1:  # its norm: one row of each position's vector
+                if not (first == other).any(-1).all():
+                    raise NotFollowed(node, ": it combines different rows")
+            elif other.shape != first.shape or not torch.equal(other.sort(-1).values, first.sort(-1).values):
                 raise NotFollowed(node, ": it combines different rows")
         return first.expand(out) if tuple(first.shape) != out else first
     raise NotFollowed(node)
