@@ -149,9 +149,9 @@ def head_layout(weights: tuple[str, str, str], rows: tuple[np.ndarray, np.ndarra
     first_key = [unit_of_key.index(u) for u in range(kv)]
     per_role = [np.sort(q.reshape(kv, -1), axis=1), np.sort(k[first_key], axis=1), np.sort(v[first_key], axis=1)]
     starts, steps = [], []
-    for role, r in zip(("query", "key", "value"), per_role):
+    for role, r, weight in zip(("query", "key", "value"), per_role, weights):
         if not (r == r[:, :1] + np.arange(r.shape[1])).all():
-            return f"the {role} rows of one key/value head are not consecutive in {weights[('query', 'key', 'value').index(role)]}"
+            return f"the {role} rows of one key/value head are not consecutive in {weight}"
         step = np.diff(r[:, 0])
         if step.size and not (step == step[0]).all():
             return f"its {role} heads are not evenly spaced in their weight"

@@ -1,12 +1,13 @@
 """A model as the core's coupling ops and attentions, from a ``torch.export`` trace: for models ``torch.fx``
 cannot trace symbolically (Hugging Face transformers), given example inputs.
 
-The trace is ATen: ``linear`` is a layer, zero-preserving elementwise ops keep channels, a product or sum
-of two same-shaped tensors (a gated MLP) joins their channels, anything else blocks them
-(:mod:`recal_core.channel_coupling`). Each ``scaled_dot_product_attention`` becomes an
-:class:`~recal_core.head_coupling.Attention`: the ``linear`` behind each of its query, key and value
-inputs (through the view that splits heads and head-local ops such as rotary embeddings), and the
-``linear`` its merged output reaches; a tensor on the way that something else also reads blocks it.
+The trace is ATen: ``linear`` (and FalconLinear's ``x @ W.T + b``) is a layer, zero-preserving elementwise ops
+keep channels, a product or sum of two same-shaped tensors (a gated MLP) joins their channels, anything else
+blocks them (:mod:`recal_core.channel_coupling`). Each attention (:mod:`~recal_torch.graph.attention_sites`)
+becomes an :class:`~recal_core.head_coupling.Attention`: the ``linear`` behind each of its query, key and value
+inputs, the rows of it each head reads (:mod:`~recal_torch.graph.head_rows`, read into a layout by
+:func:`~recal_core.head_coupling.head_layout`), and the ``linear`` its merged output reaches; a tensor on the way
+that something else also reads blocks it.
 """
 
 from __future__ import annotations
@@ -132,8 +133,9 @@ def _ops(program: torch.export.ExportedProgram) -> tuple[list[Op], list[Attentio
                 params[source.name] = params[weight.name]  # conv weight x BatchNorm factor (a folded QAT conv)
         if isinstance(source, torch.fx.Node) and source.name in params:
             params[node.name] = params[source.name]
-        if node.target in _TRANSPOSES and isinstance(node.args[0], torch.fx.Node) and node.args[0].name in params and len(_shape(node) or ()) == 2:
-            params[node.name] = params[node.args[0].name]
+        source = node.args[0] if node.target in _TRANSPOSES else None
+        if isinstance(source, torch.fx.Node) and source.name in params and len(_shape(node) or ()) == 2:
+            params[node.name] = params[source.name]  # a weight transposed for x @ w.T
     for node in graph.nodes:  # a weight computed from one parameter of its shape and constants (a group-wise or
         if node.target is _aten.linear.default or node.target in _CONVS:  # learned-scale fake quantizer): that one
             weight = node.args[1]

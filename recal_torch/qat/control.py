@@ -20,7 +20,7 @@ from recal_core.schedule import QATState
 
 from ..sharding import is_sharded_module, unsharded_class
 from .layers import (CONVS, QATModule, WeightOnlyEmbedding, WeightOnlyLinear, describe, fake_quantizers,
-                          features, is_linear_like, is_table, is_transposed_linear_type, linears_left_float, qat_modules)
+                     features, is_linear_like, is_table, is_transposed_linear_type, linears_left_float, qat_modules)
 from .plan import FLOAT_REASON, QATPlanWarning, fake_quantize_model, quantizable_layers, replace_layer
 from .attention import AttentionFakeQuantize, quantize_attention
 
