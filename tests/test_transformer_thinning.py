@@ -602,6 +602,37 @@ def test_a_norm_over_every_heads_queries_is_a_located_reason_not_a_wrong_thinnin
            "head)" in _one_shot_heads(_config("olmo2"))[0]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3", "olmo2"])
+def test_the_converter_thins_heads_through_each_heads_norm_and_leaves_a_norm_of_all_heads(name, tmp_path):
+    """Qwen3 normalizes each head's queries and keys (over the head's last axis): the converter follows the norm and
+    removes a dead key/value head. OLMo 2 normalizes all heads' queries together, before they are split: removing a
+    head would change the others, so the converter leaves the attention whole, and the conversion verifies."""
+    from recal_onnx import quantize_qat_export
+    from recal_torch import export_onnx
+
+    from .torch_models import CausalLMLogits
+
+    torch.manual_seed(0)
+    model = _config(name)
+    manager = ScheduledModifierManager.from_yaml("- !QuantizationModifier {start_epoch: 0, reduce_range: true}\n")
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.0), 1)
+    ids = torch.randint(0, 128, (2, 8))
+    model.train()
+    model(input_ids=ids).logits.sum().backward()
+    optimizer.step()
+    manager.finalize()
+    attention = model.model.layers[0].self_attn
+    with torch.no_grad():  # the last key/value head's values (Qwen3: 2 of 4 query heads; OLMo 2: 1 of 4) are zero
+        attention.v_proj.weight[-16:] = 0
+    export_onnx(CausalLMLogits(model.eval()), ids, tmp_path / "masked.onnx", input_names=["ids"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = quantize_qat_export(tmp_path / "masked.onnx", tmp_path / "out.onnx", inputs={"ids": ids.numpy()})
+    assert result.rewrites.get("thin_heads", 0) == (2 if name == "qwen3" else 0)
+    assert result.verification.problem(None) is None, result.verification
+
+
 def test_tensorflow_refuses_head_pruning_with_a_located_error():
     from recal_core.model_plan import plan_model
     from recal_core.params import ParamInfo

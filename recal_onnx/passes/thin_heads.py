@@ -16,8 +16,9 @@ the head count at the head axis as a constant (rewritten), ``-1``, or a value co
 shapes (which follows); a packed projection (GPT-2's ``c_attn``: one ``MatMul``, its Q, K and V blocks taken by a
 ``Split`` of the last axis) loses a head's rows from each block, and the split's sizes follow; one packed per head
 (GPT-NeoX's ``query_key_value``: the ``Split`` after the heads are, within each head's rows, and a partial rotary
-embedding ending in a ``Concat``) loses each dead head's run of rows; an attention that does not pass is left as
-it is. With grouped-query attention a unit
+embedding ending in a ``Concat``) loses each dead head's run of rows; a norm of each head's queries or keys over
+its own last axis (Qwen3's ``q_norm``: ``Pow``, ``ReduceMean``, ... times its weight) is followed like a rotary
+region, one before the heads are split is not; an attention that does not pass is left as it is. With grouped-query attention a unit
 is a key/value head with its query heads (:mod:`recal_core.head_coupling`). Quantized weights are sliced with
 their per-channel scales.
 """
@@ -231,8 +232,9 @@ def _projection(g: Graph, value: Value):
         if len(readers) != 1:
             return None
         if (node.op_type == "Add" or node.op_type == "Concat" and len(node.inputs) > 1) and \
-                not any(g.is_const(i) for i in node.inputs):  # (a partial rotary embedding ends in a Concat)
-            region = _rotary(g, node)
+                not any(g.is_const(i) for i in node.inputs) or node.op_type == "Mul" and not _scalar_op(g, node) \
+                and any(g.is_const(i) for i in node.inputs):  # (a partial rotary embedding ends in a Concat, a
+            region = _rotary(g, node)  # norm of each head's queries in its weight's Mul)
             if region is None:
                 return None
             steps.append((node, region[1]))
@@ -262,7 +264,8 @@ def _projection(g: Graph, value: Value):
 
 
 _REPEAT = {"Unsqueeze", "Expand"}  # grouped-query attention's repeat of key/value heads (with a Reshape)
-_ROTARY = {"Mul", "Add", "Sub", "Neg", "Slice", "Concat", "Cast"}
+_ROTARY = {"Mul", "Add", "Sub", "Neg", "Slice", "Concat", "Cast",
+           "Pow", "ReduceMean", "Sqrt", "Reciprocal", "Div"}  # (and a norm over each head's last axis: Qwen3's)
 
 
 def _scalar_op(g: Graph, node: Node) -> bool:
@@ -350,12 +353,14 @@ def _follow_heads(g: Graph, split: Node, steps: list, units: int, per: int, per_
 
 
 def _rotary_keeps_heads(g: Graph, region: set[Node], rank: int, axis: int) -> bool:
-    """A rotary region works within each head: its slices and concats are on the last axis, and what it multiplies
-    by (cos, sin) is one value for every head (a constant of size 1 there, or unsqueezed there)."""
+    """A rotary region (or a norm of each head's queries) works within each head: its slices, concats and means are
+    on the last axis (not the heads'), and what it multiplies by (cos, sin, a norm's weight) is one value for every
+    head (a constant of size 1 there, or unsqueezed there)."""
     for node in region:
-        if node.op_type == "Slice":
-            axes = g.const(input_of(node, 3))
-            if axes is None or [int(a) % rank for a in np.ravel(axes)] != [rank - 1]:
+        if node.op_type in ("Slice", "ReduceMean"):
+            position = 3 if node.op_type == "Slice" else 1
+            axes = g.const(input_of(node, position)) if input_of(node, position) is not None else attr(node, "axes")
+            if axes is None or [int(a) % rank for a in np.ravel(axes)] != [rank - 1] or axis == rank - 1:
                 return False
         elif node.op_type == "Concat" and int(attr(node, "axis")) % rank != rank - 1:
             return False
@@ -379,8 +384,8 @@ def _layer(g: Graph, layer: Node, bias: Node | None, steps: list, block=None):
         return None
     at = next((i for i in range(len(steps) - 1, -1, -1) if not isinstance(steps[i], tuple)
                and steps[i].op_type == "Reshape"), None)
-    if at is None:
-        return None
+    if at is None or any(isinstance(step, tuple) for step in steps[at + 1:]):
+        return None  # (a region before the heads are split mixes them: OLMo 2's norm of all queries together)
     split = steps[at]
     entries = _shape_entries(g, split, 1)
     if entries is None or len(entries) < 3 or entries[-1] is None or entries[-1] <= 0:
