@@ -990,10 +990,18 @@ def test_gather_int4_tables(group):
                 np.testing.assert_array_equal(run(converted, feeds, level=level)[0], want)
 
 
-def _attention_graph(dead_head=1, heads_const=True):
+def _attention_graph(dead_head=1, heads_const=True, norm=None):
     """x[1, 5, 8] -> Q, K, V (MatMul + bias Add, 2 heads of 4) -> Reshape -> Transpose -> softmax(Q Kᵀ) V ->
-    Transpose -> Reshape -> Q/DQ -> MatMul(Wo); head ``dead_head``'s value columns and bias are zero."""
+    Transpose -> Reshape -> Q/DQ -> MatMul(Wo); head ``dead_head``'s value columns and bias are zero. ``norm``:
+    the queries and keys RMS-normalized over ``"each head"`` (Qwen3's q_norm, after the Reshape) or ``"all heads"``
+    (before it)."""
     b = Builder()
+
+    def rms(x, width):  # x / sqrt(mean(x^2, last axis) + eps) * weight
+        mean = b.node("ReduceMean", [b.node("Pow", [x, b.const(np.float32(2))])], axes=[-1], keepdims=1)
+        scale = b.node("Reciprocal", [b.node("Sqrt", [b.node("Add", [mean, b.const(np.float32(1e-6))])])])
+        weight = b.rng.uniform(0.5, 1.5, width).astype(np.float32)
+        return b.node("Mul", [b.const(weight, "g"), b.node("Mul", [x, scale])])
 
     def projection(zero_head):
         w = b.weight((8, 8), axis=1)
@@ -1005,8 +1013,11 @@ def _attention_graph(dead_head=1, heads_const=True):
             init.CopyFrom(onnx.numpy_helper.from_array(values, init.name))
             bias[4 * zero_head:4 * zero_head + 4] = 0
         y = b.node("Add", [b.node("MatMul", ["x", w]), b.const(bias, "b")])
+        if norm == "all heads" and zero_head is None:
+            y = rms(b.node("Identity", [y]), 8)
         split = b.const(np.array([1, 5, 2 if heads_const else -1, 4], np.int64), "shape")
-        return b.node("Reshape", [y, split])
+        y = b.node("Reshape", [y, split])
+        return rms(y, 4) if norm == "each head" and zero_head is None else y
 
     q = b.node("Transpose", [projection(None)], perm=[0, 2, 1, 3])
     k = b.node("Transpose", [projection(None)], perm=[0, 2, 3, 1])
@@ -1033,6 +1044,18 @@ def test_thin_heads_removes_a_dead_head_from_every_projection(heads_const):
     np.testing.assert_allclose(run(thinned, feeds, level=off)[0], expected, atol=1e-6)  # the removed terms were 0
     # a default session fuses the final QDQ MatMul alike in both: within one output quantum of each other
     assert np.abs(run(thinned, feeds)[0] - run(model, feeds)[0]).max() <= 0.05
+
+
+@pytest.mark.parametrize("norm", ["each head", "all heads"])
+def test_thin_heads_follows_a_norm_of_each_heads_queries_not_one_of_all_heads(norm):
+    """Qwen3 normalizes each head's queries and keys over the head's own axis: removing a head leaves the others'
+    norms as they were. A norm over all heads (before they are split) would change: that attention stays whole."""
+    model = _attention_graph(norm=norm)
+    feeds = _x([1, 5, 8])
+    thinned, (n,) = _apply(model, thin_heads)
+    assert n == (1 if norm == "each head" else 0)
+    off = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    np.testing.assert_allclose(run(thinned, feeds, level=off)[0], reference(model, feeds)[0], atol=1e-5)
 
 
 def _packed_attention_graph():
