@@ -221,6 +221,13 @@ def _thin_heads(model: nn.Module, modules: dict[str, nn.Module], att: Attention)
             _slice_out(layer, index)
     attention = modules.get(att.name)
     heads = len(units) * att.per_unit
+    if attention is not None:  # its own tables with a value per head (Swin's relative position bias)
+        query_heads = torch.from_numpy(unit_rows(units, att.per_unit, att.kv_heads))
+        projections = {w.rsplit(".", 1)[0] for w in att.widths()}
+        for name, table in _per_head_tables(attention, att.name, projections, att.heads):
+            owner, _, attr = name.rpartition(".")
+            _slice_attr(attention.get_submodule(owner) if owner else attention, attr, query_heads,
+                        list(table.shape).index(att.heads))
     counts = dict(zip(HEAD_COUNTS, (heads, heads, heads, heads, len(units), len(units), heads * att.head_dim)))
     if att.query == att.key and getattr(attention, "split_size", None) == att.heads * att.head_dim:
         counts["split_size"] = heads * att.head_dim  # GPT-2 splits its packed c_attn's output by this size
@@ -228,6 +235,17 @@ def _thin_heads(model: nn.Module, modules: dict[str, nn.Module], att: Attention)
         if isinstance(getattr(attention, attr, None), int):
             setattr(attention, attr, value)
     return (att.name, att.heads, heads)
+
+
+def _per_head_tables(attention: nn.Module, name: str, projections: set[str], heads: int):
+    """``(name, parameter)`` of the attention module's own parameters with one axis of ``heads`` entries (and two
+    axes or more), outside its projections: a value per head, such as a relative position bias table, which loses
+    the removed heads' entries (a wrong guess is caught: ``thin`` runs the model after)."""
+    for sub, p in attention.named_parameters():
+        owner = f"{name}.{sub}".rsplit(".", 1)[0]
+        if p.dim() >= 2 and list(p.shape).count(heads) == 1 and not any(
+                owner == q or owner.startswith(q + ".") for q in projections):
+            yield sub, p
 
 
 def _slice_attr(m: nn.Module, attr: str, index: torch.Tensor, dim: int) -> None:

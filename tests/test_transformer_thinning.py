@@ -558,6 +558,8 @@ def _config(name):
             d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
             encoder_ffn_dim=96, decoder_ffn_dim=96, **small)),
         "olmo2": lambda: t.Olmo2ForCausalLM(t.Olmo2Config(**decoder)),
+        "swin": lambda: t.SwinForImageClassification(t.SwinConfig(image_size=32, patch_size=4, embed_dim=64,
+                                                                  depths=[1], num_heads=[4], window_size=4)),
     }[name]()
 
 
@@ -578,8 +580,9 @@ def _one_shot_heads(model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt-j", "codegen", "qwen3", "gemma3", "phi", "gpt-bigcode", "bart"])
+@pytest.mark.parametrize("name", ["gpt-j", "codegen", "qwen3", "gemma3", "phi", "gpt-bigcode", "bart", "swin"])
 def test_attention_code_of_many_architectures_is_followed_pruned_by_head_and_thinned(name):
+    """(Swin adds a relative position bias per head from its own table: the table loses the removed heads' entries.)"""
     from recal_torch.graph import example_inputs_of
 
     torch.manual_seed(0)
