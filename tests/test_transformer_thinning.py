@@ -558,6 +558,8 @@ def _config(name):
             d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
             encoder_ffn_dim=96, decoder_ffn_dim=96, **small)),
         "olmo2": lambda: t.Olmo2ForCausalLM(t.Olmo2Config(**decoder)),
+        "t5": lambda: t.T5ForConditionalGeneration(t.T5Config(d_model=64, d_kv=16, d_ff=96, num_layers=1, num_heads=4,
+                                                              decoder_start_token_id=0, **small)),
         "swin": lambda: t.SwinForImageClassification(t.SwinConfig(image_size=32, patch_size=4, embed_dim=64,
                                                                   depths=[1], num_heads=[4], window_size=4)),
     }[name]()
@@ -580,9 +582,10 @@ def _one_shot_heads(model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt-j", "codegen", "qwen3", "gemma3", "phi", "gpt-bigcode", "bart", "swin"])
+@pytest.mark.parametrize("name", ["gpt-j", "codegen", "qwen3", "gemma3", "phi", "gpt-bigcode", "bart", "t5", "swin"])
 def test_attention_code_of_many_architectures_is_followed_pruned_by_head_and_thinned(name):
-    """(Swin adds a relative position bias per head from its own table: the table loses the removed heads' entries.)"""
+    """(T5 and Swin add a relative position bias per head from a table of their own: the table loses the removed
+    heads' entries; T5 is traced with its decoder's dummy inputs too.)"""
     from recal_torch.graph import example_inputs_of
 
     torch.manual_seed(0)

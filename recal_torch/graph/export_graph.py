@@ -79,7 +79,8 @@ def example_inputs_of(model: nn.Module) -> tuple[tuple, dict] | None:
     dummy = getattr(model, "dummy_inputs", None)
     if isinstance(dummy, dict) and name in dummy:
         device = next(model.parameters()).device
-        kwargs = {name: dummy[name][:1].to(device)}
+        kwargs = {key: dummy[key][:1].to(device) for key in (name, "decoder_input_ids") if key in dummy}  # (T5's
+        # decoder needs its own inputs)
         if getattr(config, "use_cache", False):
             kwargs["use_cache"] = False  # a key/value cache reads every head: trace the attention alone
         return (), kwargs
