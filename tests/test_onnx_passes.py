@@ -1058,10 +1058,11 @@ def test_thin_heads_follows_a_norm_of_each_heads_queries_not_one_of_all_heads(no
     np.testing.assert_allclose(run(thinned, feeds, level=off)[0], reference(model, feeds)[0], atol=1e-5)
 
 
-def _packed_attention_graph():
-    """GPT-2's packed ``c_attn``: x[1, 5, 8] -> MatMul(W[8, 24]) -> Add(b) -> Split([8, 8, 8]) into Q, K, V (2 heads of
-    4 each) -> Reshape -> Transpose -> softmax(Q Kᵀ) V -> Transpose -> Reshape -> Q/DQ -> MatMul(Wo); head 1's value
-    columns (16 + 4 .. 24) and bias are zero."""
+def _packed_attention_graph(per_head=False):
+    """One MatMul(W[8, 24]) + Add(b) packing Q, K and V of 2 heads of 4 on x[1, 5, 8], as GPT-2's ``c_attn`` (Split
+    ([8, 8, 8]) into Q, K, V, then Reshape and Transpose each) or, ``per_head``, as GPT-NeoX's ``query_key_value``
+    (Reshape([1, 5, 2, 12]), Transpose, Split([4, 4, 4]) of each head's last axis) -> softmax(Q Kᵀ) V -> Transpose ->
+    Reshape -> Q/DQ -> MatMul(Wo). Columns 20 .. 24 are head 1's value in both layouts: zero, with their bias."""
     b = Builder()
     w = b.weight((8, 24), axis=1)
     init = next(i for i in reversed(b.inits) if i.name[0] == "w" and i.name[1:].isdigit())
@@ -1071,47 +1072,27 @@ def _packed_attention_graph():
     bias = b.rng.standard_normal(24).astype(np.float32) * 0.1
     bias[20:24] = 0
     packed = b.node("Add", [b.node("MatMul", ["x", w]), b.const(bias, "b")])
+    if per_head:
+        packed = b.node("Transpose", [b.node("Reshape", [packed, b.const(np.array([1, 5, 2, 12], np.int64), "s")])],
+                        perm=[0, 2, 1, 3])
     q, k, v = (f"{packed}_{i}" for i in range(3))
-    b.nodes.append(onnx.helper.make_node("Split", [packed, b.const(np.array([8, 8, 8], np.int64), "sizes")], [q, k, v],
-                                         axis=2))
-    heads = [b.node("Reshape", [t, b.const(np.array([1, 5, 2, 4], np.int64), "s")]) for t in (q, k, v)]
-    q, k, v = (b.node("Transpose", [t], perm=p) for t, p in zip(heads, ([0, 2, 1, 3], [0, 2, 3, 1], [0, 2, 1, 3])))
-    out = b.node("MatMul", [b.node("Softmax", [b.node("MatMul", [q, k])], axis=-1), v])
-    merged = b.node("Reshape", [b.node("Transpose", [out], perm=[0, 2, 1, 3]),
-                                b.const(np.array([1, 5, 8], np.int64), "shape")])
-    return b.model([("x", [1, 5, 8])], [b.node("MatMul", [b.qdq(merged, 0.02, 128), b.weight((8, 8), axis=1)])])
-
-
-def _per_head_packed_attention_graph():
-    """GPT-NeoX's ``query_key_value``, packed per head: x[1, 5, 8] -> MatMul(W[8, 24]) -> Add(b) ->
-    Reshape([1, 5, 2, 12]) -> Transpose -> Split([4, 4, 4], last axis) into Q, K, V of each head -> softmax(Q Kᵀ) V
-    -> Transpose -> Reshape -> Q/DQ -> MatMul(Wo); head 1 is columns 12 .. 24, its value columns 20 .. 24 and bias
-    zero."""
-    b = Builder()
-    w = b.weight((8, 24), axis=1)
-    init = next(i for i in reversed(b.inits) if i.name[0] == "w" and i.name[1:].isdigit())
-    values = onnx.numpy_helper.to_array(init).copy()
-    values[:, 20:24] = 0
-    init.CopyFrom(onnx.numpy_helper.from_array(values, init.name))
-    bias = b.rng.standard_normal(24).astype(np.float32) * 0.1
-    bias[20:24] = 0
-    packed = b.node("Add", [b.node("MatMul", ["x", w]), b.const(bias, "b")])
-    heads = b.node("Transpose", [b.node("Reshape", [packed, b.const(np.array([1, 5, 2, 12], np.int64), "s")])],
-                   perm=[0, 2, 1, 3])
-    q, k, v = (f"{heads}_{i}" for i in range(3))
-    b.nodes.append(onnx.helper.make_node("Split", [heads, b.const(np.array([4, 4, 4], np.int64), "sizes")], [q, k, v],
+    sizes = [4, 4, 4] if per_head else [8, 8, 8]
+    b.nodes.append(onnx.helper.make_node("Split", [packed, b.const(np.array(sizes, np.int64), "sizes")], [q, k, v],
                                          axis=-1))
-    k = b.node("Transpose", [k], perm=[0, 1, 3, 2])
+    if per_head:
+        k = b.node("Transpose", [k], perm=[0, 1, 3, 2])
+    else:
+        heads = [b.node("Reshape", [t, b.const(np.array([1, 5, 2, 4], np.int64), "s")]) for t in (q, k, v)]
+        q, k, v = (b.node("Transpose", [t], perm=p) for t, p in zip(heads, ([0, 2, 1, 3], [0, 2, 3, 1], [0, 2, 1, 3])))
     out = b.node("MatMul", [b.node("Softmax", [b.node("MatMul", [q, k])], axis=-1), v])
     merged = b.node("Reshape", [b.node("Transpose", [out], perm=[0, 2, 1, 3]),
                                 b.const(np.array([1, 5, 8], np.int64), "shape")])
     return b.model([("x", [1, 5, 8])], [b.node("MatMul", [b.qdq(merged, 0.02, 128), b.weight((8, 8), axis=1)])])
 
 
-@pytest.mark.parametrize("build", [_packed_attention_graph, _per_head_packed_attention_graph],
-                         ids=["blocks (GPT-2)", "per head (GPT-NeoX)"])
-def test_thin_heads_takes_a_dead_heads_rows_from_a_packed_projection(build):
-    model = build()
+@pytest.mark.parametrize("per_head", [False, True], ids=["blocks (GPT-2)", "per head (GPT-NeoX)"])
+def test_thin_heads_takes_a_dead_heads_rows_from_a_packed_projection(per_head):
+    model = _packed_attention_graph(per_head)
     feeds = _x([1, 5, 8])
     thinned, (n,) = _apply(model, thin_heads)
     assert n == 1
