@@ -100,7 +100,7 @@ def _reduce(node: torch.fx.Node, rows: torch.Tensor) -> torch.Tensor:
 def _within_heads(reduced: torch.Tensor, heads: torch.Tensor) -> bool:
     """Each vector along ``reduced``'s last axis holds rows of one head (of ``heads``, ``[heads, d]``)."""
     head_of = {int(r): h for h, row in enumerate(heads) for r in row.tolist()}
-    for vector in reduced.reshape(-1, reduced.shape[-1])[:64]:  # (every position mixes alike; a few suffice)
+    for vector in torch.unique(reduced.reshape(-1, reduced.shape[-1]), dim=0):  # (each token's vectors are alike)
         owners = {head_of.get(int(r)) for r in vector.tolist()}
         if len(owners) != 1 or None in owners:
             return False
