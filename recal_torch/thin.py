@@ -57,7 +57,8 @@ class ThinningWarning(UserWarning):
 def thin(model: nn.Module, example_inputs: Any = None) -> ThinReport:
     """Remove ``model``'s dead channels and attention heads in place (call it after training: the optimizer
     and the manager hold the old tensors). Spaces and attentions the coupling rules cannot thin are left as
-    they are. A thinned attention keeps its head size; its module's head counts are updated.
+    they are. A thinned attention keeps its head size; its module's head counts are updated and its own per-head
+    tables (a relative position bias) sliced.
 
     Where recal has inputs for the model (``example_inputs``, those given to ``modify``, a Hugging Face model's
     own), the thinned model is run on them and must compute what the masked one did: an attention whose own
