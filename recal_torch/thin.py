@@ -61,8 +61,9 @@ def thin(model: nn.Module, example_inputs: Any = None) -> ThinReport:
     tables (a relative position bias) sliced.
 
     Where recal has inputs for the model (``example_inputs``, those given to ``modify``, a Hugging Face model's
-    own), the thinned model is run on them and must compute what the masked one did: an attention whose own
-    code splits heads by a count recal cannot change (nanoGPT's ``split(n_embd)``) keeps its heads, with a
+    own), the thinned model is run on them and must compute what the masked one did: if it does not, the
+    channels are thinned alone and each attention's heads one by one, and an attention whose own code splits
+    heads by a count recal cannot change (nanoGPT's ``split(n_embd)``) keeps its heads, with a
     :class:`ThinningWarning` saying why; if the channels alone still differ, nothing is removed and a
     :class:`ThinningError` says what went wrong.
 
@@ -88,15 +89,9 @@ def thin(model: nn.Module, example_inputs: Any = None) -> ThinReport:
             return report
         _restore(before)
         if report.heads:
-            names = ", ".join(name for name, b, a in report.heads if a < b)
             report = _thin(model, graph, with_heads=False)
             if _differs(model, inputs, expected) is None:
-                warnings.warn(f"thin: the heads of {names} stay: with them removed, the model {problem}. recal "
-                              f"updates an attention's {', '.join(HEAD_COUNTS)} where it has them; an attention whose "
-                              "own code splits its heads by another count (its input's width, a constant) cannot be "
-                              "thinned by head here; quantize_qat_export (thin=True) removes them from its QAT "
-                              "export, where those counts are constants", ThinningWarning, stacklevel=3)
-                return report
+                return _heads_one_by_one(model, graph, inputs, expected, report, problem)
             _restore(before)
         raise ThinningError(f"thin: with its dead channels and heads removed, the model {problem}; nothing was "
                             "removed (a module whose code reads a layer's size some other way cannot be thinned)")
@@ -107,6 +102,36 @@ def thin(model: nn.Module, example_inputs: Any = None) -> ThinReport:
 # the head counts thinning sets on an attention module where it has them (split_size: GPT-2's, when it is one)
 HEAD_COUNTS = ("num_attention_heads", "num_heads", "n_heads", "n_head", "num_key_value_heads", "num_kv_heads",
                "all_head_size", "split_size")
+
+
+def _heads_one_by_one(model: nn.Module, graph, inputs, expected, report: ThinReport, problem: str) -> ThinReport:
+    """With the channels thinned, each attention's heads removed on their own and kept only where the model still
+    computes what it did (T5's cross attentions, when its self attentions share one bias table); a
+    :class:`ThinningWarning` names those whose heads stay, with why."""
+    modules = dict(model.named_modules())
+    heads, stay = [], []
+    for att in graph.attentions:
+        if att.blockers:
+            continue
+        before = _snapshot(model)
+        thinned = _thin_heads(model, modules, att)
+        if thinned is None:
+            continue
+        why = _differs(model, inputs, expected)
+        if why is None:
+            heads.append(thinned)
+        else:
+            _restore(before)
+            stay.append((att.name, why))
+    if stay:
+        names = ", ".join(name for name, _ in stay)
+        warnings.warn(f"thin: the heads of {names} stay: with them removed, the model {stay[0][1]} (all at once: "
+                      f"{problem}). recal updates an attention's {', '.join(HEAD_COUNTS)} where it has them, and its "
+                      "own per-head tables; an attention whose own code splits its heads by another count (its "
+                      "input's width, a constant) or shares a per-head table with others cannot be thinned by head "
+                      "here; quantize_qat_export (thin=True) removes them from its QAT export, where those counts "
+                      "are constants", ThinningWarning, stacklevel=4)
+    return ThinReport(report.spaces, tuple(heads))
 
 
 def _thin(model: nn.Module, graph, with_heads: bool) -> ThinReport:

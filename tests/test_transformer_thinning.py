@@ -601,6 +601,31 @@ def test_attention_code_of_many_architectures_is_followed_pruned_by_head_and_thi
                                    rtol=0)
 
 
+def test_thin_keeps_the_heads_of_attentions_sharing_a_table_and_thins_the_others():
+    """T5's self attentions add one bias table, held by the first layer, for every layer: with other heads dead in
+    each layer, removing them would misalign the table, so those heads stay (a ThinningWarning names the
+    attentions); the one-layer decoder's cross attention, whose bias is its own, loses its dead head all the
+    same."""
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        d_model=64, d_kv=16, d_ff=96, num_layers=2, num_decoder_layers=1, num_heads=4, decoder_start_token_id=0,
+        vocab_size=128)).eval()
+    with torch.no_grad():  # head 0 of the first encoder layer, head 1 of the second, head 2 of a cross attention
+        model.encoder.block[0].layer[0].SelfAttention.v.weight[0:16] = 0
+        model.encoder.block[1].layer[0].SelfAttention.v.weight[16:32] = 0
+        model.decoder.block[0].layer[1].EncDecAttention.v.weight[32:48] = 0
+    ids = torch.randint(0, 128, (2, 6))
+    with torch.no_grad():
+        masked = model(input_ids=ids, decoder_input_ids=ids).logits
+    with pytest.warns(ThinningWarning, match=r"the heads of encoder\.block\.0\.layer\.0\.SelfAttention, "
+                                             r"encoder\.block\.1\.layer\.0\.SelfAttention stay"):
+        report = thin(model)
+    assert [(name, b, a) for name, b, a in report.heads] == [("decoder.block.0.layer.1.EncDecAttention", 4, 3)]
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, decoder_input_ids=ids).logits, masked,
+                                   atol=1e-5 * float(masked.abs().max()), rtol=0)
+
+
 def test_a_norm_over_every_heads_queries_is_a_located_reason_not_a_wrong_thinning():
     """OLMo 2 normalizes the queries and keys over all heads at once: removing a head would change every other
     head's norm, so its heads are not removed, and the reason names the op."""
