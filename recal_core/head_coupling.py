@@ -55,7 +55,7 @@ class Attention:
         return [self.query, self.key, self.value].count(weight) > 1
 
     def unit_span(self, weight: str) -> int:
-        """Rows of ``weight`` from one unit to the next where it holds units together (interleaved)."""
+        """The rows of ``weight`` one unit holds: from one unit to the next where it holds them together."""
         return sum(x for w, _, x in self.projections() if w == weight)
 
     def rows(self, role: int) -> np.ndarray:
@@ -75,7 +75,7 @@ class Attention:
         held: dict[str, list[tuple[int, int]]] = {}
         for weight, offset, width in self.projections():
             held.setdefault(weight, []).append((offset, width))
-        out: dict[str, Width] = {w: blocks[0][1] if len(blocks) == 1 else sum(x for _, x in blocks)
+        out: dict[str, Width] = {w: blocks[0][1] if len(blocks) == 1 else self.unit_span(w)
                                  if self.interleaved else tuple(x for _, x in sorted(blocks))
                                  for w, blocks in held.items()}
         out[self.output] = self.per_unit * self.head_dim
@@ -220,8 +220,7 @@ def live_heads(att: Attention, is_zero) -> np.ndarray:
     rows = att.rows(2)
 
     def value_rows(name: str) -> np.ndarray:
-        zero = is_zero(name)
-        return zero[rows].reshape(units, -1).all(1)
+        return is_zero(name)[rows].reshape(units, -1).all(1)
 
     value = value_rows(att.value)
     for weight, bias in dict(att.biases).items():

@@ -371,8 +371,9 @@ def _channel_groups(graph: ModelGraph, pruned: dict[str, tuple[int, str]], infos
         if att.kv_heads // block < 2:
             raise CouplingError(
                 f"{att.name}: mask_type head: its {att.heads} heads are one unit (they share "
-                f"{'one key/value head' if att.kv_heads == 1 else 'one group of the output projection scales'}), and an "
-                "attention keeps one unit, so none can be removed; leave this attention out of params", modifier)
+                f"{'one key/value head' if att.kv_heads == 1 else 'one group of the output projection scales'}), "
+                "and an attention keeps one unit, so none can be removed; leave this attention out of params",
+                modifier)
         out.append(ChannelGroup(modifier, "head", att.widths(), tuple(b for _, b in att.biases), att.kv_heads,
                                 frozenset({att.output}), att.bias_widths(), block))
     per_channel = {w: v for w, v in pruned.items() if v[1] != "head"}

@@ -257,7 +257,7 @@ WEIGHT_LEVELS = 127  # int8 symmetric weights: |q| <= 127
 # reduce_range: |q| <= 64, so |q1| + |q2| <= 128 and x86's vpmaddubsw (uint8 x int8 pairs summed in int16) never
 # saturates: 255 * 128 = 32640 <= 32767
 REDUCED_WEIGHT_LEVELS = 64
-WEIGHT_ONLY_LEVELS = {8: WEIGHT_LEVELS, 4: 7, 2: 1}  # symmetric |q| <= levels, stored + 2**(bits-1) by MatMulNBits; 2: ternary
+WEIGHT_ONLY_LEVELS = {8: WEIGHT_LEVELS, 4: 7, 2: 1}  # |q| <= levels, stored + 2**(bits-1) by MatMulNBits
 
 
 class QuantizationScheme(BaseModel):

@@ -130,7 +130,8 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
             model's values; 4 with the input quantized to int8 per block, faster where the CPU has int8 dot
             products, verified with the same tolerance; 1-3 as onnxruntime defines them.
         keep_exporter_metadata: keep the torch exporter's per-node record (module path, stack trace), which is
-            dropped by default (:mod:`recal_onnx.passes.exporter_metadata`; ``rewrites["drop_exporter_metadata"]``: bytes).
+            dropped by default (:mod:`recal_onnx.passes.exporter_metadata`; ``rewrites["drop_exporter_metadata"]``:
+            bytes).
 
     Returns:
         A :class:`ConversionResult`: the model, its path, the rewrites made, what stays float and why, the

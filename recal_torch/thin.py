@@ -99,9 +99,26 @@ def thin(model: nn.Module, example_inputs: Any = None) -> ThinReport:
         model.train(was_training)
 
 
-# the head counts thinning sets on an attention module where it has them (split_size: GPT-2's, when it is one)
-HEAD_COUNTS = ("num_attention_heads", "num_heads", "n_heads", "n_head", "num_key_value_heads", "num_kv_heads",
-               "all_head_size", "split_size")
+def _head_count_values(heads: int, kv_heads: int | None, head_dim: int) -> dict[str, int | None]:
+    """The head counts an attention module may keep as attributes, for ``heads`` query heads and ``kv_heads``
+    key/value heads (None: unknown, left as they are)."""
+    return {"num_attention_heads": heads, "num_heads": heads, "n_heads": heads, "n_head": heads,
+            "num_key_value_heads": kv_heads, "num_kv_heads": kv_heads, "all_head_size": heads * head_dim}
+
+
+# the head counts thin and load_thinned set where an attention module has them (split_size: a packed projection's)
+HEAD_COUNTS = (*_head_count_values(1, 1, 1), "split_size")
+
+
+def _count_attributes(m: nn.Module, heads: int, kv_heads: int | None, head_dim: int,
+                      packed_heads: int | None = None) -> list[tuple[str, int]]:
+    """``(attribute, value)`` for the head counts ``m`` keeps as ints that differ from ``heads`` and ``kv_heads``;
+    ``split_size`` too where it was ``packed_heads`` heads wide (GPT-2 splits its packed c_attn's output by it)."""
+    values = _head_count_values(heads, kv_heads, head_dim)
+    if packed_heads is not None and getattr(m, "split_size", None) == packed_heads * head_dim:
+        values["split_size"] = heads * head_dim
+    return [(attr, value) for attr, value in values.items()
+            if value is not None and isinstance(getattr(m, attr, None), int) and getattr(m, attr) != value]
 
 
 def _heads_one_by_one(model: nn.Module, graph, inputs, expected, report: ThinReport, problem: str) -> ThinReport:
@@ -254,12 +271,9 @@ def _thin_heads(model: nn.Module, modules: dict[str, nn.Module], att: Attention)
             owner, _, attr = name.rpartition(".")
             _slice_attr(attention.get_submodule(owner) if owner else attention, attr, query_heads,
                         list(table.shape).index(att.heads))
-    counts = dict(zip(HEAD_COUNTS, (heads, heads, heads, heads, len(units), len(units), heads * att.head_dim)))
-    if att.query == att.key and getattr(attention, "split_size", None) == att.heads * att.head_dim:
-        counts["split_size"] = heads * att.head_dim  # GPT-2 splits its packed c_attn's output by this size
-    for attr, value in counts.items():
-        if isinstance(getattr(attention, attr, None), int):
-            setattr(attention, attr, value)
+    for attr, value in _count_attributes(attention, heads, len(units), att.head_dim,
+                                         att.heads if att.query == att.key else None):
+        setattr(attention, attr, value)
     return (att.name, att.heads, heads)
 
 
@@ -416,8 +430,8 @@ def _check_thinning_only(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
 def _head_counts(m: nn.Module) -> list[tuple[str, int]]:
     """An attention module's head counts from its (resized) projections, where it keeps them as attributes:
     ``(attribute, value)`` pairs that differ from what it holds."""
-    head_dim = next((getattr(m, a) for a in ("attention_head_size", "head_dim") if isinstance(getattr(m, a, None), int)),
-                    None)
+    head_dim = next((getattr(m, a) for a in ("attention_head_size", "head_dim")
+                     if isinstance(getattr(m, a, None), int)), None)
     children = dict(m.named_children())
     query = next((children[n] for n in ("query", "q_proj") if n in children), None)
     key = next((children[n] for n in ("key", "k_proj") if n in children), None)
@@ -426,18 +440,13 @@ def _head_counts(m: nn.Module) -> list[tuple[str, int]]:
         kv = getattr(m, "num_kv_heads", m.num_heads)
         per_unit = m.num_heads // kv
         units = fused.weight.shape[0] // ((per_unit + 2) * head_dim)
-        return [(attr, value) for attr, value in (("num_heads", units * per_unit), ("num_kv_heads", units))
-                if isinstance(getattr(m, attr, None), int) and getattr(m, attr) != value]
+        return _count_attributes(m, units * per_unit, units, head_dim, m.num_heads)
     packed = children.get("c_attn")  # GPT-2: Q, K and V in one Conv1D, split by split_size
     if head_dim is not None and packed is not None and isinstance(getattr(m, "split_size", None), int) \
             and not getattr(m, "is_cross_attention", False):
         heads = packed.weight.shape[-1 if _stores_inputs_first(packed) else 0] // 3 // head_dim
-        return [(attr, value) for attr, value in (("num_heads", heads), ("split_size", heads * head_dim))
-                if isinstance(getattr(m, attr, None), int) and getattr(m, attr) != value]
+        return _count_attributes(m, heads, heads, head_dim, m.split_size // head_dim)
     if head_dim is None or not isinstance(query, nn.Linear):
         return []
-    heads = query.out_features // head_dim
-    return [(attr, value) for attr, value in (
-        ("num_attention_heads", heads), ("num_heads", heads), ("all_head_size", heads * head_dim),
-        ("num_key_value_heads", key.out_features // head_dim if isinstance(key, nn.Linear) else None))
-        if isinstance(getattr(m, attr, None), int) and value is not None and getattr(m, attr) != value]
+    return _count_attributes(m, query.out_features // head_dim,
+                             key.out_features // head_dim if isinstance(key, nn.Linear) else None, head_dim)

@@ -230,6 +230,11 @@ DECODER_SETTINGS = {"1/2 FFN, distilled": (0.0, 0.5, True), "7/12 FFN, distilled
                     "1/4 heads, 1/2 FFN": (0.25, 0.5, False),
                     "1/4 heads, 1/2 FFN, distilled": (0.25, 0.5, True),
                     "1/2 heads, 3/4 FFN, distilled": (0.5, 0.75, True)}
+def decoder_key(arch: str) -> str:
+    """Where the decoder part's figures for ``arch`` go in the JSON (render_docs reads them there)."""
+    return "decoder" if arch == "llama" else f"decoder_{arch}"
+
+
 DECODER_QAT_LR = 1e-3  # every int4 row's (and the fp32 model trained on's): 2e-4 left the pruned rows unrecovered
 DECODER_PRUNE_END = 0.1  # the share of the steps over which heads and neurons are pruned; the rest recovers
 DECODER_DISTILL = """
@@ -256,7 +261,8 @@ def decoder_part(quick: bool, rounds: int, folder: Path, arch: str = "llama",
     torch.manual_seed(0)
     model = llm.build(layers, hidden, arch=arch)
     params = sum(p.numel() for p in model.parameters())
-    print(f"  {arch} decoder: {params / 1e6:.2f} M parameters, {steps} fp32 steps, then {qat_steps} for each int4 row",
+    print(f"  {arch} decoder: {params / 1e6:.2f} M parameters, {steps} fp32 steps, then {qat_steps} for each int4 "
+          "row",
           flush=True)
     llm.train(model, train_data, steps, 2e-3, args.batch, seed=0)
     model.eval()
@@ -304,7 +310,8 @@ def decoder_part(quick: bool, rounds: int, folder: Path, arch: str = "llama",
               f"token {r['ms_token']:6.3f} ms", flush=True)
     return {**machine(), "params": params, "layers": layers, "hidden": hidden, "steps": steps, "qat_steps": qat_steps,
             "settings": list(settings or DECODER_SETTINGS), "qat_lr": args.qat_lr, "prune_end": DECODER_PRUNE_END,
-            "distill": DECODER_DISTILL.strip(), "group": args.group, "test_tokens": int(windows[:, 1:].size), "files": files, "rounds": rounds, "rows": rows}
+            "distill": DECODER_DISTILL.strip(), "group": args.group, "test_tokens": int(windows[:, 1:].size),
+            "files": files, "rounds": rounds, "rows": rows}
 
 
 def main() -> None:
@@ -332,7 +339,7 @@ def main() -> None:
     if "latency" in args.parts:
         out["latency"] = [latency_part(m, args.quick, args.seq, 3 if args.quick else args.rounds, folder)
                           for m in args.models]
-    key = "decoder" if args.arch == "llama" else f"decoder_{args.arch}"
+    key = decoder_key(args.arch)
     if "decoder" in args.parts:
         out[key] = decoder_part(args.quick, 3 if args.quick else args.rounds, folder, args.arch, args.settings)
     if args.json:

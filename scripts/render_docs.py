@@ -182,8 +182,9 @@ def thinning_decoder(arch: str = "llama") -> str:
     """An int4 decoder pruned and thinned against dense int4 (bench_transformer_thinning.py, its decoder part run
     with ``--arch``: its figures under ``decoder``, or ``decoder_<arch>``)."""
     from bench_llm import ARCHS
+    from bench_transformer_thinning import decoder_key
 
-    data = load("thinning_transformers.json")["decoder" if arch == "llama" else f"decoder_{arch}"]
+    data = load("thinning_transformers.json")[decoder_key(arch)]
     rows = {r["label"]: r for r in data["rows"]}
     rtn, dense = rows["ort RTN int4, dense"], rows["recal int4 QAT, dense"]
     lines = ["| model | test perplexity | ppl x ort RTN | ppl x recal dense int4 | MB | MB x ort RTN | prompt of 128 "

@@ -5,7 +5,8 @@ recal's export writes a weight-only layer's integers as rows of one group each, 
 a per-row (per-channel, axis 0) DequantizeLinear reshaped to ``[out, in]`` (:mod:`recal_torch.export.modules`): a form
 every exporter and opset >= 13 writes and onnxruntime runs as it is. ``MatMulNBits`` keeps the integers packed (four
 ternary values a byte, zero point 2; two 4-bit values, zero point 8; or bytes, zero point 128) with one scale per
-block of ``group_size`` inputs, and dequantizes a block at a time inside its GEMM: a smaller file and less memory traffic than a float weight.
+block of ``group_size`` inputs, and dequantizes a block at a time inside its GEMM: a smaller file and less memory
+traffic than a float weight.
 
 Before::  q [N*K/G, G] -> DequantizeLinear(s, axis=0) -> Reshape [N, K] -> Transpose -> MatMul(x, .)   (+ Add(b))
           (or Gemm(x, ., b, transB=1); or, per channel, DequantizeLinear(q [N, K], s [N], axis=0) with no Reshape)

@@ -18,9 +18,9 @@ shapes (which follows); a packed projection (GPT-2's ``c_attn``: one ``MatMul``,
 (GPT-NeoX's ``query_key_value``: the ``Split`` after the heads are, within each head's rows, and a partial rotary
 embedding ending in a ``Concat``) loses each dead head's run of rows; a norm of each head's queries or keys over
 its own last axis (Qwen3's ``q_norm``: ``Pow``, ``ReduceMean``, ... times its weight) is followed like a rotary
-region, one before the heads are split is not; an attention that does not pass is left as it is. With grouped-query attention a unit
-is a key/value head with its query heads (:mod:`recal_core.head_coupling`). Quantized weights are sliced with
-their per-channel scales.
+region, one before the heads are split is not; an attention that does not pass is left as it is. With grouped-query
+attention a unit is a key/value head with its query heads (:mod:`recal_core.head_coupling`). Quantized weights are
+sliced with their per-channel scales.
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def _forward(g: Graph, value: Value, through: set[str]) -> Node | None:
 
 def _projection(g: Graph, value: Value):
     """The ``MatMul`` layer (and its bias ``Add``) behind a query, key or value input, the reshape that splits
-    its heads with the steps from there to the attention (nodes, and rotary regions as ``(add, region)``), and
+    its heads with the steps from there to the attention (nodes, and head-local regions as ``(end, region)``), and
     the head size, and for a packed projection (GPT-2's ``c_attn``) the ``(Split, output)`` that takes its block:
     None where the way is not plain."""
     steps: list = []
@@ -228,13 +228,11 @@ def _projection(g: Graph, value: Value):
             return None
         readers = _readers(g, value)
         if steps and isinstance(steps[-1], tuple) and set(readers) <= steps[-1][1]:
-            readers = readers[:1]  # a rotary region's input: read by its nodes alone
+            readers = readers[:1]  # a head-local region's input: read by its nodes alone
         if len(readers) != 1:
             return None
-        if (node.op_type == "Add" or node.op_type == "Concat" and len(node.inputs) > 1) and \
-                not any(g.is_const(i) for i in node.inputs) or node.op_type == "Mul" and not _scalar_op(g, node) \
-                and any(g.is_const(i) for i in node.inputs):  # (a partial rotary embedding ends in a Concat, a
-            region = _rotary(g, node)  # norm of each head's queries in its weight's Mul)
+        if _ends_region(g, node):
+            region = _head_local_region(g, node)
             if region is None:
                 return None
             steps.append((node, region[1]))
@@ -263,9 +261,18 @@ def _projection(g: Graph, value: Value):
             return None
 
 
+def _ends_region(g: Graph, node: Node) -> bool:
+    """Where a head-local region ends: a rotary embedding's ``Add`` (or, partial, its ``Concat``) of two computed
+    tensors, or a per-head norm's ``Mul`` by its weight."""
+    constants = [g.is_const(i) for i in node.inputs]
+    if node.op_type == "Mul":
+        return any(constants) and not _scalar_op(g, node)
+    return (node.op_type == "Add" or node.op_type == "Concat" and len(node.inputs) > 1) and not any(constants)
+
+
 _REPEAT = {"Unsqueeze", "Expand"}  # grouped-query attention's repeat of key/value heads (with a Reshape)
-_ROTARY = {"Mul", "Add", "Sub", "Neg", "Slice", "Concat", "Cast",
-           "Pow", "ReduceMean", "Sqrt", "Reciprocal", "Div"}  # (and a norm over each head's last axis: Qwen3's)
+# a head-local region: a rotary embedding's ops, and a norm's over each head's last axis (Qwen3's q_norm)
+_REGION_OPS = {"Mul", "Add", "Sub", "Neg", "Slice", "Concat", "Cast", "Pow", "ReduceMean", "Sqrt", "Reciprocal", "Div"}
 
 
 def _scalar_op(g: Graph, node: Node) -> bool:
@@ -273,11 +280,12 @@ def _scalar_op(g: Graph, node: Node) -> bool:
                                                if i is not None)
 
 
-def _rotary(g: Graph, add: Node) -> tuple[Value, set[Node]] | None:
-    """A rotary embedding ending in ``add`` (``x * cos + rotate_half(x) * sin``): its one input ``x`` (made by a
-    transpose or reshape) and its nodes; cos and sin are constants or ``Unsqueeze`` outputs (checked to be one
-    value for every head by :func:`_rotary_keeps_heads`). None for anything else."""
-    region, starts, stack = set(), set(), [add]
+def _head_local_region(g: Graph, end: Node) -> tuple[Value, set[Node]] | None:
+    """A rotary embedding (``x * cos + rotate_half(x) * sin``) or a per-head norm ending in ``end``: its one input
+    ``x`` (made by a transpose, reshape or a per-head Split) and its nodes; cos, sin and a norm's weight are
+    constants or ``Unsqueeze`` outputs (checked to be one value for every head by :func:`_region_keeps_heads`). None
+    for anything else."""
+    region, starts, stack = set(), set(), [end]
     while stack:
         node = stack.pop()
         if node in region:
@@ -289,7 +297,7 @@ def _rotary(g: Graph, add: Node) -> tuple[Value, set[Node]] | None:
             producer = g.producer(value)
             if value is None or g.is_const(value) or producer is not None and producer.op_type == "Unsqueeze":
                 continue  # a number, cos or sin
-            if producer is not None and producer.op_type in _ROTARY:
+            if producer is not None and producer.op_type in _REGION_OPS:
                 stack.append(producer)
             elif producer is not None and (producer.op_type in _PLUMBING or producer.op_type == "Split"):
                 starts.add(value)  # (a Split: a per-head packed projection's block, GPT-NeoX's)
@@ -301,7 +309,7 @@ def _rotary(g: Graph, add: Node) -> tuple[Value, set[Node]] | None:
 def _follow_heads(g: Graph, split: Node, steps: list, units: int, per: int, per_unit: int):
     """The edits ``(node, input, position, per)`` that keep each shape from the reshape ``split`` down to the
     attention right once units go (``position`` then holds ``units * per``): the head axis followed through
-    transposes, rotary regions, a key/value repeat (``per`` becomes ``per_unit``) and a merge of the heads into the
+    transposes, head-local regions, a key/value repeat (``per`` becomes ``per_unit``) and a merge of the heads into the
     batch; None where a shape holds the head count in a way this pass does not follow."""
     entries = _shape_entries(g, split, 1)
     rank, axis, repeat, edits = len(entries), len(entries) - 2, None, []
@@ -310,7 +318,7 @@ def _follow_heads(g: Graph, split: Node, steps: list, units: int, per: int, per_
     edits += [(split, 1, axis, per)] if entries[axis] == units * per else []
     for step in steps:
         if isinstance(step, tuple):
-            if axis is None or not _rotary_keeps_heads(g, step[1], rank, axis):
+            if axis is None or not _region_keeps_heads(g, step[1], rank, axis):
                 return None
             continue
         op = step.op_type
@@ -352,7 +360,7 @@ def _follow_heads(g: Graph, split: Node, steps: list, units: int, per: int, per_
     return edits
 
 
-def _rotary_keeps_heads(g: Graph, region: set[Node], rank: int, axis: int) -> bool:
+def _region_keeps_heads(g: Graph, region: set[Node], rank: int, axis: int) -> bool:
     """A rotary region (or a norm of each head's queries) works within each head: its slices, concats and means are
     on the last axis (not the heads'), and what it multiplies by (cos, sin, a norm's weight) is one value for every
     head (a constant of size 1 there, or unsqueezed there)."""

@@ -381,7 +381,7 @@ def _attention(site: Site, params: dict[str, str], order: dict[torch.fx.Node, in
         blockers.append(merge_path or f"whatever reads {name}'s output (not one linear)")
     inside = {n for linear, path in found for n in (linear, *path) if n is not None}
     rows = []
-    for (linear, path), arg, role in zip(found, targets, range(3)):
+    for role, ((linear, path), arg) in enumerate(zip(found, targets)):
         if linear is None:
             continue
         for n in [linear, *path]:

@@ -258,9 +258,10 @@ class GroupWeightFakeQuantize(LearnableScale, nn.Module):
 
     ``observer``: ``"minmax"`` maps each group's largest magnitude to the top level; ``"mse"`` tries clipping it
     (:data:`MSE_CLIPS`; for 2 bits :data:`TERNARY_MSE_CLIPS`) and keeps, per group, the scale with the least squared
-    error. The scale follows the weights until frozen, as :class:`WeightFakeQuantize`'s does. ``"lsq"`` learns it: the mse scale at the first forward
-    (a calibrated start), then a parameter the optimizer trains (the manager gives it a param group of its own),
-    with LSQ's gradient scale ``1 / sqrt(group_size * levels)``; frozen, it stops training."""
+    error. The scale follows the weights until frozen, as :class:`WeightFakeQuantize`'s does. ``"lsq"`` learns it:
+    the mse scale at the first forward (a calibrated start), then a parameter the optimizer trains (the manager gives
+    it a param group of its own), with LSQ's gradient scale ``1 / sqrt(group_size * levels)``; frozen, it stops
+    training."""
 
     def __init__(self, out_features: int, in_features: int, bits: int, group_size: int | None,
                  observer: str = "minmax"):
