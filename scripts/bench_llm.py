@@ -1,4 +1,4 @@
-"""A decoder LM in 4 bits on real text: fp32, onnxruntime's int4 post-training quantizers, recal's int4 QAT.
+r"""A decoder LM in 4 bits on real text: fp32, onnxruntime's int4 post-training quantizers, recal's int4 QAT.
 
 A small Llama-shaped decoder (a Hugging Face config, random initial weights; bytes as tokens) learns the Python
 standard library's own source, which every machine has offline: its ``.py`` files are split into train and test by a

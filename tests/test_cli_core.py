@@ -138,6 +138,21 @@ def test_no_module_is_over_500_lines_and_no_import_cycle():
             visit(name, [name])
 
 
+def test_every_python_file_compiles_without_a_warning():
+    """An invalid escape in a docstring is a SyntaxWarning today and an error in a later Python."""
+    import subprocess
+    import warnings
+
+    from .conftest import ROOT
+
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert files
+    for name in files:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compile((ROOT / name).read_text(), name, "exec")
+
+
 def test_a_subpackage_is_entered_through_its_init():
     """A package's modules are its own: code outside ``recal_torch.qat`` (or any subpackage) imports the names the
     package's ``__init__`` gives, never one of its modules, so a package can rearrange its rooms without a caller

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from recal_core import RecipeError, load_recipe
 
 from .conftest import RECIPES
+from .hang_guard import HANG_SECONDS
 
 VALID_TEXTS = [p.read_text() for p in sorted(RECIPES.glob("*.yaml"))]
 YAML_TOKENS = ["- ", ": ", "!GradualKSModifier", "!Foo", "!!python/object:os.system", "&a ", "*a", "{", "}",
@@ -22,7 +23,7 @@ YAML_TOKENS = ["- ", ": ", "!GradualKSModifier", "!Foo", "!!python/object:os.sys
                "'", '"', "#", "|", ">", "?", "%YAML 1.1\n", "<<: *a", "\t", "\x00", "modifiers", "version"]
 
 
-RECIPE_SECONDS = 2.0  # the bound on one load, far above what a valid recipe takes (milliseconds)
+RECIPE_SECONDS = HANG_SECONDS  # one load: milliseconds for a valid recipe; a blow-up would take minutes
 
 
 def _assert_only_recipe_errors(text: str) -> None:
@@ -73,7 +74,7 @@ def test_mutated_valid_recipes(which, seed, edits):
 
 # --- ONNX inputs ----------------------------------------------------------------------------------
 
-CONVERT_SECONDS = 30.0
+CONVERT_SECONDS = HANG_SECONDS
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +221,7 @@ def test_pattern_sets_take_one_budget_per_recipe(patterns, repeats):
         plan_model(recipe.bind(2), params, {n: 8 for n in names})
     except RecipeError as err:
         assert "internal error" not in str(err)
-    assert time.perf_counter() - started < PATTERN_SECONDS + 1.0
+    assert time.perf_counter() - started < PATTERN_SECONDS + 4.0  # the budget is wall-clock: load adds little
 
 
 _SHAPES = [(6,), (1, 6), (1, 6, 1), (1, 6, 1, 1), (6, 1, 1), (1, 1, 1, 6), (1, 1, 6, 1), (1, 1, 6, 6), (6, 6, 6), ()]
@@ -475,7 +476,7 @@ def test_generated_elementwise_islands_up_to_thousands_of_nodes(tmp_path, size, 
         warnings.filterwarnings("ignore", "the verification compared nothing")
         warnings.simplefilter("always", UnconvertedOpsWarning)
         result = quantize_qat_export(model, tmp_path / f"island-{seed}-{size}.onnx", inputs=feeds)
-    assert time.perf_counter() - started < 5 + 0.002 * size
+    assert time.perf_counter() - started < HANG_SECONDS + 0.01 * size
     kinds = [n.op_type for n in result.model.graph.node]
     # one table; or, where the ReLU of a value and the value itself meet again (the ReLU moved onto the integers
     # first: two dequantized inputs), the island stays float, exact, each node named with its reason

@@ -8,6 +8,7 @@ import pytest
 from recal_onnx.verify import verify_models
 
 from .conftest import ROOT
+from .hang_guard import HANG_SECONDS
 from .onnx_graphs import Builder
 
 
@@ -211,7 +212,7 @@ def test_generated_inputs_are_bounded_before_anything_is_allocated():
         start = time.perf_counter()
         with pytest.raises(ModelError, match=words):
             generated_inputs(_shaped(shape))
-        assert time.perf_counter() - start < 1
+        assert time.perf_counter() - start < HANG_SECONDS  # allocating it would take minutes or fail
 
 
 def _shaped(shape):
