@@ -8,7 +8,7 @@ from torch import nn
 from recal_core.params import ParamInfo
 
 from .qat import QATModule, WeightOnlyLinear, is_transposed_linear_type  # a QAT module keeps the kernel (or table) of the layer it was built from
-from .sharding import whole
+from .sharding import unsharded_class, whole
 
 PRUNABLE_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
                    nn.ConvTranspose3d, nn.Linear)
@@ -27,7 +27,7 @@ TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)  # wei
 
 def _layer_type(module: nn.Module) -> type:
     """The float layer's class (a QAT or weight-only layer keeps the class of the layer it was made from)."""
-    return module.float_type if isinstance(module, (QATModule, WeightOnlyLinear)) else type(module)
+    return module.float_type if isinstance(module, (QATModule, WeightOnlyLinear)) else unsharded_class(module)
 
 
 def is_prunable(module: nn.Module, param_name: str) -> bool:

@@ -51,6 +51,32 @@ def unsharded_class(module: torch.nn.Module) -> type:
     return next(c for c in type(module).__mro__[1:] if issubclass(c, torch.nn.Module) and not issubclass(c, FSDPModule))
 
 
+_MODULE_STATE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+_SHARDED_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def take_over(unit: torch.nn.Module, replacement: torch.nn.Module) -> torch.nn.Module:
+    """Make ``unit``, a layer ``fully_shard`` wrapped itself, into ``replacement`` (its QAT layer, which adopted its
+    Parameters) in place, and return it.
+
+    FSDP2 keeps a unit's state and hooks on the instance and gathers its parameters onto that instance in the
+    unit's own forward (HF ``Trainer`` and accelerate shard the embeddings and the LM head this way), so a new module
+    in its place would compute with shards. ``unit`` keeps its hooks and FSDP2 state and takes ``replacement``'s
+    class, children, buffers and attributes: the forward that gathers is now the QAT layer's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    key = (type(unit), type(replacement))
+    if key not in _SHARDED_CLASSES:  # as fully_shard names its classes, with its refusal to deep-copy
+        extra = {k: v for k, v in vars(type(unit)).items() if k == "__deepcopy__"}
+        _SHARDED_CLASSES[key] = type(f"FSDP{type(replacement).__name__}", (FSDPModule, type(replacement)), extra)
+    for name, value in vars(replacement).items():
+        if name in _MODULE_STATE or not name.startswith("_"):
+            unit.__dict__[name] = value
+    object.__setattr__(unit, "adopted_from", unit)
+    unit.__class__ = _SHARDED_CLASSES[key]
+    return unit
+
+
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """The full tensor (gathered from every rank for a DTensor; ``tensor`` itself otherwise)."""
     return tensor.full_tensor() if is_sharded(tensor) else tensor

@@ -220,25 +220,34 @@ def test_learned_scales_resume_through_lightning(tmp_path):
     assert [k for k in final if not torch.equal(final[k], again.state_dict()[k])] == []
 
 
-@pytest.mark.slow
-def test_the_trainer_callback_under_two_launched_processes(tmp_path):
-    """The Trainer started in two processes (``torchrun``, the launcher ``accelerate launch`` runs for several
-    devices; a CPU run is DDP): pruning then QAT through the callback, every rank with the same weights, masks and
-    observed ranges (observers reduce across ranks)."""
+def _launch(out, *options) -> list[dict]:
+    """``tests.trainer_launch_run`` in two processes (``torchrun``, the launcher ``accelerate launch`` runs for
+    several devices); each rank's record."""
     import os
     import subprocess
     import sys
 
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
     from .conftest import ROOT
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
-                           "tests.trainer_launch_run", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                           "tests.trainer_launch_run", str(out), *options], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    resumed = ".resumed" if any(o.startswith("resume=") for o in options) else ""
+    return [torch.load(out / f"rank{r}{resumed}.pt", weights_only=False) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_the_trainer_callback_under_ddp_and_fsdp2_in_two_launched_processes(tmp_path):
+    """The Trainer in two processes, pruning then QAT through the callback. DDP (a CPU run's default): every rank
+    the same weights, masks and observed ranges (observers reduce across ranks). The Trainer's FSDP2 (every block,
+    the tied embedding and LM head as one unit, the model): QAT takes over the layers FSDP sharded on their own in
+    place, the run ends where the DDP run does, and a checkpoint taken during QAT, learned scales included, resumes
+    bit for bit."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    ranks = _launch(tmp_path / "ddp")
     assert [r["world"] for r in ranks] == [2, 2] and "MULTI_CPU" in ranks[0]["distributed"]
     state = ranks[0]["state"]
     assert any(k.endswith("activation_post_process.scale") for k in state), "QAT layers in place"
@@ -247,3 +256,20 @@ def test_the_trainer_callback_under_two_launched_processes(tmp_path):
     for layer in (0, 1):
         weight = state[f"transformer.h.{layer}.mlp.c_fc.weight"]
         assert abs(float((weight == 0).float().mean()) - 0.5) < 0.01
+
+    sharded = _launch(tmp_path / "fsdp", "fsdp")
+    classes = sharded[0]["classes"]
+    assert classes[""] == "FSDPGPT2LMHeadModel" and classes["transformer.h.0"] == "FSDPGPT2Block"
+    assert classes["transformer.wte"] == "FSDPQATEmbedding" and classes["lm_head"] == "FSDPQATLinear"
+    assert sharded[0]["state"].keys() == state.keys()
+    for key, value in state.items():
+        assert torch.equal(sharded[0]["state"][key], sharded[1]["state"][key]), key
+        torch.testing.assert_close(sharded[0]["state"][key], value, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+
+    learned = _launch(tmp_path / "lsq", "fsdp", "lsq")
+    saved = torch.load(tmp_path / "lsq" / "checkpoint-6" / "recal_state.pt", weights_only=True)
+    assert saved["learned_groups"]["param_groups"] and saved["quantizer_tensors"]  # taken during QAT
+    again = _launch(tmp_path / "lsq", "fsdp", "lsq", f"resume={tmp_path / 'lsq' / 'checkpoint-6'}")
+    for before, after in zip(learned, again):
+        assert [k for k in before["state"] if not torch.equal(before["state"][k], after["state"][k])] == []

@@ -90,18 +90,23 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     model.load_state_dict(saved["model"])
     _train(model, optimizer, batches[STEPS // 2:], rank, world)
     resumed = _whole(model)
-    from recal_core import RecipeError
-    from recal_torch import ScheduledModifierManager
-
-    try:  # QAT replaces a layer fully_shard wrapped itself: refused at modify, located, not a failure mid-run
-        ScheduledModifierManager.from_yaml("- !QuantizationModifier {start_epoch: 1}").modify(
-            fresh := _sharded(_model()), torch.optim.SGD(fresh.parameters(), lr=0.1), steps_per_epoch=STEPS_PER_EPOCH)
-        qat = "accepted"
-    except RecipeError as err:
-        qat = str(err)
+    qat, optimizer, _ = _self_sharded_qat(shard=True)  # QAT takes over layers fully_shard wrapped themselves
+    _train(qat, optimizer, batches, rank, world)
+    qat = {**_whole(qat), "classes": [type(m).__name__ for m in qat]}
     torch.save({"straight": straight, "resumed": resumed, "lr": lr, "masks": masks, "recal": full_recal_state,
                 "half": _whole_half(saved["model"]), "qat": qat}, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _self_sharded_qat(shard: bool):
+    """QAT from step 4 on a model whose Linear layers ``fully_shard`` wrapped each on its own (as accelerate shards
+    the embeddings and the LM head): QAT takes them over in place."""
+    from recal_torch import ScheduledModifierManager
+
+    model = _sharded(_model()) if shard else _model()
+    manager = ScheduledModifierManager.from_yaml("- !EpochRangeModifier {start_epoch: 0, end_epoch: 3}\n"
+                                                 "- !QuantizationModifier {start_epoch: 1}")
+    return model, manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), STEPS_PER_EPOCH), manager
 
 
 def _whole_half(state) -> dict[str, torch.Tensor]:
@@ -130,7 +135,13 @@ def test_fsdp2_two_ranks_match_the_single_process_run_and_resume_exactly(tmp_pat
             torch.testing.assert_close(r["straight"][name], tensor, rtol=1e-5, atol=1e-6)
             assert torch.equal(r["resumed"][name], r["straight"][name]), name  # resumed: bit for bit
         assert r["lr"] == optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5)  # epoch 1, then held
-    assert "QuantizationModifier" in r0["qat"] and "layer '0' is itself sharded with fully_shard (FSDP2)" in r0["qat"]
+    model, optimizer, _ = _self_sharded_qat(shard=False)
+    _train(model, optimizer, _batches())
+    # each Linear its QAT layer (ReLU fused into it) as in one process, still FSDP's unit
+    assert r0["qat"]["classes"] == [("FSDP" if "QAT" in type(m).__name__ else "") + type(m).__name__ for m in model]
+    assert r0["qat"]["classes"][:2] == ["FSDPQATLinear", "Identity"]
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(r0["qat"][name], tensor, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     assert int((single["2.weight"] == 0).all(1).sum()) >= 8  # the filter modifier removed a quarter of the rows
 
     # recal's state from the sharded run holds whole masks: a single-process run resumes from it

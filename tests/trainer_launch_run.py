@@ -1,6 +1,12 @@
 """A recipe (pruning, then QAT) through the Hugging Face Trainer in two processes, as ``accelerate launch`` starts it,
-for :mod:`tests.test_integrations`: ``accelerate launch --cpu --num_processes 2 -m tests.trainer_launch_run OUT``.
-Each rank saves its masks, QAT observers and weights to ``OUT/rank<r>.pt``."""
+for :mod:`tests.test_integrations`: ``accelerate launch --cpu --num_processes 2 -m tests.trainer_launch_run OUT
+[fsdp] [lsq] [resume=CHECKPOINT]``. Each rank saves its masks, QAT observers and whole weights to ``OUT/rank<r>.pt``
+(``rank<r>.resumed.pt`` when resumed). ``lsq`` learns the quantizers' scales.
+
+With ``fsdp``, the run also checkpoints every 6 steps, and the Trainer's own FSDP2 (``fsdp="full_shard auto_wrap"``, ``fsdp_version: 2``) shards the model as
+on GPUs: each GPT-2 block, the embeddings and LM head as their own unit, the model. accelerate turns FSDP on only
+for accelerator devices, so here its state is switched to FSDP after it chose multi-CPU (:func:`_fsdp_on_cpu`);
+FSDP2 itself runs on CPUs with gloo."""
 
 from __future__ import annotations
 
@@ -15,6 +21,9 @@ RECIPE = r"""
                       end_epoch: 1, update_frequency: 0.5}
 - !QuantizationModifier {start_epoch: 1}
 """
+LSQ = """
+  scheme: {input_activations: {symmetric: false, observer: lsq}, weights: {observer: lsq, observer_kwargs: {lr_factor: 0.1}}}
+"""
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -28,7 +37,25 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def main(out: str) -> None:
+def _fsdp_on_cpu() -> None:
+    """Let accelerate prepare the model with FSDP2 on CPUs, as it does on GPUs (its state otherwise says MULTI_CPU
+    and runs DDP even with an FSDP plugin)."""
+    import accelerate.state
+    from accelerate.utils import DistributedType
+
+    init = accelerate.state.AcceleratorState.__init__
+
+    def with_fsdp(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
+            # every later AcceleratorState() copies the process state's type over its own
+            accelerate.state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+    accelerate.state.AcceleratorState.__init__ = with_fsdp
+
+
+def main(out: str, fsdp: bool = False, lsq: bool = False, resume: str | None = None) -> None:
     import transformers
     from transformers import Trainer, TrainingArguments
 
@@ -39,16 +66,26 @@ def main(out: str) -> None:
                                      eos_token_id=0)
     model = transformers.GPT2LMHeadModel(config)
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, num_train_epochs=2, learning_rate=1e-3,
-                             use_cpu=True, report_to=[], save_strategy="no", logging_steps=100, seed=0)
-    callback = RecalTrainerCallback(RECIPE)
+                             use_cpu=True, report_to=[], save_strategy="steps" if fsdp else "no", save_steps=6,
+                             logging_steps=100, seed=0,
+                             **({"fsdp": "full_shard auto_wrap", "fsdp_config": {
+                                 "fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}} if fsdp else {}))
+    if fsdp:
+        _fsdp_on_cpu()
+    callback = RecalTrainerCallback(RECIPE.replace("{start_epoch: 1}", "\n  start_epoch: 1" + LSQ) if lsq else RECIPE)
     trainer = Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=[callback])
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     rank = trainer.args.process_index
-    state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+             for k, v in trainer.model.state_dict().items()}
     torch.save({"world": trainer.args.world_size, "distributed": str(trainer.accelerator.distributed_type),
-                "masks": {k: v.clone() for k, v in callback.manager.masks.effective.items()},
-                "state": state}, os.path.join(out, f"rank{rank}.pt"))
+                "classes": {n: type(m).__name__ for n, m in trainer.model.named_modules()},
+                "masks": {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+                          for k, v in callback.manager.masks.effective.items()},
+                "state": state}, os.path.join(out, f"rank{rank}{'.resumed' if resume else ''}.pt"))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    options = sys.argv[2:]
+    main(sys.argv[1], fsdp="fsdp" in options, lsq="lsq" in options,
+         resume=next((o.split("=", 1)[1] for o in options if o.startswith("resume=")), None))

@@ -3,9 +3,10 @@
 The Trainer keeps its loop, gradient accumulation, mixed precision, checkpoints and logs. At ``on_train_begin``
 (the optimizer, its scheduler and the data exist) the callback binds the recipe to them, with one optimizer step
 as the recipe's step; a recipe that sets the LR makes the Trainer's scheduler follow it, so the logged LR is the
-one each step used. recal's part of a checkpoint rides in the Trainer's own ``optimizer.pt`` (under ``"recal"``);
-a resumed run reads it back, with the quantizer tensors of ``model.safetensors`` once QAT has re-created its
-layers. Each log record gains recal's scalars (sparsity, QAT state). At ``on_train_end`` the recipe is finalized:
+one each step used. recal's part of a checkpoint is the checkpoint folder's ``recal_state.pt`` (also inside a plain
+``optimizer.pt`` under ``"recal"``; FSDP's optimizer files keep only the optimizer's own keys); a resumed run reads
+it back, with the quantizer tensors of ``model.safetensors`` once QAT has re-created its layers. Each log record
+gains recal's scalars (sparsity, QAT state). At ``on_train_end`` the recipe is finalized:
 masks baked in, QAT observers frozen, the model ready for :func:`recal_torch.export_onnx`.
 """
 
@@ -19,8 +20,15 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from recal_core.atomic import atomic_path
+
 from ..manager import RECAL_STATE_KEY, ScheduledModifierManager
-from .session import check_length, inner, load_model_state, manager_of
+from ..qat import quantizer_tensors
+from .session import check_length, inner, load_model_state, load_quantizer_tensors, manager_of
+
+RECAL_FILE = "recal_state.pt"  # in each checkpoint folder: recal's state, learned scales' groups, quantizer tensors
+FSDP_MODEL_FILE = "pytorch_model_fsdp.bin"  # accelerate's whole state dict of an FSDP model (its default)
+QUANTIZER_KEY = "quantizer_tensors"
 
 
 class RecalTrainerCallback(TrainerCallback):
@@ -44,27 +52,45 @@ class RecalTrainerCallback(TrainerCallback):
                        train_dataloader=None, **kwargs):
         batches = len(train_dataloader)
         steps_per_epoch = max(math.ceil(batches / args.gradient_accumulation_steps), 1)
+        # what the Trainer (or FSDP) restored, before the recipe sets its step-0 values: the user's groups
+        loaded = inner(optimizer).state_dict() if state.global_step > 0 else None
         self.manager.modify(model, inner(optimizer), steps_per_epoch, lr_scheduler=inner(lr_scheduler),
                             **self._options)
         check_length(self.manager, state.max_steps / steps_per_epoch, "the Trainer")
-        if state.global_step > 0:
-            self._resume(args, state, model, inner(optimizer))
+        if loaded is not None:
+            self._resume(args, state, model, inner(optimizer), loaded)
 
-    def _resume(self, args, state, model, optimizer: torch.optim.Optimizer) -> None:
-        """The Trainer loaded the checkpoint's optimizer before recal's hooks were on it (the user's param groups):
-        read recal's part from the checkpoint folder, then the quantizer tensors of the model, then the optimizer
-        state of the learned scales' param groups, which exist again now."""
+    def on_save(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if not self.manager.active:
+            return
+        # on every rank (sharded masks gather whole); every rank then holds the same state
+        mine = {**inner(optimizer).state_dict()[RECAL_STATE_KEY], QUANTIZER_KEY: quantizer_tensors(model)}
+        if state.is_world_process_zero:
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            with atomic_path(folder / RECAL_FILE) as tmp:
+                torch.save(mine, tmp)
+            _drop_from_fsdp_file(folder / FSDP_MODEL_FILE, set(mine[QUANTIZER_KEY]))
+
+    def _resume(self, args, state, model, optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
+        """The Trainer restored the weights and the optimizer (the user's param groups, ``loaded``) before recal was
+        back: recal's state from its file (QAT layers re-created, the learned scales' param groups with their state),
+        then the quantizer tensors into those layers."""
         folder = Path(args.resume_from_checkpoint or Path(args.output_dir) / f"checkpoint-{state.global_step}")
-        saved = folder / "optimizer.pt"
-        if not saved.is_file():
-            raise FileNotFoundError(f"the Trainer resumed at step {state.global_step}, but recal finds no {saved} to "
+        mine, plain = folder / RECAL_FILE, folder / "optimizer.pt"
+        if mine.is_file():
+            recal_state = torch.load(mine, map_location="cpu", weights_only=True)
+            tensors = recal_state.pop(QUANTIZER_KEY)
+            optimizer.load_state_dict({**loaded, RECAL_STATE_KEY: recal_state})  # through recal's hook
+            if self.manager.qat.prepared:
+                load_quantizer_tensors(model, tensors, str(mine))
+            return
+        if not plain.is_file():
+            raise FileNotFoundError(f"the Trainer resumed at step {state.global_step}, but recal finds no {mine} to "
                                     "read its state from: set TrainingArguments(resume_from_checkpoint=<folder>) to "
                                     "the checkpoint you resume from")
-        optimizer_state = torch.load(saved, map_location="cpu", weights_only=True)
+        optimizer_state = torch.load(plain, map_location="cpu", weights_only=True)  # saved before recal_state.pt
         if RECAL_STATE_KEY not in optimizer_state:
-            raise ValueError(f"{saved} holds no recal state: it was not saved under this callback")
-        # again, now through recal's hook: its state (QAT layers re-created), its learned scales' param groups
-        # back in place, the user's groups as the Trainer loaded them
+            raise ValueError(f"{plain} holds no recal state: it was not saved under this callback")
         optimizer.load_state_dict(optimizer_state)
         if self.manager.qat.prepared:
             load_model_state(model, _model_tensors(folder), str(folder))
@@ -79,6 +105,16 @@ class RecalTrainerCallback(TrainerCallback):
     def on_train_end(self, args, state, control, model=None, **kwargs):
         if self.manager.active:
             self.manager.finalize(model)
+
+
+def _drop_from_fsdp_file(path: Path, names: set[str]) -> None:
+    """FSDP loads its whole-model file into the float model before recal is back, and refuses a key the model lacks:
+    the quantizer tensors, kept in recal's file, leave it."""
+    if path.is_file():
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if names & saved.keys():
+            with atomic_path(path) as tmp:
+                torch.save({k: v for k, v in saved.items() if k not in names}, tmp)
 
 
 def _model_tensors(folder: Path) -> dict[str, torch.Tensor]:

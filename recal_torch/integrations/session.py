@@ -20,6 +20,7 @@ from recal_core.errors import RecipeWarning
 
 from ..manager import ScheduledModifierManager
 from ..model_params import unwrap
+from ..qat import quantizer_tensors
 
 
 def manager_of(recipe: str | os.PathLike | ScheduledModifierManager) -> ScheduledModifierManager:
@@ -60,3 +61,16 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], where: st
         raise ValueError(f"{where} does not fit the model under this recipe: {'; '.join(p for p in parts if p)} "
                          "(was it saved under another recipe or model?)")
 
+
+
+def load_quantizer_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """A checkpoint's quantizer tensors (:func:`~recal_torch.qat.quantizer_tensors`) into the QAT layers the resumed
+    recipe re-created; the framework restored the weights. Names that differ are an error that names them."""
+    own = quantizer_tensors(unwrap(model))
+    extra, missing = sorted(tensors.keys() - own.keys()), sorted(own.keys() - tensors.keys())
+    if extra or missing:
+        parts = [f"the model has no {', '.join(extra[:5])}" if extra else "",
+                 f"the checkpoint has no {', '.join(missing[:5])}" if missing else ""]
+        raise ValueError(f"{where} does not fit the model under this recipe: {'; '.join(p for p in parts if p)} "
+                         "(was it saved under another recipe or model?)")
+    unwrap(model).load_state_dict(tensors, strict=False)

@@ -18,7 +18,7 @@ from .attention import SLOTS, AttentionFakeQuantize, quantize_attention
 from .control import QATControl, input_groups, layer_schemes, qat_roots
 from .layers import (CONVS, FoldedBatchNorm, QATConv, QATEmbedding, QATLinear, QATModule, QuantizedReLU,
                      WeightOnlyEmbedding, WeightOnlyLinear, clamp, describe, fake_quantizers, is_table,
-                     is_transposed_linear_type, qat_modules)
+                     is_transposed_linear_type, qat_modules, quantizer_tensors)
 from .plan import QATPlanWarning, fake_quantize_model, plan_pending, quantizable_layers
 from .quantizers import (ACT_QMAX, ACT_QMIN, EPS, REDUCED_W_LEVELS, W_LEVELS, W_QMAX, W_QMIN, ActivationFakeQuantize,
                          GroupWeightFakeQuantize, SiLUFakeQuantize, WeightFakeQuantize, activation_qparams,
@@ -33,4 +33,4 @@ __all__ = ["ACT_QMAX", "ACT_QMIN", "REDUCED_W_LEVELS", "W_LEVELS", "W_QMAX", "W_
            "quantizable_layers", "quantize_attention"]
 # for recal_torch's other packages (export, graph, the manager), not a user's API
 _INTERNAL = ["CONTAINER", "EPS", "SLOTS", "QATControl", "adopt", "clamp", "input_groups", "is_transposed_linear_type",
-             "layer_schemes", "qat_roots"]
+             "layer_schemes", "qat_roots", "quantizer_tensors"]

@@ -18,9 +18,8 @@ from recal_core.patterns import PatternBudget
 from recal_core.recipe import Recipe
 from recal_core.schedule import QATState
 
-from ..sharding import is_sharded_module, unsharded_class
-from .layers import (CONVS, QATModule, WeightOnlyEmbedding, WeightOnlyLinear, describe, fake_quantizers,
-                     features, is_linear_like, is_table, is_transposed_linear_type, linears_left_float, qat_modules)
+from .layers import (QATModule, WeightOnlyEmbedding, WeightOnlyLinear, describe, fake_quantizers, features,
+                     is_linear_like, is_table, linears_left_float, qat_modules)
 from .plan import FLOAT_REASON, QATPlanWarning, fake_quantize_model, quantizable_layers, replace_layer
 from .attention import AttentionFakeQuantize, quantize_attention
 
@@ -32,18 +31,7 @@ def qat_roots(recipe: Recipe, model: nn.Module) -> tuple[dict[int, list[str]], l
     roots: dict[int, list[str]] = {}
     problems = []
     available = {n for n, _ in model.named_modules()}
-    # FSDP2 gathers a module's parameters in the forward of the module fully_shard wrapped: a layer QAT replaces
-    # must not be that module (its replacement would never gather), the block holding it may
-    sharded = next((n for n, sub in model.named_modules() if is_sharded_module(sub) and (issubclass(
-        unsharded_class(sub), (nn.Linear, nn.Embedding, *CONVS)) or is_transposed_linear_type(unsharded_class(sub)))),
-        None)
     for index, m in recipe.of_type(M.QuantizationModifier):
-        if sharded is not None:
-            problems.append(recipe.problem(index, None, f"layer {sharded!r} is itself sharded with fully_shard (FSDP2), and "
-                                           "QAT replaces that layer (FSDP2 would no longer gather its parameters)",
-                                           expected="fully_shard the blocks that hold the layers QAT quantizes (a "
-                                                    "transformer block, the model), not the layers themselves"))
-            continue
         names = [strip_wrapper(n) for n in (m.submodules or [""])]
         for name in names:
             if name not in available:
@@ -257,7 +245,7 @@ class QATControl:
                 kind = WeightOnlyEmbedding if is_table(float_layer) else WeightOnlyLinear
                 layer = kind(float_layer, args.num_bits, args.group_size if args.strategy == "group" else None,
                              args.observer)
-                replace_layer(root, rel, layer)
+                layer = replace_layer(root, rel, layer)
                 if layer.weight_fake_quant.learned:
                     learned.setdefault(args.lr_factor, []).append(layer.weight_fake_quant.scale)
             for factor, scales in learned.items():

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..sharding import gathered
+from ..sharding import gathered, unsharded_class
 from .quantizers import W_LEVELS, ActivationFakeQuantize, GroupWeightFakeQuantize, WeightFakeQuantize
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -29,13 +29,14 @@ def features(module: nn.Module) -> tuple[int, int]:
     """``(inputs, outputs)`` of one output row: a Linear's in/out features (a ``Conv1D`` reads its ``[in, out]``
     weight the other way round), an embedding's width and rows."""
     rows, cols = module.weight.shape[:2]
-    return (rows, cols) if is_transposed_linear_type(type(module)) else (cols, rows)
+    return (rows, cols) if is_transposed_linear_type(unsharded_class(module)) else (cols, rows)
 
 
 def is_linear_like(module: nn.Module) -> bool:
     """``nn.Linear``, transformers' ``Conv1D``, or a subclass of ``nn.Linear`` whose own ``forward`` computes
-    what ``F.linear`` does (transformers' ``FalconLinear``: ``x @ W.T + b``): what QAT replaces by a QAT linear."""
-    kind = type(module)
+    what ``F.linear`` does (transformers' ``FalconLinear``: ``x @ W.T + b``): what QAT replaces by a QAT linear. A layer
+    ``fully_shard`` wrapped is judged as the class it was."""
+    kind = unsharded_class(module)
     if kind is nn.Linear or is_transposed_linear_type(kind):
         return True
     return isinstance(module, nn.Linear) and (kind.forward is nn.Linear.forward or _computes_linear(module))
@@ -107,7 +108,7 @@ class FoldedBatchNorm(AdoptsParameters, nn.Module):
         super().__init__()
         self.num_features, self.eps, self.momentum = bn.num_features, bn.eps, bn.momentum
         self.affine, self.track_running_stats = bn.affine, bn.track_running_stats
-        self.original_type = type(bn)
+        self.original_type = unsharded_class(bn)
         self.adopt_from(bn)
         for name, param in bn.named_parameters(recurse=False):
             self.register_parameter(name, param)
@@ -130,7 +131,7 @@ class QATModule(AdoptsParameters, nn.Module):
     def __init__(self, float_module: nn.Module, relu: bool, quantize_input: bool, quantize_output: bool = True,
                  relu6: bool = False, weight_levels: float = W_LEVELS):
         super().__init__()
-        self.float_type = type(float_module)
+        self.float_type = unsharded_class(float_module)
         self.adopt_from(float_module)
         self.weight = float_module.weight
         self.register_parameter("bias", getattr(float_module, "bias", None))
@@ -232,7 +233,7 @@ class QATLinear(QATModule):
                  weight_levels: float = W_LEVELS):
         super().__init__(linear, relu, quantize_input, relu6=relu6, weight_levels=weight_levels)
         # transformers' Conv1D keeps its weight [in, out]: the QAT layer reads it transposed (the same Parameter)
-        self.transposed = is_transposed_linear_type(type(linear))
+        self.transposed = is_transposed_linear_type(unsharded_class(linear))
         self.in_features, self.out_features = features(linear)
         if self.transposed:
             self.weight_fake_quant = WeightFakeQuantize(self.out_features, weight_levels).to(self.weight.device)
@@ -291,11 +292,11 @@ class WeightOnlyLinear(AdoptsParameters, nn.Module):
 
     def __init__(self, linear: nn.Module, bits: int, group_size: int | None, observer: str = "minmax"):
         super().__init__()
-        self.float_type = type(linear)
+        self.float_type = unsharded_class(linear)
         self.adopt_from(linear)
         self.weight = linear.weight
         self.register_parameter("bias", getattr(linear, "bias", None))
-        self.transposed = is_transposed_linear_type(type(linear))
+        self.transposed = is_transposed_linear_type(unsharded_class(linear))
         self.in_features, self.out_features = features(linear)
         self.weight_fake_quant = GroupWeightFakeQuantize(self.out_features, self.in_features, bits, group_size,
                                                          observer).to(self.weight.device)
@@ -359,7 +360,7 @@ class QuantizedReLU(nn.Module):
 
 def is_table(module: nn.Module) -> bool:
     """An embedding table QAT stores in int8 (``max_norm`` rewrites rows during lookup: left float)."""
-    return type(module) is nn.Embedding and module.max_norm is None
+    return unsharded_class(module) is nn.Embedding and module.max_norm is None
 
 
 def device_of(module: nn.Module) -> torch.device:
@@ -394,3 +395,11 @@ def fake_quantizers(model: nn.Module) -> list[nn.Module]:
     """Every activation and weight fake-quantizer in ``model`` (to freeze their observers)."""
     return [m for m in model.modules()
             if isinstance(m, (ActivationFakeQuantize, WeightFakeQuantize, GroupWeightFakeQuantize))]
+
+
+def quantizer_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What QAT added to ``model.state_dict()``, by name: its quantizers' scales, zero points and observed ranges
+    (the layers' own weights keep the float model's names)."""
+    kinds = (ActivationFakeQuantize, WeightFakeQuantize, GroupWeightFakeQuantize)
+    return {f"{name}.{key}": tensor for name, m in model.named_modules() if isinstance(m, kinds)
+            for key, tensor in m.state_dict().items()}

@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..sharding import forward_to_trace
+from ..sharding import forward_to_trace, is_sharded_module, take_over
 from . import sites as qat_sites
 from .quantizers import REDUCED_W_LEVELS, W_LEVELS, ActivationFakeQuantize, SiLUFakeQuantize, WeightFakeQuantize
 from .attention import AttentionFakeQuantize
-from .layers import (CONVS, NORMS, FoldedBatchNorm, QATConv, QATEmbedding, QATLinear, QATModule, QuantizedReLU,
-                          WeightOnlyLinear, device_of, is_linear_like, is_table)
+from .layers import (CONVS, NORMS, AdoptsParameters, FoldedBatchNorm, QATConv, QATEmbedding, QATLinear, QATModule,
+                     QuantizedReLU, WeightOnlyLinear, device_of, is_linear_like, is_table)
 from .patterns import (AVG_POOL_FUNCTIONS, AVG_POOLS, CATS, clamping_activation, identity_at_eval,
                            is_silu_module, norm_activation, preserves_quantization)
 from .trace import ADDS, MULS, evaluating, own_children, record_forward
@@ -108,7 +108,7 @@ def fake_quantize_model(root: nn.Module, skip: frozenset[str] | set[str] = froze
         else:
             qat = QATLinear(float_module, False, plan.quantize_input, weight_levels=levels)
         qat.train(float_module.training)
-        replace_layer(root, plan.target, qat)
+        qat = replace_layer(root, plan.target, qat)
         _fuse(root, qat, plan, modules)
         created.append(qat)
     root.__dict__["_recal_pending_plan"] = traced
@@ -123,8 +123,7 @@ def _fuse(root: nn.Module, qat: QATModule, plan: _Plan, modules: dict[str, nn.Mo
     """Fold the plan's BatchNorm and activation into ``qat``."""
     if plan.bn is not None:
         bn = FoldedBatchNorm(modules[plan.bn])
-        replace_layer(root, plan.bn, bn)
-        object.__setattr__(qat, "folded_bn", bn)
+        object.__setattr__(qat, "folded_bn", replace_layer(root, plan.bn, bn))
     if plan.activation is not None:
         qat.relu, qat.relu6 = plan.activation == "relu", plan.activation == "relu6"
     if plan.fused_module is not None:
@@ -211,12 +210,16 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_with_kwar
                "_forward_hooks_always_called")
 
 
-def replace_layer(root: nn.Module, target: str, new: nn.Module) -> None:
-    """Put ``new`` where ``target`` is. The user's forward hooks go with a layer to its QAT module; on a module that
-    folds away (a BatchNorm or ReLU taken into the conv before it) they would no longer see what they saw: said."""
+def replace_layer(root: nn.Module, target: str, new: nn.Module) -> nn.Module:
+    """Put ``new`` where ``target`` is, and return what stands there now. The user's forward hooks go with a layer to
+    its QAT module; on a module that folds away (a BatchNorm or ReLU taken into the conv before it) they would no
+    longer see what they saw: said. A layer ``fully_shard`` wrapped itself becomes ``new`` in place (FSDP2 gathers
+    its parameters in its own forward: :func:`~recal_torch.sharding.take_over`)."""
     parent_name, _, child = target.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
     old = getattr(parent, child)
+    if is_sharded_module(old) and isinstance(new, AdoptsParameters):
+        return take_over(old, new)
     if any(getattr(old, d, None) for d in ("_forward_pre_hooks", "_forward_hooks")):
         if isinstance(new, (QATModule, WeightOnlyLinear)):
             for name in _HOOK_DICTS:
@@ -227,6 +230,7 @@ def replace_layer(root: nn.Module, target: str, new: nn.Module) -> None:
                           "before it: its hooks now see that layer's folded output (register them on the layer)",
                           QATPlanWarning, stacklevel=4)
     setattr(parent, child, new)
+    return new
 
 
 def _plan_from_trace(root: nn.Module, modules: dict[str, nn.Module],
