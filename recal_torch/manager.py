@@ -209,8 +209,8 @@ class ScheduledModifierManager(RecipeManager):
 
     # --- the step -------------------------------------------------------------------------------
 
-    def _before_step(self) -> None:
-        self.param_groups.check_untouched(self._step)
+    def _gradients_ready(self) -> None:
+        """The step's gradients exist: pruned weights' zeroed, learned scales' averaged over the ranks."""
         self.masks.mask_gradients()
         average_gradients(self._learned_scales)
 
@@ -435,20 +435,22 @@ class _Hook:
 
 
 class _StepPreHook(_Hook):
-    """Checks the LR, masks the gradients; wraps a closure so the gradients it computes are masked too."""
+    """Checks the LR and readies the gradients; with a closure (Lightning's, LBFGS's), once the closure computed
+    them: before it, they do not exist yet."""
 
     def __call__(self, optimizer, args, kwargs):
         # ``args`` holds the optimizer itself first, then step()'s own positional arguments
         manager = self.manager
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        manager._before_step()
+        manager.param_groups.check_untouched(manager._step)
         if closure is None:
+            manager._gradients_ready()
             return None
 
         def masked_closure():
             with torch.enable_grad():
                 loss = closure()
-            manager.masks.mask_gradients()
+            manager._gradients_ready()
             return loss
 
         return args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": masked_closure}

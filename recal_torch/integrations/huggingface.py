@@ -24,11 +24,11 @@ from recal_core.atomic import atomic_path
 
 from ..manager import RECAL_STATE_KEY, ScheduledModifierManager
 from ..qat import quantizer_tensors
-from .session import check_length, inner, load_model_state, load_quantizer_tensors, manager_of
+from .session import (QUANTIZER_KEY, check_length, inner, load_model_state, load_quantizer_tensors,
+                      manager_of)
 
 RECAL_FILE = "recal_state.pt"  # in each checkpoint folder: recal's state, learned scales' groups, quantizer tensors
 FSDP_MODEL_FILE = "pytorch_model_fsdp.bin"  # accelerate's whole state dict of an FSDP model (its default)
-QUANTIZER_KEY = "quantizer_tensors"
 
 
 class RecalTrainerCallback(TrainerCallback):

@@ -5,7 +5,9 @@ the callback binds the recipe to the LightningModule, its one optimizer and the 
 follows a recipe that sets the LR), with one optimizer step as the recipe's step. recal's part of a checkpoint
 rides in the optimizer's state that Lightning saves; on resume Lightning restores it through recal's hook, and the
 quantizer tensors of the checkpoint go in once QAT has re-created its layers (``on_train_start``), so the module
-is loaded non-strictly by Lightning and strictly by recal. recal's scalars (sparsity, LR, QAT state) are logged
+is loaded non-strictly by Lightning and strictly by recal. A distributed checkpoint (``ModelParallelStrategy``,
+FSDP2) keeps only the optimizer's own keys and the module's float tensors: recal's state and quantizer tensors go
+in the checkpoint beside them, and come back at ``on_train_start``. recal's scalars (sparsity, LR, QAT state) are logged
 with ``LightningModule.log_dict`` at Lightning's logging steps (``log_every_n_steps``). At the end of fitting the
 recipe is finalized.
 """
@@ -19,8 +21,9 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
-from ..manager import ScheduledModifierManager
-from .session import check_length, load_model_state, manager_of
+from ..manager import RECAL_STATE_KEY, ScheduledModifierManager
+from ..qat import quantizer_tensors
+from .session import QUANTIZER_KEY, check_length, load_model_state, load_quantizer_tensors, manager_of
 
 
 class RecalLightningCallback(Callback):
@@ -42,13 +45,24 @@ class RecalLightningCallback(Callback):
                          "example_inputs": example_inputs}
         self._log_scalars = log_scalars
         self._resumed: dict[str, torch.Tensor] | None = None
+        self._recal_state: dict[str, Any] | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit":  # a checkpoint taken during QAT holds quantizer tensors the float module lacks until the
             pl_module.strict_loading = False  # recipe re-creates them; recal loads them strictly (on_train_start)
 
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        if not self.manager.active:
+            return
+        # a distributed checkpoint (ModelParallelStrategy's FSDP2) keeps only the optimizer's own keys and loads
+        # the module's tensors into the float module: recal's state and quantizer tensors ride beside them
+        mine = trainer.optimizers[0].state_dict()[RECAL_STATE_KEY]  # on every rank: sharded masks gather whole
+        if not any(RECAL_STATE_KEY in state for state in checkpoint.get("optimizer_states", [])):
+            checkpoint[RECAL_STATE_KEY] = {**mine, QUANTIZER_KEY: quantizer_tensors(pl_module)}
+
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         self._resumed = checkpoint.get("state_dict")
+        self._recal_state = checkpoint.get(RECAL_STATE_KEY)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if len(trainer.optimizers) != 1:
@@ -64,9 +78,16 @@ class RecalLightningCallback(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         # Lightning restored the optimizer (and, through recal's hook, the recipe's state) after on_fit_start
-        if self._resumed is not None and self.manager.qat.prepared:
+        if self._recal_state is not None:  # not through the hook: a distributed checkpoint
+            recal_state = dict(self._recal_state)
+            tensors = recal_state.pop(QUANTIZER_KEY)
+            optimizer = trainer.optimizers[0]
+            optimizer.load_state_dict({**optimizer.state_dict(), RECAL_STATE_KEY: recal_state})
+            if self.manager.qat.prepared:
+                load_quantizer_tensors(pl_module, tensors, "the checkpoint Lightning resumed from")
+        elif self._resumed is not None and self.manager.qat.prepared:
             load_model_state(pl_module, self._resumed, "the checkpoint Lightning resumed from")
-        self._resumed = None
+        self._resumed = self._recal_state = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # only on the steps Lightning writes to its loggers: the scalars measure every pruned weight's zeros (on a

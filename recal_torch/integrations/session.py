@@ -22,6 +22,8 @@ from ..manager import ScheduledModifierManager
 from ..model_params import unwrap
 from ..qat import quantizer_tensors
 
+QUANTIZER_KEY = "quantizer_tensors"  # beside recal's state where a framework's checkpoint cannot carry them
+
 
 def manager_of(recipe: str | os.PathLike | ScheduledModifierManager) -> ScheduledModifierManager:
     """A recipe (a path or YAML text) as a fresh manager; a manager as it is."""
