@@ -243,8 +243,8 @@ def test_the_trainer_callback_under_ddp_and_fsdp2_in_two_launched_processes(tmp_
     """The Trainer in two processes, pruning then QAT through the callback. DDP (a CPU run's default): every rank
     the same weights, masks and observed ranges (observers reduce across ranks). The Trainer's FSDP2 (every block,
     the tied embedding and LM head as one unit, the model): QAT takes over the layers FSDP sharded on their own in
-    place, the run ends where the DDP run does, and a checkpoint taken during QAT, learned scales included, resumes
-    bit for bit."""
+    place, the run ends where the DDP run does, and a checkpoint taken during QAT resumes bit for bit, distributed
+    (``SHARDED_STATE_DICT``) or whole (learned scales included)."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     ranks = _launch(tmp_path / "ddp")
@@ -257,7 +257,7 @@ def test_the_trainer_callback_under_ddp_and_fsdp2_in_two_launched_processes(tmp_
         weight = state[f"transformer.h.{layer}.mlp.c_fc.weight"]
         assert abs(float((weight == 0).float().mean()) - 0.5) < 0.01
 
-    sharded = _launch(tmp_path / "fsdp", "fsdp")
+    sharded = _launch(tmp_path / "fsdp", "fsdp", "sharded")  # distributed checkpoints
     classes = sharded[0]["classes"]
     assert classes[""] == "FSDPGPT2LMHeadModel" and classes["transformer.h.0"] == "FSDPGPT2Block"
     assert classes["transformer.wte"] == "FSDPQATEmbedding" and classes["lm_head"] == "FSDPQATLinear"
@@ -267,7 +267,11 @@ def test_the_trainer_callback_under_ddp_and_fsdp2_in_two_launched_processes(tmp_
         torch.testing.assert_close(sharded[0]["state"][key], value, rtol=1e-4, atol=1e-5,
                                    msg=lambda m, key=key: f"{key}: {m}")
 
-    learned = _launch(tmp_path / "lsq", "fsdp", "lsq")
+    again = _launch(tmp_path / "fsdp", "fsdp", "sharded", f"resume={tmp_path / 'fsdp' / 'checkpoint-6'}")
+    for before, after in zip(sharded, again):
+        assert [k for k in before["state"] if not torch.equal(before["state"][k], after["state"][k])] == []
+
+    learned = _launch(tmp_path / "lsq", "fsdp", "lsq")  # whole-model files
     saved = torch.load(tmp_path / "lsq" / "checkpoint-6" / "recal_state.pt", weights_only=True)
     assert saved["learned_groups"]["param_groups"] and saved["quantizer_tensors"]  # taken during QAT
     again = _launch(tmp_path / "lsq", "fsdp", "lsq", f"resume={tmp_path / 'lsq' / 'checkpoint-6'}")

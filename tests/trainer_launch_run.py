@@ -1,7 +1,8 @@
 """A recipe (pruning, then QAT) through the Hugging Face Trainer in two processes, as ``accelerate launch`` starts it,
 for :mod:`tests.test_integrations`: ``accelerate launch --cpu --num_processes 2 -m tests.trainer_launch_run OUT
-[fsdp] [lsq] [resume=CHECKPOINT]``. Each rank saves its masks, QAT observers and whole weights to ``OUT/rank<r>.pt``
-(``rank<r>.resumed.pt`` when resumed). ``lsq`` learns the quantizers' scales.
+[fsdp] [sharded] [lsq] [resume=CHECKPOINT]``. Each rank saves its masks, QAT observers and whole weights to ``OUT/rank<r>.pt``
+(``rank<r>.resumed.pt`` when resumed). ``lsq`` learns the quantizers' scales; ``sharded`` has FSDP write
+distributed checkpoints (``SHARDED_STATE_DICT``) rather than whole-model files.
 
 With ``fsdp``, the run also checkpoints every 6 steps, and the Trainer's own FSDP2 (``fsdp="full_shard auto_wrap"``, ``fsdp_version: 2``) shards the model as
 on GPUs: each GPT-2 block, the embeddings and LM head as their own unit, the model. accelerate turns FSDP on only
@@ -55,7 +56,7 @@ def _fsdp_on_cpu() -> None:
     accelerate.state.AcceleratorState.__init__ = with_fsdp
 
 
-def main(out: str, fsdp: bool = False, lsq: bool = False, resume: str | None = None) -> None:
+def main(out: str, fsdp: bool = False, sharded: bool = False, lsq: bool = False, resume: str | None = None) -> None:
     import transformers
     from transformers import Trainer, TrainingArguments
 
@@ -69,7 +70,8 @@ def main(out: str, fsdp: bool = False, lsq: bool = False, resume: str | None = N
                              use_cpu=True, report_to=[], save_strategy="steps" if fsdp else "no", save_steps=6,
                              logging_steps=100, seed=0,
                              **({"fsdp": "full_shard auto_wrap", "fsdp_config": {
-                                 "fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}} if fsdp else {}))
+                                 "fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"],
+                                 **({"state_dict_type": "SHARDED_STATE_DICT"} if sharded else {})}} if fsdp else {}))
     if fsdp:
         _fsdp_on_cpu()
     callback = RecalTrainerCallback(RECIPE.replace("{start_epoch: 1}", "\n  start_epoch: 1" + LSQ) if lsq else RECIPE)
@@ -87,5 +89,5 @@ def main(out: str, fsdp: bool = False, lsq: bool = False, resume: str | None = N
 
 if __name__ == "__main__":
     options = sys.argv[2:]
-    main(sys.argv[1], fsdp="fsdp" in options, lsq="lsq" in options,
+    main(sys.argv[1], fsdp="fsdp" in options, sharded="sharded" in options, lsq="lsq" in options,
          resume=next((o.split("=", 1)[1] for o in options if o.startswith("resume=")), None))
