@@ -86,5 +86,9 @@ class VerificationFailed(ValueError):
     """A produced model does not match the model it came from (the CLI exits with 1, not 2)."""
 
 
+class ThinningWarning(UserWarning):
+    """Dead heads left in place, the model unchanged there (the message names them and says why)."""
+
+
 class RecipeWarning(UserWarning):
     """A recipe field is accepted but does not act as written (the message says where and what happens)."""

@@ -1,8 +1,10 @@
 """recal_onnx: turn QAT (QuantizeLinear/DequantizeLinear) ONNX exports into fully quantized int8 models."""
 
+from recal_core.errors import ThinningWarning
+
 from .convert import (ConversionResult, ModelError, UnconvertedOpsWarning, VerificationError,
                       quantize_qat_export, save_model_atomically)
 from .verify import Verification, verify_models
 
-__all__ = ["ConversionResult", "ModelError", "UnconvertedOpsWarning", "Verification", "VerificationError",
-           "quantize_qat_export", "save_model_atomically", "verify_models"]
+__all__ = ["ConversionResult", "ModelError", "ThinningWarning", "UnconvertedOpsWarning", "Verification",
+           "VerificationError", "quantize_qat_export", "save_model_atomically", "verify_models"]

@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 
 from recal_core.atomic import atomic_folder
-from recal_core.errors import VerificationFailed
+from recal_core.errors import ThinningWarning, VerificationFailed
 from recal_core.input_gate import regular_file
 
 from . import cpu
@@ -79,6 +79,8 @@ class ConversionResult:
     coarse_biases: dict[str, float] = field(default_factory=dict)
     # node name (op type and position where it has none) of each node left float -> why, in one clause
     float_reasons: dict[str, str] = field(default_factory=dict)
+    # attention (its Softmax's name) -> why its zero heads stay: the converter cannot follow its layout
+    heads_kept: dict[str, str] = field(default_factory=dict)
     # target any, weights beyond +-64: the twin for x86 without VNNI (uint8 weights there), and where it was written
     avx2_model: onnx.ModelProto | None = None
     avx2_path: Path | None = None
@@ -252,6 +254,12 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
         kinds = ", ".join(f"{op} x{n}" for op, n in Counter(op for op, _ in unconverted).most_common())
         warnings.warn(f"left in float between DequantizeLinear and QuantizeLinear, {len(unconverted)} nodes "
                       f"({kinds}):\n" + "\n".join(lines), UnconvertedOpsWarning, stacklevel=3)
+    if findings.heads_kept:
+        listed = [f"  {name!r}{modules.get(name, '')}: {why}" for name, why in list(findings.heads_kept.items())[:MAX_LISTED]]
+        n = len(findings.heads_kept)
+        warnings.warn(f"{n} attention{'s keep' if n > 1 else ' keeps'} heads that look pruned (result.heads_kept):\n"
+                      + "\n".join(listed) + "\nthin the model in PyTorch before export (recal_torch.thin), which "
+                      "follows it by running it", ThinningWarning, stacklevel=3)
     twin = avx2_twin(model) if choice.twin and saturating else None
     if twin is not None:
         mark(model, INT8_CPUS)
@@ -261,7 +269,7 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
                               weights_note=_weights_note(choice, saturating, rewrites.get("uint8_weights", 0),
                                                          twin_name if twin is not None else None),
                               rounded_biases=dict(findings.rounded_biases), float_reasons=why,
-                              coarse_biases=dict(findings.coarse_biases))
+                              coarse_biases=dict(findings.coarse_biases), heads_kept=dict(findings.heads_kept))
     if result.float_ops:
         log.info("quantize_qat_export: computing in float (outside quantized tensors, by design, or listed above): "
                  "%s", ", ".join(f"{op} x{n}" for op, n in result.float_ops.items()))

@@ -17,6 +17,8 @@ class Findings:
 
     # node name -> (op type, why a pass left it float): bias_apart gives each its bias in an Add of its own
     kept_float: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # softmax node name -> why thin_heads left that attention's (zero, most likely pruned) heads in place
+    heads_kept: dict[str, str] = field(default_factory=dict)
     # tensor name -> the channels (axis 1) thin_channels kept: verification compares only those
     thinned: dict[str, np.ndarray] = field(default_factory=dict)
     # node name -> how far (in int32 steps, <= 0.5) its float bias was from the grid its int8 layer holds it on

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from recal_core.channel_coupling import input_columns, live_channels
+from recal_core.errors import ThinningWarning
 from recal_core.head_coupling import Attention, live_heads, unit_rows
 
 from .graph import example_inputs_of, model_graph, trace_args
@@ -47,10 +48,6 @@ class ThinReport:
 
 class ThinningError(ValueError):
     """The thinned model would not compute what the masked one did: nothing was removed."""
-
-
-class ThinningWarning(UserWarning):
-    """Heads left in place because removing them changed what the model computes (the message says how)."""
 
 
 @torch.no_grad()

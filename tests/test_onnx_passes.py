@@ -1,10 +1,14 @@
 """Each rewrite pass on a tiny graph: how many rewrites, the op types after, numbers in onnxruntime."""
 
+import warnings
+
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 
+from recal_core.errors import ThinningWarning
+from recal_onnx import quantize_qat_export
 from recal_onnx.findings import Findings
 from recal_onnx.graph import Graph
 from recal_onnx.passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
@@ -1052,10 +1056,28 @@ def test_thin_heads_follows_a_norm_of_each_heads_queries_not_one_of_all_heads(no
     norms as they were. A norm over all heads (before they are split) would change: that attention stays whole."""
     model = _attention_graph(norm=norm)
     feeds = _x([1, 5, 8])
-    thinned, (n,) = _apply(model, thin_heads)
+    findings = Findings()
+    thinned, (n,) = _apply(model, thin_heads, findings=findings)
     assert n == (1 if norm == "each head" else 0)
     off = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     np.testing.assert_allclose(run(thinned, feeds, level=off)[0], reference(model, feeds)[0], atol=1e-5)
+    if norm == "all heads":  # its dead head stays, said: the value layer's 4 zero outputs, and why
+        (why,) = findings.heads_kept.values()
+        assert why.startswith("4 outputs of the layer making its values are zero, but its queries do not come from")
+    else:
+        assert findings.heads_kept == {}
+
+
+def test_a_conversion_names_the_attentions_whose_zero_heads_it_cannot_remove():
+    """Nothing silent: an attention the converter cannot follow keeps its zero heads with a ThinningWarning that
+    names it and why; one whose heads are all alive is not mentioned."""
+    with pytest.warns(ThinningWarning, match=r"1 attention keeps heads that look pruned .*\n  '.*': 4 outputs of "
+                                             r"the layer making its values are zero, but its queries do not come"):
+        result = quantize_qat_export(_attention_graph(norm="all heads"))
+    assert len(result.heads_kept) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ThinningWarning)
+        assert quantize_qat_export(_attention_graph(dead_head=None, norm="all heads")).heads_kept == {}
 
 
 def _packed_attention_graph(per_head=False):

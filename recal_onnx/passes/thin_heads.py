@@ -18,7 +18,8 @@ shapes (which follows); a packed projection (GPT-2's ``c_attn``: one ``MatMul``,
 (GPT-NeoX's ``query_key_value``: the ``Split`` after the heads are, within each head's rows, and a partial rotary
 embedding ending in a ``Concat``) loses each dead head's run of rows; a norm of each head's queries or keys over
 its own last axis (Qwen3's ``q_norm``: ``Pow``, ``ReduceMean``, ... times its weight) is followed like a rotary
-region, one before the heads are split is not; an attention that does not pass is left as it is. With grouped-query
+region, one before the heads are split is not; an attention that does not pass is left as it is, and where its
+value layer has zero outputs the conversion warns, naming it and why. With grouped-query
 attention a unit is a key/value head with its query heads (:mod:`recal_core.head_coupling`). Quantized weights are
 sliced with their per-channel scales.
 """
@@ -26,12 +27,15 @@ sliced with their per-channel scales.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
 from recal_core.head_coupling import Attention, live_heads, unit_rows
 
+from ..findings import Findings
 from ..graph import Graph, Node, Value, attr, input_of
+from ..shape_entries import rewrite_shape, shape_entries
 from ..qdq import weight as weight_dq
 from .thin_channels import _is_zero, _slice_weight, _weight
 
@@ -41,11 +45,26 @@ _PLUMBING = {"Transpose", "Reshape", "Identity", "Cast"}
 _SCALAR_OPS = {"Mul", "Div", "QuantizeLinear", "DequantizeLinear"}  # with a scalar constant
 
 
-def thin_heads(g: Graph) -> int:
-    """Remove the dead heads of every attention found; return how many went."""
+@dataclass(frozen=True)
+class _NotFollowed:
+    """An attention (scores and values multiplied around a softmax) whose layout this pass cannot follow."""
+
+    values: Node  # the MatMul of probabilities and values
+    reason: str
+
+
+def thin_heads(g: Graph, findings: Findings | None = None) -> int:
+    """Remove the dead heads of every attention found; return how many went. An attention this pass cannot follow
+    whose value layer has zero outputs (pruned heads, most likely) goes to ``findings.heads_kept`` with why."""
     removed = 0
     for softmax in list(g.each("Softmax")):
         found = _attention(g, softmax)
+        if isinstance(found, _NotFollowed):
+            zero = _zero_value_outputs(g, found.values)
+            if zero and findings is not None:
+                findings.heads_kept[softmax.name or found.values.name] = (
+                    f"{zero} outputs of the layer making its values are zero, but {found.reason}")
+            continue
         if found is None:
             continue
         att, layers, biases, splits = found
@@ -66,10 +85,26 @@ def thin_heads(g: Graph) -> int:
         for node, index, position, per in splits:
             shapes.setdefault((node, index), {})[position] = len(units) * per
         for (node, index), values in shapes.items():
-            _rewrite_shape(g, node, index, values)
+            rewrite_shape(g, node, index, values)
         removed += att.heads - len(units) * att.per_unit
         log.info("thinned %s: %d -> %d heads", att.name, att.heads, len(units) * att.per_unit)
     return removed
+
+
+def _zero_value_outputs(g: Graph, values: Node) -> int:
+    """How many outputs of the weight layer above the values ``values`` multiplies are zero (columns of its
+    ``[in, out]`` weight; a computed or missing one: 0)."""
+    value, node = values.inputs[1], None
+    for _ in range(32):
+        node = g.producer(value)
+        if node is None or node.op_type == "MatMul":
+            break
+        value = next((i for i in node.inputs if i is not None and not g.is_const(i)), None)
+        if value is None:
+            return 0
+    if node is None or node.op_type != "MatMul" or _weight(g, node) is None or g.rank(node.inputs[1]) != 2:
+        return 0
+    return int(_is_zero(g, node.inputs[1]).all(axis=0).sum())
 
 
 def _canonical_zero(g: Graph, layers: dict[str, Node], biases: dict[str, Node], name: str) -> np.ndarray:
@@ -82,20 +117,22 @@ def _canonical_zero(g: Graph, layers: dict[str, Node], biases: dict[str, Node], 
 
 def _attention(g: Graph, softmax: Node):
     """The attention around ``softmax``: its record, its layers and bias Adds by name, and the reshapes
-    that split heads with the head axis; None when it is not one this pass can thin."""
+    that split heads with the head axis; None when ``softmax`` is no attention's, :class:`_NotFollowed` when it is
+    one this pass cannot thin."""
     qk = _scores_matmul(g, softmax.inputs[0])
     pv = _forward(g, softmax.outputs[0], {"Where", "Cast", "Dropout", "IsNaN"})
     if qk is None or qk.op_type != "MatMul" or pv is None or pv.op_type != "MatMul":
         return None
     sides = []
-    for value in (qk.inputs[0], qk.inputs[1], pv.inputs[1]):
+    for role, value in zip(("queries", "keys", "values"), (qk.inputs[0], qk.inputs[1], pv.inputs[1])):
         side = _projection(g, value)
         if side is None:
-            return None
+            return _NotFollowed(pv, f"its {role} do not come from one MatMul layer through reshapes, transposes, "
+                                    "scalar ops, a rotary embedding or a per-head norm")
         sides.append(side)
     merged, merges = _forward(g, pv.outputs[0], _PLUMBING | _SCALAR_OPS), []
     if merged is None or merged.op_type != "MatMul" or _weight(g, merged) is None:
-        return None
+        return _NotFollowed(pv, "its merged heads are not read by one MatMul layer")
     value = merged.inputs[0]
     while (node := g.producer(value)) is not None and node is not pv:  # the reshapes that merge heads back
         if node.op_type == "Reshape" and g.is_const(node.inputs[1]):
@@ -104,32 +141,34 @@ def _attention(g: Graph, softmax: Node):
     (q, qb, q_split, d, _), (k, kb, k_split, _, _), (v, vb, v_split, _, _) = sides
     found = _blocks(g, [(side[0], side[4]) for side in sides], d)
     if d is None or found is None:
-        return None
+        return _NotFollowed(pv, "its head size is not a constant of the reshape that splits the heads, or a packed "
+                                "projection's blocks are not one Split of its last axis")
     blocks, interleaved = found
     if interleaved:  # per head (GPT-NeoX): the reshape's last axis holds one head's Q, K and V of d rows each
         d = blocks[1][1]
         heads = kv = int(_weight(g, q)[0].shape[1]) // sum(rows for _, rows in blocks)
         if any(rows != d for _, rows in blocks) or _weight(g, merged)[0].shape[0] != heads * d:
-            return None  # (a grouped per-head layout, Falcon's, is not followed here)
+            return _NotFollowed(pv, "its projection packs Q, K and V per key/value group (Falcon's layout)")
     else:
         if any(rows % d for _, rows in blocks):
-            return None
+            return _NotFollowed(pv, "its projections' sizes are not whole heads")
         (_, q_rows), (_, k_rows), (_, v_rows) = blocks
         heads, kv = q_rows // d, k_rows // d
         if heads % kv or v_rows != kv * d or _weight(g, merged)[0].shape[0] != heads * d:
-            return None  # shapes this pass does not follow
+            return _NotFollowed(pv, "its projections' sizes are not whole heads")
     names = {"q": q.inputs[1].name, "k": k.inputs[1].name, "v": v.inputs[1].name, "o": merged.inputs[1].name}
     if len(set(names.values())) != (2 if q is k is v else 4):
-        return None
+        return _NotFollowed(pv, "its projections share a weight")
     per_unit = (heads // kv, 1, 1)  # heads of Q, K and V a unit holds
     splits = []
     packed = sides[0][4][0] if q is k is v else None  # the Split that takes a packed layer's blocks
     if packed is not None and input_of(packed, 1) is not None and not interleaved:  # (sizes given; equal parts
         splits += [(packed, 1, side[4][1], per * d) for side, per in zip(sides, per_unit)]  # follow by themselves)
-    for (reshape, steps), per in zip((q_split, k_split, v_split), per_unit):
+    for role, (reshape, steps), per in zip(("queries", "keys", "values"), (q_split, k_split, v_split), per_unit):
         edits = _follow_heads(g, reshape, steps, kv, per, heads // kv)
         if edits is None:
-            return None
+            return _NotFollowed(pv, f"a shape on the way from its {role}' projection does not hold the head count "
+                                    "as a constant, -1 or a size computed from the tensors' own shapes")
         splits += edits
     layers = {names[r]: n for r, n in zip("qkvo", (q, k, v, merged))}
     biases, pairs = {}, []
@@ -144,11 +183,12 @@ def _attention(g: Graph, softmax: Node):
         elif len(shape) == 4 and shape[1] == heads and shape[-1] == d:  # [batch, heads, tokens, d] back from
             splits.append((reshape, 1, 1, heads // kv))  # the heads merged into the batch
         elif shape[-1] != -1:
-            return None
+            return _NotFollowed(pv, f"the reshape {reshape.name!r} that merges its heads has a shape this pass does "
+                                    "not follow")
     att = Attention(softmax.name or "attention", names["q"], names["k"], names["v"], names["o"], heads, kv, d,
                     tuple(pairs), offsets=tuple(start for start, _ in blocks), interleaved=interleaved)
-    if q is k is v and att.packing_problem({names["q"]: _weight(g, q)[0].shape[1]}) is not None:
-        return None
+    if q is k is v and (problem := att.packing_problem({names["q"]: _weight(g, q)[0].shape[1]})) is not None:
+        return _NotFollowed(pv, problem)
     return att, layers, biases, splits
 
 
@@ -311,7 +351,7 @@ def _follow_heads(g: Graph, split: Node, steps: list, units: int, per: int, per_
     attention right once units go (``position`` then holds ``units * per``): the head axis followed through
     transposes, head-local regions, a key/value repeat (``per`` becomes ``per_unit``) and a merge of the heads into the
     batch; None where a shape holds the head count in a way this pass does not follow."""
-    entries = _shape_entries(g, split, 1)
+    entries = shape_entries(g, split, 1)
     rank, axis, repeat, edits = len(entries), len(entries) - 2, None, []
     if entries[axis] not in (-1, units * per):
         return None
@@ -336,13 +376,13 @@ def _follow_heads(g: Graph, split: Node, steps: list, units: int, per: int, per_
                 axis += a <= axis
                 repeat = a if a == axis + 1 else repeat
         elif op == "Expand" and axis is not None:
-            shape = _shape_entries(g, step, 1)
+            shape = shape_entries(g, step, 1)
             at = axis - (rank - len(shape)) if shape is not None else -1
             if shape is None or len(shape) > rank or at >= 0 and shape[at] not in (1, None, units * per):
                 return None
             edits += [(step, 1, at, per)] if at >= 0 and shape[at] == units * per else []
         elif op == "Reshape":
-            shape = _shape_entries(g, step, 1)
+            shape = shape_entries(g, step, 1)
             if shape is None:
                 return None
             if axis is not None and repeat == axis + 1 and len(shape) == rank - 1:  # the repeat merged
@@ -395,86 +435,7 @@ def _layer(g: Graph, layer: Node, bias: Node | None, steps: list, block=None):
     if at is None or any(isinstance(step, tuple) for step in steps[at + 1:]):
         return None  # (a region before the heads are split mixes them: OLMo 2's norm of all queries together)
     split = steps[at]
-    entries = _shape_entries(g, split, 1)
+    entries = shape_entries(g, split, 1)
     if entries is None or len(entries) < 3 or entries[-1] is None or entries[-1] <= 0:
         return None
     return layer, bias, (split, steps[:at][::-1]), entries[-1], block
-
-
-def _shape_entries(g: Graph, node: Node, index: int) -> list[int | None] | None:
-    """The entries of ``node``'s shape input ``index``: a constant, or a ``Concat`` of constants and dims computed at
-    run time (``None``: read off a tensor's shape, so they follow thinning). None when it is neither."""
-    parts = _shape_parts(g, node.inputs[index])
-    return None if parts is None else [v for _, _, v in parts]
-
-
-def _shape_parts(g: Graph, value: Value) -> list[tuple[int | None, int, int | None]] | None:
-    """Per entry of a shape: ``(Concat input, offset in it, value)`` (input None: the shape is one constant)."""
-    if g.is_const(value):
-        return [(None, i, int(x)) for i, x in enumerate(np.ravel(g.const(value)))]
-    node = _shape_concat(g, value)
-    if node is None:
-        return None
-    out = []
-    for index, part in enumerate(node.inputs):
-        c = g.const(part)
-        if c is not None:
-            out += [(index, i, int(x)) for i, x in enumerate(np.ravel(c))]
-            continue
-        size = part.shape[0] if part.shape is not None and len(part.shape) == 1 else 1  # a dim read off a shape
-        if not isinstance(size, int):
-            return None
-        out += [(index, i, None) for i in range(size)]
-    return out
-
-
-def _shape_concat(g: Graph, value: Value) -> Node | None:
-    """The ``Concat`` that lists a computed shape's entries, through what exporters put after it: a flattening
-    ``Reshape``, a ``Cast``, and torch's ``Where(Equal(s, -1), ones, s)`` for ``expand``'s -1."""
-    node = g.producer(value)
-    while node is not None and node.op_type != "Concat":
-        if node.op_type == "Cast" or node.op_type == "Reshape" and list(np.ravel(g.const(node.inputs[1]))) == [-1]:
-            node = g.producer(node.inputs[0])
-        elif node.op_type == "Where" and (equal := g.producer(node.inputs[0])) is not None and \
-                equal.op_type == "Equal" and equal.inputs[0] is node.inputs[2] and _minus_ones(g, equal.inputs[1]):
-            node = g.producer(node.inputs[2])
-        else:
-            return None
-    return node
-
-
-def _minus_ones(g: Graph, value: Value) -> bool:
-    """``value`` is all -1: a constant, or ``ConstantOfShape(.., 1) * -1`` (as torch writes it)."""
-    if g.is_const(value):
-        return bool((g.const(value) == -1).all())
-    node = g.producer(value)
-    if node is None or node.op_type != "Mul" or len(node.inputs) != 2:
-        return False
-    ones, minus = sorted(node.inputs, key=g.is_const)
-    fill = g.producer(ones)
-    return g.is_const(minus) and bool((g.const(minus) == -1).all()) and fill is not None and \
-        fill.op_type == "ConstantOfShape" and "value" in fill.attributes and \
-        bool((fill.attributes["value"].value.numpy() == 1).all())
-
-
-def _rewrite_shape(g: Graph, node: Node, index: int, values: dict[int, int]) -> None:
-    """Set entries ``values`` (position: value) of ``node``'s shape input ``index``: a new constant, or a new
-    ``Concat`` with new constant parts (the old one may have other readers)."""
-    value = node.inputs[index]
-    parts = _shape_parts(g, value)
-    if g.is_const(value):
-        shape = g.const(value).copy()
-        for position, new in values.items():
-            shape[position] = new
-        node.replace_input_with(index, g.add_const(value.name, shape))
-        return
-    concat = _shape_concat(g, value)
-    if concat is not g.producer(value) and any(v == -1 for _, _, v in parts):
-        raise AssertionError("unreachable: _follow_heads refuses a shape it cannot rewrite")
-    inputs = list(concat.inputs)
-    for position, new in values.items():
-        part, offset, _ = parts[position]
-        array = g.const(inputs[part]).copy()
-        array.reshape(-1)[offset] = new
-        inputs[part] = g.add_const(concat.inputs[part].name, array)
-    node.replace_input_with(index, g.add_node("Concat", inputs, axis=0).outputs[0])
