@@ -562,6 +562,10 @@ def _config(name):
                                                               decoder_start_token_id=0, **small)),
         "swin": lambda: t.SwinForImageClassification(t.SwinConfig(image_size=32, patch_size=4, embed_dim=64,
                                                                   depths=[1], num_heads=[4], window_size=4)),
+        "whisper": lambda: t.WhisperForConditionalGeneration(t.WhisperConfig(
+            d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+            encoder_ffn_dim=96, decoder_ffn_dim=96, num_mel_bins=16, max_source_positions=16, max_target_positions=16,
+            pad_token_id=0, bos_token_id=0, eos_token_id=0, decoder_start_token_id=0, **small)),
     }[name]()
 
 
@@ -582,10 +586,12 @@ def _one_shot_heads(model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt-j", "codegen", "qwen3", "gemma3", "phi", "gpt-bigcode", "bart", "t5", "swin"])
+@pytest.mark.parametrize("name", ["gpt-j", "codegen", "qwen3", "gemma3", "phi", "gpt-bigcode", "bart", "t5", "swin",
+                                  "whisper"])
 def test_attention_code_of_many_architectures_is_followed_pruned_by_head_and_thinned(name):
     """(T5 and Swin add a relative position bias per head from a table of their own: the table loses the removed
-    heads' entries; T5 is traced with its decoder's dummy inputs too.)"""
+    heads' entries; T5 is traced with its decoder's dummy inputs too; Whisper with one silent clip of its config's
+    length, and its decoder's start token.)"""
     from recal_torch.graph import example_inputs_of
 
     torch.manual_seed(0)

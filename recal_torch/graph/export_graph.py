@@ -62,8 +62,8 @@ def remember_example_inputs(model: nn.Module, example_inputs: Any) -> None:
 
 def example_inputs_of(model: nn.Module) -> tuple[tuple, dict] | None:
     """Inputs to trace ``model`` with when the user gave none: those given to ``modify``; for a Hugging Face
-    model, ``model.dummy_inputs``, or one image of the config's size for vision models. None when recal knows no
-    way to feed it."""
+    model, ``model.dummy_inputs``, one image of the config's size for vision models, or one silent clip of the
+    config's length for Whisper. None when recal knows no way to feed it."""
     stored = model.__dict__.get(EXAMPLE_INPUTS)
     if stored is not None:
         return trace_args(model, stored)
@@ -76,6 +76,12 @@ def example_inputs_of(model: nn.Module) -> tuple[tuple, dict] | None:
         size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
         device = next(model.parameters()).device
         return (), {name: torch.zeros(1, getattr(config, "num_channels", 3), *size, device=device)}
+    if name == "input_features" and hasattr(config, "num_mel_bins") and hasattr(config, "max_source_positions"):
+        device = next(model.parameters()).device  # Whisper: the encoder takes exactly 2 frames per position
+        kwargs = {name: torch.zeros(1, config.num_mel_bins, 2 * config.max_source_positions, device=device)}
+        if getattr(config, "decoder_start_token_id", None) is not None and hasattr(model, "get_decoder"):
+            kwargs["decoder_input_ids"] = torch.full((1, 1), config.decoder_start_token_id, device=device)
+        return (), {**kwargs, **({"use_cache": False} if getattr(config, "use_cache", False) else {})}
     dummy = getattr(model, "dummy_inputs", None)
     if isinstance(dummy, dict) and name in dummy:
         device = next(model.parameters()).device
