@@ -1,6 +1,7 @@
 """Keras 3: the recipe applied inside Keras's own train step (recal_tf.keras)."""
 
 import json
+import os
 import textwrap
 import zipfile
 
@@ -314,6 +315,39 @@ def test_mirrored_strategy_two_replicas_exact():
     out = run_program(code=code, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "replicas exact" in out.stdout
+
+
+@pytest.mark.slow
+def test_a_recipe_under_multi_worker_mirrored_strategy_runs_as_in_one_process(tmp_path):
+    """Two workers on localhost (``MultiWorkerMirroredStrategy``, a custom loop: Keras 3's ``fit`` fails under this
+    strategy for any model): pruning, LR and QAT give both workers the same weights, masks and observed ranges,
+    those of the same run in one process on the whole batches."""
+    import socket
+    import subprocess
+    import sys
+
+    sockets = [socket.socket() for _ in range(2)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = ",".join(str(s.getsockname()[1]) for s in sockets)
+    for s in sockets:
+        s.close()
+    command = [sys.executable, "-m", "tests.keras_multiworker_run"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    workers = [subprocess.Popen(command + [str(i), ports, str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+    single = subprocess.run(command + ["0", "0", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    outputs = [w.communicate(timeout=300)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    assert single.returncode == 0, single.stderr[-2000:]
+    first, second, alone = (np.load(tmp_path / name) for name in ("w0_2.npz", "w1_2.npz", "w0_1.npz"))
+    assert any("input_q" in k for k in first.files) and float(first["lr"]) == pytest.approx(0.1 * 0.5 ** 2)
+    for key in first.files:
+        assert np.array_equal(first[key], second[key]), key
+        np.testing.assert_allclose(first[key], alone[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    kernel = next(first[k] for k in first.files if k.endswith("d1/kernel"))
+    assert abs(float((kernel == 0).mean()) - 0.6) < 0.02
 
 
 def test_model_outside_the_strategy_scope_is_refused():
