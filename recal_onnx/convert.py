@@ -255,7 +255,8 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
         warnings.warn(f"left in float between DequantizeLinear and QuantizeLinear, {len(unconverted)} nodes "
                       f"({kinds}):\n" + "\n".join(lines), UnconvertedOpsWarning, stacklevel=3)
     if findings.heads_kept:
-        listed = [f"  {name!r}{modules.get(name, '')}: {why}" for name, why in list(findings.heads_kept.items())[:MAX_LISTED]]
+        kept = list(findings.heads_kept.items())[:MAX_LISTED]
+        listed = [f"  {name!r}{modules.get(name, '')}: {why}" for name, why in kept]
         n = len(findings.heads_kept)
         warnings.warn(f"{n} attention{'s keep' if n > 1 else ' keeps'} heads that look pruned (result.heads_kept):\n"
                       + "\n".join(listed) + "\nthin the model in PyTorch before export (recal_torch.thin), which "

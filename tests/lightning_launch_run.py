@@ -18,7 +18,8 @@ RECIPE = r"""
                       end_epoch: 2, update_frequency: 0.5}
 - !QuantizationModifier
   start_epoch: 1.5
-  scheme: {input_activations: {symmetric: false, observer: lsq}, weights: {observer: lsq, observer_kwargs: {lr_factor: 0.1}}}
+  scheme: {input_activations: {symmetric: false, observer: lsq},
+           weights: {observer: lsq, observer_kwargs: {lr_factor: 0.1}}}
 """
 
 

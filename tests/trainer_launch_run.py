@@ -1,13 +1,13 @@
 """A recipe (pruning, then QAT) through the Hugging Face Trainer in two processes, as ``accelerate launch`` starts it,
 for :mod:`tests.test_integrations`: ``accelerate launch --cpu --num_processes 2 -m tests.trainer_launch_run OUT
-[fsdp] [sharded] [lsq] [resume=CHECKPOINT]``. Each rank saves its masks, QAT observers and whole weights to ``OUT/rank<r>.pt``
-(``rank<r>.resumed.pt`` when resumed). ``lsq`` learns the quantizers' scales; ``sharded`` has FSDP write
+[fsdp] [sharded] [lsq] [resume=CHECKPOINT]``. Each rank saves its masks, QAT observers and whole weights to
+``OUT/rank<r>.pt`` (``rank<r>.resumed.pt`` when resumed). ``lsq`` learns the quantizers' scales; ``sharded`` has FSDP write
 distributed checkpoints (``SHARDED_STATE_DICT``) rather than whole-model files.
 
-With ``fsdp``, the run also checkpoints every 6 steps, and the Trainer's own FSDP2 (``fsdp="full_shard auto_wrap"``, ``fsdp_version: 2``) shards the model as
-on GPUs: each GPT-2 block, the embeddings and LM head as their own unit, the model. accelerate turns FSDP on only
-for accelerator devices, so here its state is switched to FSDP after it chose multi-CPU (:func:`_fsdp_on_cpu`);
-FSDP2 itself runs on CPUs with gloo."""
+With ``fsdp``, the run also checkpoints every 6 steps, and the Trainer's own FSDP2 (``fsdp="full_shard
+auto_wrap"``, ``fsdp_version: 2``) shards the model as on GPUs: each GPT-2 block, the embeddings and LM head as one
+unit of their own, the model. accelerate turns FSDP on only for accelerator devices, so here its state is switched
+to FSDP after it chose multi-CPU (:func:`_fsdp_on_cpu`); FSDP2 itself runs on CPUs with gloo."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ RECIPE = r"""
 - !QuantizationModifier {start_epoch: 1}
 """
 LSQ = """
-  scheme: {input_activations: {symmetric: false, observer: lsq}, weights: {observer: lsq, observer_kwargs: {lr_factor: 0.1}}}
+  scheme: {input_activations: {symmetric: false, observer: lsq},
+           weights: {observer: lsq, observer_kwargs: {lr_factor: 0.1}}}
 """
 
 

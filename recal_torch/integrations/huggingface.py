@@ -3,11 +3,11 @@
 The Trainer keeps its loop, gradient accumulation, mixed precision, checkpoints and logs. At ``on_train_begin``
 (the optimizer, its scheduler and the data exist) the callback binds the recipe to them, with one optimizer step
 as the recipe's step; a recipe that sets the LR makes the Trainer's scheduler follow it, so the logged LR is the
-one each step used. recal's part of a checkpoint is the checkpoint folder's ``recal_state.pt`` (also inside a plain
-``optimizer.pt`` under ``"recal"``; FSDP's optimizer files keep only the optimizer's own keys); a resumed run reads
-it back, with the quantizer tensors of ``model.safetensors`` once QAT has re-created its layers. Each log record
-gains recal's scalars (sparsity, QAT state). At ``on_train_end`` the recipe is finalized:
-masks baked in, QAT observers frozen, the model ready for :func:`recal_torch.export_onnx`.
+one each step used. recal's part of a checkpoint, with the quantizer tensors, is the checkpoint folder's
+``recal_state.pt`` (FSDP's optimizer files keep only the optimizer's own keys); a resumed run reads it back and
+puts the quantizer tensors in once QAT has re-created its layers. Each log record gains recal's scalars (sparsity,
+QAT state). At ``on_train_end`` the recipe is finalized: masks baked in, QAT observers frozen, the model ready for
+:func:`recal_torch.export_onnx`.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ rides in the optimizer's state that Lightning saves; on resume Lightning restore
 quantizer tensors of the checkpoint go in once QAT has re-created its layers (``on_train_start``), so the module
 is loaded non-strictly by Lightning and strictly by recal. A distributed checkpoint (``ModelParallelStrategy``,
 FSDP2) keeps only the optimizer's own keys and the module's float tensors: recal's state and quantizer tensors go
-in the checkpoint beside them, and come back at ``on_train_start``. recal's scalars (sparsity, LR, QAT state) are logged
-with ``LightningModule.log_dict`` at Lightning's logging steps (``log_every_n_steps``). At the end of fitting the
-recipe is finalized.
+in the checkpoint beside them, and come back at ``on_train_start``. recal's scalars (sparsity, LR, QAT state) are
+logged with ``LightningModule.log_dict`` at Lightning's logging steps (``log_every_n_steps``). At the end of
+fitting the recipe is finalized.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ class RecalLightningCallback(Callback):
             return
         # a distributed checkpoint (ModelParallelStrategy's FSDP2) keeps only the optimizer's own keys and loads
         # the module's tensors into the float module: recal's state and quantizer tensors ride beside them
-        mine = trainer.optimizers[0].state_dict()[RECAL_STATE_KEY]  # on every rank: sharded masks gather whole
         if not any(RECAL_STATE_KEY in state for state in checkpoint.get("optimizer_states", [])):
+            mine = trainer.optimizers[0].state_dict()[RECAL_STATE_KEY]  # on every rank: sharded masks gather whole
             checkpoint[RECAL_STATE_KEY] = {**mine, QUANTIZER_KEY: quantizer_tensors(pl_module)}
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:

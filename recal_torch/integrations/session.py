@@ -64,7 +64,6 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], where: st
                          "(was it saved under another recipe or model?)")
 
 
-
 def load_quantizer_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
     """A checkpoint's quantizer tensors (:func:`~recal_torch.qat.quantizer_tensors`) into the QAT layers the resumed
     recipe re-created; the framework restored the weights. Names that differ are an error that names them."""
