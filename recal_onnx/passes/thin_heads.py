@@ -102,9 +102,29 @@ def _zero_value_outputs(g: Graph, values: Node) -> int:
         value = next((i for i in node.inputs if i is not None and not g.is_const(i)), None)
         if value is None:
             return 0
-    if node is None or node.op_type != "MatMul" or _weight(g, node) is None or g.rank(node.inputs[1]) != 2:
-        return 0
-    return int(_is_zero(g, node.inputs[1]).all(axis=0).sum())
+    zero = None if node is None or node.op_type != "MatMul" else _weight_zeros(g, node.inputs[1])
+    return 0 if zero is None or zero.ndim != 2 else int(zero.all(axis=0).sum())
+
+
+def _weight_zeros(g: Graph, value: Value) -> np.ndarray | None:
+    """Elementwise "is zero" of a constant weight as a ``MatMul`` reads it: a (de)quantized constant, or one behind
+    reshapes and transposes of it (weights quantized in groups are exported as one row a group); None otherwise."""
+    chain = []
+    while (node := g.producer(value)) is not None and node.op_type in ("Reshape", "Transpose"):
+        chain.append(node)
+        value = node.inputs[0]
+    if not g.is_const(value) and weight_dq(g, value) is None:
+        return None
+    zero = _is_zero(g, value)
+    for node in reversed(chain):
+        if node.op_type == "Transpose":
+            zero = zero.transpose(attr(node, "perm", None) or range(zero.ndim - 1, -1, -1))
+            continue
+        shape = g.const(node.inputs[1])
+        if shape is None or 0 in shape.tolist():
+            return None
+        zero = zero.reshape(shape)
+    return zero
 
 
 def _canonical_zero(g: Graph, layers: dict[str, Node], biases: dict[str, Node], name: str) -> np.ndarray:
