@@ -19,7 +19,7 @@ RECIPE = r"""
 - !QuantizationModifier
   start_epoch: 1.5
   scheme: {input_activations: {symmetric: false, observer: lsq},
-           weights: {observer: lsq, observer_kwargs: {lr_factor: 0.1}}}
+           weights: {observer: lsq, observer_kwargs: {lr_factor: 0.01}}}
 """
 
 
@@ -66,6 +66,7 @@ def main(out: str, resume: str | None = None) -> None:
              for k, v in module.state_dict().items()}
     torch.save({"state": state, "classes": [type(m).__name__ for m in module.body]},
                os.path.join(out, f"rank{trainer.global_rank}{'.resumed' if resume else ''}.pt"))
+    torch.distributed.destroy_process_group()  # a process group left to the exit can abort it (gloo's threads)
 
 
 if __name__ == "__main__":

@@ -86,6 +86,8 @@ def main(out: str, fsdp: bool = False, sharded: bool = False, lsq: bool = False,
                 "masks": {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
                           for k, v in callback.manager.masks.effective.items()},
                 "state": state}, os.path.join(out, f"rank{rank}{'.resumed' if resume else ''}.pt"))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # a process group left to the exit can abort it (gloo's threads)
 
 
 if __name__ == "__main__":
