@@ -70,4 +70,7 @@ def main(out: str, resume: str | None = None) -> None:
 
 
 if __name__ == "__main__":
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # a native abort prints where each thread was
     main(sys.argv[1], resume=next((o.split("=", 1)[1] for o in sys.argv[2:] if o.startswith("resume=")), None))

@@ -230,7 +230,8 @@ def _launch(out, *options, run: str = "tests.trainer_launch_run") -> list[dict]:
     from .conftest import ROOT
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+    # --standalone: a free port of its own (two launches at once in the suite would share torchrun's default)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
                            run, str(out), *options], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
