@@ -90,22 +90,28 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     model.load_state_dict(saved["model"])
     _train(model, optimizer, batches[STEPS // 2:], rank, world)
     resumed = _whole(model)
-    qat, optimizer, _ = _self_sharded_qat(shard=True)  # QAT takes over layers fully_shard wrapped themselves
-    _train(qat, optimizer, batches, rank, world)
-    qat = {**_whole(qat), "classes": [type(m).__name__ for m in qat]}
+    qat = {}
+    for scheme in SELF_SHARDED_QAT:  # QAT takes over layers fully_shard wrapped themselves
+        model, optimizer, _ = _self_sharded_qat(True, scheme)
+        _train(model, optimizer, batches, rank, world)
+        qat[scheme] = {**_whole(model), "classes": [type(m).__name__ for m in model]}
     torch.save({"straight": straight, "resumed": resumed, "lr": lr, "masks": masks, "recal": full_recal_state,
                 "half": _whole_half(saved["model"]), "qat": qat}, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-def _self_sharded_qat(shard: bool):
+SELF_SHARDED_QAT = {"int8": "{start_epoch: 1}",
+                    "int4": "{start_epoch: 1, scheme: {input_activations: null, weights: {num_bits: 4, group_size: 16}}}"}
+
+
+def _self_sharded_qat(shard: bool, scheme: str = "int8"):
     """QAT from step 4 on a model whose Linear layers ``fully_shard`` wrapped each on its own (as accelerate shards
-    the embeddings and the LM head): QAT takes them over in place."""
+    the embeddings and the LM head): QAT (W8A8, or int4 weight-only) takes them over in place."""
     from recal_torch import ScheduledModifierManager
 
     model = _sharded(_model()) if shard else _model()
     manager = ScheduledModifierManager.from_yaml("- !EpochRangeModifier {start_epoch: 0, end_epoch: 3}\n"
-                                                 "- !QuantizationModifier {start_epoch: 1}")
+                                                 f"- !QuantizationModifier {SELF_SHARDED_QAT[scheme]}")
     return model, manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), STEPS_PER_EPOCH), manager
 
 
@@ -135,13 +141,16 @@ def test_fsdp2_two_ranks_match_the_single_process_run_and_resume_exactly(tmp_pat
             torch.testing.assert_close(r["straight"][name], tensor, rtol=1e-5, atol=1e-6)
             assert torch.equal(r["resumed"][name], r["straight"][name]), name  # resumed: bit for bit
         assert r["lr"] == optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5)  # epoch 1, then held
-    model, optimizer, _ = _self_sharded_qat(shard=False)
-    _train(model, optimizer, _batches())
-    # each Linear its QAT layer (ReLU fused into it) as in one process, still FSDP's unit
-    assert r0["qat"]["classes"] == [("FSDP" if "QAT" in type(m).__name__ else "") + type(m).__name__ for m in model]
-    assert r0["qat"]["classes"][:2] == ["FSDPQATLinear", "Identity"]
-    for name, tensor in model.state_dict().items():
-        torch.testing.assert_close(r0["qat"][name], tensor, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    for scheme, first in (("int8", "FSDPQATLinear"), ("int4", "FSDPWeightOnlyLinear")):
+        model, optimizer, _ = _self_sharded_qat(False, scheme)
+        _train(model, optimizer, _batches())
+        # each Linear its QAT layer (W8A8: ReLU fused into it) as in one process, still FSDP's unit
+        sharded = r0["qat"][scheme]
+        assert sharded["classes"] == [("FSDP" if "QAT" in type(m).__name__ or "WeightOnly" in type(m).__name__
+                                       else "") + type(m).__name__ for m in model]
+        assert sharded["classes"][0] == first and any("fake_quant" in k for k in sharded)
+        for name, tensor in model.state_dict().items():
+            torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     assert int((single["2.weight"] == 0).all(1).sum()) >= 8  # the filter modifier removed a quarter of the rows
 
     # recal's state from the sharded run holds whole masks: a single-process run resumes from it
