@@ -100,8 +100,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-SELF_SHARDED_QAT = {"int8": "{start_epoch: 1}",
-                    "int4": "{start_epoch: 1, scheme: {input_activations: null, weights: {num_bits: 4, group_size: 16}}}"}
+SELF_SHARDED_QAT = {"int8": "{start_epoch: 1}", "int4": "{start_epoch: 1, scheme: {input_activations: null, "
+                                                           "weights: {num_bits: 4, group_size: 16}}}"}
 
 
 def _self_sharded_qat(shard: bool, scheme: str = "int8"):
