@@ -78,6 +78,12 @@ def test_a_hugging_face_trainer_runs_the_recipe_and_resumes_exactly(tmp_path):
     assert resumed.keys() == final.keys()
     different = [k for k in final if not torch.equal(final[k], resumed[k])]
     assert not different, different
+    # a checkpoint written before recal_state.pt existed (recal's part in optimizer.pt, the quantizer tensors in
+    # model.safetensors) resumes the same
+    (tmp_path / "checkpoint-20" / "recal_state.pt").unlink()
+    older = _hf_trainer(tmp_path, RecalTrainerCallback(RECIPE))
+    older.train(resume_from_checkpoint=str(tmp_path / "checkpoint-20"))
+    assert [k for k in final if not torch.equal(final[k], older.model.state_dict()[k])] == []
 
 
 def _lightning_fit(folder, callback, resume=None):
