@@ -74,3 +74,8 @@ if __name__ == "__main__":
 
     faulthandler.enable(all_threads=True)  # a native abort prints where each thread was
     main(sys.argv[1], resume=next((o.split("=", 1)[1] for o in sys.argv[2:] if o.startswith("resume=")), None))
+    # the record is written and the process group ended: leave without the interpreter's teardown, whose native
+    # destructors (gloo's threads) aborted a finished run twice in a loaded full suite
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
