@@ -677,6 +677,36 @@ def test_the_converter_thins_heads_through_each_heads_norm_and_leaves_a_norm_of_
     assert result.verification.problem(None) is None, result.verification
 
 
+@pytest.mark.slow
+def test_the_converter_thins_gpt_j_through_its_rotation_of_channel_pairs(tmp_path):
+    """GPT-J rotates each pair of a head's first channels (``stack(-x[..., 1::2], x[..., ::2], -1)`` flattened back,
+    a reshape that holds the head count) before the heads are transposed, with cos and sin computed from the
+    positions: the converter follows the heads through it, removes a dead head of an int8 QAT export, and the
+    conversion verifies. (The TorchScript exporter cannot export GPT-J: ``aten::diff``.)"""
+    from recal_onnx import quantize_qat_export
+    from recal_torch import export_onnx
+
+    from .torch_models import CausalLMLogits
+
+    torch.manual_seed(0)
+    model, ids = _config("gpt-j"), torch.randint(0, 128, (2, 8))
+    manager = ScheduledModifierManager.from_yaml("- !QuantizationModifier {start_epoch: 0, reduce_range: true}\n")
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.0), 1)
+    model.train()
+    model(input_ids=ids).logits.sum().backward()
+    optimizer.step()
+    manager.finalize()
+    with torch.no_grad():  # head 1's values are zero
+        model.transformer.h[0].attn.v_proj.weight[16:32] = 0
+    export_onnx(CausalLMLogits(model.eval()), ids, tmp_path / "masked.onnx", input_names=["ids"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("error", ThinningWarning)  # (the later filter comes first)
+        result = quantize_qat_export(tmp_path / "masked.onnx", tmp_path / "out.onnx", inputs={"ids": ids.numpy()})
+    assert result.rewrites.get("thin_heads", 0) == 1 and result.heads_kept == {}
+    assert result.verification.problem(None) is None, result.verification
+
+
 def test_tensorflow_refuses_head_pruning_with_a_located_error():
     from recal_core.model_plan import plan_model
     from recal_core.params import ParamInfo

@@ -35,14 +35,14 @@ from recal_core.head_coupling import Attention, live_heads, unit_rows
 
 from ..findings import Findings
 from ..graph import Graph, Node, Value, attr, input_of
+from ..head_regions import PLUMBING, SCALAR_OPS, ends_region, head_local_region, region_keeps_heads, scalar_op
 from ..shape_entries import rewrite_shape, shape_entries
 from ..qdq import weight as weight_dq
 from .thin_channels import _is_zero, _slice_weight, _weight
 
 log = logging.getLogger(__name__)
 
-_PLUMBING = {"Transpose", "Reshape", "Identity", "Cast"}
-_SCALAR_OPS = {"Mul", "Div", "QuantizeLinear", "DequantizeLinear"}  # with a scalar constant
+_REPEAT = {"Unsqueeze", "Expand"}  # grouped-query attention's repeat of key/value heads (with a Reshape)
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def _attention(g: Graph, softmax: Node):
             return _NotFollowed(pv, f"its {role} do not come from one MatMul layer through reshapes, transposes, "
                                     "scalar ops, a rotary embedding or a per-head norm")
         sides.append(side)
-    merged, merges = _forward(g, pv.outputs[0], _PLUMBING | _SCALAR_OPS), []
+    merged, merges = _forward(g, pv.outputs[0], PLUMBING | SCALAR_OPS), []
     if merged is None or merged.op_type != "MatMul" or _weight(g, merged) is None:
         return _NotFollowed(pv, "its merged heads are not read by one MatMul layer")
     value = merged.inputs[0]
@@ -269,7 +269,7 @@ def _forward(g: Graph, value: Value, through: set[str]) -> Node | None:
         node = readers[0]
         if node.op_type not in through:
             return node
-        if node.op_type in _SCALAR_OPS and not all(g.is_const(i) and g.const(i).size == 1 for i in node.inputs[1:]
+        if node.op_type in SCALAR_OPS and not all(g.is_const(i) and g.const(i).size == 1 for i in node.inputs[1:]
                                                     if i is not None):
             return None
         value = node.outputs[0]
@@ -291,8 +291,8 @@ def _projection(g: Graph, value: Value):
             readers = readers[:1]  # a head-local region's input: read by its nodes alone
         if len(readers) != 1:
             return None
-        if _ends_region(g, node):
-            region = _head_local_region(g, node)
+        if ends_region(g, node):
+            region = head_local_region(g, node)
             if region is None:
                 return None
             steps.append((node, region[1]))
@@ -312,58 +312,13 @@ def _projection(g: Graph, value: Value):
             block = (node, list(node.outputs).index(value))
             value = node.inputs[0]
             continue
-        if not (node.op_type in _PLUMBING | _REPEAT or _scalar_op(g, node) or
+        if not (node.op_type in PLUMBING | _REPEAT or scalar_op(g, node) or
                 node.op_type == "Concat" and len(node.inputs) == 1):
             return None
         steps.append(node)
         value = next((i for i in node.inputs if i is not None and not g.is_const(i)), None)
         if value is None:
             return None
-
-
-def _ends_region(g: Graph, node: Node) -> bool:
-    """Where a head-local region ends: a rotary embedding's ``Add`` (or, partial, its ``Concat``) of two computed
-    tensors, or a per-head norm's ``Mul`` by its weight."""
-    constants = [g.is_const(i) for i in node.inputs]
-    if node.op_type == "Mul":
-        return any(constants) and not _scalar_op(g, node)
-    return (node.op_type == "Add" or node.op_type == "Concat" and len(node.inputs) > 1) and not any(constants)
-
-
-_REPEAT = {"Unsqueeze", "Expand"}  # grouped-query attention's repeat of key/value heads (with a Reshape)
-# a head-local region: a rotary embedding's ops, and a norm's over each head's last axis (Qwen3's q_norm)
-_REGION_OPS = {"Mul", "Add", "Sub", "Neg", "Slice", "Concat", "Cast", "Pow", "ReduceMean", "Sqrt", "Reciprocal", "Div"}
-
-
-def _scalar_op(g: Graph, node: Node) -> bool:
-    return node.op_type in _SCALAR_OPS and all(g.is_const(i) and g.const(i).size == 1 for i in node.inputs[1:]
-                                               if i is not None)
-
-
-def _head_local_region(g: Graph, end: Node) -> tuple[Value, set[Node]] | None:
-    """A rotary embedding (``x * cos + rotate_half(x) * sin``) or a per-head norm ending in ``end``: its one input
-    ``x`` (made by a transpose, reshape or a per-head Split) and its nodes; cos, sin and a norm's weight are
-    constants or ``Unsqueeze`` outputs (checked to be one value for every head by :func:`_region_keeps_heads`). None
-    for anything else."""
-    region, starts, stack = set(), set(), [end]
-    while stack:
-        node = stack.pop()
-        if node in region:
-            continue
-        if len(region) >= 16:
-            return None
-        region.add(node)
-        for value in node.inputs[:1] if node.op_type == "Slice" else node.inputs:
-            producer = g.producer(value)
-            if value is None or g.is_const(value) or producer is not None and producer.op_type == "Unsqueeze":
-                continue  # a number, cos or sin
-            if producer is not None and producer.op_type in _REGION_OPS:
-                stack.append(producer)
-            elif producer is not None and (producer.op_type in _PLUMBING or producer.op_type == "Split"):
-                starts.add(value)  # (a Split: a per-head packed projection's block, GPT-NeoX's)
-            else:
-                return None
-    return (starts.pop(), region) if len(starts) == 1 else None
 
 
 def _follow_heads(g: Graph, split: Node, steps: list, units: int, per: int, per_unit: int):
@@ -378,8 +333,14 @@ def _follow_heads(g: Graph, split: Node, steps: list, units: int, per: int, per_
     edits += [(split, 1, axis, per)] if entries[axis] == units * per else []
     for step in steps:
         if isinstance(step, tuple):
-            if axis is None or not _region_keeps_heads(g, step[1], rank, axis):
+            if axis is None or not region_keeps_heads(g, step[1], rank, axis):
                 return None
+            for node in step[1]:  # a pair rotation's reshape back to [.., heads, d] holds the head count
+                shape = shape_entries(g, node, 1) if node.op_type == "Reshape" else None
+                if node.op_type == "Reshape" and (shape is None or len(shape) != rank or
+                                                  shape[axis] not in (-1, None, units * per)):
+                    return None
+                edits += [(node, 1, axis, per)] if shape is not None and shape[axis] == units * per else []
             continue
         op = step.op_type
         if op == "Transpose":
@@ -418,31 +379,6 @@ def _follow_heads(g: Graph, split: Node, steps: list, units: int, per: int, per_
         elif op in _REPEAT:
             return None
     return edits
-
-
-def _region_keeps_heads(g: Graph, region: set[Node], rank: int, axis: int) -> bool:
-    """A rotary region (or a norm of each head's queries) works within each head: its slices, concats and means are
-    on the last axis (not the heads'), and what it multiplies by (cos, sin, a norm's weight) is one value for every
-    head (a constant of size 1 there, or unsqueezed there)."""
-    for node in region:
-        if node.op_type in ("Slice", "ReduceMean"):
-            position = 3 if node.op_type == "Slice" else 1
-            axes = g.const(input_of(node, position)) if input_of(node, position) is not None else attr(node, "axes")
-            if axes is None or [int(a) % rank for a in np.ravel(axes)] != [rank - 1] or axis == rank - 1:
-                return False
-        elif node.op_type == "Concat" and int(attr(node, "axis")) % rank != rank - 1:
-            return False
-        for value in node.inputs[:1] if node.op_type == "Slice" else node.inputs:
-            producer = g.producer(value)
-            if g.is_const(value):
-                shape = g.const(value).shape
-                if len(shape) > rank - axis and shape[len(shape) - rank + axis] != 1:
-                    return False
-            elif producer is not None and producer.op_type == "Unsqueeze":
-                added = g.const(input_of(producer, 1))
-                if added is None or axis not in [int(a) % rank for a in np.ravel(added)]:
-                    return False
-    return True
 
 
 def _layer(g: Graph, layer: Node, bias: Node | None, steps: list, block=None):
