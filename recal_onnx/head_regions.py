@@ -39,7 +39,7 @@ def head_local_region(g: Graph, end: Node) -> tuple[Value, set[Node]] | None:
     channels: ``stack(-x[..., 1::2], x[..., ::2], -1)`` flattened back) or a per-head norm ending in ``end``: its one
     input ``x`` (made by a transpose, reshape or a per-head Split) and its nodes; cos, sin and a norm's weight are
     constants, ``Unsqueeze`` outputs, or values computed without a weight layer (checked to be one value for every
-    head by :func:`_region_keeps_heads`). None for anything else."""
+    head by :func:`region_keeps_heads`). None for anything else."""
     region, starts, stack = set(), set(), [end]
     while stack:
         node = stack.pop()
@@ -115,8 +115,8 @@ def region_keeps_heads(g: Graph, region: set[Node], rank: int, axis: int) -> boo
             width = rank + 1 if any(g.producer(v) in paired for v in node.inputs) else rank
             if int(attr(node, "axis")) % width != width - 1:
                 return False
-        if node.op_type in ("Unsqueeze", "Concat", "Reshape"):
-            continue  # (a pair rotation's own: its reshape's shape is checked where the heads are followed)
+        if node.op_type == "Reshape":
+            continue  # (a pair rotation's: its shape is checked, and rewritten, where the heads are followed)
         for value in node.inputs[:1] if node.op_type == "Slice" else node.inputs:
             producer = g.producer(value)
             if g.is_const(value):
