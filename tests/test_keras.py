@@ -322,16 +322,12 @@ def test_a_recipe_under_multi_worker_mirrored_strategy_runs_as_in_one_process(tm
     """Two workers on localhost (``MultiWorkerMirroredStrategy``, a custom loop: Keras 3's ``fit`` fails under this
     strategy for any model): pruning, LR and QAT give both workers the same weights, masks and observed ranges,
     those of the same run in one process on the whole batches."""
-    import socket
     import subprocess
     import sys
 
-    sockets = [socket.socket() for _ in range(2)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = ",".join(str(s.getsockname()[1]) for s in sockets)
-    for s in sockets:
-        s.close()
+    from .ports import free_ports
+
+    ports = ",".join(str(p) for p in free_ports(2))
     command = [sys.executable, "-m", "tests.keras_multiworker_run"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     workers = [subprocess.Popen(command + [str(i), ports, str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,

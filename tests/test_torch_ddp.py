@@ -1,7 +1,6 @@
 """Two CPU processes under DistributedDataParallel (gloo): identical masks, exact final sparsity."""
 
 import os
-import socket
 import sys
 
 import pytest
@@ -9,18 +8,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .ports import free_ports
+
 RECIPE = """
 - !EpochRangeModifier {start_epoch: 0, end_epoch: 3}
 - !GradualKSModifier {params: [conv2, fc.weight], init_sparsity: 0.2, final_sparsity: 0.75, start_epoch: 0,
                       end_epoch: 2, update_frequency: 0.5}
 - !QuantizationModifier {start_epoch: 2.5}
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 LSQ_RECIPE = """
@@ -49,7 +44,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, recipe: str = RECIPE
 
 @pytest.mark.slow
 def test_ddp_two_ranks_identical_masks_and_exact_sparsity(tmp_path):
-    port = _free_port()
+    port = free_ports()[0]
     mp.spawn(_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
     r0 = torch.load(tmp_path / "rank0.pt")
     r1 = torch.load(tmp_path / "rank1.pt")
@@ -71,7 +66,7 @@ def test_ddp_two_ranks_identical_masks_and_exact_sparsity(tmp_path):
 def test_ddp_learned_scales_agree_across_ranks(tmp_path):
     """Learned (lsq) scales appear at QAT's start, after DDP wrapped the model, so DDP does not reduce their
     gradients: recal averages them over the ranks, and both ranks, each on its own shard, end on the same scales."""
-    port = _free_port()
+    port = free_ports()[0]
     mp.spawn(_worker, args=(2, port, str(tmp_path), LSQ_RECIPE, 16), nprocs=2, join=True)
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     scale = "fc.weight_fake_quant.scale"

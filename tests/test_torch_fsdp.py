@@ -3,7 +3,6 @@ single-process run of the same recipe on the same batches; a sharded checkpoint 
 it holds whole masks, so it also resumes a single-process run."""
 
 import os
-import socket
 import sys
 
 import pytest
@@ -11,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from .ports import free_ports
 
 RECIPE = """
 - !EpochRangeModifier {start_epoch: 0, end_epoch: 3}
@@ -119,15 +120,9 @@ def _whole_half(state) -> dict[str, torch.Tensor]:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_fsdp2_two_ranks_match_the_single_process_run_and_resume_exactly(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_ports()[0], str(tmp_path)), nprocs=2, join=True)
     r0, r1 = torch.load(tmp_path / "rank0.pt", weights_only=False), torch.load(tmp_path / "rank1.pt", weights_only=False)
 
     model, optimizer, manager = _setup(shard=False)
@@ -233,7 +228,7 @@ def test_fsdp2_qat_with_learned_scales_matches_the_single_process_run_and_resume
     """QAT on a model whose blocks are sharded (FSDP2 gathers each block's weights in its forward; the QAT layers
     read them there): weights, observed ranges and learned input scales as in one process, and a sharded
     checkpoint taken during QAT resumes bit for bit."""
-    mp.spawn(_qat_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_qat_worker, args=(2, free_ports()[0], str(tmp_path)), nprocs=2, join=True)
     model, optimizer, _ = _qat_setup(shard=False)
     _train(model, optimizer, _batches())
     single = {k: v.detach().clone() for k, v in model.state_dict().items()}

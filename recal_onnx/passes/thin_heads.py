@@ -38,6 +38,7 @@ from ..graph import Graph, Node, Value, attr, input_of
 from ..head_regions import PLUMBING, SCALAR_OPS, ends_region, head_local_region, region_keeps_heads, scalar_op
 from ..shape_entries import rewrite_shape, shape_entries
 from ..qdq import weight as weight_dq
+from .matmul_nbits import grouped_weight
 from .thin_channels import _is_zero, _slice_weight, _weight
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,9 @@ def thin_heads(g: Graph, findings: Findings | None = None) -> int:
 
 
 def _zero_value_outputs(g: Graph, values: Node) -> int:
-    """How many outputs of the weight layer above the values ``values`` multiplies are zero (columns of its
-    ``[in, out]`` weight; a computed or missing one: 0)."""
+    """How many outputs of the weight layer above the values ``values`` multiplies are zero: columns of its
+    ``[in, out]`` (de)quantized weight, or rows of a weight quantized in groups that reaches it transposed
+    (:func:`~recal_onnx.passes.matmul_nbits.grouped_weight`); a computed or missing weight: 0."""
     value, node = values.inputs[1], None
     for _ in range(32):
         node = g.producer(value)
@@ -102,29 +104,14 @@ def _zero_value_outputs(g: Graph, values: Node) -> int:
         value = next((i for i in node.inputs if i is not None and not g.is_const(i)), None)
         if value is None:
             return 0
-    zero = None if node is None or node.op_type != "MatMul" else _weight_zeros(g, node.inputs[1])
-    return 0 if zero is None or zero.ndim != 2 else int(zero.all(axis=0).sum())
-
-
-def _weight_zeros(g: Graph, value: Value) -> np.ndarray | None:
-    """Elementwise "is zero" of a constant weight as a ``MatMul`` reads it: a (de)quantized constant, or one behind
-    reshapes and transposes of it (weights quantized in groups are exported as one row a group); None otherwise."""
-    chain = []
-    while (node := g.producer(value)) is not None and node.op_type in ("Reshape", "Transpose"):
-        chain.append(node)
-        value = node.inputs[0]
-    if not g.is_const(value) and weight_dq(g, value) is None:
-        return None
-    zero = _is_zero(g, value)
-    for node in reversed(chain):
-        if node.op_type == "Transpose":
-            zero = zero.transpose(attr(node, "perm", None) or range(zero.ndim - 1, -1, -1))
-            continue
-        shape = g.const(node.inputs[1])
-        if shape is None or 0 in shape.tolist():
-            return None
-        zero = zero.reshape(shape)
-    return zero
+    if node is None or node.op_type != "MatMul":
+        return 0
+    if _weight(g, node) is not None:
+        return int(_is_zero(g, node.inputs[1]).all(axis=0).sum())
+    transposed = g.producer(node.inputs[1])
+    grouped = grouped_weight(g, transposed.inputs[0]) if transposed is not None and \
+        transposed.op_type == "Transpose" and list(attr(transposed, "perm", [1, 0])) == [1, 0] else None
+    return 0 if grouped is None else int((grouped.q == 0).all(axis=1).sum())
 
 
 def _canonical_zero(g: Graph, layers: dict[str, Node], biases: dict[str, Node], name: str) -> np.ndarray:

@@ -23,9 +23,8 @@ from transformers import TrainerCallback
 from recal_core.atomic import atomic_path
 
 from ..manager import RECAL_STATE_KEY, ScheduledModifierManager
-from ..qat import quantizer_tensors
-from .session import (QUANTIZER_KEY, check_length, inner, load_model_state, load_quantizer_tensors,
-                      manager_of)
+from .session import (QUANTIZER_KEY, check_length, inner, load_model_state, manager_of, recal_part,
+                      restore_recal_part)
 
 RECAL_FILE = "recal_state.pt"  # in each checkpoint folder: recal's state, learned scales' groups, quantizer tensors
 FSDP_MODEL_FILE = "pytorch_model_fsdp.bin"  # accelerate's whole state dict of an FSDP model (its default)
@@ -63,8 +62,7 @@ class RecalTrainerCallback(TrainerCallback):
     def on_save(self, args, state, control, model=None, optimizer=None, **kwargs):
         if not self.manager.active:
             return
-        # on every rank (sharded masks gather whole); every rank then holds the same state
-        mine = {**inner(optimizer).state_dict()[RECAL_STATE_KEY], QUANTIZER_KEY: quantizer_tensors(model)}
+        mine = recal_part(inner(optimizer), model)  # on every rank; every rank then holds the same state
         if state.is_world_process_zero:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             with atomic_path(folder / RECAL_FILE) as tmp:
@@ -78,11 +76,8 @@ class RecalTrainerCallback(TrainerCallback):
         folder = Path(args.resume_from_checkpoint or Path(args.output_dir) / f"checkpoint-{state.global_step}")
         mine, plain = folder / RECAL_FILE, folder / "optimizer.pt"
         if mine.is_file():
-            recal_state = torch.load(mine, map_location="cpu", weights_only=True)
-            tensors = recal_state.pop(QUANTIZER_KEY)
-            optimizer.load_state_dict({**loaded, RECAL_STATE_KEY: recal_state})  # through recal's hook
-            if self.manager.qat.prepared:
-                load_quantizer_tensors(model, tensors, str(mine))
+            restore_recal_part(optimizer, loaded, torch.load(mine, map_location="cpu", weights_only=True),
+                               self.manager, model, str(mine))
             return
         if not plain.is_file():
             raise FileNotFoundError(f"the Trainer resumed at step {state.global_step}, but recal finds no {mine} to "
@@ -109,9 +104,9 @@ class RecalTrainerCallback(TrainerCallback):
 
 def _drop_from_fsdp_file(path: Path, names: set[str]) -> None:
     """FSDP loads its whole-model file into the float model before recal is back, and refuses a key the model lacks:
-    the quantizer tensors, kept in recal's file, leave it."""
-    if path.is_file():
-        saved = torch.load(path, map_location="cpu", weights_only=True)
+    the quantizer tensors, kept in recal's file, leave it (read memory-mapped: only their bytes are read and held)."""
+    if names and path.is_file():
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         if names & saved.keys():
             with atomic_path(path) as tmp:
                 torch.save({k: v for k, v in saved.items() if k not in names}, tmp)

@@ -22,8 +22,7 @@ import torch
 from lightning.pytorch import Callback
 
 from ..manager import RECAL_STATE_KEY, ScheduledModifierManager
-from ..qat import quantizer_tensors
-from .session import QUANTIZER_KEY, check_length, load_model_state, load_quantizer_tensors, manager_of
+from .session import check_length, load_model_state, manager_of, recal_part, restore_recal_part
 
 
 class RecalLightningCallback(Callback):
@@ -57,8 +56,7 @@ class RecalLightningCallback(Callback):
         # a distributed checkpoint (ModelParallelStrategy's FSDP2) keeps only the optimizer's own keys and loads
         # the module's tensors into the float module: recal's state and quantizer tensors ride beside them
         if not any(RECAL_STATE_KEY in state for state in checkpoint.get("optimizer_states", [])):
-            mine = trainer.optimizers[0].state_dict()[RECAL_STATE_KEY]  # on every rank: sharded masks gather whole
-            checkpoint[RECAL_STATE_KEY] = {**mine, QUANTIZER_KEY: quantizer_tensors(pl_module)}
+            checkpoint[RECAL_STATE_KEY] = recal_part(trainer.optimizers[0], pl_module)
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         self._resumed = checkpoint.get("state_dict")
@@ -79,12 +77,9 @@ class RecalLightningCallback(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         # Lightning restored the optimizer (and, through recal's hook, the recipe's state) after on_fit_start
         if self._recal_state is not None:  # not through the hook: a distributed checkpoint
-            recal_state = dict(self._recal_state)
-            tensors = recal_state.pop(QUANTIZER_KEY)
             optimizer = trainer.optimizers[0]
-            optimizer.load_state_dict({**optimizer.state_dict(), RECAL_STATE_KEY: recal_state})
-            if self.manager.qat.prepared:
-                load_quantizer_tensors(pl_module, tensors, "the checkpoint Lightning resumed from")
+            restore_recal_part(optimizer, optimizer.state_dict(), self._recal_state, self.manager, pl_module,
+                               "the checkpoint Lightning resumed from")
         elif self._resumed is not None and self.manager.qat.prepared:
             load_model_state(pl_module, self._resumed, "the checkpoint Lightning resumed from")
         self._resumed = self._recal_state = None

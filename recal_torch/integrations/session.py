@@ -18,7 +18,7 @@ from torch import nn
 
 from recal_core.errors import RecipeWarning
 
-from ..manager import ScheduledModifierManager
+from ..manager import RECAL_STATE_KEY, ScheduledModifierManager
 from ..model_params import unwrap
 from ..qat import quantizer_tensors
 
@@ -57,21 +57,34 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], where: st
     own = unwrap(model).state_dict(keep_vars=True)
     present = {own[k].data_ptr() for k in own if k in state}
     missing = [k for k in result.missing_keys if own[k].data_ptr() not in present]  # not a tied alias (an LM head)
-    if missing or result.unexpected_keys:
-        parts = [f"the model has no {', '.join(result.unexpected_keys[:5])}" if result.unexpected_keys else "",
-                 f"the checkpoint has no {', '.join(missing[:5])}" if missing else ""]
-        raise ValueError(f"{where} does not fit the model under this recipe: {'; '.join(p for p in parts if p)} "
-                         "(was it saved under another recipe or model?)")
+    _refuse_misfit(where, result.unexpected_keys, missing)
 
 
-def load_quantizer_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
-    """A checkpoint's quantizer tensors (:func:`~recal_torch.qat.quantizer_tensors`) into the QAT layers the resumed
-    recipe re-created; the framework restored the weights. Names that differ are an error that names them."""
-    own = quantizer_tensors(unwrap(model))
-    extra, missing = sorted(tensors.keys() - own.keys()), sorted(own.keys() - tensors.keys())
+def recal_part(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
+    """What a framework's checkpoint must carry for recal where its optimizer file cannot (FSDP's keep only the
+    optimizer's own keys): recal's state, its learned scales' param groups and the quantizer tensors. Call it on
+    every rank: a sharded model's masks are gathered whole."""
+    return {**optimizer.state_dict()[RECAL_STATE_KEY], QUANTIZER_KEY: quantizer_tensors(unwrap(model))}
+
+
+def restore_recal_part(optimizer: torch.optim.Optimizer, loaded: dict[str, Any], part: dict[str, Any],
+                       manager: ScheduledModifierManager, model: nn.Module, where: str) -> None:
+    """:func:`recal_part` back, after the framework restored the weights and the optimizer (``loaded``: the user's
+    param groups as it loaded them): recal's state through its hook (QAT layers re-created, the learned scales'
+    groups with their state), then the quantizer tensors into those layers."""
+    part = dict(part)
+    tensors = part.pop(QUANTIZER_KEY)
+    optimizer.load_state_dict({**loaded, RECAL_STATE_KEY: part})
+    if manager.qat.prepared:
+        own = quantizer_tensors(unwrap(model))
+        _refuse_misfit(where, sorted(tensors.keys() - own.keys()), sorted(own.keys() - tensors.keys()))
+        unwrap(model).load_state_dict(tensors, strict=False)
+
+
+def _refuse_misfit(where: str, extra: list[str], missing: list[str]) -> None:
+    """The error for a checkpoint whose tensors do not fit the model: the first names of either side."""
     if extra or missing:
         parts = [f"the model has no {', '.join(extra[:5])}" if extra else "",
                  f"the checkpoint has no {', '.join(missing[:5])}" if missing else ""]
         raise ValueError(f"{where} does not fit the model under this recipe: {'; '.join(p for p in parts if p)} "
                          "(was it saved under another recipe or model?)")
-    unwrap(model).load_state_dict(tensors, strict=False)
