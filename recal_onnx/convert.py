@@ -38,7 +38,7 @@ from . import cpu
 from .findings import Findings
 from .float_reasons import display_name, float_reason
 from .float_report import QDQ_FUSIBLE, float_compute, float_islands, module_paths
-from .graph import EXTERNAL_DATA_BYTES, Graph
+from .graph import EXTERNAL_DATA_BYTES, MS_DOMAIN, Graph
 from .input_checks import ModelError, check_input, nonfinite_initializers
 from .passes import CHANNEL_BLOCK, exact_on_this_cpu, saturating_layers
 from .pipeline import Options, run_pipeline
@@ -362,7 +362,7 @@ def infer_shapes_in_place(model: onnx.ModelProto, check: bool = False) -> None:
     stand_ins = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in big]
     given = {i.name for i in graph.input}
     skeleton = helper.make_model(
-        helper.make_graph(list(graph.node), graph.name or "graph", list(graph.input) + [v for v in stand_ins
+        helper.make_graph([_as_standard(n) for n in graph.node], graph.name or "graph", list(graph.input) + [v for v in stand_ins
                                                                                          if v.name not in given],
                           list(graph.output), small),
         opset_imports=list(model.opset_import), ir_version=model.ir_version)
@@ -374,6 +374,17 @@ def infer_shapes_in_place(model: onnx.ModelProto, check: bool = False) -> None:
         onnx.checker.check_model(inferred)
     del graph.value_info[:]
     graph.value_info.extend(inferred.graph.value_info)
+
+
+def _as_standard(node: onnx.NodeProto) -> onnx.NodeProto:
+    """onnxruntime's ``com.microsoft`` QuantizeLinear / DequantizeLinear as the default domain's, whose output shapes
+    shape inference knows (the same shapes); any other node as it is."""
+    if node.domain != MS_DOMAIN or node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+        return node
+    copy = onnx.NodeProto()
+    copy.CopyFrom(node)
+    copy.domain = ""
+    return copy
 
 
 def _load(model_or_path) -> tuple[onnx.ModelProto, set[Path]]:

@@ -15,7 +15,7 @@ from .qdq import activation, weight
 from .quantized_ops import output_tail
 
 WEIGHTED = {"Conv": 1, "Gemm": 1, "MatMul": 1, "ConvTranspose": 1}
-NO_INTEGER_KERNEL = {"ConvTranspose", "LayerNormalization", "Softmax", "Erf", "Gelu", "Div", "Pow", "Sqrt", "Exp",
+NO_INTEGER_KERNEL = {"ConvTranspose", "LayerNormalization", "Erf", "Gelu", "Div", "Pow", "Sqrt", "Exp",
                      "Log", "Tanh", "ReduceMean", "ReduceSum", "InstanceNormalization", "GroupNormalization"}
 
 

@@ -74,21 +74,24 @@ FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProt
 # the integer types the converter writes kernels for: uint8 / int8 tensors, int32 biases behind a DequantizeLinear
 QUANTIZED_TYPES = {onnx.TensorProto.UINT8, onnx.TensorProto.INT8}
 BIAS_TYPES = {onnx.TensorProto.INT32}
+WEIGHT_TYPES = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4}  # constant weights only: widened to 8 bits
 
 
 def _check_quantized_types(model: onnx.ModelProto, name: str, tensors: dict[str, onnx.TensorProto]) -> None:
-    """Every quantized tensor is uint8 / int8 (an int32 bias too), refused at the start otherwise: int16, uint16,
-    4-bit or float8 tensors have no QLinear kernels here, and a model written with them would be invalid. ``tensors``:
-    the model's constants (initializers and ``Constant`` nodes alike)."""
+    """Every quantized tensor is uint8 / int8 (an int32 bias too; a constant weight may be 4-bit, and quantized in
+    blocks), refused at the start otherwise: int16, uint16, 4-bit activations or float8 tensors have no QLinear
+    kernels here, and a model written with them would be invalid. ``tensors``: the model's constants (initializers
+    and ``Constant`` nodes alike)."""
     types = {value: t.data_type for value, t in tensors.items()}
     for node in model.graph.node:
         if node.op_type not in QDQ_OPS or not node.input:  # a node without inputs: the checker names it later
             continue
         blocked = next((a.i for a in node.attribute if a.name == "block_size"), 0)
-        if blocked:
-            raise ModelError(f"{name}: {node.op_type} {node.name or node.output[0]!r} quantizes in blocks of "
-                             f"{blocked} (opset 21 block_size), which this converter does not read; export the weight "
-                             "per channel, or grouped as recal's weight-only QAT writes it")
+        constant_weight = node.op_type == "DequantizeLinear" and node.input[0] in tensors
+        if blocked and not constant_weight:
+            raise ModelError(f"{name}: {node.op_type} {node.name or node.output[0]!r} quantizes an activation in "
+                             f"blocks of {blocked} (opset 21 block_size), which no integer kernel reads; quantize "
+                             "activations per tensor")
         scale = tensors.get(node.input[1]) if len(node.input) > 1 else None
         if scale is not None and scale.data_type == onnx.TensorProto.FLOAT and not _finite(scale):
             raise ModelError(f"{name}: {node.op_type} {node.name or node.output[0]!r} has a scale that is NaN or "
@@ -103,6 +106,8 @@ def _check_quantized_types(model: onnx.ModelProto, name: str, tensors: dict[str,
             dtype = attr or (onnx.TensorProto.UINT8 if node.op_type == "QuantizeLinear" else None)
         if dtype is None or dtype in QUANTIZED_TYPES or (node.op_type == "DequantizeLinear" and dtype in BIAS_TYPES):
             continue
+        if constant_weight and dtype in WEIGHT_TYPES:
+            continue  # 4-bit weights are 8-bit integers to the kernels (recal_onnx.passes.widen_weights)
         verb = "quantizes tensor {!r} to" if node.op_type == "QuantizeLinear" else "dequantizes tensor {!r} from"
         raise ModelError(f"{name}: {node.op_type} {node.name!r} {verb.format(node.input[0])} "
                          f"{_type_name(dtype)}; the converter writes uint8 / int8 "

@@ -6,7 +6,9 @@ target's weight storage, thinning); a pass whose signature takes ``findings`` re
 :func:`run_pipeline` runs the steps in order and returns every pass's rewrite count; a repeated step runs its
 passes in turn until none rewrites (a QLinear op made by one pass is what the next one matches).
 
-1. constants and folds: ``remove_dead_nodes`` (what no output reads), ``constants_to_initializers``, ``remove_identities``, ``fold_constants`` (weights' Q becomes
+1. constants and folds: ``remove_dead_nodes`` (what no output reads), ``constants_to_initializers``, ``widen_weights``
+   (4-bit weights as the int8 they hold; blocked MatMul weights as grouped rows), ``standard_qdq`` (onnxruntime's
+   ``com.microsoft`` Q/DQ as the default domain's), ``remove_identities``, ``fold_constants`` (weights' Q becomes
    int8), ``fold_int32_biases`` (a ``DequantizeLinear(int32)`` bias: the float it means), ``weights_to_int8``
    (a weight with a zero point: symmetric int8 where its values fit), ``minmax_to_clip``
    (jax2onnx's ``Max`` / ``Min`` by a constant: the Clip it is), ``average_pool_windows`` (an AveragePool whose window
@@ -19,9 +21,10 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
    FFN neurons) filter pruning left dead, in blocks of ``channel_block``;
 3. ``scalar_activation_qparams``, ``activations_to_uint8``, ``remove_redundant_qdq``, ``remove_noop_clamps``;
 4. format ``qoperator``: ``int8_passthrough``, ``affine_to_batchnorm``, ``batchnorm_to_conv``, ``conv_to_qlinearconv``, ``gemm_to_qgemm``, ``binary_to_qlinear``,
-   ``sigmoid_to_qlinear``, ``concat_to_qlinear``, ``pool_to_qlinear``, ``unary_to_table`` (any other function of
-   one quantized tensor: a 256-entry table), ``remove_redundant_qdq``, repeated;
-   format ``qdq``: ``affine_to_batchnorm``, ``batchnorm_to_conv``, ``bias_to_int32``, ``fusible_qdq_pools``;
+   ``sigmoid_to_qlinear``, ``softmax_to_qlinear``, ``concat_to_qlinear``, ``pool_to_qlinear``, ``unary_to_table`` (any
+   other function of one quantized tensor: a 256-entry table), ``remove_redundant_qdq``, repeated;
+   format ``qdq``: ``affine_to_batchnorm``, ``batchnorm_to_conv``, ``bias_to_int32``, ``fusible_qdq_pools``,
+   ``softmax_to_qlinear`` (a softmax onnxruntime would fuse into its kernel on another grid stays float);
 5. ``matmul_to_nbits``: weight-only layers (float input, grouped or per-channel 4/8-bit weights) to ``MatMulNBits``;
    ``shapes_from_integers``: a Shape of a dequantized tensor reads its integers (the dequantization, made only to be
    measured, goes);
@@ -62,6 +65,8 @@ from .passes.pool_to_qlinear import pool_to_qlinear
 from .passes.redundant_qdq import remove_redundant_qdq
 from .passes.shape_of_integers import shapes_from_integers
 from .passes.sigmoid_to_qlinear import sigmoid_to_qlinear
+from .passes.standard_qdq import standard_qdq
+from .passes.softmax_to_qlinear import softmax_to_qlinear
 from .passes.thin_channels import CHANNEL_BLOCK, thin_channels
 from .passes.thin_heads import thin_heads
 from .passes.uint8_weights import uint8_weights
@@ -69,6 +74,7 @@ from .passes.unary_to_table import unary_to_table
 from .passes.weight_reshape import fold_weight_reshapes
 from .passes.weight_transpose import fold_weight_transposes
 from .passes.weight_zero_points import weights_to_int8
+from .passes.widen_weights import widen_weights
 from .passes.zero_channel_scales import zero_channel_scales
 
 Pass = Callable[..., int]
@@ -98,17 +104,18 @@ class Step:
 
 
 PIPELINE: tuple[Step, ...] = (
-    Step((remove_dead_nodes, constants_to_initializers, remove_identities, fold_constants, fold_int32_biases, weights_to_int8,
+    Step((remove_dead_nodes, constants_to_initializers, widen_weights, standard_qdq, remove_identities, fold_constants, fold_int32_biases, weights_to_int8,
           minmax_to_clip, average_pool_windows, fold_weight_reshapes, fold_weight_transposes, fold_pads_into_convs,
           gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales)),
     Step((thin_heads,), when=lambda o: o.thin),
     Step((thin_channels,), when=lambda o: o.thin, args=lambda o: (o.channel_block,)),
     Step((scalar_activation_qparams, activations_to_uint8, remove_redundant_qdq, remove_noop_clamps)),
     Step((int8_passthrough, affine_to_batchnorm, batchnorm_to_conv, conv_to_qlinearconv, gemm_to_qgemm, binary_to_qlinear, sigmoid_to_qlinear,
-          concat_to_qlinear, pool_to_qlinear, unary_to_table, remove_redundant_qdq), when=lambda o: o.format == "qoperator",
+          softmax_to_qlinear, concat_to_qlinear, pool_to_qlinear, unary_to_table, remove_redundant_qdq), when=lambda o: o.format == "qoperator",
          repeat=True),
     Step((int8_passthrough,), when=lambda o: o.format == "qdq", args=lambda o: (False,)),
     Step((affine_to_batchnorm, batchnorm_to_conv, bias_to_int32, fusible_qdq_pools), when=lambda o: o.format == "qdq"),
+    Step((softmax_to_qlinear,), when=lambda o: o.format == "qdq", args=lambda o: (False,)),
     Step((matmul_to_nbits,), args=lambda o: (o.accuracy_level,)),
     Step((shapes_from_integers,)),
     Step((uint8_weights,), when=lambda o: o.weight_type == "uint8"),

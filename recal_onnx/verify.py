@@ -394,10 +394,10 @@ def op_by_op(reference: onnx.ModelProto | str, candidate: onnx.ModelProto, feeds
         if mine.shape != theirs.shape or mine.dtype not in (np.uint8, np.int8):
             continue  # thinned channels, or not an integer tensor here: compared end to end only
         shift = {(np.int8, np.uint8): 128, (np.uint8, np.int8): -128}.get((theirs.dtype.type, mine.dtype.type), 0)
-        value = theirs.astype(np.int16) + shift
+        value = np.asarray(theirs.astype(np.int16) + shift)  # (a 0-d tensor stays an array, as onnxruntime takes)
         if value.size and (value.min() < np.iinfo(mine.dtype).min or value.max() > np.iinfo(mine.dtype).max):
             continue  # not the same grid: compared end to end only
-        given[name] = value.astype(mine.dtype)
+        given[name] = np.asarray(value.astype(mine.dtype))
     if not given:
         return result
     for node in probe.graph.node:

@@ -198,6 +198,123 @@ def test_quantize_static_exports_convert_with_every_layer_integer(activation, pe
     assert v.samples >= 256 and v.local_steps <= 1 and v.local_tensors >= 3, v
 
 
+def _quantize_static(fp32, out, feeds, **options):
+    """onnxruntime's ``quantize_static`` (QDQ) of ``fp32`` calibrated on ``feeds``, warnings silenced."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.items = iter(feeds)
+
+        def get_next(self):
+            return next(self.items, None)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize_static(str(fp32), str(out), Reader(), quant_format=QuantFormat.QDQ, **options)
+
+
+def test_quantize_statics_int4_weights_convert_as_the_int8_they_hold(tmp_path):
+    """``quantize_static(weight_type=QInt4)`` writes onnxruntime's own (com.microsoft) Q/DQ with int4 weights per
+    channel: each weight is widened to int8 (the same integers, within +-8: exact on every CPU), so every conv and
+    the classifier is integer, verified op by op."""
+    from onnxruntime.quantization import QuantType
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(SmallNet().eval(), torch.randn(1, 3, 8, 8), tmp_path / "fp32.onnx", dynamo=False,
+                          input_names=["input"])
+    rng = np.random.default_rng(0)
+    _quantize_static(tmp_path / "fp32.onnx", tmp_path / "qdq.onnx",
+                     [{"input": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)} for _ in range(8)],
+                     weight_type=QuantType.QInt4, per_channel=True)
+    written = onnx.load(tmp_path / "qdq.onnx")
+    assert any(t.data_type == TensorProto.INT4 for t in written.graph.initializer)
+    result = quantize_qat_export(tmp_path / "qdq.onnx", tmp_path / "int8.onnx")
+    kinds = collections.Counter(ops(result.model))
+    assert kinds["QLinearConv"] == 2 and kinds["QGemm"] == 1 and not result.float_nodes, (kinds, result.float_reasons)
+    assert result.avx2_path is None  # weights within +-8: one file, exact everywhere
+    assert result.verification.samples >= 256 and result.verification.local_steps <= 1
+
+
+def _tiny_bert(tmp_path):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                     intermediate_size=64, vocab_size=200,
+                                                     max_position_embeddings=32)).eval()
+    for name, p in model.named_parameters():  # trained-like biases (torch's export shares equal ones)
+        if name.endswith("bias"):
+            torch.nn.init.normal_(p, std=0.02)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.randint(0, 200, (1, 16)),), tmp_path / "bert.onnx", dynamo=False,
+                          input_names=["input_ids"], output_names=["logits"],
+                          dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}})
+    return tmp_path / "bert.onnx"
+
+
+@pytest.mark.parametrize("activation", ["QUInt8", "QInt8"])
+def test_quantize_statics_bert_converts_with_its_softmax_exact(activation, tmp_path):
+    """quantize_static's BERT quantizes the attention probabilities on 1/255, a grid onnxruntime's own fused
+    QLinearSoftmax misses (it multiplies by floor(1 / scale) = 254): the conversion writes QLinearSoftmax on 255 and
+    is verified op by op against the file as written (it was refused before: 0.19% of the values a step off). The
+    bias Adds and the attention's scale (a quantized constant beside an activation) become QLinearAdd / QLinearMul:
+    only LayerNorm and GELU stay float (the pooler's Gather of the first token moves integers)."""
+    from onnxruntime.quantization import QuantType
+
+    fp32 = _tiny_bert(tmp_path)
+    rng = np.random.default_rng(0)
+    _quantize_static(fp32, tmp_path / "qdq.onnx",
+                     [{"input_ids": rng.integers(0, 200, (1, 16)).astype(np.int64)} for _ in range(8)],
+                     activation_type=getattr(QuantType, activation), weight_type=QuantType.QInt8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnconvertedOpsWarning)
+        result = quantize_qat_export(tmp_path / "qdq.onnx", tmp_path / "int8.onnx")
+    kinds = collections.Counter(ops(result.model))
+    assert kinds["QLinearSoftmax"] == 2 and not {"MatMul", "Gemm", "Softmax"} & set(kinds), kinds
+    assert {op for op, _ in result.float_nodes} <= {"LayerNormalization", "Gelu"}, result.float_reasons
+    v = result.verification
+    assert v.samples >= 256 and v.local_steps <= 1 and v.local_share <= 1e-3, v
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_onnxruntimes_blocked_int4_weights_become_matmulnbits_exactly(symmetric, tmp_path):
+    """onnxruntime's ``MatMulNBitsQuantizer`` in QDQ form writes opset-21 ``DequantizeLinear(int4 | uint4,
+    block_size=32)`` before each MatMul: each becomes ``MatMulNBits`` in 4 bits (an asymmetric weight with a zero
+    point a block), the float output the same to the last bit."""
+    from onnxruntime.quantization import QuantFormat
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(128, 96), torch.nn.Linear(96, 64)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(MLP().eval(), (torch.randn(1, 8, 128),), tmp_path / "fp32.onnx", dynamo=False,
+                          opset_version=21, input_names=["x"], dynamic_axes={"x": {0: "batch"}})
+    config = DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=symmetric, quant_format=QuantFormat.QDQ)
+    quantizer = MatMulNBitsQuantizer(onnx.load(tmp_path / "fp32.onnx"), algo_config=config)
+    quantizer.process()
+    quantizer.model.save_model_to_file(str(tmp_path / "qdq.onnx"))
+    blocked = [n for n in onnx.load(tmp_path / "qdq.onnx").graph.node if n.op_type == "DequantizeLinear"]
+    assert len(blocked) == 2 and all(a.name != "block_size" or a.i == 32 for n in blocked for a in n.attribute)
+    result = quantize_qat_export(tmp_path / "qdq.onnx")
+    nbits = [n for n in result.model.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 2 and all(a.i == 4 for n in nbits for a in n.attribute if a.name == "bits")
+    assert (len(nbits[0].input) > 3 and nbits[0].input[3] != "") == (not symmetric)  # zero points, a block each
+    feeds = {"x": np.random.default_rng(1).standard_normal((4, 8, 128)).astype(np.float32)}
+    np.testing.assert_array_equal(run(result.model, feeds)[0], reference(onnx.load(tmp_path / "qdq.onnx"), feeds)[0])
+
+
 FIXTURES = sorted((Path(__file__).parent / "fixtures" / "interop").glob("*.onnx"))
 
 

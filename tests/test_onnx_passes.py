@@ -31,6 +31,10 @@ from recal_onnx.passes.pad_into_conv import fold_pads_into_convs
 from recal_onnx.passes.pool_to_qlinear import pool_to_qlinear
 from recal_onnx.passes.redundant_qdq import remove_redundant_qdq
 from recal_onnx.passes.sigmoid_to_qlinear import sigmoid_to_qlinear
+from recal_onnx.passes.softmax_to_qlinear import softmax_to_qlinear
+from recal_onnx.passes.standard_qdq import standard_qdq
+from recal_onnx.passes.widen_weights import widen_weights
+from recal_onnx.passes.matmul_nbits import matmul_to_nbits
 from recal_onnx.passes.uint8_weights import uint8_weights
 from recal_onnx.passes.unary_to_table import unary_to_table
 from recal_onnx.passes.thin_channels import thin_channels
@@ -240,6 +244,163 @@ def test_squeeze_excitation_gate_is_qlinearsigmoid_then_qlinearmul():
     got = run(converted, feeds)[0]
     assert np.abs(got - expected).max() <= 0.0213 + 1e-6
     assert np.mean(np.abs(got - expected) < 1e-6) > 0.99  # all but a rounding tie are the same integer
+
+
+def _opset21(nodes, inputs, outputs, inits, domain=""):
+    graph = onnx.helper.make_graph(nodes, "g", [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, s)
+                                                for n, s in inputs],
+                                   [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in outputs],
+                                   inits)
+    opsets = [onnx.helper.make_opsetid("", 21)] + ([onnx.helper.make_opsetid(domain, 1)] if domain else [])
+    return onnx.helper.make_model(graph, opset_imports=opsets, ir_version=10)
+
+
+def _int4(name, values, dtype=onnx.TensorProto.INT4):
+    values = np.asarray(values)
+    return onnx.helper.make_tensor(name, dtype, values.shape, values.reshape(-1).tolist())
+
+
+def test_widen_weights_reads_a_4bit_conv_weight_as_the_int8_it_holds():
+    """An int4 per-channel weight (opset 21) becomes int8 with the same integers; the conv then becomes QLinearConv
+    with the QDQ model's numbers."""
+    rng = np.random.default_rng(0)
+    q = rng.integers(-8, 8, (4, 3, 3, 3))
+    inits = [onnx.numpy_helper.from_array(np.float32(0.03), "xs"), onnx.numpy_helper.from_array(np.uint8(128), "xz"),
+             _int4("w", q), onnx.numpy_helper.from_array(np.full(4, 0.05, np.float32), "ws"),
+             _int4("wz", np.zeros(4, int)), onnx.numpy_helper.from_array(np.float32(0.05), "ys"),
+             onnx.numpy_helper.from_array(np.uint8(128), "yz")]
+    h = onnx.helper
+    nodes = [h.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]), h.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xf"]),
+             h.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wf"], axis=0),
+             h.make_node("Conv", ["xf", "wf"], ["y"], pads=[1, 1, 1, 1]),
+             h.make_node("QuantizeLinear", ["y", "ys", "yz"], ["yq"]), h.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["out"])]
+    model = _opset21(nodes, [("x", [2, 3, 6, 6])], ["out"], inits)
+    feeds = _x([2, 3, 6, 6])
+    converted, (widened, convs) = _apply(model, widen_weights, conv_to_qlinearconv)
+    assert (widened, convs) == (1, 1) and "QLinearConv" in ops(converted)
+    assert not any(t.data_type == onnx.TensorProto.INT4 for t in converted.graph.initializer)
+    assert np.abs(run(converted, feeds)[0] - reference(model, feeds)[0]).max() <= 0.05 + 1e-6
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_widen_weights_makes_a_blocked_matmul_weight_grouped_rows_for_matmulnbits(symmetric):
+    """``DequantizeLinear(int4 | uint4 [K, N], block_size=16)`` before a MatMul becomes recal's grouped rows, then
+    MatMulNBits in 4 bits (a uint4 weight with a zero point a block): the same float output to the last bit."""
+    rng = np.random.default_rng(1)
+    k, n, block = 64, 24, 16
+    q = rng.integers(-8, 8, (k, n)) if symmetric else rng.integers(0, 16, (k, n))
+    zp = None if symmetric else rng.integers(3, 13, (k // block, n))
+    kind = onnx.TensorProto.INT4 if symmetric else onnx.TensorProto.UINT4
+    inits = [_int4("w", q, kind), onnx.numpy_helper.from_array(rng.uniform(0.01, 0.05, (k // block, n)).astype(np.float32), "ws")]
+    inputs = ["w", "ws"]
+    if zp is not None:
+        inits.append(_int4("wz", zp, kind))
+        inputs.append("wz")
+    h = onnx.helper
+    nodes = [h.make_node("DequantizeLinear", inputs, ["wf"], axis=0, block_size=block),
+             h.make_node("MatMul", ["x", "wf"], ["out"])]
+    model = _opset21(nodes, [("x", [3, k])], ["out"], inits)
+    feeds = _x([3, k])
+    converted, (rows, nbits) = _apply(model, widen_weights, matmul_to_nbits)
+    assert (rows, nbits) == (1, 1) and ops(converted) == ["MatMulNBits"]
+    node = converted.graph.node[0]
+    assert {a.name: a.i for a in node.attribute}["bits"] == 4 and (len(node.input) > 3) == (not symmetric)
+    np.testing.assert_array_equal(run(converted, feeds)[0], reference(model, feeds)[0])
+
+
+def test_standard_qdq_reads_onnxruntimes_own_qdq_where_the_opset_defines_it():
+    """``com.microsoft`` Q/DQ of uint8 become the default domain's (their arithmetic is the same); uint16 ones stay."""
+    h = onnx.helper
+    inits = [onnx.numpy_helper.from_array(np.float32(0.03), "s"), onnx.numpy_helper.from_array(np.uint8(128), "z"),
+             onnx.numpy_helper.from_array(np.uint16(30000), "z16")]
+    nodes = [h.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], domain="com.microsoft"),
+             h.make_node("DequantizeLinear", ["q", "s", "z"], ["f"], domain="com.microsoft"),
+             h.make_node("QuantizeLinear", ["f", "s", "z16"], ["q16"], domain="com.microsoft"),
+             h.make_node("DequantizeLinear", ["q16", "s", "z16"], ["out"], domain="com.microsoft")]
+    model = _opset21(nodes, [("x", [2, 8])], ["out"], inits, domain="com.microsoft")
+    g = Graph(model)
+    assert standard_qdq(g) == 2
+    assert [n.domain for n in g.nodes] == ["", "", "com.microsoft", "com.microsoft"]
+    feeds = _x([2, 8])
+    np.testing.assert_array_equal(run(g.commit(), feeds)[0], reference(model, feeds)[0])
+
+
+def test_a_quantized_constant_beside_an_activation_becomes_a_qlinear_operand():
+    """``Add(DQ(x), DQ(bias [C] int8))`` (quantize_static's bias after a MatMul) and ``Mul(DQ(x), DQ(scalar))`` (an
+    attention's scale): QLinearAdd / QLinearMul with the constant's integers moved to uint8 and given x's rank."""
+    b = Builder()
+    x = b.qdq("x", 0.03, 128)
+    bias = b.node("DequantizeLinear", [b.const(np.arange(-8, 8, dtype=np.int8) * 9, "bq"), b.const(np.float32(0.01)),
+                                       b.const(np.int8(0))])
+    y = b.qdq(b.node("Add", [x, bias]), 0.04, 120)
+    scale = b.node("DequantizeLinear", [b.const(np.uint8(200)), b.const(np.float32(0.005)), b.const(np.uint8(0))])
+    model = b.model([("x", [2, 5, 16])], [b.qdq(b.node("Mul", [y, scale]), 0.04, 128)])
+    feeds = _x([2, 5, 16])
+    converted, (n,) = _apply(model, binary_to_qlinear)
+    assert n == 2 and {"QLinearAdd", "QLinearMul"} <= set(ops(converted)) and not {"Add", "Mul"} & set(ops(converted))
+    assert np.abs(run(converted, feeds)[0] - reference(model, feeds)[0]).max() <= 0.04 + 1e-6
+
+
+def test_fold_constants_requantizes_a_dequantized_constant():
+    """``QuantizeLinear(DequantizeLinear(c))`` (quantize_static requantizing a bias torch's exporter shared with a
+    LayerNorm) folds to its integers; the DequantizeLinear itself stays (a weight's pattern)."""
+    b = Builder()
+    shared = b.node("DequantizeLinear", [b.const(np.array([3, -5, 7], np.int8)), b.const(np.float32(0.1))])
+    requantized = b.node("QuantizeLinear", [shared, b.const(np.float32(0.05)), b.const(np.uint8(100))])
+    model = b.model([("x", [1, 3])], [b.node("Add", ["x", b.node("DequantizeLinear", [requantized, b.const(
+        np.float32(0.05)), b.const(np.uint8(100))])]), b.node("Mul", ["x", shared])])
+    g = Graph(model)
+    assert fold_constants(g) == 1
+    assert [n.op_type for n in g.nodes].count("QuantizeLinear") == 0
+    feeds = _x([1, 3])
+    for got, expected in zip(run(g.commit(), feeds), reference(model, feeds)):
+        np.testing.assert_array_equal(got, expected)
+
+
+def _softmax_graph(out_scale):
+    b = Builder()
+    p = b.node("Softmax", [b.qdq("x", 0.05, 128)], axis=-1)
+    return b.model([("x", [2, 4, 16, 16])], [b.qdq(p, out_scale, 0)])
+
+
+def _steps_apart(model, converted, feeds, step):
+    """How many output values of ``converted`` in a default session differ from ``model`` as written (in steps)."""
+    diff = np.abs(run(converted, feeds, as_written=True)[0] - reference(model, feeds)[0]) / step
+    return int(np.count_nonzero(diff > 0.5)), float(diff.max())
+
+
+@pytest.mark.parametrize("out_scale, kernel", [(np.float32(1 / 255), "QLinearSoftmax"), (np.float32(1 / 256),
+                                                "QLinearSoftmax"), (np.float32(0.93 / 255), "Softmax")])
+def test_softmax_to_qlinear_where_the_kernel_computes_on_the_output_grid(out_scale, kernel):
+    """quantize_static's softmax output (scale 1/255) becomes QLinearSoftmax with a y_scale the kernel floors to 255;
+    a calibrated scale (not 1/K) stays float, dequantized by Cast/Mul so onnxruntime cannot fuse it into its kernel,
+    which computes on the grid 1/floor(1/scale). Both equal the QDQ model as written in a default session; the QDQ
+    model itself, run by a default session, does not where 1/scale is no exact float integer."""
+    model = _softmax_graph(out_scale)
+    feeds = {"x": np.random.default_rng(3).standard_normal((2, 4, 16, 16)).astype(np.float32) * 3}
+    findings = Findings()
+    converted, (n,) = _apply(model, softmax_to_qlinear, findings=findings)
+    assert n == 1 and kernel in ops(converted)
+    assert ("Cast" in ops(converted)) == (kernel == "Softmax")  # dequantized apart
+    differ, steps = _steps_apart(model, converted, feeds, out_scale)
+    assert differ == 0 and steps < 0.5
+    if out_scale != np.float32(1 / 256):  # onnxruntime's own fusion of the file as written: another grid
+        assert _steps_apart(model, model, feeds, out_scale)[0] > 0
+    assert (kernel == "Softmax") == bool(findings.kept_float)
+    if kernel == "Softmax":
+        assert "1/floor(1/scale)" in next(iter(findings.kept_float.values()))[1]
+
+
+def test_softmax_in_a_qdq_file_stays_what_onnxruntime_fuses_exactly():
+    """The qdq format leaves a softmax whose output grid onnxruntime's kernel computes on (1/256) to onnxruntime's
+    fusion, and keeps one on 1/255 float (dequantized apart), with the reason."""
+    feeds = {"x": np.random.default_rng(4).standard_normal((2, 4, 16, 16)).astype(np.float32) * 3}
+    exact, (n,) = _apply(_softmax_graph(np.float32(1 / 256)), lambda g: softmax_to_qlinear(g, False))
+    assert n == 0
+    model, findings = _softmax_graph(np.float32(1 / 255)), Findings()
+    apart, (n,) = _apply(model, lambda g, findings: softmax_to_qlinear(g, False, findings), findings=findings)
+    assert n == 1 and "QLinearSoftmax" not in ops(apart) and "floors to 254" in str(findings.kept_float)
+    assert _steps_apart(model, apart, feeds, np.float32(1 / 255))[0] == 0
 
 
 def test_a_sigmoid_without_a_quantized_output_stays_float():

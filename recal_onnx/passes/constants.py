@@ -5,7 +5,9 @@ Before::  Constant -> X,  W -> Identity -> Y,  W -> Mul(c) -> QuantizeLinear(s, 
 After::   X (initializer), Y = W,              q_int8 (initializer) -> DQ -> Conv
 
 ``DequantizeLinear`` is never folded: a constant integer weight behind a DQ is the pattern the
-quantized operators are made from.
+quantized operators are made from. A QuantizeLinear of such a DQ (a constant requantized: ``quantize_static``
+writes one where torch's exporter shares one zero bias between a LayerNorm and the layers after) folds to its
+integers.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import onnx_ir as ir
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
-from ..graph import Graph, Node, Value
+from ..graph import Graph, Node, Value, input_of
+from ..qdq import along_axis
 
 NEVER_FOLD = {"DequantizeLinear", "If", "Loop", "Scan", "RandomNormal", "RandomUniform", "RandomNormalLike",
               "RandomUniformLike", "Multinomial", "Bernoulli"}
@@ -76,9 +79,11 @@ def fold_constants(g: Graph) -> int:
             if node.op_type in NEVER_FOLD or node.domain not in ("", "ai.onnx"):
                 continue
             inputs = [i for i in node.inputs if i is not None]
-            if not inputs or not all(g.is_const(i) for i in inputs) or any(o.is_graph_output() for o in node.outputs):
+            given = _requantized_constant(g, node)
+            if not inputs or not all(g.is_const(i) or i.name in given for i in inputs) \
+                    or any(o.is_graph_output() for o in node.outputs):
                 continue
-            values = _evaluate(node, g, g.opset)
+            values = _evaluate(node, g, g.opset, given)
             if values is None:
                 continue
             for out, value in zip(node.outputs, values):
@@ -90,8 +95,24 @@ def fold_constants(g: Graph) -> int:
     return count
 
 
-def _evaluate(node: Node, g: Graph, opset: int) -> list[np.ndarray] | None:
-    inputs = {i.name: g.const(i) for i in node.inputs if i is not None}
+def _requantized_constant(g: Graph, node: Node) -> dict[str, np.ndarray]:
+    """For a QuantizeLinear of a DequantizeLinear of constants: its input's float value by name; else nothing."""
+    source = g.producer(node.inputs[0]) if node.op_type == "QuantizeLinear" and node.inputs else None
+    if source is None or source.op_type != "DequantizeLinear" or not all(
+            g.is_const(i) for i in source.inputs if i is not None):
+        return {}
+    q = g.const(source.inputs[0])
+    zero_point = g.const(input_of(source, 2)) if input_of(source, 2) is not None else np.zeros((), q.dtype)
+    params = along_axis(source, q, g.const(source.inputs[1]), zero_point)
+    if params is None or q.dtype not in (np.int8, np.uint8, np.int32):
+        return {}
+    scale, zero_point = params
+    value = (q.astype(np.int64) - zero_point.astype(np.int64)).astype(np.float32) * scale.astype(np.float32)
+    return {node.inputs[0].name: value}
+
+
+def _evaluate(node: Node, g: Graph, opset: int, given: dict[str, np.ndarray] | None = None) -> list[np.ndarray] | None:
+    inputs = {i.name: given[i.name] if given and i.name in given else g.const(i) for i in node.inputs if i is not None}
     proto = ir.serde.serialize_node(node)
     graph = helper.make_graph(
         [proto], "fold",

@@ -3,7 +3,8 @@
 Before::  q -> DequantizeLinear(s, zp) -> MaxPool -> y
 After::   q -> MaxPool -> q' -> DequantizeLinear(s, zp) -> y
 
-For MaxPool, Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Identity, Slice, Split (each of its outputs
+For MaxPool, Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Identity, Slice, Gather, GatherElements, Expand,
+Tile (the values of input 0 moved: a BERT pooler's first token, say), Split (each of its outputs
 dequantized on its own: a channel split or shuffle moves integers), and a constant-mode Pad of zeros (Keras's
 ZeroPadding2D before a pool): it pads with the zero point, the integer of 0. A ``Relu`` or constant-bound ``Clip``
 (:func:`~recal_onnx.quantized_ops.integer_bounds`) becomes nothing where its bounds lie beyond the integers'
@@ -22,7 +23,8 @@ from ..graph import Graph, attr, input_of
 from ..qdq import activation
 from ..quantized_ops import clamp_integers, integer_bounds
 
-PASSTHROUGH = {"MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Slice"}
+PASSTHROUGH = {"MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Slice", "Gather",
+               "GatherElements", "Expand", "Tile"}
 SPLITS = {"Split"}  # several outputs, each dequantized on its own
 
 

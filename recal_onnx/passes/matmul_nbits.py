@@ -12,6 +12,8 @@ Before::  q [N*K/G, G] -> DequantizeLinear(s, axis=0) -> Reshape [N, K] -> Trans
           (or Gemm(x, ., b, transB=1); or, per channel, DequantizeLinear(q [N, K], s [N], axis=0) with no Reshape)
 After::   MatMulNBits(x, packed [N, K/G, G*bits/8], s [N*K/G], K, N, bits, block_size=G)    (+ Add(b) / bias input)
 
+A weight whose integers span more than -8..7 but at most 16 values in each block (an asymmetric 4-bit weight, its
+zero points subtracted: onnxruntime's and ModelOpt's ``uint4``) is written in 4 bits with a zero point a block.
 A per-channel weight (one group the size of the input) is written with blocks of up to :data:`CHANNEL_BLOCK` inputs,
 the channel's scale repeated in each. ``accuracy_level`` (0: float arithmetic, exactly the QAT model's values; 4:
 onnxruntime quantizes the input to int8 per block, faster on CPUs with int8 dot products, not exact) is the
@@ -22,7 +24,7 @@ on every call (exact, many times slower than 4 bits on one token).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -48,9 +50,11 @@ def grouped_weight(g: Graph, value: Value | None) -> GroupedWeight | None:
     node = g.producer(value)
     reshape = node if node is not None and node.op_type == "Reshape" else None
     w = weight(g, reshape.inputs[0] if reshape is not None else value)
-    if w is None or w.q.ndim != 2 or w.axis != 0 or w.q.dtype != np.int8 or np.any(w.zero_point != 0):
+    if w is None or w.q.ndim != 2 or w.q.dtype != np.int8 or np.any(w.zero_point != 0):
         return None
-    if w.scale.size != w.q.shape[0]:
+    if w.scale.size == 1:  # per tensor: every row's scale the same
+        w = replace(w, scale=np.full(w.q.shape[0], w.scale.reshape(-1)[0], np.float32), axis=0)
+    if w.axis != 0 or w.scale.size != w.q.shape[0]:
         return None
     rows, group = w.q.shape
     if reshape is None:
@@ -67,6 +71,8 @@ def grouped_weight(g: Graph, value: Value | None) -> GroupedWeight | None:
 def _per_input_column(g: Graph, value: Value) -> GroupedWeight | None:
     """A ``[K, N]`` weight dequantized per output column (axis 1) as the ``[N, K]`` per-channel weight it is."""
     w = weight(g, value)
+    if w is not None and w.q.ndim == 2 and w.scale.size == 1:  # per tensor: every column's scale the same
+        w = replace(w, scale=np.full(w.q.shape[1], w.scale.reshape(-1)[0], np.float32), axis=1)
     if w is None or w.q.ndim != 2 or w.axis != 1 or w.q.dtype != np.int8 or np.any(w.zero_point != 0) \
             or w.scale.size != w.q.shape[1]:
         return None
@@ -152,21 +158,47 @@ def _block_size(w: GroupedWeight) -> int | None:
     return w.group if w.group >= 16 and not w.group & (w.group - 1) else None
 
 
-def pack(q: np.ndarray, bits: int, block: int) -> np.ndarray:
+def pack(q: np.ndarray, bits: int, block: int, zero_points: np.ndarray | None = None) -> np.ndarray:
     """``[N, K]`` signed integers as ``MatMulNBits`` stores them: ``[N, ceil(K / block), block * bits / 8]`` uint8,
-    offset by the default zero point (2, 8 or 128), 8 / ``bits`` values a byte (the first in the lowest bits),
-    padding at zero."""
+    offset by the default zero point (2, 8 or 128), or by ``zero_points`` (``[N, blocks]``, one a block), 8 /
+    ``bits`` values a byte (the first in the lowest bits), padding at the zero point."""
     n, k = q.shape
     blocks = -(-k // block)
-    offset = 1 << (bits - 1)
-    stored = np.full((n, blocks * block), offset, np.uint8)
-    stored[:, :k] = (q.astype(np.int16) + offset).astype(np.uint8)
-    stored = stored.reshape(n, blocks, block)
+    offset = np.full((n, blocks), 1 << (bits - 1), np.int16) if zero_points is None else zero_points.astype(np.int16)
+    stored = np.repeat(offset, block, axis=1).astype(np.uint8)
+    stored[:, :k] = (q.astype(np.int16) + np.repeat(offset, block, axis=1)[:, :k]).astype(np.uint8)
+    return pack_values(stored.reshape(n, blocks, block), bits)
+
+
+def pack_values(stored: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned ``bits``-bit values along the last axis, 8 / ``bits`` a byte (the first in the lowest bits)."""
     per_byte = 8 // bits
+    if stored.shape[-1] % per_byte:
+        stored = np.concatenate([stored, np.zeros(stored.shape[:-1] + (per_byte - stored.shape[-1] % per_byte,),
+                                                  np.uint8)], axis=-1)
     packed = stored[..., 0::per_byte].copy()
     for j in range(1, per_byte):
         packed |= stored[..., j::per_byte] << (bits * j)
     return np.ascontiguousarray(packed)
+
+
+def block_zero_points(q: np.ndarray, block: int, bits: int = 4) -> np.ndarray | None:
+    """One zero point a block (``[N, blocks]``, each within ``bits`` bits) that puts every integer of ``q`` in
+    ``[0, 2**bits)``, else None: an asymmetric 4-bit weight (``uint4`` with its zero points, subtracted into int8)
+    spans up to 16 values a block, not the -8..7 of the default zero point."""
+    n, k = q.shape
+    blocks, top = -(-k // block), (1 << bits) - 1
+    padded = np.zeros((n, blocks * block), np.int16)
+    padded[:, :k] = q
+    rows = padded.reshape(n, blocks, block)
+    low, high = rows.min(axis=2), rows.max(axis=2)
+    if k % block:  # the padding is not the weight's: the last block's range is its real values'
+        tail = q[:, (blocks - 1) * block:].astype(np.int16)
+        low[:, -1], high[:, -1] = tail.min(axis=1), tail.max(axis=1)
+    zero_points = np.clip(-low, 0, top)
+    if np.any(low + zero_points < 0) or np.any(high + zero_points > top):
+        return None
+    return zero_points.astype(np.uint8)
 
 
 def _rewrite(g: Graph, node: Node, x: Value, w: GroupedWeight, block: int, bias: Value | None,
@@ -174,15 +206,19 @@ def _rewrite(g: Graph, node: Node, x: Value, w: GroupedWeight, block: int, bias:
     n, k = w.q.shape
     low, high = int(w.q.min()), int(w.q.max())
     bits = 2 if low >= -1 and high <= 1 else 4 if low >= -8 and high <= 7 else 8
+    zero_points = block_zero_points(w.q, block) if bits == 8 else None
+    bits = 4 if zero_points is not None else bits
     blocks = -(-k // block)
     per_channel = w.scale.shape[1] == 1 and w.group == k
     scale = np.repeat(w.scale, blocks, axis=1) if per_channel else w.scale  # grouped: block == group
     base = w.nodes[0].inputs[0].name
-    packed = g.add_const(base + "_nbits", pack(w.q, bits, block))
+    packed = g.add_const(base + "_nbits", pack(w.q, bits, block, zero_points))
     scales = g.add_const(base + "_nbits_scales", np.ascontiguousarray(scale.reshape(-1), np.float32))
     inputs: list[Value | None] = [x, packed, scales]
+    if zero_points is not None:
+        inputs.append(g.add_const(base + "_nbits_zero_points", pack_values(zero_points, bits).reshape(-1)))
     if bias is not None:
-        inputs += [None, None, bias]  # zero_points and g_idx left out
+        inputs += [None] * (4 - len(inputs)) + [None, bias]  # g_idx (and the zero points, if none) left out
     g.add_node("MatMulNBits", inputs, name=(node.name or "matmul") + "_nbits", domain=MS_DOMAIN,
                replaces=(add or node).outputs[0], K=k, N=n, bits=bits, block_size=block, accuracy_level=accuracy_level)
     g.remove(*([add] if add is not None else []), node)

@@ -1,0 +1,78 @@
+"""Weights written in 4 bits, or in blocks, as the forms the layer passes read: the same values.
+
+A 4-bit weight (opset 21 ``int4`` / ``uint4``, or onnxruntime's ``com.microsoft`` DequantizeLinear, as
+``quantize_static(weight_type=QInt4)`` writes it) holds integers that int8 holds exactly: it becomes int8 (uint8 for
+``uint4``, zero point and all), which the integer kernels take. Its values lie within +-8, so a CPU without VNNI
+computes it exactly too (no 16-bit pair saturates).
+
+Before::  q4 -> DequantizeLinear(s, zp4[, axis])
+After::   q8 -> DequantizeLinear(s, zp8[, axis])
+
+A weight quantized in blocks along its input axis (opset 21 ``block_size``: onnxruntime's ``MatMulNBitsQuantizer``
+in QDQ form, ModelOpt's INT4 export) read only as a MatMul's weight is the grouped weight recal's weight-only export
+writes: one row a group, zero point subtracted, which :mod:`~recal_onnx.passes.matmul_nbits` makes ``MatMulNBits``.
+
+Before::  q [K, N] -> DequantizeLinear(s [K/B, N], zp, axis=0, block_size=B) -> MatMul(x, .)
+After::   q - zp as int8 [N*K/B, B] -> DequantizeLinear(s [N*K/B], axis=0) -> Reshape [N, K] -> Transpose -> MatMul
+
+A blocked weight read anywhere else stays as it is (onnxruntime dequantizes it; the layer stays float, named).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..graph import Graph, Node, attr, input_of
+
+WIDER = {"int4": np.int8, "uint4": np.uint8}
+
+
+def widen_weights(g: Graph) -> int:
+    """Widen every 4-bit constant weight to 8 bits; rewrite every blocked MatMul weight as grouped rows."""
+    count = 0
+    for node in g.each("DequantizeLinear"):
+        if not g.is_const(node.inputs[0]):
+            continue
+        if attr(node, "block_size", 0):
+            count += _blocked_to_rows(g, node)
+            continue
+        q = g.const(node.inputs[0])
+        if q.dtype.name not in WIDER:
+            continue
+        wide, old = WIDER[q.dtype.name], [node.inputs[0], input_of(node, 2)]
+        node.replace_input_with(0, g.add_const(old[0].name + "_8bit", q.astype(wide)))
+        if old[1] is not None and g.const(old[1]) is not None:
+            node.replace_input_with(2, g.add_const(old[1].name + "_8bit", g.const(old[1]).astype(wide)))
+        g.drop_if_unused(*(v for v in old if v is not None))
+        count += 1
+    return count
+
+
+def _blocked_to_rows(g: Graph, node: Node) -> int:
+    q, scale = g.const(node.inputs[0]), g.const(node.inputs[1])
+    zero_point = g.const(input_of(node, 2)) if input_of(node, 2) is not None else np.zeros(scale.shape, np.int8)
+    block, axis = attr(node, "block_size"), attr(node, "axis", 1)
+    readers = g.consumers(node.outputs[0])
+    if q is None or scale is None or zero_point is None or q.ndim != 2 or axis % 2 != 0 or q.shape[0] % block \
+            or scale.shape != (q.shape[0] // block, q.shape[1]) or zero_point.shape != scale.shape \
+            or node.outputs[0].is_graph_output() or not readers \
+            or any(r.op_type != "MatMul" or input_of(r, 1) is not node.outputs[0] for r in readers):
+        return 0
+    k, n = q.shape
+    values = q.astype(np.int16) - np.repeat(zero_point.astype(np.int16), block, axis=0)
+    if values.min() < -128 or values.max() > 127:
+        return 0
+    rows = np.ascontiguousarray(values.T.reshape(n * k // block, block).astype(np.int8))
+    base = node.inputs[0].name
+    dq = g.add_node("DequantizeLinear", [g.add_const(base + "_rows", rows),
+                                         g.add_const(base + "_row_scales", scale.T.reshape(-1).astype(np.float32)),
+                                         g.add_const(base + "_row_zero_points", np.zeros(n * k // block, np.int8))],
+                    name=(node.name or "dequantize") + "_rows", axis=0)
+    shape = g.add_const(base + "_shape", np.array([n, k], np.int64))
+    reshaped = g.add_node("Reshape", [dq.outputs[0], shape], name=(node.name or "dequantize") + "_reshape")
+    g.add_node("Transpose", [reshaped.outputs[0]], name=(node.name or "dequantize") + "_transpose", perm=[1, 0],
+               replaces=node.outputs[0])
+    old = [v for v in node.inputs if v is not None]
+    g.remove(node)
+    g.drop_if_unused(*old)
+    return 1
