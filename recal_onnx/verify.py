@@ -381,42 +381,60 @@ def op_by_op(reference: onnx.ModelProto | str, candidate: onnx.ModelProto, feeds
     if not names:  # no quantized activation both models compute (a weight-only model): end to end says it all
         return result
     outputs = len(candidate.graph.output)
-    ref_values = run_batches(reference_session(_with_outputs(reference, names)), feeds, fixed)
-    ref_outputs, ref = ref_values[:outputs], dict(zip(names, ref_values[outputs:]))
-    for name, kept in thinned.items():
-        if name in ref and ref[name].ndim > 1 and ref[name].shape[1] > kept.max(initial=-1):
-            ref[name] = np.take(ref[name], kept, axis=1)
+    total = {np.shape(v)[0] if np.ndim(v) else -1 for v in feeds.values()}
+    n = total.pop() if len(total) == 1 else -1
+    starts = range(0, n, fixed) if fixed and n > fixed and n % fixed == 0 else [None]  # one fixed batch a run
+    reference_run = reference_session(_with_outputs(reference, names))
     probe = _with_outputs(candidate, names)  # its own values first (their types and shapes), then forced
-    own = dict(zip(names, run_batches(session(probe), feeds, fixed)[outputs:]))
-    given = {}  # the QAT model's values on the candidate's grid (int8 activations became uint8: +128)
-    for name in names:
-        mine, theirs = own[name], ref[name]
-        if mine.shape != theirs.shape or mine.dtype not in (np.uint8, np.int8):
-            continue  # thinned channels, or not an integer tensor here: compared end to end only
-        shift = {(np.int8, np.uint8): 128, (np.uint8, np.int8): -128}.get((theirs.dtype.type, mine.dtype.type), 0)
-        value = np.asarray(theirs.astype(np.int16) + shift)  # (a 0-d tensor stays an array, as onnxruntime takes)
-        if value.size and (value.min() < np.iinfo(mine.dtype).min or value.max() > np.iinfo(mine.dtype).max):
-            continue  # not the same grid: compared end to end only
-        given[name] = np.asarray(value.astype(mine.dtype))
-    if not given:
-        return result
-    for node in probe.graph.node:
-        for i, name in enumerate(node.input):
+    own_run, forced_run, given_names = session(probe), None, []
+    steps, counts, compared, pairs = {}, {}, 0, []  # pairs: each run's float outputs, (candidate, QAT model)
+    for start in starts:
+        part = feeds if start is None else {k: v[start:start + fixed] for k, v in feeds.items()}
+        ref_values = reference_run.run(None, part)
+        ref_outputs, ref = ref_values[:outputs], dict(zip(names, ref_values[outputs:]))
+        for name, kept in thinned.items():
+            if name in ref and ref[name].ndim > 1 and ref[name].shape[1] > kept.max(initial=-1):
+                ref[name] = np.take(ref[name], kept, axis=1)
+        own = dict(zip(names, own_run.run(None, part)[outputs:]))
+        if forced_run is None:  # the tensors both models hold on one grid, and the probe that reads the QAT's
+            given_names = [name for name in names if _on_grid(own[name], ref[name]) is not None]
+            if not given_names:
+                return result
+            forced = _with_outputs(candidate, names)
+            for node in forced.graph.node:
+                for i, name in enumerate(node.input):
+                    if name in given_names:
+                        node.input[i] = name + "__qat"
+            forced.graph.input.extend(onnx.helper.make_tensor_value_info(
+                name + "__qat", onnx.helper.np_dtype_to_tensor_dtype(own[name].dtype), None) for name in given_names)
+            forced_run = session(forced)
+        on_grid = {name: _on_grid(own[name], ref[name]) for name in given_names}
+        given = {name: value for name, value in on_grid.items() if value is not None}  # the rest: its own values
+        got = forced_run.run(None, {**part, **{name + "__qat": given.get(name, own[name]) for name in given_names}})
+        for name, value in zip(names, got[outputs:]):
             if name in given:
-                node.input[i] = name + "__qat"
-    probe.graph.input.extend(onnx.helper.make_tensor_value_info(n + "__qat", onnx.helper.np_dtype_to_tensor_dtype(
-        v.dtype), None) for n, v in given.items())
-    got = run_batches(session(probe), {**feeds, **{n + "__qat": v for n, v in given.items()}}, fixed)
-    steps, counts, compared = {}, {}, 0
-    for name, value in zip(names, got[outputs:]):
-        if name in given:
-            diff = np.abs(value.astype(np.int32) - given[name].astype(np.int32))
-            steps[name], counts[name] = int(diff.max(initial=0)), int(np.count_nonzero(diff))
-            compared += diff.size
+                diff = np.abs(value.astype(np.int32) - given[name].astype(np.int32))
+                steps[name] = max(steps.get(name, 0), int(diff.max(initial=0)))
+                counts[name] = counts.get(name, 0) + int(np.count_nonzero(diff))
+                compared += diff.size
+        pairs.append([(g, r) for g, r in zip(got, ref_outputs) if np.issubdtype(r.dtype, np.floating) and r.size])
+    floats = [float_gap(np.concatenate([run[i][0].reshape(-1) for run in pairs]),
+                        np.concatenate([run[i][1].reshape(-1) for run in pairs])) for i in range(len(pairs[0]))]
     where = max(steps, key=steps.get)
-    floats = [float_gap(g, r) for g, r in zip(got, ref_outputs) if np.issubdtype(r.dtype, np.floating) and r.size]
     return replace(result, local_steps=steps[where], local_tensor=where, local_float=max(floats) if floats else None,
-                   local_tensors=len(given), local_share=sum(counts.values()) / max(compared, 1),
+                   local_tensors=len(given_names), local_share=sum(counts.values()) / max(compared, 1),
                    local_share_tensor=max(counts, key=counts.get))
+
+
+def _on_grid(mine: np.ndarray, theirs: np.ndarray) -> np.ndarray | None:
+    """The QAT model's integers ``theirs`` on the candidate's grid, typed as ``mine`` (int8 activations that became
+    uint8: +128); None where ``mine`` is no 8-bit tensor or the values leave its type (another grid)."""
+    if mine.dtype not in (np.uint8, np.int8) or mine.shape != theirs.shape:
+        return None
+    shift = {(np.int8, np.uint8): 128, (np.uint8, np.int8): -128}.get((theirs.dtype.type, mine.dtype.type), 0)
+    value = np.asarray(theirs.astype(np.int16) + shift)  # (a 0-d tensor stays an array, as onnxruntime takes)
+    if value.size and (value.min() < np.iinfo(mine.dtype).min or value.max() > np.iinfo(mine.dtype).max):
+        return None
+    return np.asarray(value.astype(mine.dtype))
 
 

@@ -8,10 +8,15 @@ Sources, each a QDQ ONNX file as its tool writes it at its documented 8-bit sett
   default fixed batch of 1, calibrated on 8 synthetic inputs (``peers.quantize_static``: ``quant_pre_process`` first):
   uint8 activations with int8 per-channel weights (onnxruntime's advice for CNNs), and int8 activations with
   per-tensor weights;
+- onnxruntime's own 4-bit forms: ``quantize_static(weight_type=QInt4)`` of ResNet-18 (its ``com.microsoft`` Q/DQ,
+  int4 weights per channel), and ``MatMulNBitsQuantizer`` in QDQ form (blocked int4, block 32) of a BERT encoder;
+- ``quantize_static`` (uint8 activations, int8 weights per tensor) of Hugging Face's BERT (4 layers, hidden 256, from
+  its config), exported at sequence length 128;
 - the exports other tools wrote, committed under ``tests/fixtures/interop/`` with the script that made each
   (``scripts/interop_exports/``): every ``*.onnx`` there is a row.
 
-Per file: the layers with a weight that stay float (Conv / Gemm / MatMul), the verification's sample count and its
+Per file: the layers with a weight (Conv / Gemm / MatMul reading a constant) and those that stay float, the
+verification's sample count and its
 op-by-op figure (every integer tensor against the QDQ file run as written), and median latency at batch 1 on one
 thread, models interleaved round by round, of the QDQ file in a default onnxruntime session (its own QDQ fusion),
 recal's default output (int8 weights) and, where written, its twin for x86 without VNNI (uint8 weights beyond
@@ -37,10 +42,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench.peers import quantize_static  # noqa: E402
+from bench.peers import matmul_nbits_qdq, quantize_static  # noqa: E402
 from bench.results import machine, save_run  # noqa: E402
 from bench.timing import interleaved_latency  # noqa: E402
 from recal_onnx import cpu, quantize_qat_export  # noqa: E402
+from recal_onnx.verify import generated_inputs  # noqa: E402
 from bench.models import ResNet18, torch_init  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "interop"
@@ -60,6 +66,56 @@ def hf_mobilenet_v2() -> torch.nn.Module:
 FP32 = {"resnet18": lambda: ResNet18(1000), "hf-mobilenet-v2": hf_mobilenet_v2}
 # label -> quantize_static settings: (activation type, per channel)
 STATIC = {"ort static u8/s8 per-channel": ("QUInt8", True), "ort static s8/s8 per-tensor": ("QInt8", False)}
+BERT_TOKENS = 128
+
+
+def hf_bert(folder: Path) -> Path:
+    """Hugging Face's BERT encoder (4 layers, hidden 256, 4 heads) from its config, biases drawn as a trained model's
+    are (torch's exporter shares equal initializers), exported by torch.onnx at batch 1 and 128 tokens."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                     intermediate_size=1024)
+    model = transformers.BertModel(config, add_pooling_layer=False).eval()
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            torch.nn.init.normal_(p, std=0.02)
+    path = folder / "hf-bert.fp32.onnx"
+
+    class Encoder(torch.nn.Module):  # token ids in, hidden states out
+        def __init__(self):
+            super().__init__()
+            self.bert = model
+
+        def forward(self, input_ids):
+            return self.bert(input_ids=input_ids).last_hidden_state
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Encoder().eval(), (torch.randint(0, config.vocab_size, (1, BERT_TOKENS)),), path,
+                          dynamo=False,
+                          input_names=["input_ids"], output_names=["last_hidden_state"])
+    return path
+
+
+def onnxruntime_forms(folder: Path, size: int) -> dict[str, Path]:
+    """onnxruntime's BERT (8-bit static) and 4-bit forms (int4 per channel, blocked int4 MatMul weights)."""
+    found = {}
+    bert = hf_bert(folder)
+    rng = np.random.default_rng(0)
+    tokens = [{"input_ids": rng.integers(0, 30522, (1, BERT_TOKENS)).astype(np.int64)} for _ in range(8)]
+    quantize_static(bert, folder / "hf-bert.static.onnx", tokens, per_channel=False)
+    found["ort static u8/s8: hf-bert"] = folder / "hf-bert.static.onnx"
+    resnet = folder / "resnet18.fp32.onnx"
+    calibration = [{"input": rng.standard_normal((1, 3, size, size)).astype(np.float32)} for _ in range(8)]
+    quantize_static(resnet, folder / "resnet18.int4.onnx", calibration, weight_type="QInt4")
+    found["ort static u8/s4 per-channel: resnet18"] = folder / "resnet18.int4.onnx"
+    opset21 = onnx.version_converter.convert_version(onnx.load(str(bert)), 21)
+    onnx.save(opset21, str(folder / "hf-bert.fp32.21.onnx"))
+    matmul_nbits_qdq(folder / "hf-bert.fp32.21.onnx", folder / "hf-bert.nbits.onnx")
+    found["ort MatMulNBits QDQ int4 block 32: hf-bert"] = folder / "hf-bert.nbits.onnx"
+    return found
 
 
 def sources(folder: Path, size: int, models: list[str]) -> dict[str, Path]:
@@ -78,13 +134,26 @@ def sources(folder: Path, size: int, models: list[str]) -> dict[str, Path]:
             path = folder / f"{name}.{activation}.{per_channel}.onnx"
             quantize_static(fp32, path, calibration, activation_type=activation, per_channel=per_channel)
             found[f"{label}: {name}"] = path
+    if "resnet18" in models:
+        found.update(onnxruntime_forms(folder, size))
     for path in sorted(FIXTURES.glob("*.onnx")) if FIXTURES.is_dir() else []:
         found[path.stem] = path
     return found
 
 
-def float_layers(model: onnx.ModelProto) -> int:
-    return sum(n.op_type in WEIGHTED for n in model.graph.node)
+def weighted_layers(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The Conv / Gemm / MatMul nodes that read a constant weight (through its DequantizeLinear, Transpose or
+    Reshape), not two activations (an attention's products)."""
+    made = {o: n for n in model.graph.node for o in n.output}
+    constants = {t.name for t in model.graph.initializer}
+
+    def constant(name: str) -> bool:
+        node = made.get(name)
+        if node is None:
+            return name in constants
+        return node.op_type in ("DequantizeLinear", "Transpose", "Reshape", "Identity") and constant(node.input[0])
+
+    return [n for n in model.graph.node if n.op_type in WEIGHTED and len(n.input) > 1 and constant(n.input[1])]
 
 
 def row(label: str, qdq: Path, folder: Path, rounds: int) -> dict:
@@ -93,15 +162,15 @@ def row(label: str, qdq: Path, folder: Path, rounds: int) -> dict:
         warnings.simplefilter("ignore")
         result = quantize_qat_export(str(qdq), out)
     model = onnx.load(str(qdq))
-    dims = [d.dim_value or 1 for d in model.graph.input[0].type.tensor_type.shape.dim]
-    feed = {model.graph.input[0].name: np.random.default_rng(1).standard_normal(dims).astype(np.float32)}
+    feed = generated_inputs(model, batch=1, seed=1)
     paths = {"qdq": qdq, "recal": out, **({"recal avx2": result.avx2_path} if result.avx2_path else {})}
     ms = interleaved_latency(paths, feed, rounds, per_round=1, min_seconds=0.02)
     v = result.verification
-    return {"source": label, "layers": sum(n.op_type in WEIGHTED for n in model.graph.node),
-            "float_layers": float_layers(result.model), "float_reasons": result.float_reasons,
+    return {"source": label, "layers": len(weighted_layers(model)),
+            "float_layers": len(weighted_layers(result.model)), "float_reasons": result.float_reasons,
             "samples": v.samples, "local_steps": v.local_steps, "local_share": v.local_share,
             "max_steps": v.max_steps, "agreement": v.argmax_agreement, "latency": ms,
+            "max_abs_diff": v.max_abs_diff, "output_range": v.output_range,
             "weights": result.weights_note}
 
 
@@ -122,8 +191,11 @@ def format_rows(rows: list[dict]) -> str:
         ms = r["latency"]
         twin = f"{ms['recal avx2']:.2f}" if "recal avx2" in ms else "none (within +-64)"
         agreement = f"{r['agreement']:.4f}" if r["agreement"] is not None else "-"
+        exact = (f"<= {r['local_steps']} step(s), {r['local_share']:.1e} differ" if r["local_steps"] is not None
+                 else f"no integer activation; output within {r['max_abs_diff'] / max(r['output_range'], 1e-30):.1e}"
+                 " of its range")
         lines.append(f"| {r['source']} | {r['layers']} | {r['float_layers']} | {r['samples']} | "
-                     f"<= {r['local_steps']} step(s), {r['local_share']:.1e} differ | {agreement} | {ms['qdq']:.2f} | "
+                     f"{exact} | {agreement} | {ms['qdq']:.2f} | "
                      f"{ms['recal']:.2f} | {ms['qdq'] / ms['recal']:.2f}x | {twin} |")
     return "\n".join(lines)
 

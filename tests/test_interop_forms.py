@@ -117,6 +117,19 @@ def test_a_fixed_batch_is_verified_on_the_promised_sample_count():
     assert result.verification.samples == 256 and result.verification.local_tensors >= 1
 
 
+def test_a_fixed_batch_whose_tensors_drop_the_batch_axis_is_compared_op_by_op_a_batch_at_a_time():
+    """torch.onnx's fixed batch of 1 with a layer run on ``[tokens, hidden]`` (BERT's MatMuls after a Reshape): the
+    op-by-op check runs one batch at a time, each with that batch's QAT integers (it once fed 16 batches' worth
+    of such a tensor to one run, and onnxruntime refused the input)."""
+    b = Builder()
+    x = b.node("Reshape", [b.qdq("x", X_SCALE, 128), b.const(np.array([6, 8], np.int64))])
+    y = b.qdq(b.node("MatMul", [x, b.weight((8, 4), axis=1)]), OUT_SCALE, 128)
+    model = b.model([("x", [1, 6, 8])], [b.node("Reshape", [y, b.const(np.array([1, 6, 4], np.int64))])])
+    result = quantize_qat_export(model)
+    v = result.verification
+    assert v.samples == 256 and v.local_tensors >= 2 and v.local_steps <= 1, v
+
+
 def test_a_qat_model_that_is_not_finite_is_refused_naming_its_constants():
     model, _ = _layer("Gemm", True)
     scale = next(t for t in model.graph.initializer if t.name.startswith("ws"))

@@ -33,7 +33,7 @@ from ..qdq import activation
 TABLE_MAX = 1024  # values a sample, at most, for a table (above it the float ops are faster)
 
 # ops whose every output value is a function of the values at the same place of their inputs (ONNX domain)
-ELEMENTWISE = {"Abs", "Add", "Ceil", "Clip", "Div", "Elu", "Erf", "Exp", "Floor", "HardSigmoid", "HardSwish",
+ELEMENTWISE = {"Abs", "Add", "Ceil", "Clip", "Div", "Elu", "Erf", "Exp", "Floor", "Gelu", "HardSigmoid", "HardSwish",
                "Identity", "LeakyRelu", "Log", "Max", "Min", "Mul", "Neg", "Pow", "Reciprocal", "Relu", "Round",
                "Selu", "Sigmoid", "Sign", "Softplus", "Softsign", "Sqrt", "Sub", "Tanh"}
 

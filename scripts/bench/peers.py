@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from recal_onnx.verify import reference_session, session
 
@@ -22,7 +23,7 @@ DYNAMIC = "ort quantize_dynamic"
 
 
 def quantize_static(fp32: Path, out: Path, feeds: list[dict[str, np.ndarray]], reduce_range: bool = False,
-                    activation_type: str = "QUInt8", per_channel: bool = True) -> float:
+                    activation_type: str = "QUInt8", per_channel: bool = True, weight_type: str = "QInt8") -> float:
     """onnxruntime's static quantization of ``fp32`` into ``out`` (QDQ, int8 weights; uint8 activations and
     per-channel weights unless told otherwise); returns the seconds it took."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType
@@ -42,10 +43,28 @@ def quantize_static(fp32: Path, out: Path, feeds: list[dict[str, np.ndarray]], r
         warnings.simplefilter("ignore")
         quant_pre_process(str(fp32), str(prepared), skip_symbolic_shape=True)
         ort_quantize_static(str(prepared), str(out), Reader(), quant_format=QuantFormat.QDQ,
-                            activation_type=getattr(QuantType, activation_type), weight_type=QuantType.QInt8,
+                            activation_type=getattr(QuantType, activation_type),
+                            weight_type=getattr(QuantType, weight_type),
                             per_channel=per_channel,
                             reduce_range=reduce_range)
     prepared.unlink()
+    return time.perf_counter() - started
+
+
+def matmul_nbits_qdq(fp32: Path, out: Path, block_size: int = 32, symmetric: bool = True) -> float:
+    """onnxruntime's weight-only 4-bit quantization of every MatMul in QDQ form (opset-21 blocked int4 / uint4
+    DequantizeLinear); seconds taken."""
+    from onnxruntime.quantization import QuantFormat
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    started = time.perf_counter()
+    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric,
+                                          quant_format=QuantFormat.QDQ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantizer = MatMulNBitsQuantizer(onnx.load(str(fp32)), algo_config=config)
+        quantizer.process()
+        quantizer.model.save_model_to_file(str(out))
     return time.perf_counter() - started
 
 
