@@ -51,6 +51,8 @@ from bench.models import ResNet18, torch_init  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "interop"
 WEIGHTED = {"Conv", "Gemm", "MatMul", "ConvTranspose"}
+# between a weight's constant and its layer: quantizing it (NNCF, ModelOpt), clipping its integers (Brevitas), moving it
+MOVES_WEIGHT = {"QuantizeLinear", "DequantizeLinear", "Clip", "Cast", "Transpose", "Reshape", "Identity"}
 
 
 def hf_mobilenet_v2() -> torch.nn.Module:
@@ -142,8 +144,8 @@ def sources(folder: Path, size: int, models: list[str]) -> dict[str, Path]:
 
 
 def weighted_layers(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """The Conv / Gemm / MatMul nodes that read a constant weight (through its DequantizeLinear, Transpose or
-    Reshape), not two activations (an attention's products)."""
+    """The Conv / Gemm / MatMul nodes that read a constant weight (through :data:`MOVES_WEIGHT`), not two
+    activations (an attention's products)."""
     made = {o: n for n in model.graph.node for o in n.output}
     constants = {t.name for t in model.graph.initializer}
 
@@ -151,7 +153,7 @@ def weighted_layers(model: onnx.ModelProto) -> list[onnx.NodeProto]:
         node = made.get(name)
         if node is None:
             return name in constants
-        return node.op_type in ("DequantizeLinear", "Transpose", "Reshape", "Identity") and constant(node.input[0])
+        return node.op_type == "Constant" or node.op_type in MOVES_WEIGHT and constant(node.input[0])
 
     return [n for n in model.graph.node if n.op_type in WEIGHTED and len(n.input) > 1 and constant(n.input[1])]
 

@@ -269,13 +269,14 @@ def _tiny_bert(tmp_path):
     return tmp_path / "bert.onnx"
 
 
-@pytest.mark.parametrize("activation", ["QUInt8", "QInt8"])
-def test_quantize_statics_bert_converts_with_its_softmax_exact(activation, tmp_path):
+@pytest.mark.parametrize("activation, fmt", [("QUInt8", "qoperator"), ("QInt8", "qoperator"), ("QUInt8", "qdq")])
+def test_quantize_statics_bert_converts_with_its_softmax_exact(activation, fmt, tmp_path):
     """quantize_static's BERT quantizes the attention probabilities on 1/255, a grid onnxruntime's own fused
     QLinearSoftmax misses (it multiplies by floor(1 / scale) = 254): the conversion writes QLinearSoftmax on 255 and
     is verified op by op against the file as written (it was refused before: 0.19% of the values a step off). The
     bias Adds and the attention's scale (a quantized constant beside an activation) become QLinearAdd / QLinearMul:
-    only LayerNorm and GELU stay float (the pooler's Gather of the first token moves integers)."""
+    only LayerNorm and GELU stay float (the pooler's Gather of the first token moves integers). A ``qdq`` file keeps
+    the softmax float, its input dequantized apart so onnxruntime does not fuse it onto 1/254, with that reason."""
     from onnxruntime.quantization import QuantType
 
     fp32 = _tiny_bert(tmp_path)
@@ -285,10 +286,15 @@ def test_quantize_statics_bert_converts_with_its_softmax_exact(activation, tmp_p
                      activation_type=getattr(QuantType, activation), weight_type=QuantType.QInt8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnconvertedOpsWarning)
-        result = quantize_qat_export(tmp_path / "qdq.onnx", tmp_path / "int8.onnx")
+        result = quantize_qat_export(tmp_path / "qdq.onnx", tmp_path / "int8.onnx", format=fmt)
     kinds = collections.Counter(ops(result.model))
-    assert kinds["QLinearSoftmax"] == 2 and not {"MatMul", "Gemm", "Softmax"} & set(kinds), kinds
-    assert {op for op, _ in result.float_nodes} <= {"LayerNormalization", "Gelu"}, result.float_reasons
+    if fmt == "qdq":
+        softmax = [reason for name, reason in result.float_reasons.items() if "Softmax" in name]
+        assert len(softmax) == 2 and all("floors to 254" in reason for reason in softmax), result.float_reasons
+        assert "QLinearSoftmax" not in kinds and kinds["Cast"] >= 2, kinds
+    else:
+        assert kinds["QLinearSoftmax"] == 2 and not {"MatMul", "Gemm", "Softmax"} & set(kinds), kinds
+        assert {op for op, _ in result.float_nodes} <= {"LayerNormalization", "Gelu"}, result.float_reasons
     v = result.verification
     assert v.samples >= 256 and v.local_steps <= 1 and v.local_share <= 1e-3, v
 
