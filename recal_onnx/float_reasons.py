@@ -34,6 +34,9 @@ def float_reason(g: Graph, node: Node) -> str:
         return f"onnxruntime has no integer kernel for {node.op_type}"
     if floats:
         source = g.producer(floats[0])
+        if source is not None and source.op_type == "DequantizeLinear" and g.is_const(source.inputs[0]):
+            return (f"its input {floats[0].name!r} is a dequantized constant, which the converter reads as a layer's "
+                    "weight or an operand of Add / Mul, not here")
         return (f"its input {floats[0].name!r} is float (made by {source.op_type if source else 'the graph input'}"
                 ", not a DequantizeLinear of an integer tensor)")
     if not quantized_out:

@@ -110,3 +110,23 @@ def same_qparams(g: Graph, scale_a: Value, zp_a: Value, scale_b: Value, zp_b: Va
     return (a_s is not None and b_s is not None and a_z is not None and b_z is not None
             and a_z.dtype == b_z.dtype and np.array_equal(a_s.reshape(-1), b_s.reshape(-1))
             and np.array_equal(a_z.reshape(-1), b_z.reshape(-1)))
+
+
+def constant_operand(g: Graph, value: Value, rank: int | None, dtype: np.dtype) -> tuple[Value, Value, Value] | None:
+    """``value``, a per-tensor quantized constant, as ``(integers, scale, zero point)`` of type ``dtype`` and rank
+    ``rank`` (leading axes of size 1 added; int8 and uint8 shifted by 128 with the zero point: the same values), else
+    None: an operand of a QLinear op beside an activation (quantize_static's bias after a MatMul, an attention's
+    scale, ViT's class token)."""
+    w = weight(g, value)
+    if w is None or rank is None or w.scale.size != 1 or w.zero_point.size != 1 or w.q.ndim > rank:
+        return None
+    shift = {(np.dtype(np.int8), np.dtype(np.uint8)): 128, (np.dtype(np.uint8), np.dtype(np.int8)): -128}.get(
+        (w.q.dtype, np.dtype(dtype)), 0)
+    if w.q.dtype not in (np.int8, np.uint8):
+        return None
+    q = w.q.astype(np.int16).reshape((1,) * (rank - w.q.ndim) + w.q.shape) + shift
+    zp = int(w.zero_point.reshape(-1)[0]) + shift
+    base = w.dq.inputs[0].name
+    return (g.add_const(base + "_operand", q.astype(dtype)),
+            g.add_const(base + "_operand_scale", w.scale.reshape(()).astype(np.float32)),
+            g.add_const(base + "_operand_zero_point", np.array(zp, dtype)))

@@ -137,6 +137,12 @@ def test_a_qat_model_that_is_not_finite_is_refused_naming_its_constants():
                                                 scale.name))
     with pytest.raises(ModelError, match=f"scale that is NaN or infinite \\(initializer '{scale.name}'\\)"):
         quantize_qat_export(model)
+    b = Builder()  # an activation calibrated over -inf (quantize_static on a causal mask): the node to exclude named
+    masked = b.node("Add", [b.qdq("x", X_SCALE, 128), b.qdq("mask", np.inf, 0)])
+    model = b.model([("x", [2, 8]), ("mask", [2, 8])], [b.qdq(masked, 0.1, 128)])
+    add = next(n.name for n in model.graph.node if n.op_type == "Add")
+    with pytest.raises(ModelError, match=r"mean nothing.*-inf.*nodes_to_exclude=\['" + add + r"'\]"):
+        quantize_qat_export(model)
     b = Builder()  # a NaN float bias: every output of the QAT model is NaN, compared with nothing
     y = b.node("Gemm", [b.qdq("x", X_SCALE, 128), b.weight((8, 4), axis=1), b.const(np.full(4, np.nan, np.float32),
                                                                                      "bias")])
@@ -159,6 +165,24 @@ def test_every_float_node_has_a_reason_and_unnamed_ones_a_position():
     (op, name), = result.float_nodes  # the Cast computes nothing: not listed
     assert op == "Div" and name.startswith("Div #")
     assert "no integer kernel for Div" in result.float_reasons[name]
+
+
+def test_a_quantized_constant_joins_a_concat_and_a_node_that_cannot_read_one_says_so():
+    """ViT's class token under quantize_static (expanded over the batch, then quantized: a constant once folded)
+    joins the patches in a QLinearConcat; a Sub of a quantized constant vector stays float, its reason saying the input
+    is a dequantized constant (it once read "float, made by DequantizeLinear, not a DequantizeLinear of an integer
+    tensor")."""
+    b = Builder()
+    token = b.node("Expand", [b.const(np.linspace(-1, 1, 8, dtype=np.float32).reshape(1, 1, 8)),
+                              b.const(np.array([2, 1, 8], np.int64))])
+    joined = b.node("Concat", [b.qdq(token, 0.02, 128), b.qdq("x", X_SCALE, 128)], axis=1)
+    shifted = b.node("Sub", [b.qdq(joined, 0.05, 128), b.qdq(b.const(np.linspace(0, 1, 8, dtype=np.float32)), 0.01, 0)])
+    model = b.model([("x", [2, 3, 8])], [b.qdq(shifted, 0.05, 128)])
+    with pytest.warns(UnconvertedOpsWarning, match="dequantized constant"):
+        result = quantize_qat_export(model)
+    assert "QLinearConcat" in ops(result.model) and "Concat" not in ops(result.model)
+    (name, reason), = result.float_reasons.items()
+    assert "Sub" in name and "is a dequantized constant" in reason
 
 
 class SmallNet(torch.nn.Module):

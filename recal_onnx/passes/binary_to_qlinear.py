@@ -14,10 +14,8 @@ computes. Both operands must have the same rank (the kernels broadcast dimension
 
 from __future__ import annotations
 
-import numpy as np
-
-from ..graph import MS_DOMAIN, Graph, Value
-from ..qdq import activation, weight
+from ..graph import MS_DOMAIN, Graph
+from ..qdq import activation, constant_operand
 from ..quantized_ops import output_tail, replace_with_quantized
 
 QUANTIZED = {"Add": "QLinearAdd", "Mul": "QLinearMul"}
@@ -32,7 +30,7 @@ def binary_to_qlinear(g: Graph) -> int:
             continue
         rank, dtype = g.rank(known[0].dq.outputs[0]), g.const(known[0].zero_point).dtype
         operands = [(a.q, a.scale, a.zero_point) if a is not None and g.rank(v) == rank else
-                    None if a is not None else _constant_operand(g, v, rank, dtype)
+                    None if a is not None else constant_operand(g, v, rank, dtype)
                     for a, v in zip(acts, node.inputs[:2])]
         if rank is None or None in operands or any(g.const(o[2]).dtype != dtype for o in operands):
             continue
@@ -44,21 +42,3 @@ def binary_to_qlinear(g: Graph) -> int:
                                name=node.name + "_quant", domain=MS_DOMAIN)
         count += 1
     return count
-
-
-def _constant_operand(g: Graph, value: Value, rank: int | None, dtype: np.dtype) -> tuple[Value, Value, Value] | None:
-    """``value``, a per-tensor quantized constant, as ``(integers, scale, zero point)`` of type ``dtype`` and rank
-    ``rank`` (leading axes of size 1 added), else None."""
-    w = weight(g, value)
-    if w is None or rank is None or w.scale.size != 1 or w.zero_point.size != 1 or w.q.ndim > rank:
-        return None
-    shift = {(np.dtype(np.int8), np.dtype(np.uint8)): 128, (np.dtype(np.uint8), np.dtype(np.int8)): -128}.get(
-        (w.q.dtype, np.dtype(dtype)), 0)
-    if w.q.dtype not in (np.int8, np.uint8):
-        return None
-    q = w.q.astype(np.int16).reshape((1,) * (rank - w.q.ndim) + w.q.shape) + shift
-    zp = int(w.zero_point.reshape(-1)[0]) + shift
-    base = w.dq.inputs[0].name
-    return (g.add_const(base + "_operand", q.astype(dtype)),
-            g.add_const(base + "_operand_scale", w.scale.reshape(()).astype(np.float32)),
-            g.add_const(base + "_operand_zero_point", np.array(zp, dtype)))
