@@ -282,23 +282,34 @@ def test_widen_weights_reads_a_4bit_conv_weight_as_the_int8_it_holds():
     assert np.abs(run(converted, feeds)[0] - reference(model, feeds)[0]).max() <= 0.05 + 1e-6
 
 
-@pytest.mark.parametrize("symmetric", [True, False])
-def test_widen_weights_makes_a_blocked_matmul_weight_grouped_rows_for_matmulnbits(symmetric):
-    """``DequantizeLinear(int4 | uint4 [K, N], block_size=16)`` before a MatMul becomes recal's grouped rows, then
-    MatMulNBits in 4 bits (a uint4 weight with a zero point a block): the same float output to the last bit."""
+@pytest.mark.parametrize("symmetric, layout", [(True, "K,N"), (False, "K,N"), (True, "N,K transposed"),
+                                               (False, "N,K gemm")])
+def test_widen_weights_makes_a_blocked_matmul_weight_grouped_rows_for_matmulnbits(symmetric, layout):
+    """``DequantizeLinear(int4 | uint4 [K, N], block_size=16)`` before a MatMul (onnxruntime's MatMulNBitsQuantizer),
+    or ``[N, K]`` blocked along axis 1 read through a Transpose or by ``Gemm(transB=1)`` (a torch Linear's layout),
+    becomes recal's grouped rows, then MatMulNBits in 4 bits (a uint4 weight with a zero point a block): the same
+    float output to the last bit."""
     rng = np.random.default_rng(1)
     k, n, block = 64, 24, 16
-    q = rng.integers(-8, 8, (k, n)) if symmetric else rng.integers(0, 16, (k, n))
-    zp = None if symmetric else rng.integers(3, 13, (k // block, n))
+    axis = 0 if layout == "K,N" else 1
+    shape = (k, n) if axis == 0 else (n, k)
+    blocks = (k // block, n) if axis == 0 else (n, k // block)
+    q = rng.integers(-8, 8, shape) if symmetric else rng.integers(0, 16, shape)
+    zp = None if symmetric else rng.integers(3, 13, blocks)
     kind = onnx.TensorProto.INT4 if symmetric else onnx.TensorProto.UINT4
-    inits = [_int4("w", q, kind), onnx.numpy_helper.from_array(rng.uniform(0.01, 0.05, (k // block, n)).astype(np.float32), "ws")]
+    inits = [_int4("w", q, kind), onnx.numpy_helper.from_array(rng.uniform(0.01, 0.05, blocks).astype(np.float32), "ws")]
     inputs = ["w", "ws"]
     if zp is not None:
         inits.append(_int4("wz", zp, kind))
         inputs.append("wz")
     h = onnx.helper
-    nodes = [h.make_node("DequantizeLinear", inputs, ["wf"], axis=0, block_size=block),
-             h.make_node("MatMul", ["x", "wf"], ["out"])]
+    nodes = [h.make_node("DequantizeLinear", inputs, ["wf"], axis=axis, block_size=block)]
+    if layout == "K,N":
+        nodes.append(h.make_node("MatMul", ["x", "wf"], ["out"]))
+    elif layout == "N,K transposed":
+        nodes += [h.make_node("Transpose", ["wf"], ["wt"], perm=[1, 0]), h.make_node("MatMul", ["x", "wt"], ["out"])]
+    else:
+        nodes.append(h.make_node("Gemm", ["x", "wf"], ["out"], transB=1))
     model = _opset21(nodes, [("x", [3, k])], ["out"], inits)
     feeds = _x([3, k])
     converted, (rows, nbits) = _apply(model, widen_weights, matmul_to_nbits)

@@ -27,9 +27,8 @@ def standard_qdq(g: Graph) -> int:
         allowed = STANDARD_TYPES | ({np.dtype(np.int32)} if node.op_type == "DequantizeLinear" else set())
         scale = g.const(input_of(node, 1))
         per_channel = scale is None or scale.size != 1
-        if not types or not types <= allowed or attr(node, "block_size", 0) or (per_channel and g.opset < 13) \
-                or (node.op_type == "QuantizeLinear" and zero_point is None):
-            continue
+        if not types or not types <= allowed or attr(node, "block_size", 0) or (per_channel and g.opset < 13):
+            continue  # (no zero point and no constant integers: the types are not known here, it stays)
         node.domain = ""
         count += 1
     return count

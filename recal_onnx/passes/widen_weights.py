@@ -15,6 +15,9 @@ writes: one row a group, zero point subtracted, which :mod:`~recal_onnx.passes.m
 Before::  q [K, N] -> DequantizeLinear(s [K/B, N], zp, axis=0, block_size=B) -> MatMul(x, .)
 After::   q - zp as int8 [N*K/B, B] -> DequantizeLinear(s [N*K/B], axis=0) -> Reshape [N, K] -> Transpose -> MatMul
 
+A weight held ``[N, K]`` as torch's Linear holds it (blocks along axis 1), read through a Transpose to a MatMul or by
+``Gemm(transB=1)``, becomes the same rows reshaped to ``[N, K]``, read as before.
+
 A blocked weight read anywhere else stays as it is (onnxruntime dequantizes it; the layer stays float, named).
 """
 
@@ -52,27 +55,49 @@ def _blocked_to_rows(g: Graph, node: Node) -> int:
     q, scale = g.const(node.inputs[0]), g.const(node.inputs[1])
     zero_point = g.const(input_of(node, 2)) if input_of(node, 2) is not None else np.zeros(scale.shape, np.int8)
     block, axis = attr(node, "block_size"), attr(node, "axis", 1)
-    readers = g.consumers(node.outputs[0])
-    if q is None or scale is None or zero_point is None or q.ndim != 2 or axis % 2 != 0 or q.shape[0] % block \
-            or scale.shape != (q.shape[0] // block, q.shape[1]) or zero_point.shape != scale.shape \
-            or node.outputs[0].is_graph_output() or not readers \
-            or any(r.op_type != "MatMul" or input_of(r, 1) is not node.outputs[0] for r in readers):
+    if q is None or scale is None or zero_point is None or q.ndim != 2 or zero_point.shape != scale.shape \
+            or node.outputs[0].is_graph_output() or not _read_as_matmul_weight(g, node, axis % 2):
         return 0
-    k, n = q.shape
-    values = q.astype(np.int16) - np.repeat(zero_point.astype(np.int16), block, axis=0)
+    inputs = q.shape[axis % 2]
+    if inputs % block or scale.shape[axis % 2] != inputs // block or scale.shape[1 - axis % 2] != q.shape[1 - axis % 2]:
+        return 0
+    values = q.astype(np.int16) - np.repeat(zero_point.astype(np.int16), block, axis=axis % 2)
     if values.min() < -128 or values.max() > 127:
         return 0
-    rows = np.ascontiguousarray(values.T.reshape(n * k // block, block).astype(np.int8))
-    base = node.inputs[0].name
+    if axis % 2 == 0:  # [K, N], blocks along K: as [N, K]
+        values, scale = values.T, scale.T
+    n, k = values.shape
+    rows = np.ascontiguousarray(values.reshape(n * k // block, block).astype(np.int8))
+    base, name = node.inputs[0].name, node.name or "dequantize"
     dq = g.add_node("DequantizeLinear", [g.add_const(base + "_rows", rows),
-                                         g.add_const(base + "_row_scales", scale.T.reshape(-1).astype(np.float32)),
+                                         g.add_const(base + "_row_scales", scale.reshape(-1).astype(np.float32)),
                                          g.add_const(base + "_row_zero_points", np.zeros(n * k // block, np.int8))],
-                    name=(node.name or "dequantize") + "_rows", axis=0)
+                    name=name + "_rows", axis=0)
     shape = g.add_const(base + "_shape", np.array([n, k], np.int64))
-    reshaped = g.add_node("Reshape", [dq.outputs[0], shape], name=(node.name or "dequantize") + "_reshape")
-    g.add_node("Transpose", [reshaped.outputs[0]], name=(node.name or "dequantize") + "_transpose", perm=[1, 0],
-               replaces=node.outputs[0])
+    if axis % 2 == 0:
+        reshaped = g.add_node("Reshape", [dq.outputs[0], shape], name=name + "_reshape")
+        g.add_node("Transpose", [reshaped.outputs[0]], name=name + "_transpose", perm=[1, 0], replaces=node.outputs[0])
+    else:  # [N, K], as torch's Linear holds it: read through a Transpose or by Gemm(transB=1)
+        g.add_node("Reshape", [dq.outputs[0], shape], name=name + "_reshape", replaces=node.outputs[0])
     old = [v for v in node.inputs if v is not None]
     g.remove(node)
     g.drop_if_unused(*old)
     return 1
+
+
+def _read_as_matmul_weight(g: Graph, node: Node, axis: int) -> bool:
+    """Whether every reader takes the weight as a MatMul's ``[K, N]`` (``axis`` 0: blocks along its inputs), or as
+    ``[N, K]`` (``axis`` 1) through a Transpose to a MatMul or by ``Gemm(transB=1)``."""
+    readers = g.consumers(node.outputs[0])
+    if not readers:
+        return False
+    if axis == 0:
+        return all(r.op_type == "MatMul" and input_of(r, 1) is node.outputs[0] for r in readers)
+    for r in readers:
+        if r.op_type == "Gemm" and input_of(r, 1) is node.outputs[0] and attr(r, "transB", 0):
+            continue
+        if r.op_type == "Transpose" and list(attr(r, "perm", [1, 0])) == [1, 0] and g.consumers(r.outputs[0]) and all(
+                m.op_type == "MatMul" and input_of(m, 1) is r.outputs[0] for m in g.consumers(r.outputs[0])):
+            continue
+        return False
+    return True
