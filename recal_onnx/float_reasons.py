@@ -62,11 +62,11 @@ def _weighted_reason(g: Graph, node: Node) -> str:
         maker = g.producer(w_value)
         return (f"its weight is not a DequantizeLinear of a constant (made by "
                 f"{maker.op_type if maker else 'a graph input' if not g.is_const(w_value) else 'a float constant'})")
-    if w.q.dtype != np.int8 or np.any(w.zero_point != 0):
-        zps = np.unique(w.zero_point)
+    zps = np.unique(w.zero_point)
+    if w.q.dtype != np.int8 or zps.size != 1:
         return (f"its weight is {w.q.dtype} with zero point {zps[0] if zps.size == 1 else f'{zps.min()}..{zps.max()}'}"
-                f", and its values minus the zero point do not fit int8 (the integer kernels take int8 with zero "
-                "point 0)")
+                f", and its values minus the zero point do not fit int8 (the integer kernels take int8 with one zero "
+                "point for the whole weight)")
     if w.scale.size != 1 and w.scale.size != w.q.shape[w.axis]:
         return f"its weight has {w.scale.size} scales along axis {w.axis} of shape {list(w.q.shape)}"
     act, q = output_tail(g, node.outputs[0])

@@ -56,15 +56,18 @@ def on_grid(steps: np.ndarray, off: np.ndarray) -> bool:
 
 
 def weight_inputs(g: Graph, w: QWeight, channels_axis: int) -> tuple[Value, Value, Value] | None:
-    """(q, scale, zero point) for an int8 symmetric weight, per tensor or per output channel (for CPUs
-    whose int8 kernels saturate, :func:`recal_onnx.passes.uint8_weights.uint8_weights` shifts them later)."""
-    if w.q.dtype != np.int8 or np.any(w.zero_point != 0):
+    """(q, scale, zero point) for an int8 weight, per tensor or per output channel, with one zero point for all of
+    it (0 where symmetric; an asymmetric weight whose values minus its zero point leave int8 keeps its integers and
+    its zero point, which the integer kernels subtract themselves). For CPUs whose int8 kernels saturate,
+    :func:`recal_onnx.passes.uint8_weights.uint8_weights` shifts them later."""
+    zero_points = np.unique(w.zero_point)
+    if w.q.dtype != np.int8 or zero_points.size != 1:
         return None
     if w.scale.size != 1 and (w.axis != channels_axis or w.scale.size != w.q.shape[channels_axis]):
         return None
     scale = w.scale.reshape(-1) if w.scale.size != 1 else w.scale.reshape(())
     scale_const = g.add_const(w.dq.inputs[1].name + "_w", scale.astype(np.float32))
-    return w.dq.inputs[0], scale_const, g.add_const("w_zero_point", np.zeros(scale.shape, np.int8))
+    return w.dq.inputs[0], scale_const, g.add_const("w_zero_point", np.full(scale.shape, zero_points[0], np.int8))
 
 
 def clamp_bounds(g: Graph, node: Node) -> tuple[float | None, float | None] | None:

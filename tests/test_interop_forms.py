@@ -92,14 +92,29 @@ def test_uint8_weights_with_a_zero_point_become_int8(zero_point, low, high):
     np.testing.assert_array_equal(run(result.model, feeds)[0], reference(model, feeds)[0])
 
 
-def test_a_weight_whose_values_leave_int8_stays_float_and_says_why():
-    model = _uint8_weight_conv(10, 0, 255)  # 255 - 10 does not fit int8
+def test_an_asymmetric_weight_whose_values_leave_int8_keeps_its_zero_point():
+    """A uint8 weight with zero point 10 (255 - 10 leaves int8: quantize_static's WeightSymmetric=False) becomes int8
+    with zero point -118, which QLinearConv subtracts itself: the same numbers, where it once stayed float."""
+    model = _uint8_weight_conv(10, 0, 255)
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 3, 6, 6)).astype(np.float32)}
+    result = quantize_qat_export(model, inputs=feeds)
+    assert "QLinearConv" in ops(result.model) and not result.float_nodes
+    np.testing.assert_array_equal(run(result.model, feeds)[0], reference(model, feeds)[0])
+
+
+def test_a_weight_with_a_zero_point_a_channel_whose_values_leave_int8_stays_float_and_says_why():
+    b = Builder()
+    q = b.rng.integers(0, 256, (4, 3, 3, 3)).astype(np.uint8)
+    w = b.node("DequantizeLinear", [b.const(q, "w"), b.const(np.full(4, 0.01, np.float32), "ws"),
+                                    b.const(np.array([10, 20, 30, 40], np.uint8), "wz")], axis=0)
+    model = b.model([("x", [2, 3, 6, 6])], [b.qdq(b.node("Conv", [b.qdq("x", X_SCALE, 128), w], pads=[1, 1, 1, 1]),
+                                                   OUT_SCALE, 128)])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnconvertedOpsWarning)
         result = quantize_qat_export(model)
     (op, name), = result.float_nodes
-    assert op == "Conv" and "zero point 10" in result.float_reasons[name]
-    assert "zero point 10" in str(caught[0].message)
+    assert op == "Conv" and "zero point 10..40" in result.float_reasons[name]
+    assert "one zero point for the whole weight" in str(caught[0].message)
 
 
 def test_recals_own_qdq_output_converts_again(tmp_path):

@@ -6,6 +6,8 @@ its u8u8 kernels, exact on every CPU. Weights within +-64 never saturate and sta
 
 Before::  DequantizeLinear(w_int8, s_w, 0) -> Conv       QLinearConv(x, .., w_int8, s_w, 0, ..)
 After::   DequantizeLinear(w_int8 + 128, s_w, 128) -> Conv   QLinearConv(x, .., w_uint8, s_w, 128, ..)
+
+(an asymmetric weight's zero point moves with it: ``zp + 128``).
 """
 
 from __future__ import annotations
@@ -63,12 +65,13 @@ def _shift(g: Graph, node: Node, q_index: int, zp_index: int) -> bool:
     q = g.const(node.inputs[q_index])
     has_zp = input_of(node, zp_index) is not None
     zp = g.const(node.inputs[zp_index]) if has_zp else np.zeros((), np.int8)
-    if q is None or zp is None or q.dtype != np.int8 or np.any(zp != 0) or saturation_free(q):
+    if q is None or zp is None or q.dtype != np.int8 or saturation_free(q):
         return False
     node.replace_input_with(q_index, g.add_const(node.inputs[q_index].name + "_u8",
                                                  (q.astype(np.int16) + 128).astype(np.uint8)))
     shape = np.shape(zp) if has_zp else np.shape(g.const(node.inputs[1]))  # a DequantizeLinear's scale
-    set_input(node, zp_index, g.add_const("w_zero_point_u8", np.full(shape, 128, np.uint8)))
+    set_input(node, zp_index, g.add_const("w_zero_point_u8", (np.broadcast_to(zp, shape).astype(np.int16) + 128)
+                                          .astype(np.uint8)))
     return True
 
 

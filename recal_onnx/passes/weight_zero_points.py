@@ -8,8 +8,14 @@ weight means exactly ``DequantizeLinear(w - zp, s, 0)``; the later passes then t
 Before::  DequantizeLinear(w_uint8, s, zp)         -> Conv
 After::   DequantizeLinear((w - zp) as int8, s, 0) -> Conv
 
-A weight whose values minus its zero point leave int8 (an asymmetric 8-bit range) stays as it is, and its layer stays
-float with that reason (:mod:`recal_onnx.float_reasons`).
+A weight whose values minus its zero point leave int8 (an asymmetric 8-bit range, ``quantize_static``'s
+``WeightSymmetric=False``) keeps a zero point, one for the whole weight, which the integer kernels subtract
+themselves: int8 as it is, uint8 moved to int8 with its zero point (``w - 128``, ``zp - 128``: the same values).
+Zero points that differ between channels stay as they are, and the layer stays float with that reason
+(:mod:`recal_onnx.float_reasons`).
+
+Before::  DequantizeLinear(w_uint8, s, 10)               (255 - 10 leaves int8)
+After::   DequantizeLinear((w - 128) as int8, s, -118)
 """
 
 from __future__ import annotations
@@ -35,8 +41,12 @@ def weights_to_int8(g: Graph) -> int:
         zp_b, = shaped
         shifted = q.astype(np.int16) - zp_b.astype(np.int16)
         if shifted.size and (shifted.min() < -128 or shifted.max() > 127):
-            continue
+            if q.dtype != np.uint8 or np.unique(zp).size != 1:
+                continue  # int8 keeps its zero point as it is; zero points that differ by channel: float
+            shifted, zp = q.astype(np.int16) - 128, zp.astype(np.int16) - 128  # one zero point, moved with it
+        else:
+            zp = np.zeros(zp.shape, np.int8)
         node.replace_input_with(0, g.add_const(node.inputs[0].name + "_s8", shifted.astype(np.int8)))
-        set_input(node, 2, g.add_const(zero_point.name + "_s8", np.zeros(zp.shape, np.int8)))
+        set_input(node, 2, g.add_const(zero_point.name + "_s8", zp.astype(np.int8)))
         count += 1
     return count

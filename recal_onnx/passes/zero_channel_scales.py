@@ -1,4 +1,4 @@
-"""A weight channel that is all zeros (a filter pruned whole) gets the scale that holds its layer's bias best.
+"""A weight channel that is all zeros (a filter pruned whole: its integers all its zero point) gets the scale that holds its layer's bias best.
 
 Its weights stay 0 whatever the scale, so the scale only sets the grid of that channel's int32 bias,
 ``round(bias / (s_x * s_w))``, which is then all that channel outputs. QAT exporters floor such a scale at a
@@ -30,7 +30,9 @@ def zero_channel_scales(g: Graph) -> int:
         w = weight(g, node.outputs[0])
         if w is None or w.scale.size < 2 or w.scale.size != w.q.shape[w.axis]:
             continue
-        zero = ~np.moveaxis(w.q, w.axis, 0).reshape(w.scale.size, -1).any(axis=1)
+        zero_points = np.broadcast_to(w.zero_point.reshape(-1), (w.scale.size,)).astype(np.int16)
+        zero = ~np.any(np.moveaxis(w.q, w.axis, 0).reshape(w.scale.size, -1).astype(np.int16)
+                       != zero_points[:, None], axis=1)  # every integer its zero point: the channel is 0
         if not zero.any():
             continue
         old = w.scale.reshape(-1)
