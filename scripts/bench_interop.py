@@ -10,8 +10,8 @@ Sources, each a QDQ ONNX file as its tool writes it at its documented 8-bit sett
   per-tensor weights;
 - onnxruntime's own 4-bit forms: ``quantize_static(weight_type=QInt4)`` of ResNet-18 (its ``com.microsoft`` Q/DQ,
   int4 weights per channel), and ``MatMulNBitsQuantizer`` in QDQ form (blocked int4, block 32) of a BERT encoder;
-- ``quantize_static`` (uint8 activations, int8 weights per tensor) of Hugging Face's BERT (4 layers, hidden 256, from
-  its config), exported at sequence length 128;
+- ``quantize_static`` (uint8 activations, int8 weights per tensor; symmetric, and asymmetric: ``WeightSymmetric=False``)
+  of Hugging Face's BERT (4 layers, hidden 256, from its config), exported at sequence length 128;
 - the exports other tools wrote, committed under ``tests/fixtures/interop/`` with the script that made each
   (``scripts/interop_exports/``): every ``*.onnx`` there is a row.
 
@@ -109,6 +109,9 @@ def onnxruntime_forms(folder: Path, size: int) -> dict[str, Path]:
     tokens = [{"input_ids": rng.integers(0, 30522, (1, BERT_TOKENS)).astype(np.int64)} for _ in range(8)]
     quantize_static(bert, folder / "hf-bert.static.onnx", tokens, per_channel=False)
     found["ort static u8/s8: hf-bert"] = folder / "hf-bert.static.onnx"
+    quantize_static(bert, folder / "hf-bert.asym.onnx", tokens, per_channel=False,
+                    extra_options={"WeightSymmetric": False})
+    found["ort static u8/s8 asymmetric weights: hf-bert"] = folder / "hf-bert.asym.onnx"
     resnet = folder / "resnet18.fp32.onnx"
     calibration = [{"input": rng.standard_normal((1, 3, size, size)).astype(np.float32)} for _ in range(8)]
     quantize_static(resnet, folder / "resnet18.int4.onnx", calibration, weight_type="QInt4")

@@ -23,7 +23,8 @@ DYNAMIC = "ort quantize_dynamic"
 
 
 def quantize_static(fp32: Path, out: Path, feeds: list[dict[str, np.ndarray]], reduce_range: bool = False,
-                    activation_type: str = "QUInt8", per_channel: bool = True, weight_type: str = "QInt8") -> float:
+                    activation_type: str = "QUInt8", per_channel: bool = True, weight_type: str = "QInt8",
+                    extra_options: dict | None = None) -> float:
     """onnxruntime's static quantization of ``fp32`` into ``out`` (QDQ, int8 weights; uint8 activations and
     per-channel weights unless told otherwise); returns the seconds it took."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType
@@ -46,7 +47,7 @@ def quantize_static(fp32: Path, out: Path, feeds: list[dict[str, np.ndarray]], r
                             activation_type=getattr(QuantType, activation_type),
                             weight_type=getattr(QuantType, weight_type),
                             per_channel=per_channel,
-                            reduce_range=reduce_range)
+                            reduce_range=reduce_range, extra_options=extra_options)
     prepared.unlink()
     return time.perf_counter() - started
 
