@@ -44,13 +44,17 @@ def softmax_to_qlinear(g: Graph, integer: bool = True, findings: Findings | None
         if in_type != out_type or in_type not in (np.uint8, np.int8):
             continue  # onnxruntime fuses only 8-bit tensors of one signedness: it stays as written, exact
         s2 = np.float32(scalar(g, q.inputs[1]))
+        if not np.isfinite(s2) or s2 <= 0:
+            continue  # no grid at all: the input checks and the verification say what is wrong
         k = round(1.0 / float(s2))
         kernel_grid = np.floor(np.float32(1.0) / s2)  # what onnxruntime's QLinearSoftmax multiplies by
         on_grid = k >= 1 and abs(1.0 / float(s2) - k) <= INTEGER_GRID * k
         if kernel_grid == k and on_grid and not integer and in_type == np.uint8:
             continue  # the runtime's own fusion computes on the model's grid: leave it the fast form
+        kernel_scale = _kernel_scale(k) if on_grid else None
+        on_grid = kernel_scale is not None
         if on_grid and integer and in_type == np.uint8:  # (its int8 kernel wraps a probability of 1 past 127)
-            y_scale = g.add_const(q.inputs[1].name + "_kernel", _kernel_scale(k))
+            y_scale = g.add_const(q.inputs[1].name + "_kernel", kernel_scale)
             replace_with_quantized(g, [node], None, q,
                                    "QLinearSoftmax", [x.q, x.scale, x.zero_point, y_scale, q.inputs[2]],
                                    name=node.name + "_quant", domain=MS_DOMAIN, axis=_axis(g, node), opset=g.opset)
@@ -63,11 +67,11 @@ def softmax_to_qlinear(g: Graph, integer: bool = True, findings: Findings | None
     return count
 
 
-def _kernel_scale(k: int) -> np.ndarray:
-    """A ``y_scale`` whose inverse onnxruntime's QLinearSoftmax floors to ``k``."""
+def _kernel_scale(k: int) -> np.ndarray | None:
+    """A ``y_scale`` whose inverse onnxruntime's QLinearSoftmax floors to ``k``; None where float32 holds none (a
+    ``k`` past 2**24)."""
     y = np.float32(1.0 / (k + 0.5))
-    assert np.floor(np.float32(1.0) / y) == k
-    return np.array(y, np.float32)
+    return np.array(y, np.float32) if y > 0 and np.floor(np.float32(1.0) / y) == k else None
 
 
 def _axis(g: Graph, node: Node) -> int:
