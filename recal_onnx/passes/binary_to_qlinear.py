@@ -26,16 +26,14 @@ def binary_to_qlinear(g: Graph) -> int:
     for node in g.each(*QUANTIZED):
         acts = [activation(g, v) for v in node.inputs[:2]]
         known = [a for a in acts if a is not None]
-        if not known:
+        relu, q = output_tail(g, node.outputs[0])
+        if not known or q is None:
             continue
         rank, dtype = g.rank(known[0].dq.outputs[0]), g.const(known[0].zero_point).dtype
         operands = [(a.q, a.scale, a.zero_point) if a is not None and g.rank(v) == rank else
                     None if a is not None else constant_operand(g, v, rank, dtype)
                     for a, v in zip(acts, node.inputs[:2])]
         if rank is None or None in operands or any(g.const(o[2]).dtype != dtype for o in operands):
-            continue
-        relu, q = output_tail(g, node.outputs[0])
-        if q is None:
             continue
         replace_with_quantized(g, [node], relu, q, QUANTIZED[node.op_type],
                                [*operands[0], *operands[1], q.inputs[1], q.inputs[2]],
