@@ -94,9 +94,7 @@ def _check_quantized_types(model: onnx.ModelProto, name: str, tensors: dict[str,
                              "activations per tensor")
         scale = tensors.get(node.input[1]) if len(node.input) > 1 else None
         if scale is not None and scale.data_type == onnx.TensorProto.FLOAT and not _finite(scale):
-            readers = sorted({r for q in model.graph.node if q.op_type == "QuantizeLinear" and len(q.input) > 1
-                              and q.input[1] in tensors and tensors[q.input[1]].data_type == onnx.TensorProto.FLOAT
-                              and not _finite(tensors[q.input[1]]) for r in _readers_through_dq(model, q.output[0])})
+            readers = _quantized_for(model, tensors)
             exclude = f"nodes_to_exclude={readers!r}" if readers else "nodes_to_exclude"
             raise ModelError(f"{name}: {node.op_type} {node.name or node.output[0]!r} has a scale that is NaN or "
                              f"infinite (initializer {scale.name!r}): the QAT model's integers there mean nothing (a "
@@ -120,11 +118,14 @@ def _check_quantized_types(model: onnx.ModelProto, name: str, tensors: dict[str,
                          "tensors (int32 biases): re-export with 8-bit quantization")
 
 
-def _readers_through_dq(model: onnx.ModelProto, quantized: str) -> list[str]:
-    """The names of the nodes that read ``quantized`` dequantized: what a quantizer quantized it for (every
-    QuantizeLinear with a non-finite scale is named at once, so one re-quantization leaves them all out)."""
+def _quantized_for(model: onnx.ModelProto, tensors: dict[str, onnx.TensorProto]) -> list[str]:
+    """The names of the nodes that read, dequantized, a tensor quantized with a scale that is not finite: what a
+    quantizer quantized it for (all of them at once, so one re-quantization leaves them all out)."""
+    broken = {q.output[0] for q in model.graph.node if q.op_type == "QuantizeLinear" and len(q.input) > 1
+              and q.input[1] in tensors and tensors[q.input[1]].data_type == onnx.TensorProto.FLOAT
+              and not _finite(tensors[q.input[1]]) and q.output}
     dequantized = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input
-                   and n.input[0] == quantized and n.output}
+                   and n.input[0] in broken and n.output}
     return sorted({n.name or n.output[0] for n in model.graph.node if dequantized & set(n.input)})
 
 

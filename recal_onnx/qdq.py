@@ -112,18 +112,47 @@ def same_qparams(g: Graph, scale_a: Value, zp_a: Value, scale_b: Value, zp_b: Va
             and np.array_equal(a_z.reshape(-1), b_z.reshape(-1)))
 
 
+def signedness_shift(source: np.dtype, target: np.dtype) -> int:
+    """What an 8-bit integer (and its zero point) gains moving from ``source`` to ``target``, the same value on the
+    same grid: +128 from int8 to uint8, -128 back, 0 otherwise."""
+    return {(np.dtype(np.int8), np.dtype(np.uint8)): 128,
+            (np.dtype(np.uint8), np.dtype(np.int8)): -128}.get((np.dtype(source), np.dtype(target)), 0)
+
+
+def without_zero_point(q: np.ndarray, zero_point: np.ndarray) -> np.ndarray | None:
+    """``q - zero_point`` (the zero point broadcast against ``q``) as symmetric int8, where every value fits; else
+    None."""
+    values = q.astype(np.int16) - zero_point.astype(np.int16)
+    if values.size and (values.min() < -128 or values.max() > 127):
+        return None
+    return values.astype(np.int8)
+
+
+def dequantized(g: Graph, dq: Node) -> np.ndarray | None:
+    """The float values a DequantizeLinear of constant 8- or 32-bit integers computes, as onnxruntime computes them:
+    ``float32(q - zp) * scale`` in float32, per tensor or per channel; None where it is not that (blocked, computed
+    inputs)."""
+    q, scale, zero_point = g.const(dq.inputs[0]), g.const(input_of(dq, 1)), input_of(dq, 2)
+    if q is None or scale is None or q.dtype not in (np.int8, np.uint8, np.int32) \
+            or (zero_point is not None and not g.is_const(zero_point)):
+        return None
+    shaped = along_axis(dq, q, scale, g.const(zero_point) if zero_point is not None else np.zeros((), q.dtype))
+    if shaped is None:
+        return None
+    scale, zp = shaped
+    return (q.astype(np.int64) - zp.astype(np.int64)).astype(np.float32) * scale.astype(np.float32)
+
+
 def constant_operand(g: Graph, value: Value, rank: int | None, dtype: np.dtype) -> tuple[Value, Value, Value] | None:
     """``value``, a per-tensor quantized constant, as ``(integers, scale, zero point)`` of type ``dtype`` and rank
     ``rank`` (leading axes of size 1 added; int8 and uint8 shifted by 128 with the zero point: the same values), else
     None: an operand of a QLinear op beside an activation (quantize_static's bias after a MatMul, an attention's
     scale, ViT's class token)."""
     w = weight(g, value)
-    if w is None or rank is None or w.scale.size != 1 or w.zero_point.size != 1 or w.q.ndim > rank:
+    if w is None or rank is None or w.scale.size != 1 or w.zero_point.size != 1 or w.q.ndim > rank \
+            or w.q.dtype not in (np.int8, np.uint8):
         return None
-    shift = {(np.dtype(np.int8), np.dtype(np.uint8)): 128, (np.dtype(np.uint8), np.dtype(np.int8)): -128}.get(
-        (w.q.dtype, np.dtype(dtype)), 0)
-    if w.q.dtype not in (np.int8, np.uint8):
-        return None
+    shift = signedness_shift(w.q.dtype, dtype)
     q = w.q.astype(np.int16).reshape((1,) * (rank - w.q.ndim) + w.q.shape) + shift
     zp = int(w.zero_point.reshape(-1)[0]) + shift
     base = w.dq.inputs[0].name

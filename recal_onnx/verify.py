@@ -27,6 +27,7 @@ import onnx
 
 from .output_diff import (CLASS_AGREEMENT, CLASS_ID_OPS, FLOAT_ONLY_SHARE, FLOAT_SHARE,  # noqa: F401 (re-exported)
                           STEPS, OutputDiff, OutputStats, float_gap)
+from .qdq import signedness_shift
 from .verify_inputs import batched_inputs, fixed_batch, generated_inputs, integer_ranges  # noqa: F401 (re-exported)
 
 
@@ -342,12 +343,21 @@ def _fixed_chunks(runners, feeds: dict[str, np.ndarray], fixed: int, total: int)
             return
 
 
-def run_batches(sess, feeds: dict[str, np.ndarray], fixed: int | None) -> list[np.ndarray]:
-    """``sess`` on ``feeds``, one fixed batch at a time where ``fixed`` splits them, outputs concatenated."""
+def fixed_parts(feeds: dict[str, np.ndarray], fixed: int | None) -> list[dict[str, np.ndarray]] | None:
+    """``feeds`` as one feed a batch where the model's ``fixed`` batch splits them into several, else None (one
+    run takes them all)."""
     total = {np.shape(v)[0] if np.ndim(v) else -1 for v in feeds.values()}
     if not fixed or len(total) != 1 or (n := total.pop()) <= fixed or n % fixed:
+        return None
+    return [{k: v[s:s + fixed] for k, v in feeds.items()} for s in range(0, n, fixed)]
+
+
+def run_batches(sess, feeds: dict[str, np.ndarray], fixed: int | None) -> list[np.ndarray]:
+    """``sess`` on ``feeds``, one fixed batch at a time where ``fixed`` splits them, outputs concatenated."""
+    split = fixed_parts(feeds, fixed)
+    if split is None:
         return sess.run(None, feeds)
-    parts = [sess.run(None, {k: v[s:s + fixed] for k, v in feeds.items()}) for s in range(0, n, fixed)]
+    parts = [sess.run(None, part) for part in split]
     if any(np.ndim(o) == 0 or np.shape(o)[0] != fixed for o in parts[0]):
         return parts[0]  # an output that does not follow the batch: the first batch's alone
     return [np.concatenate(outs) for outs in zip(*parts)]
@@ -381,15 +391,11 @@ def op_by_op(reference: onnx.ModelProto | str, candidate: onnx.ModelProto, feeds
     if not names:  # no quantized activation both models compute (a weight-only model): end to end says it all
         return result
     outputs = len(candidate.graph.output)
-    total = {np.shape(v)[0] if np.ndim(v) else -1 for v in feeds.values()}
-    n = total.pop() if len(total) == 1 else -1
-    starts = range(0, n, fixed) if fixed and n > fixed and n % fixed == 0 else [None]  # one fixed batch a run
     reference_run = reference_session(_with_outputs(reference, names))
     probe = _with_outputs(candidate, names)  # its own values first (their types and shapes), then forced
     own_run, forced_run, given_names = session(probe), None, []
     steps, counts, compared, pairs = {}, {}, 0, []  # pairs: each run's float outputs, (candidate, QAT model)
-    for start in starts:
-        part = feeds if start is None else {k: v[start:start + fixed] for k, v in feeds.items()}
+    for part in fixed_parts(feeds, fixed) or [feeds]:  # one fixed batch a run, each with its own QAT integers
         ref_values = reference_run.run(None, part)
         ref_outputs, ref = ref_values[:outputs], dict(zip(names, ref_values[outputs:]))
         for name, kept in thinned.items():
@@ -431,8 +437,7 @@ def _on_grid(mine: np.ndarray, theirs: np.ndarray) -> np.ndarray | None:
     uint8: +128); None where ``mine`` is no 8-bit tensor or the values leave its type (another grid)."""
     if mine.dtype not in (np.uint8, np.int8) or mine.shape != theirs.shape:
         return None
-    shift = {(np.int8, np.uint8): 128, (np.uint8, np.int8): -128}.get((theirs.dtype.type, mine.dtype.type), 0)
-    value = np.asarray(theirs.astype(np.int16) + shift)  # (a 0-d tensor stays an array, as onnxruntime takes)
+    value = np.asarray(theirs.astype(np.int16) + signedness_shift(theirs.dtype, mine.dtype))  # (a 0-d tensor stays an array, as onnxruntime takes)
     if value.size and (value.min() < np.iinfo(mine.dtype).min or value.max() > np.iinfo(mine.dtype).max):
         return None
     return np.asarray(value.astype(mine.dtype))

@@ -18,8 +18,8 @@ import onnx_ir as ir
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
-from ..graph import Graph, Node, Value, input_of
-from ..qdq import along_axis
+from ..graph import Graph, Node, Value
+from ..qdq import dequantized
 
 NEVER_FOLD = {"DequantizeLinear", "If", "Loop", "Scan", "RandomNormal", "RandomUniform", "RandomNormalLike",
               "RandomUniformLike", "Multinomial", "Bernoulli"}
@@ -98,17 +98,8 @@ def fold_constants(g: Graph) -> int:
 def _requantized_constant(g: Graph, node: Node) -> dict[str, np.ndarray]:
     """For a QuantizeLinear of a DequantizeLinear of constants: its input's float value by name; else nothing."""
     source = g.producer(node.inputs[0]) if node.op_type == "QuantizeLinear" and node.inputs else None
-    if source is None or source.op_type != "DequantizeLinear" or not all(
-            g.is_const(i) for i in source.inputs if i is not None):
-        return {}
-    q = g.const(source.inputs[0])
-    zero_point = g.const(input_of(source, 2)) if input_of(source, 2) is not None else np.zeros((), q.dtype)
-    params = along_axis(source, q, g.const(source.inputs[1]), zero_point)
-    if params is None or q.dtype not in (np.int8, np.uint8, np.int32):
-        return {}
-    scale, zero_point = params
-    value = (q.astype(np.int64) - zero_point.astype(np.int64)).astype(np.float32) * scale.astype(np.float32)
-    return {node.inputs[0].name: value}
+    value = dequantized(g, source) if source is not None and source.op_type == "DequantizeLinear" else None
+    return {} if value is None else {node.inputs[0].name: value}
 
 
 def _evaluate(node: Node, g: Graph, opset: int, given: dict[str, np.ndarray] | None = None) -> list[np.ndarray] | None:

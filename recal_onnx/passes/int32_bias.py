@@ -16,26 +16,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph, input_of
-from ..qdq import along_axis
+from ..graph import Graph
+from ..qdq import dequantized
 
 
 def fold_int32_biases(g: Graph) -> int:
     count = 0
     for node in g.each("DequantizeLinear"):
         q = g.const(node.inputs[0])
-        scale, zero_point = g.const(input_of(node, 1)), input_of(node, 2)
-        if q is None or q.dtype != np.int32 or scale is None or node.outputs[0].is_graph_output():
+        if q is None or q.dtype != np.int32 or node.outputs[0].is_graph_output():
             continue
-        if zero_point is not None and not g.is_const(zero_point):
+        value = dequantized(g, node)
+        if value is None:
             continue
-        zp = g.const(zero_point) if zero_point is not None else np.zeros((), np.int32)
-        shaped = along_axis(node, q, scale, zp)
-        if shaped is None:
-            continue
-        scale, zp = shaped
-        # onnxruntime's DequantizeLinear: float32(q - zp) * scale, in float32
-        value = ((q.astype(np.int64) - zp.astype(np.int64)).astype(np.float32) * scale.astype(np.float32))
         g.replace(node.outputs[0], g.add_const(node.inputs[0].name + "_float", value))
         inputs = [i for i in node.inputs if i is not None]
         g.remove(node)

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..findings import Findings
 from ..graph import MS_DOMAIN, Graph, Node, Value, attr, input_of
-from ..qdq import activation, weight
+from ..qdq import QWeight, activation, weight
 
 CHANNEL_BLOCK = 128  # a per-channel weight's block (onnxruntime's RTN default): the scale repeats in each
 
@@ -52,8 +52,7 @@ def grouped_weight(g: Graph, value: Value | None) -> GroupedWeight | None:
     w = weight(g, reshape.inputs[0] if reshape is not None else value)
     if w is None or w.q.ndim != 2 or w.q.dtype != np.int8 or np.any(w.zero_point != 0):
         return None
-    if w.scale.size == 1:  # per tensor: every row's scale the same
-        w = replace(w, scale=np.full(w.q.shape[0], w.scale.reshape(-1)[0], np.float32), axis=0)
+    w = _per_channel(w, 0)
     if w.axis != 0 or w.scale.size != w.q.shape[0]:
         return None
     rows, group = w.q.shape
@@ -71,12 +70,18 @@ def grouped_weight(g: Graph, value: Value | None) -> GroupedWeight | None:
 def _per_input_column(g: Graph, value: Value) -> GroupedWeight | None:
     """A ``[K, N]`` weight dequantized per output column (axis 1) as the ``[N, K]`` per-channel weight it is."""
     w = weight(g, value)
-    if w is not None and w.q.ndim == 2 and w.scale.size == 1:  # per tensor: every column's scale the same
-        w = replace(w, scale=np.full(w.q.shape[1], w.scale.reshape(-1)[0], np.float32), axis=1)
+    w = _per_channel(w, 1) if w is not None and w.q.ndim == 2 else w
     if w is None or w.q.ndim != 2 or w.axis != 1 or w.q.dtype != np.int8 or np.any(w.zero_point != 0) \
             or w.scale.size != w.q.shape[1]:
         return None
     return GroupedWeight(np.ascontiguousarray(w.q.T), w.scale.reshape(-1, 1).astype(np.float32), w.q.shape[0], (w.dq,))
+
+
+def _per_channel(w: QWeight, axis: int) -> QWeight:
+    """``w`` with one scale for the whole tensor as the same scale for each channel along ``axis``; else as it is."""
+    if w.scale.size != 1:
+        return w
+    return replace(w, scale=np.full(w.q.shape[axis], w.scale.reshape(-1)[0], np.float32), axis=axis)
 
 
 def matmul_to_nbits(g: Graph, accuracy_level: int = 0, findings: Findings | None = None) -> int:

@@ -49,11 +49,11 @@ def softmax_to_qlinear(g: Graph, integer: bool = True, findings: Findings | None
         k = round(1.0 / float(s2))
         kernel_grid = np.floor(np.float32(1.0) / s2)  # what onnxruntime's QLinearSoftmax multiplies by
         on_grid = k >= 1 and abs(1.0 / float(s2) - k) <= INTEGER_GRID * k
-        if kernel_grid == k and on_grid and not integer and in_type == np.uint8:
-            continue  # the runtime's own fusion computes on the model's grid: leave it the fast form
-        kernel_scale = _kernel_scale(k) if on_grid else None
+        kernel_scale = _kernel_scale(k) if on_grid else None  # None: float32 holds no scale flooring to k
         on_grid = kernel_scale is not None
-        if on_grid and integer and in_type == np.uint8:  # (its int8 kernel wraps a probability of 1 past 127)
+        if on_grid and in_type == np.uint8 and not integer and kernel_grid == k:
+            continue  # the runtime's own fusion computes on the model's grid: leave it the fast form
+        if on_grid and in_type == np.uint8 and integer:  # (its int8 kernel wraps a probability of 1 past 127)
             y_scale = g.add_const(q.inputs[1].name + "_kernel", kernel_scale)
             replace_with_quantized(g, [node], None, q,
                                    "QLinearSoftmax", [x.q, x.scale, x.zero_point, y_scale, q.inputs[2]],

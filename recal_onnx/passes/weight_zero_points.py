@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..graph import Graph, input_of, set_input
-from ..qdq import along_axis
+from ..qdq import along_axis, without_zero_point
 
 
 def weights_to_int8(g: Graph) -> int:
@@ -39,8 +39,8 @@ def weights_to_int8(g: Graph) -> int:
         if shaped is None:
             continue
         zp_b, = shaped
-        shifted = q.astype(np.int16) - zp_b.astype(np.int16)
-        if shifted.size and (shifted.min() < -128 or shifted.max() > 127):
+        shifted = without_zero_point(q, zp_b)
+        if shifted is None:
             if q.dtype != np.uint8 or np.unique(zp).size != 1:
                 continue  # int8 keeps its zero point as it is; zero points that differ by channel: float
             shifted, zp = q.astype(np.int16) - 128, zp.astype(np.int16) - 128  # one zero point, moved with it

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..graph import Graph, Node, attr, input_of
+from ..qdq import without_zero_point
 
 WIDER = {"int4": np.int8, "uint4": np.uint8}
 
@@ -61,13 +62,13 @@ def _blocked_to_rows(g: Graph, node: Node) -> int:
     inputs = q.shape[axis % 2]
     if inputs % block or scale.shape[axis % 2] != inputs // block or scale.shape[1 - axis % 2] != q.shape[1 - axis % 2]:
         return 0
-    values = q.astype(np.int16) - np.repeat(zero_point.astype(np.int16), block, axis=axis % 2)
-    if values.min() < -128 or values.max() > 127:
+    values = without_zero_point(q, np.repeat(zero_point, block, axis=axis % 2))
+    if values is None:
         return 0
     if axis % 2 == 0:  # [K, N], blocks along K: as [N, K]
         values, scale = values.T, scale.T
     n, k = values.shape
-    rows = np.ascontiguousarray(values.reshape(n * k // block, block).astype(np.int8))
+    rows = np.ascontiguousarray(values.reshape(n * k // block, block))
     base, name = node.inputs[0].name, node.name or "dequantize"
     dq = g.add_node("DequantizeLinear", [g.add_const(base + "_rows", rows),
                                          g.add_const(base + "_row_scales", scale.reshape(-1).astype(np.float32)),
