@@ -16,11 +16,11 @@ Sources, each a QDQ ONNX file as its tool writes it at its documented 8-bit sett
   (``scripts/interop_exports/``): every ``*.onnx`` there is a row.
 
 Per file: the layers with a weight (Conv / Gemm / MatMul reading a constant) and those that stay float, the
-verification's sample count and its
-op-by-op figure (every integer tensor against the QDQ file run as written), and median latency at batch 1 on one
-thread, models interleaved round by round, of the QDQ file in a default onnxruntime session (its own QDQ fusion),
-recal's default output (int8 weights) and, where written, its twin for x86 without VNNI (uint8 weights beyond
-+-64). The CPU is named: which file is fast depends on it.
+verification's sample count and its op-by-op figure (every integer tensor against the QDQ file run as written), and
+median latency at batch 1 on one thread, models interleaved round by round, each in three sessions of its own (see
+``bench.timing``), of the QDQ file in a default onnxruntime session (its own QDQ fusion), recal's default output
+(int8 weights) and, where written, its twin for x86 without VNNI (uint8 weights beyond +-64). The CPU is named:
+which file is fast depends on it.
 
     python scripts/bench_interop.py [--quick] [--rounds 15] [--json docs/results/interop.json]
 
@@ -52,6 +52,7 @@ from bench.models import ResNet18, torch_init  # noqa: E402
 FIXTURES = ROOT / "tests" / "fixtures" / "interop"
 WEIGHTED = {"Conv", "Gemm", "MatMul", "ConvTranspose"}
 # between a weight's constant and its layer: quantizing it (NNCF, ModelOpt), clipping its integers (Brevitas), moving it
+SESSIONS = 3  # each file timed in this many sessions of its own (bench.timing.interleaved_latency)
 MOVES_WEIGHT = {"QuantizeLinear", "DequantizeLinear", "Clip", "Cast", "Transpose", "Reshape", "Identity"}
 
 
@@ -169,7 +170,7 @@ def row(label: str, qdq: Path, folder: Path, rounds: int) -> dict:
     model = onnx.load(str(qdq))
     feed = generated_inputs(model, batch=1, seed=1)
     paths = {"qdq": qdq, "recal": out, **({"recal avx2": result.avx2_path} if result.avx2_path else {})}
-    ms = interleaved_latency(paths, feed, rounds, per_round=1, min_seconds=0.02)
+    ms = interleaved_latency(paths, feed, rounds, per_round=1, min_seconds=0.02, sessions=SESSIONS)
     v = result.verification
     return {"source": label, "layers": len(weighted_layers(model)),
             "float_layers": len(weighted_layers(result.model)), "float_reasons": result.float_reasons,
@@ -183,7 +184,8 @@ def table(data: dict) -> str:
     """docs/interop.md's table: every run in ``data`` (one per CPU), each under the CPU it ran on."""
     parts = []
     for run in data["runs"]:
-        parts.append(f"{run['cpu']}; batch 1, 1 thread, median of {run['rounds']} interleaved rounds, "
+        sessions = f" of {run['sessions']} sessions each" if run.get("sessions", 1) > 1 else ""
+        parts.append(f"{run['cpu']}; batch 1, 1 thread, median of {run['rounds']} interleaved rounds{sessions}, "
                      f"quantize_static rows at {run['size']}x{run['size']} (`python scripts/bench_interop.py "
                      "--json docs/results/interop.json`)\n\n" + format_rows(run["rows"]))
     return "\n\n".join(parts)
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             print(format_rows(rows[-1:]).splitlines()[-1], flush=True)
     print(format_rows(rows))
     if args.json:  # one run per CPU: a run on another CPU is kept beside this one
-        save_run(args.json, {**machine(), "size": size, "rounds": rounds, "rows": rows})
+        save_run(args.json, {**machine(), "size": size, "rounds": rounds, "sessions": SESSIONS, "rows": rows})
     return 0
 
 

@@ -117,7 +117,7 @@ def swin(quick: bool, seq: int):
 
 def mobilevit(quick: bool, seq: int):
     """MobileViT-small at its default config (``MobileViTConfig()``), 256x256: convolutions, SiLUs and
-    transformer blocks; torch-initialised (``zoo.torch_init``: transformers' draws make its activations vanish)."""
+    transformer blocks; torch-initialised (``bench.models.torch_init``: transformers' draws make its activations vanish)."""
     import transformers
 
     from bench.models import torch_init

@@ -10,8 +10,8 @@ QAT-trained for a few steps on synthetic 32x32 data, exported at ``--size`` (QDQ
 seed, not trained) is exported and quantized by onnxruntime's ``quantize_static`` (QDQ, uint8 activations,
 int8 per-channel weights, after ``quant_pre_process``, calibrated on 8 synthetic inputs).
 
-One table: median latency at batch 1, 1 thread (every model in turn, round after round, three samples of at least
-50 ms of runs each a round), the speed-up of
+One table: median latency at batch 1, 1 thread (every model in turn, round after round, in three sessions of its
+own, each a sample of at least 50 ms of runs a round), the speed-up of
 recal's model for this CPU (``weight_type="auto"``: int8 weights with VNNI / AMX, uint8 without) over fp32 and
 over ``quantize_static``, sizes, the float ops left in recal's ``qoperator`` model (by design or not) and
 fidelity: the largest difference of the logits from the QAT export run as float QDQ (optimizations off) on
@@ -45,6 +45,9 @@ from tests.zoo.test_cnns import CLASSES, HF, MODELS, prune_and_qat  # noqa: E402
 from bench.models import ResNet18, torch_init  # noqa: E402
 
 
+SESSIONS = 3  # each file timed in this many sessions of its own (bench.timing.interleaved_latency)
+
+
 def hf_resnet50() -> torch.nn.Module:
     import transformers
 
@@ -53,7 +56,7 @@ def hf_resnet50() -> torch.nn.Module:
 
 def hf_mobilevit() -> torch.nn.Module:
     """MobileViT-small at its default config (convolutions, SiLUs, transformer blocks), torch-initialised
-    (:func:`zoo.torch_init`)."""
+    (:func:`bench.models.torch_init`)."""
     import transformers
 
     return torch_init(HF(transformers.MobileViTForImageClassification(transformers.MobileViTConfig(
@@ -87,8 +90,10 @@ def bench(name: str, size: int, rounds: int, folder: Path) -> dict:
     paths = {"fp32": fp32, **{label: folder / f"{label}.onnx" for label in RECAL},
              **static_peers(fp32, folder, calibration)}
     # three samples a round, each at least 50 ms of runs: with one 20 ms sample a round, two files whose optimized
-    # graphs are identical (recal's qoperator and qdq ResNet-50) differed by 17% on a shared machine
-    latency = interleaved_latency(paths, {"input": sample.numpy()}, rounds, per_round=3, min_seconds=0.05)
+    # graphs are identical (recal's qoperator and qdq ResNet-50) differed by 17% on a shared machine; each from a
+    # session of its own: in one session, identical small graphs differed by up to 33% (its memory layout)
+    latency = interleaved_latency(paths, {"input": sample.numpy()}, rounds, per_round=1, min_seconds=0.05,
+                                  sessions=SESSIONS)
     agree = {label: fidelity(paths[label], qats[RECAL[label][2]], checks) for label in ("recal", "recal qdq")}
     agree.update({label: fidelity(paths[label], fp32, checks) for label in (STATIC, STATIC_REDUCED)})
     agree["qat export"] = fidelity(qats[True], qats[True], checks)  # the QDQ export itself in a default session
@@ -136,13 +141,14 @@ def main() -> None:
     if args.json:
         if args.merge and args.json.exists():
             kept = load(args.json)
-            if (kept["cpu"], kept["size"], kept["rounds"]) != (cpu.describe(), size, rounds):
+            if (kept["cpu"], kept["size"], kept["rounds"], kept.get("sessions", 1)) != (cpu.describe(), size, rounds,
+                                                                                     SESSIONS):
                 raise SystemExit(f"{args.json} was measured on another CPU, size or rounds: rerun every model")
             new = {row["model"]: row for row in rows}
             order = list(BUILDERS)
             rows = sorted([*(r for r in kept["rows"] if r["model"] not in new), *new.values()],
                           key=lambda r: order.index(r["model"]) if r["model"] in order else len(order))
-        save(args.json, {**machine(), "size": size, "rounds": rounds, "rows": rows})
+        save(args.json, {**machine(), "size": size, "rounds": rounds, "sessions": SESSIONS, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -91,8 +91,9 @@ def zoo(name: str = "zoo.json") -> str:
                      f"{ms['recal 8-bit int8']:.2f} / {ms['recal 8-bit uint8']:.2f} | {cell('qat export')} | "
                      f"{cell('recal')} | {cell('ort quantize_static')} | {cell('ort quantize_static reduce_range')} | "
                      f"{left} |")
+    sessions = f" of {data['sessions']} sessions each" if data.get("sessions", 1) > 1 else ""
     return ("\n".join(lines) + f"\n\n{data['cpu']}; {data['size']}x{data['size']}, batch 1, 1 thread, median of "
-            f"{data['rounds']} interleaved rounds (`python scripts/bench_zoo.py --size {data['size']} --rounds "
+            f"{data['rounds']} interleaved rounds{sessions} (`python scripts/bench_zoo.py --size {data['size']} --rounds "
             f"{data['rounds']} --json docs/results/{name}`). recal: 7-bit QAT, target any; x static: its speed-up "
             "over `quantize_static` as it comes, x static rr: with `reduce_range`; recal 8-bit: the same net with "
             "8-bit weights, the two files target any writes (int8 weights, for VNNI / AMX and Arm; their uint8 twin, "
@@ -320,7 +321,7 @@ def interop() -> str:
 
 
 TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range, "zoo": zoo,
-          "zoo-vnni": lambda: zoo("zoo_vnni.json"),
+          "zoo-vnni": lambda: zoo("zoo_vnni.json"), "zoo-vnni-amd": lambda: zoo("zoo_vnni_amd.json"),
           "transformers": transformers, "llm": llm, "llm-ternary": lambda: llm("llm_ternary.json"),
           "digits-int8": digits_int8,
           "thinning-transformers": thinning_transformers, "keras-applications": keras_applications,

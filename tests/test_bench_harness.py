@@ -24,7 +24,7 @@ def test_interleaved_rotates_the_first_variant_and_counts_each_sample():
     assert timing.medians({"x": [1.0, 3.0, 2.0]}, 1e3) == {"x": 2000.0}
 
 
-def test_interleaved_latency_times_onnx_models(tmp_path):
+def test_interleaved_latency_times_onnx_models(tmp_path, monkeypatch):
     import numpy as np
     import onnx
     from onnx import TensorProto, helper
@@ -36,6 +36,12 @@ def test_interleaved_latency_times_onnx_models(tmp_path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     ms = timing.interleaved_latency({"a": path, "b": path}, {"x": np.ones((1, 4), np.float32)}, rounds=2)
     assert set(ms) == {"a", "b"} and all(0 < v < 1e3 for v in ms.values())
+    from recal_onnx import verify
+
+    made, real = [], verify.session
+    monkeypatch.setattr(verify, "session", lambda p, t: made.append(p) or real(p, t))
+    ms = timing.interleaved_latency({"a": path, "b": path}, {"x": np.ones((1, 4), np.float32)}, rounds=2, sessions=3)
+    assert set(ms) == {"a", "b"} and len(made) == 6  # three sessions of each, their samples pooled
 
 
 def test_a_run_replaces_only_the_run_of_its_own_cpu(tmp_path):

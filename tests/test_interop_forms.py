@@ -373,7 +373,8 @@ def test_onnxruntimes_blocked_int4_weights_become_matmulnbits_exactly(symmetric,
     np.testing.assert_array_equal(run(result.model, feeds)[0], reference(onnx.load(tmp_path / "qdq.onnx"), feeds)[0])
 
 
-FIXTURES = sorted((Path(__file__).parent / "fixtures" / "interop").glob("*.onnx"))
+FIXTURES = sorted((Path(__file__).parent / "fixtures" / "interop").glob("*-small-resnet.onnx"))
+TRANSFORMER_FIXTURES = sorted((Path(__file__).parent / "fixtures" / "interop").glob("*-small-bert.onnx"))
 
 
 def _runtime_float_layers(path, tmp_path):
@@ -411,6 +412,47 @@ def test_other_tools_exports_convert_with_every_layer_integer(path, tmp_path):
     # class ids: random weights leave 1-5% of the samples within a step of a tie (torchao's: onnxruntime's own
     # fusion flips 2 of 256, recal's 3, every integer tensor within a step)
     assert v.samples >= 256 and v.local_steps <= 1 and v.local_share <= 1e-3 and v.argmax_agreement >= 0.98, v
+    assert path.read_bytes() == before
+
+
+def _float_weight_layers(model):
+    """The MatMul / Gemm nodes reading a constant weight in float (through Q / DQ, Transpose, Reshape, Cast)."""
+    made = {o: n for n in model.graph.node for o in n.output}
+    constants = {t.name for t in model.graph.initializer}
+
+    def constant(name):
+        node = made.get(name)
+        return name in constants if node is None else node.op_type == "Constant" or (
+            node.op_type in ("QuantizeLinear", "DequantizeLinear", "Transpose", "Reshape", "Cast", "Identity")
+            and constant(node.input[0]))
+
+    return [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and constant(n.input[1])]
+
+
+@pytest.mark.parametrize("path", TRANSFORMER_FIXTURES, ids=[p.stem for p in TRANSFORMER_FIXTURES])
+def test_other_tools_transformer_exports_convert_every_weight_layer(path, tmp_path):
+    """A Hugging Face BERT quantized by another tool (``scripts/interop_exports/*_bert_export.py``: ModelOpt's
+    quantized Linear inputs, NNCF's transformer preset with its attention's Q·Kᵀ, SmoothQuant scales and int8
+    embedding tables): every Linear becomes an integer matmul, the attention products a tool left float stay float
+    (two activations, no weight), the embedding tables int8 where the tool quantized them; verified on 256 samples
+    within a step op by op of the file run as written, the file left as it was."""
+    before = path.read_bytes()
+    source = onnx.load(path)
+    assert len(_float_weight_layers(source)) == 14  # 12 encoder Linears, pooler, classifier
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnconvertedOpsWarning)
+        result = quantize_qat_export(path, tmp_path / "int8.onnx")
+    kinds = collections.Counter(ops(result.model))
+    assert _float_weight_layers(result.model) == [], kinds
+    assert kinds["MatMulIntegerToFloat"] + kinds["QGemm"] + kinds["QLinearMatMul"] >= 14, kinds
+    attention_left = kinds["MatMul"]
+    assert attention_left == sum(n.op_type == "MatMul" and not n.input[0].endswith("DequantizeLinear_output_0")
+                                 for n in source.graph.node) - (2 if path.stem.startswith("nncf") else 0), kinds
+    if path.stem.startswith("nncf"):  # its int8 tables, read as int8 and scaled by row
+        assert sum(n.op_type == "Gather" and n.name.endswith("_int8") for n in result.model.graph.node) == 3
+    v = result.verification
+    assert v.samples >= 256 and v.local_steps <= 1 and v.local_share <= 1e-3 and v.argmax_agreement >= 0.99, v
+    assert (tmp_path / "int8.onnx").stat().st_size < 0.4 * path.stat().st_size  # the tools store float weights
     assert path.read_bytes() == before
 
 
@@ -473,3 +515,15 @@ def test_a_twin_left_from_an_earlier_conversion_is_said_to_be_stale(tmp_path):
     with pytest.warns(UserWarning, match="out.x86-avx2.onnx is not the twin of the model just written"):
         second = quantize_qat_export(small, tmp_path / "out.onnx", inputs=feeds)
     assert second.avx2_path is None and (tmp_path / "out.x86-avx2.onnx").exists()
+
+
+def test_the_export_scripts_models_build_beside_torch_alone(monkeypatch):
+    """``scripts/interop_exports/common.py`` runs in each peer tool's venv, so nothing in CI imports it otherwise:
+    its models build, and its text batches are windows of real source labelled by their module."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts" / "interop_exports"))
+    common = __import__("common")
+    torch.manual_seed(0)
+    assert common.SmallResNet()(torch.randn(2, 3, common.SIZE, common.SIZE)).shape == (2, common.CLASSES)
+    (ids, labels), = common.text_batches(1, batch=3)
+    assert ids.shape == (3, common.TOKENS) and int(ids.max()) < 256 and labels.shape == (3,)
+    assert common.small_bert().eval()(ids).shape == (3, common.TEXT_CLASSES)

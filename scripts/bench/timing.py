@@ -49,16 +49,20 @@ def seconds(call: Callable[[], object]) -> tuple[object, float]:
 
 
 def interleaved_latency(paths: Mapping[str, Path], feed: dict[str, np.ndarray], rounds: int = 15, per_round: int = 3,
-                        threads: int = 1, min_seconds: float = 0.0) -> dict[str, float]:
-    """Median batch latency (ms) of each ONNX model in an onnxruntime session (default optimizations) on
-    ``threads``, interleaved; each sample runs a model as many times as fill ``min_seconds``."""
+                        threads: int = 1, min_seconds: float = 0.0, sessions: int = 1) -> dict[str, float]:
+    """Median batch latency (ms) of each ONNX model in onnxruntime sessions (default optimizations) on ``threads``,
+    interleaved; each sample runs a model as many times as fill ``min_seconds``. With ``sessions`` > 1 each model
+    runs in that many sessions of its own, every one taking its turn each round, and its median is over all their
+    samples: one session's memory layout alone moves a millisecond model's latency by 5-7% (six sessions of one
+    file, AMD EPYC), a bias interleaving cannot remove."""
     from recal_onnx.verify import session
 
-    sessions = {k: session(str(p), threads) for k, p in paths.items()}
+    built = {(k, j): session(str(p), threads) for k, p in paths.items() for j in range(sessions)}
     repeat = {}
-    for k, s in sessions.items():
+    for key, s in built.items():
         s.run(None, feed)
         _, once = seconds(lambda s=s: s.run(None, feed))
-        repeat[k] = max(1, int(min_seconds / max(once, 1e-6)))
-    calls = {k: (lambda s=s: s.run(None, feed)) for k, s in sessions.items()}
-    return medians(interleaved(calls, rounds, per_round, warmup=0, repeat=repeat), 1e3)
+        repeat[key] = max(1, int(min_seconds / max(once, 1e-6)))
+    calls = {key: (lambda s=s: s.run(None, feed)) for key, s in built.items()}
+    times = interleaved(calls, rounds, per_round, warmup=0, repeat=repeat)
+    return medians({k: [t for (name, _), values in times.items() if name == k for t in values] for k in paths}, 1e3)

@@ -12,7 +12,7 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-from zoo import BasicBlock  # noqa: E402
+from bench.models import BasicBlock  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "interop"
 SIZE, CLASSES = 32, 10
@@ -66,4 +66,76 @@ def export_torchscript(model: nn.Module, name: str, opset: int) -> None:
         warnings.simplefilter("ignore")
         torch.onnx.export(model, torch.randn(1, 3, SIZE, SIZE), FIXTURES / name, dynamo=False, input_names=["input"],
                           opset_version=opset)
+    print("wrote", FIXTURES / name)
+
+
+# A small BERT for the transformer exports: byte tokens of the Python standard library's own source (real text),
+# classified by the module they come from; Hugging Face ``transformers`` builds it from a config (random weights).
+TOKENS, TEXT_CLASSES = 32, 4
+TEXT_SOURCES = ("argparse.py", "LICENSE.txt", "encodings/cp1252.py", "pydoc_data/topics.py")
+
+
+def small_bert() -> nn.Module:
+    """BertForSequenceClassification: 2 layers, hidden 128, 4 heads, a 256-byte vocabulary, eager attention (the
+    matmuls and softmax every exporter writes alike); its forward takes token ids alone and returns the logits."""
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=512, max_position_embeddings=TOKENS, num_labels=TEXT_CLASSES,
+                                     attn_implementation="eager")
+
+    class Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = transformers.BertForSequenceClassification(config)
+
+        def forward(self, input_ids):
+            return self.bert(input_ids=input_ids).logits
+
+    return Logits()
+
+
+def text_batches(batches: int, batch: int = 16, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(token ids, module index) batches: ``TOKENS``-byte windows of :data:`TEXT_SOURCES` at random offsets."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [torch.tensor(list((stdlib / name).read_bytes()), dtype=torch.long) for name in TEXT_SOURCES]
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(batches):
+        labels = torch.randint(0, len(texts), (batch,), generator=g)
+        starts = [int(torch.randint(0, len(texts[c]) - TOKENS, (1,), generator=g)) for c in labels]
+        out.append((torch.stack([texts[c][s:s + TOKENS] for c, s in zip(labels, starts)]), labels))
+    return out
+
+
+def trained_on_text(model: nn.Module, steps: int = 200, seed: int = 0, lr: float = 1e-3) -> nn.Module:
+    """A few Adam steps of the module-classification task, so ranges and the classifier are a trained net's."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    model.train()
+    for ids, labels in text_batches(steps, seed=seed):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(ids), labels).backward()
+        optimizer.step()
+    return model.eval()
+
+
+def text_accuracy(model: nn.Module, batches: int = 16) -> float:
+    """The share of held-out windows (another seed) classified right."""
+    with torch.no_grad():
+        pairs = [(model(ids).argmax(-1) == labels).float().mean() for ids, labels in text_batches(batches, seed=99)]
+    return float(torch.stack(pairs).mean())
+
+
+def export_text_model(model: nn.Module, name: str, opset: int) -> None:
+    """``model`` by torch.onnx's TorchScript path, token ids of batch 1 and ``TOKENS`` positions fixed, into
+    ``FIXTURES / name``."""
+    import warnings
+
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, torch.zeros(1, TOKENS, dtype=torch.long), FIXTURES / name, dynamo=False,
+                          input_names=["input_ids"], output_names=["logits"], opset_version=opset)
     print("wrote", FIXTURES / name)
