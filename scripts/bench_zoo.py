@@ -10,8 +10,8 @@ QAT-trained for a few steps on synthetic 32x32 data, exported at ``--size`` (QDQ
 seed, not trained) is exported and quantized by onnxruntime's ``quantize_static`` (QDQ, uint8 activations,
 int8 per-channel weights, after ``quant_pre_process``, calibrated on 8 synthetic inputs).
 
-One table: median latency at batch 1, 1 thread (every model in turn, round after round, in three sessions of its
-own, each a sample of at least 50 ms of runs a round), the speed-up of
+One table: median latency at batch 1, 1 thread (every model in turn, round after round, each round in fresh
+sessions and three samples of at least 50 ms of runs), the speed-up of
 recal's model for this CPU (``weight_type="auto"``: int8 weights with VNNI / AMX, uint8 without) over fp32 and
 over ``quantize_static``, sizes, the float ops left in recal's ``qoperator`` model (by design or not) and
 fidelity: the largest difference of the logits from the QAT export run as float QDQ (optimizations off) on
@@ -38,14 +38,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench.peers import STATIC, STATIC_REDUCED, fidelity, static_peers  # noqa: E402
 from bench.results import load, machine, save  # noqa: E402
-from bench.timing import interleaved_latency  # noqa: E402
+from bench.timing import in_turns  # noqa: E402
 from recal_onnx import cpu, quantize_qat_export  # noqa: E402
 from recal_torch import export_onnx  # noqa: E402
 from tests.zoo.test_cnns import CLASSES, HF, MODELS, prune_and_qat  # noqa: E402
 from bench.models import ResNet18, torch_init  # noqa: E402
-
-
-SESSIONS = 3  # each file timed in this many sessions of its own (bench.timing.interleaved_latency)
 
 
 def hf_resnet50() -> torch.nn.Module:
@@ -63,6 +60,7 @@ def hf_mobilevit() -> torch.nn.Module:
         num_labels=CLASSES))))
 
 
+TIMING = "in turns"  # bench.timing.in_turns: every model in turn, round after round, each round in fresh sessions
 BUILDERS = {"resnet18": lambda: ResNet18(CLASSES), "hf-resnet50": hf_resnet50, "hf-mobilevit": hf_mobilevit,
             **{name: m[0] for name, m in MODELS.items()}}
 # recal's default (target any: 7-bit QAT weights stay int8), its QDQ form, and the two files target any writes for
@@ -72,7 +70,9 @@ RECAL = {"recal": ("qoperator", "any", True), "recal qdq": ("qdq", "any", True),
          "recal 8-bit int8": ("qoperator", "x86-vnni", False), "recal 8-bit uint8": ("qoperator", "x86-avx2", False)}
 
 
-def bench(name: str, size: int, rounds: int, folder: Path) -> dict:
+def build(name: str, size: int, folder: Path) -> dict:
+    """Every file of one model's row (fp32, recal's four, onnxruntime's two), its feed and fidelity; timed later,
+    with the other models' (:func:`bench.timing.in_turns`)."""
     folder.mkdir()
     sample = torch.randn(1, 3, size, size)
     torch.manual_seed(0)
@@ -89,16 +89,25 @@ def bench(name: str, size: int, rounds: int, folder: Path) -> dict:
     calibration = [{"input": rng.standard_normal((1, 3, size, size)).astype(np.float32)} for _ in range(8)]
     paths = {"fp32": fp32, **{label: folder / f"{label}.onnx" for label in RECAL},
              **static_peers(fp32, folder, calibration)}
-    # three samples a round, each at least 50 ms of runs: with one 20 ms sample a round, two files whose optimized
-    # graphs are identical (recal's qoperator and qdq ResNet-50) differed by 17% on a shared machine; each from a
-    # session of its own: in one session, identical small graphs differed by up to 33% (its memory layout)
-    latency = interleaved_latency(paths, {"input": sample.numpy()}, rounds, per_round=1, min_seconds=0.05,
-                                  sessions=SESSIONS)
     agree = {label: fidelity(paths[label], qats[RECAL[label][2]], checks) for label in ("recal", "recal qdq")}
     agree.update({label: fidelity(paths[label], fp32, checks) for label in (STATIC, STATIC_REDUCED)})
     agree["qat export"] = fidelity(qats[True], qats[True], checks)  # the QDQ export itself in a default session
-    return {"latency": latency, "sizes": {k: p.stat().st_size for k, p in paths.items()},
+    return {"paths": paths, "feed": {"input": sample.numpy()}, "sizes": {k: p.stat().st_size for k, p in paths.items()},
             "float_ops": recal["recal"].float_ops, "agree": agree}
+
+
+def bench(models: list[str], size: int, rounds: int, folder: Path) -> dict[str, dict]:
+    """Each model's row: built one after another, then timed in turns, round after round. Three samples a round, each
+    at least 50 ms of runs: with one 20 ms sample a round, two files whose optimized graphs are identical (recal's
+    qoperator and qdq ResNet-50) differed by 17% on a shared machine."""
+    built = {}
+    for name in models:
+        built[name] = build(name, size, folder / name)
+        print(f"  {name}: built", flush=True)
+    latency = in_turns({name: (b["paths"], b["feed"]) for name, b in built.items()}, rounds, per_round=3,
+                       min_seconds=0.05)
+    return {name: {"latency": latency[name], **{k: v for k, v in b.items() if k not in ("paths", "feed")}}
+            for name, b in built.items()}
 
 
 def main() -> None:
@@ -120,14 +129,14 @@ def main() -> None:
           "without VNNI); "
           "fidelity on 64 inputs, default onnxruntime session against the model it was made from run as written "
           "(recal: its QAT export; onnxruntime: fp32): argmax agreement, max |difference| as % of the range")
-    print("| model | fp32 | recal | recal qdq | recal 8-bit int8 | recal 8-bit uint8 | ort static | ort static rr | "
-          "recal vs fp32 | recal vs static | recal vs static rr | size fp32 / recal / static | float ops left | "
-          "QAT export (default session) | recal | ort static | ort static rr |")
-    print("|---" * 17 + "|")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in models:
-            r = bench(name, size, rounds, Path(tmp) / name)
+        measured = bench(models, size, rounds, Path(tmp))
+        print("| model | fp32 | recal | recal qdq | recal 8-bit int8 | recal 8-bit uint8 | ort static | ort static rr | "
+              "recal vs fp32 | recal vs static | recal vs static rr | size fp32 / recal / static | float ops left | "
+              "QAT export (default session) | recal | ort static | ort static rr |")
+        print("|---" * 17 + "|")
+        for name, r in measured.items():
             rows.append({"model": name, **r})
             ms, kb, a = r["latency"], {k: v / 1024 for k, v in r["sizes"].items()}, r["agree"]
             left = ", ".join(f"{op} x{n}" for op, n in r["float_ops"].items()) or "none"
@@ -141,14 +150,13 @@ def main() -> None:
     if args.json:
         if args.merge and args.json.exists():
             kept = load(args.json)
-            if (kept["cpu"], kept["size"], kept["rounds"], kept.get("sessions", 1)) != (cpu.describe(), size, rounds,
-                                                                                     SESSIONS):
+            if (kept["cpu"], kept["size"], kept["rounds"], kept.get("timing")) != (cpu.describe(), size, rounds, TIMING):
                 raise SystemExit(f"{args.json} was measured on another CPU, size or rounds: rerun every model")
             new = {row["model"]: row for row in rows}
             order = list(BUILDERS)
             rows = sorted([*(r for r in kept["rows"] if r["model"] not in new), *new.values()],
                           key=lambda r: order.index(r["model"]) if r["model"] in order else len(order))
-        save(args.json, {**machine(), "size": size, "rounds": rounds, "sessions": SESSIONS, "rows": rows})
+        save(args.json, {**machine(), "size": size, "rounds": rounds, "timing": TIMING, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ def zoo(name: str = "zoo.json") -> str:
                      f"{ms['recal 8-bit int8']:.2f} / {ms['recal 8-bit uint8']:.2f} | {cell('qat export')} | "
                      f"{cell('recal')} | {cell('ort quantize_static')} | {cell('ort quantize_static reduce_range')} | "
                      f"{left} |")
-    sessions = f" of {data['sessions']} sessions each" if data.get("sessions", 1) > 1 else ""
+    sessions = ", every model in turn, each round in fresh sessions" if data.get("timing") == "in turns" else ""
     return ("\n".join(lines) + f"\n\n{data['cpu']}; {data['size']}x{data['size']}, batch 1, 1 thread, median of "
             f"{data['rounds']} interleaved rounds{sessions} (`python scripts/bench_zoo.py --size {data['size']} --rounds "
             f"{data['rounds']} --json docs/results/{name}`). recal: 7-bit QAT, target any; x static: its speed-up "
@@ -125,8 +125,9 @@ def transformers() -> str:
             lines += _latency_rows(model, next(row["ms_1"] for row in model["rows"] if row["label"] == "fp32"))
         names = " ".join(model["model"] for model in data["models"])
         attention = " --attention" if any("+attention" in r["label"] for m in data["models"] for r in m["rows"]) else ""
+        sessions = f" of {data['sessions']} sessions each" if data.get("sessions", 1) > 1 else ""
         parts.append("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}, batch 1, median of "
-                     f"{data['rounds']} interleaved rounds (`python scripts/bench_transformers.py --rounds "
+                     f"{data['rounds']} interleaved rounds{sessions} (`python scripts/bench_transformers.py --rounds "
                      f"{data['rounds']} --models {names}{attention} --json docs/results/transformers.json`); MB = 10^6 "
                      f"bytes. Agreement: argmax on {data['models'][0]['checks']} inputs against the model each was "
                      "made from (recal: its QAT export; onnxruntime: fp32).")

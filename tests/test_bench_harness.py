@@ -4,6 +4,10 @@ layout table drawn from the tree."""
 import json
 import sys
 
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
 from .conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -24,16 +28,17 @@ def test_interleaved_rotates_the_first_variant_and_counts_each_sample():
     assert timing.medians({"x": [1.0, 3.0, 2.0]}, 1e3) == {"x": 2000.0}
 
 
-def test_interleaved_latency_times_onnx_models(tmp_path, monkeypatch):
-    import numpy as np
-    import onnx
-    from onnx import TensorProto, helper
-
+def _relu(tmp_path):
     graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
     path = tmp_path / "relu.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_interleaved_latency_times_onnx_models(tmp_path, monkeypatch):
+    path = _relu(tmp_path)
     ms = timing.interleaved_latency({"a": path, "b": path}, {"x": np.ones((1, 4), np.float32)}, rounds=2)
     assert set(ms) == {"a", "b"} and all(0 < v < 1e3 for v in ms.values())
     from recal_onnx import verify
@@ -42,6 +47,18 @@ def test_interleaved_latency_times_onnx_models(tmp_path, monkeypatch):
     monkeypatch.setattr(verify, "session", lambda p, t: made.append(p) or real(p, t))
     ms = timing.interleaved_latency({"a": path, "b": path}, {"x": np.ones((1, 4), np.float32)}, rounds=2, sessions=3)
     assert set(ms) == {"a", "b"} and len(made) == 6  # three sessions of each, their samples pooled
+
+
+def test_groups_take_turns_each_round_in_fresh_sessions(tmp_path, monkeypatch):
+    from recal_onnx import verify
+
+    path = _relu(tmp_path)
+    made, real = [], verify.session
+    monkeypatch.setattr(verify, "session", lambda p, t: made.append(p) or real(p, t))
+    feed = {"x": np.ones((1, 4), np.float32)}
+    ms = timing.in_turns({"m1": ({"a": path, "b": path}, feed), "m2": ({"c": path}, feed)}, rounds=3, per_round=2)
+    assert {g: set(v) for g, v in ms.items()} == {"m1": {"a", "b"}, "m2": {"c"}}
+    assert len(made) == 3 * 3 and all(0 < v < 1e3 for v in ms["m1"].values())  # every file, every round, anew
 
 
 def test_a_run_replaces_only_the_run_of_its_own_cpu(tmp_path):

@@ -66,3 +66,28 @@ def interleaved_latency(paths: Mapping[str, Path], feed: dict[str, np.ndarray], 
     calls = {key: (lambda s=s: s.run(None, feed)) for key, s in built.items()}
     times = interleaved(calls, rounds, per_round, warmup=0, repeat=repeat)
     return medians({k: [t for (name, _), values in times.items() if name == k for t in values] for k in paths}, 1e3)
+
+
+def in_turns(groups: Mapping[str, tuple[Mapping[str, Path], dict[str, np.ndarray]]], rounds: int, per_round: int = 3,
+             threads: int = 1, min_seconds: float = 0.0) -> dict[str, dict[str, float]]:
+    """Median batch latency (ms) of every ONNX model of every group (its paths and its feed), the groups taking
+    turns round after round and each round in fresh sessions: a burst of noise on a shared machine then hits one
+    round of one group rather than all of its rounds (timed one group after another, a 10-second burst moved
+    identical small graphs by 30%, AMD EPYC), and no model keeps one session's memory layout throughout."""
+    from recal_onnx.verify import session
+
+    times: dict[str, dict[str, list[float]]] = {g: {k: [] for k in paths} for g, (paths, _) in groups.items()}
+    for r in range(rounds):
+        for group, (paths, feed) in groups.items():
+            names = list(paths)[r % len(paths):] + list(paths)[:r % len(paths)]
+            sessions = {k: session(str(paths[k]), threads) for k in names}
+            repeat = {}
+            for k, s in sessions.items():
+                s.run(None, feed)
+                _, once = seconds(lambda s=s: s.run(None, feed))
+                repeat[k] = max(1, int(min_seconds / max(once, 1e-6)))
+            calls = {k: (lambda s=s: s.run(None, feed)) for k, s in sessions.items()}
+            for k, values in interleaved(calls, 1, per_round, warmup=0, repeat=repeat).items():
+                times[group][k] += values
+            del sessions, calls
+    return {g: medians(t, 1e3) for g, t in times.items()}
