@@ -128,7 +128,7 @@ def mobilevit(quick: bool, seq: int):
 
 
 SESSIONS = 3  # each file timed in this many sessions of its own (bench.timing.interleaved_latency): in one session
-# each, BERT-base's recal and quantize_static files differed by 4.5%; in three each, by 1% (AMD EPYC)
+# each, BERT-base's recal and quantize_static files differed by 4.7%; in three each, by under 1% (AMD EPYC)
 MODELS = {"bert": bert, "vit": vit, "swin": swin, "mobilevit": mobilevit}
 
 

@@ -48,22 +48,27 @@ def seconds(call: Callable[[], object]) -> tuple[object, float]:
     return result, time.perf_counter() - t0
 
 
+def _runs(sessions: Mapping, feed: dict[str, np.ndarray], min_seconds: float) -> tuple[dict, dict]:
+    """A call of each session on ``feed`` (run once, untimed) and how many runs fill ``min_seconds``."""
+    repeat = {}
+    for key, s in sessions.items():
+        s.run(None, feed)
+        _, once = seconds(lambda s=s: s.run(None, feed))
+        repeat[key] = max(1, int(min_seconds / max(once, 1e-6)))
+    return {key: (lambda s=s: s.run(None, feed)) for key, s in sessions.items()}, repeat
+
+
 def interleaved_latency(paths: Mapping[str, Path], feed: dict[str, np.ndarray], rounds: int = 15, per_round: int = 3,
                         threads: int = 1, min_seconds: float = 0.0, sessions: int = 1) -> dict[str, float]:
     """Median batch latency (ms) of each ONNX model in onnxruntime sessions (default optimizations) on ``threads``,
     interleaved; each sample runs a model as many times as fill ``min_seconds``. With ``sessions`` > 1 each model
     runs in that many sessions of its own, every one taking its turn each round, and its median is over all their
-    samples: one session's memory layout alone moves a millisecond model's latency by 5-7% (six sessions of one
-    file, AMD EPYC), a bias interleaving cannot remove."""
+    samples: sessions of one file differ by up to 8% (four sessions of a 0.2 ms model, interleaved, AMD EPYC), a
+    bias that interleaving alone cannot remove."""
     from recal_onnx.verify import session
 
     built = {(k, j): session(str(p), threads) for k, p in paths.items() for j in range(sessions)}
-    repeat = {}
-    for key, s in built.items():
-        s.run(None, feed)
-        _, once = seconds(lambda s=s: s.run(None, feed))
-        repeat[key] = max(1, int(min_seconds / max(once, 1e-6)))
-    calls = {key: (lambda s=s: s.run(None, feed)) for key, s in built.items()}
+    calls, repeat = _runs(built, feed, min_seconds)
     times = interleaved(calls, rounds, per_round, warmup=0, repeat=repeat)
     return medians({k: [t for (name, _), values in times.items() if name == k for t in values] for k in paths}, 1e3)
 
@@ -80,14 +85,8 @@ def in_turns(groups: Mapping[str, tuple[Mapping[str, Path], dict[str, np.ndarray
     for r in range(rounds):
         for group, (paths, feed) in groups.items():
             names = list(paths)[r % len(paths):] + list(paths)[:r % len(paths)]
-            sessions = {k: session(str(paths[k]), threads) for k in names}
-            repeat = {}
-            for k, s in sessions.items():
-                s.run(None, feed)
-                _, once = seconds(lambda s=s: s.run(None, feed))
-                repeat[k] = max(1, int(min_seconds / max(once, 1e-6)))
-            calls = {k: (lambda s=s: s.run(None, feed)) for k, s in sessions.items()}
+            calls, repeat = _runs({k: session(str(paths[k]), threads) for k in names}, feed, min_seconds)
             for k, values in interleaved(calls, 1, per_round, warmup=0, repeat=repeat).items():
                 times[group][k] += values
-            del sessions, calls
+            del calls  # the round's sessions
     return {g: medians(t, 1e3) for g, t in times.items()}
