@@ -439,8 +439,8 @@ def test_other_tools_transformer_exports_convert_every_weight_layer(path, tmp_pa
     """A Hugging Face BERT quantized by another tool (``scripts/interop_exports/*_bert_export.py``: ModelOpt's
     quantized Linear inputs, NNCF's transformer preset with its attention's Q·Kᵀ, SmoothQuant scales and int8
     embedding tables, torchao's PT2E with its int8 weights stored as integers, Brevitas's layerwise QCDQ with its
-    initializers listed as graph inputs too): every Linear becomes an integer
-    matmul, an attention product whose two inputs the tool quantized too, the others stay float (two float
+    initializers listed as graph inputs too, AIMET's with its ops' outputs quantized): every Linear becomes an integer
+    matmul (or, where the tool left its input float, int8 weights in MatMulNBits, with the reason), an attention product whose two inputs the tool quantized too, the others stay float (two float
     activations, no weight: as onnxruntime's own fusion leaves them), the embedding tables int8 where the tool
     quantized them; verified on 256 samples within a step op by op of the file run as written, the file left as it
     was."""
@@ -450,13 +450,19 @@ def test_other_tools_transformer_exports_convert_every_weight_layer(path, tmp_pa
     assert len(linears) == 14  # 12 encoder Linears, pooler, classifier
     products = [n for n in source.graph.node if n.op_type == "MatMul" and n.name not in linears]
     quantized = [n for n in products if all(_reaches(source, x, ("DequantizeLinear",)) for x in n.input)]
-    assert len(products) == 4 and len(quantized) == (2 if path.stem.startswith("nncf") else 0)
+    assert len(products) == 4 and len(quantized) == (2 if path.stem.startswith(("nncf", "aimet")) else 0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnconvertedOpsWarning)
         result = quantize_qat_export(path, tmp_path / "int8.onnx")
     kinds = collections.Counter(ops(result.model))
     assert _float_weight_layers(result.model) == [], kinds
-    assert kinds["MatMulIntegerToFloat"] + kinds["QGemm"] + kinds["QLinearMatMul"] == 14 + len(quantized), kinds
+    integer = kinds["MatMulIntegerToFloat"] + kinds["QGemm"] + kinds["QLinearMatMul"]
+    assert integer + kinds["MatMulNBits"] == 14 + len(quantized), kinds
+    # a Linear whose input the tool left float (AIMET's attention output, after its float P·V) keeps int8 weights,
+    # computed in float, and says why
+    nbits = [n.name for n in result.model.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == (2 if path.stem.startswith("aimet") else 0), kinds
+    assert all("is float" in result.float_reasons[name] for name in nbits), result.float_reasons
     assert kinds["MatMul"] == len(products) - len(quantized), kinds
     if path.stem.startswith("nncf"):  # its int8 tables, read as int8 and scaled by row
         assert sum(n.op_type == "Gather" and n.name.endswith("_int8") for n in result.model.graph.node) == 3

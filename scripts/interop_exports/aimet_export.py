@@ -15,32 +15,17 @@ then aimet-torch without its dependencies and those it needs:
     /tmp/venv_aimet/bin/python scripts/interop_exports/aimet_export.py
 """
 
-import sys
-import types
 import warnings
 
 import torch
 
+from common import FIXTURES, SIZE, SmallResNet, calibration, stand_in_torchvision, trained
 
-def _stand_in_torchvision() -> None:
-    """The names aimet-torch reads from torchvision at import (its detection ops and data helpers), none used here."""
-    vision = types.ModuleType("torchvision")
-    for part in ("ops", "transforms", "datasets"):
-        setattr(vision, part, types.ModuleType(f"torchvision.{part}"))
-        sys.modules[f"torchvision.{part}"] = getattr(vision, part)
-    vision.ops.RoIPool = type("RoIPool", (torch.nn.Module,), {})
-    vision.ops.roi_align = vision.ops.nms = None
-    vision.transforms.Resize = type("Resize", (torch.nn.Module,), {})
-    sys.modules["torchvision"] = vision
-
-
-_stand_in_torchvision()
+stand_in_torchvision()
 
 import aimet_torch.onnx  # noqa: E402
 from aimet_torch.common.defs import QuantScheme  # noqa: E402
 from aimet_torch.quantsim import QuantizationSimModel  # noqa: E402
-
-from common import FIXTURES, SIZE, SmallResNet, calibration, trained  # noqa: E402
 
 torch.manual_seed(0)
 model = trained(SmallResNet())

@@ -1,10 +1,12 @@
 """What every export script here shares: a small ResNet (torchvision's BasicBlock, widths 16 to 128, 32x32 inputs,
-10 classes; random weights, a few hundred kB) and synthetic calibration batches. Imports torch alone, so it runs
-in each tool's own virtual environment beside its pinned torch."""
+10 classes; random weights, a few hundred kB) and synthetic calibration batches; a small BERT and real text for the
+transformer exports; the torchvision names aimet-torch imports. Imports torch alone (``transformers`` where a BERT is
+built), so it runs in each tool's own virtual environment beside its pinned torch."""
 
 from __future__ import annotations
 
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -139,3 +141,15 @@ def export_text_model(model: nn.Module, name: str, opset: int) -> None:
         torch.onnx.export(model, torch.zeros(1, TOKENS, dtype=torch.long), FIXTURES / name, dynamo=False,
                           input_names=["input_ids"], output_names=["logits"], opset_version=opset)
     print("wrote", FIXTURES / name)
+
+
+def stand_in_torchvision() -> None:
+    """The names aimet-torch reads from torchvision at import (its detection ops and data helpers), none used here."""
+    vision = types.ModuleType("torchvision")
+    for part in ("ops", "transforms", "datasets"):
+        setattr(vision, part, types.ModuleType(f"torchvision.{part}"))
+        sys.modules[f"torchvision.{part}"] = getattr(vision, part)
+    vision.ops.RoIPool = type("RoIPool", (torch.nn.Module,), {})
+    vision.ops.roi_align = vision.ops.nms = None
+    vision.transforms.Resize = type("Resize", (torch.nn.Module,), {})
+    sys.modules["torchvision"] = vision
