@@ -190,8 +190,9 @@ def table(data: dict) -> str:
     parts = []
     for run in data["runs"]:
         sessions = f" of {run['sessions']} sessions each" if run.get("sessions", 1) > 1 else ""
-        parts.append(f"{run['cpu']}; batch 1, 1 thread, median of {run['rounds']} interleaved rounds{sessions}, "
-                     f"quantize_static rows at {run['size']}x{run['size']} (`python scripts/bench_interop.py "
+        versions = f"onnxruntime {run['onnxruntime']}, torch {run['torch']}, python {run['python']}"
+        parts.append(f"{run['cpu']}; {versions}; batch 1, 1 thread, median of {run['rounds']} interleaved rounds"
+                     f"{sessions}, quantize_static rows at {run['size']}x{run['size']} (`python scripts/bench_interop.py "
                      "--json docs/results/interop.json`)\n\n" + format_rows(run["rows"]))
     return "\n\n".join(parts)
 

@@ -248,6 +248,19 @@ def test_quantize_static_exports_convert_with_every_layer_integer(activation, pe
     assert not result.float_nodes, result.float_reasons
     v = result.verification
     assert v.samples >= 256 and v.local_steps <= 1 and v.local_tensors >= 3, v
+    if activation == "QUInt8":  # what onnxruntime's own fusion runs integer: the same kernels, not merely as many
+        assert _optimized_ops(tmp_path / "qdq.onnx", tmp_path) == _optimized_ops(tmp_path / "int8.onnx", tmp_path)
+
+
+def _optimized_ops(path, tmp_path):
+    """The op types (with their domain) of ``path`` as a default onnxruntime session runs it."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    options.log_severity_level = 3  # its note that the saved graph holds this CPU's layouts
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return collections.Counter(f"{n.domain}:{n.op_type}" for n in onnx.load(tmp_path / "optimized.onnx").graph.node)
 
 
 def _quantize_static(fp32, out, feeds, **options):
