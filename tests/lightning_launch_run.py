@@ -70,9 +70,9 @@ def main(out: str, resume: str | None = None) -> None:
 
 
 if __name__ == "__main__":
-    import faulthandler
+    from tests.hang_guard import guard_launched_rank
 
-    faulthandler.enable(all_threads=True)  # a native abort prints where each thread was
+    guard_launched_rank()  # a native abort or a hang prints where each thread was
     main(sys.argv[1], resume=next((o.split("=", 1)[1] for o in sys.argv[2:] if o.startswith("resume=")), None))
     # the record is written and the process group ended: leave without the interpreter's teardown, whose native
     # destructors (gloo's threads) aborted a finished run twice in a loaded full suite

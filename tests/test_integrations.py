@@ -234,13 +234,25 @@ def _launch(out, *options, run: str = "tests.trainer_launch_run") -> list[dict]:
     import sys
 
     from .conftest import ROOT
+    from .hang_guard import LAUNCH_SECONDS
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     # --standalone: a free port of its own (two launches at once in the suite would share torchrun's default)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-                           run, str(out), *options], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    launch = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                               "-m", run, str(out), *options], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = launch.communicate(timeout=LAUNCH_SECONDS)
+    except subprocess.TimeoutExpired:
+        launch.terminate()  # torchrun ends its ranks (each in a session of its own) on SIGTERM; a SIGKILL orphans them
+        try:
+            _, stderr = launch.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            launch.kill()
+            _, stderr = launch.communicate()
+        pytest.fail(f"{run} {' '.join(options)} still ran after {LAUNCH_SECONDS:.0f} s; its ranks' stacks (the "
+                    f"dump half a minute before) and output:\n{stderr[-12000:]}")
+    assert launch.returncode == 0, stderr[-3000:]
     resumed = ".resumed" if any(o.startswith("resume=") for o in options) else ""
     return [torch.load(out / f"rank{r}{resumed}.pt", weights_only=False) for r in (0, 1)]
 

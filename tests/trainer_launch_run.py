@@ -91,9 +91,9 @@ def main(out: str, fsdp: bool = False, sharded: bool = False, lsq: bool = False,
 
 
 if __name__ == "__main__":
-    import faulthandler
+    from tests.hang_guard import guard_launched_rank
 
-    faulthandler.enable(all_threads=True)  # a native abort prints where each thread was
+    guard_launched_rank()  # a native abort or a hang prints where each thread was
     options = sys.argv[2:]
     main(sys.argv[1], fsdp="fsdp" in options, sharded="sharded" in options, lsq="lsq" in options,
          resume=next((o.split("=", 1)[1] for o in options if o.startswith("resume=")), None))
