@@ -81,6 +81,8 @@ class ConversionResult:
     float_reasons: dict[str, str] = field(default_factory=dict)
     # attention (its Softmax's name) -> why its zero heads stay: the converter cannot follow its layout
     heads_kept: dict[str, str] = field(default_factory=dict)
+    # Where node name -> the softmax mask constant (Swin's -100) made -10000 (recal_onnx.passes.softmax_masks)
+    masked_scores: dict[str, float] = field(default_factory=dict)
     # target any, weights beyond +-64: the twin for x86 without VNNI (uint8 weights there), and where it was written
     avx2_model: onnx.ModelProto | None = None
     avx2_path: Path | None = None
@@ -99,6 +101,16 @@ class ConversionResult:
                      "inputs are nearly dead (a tiny input scale), in the QAT model itself: check its initialisation "
                      "or training")
         return note
+
+    @property
+    def masked_scores_note(self) -> str:
+        """What changing softmax masks means, in one clause ('' when none was changed)."""
+        if not self.masked_scores:
+            return ""
+        values = ", ".join(f"{v:g}" for v in sorted(set(self.masked_scores.values())))
+        return (f"{len(self.masked_scores)} softmax masks of {values} now mask with -10000: the probabilities they "
+                "left (float32 denormals, slow on Intel CPUs) are exactly 0, a change below float32's resolution of "
+                "the outputs (result.masked_scores names them)")
 
     @property
     def float_nodes(self) -> list[tuple[str, str]]:
@@ -270,7 +282,10 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
                               weights_note=_weights_note(choice, saturating, rewrites.get("uint8_weights", 0),
                                                          twin_name if twin is not None else None),
                               rounded_biases=dict(findings.rounded_biases), float_reasons=why,
-                              coarse_biases=dict(findings.coarse_biases), heads_kept=dict(findings.heads_kept))
+                              coarse_biases=dict(findings.coarse_biases), heads_kept=dict(findings.heads_kept),
+                              masked_scores=dict(findings.masked_scores))
+    if result.masked_scores:
+        log.info("quantize_qat_export: %s", result.masked_scores_note)
     if result.float_ops:
         log.info("quantize_qat_export: computing in float (outside quantized tensors, by design, or listed above): "
                  "%s", ", ".join(f"{op} x{n}" for op, n in result.float_ops.items()))

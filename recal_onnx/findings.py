@@ -26,3 +26,5 @@ class Findings:
     # node name -> its largest bias in int32 steps, where that passes 2^24: a float32 bias cannot lie on so fine a grid
     # (the layer's input scale is tiny: a near-dead activation)
     coarse_biases: dict[str, float] = field(default_factory=dict)
+    # Where node name -> the mask constant (-10000 < c <= -64) masks_to_exact_zeros made -10000: its probabilities 0
+    masked_scores: dict[str, float] = field(default_factory=dict)

@@ -25,7 +25,8 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
    other function of one quantized tensor: a 256-entry table), ``remove_redundant_qdq``, repeated;
    format ``qdq``: ``affine_to_batchnorm``, ``batchnorm_to_conv``, ``bias_to_int32``, ``fusible_qdq_pools``,
    ``softmax_to_qlinear`` (a softmax onnxruntime would fuse into its kernel on another grid stays float);
-5. ``matmul_to_nbits``: weight-only layers (float input, grouped or per-channel 4/8-bit weights) to ``MatMulNBits``;
+5. ``masks_to_exact_zeros``: a float softmax's mask of -100 (Swin's) becomes -10000, its probabilities exactly 0
+   rather than denormals (slow on Intel CPUs); ``matmul_to_nbits``: weight-only layers (float input, grouped or per-channel 4/8-bit weights) to ``MatMulNBits``;
    ``shapes_from_integers``: a Shape of a dequantized tensor reads its integers (the dequantization, made only to be
    measured, goes);
 6. ``uint8_weights`` when the target stores weights beyond +-64 as uint8;
@@ -66,6 +67,7 @@ from .passes.redundant_qdq import remove_redundant_qdq
 from .passes.shape_of_integers import shapes_from_integers
 from .passes.sigmoid_to_qlinear import sigmoid_to_qlinear
 from .passes.standard_qdq import standard_qdq
+from .passes.softmax_masks import masks_to_exact_zeros
 from .passes.softmax_to_qlinear import softmax_to_qlinear
 from .passes.thin_channels import CHANNEL_BLOCK, thin_channels
 from .passes.thin_heads import thin_heads
@@ -116,6 +118,7 @@ PIPELINE: tuple[Step, ...] = (
     Step((int8_passthrough,), when=lambda o: o.format == "qdq", args=lambda o: (False,)),
     Step((affine_to_batchnorm, batchnorm_to_conv, bias_to_int32, fusible_qdq_pools), when=lambda o: o.format == "qdq"),
     Step((softmax_to_qlinear,), when=lambda o: o.format == "qdq", args=lambda o: (False,)),
+    Step((masks_to_exact_zeros,)),
     Step((matmul_to_nbits,), args=lambda o: (o.accuracy_level,)),
     Step((shapes_from_integers,)),
     Step((uint8_weights,), when=lambda o: o.weight_type == "uint8"),

@@ -31,6 +31,7 @@ from recal_onnx.passes.pad_into_conv import fold_pads_into_convs
 from recal_onnx.passes.pool_to_qlinear import pool_to_qlinear
 from recal_onnx.passes.redundant_qdq import remove_redundant_qdq
 from recal_onnx.passes.sigmoid_to_qlinear import sigmoid_to_qlinear
+from recal_onnx.passes.softmax_masks import masks_to_exact_zeros
 from recal_onnx.passes.softmax_to_qlinear import softmax_to_qlinear
 from recal_onnx.passes.standard_qdq import standard_qdq
 from recal_onnx.passes.widen_weights import widen_weights
@@ -1503,3 +1504,43 @@ def test_drop_exporter_metadata_keeps_other_keys():
         "pkg.torch.onnx.stack_trace") + len('File "/home/me/m.py"')
     kept = g.commit().graph.node[0].metadata_props
     assert {p.key: p.value for p in kept} == {"owner": "team-a"}
+
+
+def _masked_attention(value, also_read_by=None):
+    """scores + Where(mask, ``value``, 0) -> Softmax -> MatMul(., V), as Swin masks its shifted windows; the
+    probabilities are an output too. ``also_read_by``: an op that also reads the mask (not only the softmax)."""
+    b = Builder()
+    cond = b.const(np.triu(np.ones((4, 4), bool), 1))  # each query sees itself and those before
+    mask = b.node("Unsqueeze", [b.node("Where", [cond, b.const(np.float32(value)), b.const(np.float32(0))]),
+                                b.const(np.array([0]))])
+    probs = b.node("Softmax", [b.node("Add", [b.node("Identity", ["s"]), mask])], axis=-1)
+    out = b.node("MatMul", [probs, b.const(b.rng.standard_normal((4, 3)).astype(np.float32))])
+    outputs = [out, probs] + ([b.node(also_read_by, [mask, mask])] if also_read_by else [])
+    return b.model([("s", [2, 4, 4])], outputs)
+
+
+@pytest.mark.parametrize("value, also_read_by, rewritten", [
+    (-100.0, None, True), (-64.0, None, True),  # Swin's mask; the least a mask may be
+    (-100.0, "Mul", False),  # the mask's values used for more than masking
+    (-5.0, None, False), (-1e5, None, False),  # not a mask; a mask that gives exact zeros already
+], ids=["swin", "edge", "read-elsewhere", "not-a-mask", "exact-already"])
+def test_masks_to_exact_zeros(value, also_read_by, rewritten):
+    """A softmax mask of -100 leaves float32 denormals (exp(-100) = 3.7e-44, slow on Intel CPUs); -10000 leaves
+    exact zeros, and every other output bit for bit."""
+    model = _masked_attention(value, also_read_by)
+    feeds = {"s": np.random.default_rng(1).uniform(-2, 2, (2, 4, 4)).astype(np.float32)}
+    before = reference(model, feeds)
+    findings = Findings()
+    converted, (n,) = _apply(model, masks_to_exact_zeros, findings=findings)
+    assert n == rewritten and bool(findings.masked_scores) == rewritten, findings.masked_scores
+    after = run(converted, feeds)
+    denormal = lambda p: int(((p != 0) & (np.abs(p) < np.finfo(np.float32).tiny)).sum())  # noqa: E731
+    masked = np.triu(np.ones((4, 4), bool), 1)
+    if rewritten:
+        assert denormal(before[1]) > 0 if value == -100 else (before[1][:, masked] > 0).all()  # -64: e^-64, normal
+        assert denormal(after[1]) == 0 and (after[1][:, masked] == 0).all()
+        assert list(findings.masked_scores.values()) == [value]
+        np.testing.assert_array_equal(after[0], before[0])
+    else:
+        np.testing.assert_array_equal(after[1], before[1])
+

@@ -105,6 +105,16 @@ class Swin(ViT):
         self.model = transformers.SwinForImageClassification(config)
 
 
+class ShiftedSwin(Swin):
+    """Swin with a shifted-window block (two blocks on an 8x8 patch grid, windows of 4): its attention mask."""
+
+    def __init__(self):
+        nn.Module.__init__(self)
+        config = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2], num_heads=[2],
+                                         window_size=4, num_labels=CLASSES)
+        self.model = transformers.SwinForImageClassification(config)
+
+
 def _prune_and_qat(kind, quantized_attention: str | None = None):
     """``kind``'s model after the recipe's 80% pruning and QAT steps on synthetic data, finalized; its manager.
     ``quantized_attention``: the attention implementation ("sdpa", "eager") whose matmuls QAT quantizes too."""
@@ -257,3 +267,36 @@ def test_more_hugging_face_models_quantize_from_a_batch_1_sample(kind, tmp_path)
                 assert kinds["MatMulIntegerToFloat"] + kinds["QGemm"] == _linears(model), kinds
             else:
                 _assert_runtime_fuses_every_weight(result.model, tmp_path)
+
+
+def test_swins_shifted_window_mask_leaves_exact_zeros_not_denormals(tmp_path):
+    """Swin masks its shifted windows' attention with -100: in float (attention QAT off, the default) each masked
+    probability is exp(-100), a float32 denormal that Intel CPUs compute slowly. The conversion masks with -10000
+    instead (exact zeros), says so, and verifies against the export as written."""
+    model, _ = _prune_and_qat(ShiftedSwin)
+    sample = tuple(t[:1] for t in ShiftedSwin.batch(torch.Generator().manual_seed(1))[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # transformers' shape checks, fixed at export
+        path = export_onnx(model, sample, tmp_path / "qat.onnx", dynamo=False, input_names=ShiftedSwin.names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnconvertedOpsWarning)
+        result = quantize_qat_export(str(path), tmp_path / "int8.onnx")
+    assert list(result.masked_scores.values()) == [-100.0] and "-10000" in result.masked_scores_note
+    tiny = np.finfo(np.float32).tiny
+    for model_path, denormals in ((path, True), (tmp_path / "int8.onnx", False)):
+        probabilities = _softmax_outputs(onnx.load(model_path), sample[0].numpy(), tmp_path)
+        assert any(((p != 0) & (p < tiny)).any() for p in probabilities) == denormals, model_path
+    v = result.verification
+    assert v.samples >= 256 and v.argmax_agreement == 1.0 and v.local_steps <= 1, v
+
+
+def _softmax_outputs(model, x, tmp_path):
+    """Every Softmax's output of ``model`` on ``x`` (onnxruntime, optimizations off)."""
+    names = [n.output[0] for n in model.graph.node if n.op_type == "Softmax"]
+    model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in names)
+    onnx.save(model, tmp_path / "probabilities.onnx")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(str(tmp_path / "probabilities.onnx"), options, providers=["CPUExecutionProvider"])
+    return session.run(names, {session.get_inputs()[0].name: x})
+
