@@ -38,10 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recal_onnx.verify import reference_session, session
-from recal_torch import ScheduledModifierManager, export_onnx
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the checkout's packages, installed or not (as the other benches)
+sys.path.insert(0, str(ROOT / "scripts"))
+from recal_onnx.verify import reference_session, session  # noqa: E402
+from recal_torch import ScheduledModifierManager, export_onnx  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_onnx import convert_measured  # noqa: E402
 from bench.peers import DYNAMIC, STATIC, quantize_dynamic, quantize_static  # noqa: E402
 from bench.results import machine, save_run  # noqa: E402

@@ -1506,28 +1506,33 @@ def test_drop_exporter_metadata_keeps_other_keys():
     assert {p.key: p.value for p in kept} == {"owner": "team-a"}
 
 
-def _masked_attention(value, also_read_by=None):
-    """scores + Where(mask, ``value``, 0) -> Softmax -> MatMul(., V), as Swin masks its shifted windows; the
+def _masked_attention(value, also_read_by=None, tensor=False, whole_row=False):
+    """scores + Where(mask, ``value``, 0) -> Softmax -> MatMul(., V), as Hugging Face's Swin masks its shifted
+    windows (``tensor``: a constant of ``value``s and 0s, as timm's does; ``whole_row``: one row all masked); the
     probabilities are an output too. ``also_read_by``: an op that also reads the mask (not only the softmax)."""
     b = Builder()
-    cond = b.const(np.triu(np.ones((4, 4), bool), 1))  # each query sees itself and those before
-    mask = b.node("Unsqueeze", [b.node("Where", [cond, b.const(np.float32(value)), b.const(np.float32(0))]),
-                                b.const(np.array([0]))])
+    where = np.triu(np.ones((4, 4), bool), 1)  # each query sees itself and those before
+    where[0] |= whole_row
+    constant = np.where(where, np.float32(value), np.float32(0))
+    mask = b.node("Unsqueeze", [b.const(constant) if tensor else b.node("Where", [
+        b.const(where), b.const(np.float32(value)), b.const(np.float32(0))]), b.const(np.array([0]))])
     probs = b.node("Softmax", [b.node("Add", [b.node("Identity", ["s"]), mask])], axis=-1)
     out = b.node("MatMul", [probs, b.const(b.rng.standard_normal((4, 3)).astype(np.float32))])
     outputs = [out, probs] + ([b.node(also_read_by, [mask, mask])] if also_read_by else [])
     return b.model([("s", [2, 4, 4])], outputs)
 
 
-@pytest.mark.parametrize("value, also_read_by, rewritten", [
-    (-100.0, None, True), (-64.0, None, True),  # Swin's mask; the least a mask may be
-    (-100.0, "Mul", False),  # the mask's values used for more than masking
-    (-5.0, None, False), (-1e5, None, False),  # not a mask; a mask that gives exact zeros already
-], ids=["swin", "edge", "read-elsewhere", "not-a-mask", "exact-already"])
-def test_masks_to_exact_zeros(value, also_read_by, rewritten):
+@pytest.mark.parametrize("value, also_read_by, tensor, whole_row, rewritten", [
+    (-100.0, None, False, False, True), (-64.0, None, False, False, True),  # HF Swin's mask; the least a mask may be
+    (-100.0, None, True, False, True),  # timm Swin's: a constant
+    (-100.0, "Mul", False, False, False), (-100.0, "Mul", True, False, False),  # the mask's values used elsewhere too
+    (-100.0, None, True, True, False),  # a row masked whole: its probabilities are its scores' softmax
+    (-5.0, None, False, False, False), (-1e5, None, False, False, False),  # not a mask; exact zeros already
+], ids=["swin", "edge", "timm", "read-elsewhere", "read-elsewhere-timm", "whole-row", "not-a-mask", "exact-already"])
+def test_masks_to_exact_zeros(value, also_read_by, tensor, whole_row, rewritten):
     """A softmax mask of -100 leaves float32 denormals (exp(-100) = 3.7e-44, slow on Intel CPUs); -10000 leaves
     exact zeros, and every other output bit for bit."""
-    model = _masked_attention(value, also_read_by)
+    model = _masked_attention(value, also_read_by, tensor, whole_row)
     feeds = {"s": np.random.default_rng(1).uniform(-2, 2, (2, 4, 4)).astype(np.float32)}
     before = reference(model, feeds)
     findings = Findings()

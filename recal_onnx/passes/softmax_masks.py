@@ -1,6 +1,6 @@
 """A softmax mask of -100 becomes one of -10000: masked probabilities exactly 0, not float32 denormals.
 
-Before::  scores + Where(mask, -100, 0) -> Softmax -> MatMul(., V)
+Before::  scores + Where(mask, -100, 0) -> Softmax -> MatMul(., V)     (or scores + a constant of -100s and 0s)
 After::   scores + Where(mask, -10000, 0) -> Softmax -> MatMul(., V)
 
 Swin's shifted-window attention (Hugging Face's and timm's) masks with -100, and exp(-100) = 3.7e-44 is a denormal
@@ -11,8 +11,9 @@ ran both alike. -10000 makes those probabilities 0 for any scores spanning less 
 e^-64 = 1.6e-28 of the largest) is below float32's resolution of every output they add to. Verification compares the
 result with the QAT model as written, so a model whose masks mean more than that fails it.
 
-Only a float32 scalar in -10000 < c <= -64 that is a branch of a ``Where`` is changed, and only where everything
-that reads it (through data movement, ``Add`` and ``Where`` branches) ends in a ``Softmax``'s input or reads only
+Only a float32 scalar in -10000 < c <= -64 that is a branch of a ``Where`` (Hugging Face's Swin), or such entries
+of a constant added to the scores whose every row keeps an entry above -64 (timm's Swin), are changed, and only where
+everything that reads them (through data movement, ``Add`` and ``Where`` branches) ends in a ``Softmax``'s input or reads only
 its shape: a mask nothing else sees. onnxruntime has a session option for the same (``session.set_denormal_as_zero``), but it is the user's
 session's, not the model's.
 """
@@ -34,40 +35,53 @@ MAX_VISITS = 4096  # a mask's path is a few nodes; this bounds the walk on any g
 def masks_to_exact_zeros(g: Graph, findings: Findings | None = None) -> int:
     count = 0
     for softmax in g.each("Softmax"):
-        for where, index, value in _masks(g, softmax.inputs[0]):
-            if not _only_softmax_reads(g, where.outputs[0]):
+        for reader, index, value in _masks(g, softmax.inputs[0]):
+            if not _only_softmax_reads(g, reader.outputs[0]):
                 continue
-            old = where.inputs[index]
-            set_input(where, index, g.add_const(old.name, np.full_like(value, MASKED)))
+            old = reader.inputs[index]
+            masked = (value <= MASK_BELOW) & (value > MASKED)
+            set_input(reader, index, g.add_const(old.name, np.where(masked, np.float32(MASKED), value)))
             g.drop_if_unused(old)
             if findings is not None:
-                findings.masked_scores[where.name or f"Where before {softmax.name}"] = value.item()
+                findings.masked_scores[reader.name or f"{reader.op_type} before {softmax.name}"] = \
+                    float(value[masked].max())
             count += 1
     return count
 
 
 def _masks(g: Graph, scores: Value) -> list[tuple[Node, int, np.ndarray]]:
-    """The ``(Where, branch, constant)`` whose constant masks ``scores``, found back through ``Add``, data movement
-    and ``Where`` branches."""
-    found, seen, stack = [], set(), [scores]
+    """The ``(reader, input, constant)`` whose constant masks ``scores``, found back through ``Add``, data movement
+    and ``Where`` branches: a scalar branch of a ``Where`` (Hugging Face's Swin computes its mask so), or a tensor
+    some of whose entries mask and every row of which keeps one that does not (timm's Swin keeps its mask so)."""
+    found, seen, stack = [], set(), [(scores, None, 0)]
     while stack and len(seen) < MAX_VISITS:
-        value = stack.pop()
+        value, reader, index = stack.pop()
+        c = g.const(value)
+        if c is not None:
+            if reader is not None and c.dtype == np.float32 and _masks_scores(c, scalar=reader.op_type == "Where"):
+                found.append((reader, index, c))
+            continue
         node = g.producer(value)
         if node is None or node in seen:
             continue
         seen.add(node)
         if node.op_type == "Where":
-            for index in (1, 2):
-                c = g.const(node.inputs[index])
-                if c is not None and c.size == 1 and c.dtype == np.float32 and MASKED < c.item() <= MASK_BELOW:
-                    found.append((node, index, c))
-                elif c is None:
-                    stack.append(node.inputs[index])
-        elif node.op_type == "Add":
-            stack.extend(node.inputs)
+            stack += [(node.inputs[1], node, 1), (node.inputs[2], node, 2)]
+        elif node.op_type == "Add" or node.op_type == "Concat":
+            stack += [(v, node, i) for i, v in enumerate(node.inputs)]
         elif node.op_type in MOVES:
-            stack.extend(node.inputs if node.op_type == "Concat" else node.inputs[:1])
+            stack.append((node.inputs[0], node, 0))
     return found
+
+
+def _masks_scores(c: np.ndarray, scalar: bool) -> bool:
+    """A ``Where``'s scalar branch in the mask range, or a tensor with entries in it and, in every row (last axis),
+    one above it: the softmax of a row masked whole is its scores' own, which -10000 would blur (their sum with it
+    keeps 1e-3 of them)."""
+    masked = (c <= MASK_BELOW) & (c > MASKED)
+    if scalar:
+        return c.size == 1 and bool(masked.all())
+    return c.ndim >= 1 and c.size > 1 and bool(masked.any()) and bool((c > MASK_BELOW).any(axis=-1).all())
 
 
 def _only_softmax_reads(g: Graph, value: Value) -> bool:
