@@ -6,16 +6,17 @@ After::   scores + Where(mask, -10000, 0) -> Softmax -> MatMul(., V)
 Swin's shifted-window attention (Hugging Face's and timm's) masks with -100, and exp(-100) = 3.7e-44 is a denormal
 float32: in a Swin-tiny, 12-43% of a shifted block's probabilities are. Intel CPUs take a microcode assist for each
 denormal an exp or a multiply-add reads or writes, so the float attention (attention QAT is off by default) ran
-Swin-tiny 1.46x slower on a Xeon than with its matmuls quantized (probabilities quantized to 0), while an AMD EPYC
-ran both alike. -10000 makes those probabilities 0 for any scores spanning less than ~9900; what they were (below
-e^-64 = 1.6e-28 of the largest) is below float32's resolution of every output they add to. Verification compares the
-result with the QAT model as written, so a model whose masks mean more than that fails it.
+Swin-tiny 1.46x slower on a Xeon (AMX; measured 2026-11) than with its matmuls quantized (probabilities quantized
+to 0), while an AMD EPYC ran both alike. -10000 makes those probabilities 0 for any scores spanning less than
+~9900; what they were (below e^-64 = 1.6e-28 of the largest) is below float32's resolution of every output they
+add to. Verification compares the result with the QAT model as written, so a model whose masks mean more than that
+fails it.
 
 Only a float32 scalar in -10000 < c <= -64 that is a branch of a ``Where`` (Hugging Face's Swin), or such entries
-of a constant added to the scores whose every row keeps an entry above -64 (timm's Swin), are changed, and only where
-everything that reads them (through data movement, ``Add`` and ``Where`` branches) ends in a ``Softmax``'s input or reads only
-its shape: a mask nothing else sees. onnxruntime has a session option for the same (``session.set_denormal_as_zero``), but it is the user's
-session's, not the model's.
+of a constant added to the scores whose every row keeps an entry above -64 (timm's Swin), are changed, and only
+where everything that reads them (through data movement, ``Add`` and ``Where`` branches) ends in a ``Softmax``'s
+input or reads only its shape: a mask nothing else sees. onnxruntime has a session option for the same
+(``session.set_denormal_as_zero``), but it is the user's session's, not the model's.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 from ..findings import Findings
 from ..graph import Graph, Node, Value, set_input
 
-MASKED = -1.0e4  # exp(MASKED + span) is 0 in float32 for any span of scores below ~9900
+MASKED = -1.0e4  # exp(MASKED + span) is 0 in float32 for any span below ~9900; finite in float16 too (TensorRT fp16)
 MASK_BELOW = -64.0  # a constant this negative masks: exp(-64) = 1.6e-28 of the row's largest probability
 MOVES = {"Reshape", "Expand", "Unsqueeze", "Squeeze", "Transpose", "Tile", "Identity", "Slice", "Concat", "Cast"}
 SHAPE_ONLY = {"Shape", "Size"}  # readers of a mask's shape, not its values
