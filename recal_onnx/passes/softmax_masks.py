@@ -5,9 +5,10 @@ After::   scores + Where(mask, -10000, 0) -> Softmax -> MatMul(., V)
 
 Swin's shifted-window attention (Hugging Face's and timm's) masks with -100, and exp(-100) = 3.7e-44 is a denormal
 float32: in a Swin-tiny, 12-43% of a shifted block's probabilities are. Intel CPUs take a microcode assist for each
-denormal an exp or a multiply-add reads or writes, so the float attention (attention QAT is off by default) ran
+denormal an exp or a multiply-add reads or writes. The float attention (attention QAT is off by default) ran
 Swin-tiny 1.46x slower on a Xeon (AMX; measured 2026-11) than with its matmuls quantized (probabilities quantized
-to 0), while an AMD EPYC ran both alike. -10000 makes those probabilities 0 for any scores spanning less than
+to 0), where an AMD EPYC ran both alike; the denormals are the difference found (that they cause all of it is
+still to be measured on a Xeon). -10000 makes those probabilities 0 for any scores spanning less than
 ~9900; what they were (below e^-64 = 1.6e-28 of the largest) is below float32's resolution of every output they
 add to. Verification compares the result with the QAT model as written, so a model whose masks mean more than that
 fails it.
