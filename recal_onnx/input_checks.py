@@ -43,6 +43,7 @@ def check_input(model: onnx.ModelProto, name: str) -> None:
                              "tensor; the converter and its verification take tensor outputs")
     constants = _constants(model)
     _check_quantized_types(model, name, constants)
+    _check_blocks(model, name, constants)
     _check_clamp_bounds(model, name, constants)
 
 
@@ -75,6 +76,37 @@ FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProt
 QUANTIZED_TYPES = {onnx.TensorProto.UINT8, onnx.TensorProto.INT8}
 BIAS_TYPES = {onnx.TensorProto.INT32}
 WEIGHT_TYPES = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4}  # constant weights only: widened to 8 bits
+
+
+def _check_blocks(model: onnx.ModelProto, name: str, tensors: dict[str, onnx.TensorProto]) -> None:
+    """A weight quantized in blocks has one scale a block along its axis: said by node, with the axis the scale
+    does fit where there is one (an exporter that wrote the wrong axis), before onnxruntime refuses it in its words."""
+    readers = {value: node for node in model.graph.node for value in node.input}
+    for node in model.graph.node:
+        block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
+        weight, scale = (tensors.get(v) for v in (list(node.input) + ["", ""])[:2])
+        if node.op_type != "DequantizeLinear" or block <= 0 or weight is None or scale is None:
+            continue
+        shape, got = list(weight.dims), list(scale.dims)
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 1) % max(len(shape), 1)
+
+        def blocks(along: int) -> list[int]:
+            return [-(-d // block) if i == along else d for i, d in enumerate(shape)]
+
+        if len(got) != len(shape) or got == blocks(axis):
+            continue
+        fits = [a for a in range(len(shape)) if a != axis and got == blocks(a)]
+        reader = readers.get(node.output[0])
+        transposed = reader is not None and reader.op_type == "Gemm" and any(
+            a.name == "transB" and a.i for a in reader.attribute)
+        hint = (f"; that scale gives blocks along axis {fits[0]}"
+                + (f", the K axis of the Gemm (transB=1) {reader.name!r} that reads it" if transposed else "")
+                + f": the exporter wrote axis {axis} where it meant {fits[0]} (NVIDIA ModelOpt's ONNX INT4 "
+                "quantizer does so for a Gemm's weight); set that axis, or leave the layer out of the quantization "
+                "(ModelOpt: nodes_to_exclude), and convert again" if fits else "")
+        raise ModelError(f"{name}: DequantizeLinear {node.name or node.output[0]!r} has a scale of shape {got} for "
+                         f"its {shape} weight {weight.name!r} in blocks of {block} along axis {axis}, which needs "
+                         f"{blocks(axis)}{hint}")
 
 
 def _check_quantized_types(model: onnx.ModelProto, name: str, tensors: dict[str, onnx.TensorProto]) -> None:

@@ -386,8 +386,9 @@ def test_onnxruntimes_blocked_int4_weights_become_matmulnbits_exactly(symmetric,
     np.testing.assert_array_equal(run(result.model, feeds)[0], reference(onnx.load(tmp_path / "qdq.onnx"), feeds)[0])
 
 
-FIXTURES = sorted((Path(__file__).parent / "fixtures" / "interop").glob("*-small-resnet.onnx"))
-TRANSFORMER_FIXTURES = sorted((Path(__file__).parent / "fixtures" / "interop").glob("*-small-bert.onnx"))
+FIXTURE_DIR = Path(__file__).parent / "fixtures" / "interop"
+FIXTURES = sorted(FIXTURE_DIR.glob("*-small-resnet.onnx"))
+TRANSFORMER_FIXTURES = sorted(FIXTURE_DIR.glob("*-small-bert.onnx"))
 
 
 def _runtime_float_layers(path, tmp_path):
@@ -487,6 +488,31 @@ def test_other_tools_transformer_exports_convert_every_weight_layer(path, tmp_pa
     # and token-type tables are gathered once (4096 floats where a 256-float table was)
     assert ratio < (0.4 if floats > 14 else 1.05), ratio
     assert path.read_bytes() == before
+
+
+def test_modelopts_onnx_int4_awq_export_becomes_matmulnbits_exactly(tmp_path):
+    """NVIDIA ModelOpt's ONNX INT4 quantizer (AWQ, its path for LLMs; ``scripts/interop_exports/
+    modelopt_onnx_int4_export.py``) on a trained BERT: every MatMul it quantized (int4 blocks of 128 along K) becomes
+    ``MatMulNBits`` at those blocks, verified on 256 samples within float rounding, the file left as it was. At its
+    defaults it also quantizes the pooler's and classifier's Gemm (transB=1) with scales in blocks along K but axis 0
+    written, a file onnxruntime refuses: refused before any work, by node, with the axis that fits."""
+    path = FIXTURE_DIR / "modelopt-int4-awq-bert.onnx"
+    before = path.read_bytes()
+    blocked = [n for n in onnx.load(path).graph.node if n.op_type == "DequantizeLinear"
+               and any(a.name == "block_size" and a.i == 128 for a in n.attribute)]
+    assert len(blocked) == 12  # two layers' six Linears
+    result = quantize_qat_export(path, tmp_path / "int4.onnx")
+    nbits = [n for n in result.model.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 12 and "DequantizeLinear" not in ops(result.model), collections.Counter(ops(result.model))
+    assert all({(a.name, a.i) for a in n.attribute} >= {("bits", 4), ("block_size", 128)} for n in nbits)
+    v = result.verification
+    assert v.samples >= 256 and v.argmax_agreement == 1.0 and v.max_abs_diff <= 1e-5 * v.output_range, v
+    assert path.read_bytes() == before
+    wrong_axis = FIXTURE_DIR / "refused" / "modelopt-int4-awq-bert-gemm.onnx"
+    with pytest.raises(ModelError, match=r"blocks of 128 along axis 0, which needs \[1, 128\]; that scale gives "
+                                         r"blocks along axis 1, the K axis of the Gemm \(transB=1\)"):
+        quantize_qat_export(wrong_axis, tmp_path / "refused.onnx")
+    assert not (tmp_path / "refused.onnx").exists()
 
 
 def test_nncfs_openvino_export_is_refused_with_the_way_to_qdq():
