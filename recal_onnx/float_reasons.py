@@ -79,7 +79,14 @@ def _weighted_reason(g: Graph, node: Node) -> str:
         return (f"its output{' after its ' + act.op_type if act is not None else ''} is read by "
                 f"{', '.join(readers) or 'nothing'}, not by one QuantizeLinear alone, and onnxruntime's only integer "
                 "conv with a float output (ConvInteger) runs about 10x slower than its float Conv (VNNI/AMX Xeon)")
-    return f"its weight's {w.scale.size} scales are not along its output channels (axis {w.axis})"
+    if w.scale.size > 1:
+        return f"its weight's {w.scale.size} scales are not along its output channels (axis {w.axis})"
+    bias = input_of(node, 2) if node.op_type in ("Conv", "Gemm") else None
+    if bias is not None and not g.is_const(bias):
+        maker = g.producer(bias)
+        return (f"its bias {bias.name!r} is not a float constant nor an int32 DequantizeLinear (made by "
+                f"{maker.op_type if maker else 'a graph input'})")
+    return f"no integer form of {node.op_type} with these inputs and attributes in this converter"
 
 
 def _quantized(g: Graph, node: Node) -> bool:

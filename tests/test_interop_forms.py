@@ -20,10 +20,11 @@ from .onnx_graphs import Builder, ops, reference, run
 X_SCALE, OUT_SCALE = 0.03, 0.02
 
 
-def _int32_bias(b, w_scale, n, per_channel, grid=1.0):
-    """``DequantizeLinear(int32, s_x * s_w * grid)``: a bias as quantize_static, Brevitas and AIMET write it."""
+def _int32_bias(b, w_scale, n, per_channel, grid=1.0, dtype=np.int32):
+    """``DequantizeLinear(int32, s_x * s_w * grid)``: a bias as quantize_static, Brevitas and AIMET write it
+    (``dtype`` int8: as AMD Quark's XINT8 does, on a coarser power-of-two grid)."""
     scale = (np.float32(X_SCALE) * np.asarray(w_scale, np.float32) * np.float32(grid)).astype(np.float32)
-    q = b.rng.integers(-3000, 3000, n).astype(np.int32)
+    q = b.rng.integers(-3000, 3000, n).astype(np.int32) if dtype == np.int32 else b.rng.integers(-100, 100, n, dtype)
     return b.node("DequantizeLinear", [b.const(q, "bq"), b.const(scale if per_channel else scale.reshape(-1)[0], "bs")],
                   **({"axis": 0} if per_channel else {}))
 
@@ -33,17 +34,18 @@ def _weight_scale(b, w):
     return onnx.numpy_helper.to_array(next(t for t in b.inits if t.name == producer.input[1]))
 
 
-def _layer(op, per_channel, grid=1.0, batch=2):
+def _layer(op, per_channel, grid=1.0, batch=2, bias_dtype=np.int32):
     b = Builder()
     if op == "Conv":
         x = b.qdq("x", X_SCALE, 128)
         w = b.weight((4, 3, 3, 3), per_channel=per_channel)
-        y = b.node("Conv", [x, w, _int32_bias(b, _weight_scale(b, w), 4, per_channel, grid)], pads=[1, 1, 1, 1])
+        y = b.node("Conv", [x, w, _int32_bias(b, _weight_scale(b, w), 4, per_channel, grid, bias_dtype)],
+                   pads=[1, 1, 1, 1])
         shape = [batch, 3, 6, 6]
     else:
         x = b.qdq("x", X_SCALE, 128)
         w = b.weight((8, 4), axis=1, per_channel=per_channel)
-        bias = _int32_bias(b, _weight_scale(b, w), 4, per_channel, grid)
+        bias = _int32_bias(b, _weight_scale(b, w), 4, per_channel, grid, bias_dtype)
         y = b.node("Gemm", [x, w, bias]) if op == "Gemm" else b.node("Add", [b.node("MatMul", [x, w]), bias])
         shape = [batch, 8]
     model = b.model([("x", shape)], [b.qdq(y, OUT_SCALE, 128)])
@@ -62,6 +64,17 @@ def test_an_int32_bias_on_the_grid_converts_exactly(op, per_channel):
     result = quantize_qat_export(model, inputs=feeds)
     assert op not in ops(result.model) and not result.float_nodes, ops(result.model)
     assert not result.rounded_biases  # s_b is s_x * s_w: the int32 values as written
+    np.testing.assert_array_equal(run(result.model, feeds)[0], reference(model, feeds)[0])
+
+
+@pytest.mark.parametrize("op", ["Conv", "Gemm"])
+def test_an_int8_bias_on_a_coarser_grid_converts_exactly(op):
+    """AMD Quark's XINT8 quantizes a bias as it does a weight: int8, on a power-of-two grid coarser than s_x * s_w
+    (here 4x). Read as the float it means, it lies on the int32 grid the integer layer holds: exact."""
+    model, shape = _layer(op, per_channel=False, grid=4.0, bias_dtype=np.int8)
+    feeds = {"x": np.random.default_rng(1).standard_normal(shape).astype(np.float32)}
+    result = quantize_qat_export(model, inputs=feeds)
+    assert op not in ops(result.model) and not result.float_nodes and not result.rounded_biases, ops(result.model)
     np.testing.assert_array_equal(run(result.model, feeds)[0], reference(model, feeds)[0])
 
 
@@ -517,10 +530,12 @@ def test_modelopts_onnx_int4_awq_export_becomes_matmulnbits_exactly(tmp_path):
 
 @pytest.mark.parametrize("name, quantized, floats", [
     ("modelopt-onnx-int8-bert", 16, 0), ("modelopt-onnx-int8-resnet", 12, 4),
-    ("nncf-onnx-int8-bert", 16, 0), ("nncf-onnx-int8-resnet", 12, 0)])
+    ("nncf-onnx-int8-bert", 16, 0), ("nncf-onnx-int8-resnet", 12, 0),
+    ("quark-xint8-bert", 18, 0), ("quark-xint8-resnet", 13, 0), ("quark-a8w8-bert", 18, 0), ("quark-a8w8-resnet", 13, 0)])
 def test_onnx_quantizers_exports_convert_with_every_quantized_layer_integer(name, quantized, floats, tmp_path):
     """What other tools' post-training quantizers of ONNX files write (``scripts/interop_exports/``: NVIDIA
-    ModelOpt's ONNX INT8 quantization, NNCF's ONNX backend with its transformer preset): every MatMul / Conv / Gemm
+    ModelOpt's ONNX INT8 quantization, NNCF's ONNX backend with its transformer preset, AMD Quark's XINT8 with its
+    int8 biases on power-of-two grids and its A8W8 in onnxruntime's com.microsoft Q/DQ): every MatMul / Conv / Gemm
     whose inputs they quantized is integer (the BERTs' Linears and the attention products they quantized), but
     ModelOpt's ResNet convs before a residual add, whose outputs it did not quantize: float with that reason, as
     onnxruntime's own fusion leaves them. Layers a tool left unquantized (ModelOpt's classifiers, too small for it)

@@ -9,7 +9,9 @@ product (what every tool writes), the round trip is exact for every bias below 2
 rounded to it and reported, with its layer, in ``findings.rounded_biases``.
 
 A ``DequantizeLinear`` of an int32 constant is never a weight (weights are 8 bits or fewer), so every such constant
-is folded; one with a zero point other than 0 is folded the same way (its meaning is ``(q - zp) * s``).
+is folded; one with a zero point other than 0 is folded the same way (its meaning is ``(q - zp) * s``). A bias of
+8 or 16 bits (AMD Quark's XINT8 quantizes biases as it does weights: int8 on a power-of-two grid) is folded where
+every reader takes it as a bias (a Conv's or Gemm's third input): the same constant would be a weight elsewhere.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ import numpy as np
 from ..graph import Graph
 from ..qdq import dequantized
 
+BIASED = {"Conv", "ConvTranspose", "Gemm"}
+
 
 def fold_int32_biases(g: Graph) -> int:
     count = 0
     for node in g.each("DequantizeLinear"):
         q = g.const(node.inputs[0])
-        if q is None or q.dtype != np.int32 or node.outputs[0].is_graph_output():
+        if q is None or node.outputs[0].is_graph_output() or not (q.dtype == np.int32 or _only_a_bias(g, node, q)):
             continue
         value = dequantized(g, node)
         if value is None:
@@ -35,3 +39,10 @@ def fold_int32_biases(g: Graph) -> int:
         g.drop_if_unused(*inputs)
         count += 1
     return count
+
+
+def _only_a_bias(g: Graph, node, q: np.ndarray) -> bool:
+    """An 8- or 16-bit integer vector that every reader takes as its bias (Conv / ConvTranspose / Gemm input 2)."""
+    readers = node.outputs[0].uses()
+    return (q.dtype in (np.int8, np.uint8, np.int16, np.uint16) and q.ndim == 1 and bool(readers)
+            and all(use.node.op_type in BIASED and use.idx == 2 for use in readers))
