@@ -216,6 +216,14 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         own = _runtime_refusal(reference)
         if own is not None:  # the input itself is broken: say so in onnxruntime's words about its own nodes
             raise ModelError(f"{label} does not run in onnxruntime itself, as written: {own}") from exc
+        integer = Counter(n.op_type for n in model.graph.node if n.op_type.startswith("QLinear")
+                          or n.op_type in ("QGemm", "MatMulInteger", "ConvInteger"))
+        if integer:  # a QOperator model (quantize_static's QOperator format) passes through, here into a failure
+            kinds = ", ".join(f"{op} x{n}" for op, n in integer.most_common())
+            raise ModelError(f"{label} is already an integer (QOperator) model ({kinds}), and passing it through "
+                             f"failed: {' '.join(str(exc).split())[:300]}; the converter takes the QDQ form "
+                             "(QuantizeLinear / DequantizeLinear around float ops: quantize_static(..., "
+                             "quant_format=QuantFormat.QDQ), or the QAT export)") from exc
         raise ModelError(f"cannot convert {label}: {type(exc).__name__}: {' '.join(str(exc).split())[:500]}") from exc
 
 

@@ -276,8 +276,28 @@ def _optimized_ops(path, tmp_path):
     return collections.Counter(f"{n.domain}:{n.op_type}" for n in onnx.load(tmp_path / "optimized.onnx").graph.node)
 
 
+def test_an_integer_qoperator_model_that_fails_is_said_to_be_one(tmp_path):
+    """quantize_static's QOperator format with int8 activations runs with onnxruntime's optimizations off but not in
+    a default session (no int8 x int8 QLinearConv kernel there): the converter, which passes such a model through,
+    says what the model is and which form it takes, not only onnxruntime's words."""
+    from onnxruntime.quantization import QuantFormat, QuantType
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(SmallNet().eval(), torch.randn(1, 3, 8, 8), tmp_path / "fp32.onnx", dynamo=False,
+                          input_names=["input"])
+    feeds = [{"input": np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(np.float32)} for i in range(4)]
+    _quantize_static(tmp_path / "fp32.onnx", tmp_path / "qoperator.onnx", feeds, quant_format=QuantFormat.QOperator,
+                     activation_type=QuantType.QInt8, weight_type=QuantType.QInt8)
+    with pytest.raises(ModelError, match=r"already an integer \(QOperator\) model \(QLinearConv x2.*QuantFormat.QDQ"):
+        quantize_qat_export(tmp_path / "qoperator.onnx", tmp_path / "int8.onnx")
+    assert not (tmp_path / "int8.onnx").exists()
+
+
 def _quantize_static(fp32, out, feeds, **options):
-    """onnxruntime's ``quantize_static`` (QDQ) of ``fp32`` calibrated on ``feeds``, warnings silenced."""
+    """onnxruntime's ``quantize_static`` (QDQ unless ``quant_format`` says) of ``fp32`` calibrated on ``feeds``,
+    warnings silenced."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
 
     class Reader(CalibrationDataReader):
@@ -289,7 +309,7 @@ def _quantize_static(fp32, out, feeds, **options):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        quantize_static(str(fp32), str(out), Reader(), quant_format=QuantFormat.QDQ, **options)
+        quantize_static(str(fp32), str(out), Reader(), **{"quant_format": QuantFormat.QDQ, **options})
 
 
 def test_quantize_statics_int4_weights_convert_as_the_int8_they_hold(tmp_path):
@@ -531,7 +551,8 @@ def test_modelopts_onnx_int4_awq_export_becomes_matmulnbits_exactly(tmp_path):
 @pytest.mark.parametrize("name, quantized, floats", [
     ("modelopt-onnx-int8-bert", 16, 0), ("modelopt-onnx-int8-resnet", 12, 4),
     ("nncf-onnx-int8-bert", 16, 0), ("nncf-onnx-int8-resnet", 12, 0),
-    ("quark-xint8-bert", 18, 0), ("quark-xint8-resnet", 13, 0), ("quark-a8w8-bert", 18, 0), ("quark-a8w8-resnet", 13, 0)])
+    ("quark-xint8-bert", 18, 0), ("quark-xint8-resnet", 13, 0),
+    ("quark-a8w8-bert", 18, 0), ("quark-a8w8-resnet", 13, 0)])
 def test_onnx_quantizers_exports_convert_with_every_quantized_layer_integer(name, quantized, floats, tmp_path):
     """What other tools' post-training quantizers of ONNX files write (``scripts/interop_exports/``: NVIDIA
     ModelOpt's ONNX INT8 quantization, NNCF's ONNX backend with its transformer preset, AMD Quark's XINT8 with its
