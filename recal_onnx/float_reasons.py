@@ -84,8 +84,8 @@ def _weighted_reason(g: Graph, node: Node) -> str:
     bias = input_of(node, 2) if node.op_type in ("Conv", "Gemm") else None
     if bias is not None and not g.is_const(bias):
         maker = g.producer(bias)
-        return (f"its bias {bias.name!r} is not a float constant nor an int32 DequantizeLinear (made by "
-                f"{maker.op_type if maker else 'a graph input'})")
+        return (f"its bias {bias.name!r} is not a constant nor a DequantizeLinear of integers it alone reads as a "
+                f"bias (made by {maker.op_type if maker else 'a graph input'})")
     return f"no integer form of {node.op_type} with these inputs and attributes in this converter"
 
 

@@ -81,14 +81,13 @@ WEIGHT_TYPES = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4}  # constant weigh
 def _check_blocks(model: onnx.ModelProto, name: str, tensors: dict[str, onnx.TensorProto]) -> None:
     """A weight quantized in blocks has one scale a block along its axis: said by node, with the axis the scale
     does fit where there is one (an exporter that wrote the wrong axis), before onnxruntime refuses it in its words."""
-    readers = {value: node for node in model.graph.node for value in node.input}
     for node in model.graph.node:
-        block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
+        block = _int_attr(node, "block_size", 0)
         weight, scale = (tensors.get(v) for v in (list(node.input) + ["", ""])[:2])
         if node.op_type != "DequantizeLinear" or block <= 0 or weight is None or scale is None:
             continue
         shape, got = list(weight.dims), list(scale.dims)
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 1) % max(len(shape), 1)
+        axis = _int_attr(node, "axis", 1) % max(len(shape), 1)
 
         def blocks(along: int) -> list[int]:
             return [-(-d // block) if i == along else d for i, d in enumerate(shape)]
@@ -96,9 +95,8 @@ def _check_blocks(model: onnx.ModelProto, name: str, tensors: dict[str, onnx.Ten
         if len(got) != len(shape) or got == blocks(axis):
             continue
         fits = [a for a in range(len(shape)) if a != axis and got == blocks(a)]
-        reader = readers.get(node.output[0])
-        transposed = reader is not None and reader.op_type == "Gemm" and any(
-            a.name == "transB" and a.i for a in reader.attribute)
+        reader = next((n for n in model.graph.node if node.output[0] in n.input), None)
+        transposed = reader is not None and reader.op_type == "Gemm" and _int_attr(reader, "transB", 0)
         hint = (f"; that scale gives blocks along axis {fits[0]}"
                 + (f", the K axis of the Gemm (transB=1) {reader.name!r} that reads it" if transposed else "")
                 + f": the exporter wrote axis {axis} where it meant {fits[0]} (NVIDIA ModelOpt's ONNX INT4 "
@@ -107,6 +105,11 @@ def _check_blocks(model: onnx.ModelProto, name: str, tensors: dict[str, onnx.Ten
         raise ModelError(f"{name}: DequantizeLinear {node.name or node.output[0]!r} has a scale of shape {got} for "
                          f"its {shape} weight {weight.name!r} in blocks of {block} along axis {axis}, which needs "
                          f"{blocks(axis)}{hint}")
+
+
+def _int_attr(node: onnx.NodeProto, attribute: str, default: int) -> int:
+    """``node``'s integer attribute, ``default`` where it has none."""
+    return next((a.i for a in node.attribute if a.name == attribute), default)
 
 
 def _check_quantized_types(model: onnx.ModelProto, name: str, tensors: dict[str, onnx.TensorProto]) -> None:
@@ -118,7 +121,7 @@ def _check_quantized_types(model: onnx.ModelProto, name: str, tensors: dict[str,
     for node in model.graph.node:
         if node.op_type not in QDQ_OPS or not node.input:  # a node without inputs: the checker names it later
             continue
-        blocked = next((a.i for a in node.attribute if a.name == "block_size"), 0)
+        blocked = _int_attr(node, "block_size", 0)
         constant_weight = node.op_type == "DequantizeLinear" and node.input[0] in tensors
         if blocked and not constant_weight:
             raise ModelError(f"{name}: {node.op_type} {node.name or node.output[0]!r} quantizes an activation in "
@@ -138,7 +141,7 @@ def _check_quantized_types(model: onnx.ModelProto, name: str, tensors: dict[str,
         if dtype is None and node.op_type == "DequantizeLinear":
             dtype = types.get(node.input[0])
         if dtype is None:
-            attr = next((a.i for a in node.attribute if a.name == "output_dtype"), 0)
+            attr = _int_attr(node, "output_dtype", 0)
             dtype = attr or (onnx.TensorProto.UINT8 if node.op_type == "QuantizeLinear" else None)
         if dtype is None or dtype in QUANTIZED_TYPES or (node.op_type == "DequantizeLinear" and dtype in BIAS_TYPES):
             continue

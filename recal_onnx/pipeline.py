@@ -26,7 +26,8 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
    format ``qdq``: ``affine_to_batchnorm``, ``batchnorm_to_conv``, ``bias_to_int32``, ``fusible_qdq_pools``,
    ``softmax_to_qlinear`` (a softmax onnxruntime would fuse into its kernel on another grid stays float);
 5. ``masks_to_exact_zeros``: a float softmax's mask of -100 (Swin's) becomes -10000, its probabilities exactly 0
-   rather than denormals (slow on Intel CPUs); ``matmul_to_nbits``: weight-only layers (float input, grouped or per-channel 4/8-bit weights) to ``MatMulNBits``;
+   rather than denormals (slow on Intel CPUs); ``matmul_to_nbits``: weight-only layers (float input, grouped or
+   per-channel 4/8-bit weights) to ``MatMulNBits``;
    ``shapes_from_integers``: a Shape of a dequantized tensor reads its integers (the dequantization, made only to be
    measured, goes);
 6. ``uint8_weights`` when the target stores weights beyond +-64 as uint8;

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench.peers import matmul_nbits_qdq, quantize_static  # noqa: E402
-from bench.results import machine, save_run  # noqa: E402
+from bench.results import machine, save_run, sessions_clause  # noqa: E402
 from bench.timing import interleaved_latency  # noqa: E402
 from recal_onnx import cpu, quantize_qat_export  # noqa: E402
 from recal_onnx.verify import generated_inputs  # noqa: E402
@@ -51,12 +51,12 @@ from bench.models import ResNet18, torch_init  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "interop"
 WEIGHTED = {"Conv", "Gemm", "MatMul", "ConvTranspose"}
-# between a weight's constant and its layer: quantizing it (NNCF, ModelOpt), clipping its integers (Brevitas), moving it
 # the same file converted with accuracy_level=4: MatMulNBits rounds its input to int8, as onnxruntime's own fusion
 # of the file does (faster where int8 dot products are, no longer exact)
 NBITS_ROUNDED = "ort MatMulNBits QDQ int4 block 32: hf-bert, accuracy_level=4"
 OPTIONS = {NBITS_ROUNDED: {"accuracy_level": 4}}
 SESSIONS = 3  # each file timed in this many sessions of its own (bench.timing.interleaved_latency)
+# between a weight's constant and its layer: quantizing it (NNCF, ModelOpt), clipping its integers (Brevitas), moving it
 MOVES_WEIGHT = {"QuantizeLinear", "DequantizeLinear", "Clip", "Cast", "Transpose", "Reshape", "Identity"}
 
 
@@ -189,11 +189,11 @@ def table(data: dict) -> str:
     """docs/interop.md's table: every run in ``data`` (one per CPU), each under the CPU it ran on."""
     parts = []
     for run in data["runs"]:
-        sessions = f" of {run['sessions']} sessions each" if run.get("sessions", 1) > 1 else ""
         versions = f"onnxruntime {run['onnxruntime']}, torch {run['torch']}, python {run['python']}"
         parts.append(f"{run['cpu']}; {versions}; batch 1, 1 thread, median of {run['rounds']} interleaved rounds"
-                     f"{sessions}, quantize_static rows at {run['size']}x{run['size']} (`python scripts/bench_interop.py "
-                     "--json docs/results/interop.json`)\n\n" + format_rows(run["rows"]))
+                     f"{sessions_clause(run)}, quantize_static rows at {run['size']}x{run['size']} "
+                     "(`python scripts/bench_interop.py --json docs/results/interop.json`)\n\n"
+                     + format_rows(run["rows"]))
     return "\n\n".join(parts)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench.results import load  # noqa: E402
+from bench.results import load, sessions_clause  # noqa: E402
 from code_layout import layout_table  # noqa: E402
 
 MARKER = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.DOTALL)
@@ -125,10 +125,9 @@ def transformers() -> str:
             lines += _latency_rows(model, next(row["ms_1"] for row in model["rows"] if row["label"] == "fp32"))
         names = " ".join(model["model"] for model in data["models"])
         attention = " --attention" if any("+attention" in r["label"] for m in data["models"] for r in m["rows"]) else ""
-        sessions = f" of {data['sessions']} sessions each" if data.get("sessions", 1) > 1 else ""
         parts.append("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}, batch 1, median of "
-                     f"{data['rounds']} interleaved rounds{sessions} (`python scripts/bench_transformers.py --rounds "
-                     f"{data['rounds']} --models {names}{attention} --json docs/results/transformers.json`); MB = 10^6 "
+                     f"{data['rounds']} interleaved rounds{sessions_clause(data)} (`python "
+                     f"scripts/bench_transformers.py --rounds {data['rounds']} --models {names}{attention} --json docs/results/transformers.json`); MB = 10^6 "
                      f"bytes. Agreement: argmax on {data['models'][0]['checks']} inputs against the model each was "
                      "made from (recal: its QAT export; onnxruntime: fp32).")
     return "\n\n".join(parts)

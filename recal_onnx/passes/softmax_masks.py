@@ -25,12 +25,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..findings import Findings
-from ..graph import Graph, Node, Value, set_input
+from ..graph import SHAPE_READERS, Graph, Node, Value, set_input
 
 MASKED = -1.0e4  # exp(MASKED + span) is 0 in float32 for any span below ~9900; finite in float16 too (TensorRT fp16)
 MASK_BELOW = -64.0  # a constant this negative masks: exp(-64) = 1.6e-28 of the row's largest probability
 MOVES = {"Reshape", "Expand", "Unsqueeze", "Squeeze", "Transpose", "Tile", "Identity", "Slice", "Concat", "Cast"}
-SHAPE_ONLY = {"Shape", "Size"}  # readers of a mask's shape, not its values
 MAX_VISITS = 4096  # a mask's path is a few nodes; this bounds the walk on any graph
 
 
@@ -96,7 +95,7 @@ def _only_softmax_reads(g: Graph, value: Value) -> bool:
             return False
         for use in value.uses():
             node, index = use.node, use.idx
-            if (node.op_type == "Softmax" and index == 0) or node.op_type in SHAPE_ONLY or node in seen:
+            if (node.op_type == "Softmax" and index == 0) or node.op_type in SHAPE_READERS or node in seen:
                 continue
             seen.add(node)
             if node.op_type == "Add" or node.op_type in MOVES and (index == 0 or node.op_type == "Concat") \

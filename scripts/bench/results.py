@@ -32,6 +32,11 @@ def machine() -> dict:
     return label
 
 
+def sessions_clause(run: dict) -> str:
+    """How many sessions each file was timed in, as a caption says it ('' for one)."""
+    return f" of {run['sessions']} sessions each" if run.get("sessions", 1) > 1 else ""
+
+
 def save(path: Path, data: dict) -> None:
     """``data`` as indented JSON at ``path``, written whole or not at all."""
     with atomic_path(path) as tmp:

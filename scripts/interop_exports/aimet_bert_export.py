@@ -16,7 +16,7 @@ import warnings
 import torch
 import transformers.models.llama.modeling_llama  # noqa: F401  before the stand-in: transformers probes torchvision
 
-from common import FIXTURES, TOKENS, small_bert, stand_in_torchvision, text_accuracy, text_batches, trained_on_text
+from common import FIXTURES, TOKENS, stand_in_torchvision, text_accuracy, text_batches, trained_bert, trained_on_text
 
 stand_in_torchvision()
 
@@ -24,9 +24,7 @@ import aimet_torch.onnx  # noqa: E402
 from aimet_torch.common.defs import QuantScheme  # noqa: E402
 from aimet_torch.quantsim import QuantizationSimModel  # noqa: E402
 
-torch.manual_seed(0)
-model = trained_on_text(small_bert())
-print("float accuracy", text_accuracy(model))
+model = trained_bert()
 example = torch.zeros(1, TOKENS, dtype=torch.long)
 sim = QuantizationSimModel(model, example, quant_scheme=QuantScheme.training_range_learning_with_tf_init,
                            default_output_bw=8, default_param_bw=8)

@@ -17,11 +17,9 @@ from brevitas.export import export_onnx_qcdq
 from brevitas.graph.calibrate import calibration_mode
 from brevitas.graph.quantize import layerwise_quantize
 
-from common import FIXTURES, TOKENS, small_bert, text_accuracy, text_batches, trained_on_text
+from common import FIXTURES, TOKENS, text_accuracy, text_batches, trained_bert, trained_on_text
 
-torch.manual_seed(0)
-model = trained_on_text(small_bert())
-print("float accuracy", text_accuracy(model))
+model = trained_bert()
 quant = layerwise_quantize(model)
 with torch.no_grad(), calibration_mode(quant):
     for ids, _ in text_batches(8, seed=1):

@@ -58,17 +58,17 @@ def trained(model: nn.Module, steps: int = 20, seed: int = 0) -> nn.Module:
     return model.eval()
 
 
-def export_torchscript(model: nn.Module, name: str, opset: int) -> None:
+def export_torchscript(model: nn.Module, name: str, opset: int, folder: Path = FIXTURES) -> None:
     """``model`` by torch.onnx's TorchScript path (the one these tools document), batch fixed at 1, into
-    ``FIXTURES / name``."""
+    ``folder / name``."""
     import warnings
 
-    FIXTURES.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, torch.randn(1, 3, SIZE, SIZE), FIXTURES / name, dynamo=False, input_names=["input"],
+        torch.onnx.export(model, torch.randn(1, 3, SIZE, SIZE), folder / name, dynamo=False, input_names=["input"],
                           opset_version=opset)
-    print("wrote", FIXTURES / name)
+    print("wrote", folder / name)
 
 
 # A small BERT for the transformer exports: byte tokens of the Python standard library's own source (real text),
@@ -130,17 +130,38 @@ def text_accuracy(model: nn.Module, batches: int = 16) -> float:
     return float(torch.stack(pairs).mean())
 
 
-def export_text_model(model: nn.Module, name: str, opset: int) -> None:
+def export_text_model(model: nn.Module, name: str, opset: int, folder: Path = FIXTURES) -> None:
     """``model`` by torch.onnx's TorchScript path, token ids of batch 1 and ``TOKENS`` positions fixed, into
-    ``FIXTURES / name``."""
+    ``folder / name``."""
     import warnings
 
-    FIXTURES.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, torch.zeros(1, TOKENS, dtype=torch.long), FIXTURES / name, dynamo=False,
+        torch.onnx.export(model, torch.zeros(1, TOKENS, dtype=torch.long), folder / name, dynamo=False,
                           input_names=["input_ids"], output_names=["logits"], opset_version=opset)
-    print("wrote", FIXTURES / name)
+    print("wrote", folder / name)
+
+
+def trained_bert() -> nn.Module:
+    """The small BERT (seed 0) after :func:`trained_on_text`, its float accuracy printed: what every BERT export
+    starts from."""
+    torch.manual_seed(0)
+    model = trained_on_text(small_bert())
+    print("float accuracy", text_accuracy(model))
+    return model
+
+
+def fp32_for_onnx_quantizers(folder: Path) -> dict[str, tuple[Path, list[dict]]]:
+    """The trained small BERT and ResNet exported to fp32 ONNX in ``folder`` (batch 1), each with its calibration
+    feeds, a sample each (64 text windows, 64 images): what the tools that quantize ONNX files start from."""
+    bert = trained_bert()
+    resnet = trained(SmallResNet())
+    export_text_model(bert, "bert.onnx", opset=17, folder=folder)
+    export_torchscript(resnet, "resnet.onnx", opset=17, folder=folder)
+    text = [{"input_ids": window[None].numpy()} for ids, _ in text_batches(4, seed=1) for window in ids]
+    images = [{"input": x[i:i + 1].numpy()} for x in calibration() for i in range(len(x))]
+    return {"bert": (folder / "bert.onnx", text), "resnet": (folder / "resnet.onnx", images)}
 
 
 def stand_in_torchvision() -> None:

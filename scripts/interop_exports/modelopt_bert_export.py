@@ -14,11 +14,9 @@ weights and int8 per-tensor inputs of every Linear, calibrated by a forward loop
 import modelopt.torch.quantization as mtq
 import torch
 
-from common import export_text_model, small_bert, text_accuracy, text_batches, trained_on_text
+from common import export_text_model, text_accuracy, text_batches, trained_bert, trained_on_text
 
-torch.manual_seed(0)
-model = trained_on_text(small_bert())
-print("float accuracy", text_accuracy(model))
+model = trained_bert()
 
 
 def forward_loop(m):

@@ -25,33 +25,23 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
 from modelopt.onnx.quantization import quantize
 
-import common
-from common import (FIXTURES, SmallResNet, calibration, small_bert, text_accuracy, text_batches, trained,
-                    trained_on_text)
+from common import FIXTURES, fp32_for_onnx_quantizers
 
-torch.manual_seed(0)
-bert = trained_on_text(small_bert())
-print("float accuracy", text_accuracy(bert))
-resnet = trained(SmallResNet())
 with tempfile.TemporaryDirectory() as folder:
-    common.FIXTURES = Path(folder)  # the fp32 exports are only the quantizer's inputs
-    common.export_text_model(bert, "bert.onnx", opset=17)
-    common.export_torchscript(resnet, "resnet.onnx", opset=17)
-    windows = torch.cat([ids for ids, _ in text_batches(4, seed=1)])  # 64 windows: 64 calibration steps of batch 1
-    text = {"input_ids": windows.numpy().astype(np.int64)}
-    images = torch.cat(calibration()).numpy()
+    fp32 = fp32_for_onnx_quantizers(Path(folder))  # only the quantizer's inputs
+    # ModelOpt takes its calibration samples stacked: 64 steps of batch 1
+    stacked = {name: {key: np.concatenate([f[key] for f in feeds]) for key in feeds[0]}
+               for name, (_, feeds) in fp32.items()}
     (FIXTURES / "refused").mkdir(exist_ok=True)
-    runs = [("bert", "int4", text, {"calibration_method": "awq_clip"}, FIXTURES / "refused" /
-             "modelopt-int4-awq-bert-gemm.onnx"),
-            ("bert", "int4", text, {"calibration_method": "awq_clip", "nodes_to_exclude": [".*Gemm$"]},
+    runs = [("bert", "int4", {"calibration_method": "awq_clip"},
+             FIXTURES / "refused" / "modelopt-int4-awq-bert-gemm.onnx"),
+            ("bert", "int4", {"calibration_method": "awq_clip", "nodes_to_exclude": [".*Gemm$"]},
              FIXTURES / "modelopt-int4-awq-bert.onnx"),
-            ("bert", "int8", text, {}, FIXTURES / "modelopt-onnx-int8-bert.onnx"),
-            ("resnet", "int8", images, {}, FIXTURES / "modelopt-onnx-int8-resnet.onnx")]
-    for model, mode, data, options, out in runs:
-        quantize(str(Path(folder) / f"{model}.onnx"), quantize_mode=mode, calibration_data=data,
-                 calibration_eps=["cpu"], high_precision_dtype="fp32", output_path=str(out), log_level="WARNING",
-                 **options)
+            ("bert", "int8", {}, FIXTURES / "modelopt-onnx-int8-bert.onnx"),
+            ("resnet", "int8", {}, FIXTURES / "modelopt-onnx-int8-resnet.onnx")]
+    for model, mode, options, out in runs:
+        quantize(str(fp32[model][0]), quantize_mode=mode, calibration_data=stacked[model], calibration_eps=["cpu"],
+                 high_precision_dtype="fp32", output_path=str(out), log_level="WARNING", **options)
         print("wrote", out)

@@ -14,11 +14,9 @@ Run in the venv of ``nncf_export.py`` with ``transformers`` added:
 import nncf
 import torch
 
-from common import TOKENS, export_text_model, small_bert, text_accuracy, text_batches, trained_on_text
+from common import TOKENS, export_text_model, text_accuracy, text_batches, trained_bert, trained_on_text
 
-torch.manual_seed(0)
-model = trained_on_text(small_bert())
-print("float accuracy", text_accuracy(model))
+model = trained_bert()
 calibration = nncf.Dataset([ids for ids, _ in text_batches(8, seed=1)])
 quantized = nncf.quantize(model, calibration, model_type=nncf.ModelType.TRANSFORMER)
 quantized = trained_on_text(quantized, steps=30, seed=2, lr=1e-4)  # QAT

@@ -16,22 +16,12 @@ from pathlib import Path
 
 import nncf
 import onnx
-import torch
 
-import common
-from common import FIXTURES, SmallResNet, calibration, small_bert, text_batches, trained, trained_on_text
+from common import FIXTURES, fp32_for_onnx_quantizers
 
-torch.manual_seed(0)
-bert = trained_on_text(small_bert())
-resnet = trained(SmallResNet())
 with tempfile.TemporaryDirectory() as folder:
-    common.FIXTURES = Path(folder)  # the fp32 exports are only the quantizer's inputs
-    common.export_text_model(bert, "bert.onnx", opset=17)
-    common.export_torchscript(resnet, "resnet.onnx", opset=17)
-    text = [{"input_ids": window[None].numpy()} for ids, _ in text_batches(4, seed=1) for window in ids]
-    images = [{"input": x[i:i + 1].numpy()} for x in calibration() for i in range(len(x))]
-    for name, items, model_type in (("bert", text, nncf.ModelType.TRANSFORMER), ("resnet", images, None)):
-        quantized = nncf.quantize(onnx.load(Path(folder) / f"{name}.onnx"), nncf.Dataset(items),
-                                  model_type=model_type, subset_size=len(items))
+    for name, (path, feeds) in fp32_for_onnx_quantizers(Path(folder)).items():
+        model_type = nncf.ModelType.TRANSFORMER if name == "bert" else None
+        quantized = nncf.quantize(onnx.load(path), nncf.Dataset(feeds), model_type=model_type, subset_size=len(feeds))
         onnx.save(quantized, FIXTURES / f"nncf-onnx-int8-{name}.onnx")
         print("wrote", FIXTURES / f"nncf-onnx-int8-{name}.onnx")

@@ -20,13 +20,11 @@ import os
 import tempfile
 from pathlib import Path
 
-import torch
 from onnxruntime.quantization import CalibrationDataReader
 from quark.onnx import ModelQuantizer
 from quark.onnx.quantization.config import Config, get_default_config
 
-import common
-from common import FIXTURES, SmallResNet, calibration, small_bert, text_batches, trained, trained_on_text
+from common import FIXTURES, fp32_for_onnx_quantizers
 
 
 class Reader(CalibrationDataReader):
@@ -37,19 +35,12 @@ class Reader(CalibrationDataReader):
         return next(self.items, None)
 
 
-torch.manual_seed(0)
-bert = trained_on_text(small_bert())
-resnet = trained(SmallResNet())
 with tempfile.TemporaryDirectory() as folder:
     os.chdir(folder)  # Quark writes a record of what it quantized to the working directory
-    common.FIXTURES = Path(folder)  # the fp32 exports are only the quantizer's inputs
-    common.export_text_model(bert, "bert.onnx", opset=17)
-    common.export_torchscript(resnet, "resnet.onnx", opset=17)
-    text = [{"input_ids": window[None].numpy()} for ids, _ in text_batches(4, seed=1) for window in ids]
-    images = [{"input": x[i:i + 1].numpy()} for x in calibration() for i in range(len(x))]
+    fp32 = fp32_for_onnx_quantizers(Path(folder))  # only the quantizer's inputs
     for config in ("XINT8", "A8W8"):
-        for name, items in (("bert", text), ("resnet", images)):
+        for name, (path, feeds) in fp32.items():
             out = FIXTURES / f"quark-{config.lower()}-{name}.onnx"
             ModelQuantizer(Config(global_quant_config=get_default_config(config))).quantize_model(
-                str(Path(folder) / f"{name}.onnx"), str(out), Reader(items))
+                str(path), str(out), Reader(feeds))
             print("wrote", out)

@@ -19,11 +19,9 @@ from torchao.quantization.pt2e import allow_exported_model_train_eval
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
 from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
 
-from common import FIXTURES, TOKENS, small_bert, text_accuracy, text_batches, trained_on_text
+from common import FIXTURES, TOKENS, text_accuracy, text_batches, trained_bert, trained_on_text
 
-torch.manual_seed(0)
-model = trained_on_text(small_bert())
-print("float accuracy", text_accuracy(model))
+model = trained_bert()
 example = (torch.zeros(1, TOKENS, dtype=torch.long),)
 captured = torch.export.export(model, example).module()
 quantizer = x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config(is_qat=True))
