@@ -83,6 +83,8 @@ class ConversionResult:
     heads_kept: dict[str, str] = field(default_factory=dict)
     # Where node name -> the softmax mask constant (Swin's -100) made -10000 (recal_onnx.passes.softmax_masks)
     masked_scores: dict[str, float] = field(default_factory=dict)
+    # node name -> the largest |q| of its float weight, read as int8 (recal_onnx.passes.float_weight_grids)
+    grid_weights: dict[str, int] = field(default_factory=dict)
     # target any, weights beyond +-64: the twin for x86 without VNNI (uint8 weights there), and where it was written
     avx2_model: onnx.ModelProto | None = None
     avx2_path: Path | None = None
@@ -111,6 +113,13 @@ class ConversionResult:
         return (f"{len(self.masked_scores)} softmax masks of {values} now mask with -10000: the probabilities they "
                 "left (float32 denormals, slow on Intel CPUs) are exactly 0, a change below float32's resolution of "
                 "the outputs (result.masked_scores names them)")
+
+    @property
+    def grid_weights_note(self) -> str:
+        """What reading float weights on int8 grids means, in one clause ('' when none was)."""
+        return (f"{len(self.grid_weights)} layers' float weights lie on int8 grids (their quantization folded into "
+                "floats, as tf2onnx writes a TF QAT model's) and were read as those integers, the same values "
+                "(result.grid_weights names them)") if self.grid_weights else ""
 
     @property
     def float_nodes(self) -> list[tuple[str, str]]:
@@ -291,9 +300,10 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
                                                          twin_name if twin is not None else None),
                               rounded_biases=dict(findings.rounded_biases), float_reasons=why,
                               coarse_biases=dict(findings.coarse_biases), heads_kept=dict(findings.heads_kept),
-                              masked_scores=dict(findings.masked_scores))
-    if result.masked_scores:
-        log.info("quantize_qat_export: %s", result.masked_scores_note)
+                              masked_scores=dict(findings.masked_scores), grid_weights=dict(findings.grid_weights))
+    for note in (result.masked_scores_note, result.grid_weights_note):
+        if note:
+            log.info("quantize_qat_export: %s", note)
     if result.float_ops:
         log.info("quantize_qat_export: computing in float (outside quantized tensors, by design, or listed above): "
                  "%s", ", ".join(f"{op} x{n}" for op, n in result.float_ops.items()))

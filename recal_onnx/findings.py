@@ -28,3 +28,5 @@ class Findings:
     coarse_biases: dict[str, float] = field(default_factory=dict)
     # Where node name -> the mask constant (-10000 < c <= -64) masks_to_exact_zeros made -10000: its probabilities 0
     masked_scores: dict[str, float] = field(default_factory=dict)
+    # node name -> the largest |q| of its float weight, read back as int8 (float_weight_grids: a folded quantization)
+    grid_weights: dict[str, int] = field(default_factory=dict)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .graph import Graph, Node, input_of
+from .passes.float_weight_grids import on_a_grid
 from .qdq import activation, weight
 from .quantized_ops import output_tail
 
@@ -49,6 +50,9 @@ def _weighted_reason(g: Graph, node: Node) -> str:
     if node.op_type == "ConvTranspose":
         return "onnxruntime has no integer kernel for ConvTranspose"
     source = g.producer(x)
+    if g.is_const(w_value) and g.const(w_value).dtype.kind == "f" and not on_a_grid(node, g.const(w_value)):
+        return ("its weight is float and on no int8 grid (a QAT weight whose quantization a tool folded into floats "
+                "lies on one, and is read back), so it computes in float as the file holds it")
     if activation(g, x) is None:
         if source is not None and source.op_type == "DequantizeLinear":
             scale = g.const(input_of(source, 1))

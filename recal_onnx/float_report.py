@@ -135,7 +135,7 @@ def float_islands(g: Graph, expected: set[str]) -> list[Node]:
     constant weight is an integer matmul with a float output (onnxruntime fuses it into
     MatMulIntegerToFloat, as the QOperator form writes it): what follows it starts in float, no island."""
     after_dq: set[Node] = set()  # nodes reached from a dequantized activation, no Q crossed
-    stack = [c for node in g.each("DequantizeLinear") if activation(g, node.outputs[0])
+    stack = [c for node in g.each("DequantizeLinear") if not g.is_const(node.inputs[0])  # per channel too
              for c in g.consumers(node.outputs[0])]
     while stack:
         node = stack.pop()

@@ -10,7 +10,8 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
    (4-bit weights as the int8 they hold; blocked MatMul weights as grouped rows), ``standard_qdq`` (onnxruntime's
    ``com.microsoft`` Q/DQ as the default domain's), ``remove_identities``, ``fold_constants`` (weights' Q becomes
    int8), ``fold_int32_biases`` (a ``DequantizeLinear(int32)`` bias: the float it means), ``weights_to_int8``
-   (a weight with a zero point: symmetric int8 where its values fit), ``minmax_to_clip``
+   (a weight with a zero point: symmetric int8 where its values fit), ``weights_from_grids`` (a float weight on an
+   int8 grid, its quantization folded into floats by tf2onnx: the DequantizeLinear of those integers), ``minmax_to_clip``
    (jax2onnx's ``Max`` / ``Min`` by a constant: the Clip it is), ``average_pool_windows`` (an AveragePool whose window
    passes its input: what onnxruntime's integer kernel then means too), ``fold_weight_reshapes``
    and ``fold_weight_transposes`` (``DQ(w) -> Reshape / Transpose`` becomes
@@ -31,7 +32,9 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
    ``shapes_from_integers``: a Shape of a dequantized tensor reads its integers (the dequantization, made only to be
    measured, goes);
 6. ``uint8_weights`` when the target stores weights beyond +-64 as uint8;
-7. ``bias_apart`` (a layer whose bias int32 cannot hold stays float, its bias in an Add of its own).
+7. ``bias_apart`` (a layer whose bias int32 cannot hold stays float, its bias in an Add of its own),
+   ``shield_float_weights`` (a float layer reading a quantized input reads it through a dequantization of its own,
+   so that onnxruntime does not quantize its float weight itself).
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ from .passes.affine_to_batchnorm import affine_to_batchnorm
 from .passes.average_pool_windows import average_pool_windows
 from .passes.batchnorm_to_conv import batchnorm_to_conv
 from .passes.fold_conv_affine import fold_conv_affine
+from .passes.float_weight_grids import weights_from_grids
+from .passes.float_weight_shield import shield_float_weights
 from .passes.fusible_qdq_pools import fusible_qdq_pools
 from .passes.gather_int4_table import gather_int4_tables
 from .passes.gather_int8_table import gather_int8_tables
@@ -107,8 +112,8 @@ class Step:
 
 
 PIPELINE: tuple[Step, ...] = (
-    Step((remove_dead_nodes, constants_to_initializers, widen_weights, standard_qdq, remove_identities, fold_constants, fold_int32_biases, weights_to_int8,
-          minmax_to_clip, average_pool_windows, fold_weight_reshapes, fold_weight_transposes, fold_pads_into_convs,
+    Step((remove_dead_nodes, constants_to_initializers, widen_weights, standard_qdq, remove_identities, fold_constants,
+          fold_int32_biases, weights_to_int8, weights_from_grids, minmax_to_clip, average_pool_windows, fold_weight_reshapes, fold_weight_transposes, fold_pads_into_convs,
           gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales)),
     Step((thin_heads,), when=lambda o: o.thin),
     Step((thin_channels,), when=lambda o: o.thin, args=lambda o: (o.channel_block,)),
@@ -123,7 +128,7 @@ PIPELINE: tuple[Step, ...] = (
     Step((matmul_to_nbits,), args=lambda o: (o.accuracy_level,)),
     Step((shapes_from_integers,)),
     Step((uint8_weights,), when=lambda o: o.weight_type == "uint8"),
-    Step((bias_apart,)),
+    Step((bias_apart, shield_float_weights)),
     Step((drop_exporter_metadata,), when=lambda o: not o.keep_exporter_metadata),
 )
 

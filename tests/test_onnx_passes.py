@@ -20,6 +20,8 @@ from recal_onnx.passes.binary_to_qlinear import binary_to_qlinear
 from recal_onnx.passes.concat_to_qlinear import concat_to_qlinear
 from recal_onnx.passes.constants import constants_to_initializers, fold_constants, remove_identities
 from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
+from recal_onnx.passes.float_weight_grids import grid_of, weights_from_grids
+from recal_onnx.passes.float_weight_shield import shield_float_weights
 from recal_onnx.passes.fold_conv_affine import fold_conv_affine
 from recal_onnx.passes.fusible_qdq_pools import fusible_qdq_pools
 from recal_onnx.passes.gather_int8_table import gather_int8_tables
@@ -1549,3 +1551,102 @@ def test_masks_to_exact_zeros(value, also_read_by, tensor, whole_row, rewritten)
     else:
         np.testing.assert_array_equal(after[1], before[1])
 
+
+
+def _folded_weight_graph(op, on_grid=True, quantized_input=True, channels_last=False):
+    """A layer whose float weight is an int8 QAT weight with its quantization (and a BatchNorm scale) folded into
+    floats, as tf2onnx writes tfmot's: ``q * step_c * bn_c`` in float32, per output channel, the input and output
+    quantized; ``on_grid=False``: one value a third of a step off, or a weight on no grid at all ("random")."""
+    b = Builder()
+    shapes = {"Conv": ((6, 3, 3, 3), 0), "Gemm": ((6, 12), 0), "MatMul": ((12, 6), 1)}
+    shape, axis = shapes[op]
+    q = b.rng.integers(-127, 128, shape).astype(np.float32)
+    q[(slice(None),) * axis + (1,)] = 0  # an all-zero channel
+    q[(slice(None),) * axis + (2,)] = np.sign(q[(slice(None),) * axis + (2,)])  # a ternary one
+    step = np.float32(0.01) * b.rng.uniform(0.5, 2, shape[axis]).astype(np.float32)
+    bn = b.rng.uniform(0.5, 1.5, shape[axis]).astype(np.float32)
+    along = [1] * len(shape)
+    along[axis] = -1
+    w = (q * step.reshape(along)) * bn.reshape(along)
+    if on_grid == "random":
+        w = b.rng.standard_normal(shape).astype(np.float32) * 0.3
+    elif not on_grid:
+        w.flat[7] += np.float32(0.33) * (step * bn).reshape(-1)[0 if axis == 0 else 7 % shape[1]]
+    x_shape = {"Conv": [2, 3, 6, 6], "Gemm": [4, 12], "MatMul": [4, 12]}[op]
+    if channels_last:
+        x_shape = [2, 6, 6, 3]
+    x = b.qdq("x", 0.03, 128) if quantized_input else "x"
+    if channels_last:
+        x = b.node("Transpose", [x], perm=[0, 3, 1, 2])
+    attrs = {"Conv": {"pads": [1, 1, 1, 1]}, "Gemm": {"transB": 1}, "MatMul": {}}[op]
+    inputs = [x, b.const(w, "w")] + ([b.const(b.rng.standard_normal(6).astype(np.float32) * 0.1, "bias")]
+                                     if op != "MatMul" else [])
+    y = b.qdq(b.node("Relu", [b.node(op, inputs, **attrs)]), 0.05, 0)
+    return b.model([("x", x_shape)], [y]), w
+
+
+@pytest.mark.parametrize("op, channels_last", [("Conv", False), ("Conv", True), ("Gemm", False), ("MatMul", False)])
+def test_weights_from_grids_reads_a_folded_weight_as_the_int8_it_is(op, channels_last):
+    """A float weight on an int8 grid per output channel (tf2onnx's fold of tfmot's weight quantizer and BatchNorm;
+    a channel all zeros, one ternary) becomes DequantizeLinear of those integers along the output channels, the same
+    values to float32 rounding; the conversion makes the layer integer and verifies it op by op."""
+    model, w = _folded_weight_graph(op, channels_last=channels_last)
+    findings = Findings()
+    folded, (n,) = _apply(model, weights_from_grids, findings=findings)
+    assert n == 1 and list(findings.grid_weights.values()) == [127]
+    dq = next(node for node in folded.graph.node if node.op_type == "DequantizeLinear" and node.output[0] in
+              {i for m in folded.graph.node if m.op_type == op for i in m.input[1:2]})
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in folded.graph.initializer}
+    q, steps = values[dq.input[0]], values[dq.input[1]]
+    axis = 1 if op == "MatMul" else 0
+    assert q.dtype == np.int8 and steps.shape == (w.shape[axis],)
+    assert onnx.helper.get_attribute_value(dq.attribute[0]) == axis
+    along = [1] * w.ndim
+    along[axis] = -1
+    np.testing.assert_allclose(q * steps.reshape(along), w, rtol=3e-7, atol=1e-9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = quantize_qat_export(model)
+    assert ("QLinearConv" if op == "Conv" else "QGemm") in ops(result.model), ops(result.model)
+    assert result.verification.local_steps <= 1 and len(result.grid_weights) == 1
+
+
+@pytest.mark.parametrize("on_grid, quantized_input", [(False, True), ("random", True), (True, False)],
+                         ids=["a-value-off-grid", "no-grid", "float-input"])
+def test_weights_from_grids_zero_cases(on_grid, quantized_input):
+    """A weight with one value a third of a step off its channel's grid, a float weight on no grid, and a weight on a
+    grid whose layer reads a float input: none is rewritten."""
+    model, _ = _folded_weight_graph("Conv", on_grid=on_grid, quantized_input=quantized_input)
+    _, (n,) = _apply(model, weights_from_grids)
+    assert n == 0
+
+
+def test_grid_of_takes_each_channels_coarsest_grid():
+    rows = np.array([[0.3, -0.1, 0.2, 0.0], [0.5, -0.5, 0.0, 0.5], [0.0, 0.0, 0.0, 0.0]], np.float32)
+    q, steps = grid_of(rows)
+    np.testing.assert_array_equal(q, [[3, -1, 2, 0], [1, -1, 0, 1], [0, 0, 0, 0]])
+    np.testing.assert_allclose(steps, [0.1, 0.5, 0.5], rtol=1e-6)  # an all-zero channel takes another's step
+    assert grid_of(np.array([[1.0, np.pi / 10]], np.float32)) is None
+    assert grid_of(np.array([[np.nan, 0.1]], np.float32)) is None and grid_of(np.array([[np.inf, 0.1]])) is None
+
+
+def test_a_float_layer_between_quantized_tensors_keeps_its_weights_in_a_default_session():
+    """A float weight on no int8 grid, its input and output quantized (a mixed-precision export's float layer): a
+    default onnxruntime session would quantize that weight to one int8 step itself (moving 11% of the next quantized
+    tensor by up to 2 steps); the converted layer reads its input through a per-channel dequantization of its own,
+    the same numbers, and the default session keeps the model as written, value for value. An integer layer in QDQ
+    form is left as it is."""
+    model, _ = _folded_weight_graph("Conv", on_grid="random")
+    feeds = _x([2, 3, 6, 6])
+    default = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    assert np.abs(run(model, feeds, level=default)[0] - reference(model, feeds)[0]).max() > 0.04  # moved
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = quantize_qat_export(model)
+    assert result.verification.local_steps == 0, result.verification
+    np.testing.assert_array_equal(run(result.model, feeds, level=default)[0], reference(model, feeds)[0])
+    conv = next(name for name in result.float_reasons if name.startswith("Conv"))
+    assert "on no int8 grid" in result.float_reasons[conv], result.float_reasons
+    assert result.rewrites["shield_float_weights"] == 1
+    integer, _ = _apply(_conv_graph(), bias_to_int32)
+    assert _apply(integer, shield_float_weights)[1] == [0]
