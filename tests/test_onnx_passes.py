@@ -660,6 +660,32 @@ def test_activations_to_uint8_keeps_values():
     np.testing.assert_array_equal(run(converted, feeds)[0], reference(model, feeds)[0])
 
 
+def test_activations_to_uint8_follows_integers_through_data_movement():
+    """TFLite's int8 activations as tf2onnx writes them: a pool's ``Q(int8, zp) -> Squeeze -> DQ`` before a Gemm.
+    The Q, and the DQ behind the Squeeze, both become uint8 (an integer pool with one type in and out), and the
+    conversion is integer throughout; a Q whose integers something other than data movement reads stays int8."""
+    b = Builder()
+    x = b.qdq("x", 0.05, -3, dtype=np.int8)
+    s, z = b.const(np.float32(0.04)), b.const(np.int8(-8))
+    pooled = b.node("QuantizeLinear", [b.node("GlobalAveragePool", [x]), s, z])
+    flat = b.node("DequantizeLinear", [b.node("Squeeze", [pooled, b.const(np.array([2, 3]))]), s, z])
+    y = b.qdq(b.node("Gemm", [flat, b.weight((6, 4)), b.const(np.zeros(6, np.float32))], transB=1), 0.05, -8,
+              dtype=np.int8)
+    model = b.model([("x", [2, 4, 5, 5])], [y])
+    feeds = _x([2, 4, 5, 5])
+    converted, (n,) = _apply(model, activations_to_uint8)
+    assert n == 3
+    np.testing.assert_array_equal(reference(converted, feeds)[0], reference(model, feeds)[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = quantize_qat_export(model)
+    assert {"QLinearGlobalAveragePool", "QGemm"} <= set(ops(result.model)), ops(result.model)
+    b = Builder()
+    q = b.node("QuantizeLinear", ["x", b.const(np.float32(0.04)), b.const(np.int8(-8))])
+    model = b.model([("x", [3, 5])], [b.node("Cast", [q], to=onnx.TensorProto.FLOAT)])
+    assert _apply(model, activations_to_uint8)[1] == [0]
+
+
 def test_bias_to_int32_for_qdq_format():
     model = _conv_graph()
     feeds = _x([2, 3, 6, 6])

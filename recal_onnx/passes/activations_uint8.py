@@ -1,7 +1,7 @@
 """Activations become uint8: an int8 activation ``Q/DQ(s, zp)`` is the same as uint8 ``Q/DQ(s, zp + 128)``.
 
-Before::  x -> QuantizeLinear(s, zp:int8) -> q -> DequantizeLinear(s, zp:int8)
-After::   x -> QuantizeLinear(s, zp+128:uint8) -> q -> DequantizeLinear(s, zp+128:uint8)
+Before::  x -> QuantizeLinear(s, zp:int8) -> q [-> Squeeze / Transpose ...] -> DequantizeLinear(s, zp:int8)
+After::   x -> QuantizeLinear(s, zp+128:uint8) -> q [-> Squeeze / Transpose ...] -> DequantizeLinear(s, zp+128:uint8)
 
 onnxruntime's x86 kernels are fast for uint8 activations with int8 weights; int8 activations in
 QOperator form are very slow. Weights (constant DQ inputs) stay int8.
@@ -13,6 +13,8 @@ import numpy as np
 
 from ..graph import Graph, input_of
 
+MOVES = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")  # move integers, never change one
+
 
 def activations_to_uint8(g: Graph) -> int:
     count = 0
@@ -20,10 +22,8 @@ def activations_to_uint8(g: Graph) -> int:
         zp = g.const(input_of(node, 2))
         if zp is None or zp.dtype != np.int8:
             continue
-        out = node.outputs[0]
-        readers = g.consumers(out)
-        if out.is_graph_output() or not readers or any(
-                r.op_type != "DequantizeLinear" or r.inputs[0] is not out for r in readers):
+        readers = _dequantizers(g, node.outputs[0])
+        if not readers:
             continue
         shifted = g.add_const(node.inputs[2].name + "_u8", (zp.astype(np.int16) + 128).astype(np.uint8))
         node.replace_input_with(2, shifted)
@@ -32,6 +32,25 @@ def activations_to_uint8(g: Graph) -> int:
                 reader.replace_input_with(2, shifted)
         count += 1
     return count
+
+
+def _dequantizers(g: Graph, value) -> list | None:
+    """The DequantizeLinear nodes that read ``value``, directly or through integer data movement (tf2onnx writes
+    ``Q -> Squeeze / Transpose -> DQ``), or None where anything else (a graph output too) reads it."""
+    found, stack = [], [value]
+    while stack:
+        value = stack.pop()
+        readers = g.consumers(value)
+        if value.is_graph_output() or not readers:
+            return None
+        for reader in readers:
+            if reader.op_type == "DequantizeLinear" and reader.inputs[0] is value:
+                found.append(reader)
+            elif reader.op_type in MOVES and reader.inputs[0] is value:
+                stack.append(reader.outputs[0])
+            else:
+                return None
+    return found
 
 
 def scalar_activation_qparams(g: Graph) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..findings import Findings
-from ..graph import Graph, Node, attr, input_of
+from ..graph import Graph, Node, Value, attr, input_of
 from ..qdq import activation
 
 TOLERANCE = 1e-4  # in steps: float32 rounding of q * step * a BatchNorm scale is ~1e-5 step; a real off-grid weight 0.1+
@@ -57,7 +57,7 @@ def weights_from_grids(g: Graph, findings: Findings | None = None) -> int:
     return count
 
 
-def _reads_quantized(g: Graph, value) -> bool:
+def _reads_quantized(g: Graph, value: Value | None) -> bool:
     """Whether ``value`` is a dequantized activation, through data movement (tf2onnx's NHWC Transpose)."""
     node = g.producer(value)
     while node is not None and node.op_type in MOVES and node.inputs:
@@ -95,7 +95,7 @@ def grid_of(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """``rows`` (a channel a row) as int8 ``q`` and float32 steps with ``rows[c] ~= q[c] * steps[c]`` within
     :data:`TOLERANCE` of a step, each channel on its coarsest such grid, or None where a channel lies on none."""
     values = rows.astype(np.float64)
-    if not np.isfinite(values).all():
+    if values.size == 0 or not np.isfinite(values).all():
         return None
     peak = np.abs(values).max(axis=1)
     live = peak > 0

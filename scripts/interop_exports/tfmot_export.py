@@ -1,12 +1,15 @@
 """TensorFlow Model Optimization's documented QAT flow at its defaults, exported by tf2onnx, into
-tests/fixtures/interop/tfmot-small-resnet.onnx: where a Keras 2 (tf-keras) user's quantized model comes from.
+tests/fixtures/interop/tfmot-small-resnet.onnx, and its documented deployment (the TFLite int8 model) through
+tf2onnx into tflite-small-resnet.onnx: where a Keras 2 (tf-keras) user's quantized model comes from.
 
 ``common.py``'s SmallResNet layer for layer in Keras (channels last: a stem conv, four stages of one BasicBlock,
 widths 16 to 128, 32x32 inputs, 10 classes), trained a few steps on the same kind of class templates plus noise,
 quantized by ``tfmot.quantization.keras.quantize_model`` (its default 8-bit scheme: int8 weights per channel,
 narrow range; asymmetric 8-bit activations), fine-tuned a few steps (QAT) and converted by
 ``tf2onnx.convert.from_keras`` (opset 13, the batch left dynamic): tf2onnx writes tfmot's ``FakeQuantWithMinMaxVars``
-as QuantizeLinear/DequantizeLinear. tfmot runs on tf-keras only (it switches a process to legacy Keras), so this runs
+as QuantizeLinear/DequantizeLinear. The same QAT model through ``tf.lite.TFLiteConverter`` with
+``optimizations=[tf.lite.Optimize.DEFAULT]`` is TFLite's integer model (int8 activations with zero points, int8
+weights per channel, int32 biases), which ``tf2onnx.convert.from_tflite`` writes as QDQ. tfmot runs on tf-keras only (it switches a process to legacy Keras), so this runs
 in an environment of its own, never ``.venv``:
 
     python -m venv /tmp/tfmot_venv && /tmp/tfmot_venv/bin/pip install "tensorflow-cpu==2.21.*" "tf-keras==2.21.*" \\
@@ -15,6 +18,7 @@ in an environment of its own, never ``.venv``:
 """
 
 import os
+import tempfile
 from pathlib import Path
 
 os.environ["TF_USE_LEGACY_KERAS"] = "1"
@@ -76,4 +80,12 @@ FIXTURES.mkdir(parents=True, exist_ok=True)
 path = FIXTURES / "tfmot-small-resnet.onnx"
 tf2onnx.convert.from_keras(qat, input_signature=[tf.TensorSpec((None, SIZE, SIZE, 3), tf.float32, name="input")],
                            opset=13, output_path=str(path))
+print("wrote", path)
+converter = tf.lite.TFLiteConverter.from_keras_model(qat)
+converter.optimizations = [tf.lite.Optimize.DEFAULT]
+with tempfile.TemporaryDirectory() as tmp:
+    tflite = Path(tmp) / "model.tflite"
+    tflite.write_bytes(converter.convert())
+    path = FIXTURES / "tflite-small-resnet.onnx"
+    tf2onnx.convert.from_tflite(str(tflite), opset=13, output_path=str(path))
 print("wrote", path)
