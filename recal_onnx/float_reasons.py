@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .graph import Graph, Node, input_of
-from .passes.float_weight_grids import on_a_grid
+from .passes import on_a_grid
 from .qdq import activation, weight
 from .quantized_ops import output_tail
 

@@ -26,7 +26,7 @@ from ..findings import Findings
 from ..graph import Graph, Node, Value, attr, input_of
 from ..qdq import activation
 
-TOLERANCE = 1e-4  # in steps: float32 rounding of q * step * a BatchNorm scale is ~1e-5 step; a real off-grid weight 0.1+
+TOLERANCE = 1e-4  # in steps: float32 rounding of q * step * a BatchNorm scale is ~1e-5 step; off-grid values 0.1+
 SAMPLED = 16  # values a channel's candidate steps are first tried on, before the whole channel
 MOVES = ("Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")
 LEVELS = np.arange(1, 128, dtype=np.float64)  # the largest |q| a channel may have: 1 (ternary) to 127
@@ -43,11 +43,10 @@ def weights_from_grids(g: Graph, findings: Findings | None = None) -> int:
         if fitted is None:
             continue
         q, steps = fitted
-        one = np.all(steps == steps[0])
-        dq = g.add_node("DequantizeLinear", [g.add_const(w_value.name, q),
-                                             g.add_const(w_value.name + "_step", steps[:1].reshape(()) if one else steps),
-                                             g.add_const(w_value.name + "_zp", np.zeros((), np.int8) if one
-                                                         else np.zeros(steps.shape, np.int8))],
+        if np.all(steps == steps[0]):
+            steps = steps[:1].reshape(())  # one step for the whole weight: per-tensor
+        dq = g.add_node("DequantizeLinear", [g.add_const(w_value.name, q), g.add_const(w_value.name + "_step", steps),
+                                             g.add_const(w_value.name + "_zp", np.zeros(steps.shape, np.int8))],
                         name=f"{node.name or node.op_type}_weight_dq", axis=axis)
         node.replace_input_with(1, dq.outputs[0])
         g.drop_if_unused(w_value)
