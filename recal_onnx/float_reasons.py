@@ -50,9 +50,13 @@ def _weighted_reason(g: Graph, node: Node) -> str:
     if node.op_type == "ConvTranspose":
         return "onnxruntime has no integer kernel for ConvTranspose"
     source = g.producer(x)
-    if g.is_const(w_value) and g.const(w_value).dtype.kind == "f" and not on_a_grid(node, g.const(w_value)):
-        return ("its weight is float and on no int8 grid (a QAT weight whose quantization a tool folded into floats "
-                "lies on one, and is read back), so it computes in float as the file holds it")
+    if g.is_const(w_value) and g.const(w_value).dtype.kind == "f":
+        if not on_a_grid(node, g.const(w_value)):
+            return ("its weight is float and on no int8 grid (a QAT weight whose quantization a tool folded into "
+                    "floats lies on one, and is read back), so it computes in float as the file holds it")
+        return (f"its weight is float, on an int8 grid, but its input {x.name!r} (made by "
+                f"{source.op_type if source else 'the graph input'}) is not a dequantized activation the converter "
+                "reads through")
     if activation(g, x) is None:
         if source is not None and source.op_type == "DequantizeLinear":
             scale = g.const(input_of(source, 1))

@@ -10,14 +10,13 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
    (4-bit weights as the int8 they hold; blocked MatMul weights as grouped rows), ``standard_qdq`` (onnxruntime's
    ``com.microsoft`` Q/DQ as the default domain's), ``remove_identities``, ``fold_constants`` (weights' Q becomes
    int8), ``fold_int32_biases`` (a ``DequantizeLinear(int32)`` bias: the float it means), ``weights_to_int8``
-   (a weight with a zero point: symmetric int8 where its values fit), ``weights_from_grids`` (a float weight on an
-   int8 grid, its quantization folded into floats by tf2onnx: the DequantizeLinear of those integers),
-   ``minmax_to_clip`` (jax2onnx's ``Max`` / ``Min`` by a constant: the Clip it is), ``average_pool_windows`` (an AveragePool whose window
-   passes its input: what onnxruntime's integer kernel then means too), ``fold_weight_reshapes``
-   and ``fold_weight_transposes`` (``DQ(w) -> Reshape / Transpose`` becomes
-   ``DQ(reshaped / transposed w)``), ``fold_pads_into_convs``,
-   ``gather_int4_tables``, ``gather_int8_tables``, ``fold_conv_affine`` (Div / Mul / Add / BatchNormalization after a conv into its weight
-   and bias), ``zero_channel_scales``;
+   (a weight with a zero point: symmetric int8 where its values fit), ``minmax_to_clip`` (jax2onnx's ``Max`` /
+   ``Min`` by a constant: the Clip it is), ``average_pool_windows`` (an AveragePool whose window passes its input:
+   what onnxruntime's integer kernel then means too), ``fold_weight_reshapes`` and ``fold_weight_transposes``
+   (``DQ(w) -> Reshape / Transpose`` becomes ``DQ(reshaped / transposed w)``), ``fold_pads_into_convs``,
+   ``weights_from_grids`` (a float weight on an int8 grid, its quantization folded into floats by tf2onnx: the
+   DequantizeLinear of those integers), ``gather_int4_tables``, ``gather_int8_tables``, ``fold_conv_affine``
+   (Div / Mul / Add / BatchNormalization after a conv into its weight and bias), ``zero_channel_scales``;
 2. ``thin_heads``, ``thin_channels`` (with ``thin``): the attention heads head pruning left dead; the channels (and
    FFN neurons) filter pruning left dead, in blocks of ``channel_block``;
 3. ``scalar_activation_qparams``, ``activations_to_uint8``, ``remove_redundant_qdq``, ``remove_noop_clamps``;
@@ -113,8 +112,8 @@ class Step:
 
 PIPELINE: tuple[Step, ...] = (
     Step((remove_dead_nodes, constants_to_initializers, widen_weights, standard_qdq, remove_identities, fold_constants,
-          fold_int32_biases, weights_to_int8, weights_from_grids, minmax_to_clip, average_pool_windows,
-          fold_weight_reshapes, fold_weight_transposes, fold_pads_into_convs, gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales)),
+          fold_int32_biases, weights_to_int8, minmax_to_clip, average_pool_windows, fold_weight_reshapes,
+          fold_weight_transposes, fold_pads_into_convs, weights_from_grids, gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales)),
     Step((thin_heads,), when=lambda o: o.thin),
     Step((thin_channels,), when=lambda o: o.thin, args=lambda o: (o.channel_block,)),
     Step((scalar_activation_qparams, activations_to_uint8, remove_redundant_qdq, remove_noop_clamps)),

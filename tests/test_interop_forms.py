@@ -465,6 +465,27 @@ def test_other_tools_exports_convert_with_every_layer_integer(path, tmp_path):
     assert path.read_bytes() == before
 
 
+@pytest.mark.parametrize("name", ["tfmot-mobilenetv2", "tflite-mobilenetv2"])
+def test_tensorflows_keras_applications_mobilenetv2_converts_with_every_layer_integer(name, tmp_path):
+    """keras.applications' own MobileNetV2 (depthwise convs, ReLU6, stride-2 blocks behind ZeroPadding2D) through
+    TF Model Optimization's QAT (``scripts/interop_exports/tfmot_export.py``), by tf2onnx (its 53 float kernels,
+    weight quantizers and BatchNorms folded, read back from their int8 grids, the pads folded into the convs first)
+    and as TFLite's integer model (int8 activations with zero points): every conv and the classifier integer,
+    verified on 256 samples within a step op by op, the file left as it was."""
+    path = FIXTURE_DIR / f"{name}.onnx"
+    before = path.read_bytes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnconvertedOpsWarning)
+        result = quantize_qat_export(path, tmp_path / "int8.onnx")
+    kinds = collections.Counter(ops(result.model))
+    assert kinds["QLinearConv"] == 52 and kinds["QGemm"] == 1, kinds
+    assert kinds["Conv"] == kinds["Gemm"] == kinds["MatMul"] == 0, kinds
+    assert len(result.grid_weights) == (53 if name.startswith("tfmot") else 0), result.grid_weights
+    v = result.verification
+    assert v.samples >= 256 and v.local_steps <= 1 and v.local_share <= 1e-3, v
+    assert path.read_bytes() == before
+
+
 def _reaches(model, name, ops, moves=("Transpose", "Reshape", "Cast", "Identity")):
     """Whether ``name`` is made by one of ``ops`` (through ``moves``); an initializer counts as "constant"."""
     made = {o: n for n in model.graph.node for o in n.output}

@@ -1,6 +1,7 @@
 """TensorFlow Model Optimization's documented QAT flow at its defaults, exported by tf2onnx, into
-tests/fixtures/interop/tfmot-small-resnet.onnx, and its documented deployment (the TFLite int8 model) through
-tf2onnx into tflite-small-resnet.onnx: where a Keras 2 (tf-keras) user's quantized model comes from.
+tests/fixtures/interop/tfmot-{small-resnet,mobilenetv2}.onnx, and its documented deployment (the TFLite int8 model)
+through tf2onnx into tflite-{small-resnet,mobilenetv2}.onnx: where a Keras 2 (tf-keras) user's quantized model comes
+from. The second model is keras.applications' own MobileNetV2 (alpha 0.35, 96x96).
 
 ``common.py``'s SmallResNet layer for layer in Keras (channels last: a stem conv, four stages of one BasicBlock,
 widths 16 to 128, 32x32 inputs, 10 classes), trained a few steps on the same kind of class templates plus noise,
@@ -33,6 +34,7 @@ import tf_keras as keras  # noqa: E402
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "interop"
 SIZE, CLASSES = 32, 10
 QAT_STEPS = 1500  # its activation ranges are moving averages (decay 0.999) from [-6, 6]: long enough to settle
+MOBILENET_QAT_STEPS = 1000  # the same for keras.applications.MobileNetV2, 9x the ResNet's time a step
 
 
 def conv_bn(x, filters, stride, relu=True, size=3):
@@ -55,37 +57,49 @@ def small_resnet() -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(CLASSES)(x))
 
 
-def batches(steps: int, seed: int):
+def batches(steps: int, seed: int, size: int):
     """(images, labels): class templates plus noise, as common.trained draws them."""
     rng = np.random.default_rng(0)
-    templates = rng.standard_normal((CLASSES, SIZE, SIZE, 3)).astype(np.float32)
+    templates = rng.standard_normal((CLASSES, size, size, 3)).astype(np.float32)
     rng = np.random.default_rng(seed)
     for _ in range(steps):
         y = rng.integers(0, CLASSES, 32)
-        yield templates[y] + 0.5 * rng.standard_normal((32, SIZE, SIZE, 3)).astype(np.float32), y
+        yield templates[y] + 0.5 * rng.standard_normal((32, size, size, 3)).astype(np.float32), y
 
 
-def train(model: keras.Model, steps: int, seed: int) -> keras.Model:
-    model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    for x, y in batches(steps, seed):
+def train(model: keras.Model, steps: int, seed: int, lr: float = 0.05) -> keras.Model:
+    size = model.input_shape[1]
+    logits = model.layers[-1].get_config().get("activation") != "softmax"
+    model.compile(keras.optimizers.SGD(lr, momentum=0.9), keras.losses.SparseCategoricalCrossentropy(from_logits=logits))
+    for x, y in batches(steps, seed, size):
         model.train_on_batch(x, y)
     return model
 
 
+def export(qat: keras.Model, stem: str) -> None:
+    """``qat`` by tf2onnx into ``tfmot-<stem>.onnx``, and as TFLite's integer model into ``tflite-<stem>.onnx``."""
+    size = qat.input_shape[1]
+    path = FIXTURES / f"tfmot-{stem}.onnx"
+    tf2onnx.convert.from_keras(qat, input_signature=[tf.TensorSpec((None, size, size, 3), tf.float32, name="input")],
+                               opset=13, output_path=str(path))
+    print("wrote", path)
+    converter = tf.lite.TFLiteConverter.from_keras_model(qat)
+    converter.optimizations = [tf.lite.Optimize.DEFAULT]
+    with tempfile.TemporaryDirectory() as tmp:
+        tflite = Path(tmp) / "model.tflite"
+        tflite.write_bytes(converter.convert())
+        path = FIXTURES / f"tflite-{stem}.onnx"
+        tf2onnx.convert.from_tflite(str(tflite), opset=13, output_path=str(path))
+    print("wrote", path)
+
+
+FIXTURES.mkdir(parents=True, exist_ok=True)
 keras.utils.set_random_seed(0)
 model = train(small_resnet(), steps=20, seed=0)
-qat = train(tfmot.quantization.keras.quantize_model(model), steps=QAT_STEPS, seed=1)  # QAT
-FIXTURES.mkdir(parents=True, exist_ok=True)
-path = FIXTURES / "tfmot-small-resnet.onnx"
-tf2onnx.convert.from_keras(qat, input_signature=[tf.TensorSpec((None, SIZE, SIZE, 3), tf.float32, name="input")],
-                           opset=13, output_path=str(path))
-print("wrote", path)
-converter = tf.lite.TFLiteConverter.from_keras_model(qat)
-converter.optimizations = [tf.lite.Optimize.DEFAULT]
-with tempfile.TemporaryDirectory() as tmp:
-    tflite = Path(tmp) / "model.tflite"
-    tflite.write_bytes(converter.convert())
-    path = FIXTURES / "tflite-small-resnet.onnx"
-    tf2onnx.convert.from_tflite(str(tflite), opset=13, output_path=str(path))
-print("wrote", path)
+export(train(tfmot.quantization.keras.quantize_model(model), steps=QAT_STEPS, seed=1), "small-resnet")  # QAT
+# keras.applications' own MobileNetV2 (depthwise convs, ReLU6, stride-2 blocks padded by ZeroPadding2D), the
+# smallest width, 96x96 inputs, 10 classes, random weights
+keras.utils.set_random_seed(0)
+model = keras.applications.MobileNetV2(input_shape=(96, 96, 3), alpha=0.35, weights=None, classes=CLASSES)
+model = train(model, steps=20, seed=0, lr=0.02)
+export(train(tfmot.quantization.keras.quantize_model(model), steps=MOBILENET_QAT_STEPS, seed=1, lr=0.02), "mobilenetv2")
