@@ -37,7 +37,7 @@ from recal_core.input_gate import regular_file
 from . import cpu
 from .findings import Findings
 from .float_reasons import display_name, float_reason
-from .float_report import QDQ_FUSIBLE, float_compute, float_islands, module_paths
+from .float_report import QDQ_FUSIBLE, float_compute, float_islands, module_paths, qoperator_kernel
 from .graph import EXTERNAL_DATA_BYTES, MS_DOMAIN, Graph
 from .input_checks import ModelError, check_input, nonfinite_initializers
 from .passes import CHANNEL_BLOCK, exact_on_this_cpu, saturating_layers
@@ -225,8 +225,7 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         own = _runtime_refusal(reference)
         if own is not None:  # the input itself is broken: say so in onnxruntime's words about its own nodes
             raise ModelError(f"{label} does not run in onnxruntime itself, as written: {own}") from exc
-        integer = Counter(n.op_type for n in model.graph.node if n.op_type.startswith("QLinear")
-                          or n.op_type in ("QGemm", "MatMulInteger", "ConvInteger"))
+        integer = Counter(n.op_type for n in model.graph.node if qoperator_kernel(n.op_type))
         if integer:  # a QOperator model (quantize_static's QOperator format) passes through, here into a failure
             kinds = ", ".join(f"{op} x{n}" for op, n in integer.most_common())
             raise ModelError(f"{label} is already an integer (QOperator) model ({kinds}), and passing it through "

@@ -79,8 +79,13 @@ def _as_onnxruntime_runs(model: onnx.ModelProto) -> onnx.ModelProto | None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-_INTEGER_OPS = INTEGER_TO_FLOAT | {"QuantizeLinear", "MatMulInteger", "ConvInteger", "DynamicQuantizeLinear",
-                                   "DynamicQuantizeMatMul", "QAttention", "QOrderedMatMul"}
+QOPERATOR_KERNELS = {"QGemm", "MatMulInteger", "ConvInteger", "DynamicQuantizeMatMul", "QAttention", "QOrderedMatMul"}
+_INTEGER_OPS = INTEGER_TO_FLOAT | QOPERATOR_KERNELS | {"QuantizeLinear", "DynamicQuantizeLinear"}
+
+
+def qoperator_kernel(op_type: str) -> bool:
+    """Whether ``op_type`` is an integer kernel of onnxruntime's QOperator form (every ``QLinear*`` op too)."""
+    return op_type.startswith("QLinear") or op_type in QOPERATOR_KERNELS
 
 
 def _float_nodes_by_dtype(model: onnx.ModelProto, names: bool = False) -> dict[str, int] | list[str]:
@@ -95,7 +100,7 @@ def _float_nodes_by_dtype(model: onnx.ModelProto, names: bool = False) -> dict[s
     found = []
     for node in model.graph.node:  # onnxruntime writes its optimized graph in topological order
         data = [i for i in node.input[:1] if i]
-        if node.op_type.startswith("QLinear") or node.op_type in _INTEGER_OPS | SHAPE_READERS | {"ArgMax"} or (
+        if qoperator_kernel(node.op_type) or node.op_type in _INTEGER_OPS | SHAPE_READERS | {"ArgMax"} or (
                 data and all(i in integer for i in data) and node.op_type not in QDQ_OPS) or (
                 node.op_type == "Cast" and _casts_to_integer(node)):
             integer.update(o for o in node.output if node.op_type not in INTEGER_TO_FLOAT)

@@ -24,6 +24,7 @@ Node = ir.Node
 EXTERNAL_DATA_BYTES = 1_800_000_000  # above this a model's tensors go to <name>.data (protobuf's limit is 2 GB)
 
 SHAPE_READERS = ("Shape", "Size")  # ops that read only a tensor's shape: any tensor of that shape will do
+LAYOUT_OPS = ("Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")  # move values, change none
 
 
 class Graph:

@@ -127,7 +127,8 @@ def transformers() -> str:
         attention = " --attention" if any("+attention" in r["label"] for m in data["models"] for r in m["rows"]) else ""
         parts.append("\n".join(lines) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}, batch 1, median of "
                      f"{data['rounds']} interleaved rounds{sessions_clause(data)} (`python "
-                     f"scripts/bench_transformers.py --rounds {data['rounds']} --models {names}{attention} --json docs/results/transformers.json`); MB = 10^6 "
+                     f"scripts/bench_transformers.py --rounds {data['rounds']} --models {names}{attention} --json "
+                     "docs/results/transformers.json`); MB = 10^6 "
                      f"bytes. Agreement: argmax on {data['models'][0]['checks']} inputs against the model each was "
                      "made from (recal: its QAT export; onnxruntime: fp32).")
     return "\n\n".join(parts)

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph, input_of
-
-MOVES = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")  # move integers, never change one
+from ..graph import LAYOUT_OPS, Graph, input_of
 
 
 def activations_to_uint8(g: Graph) -> int:
@@ -46,7 +44,7 @@ def _dequantizers(g: Graph, value) -> list | None:
         for reader in readers:
             if reader.op_type == "DequantizeLinear" and reader.inputs[0] is value:
                 found.append(reader)
-            elif reader.op_type in MOVES and reader.inputs[0] is value:
+            elif reader.op_type in LAYOUT_OPS and reader.inputs[0] is value:
                 stack.append(reader.outputs[0])
             else:
                 return None

@@ -23,12 +23,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..findings import Findings
-from ..graph import Graph, Node, Value, attr, input_of
+from ..graph import LAYOUT_OPS, Graph, Node, Value, attr, input_of
 from ..qdq import activation
 
 TOLERANCE = 1e-4  # in steps: float32 rounding of q * step * a BatchNorm scale is ~1e-5 step; off-grid values 0.1+
 SAMPLED = 16  # values a channel's candidate steps are first tried on, before the whole channel
-MOVES = ("Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")
 LEVELS = np.arange(1, 128, dtype=np.float64)  # the largest |q| a channel may have: 1 (ternary) to 127
 
 
@@ -59,7 +58,7 @@ def weights_from_grids(g: Graph, findings: Findings | None = None) -> int:
 def _reads_quantized(g: Graph, value: Value | None) -> bool:
     """Whether ``value`` is a dequantized activation, through data movement (tf2onnx's NHWC Transpose)."""
     node = g.producer(value)
-    while node is not None and node.op_type in MOVES and node.inputs:
+    while node is not None and node.op_type in LAYOUT_OPS and node.inputs:
         value, node = node.inputs[0], g.producer(node.inputs[0])
     return activation(g, value) is not None
 

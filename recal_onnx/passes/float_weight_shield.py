@@ -48,6 +48,8 @@ def shield_float_weights(g: Graph) -> int:
 
 
 def _one_scale(g: Graph, dq: Node) -> bool:
+    """What onnxruntime's rewrite matches: one constant scale, a constant zero point or none (``qdq.activation``
+    asks for a zero point, which opset 21 exporters may leave out)."""
     scale, zero_point = g.const(input_of(dq, 1)), input_of(dq, 2)
     return scale is not None and scale.size == 1 and (zero_point is None or g.is_const(zero_point))
 
