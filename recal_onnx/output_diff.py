@@ -30,6 +30,7 @@ class OutputDiff:
     agreement: float | None = None  # class ids: the share equal
     noise: float | None = None  # the QAT model's own max abs difference under 8-ulp nudges (rounding_noise)
     share: float = FLOAT_SHARE  # a float output's tolerance, as a share of its range
+    magnitude: float = 0.0  # the reference's largest |value|: two float32 outputs so large are apart by a ulp of it
 
     def problem(self, tolerance: float | None, min_agreement: float | None) -> str | None:
         if self.kind == "bool":  # a mask or a decision: no tolerance means anything but equal
@@ -42,15 +43,18 @@ class OutputDiff:
             if self.agreement is None or self.agreement < need:
                 return f"output {self.name!r} (class ids): {self.agreement} agree, fewer than {need}"
             return None
+        # 3 steps of an output dequantized in float32 far from its zero point measure 3 steps give or take a ulp of
+        # the value (1e-5 of the step at 127 steps out): the defaults allow two
+        ulps = 2 * float(np.spacing(np.float32(self.magnitude)))
         if tolerance is not None:
             limit = tolerance
         elif self.step > 0:
-            limit = STEPS * self.step * (1 + 1e-6)
+            limit = STEPS * self.step * (1 + 1e-6) + ulps
         else:
             limit = max(self.share * self.output_range, 1e-3 * self.share)
         noise = ""
         if tolerance is None and self.noise is not None:
-            limit = max(limit, self.noise * (1 + 1e-6))
+            limit = max(limit, self.noise * (1 + 1e-6) + ulps)
             noise = f", the QAT model's own rounding noise {self._in_steps(self.noise)}"
         if np.isfinite(self.max_abs_diff) and self.max_abs_diff <= limit:
             return None
@@ -121,7 +125,9 @@ class OutputStats:
             return OutputDiff(name, "bool", self.max_diff, 1.0, agreement=self.equal / self.count if self.count else 1.0)
         if integer:
             return OutputDiff(name, "integer", self.max_diff, span, step=1.0)
-        return OutputDiff(name, "float", self.max_diff, span, step=step, share=share)
+        magnitude = max(abs(self.low), abs(self.high))  # inf where no value was finite
+        return OutputDiff(name, "float", self.max_diff, span, step=step, share=share,
+                          magnitude=magnitude if math.isfinite(magnitude) else 0.0)
 
 
 def float_gap(got: np.ndarray, ref: np.ndarray) -> float:

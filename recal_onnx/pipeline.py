@@ -8,7 +8,8 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
 
 1. constants and folds: ``remove_dead_nodes`` (what no output reads), ``constants_to_initializers``, ``widen_weights``
    (4-bit weights as the int8 they hold; blocked MatMul weights as grouped rows), ``standard_qdq`` (onnxruntime's
-   ``com.microsoft`` Q/DQ as the default domain's), ``remove_identities``, ``fold_constants`` (weights' Q becomes
+   ``com.microsoft`` Q/DQ as the default domain's), ``remove_identities``, ``merge_twin_qdq`` (a Q/DQ pair per reader,
+   onnxruntime's ``DedicatedQDQPair``: one for all), ``fold_constants`` (weights' Q becomes
    int8), ``fold_int32_biases`` (a ``DequantizeLinear(int32)`` bias: the float it means), ``weights_to_int8``
    (a weight with a zero point: symmetric int8 where its values fit), ``minmax_to_clip`` (jax2onnx's ``Max`` /
    ``Min`` by a constant: the Clip it is), ``average_pool_windows`` (an AveragePool whose window passes its input:
@@ -76,6 +77,7 @@ from .passes.softmax_masks import masks_to_exact_zeros
 from .passes.softmax_to_qlinear import softmax_to_qlinear
 from .passes.thin_channels import CHANNEL_BLOCK, thin_channels
 from .passes.thin_heads import thin_heads
+from .passes.twin_qdq import merge_twin_qdq
 from .passes.uint8_weights import uint8_weights
 from .passes.unary_to_table import unary_to_table
 from .passes.weight_reshape import fold_weight_reshapes
@@ -111,8 +113,8 @@ class Step:
 
 
 PIPELINE: tuple[Step, ...] = (
-    Step((remove_dead_nodes, constants_to_initializers, widen_weights, standard_qdq, remove_identities, fold_constants,
-          fold_int32_biases, weights_to_int8, minmax_to_clip, average_pool_windows, fold_weight_reshapes,
+    Step((remove_dead_nodes, constants_to_initializers, widen_weights, standard_qdq, remove_identities, merge_twin_qdq,
+          fold_constants, fold_int32_biases, weights_to_int8, minmax_to_clip, average_pool_windows, fold_weight_reshapes,
           fold_weight_transposes, fold_pads_into_convs, weights_from_grids, gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales)),
     Step((thin_heads,), when=lambda o: o.thin),
     Step((thin_channels,), when=lambda o: o.thin, args=lambda o: (o.channel_block,)),

@@ -265,6 +265,28 @@ def test_quantize_static_exports_convert_with_every_layer_integer(activation, pe
         assert _optimized_ops(tmp_path / "qdq.onnx", tmp_path) == _optimized_ops(tmp_path / "int8.onnx", tmp_path)
 
 
+@pytest.mark.parametrize("options", [{"DedicatedQDQPair": True}, {"ActivationSymmetric": True},
+                                     {"AddQDQPairToWeight": True}, {"QDQKeepRemovableActivations": True},
+                                     {"QuantizeBias": False}, {"UseQDQContribOps": True}], ids=lambda o: next(iter(o)))
+def test_quantize_statics_extra_options_convert_with_every_layer_integer(options, tmp_path):
+    """The ``extra_options`` of quantize_static users set change the QDQ form, not what converts: a Q/DQ pair per
+    reader (``DedicatedQDQPair``: the residual add read two twin quantizers and stayed float), uint8 activations
+    symmetric about 128, float weights behind a Q/DQ pair, ReLUs kept between their Q/DQs, float biases,
+    onnxruntime's own Q/DQ domain. Every op integer, op by op within a step."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(SmallNet().eval(), torch.randn(1, 3, 8, 8), tmp_path / "fp32.onnx", dynamo=False,
+                          input_names=["input"])
+    feeds = [{"input": np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(np.float32)} for i in range(8)]
+    _quantize_static(tmp_path / "fp32.onnx", tmp_path / "qdq.onnx", feeds, extra_options=options)
+    result = quantize_qat_export(tmp_path / "qdq.onnx", tmp_path / "int8.onnx")
+    kinds = collections.Counter(ops(result.model))
+    assert kinds["QLinearConv"] == 2 and kinds["QGemm"] == 1 and kinds["QLinearAdd"] == 1, kinds
+    assert not result.float_nodes, result.float_reasons
+    assert result.verification.local_steps <= 1, result.verification
+
+
 def _optimized_ops(path, tmp_path, level=None):
     """The op types (with their domain) of ``path`` as an onnxruntime session runs it (its default level unless
     ``level`` says)."""

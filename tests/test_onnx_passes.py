@@ -22,6 +22,7 @@ from recal_onnx.passes.constants import constants_to_initializers, fold_constant
 from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
 from recal_onnx.passes.float_weight_grids import grid_of, weights_from_grids
 from recal_onnx.passes.float_weight_shield import shield_float_weights
+from recal_onnx.passes.twin_qdq import merge_twin_qdq
 from recal_onnx.passes.fold_conv_affine import fold_conv_affine
 from recal_onnx.passes.fusible_qdq_pools import fusible_qdq_pools
 from recal_onnx.passes.gather_int8_table import gather_int8_tables
@@ -644,6 +645,27 @@ def test_remove_redundant_qdq():
     converted, (n,) = _apply(model, remove_redundant_qdq)
     assert n == 1 and ops(converted) == ["QuantizeLinear", "DequantizeLinear"]
     _, (m,) = _apply(converted, remove_redundant_qdq)
+    assert m == 0
+
+
+def test_merge_twin_qdq_keeps_one_quantizer_per_tensor_and_grid():
+    """A Q/DQ pair per reader (quantize_static's ``DedicatedQDQPair``): the twins go, both readers read one pair, the
+    values stay; a quantizer on another grid (or with other attributes) is no twin and stays."""
+    b = Builder()
+    s, z = b.const(np.float32(0.03)), b.const(np.uint8(128))
+    twin_s, twin_z = b.const(np.float32(0.03)), b.const(np.uint8(128))  # equal constants under other names
+    first = b.node("DequantizeLinear", [b.node("QuantizeLinear", ["x", s, z]), s, z])
+    second = b.node("DequantizeLinear", [b.node("QuantizeLinear", ["x", twin_s, twin_z]), twin_s, twin_z])
+    other = b.qdq("x", 0.05, 128)
+    model = b.model([("x", [2, 4])], [b.node("Add", [first, second]), b.node("Mul", [first, other])])
+    feeds = _x([2, 4])
+    converted, (n,) = _apply(model, merge_twin_qdq)
+    assert n == 2 and ops(converted).count("QuantizeLinear") == 2 and ops(converted).count("DequantizeLinear") == 2
+    add = next(node for node in converted.graph.node if node.op_type == "Add")
+    assert add.input[0] == add.input[1]
+    for got, want in zip(run(converted, feeds), reference(model, feeds)):
+        np.testing.assert_array_equal(got, want)
+    _, (m,) = _apply(converted, merge_twin_qdq)
     assert m == 0
 
 

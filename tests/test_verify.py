@@ -218,3 +218,21 @@ def test_generated_inputs_are_bounded_before_anything_is_allocated():
 def _shaped(shape):
     b = Builder()
     return b.model([("x", shape)], [b.node("Relu", ["x"])])
+
+
+def test_three_steps_far_from_the_zero_point_are_three_steps():
+    """A float32 output dequantized 100 steps from its zero point: two values 3 steps apart differ by 3 steps give
+    or take a ulp of the value (onnxruntime's ``ActivationSymmetric`` uint8 outputs, zero point 128, were refused
+    at "3.00 steps > 3.00 steps"). More than that is still refused."""
+    from recal_onnx.verify import OutputDiff
+
+    step = np.float32(0.0011173)
+    a, b = np.float32(100) * step, np.float32(97) * step
+    measured = float(np.float64(a) - np.float64(b))
+    assert measured > 3 * float(step) * (1 + 1e-6)  # the float32 rounding alone is beyond the old slack
+    ok = OutputDiff("logits", "float", max_abs_diff=measured, output_range=float(255 * step), step=float(step),
+                    magnitude=float(a))
+    assert ok.problem(None, None) is None
+    far = OutputDiff("logits", "float", max_abs_diff=3.01 * float(step), output_range=float(255 * step),
+                     step=float(step), magnitude=float(a))
+    assert "max abs difference" in far.problem(None, None)
