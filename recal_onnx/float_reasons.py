@@ -12,7 +12,7 @@ import numpy as np
 
 from .graph import Graph, Node, input_of
 from .passes import on_a_grid
-from .qdq import activation, weight
+from .qdq import activation, sixteen_bit_input, sixteen_bit_output, weight
 from .quantized_ops import output_tail
 
 WEIGHTED = {"Conv": 1, "Gemm": 1, "MatMul": 1, "ConvTranspose": 1}
@@ -33,6 +33,9 @@ def float_reason(g: Graph, node: Node) -> str:
     floats = [i for i in node.inputs if i is not None and not g.is_const(i) and activation(g, i) is None]
     if node.op_type in NO_INTEGER_KERNEL:
         return f"onnxruntime has no integer kernel for {node.op_type}"
+    wide = _wide_input(g, floats) or _wide_output(g, node.outputs)
+    if wide:
+        return wide
     if floats:
         source = g.producer(floats[0])
         if source is not None and source.op_type == "DequantizeLinear" and g.is_const(source.inputs[0]):
@@ -58,6 +61,9 @@ def _weighted_reason(g: Graph, node: Node) -> str:
                 f"{source.op_type if source else 'the graph input'}) is not a dequantized activation the converter "
                 "reads through")
     if activation(g, x) is None:
+        wide = _wide_input(g, [x])
+        if wide:
+            return wide
         if source is not None and source.op_type == "DequantizeLinear":
             scale = g.const(input_of(source, 1))
             if scale is not None and scale.size != 1:
@@ -78,6 +84,9 @@ def _weighted_reason(g: Graph, node: Node) -> str:
     if w.scale.size != 1 and w.scale.size != w.q.shape[w.axis]:
         return f"its weight has {w.scale.size} scales along axis {w.axis} of shape {list(w.q.shape)}"
     act, q = output_tail(g, node.outputs[0])
+    wide = _wide_output(g, node.outputs)
+    if wide:
+        return wide
     if q is None:
         if node.op_type in ("MatMul", "Gemm"):
             return "its output is float and its weight is not per output channel along the last axis"
@@ -95,6 +104,26 @@ def _weighted_reason(g: Graph, node: Node) -> str:
         return (f"its bias {bias.name!r} is not a constant nor a DequantizeLinear of integers it alone reads as a "
                 f"bias (made by {maker.op_type if maker else 'a graph input'})")
     return f"no integer form of {node.op_type} with these inputs and attributes in this converter"
+
+
+def _wide_input(g: Graph, values) -> str | None:
+    """The clause for the first of ``values`` that is a 16-bit activation (mixed precision), else None."""
+    for value in values:
+        dtype = sixteen_bit_input(g, value)
+        if dtype is not None:
+            return (f"its input {value.name!r} is a 16-bit activation ({dtype}: mixed precision), and onnxruntime's "
+                    "integer kernels read 8-bit ones")
+    return None
+
+
+def _wide_output(g: Graph, outputs) -> str | None:
+    """The clause for an output quantized to 16 bits (mixed precision), else None."""
+    for out in outputs:
+        dtype = sixteen_bit_output(g, out)
+        if dtype is not None:
+            return (f"its output is quantized to 16 bits ({dtype}: mixed precision), and onnxruntime's integer kernels "
+                    "write 8-bit ones")
+    return None
 
 
 def _quantized(g: Graph, node: Node) -> bool:

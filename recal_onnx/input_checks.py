@@ -75,6 +75,7 @@ FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProt
 # the integer types the converter writes kernels for: uint8 / int8 tensors, int32 biases behind a DequantizeLinear
 QUANTIZED_TYPES = {onnx.TensorProto.UINT8, onnx.TensorProto.INT8}
 BIAS_TYPES = {onnx.TensorProto.INT32}
+ACTIVATION_16_TYPES = {onnx.TensorProto.UINT16, onnx.TensorProto.INT16}
 WEIGHT_TYPES = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4}  # constant weights only: widened to 8 bits
 
 
@@ -114,10 +115,12 @@ def _int_attr(node: onnx.NodeProto, attribute: str, default: int) -> int:
 
 def _check_quantized_types(model: onnx.ModelProto, name: str, tensors: dict[str, onnx.TensorProto]) -> None:
     """Every quantized tensor is uint8 / int8 (an int32 bias too; a constant weight may be 4-bit, and quantized in
-    blocks), refused at the start otherwise: int16, uint16, 4-bit activations or float8 tensors have no QLinear
-    kernels here, and a model written with them would be invalid. ``tensors``: the model's constants (initializers
-    and ``Constant`` nodes alike)."""
+    blocks; an activation may be 16-bit where others are 8-bit: mixed precision, its layers left float), refused at
+    the start otherwise: 16-bit weights, 4-bit activations or float8 tensors have no QLinear kernels here, and a model
+    written with them would be invalid; a model whose every activation is 16-bit would convert nothing.
+    ``tensors``: the model's constants (initializers and ``Constant`` nodes alike)."""
     types = {value: t.data_type for value, t in tensors.items()}
+    wide, narrow = [], 0  # activation quantizers on 16 bits, on 8
     for node in model.graph.node:
         if node.op_type not in QDQ_OPS or not node.input:  # a node without inputs: the checker names it later
             continue
@@ -143,14 +146,26 @@ def _check_quantized_types(model: onnx.ModelProto, name: str, tensors: dict[str,
         if dtype is None:
             attr = _int_attr(node, "output_dtype", 0)
             dtype = attr or (onnx.TensorProto.UINT8 if node.op_type == "QuantizeLinear" else None)
+        if dtype in QUANTIZED_TYPES and not constant_weight:
+            narrow += 1
         if dtype is None or dtype in QUANTIZED_TYPES or (node.op_type == "DequantizeLinear" and dtype in BIAS_TYPES):
             continue
         if constant_weight and dtype in WEIGHT_TYPES:
+            continue
+        if not constant_weight and dtype in ACTIVATION_16_TYPES:
+            wide.append((node, dtype))
             continue  # 4-bit weights are 8-bit integers to the kernels (recal_onnx.passes.widen_weights)
         verb = "quantizes tensor {!r} to" if node.op_type == "QuantizeLinear" else "dequantizes tensor {!r} from"
         raise ModelError(f"{name}: {node.op_type} {node.name!r} {verb.format(node.input[0])} "
                          f"{_type_name(dtype)}; the converter writes uint8 / int8 "
                          "tensors (int32 biases): re-export with 8-bit quantization")
+    if wide and not narrow:
+        node, dtype = wide[0]
+        raise ModelError(f"{name}: every activation is quantized to 16 bits ({_type_name(dtype)}, first at "
+                         f"{node.op_type} {node.name or node.output[0]!r}; {len(wide)} such nodes), and onnxruntime's "
+                         "integer kernels read 8-bit activations, so no layer would run on integers: re-export with "
+                         "8-bit activations (a model with some 16-bit tensors among 8-bit ones converts, the layers "
+                         "on the 16-bit tensors left float and named)")
 
 
 def _quantized_for(model: onnx.ModelProto, tensors: dict[str, onnx.TensorProto]) -> list[str]:

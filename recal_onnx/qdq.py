@@ -9,6 +9,9 @@ import numpy as np
 from .graph import Graph, Node, Value, attr, input_of
 
 
+EIGHT_BITS = (np.dtype(np.uint8), np.dtype(np.int8))  # the activations onnxruntime's integer kernels read
+
+
 @dataclass(frozen=True)
 class QTensor:
     """A float tensor that is ``DequantizeLinear(q, scale, zero_point)`` of an integer activation ``q``."""
@@ -40,7 +43,33 @@ def activation(g: Graph, value: Value | None) -> QTensor | None:
         return None
     if g.const(scale).size != 1:
         return None  # per-channel activations are not supported by the QLinear ops
+    if g.const(zero_point).dtype not in EIGHT_BITS:
+        return None  # a 16-bit activation (mixed precision): no integer kernel reads it, its readers stay float
     return QTensor(node.inputs[0], scale, zero_point, node)
+
+
+def sixteen_bit_input(g: Graph, value: Value | None) -> np.dtype | None:
+    """The type of ``value`` where it is a dequantized 16-bit activation (mixed precision: no integer kernel reads
+    it), else None."""
+    node = g.producer(value)
+    if node is None or node.op_type != "DequantizeLinear" or g.is_const(node.inputs[0]):
+        return None
+    zero_point = g.const(input_of(node, 2))
+    return zero_point.dtype if zero_point is not None and zero_point.dtype not in EIGHT_BITS else None
+
+
+def sixteen_bit_output(g: Graph, value: Value) -> np.dtype | None:
+    """The type ``value`` is quantized to where a QuantizeLinear quantizes it (or its Relu / Clip) to 16 bits,
+    else None."""
+    for reader in g.consumers(value):
+        if reader.op_type in ("Relu", "Clip") and reader.inputs[0] is value:
+            found = sixteen_bit_output(g, reader.outputs[0])
+        else:
+            zero_point = g.const(input_of(reader, 2)) if reader.op_type == "QuantizeLinear" else None
+            found = zero_point.dtype if zero_point is not None and zero_point.dtype not in EIGHT_BITS else None
+        if found is not None:
+            return found
+    return None
 
 
 def weight(g: Graph, value: Value | None) -> QWeight | None:
@@ -97,7 +126,8 @@ def quantize_node_of(g: Graph, value: Value) -> Node | None:
 def quantizes(g: Graph, node: Node, value: Value) -> bool:
     """Whether ``node`` is a QuantizeLinear of ``value`` with a constant scalar scale and a constant zero point."""
     return (node.op_type == "QuantizeLinear" and node.inputs[0] is value and g.is_const(input_of(node, 1))
-            and g.is_const(input_of(node, 2)) and g.const(node.inputs[1]).size == 1)
+            and g.is_const(input_of(node, 2)) and g.const(node.inputs[1]).size == 1
+            and g.const(node.inputs[2]).dtype in EIGHT_BITS)
 
 
 def scalar(g: Graph, value: Value) -> float:

@@ -287,6 +287,38 @@ def test_quantize_statics_extra_options_convert_with_every_layer_integer(options
     assert result.verification.local_steps <= 1, result.verification
 
 
+@pytest.mark.parametrize("wide, contrib", [("QUInt16", False), ("QInt16", True)])
+def test_a_16_bit_tensor_among_8_bit_ones_leaves_only_its_layers_float(wide, contrib, tmp_path):
+    """Mixed precision as quantize_static writes it (``TensorQuantOverrides``: one sensitive tensor on 16 bits, in the
+    default domain at opset 21 or onnxruntime's own): the conv that writes it and the layers that read it stay float,
+    each saying it is the 16-bit tensor; every other layer is integer, and the model verifies op by op."""
+    from onnxruntime.quantization import QuantType
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(SmallNet().eval(), torch.randn(1, 3, 8, 8), tmp_path / "fp32.onnx", dynamo=False,
+                          input_names=["input"])
+    first_relu = next(n.output[0] for n in onnx.load(tmp_path / "fp32.onnx").graph.node if n.op_type == "Relu")
+    feeds = [{"input": np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(np.float32)} for i in range(8)]
+    overrides = {first_relu: [{"quant_type": getattr(QuantType, wide)}]}
+    _quantize_static(tmp_path / "fp32.onnx", tmp_path / "qdq.onnx", feeds,
+                     extra_options={"TensorQuantOverrides": overrides, "UseQDQContribOps": contrib})
+    written = {t.data_type for t in onnx.load(tmp_path / "qdq.onnx").graph.initializer}
+    assert {onnx.TensorProto.INT16, onnx.TensorProto.UINT16} & written, written  # it is there
+    with pytest.warns(UnconvertedOpsWarning, match=r"(?s)3 nodes \(Conv x2, Add x1\).*16 bits"):
+        result = quantize_qat_export(tmp_path / "qdq.onnx", tmp_path / "int8.onnx")
+    kinds = collections.Counter(ops(result.model))
+    assert kinds["QLinearConv"] == 0 and kinds["Conv"] == 2 and kinds["QGemm"] == 1, kinds  # conv2 reads it too
+    reasons = result.float_reasons
+    assert any("output is quantized to 16 bits" in why for why in reasons.values()), reasons
+    assert sum("is a 16-bit activation" in why for why in reasons.values()) >= 2, reasons
+    assert result.verification.local_steps <= 1 and result.verification.samples >= 256, result.verification
+    with pytest.warns(UnconvertedOpsWarning, match="16 bits"):  # in QDQ form: onnxruntime fuses no kernel there
+        qdq = quantize_qat_export(tmp_path / "qdq.onnx", tmp_path / "int8.qdq.onnx", format="qdq")
+    assert set(qdq.float_reasons) == set(reasons) and qdq.float_ops.get("Conv") == 2, (qdq.float_reasons, qdq.float_ops)
+
+
 def _optimized_ops(path, tmp_path, level=None):
     """The op types (with their domain) of ``path`` as an onnxruntime session runs it (its default level unless
     ``level`` says)."""

@@ -333,15 +333,33 @@ def test_sparsity_follows_float_weights_through_quantize_and_dequantize():
 
 
 @pytest.mark.parametrize("dtype", [np.int16, np.uint16])
-def test_a_quantized_type_the_converter_has_no_kernel_for_is_refused_at_the_start(tmp_path, dtype):
-    """An int16 / uint16 activation (and 4-bit or float8 ones) has no QLinear kernel: one error naming the node, the
-    tensor and the type, before any work, and nothing written."""
+def test_a_model_whose_every_activation_is_16_bit_is_refused_at_the_start(tmp_path, dtype):
+    """Int16 / uint16 activations have no QLinear kernel: a model with no 8-bit activation would convert nothing, so
+    one error says so, naming the type and the first node, before any work, and nothing is written. (Among 8-bit
+    ones, a 16-bit tensor leaves only its layers float: test_interop_forms.)"""
     from recal_onnx import ModelError
 
     b = Builder()
     y = b.node("Relu", [b.qdq("x", 0.01, 0, dtype=dtype)])
     model = b.model([("x", [1, 4])], [y])
-    with pytest.raises(ModelError, match=rf"quantizes tensor 'x' to {np.dtype(dtype).name}; the converter writes"):
+    with pytest.raises(ModelError, match=rf"every activation is quantized to 16 bits \({np.dtype(dtype).name}, first "
+                                         r"at QuantizeLinear .*re-export with 8-bit activations"):
+        quantize_qat_export(model, tmp_path / "out.onnx")
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_4_bit_activation_is_refused_at_the_start(tmp_path):
+    """A 4-bit activation (opset 21) has no integer kernel at all: one error naming the node, the tensor and the
+    type, before any work."""
+    from recal_onnx import ModelError
+
+    b = Builder()
+    s, z = b.const(np.float32(0.1)), "z4"
+    b.inits.append(onnx.helper.make_tensor("z4", onnx.TensorProto.INT4, [], [0]))
+    y = b.node("DequantizeLinear", [b.node("QuantizeLinear", ["x", s, z]), s, z])
+    model = b.model([("x", [1, 4])], [b.node("Relu", [y])])
+    model.opset_import[0].version = 21
+    with pytest.raises(ModelError, match=r"quantizes tensor 'x' to int4; the converter writes"):
         quantize_qat_export(model, tmp_path / "out.onnx")
     assert not list(tmp_path.iterdir())
 
