@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .graph import Graph, Node, input_of
+from .graph import Graph, Node, attr, input_of
 from .passes import on_a_grid
 from .qdq import activation, sixteen_bit_input, sixteen_bit_output, weight
 from .quantized_ops import output_tail
@@ -45,6 +45,9 @@ def float_reason(g: Graph, node: Node) -> str:
                 ", not a DequantizeLinear of an integer tensor)")
     if not quantized_out:
         return "its output is float (no QuantizeLinear of scalar scale reads it alone)"
+    if node.op_type == "BatchNormalization" and g.rank(node.inputs[0]) == 2:
+        return ("it normalizes a [N, C] tensor (a BatchNorm1d after a Linear): as an integer depthwise conv on an "
+                "added axis onnxruntime ran it slower than this float op (measured on LeViT)")
     return f"no integer form of {node.op_type} with these inputs and attributes in this converter"
 
 
@@ -96,8 +99,10 @@ def _weighted_reason(g: Graph, node: Node) -> str:
         return (f"its output{' after its ' + act.op_type if act is not None else ''} is read by "
                 f"{', '.join(readers) or 'nothing'}, not by one QuantizeLinear alone, and onnxruntime's only integer "
                 "conv with a float output (ConvInteger) runs about 10x slower than its float Conv (VNNI/AMX Xeon)")
-    if w.scale.size > 1:
-        return f"its weight's {w.scale.size} scales are not along its output channels (axis {w.axis})"
+    out_axis = {"Conv": 0, "Gemm": 0 if attr(node, "transB", 0) else 1}.get(node.op_type, w.q.ndim - 1)
+    if w.scale.size > 1 and w.axis != out_axis:
+        return (f"its weight's {w.scale.size} scales are along axis {w.axis}, not its output channels (axis "
+                f"{out_axis})")
     bias = input_of(node, 2) if node.op_type in ("Conv", "Gemm") else None
     if bias is not None and not g.is_const(bias):
         maker = g.producer(bias)

@@ -78,6 +78,50 @@ def test_an_int8_bias_on_a_coarser_grid_converts_exactly(op):
     np.testing.assert_array_equal(run(result.model, feeds)[0], reference(model, feeds)[0])
 
 
+def test_a_bias_shared_with_an_add_and_quantized_as_its_operand_is_read_as_the_bias():
+    """torch.onnx shares equal biases (wav2vec2's positional conv and its attention projections' zeros) and
+    quantize_static then quantizes the one constant as an Add's uint8 operand: the conv reads it as the float bias it
+    means (integer, exact), the Add still reads its dequantized operand."""
+    b = Builder()
+    x = b.qdq("x", X_SCALE, 128)
+    shared = b.node("DequantizeLinear", [b.const(np.array([0, 3, 0, 7], np.uint8), "bq"), b.const(np.float32(0.01)),
+                                         b.const(np.uint8(0))])
+    conv = b.node("Conv", [x, b.weight((4, 3, 3, 3)), shared], pads=[1, 1, 1, 1])
+    pooled = b.qdq(b.node("Flatten", [b.node("GlobalAveragePool", [b.qdq(conv, OUT_SCALE, 128)])]), OUT_SCALE, 128)
+    added = b.node("Add", [b.node("MatMul", [pooled, b.weight((4, 4), axis=1)]), shared])  # a projection's bias
+    model = b.model([("x", [2, 3, 6, 6])], [b.qdq(added, OUT_SCALE, 128)])
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 3, 6, 6)).astype(np.float32)}
+    result = quantize_qat_export(model, inputs=feeds)
+    assert "QLinearConv" in ops(result.model) and "Conv" not in ops(result.model), result.float_reasons
+    np.testing.assert_array_equal(run(result.model, feeds)[0], reference(model, feeds)[0])
+
+
+def test_a_batchnorm_whose_parameters_quantize_static_quantized_becomes_integer():
+    """quantize_static quantizes a BatchNorm no conv took in as a layer: its scale an int8 weight, its bias int32. Read
+    as the floats they mean, the BatchNorm becomes an integer depthwise conv; on a [N, C] tensor (LeViT's
+    BatchNorm1d after a Linear) it stays float, saying why."""
+    for rank in (4, 2):
+        b = Builder()
+        shape = [2, 4, 3, 3] if rank == 4 else [6, 4]
+        x = b.qdq("x", X_SCALE, 128)
+        gamma = b.node("DequantizeLinear", [b.const(np.array([90, -40, 127, 64], np.int8)), b.const(np.float32(0.01)),
+                                            b.const(np.int8(0))])
+        beta = b.node("DequantizeLinear", [b.const(np.array([500, -70, 0, 1200], np.int32)), b.const(np.float32(1e-3)),
+                                           b.const(np.int32(0))])
+        y = b.node("BatchNormalization", [x, gamma, beta, b.const(np.linspace(-0.2, 0.3, 4, dtype=np.float32)),
+                                          b.const(np.linspace(0.5, 2, 4, dtype=np.float32))])
+        model = b.model([("x", shape)], [b.qdq(y, OUT_SCALE, 128)])
+        feeds = {"x": np.random.default_rng(1).standard_normal(shape).astype(np.float32)}
+        if rank == 4:
+            result = quantize_qat_export(model, inputs=feeds)
+            assert "QLinearConv" in ops(result.model) and "BatchNormalization" not in ops(result.model)
+            assert result.verification.local_steps <= 1, result.verification
+        else:
+            with pytest.warns(UnconvertedOpsWarning, match=r"normalizes a \[N, C\] tensor"):
+                result = quantize_qat_export(model, inputs=feeds)
+            np.testing.assert_array_equal(run(result.model, feeds)[0], reference(model, feeds)[0])
+
+
 def test_an_int32_bias_on_another_grid_is_rounded_and_said():
     model, shape = _layer("Conv", True, grid=0.5)
     feeds = {"x": np.random.default_rng(1).standard_normal(shape).astype(np.float32)}
