@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if result.avx2_path is not None:
         print(f"wrote {result.avx2_path} ({result.avx2_path.stat().st_size / 1e6:.2f} MB): for x86 without VNNI")
     print(result.weights_note)
-    for note in (result.rounded_biases_note, result.masked_scores_note, result.grid_weights_note):
+    for note in (result.rounded_biases_note, result.masked_scores_note, result.grid_weights_note, *result.notes):
         if note:
             print(f"note: {note}")
     if result.verification is not None:

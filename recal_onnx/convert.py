@@ -40,7 +40,7 @@ from .float_reasons import display_name, float_reason
 from .float_report import QDQ_FUSIBLE, float_compute, float_islands, module_paths, qoperator_kernel
 from .graph import EXTERNAL_DATA_BYTES, MS_DOMAIN, Graph
 from .input_checks import ModelError, check_input, nonfinite_initializers
-from .passes import CHANNEL_BLOCK, exact_on_this_cpu, saturating_layers
+from .passes import CHANNEL_BLOCK, exact_on_this_cpu, float32_reference, saturating_layers
 from .pipeline import Options, run_pipeline
 from .targets import DEFAULT_TARGET, WeightChoice, choose_weights
 from .twin import INT8_CPUS, TWIN_SAMPLES, avx2_twin, mark, twin_differs, twin_path
@@ -85,6 +85,7 @@ class ConversionResult:
     masked_scores: dict[str, float] = field(default_factory=dict)
     # node name -> the largest |q| of its float weight, read as int8 (recal_onnx.passes.float_weight_grids)
     grid_weights: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what the conversion changed in the model as a whole
     # target any, weights beyond +-64: the twin for x86 without VNNI (uint8 weights there), and where it was written
     avx2_model: onnx.ModelProto | None = None
     avx2_path: Path | None = None
@@ -214,9 +215,9 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         reference = model_or_path
         model = onnx.ModelProto()
         model.CopyFrom(model_or_path)  # never modify the caller's model
-    try:
-        return _convert(model, reference, output_path, format, verify, inputs, tolerance, min_agreement, started,
-                        thin=thin, choice=choice, channel_block=channel_block, accuracy_level=accuracy_level,
+    try:  # a float16 model is verified as it computes once converted (float32_reference)
+        return _convert(model, float32_reference(model) or reference, output_path, format, verify, inputs, tolerance,
+                        min_agreement, started, thin=thin, choice=choice, channel_block=channel_block, accuracy_level=accuracy_level,
                         keep_exporter_metadata=keep_exporter_metadata)
     except (VerificationError, ModelError, OSError, MemoryError):
         raise
@@ -299,8 +300,9 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
                                                          twin_name if twin is not None else None),
                               rounded_biases=dict(findings.rounded_biases), float_reasons=why,
                               coarse_biases=dict(findings.coarse_biases), heads_kept=dict(findings.heads_kept),
-                              masked_scores=dict(findings.masked_scores), grid_weights=dict(findings.grid_weights))
-    for note in (result.masked_scores_note, result.grid_weights_note):
+                              masked_scores=dict(findings.masked_scores), grid_weights=dict(findings.grid_weights),
+                              notes=list(findings.notes))
+    for note in (result.masked_scores_note, result.grid_weights_note, *result.notes):
         if note:
             log.info("quantize_qat_export: %s", note)
     if result.float_ops:

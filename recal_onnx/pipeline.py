@@ -6,7 +6,8 @@ target's weight storage, thinning); a pass whose signature takes ``findings`` re
 :func:`run_pipeline` runs the steps in order and returns every pass's rewrite count; a repeated step runs its
 passes in turn until none rewrites (a QLinear op made by one pass is what the next one matches).
 
-1. constants and folds: ``remove_dead_nodes`` (what no output reads), ``constants_to_initializers``, ``widen_weights``
+1. constants and folds: ``remove_dead_nodes`` (what no output reads), ``constants_to_initializers``,
+   ``float16_to_float32`` (a model computing in float16, ModelOpt's ONNX default: float32), ``widen_weights``
    (4-bit weights as the int8 they hold; blocked MatMul weights as grouped rows), ``standard_qdq`` (onnxruntime's
    ``com.microsoft`` Q/DQ as the default domain's), ``remove_identities``, ``merge_twin_qdq`` (a Q/DQ pair per reader,
    onnxruntime's ``DedicatedQDQPair``: one for all), ``fold_constants`` (weights' Q becomes
@@ -55,6 +56,7 @@ from .passes.affine_to_batchnorm import affine_to_batchnorm
 from .passes.average_pool_windows import average_pool_windows
 from .passes.batchnorm_to_conv import batchnorm_to_conv
 from .passes.fold_conv_affine import fold_conv_affine
+from .passes.float16_upcast import float16_to_float32
 from .passes.float_weight_grids import weights_from_grids
 from .passes.float_weight_shield import shield_float_weights
 from .passes.fusible_qdq_pools import fusible_qdq_pools
@@ -113,7 +115,7 @@ class Step:
 
 
 PIPELINE: tuple[Step, ...] = (
-    Step((remove_dead_nodes, constants_to_initializers, widen_weights, standard_qdq, remove_identities, merge_twin_qdq,
+    Step((remove_dead_nodes, constants_to_initializers, float16_to_float32, widen_weights, standard_qdq, remove_identities, merge_twin_qdq,
           fold_constants, fold_int32_biases, weights_to_int8, minmax_to_clip, average_pool_windows, fold_weight_reshapes,
           fold_weight_transposes, fold_pads_into_convs, weights_from_grids, gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales)),
     Step((thin_heads,), when=lambda o: o.thin),

@@ -672,6 +672,7 @@ def test_modelopts_onnx_int4_awq_export_becomes_matmulnbits_exactly(tmp_path):
 
 @pytest.mark.parametrize("name, quantized, floats", [
     ("modelopt-onnx-int8-bert", 16, 0), ("modelopt-onnx-int8-resnet", 12, 4),
+    ("modelopt-onnx-int8-fp16-bert", 16, 0), ("modelopt-onnx-int8-fp16-resnet", 12, 4),
     ("nncf-onnx-int8-bert", 16, 0), ("nncf-onnx-int8-resnet", 12, 0),
     ("quark-xint8-bert", 18, 0), ("quark-xint8-resnet", 13, 0),
     ("quark-a8w8-bert", 18, 0), ("quark-a8w8-resnet", 13, 0)])
@@ -679,7 +680,8 @@ def test_onnx_quantizers_exports_convert_with_every_quantized_layer_integer(name
     """What other tools' post-training quantizers of ONNX files write (``scripts/interop_exports/``: NVIDIA
     ModelOpt's ONNX INT8 quantization, NNCF's ONNX backend with its transformer preset, AMD Quark's XINT8 with its
     int8 biases on power-of-two grids and its A8W8 in onnxruntime's com.microsoft Q/DQ): every MatMul / Conv / Gemm
-    whose inputs they quantized is integer (the BERTs' Linears and the attention products they quantized), but
+    whose inputs they quantized is integer (the BERTs' Linears and the attention products they quantized; ModelOpt's
+    files at its default ``high_precision_dtype="fp16"`` compute in float16, and in float32 once converted), but
     ModelOpt's ResNet convs before a residual add, whose outputs it did not quantize: float with that reason, as
     onnxruntime's own fusion leaves them. Layers a tool left unquantized (ModelOpt's classifiers, too small for it)
     stay as written; verified on 256 samples, op by op within a step of the file run as written."""

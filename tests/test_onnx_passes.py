@@ -22,6 +22,7 @@ from recal_onnx.passes.constants import constants_to_initializers, fold_constant
 from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
 from recal_onnx.passes.float_weight_grids import grid_of, weights_from_grids
 from recal_onnx.passes.float_weight_shield import shield_float_weights
+from recal_onnx.passes.float16_upcast import float16_to_float32
 from recal_onnx.passes.twin_qdq import merge_twin_qdq
 from recal_onnx.passes.fold_conv_affine import fold_conv_affine
 from recal_onnx.passes.fusible_qdq_pools import fusible_qdq_pools
@@ -646,6 +647,29 @@ def test_remove_redundant_qdq():
     assert n == 1 and ops(converted) == ["QuantizeLinear", "DequantizeLinear"]
     _, (m,) = _apply(converted, remove_redundant_qdq)
     assert m == 0
+
+
+def test_float16_to_float32_computes_a_float16_qdq_model_in_float32():
+    """ModelOpt's ONNX quantizer at its default: float16 scales and constants behind a Cast of the float32 input, a
+    float16 output. Every constant becomes float32 (the same values), the Cast a float32 one, the output keeps its
+    declared float16 through a Cast of its own; the integers are the same."""
+    b = Builder()
+    half = b.node("Cast", ["x"], to=onnx.TensorProto.FLOAT16)
+    s, z = b.const(np.float16(0.03)), b.const(np.uint8(128))
+    y = b.node("Mul", [b.node("DequantizeLinear", [b.node("QuantizeLinear", [half, s, z]), s, z]),
+                       b.const(np.float16(1.5))])
+    model = b.model([("x", [2, 4])], [y])
+    model.graph.output[0].type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+    model.opset_import[0].version = 19  # float16 scales
+    feeds = _x([2, 4])
+    findings = Findings()
+    converted, (n,) = _apply(model, float16_to_float32, findings=findings)
+    assert n == 4 and findings.notes and "float16" in findings.notes[0]  # 2 constants, 2 Casts
+    assert not [t.name for t in converted.graph.initializer if t.data_type == onnx.TensorProto.FLOAT16]
+    assert converted.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    got, want = run(converted, feeds)[0], reference(model, feeds)[0]
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=1e-3)
 
 
 def test_merge_twin_qdq_keeps_one_quantizer_per_tensor_and_grid():

@@ -4,6 +4,7 @@ rewrites it made."""
 # The pipeline (recal_onnx.pipeline) names each pass module, in its declared order. What the rest of recal_onnx
 # reads from a pass (the channel block thinning keeps, the uint8 weight form and its CPU check, whether a float
 # weight lies on an int8 grid) it imports from here.
+from .float16_upcast import float32_reference
 from .float_weight_grids import on_a_grid
 from .thin_channels import CHANNEL_BLOCK
 from .uint8_weights import exact_on_this_cpu, saturating_layers, uint8_twin

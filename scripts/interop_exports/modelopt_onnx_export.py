@@ -10,6 +10,9 @@ into tests/fixtures/interop/:
 - ``modelopt-onnx-int8-bert.onnx`` and ``modelopt-onnx-int8-resnet.onnx``: INT8 (``quantize_mode="int8"``, its
   default entropy calibration): int8 QDQ on the inputs of MatMuls and convs, attention products included, not on the
   layers too small for it (the classifiers) nor on a residual add.
+- ``modelopt-onnx-int8-fp16-bert.onnx`` and ``modelopt-onnx-int8-fp16-resnet.onnx``: the same at its default
+  ``high_precision_dtype="fp16"``: every float constant and scale in float16 (opset 19), Casts at the float32 inputs and
+  outputs.
 
 The small BERT and ResNet of ``common.py`` are trained, exported to fp32 ONNX (TorchScript path, batch 1) and
 quantized on real text windows / the calibration batches, computing in fp32 on the CPU. ModelOpt's ONNX side needs no
@@ -40,8 +43,10 @@ with tempfile.TemporaryDirectory() as folder:
             ("bert", "int4", {"calibration_method": "awq_clip", "nodes_to_exclude": [".*Gemm$"]},
              FIXTURES / "modelopt-int4-awq-bert.onnx"),
             ("bert", "int8", {}, FIXTURES / "modelopt-onnx-int8-bert.onnx"),
-            ("resnet", "int8", {}, FIXTURES / "modelopt-onnx-int8-resnet.onnx")]
+            ("resnet", "int8", {}, FIXTURES / "modelopt-onnx-int8-resnet.onnx"),
+            ("bert", "int8", {"high_precision_dtype": "fp16"}, FIXTURES / "modelopt-onnx-int8-fp16-bert.onnx"),
+            ("resnet", "int8", {"high_precision_dtype": "fp16"}, FIXTURES / "modelopt-onnx-int8-fp16-resnet.onnx")]
     for model, mode, options, out in runs:
         quantize(str(fp32[model][0]), quantize_mode=mode, calibration_data=stacked[model], calibration_eps=["cpu"],
-                 high_precision_dtype="fp32", output_path=str(out), log_level="WARNING", **options)
+                 output_path=str(out), log_level="WARNING", **{"high_precision_dtype": "fp32", **options})
         print("wrote", out)
