@@ -33,7 +33,7 @@ def float_reason(g: Graph, node: Node) -> str:
     floats = [i for i in node.inputs if i is not None and not g.is_const(i) and activation(g, i) is None]
     if node.op_type in NO_INTEGER_KERNEL:
         return f"onnxruntime has no integer kernel for {node.op_type}"
-    wide = _wide_input(g, floats) or _wide_output(g, node.outputs)
+    wide = _sixteen_bits(g, floats, node.outputs)
     if wide:
         return wide
     if floats:
@@ -64,7 +64,7 @@ def _weighted_reason(g: Graph, node: Node) -> str:
                 f"{source.op_type if source else 'the graph input'}) is not a dequantized activation the converter "
                 "reads through")
     if activation(g, x) is None:
-        wide = _wide_input(g, [x])
+        wide = _sixteen_bits(g, [x])
         if wide:
             return wide
         if source is not None and source.op_type == "DequantizeLinear":
@@ -87,7 +87,7 @@ def _weighted_reason(g: Graph, node: Node) -> str:
     if w.scale.size != 1 and w.scale.size != w.q.shape[w.axis]:
         return f"its weight has {w.scale.size} scales along axis {w.axis} of shape {list(w.q.shape)}"
     act, q = output_tail(g, node.outputs[0])
-    wide = _wide_output(g, node.outputs)
+    wide = _sixteen_bits(g, outputs=node.outputs)
     if wide:
         return wide
     if q is None:
@@ -111,24 +111,13 @@ def _weighted_reason(g: Graph, node: Node) -> str:
     return f"no integer form of {node.op_type} with these inputs and attributes in this converter"
 
 
-def _wide_input(g: Graph, values) -> str | None:
-    """The clause for the first of ``values`` that is a 16-bit activation (mixed precision), else None."""
-    for value in values:
-        dtype = sixteen_bit_input(g, value)
-        if dtype is not None:
-            return (f"its input {value.name!r} is a 16-bit activation ({dtype}: mixed precision), and onnxruntime's "
-                    "integer kernels read 8-bit ones")
-    return None
-
-
-def _wide_output(g: Graph, outputs) -> str | None:
-    """The clause for an output quantized to 16 bits (mixed precision), else None."""
-    for out in outputs:
-        dtype = sixteen_bit_output(g, out)
-        if dtype is not None:
-            return (f"its output is quantized to 16 bits ({dtype}: mixed precision), and onnxruntime's integer kernels "
-                    "write 8-bit ones")
-    return None
+def _sixteen_bits(g: Graph, inputs=(), outputs=()) -> str | None:
+    """The clause for the first of ``inputs`` that is a 16-bit activation, or of ``outputs`` quantized to 16 bits
+    (mixed precision), else None."""
+    found = [(f"its input {v.name!r} is", sixteen_bit_input(g, v)) for v in inputs] + [
+        ("its output is quantized to", sixteen_bit_output(g, v)) for v in outputs]
+    return next((f"{subject} 16 bits ({dtype}: mixed precision), and onnxruntime's integer kernels take 8-bit "
+                 "activations" for subject, dtype in found if dtype is not None), None)
 
 
 def _quantized(g: Graph, node: Node) -> bool:
