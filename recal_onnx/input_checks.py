@@ -34,6 +34,10 @@ def check_input(model: onnx.ModelProto, name: str) -> None:
         hint = ("; NNCF writes OpenVINO's FakeQuantize by default: for QuantizeLinear/DequantizeLinear, strip the "
                 "model (nncf.strip(model, example_input=x)) and export it with torch.onnx.export"
                 if any(op == "FakeQuantize" for _, op in foreign) else "")
+        if any(op in QONNX_OPS and ("qonnx" in domain or "finn" in domain) for domain, op in foreign):
+            hint = ("; this is QONNX (Brevitas' export_qonnx): export with brevitas.export.export_onnx_qcdq instead, or "
+                    "turn its Quant nodes into QuantizeLinear / Clip / DequantizeLinear with qonnx's QuantToQCDQ "
+                    "(qonnx.transformation.qonnx_to_qcdq; 2 to 8 bits, zero point 0)")
         raise ModelError(f"{name} has ops of custom domains, which onnxruntime cannot run: {listed}{hint}")
     if not any(n.op_type in QDQ_OPS for n in model.graph.node):
         raise ModelError(f"{name} is not a QAT model: it has no QuantizeLinear/DequantizeLinear nodes")
@@ -75,6 +79,7 @@ FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProt
 # the integer types the converter writes kernels for: uint8 / int8 tensors, int32 biases behind a DequantizeLinear
 QUANTIZED_TYPES = {onnx.TensorProto.UINT8, onnx.TensorProto.INT8}
 BIAS_TYPES = {onnx.TensorProto.INT32}
+QONNX_OPS = {"Quant", "BipolarQuant", "Trunc", "IntQuant", "FloatQuant"}  # QONNX's quantizers (qonnx.custom_op.general)
 ACTIVATION_16_TYPES = {onnx.TensorProto.UINT16, onnx.TensorProto.INT16}
 WEIGHT_TYPES = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4}  # constant weights only: widened to 8 bits
 

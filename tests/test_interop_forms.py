@@ -713,6 +713,16 @@ def test_nncfs_openvino_export_is_refused_with_the_way_to_qdq():
         quantize_qat_export(model)
 
 
+def test_brevitas_qonnx_export_is_refused_with_the_way_to_qcdq(tmp_path):
+    """Brevitas's ``export_qonnx`` writes QONNX's ``Quant`` nodes (a custom domain onnxruntime cannot run): refused
+    before any work, naming the op and the two ways to QCDQ (``scripts/interop_exports/brevitas_export.py``)."""
+    path = FIXTURE_DIR / "refused" / "brevitas-qonnx-small-resnet.onnx"
+    with pytest.raises(ModelError, match=r"Quant \(qonnx.custom_op.general\); this is QONNX .*export_onnx_qcdq.*"
+                                         r"QuantToQCDQ"):
+        quantize_qat_export(path, tmp_path / "int8.onnx")
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("spatial, global_pool", [(["h", "w"], False), ([3, 3], True)], ids=["dynamic", "static"])
 def test_an_average_pool_past_the_input_means_the_same_in_the_integer_kernel(spatial, global_pool):
     """``nn.AvgPool2d(2560, ceil_mode=True)`` (Hugging Face's EfficientNet pooler) over a 2x2 map: onnxruntime's float

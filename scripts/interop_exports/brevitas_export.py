@@ -1,4 +1,6 @@
-"""Brevitas's documented flow at its defaults, into tests/fixtures/interop/brevitas-small-resnet.onnx.
+"""Brevitas's documented flow at its defaults, into tests/fixtures/interop/brevitas-small-resnet.onnx (and the same
+model by ``export_qonnx``, QONNX's ``Quant`` nodes, into ``refused/brevitas-qonnx-small-resnet.onnx``: refused with the
+way to QCDQ).
 
 The float SmallResNet (``common.py``) is trained a few steps, prepared and quantized by Brevitas's graph mode
 (``preprocess_for_quantize`` + ``quantize``: 8-bit weights and activations, int32 biases), calibrated
@@ -12,7 +14,7 @@ DequantizeLinear) by its TorchScript path (its dynamo path refuses the int32 bia
 """
 
 import torch
-from brevitas.export import export_onnx_qcdq
+from brevitas.export import export_onnx_qcdq, export_qonnx
 from brevitas.graph.calibrate import calibration_mode
 from brevitas.graph.quantize import preprocess_for_quantize, quantize
 
@@ -29,3 +31,6 @@ FIXTURES.mkdir(parents=True, exist_ok=True)
 export_onnx_qcdq(quant, args=torch.randn(1, 3, SIZE, SIZE), export_path=str(FIXTURES / "brevitas-small-resnet.onnx"),
                  opset_version=13, dynamo=False)  # its dynamo path refuses int32 biases, Brevitas's default
 print("wrote", FIXTURES / "brevitas-small-resnet.onnx")
+export_qonnx(quant, args=torch.randn(1, 3, SIZE, SIZE), opset_version=13, dynamo=False,
+             export_path=str(FIXTURES / "refused" / "brevitas-qonnx-small-resnet.onnx"))
+print("wrote", FIXTURES / "refused" / "brevitas-qonnx-small-resnet.onnx")
