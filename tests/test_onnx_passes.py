@@ -568,6 +568,19 @@ def test_int8_passthrough_splits_and_slices_on_the_integers():
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("mode, moved", [("nearest", True), ("linear", False)])
+def test_int8_passthrough_moves_a_nearest_resize_onto_the_integers(mode, moved):
+    """A detector's nearest upsampling (YOLO's neck) selects input values: it runs on the integers, the values the
+    same; a linear Resize computes new ones and stays where it is."""
+    b = Builder()
+    y = b.node("Resize", [b.qdq("x", 0.03, 128), "", b.const(np.array([1, 1, 2, 2], np.float32))], mode=mode)
+    model = b.model([("x", [1, 3, 4, 4])], [y])
+    feeds = _x([1, 3, 4, 4])
+    converted, (n,) = _apply(model, int8_passthrough)
+    assert n == int(moved) and (ops(converted).index("Resize") < ops(converted).index("DequantizeLinear")) == moved
+    np.testing.assert_array_equal(run(converted, feeds)[0], reference(model, feeds)[0])
+
+
 def test_batchnorm_on_a_quantized_activation_becomes_an_exact_depthwise_conv():
     """A pre-activation BatchNorm: its factor held exactly as +-64 with per-channel scale |a| / 64 (a negative and a
     zero factor too), its shift as the bias; then DQ -> Conv -> Relu -> Q converts like any conv."""

@@ -4,7 +4,8 @@ Before::  q -> DequantizeLinear(s, zp) -> MaxPool -> y
 After::   q -> MaxPool -> q' -> DequantizeLinear(s, zp) -> y
 
 For MaxPool, Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Identity, Slice, Gather, GatherElements, Expand,
-Tile (the values of input 0 moved: a BERT pooler's first token, say), Split (each of its outputs
+Tile (the values of input 0 moved: a BERT pooler's first token, say), a nearest-neighbour Resize (a detector's
+upsampling: each output is one of its inputs; not tf_crop_and_resize, whose extrapolated 0.0 is no input), Split (each of its outputs
 dequantized on its own: a channel split or shuffle moves integers), and a constant-mode Pad of zeros (Keras's
 ZeroPadding2D before a pool): it pads with the zero point, the integer of 0. A ``Relu`` or constant-bound ``Clip``
 (:func:`~recal_onnx.quantized_ops.integer_bounds`) becomes nothing where its bounds lie beyond the integers'
@@ -38,6 +39,14 @@ def _pads_zeros(g: Graph, node) -> bool:
     return value is None or g.is_const(value) and float(np.asarray(g.const(value)).reshape(-1)[0]) == 0.0
 
 
+def _selects(node) -> bool:
+    """A Resize whose every output is one of its input's values (nearest mode, no crop-and-resize extrapolation)."""
+    text = {name: (value.decode() if isinstance(value, bytes) else value) for name, value in
+            ((name, attr(node, name, default)) for name, default in
+             (("mode", "nearest"), ("coordinate_transformation_mode", "half_pixel")))}
+    return text["mode"] == "nearest" and text["coordinate_transformation_mode"] != "tf_crop_and_resize"
+
+
 def int8_passthrough(g: Graph, clamps: bool = True) -> int:
     """Move every DequantizeLinear past the data movement after it (and, with ``clamps``, past ReLU / Clip
     bounds that cut nothing); return how many ops now run on the integers. A ``qdq`` model keeps its clamps
@@ -66,6 +75,9 @@ def int8_passthrough(g: Graph, clamps: bool = True) -> int:
                 continue
             if node.op_type in PASSTHROUGH:
                 q_out = g.add_node(node.op_type, [x.q, *node.inputs[1:]], name=node.name + "_int8",
+                                   **node.attributes).outputs[0]
+            elif node.op_type == "Resize" and _selects(node):
+                q_out = g.add_node("Resize", [x.q, *node.inputs[1:]], name=node.name + "_int8",
                                    **node.attributes).outputs[0]
             elif node.op_type == "Pad" and _pads_zeros(g, node):
                 pad_value = [] if x.zero_point is None else [x.zero_point]  # no zero point: 0 is the integer of 0
