@@ -319,8 +319,8 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
             result.weights_note += ("; verified as its target computes it (this CPU has no VNNI and would saturate "
                                     "its int8 weights beyond +-64: run it on the target)")
         try:
-            result.verification = verify_models(reference, run_here, inputs, thinned=findings.thinned,
-                                                output_steps=output_steps, noise=tolerance is None)
+            result.verification = verify_models(reference, run_here, inputs, thinned=findings.thinned, noise=tolerance
+                                                is None, output_steps=output_steps, tied=set(findings.tied_pools))
         except NonFiniteReference as exc:
             raise ModelError(f"{exc}: the QAT model itself computes nothing finite"
                              f"{nonfinite_initializers(reference)}; nothing was written") from None

@@ -15,18 +15,26 @@ Squeeze of the pooled axes where the mean drops them):
 
 Before::  q -> DequantizeLinear -> ReduceMean(axes=[1, 2], keepdims=0) -> QuantizeLinear -> q2
 After::   q -> QLinearGlobalAveragePool(channels_last=1) -> Squeeze([1, 2]) -> q2
+
+Where the input and output grids make a window's mean land exactly half a step between two integers for many sums
+(the same scale on both, as ``quantize_static`` writes an AveragePool, and an even window: a quarter of all 2x2
+sums), onnxruntime's integer pools round those ties otherwise than the QDQ model does in float (whose own float
+noise decides them: nudged by 8 ulps, it rounds them otherwise itself), about one in eight a step apart: the pool's
+output is named in ``findings.tied_pools`` with the share, and verification counts its ties apart.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..findings import Findings
 from ..graph import MS_DOMAIN, SHAPE_READERS, Graph, Node, Value, attr, input_of
-from ..qdq import QTensor, activation, quantizes
+from ..qdq import QTensor, activation, quantizes, scalar
 
 AVERAGE_POOL_ATTRS = ("auto_pad", "ceil_mode", "count_include_pad", "kernel_shape", "pads", "strides")
 SHAPE_ONLY = ("Squeeze", "Flatten", "Reshape", "Unsqueeze")
 MAX_SHAPE_OPS = 4  # between a pool and its QuantizeLinear
+TIES = 1e-3  # the share of a window's possible sums whose mean is an exact tie from which a pool is named
 
 
 def average_pool_kind(g: Graph, node: Node) -> str | None:
@@ -95,7 +103,7 @@ def _only_data_reader(g: Graph, value: Value) -> Node | None:
     return readers[0] if sum(u.node is readers[0] for u in value.uses()) == 1 else None
 
 
-def pool_to_qlinear(g: Graph) -> int:
+def pool_to_qlinear(g: Graph, findings: Findings | None = None) -> int:
     count = 0
     for node in g.each():
         if not node.inputs or average_pool_kind(g, node) is None:
@@ -105,6 +113,9 @@ def pool_to_qlinear(g: Graph) -> int:
         if x is None or after is None:
             continue
         chain, q = after
+        ties = tie_share(g, node, x, q)
+        if ties > TIES and findings is not None:
+            findings.tied_pools[q.outputs[0].name] = ties
         shape_readers = [(u.node, u.idx) for u in node.outputs[0].uses() if u.node.op_type in SHAPE_READERS]
         if not chain:
             pooled = make_qlinear_pool(g, node, x, q.inputs[1], q.inputs[2], replaces=q.outputs[0]).outputs[0]
@@ -118,3 +129,32 @@ def pool_to_qlinear(g: Graph) -> int:
         g.remove(node, *chain, q)
         count += 1
     return count
+
+
+def tie_share(g: Graph, node: Node, x: QTensor, q: Node) -> float:
+    """The share of a window's possible integer sums whose mean, requantized, is an exact tie (half a step); the
+    largest over a few even windows where the window's size is not known."""
+    s_in, s_out = scalar(g, x.scale), scalar(g, q.inputs[1])
+    zp_in, zp_out = scalar(g, x.zero_point), scalar(g, q.inputs[2])
+    info = np.iinfo(g.const(x.zero_point).dtype)
+    share = 0.0
+    for n in [n for n in (_window(g, node),) if n] or [2, 4, 8, 16, 64]:
+        sums = np.unique(np.linspace(n * info.min, n * info.max, min(n * 255 + 1, 65_536)).round())
+        mean = s_in * (sums - n * zp_in) / (n * np.float64(s_out)) + zp_out
+        share = max(share, float(np.mean(np.abs(mean - np.floor(mean) - 0.5) < 1e-9)))
+    return share
+
+
+def _window(g: Graph, node: Node) -> int | None:
+    """How many values one output of the pool averages, where the graph says (None where a size is dynamic)."""
+    if node.op_type == "AveragePool":
+        return int(np.prod(attr(node, "kernel_shape", [])) or 0) or None
+    shape = node.inputs[0].shape
+    if shape is None:
+        return None
+    if node.op_type == "GlobalAveragePool":
+        dims = list(shape)[2:]
+    else:  # a ReduceMean (average_pool_kind): its axes
+        axes = attr(node, "axes") or (g.const(input_of(node, 1)).reshape(-1).tolist() if input_of(node, 1) else [])
+        dims = [shape[a] for a in axes]
+    return int(np.prod(dims)) if dims and all(isinstance(d, int) for d in dims) else None
