@@ -126,11 +126,14 @@ def _check_quantized_types(model: onnx.ModelProto, name: str, tensors: dict[str,
     ``tensors``: the model's constants (initializers and ``Constant`` nodes alike)."""
     types = {value: t.data_type for value, t in tensors.items()}
     wide, narrow = [], 0  # activation quantizers on 16 bits, on 8
+    # a weight's own quantizer: a QuantizeLinear of a constant (AIMET writes float weights so), and the DQ after it
+    weight_q = {n.output[0] for n in model.graph.node
+                if n.op_type == "QuantizeLinear" and n.input and n.input[0] in tensors and n.output}
     for node in model.graph.node:
         if node.op_type not in QDQ_OPS or not node.input:  # a node without inputs: the checker names it later
             continue
         blocked = _int_attr(node, "block_size", 0)
-        constant_weight = node.op_type == "DequantizeLinear" and node.input[0] in tensors
+        constant_weight = node.input[0] in tensors or (node.op_type == "DequantizeLinear" and node.input[0] in weight_q)
         if blocked and not constant_weight:
             raise ModelError(f"{name}: {node.op_type} {node.name or node.output[0]!r} quantizes an activation in "
                              f"blocks of {blocked} (opset 21 block_size), which no integer kernel reads; quantize "

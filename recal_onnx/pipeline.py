@@ -11,14 +11,16 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
    (4-bit weights as the int8 they hold; blocked MatMul weights as grouped rows), ``standard_qdq`` (onnxruntime's
    ``com.microsoft`` Q/DQ as the default domain's), ``remove_identities``, ``merge_twin_qdq`` (a Q/DQ pair per reader,
    onnxruntime's ``DedicatedQDQPair``: one for all), ``fold_constants`` (weights' Q becomes
-   int8), ``fold_int32_biases`` (a ``DequantizeLinear(int32)`` bias: the float it means), ``weights_to_int8``
+   int8; ``widen_weights`` again for a float weight's Q to 4 bits, as AIMET writes it), ``fold_int32_biases`` (a ``DequantizeLinear(int32)`` bias: the float it means), ``weights_to_int8``
    (a weight with a zero point: symmetric int8 where its values fit), ``minmax_to_clip`` (jax2onnx's ``Max`` /
    ``Min`` by a constant: the Clip it is), ``average_pool_windows`` (an AveragePool whose window passes its input:
    what onnxruntime's integer kernel then means too), ``fold_weight_reshapes`` and ``fold_weight_transposes``
    (``DQ(w) -> Reshape / Transpose`` becomes ``DQ(reshaped / transposed w)``), ``fold_pads_into_convs``,
    ``weights_from_grids`` (a float weight on an int8 grid, its quantization folded into floats by tf2onnx: the
    DequantizeLinear of those integers), ``gather_int4_tables``, ``gather_int8_tables``, ``fold_conv_affine``
-   (Div / Mul / Add / BatchNormalization after a conv into its weight and bias), ``zero_channel_scales``;
+   (Div / Mul / Add / BatchNormalization after a conv into its weight and bias), ``zero_channel_scales``,
+   ``finer_weight_grids`` (a layer whose float bias falls between its int32 steps, its weights within +-32: the same
+   weights on a finer grid, its bias rounded on it);
 2. ``thin_heads``, ``thin_channels`` (with ``thin``): the attention heads head pruning left dead; the channels (and
    FFN neurons) filter pruning left dead, in blocks of ``channel_block``;
 3. ``scalar_activation_qparams``, ``activations_to_uint8``, ``remove_redundant_qdq``, ``remove_noop_clamps``;
@@ -56,6 +58,7 @@ from .passes.affine_to_batchnorm import affine_to_batchnorm
 from .passes.average_pool_windows import average_pool_windows
 from .passes.batchnorm_to_conv import batchnorm_to_conv
 from .passes.fold_conv_affine import fold_conv_affine
+from .passes.finer_weight_grids import finer_weight_grids
 from .passes.float16_upcast import float16_to_float32
 from .passes.float_weight_grids import weights_from_grids
 from .passes.float_weight_shield import shield_float_weights
@@ -116,8 +119,9 @@ class Step:
 
 PIPELINE: tuple[Step, ...] = (
     Step((remove_dead_nodes, constants_to_initializers, float16_to_float32, widen_weights, standard_qdq, remove_identities, merge_twin_qdq,
-          fold_constants, fold_int32_biases, weights_to_int8, minmax_to_clip, average_pool_windows, fold_weight_reshapes,
-          fold_weight_transposes, fold_pads_into_convs, weights_from_grids, gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales)),
+          fold_constants, widen_weights, fold_int32_biases, weights_to_int8, minmax_to_clip, average_pool_windows, fold_weight_reshapes,
+          fold_weight_transposes, fold_pads_into_convs, weights_from_grids, gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales,
+          finer_weight_grids)),
     Step((thin_heads,), when=lambda o: o.thin),
     Step((thin_channels,), when=lambda o: o.thin, args=lambda o: (o.channel_block,)),
     Step((scalar_activation_qparams, activations_to_uint8, remove_redundant_qdq, remove_noop_clamps)),

@@ -730,6 +730,22 @@ def test_nncfs_openvino_export_is_refused_with_the_way_to_qdq():
         quantize_qat_export(model)
 
 
+def test_aimets_w4a8_export_converts_on_finer_weight_grids_and_its_a16w8_is_refused(tmp_path):
+    """AIMET at ``default_param_bw=4`` quantizes each float weight with a QuantizeLinear to int4 and keeps its
+    BatchNorms apart: folded into the convs, their biases fall between int32 steps of a 4-bit weight's scale, which
+    moved 0.5% of the integers by a step (refused). Held on a grid 8 times finer (the same weights, within +-64) every
+    layer is integer, one file exact on every CPU. At ``default_output_bw=16`` every activation is 16-bit: refused,
+    saying so (``scripts/interop_exports/aimet_export.py``)."""
+    result = quantize_qat_export(FIXTURE_DIR / "aimet-w4a8-small-resnet.onnx", tmp_path / "int8.onnx")
+    kinds = collections.Counter(ops(result.model))
+    assert kinds["QLinearConv"] == 12 and "Conv" not in kinds and result.rewrites["finer_weight_grids"] == 12, kinds
+    assert result.avx2_path is None and "none saturates" in result.weights_note
+    assert result.verification.local_share <= 1e-3 and result.verification.local_steps <= 1, result.verification
+    with pytest.raises(ModelError, match=r"every activation is quantized to 16 bits \(uint16"):
+        quantize_qat_export(FIXTURE_DIR / "refused" / "aimet-a16w8-small-resnet.onnx", tmp_path / "a16.onnx")
+    assert not (tmp_path / "a16.onnx").exists()
+
+
 def test_brevitas_qonnx_export_is_refused_with_the_way_to_qcdq(tmp_path):
     """Brevitas's ``export_qonnx`` writes QONNX's ``Quant`` nodes (a custom domain onnxruntime cannot run): refused
     before any work, naming the op and the two ways to QCDQ (``scripts/interop_exports/brevitas_export.py``)."""

@@ -1,4 +1,7 @@
-"""AIMET's documented QAT flow at its defaults, into tests/fixtures/interop/aimet-small-resnet.onnx.
+"""AIMET's documented QAT flow at its defaults, into tests/fixtures/interop/aimet-small-resnet.onnx; the same with
+4-bit weights (``default_param_bw=4``, W4A8: a QuantizeLinear of each float weight to int4, its BatchNorms apart)
+into aimet-w4a8-small-resnet.onnx, and with 16-bit activations (``default_output_bw=16``, A16W8, Qualcomm's NPU
+form) into refused/aimet-a16w8-small-resnet.onnx (no integer kernel reads a 16-bit activation: refused by name).
 
 The float SmallResNet (``common.py``) is trained a few steps, wrapped in ``QuantizationSimModel`` (8-bit weights and
 activations, AIMET's default config, ``training_range_learning_with_tf_init``: QAT that learns its ranges from
@@ -27,16 +30,23 @@ import aimet_torch.onnx  # noqa: E402
 from aimet_torch.common.defs import QuantScheme  # noqa: E402
 from aimet_torch.quantsim import QuantizationSimModel  # noqa: E402
 
-torch.manual_seed(0)
-model = trained(SmallResNet())
-example = torch.randn(1, 3, SIZE, SIZE)
-sim = QuantizationSimModel(model, example, quant_scheme=QuantScheme.training_range_learning_with_tf_init,
-                           default_output_bw=8, default_param_bw=8)
-sim.compute_encodings(lambda m: [m(x) for x in calibration()])
-trained(sim.model, steps=10, seed=1)  # QAT, ranges learned
-FIXTURES.mkdir(parents=True, exist_ok=True)
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    aimet_torch.onnx.export(sim.model, example, str(FIXTURES / "aimet-small-resnet.onnx"), input_names=["input"],
-                            opset_version=21, dynamo=False, export_int32_bias=True)
-print("wrote", FIXTURES / "aimet-small-resnet.onnx")
+
+def export(path, activation_bits: int = 8, weight_bits: int = 8) -> None:
+    torch.manual_seed(0)
+    model = trained(SmallResNet())
+    example = torch.randn(1, 3, SIZE, SIZE)
+    sim = QuantizationSimModel(model, example, quant_scheme=QuantScheme.training_range_learning_with_tf_init,
+                               default_output_bw=activation_bits, default_param_bw=weight_bits)
+    sim.compute_encodings(lambda m: [m(x) for x in calibration()])
+    trained(sim.model, steps=10, seed=1)  # QAT, ranges learned
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        aimet_torch.onnx.export(sim.model, example, str(path), input_names=["input"], opset_version=21, dynamo=False,
+                                export_int32_bias=True)
+    print("wrote", path)
+
+
+export(FIXTURES / "aimet-small-resnet.onnx")
+export(FIXTURES / "aimet-w4a8-small-resnet.onnx", weight_bits=4)
+export(FIXTURES / "refused" / "aimet-a16w8-small-resnet.onnx", activation_bits=16)

@@ -5,6 +5,7 @@ built), so it runs in each tool's own virtual environment beside its pinned torc
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 from pathlib import Path
@@ -167,8 +168,10 @@ def fp32_for_onnx_quantizers(folder: Path) -> dict[str, tuple[Path, list[dict]]]
 def stand_in_torchvision() -> None:
     """The names aimet-torch reads from torchvision at import (its detection ops and data helpers), none used here."""
     vision = types.ModuleType("torchvision")
+    vision.__spec__ = importlib.machinery.ModuleSpec("torchvision", None)  # transformers asks find_spec of it
     for part in ("ops", "transforms", "datasets"):
         setattr(vision, part, types.ModuleType(f"torchvision.{part}"))
+        getattr(vision, part).__spec__ = importlib.machinery.ModuleSpec(f"torchvision.{part}", None)
         sys.modules[f"torchvision.{part}"] = getattr(vision, part)
     vision.ops.RoIPool = type("RoIPool", (torch.nn.Module,), {})
     vision.ops.roi_align = vision.ops.nms = None
