@@ -552,7 +552,8 @@ def _runtime_float_layers(path, tmp_path):
 
 @pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
 def test_other_tools_exports_convert_with_every_layer_integer(path, tmp_path):
-    """Each committed export of another tool (``scripts/interop_exports/``: Brevitas's QCDQ with int32 biases,
+    """Each committed export of another tool (``scripts/interop_exports/``: Brevitas's QCDQ with int32 biases (and
+    4-bit weights clipped to +-7: one file for every CPU, as AIMET's W4A8),
     NNCF's QDQ with its BatchNorms apart, ModelOpt's with only layer inputs quantized, torchao's PT2E with a dynamic
     batch, TF Model Optimization's through tf2onnx with its weights and BatchNorms folded into float kernels that lie
     on int8 grids, channels last): every Conv / Gemm / MatMul whose output a QuantizeLinear reads is integer (ModelOpt quantizes no residual
@@ -572,6 +573,7 @@ def test_other_tools_exports_convert_with_every_layer_integer(path, tmp_path):
     assert all("not by one QuantizeLinear alone" in why for name, why in result.float_reasons.items()
                if name in convs or name.endswith("Conv")), result.float_reasons
     assert len(result.grid_weights) == (13 if path.stem.startswith("tfmot") else 0), result.grid_weights
+    assert (result.avx2_path is None) == ("w4" in path.stem), result.weights_note  # 4-bit weights: one file
     v = result.verification
     # class ids: random weights leave 1-5% of the samples within a step of a tie (torchao's: onnxruntime's own
     # fusion flips 2 of 256, recal's 3, every integer tensor within a step; tfmot's: generated inputs, far from its

@@ -1,6 +1,7 @@
 """Brevitas's documented flow at its defaults, into tests/fixtures/interop/brevitas-small-resnet.onnx (and the same
 model by ``export_qonnx``, QONNX's ``Quant`` nodes, into ``refused/brevitas-qonnx-small-resnet.onnx``: refused with the
-way to QCDQ).
+way to QCDQ); with 4-bit weights per channel (its compute layer map's ``Int8WeightPerChannelFloat`` at
+``weight_bit_width=4``: QCDQ clips the integers to +-7) into brevitas-w4-small-resnet.onnx.
 
 The float SmallResNet (``common.py``) is trained a few steps, prepared and quantized by Brevitas's graph mode
 (``preprocess_for_quantize`` + ``quantize``: 8-bit weights and activations, int32 biases), calibrated
@@ -13,10 +14,13 @@ DequantizeLinear) by its TorchScript path (its dynamo path refuses the int32 bia
     /tmp/venv_brevitas/bin/python scripts/interop_exports/brevitas_export.py
 """
 
+import copy
+
 import torch
 from brevitas.export import export_onnx_qcdq, export_qonnx
 from brevitas.graph.calibrate import calibration_mode
-from brevitas.graph.quantize import preprocess_for_quantize, quantize
+from brevitas.graph.quantize import COMPUTE_LAYER_MAP, preprocess_for_quantize, quantize
+from brevitas.quant.scaled_int import Int8WeightPerChannelFloat
 
 from common import FIXTURES, SIZE, SmallResNet, calibration, trained
 
@@ -34,3 +38,17 @@ print("wrote", FIXTURES / "brevitas-small-resnet.onnx")
 export_qonnx(quant, args=torch.randn(1, 3, SIZE, SIZE), opset_version=13, dynamo=False,
              export_path=str(FIXTURES / "refused" / "brevitas-qonnx-small-resnet.onnx"))
 print("wrote", FIXTURES / "refused" / "brevitas-qonnx-small-resnet.onnx")
+
+four_bit = copy.deepcopy(COMPUTE_LAYER_MAP)
+for layer in (torch.nn.Conv2d, torch.nn.Linear):
+    four_bit[layer] = (four_bit[layer][0], {**four_bit[layer][1], "weight_quant": Int8WeightPerChannelFloat,
+                                            "weight_bit_width": 4})
+torch.manual_seed(0)
+quant = quantize(preprocess_for_quantize(trained(SmallResNet())), compute_layer_map=four_bit)
+with torch.no_grad(), calibration_mode(quant):
+    for x in calibration():
+        quant(x)
+quant = trained(quant, steps=10, seed=1)  # QAT
+export_onnx_qcdq(quant, args=torch.randn(1, 3, SIZE, SIZE), export_path=str(FIXTURES / "brevitas-w4-small-resnet.onnx"),
+                 opset_version=13, dynamo=False)
+print("wrote", FIXTURES / "brevitas-w4-small-resnet.onnx")
