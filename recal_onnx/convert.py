@@ -217,8 +217,8 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         model.CopyFrom(model_or_path)  # never modify the caller's model
     try:  # a float16 model is verified as it computes once converted (float32_reference)
         return _convert(model, float32_reference(model) or reference, output_path, format, verify, inputs, tolerance,
-                        min_agreement, started, thin=thin, choice=choice, channel_block=channel_block, accuracy_level=accuracy_level,
-                        keep_exporter_metadata=keep_exporter_metadata)
+                        min_agreement, started, thin=thin, choice=choice, channel_block=channel_block,
+                        accuracy_level=accuracy_level, keep_exporter_metadata=keep_exporter_metadata)
     except (VerificationError, ModelError, OSError, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - a malformed model must end in one clear error, not a traceback
@@ -319,8 +319,9 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
             result.weights_note += ("; verified as its target computes it (this CPU has no VNNI and would saturate "
                                     "its int8 weights beyond +-64: run it on the target)")
         try:
-            result.verification = verify_models(reference, run_here, inputs, thinned=findings.thinned, noise=tolerance
-                                                is None, output_steps=output_steps, tied=set(findings.tied_pools))
+            result.verification = verify_models(reference, run_here, inputs, thinned=findings.thinned,
+                                                output_steps=output_steps, noise=tolerance is None,
+                                                tied=findings.tied_pools)
         except NonFiniteReference as exc:
             raise ModelError(f"{exc}: the QAT model itself computes nothing finite"
                              f"{nonfinite_initializers(reference)}; nothing was written") from None

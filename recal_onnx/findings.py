@@ -30,8 +30,9 @@ class Findings:
     masked_scores: dict[str, float] = field(default_factory=dict)
     # node name -> the largest |q| of its float weight, read back as int8 (float_weight_grids: a folded quantization)
     grid_weights: dict[str, int] = field(default_factory=dict)
-    # integer pool output tensor -> the share of its window sums whose mean is an exact tie (pool_to_qlinear): onnxruntime's
-    # pools round those otherwise than the QDQ model, whose own float noise decides them; verification counts them apart
+    # integer pool output tensor -> the share of its window sums whose mean is an exact tie (pool_to_qlinear):
+    # onnxruntime's pools round those otherwise than the QDQ model, whose own float noise decides them; verification
+    # counts that many of its differing values apart
     tied_pools: dict[str, float] = field(default_factory=dict)
     # what a pass changed in the model as a whole, one clause each (float16 computing in float32)
     notes: list[str] = field(default_factory=list)

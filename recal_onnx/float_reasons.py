@@ -12,7 +12,7 @@ import numpy as np
 
 from .graph import Graph, Node, attr, input_of
 from .passes import on_a_grid
-from .qdq import activation, sixteen_bit_input, sixteen_bit_output, weight
+from .qdq import activation, sixteen_bits, weight
 from .quantized_ops import output_tail
 
 WEIGHTED = {"Conv": 1, "Gemm": 1, "MatMul": 1, "ConvTranspose": 1}
@@ -112,12 +112,15 @@ def _weighted_reason(g: Graph, node: Node) -> str:
 
 
 def _sixteen_bits(g: Graph, inputs=(), outputs=()) -> str | None:
-    """The clause for the first of ``inputs`` that is a 16-bit activation, or of ``outputs`` quantized to 16 bits
-    (mixed precision), else None."""
-    found = [(f"its input {v.name!r} is", sixteen_bit_input(g, v)) for v in inputs] + [
-        ("its output is quantized to", sixteen_bit_output(g, v)) for v in outputs]
-    return next((f"{subject} 16 bits ({dtype}: mixed precision), and onnxruntime's integer kernels take 8-bit "
-                 "activations" for subject, dtype in found if dtype is not None), None)
+    """The clause for a 16-bit activation the node reads or writes (:func:`~recal_onnx.qdq.sixteen_bits`), else
+    None."""
+    found = sixteen_bits(g, inputs, outputs)
+    if found is None:
+        return None
+    value, dtype, is_input = found
+    subject = f"its input {value.name!r} is" if is_input else "its output is quantized to"
+    return (f"{subject} 16 bits ({dtype}: mixed precision), and onnxruntime's integer kernels take 8-bit "
+            "activations")
 
 
 def _quantized(g: Graph, node: Node) -> bool:

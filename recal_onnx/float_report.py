@@ -15,7 +15,7 @@ import onnxruntime as ort
 from recal_core.atomic import TEMP_PREFIX
 
 from .graph import EXTERNAL_DATA_BYTES, Graph, Node
-from .qdq import activation, sixteen_bit_input, sixteen_bit_output, weight
+from .qdq import activation, sixteen_bits, weight
 
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
 # ops that runtimes (onnxruntime, TensorRT) run quantized when they sit between DQ and Q in a QDQ model
@@ -159,14 +159,9 @@ def float_islands(g: Graph, expected: set[str]) -> list[Node]:
             continue
         before_q.add(node)
         stack.extend(g.producer(i) for i in node.inputs)
+    # (a node reading or writing a 16-bit activation is no QDQ kernel onnxruntime fuses, expected or not)
     return [node for node in g.nodes if node in after_dq and node in before_q and not _no_op_cast(node)
-            and (node.op_type not in expected or _on_16_bits(g, node))]
-
-
-def _on_16_bits(g: Graph, node: Node) -> bool:
-    """Whether ``node`` reads or writes a 16-bit activation: onnxruntime fuses no QDQ kernel there."""
-    return (any(sixteen_bit_input(g, i) is not None for i in node.inputs if i is not None)
-            or any(sixteen_bit_output(g, o) is not None for o in node.outputs))
+            and (node.op_type not in expected or sixteen_bits(g, node.inputs, node.outputs) is not None)]
 
 
 def _no_op_cast(node: Node) -> bool:

@@ -133,7 +133,8 @@ def _check_quantized_types(model: onnx.ModelProto, name: str, tensors: dict[str,
         if node.op_type not in QDQ_OPS or not node.input:  # a node without inputs: the checker names it later
             continue
         blocked = _int_attr(node, "block_size", 0)
-        constant_weight = node.input[0] in tensors or (node.op_type == "DequantizeLinear" and node.input[0] in weight_q)
+        constant_weight = node.input[0] in tensors or (node.op_type == "DequantizeLinear"
+                                                       and node.input[0] in weight_q)
         if blocked and not constant_weight:
             raise ModelError(f"{name}: {node.op_type} {node.name or node.output[0]!r} quantizes an activation in "
                              f"blocks of {blocked} (opset 21 block_size), which no integer kernel reads; quantize "
@@ -159,10 +160,10 @@ def _check_quantized_types(model: onnx.ModelProto, name: str, tensors: dict[str,
         if dtype is None or dtype in QUANTIZED_TYPES or (node.op_type == "DequantizeLinear" and dtype in BIAS_TYPES):
             continue
         if constant_weight and dtype in WEIGHT_TYPES:
-            continue
-        if not constant_weight and dtype in ACTIVATION_16_TYPES:
-            wide.append((node, dtype))
             continue  # 4-bit weights are 8-bit integers to the kernels (recal_onnx.passes.widen_weights)
+        if not constant_weight and dtype in ACTIVATION_16_TYPES:
+            wide.append((node, dtype))  # its layers stay float, named; refused below if every activation is so
+            continue
         verb = "quantizes tensor {!r} to" if node.op_type == "QuantizeLinear" else "dequantizes tensor {!r} from"
         raise ModelError(f"{name}: {node.op_type} {node.name!r} {verb.format(node.input[0])} "
                          f"{_type_name(dtype)}; the converter writes uint8 / int8 "

@@ -118,10 +118,11 @@ class Step:
 
 
 PIPELINE: tuple[Step, ...] = (
-    Step((remove_dead_nodes, constants_to_initializers, float16_to_float32, widen_weights, standard_qdq, remove_identities, merge_twin_qdq,
-          fold_constants, widen_weights, fold_int32_biases, weights_to_int8, minmax_to_clip, average_pool_windows, fold_weight_reshapes,
-          fold_weight_transposes, fold_pads_into_convs, weights_from_grids, gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv, zero_channel_scales,
-          finer_weight_grids)),
+    Step((remove_dead_nodes, constants_to_initializers, float16_to_float32, widen_weights, standard_qdq,
+          remove_identities, merge_twin_qdq, fold_constants, widen_weights, fold_int32_biases, weights_to_int8,
+          minmax_to_clip, average_pool_windows, fold_weight_reshapes, fold_weight_transposes, fold_pads_into_convs,
+          weights_from_grids, gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv,
+          zero_channel_scales, finer_weight_grids)),
     Step((thin_heads,), when=lambda o: o.thin),
     Step((thin_channels,), when=lambda o: o.thin, args=lambda o: (o.channel_block,)),
     Step((scalar_activation_qparams, activations_to_uint8, remove_redundant_qdq, remove_noop_clamps)),

@@ -72,6 +72,14 @@ def sixteen_bit_output(g: Graph, value: Value) -> np.dtype | None:
     return None
 
 
+def sixteen_bits(g: Graph, inputs=(), outputs=()) -> tuple[Value, np.dtype, bool] | None:
+    """``(value, type, is_input)`` for the first of ``inputs`` that is a dequantized 16-bit activation, else the first
+    of ``outputs`` quantized to 16 bits (mixed precision: no integer kernel reads or writes them); None if none."""
+    found = [(v, sixteen_bit_input(g, v), True) for v in inputs if v is not None] + [
+        (v, sixteen_bit_output(g, v), False) for v in outputs]
+    return next((item for item in found if item[1] is not None), None)
+
+
 def weight(g: Graph, value: Value | None) -> QWeight | None:
     """``value`` as a dequantized constant weight, else None."""
     node = g.producer(value)

@@ -55,7 +55,7 @@ class Verification:
     local_tensors: int = 0  # integer tensors compared op by op
     local_share: float | None = None  # op by op: the share of their values that differ
     local_share_tensor: str = ""  # ... and the tensor with the most differing values
-    local_tied: int = 0  # integer pools whose exact ties were counted apart (op_by_op's ``tied``)
+    local_tied: int = 0  # integer pools whose exact ties were counted apart, up to their tie share (``tied``)
     median_abs_diff: float = 0.0  # end to end, of every output value
     outputs: tuple[OutputDiff, ...] = ()  # end to end, each graph output in its own units
 
@@ -119,8 +119,8 @@ class Verification:
             f"; op by op: {self.local_tensors} integer tensors within {self.local_steps} step(s)"
             + ("" if self.local_share is None else f" ({self.local_share:.2g} of their values differ)")
             + ("" if self.local_float is None else f", float outputs within {100 * self.local_float:.3f}% of range")
-            + (f"; {self.local_tied} average pools' exact ties, which the QAT model's float noise decides, counted "
-               "apart" if self.local_tied else ""))
+            + (f"; {self.local_tied} average pools' exact ties (which the QAT model's float noise decides) counted "
+               "apart, up to the share of values that can tie" if self.local_tied else ""))
         noise = [o for o in self.outputs if o.noise is not None]
         if noise:
             local += ("; the QAT model's own rounding noise (its outputs when each activation quantizer's input moves "
@@ -176,7 +176,7 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
                   inputs: dict[str, np.ndarray] | None = None, output_step: float = 0.0,
                   thinned: dict[str, np.ndarray] | None = None,
                   output_steps: dict[str, float] | None = None, noise: bool = True,
-                  tied: set[str] | frozenset[str] = frozenset()) -> Verification:
+                  tied: dict[str, float] | None = None) -> Verification:
     """Compare ``candidate`` with ``reference`` in onnxruntime, end to end and op by op.
 
     Args:
@@ -190,7 +190,8 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
         noise: where only the end-to-end default fails and the op-by-op check is clean, measure the QAT model's own
             rounding noise (:func:`rounding_noise`), which the default then accepts.
         tied: integer pool outputs whose exact ties the candidate rounds otherwise than the QAT model's float noise
-            does (``Findings.tied_pools``): held to one step op by op, their differing values counted apart."""
+            does, each with the share of its values that can tie (``Findings.tied_pools``): held to one step op by
+            op, up to that share of their values differing counted apart."""
     feeds = inputs if inputs is not None else generated_inputs(candidate)
     batched, fixed = batched_inputs(candidate), fixed_batch(candidate)
     producers = {o: n.op_type for n in candidate.graph.node for o in n.output}
@@ -223,7 +224,7 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
     result = Verification(diff, span, agreement, samples, first_step, median_abs_diff=median, outputs=outputs)
     if copy is None:
         return result
-    result = op_by_op(copy, candidate, feeds, result, thinned or {}, per_sample, tied)
+    result = op_by_op(copy, candidate, feeds, result, thinned or {}, per_sample, tied or {})
     failing = [o for o in result.outputs if o.problem(None, None)]
     if noise and result.clean_op_by_op and failing and all(o.kind not in ("class ids", "bool") for o in failing):
         own = rounding_noise(copy, feeds, batched, fixed=fixed)
@@ -379,7 +380,7 @@ def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
 
 def op_by_op(reference: onnx.ModelProto | str, candidate: onnx.ModelProto, feeds: dict[str, np.ndarray],
              result: Verification, thinned: dict[str, np.ndarray], per_sample: int = 0,
-             tied: set[str] | frozenset[str] = frozenset()) -> Verification:
+             tied: dict[str, float] | None = None) -> Verification:
     """``result`` with the op-by-op comparison filled in (unchanged where a model is too large to copy).
     ``per_sample``: the bytes one sample's outputs took end to end; the op-by-op run takes as many samples as
     fit :data:`MEMORY` (at most :data:`LOCAL_SAMPLES`)."""
@@ -428,17 +429,17 @@ def op_by_op(reference: onnx.ModelProto | str, candidate: onnx.ModelProto, feeds
             if name in given:
                 diff = np.abs(value.astype(np.int32) - given[name].astype(np.int32))
                 steps[name] = max(steps.get(name, 0), int(diff.max(initial=0)))
-                if name not in tied:
-                    counts[name] = counts.get(name, 0) + int(np.count_nonzero(diff))
-                    compared += diff.size
+                apart = int((tied or {}).get(name, 0.0) * diff.size)  # exact ties, at most as many as can be
+                counts[name] = counts.get(name, 0) + max(int(np.count_nonzero(diff)) - apart, 0)
+                compared += diff.size
         pairs.append([(g, r) for g, r in zip(got, ref_outputs) if np.issubdtype(r.dtype, np.floating) and r.size])
     floats = [float_gap(np.concatenate([run[i][0].reshape(-1) for run in pairs]),
                         np.concatenate([run[i][1].reshape(-1) for run in pairs])) for i in range(len(pairs[0]))]
     where = max(steps, key=steps.get)
     return replace(result, local_steps=steps[where], local_tensor=where, local_float=max(floats) if floats else None,
                    local_tensors=len(given_names), local_share=sum(counts.values()) / max(compared, 1),
-                   local_share_tensor=max(counts, key=counts.get, default=""),
-                   local_tied=len(tied & set(given_names)))
+                   local_share_tensor=max(counts, key=counts.get),
+                   local_tied=len(set(tied or {}) & set(given_names)))
 
 
 def _on_grid(mine: np.ndarray, theirs: np.ndarray) -> np.ndarray | None:

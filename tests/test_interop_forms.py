@@ -271,6 +271,14 @@ class SmallNet(torch.nn.Module):
         return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(y, 1), 1))
 
 
+def _export_small_net(path) -> None:
+    """:class:`SmallNet` (seed 0) by torch.onnx's TorchScript path, batch fixed at 1, into ``path``."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(SmallNet().eval(), torch.randn(1, 3, 8, 8), path, dynamo=False, input_names=["input"])
+
+
 @pytest.mark.parametrize("activation, per_channel", [("QUInt8", True), ("QUInt8", False), ("QInt8", True)])
 def test_quantize_static_exports_convert_with_every_layer_integer(activation, per_channel, tmp_path):
     """onnxruntime's quantize_static (QDQ) of a small CNN exported by torch.onnx with its fixed batch of 1: int32
@@ -278,11 +286,7 @@ def test_quantize_static_exports_convert_with_every_layer_integer(activation, pe
     step of the QDQ file run as written."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-    torch.manual_seed(0)
-    net = SmallNet().eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(net, torch.randn(1, 3, 8, 8), tmp_path / "fp32.onnx", dynamo=False, input_names=["input"])
+    _export_small_net(tmp_path / "fp32.onnx")
     rng = np.random.default_rng(0)
 
     class Reader(CalibrationDataReader):
@@ -317,11 +321,7 @@ def test_quantize_statics_extra_options_convert_with_every_layer_integer(options
     reader (``DedicatedQDQPair``: the residual add read two twin quantizers and stayed float), uint8 activations
     symmetric about 128, float weights behind a Q/DQ pair, ReLUs kept between their Q/DQs, float biases,
     onnxruntime's own Q/DQ domain. Every op integer, op by op within a step."""
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(SmallNet().eval(), torch.randn(1, 3, 8, 8), tmp_path / "fp32.onnx", dynamo=False,
-                          input_names=["input"])
+    _export_small_net(tmp_path / "fp32.onnx")
     feeds = [{"input": np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(np.float32)} for i in range(8)]
     _quantize_static(tmp_path / "fp32.onnx", tmp_path / "qdq.onnx", feeds, extra_options=options)
     result = quantize_qat_export(tmp_path / "qdq.onnx", tmp_path / "int8.onnx")
@@ -338,11 +338,7 @@ def test_a_16_bit_tensor_among_8_bit_ones_leaves_only_its_layers_float(wide, con
     each saying it is the 16-bit tensor; every other layer is integer, and the model verifies op by op."""
     from onnxruntime.quantization import QuantType
 
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(SmallNet().eval(), torch.randn(1, 3, 8, 8), tmp_path / "fp32.onnx", dynamo=False,
-                          input_names=["input"])
+    _export_small_net(tmp_path / "fp32.onnx")
     first_relu = next(n.output[0] for n in onnx.load(tmp_path / "fp32.onnx").graph.node if n.op_type == "Relu")
     feeds = [{"input": np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(np.float32)} for i in range(8)]
     overrides = {first_relu: [{"quant_type": getattr(QuantType, wide)}]}
@@ -400,11 +396,7 @@ def test_an_integer_qoperator_model_that_fails_is_said_to_be_one(tmp_path):
     says what the model is and which form it takes, not only onnxruntime's words."""
     from onnxruntime.quantization import QuantFormat, QuantType
 
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(SmallNet().eval(), torch.randn(1, 3, 8, 8), tmp_path / "fp32.onnx", dynamo=False,
-                          input_names=["input"])
+    _export_small_net(tmp_path / "fp32.onnx")
     feeds = [{"input": np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(np.float32)} for i in range(4)]
     _quantize_static(tmp_path / "fp32.onnx", tmp_path / "qoperator.onnx", feeds, quant_format=QuantFormat.QOperator,
                      activation_type=QuantType.QInt8, weight_type=QuantType.QInt8)
@@ -436,11 +428,7 @@ def test_quantize_statics_int4_weights_convert_as_the_int8_they_hold(tmp_path):
     the classifier is integer, verified op by op."""
     from onnxruntime.quantization import QuantType
 
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(SmallNet().eval(), torch.randn(1, 3, 8, 8), tmp_path / "fp32.onnx", dynamo=False,
-                          input_names=["input"])
+    _export_small_net(tmp_path / "fp32.onnx")
     rng = np.random.default_rng(0)
     _quantize_static(tmp_path / "fp32.onnx", tmp_path / "qdq.onnx",
                      [{"input": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)} for _ in range(8)],

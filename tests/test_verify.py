@@ -236,3 +236,20 @@ def test_three_steps_far_from_the_zero_point_are_three_steps():
     far = OutputDiff("logits", "float", max_abs_diff=3.01 * float(step), output_range=float(255 * step),
                      step=float(step), magnitude=float(a))
     assert "max abs difference" in far.problem(None, None)
+
+
+def test_a_pools_ties_are_counted_apart_only_up_to_the_share_that_can_tie():
+    """An average pool on its input's grid (2x2: a quarter of its sums tie): verification counts at most that share
+    of its differing values apart; told a smaller share, it counts the rest as usual and refuses."""
+    from recal_onnx import quantize_qat_export
+
+    b = Builder()
+    y = b.node("AveragePool", [b.qdq("x", 0.05, 0)], kernel_shape=[2, 2], strides=[2, 2])
+    model = b.model([("x", [8, 16, 4, 4])], [b.qdq(y, 0.05, 0)])
+    feeds = {"x": np.abs(np.random.default_rng(3).standard_normal((64, 16, 4, 4))).astype(np.float32) * 3}
+    converted = quantize_qat_export(model, verify=False).model
+    pooled = next(n.output[0] for n in converted.graph.node if n.op_type == "QLinearAveragePool")
+    honest = verify_models(model, converted, feeds, tied={pooled: 0.25})
+    assert honest.local_tied == 1 and honest.local_share <= 1e-3 and honest.problem(None) is None, honest
+    told_less = verify_models(model, converted, feeds, tied={pooled: 1e-4})
+    assert told_less.local_share > 1e-3 and "op by op" in told_less.problem(None), told_less

@@ -21,7 +21,7 @@ from ..qdq import activation, weight
 from ..quantized_ops import bias_steps, on_grid
 
 LIMIT = 64  # the largest |weight| exact on every CPU (onnxruntime's u8s8 kernels without VNNI)
-BIASED = {"Conv": 0, "Gemm": None}  # op -> the weight's output-channel axis (Gemm: by transB)
+BIASED = ("Conv", "Gemm")  # the layers whose integer kernels hold a bias
 
 
 def finer_weight_grids(g: Graph) -> int:
@@ -38,7 +38,7 @@ def finer_weight_grids(g: Graph) -> int:
         q = g.add_const(dq.inputs[0].name + "_finer", (w.q.astype(np.int16) * k).astype(np.int8))
         scale = g.add_const(dq.inputs[1].name + "_finer", (w.scale / np.float32(k)).astype(np.float32))
         finer = g.add_node("DequantizeLinear", [q, scale, *dq.inputs[2:3]], name=f"{dq.name or 'weight'}_finer",
-                           **{k_: a.value for k_, a in dq.attributes.items()})
+                           **{name: a.value for name, a in dq.attributes.items()})
         node.replace_input_with(1, finer.outputs[0])
         count += 1
     return count

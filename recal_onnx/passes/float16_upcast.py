@@ -74,9 +74,12 @@ def float16_to_float32(g: Graph, findings: Findings) -> int:
 
 def float32_reference(model: onnx.ModelProto) -> onnx.ModelProto | None:
     """``model`` computing in float32 where it computes in float16 (the verification's reference), else None."""
-    types = {onnx.TensorProto.FLOAT16}
-    if not any(t.data_type in types for t in model.graph.initializer) and not any(
-            a.name == "to" and a.i in types for n in model.graph.node for a in n.attribute):
+    half = onnx.TensorProto.FLOAT16
+    holds = (any(t.data_type == half for t in model.graph.initializer)
+             or any(v.type.tensor_type.elem_type == half for v in model.graph.input)
+             or any((a.name == "to" and a.i == half) or a.t.data_type == half
+                    for n in model.graph.node for a in n.attribute))
+    if not holds:  # (checked on the proto first: no copy of a model that holds no float16)
         return None
     g = Graph(model)
     constants_to_initializers(g)  # float16 Constant nodes too

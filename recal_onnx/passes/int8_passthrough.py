@@ -5,9 +5,9 @@ After::   q -> MaxPool -> q' -> DequantizeLinear(s, zp) -> y
 
 For MaxPool, Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Identity, Slice, Gather, GatherElements, Expand,
 Tile (the values of input 0 moved: a BERT pooler's first token, say), a nearest-neighbour Resize (a detector's
-upsampling: each output is one of its inputs; not tf_crop_and_resize, whose extrapolated 0.0 is no input), Split (each of its outputs
-dequantized on its own: a channel split or shuffle moves integers), and a constant-mode Pad of zeros (Keras's
-ZeroPadding2D before a pool): it pads with the zero point, the integer of 0. A ``Relu`` or constant-bound ``Clip``
+upsampling: each output is one of its inputs; not tf_crop_and_resize, whose extrapolated 0.0 is no input), Split
+(each of its outputs dequantized on its own: a channel split or shuffle moves integers), and a constant-mode Pad of
+zeros (Keras's ZeroPadding2D before a pool): it pads with the zero point, the integer of 0. A ``Relu`` or constant-bound ``Clip``
 (:func:`~recal_onnx.quantized_ops.integer_bounds`) becomes nothing where its bounds lie beyond the integers'
 range (a ReLU on a lowest zero point, a ReLU6 after an op whose range already stops at 6), ``Max`` / ``Min``
 where they lie on the grid; a bound between grid points would round differently, and the op stays float.
@@ -41,10 +41,12 @@ def _pads_zeros(g: Graph, node) -> bool:
 
 def _selects(node) -> bool:
     """A Resize whose every output is one of its input's values (nearest mode, no crop-and-resize extrapolation)."""
-    text = {name: (value.decode() if isinstance(value, bytes) else value) for name, value in
-            ((name, attr(node, name, default)) for name, default in
-             (("mode", "nearest"), ("coordinate_transformation_mode", "half_pixel")))}
-    return text["mode"] == "nearest" and text["coordinate_transformation_mode"] != "tf_crop_and_resize"
+    def text(name: str, default: str) -> str:
+        value = attr(node, name, default)
+        return value.decode() if isinstance(value, bytes) else value
+
+    return text("mode", "nearest") == "nearest" and \
+        text("coordinate_transformation_mode", "half_pixel") != "tf_crop_and_resize"
 
 
 def int8_passthrough(g: Graph, clamps: bool = True) -> int:

@@ -20,7 +20,8 @@ Where the input and output grids make a window's mean land exactly half a step b
 (the same scale on both, as ``quantize_static`` writes an AveragePool, and an even window: a quarter of all 2x2
 sums), onnxruntime's integer pools round those ties otherwise than the QDQ model does in float (whose own float
 noise decides them: nudged by 8 ulps, it rounds them otherwise itself), about one in eight a step apart: the pool's
-output is named in ``findings.tied_pools`` with the share, and verification counts its ties apart.
+output is named in ``findings.tied_pools`` with that share, and verification counts at most that share of its
+values apart.
 """
 
 from __future__ import annotations
