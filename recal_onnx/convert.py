@@ -41,10 +41,10 @@ from .float_report import QDQ_FUSIBLE, float_compute, float_islands, module_path
 from .graph import EXTERNAL_DATA_BYTES, MS_DOMAIN, Graph
 from .input_checks import ModelError, check_input, nonfinite_initializers
 from .passes import CHANNEL_BLOCK, exact_on_this_cpu, float32_reference, saturating_layers
-from .pipeline import Options, run_pipeline
+from .pipeline import Options, read_input, run_pipeline
 from .targets import DEFAULT_TARGET, WeightChoice, choose_weights
 from .twin import INT8_CPUS, TWIN_SAMPLES, avx2_twin, mark, twin_differs, twin_path
-from .verify import NonFiniteReference, Verification, generated_inputs, verify_models
+from .verify import NonFiniteReference, Verification, generated_inputs, runtime_refusal, verify_models
 
 log = logging.getLogger(__name__)
 
@@ -208,22 +208,23 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         _refuse_overwriting(Path(output_path), reads)
         if choice.twin:
             _refuse_overwriting(twin_path(output_path), reads)
-    check_input(model, str(model_or_path) if from_path else "the model")
+    label = str(model_or_path) if from_path else "the model"
+    check_input(model, label)
     if from_path:
         reference: onnx.ModelProto | str = str(model_or_path)  # the file stays as it is; no second copy
     else:
         reference = model_or_path
         model = onnx.ModelProto()
         model.CopyFrom(model_or_path)  # never modify the caller's model
-    try:  # a float16 model is verified as it computes once converted (float32_reference)
+    try:  # a QONNX or float16 model is verified as it computes once converted: as QCDQ, in float32
+        model, reference, notes = _as_qcdq(model, reference, label)
         return _convert(model, float32_reference(model) or reference, output_path, format, verify, inputs, tolerance,
                         min_agreement, started, thin=thin, choice=choice, channel_block=channel_block,
-                        accuracy_level=accuracy_level, keep_exporter_metadata=keep_exporter_metadata)
+                        accuracy_level=accuracy_level, keep_exporter_metadata=keep_exporter_metadata, notes=notes)
     except (VerificationError, ModelError, OSError, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - a malformed model must end in one clear error, not a traceback
-        label = model_or_path if from_path else "the model"
-        own = _runtime_refusal(reference)
+        own = runtime_refusal(reference)
         if own is not None:  # the input itself is broken: say so in onnxruntime's words about its own nodes
             raise ModelError(f"{label} does not run in onnxruntime itself, as written: {own}") from exc
         integer = Counter(n.op_type for n in model.graph.node if qoperator_kernel(n.op_type))
@@ -236,28 +237,22 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         raise ModelError(f"cannot convert {label}: {type(exc).__name__}: {' '.join(str(exc).split())[:500]}") from exc
 
 
-def _runtime_refusal(reference: onnx.ModelProto | str) -> str | None:
-    """onnxruntime's reason for refusing the input model as written, loaded and run on one generated sample, or None
-    when it runs (or cannot be tried)."""
-    from .verify import reference_session
-
-    try:
-        model = onnx.load(reference, load_external_data=False) if isinstance(reference, str) else reference
-        feeds = generated_inputs(model, 1)
-        reference_session(reference).run(None, feeds)
-    except (MemoryError, ModelError):
-        return None
-    except Exception as exc:  # noqa: BLE001 - its message is the answer
-        return " ".join(str(exc).split())[:500]
-    return None
+def _as_qcdq(model: onnx.ModelProto, reference, label: str) -> tuple[onnx.ModelProto, object, list[str]]:
+    """A QONNX model as the QCDQ it means, which is then also the reference (onnxruntime cannot run QONNX)."""
+    read = read_input(model, label)
+    if read is None:
+        return model, reference, []
+    model = onnx.ModelProto()
+    model.CopyFrom(read[0])
+    return model, read[0], read[1]
 
 
 def _convert(model, reference, output_path, format, verify, inputs, tolerance, min_agreement,
              started, *, thin: bool, choice: WeightChoice, channel_block: int,
-             accuracy_level: int = 0, keep_exporter_metadata: bool = False) -> ConversionResult:
+             accuracy_level: int = 0, keep_exporter_metadata: bool = False, notes: list[str]) -> ConversionResult:
     infer_shapes_in_place(model)
     g = Graph(model)
-    findings = Findings()
+    findings = Findings(notes=list(notes))
     modules = module_paths(g)  # from the exporter's record, which the pipeline's last step drops
     rewrites = run_pipeline(g, Options(format, choice.weight_type, thin, channel_block, accuracy_level,
                                        keep_exporter_metadata), findings)

@@ -28,18 +28,20 @@ def check_input(model: onnx.ModelProto, name: str) -> None:
     if version is None or not MIN_OPSET <= version <= newest:
         raise ModelError(f"{name} uses opset {version} of the default ONNX domain; the converter takes "
                          f"opsets {MIN_OPSET} to {newest} (QuantizeLinear needs 10, per-channel weights 13)")
-    foreign = sorted({(n.domain, n.op_type) for n in model.graph.node if n.domain not in KNOWN_DOMAINS})
+    foreign = sorted({(n.domain, n.op_type) for n in model.graph.node
+                      if n.domain not in KNOWN_DOMAINS and not is_qonnx_quantizer(n.op_type, n.domain)})
     if foreign:
         listed = ", ".join(f"{op} ({domain})" for domain, op in foreign[:5])
         hint = ("; NNCF writes OpenVINO's FakeQuantize by default: for QuantizeLinear/DequantizeLinear, strip the "
                 "model (nncf.strip(model, example_input=x)) and export it with torch.onnx.export"
                 if any(op == "FakeQuantize" for _, op in foreign) else "")
-        if any(op in QONNX_OPS and ("qonnx" in domain or "finn" in domain) for domain, op in foreign):
-            hint = ("; this is QONNX (Brevitas' export_qonnx): export with brevitas.export.export_onnx_qcdq instead, or "
-                    "turn its Quant nodes into QuantizeLinear / Clip / DequantizeLinear with qonnx's QuantToQCDQ "
-                    "(qonnx.transformation.qonnx_to_qcdq; 2 to 8 bits, zero point 0)")
+        if any(op in QONNX_OPS and is_qonnx_domain(domain) for domain, op in foreign):
+            hint = ("; this is QONNX, whose integer Quant the converter reads, but not its Trunc (Brevitas' "
+                    "TruncAvgPool), BipolarQuant (1 bit) or FloatQuant (minifloat), which have no integer kernel in "
+                    "onnxruntime: quantize those layers to integers of 2 to 8 bits, or export with "
+                    "brevitas.export.export_onnx_qcdq")
         raise ModelError(f"{name} has ops of custom domains, which onnxruntime cannot run: {listed}{hint}")
-    if not any(n.op_type in QDQ_OPS for n in model.graph.node):
+    if not any(n.op_type in QDQ_OPS or is_qonnx_quantizer(n.op_type, n.domain) for n in model.graph.node):
         raise ModelError(f"{name} is not a QAT model: it has no QuantizeLinear/DequantizeLinear nodes")
     for output in model.graph.output:
         if output.type.WhichOneof("value") not in ("tensor_type", None):
@@ -80,6 +82,16 @@ FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProt
 QUANTIZED_TYPES = {onnx.TensorProto.UINT8, onnx.TensorProto.INT8}
 BIAS_TYPES = {onnx.TensorProto.INT32}
 QONNX_OPS = {"Quant", "BipolarQuant", "Trunc", "IntQuant", "FloatQuant"}  # QONNX's quantizers (qonnx.custom_op.general)
+QONNX_QUANTIZERS = ("Quant", "IntQuant")  # its integer quantizer (renamed IntQuant): read as QCDQ (qonnx_to_qcdq)
+
+
+def is_qonnx_domain(domain: str) -> bool:
+    """QONNX's ops' domain, as its writers name it (qonnx.custom_op.general, finn.custom_op.general, onnx.brevitas)."""
+    return any(name in domain for name in ("qonnx", "finn", "brevitas"))
+
+
+def is_qonnx_quantizer(op_type: str, domain: str) -> bool:
+    return op_type in QONNX_QUANTIZERS and is_qonnx_domain(domain)
 ACTIVATION_16_TYPES = {onnx.TensorProto.UINT16, onnx.TensorProto.INT16}
 WEIGHT_TYPES = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4}  # constant weights only: widened to 8 bits
 

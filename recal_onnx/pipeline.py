@@ -6,7 +6,11 @@ target's weight storage, thinning); a pass whose signature takes ``findings`` re
 :func:`run_pipeline` runs the steps in order and returns every pass's rewrite count; a repeated step runs its
 passes in turn until none rewrites (a QLinear op made by one pass is what the next one matches).
 
+0. :data:`READERS`, on the input (:func:`read_input`, before shape inference): ``qonnx_to_qcdq`` (QONNX's ``Quant``,
+   Brevitas's ``export_qonnx``: the QuantizeLinear / Clip / DequantizeLinear it defines). Verification runs the model
+   so read as the input, since onnxruntime cannot run the file;
 1. constants and folds: ``remove_dead_nodes`` (what no output reads), ``constants_to_initializers``,
+   ``inputs_to_constants`` (initializers a file also lists as graph inputs: constants only, as the converter reads them),
    ``float16_to_float32`` (a model computing in float16, ModelOpt's ONNX default: float32), ``widen_weights``
    (4-bit weights as the int8 they hold; blocked MatMul weights as grouped rows), ``standard_qdq`` (onnxruntime's
    ``com.microsoft`` Q/DQ as the default domain's), ``remove_identities``, ``merge_twin_qdq`` (a Q/DQ pair per reader,
@@ -45,14 +49,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import onnx
+
 from .findings import Findings
 from .graph import Graph
+from .input_checks import ModelError, is_qonnx_quantizer
 from .passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
 from .passes.bias_apart import bias_apart
 from .passes.bias_to_int32 import bias_to_int32
 from .passes.binary_to_qlinear import binary_to_qlinear
 from .passes.concat_to_qlinear import concat_to_qlinear
-from .passes.constants import constants_to_initializers, fold_constants, remove_dead_nodes, remove_identities
+from .passes.constants import (constants_to_initializers, fold_constants, inputs_to_constants, remove_dead_nodes,
+                               remove_identities)
 from .passes.conv_to_qlinearconv import conv_to_qlinearconv
 from .passes.affine_to_batchnorm import affine_to_batchnorm
 from .passes.average_pool_windows import average_pool_windows
@@ -74,6 +82,7 @@ from .passes.minmax_to_clip import minmax_to_clip
 from .passes.noop_clamps import remove_noop_clamps
 from .passes.pad_into_conv import fold_pads_into_convs
 from .passes.pool_to_qlinear import pool_to_qlinear
+from .passes.qonnx_to_qcdq import qonnx_to_qcdq
 from .passes.redundant_qdq import remove_redundant_qdq
 from .passes.shape_of_integers import shapes_from_integers
 from .passes.sigmoid_to_qlinear import sigmoid_to_qlinear
@@ -117,8 +126,11 @@ class Step:
     repeat: bool = False
 
 
+# what turns a file onnxruntime cannot run into the QDQ model it means: run on the input by read_input
+READERS: tuple[Pass, ...] = (qonnx_to_qcdq,)
+
 PIPELINE: tuple[Step, ...] = (
-    Step((remove_dead_nodes, constants_to_initializers, float16_to_float32, widen_weights, standard_qdq,
+    Step((remove_dead_nodes, constants_to_initializers, inputs_to_constants, float16_to_float32, widen_weights, standard_qdq,
           remove_identities, merge_twin_qdq, fold_constants, widen_weights, fold_int32_biases, weights_to_int8,
           minmax_to_clip, average_pool_windows, fold_weight_reshapes, fold_weight_transposes, fold_pads_into_convs,
           weights_from_grids, gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv,
@@ -171,3 +183,19 @@ def run_pipeline(g: Graph, options: Options, findings: Findings) -> dict[str, in
 
 def _takes_findings(pass_fn: Pass) -> bool:
     return "findings" in pass_fn.__code__.co_varnames[:pass_fn.__code__.co_argcount]
+
+
+def read_input(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, list[str]] | None:
+    """``model`` as :data:`READERS` read it, with their notes, or None when none applies. A node they cannot read is
+    refused, named, as a defect of the model called ``name``."""
+    if not any(is_qonnx_quantizer(n.op_type, n.domain) for n in model.graph.node):
+        return None
+    g = Graph(onnx.shape_inference.infer_shapes(model))  # an activation's rank, for one quantized per channel
+    constants_to_initializers(g)
+    findings = Findings()
+    try:
+        for reader in READERS:
+            reader(g, findings)
+    except ModelError as exc:
+        raise ModelError(f"{name}: {exc}") from None
+    return g.commit(), findings.notes

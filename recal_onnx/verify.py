@@ -27,6 +27,7 @@ import onnx
 
 from .output_diff import (CLASS_AGREEMENT, CLASS_ID_OPS, FLOAT_ONLY_SHARE, FLOAT_SHARE,  # noqa: F401 (re-exported)
                           STEPS, OutputDiff, OutputStats, float_gap)
+from .input_checks import ModelError
 from .qdq import signedness_shift
 from .verify_inputs import batched_inputs, fixed_batch, generated_inputs, integer_ranges  # noqa: F401 (re-exported)
 
@@ -453,3 +454,15 @@ def _on_grid(mine: np.ndarray, theirs: np.ndarray) -> np.ndarray | None:
     return np.asarray(value.astype(mine.dtype))
 
 
+def runtime_refusal(reference: onnx.ModelProto | str) -> str | None:
+    """onnxruntime's reason for refusing the input model as written, loaded and run on one generated sample, or None
+    when it runs (or cannot be tried)."""
+    try:
+        model = onnx.load(reference, load_external_data=False) if isinstance(reference, str) else reference
+        feeds = generated_inputs(model, 1)
+        reference_session(reference).run(None, feeds)
+    except (MemoryError, ModelError):
+        return None
+    except Exception as exc:  # noqa: BLE001 - its message is the answer
+        return " ".join(str(exc).split())[:500]
+    return None

@@ -13,7 +13,8 @@ Sources, each a QDQ ONNX file as its tool writes it at its documented 8-bit sett
 - ``quantize_static`` (uint8 activations, int8 weights per tensor; symmetric, and asymmetric: ``WeightSymmetric=False``)
   of Hugging Face's BERT (4 layers, hidden 256, from its config), exported at sequence length 128;
 - the exports other tools wrote, committed under ``tests/fixtures/interop/`` with the script that made each
-  (``scripts/interop_exports/``): every ``*.onnx`` there is a row.
+  (``scripts/interop_exports/``): every ``*.onnx`` there is a row (Brevitas's QONNX exports, which onnxruntime
+  cannot run, timed as the QCDQ they mean: recal's reading of them).
 
 Per file: the layers with a weight (Conv / Gemm / MatMul reading a constant) and those that stay float, the
 verification's sample count and its op-by-op figure (every integer tensor against the QDQ file run as written), and
@@ -46,6 +47,7 @@ from bench.peers import matmul_nbits_qdq, quantize_static  # noqa: E402
 from bench.results import machine, save_run, sessions_clause  # noqa: E402
 from bench.timing import interleaved_latency  # noqa: E402
 from recal_onnx import cpu, quantize_qat_export  # noqa: E402
+from recal_onnx.pipeline import read_input  # noqa: E402
 from recal_onnx.verify import generated_inputs  # noqa: E402
 from bench.models import ResNet18, torch_init  # noqa: E402
 
@@ -173,6 +175,10 @@ def row(label: str, qdq: Path, folder: Path, rounds: int) -> dict:
         warnings.simplefilter("ignore")
         result = quantize_qat_export(str(qdq), out, **OPTIONS.get(label, {}))
     model = onnx.load(str(qdq))
+    qonnx = read_input(model, label)
+    if qonnx is not None:  # onnxruntime cannot run QONNX: the QDQ file timed is the QCDQ it means
+        model, qdq = qonnx[0], folder / f"{qdq.stem}.qcdq.onnx"
+        onnx.save(model, qdq)
     feed = generated_inputs(model, batch=1, seed=1)
     paths = {"qdq": qdq, "recal": out, **({"recal avx2": result.avx2_path} if result.avx2_path else {})}
     ms = interleaved_latency(paths, feed, rounds, per_round=1, min_seconds=0.02, sessions=SESSIONS)

@@ -144,3 +144,48 @@ def assert_biases_on_grid(model, layers):
         k = bias / step
         assert np.all(np.abs(k - np.round(k)) <= 1e-3 * np.maximum(1, np.abs(k))), k
     return found
+
+
+QONNX_DOMAIN = "qonnx.custom_op.general"
+
+
+def qonnx_reference(model: onnx.ModelProto, feeds: dict) -> list:
+    """``model`` with QONNX ``Quant`` nodes run by onnx's reference evaluator, ``Quant`` written here from QONNX's
+    specification (scale, add the zero point, clip to the bit width's range, round by the node's mode, undo), in
+    float32: what the QONNX file means, independent of the converter's reading of it."""
+    from onnx.reference import ReferenceEvaluator
+    from onnx.reference.op_run import OpRun
+
+    rounding = {"ROUND": np.round, "CEIL": np.ceil, "FLOOR": np.floor, "DOWN": np.trunc,
+                "UP": lambda v: np.where(v < 0, np.floor(v), np.ceil(v)),
+                "HALF_UP": lambda v: np.where(v < 0, np.ceil(v - 0.5), np.floor(v + 0.5)),
+                "HALF_DOWN": lambda v: np.where(v < 0, np.floor(v + 0.5), np.ceil(v - 0.5))}
+
+    class Quant(OpRun):
+        op_domain = QONNX_DOMAIN
+
+        def _run(self, x, scale, zeropt, bitwidth, signed=1, narrow=0, rounding_mode="ROUND"):
+            bits = int(bitwidth)
+            lo = (-(2 ** (bits - 1)) + narrow) if signed else 0
+            hi = (2 ** (bits - 1) - 1) if signed else (2 ** bits - 1 - narrow)
+            mode = rounding_mode.decode() if isinstance(rounding_mode, bytes) else rounding_mode
+            y = np.clip(x / scale + zeropt, lo, hi).astype(np.float32)
+            return (((rounding[mode.upper()](y) - zeropt) * scale).astype(np.float32),)
+
+    return ReferenceEvaluator(model, new_ops=[Quant]).run(None, feeds)
+
+
+def qonnx_quant(b: "Builder", x: str, scale, zero_point, bits, **attrs) -> str:
+    """A QONNX ``Quant`` of ``x`` (narrow, signed and rounding_mode as given) in ``b``."""
+    inputs = [x, b.const(np.asarray(scale, np.float32)), b.const(np.asarray(zero_point, np.float32)),
+              b.const(np.float32(bits))]
+    return b.node("Quant", inputs, domain=QONNX_DOMAIN, **{"narrow": 0, **attrs})
+
+
+def qonnx_model(b: "Builder", inputs, outputs) -> onnx.ModelProto:
+    """``b``'s graph with QONNX's domain; ``outputs`` as (name, shape): shape inference cannot see past a Quant."""
+    model = b.model(inputs, [name for name, _ in outputs])
+    for value, (_, shape) in zip(model.graph.output, outputs):
+        value.CopyFrom(helper.make_tensor_value_info(value.name, TensorProto.FLOAT, shape))
+    model.opset_import.append(helper.make_opsetid(QONNX_DOMAIN, 1))
+    return model

@@ -14,8 +14,9 @@ import torch
 from onnx import TensorProto, helper
 
 from recal_onnx import ModelError, UnconvertedOpsWarning, quantize_qat_export
+from recal_onnx.verify import generated_inputs
 
-from .onnx_graphs import Builder, ops, reference, run
+from .onnx_graphs import QONNX_DOMAIN, Builder, ops, qonnx_model, qonnx_quant, reference, run
 
 X_SCALE, OUT_SCALE = 0.03, 0.02
 
@@ -526,8 +527,8 @@ def test_onnxruntimes_blocked_int4_weights_become_matmulnbits_exactly(symmetric,
 
 
 FIXTURE_DIR = Path(__file__).parent / "fixtures" / "interop"
-FIXTURES = sorted(FIXTURE_DIR.glob("*-small-resnet.onnx"))
-TRANSFORMER_FIXTURES = sorted(FIXTURE_DIR.glob("*-small-bert.onnx"))
+FIXTURES = sorted(p for p in FIXTURE_DIR.glob("*-small-resnet.onnx") if "qonnx" not in p.stem)
+TRANSFORMER_FIXTURES = sorted(p for p in FIXTURE_DIR.glob("*-small-bert.onnx") if "qonnx" not in p.stem)
 
 
 def _runtime_float_layers(path, tmp_path):
@@ -736,14 +737,88 @@ def test_aimets_w4a8_export_converts_on_finer_weight_grids_and_its_a16w8_is_refu
     assert not (tmp_path / "a16.onnx").exists()
 
 
-def test_brevitas_qonnx_export_is_refused_with_the_way_to_qcdq(tmp_path):
-    """Brevitas's ``export_qonnx`` writes QONNX's ``Quant`` nodes (a custom domain onnxruntime cannot run): refused
-    before any work, naming the op and the two ways to QCDQ (``scripts/interop_exports/brevitas_export.py``)."""
-    path = FIXTURE_DIR / "refused" / "brevitas-qonnx-small-resnet.onnx"
-    with pytest.raises(ModelError, match=r"Quant \(qonnx.custom_op.general\); this is QONNX .*export_onnx_qcdq.*"
-                                         r"QuantToQCDQ"):
-        quantize_qat_export(path, tmp_path / "int8.onnx")
+@pytest.mark.parametrize("name", ["brevitas-qonnx-small-resnet", "brevitas-qonnx-w4-small-resnet",
+                                  "brevitas-qonnx-small-bert"])
+def test_brevitas_qonnx_exports_convert_to_what_their_qcdq_exports_convert_to(name, tmp_path):
+    """Brevitas's ``export_qonnx`` (QONNX's ``Quant``, a domain onnxruntime cannot run) of the model its QCDQ fixture
+    holds: the ResNet at 8 bits and with 4-bit weights per channel, the BERT quantized layer by layer, its
+    initializers listed as graph inputs too (``scripts/interop_exports/brevitas_export.py``,
+    ``brevitas_bert_export.py``). Read as the QCDQ it means: every layer integer, verified on 256 samples against that
+    reading, and the converted model is the QCDQ export's conversion, op for op, computing exactly the same
+    (``scripts/interop_exports/qonnx_check.py`` checks the reading against qonnx's own executor)."""
+    path = FIXTURE_DIR / f"{name}.onnx"
+    before = path.read_bytes()
+    result = quantize_qat_export(path, tmp_path / "int8.onnx")
+    twin = quantize_qat_export(FIXTURE_DIR / f"{name.replace('qonnx-', '')}.onnx", tmp_path / "qcdq.int8.onnx")
+    kinds = collections.Counter(ops(result.model))
+    assert kinds == collections.Counter(ops(twin.model)), kinds
+    assert kinds["QGemm"] + kinds["QLinearConv"] == (14 if "bert" in name else 13), kinds
+    assert not result.unconverted and "Quant nodes are read as the QuantizeLinear" in result.notes[0]
+    assert not [i.name for i in result.model.graph.input if i.name in {t.name for t in result.model.graph.initializer}]
+    assert (result.avx2_path is None) == ("w4" in name), result.weights_note
+    v = result.verification
+    assert v.samples >= 256 and v.local_steps <= 1 and v.local_share <= 1e-3, v
+    ours, theirs = (ort_session(r.model) for r in (result, twin))
+    for seed in range(32):
+        (x,) = generated_inputs(result.model, 1, seed=seed).values()  # (the exports name the input differently)
+        np.testing.assert_array_equal(ours.run(None, {ours.get_inputs()[0].name: x})[0],
+                                      theirs.run(None, {theirs.get_inputs()[0].name: x})[0])
+    assert path.read_bytes() == before
+
+
+def ort_session(model):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _qonnx_layer(**overrides):
+    """x -> Quant -> Conv(Quant(w)) -> Quant: a QONNX model with one quantizer's inputs or attributes as given."""
+    b = Builder()
+    rng = np.random.default_rng(0)
+    spec = {"scale": 0.05, "zero_point": 0, "bits": 8, "signed": 1, "narrow": 0, **overrides}
+    scale = b.const(np.asarray(spec["scale"], np.float32)) if not isinstance(spec["scale"], str) else spec["scale"]
+    attrs = {k: spec[k] for k in ("signed", "narrow", "rounding_mode") if k in spec and spec[k] is not None}
+    x = b.node("Quant", ["x", scale, b.const(np.asarray(spec["zero_point"], np.float32)),
+                         b.const(np.float32(spec["bits"]))], domain=QONNX_DOMAIN, **attrs)
+    w = qonnx_quant(b, b.const(rng.standard_normal((4, 3, 3, 3)).astype(np.float32) * 0.3), 0.01, 0, 8, narrow=1)
+    y = qonnx_quant(b, b.node("Conv", [x, w], pads=[1, 1, 1, 1]), 0.0937, 0, 8)  # no tie at every 200th
+    inputs = [("x", [2, 3, 6, 6])] + ([("s", [])] if isinstance(spec["scale"], str) else [])
+    return qonnx_model(b, inputs, [(y, [2, 4, 6, 6])])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"scale": "s"}, r"its scale is computed at run time \(dynamic quantization\), not a constant"),
+    ({"bits": 16}, r"an activation quantized to 16 bits; onnxruntime's integer kernels take 8"),
+    ({"bits": 1}, r"bit width \[1.0\], expected one integer from 2 to 32 \(1 bit is QONNX's BipolarQuant"),
+    ({"rounding_mode": "FLOOR"}, r"an activation rounded FLOOR; QuantizeLinear rounds half to even"),
+    ({"rounding_mode": "STOCHASTIC"}, r"rounding mode 'STOCHASTIC', expected one of ROUND"),
+    ({"zero_point": 0.5}, r"zero point \[0.5\] is not an integer"),
+    ({"zero_point": 200}, r"zero point \[200.0\] is outside its range \[-128, 127\]"),
+    ({"scale": np.full((1, 3, 2, 1), 0.05)}, r"scale and zero point of shape \[1, 3, 2, 1\] vary along several axes"),
+    ({"scale": -0.05}, r"its scale holds values that are not finite and positive"),
+    ({"narrow": None}, r"'narrow' is not set, and QONNX's specification \(0\) and its implementation \(1\)"),
+], ids=["dynamic", "16-bit", "1-bit", "floor", "unknown-mode", "fractional-zp", "zp-range", "two-axes", "negative",
+        "no-narrow"])
+def test_a_qonnx_quantizer_with_no_qdq_form_is_refused_by_name(overrides, message, tmp_path):
+    """What QONNX can say and QuantizeLinear / DequantizeLinear cannot: refused before any work, naming the file, the
+    node and the value, nothing written; the same layer at its defaults converts."""
+    with pytest.raises(ModelError, match=r"the model: QONNX Quant 'Quant\d+': " + message):
+        quantize_qat_export(_qonnx_layer(**overrides), tmp_path / "int8.onnx")
     assert not list(tmp_path.iterdir())
+    result = quantize_qat_export(_qonnx_layer(), tmp_path / "ok.onnx")
+    assert ops(result.model).count("QLinearConv") == 1 and not result.unconverted
+
+
+def test_qonnx_ops_with_no_integer_kernel_are_refused_with_what_is_read():
+    """QONNX's Trunc (Brevitas's TruncAvgPool) has no QDQ form: refused naming it, saying that its Quant is read."""
+    b = Builder()
+    x = qonnx_quant(b, "x", 0.05, 0, 8)
+    y = b.node("Trunc", [x, b.const(np.float32(0.05)), b.const(np.float32(0)), b.const(np.float32(8)),
+                         b.const(np.float32(4))], domain=QONNX_DOMAIN)
+    with pytest.raises(ModelError, match=r"Trunc \(qonnx.custom_op.general\); this is QONNX, whose integer Quant the "
+                                         r"converter reads, but not its Trunc"):
+        quantize_qat_export(qonnx_model(b, [("x", [2, 3])], [(y, [2, 3])]))
 
 
 @pytest.mark.parametrize("spatial, global_pool", [(["h", "w"], False), ([3, 3], True)], ids=["dynamic", "static"])

@@ -18,7 +18,7 @@ from recal_onnx.passes.batchnorm_to_conv import batchnorm_to_conv
 from recal_onnx.passes.bias_to_int32 import bias_to_int32
 from recal_onnx.passes.binary_to_qlinear import binary_to_qlinear
 from recal_onnx.passes.concat_to_qlinear import concat_to_qlinear
-from recal_onnx.passes.constants import constants_to_initializers, fold_constants, remove_identities
+from recal_onnx.passes.constants import constants_to_initializers, fold_constants, inputs_to_constants, remove_identities
 from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
 from recal_onnx.passes.float_weight_grids import grid_of, weights_from_grids
 from recal_onnx.passes.float_weight_shield import shield_float_weights
@@ -34,6 +34,7 @@ from recal_onnx.passes.minmax_to_clip import minmax_to_clip
 from recal_onnx.passes.noop_clamps import remove_noop_clamps
 from recal_onnx.passes.pad_into_conv import fold_pads_into_convs
 from recal_onnx.passes.pool_to_qlinear import pool_to_qlinear
+from recal_onnx.passes.qonnx_to_qcdq import qonnx_to_qcdq
 from recal_onnx.passes.redundant_qdq import remove_redundant_qdq
 from recal_onnx.passes.sigmoid_to_qlinear import sigmoid_to_qlinear
 from recal_onnx.passes.softmax_masks import masks_to_exact_zeros
@@ -49,7 +50,7 @@ from recal_onnx.passes.weight_reshape import fold_weight_reshapes
 from recal_onnx.passes.weight_transpose import fold_weight_transposes
 from recal_onnx.passes.zero_channel_scales import zero_channel_scales
 
-from .onnx_graphs import Builder, ops, reference, run
+from .onnx_graphs import Builder, ops, qonnx_model, qonnx_quant, qonnx_reference, reference, run
 
 
 def _apply(model, *passes, findings=None):
@@ -1184,9 +1185,9 @@ def test_the_pipeline_declares_every_pass_module_once_in_order():
     import pkgutil
 
     import recal_onnx.passes as passes_package
-    from recal_onnx.pipeline import PIPELINE, Options
+    from recal_onnx.pipeline import PIPELINE, READERS, Options
 
-    declared = {p.__module__.rsplit(".", 1)[1] for step in PIPELINE for p in step.passes}
+    declared = {p.__module__.rsplit(".", 1)[1] for step in PIPELINE for p in (*step.passes, *READERS)}
     modules = {m.name for m in pkgutil.iter_modules(passes_package.__path__)}
     assert modules - declared == set(), modules - declared
     qoperator = [s for s in PIPELINE if s.when(Options(format="qoperator")) and not s.when(Options(format="qdq"))]
@@ -1758,3 +1759,75 @@ def test_a_float_layer_between_quantized_tensors_keeps_its_weights_in_a_default_
     assert result.rewrites["shield_float_weights"] == 1
     integer, _ = _apply(_conv_graph(), bias_to_int32)
     assert _apply(integer, shield_float_weights)[1] == [0]
+
+
+def test_qonnx_to_qcdq_computes_what_qonnx_defines():
+    """QONNX's ``Quant`` as Brevitas's ``export_qonnx`` writes it and beyond: a signed 8-bit input, a per-channel
+    narrow 8-bit weight (scale of shape [C, 1, 1, 1]), a 32-bit bias, a 4-bit unsigned activation (a Clip to 0..15),
+    an unsigned narrow one with zero point 3 (a Clip to 0..254). Constants become their integers (int8 weight along
+    axis 0, int32 bias), activations QuantizeLinear / Clip / DequantizeLinear; the model computes exactly what QONNX's
+    definition (``qonnx_reference``) computes, and the QONNX domain goes."""
+    b = Builder()
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32) * 0.3
+    w_scale = (np.abs(w).reshape(4, -1).max(1) / 127).astype(np.float32)
+    x = qonnx_quant(b, "x", 0.05, 0, 8, signed=1)
+    weight = qonnx_quant(b, b.const(w), w_scale.reshape(4, 1, 1, 1), 0, 8, signed=1, narrow=1)
+    bias = qonnx_quant(b, b.const(rng.standard_normal(4).astype(np.float32) * 0.1), np.float32(0.05) * w_scale, 0,
+                       32, signed=1)
+    conv = b.node("Conv", [x, weight, bias], pads=[1, 1, 1, 1])
+    low = qonnx_quant(b, b.node("Relu", [conv]), 0.04, 0, 4, signed=0)
+    shifted = qonnx_quant(b, conv, 0.03, 3, 8, signed=0, narrow=1)
+    model = qonnx_model(b, [("x", [2, 3, 6, 6])], [(b.node("Add", [low, shifted]), [2, 4, 6, 6])])
+    findings = Findings()
+    converted, (n,) = _apply(model, qonnx_to_qcdq, findings=findings)
+    kinds = ops(converted)
+    assert n == 5 and "Quant" not in kinds and kinds.count("Clip") == 2, kinds
+    assert [o.domain for o in converted.opset_import] == [""]
+    assert "5 Quant nodes" in findings.notes[0] and "1 of them add a zero point" in findings.notes[0]
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in converted.graph.initializer}
+    dqs = [n for n in converted.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in values]
+    assert sorted(str(values[n.input[0]].dtype) for n in dqs) == ["int32", "int8"]
+    assert all(a.i == 0 for n in dqs for a in n.attribute if a.name == "axis")
+    feeds = _x([2, 3, 6, 6])
+    np.testing.assert_array_equal(reference(converted, feeds)[0], qonnx_reference(model, feeds)[0])
+
+
+# QONNX's table of its rounding modes, for 5.5, 2.5, 1.6, 1.1, 1.0 and their negatives
+ROUNDED = {"ROUND": [6, 2, 2, 1, 1], "CEIL": [6, 3, 2, 2, 1], "FLOOR": [5, 2, 1, 1, 1], "UP": [6, 3, 2, 2, 1],
+           "DOWN": [5, 2, 1, 1, 1], "HALF_UP": [6, 3, 2, 1, 1], "HALF_DOWN": [5, 2, 2, 1, 1]}
+NEGATIVE = {"ROUND": [-6, -2, -2, -1, -1], "CEIL": [-5, -2, -1, -1, -1], "FLOOR": [-6, -3, -2, -2, -1],
+            "UP": [-6, -3, -2, -2, -1], "DOWN": [-5, -2, -1, -1, -1], "HALF_UP": [-6, -3, -2, -1, -1],
+            "HALF_DOWN": [-5, -2, -2, -1, -1]}
+
+
+@pytest.mark.parametrize("mode", list(ROUNDED))
+def test_qonnx_to_qcdq_rounds_a_constant_as_its_mode_says(mode):
+    """A quantized constant keeps QONNX's rounding mode, whichever of its seven (QuantizeLinear has only half to
+    even, which an activation needs): the integers are those of QONNX's own table."""
+    b = Builder()
+    table = np.array([5.5, 2.5, 1.6, 1.1, 1.0, -5.5, -2.5, -1.6, -1.1, -1.0], np.float32)
+    q = qonnx_quant(b, b.const(table), 1.0, 0, 8, signed=1, rounding_mode=mode.lower())
+    model = qonnx_model(b, [("x", [10])], [(b.node("Mul", ["x", q]), [10])])
+    converted, (n,) = _apply(model, qonnx_to_qcdq, findings=Findings())
+    feeds = {"x": np.ones(10, np.float32)}
+    got = reference(converted, feeds)[0]
+    np.testing.assert_array_equal(got, ROUNDED[mode] + NEGATIVE[mode])
+    np.testing.assert_array_equal(got, qonnx_reference(model, feeds)[0])
+
+
+def test_inputs_to_constants_holds_initializers_listed_as_inputs_as_constants_only():
+    """torch.onnx's ``keep_initializers_as_inputs`` (Brevitas exports so): an initializer also listed as a graph
+    input is a constant of the converted model, as the converter read it, and the note says so; the real input
+    stays, and the model computes the same."""
+    b = Builder()
+    gamma = b.const(np.full(4, 1.5, np.float32), "gamma")
+    model = b.model([("x", [2, 4])], [b.node("Mul", [b.qdq("x", 0.03, 128), gamma])])
+    model.graph.input.append(onnx.helper.make_tensor_value_info(gamma, onnx.TensorProto.FLOAT, [4]))
+    findings = Findings()
+    converted, (n,) = _apply(model, inputs_to_constants, findings=findings)
+    assert n == 1 and [i.name for i in converted.graph.input] == ["x"]
+    assert "1 initializers the file also listed as graph inputs" in findings.notes[0]
+    feeds = _x([2, 4])
+    np.testing.assert_array_equal(run(converted, feeds)[0], reference(model, feeds)[0])
+

@@ -1,4 +1,5 @@
-"""Constant handling: Constant nodes become initializers, Identity nodes (and Casts to the type they read) go,
+"""Constant handling: Constant nodes become initializers (and initializers listed as graph inputs too, constants
+only), Identity nodes (and Casts to the type they read) go,
 constant subgraphs fold.
 
 Before::  Constant -> X,  W -> Identity -> Y,  W -> Mul(c) -> QuantizeLinear(s, zp) -> DQ -> Conv
@@ -18,6 +19,7 @@ import onnx_ir as ir
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
+from ..findings import Findings
 from ..graph import Graph, Node, Value
 from ..qdq import dequantized
 
@@ -33,6 +35,19 @@ def constants_to_initializers(g: Graph) -> int:
             g.remove(node)
             count += 1
     return count
+
+
+def inputs_to_constants(g: Graph, findings: Findings) -> int:
+    """Initializers the file also lists as graph inputs (torch.onnx's ``keep_initializers_as_inputs``, as Brevitas
+    exports): the converter reads them as the constants they hold (weights fold into integers), so the converted
+    model holds them as constants, not as inputs a caller could feed (onnxruntime warns of each at every load)."""
+    listed = [value for value in g.graph.inputs if value.is_initializer()]
+    for value in listed:
+        g.graph.inputs.remove(value)
+    if listed:
+        findings.notes.append(f"{len(listed)} initializers the file also listed as graph inputs are constants of the "
+                              "converted model, as the converter read them (their weights are now its integers)")
+    return len(listed)
 
 
 def _becomes_const(g: Graph, out: Value, value: np.ndarray) -> None:

@@ -1,5 +1,6 @@
 """Brevitas's documented flow for models ``torch.fx`` cannot trace, on a transformer, into
-tests/fixtures/interop/brevitas-small-bert.onnx.
+tests/fixtures/interop/brevitas-small-bert.onnx (and the same model by ``export_qonnx``, QONNX's ``Quant`` nodes,
+into brevitas-qonnx-small-bert.onnx).
 
 The small BERT of ``common.py`` (Hugging Face ``BertForSequenceClassification`` from a config, byte tokens of the
 standard library's source) is trained, quantized layer by layer by ``layerwise_quantize`` (Brevitas's mode for
@@ -13,7 +14,7 @@ by its TorchScript path (token ids of batch 1 and 32 positions). Run in the venv
 """
 
 import torch
-from brevitas.export import export_onnx_qcdq
+from brevitas.export import export_onnx_qcdq, export_qonnx
 from brevitas.graph.calibrate import calibration_mode
 from brevitas.graph.quantize import layerwise_quantize
 
@@ -31,3 +32,7 @@ export_onnx_qcdq(quant, args=torch.zeros(1, TOKENS, dtype=torch.long), opset_ver
                  export_path=str(FIXTURES / "brevitas-small-bert.onnx"), input_names=["input_ids"],
                  output_names=["logits"])
 print("wrote", FIXTURES / "brevitas-small-bert.onnx")
+export_qonnx(quant, args=torch.zeros(1, TOKENS, dtype=torch.long), opset_version=13, dynamo=False,
+             export_path=str(FIXTURES / "brevitas-qonnx-small-bert.onnx"), input_names=["input_ids"],
+             output_names=["logits"])
+print("wrote", FIXTURES / "brevitas-qonnx-small-bert.onnx")

@@ -1,7 +1,8 @@
 """Brevitas's documented flow at its defaults, into tests/fixtures/interop/brevitas-small-resnet.onnx (and the same
-model by ``export_qonnx``, QONNX's ``Quant`` nodes, into ``refused/brevitas-qonnx-small-resnet.onnx``: refused with the
-way to QCDQ); with 4-bit weights per channel (its compute layer map's ``Int8WeightPerChannelFloat`` at
-``weight_bit_width=4``: QCDQ clips the integers to +-7) into brevitas-w4-small-resnet.onnx.
+model by ``export_qonnx``, QONNX's ``Quant`` nodes, into brevitas-qonnx-small-resnet.onnx: the converter reads them as
+the QCDQ they mean); with 4-bit weights per channel (its compute layer map's ``Int8WeightPerChannelFloat`` at
+``weight_bit_width=4``: QCDQ clips the integers to +-7) into brevitas-w4-small-resnet.onnx (and by ``export_qonnx``
+into brevitas-qonnx-w4-small-resnet.onnx).
 
 The float SmallResNet (``common.py``) is trained a few steps, prepared and quantized by Brevitas's graph mode
 (``preprocess_for_quantize`` + ``quantize``: 8-bit weights and activations, int32 biases), calibrated
@@ -36,8 +37,8 @@ export_onnx_qcdq(quant, args=torch.randn(1, 3, SIZE, SIZE), export_path=str(FIXT
                  opset_version=13, dynamo=False)  # its dynamo path refuses int32 biases, Brevitas's default
 print("wrote", FIXTURES / "brevitas-small-resnet.onnx")
 export_qonnx(quant, args=torch.randn(1, 3, SIZE, SIZE), opset_version=13, dynamo=False,
-             export_path=str(FIXTURES / "refused" / "brevitas-qonnx-small-resnet.onnx"))
-print("wrote", FIXTURES / "refused" / "brevitas-qonnx-small-resnet.onnx")
+             export_path=str(FIXTURES / "brevitas-qonnx-small-resnet.onnx"))
+print("wrote", FIXTURES / "brevitas-qonnx-small-resnet.onnx")
 
 four_bit = copy.deepcopy(COMPUTE_LAYER_MAP)
 for layer in (torch.nn.Conv2d, torch.nn.Linear):
@@ -52,3 +53,6 @@ quant = trained(quant, steps=10, seed=1)  # QAT
 export_onnx_qcdq(quant, args=torch.randn(1, 3, SIZE, SIZE), export_path=str(FIXTURES / "brevitas-w4-small-resnet.onnx"),
                  opset_version=13, dynamo=False)
 print("wrote", FIXTURES / "brevitas-w4-small-resnet.onnx")
+export_qonnx(quant, args=torch.randn(1, 3, SIZE, SIZE), opset_version=13, dynamo=False,
+             export_path=str(FIXTURES / "brevitas-qonnx-w4-small-resnet.onnx"))
+print("wrote", FIXTURES / "brevitas-qonnx-w4-small-resnet.onnx")
