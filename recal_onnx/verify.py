@@ -136,6 +136,7 @@ def session(model: onnx.ModelProto | str, threads: int | None = None, level=None
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    options.log_severity_level = 3  # its warnings on the files compared (an initializer also an input...): noise here
     if level is not None:
         options.graph_optimization_level = level
     if order is not None:

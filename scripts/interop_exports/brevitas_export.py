@@ -1,8 +1,8 @@
 """Brevitas's documented flow at its defaults, into tests/fixtures/interop/brevitas-small-resnet.onnx (and the same
-model by ``export_qonnx``, QONNX's ``Quant`` nodes, into brevitas-qonnx-small-resnet.onnx: the converter reads them as
-the QCDQ they mean); with 4-bit weights per channel (its compute layer map's ``Int8WeightPerChannelFloat`` at
-``weight_bit_width=4``: QCDQ clips the integers to +-7) into brevitas-w4-small-resnet.onnx (and by ``export_qonnx``
-into brevitas-qonnx-w4-small-resnet.onnx).
+model by ``export_qonnx``, QONNX's ``Quant`` nodes, into brevitas-qonnx-small-resnet.onnx, and by its dynamo path into
+brevitas-qonnx-dynamo-small-resnet.onnx: the converter reads them as the QCDQ they mean); with 4-bit weights per
+channel (its compute layer map's ``Int8WeightPerChannelFloat`` at ``weight_bit_width=4``: QCDQ clips the integers to
++-7) into brevitas-w4-small-resnet.onnx (and by ``export_qonnx`` into brevitas-qonnx-w4-small-resnet.onnx).
 
 The float SmallResNet (``common.py``) is trained a few steps, prepared and quantized by Brevitas's graph mode
 (``preprocess_for_quantize`` + ``quantize``: 8-bit weights and activations, int32 biases), calibrated
@@ -16,6 +16,9 @@ DequantizeLinear) by its TorchScript path (its dynamo path refuses the int32 bia
 """
 
 import copy
+from pathlib import Path
+
+import onnx
 
 import torch
 from brevitas.export import export_onnx_qcdq, export_qonnx
@@ -39,6 +42,11 @@ print("wrote", FIXTURES / "brevitas-small-resnet.onnx")
 export_qonnx(quant, args=torch.randn(1, 3, SIZE, SIZE), opset_version=13, dynamo=False,
              export_path=str(FIXTURES / "brevitas-qonnx-small-resnet.onnx"))
 print("wrote", FIXTURES / "brevitas-qonnx-small-resnet.onnx")
+dynamo = FIXTURES / "brevitas-qonnx-dynamo-small-resnet.onnx"
+export_qonnx(quant, args=torch.randn(1, 3, SIZE, SIZE), dynamo=True, export_path=str(dynamo))  # torch's opset
+onnx.save(onnx.load(dynamo), dynamo)  # one file: torch's dynamo path writes the weights beside it
+Path(f"{dynamo}.data").unlink()
+print("wrote", dynamo)
 
 four_bit = copy.deepcopy(COMPUTE_LAYER_MAP)
 for layer in (torch.nn.Conv2d, torch.nn.Linear):
