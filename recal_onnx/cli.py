@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("input", help="QAT ONNX model (QuantizeLinear/DequantizeLinear)")
+    parser.add_argument("input", help="QAT ONNX model (QuantizeLinear/DequantizeLinear, or QONNX's Quant)")
     parser.add_argument("output", help="where to write the quantized model (not the input)")
     parser.add_argument("--format", choices=("qoperator", "qdq"), default="qoperator",
                         help="qoperator: QLinearConv/QGemm/... (default); qdq: folded, cleaned QDQ")

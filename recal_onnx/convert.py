@@ -138,7 +138,8 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     """Convert a QAT ONNX model into a fully quantized one (``qoperator``) or a folded, clean QDQ one.
 
     Args:
-        model_or_path: the QAT (QDQ) model or its path; never modified.
+        model_or_path: the QAT (QDQ) model or its path (QONNX's ``Quant`` nodes are read as the QDQ they
+            define); never modified.
         output_path: where to write the result (atomically; never the input file), or None.
         format: ``"qoperator"`` (QLinearConv, QGemm, ...) or ``"qdq"`` (folded, clean QDQ).
         verify: compare the result with the input in onnxruntime before anything is written.
