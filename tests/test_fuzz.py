@@ -6,8 +6,10 @@ import random
 import shutil
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -158,6 +160,66 @@ def test_mutated_onnx_models(qat_bytes, tmp_path, seed, rounds):
         pass
     assert time.perf_counter() - started < CONVERT_SECONDS
     assert src.read_bytes() == data  # the input is untouched
+    assert {p.name for p in folder.iterdir()} <= {"in.onnx", "out.onnx", "out.x86-avx2.onnx"}
+
+
+_QONNX = Path(__file__).parent / "fixtures" / "interop" / "brevitas-qonnx-small-resnet.onnx"
+_QONNX_VALUES = [0.0, -1.0, 0.5, 1.0, 1.5, 2.0, 7.5, 8.0, 9.0, 16.0, 33.0, 300.0, 1e-30, 1e30, 1e9, float("nan"),
+                 float("inf")]
+
+
+def _mutate_qonnx(model, rng: random.Random) -> None:
+    """One of a QONNX Quant's attributes or constant inputs (scale, zero point, bit width) changed."""
+    quants = [n for n in model.graph.node if n.op_type == "Quant"]
+    node = quants[rng.randrange(len(quants))]
+    if rng.random() < 0.4:
+        name = rng.choice(["narrow", "signed", "rounding_mode"])
+        kept = [a for a in node.attribute if a.name != name]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+        if rng.random() < 0.8:
+            value = rng.choice(["ROUND", "FLOOR", "HALF_UP", "ODD", ""]) if name == "rounding_mode" else rng.choice(
+                [0, 1, 2, -1])
+            node.attribute.append(onnx.helper.make_attribute(name, value))
+        return
+    target = node.input[rng.randrange(1, 4)]
+    init = next(t for t in model.graph.initializer if t.name == target)
+    shape = rng.choice([list(init.dims), [1], [3], [16, 1, 1, 1], [1, 16, 1, 1], [2, 16, 1, 1]])
+    value = np.full(shape, rng.choice(_QONNX_VALUES), np.float32)
+    init.CopyFrom(onnx.numpy_helper.from_array(value, target))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 2**32 - 1), st.integers(1, 3))
+def test_mutated_qonnx_models_convert_or_are_refused_by_name(tmp_path, seed, rounds):
+    """Brevitas's QONNX export with its quantizers' attributes, scales, zero points and bit widths mutated: each
+    either converts (verified) or is refused with a ModelError or VerificationError, in bounded time, nothing
+    partial written, the input untouched."""
+    import warnings
+
+    from recal_onnx import ModelError, UnconvertedOpsWarning, VerificationError, quantize_qat_export
+
+    rng = random.Random(seed)
+    model = onnx.load(_QONNX)
+    for _ in range(rounds):
+        _mutate_qonnx(model, rng)
+    folder = tmp_path / f"qonnx-{seed}-{rounds}"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    src = folder / "in.onnx"
+    data = model.SerializeToString()
+    src.write_bytes(data)
+    started = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnconvertedOpsWarning)
+            warnings.simplefilter("ignore", RuntimeWarning)  # numpy on a scale of 1e-30 or inf: refused after
+            quantize_qat_export(src, folder / "out.onnx")
+    except (ModelError, VerificationError) as exc:
+        assert "cannot convert" not in str(exc), exc  # a reason, not a crash wrapped
+    assert time.perf_counter() - started < CONVERT_SECONDS
+    assert src.read_bytes() == data
     assert {p.name for p in folder.iterdir()} <= {"in.onnx", "out.onnx", "out.x86-avx2.onnx"}
 
 

@@ -803,11 +803,13 @@ def _qonnx_layer(**overrides):
     ({"rounding_mode": "STOCHASTIC"}, r"rounding mode 'STOCHASTIC', expected one of ROUND"),
     ({"zero_point": 0.5}, r"zero point \[0.5\] is not an integer"),
     ({"zero_point": 200}, r"zero point \[200.0\] is outside its range \[-128, 127\]"),
-    ({"scale": np.full((1, 3, 2, 1), 0.05)}, r"scale and zero point of shape \[1, 3, 2, 1\] vary along several axes"),
+    ({"scale": np.full((1, 3, 6, 1), 0.05)}, r"scale and zero point of shape \[1, 3, 6, 1\] vary along several axes"),
     ({"scale": -0.05}, r"its scale holds values that are not finite and positive"),
+    ({"scale": np.full((1, 5, 1, 1), 0.05)}, r"scale and zero point of shape \[1, 5, 1, 1\] do not broadcast over "
+                                             r"its input 'x' of shape \[2, 3, 6, 6\]"),
     ({"narrow": None}, r"'narrow' is not set, and QONNX's specification \(0\) and its implementation \(1\)"),
 ], ids=["dynamic", "16-bit", "1-bit", "floor", "unknown-mode", "fractional-zp", "zp-range", "two-axes", "negative",
-        "no-narrow"])
+        "no-broadcast", "no-narrow"])
 def test_a_qonnx_quantizer_with_no_qdq_form_is_refused_by_name(overrides, message, tmp_path):
     """What QONNX can say and QuantizeLinear / DequantizeLinear cannot: refused before any work, naming the file, the
     node and the value, nothing written; the same layer at its defaults converts."""

@@ -1831,3 +1831,20 @@ def test_inputs_to_constants_holds_initializers_listed_as_inputs_as_constants_on
     feeds = _x([2, 4])
     np.testing.assert_array_equal(run(converted, feeds)[0], reference(model, feeds)[0])
 
+
+def test_activations_to_uint8_moves_a_qcdq_clip_with_its_integers():
+    """An int8 activation clipped on its integers (QCDQ: a narrow range, as QONNX's ``narrow`` or fewer bits write
+    it) becomes uint8 with its Clip's bounds moved by 128: the same values, and a Gemm after it then reads uint8
+    (onnxruntime has no QGemm of uint8 input and int8 output)."""
+    b = Builder()
+    s, z = b.const(np.float32(0.03)), b.const(np.int8(0))
+    q = b.node("Clip", [b.node("QuantizeLinear", ["x", s, z]), b.const(np.int8(-127)), b.const(np.int8(127))])
+    model = b.model([("x", [2, 4])], [b.node("DequantizeLinear", [q, s, z])])
+    converted, (n,) = _apply(model, activations_to_uint8)
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in converted.graph.initializer}
+    clip = next(node for node in converted.graph.node if node.op_type == "Clip")
+    assert n == 1 and [int(values[i]) for i in clip.input[1:]] == [1, 255]
+    assert all(values[node.input[2]].dtype == np.uint8 for node in converted.graph.node if node.op_type.endswith("Linear"))
+    feeds = {"x": np.linspace(-5, 5, 8, dtype=np.float32).reshape(2, 4)}
+    np.testing.assert_array_equal(run(converted, feeds)[0], reference(model, feeds)[0])
+

@@ -99,11 +99,21 @@ class _Spec:
         self.lo = -top + narrow if self.signed else 0
         self.hi = top - 1 - (narrow and not self.signed)
         rank = g.rank(node.inputs[0])
+        _check_broadcast(label, np.broadcast_shapes(scale.shape, zero_point.shape), node.inputs[0])
         self.axis, self.scale, self.zero_point = _one_axis(label, scale, zero_point, rank)
         if np.any(self.zero_point < self.lo) or np.any(self.zero_point > self.hi):
             raise ModelError(f"{label}: zero point {self.zero_point.ravel()[:4].tolist()} is outside its range "
                              f"[{self.lo}, {self.hi}]")
         self.scale_array, self.zero_array = values[0], values[1]  # as QONNX broadcasts them
+
+
+def _check_broadcast(label: str, shape: tuple, x) -> None:
+    """QONNX broadcasts scale and zero point over the input like numpy: where they cannot, the model is invalid."""
+    dims = [] if x.shape is None else [d if isinstance(d, int) else None for d in x.shape]
+    fits = len(shape) <= len(dims) and all(d in (1, n) or n is None for d, n in zip(shape[::-1], dims[::-1]))
+    if x.shape is not None and not fits:
+        raise ModelError(f"{label}: scale and zero point of shape {list(shape)} do not broadcast over its input "
+                         f"{x.name!r} of shape {[d if d is not None else '?' for d in dims]}")
 
 
 def _one_axis(label: str, scale: np.ndarray, zero_point: np.ndarray, rank: int | None):
