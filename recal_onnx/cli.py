@@ -22,6 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("output", help="where to write the quantized model (not the input)")
     parser.add_argument("--format", choices=("qoperator", "qdq"), default="qoperator",
                         help="qoperator: QLinearConv/QGemm/... (default); qdq: folded, cleaned QDQ")
+    parser.add_argument("--encodings", metavar="FILE",
+                        help="AIMET's .encodings file, with the float model QuantizationSimModel.export wrote beside it")
     parser.add_argument("--no-verify", action="store_true", help="skip the onnxruntime comparison")
     parser.add_argument("--no-thin", action="store_true",
                         help="keep channels filter pruning left dead (by default they are removed)")
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         result = quantize_qat_export(args.input, args.output, format=args.format, verify=not args.no_verify,
                                      tolerance=args.tolerance, thin=not args.no_thin,
                                      weight_type=args.weight_type, target=args.target,
-                                     keep_exporter_metadata=args.keep_exporter_metadata)
+                                     keep_exporter_metadata=args.keep_exporter_metadata, encodings=args.encodings)
     for w in caught:
         print(f"warning: {w.message}")
     done = ", ".join(f"{k} {v}" for k, v in result.rewrites.items() if v)

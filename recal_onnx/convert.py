@@ -39,6 +39,7 @@ from .findings import Findings
 from .float_reasons import display_name, float_reason
 from .float_report import QDQ_FUSIBLE, float_compute, float_islands, module_paths, qoperator_kernel
 from .graph import EXTERNAL_DATA_BYTES, MS_DOMAIN, Graph
+from .aimet_encodings import load_encodings
 from .input_checks import ModelError, check_input, nonfinite_initializers
 from .passes import CHANNEL_BLOCK, exact_on_this_cpu, float32_reference, saturating_layers
 from .pipeline import Options, read_input, run_pipeline
@@ -134,7 +135,8 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
                         thin: bool = True, verify_inputs: dict[str, np.ndarray] | None = None,
                         weight_type: str = "auto", channel_block: int = CHANNEL_BLOCK,
                         target: str = DEFAULT_TARGET, accuracy_level: int = 0,
-                        keep_exporter_metadata: bool = False) -> ConversionResult:
+                        keep_exporter_metadata: bool = False,
+                        encodings: str | os.PathLike | dict | None = None) -> ConversionResult:
     """Convert a QAT ONNX model into a fully quantized one (``qoperator``) or a folded, clean QDQ one.
 
     Args:
@@ -157,6 +159,8 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         keep_exporter_metadata: keep the torch exporter's per-node record (module path, stack trace), which is
             dropped by default (:mod:`recal_onnx.passes.exporter_metadata`; ``rewrites["drop_exporter_metadata"]``:
             bytes).
+        encodings: with a float model, AIMET's encodings (``QuantizationSimModel.export``'s ``.encodings`` file or
+            its dict): the QDQ model they mean together is converted (:mod:`recal_onnx.passes.encodings_to_qdq`).
 
     Returns:
         A :class:`ConversionResult`: the model, its path, the rewrites made, what stays float and why, the
@@ -205,20 +209,23 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     started = time.perf_counter()
     from_path = isinstance(model_or_path, (str, os.PathLike))
     model, reads = _load(model_or_path)
+    if encodings is not None:
+        reads.add(Path(encodings)) if not isinstance(encodings, dict) else None
+        encodings = load_encodings(encodings)
     if output_path is not None:
         _refuse_overwriting(Path(output_path), reads)
         if choice.twin:
             _refuse_overwriting(twin_path(output_path), reads)
     label = str(model_or_path) if from_path else "the model"
-    check_input(model, label)
+    check_input(model, label, encodings=encodings is not None)
     if from_path:
         reference: onnx.ModelProto | str = str(model_or_path)  # the file stays as it is; no second copy
     else:
         reference = model_or_path
         model = onnx.ModelProto()
         model.CopyFrom(model_or_path)  # never modify the caller's model
-    try:  # a QONNX or float16 model is verified as it computes once converted: as QCDQ, in float32
-        model, reference, notes = _as_qcdq(model, reference, label)
+    try:  # QONNX, AIMET's encodings, float16: verified as the QDQ model they mean, computing in float32
+        model, reference, notes = read_input(model, reference, label, encodings)
         return _convert(model, float32_reference(model) or reference, output_path, format, verify, inputs, tolerance,
                         min_agreement, started, thin=thin, choice=choice, channel_block=channel_block,
                         accuracy_level=accuracy_level, keep_exporter_metadata=keep_exporter_metadata, notes=notes)
@@ -236,16 +243,6 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
                              "(QuantizeLinear / DequantizeLinear around float ops: quantize_static(..., "
                              "quant_format=QuantFormat.QDQ), or the QAT export)") from exc
         raise ModelError(f"cannot convert {label}: {type(exc).__name__}: {' '.join(str(exc).split())[:500]}") from exc
-
-
-def _as_qcdq(model: onnx.ModelProto, reference, label: str) -> tuple[onnx.ModelProto, object, list[str]]:
-    """A QONNX model as the QCDQ it means, which is then also the reference (onnxruntime cannot run QONNX)."""
-    read = read_input(model, label)
-    if read is None:
-        return model, reference, []
-    model = onnx.ModelProto()
-    model.CopyFrom(read[0])
-    return model, read[0], read[1]
 
 
 def _convert(model, reference, output_path, format, verify, inputs, tolerance, min_agreement,

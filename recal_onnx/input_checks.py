@@ -20,8 +20,9 @@ MIN_OPSET = 10
 KNOWN_DOMAINS = {"", "ai.onnx", "com.microsoft", "ai.onnx.ml"}
 
 
-def check_input(model: onnx.ModelProto, name: str) -> None:
-    """What the converter cannot take, said before any work: opsets, foreign ops, not a QAT model."""
+def check_input(model: onnx.ModelProto, name: str, encodings: bool = False) -> None:
+    """What the converter cannot take, said before any work: opsets, foreign ops, not a QAT model (a float one with
+    ``encodings`` beside it is one)."""
     opsets = {o.domain or "": o.version for o in model.opset_import}
     version = opsets.get("", opsets.get("ai.onnx"))
     newest = onnx.defs.onnx_opset_version()
@@ -41,8 +42,13 @@ def check_input(model: onnx.ModelProto, name: str) -> None:
                     "onnxruntime: quantize those layers to integers of 2 to 8 bits, or export with "
                     "brevitas.export.export_onnx_qcdq")
         raise ModelError(f"{name} has ops of custom domains, which onnxruntime cannot run: {listed}{hint}")
-    if not any(n.op_type in QDQ_OPS or is_qonnx_quantizer(n.op_type, n.domain) for n in model.graph.node):
-        raise ModelError(f"{name} is not a QAT model: it has no QuantizeLinear/DequantizeLinear nodes")
+    quantized = any(n.op_type in QDQ_OPS or is_qonnx_quantizer(n.op_type, n.domain) for n in model.graph.node)
+    if encodings and quantized:
+        raise ModelError(f"{name} is already quantized (QuantizeLinear / DequantizeLinear or QONNX nodes); AIMET's "
+                         "encodings go with the float model its QuantizationSimModel.export writes beside them")
+    if not quantized and not encodings:
+        raise ModelError(f"{name} is not a QAT model: it has no QuantizeLinear/DequantizeLinear nodes (a float model "
+                         "from AIMET's QuantizationSimModel.export converts with its encodings: encodings=...)")
     for output in model.graph.output:
         if output.type.WhichOneof("value") not in ("tensor_type", None):
             raise ModelError(f"{name}: output {output.name!r} is a {output.type.WhichOneof('value')[:-5]}, not a "

@@ -6,9 +6,10 @@ target's weight storage, thinning); a pass whose signature takes ``findings`` re
 :func:`run_pipeline` runs the steps in order and returns every pass's rewrite count; a repeated step runs its
 passes in turn until none rewrites (a QLinear op made by one pass is what the next one matches).
 
-0. :data:`READERS`, on the input (:func:`read_input`, before shape inference): ``qonnx_to_qcdq`` (QONNX's ``Quant``,
-   Brevitas's ``export_qonnx``: the QuantizeLinear / Clip / DequantizeLinear it defines). Verification runs the model
-   so read as the input, since onnxruntime cannot run the file;
+0. :data:`READERS`, on the input (:func:`read_input`, before shape inference): ``encodings_to_qdq`` (a float model
+   and AIMET's encodings, ``QuantizationSimModel.export``: the QDQ model they mean), ``qonnx_to_qcdq`` (QONNX's
+   ``Quant``, Brevitas's ``export_qonnx``: the QuantizeLinear / Clip / DequantizeLinear it defines). Verification runs
+   the model so read as the input, since onnxruntime cannot run the file as it is meant;
 1. constants and folds: ``remove_dead_nodes`` (what no output reads), ``constants_to_initializers``,
    ``inputs_to_constants`` (initializers a file also lists as graph inputs: constants only, as the converter reads them),
    ``float16_to_float32`` (a model computing in float16, ModelOpt's ONNX default: float32), ``widen_weights``
@@ -51,6 +52,7 @@ from dataclasses import dataclass
 
 import onnx
 
+from .aimet_encodings import Encoding
 from .findings import Findings
 from .graph import Graph
 from .input_checks import ModelError, is_qonnx_quantizer
@@ -83,6 +85,7 @@ from .passes.noop_clamps import remove_noop_clamps
 from .passes.pad_into_conv import fold_pads_into_convs
 from .passes.pool_to_qlinear import pool_to_qlinear
 from .passes.qonnx_to_qcdq import qonnx_to_qcdq
+from .passes.encodings_to_qdq import encodings_to_qdq
 from .passes.redundant_qdq import remove_redundant_qdq
 from .passes.shape_of_integers import shapes_from_integers
 from .passes.sigmoid_to_qlinear import sigmoid_to_qlinear
@@ -127,7 +130,7 @@ class Step:
 
 
 # what turns a file onnxruntime cannot run into the QDQ model it means: run on the input by read_input
-READERS: tuple[Pass, ...] = (qonnx_to_qcdq,)
+READERS: tuple[Pass, ...] = (encodings_to_qdq, qonnx_to_qcdq)
 
 PIPELINE: tuple[Step, ...] = (
     Step((remove_dead_nodes, constants_to_initializers, inputs_to_constants, float16_to_float32, widen_weights, standard_qdq,
@@ -185,17 +188,25 @@ def _takes_findings(pass_fn: Pass) -> bool:
     return "findings" in pass_fn.__code__.co_varnames[:pass_fn.__code__.co_argcount]
 
 
-def read_input(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, list[str]] | None:
-    """``model`` as :data:`READERS` read it, with their notes, or None when none applies. A node they cannot read is
-    refused, named, as a defect of the model called ``name``."""
-    if not any(is_qonnx_quantizer(n.op_type, n.domain) for n in model.graph.node):
-        return None
+def read_input(model: onnx.ModelProto, reference, name: str, encodings: list[Encoding] | None = None):
+    """``(model, reference, notes)``: the model the pipeline converts, the one verification runs as the input, and
+    what :data:`READERS` did. Where none applies, ``model`` and ``reference`` as given; where one does (QONNX, or a
+    float model with AIMET's ``encodings``), the QDQ model it reads, for both (onnxruntime cannot run the file as it
+    means it). What they cannot read is refused, named, as a defect of the model called ``name``."""
+    qonnx = any(is_qonnx_quantizer(n.op_type, n.domain) for n in model.graph.node)
+    if not qonnx and encodings is None:
+        return model, reference, []
     g = Graph(onnx.shape_inference.infer_shapes(model))  # an activation's rank, for one quantized per channel
     constants_to_initializers(g)
     findings = Findings()
     try:
-        for reader in READERS:
-            reader(g, findings)
+        if encodings is not None:
+            encodings_to_qdq(g, findings, encodings)
+        if qonnx:
+            qonnx_to_qcdq(g, findings)
     except ModelError as exc:
         raise ModelError(f"{name}: {exc}") from None
-    return g.commit(), findings.notes
+    read = g.commit()
+    model = onnx.ModelProto()
+    model.CopyFrom(read)  # the pipeline's own: verification keeps ``read`` as it is
+    return model, read, findings.notes

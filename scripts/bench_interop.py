@@ -14,7 +14,8 @@ Sources, each a QDQ ONNX file as its tool writes it at its documented 8-bit sett
   of Hugging Face's BERT (4 layers, hidden 256, from its config), exported at sequence length 128;
 - the exports other tools wrote, committed under ``tests/fixtures/interop/`` with the script that made each
   (``scripts/interop_exports/``): every ``*.onnx`` there is a row (Brevitas's QONNX exports, which onnxruntime
-  cannot run, timed as the QCDQ they mean: recal's reading of them).
+  cannot run, and AIMET's float model with its ``.encodings`` beside it, timed as the QDQ model they mean: recal's
+  reading of them).
 
 Per file: the layers with a weight (Conv / Gemm / MatMul reading a constant) and those that stay float, the
 verification's sample count and its op-by-op figure (every integer tensor against the QDQ file run as written), and
@@ -47,6 +48,7 @@ from bench.peers import matmul_nbits_qdq, quantize_static  # noqa: E402
 from bench.results import machine, save_run, sessions_clause  # noqa: E402
 from bench.timing import interleaved_latency  # noqa: E402
 from recal_onnx import cpu, quantize_qat_export  # noqa: E402
+from recal_onnx.aimet_encodings import load_encodings  # noqa: E402
 from recal_onnx.pipeline import read_input  # noqa: E402
 from recal_onnx.verify import generated_inputs  # noqa: E402
 from bench.models import ResNet18, torch_init  # noqa: E402
@@ -171,13 +173,14 @@ def weighted_layers(model: onnx.ModelProto) -> list[onnx.NodeProto]:
 
 def row(label: str, qdq: Path, folder: Path, rounds: int) -> dict:
     out = folder / (label.replace(" ", "_").replace(":", "").replace("/", "-") + ".int8.onnx")
+    encodings = qdq.with_suffix(".encodings") if qdq.with_suffix(".encodings").exists() else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = quantize_qat_export(str(qdq), out, **OPTIONS.get(label, {}))
+        result = quantize_qat_export(str(qdq), out, encodings=encodings, **OPTIONS.get(label, {}))
     model = onnx.load(str(qdq))
-    qonnx = read_input(model, label)
-    if qonnx is not None:  # onnxruntime cannot run QONNX: the QDQ file timed is the QCDQ it means
-        model, qdq = qonnx[0], folder / f"{qdq.stem}.qcdq.onnx"
+    _, read, _ = read_input(model, qdq, label, load_encodings(encodings) if encodings else None)
+    if read is not qdq:  # QONNX, AIMET's float model and encodings: the QDQ file timed is the one they mean
+        model, qdq = read, folder / f"{qdq.stem}.qdq.onnx"
         onnx.save(model, qdq)
     feed = generated_inputs(model, batch=1, seed=1)
     paths = {"qdq": qdq, "recal": out, **({"recal avx2": result.avx2_path} if result.avx2_path else {})}

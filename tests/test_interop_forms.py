@@ -527,7 +527,7 @@ def test_onnxruntimes_blocked_int4_weights_become_matmulnbits_exactly(symmetric,
 
 
 FIXTURE_DIR = Path(__file__).parent / "fixtures" / "interop"
-FIXTURES = sorted(p for p in FIXTURE_DIR.glob("*-small-resnet.onnx") if "qonnx" not in p.stem)
+FIXTURES = sorted(p for p in FIXTURE_DIR.glob("*-small-resnet.onnx") if "qonnx" not in p.stem and "sim" not in p.stem)
 TRANSFORMER_FIXTURES = sorted(p for p in FIXTURE_DIR.glob("*-small-bert.onnx") if "qonnx" not in p.stem)
 
 
@@ -772,6 +772,105 @@ def test_brevitas_qonnx_exports_convert_to_what_their_qcdq_exports_convert_to(na
         np.testing.assert_array_equal(ours.run(None, {ours.get_inputs()[0].name: x})[0],
                                       theirs.run(None, {theirs.get_inputs()[0].name: x})[0])
     assert path.read_bytes() == before
+
+
+def _aimet_layer(legacy=False, **changes):
+    """A float Conv + Relu (the graph output) and AIMET's encodings of it: the input (asymmetric, 8 bits), the
+    weight per channel (symmetric), the output; ``changes`` edits the weight's entry (1.0.0 layout) or, with
+    ``legacy``, the 0.6.1 layout of the same numbers."""
+    b = Builder()
+    w = b.const(np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32) * 0.3, "w")
+    y = b.node("Relu", [b.node("Conv", ["x", w], pads=[1, 1, 1, 1])])
+    model = b.model([("x", [2, 3, 6, 6])], [y])
+    w_scales = [0.004, 0.005, 0.0045, 0.006]
+    entries = {"activation_encodings": [
+        {"name": "x", "bw": 8, "dtype": "INT", "enc_type": "PER_TENSOR", "is_sym": False, "offset": [-120],
+         "scale": [0.03]},
+        {"name": y, "bw": 8, "dtype": "INT", "enc_type": "PER_TENSOR", "is_sym": False, "offset": [0],
+         "scale": [0.02]}],
+        "param_encodings": [{"name": w, "bw": 8, "dtype": "INT", "enc_type": "PER_CHANNEL", "is_sym": True,
+                             "offset": [-128] * 4, "scale": w_scales, **changes}], "version": "1.0.0"}
+    if legacy:
+        entries = {"version": "0.6.1", **{section: {e["name"]: [
+            {"bitwidth": e["bw"], "dtype": e["dtype"].lower(), "is_symmetric": str(e["is_sym"]), "offset": o,
+             "scale": sc, "min": 0.0, "max": 1.0} for o, sc in zip(e["offset"], e["scale"])]
+            for e in entries[section]} for section in ("activation_encodings", "param_encodings")}}
+    return model, entries, w
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["1.0.0", "0.6.1"])
+def test_a_float_model_with_aimets_encodings_converts_to_what_they_mean(legacy, tmp_path):
+    """AIMET's ``QuantizationSimModel.export``: the float model and its encodings (both layouts). The converted model
+    is integer and computes what AIMET's simulation means, ``x = (q + offset) * scale`` with ``q`` clamped to
+    ``[0, 255]``, computed here by torch's fake quantizers (zero point ``-offset``), within one output step."""
+    model, encodings, w = _aimet_layer(legacy)
+    result = quantize_qat_export(model, tmp_path / "int8.onnx", encodings=encodings)
+    assert ops(result.model).count("QLinearConv") == 1 and not result.unconverted, ops(result.model)
+    assert "AIMET encodings: 2 activations quantized and 1 parameters" in result.notes[0]
+    x = torch.from_numpy(np.random.default_rng(1).standard_normal((2, 3, 6, 6)).astype(np.float32))
+    weight = torch.tensor(onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == w)))
+    fq_x = torch.fake_quantize_per_tensor_affine(x, 0.03, 120, 0, 255)
+    fq_w = torch.fake_quantize_per_channel_affine(weight, torch.tensor([0.004, 0.005, 0.0045, 0.006]),
+                                                  torch.full((4,), 128, dtype=torch.int32), 0, 0, 255)
+    # (torch's per-channel form takes the unsigned grid too: zero point 128 is AIMET's offset -128)
+    want = torch.fake_quantize_per_tensor_affine(torch.relu(torch.nn.functional.conv2d(fq_x, fq_w, padding=1)),
+                                                 0.02, 0, 0, 255).numpy()
+    got = run(result.model, {"x": x.numpy()})[0]
+    assert np.abs(got - want).max() <= 0.02 + 1e-6 and np.mean(got != want) < 0.01
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"name": "nothing"}, r"the encodings name tensor 'nothing', which the model does not have"),
+    ({"offset": [-128] * 3}, r"param_encodings entry 'w\d+': 4 scales and 3 offsets"),
+    ({"offset": [-300] * 4}, r"param_encodings entry 'w\d+': offset \[-300, -300, -300, -300\] is not an integer in "
+                             r"\[-255, 0\]"),
+    ({"scale": [0.004, 0.0, 0.1, 0.1]}, r"scale \[0.004, 0.0, 0.1, 0.1\] is not finite and positive"),
+    ({"bw": "eight"}, r"param_encodings, tensor 'w\d+', field 'bw': Input should be a valid integer"),
+    ({"enc_type": "PER_BLOCK"}, r"field 'enc_type': Input should be 'PER_TENSOR' or 'PER_CHANNEL'"),
+    ({"scale": [0.004] * 3, "offset": [-128] * 3}, r"parameter 'w\d+' of shape \[4, 3, 3, 3\] has 3 per-channel "
+                                                   r"encodings, and its readers do not tell along which axis"),
+], ids=["name", "counts", "offset", "scale", "type", "blocks", "axis"])
+def test_aimets_encodings_that_do_not_fit_are_refused_by_name(changes, message, tmp_path):
+    """Encodings that name a tensor the model lacks, or hold values AIMET's grid cannot mean: refused before any
+    work, naming the section, the tensor and the field, nothing written."""
+    model, encodings, _ = _aimet_layer(**changes)
+    with pytest.raises(ModelError, match=message):
+        quantize_qat_export(model, tmp_path / "int8.onnx", encodings=encodings)
+    assert not list(tmp_path.iterdir())
+
+
+def test_aimets_encodings_files_that_are_not_its_own_are_refused(tmp_path):
+    """Not JSON, another version's layout, and encodings beside a model that is already QDQ: each refused, saying
+    so; a float model without its encodings is told that it can bring them."""
+    model, encodings, _ = _aimet_layer()
+    bad = tmp_path / "bad.encodings"
+    bad.write_text("{not json")
+    with pytest.raises(ModelError, match=r"bad.encodings: not a JSON encodings file"):
+        quantize_qat_export(model, encodings=bad)
+    with pytest.raises(ModelError, match=r"encodings version 2.0.0; the converter reads versions up to 0.6.1 and 1.0.0"):
+        quantize_qat_export(model, encodings={**encodings, "version": "2.0.0"})
+    with pytest.raises(ModelError, match=r"is not a QAT model: .* converts with its encodings: encodings="):
+        quantize_qat_export(model)
+    with pytest.raises(ModelError, match=r"is already quantized .* AIMET's encodings go with the float model"):
+        quantize_qat_export(FIXTURE_DIR / "aimet-small-resnet.onnx", encodings=encodings)
+
+
+def test_aimets_sim_export_converts_with_every_layer_integer(tmp_path):
+    """AIMET's classic QAT export (``sim.export``: the float ResNet with its BatchNorms, and its ``.encodings``;
+    ``scripts/interop_exports/aimet_export.py``, which checks recal's reading against AIMET's simulation itself):
+    every layer integer, the BatchNorms folded into the integer convs, verified on 256 samples within a step op by op
+    of what the encodings mean; the CLI takes the same file with ``--encodings``."""
+    from recal_app.cli import main
+
+    path = FIXTURE_DIR / "aimet-sim-small-resnet.onnx"
+    result = quantize_qat_export(path, tmp_path / "int8.onnx", encodings=path.with_suffix(".encodings"))
+    kinds = collections.Counter(ops(result.model))
+    assert kinds["QLinearConv"] == 12 and kinds["QGemm"] == 1 and kinds["QLinearAdd"] == 4, kinds
+    assert "BatchNormalization" not in kinds and not result.unconverted
+    v = result.verification
+    assert v.samples >= 256 and v.local_steps <= 1 and v.local_share <= 1e-3, v
+    assert main(["quantize-qat-export", str(path), str(tmp_path / "cli.onnx"), "--encodings",
+                 str(path.with_suffix(".encodings"))]) == 0
 
 
 def ort_session(model):

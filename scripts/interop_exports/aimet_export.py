@@ -18,11 +18,17 @@ then aimet-torch without its dependencies and those it needs:
     /tmp/venv_aimet/bin/python scripts/interop_exports/aimet_export.py
 """
 
+import shutil
+import sys
+import tempfile
 import warnings
+from pathlib import Path
 
 import torch
 
-from common import FIXTURES, SIZE, SmallResNet, calibration, stand_in_torchvision, trained
+from common import FIXTURES, ROOT, SIZE, SmallResNet, calibration, stand_in_torchvision, trained
+
+sys.path.insert(0, str(ROOT))  # recal_onnx, for the check of its reading (onnxruntime, onnx_ir, pydantic beside)
 
 stand_in_torchvision()
 
@@ -31,7 +37,7 @@ from aimet_torch.common.defs import QuantScheme  # noqa: E402
 from aimet_torch.quantsim import QuantizationSimModel  # noqa: E402
 
 
-def export(path, activation_bits: int = 8, weight_bits: int = 8) -> None:
+def export(path, activation_bits: int = 8, weight_bits: int = 8, classic: bool = False) -> None:
     torch.manual_seed(0)
     model = trained(SmallResNet())
     example = torch.randn(1, 3, SIZE, SIZE)
@@ -40,6 +46,15 @@ def export(path, activation_bits: int = 8, weight_bits: int = 8) -> None:
     sim.compute_encodings(lambda m: [m(x) for x in calibration()])
     trained(sim.model, steps=10, seed=1)  # QAT, ranges learned
     path.parent.mkdir(parents=True, exist_ok=True)
+    if classic:  # sim.export: the float model and its encodings, then the check of recal's reading against the sim
+        with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sim.export(folder, "model", example)
+            shutil.copy(Path(folder) / "model.onnx", path)
+            shutil.copy(Path(folder) / "model.encodings", path.with_suffix(".encodings"))
+        print("wrote", path, "and", path.with_suffix(".encodings"))
+        check_reading(sim, path)
+        return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         aimet_torch.onnx.export(sim.model, example, str(path), input_names=["input"], opset_version=21, dynamo=False,
@@ -47,6 +62,34 @@ def export(path, activation_bits: int = 8, weight_bits: int = 8) -> None:
     print("wrote", path)
 
 
+def check_reading(sim, path) -> None:
+    """recal's reading of the float model and its encodings (``recal_onnx.pipeline.read_input``), run in onnxruntime
+    as written (optimizations off), against AIMET's simulation itself on the same inputs, in output steps."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from recal_onnx.aimet_encodings import load_encodings
+    from recal_onnx.pipeline import read_input
+
+    encodings = load_encodings(path.with_suffix(".encodings"))
+    _, read, _ = read_input(onnx.load(path), str(path), str(path), encodings)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(read.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    step = next(float(e.scales[0]) for e in encodings if e.name == read.graph.output[0].name)
+    worst, differ, total = 0.0, 0, 0
+    with torch.no_grad():
+        for x in calibration(batches=32, batch=1, seed=7):
+            theirs = sim.model(x).numpy()
+            ours = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+            worst = max(worst, float(np.abs(ours - theirs).max()) / step)
+            differ, total = differ + int((np.abs(ours - theirs) > step / 2).sum()), total + ours.size
+    print(f"recal's reading against AIMET's simulation, {total} outputs: {differ} a step apart, at most "
+          f"{worst:.2f} steps")
+
+
 export(FIXTURES / "aimet-small-resnet.onnx")
+export(FIXTURES / "aimet-sim-small-resnet.onnx", classic=True)
 export(FIXTURES / "aimet-w4a8-small-resnet.onnx", weight_bits=4)
 export(FIXTURES / "refused" / "aimet-a16w8-small-resnet.onnx", activation_bits=16)
