@@ -527,8 +527,10 @@ def test_onnxruntimes_blocked_int4_weights_become_matmulnbits_exactly(symmetric,
 
 
 FIXTURE_DIR = Path(__file__).parent / "fixtures" / "interop"
-FIXTURES = sorted(p for p in FIXTURE_DIR.glob("*-small-resnet.onnx") if "qonnx" not in p.stem and "sim" not in p.stem)
-TRANSFORMER_FIXTURES = sorted(p for p in FIXTURE_DIR.glob("*-small-bert.onnx") if "qonnx" not in p.stem)
+READ_FIRST = ("qonnx", "sim")  # QONNX, AIMET's float model with encodings: tested by their own tests below
+FIXTURES = sorted(p for p in FIXTURE_DIR.glob("*-small-resnet.onnx") if not any(k in p.stem for k in READ_FIRST))
+TRANSFORMER_FIXTURES = sorted(p for p in FIXTURE_DIR.glob("*-small-bert.onnx")
+                              if not any(k in p.stem for k in READ_FIRST))
 
 
 def _runtime_float_layers(path, tmp_path):
@@ -847,7 +849,8 @@ def test_aimets_encodings_files_that_are_not_its_own_are_refused(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ModelError, match=r"bad.encodings: not a JSON encodings file"):
         quantize_qat_export(model, encodings=bad)
-    with pytest.raises(ModelError, match=r"encodings version 2.0.0; the converter reads versions up to 0.6.1 and 1.0.0"):
+    with pytest.raises(ModelError, match=r"encodings version 2.0.0; the converter reads versions up to 0.6.1 and "
+                                         r"1.0.0"):
         quantize_qat_export(model, encodings={**encodings, "version": "2.0.0"})
     with pytest.raises(ModelError, match=r"is not a QAT model: .* converts with its encodings: encodings="):
         quantize_qat_export(model)
@@ -855,18 +858,27 @@ def test_aimets_encodings_files_that_are_not_its_own_are_refused(tmp_path):
         quantize_qat_export(FIXTURE_DIR / "aimet-small-resnet.onnx", encodings=encodings)
 
 
-def test_aimets_sim_export_converts_with_every_layer_integer(tmp_path):
-    """AIMET's classic QAT export (``sim.export``: the float ResNet with its BatchNorms, and its ``.encodings``;
-    ``scripts/interop_exports/aimet_export.py``, which checks recal's reading against AIMET's simulation itself):
-    every layer integer, the BatchNorms folded into the integer convs, verified on 256 samples within a step op by op
-    of what the encodings mean; the CLI takes the same file with ``--encodings``."""
+@pytest.mark.parametrize("name", ["aimet-sim-small-resnet", "aimet-sim-small-bert"])
+def test_aimets_sim_export_converts_with_every_layer_integer(name, tmp_path):
+    """AIMET's classic QAT export (``sim.export``: the float model, the ResNet with its BatchNorms, and its
+    ``.encodings``; ``scripts/interop_exports/aimet_export.py`` and ``aimet_bert_export.py``, which check recal's
+    reading against AIMET's simulation itself): every layer integer (the BatchNorms folded into the integer convs;
+    the BERT's Linears integer matmuls but the attention output's, whose input AIMET leaves float after its float
+    P·V: int8 weights in MatMulNBits, as from its QDQ export), verified on 256 samples within a step op by op of what
+    the encodings mean; the CLI takes the same files with ``--encodings``."""
     from recal_app.cli import main
 
-    path = FIXTURE_DIR / "aimet-sim-small-resnet.onnx"
-    result = quantize_qat_export(path, tmp_path / "int8.onnx", encodings=path.with_suffix(".encodings"))
+    path = FIXTURE_DIR / f"{name}.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnconvertedOpsWarning)
+        result = quantize_qat_export(path, tmp_path / "int8.onnx", encodings=path.with_suffix(".encodings"))
     kinds = collections.Counter(ops(result.model))
-    assert kinds["QLinearConv"] == 12 and kinds["QGemm"] == 1 and kinds["QLinearAdd"] == 4, kinds
-    assert "BatchNormalization" not in kinds and not result.unconverted
+    if "bert" in name:
+        assert kinds["MatMulIntegerToFloat"] == 12 and kinds["MatMulNBits"] == 2 and "Gemm" not in kinds, kinds
+        assert _float_weight_layers(result.model) == []
+    else:
+        assert kinds["QLinearConv"] == 12 and kinds["QGemm"] == 1 and kinds["QLinearAdd"] == 4, kinds
+        assert "BatchNormalization" not in kinds and not result.unconverted
     v = result.verification
     assert v.samples >= 256 and v.local_steps <= 1 and v.local_share <= 1e-3, v
     assert main(["quantize-qat-export", str(path), str(tmp_path / "cli.onnx"), "--encodings",

@@ -1,4 +1,6 @@
-"""AIMET's documented QAT flow at its defaults on a transformer, into tests/fixtures/interop/aimet-small-bert.onnx.
+"""AIMET's documented QAT flow at its defaults on a transformer, into tests/fixtures/interop/aimet-small-bert.onnx
+(and by its classic ``sim.export``, the float model and its encodings, into aimet-sim-small-bert.onnx and
+aimet-sim-small-bert.encodings, checked against the simulation: ``common.check_aimet_reading``).
 
 The small BERT of ``common.py`` (Hugging Face ``BertForSequenceClassification`` from a config, byte tokens of the
 standard library's source) is trained, wrapped in ``QuantizationSimModel`` (8-bit weights and activations, AIMET's
@@ -11,12 +13,16 @@ of batch 1 and 32 positions). Run in the venv of ``aimet_export.py`` with ``tran
     /tmp/venv_aimet/bin/python scripts/interop_exports/aimet_bert_export.py
 """
 
+import shutil
+import tempfile
 import warnings
+from pathlib import Path
 
 import torch
 import transformers.models.llama.modeling_llama  # noqa: F401  before the stand-in: transformers probes torchvision
 
-from common import FIXTURES, TOKENS, stand_in_torchvision, text_accuracy, text_batches, trained_bert, trained_on_text
+from common import (FIXTURES, TOKENS, check_aimet_reading, stand_in_torchvision, text_accuracy, text_batches,
+                    trained_bert, trained_on_text)
 
 stand_in_torchvision()
 
@@ -37,3 +43,12 @@ with warnings.catch_warnings():
     aimet_torch.onnx.export(sim.model, example, str(FIXTURES / "aimet-small-bert.onnx"), input_names=["input_ids"],
                             output_names=["logits"], opset_version=21, dynamo=False, export_int32_bias=True)
 print("wrote", FIXTURES / "aimet-small-bert.onnx")
+classic = FIXTURES / "aimet-sim-small-bert.onnx"
+with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    sim.export(folder, "model", example)
+    shutil.copy(Path(folder) / "model.onnx", classic)
+    shutil.copy(Path(folder) / "model.encodings", classic.with_suffix(".encodings"))
+print("wrote", classic, "and", classic.with_suffix(".encodings"))
+check_aimet_reading(sim, classic, [ids[i:i + 1] for ids, _ in text_batches(2, seed=7) for i in range(16)])
+

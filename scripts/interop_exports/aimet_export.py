@@ -19,16 +19,13 @@ then aimet-torch without its dependencies and those it needs:
 """
 
 import shutil
-import sys
 import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
-from common import FIXTURES, ROOT, SIZE, SmallResNet, calibration, stand_in_torchvision, trained
-
-sys.path.insert(0, str(ROOT))  # recal_onnx, for the check of its reading (onnxruntime, onnx_ir, pydantic beside)
+from common import FIXTURES, SIZE, SmallResNet, calibration, check_aimet_reading, stand_in_torchvision, trained
 
 stand_in_torchvision()
 
@@ -53,40 +50,13 @@ def export(path, activation_bits: int = 8, weight_bits: int = 8, classic: bool =
             shutil.copy(Path(folder) / "model.onnx", path)
             shutil.copy(Path(folder) / "model.encodings", path.with_suffix(".encodings"))
         print("wrote", path, "and", path.with_suffix(".encodings"))
-        check_reading(sim, path)
+        check_aimet_reading(sim, path, [x for x in calibration(batches=32, batch=1, seed=7)])
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         aimet_torch.onnx.export(sim.model, example, str(path), input_names=["input"], opset_version=21, dynamo=False,
                                 export_int32_bias=True)
     print("wrote", path)
-
-
-def check_reading(sim, path) -> None:
-    """recal's reading of the float model and its encodings (``recal_onnx.pipeline.read_input``), run in onnxruntime
-    as written (optimizations off), against AIMET's simulation itself on the same inputs, in output steps."""
-    import numpy as np
-    import onnx
-    import onnxruntime as ort
-
-    from recal_onnx.aimet_encodings import load_encodings
-    from recal_onnx.pipeline import read_input
-
-    encodings = load_encodings(path.with_suffix(".encodings"))
-    _, read, _ = read_input(onnx.load(path), str(path), str(path), encodings)
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(read.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    step = next(float(e.scales[0]) for e in encodings if e.name == read.graph.output[0].name)
-    worst, differ, total = 0.0, 0, 0
-    with torch.no_grad():
-        for x in calibration(batches=32, batch=1, seed=7):
-            theirs = sim.model(x).numpy()
-            ours = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
-            worst = max(worst, float(np.abs(ours - theirs).max()) / step)
-            differ, total = differ + int((np.abs(ours - theirs) > step / 2).sum()), total + ours.size
-    print(f"recal's reading against AIMET's simulation, {total} outputs: {differ} a step apart, at most "
-          f"{worst:.2f} steps")
 
 
 export(FIXTURES / "aimet-small-resnet.onnx")

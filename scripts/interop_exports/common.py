@@ -78,6 +78,17 @@ TOKENS, TEXT_CLASSES = 32, 4
 TEXT_SOURCES = ("argparse.py", "LICENSE.txt", "encodings/cp1252.py", "pydoc_data/topics.py")
 
 
+class Logits(nn.Module):
+    """A classifier's logits from token ids alone (a module of its own: AIMET's ``sim.export`` pickles the model)."""
+
+    def __init__(self, classifier: nn.Module):
+        super().__init__()
+        self.bert = classifier
+
+    def forward(self, input_ids):
+        return self.bert(input_ids=input_ids).logits
+
+
 def small_bert() -> nn.Module:
     """BertForSequenceClassification: 2 layers, hidden 128, 4 heads, a 256-byte vocabulary, eager attention (the
     matmuls and softmax every exporter writes alike); its forward takes token ids alone and returns the logits."""
@@ -86,16 +97,7 @@ def small_bert() -> nn.Module:
     config = transformers.BertConfig(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=512, max_position_embeddings=TOKENS, num_labels=TEXT_CLASSES,
                                      attn_implementation="eager")
-
-    class Logits(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.bert = transformers.BertForSequenceClassification(config)
-
-        def forward(self, input_ids):
-            return self.bert(input_ids=input_ids).logits
-
-    return Logits()
+    return Logits(transformers.BertForSequenceClassification(config))
 
 
 def text_batches(batches: int, batch: int = 16, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -177,3 +179,33 @@ def stand_in_torchvision() -> None:
     vision.ops.roi_align = vision.ops.nms = None
     vision.transforms.Resize = type("Resize", (torch.nn.Module,), {})
     sys.modules["torchvision"] = vision
+
+
+def check_aimet_reading(sim, path: Path, inputs: list[torch.Tensor]) -> None:
+    """recal's reading of AIMET's float model at ``path`` and its ``.encodings`` (``recal_onnx.pipeline.read_input``),
+    run in onnxruntime as written (optimizations off), against AIMET's simulation ``sim`` itself on ``inputs``, in
+    steps of the output's quantizer; printed. Needs onnxruntime, onnx_ir and pydantic beside the tool."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    sys.path.insert(0, str(ROOT))
+    from recal_onnx.aimet_encodings import load_encodings
+    from recal_onnx.pipeline import read_input
+
+    encodings = load_encodings(path.with_suffix(".encodings"))
+    _, read, _ = read_input(onnx.load(path), str(path), str(path), encodings)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(read.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    step = next(float(e.scales[0]) for e in encodings if e.name == read.graph.output[0].name)
+    worst, differ, total = 0.0, 0, 0
+    with torch.no_grad():
+        for x in inputs:
+            theirs = sim.model(x).numpy()
+            ours = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+            worst = max(worst, float(np.abs(ours - theirs).max()) / step)
+            differ, total = differ + int((np.abs(ours - theirs) > step / 2).sum()), total + ours.size
+    print(f"recal's reading against AIMET's simulation, {total} outputs: {differ} a step apart, at most "
+          f"{worst:.2f} steps")
+

@@ -1,6 +1,7 @@
-"""recal's reading of QONNX (``recal_onnx.passes.qonnx_to_qcdq``, run by ``recal_onnx.pipeline.read_input``) against qonnx's own executor, on the QONNX
-fixtures Brevitas wrote (``brevitas_export.py``): every ``Quant`` node's output, as ``qonnx.core.onnx_exec`` computes
-it, against the same tensor of the QCDQ reading run in onnxruntime with its optimizations off (float, no fusion).
+"""recal's reading of QONNX (``recal_onnx.passes.qonnx_to_qcdq``, run by ``recal_onnx.pipeline.read_input``) against
+qonnx's own executor, on the QONNX fixtures Brevitas wrote (``brevitas_export.py``, ``brevitas_bert_export.py``):
+every ``Quant`` node's output, as ``qonnx.core.onnx_exec`` computes it, against the same tensor of the QCDQ reading
+run in onnxruntime with its optimizations off (float, no fusion).
 Prints how many values differ; 0 is the claim. Run in the Brevitas venv with qonnx installed beside it:
 
     /tmp/venv_brevitas/bin/pip install qonnx
@@ -26,7 +27,7 @@ SAMPLES = 16
 for path in sorted((ROOT / "tests" / "fixtures" / "interop").glob("*qonnx*.onnx")):
     theirs = ModelWrapper(str(path)).transform(InferShapes())
     quantized = [n.output[0] for n in theirs.graph.node if n.op_type in ("Quant", "IntQuant")]
-    ours, _ = read_input(onnx.load(path), path.name)
+    _, ours, _ = read_input(onnx.load(path), str(path), path.name)
     del ours.graph.output[:]
     ours.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in quantized)
     options = ort.SessionOptions()
