@@ -44,8 +44,8 @@ class _Legacy(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="ignore", strict=False)
     bitwidth: int = pydantic.Field(ge=1, le=32)
     dtype: Literal["int", "float"] = "int"
-    offset: float = 0.0
-    scale: float = 1.0
+    offset: float | None = None  # an integer encoding's are required (checked in _from_legacy), a float one has none
+    scale: float | None = None
 
 
 class _Entry(pydantic.BaseModel):
@@ -86,7 +86,8 @@ def load_encodings(source: str | os.PathLike | dict, name: str = "the encodings"
     legacy = not str(source.get("version", "0.4.0")).startswith(("1.", "2."))
     if str(source.get("version", "")).startswith("2."):
         raise ModelError(f"{name}: encodings version {source['version']}; the converter reads versions up to 0.6.1 "
-                         "and 1.0.0 (AIMET's QuantizationSimModel.export writes 1.0.0 by default)")
+                         "and 1.0.0, which AIMET's QuantizationSimModel.export writes (1.0.0 by default); with 2.x "
+                         "AIMET exports by aimet_torch.onnx.export, whose QDQ model converts without encodings")
     try:
         parsed = (_V0 if legacy else _V1).model_validate(source)
     except pydantic.ValidationError as exc:
@@ -110,9 +111,12 @@ def _from_legacy(name: str, section: str, tensor: str, encodings: list[_Legacy],
     if len(kinds) > 1:
         raise ModelError(f"{name}: {section}[{tensor!r}]: its channels differ in bit width or type ({sorted(kinds)})")
     bits, dtype = kinds.pop()
+    missing = [f for f in ("offset", "scale") if dtype == "int" and any(getattr(e, f) is None for e in encodings)]
+    if missing:
+        raise ModelError(f"{name}: {section}[{tensor!r}]: an integer encoding without its {missing[0]}")
     return _checked(name, f"{section}[{tensor!r}]", Encoding(
-        tensor, param, bits, dtype == "float", np.array([e.offset for e in encodings]),
-        np.array([e.scale for e in encodings], np.float64)))
+        tensor, param, bits, dtype == "float", np.array([e.offset or 0.0 for e in encodings]),
+        np.array([e.scale or 0.0 for e in encodings], np.float64)))
 
 
 def _from_entry(name: str, section: str, entry: _Entry, param: bool) -> Encoding:

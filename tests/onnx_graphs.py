@@ -189,3 +189,27 @@ def qonnx_model(b: "Builder", inputs, outputs) -> onnx.ModelProto:
         value.CopyFrom(helper.make_tensor_value_info(value.name, TensorProto.FLOAT, shape))
     model.opset_import.append(helper.make_opsetid(QONNX_DOMAIN, 1))
     return model
+
+
+def aimet_layer(legacy=False, **changes):
+    """A float Conv + Relu (the graph output) and AIMET's encodings of it: the input (asymmetric, 8 bits), the
+    weight per channel (symmetric), the output; ``changes`` edits the weight's entry (1.0.0 layout) or, with
+    ``legacy``, the 0.6.1 layout of the same numbers."""
+    b = Builder()
+    w = b.const(np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32) * 0.3, "w")
+    y = b.node("Relu", [b.node("Conv", ["x", w], pads=[1, 1, 1, 1])])
+    model = b.model([("x", [2, 3, 6, 6])], [y])
+    w_scales = [0.004, 0.005, 0.0045, 0.006]
+    entries = {"activation_encodings": [
+        {"name": "x", "bw": 8, "dtype": "INT", "enc_type": "PER_TENSOR", "is_sym": False, "offset": [-120],
+         "scale": [0.03]},
+        {"name": y, "bw": 8, "dtype": "INT", "enc_type": "PER_TENSOR", "is_sym": False, "offset": [0],
+         "scale": [0.02]}],
+        "param_encodings": [{"name": w, "bw": 8, "dtype": "INT", "enc_type": "PER_CHANNEL", "is_sym": True,
+                             "offset": [-128] * 4, "scale": w_scales, **changes}], "version": "1.0.0"}
+    if legacy:
+        entries = {"version": "0.6.1", **{section: {e["name"]: [
+            {"bitwidth": e["bw"], "dtype": e["dtype"].lower(), "is_symmetric": str(e["is_sym"]), "offset": o,
+             "scale": sc, "min": 0.0, "max": 1.0} for o, sc in zip(e["offset"], e["scale"])]
+            for e in entries[section]} for section in ("activation_encodings", "param_encodings")}}
+    return model, entries, w

@@ -223,6 +223,48 @@ def test_mutated_qonnx_models_convert_or_are_refused_by_name(tmp_path, seed, rou
     assert {p.name for p in folder.iterdir()} <= {"in.onnx", "out.onnx", "out.x86-avx2.onnx"}
 
 
+_ENCODING_VALUES = [None, 0, -1, 1, 3, 8, 16, 33, -128, -300, 0.5, 1e-30, 1e30, float("nan"), "x", [], [1, 2],
+                    {"a": 1}, "PER_BLOCK", "FLOAT", True]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 2**32 - 1), st.integers(1, 4))
+def test_mutated_aimet_encodings_convert_or_are_refused_by_name(tmp_path, seed, edits):
+    """AIMET's encodings (both layouts) with fields changed, dropped or added at random, as JSON files: each converts
+    (verified) or is refused with a ModelError, in bounded time, nothing partial written."""
+    import json
+
+    from recal_onnx import ModelError, VerificationError, quantize_qat_export
+
+    from .onnx_graphs import aimet_layer
+
+    rng = random.Random(seed)
+    model, encodings, _ = aimet_layer(legacy=rng.random() < 0.3)
+    for _ in range(edits):
+        section = encodings[rng.choice(["activation_encodings", "param_encodings"])]
+        entries = section if isinstance(section, list) else [e for value in section.values() for e in value]
+        entry = rng.choice(entries)
+        key = rng.choice(sorted(entry) + ["extra"])
+        if rng.random() < 0.2:
+            entry.pop(key, None)
+        else:
+            entry[key] = rng.choice(_ENCODING_VALUES)
+    folder = tmp_path / f"encodings-{seed}-{edits}"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    (folder / "model.encodings").write_text(json.dumps(encodings))
+    started = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantize_qat_export(model, folder / "out.onnx", encodings=folder / "model.encodings")
+    except (ModelError, VerificationError) as exc:
+        assert "cannot convert" not in str(exc), exc
+    assert time.perf_counter() - started < CONVERT_SECONDS
+    assert {p.name for p in folder.iterdir()} <= {"model.encodings", "out.onnx", "out.x86-avx2.onnx"}
+
+
 # --- round 3: eval operators, pattern sets, graph outputs of every kind behind broadcast constants ---------------
 
 _ATOMS = ["1", "2.5", "-3", "n", "'ab'", "'%05d'", "'%*d'", "'%9999999d'", "[1, 2]", "10**9", "0"]

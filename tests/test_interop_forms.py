@@ -16,7 +16,7 @@ from onnx import TensorProto, helper
 from recal_onnx import ModelError, UnconvertedOpsWarning, quantize_qat_export
 from recal_onnx.verify import generated_inputs
 
-from .onnx_graphs import QONNX_DOMAIN, Builder, ops, qonnx_model, qonnx_quant, reference, run
+from .onnx_graphs import QONNX_DOMAIN, Builder, aimet_layer, ops, qonnx_model, qonnx_quant, reference, run
 
 X_SCALE, OUT_SCALE = 0.03, 0.02
 
@@ -776,36 +776,12 @@ def test_brevitas_qonnx_exports_convert_to_what_their_qcdq_exports_convert_to(na
     assert path.read_bytes() == before
 
 
-def _aimet_layer(legacy=False, **changes):
-    """A float Conv + Relu (the graph output) and AIMET's encodings of it: the input (asymmetric, 8 bits), the
-    weight per channel (symmetric), the output; ``changes`` edits the weight's entry (1.0.0 layout) or, with
-    ``legacy``, the 0.6.1 layout of the same numbers."""
-    b = Builder()
-    w = b.const(np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32) * 0.3, "w")
-    y = b.node("Relu", [b.node("Conv", ["x", w], pads=[1, 1, 1, 1])])
-    model = b.model([("x", [2, 3, 6, 6])], [y])
-    w_scales = [0.004, 0.005, 0.0045, 0.006]
-    entries = {"activation_encodings": [
-        {"name": "x", "bw": 8, "dtype": "INT", "enc_type": "PER_TENSOR", "is_sym": False, "offset": [-120],
-         "scale": [0.03]},
-        {"name": y, "bw": 8, "dtype": "INT", "enc_type": "PER_TENSOR", "is_sym": False, "offset": [0],
-         "scale": [0.02]}],
-        "param_encodings": [{"name": w, "bw": 8, "dtype": "INT", "enc_type": "PER_CHANNEL", "is_sym": True,
-                             "offset": [-128] * 4, "scale": w_scales, **changes}], "version": "1.0.0"}
-    if legacy:
-        entries = {"version": "0.6.1", **{section: {e["name"]: [
-            {"bitwidth": e["bw"], "dtype": e["dtype"].lower(), "is_symmetric": str(e["is_sym"]), "offset": o,
-             "scale": sc, "min": 0.0, "max": 1.0} for o, sc in zip(e["offset"], e["scale"])]
-            for e in entries[section]} for section in ("activation_encodings", "param_encodings")}}
-    return model, entries, w
-
-
 @pytest.mark.parametrize("legacy", [False, True], ids=["1.0.0", "0.6.1"])
 def test_a_float_model_with_aimets_encodings_converts_to_what_they_mean(legacy, tmp_path):
     """AIMET's ``QuantizationSimModel.export``: the float model and its encodings (both layouts). The converted model
     is integer and computes what AIMET's simulation means, ``x = (q + offset) * scale`` with ``q`` clamped to
     ``[0, 255]``, computed here by torch's fake quantizers (zero point ``-offset``), within one output step."""
-    model, encodings, w = _aimet_layer(legacy)
+    model, encodings, w = aimet_layer(legacy)
     result = quantize_qat_export(model, tmp_path / "int8.onnx", encodings=encodings)
     assert ops(result.model).count("QLinearConv") == 1 and not result.unconverted, ops(result.model)
     assert "AIMET encodings: 2 activations quantized and 1 parameters" in result.notes[0]
@@ -835,7 +811,7 @@ def test_a_float_model_with_aimets_encodings_converts_to_what_they_mean(legacy, 
 def test_aimets_encodings_that_do_not_fit_are_refused_by_name(changes, message, tmp_path):
     """Encodings that name a tensor the model lacks, or hold values AIMET's grid cannot mean: refused before any
     work, naming the section, the tensor and the field, nothing written."""
-    model, encodings, _ = _aimet_layer(**changes)
+    model, encodings, _ = aimet_layer(**changes)
     with pytest.raises(ModelError, match=message):
         quantize_qat_export(model, tmp_path / "int8.onnx", encodings=encodings)
     assert not list(tmp_path.iterdir())
@@ -844,14 +820,18 @@ def test_aimets_encodings_that_do_not_fit_are_refused_by_name(changes, message, 
 def test_aimets_encodings_files_that_are_not_its_own_are_refused(tmp_path):
     """Not JSON, another version's layout, and encodings beside a model that is already QDQ: each refused, saying
     so; a float model without its encodings is told that it can bring them."""
-    model, encodings, _ = _aimet_layer()
+    model, encodings, _ = aimet_layer()
     bad = tmp_path / "bad.encodings"
     bad.write_text("{not json")
     with pytest.raises(ModelError, match=r"bad.encodings: not a JSON encodings file"):
         quantize_qat_export(model, encodings=bad)
     with pytest.raises(ModelError, match=r"encodings version 2.0.0; the converter reads versions up to 0.6.1 and "
-                                         r"1.0.0"):
+                                         r"1.0.0, .* aimet_torch.onnx.export, whose QDQ model converts"):
         quantize_qat_export(model, encodings={**encodings, "version": "2.0.0"})
+    legacy = aimet_layer(legacy=True)[1]
+    del legacy["activation_encodings"]["x"][0]["scale"]
+    with pytest.raises(ModelError, match=r"activation_encodings\['x'\]: an integer encoding without its scale"):
+        quantize_qat_export(model, encodings=legacy)
     with pytest.raises(ModelError, match=r"is not a QAT model: .* converts with its encodings: encodings="):
         quantize_qat_export(model)
     with pytest.raises(ModelError, match=r"is already quantized .* AIMET's encodings go with the float model"):
