@@ -229,7 +229,11 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         return _convert(model, float32_reference(model) or reference, output_path, format, verify, inputs, tolerance,
                         min_agreement, started, thin=thin, choice=choice, channel_block=channel_block,
                         accuracy_level=accuracy_level, keep_exporter_metadata=keep_exporter_metadata, notes=notes)
-    except (VerificationError, ModelError, OSError, MemoryError):
+    except ModelError as exc:  # a pass's, which names the node: the file too
+        if str(exc).startswith(label):
+            raise
+        raise ModelError(f"{label}: {exc}") from None
+    except (VerificationError, OSError, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - a malformed model must end in one clear error, not a traceback
         own = runtime_refusal(reference)

@@ -768,6 +768,7 @@ def test_brevitas_qonnx_exports_convert_to_what_their_qcdq_exports_convert_to(na
     assert (result.avx2_path is None) == ("w4" in name), result.weights_note
     v = result.verification
     assert v.samples >= 256 and v.local_steps <= 1 and v.local_share <= 1e-3, v
+    _same_with_and_without_optimizations(result.model)
     ours, theirs = (ort_session(r.model) for r in (result, twin))
     for seed in range(32):
         (x,) = generated_inputs(result.model, 1, seed=seed).values()  # (the exports name the input differently)
@@ -859,10 +860,20 @@ def test_aimets_sim_export_converts_with_every_layer_integer(name, tmp_path):
     else:
         assert kinds["QLinearConv"] == 12 and kinds["QGemm"] == 1 and kinds["QLinearAdd"] == 4, kinds
         assert "BatchNormalization" not in kinds and not result.unconverted
+    _same_with_and_without_optimizations(result.model)
     v = result.verification
     assert v.samples >= 256 and v.local_steps <= 1 and v.local_share <= 1e-3, v
     assert main(["quantize-qat-export", str(path), str(tmp_path / "cli.onnx"), "--encodings",
                  str(path.with_suffix(".encodings"))]) == 0
+
+
+def _same_with_and_without_optimizations(model):
+    """The converted model gives the same outputs in a default onnxruntime session and with optimizations off."""
+    import onnxruntime as ort
+
+    feeds = generated_inputs(model, 1, seed=3)
+    for got, want in zip(run(model, feeds), run(model, feeds, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)):
+        np.testing.assert_array_equal(got, want)
 
 
 def ort_session(model):

@@ -1,5 +1,6 @@
 """Each rewrite pass on a tiny graph: how many rewrites, the op types after, numbers in onnxruntime."""
 
+import re
 import warnings
 
 import numpy as np
@@ -1887,4 +1888,21 @@ def test_encodings_to_qdq_quantizes_what_aimets_encodings_name():
     want = aimet(aimet(x, 0.25, -3, 4) @ wq.T + aimet(np.float32([0.1, -0.2, 0.3]), 0.0025, -(2 ** 31), 32),
                  0.05, -128, 8)
     np.testing.assert_allclose(reference(converted, {"x": x})[0], want, atol=1e-6)
+
+
+@pytest.mark.parametrize("out_scale, fate", [(1e9, "could not move off its zero point"),
+                                             (1e-9, "would always saturate")])
+def test_a_global_pool_on_grids_onnxruntimes_integer_pool_refuses_is_a_broken_qat_model(out_scale, fate):
+    """A global average pool whose output grid is ~1e9 times coarser or finer than its input's: onnxruntime's integer
+    pool throws at run time (as its own session of the QDQ file does), so the converter refuses the model as broken,
+    naming the pool, the scales and why, before anything runs."""
+    from recal_onnx.input_checks import ModelError
+
+    b = Builder()
+    y = b.node("GlobalAveragePool", [b.qdq("x", 0.01, 128)])
+    model = b.model([("x", [1, 4, 3, 3])], [b.qdq(y, out_scale, 128)])
+    scale = re.escape(f"{out_scale:.3g}")
+    with pytest.raises(ModelError, match=rf"GlobalAveragePool 'GlobalAveragePool\d+' averages on input scale 0.01 "
+                                         rf"into output scale {scale}: over 9 values its output {fate}"):
+        _apply(model, pool_to_qlinear)
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..findings import Findings
 from ..graph import MS_DOMAIN, SHAPE_READERS, Graph, Node, Value, attr, input_of
+from ..input_checks import ModelError
 from ..qdq import QTensor, activation, quantizes, scalar
 
 AVERAGE_POOL_ATTRS = ("auto_pad", "ceil_mode", "count_include_pad", "kernel_shape", "pads", "strides")
@@ -114,6 +115,7 @@ def pool_to_qlinear(g: Graph, findings: Findings | None = None) -> int:
         if x is None or after is None:
             continue
         chain, q = after
+        _check_global_range(g, node, x, q)
         ties = tie_share(g, node, x, q)
         if ties > TIES and findings is not None:
             findings.tied_pools[q.outputs[0].name] = ties
@@ -130,6 +132,23 @@ def pool_to_qlinear(g: Graph, findings: Findings | None = None) -> int:
         g.remove(node, *chain, q)
         count += 1
     return count
+
+
+def _check_global_range(g: Graph, node: Node, x: QTensor, q: Node) -> None:
+    """onnxruntime's integer global pool computes ``s_in / (s_out * n)`` for a window of ``n`` values only within
+    [2**-32, 256) (beyond, the output could not move off its zero point or would always saturate), and throws at run
+    time otherwise, as it does on the QDQ file itself in a default session: such grids are a broken QAT model."""
+    if node.op_type == "AveragePool":
+        return
+    ratio = float(scalar(g, x.scale)) / float(scalar(g, q.inputs[1]))
+    n = _window(g, node)
+    low, high = (ratio / n, ratio / n) if n else (ratio / 2**24, ratio)
+    if not (low >= 2.0**-32 and high < 256.0):
+        fate = "could not move off its zero point" if low < 2.0**-32 else "would always saturate"
+        raise ModelError(f"{node.op_type} {node.name!r} averages on input scale {float(scalar(g, x.scale)):.3g} into "
+                         f"output scale {float(scalar(g, q.inputs[1])):.3g}: over {n or 'its'} values its output "
+                         f"{fate}, and onnxruntime's integer pool (as its own session of the QDQ file) refuses to run "
+                         "it; the QAT model's quantizers are broken")
 
 
 def tie_share(g: Graph, node: Node, x: QTensor, q: Node) -> float:
