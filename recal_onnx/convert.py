@@ -210,7 +210,8 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     from_path = isinstance(model_or_path, (str, os.PathLike))
     model, reads = _load(model_or_path)
     if encodings is not None:
-        reads.add(Path(encodings)) if not isinstance(encodings, dict) else None
+        if not isinstance(encodings, dict):
+            reads.add(Path(encodings))  # never the output either
         encodings = load_encodings(encodings)
     if output_path is not None:
         _refuse_overwriting(Path(output_path), reads)

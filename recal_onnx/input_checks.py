@@ -90,6 +90,9 @@ BIAS_TYPES = {onnx.TensorProto.INT32}
 QONNX_OPS = {"Quant", "BipolarQuant", "Trunc", "IntQuant", "FloatQuant"}  # QONNX's quantizers (qonnx.custom_op.general)
 QONNX_QUANTIZERS = ("Quant", "IntQuant")  # its integer quantizer (renamed IntQuant): read as QCDQ (qonnx_to_qcdq)
 
+ACTIVATION_16_TYPES = {onnx.TensorProto.UINT16, onnx.TensorProto.INT16}
+WEIGHT_TYPES = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4}  # constant weights only: widened to 8 bits
+
 
 def is_qonnx_domain(domain: str) -> bool:
     """QONNX's ops' domain, as its writers name it (qonnx.custom_op.general, finn.custom_op.general, onnx.brevitas)."""
@@ -98,8 +101,6 @@ def is_qonnx_domain(domain: str) -> bool:
 
 def is_qonnx_quantizer(op_type: str, domain: str) -> bool:
     return op_type in QONNX_QUANTIZERS and is_qonnx_domain(domain)
-ACTIVATION_16_TYPES = {onnx.TensorProto.UINT16, onnx.TensorProto.INT16}
-WEIGHT_TYPES = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4}  # constant weights only: widened to 8 bits
 
 
 def _check_blocks(model: onnx.ModelProto, name: str, tensors: dict[str, onnx.TensorProto]) -> None:

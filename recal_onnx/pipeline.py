@@ -67,6 +67,7 @@ from .passes.conv_to_qlinearconv import conv_to_qlinearconv
 from .passes.affine_to_batchnorm import affine_to_batchnorm
 from .passes.average_pool_windows import average_pool_windows
 from .passes.batchnorm_to_conv import batchnorm_to_conv
+from .passes.encodings_to_qdq import encodings_to_qdq
 from .passes.fold_conv_affine import fold_conv_affine
 from .passes.finer_weight_grids import finer_weight_grids
 from .passes.float16_upcast import float16_to_float32
@@ -85,7 +86,6 @@ from .passes.noop_clamps import remove_noop_clamps
 from .passes.pad_into_conv import fold_pads_into_convs
 from .passes.pool_to_qlinear import pool_to_qlinear
 from .passes.qonnx_to_qcdq import qonnx_to_qcdq
-from .passes.encodings_to_qdq import encodings_to_qdq
 from .passes.redundant_qdq import remove_redundant_qdq
 from .passes.shape_of_integers import shapes_from_integers
 from .passes.sigmoid_to_qlinear import sigmoid_to_qlinear
@@ -167,7 +167,7 @@ def run_pipeline(g: Graph, options: Options, findings: Findings) -> dict[str, in
     rewrites: dict[str, int] = {}
 
     def run(step: Step, pass_fn: Pass) -> int:
-        extra = {"findings": findings} if _takes_findings(pass_fn) else {}
+        extra = {"findings": findings} if _takes(pass_fn, "findings") else {}
         n = pass_fn(g, *step.args(options), **extra)
         rewrites[pass_fn.__name__] = rewrites.get(pass_fn.__name__, 0) + n
         return n
@@ -184,8 +184,8 @@ def run_pipeline(g: Graph, options: Options, findings: Findings) -> dict[str, in
     return rewrites
 
 
-def _takes_findings(pass_fn: Pass) -> bool:
-    return "findings" in pass_fn.__code__.co_varnames[:pass_fn.__code__.co_argcount]
+def _takes(pass_fn: Pass, name: str) -> bool:
+    return name in pass_fn.__code__.co_varnames[:pass_fn.__code__.co_argcount]
 
 
 def read_input(model: onnx.ModelProto, reference, name: str, encodings: list[Encoding] | None = None):
@@ -200,10 +200,8 @@ def read_input(model: onnx.ModelProto, reference, name: str, encodings: list[Enc
     constants_to_initializers(g)
     findings = Findings()
     try:
-        if encodings is not None:
-            encodings_to_qdq(g, findings, encodings)
-        if qonnx:
-            qonnx_to_qcdq(g, findings)
+        for reader in READERS:  # each reads what is its own and leaves the rest
+            reader(g, findings, **({"encodings": encodings} if _takes(reader, "encodings") else {}))
     except ModelError as exc:
         raise ModelError(f"{name}: {exc}") from None
     read = g.commit()

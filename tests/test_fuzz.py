@@ -131,14 +131,36 @@ def _mutate(data: bytes, rng: random.Random) -> bytes:
     return model.SerializeToString()
 
 
+def _case_folder(tmp_path, name: str):
+    """A fresh folder for one case (hypothesis replays a failing case: it starts afresh)."""
+    folder = tmp_path / name
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    return folder
+
+
+def _converts_or_is_refused(source, folder, kept: set[str], named: bool = True, ignore=(), **options) -> None:
+    """``quantize_qat_export(source, folder / "out.onnx", **options)`` converts (verified) or is refused with a
+    ModelError or VerificationError (with ``named``, a reason rather than a crash it wraps), in bounded time, and
+    ``folder`` holds nothing but ``kept`` and whole outputs after; ``ignore``: the warning categories let pass."""
+    from recal_onnx import ModelError, UnconvertedOpsWarning, VerificationError, quantize_qat_export
+
+    started = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            for category in (UnconvertedOpsWarning, *ignore):
+                warnings.simplefilter("ignore", category)
+            quantize_qat_export(source, folder / "out.onnx", **options)
+    except (ModelError, VerificationError) as exc:
+        assert not named or "cannot convert" not in str(exc), exc
+    assert time.perf_counter() - started < CONVERT_SECONDS
+    assert {p.name for p in folder.iterdir()} <= {*kept, "out.onnx", "out.x86-avx2.onnx"}
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(st.integers(0, 2**32 - 1), st.integers(1, 3))
 def test_mutated_onnx_models(qat_bytes, tmp_path, seed, rounds):
-    import warnings
-
-    from recal_onnx import ModelError, UnconvertedOpsWarning, VerificationError, quantize_qat_export
-
     rng = random.Random(seed)
     data = qat_bytes
     for _ in range(rounds):
@@ -146,21 +168,11 @@ def test_mutated_onnx_models(qat_bytes, tmp_path, seed, rounds):
             data = _mutate(data, rng)
         except Exception:  # noqa: BLE001 - a mutation that onnx itself cannot parse again: keep the bytes
             break
-    folder = tmp_path / f"case-{seed}-{rounds}"
-    shutil.rmtree(folder, ignore_errors=True)  # hypothesis replays a failing case: start it afresh
-    folder.mkdir()
+    folder = _case_folder(tmp_path, f"case-{seed}-{rounds}")
     src = folder / "in.onnx"
     src.write_bytes(data)
-    started = time.perf_counter()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UnconvertedOpsWarning)
-            quantize_qat_export(src, folder / "out.onnx")
-    except (ModelError, VerificationError):
-        pass
-    assert time.perf_counter() - started < CONVERT_SECONDS
+    _converts_or_is_refused(src, folder, {"in.onnx"}, named=False)
     assert src.read_bytes() == data  # the input is untouched
-    assert {p.name for p in folder.iterdir()} <= {"in.onnx", "out.onnx", "out.x86-avx2.onnx"}
 
 
 _QONNX = Path(__file__).parent / "fixtures" / "interop" / "brevitas-qonnx-small-resnet.onnx"
@@ -196,31 +208,17 @@ def test_mutated_qonnx_models_convert_or_are_refused_by_name(tmp_path, seed, rou
     """Brevitas's QONNX export with its quantizers' attributes, scales, zero points and bit widths mutated: each
     either converts (verified) or is refused with a ModelError or VerificationError, in bounded time, nothing
     partial written, the input untouched."""
-    import warnings
-
-    from recal_onnx import ModelError, UnconvertedOpsWarning, VerificationError, quantize_qat_export
-
     rng = random.Random(seed)
     model = onnx.load(_QONNX)
     for _ in range(rounds):
         _mutate_qonnx(model, rng)
-    folder = tmp_path / f"qonnx-{seed}-{rounds}"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir()
+    folder = _case_folder(tmp_path, f"qonnx-{seed}-{rounds}")
     src = folder / "in.onnx"
     data = model.SerializeToString()
     src.write_bytes(data)
-    started = time.perf_counter()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UnconvertedOpsWarning)
-            warnings.simplefilter("ignore", RuntimeWarning)  # numpy on a scale of 1e-30 or inf: refused after
-            quantize_qat_export(src, folder / "out.onnx")
-    except (ModelError, VerificationError) as exc:
-        assert "cannot convert" not in str(exc), exc  # a reason, not a crash wrapped
-    assert time.perf_counter() - started < CONVERT_SECONDS
+    # numpy on a scale of 1e-30 or inf warns before the refusal
+    _converts_or_is_refused(src, folder, {"in.onnx"}, ignore=(RuntimeWarning,))
     assert src.read_bytes() == data
-    assert {p.name for p in folder.iterdir()} <= {"in.onnx", "out.onnx", "out.x86-avx2.onnx"}
 
 
 _ENCODING_VALUES = [None, 0, -1, 1, 3, 8, 16, 33, -128, -300, 0.5, 1e-30, 1e30, float("nan"), "x", [], [1, 2],
@@ -235,8 +233,6 @@ def test_mutated_aimet_encodings_convert_or_are_refused_by_name(tmp_path, seed, 
     (verified) or is refused with a ModelError, in bounded time, nothing partial written."""
     import json
 
-    from recal_onnx import ModelError, VerificationError, quantize_qat_export
-
     from .onnx_graphs import aimet_layer
 
     rng = random.Random(seed)
@@ -250,19 +246,10 @@ def test_mutated_aimet_encodings_convert_or_are_refused_by_name(tmp_path, seed, 
             entry.pop(key, None)
         else:
             entry[key] = rng.choice(_ENCODING_VALUES)
-    folder = tmp_path / f"encodings-{seed}-{edits}"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir()
+    folder = _case_folder(tmp_path, f"encodings-{seed}-{edits}")
     (folder / "model.encodings").write_text(json.dumps(encodings))
-    started = time.perf_counter()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            quantize_qat_export(model, folder / "out.onnx", encodings=folder / "model.encodings")
-    except (ModelError, VerificationError) as exc:
-        assert "cannot convert" not in str(exc), exc
-    assert time.perf_counter() - started < CONVERT_SECONDS
-    assert {p.name for p in folder.iterdir()} <= {"model.encodings", "out.onnx", "out.x86-avx2.onnx"}
+    _converts_or_is_refused(model, folder, {"model.encodings"}, ignore=(Warning,),
+                            encodings=folder / "model.encodings")
 
 
 # --- round 3: eval operators, pattern sets, graph outputs of every kind behind broadcast constants ---------------

@@ -28,7 +28,9 @@ from ..graph import MS_DOMAIN, Graph, Value, attr
 from ..input_checks import ModelError
 
 
-def encodings_to_qdq(g: Graph, findings: Findings, encodings: list[Encoding]) -> int:
+def encodings_to_qdq(g: Graph, findings: Findings, encodings: list[Encoding] | None = None) -> int:
+    if not encodings:
+        return 0
     values = {v.name: v for v in [*g.graph.inputs, *g.graph.initializers.values()]}
     values.update({out.name: out for node in g.graph for out in node.outputs})
     counts = {"activations": 0, "parameters": 0, "float": 0}

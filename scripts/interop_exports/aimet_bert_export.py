@@ -13,15 +13,12 @@ of batch 1 and 32 positions). Run in the venv of ``aimet_export.py`` with ``tran
     /tmp/venv_aimet/bin/python scripts/interop_exports/aimet_bert_export.py
 """
 
-import shutil
-import tempfile
 import warnings
-from pathlib import Path
 
 import torch
 import transformers.models.llama.modeling_llama  # noqa: F401  before the stand-in: transformers probes torchvision
 
-from common import (FIXTURES, TOKENS, check_aimet_reading, stand_in_torchvision, text_accuracy, text_batches,
+from common import (FIXTURES, TOKENS, export_aimet_classic, stand_in_torchvision, text_accuracy, text_batches,
                     trained_bert, trained_on_text)
 
 stand_in_torchvision()
@@ -43,12 +40,6 @@ with warnings.catch_warnings():
     aimet_torch.onnx.export(sim.model, example, str(FIXTURES / "aimet-small-bert.onnx"), input_names=["input_ids"],
                             output_names=["logits"], opset_version=21, dynamo=False, export_int32_bias=True)
 print("wrote", FIXTURES / "aimet-small-bert.onnx")
-classic = FIXTURES / "aimet-sim-small-bert.onnx"
-with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    sim.export(folder, "model", example)
-    shutil.copy(Path(folder) / "model.onnx", classic)
-    shutil.copy(Path(folder) / "model.encodings", classic.with_suffix(".encodings"))
-print("wrote", classic, "and", classic.with_suffix(".encodings"))
-check_aimet_reading(sim, classic, [ids[i:i + 1] for ids, _ in text_batches(2, seed=7) for i in range(16)])
+export_aimet_classic(sim, example, FIXTURES / "aimet-sim-small-bert.onnx",
+                     [ids[i:i + 1] for ids, _ in text_batches(2, seed=7) for i in range(16)])
 

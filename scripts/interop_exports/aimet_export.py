@@ -18,14 +18,11 @@ then aimet-torch without its dependencies and those it needs:
     /tmp/venv_aimet/bin/python scripts/interop_exports/aimet_export.py
 """
 
-import shutil
-import tempfile
 import warnings
-from pathlib import Path
 
 import torch
 
-from common import FIXTURES, SIZE, SmallResNet, calibration, check_aimet_reading, stand_in_torchvision, trained
+from common import FIXTURES, SIZE, SmallResNet, calibration, export_aimet_classic, stand_in_torchvision, trained
 
 stand_in_torchvision()
 
@@ -44,13 +41,7 @@ def export(path, activation_bits: int = 8, weight_bits: int = 8, classic: bool =
     trained(sim.model, steps=10, seed=1)  # QAT, ranges learned
     path.parent.mkdir(parents=True, exist_ok=True)
     if classic:  # sim.export: the float model and its encodings, then the check of recal's reading against the sim
-        with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            sim.export(folder, "model", example)
-            shutil.copy(Path(folder) / "model.onnx", path)
-            shutil.copy(Path(folder) / "model.encodings", path.with_suffix(".encodings"))
-        print("wrote", path, "and", path.with_suffix(".encodings"))
-        check_aimet_reading(sim, path, [x for x in calibration(batches=32, batch=1, seed=7)])
+        export_aimet_classic(sim, example, path, calibration(batches=32, batch=1, seed=7))
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -181,6 +181,22 @@ def stand_in_torchvision() -> None:
     sys.modules["torchvision"] = vision
 
 
+def export_aimet_classic(sim, example: torch.Tensor, path: Path, inputs: list[torch.Tensor]) -> None:
+    """AIMET's classic ``sim.export``: the float model to ``path`` and its encodings beside it (``.encodings``), then
+    :func:`check_aimet_reading` on ``inputs``."""
+    import shutil
+    import tempfile
+    import warnings
+
+    with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sim.export(folder, "model", example)
+        shutil.copy(Path(folder) / "model.onnx", path)
+        shutil.copy(Path(folder) / "model.encodings", path.with_suffix(".encodings"))
+    print("wrote", path, "and", path.with_suffix(".encodings"))
+    check_aimet_reading(sim, path, inputs)
+
+
 def check_aimet_reading(sim, path: Path, inputs: list[torch.Tensor]) -> None:
     """recal's reading of AIMET's float model at ``path`` and its ``.encodings`` (``recal_onnx.pipeline.read_input``),
     run in onnxruntime as written (optimizations off), against AIMET's simulation ``sim`` itself on ``inputs``, in
