@@ -78,7 +78,10 @@ def load_encodings(source: str | os.PathLike | dict, name: str = "the encodings"
     if not isinstance(source, dict):
         name = str(source)
         try:
-            source = json.loads(read_bounded(source, MAX_BYTES, "encodings file"))
+            source = json.loads(read_bounded(source, MAX_BYTES, "encodings file"), object_pairs_hook=_unique_keys)
+        except RecursionError:
+            raise ModelError(f"{name}: nested deeper than a JSON parser can follow; not an AIMET encodings "
+                             "file") from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise ModelError(f"{name}: not a JSON encodings file ({exc})") from None
     if not isinstance(source, dict) or not any(k in source for k in SECTIONS):
@@ -101,7 +104,24 @@ def load_encodings(source: str | os.PathLike | dict, name: str = "the encodings"
                 found.append(_from_legacy(name, section, tensor, encodings, param))
         else:
             found.extend(_from_entry(name, section, entry, param) for entry in entries)
+    seen: dict[str, bool] = {}
+    for e in found:
+        if e.name in seen:
+            raise ModelError(f"{name}: tensor {e.name!r} has two encodings ({'param' if seen[e.name] else 'activation'}"
+                             f"_encodings and {'param' if e.param else 'activation'}_encodings); one tensor has one")
+        seen[e.name] = e.param
     return found
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object whose keys are each given once: a key given twice (which ``json`` would keep the last of,
+    silently) is refused, named."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} is given twice in one object; which one is meant is not said")
+        out[key] = value
+    return out
 
 
 def _from_legacy(name: str, section: str, tensor: str, encodings: list[_Legacy], param: bool) -> Encoding:

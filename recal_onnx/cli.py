@@ -8,6 +8,7 @@ import warnings
 
 from .convert import UnconvertedOpsWarning, quantize_qat_export
 from .targets import DEFAULT_TARGET, TARGETS, WEIGHT_TYPES
+from .user_inputs import load_inputs, parse_shape
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,6 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="qoperator: QLinearConv/QGemm/... (default); qdq: folded, cleaned QDQ")
     parser.add_argument("--encodings", metavar="FILE",
                         help="AIMET's .encodings file, with the float model QuantizationSimModel.export wrote beside it")
+    parser.add_argument("--inputs", metavar="FILE.npz",
+                        help="verify on your own data: an .npz of arrays by input name (np.savez('in.npz', x=batch)); "
+                             "by default inputs are generated (normal floats, token ids over the vocabulary)")
+    parser.add_argument("--input-shape", metavar="NAME=D1,D2,...", action="append", default=[], type=_shape,
+                        help="the shape of generated inputs for an input whose dimensions the model leaves open "
+                             "(the first is the batch), e.g. x=1,3,640,640; repeat for each input. Default: 32 per "
+                             "image side, 16 per sequence axis")
     parser.add_argument("--no-verify", action="store_true", help="skip the onnxruntime comparison")
     parser.add_argument("--no-thin", action="store_true",
                         help="keep channels filter pruning left dead (by default they are removed)")
@@ -36,9 +44,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-type", choices=WEIGHT_TYPES, default="auto",
                         help="override the target's choice: int8 (exact with VNNI / AMX and on Arm), uint8 (weights "
                              "beyond +-64 as uint8: exact everywhere); auto (default): the target's")
-    parser.add_argument("--tolerance", type=_tolerance, help="largest accepted max-abs difference (a finite number >= 0)")
+    parser.add_argument("--tolerance", type=_tolerance,
+                        help="largest accepted max-abs difference (a finite number >= 0); default: 3 steps of a "
+                             "quantized output, 10%% of a float output's range, or as far as onnxruntime's own session "
+                             "of the input, or the QAT model's own rounding noise, where op by op every difference is "
+                             "a value on a rounding boundary")
     parser.add_argument("--keep-exporter-metadata", action="store_true",
                         help="keep the torch exporter's per-node module paths and stack traces (dropped by default)")
+
+
+def _shape(text: str) -> tuple[str, list[int]]:
+    try:
+        return parse_shape(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _tolerance(text: str) -> float:
@@ -52,9 +71,12 @@ def _tolerance(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    inputs = load_inputs(args.inputs) if args.inputs else None
+    shapes = dict(args.input_shape) or None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnconvertedOpsWarning)
         result = quantize_qat_export(args.input, args.output, format=args.format, verify=not args.no_verify,
+                                     inputs=inputs, input_shapes=shapes,
                                      tolerance=args.tolerance, thin=not args.no_thin,
                                      weight_type=args.weight_type, target=args.target,
                                      keep_exporter_metadata=args.keep_exporter_metadata, encodings=args.encodings)

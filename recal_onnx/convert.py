@@ -30,7 +30,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from recal_core.atomic import atomic_folder
 from recal_core.errors import ThinningWarning, VerificationFailed
 from recal_core.input_gate import regular_file
 
@@ -38,19 +37,20 @@ from . import cpu
 from .findings import Findings
 from .float_reasons import display_name, float_reason
 from .float_report import QDQ_FUSIBLE, float_compute, float_islands, module_paths, qoperator_kernel
-from .graph import EXTERNAL_DATA_BYTES, MS_DOMAIN, Graph
+from .graph import MS_DOMAIN, Graph
 from .aimet_encodings import load_encodings
 from .input_checks import ModelError, check_input, nonfinite_initializers
 from .passes import CHANNEL_BLOCK, exact_on_this_cpu, float32_reference, saturating_layers
 from .pipeline import Options, read_input, run_pipeline
+from .save import save_model_atomically, save_models_atomically  # noqa: F401 (save_model_atomically re-exported)
 from .targets import DEFAULT_TARGET, WeightChoice, choose_weights
 from .twin import INT8_CPUS, TWIN_SAMPLES, avx2_twin, mark, twin_differs, twin_path
 from .verify import NonFiniteReference, Verification, generated_inputs, runtime_refusal, verify_models
+from .verify_inputs import chosen_dimensions
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("qoperator", "qdq")
-EXTERNAL_TENSOR_BYTES = 1024  # ... those of at least this size
 MAX_LISTED = 20  # nodes the float warning names, one per line; result.float_nodes holds them all
 
 
@@ -136,7 +136,8 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
                         weight_type: str = "auto", channel_block: int = CHANNEL_BLOCK,
                         target: str = DEFAULT_TARGET, accuracy_level: int = 0,
                         keep_exporter_metadata: bool = False,
-                        encodings: str | os.PathLike | dict | None = None) -> ConversionResult:
+                        encodings: str | os.PathLike | dict | None = None,
+                        input_shapes: dict[str, list[int]] | None = None) -> ConversionResult:
     """Convert a QAT ONNX model into a fully quantized one (``qoperator``) or a folded, clean QDQ one.
 
     Args:
@@ -159,6 +160,9 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         keep_exporter_metadata: keep the torch exporter's per-node record (module path, stack trace), which is
             dropped by default (:mod:`recal_onnx.passes.exporter_metadata`; ``rewrites["drop_exporter_metadata"]``:
             bytes).
+        input_shapes: per input name, the shape generated verification inputs take (its first dimension the
+            batch) where the model leaves dimensions open; by default they get sizes that exercise the model
+            (:func:`recal_onnx.verify_inputs.open_dimension`). Real inputs (``inputs``) are better still.
         encodings: with a float model, AIMET's encodings (``QuantizationSimModel.export``'s ``.encodings`` file or
             its dict): the QDQ model they mean together is converted (:mod:`recal_onnx.passes.encodings_to_qdq`).
 
@@ -207,7 +211,7 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
                                       and not math.isnan(value)):
             raise ValueError(f"{name} must be a number in [0, {upper:g}], got {value!r}")
     started = time.perf_counter()
-    from_path = isinstance(model_or_path, (str, os.PathLike))
+    given, from_path = inputs is not None, isinstance(model_or_path, (str, os.PathLike))
     model, reads = _load(model_or_path)
     if encodings is not None:
         if not isinstance(encodings, dict):
@@ -219,6 +223,12 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
             _refuse_overwriting(twin_path(output_path), reads)
     label = str(model_or_path) if from_path else "the model"
     check_input(model, label, encodings=encodings is not None)
+    takes = [i.name for i in model.graph.input]
+    for what, named in (("inputs", inputs), ("input_shapes", input_shapes)):
+        unknown = sorted(set(named or {}) - set(takes))
+        if unknown:
+            raise ValueError(f"{what} names {', '.join(map(repr, unknown))}, which {label} does not take (its inputs: "
+                             f"{', '.join(map(repr, takes))})")
     if from_path:
         reference: onnx.ModelProto | str = str(model_or_path)  # the file stays as it is; no second copy
     else:
@@ -227,9 +237,12 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         model.CopyFrom(model_or_path)  # never modify the caller's model
     try:  # QONNX, AIMET's encodings, float16: verified as the QDQ model they mean, computing in float32
         model, reference, notes = read_input(model, reference, label, encodings)
+        if verify and inputs is None:
+            inputs = generated_inputs(model, shapes=input_shapes)
         return _convert(model, float32_reference(model) or reference, output_path, format, verify, inputs, tolerance,
                         min_agreement, started, thin=thin, choice=choice, channel_block=channel_block,
-                        accuracy_level=accuracy_level, keep_exporter_metadata=keep_exporter_metadata, notes=notes)
+                        accuracy_level=accuracy_level, keep_exporter_metadata=keep_exporter_metadata, notes=notes,
+                        given=given)
     except ModelError as exc:  # a pass's, which names the node: the file too
         if str(exc).startswith(label):
             raise
@@ -237,9 +250,16 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
     except (VerificationError, OSError, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - a malformed model must end in one clear error, not a traceback
-        own = runtime_refusal(reference)
-        if own is not None:  # the input itself is broken: say so in onnxruntime's words about its own nodes
-            raise ModelError(f"{label} does not run in onnxruntime itself, as written: {own}") from exc
+        own = runtime_refusal(reference, inputs)
+        if own is not None:  # the input does not run on these inputs: say so in onnxruntime's words
+            if given or not chosen_dimensions(model):  # every size but the batch the file's own: its defect
+                raise ModelError(f"{label} does not run in onnxruntime itself, as written"
+                                 f"{', on the given inputs' if given else ''}: {own}") from exc
+            shapes = ", ".join(f"{k} {list(np.shape(v))}" for k, v in (inputs or {}).items())
+            raise ModelError(f"{label} as written does not run in onnxruntime on the verification's generated inputs "
+                             f"({shapes or 'none could be made'}): {own}; give inputs of the shapes it takes: "
+                             "--input-shape NAME=1,3,224,224 or --inputs FILE.npz (input_shapes= or inputs= in the "
+                             "API)") from exc
         integer = Counter(n.op_type for n in model.graph.node if qoperator_kernel(n.op_type))
         if integer:  # a QOperator model (quantize_static's QOperator format) passes through, here into a failure
             kinds = ", ".join(f"{op} x{n}" for op, n in integer.most_common())
@@ -252,7 +272,8 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
 
 def _convert(model, reference, output_path, format, verify, inputs, tolerance, min_agreement,
              started, *, thin: bool, choice: WeightChoice, channel_block: int,
-             accuracy_level: int = 0, keep_exporter_metadata: bool = False, notes: list[str]) -> ConversionResult:
+             accuracy_level: int = 0, keep_exporter_metadata: bool = False, notes: list[str],
+             given: bool = True) -> ConversionResult:
     infer_shapes_in_place(model)
     g = Graph(model)
     findings = Findings(notes=list(notes))
@@ -319,15 +340,19 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
         try:
             result.verification = verify_models(reference, run_here, inputs, thinned=findings.thinned,
                                                 output_steps=output_steps, noise=tolerance is None,
-                                                tied=findings.tied_pools)
+                                                tied=findings.tied_pools, moves=findings.bias_moves)
         except NonFiniteReference as exc:
             raise ModelError(f"{exc}: the QAT model itself computes nothing finite"
                              f"{nonfinite_initializers(reference)}; nothing was written") from None
         problem = result.verification.problem(tolerance, min_agreement)
         if problem:
             hint = f" ({result.rounded_biases_note})" if result.rounded_biases else ""
+            own_data = "" if given else ("; these were generated inputs (normal noise, open dimensions as said in "
+                                         "recal_onnx.verify_inputs): judge it on your own data with --inputs "
+                                         "FILE.npz (inputs= in the API)")
             raise VerificationError(f"the converted model does not match the input model: {problem}{hint}; "
-                                    f"nothing was written{_drift_note(result.verification, tolerance, min_agreement)}")
+                                    f"nothing was written{_drift_note(result.verification, tolerance, min_agreement)}"
+                                    f"{own_data}")
         if twin is not None and run_here is model:
             differs = twin_differs(model, twin, inputs if inputs is not None else generated_inputs(model, TWIN_SAMPLES))
             if differs:
@@ -336,19 +361,13 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
         if result.verification.compared_nothing:
             warnings.warn("the verification compared nothing end to end: every output is constant over its inputs "
                           f"({result.verification}); give inputs= that make the outputs vary", UserWarning, stacklevel=3)
-        if result.verification.within_noise:
-            log.warning("quantize_qat_export: accepted beyond the default end-to-end tolerance, within the QAT "
-                        "model's own rounding noise: %s", result.verification)
-    if output_path is not None:
-        if twin is not None:
-            result.avx2_path = save_model_atomically(twin, twin_path(output_path))
-        try:
-            result.path = save_model_atomically(model, output_path)
-        except BaseException:  # the pair or nothing: no twin left without its model
-            if result.avx2_path is not None:
-                result.avx2_path.unlink(missing_ok=True)
-                Path(str(result.avx2_path) + ".data").unlink(missing_ok=True)
-            raise
+        why = "as close to the input model as onnxruntime's own session of it" if result.verification.within_runtime \
+            else "within the QAT model's own rounding noise" if result.verification.within_noise else None
+        if why:
+            log.warning("quantize_qat_export: accepted beyond the default end-to-end tolerance, %s: %s", why,
+                        result.verification)
+    if output_path is not None:  # the pair in one transaction: both written, then both moved in; else neither
+        result.path, result.avx2_path = save_models_atomically(model, output_path, twin)
         stale = twin_path(output_path)
         if twin is None and stale.exists():  # an earlier conversion's twin beside a model it no longer matches
             warnings.warn(f"{stale} is not the twin of the model just written ({result.weights_note}): it is left "
@@ -471,7 +490,6 @@ def _refuse_overwriting(target: Path, reads: set[Path]) -> None:
                              "external data); choose another output path")
 
 
-# ops that move, index or reshape values, or read shapes: no arithmetic, nothing to quantize
 def _output_quanta(g: Graph) -> dict[str, float]:
     """Each graph output that a DequantizeLinear writes: its (largest) quantization step, by output name."""
     steps = {}
@@ -480,18 +498,3 @@ def _output_quanta(g: Graph) -> dict[str, float]:
         if node is not None and node.op_type == "DequantizeLinear" and g.is_const(node.inputs[1]):
             steps[value.name] = float(np.max(g.const(node.inputs[1])))
     return steps
-
-
-def save_model_atomically(model: onnx.ModelProto, output_path: str | os.PathLike) -> Path:
-    """Write ``model`` to ``output_path`` atomically; above ~1.8 GB its tensors go to ``<name>.data``.
-
-    Args:
-        model: the ONNX model.
-        output_path: the file to write (its folder must exist); nothing partial is ever left there."""
-    target = Path(output_path)
-    large = model.ByteSize() > EXTERNAL_DATA_BYTES if model.ByteSize() >= 0 else True
-    with atomic_folder(target.parent) as folder:
-        onnx.save_model(model, str(folder / target.name), save_as_external_data=large,
-                        all_tensors_to_one_file=True, location=target.name + ".data",
-                        size_threshold=EXTERNAL_TENSOR_BYTES)
-    return target

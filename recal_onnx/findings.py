@@ -23,6 +23,9 @@ class Findings:
     thinned: dict[str, np.ndarray] = field(default_factory=dict)
     # node name -> how far (in int32 steps, <= 0.5) its float bias was from the grid its int8 layer holds it on
     rounded_biases: dict[str, float] = field(default_factory=dict)
+    # quantized layer output tensor -> the most its rounded bias moves it, in its own steps (verification allows a
+    # differing value that much further from a rounding boundary, and no more)
+    bias_moves: dict[str, float] = field(default_factory=dict)
     # node name -> its largest bias in int32 steps, where that passes 2^24: a float32 bias cannot lie on so fine a grid
     # (the layer's input scale is tiny: a near-dead activation)
     coarse_biases: dict[str, float] = field(default_factory=dict)

@@ -167,6 +167,16 @@ def _check_quantized_types(model: onnx.ModelProto, name: str, tensors: dict[str,
                              "diverged training, a broken export, or a calibration of a tensor holding -inf, such as a "
                              "causal mask's attention scores: leave that tensor unquantized, with quantize_static's "
                              f"{exclude})")
+        if scale is not None and scale.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
+                                                     onnx.TensorProto.DOUBLE):
+            values = onnx.numpy_helper.to_array(scale)
+            activation = node.op_type == "QuantizeLinear" and node.input[0] not in tensors
+            if np.any(values < 0) or (activation and np.any(values == 0)):
+                bad = values[(values < 0) | ((values == 0) & activation)].ravel()[:4].tolist()
+                raise ModelError(f"{name}: {node.op_type} {node.name or node.output[0]!r} has a scale of {bad} "
+                                 f"(initializer {scale.name!r}); a scale is positive (an activation's divides it): the "
+                                 "QAT model's integers there mean nothing (a learned scale that left its range, or a "
+                                 "broken export)")
         zero_point = node.input[2] if len(node.input) > 2 and node.input[2] else ""
         dtype = types.get(zero_point)
         if dtype is None and node.op_type == "DequantizeLinear":

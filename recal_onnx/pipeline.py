@@ -56,6 +56,7 @@ from .aimet_encodings import Encoding
 from .findings import Findings
 from .graph import Graph
 from .input_checks import ModelError, is_qonnx_quantizer
+from .reading_judge import judge_qonnx_reading
 from .passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
 from .passes.bias_apart import bias_apart
 from .passes.bias_to_int32 import bias_to_int32
@@ -196,6 +197,7 @@ def read_input(model: onnx.ModelProto, reference, name: str, encodings: list[Enc
     qonnx = any(is_qonnx_quantizer(n.op_type, n.domain) for n in model.graph.node)
     if not qonnx and encodings is None:
         return model, reference, []
+    original = model
     g = Graph(onnx.shape_inference.infer_shapes(model))  # an activation's rank, for one quantized per channel
     constants_to_initializers(g)
     findings = Findings()
@@ -205,6 +207,8 @@ def read_input(model: onnx.ModelProto, reference, name: str, encodings: list[Enc
     except ModelError as exc:
         raise ModelError(f"{name}: {exc}") from None
     read = g.commit()
+    if qonnx:  # a second judge: QONNX's own definition on the original file, quantizer by quantizer
+        judge_qonnx_reading(original, read, name)
     model = onnx.ModelProto()
     model.CopyFrom(read)  # the pipeline's own: verification keeps ``read`` as it is
     return model, read, findings.notes

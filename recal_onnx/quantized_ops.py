@@ -19,10 +19,11 @@ FLOAT32_EXACT = 2**24  # beyond this many steps a float32 bias cannot hold every
 
 
 def quantized_bias(g: Graph, node: Node, x: QTensor, w: QWeight, index: int | None,
-                   findings: Findings) -> Value | bool | None:
+                   findings: Findings, out: Node | None = None) -> Value | bool | None:
     """The int32 bias ``round(bias / (s_x * s_w))`` for ``node.inputs[index]``; False when there is none,
     None when the bias is not a constant or int32 cannot hold it (then ``findings.kept_float`` says why; a bias
-    off the grid is noted in ``findings.rounded_biases``)."""
+    off the grid is noted in ``findings.rounded_biases``, and with ``out``, the QuantizeLinear that will read the
+    layer, how far that rounding can move its output, in its steps: ``findings.bias_moves``)."""
     if index is None or input_of(node, index) is None:
         return False
     bias = g.const(node.inputs[index])
@@ -35,6 +36,10 @@ def quantized_bias(g: Graph, node: Node, x: QTensor, w: QWeight, index: int | No
     values = np.round(steps)
     if not on_grid(steps, off):
         findings.rounded_biases[node.name] = float(off.max())  # recal's exporters write them on the grid; others do not
+        y_scale = g.const(input_of(out, 1)) if out is not None else None
+        if y_scale is not None and y_scale.size == 1:
+            moved = off * scalar(g, x.scale) * w.scale.astype(np.float64).reshape(-1) / float(y_scale.reshape(()))
+            findings.bias_moves[out.outputs[0].name] = float(moved.max())
         if np.abs(steps).max() >= FLOAT32_EXACT:  # no float32 bias lies on a grid this fine
             findings.coarse_biases[node.name] = float(np.abs(steps).max())
     if np.abs(values).max(initial=0) > np.iinfo(np.int32).max:

@@ -18,6 +18,10 @@ import onnx
 from .input_checks import ModelError
 
 INPUT_BYTES = 256 * 2**20  # the generated verification inputs, all of them, at most
+SPATIAL = 32  # a dimension the model leaves open on an image's height or width (rank 4: axes 2 and 3)
+SEQUENCE = 16  # ... any other open dimension but the batch (a sequence's length)
+_SPATIAL_NAMES = ("height", "width", "h", "w", "image", "spatial", "size")
+_SEQUENCE_NAMES = ("seq", "sequence", "length", "len", "time", "frames", "tokens", "steps", "past")
 
 _NP_TYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.DOUBLE: np.float64,
              onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32, onnx.TensorProto.UINT8: np.uint8,
@@ -54,15 +58,24 @@ def integer_ranges(model: onnx.ModelProto) -> dict[str, int]:
     return ranges
 
 
-def generated_inputs(model: onnx.ModelProto, batch: int = 256, seed: int = 0) -> dict[str, np.ndarray]:
-    """Standard-normal float inputs; symbolic dims become ``batch``/1, a fixed batch (:func:`fixed_batch`) is
-    repeated up to ``batch`` samples. Integer inputs: uniform over the table
+def generated_inputs(model: onnx.ModelProto, batch: int = 256, seed: int = 0,
+                     shapes: dict[str, list[int]] | None = None) -> dict[str, np.ndarray]:
+    """Standard-normal float inputs; a batch the model leaves open becomes ``batch`` samples, a fixed batch
+    (:func:`fixed_batch`) is repeated up to ``batch`` samples, and every other open dimension (symbolic, unnamed,
+    or declared -1) a size that exercises the model (:func:`open_dimension`), the same for every input that shares
+    its name; ``shapes`` (the user's ``--input-shape``) gives an input's whole shape, its first dimension the
+    batch. Integer inputs: uniform over the table
     they index (a ``Gather``'s size: token ids cover the vocabulary), ones for an input named like a mask
     (attention masks), otherwise {0, 1}."""
     rng = np.random.default_rng(seed)
     ranges = integer_ranges(model)
     fixed = fixed_batch(model)
-    shapes = _declared(model, fixed)
+    given = shapes or {}
+    unknown = sorted(set(given) - {i.name for i in model.graph.input})
+    if unknown:
+        raise ValueError(f"input shape given for {', '.join(map(repr, unknown))}, which the model does not take "
+                         f"(its inputs: {', '.join(repr(i.name) for i in model.graph.input)})")
+    shapes = _declared(model, fixed, given)
     batch = _samples_that_fit(shapes, batch, fixed)
     feeds = {}
     for name, (dims, dtype, batched) in shapes.items():
@@ -82,18 +95,52 @@ def generated_inputs(model: onnx.ModelProto, batch: int = 256, seed: int = 0) ->
     return feeds
 
 
-def _declared(model: onnx.ModelProto, fixed: int | None) -> dict[str, tuple[list[int], type, bool]]:
-    """Per graph input to generate: its dims for one sample (a symbolic first dim 1, other symbolic dims 1; a fixed
-    batch whole), its numpy type, whether its first dim is the batch."""
+def open_dimension(name: str, axis: int, rank: int, floating: bool) -> int:
+    """The size generated inputs give a dimension the model leaves open (not the batch): what its name says
+    (height, width: :data:`SPATIAL`; sequence, length, time: :data:`SEQUENCE`), else :data:`SPATIAL` for an image's
+    last two axes (a float input of rank 4) and :data:`SEQUENCE` for any other. Never 1 (a 1x1 image reaches no
+    layer as it would run) and never negative."""
+    words = name.lower().replace("-", "_").replace(".", "_").split("_")
+    if any(w in _SPATIAL_NAMES for w in words):
+        return SPATIAL
+    if any(w in _SEQUENCE_NAMES for w in words):
+        return SEQUENCE
+    return SPATIAL if floating and rank == 4 and axis >= 2 else SEQUENCE
+
+
+def _declared(model: onnx.ModelProto, fixed: int | None,
+              given: dict[str, list[int]] | None = None) -> dict[str, tuple[list[int], type, bool]]:
+    """Per graph input to generate: its dims for one sample (an open first dim, the batch, 1; a fixed batch whole;
+    other open dims :func:`open_dimension`, shared by name), its numpy type, whether its first dim is the batch."""
     initializers = {t.name for t in model.graph.initializer}
-    shapes = {}
+    shapes, named = {}, {}
     for info in model.graph.input:
         if info.name in initializers:
             continue
         tensor = info.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else 1 for d in tensor.shape.dim]
-        batched = bool(dims) and (fixed is not None or not tensor.shape.dim[0].HasField("dim_value"))
-        shapes[info.name] = dims, _NP_TYPES.get(tensor.elem_type, np.float32), batched
+        dtype = _NP_TYPES.get(tensor.elem_type, np.float32)
+        if info.name in (given or {}):
+            dims = [int(d) for d in given[info.name]]
+            if len(dims) != len(tensor.shape.dim) and tensor.HasField("shape"):
+                raise ValueError(f"input shape {dims} given for {info.name!r}, which has rank {len(tensor.shape.dim)}")
+            if any(d < 1 for d in dims):
+                raise ValueError(f"input shape {dims} given for {info.name!r}: every dimension must be at least 1")
+            shapes[info.name] = [1] + dims[1:] if fixed is None and dims else dims, dtype, bool(dims)
+            continue
+        dims = []
+        for axis, d in enumerate(tensor.shape.dim):
+            if d.HasField("dim_value") and d.dim_value > 0:
+                dims.append(d.dim_value)
+            elif axis == 0:
+                dims.append(1)
+            else:
+                key = d.dim_param or f"{info.name}:{axis}"
+                named.setdefault(key, open_dimension(d.dim_param, axis, len(tensor.shape.dim),
+                                                     np.issubdtype(dtype, np.floating)))
+                dims.append(named[key])
+        first = tensor.shape.dim[0] if tensor.shape.dim else None
+        batched = bool(dims) and (fixed is not None or not (first.HasField("dim_value") and first.dim_value > 0))
+        shapes[info.name] = dims, dtype, batched
     return shapes
 
 
@@ -118,10 +165,16 @@ def _samples_that_fit(shapes: dict[str, tuple[list[int], type, bool]], batch: in
     return min(batch, fits * per)
 
 
+def chosen_dimensions(model: onnx.ModelProto) -> bool:
+    """Whether generated inputs choose a size the model leaves open beyond the batch (:func:`open_dimension`)."""
+    return any(not (d.HasField("dim_value") and d.dim_value > 0)
+               for i in model.graph.input for d in list(i.type.tensor_type.shape.dim)[1:])
+
+
 def batched_inputs(model: onnx.ModelProto) -> set[str]:
     """The inputs whose first dimension is not fixed (a batch the verification may split)."""
     return {i.name for i in model.graph.input if i.type.tensor_type.shape.dim
-            and not i.type.tensor_type.shape.dim[0].HasField("dim_value")}
+            and not i.type.tensor_type.shape.dim[0].dim_value > 0}
 
 
 def fixed_batch(model: onnx.ModelProto) -> int | None:
@@ -134,7 +187,7 @@ def fixed_batch(model: onnx.ModelProto) -> int | None:
         if info.name in initializers:
             continue
         dims = info.type.tensor_type.shape.dim
-        if not dims or not dims[0].HasField("dim_value") or dims[0].dim_value < 1:
+        if not dims or not dims[0].dim_value > 0:
             return None
         firsts.add(dims[0].dim_value)
     return firsts.pop() if len(firsts) == 1 else None

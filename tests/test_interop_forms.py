@@ -994,3 +994,31 @@ def test_the_export_scripts_models_build_beside_torch_alone(monkeypatch):
     (ids, labels), = common.text_batches(1, batch=3)
     assert ids.shape == (3, common.TOKENS) and int(ids.max()) < 256 and labels.shape == (3,)
     assert common.small_bert().eval()(ids).shape == (3, common.TEXT_CLASSES)
+
+
+@pytest.mark.parametrize("earlier", ["user's own twin", "an earlier verified pair"])
+def test_a_failed_write_leaves_every_earlier_file_as_it_was(tmp_path, monkeypatch, earlier):
+    """The model and its twin are one transaction over files this run creates: when writing fails, a user's own
+    ``out.x86-avx2.onnx`` (and ``.data`` beside it) and an earlier conversion's verified pair stay byte for byte."""
+    model, shape = _layer("Conv", True)
+    feeds = {"x": np.random.default_rng(1).standard_normal(shape).astype(np.float32)}
+    twin, data = tmp_path / "out.x86-avx2.onnx", tmp_path / "out.x86-avx2.onnx.data"
+    if earlier == "user's own twin":
+        twin.write_bytes(b"the user's own file")
+        data.write_bytes(b"the user's own data")
+    else:
+        quantize_qat_export(model, tmp_path / "out.onnx", inputs=feeds)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real_save = onnx.save_model
+    calls = []
+
+    def failing(proto, path, *args, **kwargs):  # the second file of the pair fails to write
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError("disk error while writing")
+        return real_save(proto, path, *args, **kwargs)
+
+    monkeypatch.setattr(onnx, "save_model", failing)
+    with pytest.raises(OSError, match="disk error"):
+        quantize_qat_export(model, tmp_path / "out.onnx", inputs=feeds)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

@@ -9,6 +9,12 @@ of +-64 with scale ``|a| / 64`` (64: int8 and exact on every CPU, as 7-bit QAT w
 ``beta - a * mean`` as the bias, which the conv pass puts on its int32 grid (off by at most half a step of
 ``s_x * s_w``, a 128th of an input step or less). The ReLU after it, and the QuantizeLinear the next conv reads,
 then make it a QLinearConv like any other.
+
+Where the BatchNorm sits between two quantizers (``Q -> DQ -> BatchNormalization -> Q``: what ``quantize_static``
+leaves of a conv's BatchNorm when the model was not pre-processed), its output is a function of one 8-bit value
+per channel, and the weight, its scale and the bias are chosen so that the integer conv gives what onnxruntime
+gives for the QDQ model as written on all 256 values of every channel (:mod:`recal_onnx.exact_affine`); the
+conversion says how many such BatchNorms it made exact, and any channel it could not.
 """
 
 from __future__ import annotations
@@ -17,14 +23,16 @@ import numpy as np
 
 from recal_core.modifiers import REDUCED_WEIGHT_LEVELS
 
+from ..exact_affine import exact_affine, reference_table
+from ..findings import Findings
 from ..graph import Graph, attr, input_of
-from ..qdq import activation
+from ..qdq import EIGHT_BITS, activation
 
 LEVEL = REDUCED_WEIGHT_LEVELS  # the int8 weight every channel's factor is written as (its sign, times 64)
 
 
-def batchnorm_to_conv(g: Graph) -> int:
-    count = 0
+def batchnorm_to_conv(g: Graph, findings: Findings | None = None) -> int:
+    count, exact, inexact = 0, 0, []
     for node in g.each("BatchNormalization"):
         x = activation(g, node.inputs[0])
         params = [input_of(node, i) for i in range(1, 5)]
@@ -39,19 +47,56 @@ def batchnorm_to_conv(g: Graph) -> int:
         if rank is None or rank < 3:
             continue
         spatial = [1] * (rank - 2)
-        q = np.where(a < 0, -LEVEL, LEVEL).astype(np.int8).reshape(channels, 1, *spatial)
-        scale = np.where(a == 0, 1.0, np.abs(a) / LEVEL).astype(np.float32)  # a == 0: the weight below is 0
-        q[a.reshape(-1) == 0] = 0
         base = node.name or "batchnorm"
+        solved = _exact(g, node, x, gamma, beta, mean, var, a)
+        if solved is not None:
+            fit, x_scale = solved
+            q = fit.weight.reshape(channels, 1, *spatial)
+            scale = fit.scale
+            bias = g.add_const(base + "_bias", (fit.bias.astype(np.float64) * np.float64(x_scale)
+                                                * fit.scale.astype(np.float64)).astype(np.float32))
+            exact += 1
+            if fit.inexact:
+                inexact.append(f"{base!r}: {fit.inexact} channels, {fit.differing} of their input values")
+        else:
+            q = np.where(a < 0, -LEVEL, LEVEL).astype(np.int8).reshape(channels, 1, *spatial)
+            scale = np.where(a == 0, 1.0, np.abs(a) / LEVEL).astype(np.float32)  # a == 0: the weight below is 0
+            q[a.reshape(-1) == 0] = 0
+            bias = g.add_const(base + "_bias", (beta - a * mean).astype(np.float32))
         w = g.add_node("DequantizeLinear", [g.add_const(base + "_w", q), g.add_const(base + "_w_scale", scale),
                                             g.add_const(base + "_w_zero", np.zeros(channels, np.int8))],
                        name=base + "_w_dq", axis=0).outputs[0]
-        bias = g.add_const(base + "_bias", (beta - a * mean).astype(np.float32))
         g.add_node("Conv", [node.inputs[0], w, bias], name=base + "_as_conv", group=channels,
                    kernel_shape=spatial, replaces=node.outputs[0])
         g.remove(node)
         count += 1
+    if exact and findings is not None:
+        findings.notes.append(
+            f"{exact} BatchNormalization nodes between two quantizers run as integer depthwise convs that give "
+            "onnxruntime's own integers for the QDQ model as written on all 256 input values of every channel"
+            + (f", except {'; '.join(inexact)} (no int8 weight within +-64 matched every value: the closest kept)"
+               if inexact else ""))
     return count
+
+
+def _exact(g: Graph, node, x, gamma, beta, mean, var, a):
+    """``(ExactAffine, input scale)`` where the BatchNorm reads a per-tensor 8-bit activation and only a per-tensor
+    8-bit QuantizeLinear reads it, else None."""
+    readers = g.consumers(node.outputs[0])
+    if len(readers) != 1 or readers[0].op_type != "QuantizeLinear" or node.outputs[0] in g.graph.outputs:
+        return None
+    quantize = readers[0]
+    y_scale, y_zero = g.const(input_of(quantize, 1)), g.const(input_of(quantize, 2))
+    x_scale, x_zero = g.const(x.scale), g.const(x.zero_point)
+    if y_scale is None or y_zero is None or y_scale.size != 1 or y_zero.size != 1 or y_zero.dtype not in EIGHT_BITS:
+        return None
+    x_scale, y_scale = np.float32(x_scale.reshape(())), np.float32(y_scale.reshape(()))
+    x_zero, y_zero = x_zero.reshape(()), y_zero.reshape(())
+    b = beta - a * mean
+    params = {"gamma": gamma.astype(np.float32), "beta": beta.astype(np.float32), "mean": mean.astype(np.float32),
+              "var": var.astype(np.float32), "epsilon": float(attr(node, "epsilon", 1e-5))}
+    table = reference_table(a, b, params, x_scale, x_zero, y_scale, y_zero)
+    return exact_affine(a, b, table, x_scale, x_zero, y_scale, y_zero), x_scale
 
 
 def _rank(g: Graph, node) -> int | None:

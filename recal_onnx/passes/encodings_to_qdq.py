@@ -45,7 +45,10 @@ def encodings_to_qdq(g: Graph, findings: Findings, encodings: list[Encoding] | N
             _parameter(g, value, e)
             counts["parameters"] += 1
         else:
-            _activation(g, value, e)
+            if _activation(g, value, e):
+                findings.notes.append(f"AIMET encodings: graph input {e.name!r} is also a graph output; the output "
+                                      "stays the input as given (one name cannot be both it and its quantized value), "
+                                      "its readers read it quantized")
             counts["activations"] += 1
     if counts["activations"] or counts["parameters"]:
         findings.notes.append(
@@ -111,7 +114,9 @@ def _channel_axis(g: Graph, value: Value, e: Encoding, shape: tuple) -> int | No
     return next(iter(axes))
 
 
-def _activation(g: Graph, value: Value, e: Encoding) -> None:
+def _activation(g: Graph, value: Value, e: Encoding) -> bool:
+    """Quantize ``value`` for its readers (and as the graph output it is); True where it is a graph input that is
+    also an output, which keeps its name and its value there."""
     if e.scales.size != 1:
         raise ModelError(f"activation {e.name!r} has {e.scales.size} per-channel encodings; the integer kernels "
                          "take one scale an activation")
@@ -130,9 +135,12 @@ def _activation(g: Graph, value: Value, e: Encoding) -> None:
     out = g.add_node("DequantizeLinear", [q, *qparams], name=f"{e.name}_dequantize", domain=domain).outputs[0]
     for use in uses:
         use.node.replace_input_with(use.idx, out)
+    if value.is_graph_output() and value in list(g.graph.inputs):  # never rename the user's input
+        return True
     if value.is_graph_output():
         i = list(g.graph.outputs).index(value)
         name = value.name
         value.name = g.fresh(name)
         out.name, out.type, out.shape = name, value.type or ir.TensorType(ir.DataType.FLOAT), value.shape
         g.graph.outputs[i] = out
+    return False

@@ -110,13 +110,13 @@ def _emit_qgemm(g: Graph, node, a, w, trans_b: int, last, bias_index, findings: 
     w_inputs = weight_inputs(g, w, 0 if trans_b else 1)
     if w_inputs is None:
         return 0
-    bias = quantized_bias(g, last, a, w, bias_index, findings)
+    relu, q = output_tail(g, last.outputs[0])
+    bias = quantized_bias(g, last, a, w, bias_index, findings, q)
     if bias is None:
         return 0
     restore = None
     if flatten:
         a, restore = _flattened(g, node, a, w.q.shape[0], w.q.shape[1])
-    relu, q = output_tail(g, last.outputs[0])
     inputs = [a.q, a.scale, a.zero_point, *w_inputs, bias if bias is not False else None]
 
     def reshaped(out):

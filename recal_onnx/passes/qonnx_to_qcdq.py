@@ -140,7 +140,7 @@ def _folded(g: Graph, node: Node, spec: _Spec, shared: dict):
     y = x / spec.scale_array.astype(np.float32) + spec.zero_array.astype(np.float32)
     if not np.all(np.isfinite(y)):
         raise ModelError(f"{spec.label}: constant {node.inputs[0].name!r} holds values that are not finite")
-    q = ROUNDING[spec.mode](np.clip(y, spec.lo, spec.hi))
+    q = ROUNDING[spec.mode](np.clip(y.astype(np.float64), spec.lo, spec.hi))  # float64: 2^31 - 1 stays in int32
     base = node.inputs[0].name
     if spec.bits > 8 and (np.any(spec.zero_point != 0) or spec.hi > np.iinfo(np.int32).max):
         value = ((q - spec.zero_array.astype(np.float32)) * spec.scale_array.astype(np.float32)).astype(np.float32)

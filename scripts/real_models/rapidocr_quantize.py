@@ -1,0 +1,84 @@
+"""Real pretrained weights, quantized as a user would: RapidOCR's text-direction classifier (PaddleOCR's
+``ch_ppocr_mobile_v2.0_cls``, exported by paddle2onnx: batch ``-1``, open height and width, BatchNorms after
+bias-less convs), shipped inside the ``rapidocr_onnxruntime`` wheel, through onnxruntime's ``quantize_static`` at its
+documented settings (QDQ, per channel, uint8 activations, int8 weights, 16 calibration samples, no pre-processing).
+
+The data is rendered offline: lines of the Python standard library's own source drawn with PIL in DejaVu fonts,
+upright or upside down (the classifier's two classes), preprocessed as RapidOCR does (48 x 192, scaled to [-1, 1]).
+
+    pip download --no-deps rapidocr_onnxruntime==1.4.4 -d /tmp/w && unzip -o -q /tmp/w/*.whl -d /tmp/w
+    python scripts/real_models/rapidocr_quantize.py /tmp/w/rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx
+
+writes ``tests/fixtures/real/rapidocr-cls-quantize-static.onnx``. The test suite renders its own inputs with
+:func:`text_lines`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import random
+from pathlib import Path
+
+import numpy as np
+
+FONTS = [f"/usr/share/fonts/truetype/dejavu/{name}.ttf" for name in ("DejaVuSans", "DejaVuSerif", "DejaVuSansMono")]
+FIXTURE = Path(__file__).parents[2] / "tests" / "fixtures" / "real" / "rapidocr-cls-quantize-static.onnx"
+WIDTH = 192
+
+
+def _source_lines() -> list[str]:
+    import json.decoder
+    import os
+
+    text = inspect.getsource(json.decoder) + inspect.getsource(os)
+    return [line.strip() for line in text.splitlines() if 12 < len(line.strip()) < 40]
+
+
+def text_lines(count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` rendered lines as the classifier's input ``[count, 3, 48, 192]`` and their labels (1: upside
+    down)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    rng, lines = random.Random(seed), _source_lines()
+    fonts = [f for f in FONTS if Path(f).exists()]
+    images, labels = [], []
+    for _ in range(count):
+        font = ImageFont.truetype(rng.choice(fonts), 28) if fonts else ImageFont.load_default()
+        text, flipped = rng.choice(lines), rng.random() < 0.5
+        image = Image.new("RGB", (int(font.getlength(text)) + 16, 44), (255, 255, 255))
+        ImageDraw.Draw(image).text((8, 6), text, font=font, fill=(0, 0, 0))
+        if flipped:
+            image = image.rotate(180)
+        width = min(WIDTH, int(image.width * 48 / image.height))
+        array = (np.asarray(image.resize((width, 48)), np.float32) / 255 - 0.5) / 0.5
+        padded = np.zeros((3, 48, WIDTH), np.float32)
+        padded[:, :, :width] = array.transpose(2, 0, 1)
+        images.append(padded)
+        labels.append(int(flipped))
+    return np.stack(images), np.array(labels)
+
+
+def main() -> None:
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="ch_ppocr_mobile_v2.0_cls_infer.onnx from the rapidocr_onnxruntime wheel")
+    parser.add_argument("--output", default=str(FIXTURE))
+    args = parser.parse_args()
+    calibration, _ = text_lines(16, seed=1)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter([{"x": calibration[i:i + 1]} for i in range(len(calibration))])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    quantize_static(args.model, args.output, Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

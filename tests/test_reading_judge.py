@@ -1,0 +1,80 @@
+"""The readers' independent judge (recal_onnx.reading_judge) and the misreadings it exists for."""
+
+import json
+
+import numpy as np
+import pytest
+
+from recal_onnx import ModelError, quantize_qat_export
+from recal_onnx.passes import qonnx_to_qcdq as reader
+
+from .onnx_graphs import Builder, qonnx_model, qonnx_quant, qonnx_reference, run
+
+
+def _conv_with_bias(bias_value: float, bias_scale: float):
+    """x -> Quant -> Conv(Quant(w), Quant(b, 32 bits)) -> Quant: one bias as given."""
+    b = Builder()
+    rng = np.random.default_rng(0)
+    x = qonnx_quant(b, "x", 0.05, 0, 8, narrow=0)
+    w = qonnx_quant(b, b.const(rng.standard_normal((2, 3, 1, 1)).astype(np.float32) * 0.3), 0.01, 0, 8, narrow=1)
+    bias = qonnx_quant(b, b.const(np.array([bias_value, -0.02], np.float32)), bias_scale, 0, 32, narrow=0)
+    y = qonnx_quant(b, b.node("Conv", [x, w, bias]), 0.05, 0, 8, narrow=0)
+    return qonnx_model(b, [("x", [1, 3, 4, 4])], [(y, [1, 2, 4, 4])])
+
+
+def test_a_32_bit_bias_past_int32_keeps_its_sign(tmp_path):
+    """A QONNX bias whose value over its scale passes 2^31 clips to 2^31 - 1 as QONNX defines; it wrapped to -2^31
+    (a sign flip) and verified 'exact' against the converter's own reading."""
+    model = _conv_with_bias(3.0, 1e-9)  # 3e9 steps: beyond int32, clipped to 2^31 - 1, about 2.147
+    result = quantize_qat_export(model, tmp_path / "int8.onnx")
+    feeds = {"x": np.random.default_rng(1).standard_normal((1, 3, 4, 4)).astype(np.float32)}
+    want, got = qonnx_reference(model, feeds)[0], run(result.model, feeds)[0]
+    assert np.abs(want - got).max() <= 0.05 + 1e-6, (want, got)  # one output step at most
+    assert want[0, 0].min() > 1.5  # the clipped bias (+2.147) dominates: a flipped one would give about -2.1
+
+
+def test_the_judge_refuses_a_reader_that_misreads(monkeypatch, tmp_path):
+    """A reader that flips a constant's sign is caught by QONNX's own definition, evaluated on the original file,
+    before anything is written: the converter's verification alone compares with the reading and would pass."""
+    monkeypatch.setitem(reader.ROUNDING, "ROUND", lambda v: -np.round(v))
+    with pytest.raises(ModelError, match=r"recal's reading of QONNX Quant .* differs from QONNX's own definition"
+                                         r".*a defect of the converter's reader, not of your model"):
+        quantize_qat_export(_conv_with_bias(0.1, 1e-4), tmp_path / "int8.onnx")
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_encodings_tensor_given_twice_is_refused(tmp_path):
+    """JSON keeps the last of a key given twice, silently; the 1.0.0 layout's list can name a tensor twice, which
+    quantized it twice in a row: both refused by name."""
+    from .onnx_graphs import aimet_layer
+
+    model, entries, _ = aimet_layer()
+    twice = dict(entries, activation_encodings=entries["activation_encodings"] + entries["activation_encodings"][:1])
+    with pytest.raises(ModelError, match=r"tensor 'x' has two encodings"):
+        quantize_qat_export(model, tmp_path / "a.onnx", encodings=twice)
+    _, legacy, _ = aimet_layer(legacy=True)
+    text = json.dumps(legacy)
+    key = '"x": ['
+    doubled = text.replace(key, '"x": [{"bitwidth": 8, "dtype": "int", "offset": -3, "scale": 0.5}], ' + key, 1)
+    (tmp_path / "dup.encodings").write_text(doubled)
+    with pytest.raises(ModelError, match=r"dup.encodings: not a JSON encodings file \(key 'x' is given twice"):
+        quantize_qat_export(model, tmp_path / "b.onnx", encodings=tmp_path / "dup.encodings")
+    (tmp_path / "deep.encodings").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(ModelError, match=r"deep.encodings: nested deeper than a JSON parser can follow"):
+        quantize_qat_export(model, tmp_path / "c.onnx", encodings=tmp_path / "deep.encodings")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["deep.encodings", "dup.encodings"]
+
+
+def test_a_graph_input_that_is_also_an_output_keeps_its_name(tmp_path):
+    """With an encoding on it, the written model's input kept its name (it became 'x__recal4')."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from .onnx_graphs import aimet_layer
+
+    model, entries, _ = aimet_layer()
+    model.graph.output.append(helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 6, 6]))
+    result = quantize_qat_export(model, tmp_path / "a.onnx", encodings=entries)
+    written = onnx.load(str(result.path))
+    assert [i.name for i in written.graph.input] == ["x"] and "x" in [o.name for o in written.graph.output]
+    assert any("is also a graph output" in note for note in result.notes)
