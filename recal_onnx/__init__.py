@@ -2,8 +2,8 @@
 
 from recal_core.errors import ThinningWarning
 
-from .convert import (ConversionResult, ModelError, UnconvertedOpsWarning, VerificationError,
-                      quantize_qat_export, save_model_atomically)
+from .convert import ConversionResult, ModelError, UnconvertedOpsWarning, VerificationError, quantize_qat_export
+from .save import save_model_atomically
 from .verify import Verification, verify_models
 
 __all__ = ["ConversionResult", "ModelError", "ThinningWarning", "UnconvertedOpsWarning", "Verification",

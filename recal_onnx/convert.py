@@ -42,11 +42,11 @@ from .aimet_encodings import load_encodings
 from .input_checks import ModelError, check_input, nonfinite_initializers
 from .passes import CHANNEL_BLOCK, exact_on_this_cpu, float32_reference, saturating_layers
 from .pipeline import Options, read_input, run_pipeline
-from .save import save_model_atomically, save_models_atomically  # noqa: F401 (save_model_atomically re-exported)
+from .save import save_models_atomically
 from .targets import DEFAULT_TARGET, WeightChoice, choose_weights
 from .twin import INT8_CPUS, TWIN_SAMPLES, avx2_twin, mark, twin_differs, twin_path
 from .verify import NonFiniteReference, Verification, generated_inputs, runtime_refusal, verify_models
-from .verify_inputs import chosen_dimensions
+from .verify_inputs import check_input_names, chosen_dimensions
 
 log = logging.getLogger(__name__)
 
@@ -223,12 +223,8 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
             _refuse_overwriting(twin_path(output_path), reads)
     label = str(model_or_path) if from_path else "the model"
     check_input(model, label, encodings=encodings is not None)
-    takes = [i.name for i in model.graph.input]
     for what, named in (("inputs", inputs), ("input_shapes", input_shapes)):
-        unknown = sorted(set(named or {}) - set(takes))
-        if unknown:
-            raise ValueError(f"{what} names {', '.join(map(repr, unknown))}, which {label} does not take (its inputs: "
-                             f"{', '.join(map(repr, takes))})")
+        check_input_names(model, named, what, label)
     if from_path:
         reference: onnx.ModelProto | str = str(model_or_path)  # the file stays as it is; no second copy
     else:
@@ -236,7 +232,7 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         model = onnx.ModelProto()
         model.CopyFrom(model_or_path)  # never modify the caller's model
     try:  # QONNX, AIMET's encodings, float16: verified as the QDQ model they mean, computing in float32
-        model, reference, notes = read_input(model, reference, label, encodings)
+        model, reference, notes = read_input(model, reference, label, encodings, inputs, input_shapes)
         if verify and inputs is None:
             inputs = generated_inputs(model, shapes=input_shapes)
         return _convert(model, float32_reference(model) or reference, output_path, format, verify, inputs, tolerance,

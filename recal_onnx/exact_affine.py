@@ -31,12 +31,12 @@ class ExactAffine:
     differing: int  # values (channel, input) that differ there
 
 
-def reference_table(a: np.ndarray, b: np.ndarray, bn: dict, x_scale, x_zero, y_scale, y_zero) -> np.ndarray:
+def reference_table(bn: dict, x_scale, x_zero, y_scale, y_zero) -> np.ndarray:
     """What onnxruntime computes for ``Q(BatchNormalization(DQ(q)))`` as written, on every input value of every
     channel: ``[channels, 256]`` output integers (``bn``: the BatchNorm's gamma, beta, mean, var, epsilon)."""
     import onnxruntime as ort
 
-    channels = a.size
+    channels = bn["gamma"].size
     x_type = helper.np_dtype_to_tensor_dtype(x_zero.dtype)
     inputs = np.arange(256).astype(np.int16) + (np.iinfo(x_zero.dtype).min if x_zero.dtype == np.int8 else 0)
     feed = np.broadcast_to(inputs.astype(x_zero.dtype).reshape(1, 1, 256, 1), (1, channels, 256, 1)).copy()
@@ -59,8 +59,9 @@ def reference_table(a: np.ndarray, b: np.ndarray, bn: dict, x_scale, x_zero, y_s
 
 def exact_affine(a: np.ndarray, b: np.ndarray, table: np.ndarray, x_scale: float, x_zero: np.ndarray,
                  y_scale: float, y_zero: np.ndarray) -> ExactAffine:
-    """Per channel, the int8 weight, float32 weight scale and int32 bias that reproduce ``table`` (the QDQ model's
-    integers, :func:`reference_table`) in onnxruntime's QLinearConv arithmetic; where none does, the closest."""
+    """Per channel (factor ``a``, shift ``b``), the int8 weight, float32 weight scale and int32 bias that reproduce
+    ``table`` (the QDQ model's integers, :func:`reference_table`) in onnxruntime's QLinearConv arithmetic; where
+    none does, the closest. Each round searches only the channels still unmatched."""
     channels = a.size
     low = np.iinfo(x_zero.dtype).min if x_zero.dtype == np.int8 else 0
     centred = (np.arange(256) + low - int(x_zero)).astype(np.int64)  # q - zp_x
@@ -72,28 +73,28 @@ def exact_affine(a: np.ndarray, b: np.ndarray, table: np.ndarray, x_scale: float
     best_miss = np.full(channels, 257)
     zero = a == 0  # a constant channel: weight 0, its value in the bias alone (on a weight scale of 1)
     if zero.any():
-        bias = np.clip(np.round(b / np.float64(sx)), -2**31, 2**31 - 1)
-        got = np.round(np.broadcast_to(bias.astype(np.float32)[:, None] * ((sx * np.float32(1)) / sy), table.shape))
-        best_b[zero], best_miss[zero] = bias[zero], _count(got, table, y_zero, y_lo, y_hi)[zero]
-    sign = np.where(a < 0, -1, 1)
+        bias = np.clip(np.round(b[zero] / np.float64(sx)), -2**31, 2**31 - 1)
+        got = np.round(bias.astype(np.float32)[:, None] * (sx / sy) + np.zeros((1, 256), np.float32))
+        best_b[zero], best_miss[zero] = bias, _count(got, table[zero], y_zero, y_lo, y_hi)
     for level in range(LEVELS, 0, -1):
-        open_ = best_miss > 0
-        if not open_.any():
+        open_ = np.flatnonzero((best_miss > 0) & ~zero)
+        if not open_.size:
             break
-        base = (np.abs(a) / level).astype(np.float32)
+        weight = np.where(a[open_] < 0, -level, level)
+        base = (np.abs(a[open_]) / level).astype(np.float32)
         for ulp in ULPS:
             scale = _nudge(base, ulp)
             mult = (sx * scale) / sy  # float32, as onnxruntime forms a QLinearConv's multiplier
-            ideal = b / (np.float64(sx) * scale.astype(np.float64))
+            ideal = np.round(b[open_] / (np.float64(sx) * scale.astype(np.float64)))
             for offset in (0, -1, 1):
-                bias = np.clip(np.round(ideal) + offset, -2**31, 2**31 - 1)
-                acc = (sign * level)[:, None] * centred[None, :] + bias[:, None]
+                bias = np.clip(ideal + offset, -2**31, 2**31 - 1)
+                acc = weight[:, None] * centred[None, :] + bias[:, None]
                 got = np.round(acc.astype(np.float32) * mult[:, None])  # half to even, as onnxruntime rounds
-                miss = _count(got, table, y_zero, y_lo, y_hi)
-                better = open_ & ~zero & (miss < best_miss)
-                best_w[better], best_s[better], best_b[better] = (sign * level)[better], scale[better], bias[better]
-                best_miss[better] = miss[better]
-                open_ = best_miss > 0
+                miss = _count(got, table[open_], y_zero, y_lo, y_hi)
+                better = miss < best_miss[open_]
+                chosen = open_[better]
+                best_w[chosen], best_s[chosen], best_b[chosen] = weight[better], scale[better], bias[better]
+                best_miss[chosen] = miss[better]
     inexact = best_miss > 0
     return ExactAffine(best_w, best_s, best_b, int(inexact.sum()), int(best_miss[inexact].sum()))
 

@@ -52,8 +52,9 @@ def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
 
 def op_by_op(reference: onnx.ModelProto | str, candidate: onnx.ModelProto, feeds: dict[str, np.ndarray],
              result, thinned: dict[str, np.ndarray], per_sample: int = 0,
-             tied: dict[str, float] | None = None, moves: dict[str, float] | None = None):  # -> recal_onnx.verify.Verification
-    """``result`` with the op-by-op comparison filled in (unchanged where a model is too large to copy).
+             tied: dict[str, float] | None = None, moves: dict[str, float] | None = None):
+    """``result`` (a :class:`recal_onnx.verify.Verification`) with the op-by-op comparison filled in (unchanged where
+    a model is too large to copy).
     ``per_sample``: the bytes one sample's outputs took end to end; the op-by-op run takes as many samples as
     fit :data:`MEMORY` (at most :data:`LOCAL_SAMPLES`)."""
     reference = _copyable(reference)
@@ -81,7 +82,7 @@ def op_by_op(reference: onnx.ModelProto | str, candidate: onnx.ModelProto, feeds
     for part in fixed_parts(feeds, fixed) or [feeds]:  # one fixed batch a run, each with its own QAT integers
         ref_values = reference_run.run(None, part)
         ref_outputs, ref = ref_values[:outputs], dict(zip(names, ref_values[outputs:outputs + len(names)]))
-        floats = {**{k: part[k] for k in part}, **dict(zip(unrounded, ref_values[outputs + len(names):]))}
+        floats = {**part, **dict(zip(unrounded, ref_values[outputs + len(names):]))}
         for name, kept in thinned.items():
             if name in ref and ref[name].ndim > 1 and ref[name].shape[1] > kept.max(initial=-1):
                 ref[name] = np.take(ref[name], kept, axis=1)

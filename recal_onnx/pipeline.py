@@ -189,11 +189,14 @@ def _takes(pass_fn: Pass, name: str) -> bool:
     return name in pass_fn.__code__.co_varnames[:pass_fn.__code__.co_argcount]
 
 
-def read_input(model: onnx.ModelProto, reference, name: str, encodings: list[Encoding] | None = None):
+def read_input(model: onnx.ModelProto, reference, name: str, encodings: list[Encoding] | None = None,
+               inputs: dict | None = None, shapes: dict | None = None):
     """``(model, reference, notes)``: the model the pipeline converts, the one verification runs as the input, and
     what :data:`READERS` did. Where none applies, ``model`` and ``reference`` as given; where one does (QONNX, or a
     float model with AIMET's ``encodings``), the QDQ model it reads, for both (onnxruntime cannot run the file as it
-    means it). What they cannot read is refused, named, as a defect of the model called ``name``."""
+    means it). What they cannot read is refused, named, as a defect of the model called ``name``; QONNX's reading is
+    judged on ``inputs`` (generated with ``shapes`` where None) against QONNX's own definition
+    (:mod:`recal_onnx.reading_judge`)."""
     qonnx = any(is_qonnx_quantizer(n.op_type, n.domain) for n in model.graph.node)
     if not qonnx and encodings is None:
         return model, reference, []
@@ -208,7 +211,8 @@ def read_input(model: onnx.ModelProto, reference, name: str, encodings: list[Enc
         raise ModelError(f"{name}: {exc}") from None
     read = g.commit()
     if qonnx:  # a second judge: QONNX's own definition on the original file, quantizer by quantizer
-        judge_qonnx_reading(original, read, name)
+        unjudged = judge_qonnx_reading(original, read, name, inputs, shapes)
+        findings.notes.extend([unjudged] if unjudged else [])
     model = onnx.ModelProto()
     model.CopyFrom(read)  # the pipeline's own: verification keeps ``read`` as it is
     return model, read, findings.notes

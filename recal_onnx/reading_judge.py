@@ -23,13 +23,24 @@ TIES = 1e-3  # the share of an activation's values that may differ by one step (
 SAMPLES = 4  # generated samples the activations are compared on
 
 
+class _Nodes:
+    """Standard ONNX nodes appended to ``nodes``, each output named apart by ``prefix``."""
+
+    def __init__(self, nodes: list, prefix: str):
+        self.nodes, self.prefix = nodes, prefix
+
+    def __call__(self, op: str, inputs: list[str], output: str | None = None, **attrs) -> str:
+        output = output or f"{self.prefix}{op}{len(self.nodes)}"
+        self.nodes.append(helper.make_node(op, inputs, [output], **attrs))
+        return output
+
+
 def qonnx_definition(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, tuple[str, bool]]]:
     """``model`` with every QONNX ``Quant`` written as its definition in standard float ops (same output names),
     and per Quant output ``(its scale's name, whether its input is a constant)``."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    constants = {t.name for t in out.graph.initializer} | {o for n in out.graph.node if n.op_type == "Constant"
-                                                          for o in n.output}
+    constants = set(_constants(out))
     nodes, quants = [], {}
     for i, node in enumerate(out.graph.node):
         if not is_qonnx_quantizer(node.op_type, node.domain):
@@ -41,88 +52,97 @@ def qonnx_definition(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str,
         mode = attrs.get("rounding_mode", b"ROUND")
         mode = (mode.decode() if isinstance(mode, bytes) else str(mode)).upper()
         p = f"__qonnx_def_{i}_"
-        # lo, hi from the bit width at run time: signed: -2^(b-1) + narrow, 2^(b-1) - 1; unsigned: 0, 2^b - 1 - narrow
-        two = p + "two"
-        out.graph.initializer.extend([numpy_helper.from_array(np.array(2.0, np.float32), two),
-                                      numpy_helper.from_array(np.array(1.0, np.float32), p + "one"),
-                                      numpy_helper.from_array(np.array(float(narrow), np.float32), p + "narrow")])
-        n = lambda op, ins, **kw: nodes.append(helper.make_node(op, ins, [p + op + str(len(nodes))], **kw)) \
-            or nodes[-1].output[0]
+        out.graph.initializer.extend(numpy_helper.from_array(np.array(v, np.float32), p + name) for name, v in
+                                     (("one", 1.0), ("two", 2.0), ("half", 0.5), ("narrow", float(narrow))))
+        n = _Nodes(nodes, p)
         b = n("Cast", [bits], to=onnx.TensorProto.FLOAT)
-        if signed:
-            half = n("Pow", [two, n("Sub", [b, p + "one"])])
-            lo, hi = n("Add", [n("Neg", [half]), p + "narrow"]), n("Sub", [half, p + "one"])
-        else:
+        if signed:  # lo, hi from the bit width: -2^(b-1) + narrow, 2^(b-1) - 1
+            top = n("Pow", [p + "two", n("Sub", [b, p + "one"])])
+            lo, hi = n("Add", [n("Neg", [top]), p + "narrow"]), n("Sub", [top, p + "one"])
+        else:  # 0, 2^b - 1 - narrow
             lo = n("Sub", [p + "narrow", p + "narrow"])
-            hi = n("Sub", [n("Sub", [n("Pow", [two, b]), p + "one"]), p + "narrow"])
-        y = n("Add", [n("Div", [x, scale]), zero])
-        c = n("Min", [n("Max", [y, lo]), hi])
-        r = _rounded(n, c, mode, p)
-        nodes.append(helper.make_node("Mul", [n("Sub", [r, zero]), scale], [node.output[0]]))
+            hi = n("Sub", [n("Sub", [n("Pow", [p + "two", b]), p + "one"]), p + "narrow"])
+        clipped = n("Min", [n("Max", [n("Add", [n("Div", [x, scale]), zero]), lo]), hi])
+        n("Mul", [n("Sub", [_rounded(n, clipped, mode, p), zero]), scale], output=node.output[0])
         quants[node.output[0]] = (scale, x in constants)
-        out.graph.initializer.append(numpy_helper.from_array(np.array(0.5, np.float32), p + "half"))
     del out.graph.node[:]
     out.graph.node.extend(nodes)
-    for opset in list(out.opset_import):
-        if is_qonnx_domain(opset.domain):
-            out.opset_import.remove(opset)
+    for opset in [o for o in out.opset_import if is_qonnx_domain(o.domain)]:
+        out.opset_import.remove(opset)
     return out, quants
 
 
-def _rounded(n, c: str, mode: str, p: str) -> str:
+def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """Initializers and ``Constant`` nodes' tensors, by name."""
+    found = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].type == onnx.AttributeProto.TENSOR:
+            found[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    return found
+
+
+def _rounded(n: _Nodes, c: str, mode: str, p: str) -> str:
     if mode in ("ROUND", "HALF_EVEN"):
         return n("Round", [c])
-    if mode == "FLOOR":
-        return n("Floor", [c])
-    if mode == "CEIL":
-        return n("Ceil", [c])
+    if mode in ("FLOOR", "CEIL"):
+        return n(mode.capitalize(), [c])
     sign, size = n("Sign", [c]), n("Abs", [c])
-    inner = {"DOWN": lambda: n("Floor", [size]), "ROUND_TO_ZERO": lambda: n("Floor", [size]),
-             "UP": lambda: n("Ceil", [size]), "HALF_UP": lambda: n("Floor", [n("Add", [size, p + "half"])]),
-             "HALF_DOWN": lambda: n("Ceil", [n("Sub", [size, p + "half"])])}[mode]()
-    return n("Mul", [sign, inner])
+    magnitude = {"DOWN": lambda: n("Floor", [size]), "ROUND_TO_ZERO": lambda: n("Floor", [size]),
+                 "UP": lambda: n("Ceil", [size]), "HALF_UP": lambda: n("Floor", [n("Add", [size, p + "half"])]),
+                 "HALF_DOWN": lambda: n("Ceil", [n("Sub", [size, p + "half"])])}[mode]()
+    return n("Mul", [sign, magnitude])
 
 
-def judge_qonnx_reading(original: onnx.ModelProto, read: onnx.ModelProto, label: str) -> None:
+def judge_qonnx_reading(original: onnx.ModelProto, read: onnx.ModelProto, label: str,
+                        inputs: dict[str, np.ndarray] | None = None,
+                        shapes: dict[str, list[int]] | None = None) -> str:
     """Refuse (:class:`ModelError`) where ``read`` (the reader's QDQ model) differs from QONNX's definition of
-    ``original`` on any Quant output beyond rounding; a reader defect, never the user's."""
+    ``original`` on any Quant output beyond rounding: a reader defect, never the user's. Judged on the first
+    :data:`SAMPLES` of the user's ``inputs`` (generated, with ``shapes``, where None). Returns '' when judged, else
+    a note saying why it could not be."""
     from .verify import _with_outputs, reference_session, run_batches
     from .verify_inputs import fixed_batch, generated_inputs
 
     definition, quants = qonnx_definition(original)
     names = [name for name in quants if any(name in n.output for n in read.graph.node)]
     if not names:
-        return
+        return ""
+    fixed = fixed_batch(read)
+    feeds = ({k: v[:max(SAMPLES, fixed or 0)] if np.ndim(v) else v for k, v in inputs.items()} if inputs is not None
+             else generated_inputs(read, SAMPLES, shapes=shapes))
     try:
-        feeds, fixed = generated_inputs(read, SAMPLES), fixed_batch(read)
-        expected = run_batches(reference_session(_with_outputs(definition, names)), feeds, fixed)
-        got = run_batches(reference_session(_with_outputs(read, names)), feeds, fixed)
-        outputs = [o.name for o in read.graph.output]
-        expected, got = (dict(zip(outputs + [n for n in names if n not in outputs], values)) for values in
-                         (expected, got))
-        expected, got = [expected[n] for n in names], [got[n] for n in names]
-    except ModelError:
-        raise
-    except Exception:  # noqa: BLE001 - generated inputs the model does not run on (verification says so on its own)
-        return
-    scales = {t.name: numpy_helper.to_array(t) for t in definition.graph.initializer}
+        runs = [run_batches(reference_session(_with_outputs(m, names)), feeds, fixed) for m in (definition, read)]
+    except Exception as exc:  # noqa: BLE001 - inputs the model does not run on: verification refuses them itself
+        return (f"QONNX: the reading could not be compared with QONNX's definition on these inputs "
+                f"({' '.join(str(exc).split())[:200]})")
+    outputs = [o.name for o in read.graph.output]
+    order = outputs + [n for n in names if n not in outputs]
+    expected, got = ([dict(zip(order, values))[n] for n in names] for values in runs)
+    scales = _constants(definition)
     for name, want, have in zip(names, expected, got):
         scale_name, constant = quants[name]
-        scale = scales.get(scale_name)
-        step = np.broadcast_to(np.abs(scale), want.shape) if scale is not None and scale.size and \
-            np.broadcast_shapes(scale.shape, want.shape) == want.shape else np.full(want.shape, np.inf)
-        gap = np.abs(want.astype(np.float64) - have.astype(np.float64)) / np.maximum(step, 1e-30)
-        if constant:
-            far = gap > 1e-3 + 1e-6 * np.abs(want) / np.maximum(step, 1e-30)
-            share = 0.0 if not far.any() else 1.0
+        step = _step(scales.get(scale_name), want.shape)
+        gap = np.abs(want.astype(np.float64) - have.astype(np.float64)) / step
+        if constant:  # the same product in float32, to its rounding
+            far = gap > 1e-3 + 1e-6 * np.abs(want) / step
+            share = 0.0
         else:
             far = gap > 1 + 1e-3
             share = float(np.count_nonzero(gap > 1e-3)) / max(gap.size, 1)
         if far.any() or share > TIES:
-            worst = float(gap.max())
             where = int(np.argmax(gap))
             raise ModelError(
                 f"{label}: recal's reading of QONNX Quant {name!r} differs from QONNX's own definition "
-                f"(evaluated on the original file) by up to {worst:.4g} steps (value {have.ravel()[where]:.6g} where "
-                f"the definition gives {want.ravel()[where]:.6g}); this is a defect of the converter's reader, not "
-                "of your model: nothing was written")
+                f"(evaluated on the original file) by up to {float(gap.max()):.4g} steps (value "
+                f"{have.ravel()[where]:.6g} where the definition gives {want.ravel()[where]:.6g}); this is a defect of "
+                "the converter's reader, not of your model: nothing was written")
+    return ""
+
+
+def _step(scale: np.ndarray | None, shape: tuple) -> np.ndarray:
+    """The quantizer's step at each value (its scale broadcast over the output); a scale that is no constant, or does
+    not broadcast, was refused by the reader already: then a step of 1 stands in (an absolute comparison)."""
+    try:
+        return np.maximum(np.broadcast_to(np.abs(scale).astype(np.float64), shape), 1e-30)
+    except (TypeError, ValueError, AttributeError):
+        return np.ones(shape)

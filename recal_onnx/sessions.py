@@ -23,12 +23,12 @@ def session(model: onnx.ModelProto | str, threads: int | None = None, level=None
 
 
 def runtime_session(model: onnx.ModelProto | str):
-    """onnxruntime's default session of ``model`` (what a user runs the QDQ file with), or None where it does not
-    load (a QDQ model some fusion of onnxruntime's refuses)."""
+    """``(session, "")``: onnxruntime's default session of ``model`` (what a user runs the QDQ file with); or
+    ``(None, its reason)`` where it does not load (a QDQ model some fusion of onnxruntime's refuses)."""
     try:
-        return session(model)
-    except Exception:  # noqa: BLE001 - then there is no such alternative to compare with
-        return None
+        return session(model), ""
+    except Exception as exc:  # noqa: BLE001 - then there is no such alternative to compare with: said in the result
+        return None, " ".join(str(exc).split())[:300]
 
 
 def reference_session(model: onnx.ModelProto | str):

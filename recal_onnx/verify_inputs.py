@@ -71,10 +71,7 @@ def generated_inputs(model: onnx.ModelProto, batch: int = 256, seed: int = 0,
     ranges = integer_ranges(model)
     fixed = fixed_batch(model)
     given = shapes or {}
-    unknown = sorted(set(given) - {i.name for i in model.graph.input})
-    if unknown:
-        raise ValueError(f"input shape given for {', '.join(map(repr, unknown))}, which the model does not take "
-                         f"(its inputs: {', '.join(repr(i.name) for i in model.graph.input)})")
+    check_input_names(model, given, "input_shapes")
     shapes = _declared(model, fixed, given)
     batch = _samples_that_fit(shapes, batch, fixed)
     feeds = {}
@@ -93,6 +90,15 @@ def generated_inputs(model: onnx.ModelProto, batch: int = 256, seed: int = 0,
         else:
             feeds[name] = rng.integers(0, 2, dims).astype(dtype)
     return feeds
+
+
+def check_input_names(model: onnx.ModelProto, named: dict | None, what: str, label: str = "the model") -> None:
+    """A ValueError naming what ``named`` (``inputs`` or ``input_shapes``) names that ``model`` does not take."""
+    takes = [i.name for i in model.graph.input]
+    unknown = sorted(set(named or {}) - set(takes))
+    if unknown:
+        raise ValueError(f"{what} names {', '.join(map(repr, unknown))}, which {label} does not take (its inputs: "
+                         f"{', '.join(map(repr, takes))})")
 
 
 def open_dimension(name: str, axis: int, rank: int, floating: bool) -> int:
@@ -125,7 +131,8 @@ def _declared(model: onnx.ModelProto, fixed: int | None,
                 raise ValueError(f"input shape {dims} given for {info.name!r}, which has rank {len(tensor.shape.dim)}")
             if any(d < 1 for d in dims):
                 raise ValueError(f"input shape {dims} given for {info.name!r}: every dimension must be at least 1")
-            shapes[info.name] = [1] + dims[1:] if fixed is None and dims else dims, dtype, bool(dims)
+            one = [1] + dims[1:] if fixed is None and dims else dims  # one sample; the batch is the generator's
+            shapes[info.name] = one, dtype, bool(dims)
             continue
         dims = []
         for axis, d in enumerate(tensor.shape.dim):

@@ -10,7 +10,6 @@ import onnxruntime as ort
 import pytest
 
 from recal_onnx import quantize_qat_export
-from recal_onnx.cli import register  # noqa: F401 (the CLI face below)
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "scripts" / "real_models"))

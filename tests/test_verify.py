@@ -282,7 +282,7 @@ def test_open_dimensions_get_sizes_that_exercise_the_model():
     assert feeds["x"].shape == (4, 3, 32, 32) and feeds["ids"].shape == (4, 16) == feeds["mask"].shape
     shaped = generated_inputs(model, 4, shapes={"x": [1, 3, 64, 48]})
     assert shaped["x"].shape == (4, 3, 64, 48)
-    with pytest.raises(ValueError, match="input shape given for 'y', which the model does not take"):
+    with pytest.raises(ValueError, match="input_shapes names 'y', which the model does not take"):
         generated_inputs(model, 4, shapes={"y": [1, 2]})
 
 

@@ -50,11 +50,9 @@ def batchnorm_to_conv(g: Graph, findings: Findings | None = None) -> int:
         base = node.name or "batchnorm"
         solved = _exact(g, node, x, gamma, beta, mean, var, a)
         if solved is not None:
-            fit, x_scale = solved
-            q = fit.weight.reshape(channels, 1, *spatial)
-            scale = fit.scale
-            bias = g.add_const(base + "_bias", (fit.bias.astype(np.float64) * np.float64(x_scale)
-                                                * fit.scale.astype(np.float64)).astype(np.float32))
+            fit, bias_value = solved
+            q, scale = fit.weight.reshape(channels, 1, *spatial), fit.scale
+            bias = g.add_const(base + "_bias", bias_value)
             exact += 1
             if fit.inexact:
                 inexact.append(f"{base!r}: {fit.inexact} channels, {fit.differing} of their input values")
@@ -80,8 +78,9 @@ def batchnorm_to_conv(g: Graph, findings: Findings | None = None) -> int:
 
 
 def _exact(g: Graph, node, x, gamma, beta, mean, var, a):
-    """``(ExactAffine, input scale)`` where the BatchNorm reads a per-tensor 8-bit activation and only a per-tensor
-    8-bit QuantizeLinear reads it, else None."""
+    """``(ExactAffine, its float bias)`` where the BatchNorm reads a per-tensor 8-bit activation and only a per-tensor
+    8-bit QuantizeLinear reads it, else None. The bias is written in float (``bias_int32 * s_x * s_w``), which the
+    conv pass reads back onto its int32 grid: None too where that would not give back the same integers."""
     readers = g.consumers(node.outputs[0])
     if len(readers) != 1 or readers[0].op_type != "QuantizeLinear" or node.outputs[0] in g.graph.outputs:
         return None
@@ -95,8 +94,13 @@ def _exact(g: Graph, node, x, gamma, beta, mean, var, a):
     b = beta - a * mean
     params = {"gamma": gamma.astype(np.float32), "beta": beta.astype(np.float32), "mean": mean.astype(np.float32),
               "var": var.astype(np.float32), "epsilon": float(attr(node, "epsilon", 1e-5))}
-    table = reference_table(a, b, params, x_scale, x_zero, y_scale, y_zero)
-    return exact_affine(a, b, table, x_scale, x_zero, y_scale, y_zero), x_scale
+    table = reference_table(params, x_scale, x_zero, y_scale, y_zero)
+    fit = exact_affine(a, b, table, x_scale, x_zero, y_scale, y_zero)
+    step = np.float64(x_scale) * fit.scale.astype(np.float64)
+    value = (fit.bias.astype(np.float64) * step).astype(np.float32)
+    if not np.array_equal(np.round(value.astype(np.float64) / step), fit.bias):
+        return None
+    return fit, value
 
 
 def _rank(g: Graph, node) -> int | None:

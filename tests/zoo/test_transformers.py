@@ -196,7 +196,7 @@ def test_a_transformer_with_external_data_converts_and_its_input_is_untouched(qa
     """A model over 2 GB is stored as external data: exported so (dynamo), converted so, the input unchanged."""
     import hashlib
 
-    import recal_onnx.convert as convert
+    import recal_onnx.save as save
     import recal_torch.export.to_onnx as export
 
     model, kind = qat_model
@@ -206,7 +206,7 @@ def test_a_transformer_with_external_data_converts_and_its_input_is_untouched(qa
     inputs = sorted(p for p in tmp_path.iterdir())
     assert len(inputs) == 2, inputs  # the model and its data file
     digests = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in inputs}
-    monkeypatch.setattr(convert, "EXTERNAL_DATA_BYTES", 1)
+    monkeypatch.setattr(save, "EXTERNAL_DATA_BYTES", 1)
     feeds = {k: v.numpy() for k, v in zip(kind.names, kind.batch(torch.Generator().manual_seed(2))[0])}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnconvertedOpsWarning)  # ViT's float LayerNorms: the test above names them
