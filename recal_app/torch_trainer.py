@@ -18,7 +18,6 @@ from torch import nn
 
 from recal_core.atomic import atomic_path
 from recal_core.datasets import load_digits
-from recal_core.input_gate import regular_file
 from recal_core.recipe import Recipe
 from .training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, check_finite, epoch_line,
                         epoch_order, median_latency_ms, overall_sparsity, progress_bar)
@@ -27,6 +26,7 @@ from recal_torch.export import export_onnx
 from recal_torch.flops import count_macs
 from recal_torch.loggers import TensorBoardLogger
 from recal_torch.manager import ScheduledModifierManager
+from recal_torch.checkpoint_file import read_checkpoint_file
 from recal_torch.model_params import check_weights, describe_parameters, sparsity
 from recal_torch.qat import qat_modules
 from recal_torch.thin import thin
@@ -88,12 +88,7 @@ CHECKPOINT_KEYS = ("epoch", "model", "optimizer", "history", "torch_rng")
 
 def _read_checkpoint(path: Path) -> dict:
     """A checkpoint as data (``weights_only``: a crafted file runs no code), with every key it needs."""
-    regular_file(path, "checkpoint")  # a FIFO or a device left in its place would block the load
-    try:
-        state = torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as exc:  # noqa: BLE001 - unpickling refuses code, a truncated zip, ... in its own types
-        raise ValueError(f"{path} is not a recal checkpoint that loads as data "
-                         f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
+    state = read_checkpoint_file(path, "recal checkpoint")
     missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
         raise ValueError(f"{path} is not a complete recal checkpoint: it lacks {', '.join(missing)}")

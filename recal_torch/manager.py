@@ -217,7 +217,8 @@ class ScheduledModifierManager(RecipeManager):
     def _say_floored_scales(self) -> None:
         """Learned scales that a step took through zero are held at float32's eps (as torch.ao's LSQ does): the
         channels they quantize saturate; said once, at the end, naming them (checking every step would wait on the
-        device)."""
+        device). One changed since the last step (loaded, set by hand) is held there first."""
+        self._floor_learned_scales()
         names = {id(p): n for n, p in unwrap(self._model).named_parameters()}
         floored = [names.get(id(p), "?") for p in self._learned_scales if bool((p.detach() <= EPS).any())]
         if floored:
@@ -241,9 +242,7 @@ class ScheduledModifierManager(RecipeManager):
     def _after_step(self) -> None:
         self._check_pruned_layers_in_place()
         self.masks.apply()
-        if self._learned_scales:  # a step may take a learned scale through zero: kept positive as it lands
-            with torch.no_grad():
-                torch._foreach_clamp_min_(self._learned_scales, EPS)
+        self._floor_learned_scales()  # a step may take a learned scale through zero: kept positive as it lands
         self._step += 1
         self._apply_state(self._step)
         self.masks.update(self._step)
@@ -251,6 +250,11 @@ class ScheduledModifierManager(RecipeManager):
             scalars = self.scalars()
             for logger in self.loggers:
                 logger.log_scalars(self._step, self.plan.schedule.epoch_of(self._step), scalars)
+
+    def _floor_learned_scales(self) -> None:
+        if self._learned_scales:
+            with torch.no_grad():
+                torch._foreach_clamp_min_(self._learned_scales, EPS)
 
     def _check_pruned_layers_in_place(self) -> None:
         """A pruned layer replaced (or removed) after ``modify`` would train unpruned while the masks go to its old
@@ -439,8 +443,7 @@ class _StepPreHook(_Hook):
     them: before it, they do not exist yet."""
 
     def __call__(self, optimizer, args, kwargs):
-        # ``args`` holds the optimizer itself first, then step()'s own positional arguments
-        manager = self.manager
+        manager = self.manager  # ``args``: the optimizer itself first, then step()'s own positional arguments
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         manager.param_groups.check_untouched(manager._step)
         if closure is None:

@@ -13,6 +13,7 @@ from .sharding import unsharded_class, whole
 PRUNABLE_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
                    nn.ConvTranspose3d, nn.Linear)
 TABLES = (nn.Embedding, nn.EmbeddingBag)  # pruned only when a recipe names them
+UNOBSERVED = ("min_val", "max_val")  # an observer's range, infinite until its first batch
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -89,12 +90,28 @@ def check_weights(state: dict, model: nn.Module, where: str) -> None:
     if missing or extra:
         raise ValueError(f"{where}: the model weights do not fit this model (missing {missing[:3]}, "
                          f"unexpected {extra[:3]})")
+    check_values(state, own, where)
+
+
+def check_values(state: dict, own: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse (``ValueError``) a tensor of ``state`` that is not what ``own``'s tensor of that name is (another
+    shape or dtype: ``load_state_dict`` would cast or fail naming no file) or holds NaN or infinity.
+
+    Args:
+        state: the tensors read from a checkpoint (a name ``own`` lacks is not checked here).
+        own: the model's tensors they are for, by name.
+        where: the checkpoint's name, for the message.
+    """
     for key, expected in own.items():
+        if key not in state:
+            continue
         value = state[key]
         if not isinstance(value, torch.Tensor) or value.shape != expected.shape or value.dtype != expected.dtype:
             got = (f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor)
                    else type(value).__name__)
             raise ValueError(f"{where}: {key!r} is {got}, this model's is {expected.dtype} {tuple(expected.shape)}")
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            if key.rpartition(".")[2] in UNOBSERVED and not bool(torch.isnan(value).any()):
+                continue  # an observer's range before its first batch: +-infinity by design
             raise ValueError(f"{where}: {key!r} holds non-finite values (NaN or infinity): a diverged run's "
                              "checkpoint; resume from an earlier one")

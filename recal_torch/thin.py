@@ -100,7 +100,8 @@ def _head_count_values(heads: int, kv_heads: int | None, head_dim: int) -> dict[
     """The head counts an attention module may keep as attributes, for ``heads`` query heads and ``kv_heads``
     key/value heads (None: unknown, left as they are)."""
     return {"num_attention_heads": heads, "num_heads": heads, "n_heads": heads, "n_head": heads,
-            "num_key_value_heads": kv_heads, "num_kv_heads": kv_heads, "all_head_size": heads * head_dim}
+            "num_key_value_heads": kv_heads, "num_kv_heads": kv_heads, "all_head_size": heads * head_dim,
+            "num_key_value_groups": heads // kv_heads if kv_heads else None}
 
 
 # the head counts thin and load_thinned set where an attention module has them (split_size: a packed projection's)
@@ -111,6 +112,9 @@ def _count_attributes(m: nn.Module, heads: int, kv_heads: int | None, head_dim: 
                       packed_heads: int | None = None) -> list[tuple[str, int]]:
     """``(attribute, value)`` for the head counts ``m`` keeps as ints that differ from ``heads`` and ``kv_heads``;
     ``split_size`` too where it was ``packed_heads`` heads wide (GPT-2 splits its packed c_attn's output by it)."""
+    if kv_heads is not None and (kv_heads <= 0 or heads % kv_heads):
+        raise ValueError(f"{heads} query heads do not divide among {kv_heads} key/value heads (grouped-query "
+                         "attention gives each key/value head the same number of query heads)")
     values = _head_count_values(heads, kv_heads, head_dim)
     if packed_heads is not None and getattr(m, "split_size", None) == packed_heads * head_dim:
         values["split_size"] = heads * head_dim
@@ -388,11 +392,16 @@ def load_thinned(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
                     change(m, "in_channels", weight.shape[0])
             elif isinstance(weight, torch.Tensor) and isinstance(getattr(m, "num_features", None), int):
                 change(m, "num_features", weight.shape[0])
-        for m in model.modules():
-            for attr, value in _head_counts(m):
+        for name, m in model.named_modules():
+            try:
+                counts = _head_counts(m)
+            except ValueError as exc:
+                raise ValueError(f"load_thinned: {name} ({type(m).__name__}): {exc}") from None
+            for attr, value in counts:
                 change(m, attr, value)
+        _check_loads_whole(model, state_dict)  # load_state_dict copies what fits before it refuses the rest
         model.load_state_dict(state_dict)
-    except BaseException:  # all or nothing: the model as it was built
+    except BaseException:  # all or nothing: the model as it was built, its tensors untouched
         for m, attr, value in reversed(changed):
             setattr(m, attr, value)
         raise
@@ -422,6 +431,22 @@ def _check_thinning_only(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
                 if now != was and axis not in axes:
                     raise ValueError(f"load_thinned: {where} differs along axis {axis} ({was} -> {now}), which "
                                      f"thinning does not remove (it removes along axes {list(axes)})")
+
+
+def _check_loads_whole(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Every name of the resized model's state dict in ``state_dict`` with its shape, and no other name: else a
+    ValueError naming them (``load_state_dict`` would have copied the tensors that fit before refusing)."""
+    own = model.state_dict()
+    missing, extra = sorted(own.keys() - state_dict.keys()), sorted(state_dict.keys() - own.keys())
+    if missing or extra:
+        raise ValueError(f"load_thinned: the state dict does not fit the model (missing {missing[:3]}, unexpected "
+                         f"{extra[:3]}); nothing was loaded")
+    for key, tensor in own.items():
+        new = state_dict[key]
+        if not isinstance(new, torch.Tensor) or new.shape != tensor.shape:
+            got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
+            raise ValueError(f"load_thinned: {key} is {got} in the state dict, {tuple(tensor.shape)} in the thinned "
+                             "model; nothing was loaded")
 
 
 def _head_counts(m: nn.Module) -> list[tuple[str, int]]:

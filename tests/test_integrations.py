@@ -86,6 +86,53 @@ def test_a_hugging_face_trainer_runs_the_recipe_and_resumes_exactly(tmp_path):
     assert [k for k in final if not torch.equal(final[k], older.model.state_dict()[k])] == []
 
 
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("a crafted checkpoint ran code",))
+
+
+def _hostile_recal_files(good: dict) -> dict:
+    """What a broken or crafted ``recal_state.pt`` can be, each written by a function of its path."""
+    tensors = good["quantizer_tensors"]
+    scale = next(k for k in tensors if k.endswith("input_fake_quant.scale"))
+
+    def with_tensors(changed):
+        return lambda path: torch.save({**good, "quantizer_tensors": changed}, path)
+
+    return {
+        "a pickle that runs code": lambda path: torch.save({"x": _RunsCode()}, path),
+        "a truncated file": lambda path: path.write_bytes(path.read_bytes()[:100]),
+        "a list, not recal's state": lambda path: torch.save([1, 2], path),
+        "no quantizer tensors": with_tensors({}),
+        "a NaN scale": with_tensors({**tensors, scale: torch.full_like(tensors[scale], float("nan"))}),
+        "another model's width": with_tensors({k: torch.cat([v, v]) if v.dim() else v for k, v in tensors.items()}),
+        "recal's state of another recipe": lambda path: torch.save({**good, "recipe": "- !EpochRangeModifier "
+                                                                    "{start_epoch: 0, end_epoch: 9}\n"}, path),
+    }
+
+
+def test_a_broken_recal_state_file_is_refused_naming_it(tmp_path, capsys):
+    """Resuming a Trainer run from a ``recal_state.pt`` that is crafted, truncated, of another shape or holds a NaN
+    scale: one ValueError that names the file, and no code run."""
+    pytest.importorskip("accelerate")
+    import shutil
+
+    from recal_torch.integrations import RecalTrainerCallback
+
+    _hf_trainer(tmp_path / "run", RecalTrainerCallback(RECIPE)).train()
+    mine = tmp_path / "run" / "checkpoint-20" / "recal_state.pt"
+    good = torch.load(mine, weights_only=True)
+    for case, write in _hostile_recal_files(good).items():
+        folder = tmp_path / case.replace(" ", "-").replace("'", "")
+        shutil.copytree(tmp_path / "run", folder)
+        write(folder / "checkpoint-20" / "recal_state.pt")
+        trainer = _hf_trainer(folder, RecalTrainerCallback(RECIPE))
+        with pytest.raises(ValueError) as refused:
+            trainer.train(resume_from_checkpoint=str(folder / "checkpoint-20"))
+        assert str(folder / "checkpoint-20" / "recal_state.pt") in str(refused.value), (case, str(refused.value))
+    assert "ran code" not in capsys.readouterr().out
+
+
 def _lightning_fit(folder, callback, resume=None):
     import lightning.pytorch as L
     from lightning.pytorch.callbacks import ModelCheckpoint

@@ -280,8 +280,11 @@ def test_load_thinned_takes_only_thinning_and_changes_nothing_when_it_refuses():
                for k, v in dense.state_dict().items()}
     thinned["3.weight"] = dense.state_dict()["3.weight"][:, :6]
     missing = {k: v for k, v in thinned.items() if k != "3.bias"}  # passes the shape check, fails the strict load
-    with pytest.raises(RuntimeError, match="3.bias"):
+    with pytest.raises(ValueError, match=r"missing \['3.bias'\].*nothing was loaded"):
         load_thinned(dense, missing)
+    extra = dict(thinned, unexpected=torch.zeros(1))  # the unthinned layers' tensors would be copied, then refused
+    with pytest.raises(ValueError, match=r"unexpected \['unexpected'\].*nothing was loaded"):
+        load_thinned(dense, extra)
     assert dense[0].out_channels == 8 and dense[1].num_features == 8 and dense[3].in_channels == 8
     assert all(torch.equal(v, before[k]) for k, v in dense.state_dict().items())
     load_thinned(dense, thinned)  # the real thing still loads

@@ -1199,3 +1199,39 @@ def test_a_linear_subclass_computing_a_linear_is_quantized_and_any_other_stays_f
         manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=2)
     model(torch.randn(3, 8))
     assert isinstance(model[0], QATLinear) and type(model[2]) is _AdapterLinear
+
+
+@pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan")])
+def test_a_scale_that_is_not_positive_and_finite_is_refused_at_export_naming_it(tmp_path, bad):
+    """A learned scale set (or loaded) to -1, 0 or NaN after training: export refuses it by name and writes nothing
+    (-1 would flip every sign it quantizes; 0 divides by zero inside torch). One so before ``finalize`` is held at
+    float32's eps with a warning that names it, as after every step."""
+    recipe = ("- !QuantizationModifier {start_epoch: 0, scheme: {input_activations: {symmetric: false, observer: "
+              "lsq}, weights: {observer: lsq}}}\n")
+
+    def trained():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+        manager = ScheduledModifierManager.from_yaml(recipe)
+        optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=1e-4), steps_per_epoch=4)
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+        return model, manager
+
+    model, manager = trained()
+    manager.finalize()
+    with torch.no_grad():
+        model.get_parameter("0.input_fake_quant.scale").fill_(bad)
+    with pytest.raises(ValueError, match=r"0\.input_fake_quant\.scale is (-1|0|nan) .*positive and finite"):
+        export_onnx(model, torch.randn(1, 8), tmp_path / "m.onnx")
+    assert list(tmp_path.iterdir()) == []
+    if bad == bad:  # not NaN: before finalize, the floor holds it and says so
+        model, manager = trained()
+        with torch.no_grad():
+            model.get_parameter("2.weight_fake_quant.scale").fill_(bad)
+        with pytest.warns(UserWarning, match=r"2\.weight_fake_quant\.scale"):
+            manager.finalize()
+        assert float(model.get_parameter("2.weight_fake_quant.scale").min()) > 0
+        export_onnx(model, torch.randn(1, 8), tmp_path / "m.onnx")

@@ -865,3 +865,46 @@ def test_thinning_keeps_the_groups_of_a_weight_only_layer_whole():
     assert model[2].in_features == 48 and model[2].weight_fake_quant.scale.shape == (4, 3)
     with torch.no_grad():
         torch.testing.assert_close(model(x), masked, atol=0, rtol=0)
+
+
+def test_load_thinned_refuses_query_heads_that_do_not_divide_among_key_value_heads():
+    """A grouped-query decoder (8 query heads, 4 key/value heads) given a state with 6 query heads: refused naming the
+    attention layer, the model left as built (the first forward would fail inside attention, naming nothing)."""
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=100,
+                                      num_attention_heads=8, num_key_value_heads=4)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = dict(model.state_dict())
+    q, o = "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight"
+    state[q], state[o] = state[q][:48], state[o][:, :48]
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn \(LlamaAttention\): 6 query heads do not "
+                                         r"divide among 4 key/value heads"):
+        load_thinned(model, state)
+    assert model.model.layers[1].self_attn.q_proj.out_features == 64
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    state[q], state[o] = before[q][:32], before[o][:, :32]  # 4 query heads: one for each key/value head
+    load_thinned(model, state)
+    assert model.model.layers[1].self_attn.num_key_value_groups == 1
+    model(torch.tensor([[1, 2, 3]]))
+
+
+def test_a_default_llama_with_its_key_value_cache_thins_on_the_users_inputs():
+    """``thin(model, example_inputs=(ids,))`` on a LlamaForCausalLM as users have it (``use_cache=True``): traced
+    without the cache (no tensor torch.export can return), the dead MLP channels go, the outputs are the same."""
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=100,
+                                      num_attention_heads=8, num_key_value_heads=4)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    assert model.config.use_cache
+    mlp = model.model.layers[0].mlp
+    with torch.no_grad():
+        mlp.up_proj.weight[:10] = 0
+        mlp.gate_proj.weight[:10] = 0
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        masked = model(ids).logits
+    report = thin(model, example_inputs=(ids,))
+    assert mlp.up_proj.out_features == 118 and "128 -> 118" in str(report)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, masked, atol=1e-5, rtol=0)

@@ -28,8 +28,8 @@ from recal_core.atomic import atomic_folder
 
 from ..model_params import unwrap
 from ..sharding import is_sharded
-from ..qat import (CONTAINER, ActivationFakeQuantize, AttentionFakeQuantize, QATModule, QuantizedReLU,
-                   WeightOnlyLinear, adopt, plan_pending, qat_modules)
+from ..qat import (CONTAINER, ActivationFakeQuantize, AttentionFakeQuantize, GroupWeightFakeQuantize, QATModule,
+                   QuantizedReLU, WeightFakeQuantize, WeightOnlyLinear, adopt, plan_pending, qat_modules)
 from .bias_grid import round_biases
 from .modules import (ActivationQDQ, AttentionQDQ, QuantizedExportModule, QuantizedReLUExport, WeightOnlyExport,
                       decomposed_ops)
@@ -143,6 +143,7 @@ def export_onnx(model: nn.Module, sample_input: torch.Tensor | Sequence[torch.Te
                          f"pass opset>={MIN_DYNAMO_OPSET}, or dynamo=False for opset {opset}")
     inputs = tuple(sample_input) if isinstance(sample_input, (list, tuple)) else (sample_input,)
     plan_pending(unwrap(model), inputs)  # a QAT plan still waiting for the first forward is made on the sample
+    _refuse_bad_scales(unwrap(model))
     names = (tuple(input_names), tuple(output_names))
     axes = (0, 1) if dynamic_sequence else (0,) if dynamic_batch else ()
     target = Path(path)
@@ -164,6 +165,24 @@ def export_onnx(model: nn.Module, sample_input: torch.Tensor | Sequence[torch.Te
     quantized = qat_modules(model) or any(isinstance(m, WeightOnlyLinear) for m in unwrap(model).modules())
     log.info("exported %s model to %s", "QAT" if quantized else "float", path)
     return Path(path)
+
+
+def _refuse_bad_scales(model: nn.Module) -> None:
+    """A quantizer whose scale is zero, negative or not finite (a learned scale set so by hand or loaded so; a NaN
+    from a diverged run) would be written as a grid that flips signs or divides by zero: a ``ValueError`` naming
+    it, before anything is written."""
+    for name, module in model.named_modules():
+        if isinstance(module, ActivationFakeQuantize) and not (module.active and module.has_observed):
+            continue
+        if isinstance(module, (ActivationFakeQuantize, WeightFakeQuantize, GroupWeightFakeQuantize)):
+            scale = module.scale.detach()
+            bad = ~torch.isfinite(scale) | (scale <= 0)
+            if bool(bad.any()):
+                value = float(scale.reshape(-1)[bad.reshape(-1)][0])
+                kind = "learned " if module.learned else ""
+                raise ValueError(f"the {kind}quantization scale {name}.scale is {value:g} (in {int(bad.sum())} of "
+                                 f"{scale.numel()} channels); a scale must be positive and finite: retrain or reload "
+                                 "it (learned scales are held at or above float32's eps after every step)")
 
 
 def _first_line(exc: BaseException) -> str:

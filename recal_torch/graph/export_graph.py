@@ -13,6 +13,7 @@ that something else also reads blocks it.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import torch
@@ -116,13 +117,24 @@ def trace_args(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict]:
                              "for torch.export: pass example_inputs= (a batch of the model's inputs)")
         return found
     if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), {}
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, tuple) and len(example_inputs) == 2 and isinstance(example_inputs[1], dict) \
+        args, kwargs = (example_inputs,), {}
+    elif isinstance(example_inputs, dict):
+        args, kwargs = (), dict(example_inputs)
+    elif isinstance(example_inputs, tuple) and len(example_inputs) == 2 and isinstance(example_inputs[1], dict) \
             and isinstance(example_inputs[0], (tuple, list)):
-        return tuple(example_inputs[0]), dict(example_inputs[1])
-    return tuple(example_inputs), {}
+        args, kwargs = tuple(example_inputs[0]), dict(example_inputs[1])
+    else:
+        args, kwargs = tuple(example_inputs), {}
+    return args, _without_cache(model, kwargs)
+
+
+def _without_cache(model: nn.Module, kwargs: dict) -> dict:
+    """``kwargs`` with ``use_cache=False`` for a model whose config caches keys and values (a Hugging Face decoder's
+    default) unless the caller set it: the cache is no tensor ``torch.export`` can return, and reads every head."""
+    if getattr(getattr(model, "config", None), "use_cache", False) is True and "use_cache" not in kwargs \
+            and "use_cache" in inspect.signature(model.forward).parameters:
+        return {**kwargs, "use_cache": False}
+    return kwargs
 
 
 def _ops(program: torch.export.ExportedProgram) -> tuple[list[Op], list[Attention]]:

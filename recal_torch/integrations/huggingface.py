@@ -22,9 +22,10 @@ from transformers import TrainerCallback
 
 from recal_core.atomic import atomic_path
 
+from ..checkpoint_file import read_checkpoint_file
 from ..manager import RECAL_STATE_KEY, ScheduledModifierManager
-from .session import (QUANTIZER_KEY, check_length, inner, load_model_state, manager_of, recal_part,
-                      restore_recal_part)
+from .session import (QUANTIZER_KEY, check_length, inner, load_model_state, manager_of, read_recal_part,
+                      recal_part, restore_recal_part)
 
 RECAL_FILE = "recal_state.pt"  # in each checkpoint folder: recal's state, learned scales' groups, quantizer tensors
 FSDP_MODEL_FILE = "pytorch_model_fsdp.bin"  # accelerate's whole state dict of an FSDP model (its default)
@@ -76,17 +77,19 @@ class RecalTrainerCallback(TrainerCallback):
         folder = Path(args.resume_from_checkpoint or Path(args.output_dir) / f"checkpoint-{state.global_step}")
         mine, plain = folder / RECAL_FILE, folder / "optimizer.pt"
         if mine.is_file():
-            restore_recal_part(optimizer, loaded, torch.load(mine, map_location="cpu", weights_only=True),
-                               self.manager, model, str(mine))
+            restore_recal_part(optimizer, loaded, read_recal_part(mine), self.manager, model, str(mine))
             return
         if not plain.is_file():
             raise FileNotFoundError(f"the Trainer resumed at step {state.global_step}, but recal finds no {mine} to "
                                     "read its state from: set TrainingArguments(resume_from_checkpoint=<folder>) to "
                                     "the checkpoint you resume from")
-        optimizer_state = torch.load(plain, map_location="cpu", weights_only=True)  # saved before recal_state.pt
-        if RECAL_STATE_KEY not in optimizer_state:
+        optimizer_state = read_checkpoint_file(plain)  # saved before recal_state.pt
+        if not isinstance(optimizer_state, dict) or RECAL_STATE_KEY not in optimizer_state:
             raise ValueError(f"{plain} holds no recal state: it was not saved under this callback")
-        optimizer.load_state_dict(optimizer_state)
+        try:
+            optimizer.load_state_dict(optimizer_state)
+        except (ValueError, TypeError, KeyError, RuntimeError) as exc:  # the manager's and torch's, naming no file
+            raise ValueError(f"{plain}: recal's state in it does not resume this run: {exc}") from exc
         if self.manager.qat.prepared:
             load_model_state(model, _model_tensors(folder), str(folder))
 
@@ -121,5 +124,5 @@ def _model_tensors(folder: Path) -> dict[str, torch.Tensor]:
         return {k: v for shard in shards for k, v in load_file(str(shard)).items()}
     binary = folder / "pytorch_model.bin"
     if binary.is_file():
-        return torch.load(binary, map_location="cpu", weights_only=True)
+        return read_checkpoint_file(binary)
     raise FileNotFoundError(f"{folder} holds no model.safetensors or pytorch_model.bin to resume QAT's tensors from")

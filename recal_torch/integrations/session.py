@@ -18,8 +18,9 @@ from torch import nn
 
 from recal_core.errors import RecipeWarning
 
+from ..checkpoint_file import read_checkpoint_file
 from ..manager import RECAL_STATE_KEY, ScheduledModifierManager
-from ..model_params import unwrap
+from ..model_params import check_values, unwrap
 from ..qat import quantizer_tensors
 
 QUANTIZER_KEY = "quantizer_tensors"  # beside recal's state where a framework's checkpoint cannot carry them
@@ -52,12 +53,27 @@ def check_length(manager: ScheduledModifierManager, epochs: float, who: str) -> 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
     """Load a checkpoint's model tensors once the resumed recipe has re-created its QAT modules; a tensor the
     model lacks, or one the checkpoint lacks, is an error that names them (a tied weight the checkpoint saved once,
-    as Hugging Face's safetensors do, is not missing)."""
+    as Hugging Face's safetensors do, is not missing), and so is a quantizer tensor of another shape or a NaN scale.
+    """
+    if not isinstance(state, dict):
+        raise ValueError(f"{where}: the model weights are a {type(state).__name__}, not a state dict")
+    check_values(state, quantizer_tensors(unwrap(model)), where)
     result = unwrap(model).load_state_dict(state, strict=False)
     own = unwrap(model).state_dict(keep_vars=True)
     present = {own[k].data_ptr() for k in own if k in state}
     missing = [k for k in result.missing_keys if own[k].data_ptr() not in present]  # not a tied alias (an LM head)
     _refuse_misfit(where, result.unexpected_keys, missing)
+
+
+def read_recal_part(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's ``recal_state.pt`` (:func:`read_checkpoint_file`); one that is not recal's part is a
+    ``ValueError`` naming it."""
+    part = read_checkpoint_file(path, "recal state file")
+    if not isinstance(part, dict) or not isinstance(part.get(QUANTIZER_KEY), dict):
+        found = sorted(map(str, part))[:5] if isinstance(part, dict) else type(part).__name__
+        raise ValueError(f"{path} is not recal's part of a checkpoint: it holds {found}, not recal's state with "
+                         f"its {QUANTIZER_KEY!r}")
+    return part
 
 
 def recal_part(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
@@ -72,12 +88,18 @@ def restore_recal_part(optimizer: torch.optim.Optimizer, loaded: dict[str, Any],
     """:func:`recal_part` back, after the framework restored the weights and the optimizer (``loaded``: the user's
     param groups as it loaded them): recal's state through its hook (QAT layers re-created, the learned scales'
     groups with their state), then the quantizer tensors into those layers."""
+    if not isinstance(part, dict) or not isinstance(part.get(QUANTIZER_KEY), dict):
+        raise ValueError(f"{where} holds no recal state with its {QUANTIZER_KEY!r}")
     part = dict(part)
     tensors = part.pop(QUANTIZER_KEY)
-    optimizer.load_state_dict({**loaded, RECAL_STATE_KEY: part})
+    try:
+        optimizer.load_state_dict({**loaded, RECAL_STATE_KEY: part})
+    except (ValueError, TypeError, KeyError, RuntimeError) as exc:  # the manager's and torch's, naming no file
+        raise ValueError(f"{where}: recal's state in it does not resume this run: {exc}") from exc
     if manager.qat.prepared:
         own = quantizer_tensors(unwrap(model))
         _refuse_misfit(where, sorted(tensors.keys() - own.keys()), sorted(own.keys() - tensors.keys()))
+        check_values(tensors, own, where)
         unwrap(model).load_state_dict(tensors, strict=False)
 
 
