@@ -46,6 +46,23 @@ def _disk_full_is_said(folder: Path, target: Path) -> Iterator[None]:
         raise
 
 
+@contextlib.contextmanager
+def _said_as(temporary: Path, target: Path) -> Iterator[None]:
+    """An error raised while writing names the user's ``target``, not recal's temporary (``.recal-<pid>-...``): the
+    exception is re-raised as it is, its message and file name with the one path put for the other."""
+    try:
+        yield
+    except Exception as exc:
+        old, new = str(temporary), str(target)
+        if exc.args and isinstance(exc.args[0], str) and old in exc.args[0]:
+            exc.args = (exc.args[0].replace(old, new), *exc.args[1:])
+        for attribute in ("filename", "filename2"):
+            value = getattr(exc, attribute, None)
+            if isinstance(value, str) and old in value:
+                setattr(exc, attribute, value.replace(old, new))
+        raise
+
+
 def _seal(pid: int) -> str:
     """Eight hex digits only recal's temporaries carry after their process id."""
     return hashlib.blake2b(f"recal temporary of process {pid}".encode(), digest_size=4).hexdigest()
@@ -148,7 +165,7 @@ def atomic_path(target: str | os.PathLike, *, protect: tuple[str | os.PathLike, 
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        with _disk_full_is_said(folder, target):
+        with _said_as(tmp, target), _disk_full_is_said(folder, target):
             yield tmp
         os.chmod(tmp, _umask_mode())  # mkstemp makes 0600; outputs get the mode any new file would
         _fsync(tmp)
@@ -172,7 +189,7 @@ def atomic_folder(destination: str | os.PathLike) -> Iterator[Path]:
     remove_orphaned_temporaries(destination)
     folder = Path(tempfile.mkdtemp(prefix=_temp_prefix(), dir=destination))
     try:
-        with _disk_full_is_said(destination, folder):
+        with _said_as(folder, destination), _disk_full_is_said(destination, folder):
             yield folder
         files = sorted(folder.iterdir(), key=lambda p: p.suffix == ".onnx")
         for item in files:

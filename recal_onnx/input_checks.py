@@ -20,6 +20,9 @@ MIN_OPSET = 10
 KNOWN_DOMAINS = {"", "ai.onnx", "com.microsoft", "ai.onnx.ml"}
 
 
+WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul")  # layers whose constant weight an integer kernel holds
+
+
 def check_input(model: onnx.ModelProto, name: str, encodings: bool = False) -> None:
     """What the converter cannot take, said before any work: opsets, foreign ops, not a QAT model (a float one with
     ``encodings`` beside it is one)."""
@@ -57,6 +60,24 @@ def check_input(model: onnx.ModelProto, name: str, encodings: bool = False) -> N
     _check_quantized_types(model, name, constants)
     _check_blocks(model, name, constants)
     _check_clamp_bounds(model, name, constants)
+    _check_empty_weights(model, name, constants)
+
+
+def _check_empty_weights(model: onnx.ModelProto, name: str, constants: dict[str, onnx.TensorProto]) -> None:
+    """A layer whose weight has no values (shape [0, 3, 3, 3], float or dequantized) computes nothing the integer
+    kernels agree on, and a dequantized constant with no values quantizes nothing: refused, naming node and shape."""
+    empty = {key: list(t.dims) for key, t in constants.items() if 0 in t.dims}
+    if not empty:
+        return
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear" and node.input and node.input[0] in empty:
+            empty[node.output[0]] = empty[node.input[0]]
+    for node in model.graph.node:
+        read = next((i for i in node.input[:1 if node.op_type == "DequantizeLinear" else None] if i in empty), None)
+        if read is not None and (node.op_type in WEIGHTED or node.op_type == "DequantizeLinear"):
+            raise ModelError(f"{name}: {node.op_type} {node.name!r} reads {read!r}, a constant of shape {empty[read]} "
+                             "that holds no values: a zero-size layer computes nothing; remove it from the model "
+                             "before converting")
 
 
 def _constants(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:

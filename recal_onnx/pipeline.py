@@ -41,8 +41,10 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
    measured, goes);
 6. ``uint8_weights`` when the target stores weights beyond +-64 as uint8;
 7. ``bias_apart`` (a layer whose bias int32 cannot hold stays float, its bias in an Add of its own),
-   ``shield_float_weights`` (a float layer reading a quantized input reads it through a dequantization of its own,
-   so that onnxruntime does not quantize its float weight itself).
+   ``dequantize_misaligned_weights`` (a float layer's weight dequantized along other than its output channels is
+   written as its float values, which onnxruntime's fusions then leave alone), ``shield_float_weights`` (a float
+   layer reading a quantized input reads it through a dequantization of its own, so that onnxruntime does not
+   quantize its float weight itself).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from .aimet_encodings import Encoding
 from .findings import Findings
 from .graph import Graph
 from .input_checks import ModelError, is_qonnx_quantizer
-from .reading_judge import judge_qonnx_reading
+from .reading_judge import judge_aimet_reading, judge_qonnx_reading
 from .passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
 from .passes.bias_apart import bias_apart
 from .passes.bias_to_int32 import bias_to_int32
@@ -82,6 +84,7 @@ from .passes.int32_bias import fold_int32_biases
 from .passes.exporter_metadata import drop_exporter_metadata
 from .passes.int8_passthrough import int8_passthrough
 from .passes.matmul_nbits import matmul_to_nbits
+from .passes.misaligned_weight_scales import dequantize_misaligned_weights
 from .passes.minmax_to_clip import minmax_to_clip
 from .passes.noop_clamps import remove_noop_clamps
 from .passes.pad_into_conv import fold_pads_into_convs
@@ -152,7 +155,7 @@ PIPELINE: tuple[Step, ...] = (
     Step((matmul_to_nbits,), args=lambda o: (o.accuracy_level,)),
     Step((shapes_from_integers,)),
     Step((uint8_weights,), when=lambda o: o.weight_type == "uint8"),
-    Step((bias_apart, shield_float_weights)),
+    Step((bias_apart, dequantize_misaligned_weights, shield_float_weights)),
     Step((drop_exporter_metadata,), when=lambda o: not o.keep_exporter_metadata),
 )
 
@@ -194,9 +197,9 @@ def read_input(model: onnx.ModelProto, reference, name: str, encodings: list[Enc
     """``(model, reference, notes)``: the model the pipeline converts, the one verification runs as the input, and
     what :data:`READERS` did. Where none applies, ``model`` and ``reference`` as given; where one does (QONNX, or a
     float model with AIMET's ``encodings``), the QDQ model it reads, for both (onnxruntime cannot run the file as it
-    means it). What they cannot read is refused, named, as a defect of the model called ``name``; QONNX's reading is
-    judged on ``inputs`` (generated with ``shapes`` where None) against QONNX's own definition
-    (:mod:`recal_onnx.reading_judge`)."""
+    means it). What they cannot read is refused, named, as a defect of the model called ``name``; the reading is
+    judged on ``inputs`` (generated with ``shapes`` where None) against the format's own definition, QONNX's or
+    AIMET's simulation (:mod:`recal_onnx.reading_judge`)."""
     qonnx = any(is_qonnx_quantizer(n.op_type, n.domain) for n in model.graph.node)
     if not qonnx and encodings is None:
         return model, reference, []
@@ -210,9 +213,10 @@ def read_input(model: onnx.ModelProto, reference, name: str, encodings: list[Enc
     except ModelError as exc:
         raise ModelError(f"{name}: {exc}") from None
     read = g.commit()
-    if qonnx:  # a second judge: QONNX's own definition on the original file, quantizer by quantizer
-        unjudged = judge_qonnx_reading(original, read, name, inputs, shapes)
-        findings.notes.extend([unjudged] if unjudged else [])
+    # a second judge: the format's own definition on the original file, tensor by tensor
+    unjudged = (judge_qonnx_reading(original, read, name, inputs, shapes) if qonnx else
+                judge_aimet_reading(original, read, encodings, name, inputs, shapes))
+    findings.notes.extend([unjudged] if unjudged else [])
     model = onnx.ModelProto()
     model.CopyFrom(read)  # the pipeline's own: verification keeps ``read`` as it is
     return model, read, findings.notes

@@ -100,30 +100,49 @@ def judge_qonnx_reading(original: onnx.ModelProto, read: onnx.ModelProto, label:
     ``original`` on any Quant output beyond rounding: a reader defect, never the user's. Judged on the first
     :data:`SAMPLES` of the user's ``inputs`` (generated, with ``shapes``, where None). Returns '' when judged, else
     a note saying why it could not be."""
-    from .verify import _with_outputs, reference_session, run_batches
-    from .verify_inputs import fixed_batch, generated_inputs
-
     definition, quants = qonnx_definition(original)
     names = [name for name in quants if any(name in n.output for n in read.graph.node)]
     if not names:
         return ""
-    fixed = fixed_batch(read)
-    feeds = ({k: v[:max(SAMPLES, fixed or 0)] if np.ndim(v) else v for k, v in inputs.items()} if inputs is not None
-             else generated_inputs(read, SAMPLES, shapes=shapes))
     try:
-        runs = [run_batches(reference_session(_with_outputs(m, names)), feeds, fixed) for m in (definition, read)]
+        expected, got = _run_both((definition, names), (read, names), read, inputs, shapes)
     except Exception as exc:  # noqa: BLE001 - inputs the model does not run on: verification refuses them itself
         return (f"QONNX: the reading could not be compared with QONNX's definition on these inputs "
                 f"({' '.join(str(exc).split())[:200]})")
-    outputs = [o.name for o in read.graph.output]
-    order = outputs + [n for n in names if n not in outputs]
-    expected, got = ([dict(zip(order, values))[n] for n in names] for values in runs)
     scales = _constants(definition)
-    for name, want, have in zip(names, expected, got):
-        scale_name, constant = quants[name]
-        step = _step(scales.get(scale_name), want.shape)
+    _compare(label, "QONNX Quant", names, expected, got,
+             [_step(scales.get(quants[n][0]), w.shape) for n, w in zip(names, expected)],
+             [quants[n][1] for n in names], "QONNX's own definition")
+    return ""
+
+
+def _run_both(first: tuple[onnx.ModelProto, list[str]], second: tuple[onnx.ModelProto, list[str]],
+              read: onnx.ModelProto, inputs: dict[str, np.ndarray] | None, shapes: dict[str, list[int]] | None):
+    """The named tensors of two models (each ``(model, names)``), run as written on the first :data:`SAMPLES` of
+    ``inputs`` (generated for ``read`` with ``shapes`` where None)."""
+    from .verify import _with_outputs, reference_session, run_batches
+    from .verify_inputs import fixed_batch, generated_inputs
+
+    fixed = fixed_batch(read)
+    feeds = ({k: v[:max(SAMPLES, fixed or 0)] if np.ndim(v) else v for k, v in inputs.items()} if inputs is not None
+             else generated_inputs(read, SAMPLES, shapes=shapes))
+    found = []
+    for model, names in (first, second):
+        outputs = [o.name for o in model.graph.output]
+        values = run_batches(reference_session(_with_outputs(model, names)), feeds, fixed)
+        by_name = dict(zip(outputs + [n for n in names if n not in outputs], values))
+        found.append([by_name[n] for n in names])
+    return found
+
+
+def _compare(label: str, what: str, names: list[str], expected: list, got: list, steps: list, constant: list[bool],
+             definition: str) -> None:
+    """Each reader tensor against its definition: a constant's exactly (to float32's rounding of the same product),
+    an activation's within one step on at most :data:`TIES` of its values; else the :class:`ModelError` of a reader
+    defect, naming the tensor."""
+    for name, want, have, step, fixed in zip(names, expected, got, steps, constant):
         gap = np.abs(want.astype(np.float64) - have.astype(np.float64)) / step
-        if constant:  # the same product in float32, to its rounding
+        if fixed:  # the same product in float32, to its rounding
             far = gap > 1e-3 + 1e-6 * np.abs(want) / step
             share = 0.0
         else:
@@ -132,11 +151,10 @@ def judge_qonnx_reading(original: onnx.ModelProto, read: onnx.ModelProto, label:
         if far.any() or share > TIES:
             where = int(np.argmax(gap))
             raise ModelError(
-                f"{label}: recal's reading of QONNX Quant {name!r} differs from QONNX's own definition "
-                f"(evaluated on the original file) by up to {float(gap.max()):.4g} steps (value "
-                f"{have.ravel()[where]:.6g} where the definition gives {want.ravel()[where]:.6g}); this is a defect of "
-                "the converter's reader, not of your model: nothing was written")
-    return ""
+                f"{label}: recal's reading of {what} {name!r} differs from {definition} (evaluated on the original "
+                f"file) by up to {float(gap.max()):.4g} steps (value {have.ravel()[where]:.6g} where the definition "
+                f"gives {want.ravel()[where]:.6g}); this is a defect of the converter's reader, not of your model: "
+                "nothing was written")
 
 
 def _step(scale: np.ndarray | None, shape: tuple) -> np.ndarray:
@@ -146,3 +164,122 @@ def _step(scale: np.ndarray | None, shape: tuple) -> np.ndarray:
         return np.maximum(np.broadcast_to(np.abs(scale).astype(np.float64), shape), 1e-30)
     except (TypeError, ValueError, AttributeError):
         return np.ones(shape)
+
+
+def aimet_definition(model: onnx.ModelProto, encodings: list) -> tuple[onnx.ModelProto, dict[str, tuple]]:
+    """The float ``model`` with AIMET's simulation of each integer encoding written in standard float ops after its
+    tensor, ``(clip(round(x / scale) - offset, 0, 2**bw - 1) + offset) * scale`` (per channel along the axis its
+    layer's output channels take), its readers reading that; per encoded tensor ``(its simulated value's name, the
+    scale broadcast as it, whether it is a parameter)``."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    constants = _constants(out)
+    readers = _readers(out)
+    nodes, simulated = [], {}
+    for i, e in enumerate(x for x in encodings if not x.floating):
+        p = f"__aimet_def_{i}_"
+        shape = [1] * np.ndim(constants.get(e.name, 0))  # an activation's: one scale
+        if e.scales.size > 1:
+            shape[_channel_axis(e, constants.get(e.name), readers.get(e.name, []))] = -1
+        scale, offset = e.scales.astype(np.float32).reshape(shape), e.offsets.astype(np.float32).reshape(shape)
+        out.graph.initializer.extend(numpy_helper.from_array(v, p + k) for k, v in (
+            ("scale", scale), ("offset", offset), ("lo", np.float32(0)), ("hi", np.float32(2 ** e.bits - 1))))
+        n = _Nodes(nodes, p)
+        clipped = n("Min", [n("Max", [n("Sub", [n("Round", [n("Div", [e.name, p + "scale"])]), p + "offset"]),
+                                     p + "lo"]), p + "hi"])
+        value = n("Mul", [n("Add", [clipped, p + "offset"]), p + "scale"], output=p + "value")
+        simulated[e.name] = (value, scale, e.param)
+    for node in out.graph.node:  # readers read the simulated value
+        for j, name in enumerate(node.input):
+            if name in simulated:
+                node.input[j] = simulated[name][0]
+    out.graph.node.extend(nodes)
+    out.graph.CopyFrom(_sorted(out.graph))  # each definition after the node that makes its tensor
+    return out, simulated
+
+
+def _readers(model: onnx.ModelProto) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
+    found: dict[str, list] = {}
+    for node in model.graph.node:
+        for j, name in enumerate(node.input):
+            found.setdefault(name, []).append((node, j))
+    return found
+
+
+def _channel_axis(e, constant: np.ndarray | None, readers: list) -> int:
+    """The axis of a parameter's channels: its layer's output channels (Conv 0, ConvTranspose 1, Gemm by ``transB``,
+    MatMul the last), else the one axis as long as its encodings; a per-channel activation was refused already."""
+    for node, j in readers:
+        if j == 1 and constant is not None:
+            if node.op_type == "Conv":
+                return 0
+            if node.op_type == "ConvTranspose":
+                return 1
+            if node.op_type == "Gemm":
+                return 0 if any(a.name == "transB" and a.i for a in node.attribute) else 1
+            if node.op_type == "MatMul":
+                return constant.ndim - 1
+    sized = [a for a, d in enumerate(np.shape(constant)) if d == e.scales.size]
+    if len(sized) != 1:
+        raise ValueError(f"no one channel axis for {e.name!r}")
+    return sized[0]
+
+
+def _sorted(graph: onnx.GraphProto) -> onnx.GraphProto:
+    """``graph`` with its nodes in an order where each reads only what comes before it."""
+    ready = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
+    pending, done = list(graph.node), []
+    while pending:
+        rest = []
+        for n in pending:
+            if all(i in ready for i in n.input):
+                done.append(n)
+                ready.update(n.output)
+            else:
+                rest.append(n)
+        if len(rest) == len(pending):  # a cycle or a name from nowhere: left as it is for onnxruntime to refuse
+            done.extend(rest)
+            break
+        pending = rest
+    sorted_graph = onnx.GraphProto()
+    sorted_graph.CopyFrom(graph)
+    del sorted_graph.node[:]
+    sorted_graph.node.extend(done)
+    return sorted_graph
+
+
+def judge_aimet_reading(original: onnx.ModelProto, read: onnx.ModelProto, encodings: list, label: str,
+                        inputs: dict[str, np.ndarray] | None = None,
+                        shapes: dict[str, list[int]] | None = None) -> str:
+    """Refuse (:class:`ModelError`) where ``read`` (the float model with the encodings read as QDQ) differs from AIMET's
+    simulation of ``original`` (:func:`aimet_definition`) on any encoded tensor beyond rounding, as each of its
+    readers reads it. Returns '' when judged, else a note saying why it could not be."""
+    try:
+        definition, simulated = aimet_definition(original, encodings)
+    except ValueError as exc:
+        return f"AIMET encodings: the reading was not compared with AIMET's simulation ({exc})"
+    read_nodes = {n.name: n for n in read.graph.node if n.name}
+    read_outputs = {o.name for o in read.graph.output}
+    pairs = []  # (tensor, the definition's name for it, the reader's)
+    for node in original.graph.node:
+        for j, name in enumerate(node.input):
+            twin = read_nodes.get(node.name)
+            if name in simulated and twin is not None and j < len(twin.input) and twin.input[j]:
+                pairs.append((name, simulated[name][0], twin.input[j]))
+    given = {i.name for i in original.graph.input}  # an input that is also an output stays as given (said apart)
+    for output in original.graph.output:
+        if output.name in simulated and output.name in read_outputs and output.name not in given:
+            pairs.append((output.name, simulated[output.name][0], output.name))
+    pairs = list(dict.fromkeys(pairs))
+    if not pairs:
+        return ""
+    try:
+        expected, got = _run_both((definition, [d for _, d, _ in pairs]), (read, [r for _, _, r in pairs]), read,
+                                  inputs, shapes)
+    except Exception as exc:  # noqa: BLE001 - inputs the model does not run on: verification refuses them itself
+        return (f"AIMET encodings: the reading could not be compared with AIMET's simulation on these inputs "
+                f"({' '.join(str(exc).split())[:200]})")
+    _compare(label, "the AIMET encoding of", [t for t, _, _ in pairs], expected, got,
+             [_step(simulated[t][1], w.shape) for (t, _, _), w in zip(pairs, expected)],
+             [simulated[t][2] for t, _, _ in pairs], "AIMET's simulation")
+    return ""

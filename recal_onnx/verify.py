@@ -30,7 +30,8 @@ from .input_checks import ModelError
 from .verify_inputs import batched_inputs, fixed_batch, generated_inputs, integer_ranges  # noqa: F401 (re-exported)
 from .op_by_op import (BOUNDARY, LOCAL_MAX_BYTES, LOCAL_SAMPLES, MEMORY, _copyable, _on_grid,  # noqa: F401
                        _with_outputs, fixed_parts, op_by_op)
-from .sessions import reference_session, runtime_session, session  # noqa: F401 (re-exported)
+from .verify_budget import check_tensor_sizes
+from .sessions import Tolerant, reference_session, runtime_session, session  # noqa: F401 (re-exported)
 
 
 
@@ -155,7 +156,7 @@ class Verification:
                       + (", within which the difference is accepted" if self.within_noise else ""))
         typical = [o.typical_note() for o in self.outputs if o.typical is not None and o.runtime is not None]
         if self.runtime_refused:
-            local += f"; onnxruntime's default session does not load the input ({self.runtime_refused})"
+            local += f"; onnxruntime's default session cannot run the input ({self.runtime_refused})"
         if typical:
             local += "; " + "; ".join(typical) + (
                 ", within which the difference is accepted" if self.within_runtime else "")
@@ -203,12 +204,14 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
             (``Findings.bias_moves``): a differing value may lie that much further from a rounding boundary."""
     feeds = inputs if inputs is not None else generated_inputs(candidate)
     batched, fixed = batched_inputs(candidate), fixed_batch(candidate)
+    check_tensor_sizes(reference, feeds, batched, fixed)  # before a session makes them
     producers = {o: n.op_type for n in candidate.graph.node for o in n.output}
     names = [o.name for o in candidate.graph.output]
     steps = output_steps or {}
     stats = [OutputStats() for _ in names]
     runners = reference_session(reference), session(candidate)  # the converted model must load with defaults
     alternative, refused = runtime_session(reference) if runtime else (None, "")
+    alternative = Tolerant(alternative) if alternative is not None else None
     stats_rt = [OutputStats() for _ in names] if alternative is not None else None
     samples, per_sample = 0, 0
     for ref, got, *theirs in _paired_chunks(runners + ((alternative,) if alternative is not None else ()), feeds,
@@ -220,6 +223,8 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
             stat.add(r, g)
         for stat, r, t in zip(stats_rt or [], ref, theirs[0] if theirs else []):
             stat.add(r, t)
+    if alternative is not None and alternative.refused:  # no alternative to compare with: said in the result
+        refused, stats_rt = alternative.refused, None
     del runners, alternative  # their memory (a float reference's dequantized weights) before the op-by-op sessions are made
     dead = [name for s, name in zip(stats, names) if s.count and s.nonfinite == s.count]
     if dead:

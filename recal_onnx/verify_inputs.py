@@ -136,7 +136,7 @@ def _declared(model: onnx.ModelProto, fixed: int | None,
             continue
         dims = []
         for axis, d in enumerate(tensor.shape.dim):
-            if d.HasField("dim_value") and d.dim_value > 0:
+            if d.HasField("dim_value") and d.dim_value >= 0:
                 dims.append(d.dim_value)
             elif axis == 0:
                 dims.append(1)
@@ -146,7 +146,7 @@ def _declared(model: onnx.ModelProto, fixed: int | None,
                                                      np.issubdtype(dtype, np.floating)))
                 dims.append(named[key])
         first = tensor.shape.dim[0] if tensor.shape.dim else None
-        batched = bool(dims) and (fixed is not None or not (first.HasField("dim_value") and first.dim_value > 0))
+        batched = bool(dims) and (fixed is not None or not (first.HasField("dim_value") and first.dim_value >= 0))
         shapes[info.name] = dims, dtype, batched
     return shapes
 
@@ -174,7 +174,7 @@ def _samples_that_fit(shapes: dict[str, tuple[list[int], type, bool]], batch: in
 
 def chosen_dimensions(model: onnx.ModelProto) -> bool:
     """Whether generated inputs choose a size the model leaves open beyond the batch (:func:`open_dimension`)."""
-    return any(not (d.HasField("dim_value") and d.dim_value > 0)
+    return any(not (d.HasField("dim_value") and d.dim_value >= 0)
                for i in model.graph.input for d in list(i.type.tensor_type.shape.dim)[1:])
 
 

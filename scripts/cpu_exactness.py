@@ -84,9 +84,10 @@ def load_run(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
         if not isinstance(meta, dict) or not isinstance(meta.get("cpu"), str) or not isinstance(
                 meta.get("onnxruntime"), str) or not isinstance(meta.get("int8_flags"), list):
             raise ValueError("fields missing")
-    except (KeyError, ValueError) as exc:
+    except (KeyError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested deeper than Python follows
+        why = "nested deeper than a JSON parser can follow" if isinstance(exc, RecursionError) else str(exc)
         raise RunFileError(f"{path}: its metadata (__meta__: cpu, int8_flags, onnxruntime) is missing or malformed "
-                           f"({exc})") from None
+                           f"({why})") from None
     for key, value in arrays.items():
         if value.dtype.kind not in "biuf":
             raise RunFileError(f"{path}: output {key!r} holds {value.dtype} values, not numbers")

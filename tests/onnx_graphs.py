@@ -165,7 +165,7 @@ def qonnx_reference(model: onnx.ModelProto, feeds: dict) -> list:
         op_domain = QONNX_DOMAIN
 
         def _run(self, x, scale, zeropt, bitwidth, signed=1, narrow=0, rounding_mode="ROUND"):
-            bits = int(bitwidth)
+            bits = int(np.asarray(bitwidth).reshape(-1)[0])  # QONNX's one bit width, of any shape
             lo = (-(2 ** (bits - 1)) + narrow) if signed else 0
             hi = (2 ** (bits - 1) - 1) if signed else (2 ** bits - 1 - narrow)
             mode = rounding_mode.decode() if isinstance(rounding_mode, bytes) else rounding_mode
@@ -173,6 +173,52 @@ def qonnx_reference(model: onnx.ModelProto, feeds: dict) -> list:
             return (((rounding[mode.upper()](y) - zeropt) * scale).astype(np.float32),)
 
     return ReferenceEvaluator(model, new_ops=[Quant]).run(None, feeds)
+
+
+def _aimet_entries(entries: dict) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
+    """AIMET's encodings (0.6.1 or 1.0.0 layout) as ``{tensor: (scales, offsets, bits)}``, integer encodings only."""
+    found = {}
+    for section in ("activation_encodings", "param_encodings"):
+        value = entries.get(section) or {}
+        items = value.items() if isinstance(value, dict) else ((e["name"], e) for e in value)
+        for name, e in items:
+            if isinstance(e, list):  # 0.6.1: one dict a channel
+                if str(e[0].get("dtype", "int")).lower() == "int":
+                    found[name] = (np.array([c["scale"] for c in e], np.float32),
+                                   np.array([c["offset"] for c in e], np.float32), int(e[0]["bitwidth"]))
+            elif str(e.get("dtype", "INT")).upper() == "INT":
+                found[name] = (np.array(e["scale"], np.float32), np.array(e["offset"], np.float32), int(e["bw"]))
+    return found
+
+
+def aimet_reference(model: onnx.ModelProto, entries: dict, feeds: dict) -> list:
+    """``model`` as AIMET's simulation computes it with ``entries``: every encoded tensor replaced by
+    ``(clip(round(x / scale) - offset, 0, 2**bw - 1) + offset) * scale`` (a weight per channel along axis 0, as a
+    Conv's), run by onnx's reference evaluator in float32; independent of the converter's reading and its judge."""
+    from onnx.reference import ReferenceEvaluator
+
+    def simulate(x, scales, offsets, bits, axis=0):
+        shape = [1] * x.ndim
+        if scales.size > 1:
+            shape[axis] = -1
+        s, o = scales.reshape(shape), offsets.reshape(shape)
+        return ((np.clip(np.round(x / s) - o, 0, 2 ** bits - 1) + o) * s).astype(np.float32)
+
+    encoded = _aimet_entries(entries)
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for init in copy.graph.initializer:
+        if init.name in encoded:
+            init.CopyFrom(numpy_helper.from_array(simulate(numpy_helper.to_array(init), *encoded[init.name]), init.name))
+    feeds = {k: simulate(v, *encoded[k]) if k in encoded else v for k, v in feeds.items()}
+    outputs = [o.name for o in copy.graph.output]
+    inner = [n for n in encoded if n not in feeds and n not in {t.name for t in copy.graph.initializer}]
+    evaluator = ReferenceEvaluator(copy)
+    values = dict(zip(outputs, evaluator.run(outputs, feeds)))
+    if any(n not in outputs for n in inner):
+        raise NotImplementedError("an encoded tensor inside the graph: this reference simulates inputs, weights and "
+                                  "outputs only")
+    return [simulate(values[n], *encoded[n]) if n in encoded else values[n] for n in outputs]
 
 
 def qonnx_quant(b: "Builder", x: str, scale, zero_point, bits, **attrs) -> str:

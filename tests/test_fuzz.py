@@ -139,22 +139,43 @@ def _case_folder(tmp_path, name: str):
     return folder
 
 
-def _converts_or_is_refused(source, folder, kept: set[str], named: bool = True, ignore=(), **options) -> None:
+def _converts_or_is_refused(source, folder, kept: set[str], named: bool = True, ignore=(), **options):
     """``quantize_qat_export(source, folder / "out.onnx", **options)`` converts (verified) or is refused with a
     ModelError or VerificationError (with ``named``, a reason rather than a crash it wraps), in bounded time, and
-    ``folder`` holds nothing but ``kept`` and whole outputs after; ``ignore``: the warning categories let pass."""
+    ``folder`` holds nothing but ``kept`` and whole outputs after; ``ignore``: the warning categories let pass.
+    Returns the conversion's result, None where it was refused."""
     from recal_onnx import ModelError, UnconvertedOpsWarning, VerificationError, quantize_qat_export
 
     started = time.perf_counter()
+    result = None
     try:
         with warnings.catch_warnings():
             for category in (UnconvertedOpsWarning, *ignore):
                 warnings.simplefilter("ignore", category)
-            quantize_qat_export(source, folder / "out.onnx", **options)
+            result = quantize_qat_export(source, folder / "out.onnx", **options)
     except (ModelError, VerificationError) as exc:
         assert not named or "cannot convert" not in str(exc), exc
     assert time.perf_counter() - started < CONVERT_SECONDS
     assert {p.name for p in folder.iterdir()} <= {*kept, "out.onnx", "out.x86-avx2.onnx"}
+    return result
+
+
+def _computes_the_definition(result, definition, shape, seed: int) -> None:
+    """A converted model computes what the format defines (``definition(feeds)``: QONNX's ``Quant`` or AIMET's
+    simulation, written in the tests apart from the converter) on 4 samples: at most 5% of the values differ (a
+    rounding tie carried on: 2 of a classifier's 40 logits), none by more than 5% of the output's range; a
+    misreading (a sign, a scale) is far beyond."""
+    from .onnx_graphs import run
+
+    name = result.model.graph.input[0].name
+    gaps = []
+    for sample in range(4 // shape[0]):  # a fixed batch of 1: four runs
+        feeds = {name: np.random.default_rng([seed, sample]).standard_normal(shape).astype(np.float32)}
+        want, got = definition(feeds)[0], run(result.model, feeds)[0]
+        span = max(float(want.max() - want.min()), 1e-12)
+        gaps.append(np.abs(want.astype(np.float64) - got.astype(np.float64)).ravel() / span)
+    gap = np.concatenate(gaps)
+    assert np.count_nonzero(gap > 1e-6) <= 0.05 * gap.size and gap.max() <= 0.05, (gap.max(), np.mean(gap > 1e-6))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -206,8 +227,8 @@ def _mutate_qonnx(model, rng: random.Random) -> None:
 @given(st.integers(0, 2**32 - 1), st.integers(1, 3))
 def test_mutated_qonnx_models_convert_or_are_refused_by_name(tmp_path, seed, rounds):
     """Brevitas's QONNX export with its quantizers' attributes, scales, zero points and bit widths mutated: each
-    either converts (verified) or is refused with a ModelError or VerificationError, in bounded time, nothing
-    partial written, the input untouched."""
+    either converts (verified, and computing QONNX's definition of the mutated file) or is refused with a ModelError
+    or VerificationError, in bounded time, nothing partial written, the input untouched."""
     rng = random.Random(seed)
     model = onnx.load(_QONNX)
     for _ in range(rounds):
@@ -217,8 +238,13 @@ def test_mutated_qonnx_models_convert_or_are_refused_by_name(tmp_path, seed, rou
     data = model.SerializeToString()
     src.write_bytes(data)
     # numpy on a scale of 1e-30 or inf warns before the refusal
-    _converts_or_is_refused(src, folder, {"in.onnx"}, ignore=(RuntimeWarning,))
+    result = _converts_or_is_refused(src, folder, {"in.onnx"}, ignore=(RuntimeWarning,))
     assert src.read_bytes() == data
+    if result is not None:  # whatever converts computes QONNX's definition of the file
+        from .onnx_graphs import qonnx_reference
+
+        shape = [d.dim_value or 1 for d in model.graph.input[0].type.tensor_type.shape.dim]
+        _computes_the_definition(result, lambda feeds: qonnx_reference(model, feeds), shape, seed)
 
 
 _ENCODING_VALUES = [None, 0, -1, 1, 3, 8, 16, 33, -128, -300, 0.5, 1e-30, 1e30, float("nan"), "x", [], [1, 2],
@@ -230,7 +256,8 @@ _ENCODING_VALUES = [None, 0, -1, 1, 3, 8, 16, 33, -128, -300, 0.5, 1e-30, 1e30, 
 @given(st.integers(0, 2**32 - 1), st.integers(1, 4))
 def test_mutated_aimet_encodings_convert_or_are_refused_by_name(tmp_path, seed, edits):
     """AIMET's encodings (both layouts) with fields changed, dropped or added at random, as JSON files: each converts
-    (verified) or is refused with a ModelError, in bounded time, nothing partial written."""
+    (verified, and computing AIMET's simulation with the mutated encodings) or is refused with a ModelError, in
+    bounded time, nothing partial written."""
     import json
 
     from .onnx_graphs import aimet_layer
@@ -248,8 +275,12 @@ def test_mutated_aimet_encodings_convert_or_are_refused_by_name(tmp_path, seed, 
             entry[key] = rng.choice(_ENCODING_VALUES)
     folder = _case_folder(tmp_path, f"encodings-{seed}-{edits}")
     (folder / "model.encodings").write_text(json.dumps(encodings))
-    _converts_or_is_refused(model, folder, {"model.encodings"}, ignore=(Warning,),
-                            encodings=folder / "model.encodings")
+    result = _converts_or_is_refused(model, folder, {"model.encodings"}, ignore=(Warning,),
+                                     encodings=folder / "model.encodings")
+    if result is not None:  # whatever converts computes AIMET's simulation with those encodings
+        from .onnx_graphs import aimet_reference
+
+        _computes_the_definition(result, lambda feeds: aimet_reference(model, encodings, feeds), [2, 3, 6, 6], seed)
 
 
 # --- round 3: eval operators, pattern sets, graph outputs of every kind behind broadcast constants ---------------

@@ -297,6 +297,24 @@ def test_a_full_disk_is_said_plainly_and_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_error_while_writing_names_the_users_path_not_recals_temporary(tmp_path):
+    """A writer's error inside recal's atomic write names the output the user asked for: the temporary
+    (``.recal-<pid>-...``) the writer saw is put back to that path, in the message and in an OSError's file name."""
+    import errno
+
+    from recal_core.atomic import atomic_folder, atomic_path
+
+    with pytest.raises(ValueError) as raised:
+        with atomic_path(tmp_path / "model.pt") as tmp:
+            raise ValueError(f"cannot write {tmp}: the writer's own words")
+    assert str(raised.value) == f"cannot write {tmp_path / 'model.pt'}: the writer's own words"
+    with pytest.raises(PermissionError) as raised:
+        with atomic_folder(tmp_path) as folder:
+            raise PermissionError(errno.EACCES, "Permission denied", str(folder / "out.onnx"))
+    assert raised.value.filename == str(tmp_path / "out.onnx") and ".recal-" not in str(raised.value)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_input_leaves_no_folder_behind(tmp_path):
     recipe = tmp_path / "layers.yaml"
     recipe.write_text("- !EpochRangeModifier {start_epoch: 0, end_epoch: 1}\n- !ConstantKSModifier {params: [nope]}\n")
@@ -531,6 +549,43 @@ def test_converter_input_it_cannot_take_is_one_line(tmp_path, opset, domain, wor
     line = _one_line(_cli("quantize-qat-export", str(path), str(tmp_path / "out.onnx")))
     assert words in line
     with pytest.raises(ModelError):
+        quantize_qat_export(path, tmp_path / "out.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.onnx"]
+
+
+@pytest.mark.parametrize("shape, dequantized", [((0, 3, 3, 3), False), ((0, 3, 3, 3), True), ((4, 0, 3, 3), True)])
+def test_a_zero_size_weight_is_refused_naming_its_node(tmp_path, shape, dequantized):
+    """A conv whose weight holds no values (float, or dequantized from int8): one ModelError naming the node that
+    reads it and its shape, nothing written (it was a numpy reshape error naming nothing, or a 128-step refusal)."""
+    from .onnx_graphs import Builder
+
+    b = Builder()
+    weight = b.const(np.zeros(shape, np.int8 if dequantized else np.float32), "w")
+    if dequantized:
+        weight = b.node("DequantizeLinear", [weight, b.const(np.float32(0.01)), b.const(np.int8(0))])
+    y = b.qdq(b.node("Conv", [b.qdq("x", 0.05, 128), weight]), 0.1, 128)
+    path = tmp_path / "in.onnx"
+    onnx.save(b.model([("x", [1, shape[1], 6, 6])], [y]), str(path))
+    reader = "DequantizeLinear 'DequantizeLinear" if dequantized else "Conv 'Conv"
+    with pytest.raises(ModelError, match=rf"{reader}\d+' reads 'w\d+', a constant of shape \{list(shape)}\ that holds "
+                                         "no values"):
+        quantize_qat_export(path, tmp_path / "out.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.onnx"]
+
+
+def test_a_tensor_verification_would_make_beyond_its_budget_is_refused_before_running(tmp_path):
+    """A 1 kB model whose Tile makes 977 MB per sample: refused by shape inference before any session runs, naming
+    the tensor, its node and shape (it ran onnxruntime for a minute to 2.7 GB and "out of memory", naming nothing)."""
+    from .onnx_graphs import Builder
+
+    b = Builder()
+    tiled = b.node("Tile", [b.qdq("x", 0.05, 128), b.const(np.array([1, 4000, 4000], np.int64))])
+    path = tmp_path / "in.onnx"
+    onnx.save(b.model([("x", ["N", 4, 4])], [b.qdq(b.node("Relu", [tiled]), 0.1, 0)]), str(path))
+    assert path.stat().st_size < 1024
+    with pytest.raises(ModelError, match=r"in\.onnx: verification would make tensor 'tile\d+' \(made by Tile "
+                                         r"'Tile\d+'\) of shape \[1, 16000, 16000\], 977 MB for one sample.*"
+                                         r"--input-shape"):
         quantize_qat_export(path, tmp_path / "out.onnx")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.onnx"]
 

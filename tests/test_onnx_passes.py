@@ -32,6 +32,7 @@ from recal_onnx.passes.gather_int8_table import gather_int8_tables
 from recal_onnx.passes.gemm_to_qgemm import gemm_to_qgemm
 from recal_onnx.passes.int8_passthrough import int8_passthrough
 from recal_onnx.passes.minmax_to_clip import minmax_to_clip
+from recal_onnx.passes.misaligned_weight_scales import dequantize_misaligned_weights
 from recal_onnx.passes.noop_clamps import remove_noop_clamps
 from recal_onnx.passes.pad_into_conv import fold_pads_into_convs
 from recal_onnx.passes.pool_to_qlinear import pool_to_qlinear
@@ -1762,6 +1763,31 @@ def test_a_float_layer_between_quantized_tensors_keeps_its_weights_in_a_default_
     assert result.rewrites["shield_float_weights"] == 1
     integer, _ = _apply(_conv_graph(), bias_to_int32)
     assert _apply(integer, shield_float_weights)[1] == [0]
+
+
+def test_a_weight_scaled_per_input_channel_is_written_as_its_float_values():
+    """DQ(x), DQ(w, axis=1) -> Conv -> Q: left float by the converter, but onnxruntime's default session fuses it into
+    a QLinearConv that fails at run time ("filter scale shape invalid"). With the weight written as the float32 values
+    DequantizeLinear computes (its input then shielded as every float layer's is), the default session runs and
+    gives what the file as written means; a per-output-channel weight is left as it is."""
+    import onnxruntime as ort
+
+    def graph(axis):
+        b = Builder()
+        x = b.qdq("x", 0.05, 128)
+        y = b.qdq(b.node("Conv", [x, b.weight((4, 3, 3, 3), axis=axis)]), 0.1, 128)
+        return b.model([("x", [1, 3, 6, 6])], [y])
+
+    model, feeds = graph(axis=1), _x((1, 3, 6, 6))
+    with pytest.raises(Exception, match="filter scale shape invalid"):
+        run(model, feeds, level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    findings = Findings()
+    result, counts = _apply(model, dequantize_misaligned_weights, shield_float_weights, findings=findings)
+    assert counts == [1, 1] and "scales are along axis 1, not its output channels (axis 0)" in \
+        findings.kept_float[next(iter(findings.kept_float))][1]
+    np.testing.assert_array_equal(run(result, feeds, level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL)[0],
+                                  reference(model, feeds)[0])
+    assert _apply(graph(axis=0), dequantize_misaligned_weights, findings=Findings())[1] == [0]
 
 
 def test_qonnx_to_qcdq_computes_what_qonnx_defines():

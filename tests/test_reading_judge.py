@@ -78,3 +78,61 @@ def test_a_graph_input_that_is_also_an_output_keeps_its_name(tmp_path):
     written = onnx.load(str(result.path))
     assert [i.name for i in written.graph.input] == ["x"] and "x" in [o.name for o in written.graph.output]
     assert any("is also a graph output" in note for note in result.notes)
+
+
+def test_a_weight_scaled_per_input_channel_converts_and_runs_in_a_default_session(tmp_path):
+    """A QONNX conv weight whose scale has shape [1, C_in, 1, 1]: onnxruntime's own default session of the QDQ
+    reading fails at run time (its QLinearConv fusion refuses the scale), which verification says rather than
+    crashing; the conv is left float with that reason, and the written model runs in a default session and computes
+    QONNX's definition."""
+    import onnxruntime as ort
+
+    b = Builder()
+    rng = np.random.default_rng(0)
+    x = qonnx_quant(b, "x", 0.05, 0, 8, narrow=0)
+    scales = np.array([0.01, 0.02, 0.03], np.float32).reshape(1, 3, 1, 1)
+    w = qonnx_quant(b, b.const(rng.standard_normal((2, 3, 1, 1)).astype(np.float32) * 0.3), scales, 0, 8, narrow=1)
+    y = qonnx_quant(b, b.node("Conv", [x, w]), 0.05, 0, 8, narrow=0)
+    model = qonnx_model(b, [("x", [1, 3, 4, 4])], [(y, [1, 2, 4, 4])])
+    with pytest.warns(UserWarning, match=r"scales are along axis 1, not its output channels"):
+        result = quantize_qat_export(model, tmp_path / "int8.onnx")
+    assert "onnxruntime's default session cannot run the input (it fails when run" in str(result.verification)
+    feeds = {"x": rng.standard_normal((1, 3, 4, 4)).astype(np.float32)}
+    got = ort.InferenceSession(str(tmp_path / "int8.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    assert np.abs(got - qonnx_reference(model, feeds)[0]).max() <= 0.05 + 1e-6
+
+
+@pytest.mark.parametrize("misreading", ["scale", "offset"])
+def test_the_judge_refuses_an_encodings_reader_that_misreads(monkeypatch, tmp_path, misreading):
+    """AIMET's encodings: a reader that doubles a weight's scales, or flips an activation's offset, is caught by
+    AIMET's simulation evaluated on the float model, before anything is written; the reader as it is passes, and
+    the converted model computes that simulation."""
+    import dataclasses
+
+    import onnx
+
+    from recal_onnx.passes import encodings_to_qdq as aimet_reader
+    from recal_onnx.reading_judge import aimet_definition
+    from recal_onnx.aimet_encodings import load_encodings
+
+    from .onnx_graphs import aimet_layer
+
+    model, entries, w = aimet_layer()
+    result = quantize_qat_export(model, tmp_path / "good.onnx", encodings=entries)
+    assert not any("not compared" in n or "could not be compared" in n for n in result.notes), result.notes
+    feeds = {"x": np.random.default_rng(3).uniform(-3, 4, (2, 3, 6, 6)).astype(np.float32)}
+    definition, simulated = aimet_definition(model, load_encodings(entries))
+    del definition.graph.output[:]  # the output as AIMET simulates it: its encoding applied
+    definition.graph.output.append(onnx.helper.make_empty_tensor_value_info(simulated[model.graph.output[0].name][0]))
+    steps = np.abs(run(definition, feeds)[0] - run(result.model, feeds)[0]) / 0.02
+    assert steps.max() <= 1 + 1e-3 and np.count_nonzero(steps > 1e-3) <= 0.001 * steps.size
+    if misreading == "scale":
+        wrong, target = (lambda e: dataclasses.replace(e, scales=e.scales * 2)), "_parameter"
+    else:
+        wrong, target = (lambda e: dataclasses.replace(e, offsets=np.minimum(-e.offsets, 0) - 8)), "_activation"
+    original = getattr(aimet_reader, target)
+    monkeypatch.setattr(aimet_reader, target, lambda g, value, e: original(g, value, wrong(e)))
+    with pytest.raises(ModelError, match=r"recal's reading of the AIMET encoding of '.*' differs from AIMET's "
+                                         r"simulation .*a defect of the converter's reader, not of your model"):
+        quantize_qat_export(model, tmp_path / "bad.onnx", encodings=entries)
+    assert not list(tmp_path.glob("bad*"))

@@ -144,6 +144,7 @@ def test_cpu_exactness_script_runs_models_and_compares_two_machines_runs(tmp_pat
         "strings": {**good, "m.onnx|default": np.array(["a", "b"])},
         "no metadata": {k: v for k, v in good.items() if k != "__meta__"},
         "bad metadata": {**good, "__meta__": np.array("[1, 2]")},
+        "deep metadata": {**good, "__meta__": np.array("[" * 200_000 + "]" * 200_000)},  # RecursionError in json
         "zeros": {**good, "big|default": np.zeros(64 * 2**20, np.uint8)},  # 64 MB inflated, 65 kB on disk
     }
     cpu_exactness.MAX_BYTES = 32 * 2**20  # (512 MB in use; a smaller bomb here)
