@@ -104,3 +104,32 @@ def test_mismatches_are_clear_errors():
     manager.modify(student, torch.optim.SGD(student.parameters(), lr=0.1), steps_per_epoch=1, teacher=Wide())
     with pytest.raises(ValueError, match=r"teacher's output 'start_logits' is shape \(2, 9\), the student's has shape \(2, 4\)"):
         manager.loss(torch.tensor(1.0), inputs, student(**inputs))
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_a_teacher_that_outputs_nan_or_infinity_is_an_error_before_the_student_is_touched(poison):
+    """A teacher whose outputs hold NaN or infinity (a float16 teacher past its range, a broken checkpoint): the
+    step's loss is refused naming the output, before the KD term makes the student's weights NaN."""
+    torch.manual_seed(0)
+    student, teacher = SmallCNN(), SmallCNN()
+    with torch.no_grad():
+        teacher.fc.bias[3] = poison  # every row's logit 3
+    manager = ScheduledModifierManager.from_yaml(RECIPE)
+    optimizer = manager.modify(student, torch.optim.SGD(student.parameters(), lr=0.05), steps_per_epoch=SPE,
+                               teacher=teacher)
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    for k, (x, y) in enumerate(batches(2 * SPE)):
+        optimizer.zero_grad()
+        outputs = student(x)
+        plain = nn.functional.cross_entropy(outputs, y)
+        if k < SPE:  # before the modifier: the teacher is not run
+            loss = manager.loss(plain, x, outputs)
+        else:
+            with pytest.raises(ValueError, match=r"the teacher's output 'output' holds NaN or infinity \((\d+) of "
+                                                 r"\1 rows of this batch\)"):
+                manager.loss(plain, x, outputs)
+            break
+        loss.backward()
+        optimizer.step()
+    assert all(torch.isfinite(v).all() for v in student.state_dict().values() if v.is_floating_point())
+    assert before.keys() == student.state_dict().keys()

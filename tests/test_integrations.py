@@ -192,6 +192,22 @@ def test_lightning_runs_the_recipe_and_resumes_exactly(tmp_path):
     assert not different, different
 
 
+def test_lightning_refuses_a_checkpoint_with_a_nan_scale_naming_it(tmp_path):
+    """A Lightning checkpoint whose quantizer scale is NaN (a diverged run's): resuming is one ValueError naming the
+    checkpoint's file and the tensor, not a run that trains on."""
+    pytest.importorskip("lightning")
+    from recal_torch.integrations import RecalLightningCallback
+
+    _lightning_fit(tmp_path, RecalLightningCallback(RECIPE))
+    checkpoint = sorted(tmp_path.glob("epoch=1-*.ckpt"))[0]
+    saved = torch.load(checkpoint, weights_only=True)
+    scale = next(k for k in saved["state_dict"] if k.endswith("input_fake_quant.scale"))
+    saved["state_dict"][scale] = torch.full_like(saved["state_dict"][scale], float("nan"))
+    torch.save(saved, tmp_path / "nan.ckpt")
+    with pytest.raises(ValueError, match=rf"nan\.ckpt\): '{scale}' holds non-finite values"):
+        _lightning_fit(tmp_path / "again", RecalLightningCallback(RECIPE), resume=str(tmp_path / "nan.ckpt"))
+
+
 def test_a_tied_language_model_resumes_qat_from_the_trainers_safetensors(tmp_path):
     """GPT-2 ties its LM head to the token table, and the Trainer's safetensors save that tensor once: resuming in
     QAT loads it (the head is not "missing"), and the run ends as the uninterrupted one, bit for bit."""

@@ -1338,6 +1338,34 @@ def test_thin_heads_removes_a_dead_head_from_every_projection(heads_const):
     assert np.abs(run(thinned, feeds)[0] - run(model, feeds)[0]).max() <= 0.05
 
 
+@pytest.mark.parametrize("mask", ["value bias alive", "queries and keys dead, values alive"])
+def test_thin_heads_keeps_a_head_a_hostile_mask_only_half_kills(mask):
+    """Head 1's value weights zero but its value bias not (its output is that bias, not 0); or its query and key
+    weights and biases zero with its values alive (uniform attention: the mean of its values). Neither head is dead:
+    nothing is removed and the model computes what it did."""
+    model = _attention_graph()
+    inits = {i.name: i for i in model.graph.initializer}
+    adds = [n for n in model.graph.node if n.op_type == "Add"]
+
+    def edit(name, change):
+        values = onnx.numpy_helper.to_array(inits[name]).copy()
+        change(values)
+        inits[name].CopyFrom(onnx.numpy_helper.from_array(values, name))
+
+    edit(adds[2].input[1], lambda v: v.__setitem__(slice(4, 8), 0.3))  # the value bias of head 1
+    if mask != "value bias alive":
+        dqs = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
+               and tuple(inits[n.input[0]].dims) == (8, 8)]
+        for add, dq in zip(adds[:2], dqs[:2]):  # the query and key projections' head 1
+            edit(add.input[1], lambda v: v.__setitem__(slice(4, 8), 0))
+            edit(dq.input[0], lambda v: v.__setitem__((slice(None), slice(4, 8)), 0))
+    feeds = _x([1, 5, 8])
+    thinned, (n,) = _apply(model, thin_heads)
+    assert n == 0
+    off = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    np.testing.assert_array_equal(run(thinned, feeds, level=off)[0], reference(model, feeds)[0])
+
+
 @pytest.mark.parametrize("norm", ["each head", "all heads"])
 def test_thin_heads_follows_a_norm_of_each_heads_queries_not_one_of_all_heads(norm):
     """Qwen3 normalizes each head's queries and keys over the head's own axis: removing a head leaves the others'

@@ -76,12 +76,13 @@ class RecalLightningCallback(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         # Lightning restored the optimizer (and, through recal's hook, the recipe's state) after on_fit_start
+        where = f"the checkpoint Lightning resumed from ({trainer.ckpt_path})" if trainer.ckpt_path else \
+            "the checkpoint Lightning resumed from"
         if self._recal_state is not None:  # not through the hook: a distributed checkpoint
             optimizer = trainer.optimizers[0]
-            restore_recal_part(optimizer, optimizer.state_dict(), self._recal_state, self.manager, pl_module,
-                               "the checkpoint Lightning resumed from")
+            restore_recal_part(optimizer, optimizer.state_dict(), self._recal_state, self.manager, pl_module, where)
         elif self._resumed is not None and self.manager.qat.prepared:
-            load_model_state(pl_module, self._resumed, "the checkpoint Lightning resumed from")
+            load_model_state(pl_module, self._resumed, where)
         self._resumed = self._recal_state = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -54,6 +54,11 @@ def distillation_loss(student: Any, teacher: Any, m: M.DistillationModifier) -> 
         temperature = m.temperature
         s2 = s.reshape(-1, s.shape[-1]).float() / temperature
         t2 = t.detach().reshape(-1, t.shape[-1]).float() / temperature
+        if not bool(torch.isfinite(t2).all()):  # one value read back a step: a NaN loss would ruin every weight
+            bad = int((~torch.isfinite(t2)).any(-1).sum())
+            raise ValueError(f"the teacher's output {key!r} holds NaN or infinity ({bad} of {t2.shape[0]} rows of this "
+                             "batch): distilling from it would make the student's loss, then its weights, NaN; check "
+                             "the teacher (its dtype's range, its weights) on this batch")
         kl = F.kl_div(F.log_softmax(s2, -1), F.log_softmax(t2, -1), log_target=True, reduction="batchmean")
         terms.append(kl * temperature ** 2)
     return torch.stack(terms).mean()
