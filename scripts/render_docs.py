@@ -321,6 +321,16 @@ def interop() -> str:
     return table(load("interop.json"))
 
 
+def avx2_exactness() -> str:
+    """The AVX2 suite's models verified on this CPU's kernels and under an emulated Haswell
+    (scripts/avx2_exactness.py)."""
+    from avx2_exactness import table
+
+    return (table(load("avx2_exactness.json")) + "\n\nEach conversion on 8 generated samples, target any "
+            "(`python scripts/avx2_exactness.py --json docs/results/avx2_exactness.json`). The emulated column is the "
+            "same onnxruntime wheel dispatching its AVX2 kernels under qemu: exactness, never speed.")
+
+
 TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range, "zoo": zoo,
           "zoo-vnni": lambda: zoo("zoo_vnni.json"), "zoo-vnni-amd": lambda: zoo("zoo_vnni_amd.json"),
           "transformers": transformers, "llm": llm, "llm-ternary": lambda: llm("llm_ternary.json"),
@@ -330,7 +340,7 @@ TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo
           "large-decoder": large_decoder, "thinning-decoder": thinning_decoder,
           "thinning-decoder-neox": lambda: thinning_decoder("gpt-neox"),
           "jax-compile": jax_compile, "gpu-check": gpu_check,
-          "lsq-overhead": lsq_overhead}
+          "lsq-overhead": lsq_overhead, "avx2-exactness": avx2_exactness}
 
 
 def render(text: str) -> str:
