@@ -66,6 +66,26 @@ def _schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed distribution's version (the checkout's pyproject.toml where it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("recal")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+def _recipes(args: argparse.Namespace) -> int:
+    from recal_core.bundled import PREFIX, bundled_recipes
+
+    found = bundled_recipes()
+    width = max(len(PREFIX + name) for name in found)
+    for name, about in found.items():
+        print(f"{PREFIX + name:<{width}}  {about}")
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr (and exit 2), like every other failure."""
 
@@ -74,27 +94,33 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="recal", description="Scheduled pruning, QAT and LR recipes "
-                                     "for PyTorch and TensorFlow; int8 ONNX export.")
+    parser = _Parser(prog="recal", description="Scheduled pruning, QAT and LR recipes for PyTorch, Keras 3 and "
+                                                "TensorFlow; QAT exports converted to integer ONNX, verified.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument("--version", action="version", version=f"recal {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     check = sub.add_parser("check", help="validate a recipe and print what it does per epoch")
-    check.add_argument("recipe", help="recipe file (.yaml or .md with front matter)")
+    check.add_argument("recipe", help="recipe file (.yaml or .md with front matter), or a bundled one: recal:NAME")
     check.add_argument("--steps-per-epoch", type=_steps_per_epoch, default=1,
                        help="optimizer steps per epoch (default 1: one row per epoch step)")
     check.add_argument("--plot", metavar="OUT.png", help="also write the sparsity and LR curves")
     check.set_defaults(func=_check)
 
-    train = sub.add_parser("train", help="train the bundled digits classifier under a recipe (PyTorch or TensorFlow)")
-    train.add_argument("--framework", choices=("torch", "tf", "keras"), required=True)
-    train.add_argument("--recipe", required=True, help="recipe file")
+    train = sub.add_parser("train", help="train the bundled digits classifier under a recipe (PyTorch, Keras 3 or "
+                                         "TensorFlow)")
+    train.add_argument("--framework", choices=("torch", "tf", "keras"), required=True,
+                       help="torch (PyTorch), keras (Keras 3, its configured backend) or tf (a TensorFlow graph)")
+    train.add_argument("--recipe", required=True, help="recipe file, or a bundled one: recal:NAME (recal recipes)")
     train.add_argument("--output", default="runs/recal", help="output folder (default runs/recal)")
     train.add_argument("--epochs", type=_positive_int, help="epochs to train (default: the recipe's max_epochs)")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
     train.set_defaults(func=_train)
+
+    recipes = sub.add_parser("recipes", help="list the recipes recal ships (use one as recal:NAME)")
+    recipes.set_defaults(func=_recipes)
 
     schema = sub.add_parser("schema", help="print the JSON Schema of the recipe format")
     schema.add_argument("--output", "-o", help="write it to this file instead of stdout")

@@ -122,8 +122,17 @@ class Recipe(BaseModel):
 
     @property
     def max_epochs_exact(self) -> float:
-        """The last epoch any modifier mentions (EpochRangeModifier end, any end, start, milestone)."""
-        return max(_epoch_marks(self.modifiers), default=0.0)
+        """The last epoch any modifier mentions (EpochRangeModifier end, any end, start, milestone); without an
+        EpochRangeModifier, one epoch more where a modifier starts there and never ends (a quantization-only recipe
+        from epoch 0: else ``range(max_epochs)`` would train nothing and QAT never run)."""
+        last = max(_epoch_marks(self.modifiers), default=0.0)
+        if any(isinstance(m, M.EpochRangeModifier) for m in self.modifiers):
+            return last
+        for m in self.modifiers:
+            start, end = getattr(m, "start_epoch", None), getattr(m, "end_epoch", None)
+            if start is not None and max(start, 0.0) >= last - 1e-9 and (end is None or end < 0):
+                return last + 1.0
+        return last
 
     @property
     def max_epochs(self) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from .bundled import bundled_path
 from .errors import Location, Problem, RecipeError
 from .input_gate import InputFileError, read_bounded
 
@@ -265,7 +266,13 @@ def split_front_matter(text: str, source: str, markdown: bool | None = None) -> 
 
 
 def read_recipe_text(source: str | os.PathLike) -> RecipeText:
-    """Read a recipe from a path (``.yaml``, ``.yml``, ``.md``) or from a YAML/Markdown string."""
+    """Read a recipe from a path (``.yaml``, ``.yml``, ``.md``), a bundled recipe's name (``recal:prune_quant``,
+    :mod:`recal_core.bundled`) or a YAML/Markdown string."""
+    if isinstance(source, str):
+        try:
+            source = bundled_path(source) or source
+        except FileNotFoundError as exc:
+            raise RecipeError(Problem(Location(source), str(exc))) from None
     if isinstance(source, os.PathLike) or (isinstance(source, str) and _looks_like_path(source)):
         path = Path(source)
         try:

@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override the target's choice: int8 (exact with VNNI / AMX and on Arm), uint8 (weights "
                              "beyond +-64 as uint8: exact everywhere); auto (default): the target's")
     parser.add_argument("--tolerance", type=_tolerance,
-                        help="largest accepted max-abs difference (a finite number >= 0); default: 3 steps of a "
+                        help="largest accepted max-abs difference (a finite number >= 0); default (none given): 3 "
+                             "steps of a "
                              "quantized output, 10%% of a float output's range, or as far as onnxruntime's own session "
                              "of the input, or the QAT model's own rounding noise, where op by op every difference is "
                              "a value on a rounding boundary")

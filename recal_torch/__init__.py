@@ -1,7 +1,7 @@
 """recal_torch: apply a recal recipe to a PyTorch training loop; QAT; ONNX export.
 
 >>> from recal_torch import ScheduledModifierManager
->>> manager = ScheduledModifierManager.from_yaml("scripts/recipes/seed_prune_all.yaml")  # doctest: +SKIP
+>>> manager = ScheduledModifierManager.from_yaml("recal:seed_prune_all")  # doctest: +SKIP
 >>> optimizer = manager.modify(model, optimizer, steps_per_epoch=len(loader))            # doctest: +SKIP
 """
 

@@ -25,7 +25,7 @@ from recal_app.training import train
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.results import machine, save  # noqa: E402
 
-RECIPES = Path(__file__).resolve().parent / "recipes"
+RECIPES = Path(__file__).resolve().parent.parent / "recal_core" / "recipes"
 ROWS = [  # label, framework, recipe, artefact name prefix
     ("dense", "torch", "dense.yaml", "PyTorch model"),
     ("dense", "tf", "dense.yaml", "TensorFlow frozen graph"),

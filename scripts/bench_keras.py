@@ -115,9 +115,9 @@ def accuracy(seeds: int, frameworks: tuple[str, ...] = ("keras", "tf", "torch"))
     from recal_core import load_recipe
     from recal_app.training import train
 
-    recipes = {"dense": ROOT / "scripts/recipes/dense.yaml", "pruned 90%": ROOT / "scripts/recipes/prune90.yaml",
-               "pruned 90% + QAT, int8": ROOT / "scripts/recipes/prune90_quant.yaml",
-               "the demo's, pruned 85% + QAT, int8": ROOT / "scripts/recipes/prune_quant.yaml"}
+    recipes = {"dense": ROOT / "recal_core/recipes/dense.yaml", "pruned 90%": ROOT / "recal_core/recipes/prune90.yaml",
+               "pruned 90% + QAT, int8": ROOT / "recal_core/recipes/prune90_quant.yaml",
+               "the demo's, pruned 85% + QAT, int8": ROOT / "recal_core/recipes/prune_quant.yaml"}
     results: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(seeds):

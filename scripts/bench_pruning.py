@@ -1,6 +1,6 @@
 """Pruning methods on the digits: 90% magnitude (GMP), global magnitude, OBS and M-FAC vs 2:4, one table.
 
-Each variant is scripts/recipes/prune90.yaml with its GradualKS swapped (same schedule, LR and epochs);
+Each variant is recal:prune90 with its GradualKS swapped (same schedule, LR and epochs);
 three seeds each, PyTorch, test accuracy of the trained model, and the time per training step (a run's
 wall time over its steps, per-epoch evaluation included) against the dense run's.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from recal_core import load_recipe
 from recal_app.training import train
 
-RECIPES = Path(__file__).resolve().parent / "recipes"
+RECIPES = Path(__file__).resolve().parent.parent / "recal_core" / "recipes"
 GMP = RECIPES / "prune90.yaml"
 VARIANTS = {  # label -> (the GradualKS block's replacement lines, or None for the recipe as it is)
     "dense": "dense",

@@ -1,6 +1,6 @@
 """What 7-bit weights cost: digits int8 accuracy with ``reduce_range: true`` against 8-bit weights, per front end.
 
-The demo's recipe (``scripts/recipes/prune_quant.yaml``: GradualKS to 85%, then QAT) is trained on the digits in
+The demo's recipe (``recal:prune_quant``: GradualKS to 85%, then QAT) is trained on the digits in
 PyTorch, the TensorFlow graph API and Keras, once as written (``reduce_range: true``) and once with 8-bit weights,
 for each seed; the int8 ONNX model's accuracy on the 360 test digits is read off each run. Prints one table and
 writes the runs' figures as JSON.
@@ -22,7 +22,7 @@ from recal_app.training import train
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.results import machine, save  # noqa: E402
 
-RECIPE = Path(__file__).resolve().parent / "recipes" / "prune_quant.yaml"
+RECIPE = Path(__file__).resolve().parent.parent / "recal_core" / "recipes" / "prune_quant.yaml"
 SEVEN_BIT = "reduce_range: true"
 
 

@@ -32,7 +32,7 @@ from bench.timing import interleaved_latency  # noqa: E402
 from speed import FILTERS_RECIPE, qat_int8  # noqa: E402
 from bench.models import ResNet18, templates, train_steps  # noqa: E402
 
-RECIPES = Path(__file__).resolve().parent / "recipes"
+RECIPES = Path(__file__).resolve().parent.parent / "recal_core" / "recipes"
 FILTERS = RECIPES / "filters50_quant.yaml"
 UNSTRUCTURED = """
     - !GradualKSModifier

@@ -25,6 +25,7 @@ int8 execution of that same QDQ export. Run it on an idle machine: it measures l
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import warnings
@@ -38,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench.peers import STATIC, STATIC_REDUCED, fidelity, static_peers  # noqa: E402
 from bench.results import load, machine, save  # noqa: E402
-from bench.timing import in_turns  # noqa: E402
+from bench.timing import in_turns, repeated, spread  # noqa: E402
 from recal_onnx import cpu, quantize_qat_export  # noqa: E402
 from recal_torch import export_onnx  # noqa: E402
 from tests.zoo.test_cnns import CLASSES, HF, MODELS, prune_and_qat  # noqa: E402
@@ -96,24 +97,37 @@ def build(name: str, size: int, folder: Path) -> dict:
             "float_ops": recal["recal"].float_ops, "agree": agree}
 
 
-def bench(models: list[str], size: int, rounds: int, folder: Path) -> dict[str, dict]:
-    """Each model's row: built one after another, then timed in turns, round after round. Three samples a round, each
-    at least 50 ms of runs: with one 20 ms sample a round, two files whose optimized graphs are identical (recal's
-    qoperator and qdq ResNet-50) differed by 17% on a shared machine."""
+def bench(models: list[str], size: int, rounds: int, folder: Path, repeats: int = 3) -> dict[str, dict]:
+    """Each model's row: built one after another, then timed in turns, round after round, the whole timing repeated
+    ``repeats`` times (:func:`bench.timing.repeated`). Three samples a round, each at least 50 ms of runs: with one
+    20 ms sample a round, two files whose optimized graphs are identical (recal's qoperator and qdq ResNet-50)
+    differed by 17% on a shared machine. A row's latency is each file's median over the repeats' medians; its
+    ``ratios`` keep every repeat's speed-up of recal over each other file."""
     built = {}
     for name in models:
         built[name] = build(name, size, folder / name)
         print(f"  {name}: built", flush=True)
-    latency = in_turns({name: (b["paths"], b["feed"]) for name, b in built.items()}, rounds, per_round=3,
-                       min_seconds=0.05)
-    return {name: {"latency": latency[name], **{k: v for k, v in b.items() if k not in ("paths", "feed")}}
-            for name, b in built.items()}
+    groups = {name: (b["paths"], b["feed"]) for name, b in built.items()}
+    runs = repeated(lambda: in_turns(groups, rounds, per_round=3, min_seconds=0.05), repeats)
+    rows = {}
+    for name, b in built.items():
+        latency = {k: statistics.median(run[name][k] for run in runs) for k in b["paths"]}
+        ratios = {k: [run[name][k] / run[name]["recal"] for run in runs] for k in b["paths"] if k != "recal"}
+        rows[name] = {"latency": latency, "ratios": ratios, **{k: v for k, v in b.items() if k not in ("paths", "feed")}}
+    return rows
+
+
+def _spread(row: dict, other: str) -> str:
+    """recal's speed-up over ``other``: the median of the repeats, and their least and most."""
+    low, mid, high = spread(row["ratios"][other])
+    return f"{mid:.2f}x ({low:.2f}-{high:.2f})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 rounds, 64x64 inputs, the small models")
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=3, help="whole interleaved timings, each ratio's spread kept")
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--models", nargs="+", choices=list(BUILDERS))
     parser.add_argument("--json", type=Path, help="also write the rows here")
@@ -121,6 +135,7 @@ def main() -> None:
                         help="with --json: replace or add these models' rows in that file, keep the others")
     args = parser.parse_args()
     rounds, size = (3, 64) if args.quick else (args.rounds, args.size)
+    repeats = 1 if args.quick else args.repeats
     models = args.models or list(MODELS if args.quick else BUILDERS)
     torch.set_num_threads(1)
     print(f"{cpu.describe()}\nbatch 1, 1 thread, {size}x{size}, median of {rounds} interleaved rounds (ms); sizes in "
@@ -131,7 +146,7 @@ def main() -> None:
           "(recal: its QAT export; onnxruntime: fp32): argmax agreement, max |difference| as % of the range")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        measured = bench(models, size, rounds, Path(tmp))
+        measured = bench(models, size, rounds, Path(tmp), repeats)
         print("| model | fp32 | recal | recal qdq | recal 8-bit int8 | recal 8-bit uint8 | ort static | ort static rr | "
               "recal vs fp32 | recal vs static | recal vs static rr | size fp32 / recal / static | float ops left | "
               "QAT export (default session) | recal | ort static | ort static rr |")
@@ -143,20 +158,22 @@ def main() -> None:
             cell = lambda label: f"{a[label][0]:.3f}, {100 * a[label][1]:.2f}%"  # noqa: E731
             print(f"| {name} | {ms['fp32']:.2f} | {ms['recal']:.2f} | {ms['recal qdq']:.2f} | "
                   f"{ms['recal 8-bit int8']:.2f} | {ms['recal 8-bit uint8']:.2f} | {ms[STATIC]:.2f} | "
-                  f"{ms[STATIC_REDUCED]:.2f} | {ms['fp32'] / ms['recal']:.2f}x | {ms[STATIC] / ms['recal']:.2f}x | "
-                  f"{ms[STATIC_REDUCED] / ms['recal']:.2f}x | {kb['fp32']:.0f} / {kb['recal']:.0f} / {kb[STATIC]:.0f} | "
+                  f"{ms[STATIC_REDUCED]:.2f} | {ms['fp32'] / ms['recal']:.2f}x | {_spread(r, STATIC)} | "
+                  f"{_spread(r, STATIC_REDUCED)} | {kb['fp32']:.0f} / {kb['recal']:.0f} / {kb[STATIC]:.0f} | "
                   f"{left} | {cell('qat export')} | {cell('recal')} | {cell(STATIC)} | {cell(STATIC_REDUCED)} |",
                   flush=True)
     if args.json:
         if args.merge and args.json.exists():
             kept = load(args.json)
-            if (kept["cpu"], kept["size"], kept["rounds"], kept.get("timing")) != (cpu.describe(), size, rounds, TIMING):
+            if (kept["cpu"], kept["size"], kept["rounds"], kept.get("timing"), kept.get("repeats", 1)) != (
+                    cpu.describe(), size, rounds, TIMING, repeats):
                 raise SystemExit(f"{args.json} was measured on another CPU, size or rounds: rerun every model")
             new = {row["model"]: row for row in rows}
             order = list(BUILDERS)
             rows = sorted([*(r for r in kept["rows"] if r["model"] not in new), *new.values()],
                           key=lambda r: order.index(r["model"]) if r["model"] in order else len(order))
-        save(args.json, {**machine(), "size": size, "rounds": rounds, "timing": TIMING, "rows": rows})
+        save(args.json, {**machine(), "size": size, "rounds": rounds, "repeats": repeats, "timing": TIMING,
+                         "rows": rows})
 
 
 if __name__ == "__main__":

@@ -5,13 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
-root=$(pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$PY" -m pip wheel --no-deps --quiet --wheel-dir "$work/dist" .
 wheel=$(ls "$work"/dist/recal-*.whl)
 echo "built $(basename "$wheel")"
-mkdir -p "$work/run" && ln -s "$root/scripts" "$work/run/scripts"
+mkdir -p "$work/run"  # an empty folder: the examples name bundled recipes (recal:NAME), no checkout
 
 fresh() {  # fresh NAME: a new venv with an up-to-date pip
     "$PY" -m venv "$work/$1"

@@ -1,8 +1,8 @@
 """`make demo`: the whole promise, in a few minutes on 2 cores.
 
 Accuracy on real data (the bundled digits):
-1. a dense baseline in PyTorch (scripts/recipes/dense.yaml);
-2. one recipe (scripts/recipes/prune_quant.yaml: GradualKS to 85% on every conv/dense kernel, then
+1. a dense baseline in PyTorch (recal:dense);
+2. one recipe (recal:prune_quant: GradualKS to 85% on every conv/dense kernel, then
    QAT, with an LR schedule) in PyTorch -> QAT ONNX -> int8 ONNX (quantize_qat_export);
 3. the same recipe, QAT included, in the TensorFlow graph API -> QAT ONNX -> int8 ONNX.
 Speed on a realistic architecture (synthetic inputs; the digits net is too small for int8 kernels to pay):
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from recal_core import load_recipe  # noqa: E402
 from recal_app.training import train  # noqa: E402
 
-RECIPES = Path(__file__).resolve().parent / "recipes"
+RECIPES = Path(__file__).resolve().parent.parent / "recal_core" / "recipes"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,6 +75,14 @@ def reduce_range() -> str:
             f"{', '.join(map(str, data['seeds']))} (`scripts/bench_reduce_range.py`)")
 
 
+def _ratio(row: dict, other: str) -> str:
+    """recal's speed-up over ``other``: with repeats, their median and (least-most)."""
+    if "ratios" in row:
+        values = sorted(row["ratios"][other])
+        return f"{statistics.median(values):.2f}x ({values[0]:.2f}-{values[-1]:.2f})"
+    return f"{row['latency'][other] / row['latency']['recal']:.2f}x"
+
+
 def zoo(name: str = "zoo.json") -> str:
     """The CNN zoo at 224x224 against fp32 and onnxruntime's quantize_static, with fidelity (scripts/bench_zoo.py)."""
     data = load(name)
@@ -86,15 +94,17 @@ def zoo(name: str = "zoo.json") -> str:
         cell = lambda label: f"{agree[label][0]:.3f}, {100 * agree[label][1]:.1f}%"  # noqa: E731
         left = ", ".join(f"{op} x{n}" for op, n in row["float_ops"].items()) or "none"
         lines.append(f"| {row['model']} | {ms['fp32']:.2f} | {ms['recal']:.2f} | {ms['fp32'] / ms['recal']:.2f}x | "
-                     f"{ms['ort quantize_static'] / ms['recal']:.2f}x | "
-                     f"{ms['ort quantize_static reduce_range'] / ms['recal']:.2f}x | "
+                     f"{_ratio(row, 'ort quantize_static')} | {_ratio(row, 'ort quantize_static reduce_range')} | "
                      f"{ms['recal 8-bit int8']:.2f} / {ms['recal 8-bit uint8']:.2f} | {cell('qat export')} | "
                      f"{cell('recal')} | {cell('ort quantize_static')} | {cell('ort quantize_static reduce_range')} | "
                      f"{left} |")
     sessions = ", every model in turn, each round in fresh sessions" if data.get("timing") == "in turns" else ""
+    repeats = data.get("repeats", 1)
+    spread = (f"; the whole timing repeated {repeats} times: latency is the median of the repeats, x static the "
+              "median speed-up with its least and most in brackets" if repeats > 1 else "; one timing run")
     return ("\n".join(lines) + f"\n\n{data['cpu']}; {data['size']}x{data['size']}, batch 1, 1 thread, median of "
-            f"{data['rounds']} interleaved rounds{sessions} (`python scripts/bench_zoo.py --size {data['size']} --rounds "
-            f"{data['rounds']} --json docs/results/{name}`). recal: 7-bit QAT, target any; x static: its speed-up "
+            f"{data['rounds']} interleaved rounds{sessions}{spread} (`python scripts/bench_zoo.py --size "
+            f"{data['size']} --rounds {data['rounds']} --repeats {repeats} --json docs/results/{name}`). recal: 7-bit QAT, target any; x static: its speed-up "
             "over `quantize_static` as it comes, x static rr: with `reduce_range`; recal 8-bit: the same net with "
             "8-bit weights, the two files target any writes (int8 weights, for VNNI / AMX and Arm; their uint8 twin, "
             "for x86 without VNNI). Fidelity cells: argmax agreement and largest difference (share of the range) on "
@@ -175,7 +185,7 @@ def digits_int8() -> str:
         lines.append(f"| {row['label']} | `{row['recipe']}` | {sum(accs) / len(accs):.2f} | {min(accs):.2f} | "
                      f"{max(accs):.2f} |")
     return ("\n".join(lines) + f"\n\n{data['cpu']}. The digits' 360 test images, the int8 ONNX model in onnxruntime; "
-            f"seeds {', '.join(map(str, data['seeds']))}; recipes in `scripts/recipes/`, the same but for the "
+            f"seeds {', '.join(map(str, data['seeds']))}; recipes bundled with recal (`recal recipes`), the same but for the "
             "QuantizationModifier's scheme (`python scripts/bench_accuracy.py --rows QAT --json "
             "docs/results/digits_int8.json`).")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPES = ROOT / "scripts" / "recipes"
+RECIPES = ROOT / "recal_core" / "recipes"
 # The compatibility corpus lives beside the checkout in shared/ (CI clones main with shared/ beside it).
 CORPUS = Path(os.environ.get("RECAL_COMPAT_CORPUS", ROOT.parent / "shared" / "compat" / "sparseml-recipes"))
 

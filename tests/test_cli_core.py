@@ -35,7 +35,7 @@ def test_check_with_steps_and_plot(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["check", "missing.yaml"], "recipe file not found"),
-    (["check", "scripts/recipes/seed_prune_all.yaml", "--plot", "/nonexistent-dir/x.png"], "does not exist"),
+    (["check", "recal:seed_prune_all", "--plot", "/nonexistent-dir/x.png"], "does not exist"),
 ])
 def test_check_errors_are_one_line(argv, message, capsys):
     assert main(argv) == 2
@@ -216,3 +216,32 @@ def test_the_digits_come_from_scikit_learns_loader_when_its_csv_is_elsewhere(mon
     got = datasets.load_digits()
     for field in ("train_images", "train_labels", "test_images", "test_labels"):
         np.testing.assert_array_equal(getattr(got, field), getattr(expected, field))
+
+
+def test_the_cli_says_its_version_and_helps_with_every_option(capsys):
+    """``recal --version`` names the installed version; every option of every command has help text; ``train`` names
+    all three front ends."""
+    import argparse
+    from importlib.metadata import version
+
+    from recal_app.cli import build_parser
+
+    parser = build_parser()
+    with pytest.raises(SystemExit) as done:
+        parser.parse_args(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"recal {version('recal')}"
+    missing = []
+
+    def walk(p, name):
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    walk(child, sub)
+            elif action.help is None:
+                missing.append((name, action.option_strings or action.dest))
+
+    walk(parser, "recal")
+    assert not missing, missing
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert "Keras" in parser.format_help()
+    assert "Keras" in next(c.help for c in commands._choices_actions if c.dest == "train")

@@ -34,7 +34,7 @@ from .hang_guard import HANG_SECONDS
 from .onnx_graphs import with_float_biases
 from .torch_models import SmallCNN, batches, qat_small_cnn, train_steps
 
-DENSE = ROOT / "scripts" / "recipes" / "dense.yaml"
+DENSE = ROOT / "recal_core" / "recipes" / "dense.yaml"
 
 
 _cli = run_recal  # in this process: most cases check one refusal's line (tests/cli_in_process.py)
@@ -205,7 +205,7 @@ train(load_recipe(sys.argv[1]), "tf", sys.argv[2], epochs=3, progress=False)
 def test_tf_resume_after_a_sigkill_between_checkpoint_and_history_is_exact(tmp_path):
     """A run killed by SIGKILL (in its own process) after epoch 3's checkpoint, before the history that commits it:
     the resumed run repeats epoch 3 and ends with the uninterrupted run's weights."""
-    recipe = ROOT / "scripts" / "recipes" / "prune.yaml"
+    recipe = ROOT / "recal_core" / "recipes" / "prune.yaml"
     a = train(load_recipe(recipe), "tf", tmp_path / "a", epochs=3, progress=False)
     killed = run_program(str(recipe), str(tmp_path / "b"), code=KILLED_AFTER_THE_THIRD_SAVE, cwd=ROOT)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
@@ -442,7 +442,7 @@ def test_huge_epochs_and_huge_files_are_refused_before_they_cost(tmp_path):
     with pytest.raises(RecipeError, match="big.yaml: the recipe file is .* bytes; expected a recipe of at most"):
         load_recipe(big)
     assert time.perf_counter() - started < 5  # a stat; parsing the file would take tens of seconds
-    line = _one_line(_cli("check", str(ROOT / "scripts/recipes/prune.yaml"), "--steps-per-epoch", "100000000000"))
+    line = _one_line(_cli("check", str(ROOT / "recal_core/recipes/prune.yaml"), "--steps-per-epoch", "100000000000"))
     assert "at most 1,000,000,000 steps per epoch" in line
 
 
@@ -483,7 +483,7 @@ def test_an_lr_that_underflows_or_overflows_is_a_located_error():
         text = ("- !LearningRateModifier {start_epoch: 0, end_epoch: 50, lr_class: ExponentialLR, "
                 f"lr_kwargs: {{gamma: {gamma}}}, init_lr: 0.1}}")
         assert "<string>:1:" in _loads_quickly(text) and words in _loads_quickly(text)
-    path = ROOT / "scripts" / "recipes" / "seed_lr_schedule.yaml"
+    path = ROOT / "recal_core" / "recipes" / "seed_lr_schedule.yaml"
     bad = path.read_text().replace("gamma: 0.9", "gamma: 1e300") if "gamma: 0.9" in path.read_text() else None
     if bad is not None:
         assert "overflows" in _loads_quickly(bad)
@@ -664,7 +664,7 @@ def test_a_recipe_that_is_a_fifo_a_device_or_a_folder_is_refused_at_once(tmp_pat
 
 def test_no_command_writes_over_its_input_however_spelled(tmp_path):
     recipe = tmp_path / "r.yaml"
-    shutil.copy(ROOT / "scripts" / "recipes" / "prune.yaml", recipe)
+    shutil.copy(ROOT / "recal_core" / "recipes" / "prune.yaml", recipe)
     before = recipe.read_bytes()
     os.link(recipe, tmp_path / "hard.yaml")
     (tmp_path / "soft.yaml").symlink_to(recipe)

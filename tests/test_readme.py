@@ -28,10 +28,10 @@ def test_readme_opens_with_the_two_commands():
 
 
 def _workdir(tmp_path):
-    """A scratch folder that sees the repository's scripts/ (the examples' relative paths) and keeps
-    what the examples write out of the repository."""
-    (tmp_path / "scripts").symlink_to(ROOT / "scripts")
-    (tmp_path / "tests").symlink_to(ROOT / "tests")  # the committed fixtures (other tools' exports)
+    """A scratch folder, away from the checkout (recipes are named ``recal:NAME``, shipped in the package), that
+    keeps what the examples write out of the repository; it sees tests/ for the one example that converts another
+    tool's committed export (docs/interop.md)."""
+    (tmp_path / "tests").symlink_to(ROOT / "tests")
     return tmp_path
 
 

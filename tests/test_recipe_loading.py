@@ -306,3 +306,39 @@ modifiers:
     assert [(m.final_sparsity, m.params) for m in recipe.modifiers] == [(0.9, ("conv1", "conv2")), (0.95, ("fc",))]
     assert recipe.describe(1) == "!GradualKSModifier (modifiers[0])"
     assert load_recipe(recipe.to_yaml()) == recipe
+
+
+def test_a_quantization_only_recipe_trains_at_least_one_epoch():
+    """A recipe whose only modifier starts at epoch 0 and never ends (docs/decoders.md's W4A16) had max_epochs 0, so
+    ``for epoch in range(manager.max_epochs)`` trained nothing and QAT never ran. Without an EpochRangeModifier it
+    gets one epoch; with one, the range is the user's and stays."""
+    from recal_core import load_recipe
+
+    assert load_recipe("- !QuantizationModifier {start_epoch: 0, scheme: W4A16}\n").max_epochs == 1
+    assert load_recipe("- !ConstantPruningModifier {params: __ALL_PRUNABLE__, start_epoch: 0}\n").max_epochs == 1
+    pruned_then_quantized = ("- !GMPruningModifier {params: [w], init_sparsity: 0.1, final_sparsity: 0.5, "
+                             "start_epoch: 0, end_epoch: 3, update_frequency: 1}\n"
+                             "- !QuantizationModifier {start_epoch: 3}\n")
+    assert load_recipe(pruned_then_quantized).max_epochs == 4
+    ranged = "- !EpochRangeModifier {start_epoch: 0, end_epoch: 2}\n- !QuantizationModifier {start_epoch: 0}\n"
+    assert load_recipe(ranged).max_epochs == 2
+    ending = "- !SetLearningRateModifier {start_epoch: 0, learning_rate: 0.1}\n- !QuantizationModifier {start_epoch: 2}\n"
+    assert load_recipe(ending).max_epochs == 3
+
+
+def test_bundled_recipes_load_by_name_from_any_folder(tmp_path, monkeypatch, capsys):
+    """``recal:NAME`` loads a recipe shipped in the package wherever the process runs; ``recal recipes`` lists each
+    with its header's first sentence; an unknown name lists those there are."""
+    from recal_app.cli import main
+    from recal_core import RecipeError, load_recipe
+    from recal_core.bundled import bundled_recipes
+
+    monkeypatch.chdir(tmp_path)
+    assert load_recipe("recal:prune_quant").max_epochs == 14
+    assert main(["recipes"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"recal:{name}" in listed for name in bundled_recipes()) and "recal:prune_quant" in listed
+    with pytest.raises(RecipeError, match=r"no bundled recipe 'recal:nope'; there are: recal:dense, "):
+        load_recipe("recal:nope")
+    with pytest.raises(RecipeError, match="no bundled recipe"):
+        load_recipe("recal:../../etc/passwd")

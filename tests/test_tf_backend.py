@@ -343,7 +343,7 @@ def test_seed_example_runs_as_written(tmp_path):
     """The seed's example file, unchanged, on the seed's recipe with its epochs scaled 25 -> 10 (pruning 5-20 ->
     2-8, still once per epoch): 160 steps at batch 1024 instead of 400, the same code path. The recipe as
     written, the example's default, is run step by step in the next test."""
-    seed = (ROOT / "scripts" / "recipes" / "seed_prune_all.yaml").read_text()
+    seed = (ROOT / "recal_core" / "recipes" / "seed_prune_all.yaml").read_text()
     scaled = seed.replace("end_epoch: 25.0", "end_epoch: 10.0").replace("start_epoch: 5.0", "start_epoch: 2.0")
     scaled = scaled.replace("end_epoch: 20.0", "end_epoch: 8.0")
     assert scaled.count("epoch: 10.0") + scaled.count("epoch: 2.0") + scaled.count("epoch: 8.0") == 3

@@ -146,7 +146,7 @@ def test_bad_input_is_one_line_and_keeps_earlier_outputs(tmp_path):
         (["--recipe", str(tmp_path / "missing.yaml")], "recipe file not found"),
         (["--recipe", str(bad)], "bad.yaml:1:"),
         (["--recipe", str(wrong_layers), "--output", str(tmp_path / "fresh")], "matches no prunable parameter"),
-        (["--recipe", str(ROOT / "scripts/recipes/dense.yaml"), "--output", str(a_file / "sub")], "not writable"),
+        (["--recipe", str(ROOT / "recal_core/recipes/dense.yaml"), "--output", str(a_file / "sub")], "not writable"),
         (["--recipe", str(wrong_layers), "--resume"], "no checkpoint"),
     ]
     for extra, words in cases:
@@ -160,7 +160,7 @@ def test_bad_input_is_one_line_and_keeps_earlier_outputs(tmp_path):
     # a good recipe into that folder: the user's files are named, not replaced (exit 2, nothing written)
     (out / "model.onnx").write_bytes(b"the user's model")
     result = _cli("train", "--framework", "torch", "--output", str(out), "--no-progress", "--recipe",
-                  str(ROOT / "scripts/recipes/dense.yaml"))
+                  str(ROOT / "recal_core/recipes/dense.yaml"))
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "holds files recal did not write (model.onnx, report.md)" in result.stderr
     assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "report.md"]
@@ -168,7 +168,7 @@ def test_bad_input_is_one_line_and_keeps_earlier_outputs(tmp_path):
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
-    result = _cli("train", "--framework", "torch", "--recipe", str(ROOT / "scripts/recipes/dense.yaml"),
+    result = _cli("train", "--framework", "torch", "--recipe", str(ROOT / "recal_core/recipes/dense.yaml"),
                   "--output", str(tmp_path / "empty"), "--resume", "--no-progress")
     assert result.returncode == 2 and "no checkpoint" in result.stderr
 
@@ -223,7 +223,7 @@ def test_a_second_demo_replaces_its_own_earlier_run_only(tmp_path):
 def test_progress_in_a_log_is_one_line_per_epoch(tmp_path):
     """Not a terminal (a pipe, as in CI logs): no live bars, one line per epoch on stdout."""
     result = run_program("-m", "recal_app.cli", "train", "--framework", "torch", "--recipe",
-                         str(ROOT / "scripts/recipes/dense.yaml"), "--output", str(tmp_path / "run"), "--epochs", "2",
+                         str(ROOT / "recal_core/recipes/dense.yaml"), "--output", str(tmp_path / "run"), "--epochs", "2",
                          cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
     epochs = [line for line in result.stdout.splitlines() if line.startswith("torch epoch")]

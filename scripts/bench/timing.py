@@ -90,3 +90,15 @@ def in_turns(groups: Mapping[str, tuple[Mapping[str, Path], dict[str, np.ndarray
                 times[group][k] += values
             del calls  # the round's sessions
     return {g: medians(t, 1e3) for g, t in times.items()}
+
+
+def repeated(measure: Callable[[], Mapping[str, Mapping[str, float]]], repeats: int
+             ) -> list[Mapping[str, Mapping[str, float]]]:
+    """``measure()`` (a whole interleaved run: every group's latency by file) ``repeats`` times: one run cannot tell a
+    3% gap from a burst of noise on a shared machine (one zoo row read 0.83x, then 0.97x and 1.04x in reruns)."""
+    return [measure() for _ in range(repeats)]
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """``(minimum, median, maximum)`` of one ratio over repeats."""
+    return min(values), statistics.median(values), max(values)

@@ -3,7 +3,7 @@
 Only the imports differ: ``neuralmagicML.tensorflow.*`` is ``recal_tf.*``, and the removed
 ``tensorflow.examples.tutorials.mnist.input_data`` is ``recal_tf.input_data``.
 
-    python scripts/examples/seed_tf.py [RECIPE]     (default: scripts/recipes/seed_prune_all.yaml)
+    python scripts/examples/seed_tf.py [RECIPE]     (default: recal:seed_prune_all)
 """
 
 import math
@@ -15,7 +15,7 @@ from recal_tf.utils import tf_compat, batch_cross_entropy_loss
 from recal_tf.models import mnist_net
 from recal_tf import ScheduledModifierManager
 
-CONFIG = sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).parent.parent / "recipes" / "seed_prune_all.yaml")
+CONFIG = sys.argv[1] if len(sys.argv) > 1 else "recal:seed_prune_all"
 
 dataset = input_data.read_data_sets("./mnist_data", one_hot=True)
 batch_size = 1024
