@@ -342,7 +342,7 @@ def test_the_trainer_callback_under_ddp_and_fsdp2_in_two_launched_processes(tmp_
     sharded = _launch(tmp_path / "fsdp", "fsdp", "sharded")  # distributed checkpoints
     classes = sharded[0]["classes"]
     assert classes[""] == "FSDPGPT2LMHeadModel" and classes["transformer.h.0"] == "FSDPGPT2Block"
-    assert classes["transformer.wte"] == "FSDPQATEmbedding" and classes["lm_head"] == "FSDPQATLinear"
+    assert classes["transformer.wte"] == "FSDPQATEmbedding" and classes["lm_head"] == "FSDPQATTorchLinear"
     assert sharded[0]["state"].keys() == state.keys()
     for key, value in state.items():
         assert torch.equal(sharded[0]["state"][key], sharded[1]["state"][key]), key
@@ -369,7 +369,7 @@ def test_the_lightning_callback_under_fsdp2_in_two_launched_processes(tmp_path):
     taken during QAT, which keeps only the optimizer's own keys, resumes bit for bit from recal's part beside it."""
     pytest.importorskip("lightning")
     straight = _launch(tmp_path, run="tests.lightning_launch_run")
-    assert straight[0]["classes"] == ["Flatten", "FSDPQATLinear", "Identity", "FSDPQATLinear"]
+    assert straight[0]["classes"] == ["Flatten", "FSDPQATTorchLinear", "Identity", "FSDPQATTorchLinear"]
     state = straight[0]["state"]
     assert any(k.endswith("weight_fake_quant.scale") for k in state)
     assert [k for k in state if not torch.equal(state[k], straight[1]["state"][k])] == []  # the ranks agree

@@ -136,7 +136,7 @@ def test_fsdp2_two_ranks_match_the_single_process_run_and_resume_exactly(tmp_pat
             torch.testing.assert_close(r["straight"][name], tensor, rtol=1e-5, atol=1e-6)
             assert torch.equal(r["resumed"][name], r["straight"][name]), name  # resumed: bit for bit
         assert r["lr"] == optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5)  # epoch 1, then held
-    for scheme, first in (("int8", "FSDPQATLinear"), ("int4", "FSDPWeightOnlyLinear")):
+    for scheme, first in (("int8", "FSDPQATTorchLinear"), ("int4", "FSDPWeightOnlyTorchLinear")):
         model, optimizer, _ = _self_sharded_qat(False, scheme)
         _train(model, optimizer, _batches())
         # each Linear its QAT layer (W8A8: ReLU fused into it) as in one process, still FSDP's unit

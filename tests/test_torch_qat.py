@@ -993,7 +993,7 @@ def test_the_users_forward_hooks_follow_their_layer_into_qat():
     model.conv3.register_forward_hook(lambda module, args, out: seen.append((type(module).__name__, out.shape)))
     fake_quantize_model(model)
     model(torch.randn(2, 1, 8, 8))
-    assert seen and seen[-1][0] == "QATConv"
+    assert seen and seen[-1][0].startswith("QATConv")
 
     class ConvBN(nn.Module):
         def __init__(self):
@@ -1235,3 +1235,50 @@ def test_a_scale_that_is_not_positive_and_finite_is_refused_at_export_naming_it(
             manager.finalize()
         assert float(model.get_parameter("2.weight_fake_quant.scale").min()) > 0
         export_onnx(model, torch.randn(1, 8), tmp_path / "m.onnx")
+
+
+def test_qat_layers_are_instances_of_the_layers_they_replace(tmp_path):
+    """After modify, a QAT layer is an nn.Linear / nn.Conv2d / nn.Embedding (a weight-only one too), as torch.ao's
+    are: class-based code finds them (PEFT-style target matching, Hugging Face's weight init, a wrap policy by
+    class), the state dict keeps its keys and loads into the float model, and a second plan leaves them alone.
+    One made from transformers' Conv1D (weight [in, out]) is no nn.Linear."""
+    import copy
+
+    import transformers
+    from transformers.pytorch_utils import Conv1D
+
+    from recal_torch.qat import QATConv, QATEmbedding, QATLinear, WeightOnlyLinear
+    from recal_torch.qat.plan import quantizable_layers
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Flatten(), nn.Linear(24, 16), nn.ReLU(), nn.Unflatten(1, (4, 2, 2)),
+                          nn.Conv2d(4, 4, 1), nn.Flatten(), nn.Linear(16, 4))
+    float_keys = set(model.state_dict())
+    recipe = "- !QuantizationModifier {start_epoch: 0}\n"
+    manager = ScheduledModifierManager.from_yaml(recipe)
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.01), steps_per_epoch=4)
+    ids = torch.randint(0, 10, (2, 3))
+    model(ids).sum().backward()
+    optimizer.step()
+    assert isinstance(model[2], QATLinear) and isinstance(model[2], nn.Linear)
+    assert isinstance(model[5], QATConv) and isinstance(model[5], nn.Conv2d) and not isinstance(model[5], nn.Conv1d)
+    assert isinstance(model[0], QATEmbedding) and isinstance(model[0], nn.Embedding)
+    targets = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]  # PEFT's match by class
+    assert targets == ["2", "7"]
+    before = model(ids)
+    assert quantizable_layers(model) == []  # recal's own layers are not planned again
+    assert sum(isinstance(m, (QATLinear, QATConv, QATEmbedding)) for m in model.modules()) == 4
+    assert float_keys <= set(model.state_dict())
+    config = transformers.BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    init = transformers.BertPreTrainedModel(config)
+    model.apply(init._init_weights)  # Hugging Face's init by class: it reaches the QAT layers' own Parameters
+    assert not torch.equal(model(ids), before)
+    copied = copy.deepcopy(model)  # (export copies the model: each class made again without arguments)
+    assert [type(m) for m in copied.modules()] == [type(m) for m in model.modules()]
+    torch.save(model, tmp_path / "whole.pt")
+    loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
+    torch.testing.assert_close(loaded(ids), model(ids))
+    conv1d = QATLinear(Conv1D(6, 4), False, True)
+    assert not isinstance(conv1d, nn.Linear)
+    weight_only = WeightOnlyLinear(nn.Linear(8, 4), 4, None)
+    assert isinstance(weight_only, nn.Linear)

@@ -12,7 +12,7 @@ from torch import nn
 from recal_onnx import quantize_qat_export
 from recal_torch import ScheduledModifierManager, export_onnx
 from recal_torch.model_params import describe_parameters
-from recal_torch.qat import QATEmbedding, QATLinear, fake_quantize_model
+from recal_torch.qat import QATEmbedding, QATLinear, QATTorchLinear, fake_quantize_model
 
 from .torch_models import CausalLMLogits
 
@@ -63,7 +63,7 @@ def test_a_model_fx_cannot_trace_is_planned_from_its_first_forward(caplog):
     with caplog.at_level(logging.INFO, logger="recal_torch.qat.plan"):
         created = fake_quantize_model(model)
         keys = set(model.state_dict())
-        assert {type(m) for m in created} == {QATEmbedding, QATLinear} and len(created) == 9
+        assert {type(m) for m in created} == {QATEmbedding, QATTorchLinear} and len(created) == 9
         assert all(m.input_fake_quant.active and m.activation_post_process.active for m in created
                    if isinstance(m, QATLinear))  # before any forward: everything quantized
         model.train()
@@ -238,7 +238,7 @@ def test_gpt2s_conv1d_layers_are_pruned_quantized_and_integer_in_onnx(tmp_path):
         "- !GMPruningModifier {params: __ALL_PRUNABLE__, init_sparsity: 0.5, final_sparsity: 0.8, start_epoch: 0,"
         " end_epoch: 1, update_frequency: 0.5}\n- !QuantizationModifier {start_epoch: 0, reduce_range: true}\n")
     optimizer = manager.modify(model, torch.optim.Adam(model.parameters(), 1e-3), steps_per_epoch=2)
-    conv1d = [n for n, m in model.named_modules() if type(m).__name__ == "QATLinear" and m.transposed]
+    conv1d = [n for n, m in model.named_modules() if isinstance(m, QATLinear) and m.transposed]
     assert len(conv1d) == 8 and set(manager.masks.masks) == {f"{n}.weight" for n in conv1d}
     g = torch.Generator().manual_seed(0)
     model.train()

@@ -11,7 +11,7 @@ from recal_core import RecipeError
 from recal_onnx import quantize_qat_export
 from recal_onnx.verify import verify_models
 from recal_torch import ScheduledModifierManager, export_onnx
-from recal_torch.qat import GroupWeightFakeQuantize
+from recal_torch.qat import GroupWeightFakeQuantize, QATConv
 from recal_torch.qat import QATEmbedding, QATLinear, WeightOnlyLinear
 
 from .test_torch_transformer_qat import TOKENS, VOCAB, TinyEncoder, _data, _train
@@ -137,7 +137,7 @@ def test_what_weight_only_cannot_do_is_a_located_error():
         _manager("W8A16", model=conv)
     conv = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(16, 2))
     _manager("W8A16", "{Conv2d: {}}", model=conv)  # the conv W8A8 by its override, the Linear weight-only
-    assert isinstance(conv[2], WeightOnlyLinear) and type(conv[0]).__name__ == "QATConv"
+    assert isinstance(conv[2], WeightOnlyLinear) and isinstance(conv[0], QATConv)
 
 
 def test_tensorflow_refuses_a_scheme_it_cannot_run():

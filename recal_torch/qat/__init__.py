@@ -16,9 +16,10 @@ start. The rest of recal_torch imports from here, never from a module of this pa
 
 from .attention import SLOTS, AttentionFakeQuantize, quantize_attention
 from .control import QATControl, input_groups, layer_schemes, qat_roots
-from .layers import (CONVS, FoldedBatchNorm, QATConv, QATEmbedding, QATLinear, QATModule, QuantizedReLU,
-                     WeightOnlyEmbedding, WeightOnlyLinear, clamp, describe, fake_quantizers, is_table,
-                     is_transposed_linear_type, qat_modules, quantizer_tensors)
+from .layers import (CONVS, FoldedBatchNorm, QATConv, QATConv1d, QATConv2d, QATConv3d, QATEmbedding, QATLinear,
+                     QATModule, QATTorchLinear, QuantizedReLU, WeightOnlyEmbedding, WeightOnlyLinear,
+                     WeightOnlyTorchLinear, clamp, describe, fake_quantizers, is_table, is_transposed_linear_type,
+                     qat_modules, quantizer_tensors)
 from .plan import QATPlanWarning, fake_quantize_model, plan_pending, quantizable_layers
 from .quantizers import (ACT_QMAX, ACT_QMIN, EPS, REDUCED_W_LEVELS, W_LEVELS, W_QMAX, W_QMIN, ActivationFakeQuantize,
                          GroupWeightFakeQuantize, SiLUFakeQuantize, WeightFakeQuantize, activation_qparams,
@@ -28,7 +29,8 @@ from .sites import CONTAINER, adopt
 __all__ = ["ACT_QMAX", "ACT_QMIN", "REDUCED_W_LEVELS", "W_LEVELS", "W_QMAX", "W_QMIN", "ActivationFakeQuantize",
            "SiLUFakeQuantize", "WeightFakeQuantize", "GroupWeightFakeQuantize", "WeightOnlyLinear",
            "WeightOnlyEmbedding", "activation_qparams", "weight_qparams", "CONVS", "AttentionFakeQuantize",
-           "FoldedBatchNorm", "QATConv", "QATEmbedding", "QATLinear", "QATModule", "QATPlanWarning", "QuantizedReLU",
+           "FoldedBatchNorm", "QATConv", "QATConv1d", "QATConv2d", "QATConv3d", "QATEmbedding", "QATLinear",
+           "QATTorchLinear", "WeightOnlyTorchLinear", "QATModule", "QATPlanWarning", "QuantizedReLU",
            "describe", "fake_quantizers", "is_table", "qat_modules", "fake_quantize_model", "plan_pending",
            "quantizable_layers", "quantize_attention"]
 # for recal_torch's other packages (export, graph, the manager), not a user's API

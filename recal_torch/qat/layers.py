@@ -39,6 +39,8 @@ def is_linear_like(module: nn.Module) -> bool:
     kind = unsharded_class(module)
     if kind is nn.Linear or is_transposed_linear_type(kind):
         return True
+    if isinstance(module, (QATModule, WeightOnlyLinear)):  # recal's own, already quantized
+        return False
     return isinstance(module, nn.Linear) and (kind.forward is nn.Linear.forward or _computes_linear(module))
 
 
@@ -64,7 +66,7 @@ def linears_left_float(root: nn.Module) -> list[str]:
     """Subclasses of ``nn.Linear`` QAT does not replace (their ``forward`` computes something else): named in a
     warning, each with its class."""
     return [f"{n} ({type(m).__name__})" for n, m in root.named_modules()
-            if isinstance(m, nn.Linear) and not is_linear_like(m)]
+            if isinstance(m, nn.Linear) and not isinstance(m, (QATModule, WeightOnlyLinear)) and not is_linear_like(m)]
 
 
 NORMS = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.BatchNorm3d}
@@ -123,14 +125,18 @@ class FoldedBatchNorm(AdoptsParameters, nn.Module):
 
 
 class QATModule(AdoptsParameters, nn.Module):
-    """Base of the QAT conv and linear: weight/bias are the float module's own Parameters."""
+    """Base of the QAT conv and linear: weight/bias are the float module's own Parameters. Each QAT layer is also an
+    instance of the torch layer it replaces (a QAT linear made from an ``nn.Linear`` an ``nn.Linear``, a 2-D
+    :class:`QATConv` an ``nn.Conv2d``, :class:`QATEmbedding` an ``nn.Embedding``): ``isinstance`` checks in the
+    user's code and in libraries (parameter counts, PEFT target matching, Hugging Face weight init, wrap policies
+    by class) find them, as torch.ao's QAT layers are found."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
 
     def __init__(self, float_module: nn.Module, relu: bool, quantize_input: bool, quantize_output: bool = True,
                  relu6: bool = False, weight_levels: float = W_LEVELS):
-        super().__init__()
+        nn.Module.__init__(self)  # not the layer class's own (it would make new Parameters): the float one's are kept
         self.float_type = unsharded_class(float_module)
         self.adopt_from(float_module)
         self.weight = float_module.weight
@@ -158,7 +164,15 @@ class QATModule(AdoptsParameters, nn.Module):
 
 
 class QATConv(QATModule):
-    """Conv(-BN)(-ReLU) with fake-quantized input (optional), BN-folded weights and output."""
+    """Conv(-BN)(-ReLU) with fake-quantized input (optional), BN-folded weights and output; made as
+    :class:`QATConv1d`, :class:`QATConv2d` or :class:`QATConv3d` (an ``nn.Conv1d`` ... too) for the conv's
+    dimensions."""
+
+    def __new__(cls, *args, **kwargs):  # (copy and pickle call it with no arguments, on the subclass)
+        conv = args[0] if args else kwargs.get("conv")
+        if cls is QATConv and conv is not None:
+            cls = _QAT_CONVS[len(conv.kernel_size) - 1]
+        return super().__new__(cls)
 
     def __init__(self, conv: nn.modules.conv._ConvNd, bn: FoldedBatchNorm | None, relu: bool,
                  quantize_input: bool, relu6: bool = False, weight_levels: float = W_LEVELS):
@@ -226,8 +240,30 @@ class QATConv(QATModule):
         return "-".join(parts) + f", weight {tuple(self.weight.shape)}"
 
 
+class QATConv1d(QATConv, nn.Conv1d):
+    """A 1-D :class:`QATConv`, an ``nn.Conv1d``."""
+
+
+class QATConv2d(QATConv, nn.Conv2d):
+    """A 2-D :class:`QATConv`, an ``nn.Conv2d``."""
+
+
+class QATConv3d(QATConv, nn.Conv3d):
+    """A 3-D :class:`QATConv`, an ``nn.Conv3d``."""
+
+
+_QAT_CONVS = (QATConv1d, QATConv2d, QATConv3d)
+
+
 class QATLinear(QATModule):
-    """Linear(-ReLU) with fake-quantized input (optional), weight and output."""
+    """Linear(-ReLU) with fake-quantized input (optional), weight and output; made from an ``nn.Linear`` (or a
+    subclass) as :class:`QATTorchLinear`, an ``nn.Linear`` too. One made from transformers' ``Conv1D`` (its weight
+    ``[in, out]``) is no ``nn.Linear``: code reading its weight as one would read it transposed."""
+
+    def __new__(cls, *args, **kwargs):  # (copy and pickle call it with no arguments, on the subclass)
+        if cls is QATLinear and isinstance(args[0] if args else kwargs.get("linear"), nn.Linear):
+            cls = QATTorchLinear
+        return super().__new__(cls)
 
     def __init__(self, linear: nn.Module, relu: bool, quantize_input: bool, relu6: bool = False,
                  weight_levels: float = W_LEVELS):
@@ -258,7 +294,11 @@ class QATLinear(QATModule):
         return f"Linear{act}, weight {tuple(self.weight.shape)}"
 
 
-class QATEmbedding(QATModule):
+class QATTorchLinear(QATLinear, nn.Linear):
+    """A :class:`QATLinear` made from an ``nn.Linear``, an ``nn.Linear``."""
+
+
+class QATEmbedding(QATModule, nn.Embedding):
     """An embedding table read through int8 symmetric per-row fake quantization; the rows it returns are float.
 
     The int8 model stores the table in int8 and gathers integer rows (a 4x smaller file; the dominant
@@ -267,6 +307,7 @@ class QATEmbedding(QATModule):
 
     def __init__(self, embedding: nn.Embedding):
         super().__init__(embedding, relu=False, quantize_input=False, quantize_output=False)
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.padding_idx, self.max_norm, self.norm_type = embedding.padding_idx, embedding.max_norm, embedding.norm_type
         self.scale_grad_by_freq, self.sparse = embedding.scale_grad_by_freq, embedding.sparse
 
@@ -290,8 +331,13 @@ class WeightOnlyLinear(AdoptsParameters, nn.Module):
         observer: ``"minmax"`` or ``"mse"`` (:class:`~recal_torch.qat.quantizers.GroupWeightFakeQuantize`).
     """
 
+    def __new__(cls, *args, **kwargs):  # (copy and pickle call it with no arguments, on the subclass)
+        if cls is WeightOnlyLinear and isinstance(args[0] if args else kwargs.get("linear"), nn.Linear):
+            cls = WeightOnlyTorchLinear
+        return super().__new__(cls)
+
     def __init__(self, linear: nn.Module, bits: int, group_size: int | None, observer: str = "minmax"):
-        super().__init__()
+        nn.Module.__init__(self)  # not the layer class's own: the float module's Parameters are kept
         self.float_type = unsharded_class(linear)
         self.adopt_from(linear)
         self.weight = linear.weight
@@ -317,7 +363,11 @@ class WeightOnlyLinear(AdoptsParameters, nn.Module):
         return f"{self.float_type.__name__}, weight {tuple(self.weight.shape)} {self.weight_fake_quant.describe()}"
 
 
-class WeightOnlyEmbedding(WeightOnlyLinear):
+class WeightOnlyTorchLinear(WeightOnlyLinear, nn.Linear):
+    """A :class:`WeightOnlyLinear` made from an ``nn.Linear``, an ``nn.Linear``."""
+
+
+class WeightOnlyEmbedding(WeightOnlyLinear, nn.Embedding):
     """An embedding table read through symmetric 8- or 4-bit fake quantization per row or per group of a row (each
     row an output channel): onnxruntime gathers its packed integers with ``GatherBlockQuantized``.
 
@@ -332,6 +382,8 @@ class WeightOnlyEmbedding(WeightOnlyLinear):
         super().__init__(embedding, bits, group_size, observer)  # rows are its outputs, the width its inputs
         self.padding_idx, self.scale_grad_by_freq, self.sparse = (embedding.padding_idx, embedding.scale_grad_by_freq,
                                                                    embedding.sparse)
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.max_norm, self.norm_type = None, 2.0  # what nn.Embedding's readers find (is_table: no max_norm)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of the fake-quantized table.

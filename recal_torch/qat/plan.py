@@ -59,7 +59,8 @@ def quantizable_layers(root: nn.Module, skip: frozenset[str] | set[str] = frozen
     """Names of the Conv1d/2d/3d (zero padding), Linear, transformers Conv1D and Embedding modules QAT can quantize,
     less ``skip``."""
     return [n for n, m in root.named_modules()
-            if ((isinstance(m, CONVS) and m.padding_mode == "zeros") or is_linear_like(m) or is_table(m))
+            if not isinstance(m, (QATModule, WeightOnlyLinear))  # recal's own layers are these classes too
+            and ((isinstance(m, CONVS) and m.padding_mode == "zeros") or is_linear_like(m) or is_table(m))
             and n not in skip]
 
 

@@ -20,6 +20,7 @@ from torch import nn
 from recal_onnx import quantize_qat_export, verify
 from recal_onnx.convert import UnconvertedOpsWarning
 from recal_torch import ScheduledModifierManager, export_onnx
+from recal_torch.qat import QATConv, QATLinear
 
 from .library_patterns import DenseBlock, MBConv, RepVGGish, ShuffleUnit, Transition
 from .test_transformers import _assert_runtime_fuses_every_weight
@@ -280,9 +281,9 @@ def _assert_runtime_runs_the_export(qat, feeds, reference, result, noise, tmp_pa
 @pytest.mark.parametrize("name", list(MODELS))
 def test_cnn_quantizes_end_to_end(name, tmp_path):
     model = prune_and_qat(name)
-    layers = sum(type(m).__name__ in ("QATConv", "QATLinear") for m in model.modules())
-    assert layers == sum(isinstance(m, (nn.Conv2d, nn.Linear)) or type(m).__name__ in ("QATConv", "QATLinear")
-                         for m in model.modules())  # every conv and linear is a QAT layer
+    layers = sum(isinstance(m, (QATConv, QATLinear)) for m in model.modules())
+    assert layers and layers == sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in model.modules())  # every conv and
+    # linear is a QAT layer (each an nn.Conv2d / nn.Linear itself)
     allowed = MODELS[name][1]
     feeds = {"input": np.random.default_rng(3).standard_normal((256, 3, SIZE, SIZE)).astype(np.float32)}
     for dynamo in (True, False):

@@ -16,6 +16,7 @@ from torch import nn
 from recal_onnx import quantize_qat_export
 from recal_onnx.convert import UnconvertedOpsWarning
 from recal_torch import ScheduledModifierManager, export_onnx
+from recal_torch.qat import QATLinear
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -142,14 +143,14 @@ def qat_model(request):
 
 
 def _linears(model):
-    return sum(type(m).__name__ == "QATLinear" for m in model.modules())
+    return sum(isinstance(m, QATLinear) for m in model.modules())
 
 
 @pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
 def test_transformer_quantizes_end_to_end(qat_model, dynamo, tmp_path):
     model, kind = qat_model
     linears = _linears(model)
-    assert linears == sum(1 for m in model.modules() if type(m).__name__ in ("QATLinear", "Linear"))
+    assert linears == sum(1 for m in model.modules() if isinstance(m, (QATLinear, nn.Linear)))
     sample = kind.batch(torch.Generator().manual_seed(1))[0]
     path = export_onnx(model, tuple(t[:2] for t in sample), tmp_path / "qat.onnx", dynamo=dynamo,
                        input_names=kind.names)
