@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench.results import machine, save  # noqa: E402
 from bench.timing import interleaved_latency, repeated, spread  # noqa: E402
 from real_models.rapidocr_quantize import text_lines  # noqa: E402
-from recal_onnx import quantize_qat_export  # noqa: E402
+from recal_onnx import VerificationError, quantize_qat_export  # noqa: E402
 from recal_onnx.verify import session  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "real"
@@ -68,9 +68,13 @@ def _agreement(path: Path, fp32: Path, x: np.ndarray) -> float:
 def row(label: str, fp32: Path, qdq: Path, folder: Path, repeats: int) -> dict:
     x, _ = text_lines(SAMPLES, seed=2)
     name = session(str(qdq)).get_inputs()[0].name
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        result = quantize_qat_export(str(qdq), folder / f"{label}.int8.onnx", inputs={name: x})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = quantize_qat_export(str(qdq), folder / f"{label}.int8.onnx", inputs={name: x})
+    except VerificationError as exc:  # a refusal is a row too: what was refused and why
+        return {"model": label, "refused": " ".join(str(exc).split())[:400],
+                "agreement": {"QDQ file": _agreement(qdq, fp32, x)}}
     paths = {"fp32": fp32, "QDQ file": qdq, "recal": result.path}
     runs = repeated(lambda: {"all": interleaved_latency(paths, {name: x[:1]}, rounds=7, min_seconds=0.05)},
                     repeats)
@@ -90,6 +94,10 @@ def table(data: dict) -> str:
     lines = ["| model | fp32 ms | QDQ file ms | recal ms | recal vs QDQ file | top-1 vs fp32: QDQ file / recal | "
              "size fp32 / recal (kB) |", "|---" * 7 + "|"]
     for r in data["rows"]:
+        if "refused" in r:
+            lines.append(f"| {r['model']} | refused by verification: {r['refused'][:160]}... | | | | "
+                         f"{r['agreement']['QDQ file']:.3f} / - | |")
+            continue
         ms, low_mid_high = r["latency"], spread(r["x_qdq"])
         lines.append(f"| {r['model']} | {ms['fp32']:.2f} | {ms['QDQ file']:.2f} | {ms['recal']:.2f} | "
                      f"{low_mid_high[1]:.2f}x ({low_mid_high[0]:.2f}-{low_mid_high[2]:.2f}) | "

@@ -331,6 +331,18 @@ def interop() -> str:
     return table(load("interop.json"))
 
 
+def real_models() -> str:
+    """RapidOCR's pretrained models through quantize_static, then recal (scripts/bench_real_models.py)."""
+    from bench_real_models import table
+
+    data = load("real_models.json")
+    return (table(data) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. Batch 1, 1 thread, default "
+            f"sessions, median of {data['repeats']} repeats of 7 interleaved rounds (recal vs QDQ file: the median "
+            f"speed-up, least-most in brackets); top-1 agreement with the fp32 model on {data['samples']} rendered "
+            "lines of the Python standard library's source (`python scripts/bench_real_models.py --wheel "
+            "<rapidocr_onnxruntime>/models --json docs/results/real_models.json`).")
+
+
 def avx2_exactness() -> str:
     """The AVX2 suite's models verified on this CPU's kernels and under an emulated Haswell
     (scripts/avx2_exactness.py)."""
@@ -350,7 +362,7 @@ TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo
           "large-decoder": large_decoder, "thinning-decoder": thinning_decoder,
           "thinning-decoder-neox": lambda: thinning_decoder("gpt-neox"),
           "jax-compile": jax_compile, "gpu-check": gpu_check,
-          "lsq-overhead": lsq_overhead, "avx2-exactness": avx2_exactness}
+          "lsq-overhead": lsq_overhead, "avx2-exactness": avx2_exactness, "real-models": real_models}
 
 
 def render(text: str) -> str:
