@@ -107,8 +107,8 @@ def op_by_op(reference: onnx.ModelProto | str, candidate: onnx.ModelProto, feeds
                 diff = np.abs(value.astype(np.int32) - given[name].astype(np.int32))
                 steps[name] = max(steps.get(name, 0), int(diff.max(initial=0)))
                 if diff.any():
-                    margin, count = _boundary_margin(grids.get(name), floats, value, given[name], ref[name], thinned,
-                                                     BOUNDARY + (moves or {}).get(name, 0.0))
+                    margin, count = _boundary_margin(grids.get(name), floats, value, given[name], ref[name],
+                                                     thinned.get(name), BOUNDARY + (moves or {}).get(name, 0.0))
                     if margin > margins.get(name, -1.0):
                         margins[name] = margin
                     unexplained[name] = unexplained.get(name, 0) + count
@@ -148,11 +148,12 @@ def _grids(model: onnx.ModelProto, names: list[str]) -> dict[str, tuple[str, np.
 
 
 def _boundary_margin(grid, floats: dict[str, np.ndarray], got: np.ndarray, given: np.ndarray, qat: np.ndarray,
-                     thinned: dict[str, np.ndarray], allowed: float = BOUNDARY) -> tuple[float, int]:
+                     kept: np.ndarray | None, allowed: float = BOUNDARY) -> tuple[float, int]:
     """For the values where the candidate's integers ``got`` differ from the QAT model's (``given``, on the
-    candidate's grid; ``qat`` as the QAT model holds them): the largest distance, in steps, of the QAT model's own
-    unrounded value from the boundary between the two integers, and how many lie beyond ``allowed``. A value
-    two or more steps off, or one whose unrounded value is unknown, counts as beyond (inf)."""
+    candidate's grid; ``qat`` as the QAT model holds them, its channels the ``kept`` ones where the candidate thinned
+    this tensor): the largest distance, in steps, of the QAT model's own unrounded value from the boundary between
+    the two integers, and how many lie beyond ``allowed``. A value two or more steps off, or one whose unrounded
+    value is unknown, counts as beyond (inf)."""
     differ = got != given
     gap = np.abs(got.astype(np.int32) - given.astype(np.int32))
     if grid is None or grid[0] not in floats:
@@ -164,9 +165,8 @@ def _boundary_margin(grid, floats: dict[str, np.ndarray], got: np.ndarray, given
         shape[axis % x.ndim] = -1
         scale, zero = scale.reshape(shape), zero.reshape(shape)
     exact = x.astype(np.float64) / scale.astype(np.float64) + zero.astype(np.float64)
-    if exact.shape != qat.shape:  # thinned channels: the candidate keeps some of them
-        kept = next((k for k in thinned.values() if exact.ndim > 1 and exact.shape[1] > k.max(initial=-1)), None)
-        exact = np.take(exact, kept, axis=1) if kept is not None else exact
+    if exact.shape != qat.shape and kept is not None and exact.ndim > 1:  # thinned: this tensor's kept channels
+        exact = np.take(exact, kept, axis=1)
     if exact.shape != got.shape:
         return math.inf, int(np.count_nonzero(differ))
     shift = given.astype(np.float64) - qat.astype(np.float64)  # the candidate's grid (uint8 for int8: +128)

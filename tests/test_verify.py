@@ -300,3 +300,21 @@ def test_a_negative_or_zero_activation_scale_is_refused_by_name():
         model = b.model([("x", [1, 4])], [b.qdq(y, 0.1, 0)])
         with pytest.raises(ModelError, match=r"has a scale of \[-?[01]\.0\].*a scale is positive"):
             quantize_qat_export(model)
+
+
+def test_a_thinned_tensors_boundary_is_judged_on_its_own_kept_channels():
+    """Op by op, a differing integer of a tensor whose channels the candidate thinned is judged against the QAT
+    model's unrounded value of that same channel (the tensor's own kept channels). Another thinned tensor's channels
+    were taken before: a real model (RapidOCR's recognizer, two squeeze-excitation convs thinned) was refused with
+    values 'inf steps' from their boundary, and a value misread by a step could have been judged on a channel that
+    happened to tie."""
+    from recal_onnx.op_by_op import _boundary_margin
+
+    unrounded = np.array([[0.2, 7.5, 3.0, 9.9]], np.float32)  # x / scale, zero point 0: channel 1 ties at 7.5
+    grid = ("x", np.float32(1.0), np.uint8(0), None)
+    qat = np.array([[8, 10]], np.uint8)  # the QAT model's integers of the kept channels 1 and 3
+    got = np.array([[7, 10]], np.uint8)  # channel 1 rounded down: a tie, rounding
+    margin, count = _boundary_margin(grid, {"x": unrounded}, got, qat, qat, np.array([1, 3]))
+    assert margin == 0.0 and count == 0
+    wrong = _boundary_margin(grid, {"x": unrounded}, got, qat, qat, np.array([0, 2]))  # another tensor's channels
+    assert wrong[1] == 1 and wrong[0] > 0.4
