@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.results import save  # noqa: E402
+from bench.results import report  # noqa: E402
 
 RECIPES = {
     "plain": None,
@@ -97,10 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(json.loads(out.strip().splitlines()[-1]))
             print(f"{model} {recipe}: " + ", ".join(f"{s:.1f}s" for s in runs[-1]["epochs"]), flush=True)
     data = {**machine(), "runs": runs}
-    print(table(data))
-    if args.json:
-        save(args.json, data)
-    return 0
+    return report(data, table(data), args.json)
 
 
 if __name__ == "__main__":

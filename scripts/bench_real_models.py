@@ -27,7 +27,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench.results import machine, save  # noqa: E402
+from bench.results import machine, report  # noqa: E402
 from bench.timing import interleaved_latency, repeated, spread  # noqa: E402
 from real_models.rapidocr_quantize import text_lines  # noqa: E402
 from recal_onnx import VerificationError, quantize_qat_export  # noqa: E402
@@ -122,10 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row("RapidOCR text recognizer (PP-OCRv4)", recognizer,
                             _quantized(recognizer, folder / "rec.qdq.onnx"), folder, args.repeats))
     data = {**machine(), "samples": SAMPLES, "repeats": args.repeats, "rows": rows}
-    print(table(data))
-    if args.json:
-        save(args.json, data)
-    return 0
+    return report(data, table(data), args.json)
 
 
 if __name__ == "__main__":

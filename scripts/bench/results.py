@@ -44,6 +44,14 @@ def save(path: Path, data: dict) -> None:
     print(f"wrote {path}")
 
 
+def report(data: dict, text: str, path: Path | None) -> int:
+    """A benchmark's end: its table printed, its data saved at ``path`` when given; the exit status."""
+    print(text)
+    if path:
+        save(path, data)
+    return 0
+
+
 def save_run(path: Path, run: dict) -> None:
     """``run`` (its ``cpu`` from :func:`machine`) into ``path``'s ``runs``, replacing only the run measured on the
     same CPU."""
