@@ -78,8 +78,16 @@ def test_a_hugging_face_trainer_runs_the_recipe_and_resumes_exactly(tmp_path):
     assert resumed.keys() == final.keys()
     different = [k for k in final if not torch.equal(final[k], resumed[k])]
     assert not different, different
+    # recal's file carries the quantizer tensors, so the Trainer's model file does not (no "unexpected keys" flood)
+    from safetensors.torch import load_file, save_file
+
+    model_file = tmp_path / "checkpoint-20" / "model.safetensors"
+    part = torch.load(tmp_path / "checkpoint-20" / "recal_state.pt", weights_only=True)
+    assert not set(part["quantizer_tensors"]) & set(load_file(model_file))
     # a checkpoint written before recal_state.pt existed (recal's part in optimizer.pt, the quantizer tensors in
     # model.safetensors) resumes the same
+    save_file({**load_file(model_file), **{k: v.contiguous() for k, v in part["quantizer_tensors"].items()}},
+              model_file, metadata={"format": "pt"})
     (tmp_path / "checkpoint-20" / "recal_state.pt").unlink()
     older = _hf_trainer(tmp_path, RecalTrainerCallback(RECIPE))
     older.train(resume_from_checkpoint=str(tmp_path / "checkpoint-20"))
@@ -131,6 +139,26 @@ def test_a_broken_recal_state_file_is_refused_naming_it(tmp_path, capsys):
             trainer.train(resume_from_checkpoint=str(folder / "checkpoint-20"))
         assert str(folder / "checkpoint-20" / "recal_state.pt") in str(refused.value), (case, str(refused.value))
     assert "ran code" not in capsys.readouterr().out
+
+
+def test_the_trainer_resumes_recal_from_the_checkpoint_it_was_given_wherever_it_is(tmp_path):
+    """``trainer.train(resume_from_checkpoint=PATH)`` with PATH outside ``output_dir`` (not set in TrainingArguments):
+    recal's state comes from PATH. It raised FileNotFoundError; and with another run's ``checkpoint-20`` in
+    ``output_dir`` (here one trained with another LR) that run's recal state could have been read instead."""
+    pytest.importorskip("accelerate")
+    import shutil
+
+    from recal_torch.integrations import RecalTrainerCallback
+
+    straight = _hf_trainer(tmp_path / "a", RecalTrainerCallback(RECIPE))
+    straight.train()
+    final = {k: v.clone() for k, v in straight.model.state_dict().items()}
+    shutil.copytree(tmp_path / "a" / "checkpoint-20", tmp_path / "kept" / "checkpoint-20")
+    other = _hf_trainer(tmp_path / "b", RecalTrainerCallback(RECIPE.replace("init_lr: 0.1", "init_lr: 0.05")))
+    other.train()  # output_dir b now holds another run's checkpoint-20
+    again = _hf_trainer(tmp_path / "b", RecalTrainerCallback(RECIPE))
+    again.train(resume_from_checkpoint=str(tmp_path / "kept" / "checkpoint-20"))
+    assert [k for k in final if not torch.equal(final[k], again.model.state_dict()[k])] == []
 
 
 def _lightning_fit(folder, callback, resume=None):

@@ -69,12 +69,14 @@ class RecalTrainerCallback(TrainerCallback):
             with atomic_path(folder / RECAL_FILE) as tmp:
                 torch.save(mine, tmp)
             _drop_from_fsdp_file(folder / FSDP_MODEL_FILE, set(mine[QUANTIZER_KEY]))
+            _drop_from_model_files(folder, set(mine[QUANTIZER_KEY]))
 
     def _resume(self, args, state, model, optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
         """The Trainer restored the weights and the optimizer (the user's param groups, ``loaded``) before recal was
         back: recal's state from its file (QAT layers re-created, the learned scales' param groups with their state),
         then the quantizer tensors into those layers."""
-        folder = Path(args.resume_from_checkpoint or Path(args.output_dir) / f"checkpoint-{state.global_step}")
+        folder = Path(_resumed_from() or args.resume_from_checkpoint
+                      or Path(args.output_dir) / f"checkpoint-{state.global_step}")
         mine, plain = folder / RECAL_FILE, folder / "optimizer.pt"
         if mine.is_file():
             restore_recal_part(optimizer, loaded, read_recal_part(mine), self.manager, model, str(mine))
@@ -105,6 +107,25 @@ class RecalTrainerCallback(TrainerCallback):
             self.manager.finalize(model)
 
 
+def _resumed_from() -> str | None:
+    """The checkpoint folder ``Trainer.train(resume_from_checkpoint=...)`` is resuming from. The Trainer keeps it in
+    a local of its training loop, not in ``TrainingArguments`` or the state it gives callbacks: read from that frame
+    (its own variable, already resolved from ``True`` to the last checkpoint), so that a checkpoint outside
+    ``output_dir`` resumes, and another run's ``checkpoint-<step>`` in ``output_dir`` is never read instead."""
+    import inspect
+
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "_inner_training_loop" and "transformers" in frame.f_code.co_filename:
+                found = frame.f_locals.get("resume_from_checkpoint")
+                return found if isinstance(found, (str, os.PathLike)) else None
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
 def _drop_from_fsdp_file(path: Path, names: set[str]) -> None:
     """FSDP loads its whole-model file into the float model before recal is back, and refuses a key the model lacks:
     the quantizer tensors, kept in recal's file, leave it (read memory-mapped: only their bytes are read and held)."""
@@ -113,6 +134,34 @@ def _drop_from_fsdp_file(path: Path, names: set[str]) -> None:
         if names & saved.keys():
             with atomic_path(path) as tmp:
                 torch.save({k: v for k, v in saved.items() if k not in names}, tmp)
+
+
+def _drop_from_model_files(folder: Path, names: set[str]) -> None:
+    """The quantizer tensors leave the Trainer's model files (``model*.safetensors`` with its index, or
+    ``pytorch_model.bin``): they are in recal's file, and left there the Trainer's resume, which loads them into the
+    float model, warned of each as an unexpected key (86 lines for a small decoder)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    if not names:
+        return
+    for shard in sorted(folder.glob("model*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            keys, metadata = list(f.keys()), f.metadata()
+            if not names & set(keys):
+                continue
+            kept = {k: f.get_tensor(k) for k in keys if k not in names}
+        with atomic_path(shard) as tmp:
+            save_file(kept, str(tmp), metadata=metadata)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {k: v for k, v in data.get("weight_map", {}).items() if k not in names}
+        with atomic_path(index) as tmp:
+            Path(tmp).write_text(json.dumps(data, indent=2))
+    _drop_from_fsdp_file(folder / "pytorch_model.bin", names)
 
 
 def _model_tensors(folder: Path) -> dict[str, torch.Tensor]:
