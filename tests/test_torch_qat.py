@@ -1282,3 +1282,35 @@ def test_qat_layers_are_instances_of_the_layers_they_replace(tmp_path):
     assert not isinstance(conv1d, nn.Linear)
     weight_only = WeightOnlyLinear(nn.Linear(8, 4), 4, None)
     assert isinstance(weight_only, nn.Linear)
+
+
+def test_a_module_without_forward_is_told_which_submodule_to_name():
+    """A LightningModule-style model whose training_step calls ``self.net(x)`` has no forward of its own: its QAT
+    plan, made from the first forward, would never be made (layers unfused, BatchNorm not folded) and nothing said
+    so. A QATPlanWarning names the module to give the QuantizationModifier's ``submodules``; with it the plan is
+    made from that module's first forward and the BatchNorm is folded."""
+    from recal_torch.qat import QATPlanWarning
+
+    class Steps(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(16, 2))
+
+        def training_step(self, x):
+            return self.net(x).sum()
+
+    def run(recipe):
+        torch.manual_seed(0)
+        model = Steps()
+        manager = ScheduledModifierManager.from_yaml(recipe)
+        optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.01), steps_per_epoch=2)
+        model.training_step(torch.randn(2, 1, 4, 4)).backward()
+        optimizer.step()
+        return model
+
+    with pytest.warns(QATPlanWarning, match=r"Steps has no forward\(\).*submodules \(submodules: \[net\]\)"):
+        run("- !QuantizationModifier {start_epoch: 0}\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QATPlanWarning)
+        model = run("- !QuantizationModifier {start_epoch: 0, submodules: [net]}\n")
+    assert isinstance(model.net[1], FoldedBatchNorm)

@@ -94,6 +94,13 @@ def fake_quantize_model(root: nn.Module, skip: frozenset[str] | set[str] = froze
         plans, residual_relus = _plan_from_trace(root, modules, skip)
     except Exception as exc:  # noqa: BLE001 - any tracing failure: the plan is made from the first forward
         traced = False
+        if type(root).forward is nn.Module.forward:  # a LightningModule whose training_step calls self.net(x)
+            children = [n for n, m in root.named_children() if type(m).forward is not nn.Module.forward]
+            warnings.warn(f"QAT: {type(root).__name__} has no forward(), so the first forward its plan is made from "
+                          "never comes: its layers stay unfused (no BatchNorm folded, every input and output "
+                          "quantized) and the export will not match onnxruntime's integer kernels; name the module "
+                          "that does run in the QuantizationModifier's submodules"
+                          + (f" (submodules: [{children[0]}])" if children else ""), QATPlanWarning, stacklevel=3)
         log.info("QAT: torch.fx cannot trace %s (%s: %s); the plan is made from its first forward instead",
                  type(root).__name__, type(exc).__name__, " ".join(str(exc).split())[:200])
         plans, residual_relus = [_Plan(name) for name in quantizable_layers(root, skip)], []
