@@ -32,6 +32,10 @@ def quantized_bias(g: Graph, node: Node, x: QTensor, w: QWeight, index: int | No
     if not np.isfinite(bias).all():
         findings.kept_float[node.name] = (node.op_type, "its bias holds NaN or inf")
         return None
+    if w.scale.size not in (1, np.size(bias)):  # scales along another axis (a QONNX scale of shape [3] on [64, 3, 3, 3])
+        findings.kept_float[node.name] = (node.op_type, f"its weight's {w.scale.size} scales do not run along its "
+                                                        f"{np.size(bias)} output channels")
+        return None
     steps, off = bias_steps(g, bias, x, w)
     values = np.round(steps)
     if not on_grid(steps, off):

@@ -136,3 +136,20 @@ def test_the_judge_refuses_an_encodings_reader_that_misreads(monkeypatch, tmp_pa
                                          r"simulation .*a defect of the converter's reader, not of your model"):
         quantize_qat_export(model, tmp_path / "bad.onnx", encodings=entries)
     assert not list(tmp_path.glob("bad*"))
+
+
+def test_a_biased_conv_whose_weight_scales_run_along_its_kernel_converts(tmp_path):
+    """A QONNX weight scale of shape [3] broadcasts along a [4, 3, 3, 3] kernel's last axis (its width): with a
+    float bias, the int32 bias was computed against those 3 scales and crashed on a broadcast naming nothing (found
+    by the fuzz test). The conv stays float with that reason and computes QONNX's definition."""
+    b = Builder()
+    rng = np.random.default_rng(0)
+    x = qonnx_quant(b, "x", 0.05, 0, 8, narrow=0)
+    scales = np.array([0.01, 0.02, 0.03], np.float32)
+    w = qonnx_quant(b, b.const(rng.standard_normal((4, 3, 3, 3)).astype(np.float32) * 0.3), scales, 0, 8, narrow=1)
+    conv = b.node("Conv", [x, w, b.const(rng.standard_normal(4).astype(np.float32) * 0.1)], pads=[1, 1, 1, 1])
+    model = qonnx_model(b, [("x", [1, 3, 5, 5])], [(qonnx_quant(b, conv, 0.05, 0, 8, narrow=0), [1, 4, 5, 5])])
+    with pytest.warns(UserWarning, match=r"scales are along axis 3, not its output channels"):
+        result = quantize_qat_export(model, tmp_path / "int8.onnx")
+    feeds = {"x": rng.standard_normal((1, 3, 5, 5)).astype(np.float32)}
+    assert np.abs(run(result.model, feeds)[0] - qonnx_reference(model, feeds)[0]).max() <= 0.05 + 1e-6

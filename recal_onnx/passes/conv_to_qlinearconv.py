@@ -26,8 +26,10 @@ def conv_to_qlinearconv(g: Graph, findings: Findings | None = None) -> int:
             continue
         relu, q = output_tail(g, node.outputs[0])
         w_inputs = weight_inputs(g, w, 0)
+        if q is None or w_inputs is None:
+            continue
         bias = quantized_bias(g, node, x, w, 2, findings, q)
-        if q is None or w_inputs is None or bias is None:
+        if bias is None:
             continue
         attrs = {k: a for k, a in node.attributes.items() if k in CONV_ATTRS}
         inputs = [x.q, x.scale, x.zero_point, *w_inputs, q.inputs[1], q.inputs[2]] + ([bias] if bias is not False else [])
