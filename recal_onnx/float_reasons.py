@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .graph import Graph, Node, attr, input_of
+from .graph import Graph, Node, input_of
 from .passes import on_a_grid
-from .qdq import activation, sixteen_bits, weight
+from .qdq import activation, output_axis, sixteen_bits, weight
 from .quantized_ops import output_tail
 
 WEIGHTED = {"Conv": 1, "Gemm": 1, "MatMul": 1, "ConvTranspose": 1}
@@ -99,7 +99,7 @@ def _weighted_reason(g: Graph, node: Node) -> str:
         return (f"its output{' after its ' + act.op_type if act is not None else ''} is read by "
                 f"{', '.join(readers) or 'nothing'}, not by one QuantizeLinear alone, and onnxruntime's only integer "
                 "conv with a float output (ConvInteger) runs about 10x slower than its float Conv (VNNI/AMX Xeon)")
-    out_axis = {"Conv": 0, "Gemm": 0 if attr(node, "transB", 0) else 1}.get(node.op_type, w.q.ndim - 1)
+    out_axis = output_axis(node, w.q.ndim)
     if w.scale.size > 1 and w.axis != out_axis:
         return (f"its weight's {w.scale.size} scales are along axis {w.axis}, not its output channels (axis "
                 f"{out_axis})")

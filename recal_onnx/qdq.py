@@ -94,6 +94,18 @@ def weight(g: Graph, value: Value | None) -> QWeight | None:
     return QWeight(q, g.const(node.inputs[1]), zp, axis if axis >= 0 else axis + q.ndim, node)
 
 
+def output_axis(node: Node, rank: int) -> int:
+    """The axis of a layer's weight that holds its output channels, the one integer kernels take scales along:
+    Conv's 0, ConvTranspose's 1, Gemm's by ``transB``, MatMul's last."""
+    if node.op_type == "Conv":
+        return 0
+    if node.op_type == "ConvTranspose":
+        return 1
+    if node.op_type == "Gemm":
+        return 0 if attr(node, "transB", 0) else 1
+    return rank - 1
+
+
 def along_axis(dq: Node, q: np.ndarray, *params: np.ndarray) -> list[np.ndarray] | None:
     """A DequantizeLinear's per-tensor or per-channel ``params`` (its scale, its zero point) shaped to broadcast
     against its integers ``q`` along its ``axis``; None for blocked quantization or an axis the integers lack."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 from onnx import helper, numpy_helper
 
 from .input_checks import ModelError, is_qonnx_domain, is_qonnx_quantizer
@@ -194,8 +195,9 @@ def aimet_definition(model: onnx.ModelProto, encodings: list) -> tuple[onnx.Mode
             if name in simulated:
                 node.input[j] = simulated[name][0]
     out.graph.node.extend(nodes)
-    out.graph.CopyFrom(_sorted(out.graph))  # each definition after the node that makes its tensor
-    return out, simulated
+    model = ir.serde.deserialize_model(out)
+    model.graph.sort()  # each definition after the node that makes its tensor
+    return ir.serde.serialize_model(model), simulated
 
 
 def _readers(model: onnx.ModelProto) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
@@ -223,29 +225,6 @@ def _channel_axis(e, constant: np.ndarray | None, readers: list) -> int:
     if len(sized) != 1:
         raise ValueError(f"no one channel axis for {e.name!r}")
     return sized[0]
-
-
-def _sorted(graph: onnx.GraphProto) -> onnx.GraphProto:
-    """``graph`` with its nodes in an order where each reads only what comes before it."""
-    ready = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
-    pending, done = list(graph.node), []
-    while pending:
-        rest = []
-        for n in pending:
-            if all(i in ready for i in n.input):
-                done.append(n)
-                ready.update(n.output)
-            else:
-                rest.append(n)
-        if len(rest) == len(pending):  # a cycle or a name from nowhere: left as it is for onnxruntime to refuse
-            done.extend(rest)
-            break
-        pending = rest
-    sorted_graph = onnx.GraphProto()
-    sorted_graph.CopyFrom(graph)
-    del sorted_graph.node[:]
-    sorted_graph.node.extend(done)
-    return sorted_graph
 
 
 def judge_aimet_reading(original: onnx.ModelProto, read: onnx.ModelProto, encodings: list, label: str,

@@ -217,8 +217,7 @@ class ScheduledModifierManager(RecipeManager):
     def _say_floored_scales(self) -> None:
         """Learned scales that a step took through zero are held at float32's eps (as torch.ao's LSQ does): the
         channels they quantize saturate; said once, at the end, naming them (checking every step would wait on the
-        device). One changed since the last step (loaded, set by hand) is held there first."""
-        self._floor_learned_scales()
+        device)."""
         names = {id(p): n for n, p in unwrap(self._model).named_parameters()}
         floored = [names.get(id(p), "?") for p in self._learned_scales if bool((p.detach() <= EPS).any())]
         if floored:
@@ -419,6 +418,7 @@ class ScheduledModifierManager(RecipeManager):
         result = {name: sparsity(self._params[name])
                   for names in self.plan.prune_targets.values() for name in names}
         self.qat.freeze()
+        self._floor_learned_scales()  # as after every step: one changed since (loaded, set by hand) too
         self._say_floored_scales()
         self.masks.release()
         for handle in self._hooks:

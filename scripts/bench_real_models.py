@@ -29,31 +29,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench.results import machine, report  # noqa: E402
 from bench.timing import interleaved_latency, repeated, spread  # noqa: E402
-from real_models.rapidocr_quantize import text_lines  # noqa: E402
+from real_models.rapidocr_quantize import quantize_rendered, text_lines  # noqa: E402
 from recal_onnx import VerificationError, quantize_qat_export  # noqa: E402
 from recal_onnx.verify import session  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "real"
 SAMPLES = 32  # rendered lines each model is judged on
-
-
-def _quantized(fp32: Path, out: Path) -> Path:
-    """``fp32`` through ``quantize_static`` at its documented settings, calibrated on 16 rendered lines."""
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
-
-    calibration, _ = text_lines(16, seed=1)
-    name = session(str(fp32)).get_inputs()[0].name
-
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.batches = iter([{name: calibration[i:i + 1]} for i in range(len(calibration))])
-
-        def get_next(self):
-            return next(self.batches, None)
-
-    quantize_static(str(fp32), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
-    return out
 
 
 def _agreement(path: Path, fp32: Path, x: np.ndarray) -> float:
@@ -120,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         recognizer = args.wheel / "ch_PP-OCRv4_rec_infer.onnx" if args.wheel else None
         if recognizer is not None and recognizer.is_file():
             rows.append(row("RapidOCR text recognizer (PP-OCRv4)", recognizer,
-                            _quantized(recognizer, folder / "rec.qdq.onnx"), folder, args.repeats))
+                            quantize_rendered(recognizer, folder / "rec.qdq.onnx"), folder, args.repeats))
     data = {**machine(), "samples": SAMPLES, "repeats": args.repeats, "rows": rows}
     return report(data, table(data), args.json)
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..findings import Findings
-from ..graph import LAYOUT_OPS, Graph, Node, Value, attr, input_of
-from ..qdq import activation
+from ..graph import LAYOUT_OPS, Graph, Node, Value, input_of
+from ..qdq import activation, output_axis
 
 TOLERANCE = 1e-4  # in steps: float32 rounding of q * step * a BatchNorm scale is ~1e-5 step; off-grid values 0.1+
 SAMPLED = 16  # values a channel's candidate steps are first tried on, before the whole channel
@@ -84,9 +84,7 @@ def _output_axis(node: Node, w: np.ndarray) -> int | None:
     """The axis of ``w`` along the layer's output channels (None where the layer has no 2-D / conv weight)."""
     if node.op_type == "Conv":
         return 0 if w.ndim >= 3 else None
-    if w.ndim != 2:
-        return None
-    return 0 if node.op_type == "Gemm" and attr(node, "transB", 0) else 1
+    return output_axis(node, 2) if w.ndim == 2 else None
 
 
 def grid_of(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..findings import Findings
-from ..graph import Graph, Node, attr, input_of
-from ..qdq import along_axis, weight
+from ..graph import Graph, input_of
+from ..qdq import along_axis, output_axis, weight
 
 LAYERS = ("Conv", "ConvTranspose", "Gemm", "MatMul")  # the layers onnxruntime's QDQ fusions make integer
 
@@ -27,7 +27,7 @@ def dequantize_misaligned_weights(g: Graph, findings: Findings) -> int:
     count = 0
     for node in g.each(*LAYERS):
         w = weight(g, input_of(node, 1))
-        out_axis = _output_axis(node, w.q.ndim) if w is not None else None
+        out_axis = output_axis(node, w.q.ndim) if w is not None else None
         if w is None or w.scale.size == 1 or w.axis == out_axis:
             continue
         params = along_axis(w.dq, w.q, w.scale, w.zero_point)
@@ -43,13 +43,3 @@ def dequantize_misaligned_weights(g: Graph, findings: Findings) -> int:
         count += 1
     return count
 
-
-def _output_axis(node: Node, rank: int) -> int:
-    """The weight's axis of output channels: Conv's 0, ConvTranspose's 1, Gemm's by ``transB``, MatMul's last."""
-    if node.op_type == "Conv":
-        return 0
-    if node.op_type == "ConvTranspose":
-        return 1
-    if node.op_type == "Gemm":
-        return 0 if attr(node, "transB", 0) else 1
-    return rank - 1

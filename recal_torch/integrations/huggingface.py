@@ -68,7 +68,7 @@ class RecalTrainerCallback(TrainerCallback):
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             with atomic_path(folder / RECAL_FILE) as tmp:
                 torch.save(mine, tmp)
-            _drop_from_fsdp_file(folder / FSDP_MODEL_FILE, set(mine[QUANTIZER_KEY]))
+            _drop_from_torch_file(folder / FSDP_MODEL_FILE, set(mine[QUANTIZER_KEY]))
             _drop_from_model_files(folder, set(mine[QUANTIZER_KEY]))
 
     def _resume(self, args, state, model, optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
@@ -126,9 +126,10 @@ def _resumed_from() -> str | None:
         del frame
 
 
-def _drop_from_fsdp_file(path: Path, names: set[str]) -> None:
-    """FSDP loads its whole-model file into the float model before recal is back, and refuses a key the model lacks:
-    the quantizer tensors, kept in recal's file, leave it (read memory-mapped: only their bytes are read and held)."""
+def _drop_from_torch_file(path: Path, names: set[str]) -> None:
+    """The tensors ``names`` (the quantizer tensors, kept in recal's file) leave a ``torch.save`` state dict file, read
+    memory-mapped (only their bytes are read and held): FSDP's whole-model file, which it loads into the float model
+    before recal is back and which refuses a key the model lacks, and ``pytorch_model.bin``."""
     if names and path.is_file():
         saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         if names & saved.keys():
@@ -161,7 +162,7 @@ def _drop_from_model_files(folder: Path, names: set[str]) -> None:
         data["weight_map"] = {k: v for k, v in data.get("weight_map", {}).items() if k not in names}
         with atomic_path(index) as tmp:
             Path(tmp).write_text(json.dumps(data, indent=2))
-    _drop_from_fsdp_file(folder / "pytorch_model.bin", names)
+    _drop_from_torch_file(folder / "pytorch_model.bin", names)
 
 
 def _model_tensors(folder: Path) -> dict[str, torch.Tensor]:
