@@ -404,13 +404,14 @@ def infer_shapes_in_place(model: onnx.ModelProto, check: bool = False) -> None:
     from onnx import helper
 
     graph = model.graph
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
     small, big = [], []
     for tensor in graph.initializer:
         (big if tensor.ByteSize() > 4096 else small).append(tensor)
     stand_ins = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in big]
     given = {i.name for i in graph.input}
     skeleton = helper.make_model(
-        helper.make_graph([_as_standard(n) for n in graph.node], graph.name or "graph", list(graph.input) + [v for v in stand_ins
+        helper.make_graph([_as_standard(n, opset) for n in graph.node], graph.name or "graph", list(graph.input) + [v for v in stand_ins
                                                                                          if v.name not in given],
                           list(graph.output), small),
         opset_imports=list(model.opset_import), ir_version=model.ir_version)
@@ -424,10 +425,12 @@ def infer_shapes_in_place(model: onnx.ModelProto, check: bool = False) -> None:
     graph.value_info.extend(inferred.graph.value_info)
 
 
-def _as_standard(node: onnx.NodeProto) -> onnx.NodeProto:
+def _as_standard(node: onnx.NodeProto, opset: int) -> onnx.NodeProto:
     """onnxruntime's ``com.microsoft`` QuantizeLinear / DequantizeLinear as the default domain's, whose output shapes
     shape inference knows (the same shapes); any other node as it is."""
     if node.domain != MS_DOMAIN or node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+        return node
+    if opset < 13 and any(a.name == "axis" for a in node.attribute):  # per channel: the default domain's from 13
         return node
     copy = onnx.NodeProto()
     copy.CopyFrom(node)

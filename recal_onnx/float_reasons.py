@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .graph import Graph, Node, input_of
-from .passes import on_a_grid
+from .passes import OPSET_12, on_a_grid
 from .qdq import activation, output_axis, sixteen_bits, weight
 from .quantized_ops import output_tail
 
@@ -48,6 +48,9 @@ def float_reason(g: Graph, node: Node) -> str:
     if node.op_type == "BatchNormalization" and g.rank(node.inputs[0]) == 2:
         return ("it normalizes a [N, C] tensor (a BatchNorm1d after a Linear): as an integer depthwise conv on an "
                 "added axis onnxruntime ran it slower than this float op (measured on LeViT)")
+    if node.op_type in OPSET_12 and g.opset < 12:
+        return (f"the model's opset is {g.opset}, and {node.op_type} takes 8-bit integers from opset 12; it runs on "
+                "the dequantized values, exact")
     return f"no integer form of {node.op_type} with these inputs and attributes in this converter"
 
 

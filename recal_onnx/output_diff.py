@@ -18,6 +18,7 @@ CLASS_ID_OPS = {"ArgMax", "ArgMin", "TopK"}
 MEDIAN_SAMPLE = 1_000_000  # differences kept per output for the median
 RUNTIME_MARGIN = 0.1  # "as close as onnxruntime's own session": its per-sample median and p90 plus this share of them
 RUNTIME_TASK = 0.005  # ... and its task agreement less this (both models' roundings drawn on the same few samples)
+RUNTIME_Z = 2.0  # ... or, paired, fewer results lost than won plus this many standard deviations (1 in 44 by chance)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class OutputDiff:
     # runs today, whose distance from the file's meaning a conversion may match (:meth:`as_close_as_runtime`)
     runtime: "OutputDiff | None" = None
     explained: bool = False  # op by op, every differing integer lay on a rounding boundary (no misreading seen)
+    # task results read otherwise by this model and onnxruntime's own session: (only theirs agrees, only this one)
+    task_paired: tuple[int, int] | None = None
 
     def as_close_as_runtime(self) -> bool:
         """At least as close to the input model run as written as onnxruntime's default session of it is, by the
@@ -48,8 +51,16 @@ class OutputDiff:
         if not self.explained or rt is None or self.typical is None or rt.typical is None or not np.isfinite(self.max_abs_diff):
             return False
         close = all(mine <= theirs * (1 + RUNTIME_MARGIN) + 1e-6 for mine, theirs in zip(self.typical, rt.typical))
-        return close and (self.task is None or rt.task is None or self.task >= rt.task - RUNTIME_TASK) \
-            and rt.max_abs_diff > 0
+        return close and (self.task is None or rt.task is None or self.task >= rt.task - RUNTIME_TASK
+                          or self._task_not_worse()) and rt.max_abs_diff > 0
+
+    def _task_not_worse(self) -> bool:
+        """Paired (McNemar's test): of the task results the two read otherwise, this model loses no more than
+        chance would, :data:`RUNTIME_Z` standard deviations, if both were as good (each flip a coin toss)."""
+        if self.task_paired is None:
+            return False
+        worse, better = self.task_paired
+        return worse - better <= RUNTIME_Z * math.sqrt(worse + better)
 
     def typical_note(self) -> str:
         """The per-sample figures beside onnxruntime's own session's, in one clause."""
@@ -59,8 +70,12 @@ class OutputDiff:
         if self.typical is None:
             return ""
         own = f"output {self.name!r}: recal {fig(self)}"
-        return own if self.runtime is None or self.runtime.typical is None else \
-            f"{own}; onnxruntime's default session of the input {fig(self.runtime)}"
+        if self.runtime is None or self.runtime.typical is None:
+            return own
+        paired = "" if self.task_paired is None else \
+            (f" (of the {sum(self.task_paired)} task results the two read otherwise, recal's alone agree on "
+             f"{self.task_paired[1]}, onnxruntime's alone on {self.task_paired[0]})")
+        return f"{own}; onnxruntime's default session of the input {fig(self.runtime)}{paired}"
 
     def problem(self, tolerance: float | None, min_agreement: float | None) -> str | None:
         if self.kind == "bool":  # a mask or a decision: no tolerance means anything but equal
@@ -112,6 +127,16 @@ class OutputStats:
         self.kept_size = 0
         self.per_sample: list[np.ndarray] = []  # each sample's max abs difference
         self.task_agree = self.task_count = 0
+        # task results where this candidate and another (onnxruntime's own session) disagree: (only the other is
+        # right, only this one is), for a paired judgement of the two (OutputDiff.as_close_as_runtime)
+        self.task_worse = self.task_better = 0
+
+    def pair(self, ref: np.ndarray, got: np.ndarray, other: np.ndarray) -> None:
+        """Count the task results where ``got`` and ``other`` differ in agreeing with ``ref``."""
+        mine, theirs = task_hits(ref, got), task_hits(ref, other)
+        if mine is not None and theirs is not None and mine.shape == theirs.shape:
+            self.task_worse += int(np.count_nonzero(theirs & ~mine))
+            self.task_better += int(np.count_nonzero(mine & ~theirs))
 
     def add(self, ref: np.ndarray, got: np.ndarray) -> None:
         self.dtype = ref.dtype
@@ -138,12 +163,10 @@ class OutputStats:
             self.argmax_rows += int(ref.shape[0])
         if ref.ndim >= 1 and ref.shape[0] and np.issubdtype(ref.dtype, np.floating):
             self.per_sample.append(diff.reshape(ref.shape[0], -1).max(1, initial=0.0))
-            if ref.ndim >= 2 and ref.shape[-1] > 1:  # classes on the last axis: top-1 per position
-                self.task_agree += int(np.count_nonzero(ref.argmax(-1) == got.argmax(-1)))
-                self.task_count += int(ref.size // ref.shape[-1])
-            elif values.size and values.min() >= 0 and values.max() <= 1:  # a probability map: thresholded
-                self.task_agree += int(np.count_nonzero((ref > 0.5) == (got > 0.5)))
-                self.task_count += int(ref.size)
+            hits = task_hits(ref, got)
+            if hits is not None:
+                self.task_agree += int(np.count_nonzero(hits))
+                self.task_count += int(hits.size)
         room = MEDIAN_SAMPLE - self.kept_size
         if room > 0 and diff.size:
             stride = max(1, -(-diff.size // room))
@@ -174,7 +197,21 @@ class OutputStats:
             typical = (float(np.median(samples)), float(np.percentile(samples, 90)))
         return OutputDiff(name, "float", self.max_diff, span, step=step, share=share,
                           magnitude=magnitude if math.isfinite(magnitude) else 0.0, typical=typical,
-                          task=self.task_agree / self.task_count if self.task_count else None)
+                          task=self.task_agree / self.task_count if self.task_count else None,
+                          task_paired=(self.task_worse, self.task_better) if self.task_worse + self.task_better else None)
+
+
+def task_hits(ref: np.ndarray, got: np.ndarray) -> np.ndarray | None:
+    """Where ``got`` reads as ``ref`` does for the task: top-1 per position where the last axis holds classes, a
+    map of probabilities thresholded at 0.5; None for another float output (or shapes apart)."""
+    if ref.shape != got.shape or ref.ndim < 1 or not np.issubdtype(ref.dtype, np.floating):
+        return None
+    if ref.ndim >= 2 and ref.shape[-1] > 1:
+        return (ref.argmax(-1) == got.argmax(-1)).reshape(-1)
+    finite = ref[np.isfinite(ref)]
+    if finite.size and finite.min() >= 0 and finite.max() <= 1:
+        return ((ref > 0.5) == (got > 0.5)).reshape(-1)
+    return None
 
 
 def float_gap(got: np.ndarray, ref: np.ndarray) -> float:

@@ -88,6 +88,7 @@ from .passes.misaligned_weight_scales import dequantize_misaligned_weights
 from .passes.minmax_to_clip import minmax_to_clip
 from .passes.noop_clamps import remove_noop_clamps
 from .passes.pad_into_conv import fold_pads_into_convs
+from .passes.per_channel_domain import per_channel_domain
 from .passes.pool_to_qlinear import pool_to_qlinear
 from .passes.qonnx_to_qcdq import qonnx_to_qcdq
 from .passes.redundant_qdq import remove_redundant_qdq
@@ -157,6 +158,7 @@ PIPELINE: tuple[Step, ...] = (
     Step((uint8_weights,), when=lambda o: o.weight_type == "uint8"),
     Step((bias_apart, dequantize_misaligned_weights, shield_float_weights)),
     Step((drop_exporter_metadata,), when=lambda o: not o.keep_exporter_metadata),
+    Step((per_channel_domain,)),  # last: what the passes made per channel, at the model's opset
 )
 
 

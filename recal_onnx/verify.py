@@ -223,6 +223,8 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
             stat.add(r, g)
         for stat, r, t in zip(stats_rt or [], ref, theirs[0] if theirs else []):
             stat.add(r, t)
+        for stat, r, g, t in zip(stats, ref, got, theirs[0] if theirs else []):
+            stat.pair(r, g, t)
     if alternative is not None and alternative.refused:  # no alternative to compare with: said in the result
         refused, stats_rt = alternative.refused, None
     del runners, alternative  # their memory (a float reference's dequantized weights) before the op-by-op sessions are made

@@ -1,5 +1,6 @@
 """Real pretrained weights (RapidOCR's text-direction classifier, PaddleOCR's, shipped in its wheel) quantized by
-onnxruntime's quantize_static as a user would, converted and judged on rendered text (scripts/real_models)."""
+onnxruntime's quantize_static as a user would, and by NNCF's and ModelOpt's ONNX quantizers, converted and judged on
+rendered text (scripts/real_models)."""
 
 import sys
 from pathlib import Path
@@ -78,3 +79,27 @@ def test_the_cli_takes_the_users_inputs_and_shapes(lines, tmp_path, capsys):
     assert main(["quantize-qat-export", str(QDQ), str(tmp_path / "c.onnx"), "--inputs", str(bad)]) != 0
     assert "inputs names 'y', which" in capsys.readouterr().err
     assert not (tmp_path / "b.onnx").exists() and not (tmp_path / "c.onnx").exists()
+
+
+@pytest.mark.parametrize("tool", ["nncf", "modelopt"])
+def test_peers_quantizations_of_the_real_model_convert(tool, lines, tmp_path):
+    """The same classifier quantized by NNCF's and ModelOpt's ONNX quantizers at their defaults
+    (scripts/real_models/peer_quantize.py wrote the fixtures). NNCF keeps paddle2onnx's opset 11: the per-channel
+    scales the converter makes there (a BatchNorm folded into the float first conv) are onnxruntime's own
+    DequantizeLinear, and MaxPool, with no 8-bit type before opset 12, stays float. Both leave most convs' outputs
+    unquantized, so those convs compute in float, as in the file, each with its reason."""
+    from recal_onnx.graph import MS_DOMAIN
+
+    images, _ = lines
+    qdq = FIXTURES / f"rapidocr-cls-{tool}.onnx"
+    result = quantize_qat_export(qdq, tmp_path / "int8.onnx", inputs={"x": images[:32]})
+    model = onnx.load(str(result.path))
+    assert all(n.domain == MS_DOMAIN for n in model.graph.node
+               if n.op_type == "DequantizeLinear" and any(a.name == "axis" for a in n.attribute)
+               and model.opset_import[0].version < 13)
+    assert all(name in result.float_reasons for _, name in result.float_nodes)
+    assert result.verification.explained, result.verification
+    fp32 = ort.InferenceSession(str(FP32), providers=["CPUExecutionProvider"]).run(None, {"x": images})[0].argmax(1)
+    ours = ort.InferenceSession(str(result.path), providers=["CPUExecutionProvider"]).run(None, {"x": images})[0]
+    theirs = ort.InferenceSession(str(qdq), providers=["CPUExecutionProvider"]).run(None, {"x": images})[0]
+    assert (ours.argmax(1) == fp32).mean() >= (theirs.argmax(1) == fp32).mean() - 1 / 48

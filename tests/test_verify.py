@@ -318,3 +318,26 @@ def test_a_thinned_tensors_boundary_is_judged_on_its_own_kept_channels():
     assert margin == 0.0 and count == 0
     wrong = _boundary_margin(grid, {"x": unrounded}, got, qat, qat, np.array([0, 2]))  # another tensor's channels
     assert wrong[1] == 1 and wrong[0] > 0.4
+
+
+def test_as_close_as_onnxruntimes_session_is_judged_paired_on_the_task():
+    """recal's model may read a few more positions otherwise than onnxruntime's own session of the file does, by
+    chance (each flip a coin toss); many more is a worse model, refused, however close the per-sample figures."""
+    from recal_onnx.output_diff import OutputDiff, OutputStats
+
+    def judged(paired, task=0.953):
+        runtime = OutputDiff("probs", "float", 0.9, 1.0, typical=(0.18, 0.30), task=0.962)
+        return OutputDiff("probs", "float", 0.98, 1.0, typical=(0.19, 0.32), task=task, runtime=runtime,
+                          explained=True, task_paired=paired).as_close_as_runtime()
+
+    assert judged((15, 8))  # 7 more lost than won, of 23: chance (2 sd is 9.6)
+    assert not judged((60, 8))  # 52 more, of 68: a worse model
+    assert not judged(None)  # nothing paired: the margin alone, which 0.953 misses
+    assert judged(None, task=0.96)
+    stats = OutputStats()
+    ref = np.eye(4, dtype=np.float32)[None].repeat(2, 0)  # [2, 4 positions, 4 classes]
+    got, other = ref.copy(), ref.copy()
+    got[0, 0], other[1, 1] = ref[0, 1], ref[1, 2]  # each reads one position otherwise
+    got[1, 3] = ref[1, 0]
+    stats.pair(ref, got, other)
+    assert (stats.task_worse, stats.task_better) == (2, 1)

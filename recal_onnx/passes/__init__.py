@@ -6,6 +6,7 @@ rewrites it made."""
 # weight lies on an int8 grid) it imports from here.
 from .float16_upcast import float32_reference
 from .float_weight_grids import on_a_grid
+from .int8_passthrough import OPSET_12
 from .thin_channels import CHANNEL_BLOCK
 from .uint8_weights import exact_on_this_cpu, saturating_layers, uint8_twin
 

@@ -27,6 +27,7 @@ from ..quantized_ops import clamp_integers, integer_bounds
 PASSTHROUGH = {"MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Slice", "Gather",
                "GatherElements", "Expand", "Tile"}
 SPLITS = {"Split"}  # several outputs, each dequantized on its own
+OPSET_12 = {"MaxPool", "Clip", "Max", "Min", "Relu"}  # 8-bit integers from opset 12 (a model at 11 keeps them float)
 
 
 def _pads_zeros(g: Graph, node) -> bool:
@@ -65,6 +66,8 @@ def int8_passthrough(g: Graph, clamps: bool = True) -> int:
                 continue
             if node.op_type == "MaxPool" and len([o for o in node.outputs if o.name or o.uses()]) > 1:
                 continue  # the Indices output has no integer meaning
+            if node.op_type in OPSET_12 and g.opset < 12:
+                continue  # no 8-bit type before opset 12: it stays float, exact
             if node.op_type in SPLITS:
                 parts = g.add_node(node.op_type, [x.q, *node.inputs[1:]], name=node.name + "_int8",
                                    outputs=len(node.outputs), **node.attributes).outputs
