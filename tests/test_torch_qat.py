@@ -80,6 +80,35 @@ def test_weight_fake_quant_is_symmetric_per_channel_and_keeps_zeros():
     assert q.max() <= 127 and q.min() >= -127
 
 
+def test_a_nearly_dead_channel_keeps_a_grid_its_bias_fits_and_every_conv_converts(tmp_path):
+    """A pretrained filter trained nearly dead (max|w| 5e-7 beside 0.3: RapidOCR's recognizer has one) with a bias
+    of -0.65: at a scale of max|w| / 127 its int32 bias is 3e9 steps, beyond int32, and the converter must leave
+    the conv float. Its scale is held at 1/4096 of the layer's largest, so the bias fits and the conv is integer."""
+    from recal_onnx import quantize_qat_export
+    from recal_torch.qat.quantizers import CHANNEL_SPAN, weight_qparams
+
+    torch.manual_seed(0)
+    w = torch.randn(4, 3, 3, 3) * 0.1
+    w[2] = torch.randn(3, 3, 3) * 1e-7
+    scale, _ = weight_qparams(w)
+    assert float(scale[2]) == pytest.approx(float(scale.max()) / CHANNEL_SPAN)
+    assert torch.equal(scale[[0, 1, 3]], w[[0, 1, 3]].abs().flatten(1).amax(1) / 127)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 1))
+    with torch.no_grad():
+        model[0].weight.copy_(w)
+        model[0].bias.copy_(torch.tensor([0.1, -0.2, -0.65, 0.3]))
+    fake_quantize_model(model)
+    x = torch.randn(16, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    model.train()
+    model(x)
+    model.eval()
+    path = export_onnx(model, x[:2], tmp_path / "qat.onnx", dynamo=False)
+    result = quantize_qat_export(str(path), tmp_path / "int8.onnx", verify_inputs={"input": x.numpy()})
+    assert not result.float_reasons and result.float_ops == {}, result.float_reasons
+    ops = {n.op_type for n in onnx.load(str(result.path)).graph.node}
+    assert "QLinearConv" in ops and "Conv" not in ops
+
+
 def test_fake_quantize_model_fuses_conv_bn_relu_in_place_and_keeps_parameters():
     torch.manual_seed(0)
     model = SmallCNN()

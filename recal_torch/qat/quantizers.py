@@ -27,6 +27,11 @@ W_QMIN, W_QMAX = -128, 127
 W_LEVELS = float(WEIGHT_LEVELS)  # symmetric: |q| <= 127, so -128 is never used
 REDUCED_W_LEVELS = float(REDUCED_WEIGHT_LEVELS)  # reduce_range: no x86 u8s8 kernel saturates (recal_core's rule)
 EPS = torch.finfo(torch.float32).eps
+# a weight channel's scale is at least its layer's largest over this: a channel thousands of times quieter than its
+# neighbours (a filter trained nearly dead, common in pretrained nets) keeps a grid on which its bias still fits the
+# int32 steps (input scale x weight scale) an integer kernel adds it in; at eps it would overflow them, and the
+# converter would have to leave the layer float
+CHANNEL_SPAN = 2.0 ** 12
 
 
 # --- quantization parameters (shared with the exporter and the tests) ---------------------
@@ -45,7 +50,8 @@ def weight_qparams(weight: torch.Tensor, levels: float = W_LEVELS) -> tuple[torc
     """int8 symmetric per-output-channel (axis 0) scale and zero point (always 0): ``max|w|`` maps to ``levels``
     (127, or 64 under ``reduce_range``)."""
     amax = weight.detach().abs().flatten(1).amax(dim=1)
-    scale = torch.clamp(amax / levels, min=EPS).to(torch.float32)
+    scale = torch.clamp(amax / levels, min=EPS)
+    scale = torch.maximum(scale, scale.max() / CHANNEL_SPAN).to(torch.float32)
     return scale, torch.zeros_like(scale, dtype=torch.int32)
 
 
