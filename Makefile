@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: demo test test-fast docs bench check-wheel clean
 
@@ -14,9 +15,15 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install torch==2.13.0
 	$(BIN)/pip install -e ".[all,dev]"
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
 
-demo: $(STAMP)
+# the demo needs PyTorch, TensorFlow and onnxruntime only (a test set-up has them too)
+$(DEMO_STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e ".[torch,tf-cpu]"
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/python scripts/demo.py
 
 test: $(STAMP)

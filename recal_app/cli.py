@@ -56,6 +56,14 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import demo
+
+    demo(args.output, seed=args.seed, progress=not args.no_progress,
+         frameworks=tuple(args.framework or ("torch", "tf")))
+    return 0
+
+
 def _schema(args: argparse.Namespace) -> int:
     text = json.dumps(recipe_json_schema(), indent=2) + "\n"
     if args.output:
@@ -118,6 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
     train.set_defaults(func=_train)
+
+    demo = sub.add_parser("demo", help="the main job on the bundled digits: one recipe (recal:prune_quant) in "
+                                       "PyTorch and TensorFlow, exported and converted to int8, verified")
+    demo.add_argument("--output", default="demo_out", help="output folder (default demo_out)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
+    demo.add_argument("--framework", choices=("torch", "tf"), action="append",
+                      help="train only with this framework (repeatable; default: each one installed)")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bars")
+    demo.set_defaults(func=_demo, framework=None)
 
     recipes = sub.add_parser("recipes", help="list the recipes recal ships (use one as recal:NAME)")
     recipes.set_defaults(func=_recipes)

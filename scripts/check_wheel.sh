@@ -27,6 +27,9 @@ fresh torch
 "$work/torch/bin/pip" install --quiet "$wheel[torch]"
 quickstart torch "Quick start: PyTorch"
 cp "$work/run/model.onnx" "$work/qat.onnx"
+(cd "$work/run" && "$work/torch/bin/recal" demo --framework torch --no-progress --output demo > "$work/demo.log")
+test -f "$work/run/demo/torch-prune-quant/model.int8.onnx"
+echo "ok: recal[torch] runs 'recal demo' (PyTorch) from the wheel"
 
 fresh tf-cpu
 "$work/tf-cpu/bin/pip" install --quiet "tensorflow-cpu==2.20.*" "$wheel[tf-cpu]"

@@ -13,6 +13,8 @@ Then the two tables, what this run measured on this CPU, and the paths of everyt
 also written to ``<output>/demo.json`` (the README's tables are generated from a copy in docs/results/).
 
     python scripts/demo.py [--output demo_out] [--seed 0] [--no-speed]
+
+Its first part is ``recal demo`` (:mod:`recal_app.demo`), which runs the same from an installed package.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 import warnings
@@ -36,10 +37,7 @@ logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(loggin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from recal_core import load_recipe  # noqa: E402
-from recal_app.training import train  # noqa: E402
-
-RECIPES = Path(__file__).resolve().parent.parent / "recal_core" / "recipes"
+from recal_app.demo import JOBS, print_jobs, run_jobs  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,20 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15, help="the speed part's interleaved rounds (default 15)")
     args = parser.parse_args(argv)
     out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    recipe = load_recipe(RECIPES / "prune_quant.yaml")
-    jobs = [
-        ("torch", "dense baseline", load_recipe(RECIPES / "dense.yaml"), out / "torch-dense"),
-        ("torch", "prune 85% + QAT", recipe, out / "torch-prune-quant"),
-        ("tf", "prune 85% + QAT (same recipe)", recipe, out / "tf-prune-quant"),
-    ]
-    rows = []
     started = time.perf_counter()
-    for framework, label, job_recipe, folder in jobs:
-        print(f"\n== {framework}: {label} ({job_recipe.source}) -> {folder}", flush=True)
-        _replace_earlier_demo_run(folder)
-        run = train(job_recipe, framework, folder, seed=args.seed, progress=not args.no_progress)
-        rows += [(framework, label, a) for a in run.artefacts]
+    rows = run_jobs(out, seed=args.seed, progress=not args.no_progress)  # what `recal demo` runs
     speed_rows = []
     if not args.no_speed:
         import speed
@@ -74,47 +60,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n== speed: ResNet-18-shaped at {size}x{size} -> {out / 'speed'}", flush=True)
         speed_rows = speed.speed_table(out / "speed", size, args.rounds)
     print(f"\nrecal demo, {time.perf_counter() - started:.0f}s in all")
-    print("\n1. accuracy on real data: the digits test set (360 images)\n")
-    header = f"{'framework':9s} {'run':32s} {'artefact':38s} {'accuracy':>8s} {'sparsity':>8s} {'size':>10s} {'latency':>10s}"
-    print(header)
-    print("-" * len(header))
-    for framework, label, a in rows:
-        sparsity = "unknown" if a.sparsity is None else f"{a.sparsity:.3f}"
-        print(f"{framework:9s} {label:32s} {a.name:38s} {a.accuracy:8.4f} {sparsity:>8s} "
-              f"{a.size_bytes / 1e3:8.1f}kB {a.latency_ms:8.3f}ms")
-    print("\nsizes in kB and MB (10^3 and 10^6 bytes); latency: median batch-1 inference in the artefact's runtime "
-          "(PyTorch, TensorFlow or onnxruntime)")
+    print_jobs(rows)
     if speed_rows:
         print(f"\n2. speed on synthetic inputs: ResNet-18-shaped, {args.speed_size}x{args.speed_size}, onnxruntime, batch 1, 1 thread, "
               "interleaved medians; fidelity on 64 inputs in a default session\n")
         print(speed.format_table(speed_rows))
         print("\n" + speed.measured_line(speed_rows))
-    results = {"seconds": round(time.perf_counter() - started),
-               "jobs": [{"framework": framework, "run": label, "artefact": a.name, "accuracy": a.accuracy,
-                         "sparsity": a.sparsity, "size_bytes": a.size_bytes, "latency_ms": a.latency_ms}
-                        for framework, label, a in rows]}
+    results = {"seconds": round(time.perf_counter() - started), "seed": args.seed,
+               "jobs": [{k: v for k, v in r.items() if k != "path"} for r in rows]}
     if speed_rows:
         results["speed"] = json.loads((out / "speed" / "speed.json").read_text())
         results["speed"]["measured"] = speed.measured_line(speed_rows)
     (out / "demo.json").write_text(json.dumps(results, indent=1) + "\n")
     print("\noutputs:")
-    for _, _, folder in [(None, None, j[3]) for j in jobs]:
-        print(f"  {folder}/report.md  {folder}/schedule.png  {folder}/tensorboard/")
-    for framework, label, a in rows:
-        print(f"  {a.path}")
+    for job in JOBS:
+        print(f"  {out / job.folder}/report.md  {out / job.folder}/schedule.png  {out / job.folder}/tensorboard/")
+    for r in rows:
+        print(f"  {r['path']}")
     for row in speed_rows:
         print(f"  {row.path}")
     print(f"  {out / 'demo.json'}: every figure above")
     print(f"view the training curves: tensorboard --logdir {out}")
     return 0
-
-
-def _replace_earlier_demo_run(folder: Path) -> None:
-    """A second `make demo` starts its jobs afresh: a folder holding an earlier demo job's run (its report.md) is
-    removed; any other non-empty folder is left alone, and training then refuses it with its own message."""
-    if (folder / "report.md").is_file():
-        print(f"   replacing the earlier demo run in {folder}", flush=True)
-        shutil.rmtree(folder)
 
 
 if __name__ == "__main__":

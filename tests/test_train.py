@@ -4,6 +4,7 @@ import hashlib
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -202,14 +203,28 @@ def test_make_demo_script(tmp_path):
     assert "Measured this run: recal int8" in result.stdout and demo["speed"]["measured"] in result.stdout
 
 
+@pytest.mark.slow
+def test_recal_demo_runs_from_any_folder_with_what_is_installed(tmp_path):
+    """``recal demo`` is the package's own: from a folder away from the checkout, PyTorch only here, the recipe
+    read by name; the table and demo.json hold the same figures."""
+    exe = Path(sys.executable).parent / "recal"
+    result = run_program(str(exe), "demo", "--framework", "torch", "--output", "out", "--no-progress",
+                         cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = [line for line in result.stdout.splitlines() if line.startswith("torch ")]
+    saved = json.loads((tmp_path / "out" / "demo.json").read_text())
+    assert [job["accuracy"] for job in saved["jobs"]] == pytest.approx([float(line.split()[-4]) for line in table],
+                                                                       abs=5e-5)
+    assert all(job["framework"] == "torch" for job in saved["jobs"]) and len(table) >= 6
+    assert (tmp_path / "out" / "torch-prune-quant" / "model.int8.onnx").is_file()
+    assert not (tmp_path / "out" / "tf-prune-quant").exists()
+
+
 def test_a_second_demo_replaces_its_own_earlier_run_only(tmp_path):
     """`make demo` twice works: a folder holding an earlier demo job (its report.md) is replaced; a folder that
     is not one is left as it is (training then refuses it with its own message)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import demo
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    from recal_app import demo
+
     earlier, other = tmp_path / "earlier", tmp_path / "other"
     for folder in (earlier, other):
         (folder / "checkpoints").mkdir(parents=True)
