@@ -11,10 +11,11 @@ from .export import ExportError, ExportWarning, export_onnx, to_export_model
 from .flops import count_macs
 from .loggers import TensorBoardLogger
 from .manager import ScheduledModifierManager
+from .precision_plan import PrecisionPlan, plan_precision
 from .qat import QATConv, QATLinear, QATModule, fake_quantize_model
 from .thin import ThinningError, ThinningWarning, ThinReport, load_thinned, thin
 
 __all__ = [
-    "ExportError", "ExportWarning", "PythonLogger", "QATConv", "QATLinear", "QATModule", "RecalLogger", "ScheduledModifierManager",
-    "TensorBoardLogger", "ThinReport", "ThinningError", "ThinningWarning", "count_macs", "export_onnx", "fake_quantize_model", "load_thinned", "thin", "to_export_model",
+    "ExportError", "ExportWarning", "PrecisionPlan", "PythonLogger", "QATConv", "QATLinear", "QATModule", "RecalLogger", "ScheduledModifierManager",
+    "TensorBoardLogger", "ThinReport", "ThinningError", "ThinningWarning", "count_macs", "export_onnx", "fake_quantize_model", "load_thinned", "plan_precision", "thin", "to_export_model",
 ]

@@ -1,0 +1,141 @@
+"""A recipe planned from measurement against uniform precision and a random plan of the same size, each after the
+same QAT: a Llama-shaped decoder over bytes trained on the Python standard library's source (scripts/bench_llm.py's
+model and data), its Linear layers' weights in 8, 4 or 2 bits (weight-only, groups of 32) or float.
+
+Plans, at a budget halfway between the sizes of uniform 2-bit and uniform 4-bit weights (``--between``): recal's plan
+from the measured loss increase; from the cheap (Fisher) estimate; a random plan (each layer's bits drawn, then
+layers moved to fewer bits until the plan fits); with uniform int2 (smaller) and int4 (larger) as the bounds. Each is trained ``--qat-steps`` steps under its recipe, exported, converted by ``quantize_qat_export``, and
+judged by perplexity on held-out files in onnxruntime, with its size and one token's latency.
+
+    python scripts/bench_plan.py [--seed 0] [--json docs/results/plan.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+from bench.results import machine, report  # noqa: E402
+from bench.timing import interleaved_latency  # noqa: E402
+from bench_llm import SEQ, batches, build, corpus, perplexity, train  # noqa: E402
+from examples.int4_decoder import Logits  # noqa: E402
+from recal_core.precision_plan import FLOAT, recipe_text, solve  # noqa: E402
+from recal_onnx import quantize_qat_export  # noqa: E402
+from recal_torch import ScheduledModifierManager, export_onnx  # noqa: E402
+from recal_torch.precision_plan import measure  # noqa: E402
+
+
+LR = "    - !LearningRateFunctionModifier {start_epoch: 0, end_epoch: 1, lr_func: cosine, init_lr: 0.0002, " \
+     "final_lr: 0.00002}\n"  # the QAT's LR, the same for every plan
+
+
+def _uniform(layers, bits):
+    return {layer.name: next(c for c in layer.candidates if c.bits == bits) for layer in layers}
+
+
+def _random(layers, budget, rng):
+    """Each layer's bits drawn at random, then the costliest layers moved down a step until the plan fits."""
+    choice = {layer.name: rng.choice(layer.candidates) for layer in layers}
+    by_name = {layer.name: layer for layer in layers}
+    while sum(c.cost for c in choice.values()) > budget:
+        name = max(choice, key=lambda n: choice[n].cost)
+        cheaper = [c for c in by_name[name].candidates if c.cost < choice[name].cost]
+        choice[name] = max(cheaper, key=lambda c: c.cost)
+    return choice
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=400, help="fp32 training steps")
+    parser.add_argument("--qat-steps", type=int, default=100)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--calibration", type=int, default=4, help="batches the plan is measured on")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--between", type=float, default=0.5,
+                        help="the budget, as a point between uniform int2's size (0) and uniform int4's (1)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    torch.manual_seed(args.seed)
+    train_data, test_data, _ = corpus(4_000_000, 129 * (SEQ + 1))
+    windows = np.stack([test_data[i * (SEQ + 1):(i + 1) * (SEQ + 1)] for i in range(128)])
+    model = build(args.layers, args.hidden)
+    print(f"fp32: {args.steps} steps", flush=True)
+    train(model, train_data, args.steps, 2e-3, args.batch, seed=10 * args.seed)
+    model.eval()
+    calibration = [b for _, b in zip(range(args.calibration), batches(train_data, args.batch, 10 * args.seed + 7))]
+
+    def loss_fn(m, b):
+        logits = m(input_ids=b[0], use_cache=False).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[1].reshape(-1))
+
+    plans, seconds = {}, {}
+    for score in ("measured", "fisher"):
+        t0 = time.perf_counter()
+        layers, _ = measure(model, calibration, loss_fn, score=score, progress=True)
+        seconds[score] = time.perf_counter() - t0
+        plans[score] = layers
+    layers = plans["measured"]
+    int2, int4 = (sum(c.cost for c in _uniform(layers, b).values()) for b in (2, 4))
+    budget = int2 + (int4 - int2) * args.between  # between uniform int2 and int4: where a plan has choices to make
+    choices = {"uniform int2 (smaller)": _uniform(layers, 2), "uniform int4 (larger)": _uniform(layers, 4),
+               "recal plan (measured)": solve(plans["measured"], budget),
+               "recal plan (fisher estimate)": solve(plans["fisher"], budget),
+               "random plan": _random(layers, budget, random.Random(args.seed))}
+    sample = torch.from_numpy(windows[:2, :SEQ].astype(np.int64))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {}
+        for label, choice in choices.items():
+            print(f"{label}: QAT {args.qat_steps} steps", flush=True)
+            recipe = recipe_text(layers, choice) + LR
+            student = copy.deepcopy(model)
+            train(student, train_data, args.qat_steps, 2e-4, args.batch, seed=10 * args.seed + 1,
+                  manager=ScheduledModifierManager.from_yaml(recipe))
+            qat = Path(tmp) / f"{len(paths)}.qat.onnx"
+            export_onnx(Logits(student).eval(), sample, qat, input_names=["ids"], output_names=["logits"],
+                        dynamic_sequence=True)
+            result = quantize_qat_export(str(qat), Path(tmp) / f"{len(paths)}.onnx", inputs={"ids": sample.numpy()})
+            paths[label] = result.path
+            bits = [c.bits for c in choice.values()]
+            rows.append({"plan": label, "planned_bytes": sum(c.cost for c in choice.values()),
+                         "bits": {str(b): bits.count(b) for b in sorted(set(bits))},
+                         "ppl": perplexity(result.path, windows), "file_bytes": result.path.stat().st_size})
+        token = {"ids": windows[:1, :1].astype(np.int64)}
+        latency = interleaved_latency(paths, token, rounds=9, per_round=3, min_seconds=0.05)
+    for row in rows:
+        row["ms_token"] = latency[row["plan"]]
+    measured, fisher = choices["recal plan (measured)"], choices["recal plan (fisher estimate)"]
+    agree = sum(measured[name].bits == fisher[name].bits for name in measured)
+    data = {**machine(), "seed": args.seed, "hidden": args.hidden, "layers": args.layers, "steps": args.steps,
+            "qat_steps": args.qat_steps, "budget_bytes": budget, "between": args.between, "planning_seconds": seconds,
+            "layers_planned": len(layers), "plans_agree_on": agree, "rows": rows}
+    return report(data, table(data), args.json)
+
+
+def table(data: dict) -> str:
+    lines = ["| plan | weights at 8 / 4 / 2 bits / float | planned kB | file kB | perplexity | token ms |",
+             "|---" * 6 + "|"]
+    for r in data["rows"]:
+        counts = " / ".join(str(r["bits"].get(str(b), 0)) for b in (8, 4, 2, FLOAT))
+        lines.append(f"| {r['plan']} | {counts} | {r['planned_bytes'] / 1e3:.1f} | {r['file_bytes'] / 1e3:.1f} | "
+                     f"{r['ppl']:.4f} | {r['ms_token']:.3f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    sys.exit(main())
