@@ -5,18 +5,25 @@ The models are RapidOCR's (PaddleOCR weights exported by paddle2onnx, shipped in
 Apache-2.0): the text-direction classifier, committed as ``tests/fixtures/real/`` with the script that made it
 (``scripts/real_models/rapidocr_quantize.py``), and, given the unpacked wheel's folder, the text recognizer, quantized
 here the same way (``quantize_static``: QDQ, per channel, uint8 activations, int8 weights, 16 rendered calibration
-lines, no pre-processing). Inputs: lines of the Python standard library's source rendered in DejaVu fonts (upright or
-upside down); fidelity is the top-1 agreement with the fp32 model (per image for the classifier, per position for
-the recognizer), for the QDQ file in a default session and for recal's model.
+lines, no pre-processing), and the text detector (DBNet) the same way on 16 rendered pages. Inputs: lines of the
+Python standard library's source rendered in DejaVu fonts (upright or upside down), or 320 x 320 pages of them;
+fidelity is the task's agreement with the fp32 model (top-1 per image for the classifier, per position for the
+recognizer; the detector's text-probability map thresholded at 0.5, per pixel), for the QDQ file in a default session
+and for recal's model.
 
     python scripts/bench_real_models.py [--wheel /tmp/w/rapidocr_onnxruntime/models] [--repeats 3]
-        [--json docs/results/real_models.json]
+        [--peer nncf /tmp/nncf_site] [--peer modelopt /tmp/mo_site] [--json docs/results/real_models.json]
+
+With ``--peer``, each model is also quantized by that peer's ONNX quantizer at its defaults
+(``scripts/real_models/peer_quantize.py``, run from the peer's own site folder) and converted the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import warnings
@@ -29,25 +36,34 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench.results import machine, report  # noqa: E402
 from bench.timing import interleaved_latency, repeated, spread  # noqa: E402
-from real_models.rapidocr_quantize import quantize_rendered, text_lines  # noqa: E402
+from real_models.rapidocr_quantize import quantize_rendered, text_lines, text_pages  # noqa: E402
 from recal_onnx import VerificationError, quantize_qat_export  # noqa: E402
+from recal_onnx.output_diff import task_hits  # noqa: E402
 from recal_onnx.verify import session  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "real"
 SAMPLES = 32  # rendered lines each model is judged on
+DETECTOR_SAMPLES = 16  # rendered pages (320 x 320) the detector is judged on
+PEERS = {"nncf": "NNCF", "modelopt": "ModelOpt"}
 
 
 def _agreement(path: Path, fp32: Path, x: np.ndarray) -> float:
-    """Top-1 agreement with the fp32 model over the last axis (a class, or a position's character)."""
+    """The task's agreement with the fp32 model, as verification reads it (:func:`recal_onnx.output_diff.task_hits`):
+    top-1 over the last axis (a class, or a position's character), or the detector's probability map at 0.5."""
     got_session, want_session = session(str(path)), session(str(fp32))
     name = got_session.get_inputs()[0].name
     got = np.concatenate([got_session.run(None, {name: x[i:i + 1]})[0] for i in range(len(x))])
     want = np.concatenate([want_session.run(None, {name: x[i:i + 1]})[0] for i in range(len(x))])
-    return float(np.mean(got.argmax(-1) == want.argmax(-1)))
+    return float(np.mean(task_hits(want, got)))
+
+
+def judged_on(fp32: Path) -> np.ndarray:
+    """The held-out inputs (seed 2): pages for the detector, lines for the others."""
+    return text_pages(DETECTOR_SAMPLES, seed=2) if "det" in fp32.name else text_lines(SAMPLES, seed=2)[0]
 
 
 def row(label: str, fp32: Path, qdq: Path, folder: Path, repeats: int) -> dict:
-    x, _ = text_lines(SAMPLES, seed=2)
+    x = judged_on(fp32)
     name = session(str(qdq)).get_inputs()[0].name
     try:
         with warnings.catch_warnings():
@@ -72,7 +88,7 @@ def row(label: str, fp32: Path, qdq: Path, folder: Path, repeats: int) -> dict:
 
 
 def table(data: dict) -> str:
-    lines = ["| model | fp32 ms | QDQ file ms | recal ms | recal vs QDQ file | top-1 vs fp32: QDQ file / recal | "
+    lines = ["| model | fp32 ms | QDQ file ms | recal ms | recal vs QDQ file | task vs fp32: QDQ file / recal | "
              "size fp32 / recal (kB) |", "|---" * 7 + "|"]
     for r in data["rows"]:
         if "refused" in r:
@@ -92,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wheel", type=Path, help="the unpacked rapidocr_onnxruntime wheel's models/ folder")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--peer", nargs=2, action="append", default=[], metavar=("TOOL", "SITE"),
+                        help="also quantize with a peer (nncf or modelopt) installed in SITE "
+                             "(scripts/real_models/peer_quantize.py)")
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,10 +118,25 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row("RapidOCR text-direction classifier", FIXTURES / "rapidocr-cls-fp32.onnx",
                         FIXTURES / "rapidocr-cls-quantize-static.onnx", folder, args.repeats))
         recognizer = args.wheel / "ch_PP-OCRv4_rec_infer.onnx" if args.wheel else None
+        detector = args.wheel / "ch_PP-OCRv4_det_infer.onnx" if args.wheel else None
         if recognizer is not None and recognizer.is_file():
             rows.append(row("RapidOCR text recognizer (PP-OCRv4)", recognizer,
                             quantize_rendered(recognizer, folder / "rec.qdq.onnx"), folder, args.repeats))
-    data = {**machine(), "samples": SAMPLES, "repeats": args.repeats, "rows": rows}
+        if detector is not None and detector.is_file():
+            rows.append(row("RapidOCR text detector (PP-OCRv4, DBNet)", detector,
+                            quantize_rendered(detector, folder / "det.qdq.onnx"), folder, args.repeats))
+        for tool, site in args.peer:  # the same models through a peer's ONNX quantizer, run from its own site
+            for label, fp32 in (("RapidOCR text-direction classifier", FIXTURES / "rapidocr-cls-fp32.onnx"),
+                                ("RapidOCR text recognizer (PP-OCRv4)", recognizer),
+                                ("RapidOCR text detector (PP-OCRv4, DBNet)", detector)):
+                if fp32 is None or not fp32.is_file():
+                    continue
+                qdq = folder / f"{tool}-{fp32.stem}.onnx"
+                subprocess.run([sys.executable, str(ROOT / "scripts" / "real_models" / "peer_quantize.py"), tool,
+                                str(fp32), str(qdq)], check=True, env={**os.environ, "PYTHONPATH": site},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                rows.append(row(f"{label}, {PEERS[tool]}", fp32, qdq, folder, args.repeats))
+    data = {**machine(), "samples": SAMPLES, "detector_samples": DETECTOR_SAMPLES, "repeats": args.repeats, "rows": rows}
     return report(data, table(data), args.json)
 
 

@@ -338,9 +338,41 @@ def real_models() -> str:
     data = load("real_models.json")
     return (table(data) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. Batch 1, 1 thread, default "
             f"sessions, median of {data['repeats']} repeats of 7 interleaved rounds (recal vs QDQ file: the median "
-            f"speed-up, least-most in brackets); top-1 agreement with the fp32 model on {data['samples']} rendered "
-            "lines of the Python standard library's source (`python scripts/bench_real_models.py --wheel "
-            "<rapidocr_onnxruntime>/models --json docs/results/real_models.json`).")
+            f"speed-up, least-most in brackets); task agreement with the fp32 model (top-1 per image or position; the "
+            f"detector's map at 0.5, per pixel) on {data['samples']} rendered lines of the Python standard library's "
+            f"source, or {data.get('detector_samples', 16)} pages of them; peers' rows quantized by their ONNX "
+            "quantizers at their defaults (`python scripts/bench_real_models.py --wheel <rapidocr_onnxruntime>/models "
+            "--peer nncf <site> --peer modelopt <site> --json docs/results/real_models.json`).")
+
+
+def real_model_qat() -> str:
+    """QAT on RapidOCR's recognizer, beside quantize_static (scripts/real_models/rapidocr_qat.py)."""
+    sys.path.insert(0, str(ROOT / "scripts" / "real_models"))
+    from rapidocr_qat import table
+
+    data = load("real_model_qat.json")
+    return (table(data) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. {data['samples']} held-out "
+            f"rendered lines; QAT {data['steps']} steps of {data['batch']} lines (AdamW, LR {data['lr']:g} cosine, "
+            f"{data['observer']} observers), distilled from fp32 alone, no labels, one run per seed. Latency: batch 1, "
+            "1 thread, default sessions, median of 7 interleaved rounds (`python scripts/real_models/rapidocr_qat.py "
+            "--wheel <rapidocr_onnxruntime>/models --seeds 0 1 2 --json docs/results/real_model_qat.json`).")
+
+
+def plan() -> str:
+    """Planned recipes against uniform int4 and a random plan, each after the same QAT (scripts/bench_plan.py)."""
+    from bench_plan import table
+
+    data = load("plan.json")
+    return (table(data) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. A Llama-shaped decoder over bytes "
+            f"({data['layers']} layers, hidden {data['hidden']}; {data['layers_planned']} Linear layers planned), "
+            f"{data['steps']} fp32 steps on the standard library's source, then {data['qat_steps']} QAT steps under "
+            f"each plan; the plans within {data['budget_bytes'] / 1e3:.1f} kB of weights and scales, "
+            f"{data['between']:.0%} of the way from uniform int2's size to int4's; the two recal plans agree on "
+            f"{data['plans_agree_on']} of "
+            f"{data['layers_planned']} layers. "
+            "Perplexity on 128 held-out windows of 128 bytes; one token's latency, 1 thread, median of 9 "
+            f"interleaved rounds; seed {data['seed']}, one run (`python scripts/bench_plan.py --json "
+            "docs/results/plan.json`).")
 
 
 def avx2_exactness() -> str:
@@ -362,7 +394,8 @@ TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo
           "large-decoder": large_decoder, "thinning-decoder": thinning_decoder,
           "thinning-decoder-neox": lambda: thinning_decoder("gpt-neox"),
           "jax-compile": jax_compile, "gpu-check": gpu_check,
-          "lsq-overhead": lsq_overhead, "avx2-exactness": avx2_exactness, "real-models": real_models}
+          "lsq-overhead": lsq_overhead, "avx2-exactness": avx2_exactness, "real-models": real_models,
+          "real-model-qat": real_model_qat, "plan": plan}
 
 
 def render(text: str) -> str:

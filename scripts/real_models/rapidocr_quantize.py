@@ -27,20 +27,26 @@ FIXTURE = Path(__file__).parents[2] / "tests" / "fixtures" / "real" / "rapidocr-
 WIDTH = 192
 
 
-def _source_lines() -> list[str]:
-    import json.decoder
-    import os
+SOURCES = ("json.decoder", "os")  # the modules whose source lines are drawn: calibration and judging
+TRAINING_SOURCES = ("argparse", "textwrap", "pathlib", "csv")  # other text, for training (QAT) only
 
-    text = inspect.getsource(json.decoder) + inspect.getsource(os)
+
+def _source_lines(modules: tuple[str, ...]) -> list[str]:
+    import importlib
+
+    text = "".join(inspect.getsource(importlib.import_module(name)) for name in modules)
     return [line.strip() for line in text.splitlines() if 12 < len(line.strip()) < 40]
 
 
-def text_lines(count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """``count`` rendered lines as the classifier's input ``[count, 3, 48, 192]`` and their labels (1: upside
-    down)."""
+def text_lines(count: int, seed: int, modules: tuple[str, ...] = SOURCES) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` rendered lines of ``modules``' source as the classifier's input ``[count, 3, 48, 192]`` and their
+    labels (1: upside down)."""
     from PIL import Image, ImageDraw, ImageFont
 
-    rng, lines = random.Random(seed), _source_lines()
+    rng, lines = random.Random(seed), _source_lines(modules)
+    if modules != SOURCES:  # training text holds no line the models are judged on
+        judged = set(_source_lines(SOURCES))
+        lines = [line for line in lines if line not in judged]
     fonts = [f for f in FONTS if Path(f).exists()]
     images, labels = [], []
     for _ in range(count):
@@ -59,13 +65,41 @@ def text_lines(count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(images), np.array(labels)
 
 
+def text_pages(count: int, seed: int, size: int = 320) -> np.ndarray:
+    """``count`` pages of source lines, ``size`` pixels square, in fonts of three sizes at random margins, as the
+    text detector's input ``[count, 3, size, size]`` (ImageNet's mean and deviation, as RapidOCR normalises)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    rng, lines = random.Random(seed), _source_lines(SOURCES)
+    fonts = [f for f in FONTS if Path(f).exists()]
+    mean, std = np.array([0.485, 0.456, 0.406], np.float32), np.array([0.229, 0.224, 0.225], np.float32)
+    pages = []
+    for _ in range(count):
+        image = Image.new("RGB", (size, size), (255, 255, 255))
+        draw, y = ImageDraw.Draw(image), 8
+        while y < size - 30:
+            size_pt = rng.choice([14, 18, 22])
+            font = ImageFont.truetype(rng.choice(fonts), size_pt) if fonts else ImageFont.load_default()
+            draw.text((rng.randint(4, 40), y), rng.choice(lines), font=font, fill=(0, 0, 0))
+            y += rng.randint(24, 40)
+        pages.append(((np.asarray(image, np.float32) / 255 - mean) / std).transpose(2, 0, 1))
+    return np.stack(pages).astype(np.float32)
+
+
+def calibration_for(model: str | Path) -> np.ndarray:
+    """16 calibration inputs (seed 1) of the kind ``model`` reads: pages for the detector (``det`` in its name),
+    lines for the classifier and the recognizer."""
+    return text_pages(16, seed=1) if "det" in Path(model).name else text_lines(16, seed=1)[0]
+
+
 def quantize_rendered(model: str | Path, output: str | Path) -> Path:
     """``model`` through ``quantize_static`` at its documented settings (QDQ, per channel, uint8 activations, int8
-    weights), calibrated on 16 rendered lines, no pre-processing; its input takes them whatever its name."""
+    weights), calibrated on 16 rendered inputs (:func:`calibration_for`), no pre-processing; its input takes them
+    whatever its name."""
     import onnxruntime as ort
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-    calibration, _ = text_lines(16, seed=1)
+    calibration = calibration_for(model)
     name = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).get_inputs()[0].name
 
     class Reader(CalibrationDataReader):
