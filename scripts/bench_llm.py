@@ -265,7 +265,7 @@ def recal_int4(fp32_model: nn.Module, data: np.ndarray, steps: int, observer: st
         recipe += TERNARY_OVERRIDE.format(pattern=args.ternary, grouping=grouping, observer=observer)
     manager = ScheduledModifierManager.from_yaml(recipe + (DISTILL_RECIPE if teacher is not None else ""))
     t0 = time.perf_counter()
-    train(model, data, max(steps, 1), lr, args.batch, seed=1, manager=manager,
+    train(model, data, max(steps, 1), lr, args.batch, seed=10 * args.seed + 1, manager=manager,
           teacher=None if teacher is None else copy.deepcopy(teacher))
     qat = folder / f"{label}.qat.onnx"
     export_onnx(Logits(model).eval(), sample, qat, input_names=["ids"], output_names=["logits"],
@@ -293,9 +293,11 @@ def main() -> None:
     parser.add_argument("--test-windows", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--json", type=Path, help="also write the table here (docs/results/llm.json)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="model init, training data order and onnxruntime's calibration windows")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     folder = Path(tempfile.mkdtemp(prefix="recal-bench-llm-"))
     train_data, test_data, files = corpus(int(args.train_mb * 1e6), (args.test_windows + 1) * (SEQ + 1))
     windows = np.stack([test_data[i * (SEQ + 1):(i + 1) * (SEQ + 1)] for i in range(args.test_windows)])
@@ -305,7 +307,7 @@ def main() -> None:
     print(f"{files} stdlib files: {len(train_data) / 1e6:.1f} MB train, {windows.size / 1e3:.0f} KB test; "
           f"Llama-shaped decoder, {params / 1e6:.2f} M parameters", flush=True)
     print(f"  fp32: {args.steps} steps, batch {args.batch} x {SEQ}", flush=True)
-    train(model, train_data, args.steps, args.lr, args.batch, seed=0)
+    train(model, train_data, args.steps, args.lr, args.batch, seed=10 * args.seed)
     model.eval()
     sample = torch.from_numpy(windows[:2, :SEQ].astype(np.int64))
     fp32 = folder / "fp32.onnx"
@@ -316,14 +318,15 @@ def main() -> None:
           flush=True)
     more = copy.deepcopy(model)
     manager = ScheduledModifierManager.from_yaml(LR_RECIPE.format(lr=args.qat_lr, final_lr=args.qat_lr / 10))
-    train(more, train_data, args.qat_steps, args.qat_lr, args.batch, seed=1, manager=manager)
+    train(more, train_data, args.qat_steps, args.qat_lr, args.batch, seed=10 * args.seed + 1, manager=manager)
     more.eval()
     baseline = f"fp32, {args.steps} + {args.qat_steps} steps"
     rows[baseline] = {"path": folder / "fp32_more.onnx", "seconds": None}
     export_onnx(Logits(more), sample, rows[baseline]["path"], input_names=["ids"], output_names=["logits"],
                 dynamic_sequence=True)
     drop_exporter_record(rows[baseline]["path"])
-    calibration = [{"ids": windows[i:i + 1, :SEQ].astype(np.int64)} for i in range(32)]
+    first = 32 * args.seed % max(1, len(windows) - 32)  # each seed calibrates onnxruntime on 32 windows of its own
+    calibration = [{"ids": windows[i:i + 1, :SEQ].astype(np.int64)} for i in range(first, first + 32)]
     # per channel: onnxruntime's blocks as wide as the widest input (a power of two, >= 16); narrower ones are padded
     block = args.group or 1 << (max(args.hidden, args.ffn) - 1).bit_length()
     two_bit = linear_nodes(rows[baseline]["path"], more, args.ternary) if args.ternary else set()
@@ -372,7 +375,7 @@ def main() -> None:
     if args.json:
         data = {**machine(), "rounds": args.rounds, "group": args.group, "ternary": args.ternary,
                 "command": shlex.join(["python", "scripts/bench_llm.py", *sys.argv[1:]]),
-                "steps": args.steps, "qat_steps": args.qat_steps, "params": params, "layers": args.layers,
+                "seed": args.seed, "steps": args.steps, "qat_steps": args.qat_steps, "params": params, "layers": args.layers,
                 "hidden": args.hidden, "ffn": args.ffn, "test_tokens": int(windows[:, 1:].size), "train_bytes": len(train_data),
                 "files": files, "fp32_bytes": base["bytes"], "baseline": baseline, "rows": table}
         save(args.json, data)

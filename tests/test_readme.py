@@ -36,7 +36,7 @@ def _workdir(tmp_path):
 
 
 def test_the_examples_are_found():
-    assert len(PYTHON_BLOCKS) == 12 and len(RECAL_LINES) == 5  # a page that loses a block fails here
+    assert len(PYTHON_BLOCKS) == 13 and len(RECAL_LINES) == 5  # a page that loses a block fails here
 
 
 @pytest.mark.parametrize("code", [code for _, code in PYTHON_BLOCKS], ids=[name for name, _ in PYTHON_BLOCKS])
@@ -55,3 +55,17 @@ def test_recal_command_runs(line, tmp_path):
     exe = Path(sys.executable).parent / "recal"  # the installed entry point's script, run as a program
     result = run_program(str(exe), *argv[1:], cwd=_workdir(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+YAML_BLOCKS = [(page, block) for page, text in PAGES.items()
+               for block in re.findall(r"```yaml\n(.*?)```", text, re.DOTALL)]
+
+
+@pytest.mark.parametrize("recipe", [b for _, b in YAML_BLOCKS], ids=[p for p, _ in YAML_BLOCKS])
+def test_yaml_recipes_in_the_manual_validate(recipe):
+    """A recipe shown in the manual (or a part of one: a list of modifiers under ``modifiers:``) is one recal
+    reads."""
+    from recal_core import load_recipe
+
+    text = recipe if recipe.lstrip().startswith(("modifiers:", "version:")) else "modifiers:\n" + recipe
+    assert load_recipe(text).modifiers
