@@ -68,6 +68,7 @@ def test_a_hugging_face_trainer_runs_the_recipe_and_resumes_exactly(tmp_path):
         # recipe's: 0.1, x0.7 an epoch to epoch 3, then held (not the Trainer's own linear decay to 0)
         assert record["learning_rate"] == pytest.approx(0.1 * 0.7 ** min(math.floor((record["step"] - 1) / 10), 2),
                                                         rel=1e-9)
+        assert record["recal/lr"] == record["learning_rate"]  # one LR per record: the step just taken's
     assert not callback.manager.active  # finalized at the end: masks baked in, observers frozen
     export_onnx(model.body.eval(), torch.zeros(1, 8, 8), tmp_path / "digits.onnx")
 

@@ -45,6 +45,7 @@ class RecalTrainerCallback(TrainerCallback):
     def __init__(self, recipe: str | os.PathLike | ScheduledModifierManager, *, teacher: torch.nn.Module | None = None,
                  quantize_attention: bool = False, example_inputs: Any = None):
         self.manager = manager_of(recipe)
+        self._step_lrs: list[float] = []  # each param group's LR at the last optimizer step
         self._options = {"teacher": teacher, "quantize_attention": quantize_attention,
                          "example_inputs": example_inputs}
 
@@ -95,9 +96,17 @@ class RecalTrainerCallback(TrainerCallback):
         if self.manager.qat.prepared:
             load_model_state(model, _model_tensors(folder), str(folder))
 
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if optimizer is not None:  # the LRs this step trains with (after it, recal has set the next step's)
+            self._step_lrs = [float(group["lr"]) for group in optimizer.param_groups]
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is not None and self.manager.active:
             scalars = {f"recal/{k}": v for k, v in self.manager.scalars().items()}
+            for i, lr in enumerate(self._step_lrs):  # the step just taken's, as the Trainer logs it
+                key = "recal/lr" + ("" if i == 0 else f"/group{i}")
+                if key in scalars:
+                    scalars[key] = lr
             logs.update(scalars)
             if state.log_history:
                 state.log_history[-1].update(scalars)
