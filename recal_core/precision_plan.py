@@ -36,13 +36,19 @@ class PlanError(ValueError):
     """A budget the candidates cannot meet: the message gives the nearest budget that can be."""
 
 
+def size_bounds(layers: list[LayerCandidates]) -> tuple[float, float]:
+    """The bytes of the smallest plan (each layer at its cheapest candidate) and of the largest."""
+    return (sum(min(c.cost for c in layer.candidates) for layer in layers),
+            sum(max(c.cost for c in layer.candidates) for layer in layers))
+
+
 def solve(layers: list[LayerCandidates], budget: float) -> dict[str, Candidate]:
     """One candidate per layer, least summed score with summed cost <= ``budget`` bytes (exact: an integer
     program); :class:`PlanError` naming the smallest possible size where none fits."""
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
 
-    smallest = sum(min(c.cost for c in layer.candidates) for layer in layers)
+    smallest = size_bounds(layers)[0]
     if budget < smallest:
         raise PlanError(f"a size budget of {budget:,.0f} bytes cannot be met: the smallest plan, every layer at its "
                         f"fewest bits, is {smallest:,.0f} bytes; give at least that")
@@ -65,8 +71,7 @@ def solve(layers: list[LayerCandidates], budget: float) -> dict[str, Candidate]:
 def pareto(layers: list[LayerCandidates], points: int = 12) -> list[tuple[float, float, dict[str, Candidate]]]:
     """``(cost, score, choice)`` of the best plan at ``points`` budgets spread from the smallest plan to all float:
     the curve a budget is chosen on."""
-    low = sum(min(c.cost for c in layer.candidates) for layer in layers)
-    high = sum(max(c.cost for c in layer.candidates) for layer in layers)
+    low, high = size_bounds(layers)
     curve = []
     for k in range(points):
         choice = solve(layers, low + (high - low) * k / max(1, points - 1))

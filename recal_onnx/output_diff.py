@@ -131,18 +131,20 @@ class OutputStats:
         # right, only this one is), for a paired judgement of the two (OutputDiff.as_close_as_runtime)
         self.task_worse = self.task_better = 0
 
-    def pair(self, ref: np.ndarray, got: np.ndarray, other: np.ndarray) -> None:
-        """Count the task results where ``got`` and ``other`` differ in agreeing with ``ref``."""
-        mine, theirs = task_hits(ref, got), task_hits(ref, other)
+    def pair(self, mine: np.ndarray | None, theirs: np.ndarray | None) -> None:
+        """Count the task results where this candidate and another differ in agreeing with the reference: ``mine``
+        and ``theirs`` are what :meth:`add` returned for each on the same chunk."""
         if mine is not None and theirs is not None and mine.shape == theirs.shape:
             self.task_worse += int(np.count_nonzero(theirs & ~mine))
             self.task_better += int(np.count_nonzero(mine & ~theirs))
 
-    def add(self, ref: np.ndarray, got: np.ndarray) -> None:
+    def add(self, ref: np.ndarray, got: np.ndarray) -> np.ndarray | None:
+        """Take one chunk in; return where ``got`` reads as ``ref`` for the task (:func:`task_hits`), or None."""
         self.dtype = ref.dtype
+        hits = None
         if ref.shape != got.shape:
             self.mismatch = True
-            return
+            return hits
         diff = np.abs(ref.astype(np.float64) - got.astype(np.float64)).reshape(-1)
         finite = np.isfinite(ref).reshape(-1) if np.issubdtype(ref.dtype, np.floating) else None
         if finite is not None and not finite.all():  # NaN where both are NaN, the same inf: equal; else inf apart
@@ -172,6 +174,7 @@ class OutputStats:
             stride = max(1, -(-diff.size // room))
             self.kept.append(diff[::stride].copy())
             self.kept_size += self.kept[-1].size
+        return hits
 
     def sample(self) -> np.ndarray:
         return np.concatenate(self.kept) if self.kept else np.zeros(0)

@@ -219,12 +219,9 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
         samples += int(ref[0].shape[0]) if ref and ref[0].ndim else 1
         per_sample = max(per_sample, sum(r.nbytes + g.nbytes for r, g in zip(ref, got)) // max(
             int(ref[0].shape[0]) if ref and ref[0].ndim else 1, 1))
-        for stat, r, g in zip(stats, ref, got):
-            stat.add(r, g)
-        for stat, r, t in zip(stats_rt or [], ref, theirs[0] if theirs else []):
-            stat.add(r, t)
-        for stat, r, g, t in zip(stats, ref, got, theirs[0] if theirs else []):
-            stat.pair(r, g, t)
+        mine = [stat.add(r, g) for stat, r, g in zip(stats, ref, got)]
+        for stat, stat_rt, r, t, hits in zip(stats, stats_rt or [], ref, theirs[0] if theirs else [], mine):
+            stat.pair(hits, stat_rt.add(r, t))  # each side's task hits computed once, by add
     if alternative is not None and alternative.refused:  # no alternative to compare with: said in the result
         refused, stats_rt = alternative.refused, None
     del runners, alternative  # their memory (a float reference's dequantized weights) before the op-by-op sessions are made

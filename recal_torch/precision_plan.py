@@ -179,8 +179,9 @@ def plan_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Mo
     if not layers:
         raise ValueError("no Linear layer to plan: " + "; ".join(f"{k}: {v}" for k, v in left_out.items()))
     if bits_budget is not None:
-        budget = bits_budget / 8 * sum(layer.params for layer in layers) + sum(
-            min(c.cost for c in layer.candidates if c.bits == FLOAT) - 4.0 * layer.params for layer in layers)
+        biases = sum(next(c.cost for c in layer.candidates if c.bits == FLOAT) - FLOAT / 8 * layer.params
+                     for layer in layers)  # what a float layer holds beyond its weights
+        budget = bits_budget / 8 * sum(layer.params for layer in layers) + biases
     choice = solve(layers, budget)
     curve = [(cost, total) for cost, total, _ in pareto(layers)]
     text = recipe_text(layers, choice, group_size=group_size, epochs=epochs, budget=budget, estimate=score)

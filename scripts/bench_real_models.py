@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench.results import machine, report  # noqa: E402
 from bench.timing import interleaved_latency, repeated, spread  # noqa: E402
-from real_models.rapidocr_quantize import quantize_rendered, text_lines, text_pages  # noqa: E402
+from real_models.rapidocr_quantize import quantize_rendered, rendered_inputs  # noqa: E402
 from recal_onnx import VerificationError, quantize_qat_export  # noqa: E402
 from recal_onnx.output_diff import task_hits  # noqa: E402
 from recal_onnx.verify import session  # noqa: E402
@@ -59,7 +59,7 @@ def _agreement(path: Path, fp32: Path, x: np.ndarray) -> float:
 
 def judged_on(fp32: Path) -> np.ndarray:
     """The held-out inputs (seed 2): pages for the detector, lines for the others."""
-    return text_pages(DETECTOR_SAMPLES, seed=2) if "det" in fp32.name else text_lines(SAMPLES, seed=2)[0]
+    return rendered_inputs(fp32, DETECTOR_SAMPLES if "det" in fp32.name else SAMPLES, seed=2)
 
 
 def row(label: str, fp32: Path, qdq: Path, folder: Path, repeats: int) -> dict:

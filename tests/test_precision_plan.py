@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from recal_core import load_recipe
-from recal_core.precision_plan import FLOAT, Candidate, LayerCandidates, PlanError, solve
+from recal_core.precision_plan import FLOAT, Candidate, LayerCandidates, PlanError, size_bounds, solve
 
 
 def _random_layers(rng, n):
@@ -26,8 +26,7 @@ def test_the_search_is_exact_against_every_plan():
     rng = np.random.default_rng(0)
     for _ in range(20):
         layers = _random_layers(rng, 4)
-        low = sum(min(c.cost for c in l.candidates) for l in layers)
-        high = sum(max(c.cost for c in l.candidates) for l in layers)
+        low, high = size_bounds(layers)
         budget = float(rng.uniform(low, high))
         best = min((sum(c.score for c in combo), combo) for combo in itertools.product(*(l.candidates for l in layers))
                    if sum(c.cost for c in combo) <= budget)[0]
@@ -38,7 +37,7 @@ def test_the_search_is_exact_against_every_plan():
 
 def test_a_budget_below_every_plan_names_the_smallest():
     layers = _random_layers(np.random.default_rng(1), 3)
-    smallest = sum(min(c.cost for c in l.candidates) for l in layers)
+    smallest = size_bounds(layers)[0]
     with pytest.raises(PlanError, match=f"smallest plan, every layer at its fewest bits, is {smallest:,.0f} bytes"):
         solve(layers, smallest - 1)
 

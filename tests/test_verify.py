@@ -339,5 +339,5 @@ def test_as_close_as_onnxruntimes_session_is_judged_paired_on_the_task():
     got, other = ref.copy(), ref.copy()
     got[0, 0], other[1, 1] = ref[0, 1], ref[1, 2]  # each reads one position otherwise
     got[1, 3] = ref[1, 0]
-    stats.pair(ref, got, other)
+    stats.pair(stats.add(ref, got), OutputStats().add(ref, other))
     assert (stats.task_worse, stats.task_better) == (2, 1)

@@ -54,10 +54,31 @@ def _prepared(path: Path, height: int, width: int):
 
 
 def _constant(root: torch.fx.GraphModule, node) -> torch.Tensor | None:
-    if isinstance(node, torch.fx.Node) and node.op == "get_attr":
-        return root.get_parameter(node.target) if node.target in dict(root.named_parameters()) else \
-            root.get_buffer(node.target)
-    return None
+    """The tensor a ``get_attr`` node reads (onnx2torch keeps initializers as parameters or buffers), else None."""
+    if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
+        return None
+    try:
+        return root.get_parameter(node.target)
+    except AttributeError:
+        return root.get_buffer(node.target)
+
+
+def _op(root: torch.fx.GraphModule, node) -> object:
+    """What an onnx2torch binary-op node computes (``torch.add``, ``torch.mul`` ...), else None."""
+    if node is None or node.op != "call_module":
+        return None
+    return getattr(root.get_submodule(node.target), "math_op_function", None)
+
+
+def _only_user(node):
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _constant_operand(root: torch.fx.GraphModule, node, source) -> torch.Tensor | None:
+    """The constant ``node`` (a binary op reading ``source``) combines ``source`` with, else None."""
+    if len(node.args) != 2 or source not in node.args:
+        return None
+    return _constant(root, node.args[1] if node.args[0] is source else node.args[0])
 
 
 def _linears(root: torch.fx.GraphModule) -> int:
@@ -66,15 +87,10 @@ def _linears(root: torch.fx.GraphModule) -> int:
     for node in list(root.graph.nodes):
         if node.op != "call_module" or type(root.get_submodule(node.target)).__name__ != "OnnxMatMul":
             continue
-        weight = _constant(root, node.args[1])
-        users = list(node.users)
-        if weight is None or weight.dim() != 2 or len(users) != 1 or users[0].op != "call_module":
+        weight, add = _constant(root, node.args[1]), _only_user(node)
+        if weight is None or weight.dim() != 2 or _op(root, add) is not torch.add:
             continue
-        add = users[0]
-        adder = root.get_submodule(add.target)
-        if getattr(adder, "math_op_function", None) is not torch.add:
-            continue
-        bias = _constant(root, add.args[1] if add.args[0] is node else add.args[0])
+        bias = _constant_operand(root, add, node)
         if bias is None or bias.shape != (weight.shape[1],):
             continue
         linear = nn.Linear(weight.shape[0], weight.shape[1])
@@ -84,23 +100,11 @@ def _linears(root: torch.fx.GraphModule) -> int:
         name = f"linear_{count}"
         root.add_module(name, linear)
         with root.graph.inserting_before(node):
-            replacement = root.graph.call_module(name, (node.args[0],))
-        add.replace_all_uses_with(replacement)
+            add.replace_all_uses_with(root.graph.call_module(name, (node.args[0],)))
         root.graph.erase_node(add)
         root.graph.erase_node(node)
         count += 1
-    root.graph.eliminate_dead_code()
-    root.delete_all_unused_submodules()
-    root.recompile()
     return count
-
-
-def _scalar_operand(root: torch.fx.GraphModule, node, source) -> torch.Tensor | None:
-    """The scalar constant ``node`` (a single-input binary op of ``source``) multiplies or adds, else None."""
-    if node.op != "call_module" or len(node.args) != 2 or source not in node.args:
-        return None
-    other = _constant(root, node.args[1] if node.args[0] is source else node.args[0])
-    return other if other is not None and other.numel() == 1 else None
 
 
 def _affine_into_convs(root: torch.fx.GraphModule) -> int:
@@ -110,18 +114,14 @@ def _affine_into_convs(root: torch.fx.GraphModule) -> int:
     for node in list(root.graph.nodes):
         if node.op != "call_module" or not isinstance(root.get_submodule(node.target), nn.Conv2d):
             continue
-        conv, users = root.get_submodule(node.target), list(node.users)
-        mul = users[0] if len(users) == 1 else None
-        if mul is None or getattr(root.get_submodule(mul.target), "math_op_function", None) is not torch.mul:
+        mul = _only_user(node)
+        add = _only_user(mul) if _op(root, mul) is torch.mul else None
+        if _op(root, add) is not torch.add:
             continue
-        scale = _scalar_operand(root, mul, node)
-        add = list(mul.users)[0] if len(mul.users) == 1 else None
-        if scale is None or add is None or \
-                getattr(root.get_submodule(add.target), "math_op_function", None) is not torch.add:
+        scale, shift = _constant_operand(root, mul, node), _constant_operand(root, add, mul)
+        if scale is None or shift is None or scale.numel() != 1 or shift.numel() != 1:
             continue
-        shift = _scalar_operand(root, add, mul)
-        if shift is None:
-            continue
+        conv = root.get_submodule(node.target)
         with torch.no_grad():
             conv.weight.mul_(scale.reshape(()))
             bias = conv.bias if conv.bias is not None else torch.zeros(conv.out_channels)
@@ -130,8 +130,6 @@ def _affine_into_convs(root: torch.fx.GraphModule) -> int:
         root.graph.erase_node(add)
         root.graph.erase_node(mul)
         count += 1
-    root.graph.eliminate_dead_code()
-    root.recompile()
     return count
 
 
@@ -143,4 +141,7 @@ def torch_model(path: str | Path, height: int, width: int) -> torch.fx.GraphModu
     module = onnx2torch.convert(_prepared(Path(path), height, width))
     _linears(module)
     _affine_into_convs(module)
+    module.graph.eliminate_dead_code()  # the constants and modules the rewrites left unread
+    module.delete_all_unused_submodules()
+    module.recompile()
     return module.eval()

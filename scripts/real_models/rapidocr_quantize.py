@@ -86,10 +86,15 @@ def text_pages(count: int, seed: int, size: int = 320) -> np.ndarray:
     return np.stack(pages).astype(np.float32)
 
 
-def calibration_for(model: str | Path) -> np.ndarray:
-    """16 calibration inputs (seed 1) of the kind ``model`` reads: pages for the detector (``det`` in its name),
+def rendered_inputs(model: str | Path, count: int, seed: int) -> np.ndarray:
+    """``count`` rendered inputs of the kind ``model`` reads: pages for the detector (``det`` in its file name),
     lines for the classifier and the recognizer."""
-    return text_pages(16, seed=1) if "det" in Path(model).name else text_lines(16, seed=1)[0]
+    return text_pages(count, seed) if "det" in Path(model).name else text_lines(count, seed)[0]
+
+
+def calibration_for(model: str | Path) -> np.ndarray:
+    """The 16 calibration inputs (seed 1) every quantizer of ``model`` is given."""
+    return rendered_inputs(model, 16, seed=1)
 
 
 def quantize_rendered(model: str | Path, output: str | Path) -> Path:
