@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import tensorflow as tf
+from .quiet_start import import_quietly
+
+tf = import_quietly("tensorflow")  # without its start-up lines (recal_tf.quiet_start)
 
 tf_compat = tf.compat.v1
 

@@ -24,7 +24,7 @@ RTN and HQQ in onnxruntime's rows; its GPTQ writes 4 bits only), the rest at 4: 
 loses far more than at 4 bits alone.
 
     python scripts/bench_llm.py [--steps 800] [--qat-steps 300] [--group 32] [--ternary 'mlp\.(gate|up)_proj']
-                                [--json docs/results/llm.json]
+                                [--seeds 0 1 2] [--json docs/results/llm.json]
 """
 
 from __future__ import annotations
@@ -293,11 +293,31 @@ def main() -> None:
     parser.add_argument("--test-windows", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--json", type=Path, help="also write the table here (docs/results/llm.json)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="model init, training data order and onnxruntime's calibration windows")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="one whole run a seed (model init, training data order, onnxruntime's calibration "
+                             "windows); the table gives each figure's median and, over several, its range")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    torch.manual_seed(args.seed)
+    runs = [run_seed(args, seed) for seed in args.seeds]
+    meta, tables = runs[0][0], [table for _, table in runs]
+    rows = [{"label": row["label"], **({"note": row["note"]} if "note" in row else {
+        key: [t[i][key] for t in tables] for key in ("ppl", "recovered", "bytes", "ms_prompt", "ms_token")})}
+        for i, row in enumerate(tables[0])]
+    if len(args.seeds) > 1:
+        print(f"\nover seeds {' '.join(map(str, args.seeds))}: recovered, median (least-most)")
+        for row in rows:
+            shares = [r for r in row.get("recovered", []) if r is not None]
+            if shares:
+                print(f"{row['label']:40s} {np.median(shares):6.2f} ({min(shares):.2f}-{max(shares):.2f})")
+    if args.json:
+        save(args.json, {**machine(), **meta, "seeds": args.seeds, "rows": rows,
+                         "command": shlex.join(["python", "scripts/bench_llm.py", *sys.argv[1:]])})
+
+
+def run_seed(args, seed: int) -> tuple[dict, list[dict]]:
+    """One whole run with ``seed``: the settings it ran with and its rows (each model's figures)."""
+    args.seed = seed  # recal_int4's data order
+    torch.manual_seed(seed)
     folder = Path(tempfile.mkdtemp(prefix="recal-bench-llm-"))
     train_data, test_data, files = corpus(int(args.train_mb * 1e6), (args.test_windows + 1) * (SEQ + 1))
     windows = np.stack([test_data[i * (SEQ + 1):(i + 1) * (SEQ + 1)] for i in range(args.test_windows)])
@@ -307,7 +327,7 @@ def main() -> None:
     print(f"{files} stdlib files: {len(train_data) / 1e6:.1f} MB train, {windows.size / 1e3:.0f} KB test; "
           f"Llama-shaped decoder, {params / 1e6:.2f} M parameters", flush=True)
     print(f"  fp32: {args.steps} steps, batch {args.batch} x {SEQ}", flush=True)
-    train(model, train_data, args.steps, args.lr, args.batch, seed=10 * args.seed)
+    train(model, train_data, args.steps, args.lr, args.batch, seed=10 * seed)
     model.eval()
     sample = torch.from_numpy(windows[:2, :SEQ].astype(np.int64))
     fp32 = folder / "fp32.onnx"
@@ -318,14 +338,14 @@ def main() -> None:
           flush=True)
     more = copy.deepcopy(model)
     manager = ScheduledModifierManager.from_yaml(LR_RECIPE.format(lr=args.qat_lr, final_lr=args.qat_lr / 10))
-    train(more, train_data, args.qat_steps, args.qat_lr, args.batch, seed=10 * args.seed + 1, manager=manager)
+    train(more, train_data, args.qat_steps, args.qat_lr, args.batch, seed=10 * seed + 1, manager=manager)
     more.eval()
     baseline = f"fp32, {args.steps} + {args.qat_steps} steps"
     rows[baseline] = {"path": folder / "fp32_more.onnx", "seconds": None}
     export_onnx(Logits(more), sample, rows[baseline]["path"], input_names=["ids"], output_names=["logits"],
                 dynamic_sequence=True)
     drop_exporter_record(rows[baseline]["path"])
-    first = 32 * args.seed % max(1, len(windows) - 32)  # each seed calibrates onnxruntime on 32 windows of its own
+    first = 32 * seed % max(1, len(windows) - 32)  # each seed calibrates onnxruntime on 32 windows of its own
     calibration = [{"ids": windows[i:i + 1, :SEQ].astype(np.int64)} for i in range(first, first + 32)]
     # per channel: onnxruntime's blocks as wide as the widest input (a power of two, >= 16); narrower ones are padded
     block = args.group or 1 << (max(args.hidden, args.ffn) - 1).bit_length()
@@ -372,13 +392,10 @@ def main() -> None:
         table.append({"label": label, "ppl": row["ppl"], "recovered": None if recovered != recovered else recovered,
                       "bytes": row["bytes"], "ms_prompt": ms_prompt[label], "ms_token": ms_token[label]})
     print(f"\nmodels in {folder}")
-    if args.json:
-        data = {**machine(), "rounds": args.rounds, "group": args.group, "ternary": args.ternary,
-                "command": shlex.join(["python", "scripts/bench_llm.py", *sys.argv[1:]]),
-                "seed": args.seed, "steps": args.steps, "qat_steps": args.qat_steps, "params": params, "layers": args.layers,
-                "hidden": args.hidden, "ffn": args.ffn, "test_tokens": int(windows[:, 1:].size), "train_bytes": len(train_data),
-                "files": files, "fp32_bytes": base["bytes"], "baseline": baseline, "rows": table}
-        save(args.json, data)
+    return ({"rounds": args.rounds, "group": args.group, "ternary": args.ternary, "steps": args.steps,
+             "qat_steps": args.qat_steps, "params": params, "layers": args.layers, "hidden": args.hidden,
+             "ffn": args.ffn, "test_tokens": int(windows[:, 1:].size), "train_bytes": len(train_data),
+             "files": files, "fp32_bytes": base["bytes"], "baseline": baseline}, table)
 
 
 if __name__ == "__main__":

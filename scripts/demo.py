@@ -66,12 +66,15 @@ def main(argv: list[str] | None = None) -> int:
               "interleaved medians; fidelity on 64 inputs in a default session\n")
         print(speed.format_table(speed_rows))
         print("\n" + speed.measured_line(speed_rows))
-    results = {"seconds": round(time.perf_counter() - started), "seed": args.seed,
-               "jobs": [{k: v for k, v in r.items() if k != "path"} for r in rows]}
+    from recal_core.atomic import write_text_atomically
+    from recal_onnx import cpu
+
+    results = {"seconds": round(time.perf_counter() - started), "seed": args.seed, "cpu": cpu.describe(),
+               "date": time.strftime("%Y-%m-%d", time.gmtime()), "jobs": [{k: v for k, v in r.items() if k != "path"} for r in rows]}
     if speed_rows:
         results["speed"] = json.loads((out / "speed" / "speed.json").read_text())
         results["speed"]["measured"] = speed.measured_line(speed_rows)
-    (out / "demo.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_text_atomically(out / "demo.json", json.dumps(results, indent=1) + "\n")
     print("\noutputs:")
     for job in JOBS:
         print(f"  {out / job.folder}/report.md  {out / job.folder}/schedule.png  {out / job.folder}/tensorboard/")

@@ -37,7 +37,9 @@ def demo_accuracy() -> str:
     for job in demo["jobs"]:
         lines.append(f"| {job['framework']} | {job['run']} | {job['artefact']} | {100 * job['accuracy']:.2f}% | "
                      f"{_pct(job['sparsity'])} | {job['size_bytes'] / 1e3:.1f} kB |")
-    return "\n".join(lines) + f"\n\nsizes in kB (10^3 bytes); `make demo`, {demo['seconds']} s on this project's 2-core machine"
+    when = f"{demo['date']}; {demo['cpu']}" if "cpu" in demo else "this project's 2-core machine"
+    return "\n".join(lines) + (f"\n\nsizes in kB (10^3 bytes); one run, seed {demo['seed']} (accuracy moves with the seed and "
+                                f"the CPU); `make demo` ran {demo['seconds']} s, {when}")
 
 
 def demo_speed() -> str:
@@ -148,18 +150,61 @@ NO_RECORD = ("; MB without the torch exporter's per-node record, which recal's c
              "file before onnxruntime quantizes it)")
 
 
+def _per_seed(value) -> list:
+    """A figure of one seed or a list of one a seed, as a list (older JSON holds one run)."""
+    return value if isinstance(value, list) else [value]
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    """``median`` of one seed's or several seeds' figures, with ``(least-most)`` where several."""
+    text = format(_median(values), fmt)
+    return text if len(values) == 1 else f"{text} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+def llm_rankings(data: dict) -> str:
+    """Which of the table's QAT rows beat which other rows on how many seeds: a ranking the docs state is this
+    sentence, generated from the same JSON, so it says where it holds and where it does not."""
+    ppl = {row["label"]: _per_seed(row["ppl"]) for row in data["rows"] if "ppl" in row}
+    grid = "int2/int4" if data["ternary"] else "int4"
+    pairs = [(f"recal {grid} QAT (lsq)", f"recal {grid} QAT (mse)"),
+             (f"recal {grid} QAT (mse)", f"recal {grid} QAT (minmax)"),
+             (f"recal {grid} QAT (lsq, distilled)", f"recal {grid} QAT (lsq)"),
+             (f"recal {grid} QAT (lsq, distilled)", "ort HQQ"), (f"recal {grid} QAT (mse)", "ort HQQ"),
+             (f"recal {grid} QAT (minmax)", "ort RTN asymmetric (default)")]
+    said = []
+    for a, b in pairs:
+        if a in ppl and b in ppl:
+            wins = sum(x < y for x, y in zip(ppl[a], ppl[b]))
+            said.append(f"{a.replace(f'recal {grid} ', 'recal ')} below {b.replace(f'recal {grid} ', 'recal ')} on "
+                        f"{wins} of {len(ppl[a])}")
+    seeds = data.get("seeds", [data.get("seed", 0)])
+    return f"Lower perplexity, seed by seed (seeds {', '.join(map(str, seeds))}): " + "; ".join(said) + "."
+
+
 def llm(name: str = "llm.json") -> str:
     """A small decoder on the standard library's source: fp32, onnxruntime's int4 quantizers, recal's int4 QAT
-    (scripts/bench_llm.py); with ``ternary`` layers, those at 2 bits."""
+    (scripts/bench_llm.py); with ``ternary`` layers, those at 2 bits. Over several seeds: each figure's median
+    and range, and the rankings counted seed by seed."""
     data = load(name)
-    lines = ["| model | test perplexity | recovered | MB (x fp32) | prompt of 128 ms | one token ms |", "|---" * 6 + "|"]
+    several = len(data.get("seeds", [0])) > 1
+    lines = [f"| model | test perplexity{', median (least-most)' if several else ''} | recovered | MB (x fp32) | "
+             "prompt of 128 ms | one token ms |", "|---" * 6 + "|"]
     for row in data["rows"]:
         if "ppl" not in row:
             lines.append(f"| {row['label']} | did not run here: {row['note']} | | | | |")
             continue
-        recovered = "" if row["recovered"] is None else f"{round(100 * row['recovered']) or 0}%"
-        lines.append(f"| {row['label']} | {row['ppl']:.4f} | {recovered} | {row['bytes'] / 1e6:.2f} "
-                     f"({row['bytes'] / data['fp32_bytes']:.3f}) | {row['ms_prompt']:.2f} | {row['ms_token']:.3f} |")
+        shares = [100 * r for r in _per_seed(row["recovered"]) if r is not None]
+        recovered = "" if not shares else f"{round(_median(shares)) or 0}%" + (
+            f" ({round(min(shares)) or 0}%-{round(max(shares)) or 0}%)" if len(shares) > 1 else "")
+        size = _median(_per_seed(row["bytes"]))
+        lines.append(f"| {row['label']} | {_spread(_per_seed(row['ppl']), '.4f')} | {recovered} | {size / 1e6:.2f} "
+                     f"({size / data['fp32_bytes']:.3f}) | {_median(_per_seed(row['ms_prompt'])):.2f} | "
+                     f"{_median(_per_seed(row['ms_token'])):.3f} |")
     ternary = data["ternary"]
     bits = (f"the layers matching `{ternary}` in 2 bits (recal: ternary, `num_bits: 2`; onnxruntime: its 2-bit "
             f"quantizers), the others int4; blocks (groups) of {data['group']}" if ternary
@@ -170,10 +215,11 @@ def llm(name: str = "llm.json") -> str:
             f"tokens) trained {data['steps']} steps on {data['train_bytes'] / 1e6:.1f} MB of the standard library's "
             f"source ({data['files']} files, split by file); perplexity on {data['test_tokens']:,} test tokens; "
             f"{bits}; QAT {data['qat_steps']} steps{NO_RECORD}. Latency: 1 thread, batch 1, "
-            f"median of {data['rounds']} interleaved rounds. Every quantized row has the training of the baseline "
-            f"({data['baseline']}): onnxruntime's quantizers and recal's no-QAT row quantize it; recal's QAT trains "
+            f"median of {data['rounds']} interleaved rounds{' (the median over seeds)' if several else ''}. Every "
+            f"quantized row has the training of the baseline ({data['baseline']}): onnxruntime's quantizers and recal's no-QAT row quantize it; recal's QAT trains "
             f"the last {data['qat_steps']} steps on {grid}. Recovered: the share of the perplexity onnxruntime's "
-            f"default RTN loses against the baseline that the row wins back. `{data['command']}`; MB = 10^6 bytes.")
+            f"default RTN loses against the baseline that the row wins back. `{data['command']}`; MB = 10^6 bytes.\n\n"
+            + llm_rankings(data))
 
 
 def digits_int8() -> str:

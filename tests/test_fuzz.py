@@ -160,22 +160,37 @@ def _converts_or_is_refused(source, folder, kept: set[str], named: bool = True, 
     return result
 
 
-def _computes_the_definition(result, definition, shape, seed: int) -> None:
+def _computes_the_definition(result, definition, shape, seed: int, reading=None) -> None:
     """A converted model computes what the format defines (``definition(feeds)``: QONNX's ``Quant`` or AIMET's
     simulation, written in the tests apart from the converter) on 4 samples: at most 5% of the values differ (a
     rounding tie carried on: 2 of a classifier's 40 logits), none by more than 5% of the output's range; a
-    misreading (a sign, a scale) is far beyond."""
+    misreading (a sign, a scale) is far beyond. Given the QDQ ``reading`` the converter started from, a value that
+    differs as onnxruntime's own default session of that reading differs is onnxruntime's rounding (its fused integer
+    kernels requantize in float32: a step off the definition at about 1% of a QONNX ResNet's logits) and is not
+    counted; the reading itself, simulated in float, is held to the same 5%."""
+    import onnxruntime as ort
+
     from .onnx_graphs import run
 
     name = result.model.graph.input[0].name
-    gaps = []
+    gaps, own, read_gaps = [], [], []
     for sample in range(4 // shape[0]):  # a fixed batch of 1: four runs
         feeds = {name: np.random.default_rng([seed, sample]).standard_normal(shape).astype(np.float32)}
-        want, got = definition(feeds)[0], run(result.model, feeds)[0]
+        want, got = definition(feeds)[0].astype(np.float64), run(result.model, feeds)[0].astype(np.float64)
         span = max(float(want.max() - want.min()), 1e-12)
-        gaps.append(np.abs(want.astype(np.float64) - got.astype(np.float64)).ravel() / span)
-    gap = np.concatenate(gaps)
-    assert np.count_nonzero(gap > 1e-6) <= 0.05 * gap.size and gap.max() <= 0.05, (gap.max(), np.mean(gap > 1e-6))
+        gap = np.abs(want - got).ravel() / span
+        gaps.append(gap)
+        if reading is None:
+            own.append(gap > 1e-6)
+            continue
+        simulated = run(reading, feeds, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)[0]
+        read_gaps.append(np.abs(want - simulated).ravel() / span > 1e-6)
+        as_onnxruntime = np.abs(run(reading, feeds)[0] - got).ravel() / span <= 1e-6
+        own.append((gap > 1e-6) & ~as_onnxruntime)  # off the definition, and not as onnxruntime is
+    gap, own = np.concatenate(gaps), np.concatenate(own)
+    assert np.count_nonzero(own) <= 0.05 * gap.size and gap.max() <= 0.05, (gap.max(), np.mean(own))
+    if read_gaps:
+        assert np.mean(np.concatenate(read_gaps)) <= 0.05, "the QDQ reading is off the definition"
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -241,10 +256,14 @@ def test_mutated_qonnx_models_convert_or_are_refused_by_name(tmp_path, seed, rou
     result = _converts_or_is_refused(src, folder, {"in.onnx"}, ignore=(RuntimeWarning,))
     assert src.read_bytes() == data
     if result is not None:  # whatever converts computes QONNX's definition of the file
+        from recal_onnx.pipeline import read_input
+
         from .onnx_graphs import qonnx_reference
 
         shape = [d.dim_value or 1 for d in model.graph.input[0].type.tensor_type.shape.dim]
-        _computes_the_definition(result, lambda feeds: qonnx_reference(model, feeds), shape, seed)
+        reading = read_input(model, model, "in.onnx")[0]  # the QDQ the converter read: what onnxruntime runs
+        _computes_the_definition(result, lambda feeds: qonnx_reference(model, feeds), shape, seed,
+                                 reading=reading)
 
 
 _ENCODING_VALUES = [None, 0, -1, 1, 3, 8, 16, 33, -128, -300, 0.5, 1e-30, 1e30, float("nan"), "x", [], [1, 2],

@@ -1,5 +1,6 @@
 """TensorFlow backend: the seed's API on tf.compat.v1 graphs."""
 
+import sys
 import warnings
 
 import numpy as np
@@ -456,3 +457,31 @@ def test_a_custom_global_step_drives_every_op():
                 target = manager.schedule.pruning[0].sparsity(k)
                 w = sess.run(fc)
                 assert int((w == 0).sum()) == (0 if target is None else pruned_count(target, w.size)), k
+
+
+def test_importing_the_tf_front_ends_prints_no_tensorflow_start_up_lines():
+    """TensorFlow's absl lines (``oneDNN custom operations are on``) print on import whatever TF_CPP_MIN_LOG_LEVEL
+    says; importing recal_tf's front ends drops them, in a fresh interpreter (not forked: TensorFlow must import)."""
+    import subprocess
+
+    code = "import recal_tf.keras, recal_tf.graph, recal_tf.models"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    bare = subprocess.run([sys.executable, "-c", "import tensorflow"], capture_output=True, text=True, env=env)
+    ours = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    if "oneDNN" not in bare.stderr:
+        pytest.skip("this TensorFlow build prints no start-up lines")
+    assert "oneDNN" not in ours.stderr and "absl::InitializeLog" not in ours.stderr, ours.stderr
+
+
+def test_a_real_message_during_a_quiet_import_still_shows(tmp_path, monkeypatch, capfd):
+    from recal_tf.quiet_start import import_quietly
+
+    (tmp_path / "noisy_module.py").write_text(
+        "import os\nos.write(2, b'WARNING: All log messages before absl::InitializeLog() is called are written to "
+        "STDERR\\n')\nos.write(2, b'I0000 00:00:1795899846.289855   24267 port.cc:153] oneDNN custom operations "
+        "are on.\\n')\nos.write(2, b'E0000 something the user must see\\n')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "tensorflow")  # as if TensorFlow were not imported yet
+    import_quietly("noisy_module")
+    err = capfd.readouterr().err
+    assert "something the user must see" in err and "oneDNN" not in err and "absl" not in err

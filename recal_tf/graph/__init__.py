@@ -4,6 +4,10 @@
 :mod:`recal_tf` re-exports all of it, so the seed's ``from recal_tf import ScheduledModifierManager`` works.
 """
 
+from ..quiet_start import import_quietly
+
+import_quietly("tensorflow")  # without its start-up lines
+
 # frozen_graph_def, graph_def_to_onnx and describe_variables: for recal train
 from .export import export_onnx, frozen_graph_def, graph_def_to_onnx
 from .manager import (

@@ -6,6 +6,10 @@ then ``model.compile(optimizer=optimizer, ...)``, ``model.fit(..., callbacks=cal
 ``manager.finalize(model)`` and :func:`export_onnx`.
 """
 
+from ..quiet_start import import_quietly
+
+import_quietly("keras")  # on the TensorFlow backend, without its start-up lines
+
 from . import learned_scales  # noqa: F401 - registers the learned-scale layers QAT layers are built with
 from .export import export_onnx
 from .manager import RecalCallback, RecalWarning, ScheduledModifierManager

@@ -213,12 +213,21 @@ def _export_and_check(model: nn.Module, inputs: tuple, file: Path, dynamo: bool,
         elif axes:
             labels = {0: "batch", 1: "sequence"}
             kwargs["dynamic_axes"] = {name: {axis: labels[axis] for axis in axes} for name in [*names[0], *names[1]]}
+        registry = logging.getLogger("torch.onnx._internal.exporter._registration")
+        level = registry.level
         with warnings.catch_warnings():
-            # torch's exporters warn about their own internals (opset conversion, TorchScript deprecation).
+            # torch's exporters warn about their own internals (opset conversion, TorchScript deprecation, pytree's
+            # LeafSpec through copyreg) and log that torchvision's ops (nms, roi_align...) are not registered
+            # without it: nothing a user's model needs, printed on every first export
             warnings.filterwarnings("ignore", module=r"torch\..*")
             warnings.filterwarnings("ignore", category=DeprecationWarning)
-            with torch.no_grad():
-                torch.onnx.export(export_model, inputs, str(file), dynamo=dynamo, **kwargs)
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+            registry.setLevel(max(level, logging.ERROR))
+            try:
+                with torch.no_grad():
+                    torch.onnx.export(export_model, inputs, str(file), dynamo=dynamo, **kwargs)
+            finally:
+                registry.setLevel(level)
     except Exception as exc:  # noqa: BLE001 - torch's exporters raise many types; the fallback says which
         return f"failed ({_first_line(exc)})"
     return _batch_problem(file, inputs, names[0], 1 in axes) if 0 in axes else None
