@@ -34,7 +34,7 @@ from recal_core.recipe import Recipe
 from .graph import model_graph, remember_example_inputs
 from .model_params import describe_parameters, sparsity, unwrap
 from .pruning import MaskState
-from .qat import EPS, QATControl, input_groups, layer_schemes, qat_roots
+from .qat import LogScaleSteps, QATControl, input_groups, layer_schemes, qat_roots, steps_in_log_space
 from .training import (LR_FACTOR_KEY, ParamGroupSettings, Teacher, TrainableFlags, distillation_loss, follow_recipe,
                        group_bases, join_learned_groups, schedule_added_group, split_learned_groups)
 
@@ -191,7 +191,7 @@ class ScheduledModifierManager(RecipeManager):
         self.qat = QATControl(unwrap(model), roots, schemes.left_float, attention=quantize_attention,
                               reduce_range=reduce_range, weight_only=schemes.weight_only, learned=schemes.learned)
         self.qat.on_learned_scales = self._train_scales
-        self._learned_scales: list[nn.Parameter] = []
+        self._log_steps = LogScaleSteps(steps_in_log_space(optimizer), on_floor=self._say_floored_scales)
         self._lr_scheduler = lr_scheduler
         self.teacher = Teacher(teacher) if teacher is not None else None
         self.loggers = list(loggers)
@@ -212,18 +212,20 @@ class ScheduledModifierManager(RecipeManager):
     def _gradients_ready(self) -> None:
         """The step's gradients exist: pruned weights' zeroed, learned scales' averaged over the ranks."""
         self.masks.mask_gradients()
-        average_gradients(self._learned_scales)
+        average_gradients(self._log_steps.scales)
+        self._log_steps.before_step()
 
-    def _say_floored_scales(self) -> None:
-        """Learned scales that a step took through zero are held at float32's eps (as torch.ao's LSQ does): the
-        channels they quantize saturate; said once, at the end, naming them (checking every step would wait on the
-        device)."""
-        names = {id(p): n for n, p in unwrap(self._model).named_parameters()}
-        floored = [names.get(id(p), "?") for p in self._learned_scales if bool((p.detach() <= EPS).any())]
+    def _say_floored_scales(self, floored: list[nn.Parameter] | None = None) -> None:
+        """Learned scales at float32's eps saturate what they quantize: said, naming them, at the first step that
+        floors some (raw steps, SGD's) and at the end for any still there (set so by a checkpoint or by hand too)."""
+        floored = floored if floored is not None else self._log_steps.floored() if self._log_steps.scales else []
         if floored:
-            warnings.warn(f"{len(floored)} learned scale(s) reached zero and were held at float32's eps, which "
-                          f"saturates what they quantize: {', '.join(floored[:5])}; lower observer_kwargs lr_factor",
-                          RecipeWarning, stacklevel=3)
+            names = {id(p): n for n, p in unwrap(self._model).named_parameters()}
+            warnings.warn(f"step {self._step}: {len(floored)} learned scale(s) at float32's eps (a step took them "
+                          f"through zero, or they were set at or below it), which saturates what they quantize: "
+                          f"{', '.join(names.get(id(p), '?') for p in floored[:5])}; under "
+                          f"{type(self._optimizer).__name__} a scale steps by its gradient: lower observer_kwargs "
+                          "lr_factor", RecipeWarning, stacklevel=3)
 
     def _train_scales(self, scales: list[nn.Parameter], lr_factor: float) -> None:
         """Learned (lsq) quantization scales join the optimizer as a param group of their own: the first group's
@@ -234,14 +236,14 @@ class ScheduledModifierManager(RecipeManager):
         if "weight_decay" in base:
             group["weight_decay"] = 0.0
         self._optimizer.add_param_group(group)
-        self._learned_scales.extend(scales)
+        self._log_steps.add(scales)
         if self._lr_scheduler is not None:
             schedule_added_group(self._lr_scheduler, len(self._optimizer.param_groups) - 1, lr_factor)
 
     def _after_step(self) -> None:
         self._check_pruned_layers_in_place()
         self.masks.apply()
-        self._floor_learned_scales()  # a step may take a learned scale through zero: kept positive as it lands
+        self._log_steps.after_step()  # the optimizer's step on each learned scale taken in log space
         self._step += 1
         self._apply_state(self._step)
         self.masks.update(self._step)
@@ -249,11 +251,6 @@ class ScheduledModifierManager(RecipeManager):
             scalars = self.scalars()
             for logger in self.loggers:
                 logger.log_scalars(self._step, self.plan.schedule.epoch_of(self._step), scalars)
-
-    def _floor_learned_scales(self) -> None:
-        if self._learned_scales:
-            with torch.no_grad():
-                torch._foreach_clamp_min_(self._learned_scales, EPS)
 
     def _check_pruned_layers_in_place(self) -> None:
         """A pruned layer replaced (or removed) after ``modify`` would train unpruned while the masks go to its old
@@ -418,7 +415,7 @@ class ScheduledModifierManager(RecipeManager):
         result = {name: sparsity(self._params[name])
                   for names in self.plan.prune_targets.values() for name in names}
         self.qat.freeze()
-        self._floor_learned_scales()  # as after every step: one changed since (loaded, set by hand) too
+        self._log_steps.floor()  # one changed since the last step (loaded, set by hand) too
         self._say_floored_scales()
         self.masks.release()
         for handle in self._hooks:

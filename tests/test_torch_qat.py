@@ -1106,6 +1106,7 @@ def test_fake_quantizers_under_bf16_autocast_round_on_the_float32_grid():
     assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
 
 
+@pytest.mark.filterwarnings("ignore:step .* learned scale.*fc.input_fake_quant:UserWarning")
 def test_learned_input_scales_start_from_the_ranges_of_their_calibration_steps():
     """``observer_kwargs: {calibration_steps: 3}``: an input's learned scale starts from the first three training
     batches' ranges averaged (set at each of their forwards, then only trained); a run stopped mid-calibration
@@ -1152,6 +1153,7 @@ def test_learned_input_scales_start_from_the_ranges_of_their_calibration_steps()
         ScheduledModifierManager.from_yaml(recipe.replace("calibration_steps: 3", "calibration_steps: 0"))
 
 
+@pytest.mark.filterwarnings("ignore:step .* learned scale.*fc.input_fake_quant:UserWarning")
 def test_learned_scales_for_w8a8_weights_and_inputs_train_freeze_resume_and_convert(tmp_path):
     """``observer: lsq`` on a W8A8 scheme's weights and input activations: per-channel weight scales (from minmax)
     and the input quantizers' scales (from the first batch's range) train in param groups of their own, one per
@@ -1193,13 +1195,54 @@ def test_learned_scales_for_w8a8_weights_and_inputs_train_freeze_resume_and_conv
     manager.finalize(model)
     result = _int8(model, tmp_path, False)
     assert result.verification.local_steps <= 1 and result.verification.max_steps <= 1, result.verification
-    # an LR that takes a weight scale through zero: held at eps, and said at the end, naming it
-    model, manager, optimizer = fresh(0, factor=10)
-    train_steps(model, optimizer, data)
+    # under SGD a scale steps by its gradient: an LR that takes weight scales through zero holds them at eps, said
+    # at the first step it happens, naming them
     from recal_core.errors import RecipeWarning
 
-    with pytest.warns(RecipeWarning, match=r"learned scale\(s\) reached zero .*weight_fake_quant.scale"):
-        manager.finalize(model)
+    model, manager, optimizer = fresh(0, factor=10)
+    with pytest.warns(RecipeWarning, match=r"step \d: \d learned scale\(s\) at float32's eps .*weight_fake_quant.scale"
+                                           r".*under SGD a scale steps by its gradient: lower observer_kwargs lr_factor"):
+        train_steps(model, optimizer, data)
+
+
+def test_under_adam_learned_scales_step_in_log_space_and_never_reach_the_floor():
+    """AdamW moves a parameter by about its LR a step whatever its size: on the raw scale, weight scales of ~1e-2 at
+    LR 0.05 went through zero and were floored. In log space each step is AdamW's step on ``log s``: the scales stay
+    positive, each moves by a share of itself, and a resumed run ends on the same bits."""
+    import copy
+
+    from recal_torch.qat import EPS
+
+    recipe = ("- !QuantizationModifier {start_epoch: 0, scheme: {input_activations: {symmetric: false, observer: lsq},"
+              " weights: {observer: lsq}}}\n")
+    data = batches(12)
+
+    def fresh():
+        torch.manual_seed(0)
+        model = SmallCNN()
+        manager = ScheduledModifierManager.from_yaml(recipe)
+        return model, manager, manager.modify(model, torch.optim.AdamW(model.parameters(), lr=0.05),
+                                              steps_per_epoch=4)
+
+    model, manager, optimizer = fresh()
+    seen, ckpt = {}, {}
+
+    def after(k):
+        seen[k] = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("scale")}
+        if k == 5:
+            ckpt.update(copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()}))
+
+    train_steps(model, optimizer, data, after_step=after)
+    for k in range(2, 13):  # AdamW's first step is lr * sign: exactly a factor exp(+-0.05) on every scale
+        for n, now in seen[k].items():
+            ratio = now / seen[k - 1][n]
+            assert bool((ratio > 0.8).all() and (ratio < 1.25).all()), (k, n, ratio)  # a share of itself
+    assert all(bool((p > 100 * EPS).all()) for p in seen[12].values())
+    resumed, _, resumed_opt = fresh()
+    load_checkpoint(resumed, resumed_opt, ckpt)
+    train_steps(resumed, resumed_opt, data[5:])
+    assert_same_state(model, resumed)
+    manager.finalize(model)  # no scale at the floor: nothing said
 
 
 class _MatmulLinear(nn.Linear):

@@ -8,6 +8,7 @@ other packages.
 - :mod:`~recal_torch.qat.plan`: which layers become QAT layers, what they fuse, which tensors are quantized;
 - :mod:`~recal_torch.qat.sites` and :mod:`~recal_torch.qat.attention`: quantizers on single calls (residual adds,
   products, SiLUs) and on the attention matmuls;
+- :mod:`~recal_torch.qat.log_scales`: learned scales stepped in log space under Adam and its kin, watched under SGD;
 - :mod:`~recal_torch.qat.control`: the recipe's QuantizationModifiers switched on and frozen at their steps.
 
 The model is changed in place by :func:`fake_quantize_model`; the recipe's QuantizationModifier calls it at its
@@ -20,6 +21,7 @@ from .layers import (CONVS, FoldedBatchNorm, QATConv, QATConv1d, QATConv2d, QATC
                      QATModule, QATTorchLinear, QuantizedReLU, WeightOnlyEmbedding, WeightOnlyLinear,
                      WeightOnlyTorchLinear, clamp, describe, fake_quantizers, is_table, is_transposed_linear_type,
                      qat_modules, quantizer_tensors)
+from .log_scales import LogScaleSteps, steps_in_log_space
 from .plan import QATPlanWarning, fake_quantize_model, plan_pending, quantizable_layers
 from .quantizers import (ACT_QMAX, ACT_QMIN, EPS, REDUCED_W_LEVELS, W_LEVELS, W_QMAX, W_QMIN, ActivationFakeQuantize,
                          GroupWeightFakeQuantize, SiLUFakeQuantize, WeightFakeQuantize, activation_qparams,
@@ -34,5 +36,5 @@ __all__ = ["ACT_QMAX", "ACT_QMIN", "REDUCED_W_LEVELS", "W_LEVELS", "W_QMAX", "W_
            "describe", "fake_quantizers", "is_table", "qat_modules", "fake_quantize_model", "plan_pending",
            "quantizable_layers", "quantize_attention"]
 # for recal_torch's other packages (export, graph, the manager), not a user's API
-_INTERNAL = ["CONTAINER", "EPS", "SLOTS", "QATControl", "adopt", "clamp", "input_groups", "is_transposed_linear_type",
-             "layer_schemes", "qat_roots", "quantizer_tensors"]
+_INTERNAL = ["CONTAINER", "EPS", "SLOTS", "LogScaleSteps", "QATControl", "adopt", "clamp", "input_groups", "is_transposed_linear_type",
+             "layer_schemes", "qat_roots", "quantizer_tensors", "steps_in_log_space"]
