@@ -27,6 +27,7 @@ demo: $(DEMO_STAMP)
 	$(BIN)/python scripts/demo.py
 
 test: $(STAMP)
+	$(BIN)/python -m ruff check .
 	$(BIN)/python -m pytest -q -n auto --dist worksteal --durations=15
 
 # the manual and API reference (mkdocs + mkdocstrings) into site/; strict: a warning fails the build

@@ -200,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail(args, "out of memory")
     except (ValueError, OSError, RuntimeError, TypeError) as exc:
         _fail(args, str(exc))
-    except Exception as exc:  # noqa: BLE001 - the command line's contract: one line, never a traceback
+    except Exception as exc:  # the command line's contract: one line, never a traceback
         if args.verbose:
             raise
         _fail(args, f"internal error ({type(exc).__name__}: {exc}); run with -v for the traceback and please "

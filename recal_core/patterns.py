@@ -57,7 +57,7 @@ def check_pattern(pattern: str) -> None:
         raise ValueError(f"the pattern is {len(pattern):,} characters long; expected at most {MAX_PATTERN_CHARS:,}")
     try:
         unrolled = _unrolled(_sre_parse.parse(pattern))
-    except Exception:  # regex-only syntax, or invalid: bound each counted repeat alone; regex says what is invalid
+    except Exception:  # noqa: BLE001 - regex-only syntax, or invalid: bound each counted repeat alone; regex says what is invalid
         counts = [int(n) for m in _COUNTED.finditer(pattern) for n in m.groups() if n]
         unrolled = max(counts, default=1)
     if unrolled > MAX_REPEAT_PRODUCT:

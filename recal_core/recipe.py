@@ -209,7 +209,7 @@ def load_recipe(source: str | os.PathLike | Recipe) -> Recipe:
     except MemoryError:
         raise RecipeError(Problem(Location(_source_name(source)), "out of memory while reading the recipe",
                                   expected="a recipe within recal's limits (see the README's reliability section)"))
-    except Exception as exc:  # noqa: BLE001 - the loader's contract: RecipeError for any input
+    except Exception as exc:  # the loader's contract: RecipeError for any input
         raise RecipeError(Problem(
             Location(_source_name(source)),
             f"internal error while reading the recipe ({type(exc).__name__}: {exc}); please report it")) from exc

@@ -245,7 +245,7 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
         raise ModelError(f"{label}: {exc}") from None
     except (VerificationError, OSError, MemoryError):
         raise
-    except Exception as exc:  # noqa: BLE001 - a malformed model must end in one clear error, not a traceback
+    except Exception as exc:  # a malformed model must end in one clear error, not a traceback
         own = runtime_refusal(reference, inputs)
         if own is not None:  # the input does not run on these inputs: say so in onnxruntime's words
             if given or not chosen_dimensions(model):  # every size but the batch the file's own: its defect

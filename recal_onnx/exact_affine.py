@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
 from onnx import helper, numpy_helper
 
 LEVELS = 64  # the largest |int8 weight| tried: beyond +-64 int8 weights saturate on x86 without VNNI

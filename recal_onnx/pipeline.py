@@ -16,7 +16,8 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
    (4-bit weights as the int8 they hold; blocked MatMul weights as grouped rows), ``standard_qdq`` (onnxruntime's
    ``com.microsoft`` Q/DQ as the default domain's), ``remove_identities``, ``merge_twin_qdq`` (a Q/DQ pair per reader,
    onnxruntime's ``DedicatedQDQPair``: one for all), ``fold_constants`` (weights' Q becomes
-   int8; ``widen_weights`` again for a float weight's Q to 4 bits, as AIMET writes it), ``fold_int32_biases`` (a ``DequantizeLinear(int32)`` bias: the float it means), ``weights_to_int8``
+   int8; ``widen_weights`` again for a float weight's Q to 4 bits, as AIMET writes it), ``fold_int32_biases`` (a
+   ``DequantizeLinear(int32)`` bias: the float it means), ``weights_to_int8``
    (a weight with a zero point: symmetric int8 where its values fit), ``minmax_to_clip`` (jax2onnx's ``Max`` /
    ``Min`` by a constant: the Clip it is), ``average_pool_windows`` (an AveragePool whose window passes its input:
    what onnxruntime's integer kernel then means too), ``fold_weight_reshapes`` and ``fold_weight_transposes``
@@ -29,7 +30,8 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
 2. ``thin_heads``, ``thin_channels`` (with ``thin``): the attention heads head pruning left dead; the channels (and
    FFN neurons) filter pruning left dead, in blocks of ``channel_block``;
 3. ``scalar_activation_qparams``, ``activations_to_uint8``, ``remove_redundant_qdq``, ``remove_noop_clamps``;
-4. format ``qoperator``: ``int8_passthrough``, ``affine_to_batchnorm``, ``batchnorm_to_conv``, ``conv_to_qlinearconv``, ``gemm_to_qgemm``, ``binary_to_qlinear``,
+4. format ``qoperator``: ``int8_passthrough``, ``affine_to_batchnorm``, ``batchnorm_to_conv``,
+``conv_to_qlinearconv``, ``gemm_to_qgemm``, ``binary_to_qlinear``,
    ``sigmoid_to_qlinear``, ``softmax_to_qlinear``, ``concat_to_qlinear``, ``pool_to_qlinear``, ``unary_to_table`` (any
    other function of one quantized tensor: a 256-entry table), ``remove_redundant_qdq``, repeated;
    format ``qdq``: ``affine_to_batchnorm``, ``batchnorm_to_conv``, ``bias_to_int32``, ``fusible_qdq_pools``,

@@ -31,7 +31,7 @@ from .verify_inputs import batched_inputs, fixed_batch, generated_inputs, intege
 from .op_by_op import (BOUNDARY, LOCAL_MAX_BYTES, LOCAL_SAMPLES, MEMORY, _copyable, _on_grid,  # noqa: F401
                        _with_outputs, fixed_parts, op_by_op)
 from .verify_budget import check_tensor_sizes
-from .sessions import Tolerant, reference_session, runtime_session, session  # noqa: F401 (re-exported)
+from .sessions import Tolerant, reference_session, runtime_session, session  # re-exported
 
 
 

@@ -17,5 +17,6 @@ from .thin import ThinningError, ThinningWarning, ThinReport, load_thinned, thin
 
 __all__ = [
     "ExportError", "ExportWarning", "PrecisionPlan", "PythonLogger", "QATConv", "QATLinear", "QATModule", "RecalLogger", "ScheduledModifierManager",
-    "TensorBoardLogger", "ThinReport", "ThinningError", "ThinningWarning", "count_macs", "export_onnx", "fake_quantize_model", "load_thinned", "plan_precision", "thin", "to_export_model",
+    "TensorBoardLogger", "ThinReport", "ThinningError", "ThinningWarning", "count_macs", "export_onnx",
+    "fake_quantize_model", "load_thinned", "plan_precision", "thin", "to_export_model",
 ]

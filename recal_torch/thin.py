@@ -2,7 +2,8 @@
 QDQ or int8) does fewer multiply-adds, not only more zeros.
 
 Which channels are dead is the core's rule (:func:`recal_core.channel_coupling.live_channels`: exactly
-zero, or read by no consumer); this module slices the modules. Removing a dead channel from the producers, the per-channel tensors on the way and the consumers' inputs leaves the outputs as
+zero, or read by no consumer); this module slices the modules. Removing a dead channel from the producers, the
+per-channel tensors on the way and the consumers' inputs leaves the outputs as
 they were (a test checks it on residual, depthwise and flatten-linear nets, float and QAT).
 """
 

@@ -23,7 +23,7 @@ from recal_core import load_recipe
 from recal_app.training import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.results import machine, save  # noqa: E402
+from bench.results import machine, save
 
 RECIPES = Path(__file__).resolve().parent.parent / "recal_core" / "recipes"
 ROWS = [  # label, framework, recipe, artefact name prefix

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.results import report  # noqa: E402
+from bench.results import report
 
 RECIPES = {
     "plain": None,

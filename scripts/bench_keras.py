@@ -28,13 +28,13 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-from recal_tf.keras import ScheduledModifierManager  # noqa: E402
+from recal_tf.keras import ScheduledModifierManager
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.fit_timing import fit_step_times  # noqa: E402
+from bench.fit_timing import fit_step_times
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_ENV = ROOT / ".venv-tfmot"

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.results import load, save  # noqa: E402
+from bench.results import load, save
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("tensorflow", "jax", "torch")

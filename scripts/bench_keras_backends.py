@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.results import save  # noqa: E402
+from bench.results import save
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("tensorflow", "jax", "torch")

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.results import machine, save  # noqa: E402
+from bench.results import machine, save
 
 RECIPE = """
 - !QuantizationModifier
@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.stage:
         import onnx  # noqa: F401  (the libraries every stage imports: memory above them is the stage's own)
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
+        import torch
+        import transformers
 
         import recal_onnx  # noqa: F401
         import recal_torch  # noqa: F401

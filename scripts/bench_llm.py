@@ -55,9 +55,9 @@ from recal_onnx.verify import session
 from recal_torch import ScheduledModifierManager, export_onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from examples.int4_decoder import Logits  # noqa: E402  (ids -> logits, no KV cache)
-from bench.timing import interleaved_latency  # noqa: E402
-from bench.results import machine, save  # noqa: E402
+from examples.int4_decoder import Logits  # ids -> logits, no KV cache
+from bench.timing import interleaved_latency
+from bench.results import machine, save
 
 SEQ = 128
 

@@ -26,9 +26,9 @@ from torch import nn
 from recal_torch import ScheduledModifierManager
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.results import machine, save_run  # noqa: E402
-from bench.timing import interleaved, medians  # noqa: E402
-from bench_torch_overhead import SmallResNet, _step  # noqa: E402
+from bench.results import machine, save_run
+from bench.timing import interleaved, medians
+from bench_torch_overhead import SmallResNet, _step
 
 W8A8 = {"observed": "- !QuantizationModifier {start_epoch: 0}",
         "learned": "- !QuantizationModifier {start_epoch: 0, scheme: {input_activations: {symmetric: false, "

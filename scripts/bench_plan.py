@@ -4,7 +4,8 @@ model and data), its Linear layers' weights in 8, 4 or 2 bits (weight-only, grou
 
 Plans, at a budget halfway between the sizes of uniform 2-bit and uniform 4-bit weights (``--between``): recal's plan
 from the measured loss increase; from the cheap (Fisher) estimate; a random plan (each layer's bits drawn, then
-layers moved to fewer bits until the plan fits); with uniform int2 (smaller) and int4 (larger) as the bounds. Each is trained ``--qat-steps`` steps under its recipe, exported, converted by ``quantize_qat_export``, and
+layers moved to fewer bits until the plan fits); with uniform int2 (smaller) and int4 (larger) as the bounds. Each is
+trained ``--qat-steps`` steps under its recipe, exported, converted by ``quantize_qat_export``, and
 judged by perplexity on held-out files in onnxruntime, with its size and one token's latency.
 
     python scripts/bench_plan.py [--seed 0] [--json docs/results/plan.json]

@@ -20,7 +20,7 @@ from recal_core import load_recipe
 from recal_app.training import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.results import machine, save  # noqa: E402
+from bench.results import machine, save
 
 RECIPE = Path(__file__).resolve().parent.parent / "recal_core" / "recipes" / "prune_quant.yaml"
 SEVEN_BIT = "reduce_range: true"

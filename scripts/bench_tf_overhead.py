@@ -20,8 +20,8 @@ from recal_tf.models import mnist_net
 from recal_tf.utils import batch_cross_entropy_loss, tf_compat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.results import machine  # noqa: E402
-from bench.timing import interleaved, medians  # noqa: E402
+from bench.results import machine
+from bench.timing import interleaved, medians
 
 BETWEEN = """
 - !EpochRangeModifier {start_epoch: 0, end_epoch: 100}

@@ -27,10 +27,10 @@ from recal_onnx import cpu
 from recal_torch import count_macs, export_onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.peers import quantize_static  # noqa: E402
-from bench.timing import interleaved_latency  # noqa: E402
-from speed import FILTERS_RECIPE, qat_int8  # noqa: E402
-from bench.models import ResNet18, templates, train_steps  # noqa: E402
+from bench.peers import quantize_static
+from bench.timing import interleaved_latency
+from speed import FILTERS_RECIPE, qat_int8
+from bench.models import ResNet18, templates, train_steps
 
 RECIPES = Path(__file__).resolve().parent.parent / "recal_core" / "recipes"
 FILTERS = RECIPES / "filters50_quant.yaml"

@@ -18,8 +18,8 @@ from torch.nn.utils import prune
 from recal_torch import ScheduledModifierManager
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.results import machine  # noqa: E402
-from bench.timing import interleaved, medians  # noqa: E402
+from bench.results import machine
+from bench.timing import interleaved, medians
 
 
 class Block(nn.Module):

@@ -42,9 +42,9 @@ from recal_onnx.verify import session
 from recal_torch import ScheduledModifierManager, export_onnx, thin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_transformers import Classifier, agreement, bert, feeds, ort_quantized, vit  # noqa: E402
-from bench.timing import interleaved_latency  # noqa: E402
-from bench.results import load, machine, save  # noqa: E402
+from bench_transformers import Classifier, agreement, bert, feeds, ort_quantized, vit
+from bench.timing import interleaved_latency
+from bench.results import load, machine, save
 
 SETTINGS = {"1/3 heads, 1/2 FFN": (1 / 3, 0.5), "1/2 heads, 3/4 FFN": (0.5, 0.75)}
 HEADS = {"bert": r"['re:.*attention\.self\.(query|key|value)\.weight', 're:.*attention\.output\.dense\.weight']",

@@ -2,7 +2,8 @@
 
 A BERT-base-shaped encoder (12 layers, hidden 768, 12 heads, vocabulary 30522) at sequence 128, a
 ViT-B/16-shaped model at 224x224, Swin-tiny (224x224) and MobileViT-small (256x256) at their default configs, built
-by Hugging Face ``transformers`` with random weights (nothing is downloaded). Each runs a few QAT steps under a recal recipe on synthetic data, so the observers hold real
+by Hugging Face ``transformers`` with random weights (nothing is downloaded). Each runs a few QAT steps under a recal
+recipe on synthetic data, so the observers hold real
 ranges, and is exported (QDQ) and converted by ``quantize_qat_export``; the float model is exported too and
 quantized by onnxruntime's ``quantize_dynamic`` (int8 weights) and ``quantize_static`` (QDQ, uint8
 activations, int8 per-channel weights, after ``quant_pre_process``, calibrated on 8 synthetic inputs).

@@ -216,7 +216,8 @@ def llm(name: str = "llm.json") -> str:
             f"source ({data['files']} files, split by file); perplexity on {data['test_tokens']:,} test tokens; "
             f"{bits}; QAT {data['qat_steps']} steps{NO_RECORD}. Latency: 1 thread, batch 1, "
             f"median of {data['rounds']} interleaved rounds{' (the median over seeds)' if several else ''}. Every "
-            f"quantized row has the training of the baseline ({data['baseline']}): onnxruntime's quantizers and recal's no-QAT row quantize it; recal's QAT trains "
+            f"quantized row has the training of the baseline ({data['baseline']}): onnxruntime's quantizers and "
+            f"recal's no-QAT row quantize it; recal's QAT trains "
             f"the last {data['qat_steps']} steps on {grid}. Recovered: the share of the perplexity onnxruntime's "
             f"default RTN loses against the baseline that the row wins back. `{data['command']}`; MB = 10^6 bytes.\n\n"
             + llm_rankings(data))

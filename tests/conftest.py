@@ -17,9 +17,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # MobileNetV2 trained on 2 threads and on 1 differed enough to pass alone and fail under `make test`).
 for _name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
     os.environ.setdefault(_name, "1")
-from pathlib import Path
+from pathlib import Path  # noqa: E402 - after the thread settings: they must precede any torch or TensorFlow import
 
-import pytest
+import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recal_core" / "recipes"

@@ -10,9 +10,9 @@ import os
 import onnx  # noqa: F401
 import onnxruntime  # noqa: F401
 import onnxscript.function_libs.torch_lib.ops  # noqa: F401
-import torch  # noqa: F401
-import torch._dynamo  # noqa: F401
-import torch.export  # noqa: F401
+import torch
+import torch._dynamo
+import torch.export
 import torch.onnx._internal.exporter._core  # noqa: F401
 
 import recal_core  # noqa: F401
@@ -28,7 +28,7 @@ try:
     import keras  # noqa: F401
     import tensorflow  # noqa: F401
 
-    import recal_tf.graph  # noqa: F401 - recal_tf loads its graph API on first use
+    import recal_tf.graph  # recal_tf loads its graph API on first use
     import recal_tf.keras  # noqa: F401
 except ImportError:  # the TensorFlow extra not installed: its tests skip
     pass

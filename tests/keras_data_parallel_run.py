@@ -9,7 +9,7 @@ import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 RECIPE = """
 - !EpochRangeModifier {start_epoch: 0, end_epoch: 3}

@@ -11,8 +11,8 @@ from onnx import TensorProto, helper
 from .conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench import results, timing  # noqa: E402
-from code_layout import layout_table  # noqa: E402
+from bench import results, timing
+from code_layout import layout_table
 
 
 def test_interleaved_rotates_the_first_variant_and_counts_each_sample():

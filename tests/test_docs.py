@@ -11,7 +11,7 @@ import pytest
 from .conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
-import render_docs  # noqa: E402
+import render_docs
 
 PUBLIC = ["recal_core", "recal_torch", "recal_onnx", "recal_tf", "recal_tf.graph", "recal_tf.keras"]
 
@@ -37,7 +37,10 @@ def test_every_table_marker_names_a_table_and_every_json_is_used():
     from bench.results import RESULTS
 
     assert {p.name for p in RESULTS.glob("*.json")} == {
-        "avx2_exactness.json", "real_models.json", "real_model_qat.json", "plan.json", "demo.json", "gpu_check.json", "interop.json", "jax_compile.json", "keras_applications.json", "keras_backends.json", "large_decoder.json", "digits_int8.json", "llm.json", "llm_ternary.json", "lsq_overhead.json", "reduce_range.json", "thinning_transformers.json",
+        "avx2_exactness.json", "real_models.json", "real_model_qat.json", "plan.json", "demo.json",
+        "gpu_check.json", "interop.json", "jax_compile.json", "keras_applications.json", "keras_backends.json",
+        "large_decoder.json", "digits_int8.json", "llm.json", "llm_ternary.json", "lsq_overhead.json",
+        "reduce_range.json", "thinning_transformers.json",
         "transformers.json", "zoo.json", "zoo_vnni.json", "zoo_vnni_amd.json"}
 
 

@@ -546,7 +546,8 @@ def test_other_tools_exports_convert_with_every_layer_integer(path, tmp_path):
     """Each committed export of another tool (``scripts/interop_exports/``: Brevitas's QCDQ with int32 biases (and
     4-bit weights clipped to +-7: one file for every CPU, as AIMET's W4A8),
     NNCF's QDQ with its BatchNorms apart, ModelOpt's with only layer inputs quantized, torchao's PT2E with a dynamic
-    batch, PyTorch's FX graph mode QAT converted to its quantized ops and exported by TorchScript, TF Model Optimization's through tf2onnx with its weights and BatchNorms folded into float kernels that lie
+    batch, PyTorch's FX graph mode QAT converted to its quantized ops and exported by TorchScript, TF Model
+    Optimization's through tf2onnx with its weights and BatchNorms folded into float kernels that lie
     on int8 grids, channels last): every Conv / Gemm / MatMul whose output a QuantizeLinear reads is integer (ModelOpt quantizes no residual
     add, torchao's x86 quantizer not the conv before one: those convs stay float, each with that reason, as
     onnxruntime's own fusion leaves them); verified on 256 samples, op by op within a step of the file run as
@@ -619,7 +620,8 @@ def test_other_tools_transformer_exports_convert_every_weight_layer(path, tmp_pa
     quantized Linear inputs, NNCF's transformer preset with its attention's Q·Kᵀ, SmoothQuant scales and int8
     embedding tables, torchao's PT2E with its int8 weights stored as integers, Brevitas's layerwise QCDQ with its
     initializers listed as graph inputs too, AIMET's with its ops' outputs quantized): every Linear becomes an integer
-    matmul (or, where the tool left its input float, int8 weights in MatMulNBits, with the reason), an attention product whose two inputs the tool quantized too, the others stay float (two float
+    matmul (or, where the tool left its input float, int8 weights in MatMulNBits, with the reason), an attention
+    product whose two inputs the tool quantized too, the others stay float (two float
     activations, no weight: as onnxruntime's own fusion leaves them), the embedding tables int8 where the tool
     quantized them; verified on 256 samples within a step op by op of the file run as written, the file left as it
     was."""

@@ -161,7 +161,7 @@ def test_bad_field_is_a_located_error(tag, field, value, words):
         load_recipe(text)
     problems = [p for p in err.value.problems if p.field == field]
     assert problems, str(err.value)
-    line = next(i for i, l in enumerate(text.splitlines(), 1) if l.strip().startswith(f"{field}:"))
+    line = next(i for i, row in enumerate(text.splitlines(), 1) if row.strip().startswith(f"{field}:"))
     assert problems[0].location.line in (line, line + 1), str(err.value)
     assert words in str(err.value), str(err.value)
     assert f"!{tag} (modifiers[0])" in str(err.value)

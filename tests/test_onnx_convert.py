@@ -190,8 +190,6 @@ def test_cli_and_script(tmp_path, recal_qat_model):
 
 
 def test_large_models_use_external_data(tmp_path, recal_qat_model, monkeypatch):
-    import recal_onnx.convert as convert
-
     src = export_onnx(recal_qat_model, torch.randn(1, 1, 8, 8), tmp_path / "qat.onnx", dynamo=False)
     # store the input with external data too, as a > 2 GB export would be
     onnx.save_model(onnx.load(str(src)), str(tmp_path / "big.onnx"), save_as_external_data=True,

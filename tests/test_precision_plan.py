@@ -28,7 +28,7 @@ def test_the_search_is_exact_against_every_plan():
         layers = _random_layers(rng, 4)
         low, high = size_bounds(layers)
         budget = float(rng.uniform(low, high))
-        best = min((sum(c.score for c in combo), combo) for combo in itertools.product(*(l.candidates for l in layers))
+        best = min((sum(c.score for c in combo), combo) for combo in itertools.product(*(layer.candidates for layer in layers))
                    if sum(c.cost for c in combo) <= budget)[0]
         choice = solve(layers, budget)
         assert sum(c.cost for c in choice.values()) <= budget + 1e-6
@@ -76,7 +76,7 @@ def test_the_plan_gives_bits_where_the_loss_needs_them_and_is_a_recipe_recal_tra
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))  # measuring leaves the model as it was
     bits = {name: c.bits for name, c in plan.choice.items()}
     assert bits["2"] > bits["0"], plan.recipe  # the fragile layer keeps more bits than a robust one of its size
-    assert plan.size <= BUDGET / 8 * sum(l.params for l in plan.layers) + 4 * (64 + 64 + 8) + 1e-6
+    assert plan.size <= BUDGET / 8 * sum(layer.params for layer in plan.layers) + 4 * (64 + 64 + 8) + 1e-6
     recipe = load_recipe(plan.recipe)
     manager = ScheduledModifierManager(recipe)
     optimizer = manager.modify(net, torch.optim.SGD(net.parameters(), lr=1e-3), steps_per_epoch=2)

@@ -16,7 +16,7 @@ from recal_torch import ScheduledModifierManager, count_macs, fake_quantize_mode
 from .torch_models import SmallCNN
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from bench.models import BasicBlock, Bottleneck  # noqa: E402
+from bench.models import BasicBlock, Bottleneck
 
 
 class ResNetTiny(nn.Module):
@@ -196,7 +196,7 @@ def test_quantize_qat_export_thins_a_masked_export_as_thin_does(case, tmp_path):
     export_onnx(model, torch.randn(1, *shape), tmp_path / "qat.onnx", dynamo=False)
     feeds = {"input": torch.randn(8, *shape, generator=torch.Generator().manual_seed(2)).numpy()}
     thinned = quantize_qat_export(tmp_path / "qat.onnx", tmp_path / "thin.onnx", inputs=feeds, channel_block=1)
-    full = quantize_qat_export(tmp_path / "qat.onnx", tmp_path / "full.onnx", inputs=feeds, thin=False)
+    quantize_qat_export(tmp_path / "qat.onnx", tmp_path / "full.onnx", inputs=feeds, thin=False)
     assert thinned.rewrites["thin_channels"] == thin(copy.deepcopy(model)).removed > 0
     outputs = [ort.InferenceSession(str(tmp_path / f"{n}.onnx")).run(None, feeds)[0] for n in ("thin", "full")]
     step = _output_step(model)

@@ -12,7 +12,7 @@ import torch
 from recal_core import RecipeError
 from recal_core.channel_coupling import CouplingError
 from recal_core.head_coupling import Attention, head_groups, head_layout, live_heads, unit_rows
-from recal_torch import ScheduledModifierManager, ThinningError, ThinningWarning, load_thinned, thin
+from recal_torch import ScheduledModifierManager, ThinningWarning, load_thinned, thin
 
 transformers = pytest.importorskip("transformers")
 

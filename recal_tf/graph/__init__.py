@@ -8,9 +8,9 @@ from ..quiet_start import import_quietly
 
 import_quietly("tensorflow")  # without its start-up lines
 
-# frozen_graph_def, graph_def_to_onnx and describe_variables: for recal train
-from .export import export_onnx, frozen_graph_def, graph_def_to_onnx
-from .manager import (
+# frozen_graph_def, graph_def_to_onnx and describe_variables: for recal train (imported once TensorFlow is)
+from .export import export_onnx, frozen_graph_def, graph_def_to_onnx  # noqa: E402
+from .manager import (  # noqa: E402
     EXTRAS_KEY_LEARNING_RATE,
     EXTRAS_KEY_SUMMARIES,
     EXTRAS_KEY_UPDATE_OPS,
@@ -20,7 +20,7 @@ from .manager import (
     ModifierSessionRunHook,
     ScheduledModifierManager,
 )
-from .params import describe_variables
+from .params import describe_variables  # noqa: E402
 
 __all__ = [
     "EXTRAS_KEY_LEARNING_RATE", "EXTRAS_KEY_SUMMARIES", "EXTRAS_KEY_UPDATE_OPS", "EXTRAS_KEY_VAR_LIST",

@@ -10,9 +10,10 @@ from ..quiet_start import import_quietly
 
 import_quietly("keras")  # on the TensorFlow backend, without its start-up lines
 
-from . import learned_scales  # noqa: F401 - registers the learned-scale layers QAT layers are built with
-from .export import export_onnx
-from .manager import RecalCallback, RecalWarning, ScheduledModifierManager
-from .params import describe_model  # recal train's
+# imported once Keras is
+from . import learned_scales  # noqa: E402 - registers the learned-scale layers QAT layers are built with
+from .export import export_onnx  # noqa: E402
+from .manager import RecalCallback, RecalWarning, ScheduledModifierManager  # noqa: E402
+from .params import describe_model  # noqa: E402 - recal train's
 
 __all__ = ["RecalCallback", "RecalWarning", "ScheduledModifierManager", "export_onnx"]

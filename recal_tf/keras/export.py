@@ -239,7 +239,7 @@ def _check_runs(path: str, model: keras.Model, backend: str) -> None:
         zeros = {i.name: np.zeros([d if isinstance(d, int) else 1 for d in i.shape], _NUMPY.get(i.type, np.float32))
                  for i in session.get_inputs()}
         session.run(None, zeros)
-    except Exception as exc:  # onnxruntime's errors share no base class
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's errors share no base class
         said = str(exc).strip().splitlines()[0][:300]
         raise ValueError(f"exporting {model.name!r} to ONNX on the {backend} backend: onnxruntime cannot run the "
                          f"export ({said}); nothing was written") from None

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING
 
 import keras
 import numpy as np
 from keras.src.models.functional import Functional  # what keras.Model(inputs, outputs) builds
 
 from recal_core import RecipeError
-from recal_core import modifiers as M
 from recal_core.manager import RecipeManager
 from recal_core.model_plan import ModelPlan, plan_model
 from recal_core.recipe import Recipe
@@ -40,6 +39,9 @@ from ..tensor_ops import KerasOps, TensorFlowOps
 from .backends import backend_problems, current_backend
 from .optimizer_state import add_recal_variable, float_lr, install_weight_decay, slots_of
 from .params import describe_model
+
+if TYPE_CHECKING:
+    from ..qat_tables import QATTables
 
 log = logging.getLogger(__name__)
 

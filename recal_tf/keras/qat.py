@@ -243,7 +243,7 @@ class QuantizedLayer(keras.layers.Layer):
         for q in self.quantizers[1 if self.input_quantizer is not None else 0:]:
             q.build(None)
         if self.learn[0]:
-            LearnedWeightScales = keras.saving.get_registered_object("recal>LearnedWeightScales")  # noqa: N806
+            LearnedWeightScales = keras.saving.get_registered_object("recal>LearnedWeightScales")
             kernel = self.layer.pointwise_kernel if self.depthwise_quantizer is not None else self.layer.kernel
             self.weight_scales = LearnedWeightScales(kernel.shape[2 if self._depthwise else -1],
                                                      name=f"{self.layer.name}_weight_scales")

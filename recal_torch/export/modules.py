@@ -18,7 +18,7 @@ from ..qat import (ACT_QMAX, ACT_QMIN, SLOTS, W_QMAX, W_QMIN, ActivationFakeQuan
 
 def decomposed_ops():
     # Registers torch.ops.quantized_decomposed (used only to express QDQ for the dynamo exporter).
-    import torch.ao.quantization.fx._decomposed  # noqa: F401
+    import torch.ao.quantization.fx._decomposed
 
     return torch.ops.quantized_decomposed
 

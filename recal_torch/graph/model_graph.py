@@ -131,7 +131,7 @@ def model_graph(model: nn.Module, example_inputs: Any = None) -> ModelGraph:
         return exported_graph(model, example_inputs)
     try:
         return ModelGraph(model_spaces(model))
-    except Exception as exc:  # noqa: BLE001 - any failure of the symbolic trace
+    except Exception as exc:  # any failure of the symbolic trace
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ValueError(f"torch.fx cannot trace {type(model).__name__} ({type(exc).__name__}: {first}); pass "
                          "example_inputs= (a batch of its inputs) to trace it with torch.export") from exc

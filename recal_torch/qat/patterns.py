@@ -1,6 +1,7 @@
 """What the QAT planner recognises in a forward: ops that keep a tensor's quantization (data movement, max-pool,
 ReLU, zero padding), modules that are identity at inference (dropout, stochastic depth), BatchNorms that apply
-their own activation (timm's BatchNormAct2d), the clamps that fold into a layer's range (ReLU, ReLU6), and the concatenations and average pools that get call sites."""
+their own activation (timm's BatchNormAct2d), the clamps that fold into a layer's range (ReLU, ReLU6), and the
+concatenations and average pools that get call sites."""
 
 from __future__ import annotations
 

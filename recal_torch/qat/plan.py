@@ -359,7 +359,8 @@ _SITE_WORDS = {"add": "residual add", "mul": "product", "sigmoid": "sigmoid", "s
 
 def _site_kind(node: torch.fx.Node, modules: dict[str, nn.Module]) -> str | None:
     """What a call site's observer would quantize: ``"add"`` / ``"mul"`` (of two computed tensors), ``"cat"`` (of
-    several), ``"pool"`` (an average pool), ``"norm"`` (a BatchNorm not folded), ``"sigmoid"``, ``"silu"``, or ``"clamp"`` (a ReLU / ReLU6 after one of the first two); None for any other call."""
+    several), ``"pool"`` (an average pool), ``"norm"`` (a BatchNorm not folded), ``"sigmoid"``, ``"silu"``, or
+    ``"clamp"`` (a ReLU / ReLU6 after one of the first two); None for any other call."""
     module = modules.get(node.target) if node.op == "call_module" else None
     if _is_binary(node, ADDS):
         return "add"

@@ -18,13 +18,13 @@ from pathlib import Path
 os.environ["TF_USE_LEGACY_KERAS"] = "1"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import tensorflow_model_optimization as tfmot  # noqa: E402
-import tf_keras as keras  # noqa: E402
+import numpy as np
+import tensorflow as tf
+import tensorflow_model_optimization as tfmot
+import tf_keras as keras
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the harness, nothing of recal
-from bench.fit_timing import fit_step_times  # noqa: E402
+from bench.fit_timing import fit_step_times
 
 
 def _cnn() -> keras.Model:

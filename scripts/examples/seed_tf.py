@@ -8,7 +8,6 @@ Only the imports differ: ``neuralmagicML.tensorflow.*`` is ``recal_tf.*``, and t
 
 import math
 import sys
-from pathlib import Path
 
 from recal_tf import input_data
 from recal_tf.utils import tf_compat, batch_cross_entropy_loss

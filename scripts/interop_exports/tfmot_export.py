@@ -10,7 +10,8 @@ narrow range; asymmetric 8-bit activations), fine-tuned a few steps (QAT) and co
 ``tf2onnx.convert.from_keras`` (opset 13, the batch left dynamic): tf2onnx writes tfmot's ``FakeQuantWithMinMaxVars``
 as QuantizeLinear/DequantizeLinear. The same QAT model through ``tf.lite.TFLiteConverter`` with
 ``optimizations=[tf.lite.Optimize.DEFAULT]`` is TFLite's integer model (int8 activations with zero points, int8
-weights per channel, int32 biases), which ``tf2onnx.convert.from_tflite`` writes as QDQ. tfmot runs on tf-keras only (it switches a process to legacy Keras), so this runs
+weights per channel, int32 biases), which ``tf2onnx.convert.from_tflite`` writes as QDQ. tfmot runs on tf-keras only
+(it switches a process to legacy Keras), so this runs
 in an environment of its own, never ``.venv``:
 
     python -m venv /tmp/tfmot_venv && /tmp/tfmot_venv/bin/pip install "tensorflow-cpu==2.21.*" "tf-keras==2.21.*" \\
@@ -25,11 +26,11 @@ from pathlib import Path
 os.environ["TF_USE_LEGACY_KERAS"] = "1"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import tensorflow_model_optimization as tfmot  # noqa: E402
-import tf2onnx  # noqa: E402
-import tf_keras as keras  # noqa: E402
+import numpy as np
+import tensorflow as tf
+import tensorflow_model_optimization as tfmot
+import tf2onnx
+import tf_keras as keras
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "interop"
 SIZE, CLASSES = 32, 10

@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rapidocr_quantize import calibration_for  # noqa: E402
+from rapidocr_quantize import calibration_for
 
 TOOLS = ("nncf", "modelopt")
 
