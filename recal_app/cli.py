@@ -64,6 +64,12 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from .plan import plan
+
+    return plan(args)
+
+
 def _schema(args: argparse.Namespace) -> int:
     text = json.dumps(recipe_json_schema(), indent=2) + "\n"
     if args.output:
@@ -135,6 +141,28 @@ def build_parser() -> argparse.ArgumentParser:
                       help="train only with this framework (repeatable; default: each one installed)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     demo.set_defaults(func=_demo, framework=None)
+
+    planner = sub.add_parser("plan", help="plan each Linear layer's weight precision of a PyTorch model under a "
+                                          "budget, from measurement on your data, and write it as a recipe")
+    planner.add_argument("--model", required=True, metavar="MODULE:FUNCTION",
+                         help="your code: FUNCTION() returns the trained float torch.nn.Module (MODULE importable "
+                              "from the working folder)")
+    planner.add_argument("--data", required=True, metavar="DATA.npz",
+                         help="calibration data: 'inputs' and 'labels' (a classifier), or 'inputs' alone as token ids "
+                              "(a decoder LM); read without pickles")
+    planner.add_argument("--budget", required=True,
+                         help="size=<bytes of the planned layers> (e.g. size=2.5MB) or bits=<bits per weight> "
+                              "(e.g. bits=4.5)")
+    planner.add_argument("--score", choices=("measured", "fisher"), default="measured",
+                         help="measured: each layer alone quantized, the loss increase (default); fisher: the "
+                              "cheap estimate, one backward pass per batch")
+    planner.add_argument("--group-size", type=int, default=32, help="weights per scale (default 32; 0: per channel)")
+    planner.add_argument("--epochs", type=float, default=1.0, help="QAT epochs the recipe schedules (default 1)")
+    planner.add_argument("--batch-size", type=_positive_int, default=8, help="calibration batch size (default 8)")
+    planner.add_argument("--output", "-o", default="plan.yaml", help="the recipe written (default plan.yaml)")
+    planner.add_argument("--plot", metavar="OUT.png", help="also write the Pareto curve with the chosen plan")
+    planner.add_argument("--no-progress", action="store_true", help="no progress bar")
+    planner.set_defaults(func=_plan)
 
     recipes = sub.add_parser("recipes", help="list the recipes recal ships (use one as recal:NAME)")
     recipes.set_defaults(func=_recipes)

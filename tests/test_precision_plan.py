@@ -91,3 +91,60 @@ def test_the_plan_gives_bits_where_the_loss_needs_them_and_is_a_recipe_recal_tra
             assert name not in held or "float" in held[name], held
         else:
             assert f"{b}" in held[name], (name, held[name])
+
+
+def test_recal_plan_writes_the_recipe_the_api_plans_and_its_pareto_plot(tmp_path, monkeypatch):
+    """``recal plan --model module:function --data calibration.npz --budget bits=4``: the same recipe as
+    ``plan_precision`` on the same batches, one ``recal check`` reads, and the Pareto curve as a PNG; a budget no
+    plan meets names the smallest, a latency budget says it is not measured, data without labels that are not
+    token ids says what to give."""
+    import numpy as np
+
+    from recal_torch.precision_plan import plan_precision
+
+    from .cli_in_process import run_recal
+
+    net, batches = _net_and_data()
+    torch.save(net.state_dict(), tmp_path / "net.pt")
+    (tmp_path / "planmodels.py").write_text(
+        "import torch\nfrom torch import nn\n\n\ndef build():\n"
+        "    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))\n"
+        "    net.load_state_dict(torch.load('net.pt', weights_only=True))\n    return net\n")
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    np.savez(tmp_path / "calibration.npz", inputs=x.numpy(), labels=y.numpy())
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", "--model", "planmodels:build", "--data", "calibration.npz", "--batch-size", "128",
+            "--no-progress"]
+    result = run_recal(*args, "--budget", "bits=4", "--output", "plan.yaml", "--plot", "pareto.png")
+    assert result.returncode == 0, result.stderr
+    loss = lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    assert (tmp_path / "plan.yaml").read_text() == plan_precision(net, batches, loss, bits_budget=4.0).recipe
+    assert run_recal("check", "plan.yaml").returncode == 0
+    assert (tmp_path / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "planned 3 layers" in result.stdout and "wrote plan.yaml" in result.stdout
+    refused = run_recal(*args, "--budget", "size=1kB", "--output", "small.yaml")
+    assert refused.returncode == 2 and "the smallest plan, every layer at its fewest bits, is" in refused.stderr
+    assert not (tmp_path / "small.yaml").exists()
+    latency = run_recal(*args, "--budget", "latency=5ms")
+    assert latency.returncode == 2 and "latency per layer is not measured yet" in latency.stderr
+    np.savez(tmp_path / "unlabelled.npz", inputs=x.numpy())
+    unlabelled = run_recal(*args[:4], "unlabelled.npz", "--budget", "bits=4")
+    assert unlabelled.returncode == 2 and "give 'labels' (class indices)" in unlabelled.stderr
+
+
+def test_recal_plan_reads_token_ids_as_a_decoder_lm(tmp_path, monkeypatch):
+    """Integer ``inputs`` of (samples, tokens) without labels: next-token cross-entropy on the model's logits."""
+    import numpy as np
+
+    from .cli_in_process import run_recal
+
+    (tmp_path / "lm.py").write_text(
+        "import torch\nfrom torch import nn\n\n\ndef build():\n    torch.manual_seed(0)\n"
+        "    return nn.Sequential(nn.Embedding(32, 64), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))\n")
+    ids = np.random.default_rng(0).integers(0, 32, (16, 12))
+    np.savez(tmp_path / "tokens.npz", inputs=ids)
+    monkeypatch.chdir(tmp_path)
+    result = run_recal("plan", "--model", "lm:build", "--data", "tokens.npz", "--budget", "bits=3", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert "planned 2 layers" in result.stdout and "left out: 0:" in result.stdout
+    assert load_recipe(str(tmp_path / "plan.yaml")).modifiers
