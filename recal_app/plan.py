@@ -68,7 +68,9 @@ def load_factory(spec: str):
 
     model = factory()
     if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"--model {spec!r}: {attr}() returned a {type(model).__name__}, not a torch.nn.Module")
+        raise ValueError(f"--model {spec!r}: {attr}() returned a {type(model).__name__}, not a torch.nn.Module "
+                         "(recal plan measures PyTorch models; Keras models and TensorFlow graphs are not planned "
+                         "yet: write their QuantizationModifier by hand)")
     return model
 
 

@@ -223,6 +223,34 @@ def llm(name: str = "llm.json") -> str:
             + llm_rankings(data))
 
 
+def llm_variants(names: tuple[str, ...] = ("llm_ternary.json", "llm_ternary_h128.json", "llm_ternary_h96.json")) -> str:
+    """The 2-bit rows' recovered share on each setting run with seeds (scripts/bench_llm.py --seeds): whether a
+    ranking holds off the table's own setting too."""
+    runs = [load(name) for name in names]
+    heads = [f"hidden {d['hidden']}, {d['steps']} + {d['qat_steps']} steps, seeds "
+             f"{', '.join(map(str, d.get('seeds', [d.get('seed', 0)])))}" for d in runs]
+    lines = ["| row | " + " | ".join(heads) + " |", "|---" * (len(runs) + 1) + "|"]
+    labels = [r["label"] for r in runs[0]["rows"] if "ppl" in r and not r["label"].startswith("fp32")]
+    for label in labels:
+        cells = []
+        for data in runs:
+            row = next((r for r in data["rows"] if r["label"] == label and "ppl" in r), None)
+            shares = [100 * v for v in _per_seed(row["recovered"]) if v is not None] if row else []
+            cells.append("" if not shares else f"{round(_median(shares)) or 0}%" + (
+                f" ({round(min(shares)) or 0}%-{round(max(shares)) or 0}%)" if len(shares) > 1 else ""))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lost = [_median([(r - b) / b for r, b in zip(_per_seed(_row(d, "ort RTN asymmetric (default)")["ppl"]),
+                                                   _per_seed(_row(d, d["baseline"])["ppl"]))]) for d in runs]
+    return ("\n".join(lines) + "\n\nRecovered: the share of the perplexity onnxruntime's default RTN loses that the "
+            "row wins back, median (least-most) over the seeds; RTN loses "
+            + ", ".join(f"{100 * v:.1f}%" for v in lost) + " of perplexity on these settings (median). " + " ".join(f"`{d['command']}`." for d in runs) + "\n\n"
+            + "\n\n".join(f"{head.split(', seeds')[0].capitalize()}. {llm_rankings(d)}" for head, d in zip(heads, runs)))
+
+
+def _row(data: dict, label: str) -> dict:
+    return next(r for r in data["rows"] if r["label"] == label)
+
+
 def digits_int8() -> str:
     """The digits CNN in int8, observed against learned scales (scripts/bench_accuracy.py --rows QAT)."""
     data = load("digits_int8.json")
@@ -434,7 +462,7 @@ def avx2_exactness() -> str:
 
 TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range, "zoo": zoo,
           "zoo-vnni": lambda: zoo("zoo_vnni.json"), "zoo-vnni-amd": lambda: zoo("zoo_vnni_amd.json"),
-          "transformers": transformers, "llm": llm, "llm-ternary": lambda: llm("llm_ternary.json"),
+          "transformers": transformers, "llm": llm, "llm-ternary": lambda: llm("llm_ternary.json"), "llm-variants": llm_variants,
           "digits-int8": digits_int8,
           "thinning-transformers": thinning_transformers, "keras-applications": keras_applications,
           "keras-backends": keras_backends, "keras-backends-summary": keras_backends_summary, "layout": layout_table,

@@ -167,7 +167,9 @@ def _computes_the_definition(result, definition, shape, seed: int, reading=None)
     misreading (a sign, a scale) is far beyond. Given the QDQ ``reading`` the converter started from, a value that
     differs as onnxruntime's own default session of that reading differs is onnxruntime's rounding (its fused integer
     kernels requantize in float32: a step off the definition at about 1% of a QONNX ResNet's logits) and is not
-    counted; the reading itself, simulated in float, is held to the same 5%."""
+    counted; the reading itself, simulated in float, is held to the same 5% of range at every value (not to the
+    count: float32 convolutions summed in another order tip a tie upstream, which moves most of one sample's
+    quantized logits by a step, 6 of 10 for seed 1540)."""
     import onnxruntime as ort
 
     from .onnx_graphs import run
@@ -184,13 +186,13 @@ def _computes_the_definition(result, definition, shape, seed: int, reading=None)
             own.append(gap > 1e-6)
             continue
         simulated = run(reading, feeds, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)[0]
-        read_gaps.append(np.abs(want - simulated).ravel() / span > 1e-6)
+        read_gaps.append(np.abs(want - simulated).ravel() / span)
         as_onnxruntime = np.abs(run(reading, feeds)[0] - got).ravel() / span <= 1e-6
         own.append((gap > 1e-6) & ~as_onnxruntime)  # off the definition, and not as onnxruntime is
     gap, own = np.concatenate(gaps), np.concatenate(own)
     assert np.count_nonzero(own) <= 0.05 * gap.size and gap.max() <= 0.05, (gap.max(), np.mean(own))
     if read_gaps:
-        assert np.mean(np.concatenate(read_gaps)) <= 0.05, "the QDQ reading is off the definition"
+        assert np.concatenate(read_gaps).max() <= 0.05, "the QDQ reading is off the definition"
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,

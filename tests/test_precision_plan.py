@@ -127,6 +127,9 @@ def test_recal_plan_writes_the_recipe_the_api_plans_and_its_pareto_plot(tmp_path
     assert not (tmp_path / "small.yaml").exists()
     latency = run_recal(*args, "--budget", "latency=5ms")
     assert latency.returncode == 2 and "latency per layer is not measured yet" in latency.stderr
+    (tmp_path / "kerasish.py").write_text("def build():\n    return {'layers': []}\n")
+    other = run_recal("plan", "--model", "kerasish:build", *args[3:], "--budget", "bits=4")
+    assert other.returncode == 2 and "not a torch.nn.Module (recal plan measures PyTorch models" in other.stderr
     np.savez(tmp_path / "unlabelled.npz", inputs=x.numpy())
     unlabelled = run_recal(*args[:4], "unlabelled.npz", "--budget", "bits=4")
     assert unlabelled.returncode == 2 and "give 'labels' (class indices)" in unlabelled.stderr
