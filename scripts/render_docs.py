@@ -174,7 +174,8 @@ def llm_rankings(data: dict) -> str:
     pairs = [(f"recal {grid} QAT (lsq)", f"recal {grid} QAT (mse)"),
              (f"recal {grid} QAT (mse)", f"recal {grid} QAT (minmax)"),
              (f"recal {grid} QAT (lsq, distilled)", f"recal {grid} QAT (lsq)"),
-             (f"recal {grid} QAT (lsq, distilled)", "ort HQQ"), (f"recal {grid} QAT (mse)", "ort HQQ"),
+             (f"recal {grid} QAT (lsq, distilled)", "ort HQQ"), (f"recal {grid} QAT (lsq)", "ort HQQ"),
+             (f"recal {grid} QAT (mse)", "ort HQQ"),
              (f"recal {grid} QAT (minmax)", "ort RTN asymmetric (default)")]
     said = []
     for a, b in pairs:
