@@ -218,7 +218,7 @@ class ScheduledModifierManager(RecipeManager):
     def _say_floored_scales(self, floored: list[nn.Parameter] | None = None) -> None:
         """Learned scales at float32's eps saturate what they quantize: said, naming them, at the first step that
         floors some (raw steps, SGD's) and at the end for any still there (set so by a checkpoint or by hand too)."""
-        floored = floored if floored is not None else self._log_steps.floored() if self._log_steps.scales else []
+        floored = self._log_steps.floored() if floored is None else floored
         if floored:
             names = {id(p): n for n, p in unwrap(self._model).named_parameters()}
             warnings.warn(f"step {self._step}: {len(floored)} learned scale(s) at float32's eps (a step took them "

@@ -254,7 +254,7 @@ def ort_int4(fp32: Path, folder: Path, group: int, calibration: list[dict[str, n
 
 
 def recal_int4(fp32_model: nn.Module, data: np.ndarray, steps: int, observer: str, args, folder: Path,
-               sample: torch.Tensor, label: str, teacher: nn.Module | None = None) -> tuple[Path, float]:
+               sample: torch.Tensor, label: str, teacher: nn.Module | None = None, seed: int = 0) -> tuple[Path, float]:
     """QAT from the fp32 model for ``steps`` (0: the grid alone; with ``teacher``: distilling its outputs too),
     exported and converted; (path, seconds)."""
     model = copy.deepcopy(fp32_model)
@@ -265,7 +265,7 @@ def recal_int4(fp32_model: nn.Module, data: np.ndarray, steps: int, observer: st
         recipe += TERNARY_OVERRIDE.format(pattern=args.ternary, grouping=grouping, observer=observer)
     manager = ScheduledModifierManager.from_yaml(recipe + (DISTILL_RECIPE if teacher is not None else ""))
     t0 = time.perf_counter()
-    train(model, data, max(steps, 1), lr, args.batch, seed=10 * args.seed + 1, manager=manager,
+    train(model, data, max(steps, 1), lr, args.batch, seed=10 * seed + 1, manager=manager,
           teacher=None if teacher is None else copy.deepcopy(teacher))
     qat = folder / f"{label}.qat.onnx"
     export_onnx(Logits(model).eval(), sample, qat, input_names=["ids"], output_names=["logits"],
@@ -316,7 +316,6 @@ def main() -> None:
 
 def run_seed(args, seed: int) -> tuple[dict, list[dict]]:
     """One whole run with ``seed``: the settings it ran with and its rows (each model's figures)."""
-    args.seed = seed  # recal_int4's data order
     torch.manual_seed(seed)
     folder = Path(tempfile.mkdtemp(prefix="recal-bench-llm-"))
     train_data, test_data, files = corpus(int(args.train_mb * 1e6), (args.test_windows + 1) * (SEQ + 1))
@@ -354,13 +353,13 @@ def run_seed(args, seed: int) -> tuple[dict, list[dict]]:
         rows[label] = {"path": path, "seconds": info if path else None, "note": "" if path else info}
     grid = "int2/int4" if args.ternary else "int4"
     rows[f"recal {grid}, no QAT"] = dict(zip(("path", "seconds"), recal_int4(
-        more, train_data, 0, "minmax", args, folder, sample, "recal_rtn")))
+        more, train_data, 0, "minmax", args, folder, sample, "recal_rtn", seed=seed)))
     for observer, distill in (("minmax", False), ("mse", False), ("lsq", False), ("lsq", True)):
         label = f"recal {grid} QAT ({observer}{', distilled' if distill else ''})"
         print(f"  {label}: {args.qat_steps} steps", flush=True)
         rows[label] = dict(zip(("path", "seconds"), recal_int4(
             model, train_data, args.qat_steps, observer, args, folder, sample,
-            f"recal_qat_{observer}{'_kd' if distill else ''}", teacher=more if distill else None)))
+            f"recal_qat_{observer}{'_kd' if distill else ''}", teacher=more if distill else None, seed=seed)))
     # the last QAT model again, with onnxruntime quantizing each layer's input to int8 per block (not exact; the
     # fast 2-bit kernel)
     fast = folder / "recal_qat_lsq_kd_level4.onnx"

@@ -155,14 +155,17 @@ def _per_seed(value) -> list:
     return value if isinstance(value, list) else [value]
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
+def _shares(values: list) -> str:
+    """Shares (fractions, None where a seed had none) as ``median%`` with ``(least%-most%)`` where several."""
+    pct = [round(100 * v) or 0 for v in values if v is not None]  # `or 0`: no "-0%"
+    if not pct:
+        return ""
+    return f"{round(statistics.median(pct))}%" + (f" ({min(pct)}%-{max(pct)}%)" if len(pct) > 1 else "")
 
 
 def _spread(values: list[float], fmt: str) -> str:
     """``median`` of one seed's or several seeds' figures, with ``(least-most)`` where several."""
-    text = format(_median(values), fmt)
+    text = format(statistics.median(values), fmt)
     return text if len(values) == 1 else f"{text} ({format(min(values), fmt)}-{format(max(values), fmt)})"
 
 
@@ -199,13 +202,11 @@ def llm(name: str = "llm.json") -> str:
         if "ppl" not in row:
             lines.append(f"| {row['label']} | did not run here: {row['note']} | | | | |")
             continue
-        shares = [100 * r for r in _per_seed(row["recovered"]) if r is not None]
-        recovered = "" if not shares else f"{round(_median(shares)) or 0}%" + (
-            f" ({round(min(shares)) or 0}%-{round(max(shares)) or 0}%)" if len(shares) > 1 else "")
-        size = _median(_per_seed(row["bytes"]))
+        recovered = _shares(_per_seed(row["recovered"]))
+        size = statistics.median(_per_seed(row["bytes"]))
         lines.append(f"| {row['label']} | {_spread(_per_seed(row['ppl']), '.4f')} | {recovered} | {size / 1e6:.2f} "
-                     f"({size / data['fp32_bytes']:.3f}) | {_median(_per_seed(row['ms_prompt'])):.2f} | "
-                     f"{_median(_per_seed(row['ms_token'])):.3f} |")
+                     f"({size / data['fp32_bytes']:.3f}) | {statistics.median(_per_seed(row['ms_prompt'])):.2f} | "
+                     f"{statistics.median(_per_seed(row['ms_token'])):.3f} |")
     ternary = data["ternary"]
     bits = (f"the layers matching `{ternary}` in 2 bits (recal: ternary, `num_bits: 2`; onnxruntime: its 2-bit "
             f"quantizers), the others int4; blocks (groups) of {data['group']}" if ternary
@@ -236,11 +237,9 @@ def llm_variants(names: tuple[str, ...] = ("llm_ternary.json", "llm_ternary_h128
         cells = []
         for data in runs:
             row = next((r for r in data["rows"] if r["label"] == label and "ppl" in r), None)
-            shares = [100 * v for v in _per_seed(row["recovered"]) if v is not None] if row else []
-            cells.append("" if not shares else f"{round(_median(shares)) or 0}%" + (
-                f" ({round(min(shares)) or 0}%-{round(max(shares)) or 0}%)" if len(shares) > 1 else ""))
+            cells.append(_shares(_per_seed(row["recovered"])) if row else "")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lost = [_median([(r - b) / b for r, b in zip(_per_seed(_row(d, "ort RTN asymmetric (default)")["ppl"]),
+    lost = [statistics.median([(r - b) / b for r, b in zip(_per_seed(_row(d, "ort RTN asymmetric (default)")["ppl"]),
                                                    _per_seed(_row(d, d["baseline"])["ppl"]))]) for d in runs]
     return ("\n".join(lines) + "\n\nRecovered: the share of the perplexity onnxruntime's default RTN loses that the "
             "row wins back, median (least-most) over the seeds; RTN loses "

@@ -1,7 +1,6 @@
 """The README's and the manual's examples run as written (Python blocks, and the `recal` command lines)."""
 
 import re
-import shlex
 import sys
 from pathlib import Path
 
@@ -10,16 +9,14 @@ import pytest
 from .conftest import ROOT
 from .forked import run_program
 
-README = (ROOT / "README.md").read_text()
-# docs/index.md is the README itself, generated (scripts/render_docs.py): its blocks run once, here
-PAGES = {"README": README, **{f"docs/{p.stem}": p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))
-                              if p.name != "index.md"}}
-PYTHON_BLOCKS = [(f"{page}-python-{i}", code) for page, text in PAGES.items()
-                 for i, code in enumerate(re.findall(r"```python\n(.*?)```", text, re.DOTALL))]
-BASH_BLOCKS = re.findall(r"```bash\n(.*?)```", README, re.DOTALL)
-RECAL_LINES = [line.split("#")[0].strip() for text in PAGES.values()
-               for block in re.findall(r"```bash\n(.*?)```", text, re.DOTALL) for line in block.splitlines()
-               if line.strip().startswith("recal ")]
+sys.path.insert(0, str(ROOT / "scripts"))
+# the examples found once, as check-wheel runs them from the installed wheel (docs/index.md is the README itself)
+from docs_examples import pages, python_blocks, recal_lines, short
+
+PAGES = pages()
+PYTHON_BLOCKS = python_blocks()
+BASH_BLOCKS = re.findall(r"```bash\n(.*?)```", PAGES["README"], re.DOTALL)
+RECAL_LINES = recal_lines()
 
 
 def test_readme_opens_with_the_two_commands():
@@ -47,9 +44,7 @@ def test_python_example_runs(code, tmp_path):
 
 @pytest.mark.parametrize("line", RECAL_LINES)
 def test_recal_command_runs(line, tmp_path):
-    argv = shlex.split(line)
-    if argv[1] == "train":  # keep the README's commands, but short: the slow tests train in full
-        argv += ["--epochs", "2", "--no-progress"]
+    argv = short(line)  # a `recal train` cut to 2 epochs: the slow tests train in full
     exe = Path(sys.executable).parent / "recal"  # the installed entry point's script, run as a program
     result = run_program(str(exe), *argv[1:], cwd=_workdir(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,5 +1,6 @@
 """TensorFlow backend: the seed's API on tf.compat.v1 graphs."""
 
+import os
 import sys
 import warnings
 
@@ -465,7 +466,7 @@ def test_importing_the_tf_front_ends_prints_no_tensorflow_start_up_lines():
     import subprocess
 
     code = "import recal_tf.keras, recal_tf.graph, recal_tf.models"
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     bare = subprocess.run([sys.executable, "-c", "import tensorflow"], capture_output=True, text=True, env=env)
     ours = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     if "oneDNN" not in bare.stderr:

@@ -1106,6 +1106,15 @@ def test_fake_quantizers_under_bf16_autocast_round_on_the_float32_grid():
     assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
 
 
+def _small_cnn_under(recipe: str, optimizer, seed: int = 0):
+    """A SmallCNN (seeded) modified by ``recipe`` with ``optimizer(parameters)``, 4 steps an epoch: (model, manager,
+    the optimizer modify returns)."""
+    torch.manual_seed(seed)
+    model = SmallCNN()
+    manager = ScheduledModifierManager.from_yaml(recipe)
+    return model, manager, manager.modify(model, optimizer(model.parameters()), steps_per_epoch=4)
+
+
 @pytest.mark.filterwarnings("ignore:step .* learned scale.*fc.input_fake_quant:UserWarning")
 def test_learned_input_scales_start_from_the_ranges_of_their_calibration_steps():
     """``observer_kwargs: {calibration_steps: 3}``: an input's learned scale starts from the first three training
@@ -1121,10 +1130,8 @@ def test_learned_input_scales_start_from_the_ranges_of_their_calibration_steps()
     data = batches(8)
 
     def fresh():
-        torch.manual_seed(0)
-        model = SmallCNN()
-        manager = ScheduledModifierManager.from_yaml(recipe)
-        return model, manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.05), steps_per_epoch=4)
+        model, _, optimizer = _small_cnn_under(recipe, lambda p: torch.optim.SGD(p, lr=0.05))
+        return model, optimizer
 
     model, optimizer = fresh()
     scales, ckpt = [], {}
@@ -1167,11 +1174,7 @@ def test_learned_scales_for_w8a8_weights_and_inputs_train_freeze_resume_and_conv
     data = batches(12)
 
     def fresh(seed, factor=0.01):
-        torch.manual_seed(seed)
-        model = SmallCNN()
-        manager = ScheduledModifierManager.from_yaml(recipe % factor)
-        return model, manager, manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                              steps_per_epoch=4)
+        return _small_cnn_under(recipe % factor, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), seed)
 
     model, manager, optimizer = fresh(0)
     seen, ckpt = {}, {}
@@ -1218,11 +1221,7 @@ def test_under_adam_learned_scales_step_in_log_space_and_never_reach_the_floor()
     data = batches(12)
 
     def fresh():
-        torch.manual_seed(0)
-        model = SmallCNN()
-        manager = ScheduledModifierManager.from_yaml(recipe)
-        return model, manager, manager.modify(model, torch.optim.AdamW(model.parameters(), lr=0.05),
-                                              steps_per_epoch=4)
+        return _small_cnn_under(recipe, lambda p: torch.optim.AdamW(p, lr=0.05))
 
     model, manager, optimizer = fresh()
     seen, ckpt = {}, {}

@@ -12,7 +12,8 @@ unchanged); the optimizer's moments are in log units.
 
 SGD (and any optimizer not known to normalize its step) keeps LSQ's own update on the raw scale, whose step is the
 gradient's size: there, log space would shrink a small scale's steps by its square. A scale such a step takes
-through zero is held at eps, and :class:`LogScaleSteps` says so at the first step it happens, naming the layers.
+through zero is held at eps, and :class:`LogScaleSteps` says so at the first step it happens (on an accelerator,
+within ``CHECK_EVERY`` steps: looking waits on the device), naming the layers.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 
 from .quantizers import EPS
 
+CHECK_EVERY = 50  # raw steps between floor checks on an accelerator (each waits on the device)
 # optimizer class names (lower case) whose step is normalized by the gradient's running size or sign
 _NORMALIZED = ("adam", "ada", "rmsprop", "lamb", "lion", "sophia")
 
@@ -44,6 +46,7 @@ class LogScaleSteps:
         self.scales: list[nn.Parameter] = []
         self._on_floor = on_floor
         self._floor_said = False
+        self._steps = 0  # raw steps taken, to space the floor check on an accelerator
         self._before: list[torch.Tensor] | None = None  # each scale with a gradient, before this step (log space)
         self._stepped: list[nn.Parameter] = []
 
@@ -79,7 +82,11 @@ class LogScaleSteps:
             torch._foreach_copy_(self._stepped, steps)
             self._before, self._stepped = None, []
         self.floor()
-        if not self.log_space and not self._floor_said and self.scales and self._on_floor is not None:
+        if self.log_space or self._floor_said or self._on_floor is None or not self.scales:
+            return
+        self._steps += 1
+        # looking waits on the device: every step on the CPU, every CHECK_EVERY steps on an accelerator
+        if self.scales[0].device.type == "cpu" or self._steps % CHECK_EVERY == 0:
             floored = self.floored()
             if floored:
                 self._floor_said = True
@@ -93,5 +100,7 @@ class LogScaleSteps:
 
     def floored(self) -> list[nn.Parameter]:
         """The scales with a value at the floor (one device sync for all)."""
+        if not self.scales:
+            return []
         lowest = torch.stack([s.detach().min() for s in self.scales])
         return [s for s, low in zip(self.scales, lowest.tolist()) if low <= EPS]
