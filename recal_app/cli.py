@@ -201,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # other libraries: warnings only
-    for name in ("recal", "recal_core", "recal_torch", "recal_tf", "recal_onnx"):
+    for name in ("recal", "recal_core", "recal_torch", "recal_keras", "recal_tf", "recal_onnx"):
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     previous = _on_sigterm_raise()
     try:

@@ -25,7 +25,7 @@ from .run_lock import read_resume_record, restore_checkpoint
 from .training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, check_finite, epoch_line,
                         epoch_order, overall_sparsity)
 
-from recal_tf.keras import ScheduledModifierManager, describe_model, export_onnx
+from recal_keras import ScheduledModifierManager, describe_model, export_onnx
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "model.ckpt"

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .quiet_start import import_quietly
+from recal_keras.quiet_start import import_quietly
 
-tf = import_quietly("tensorflow")  # without its start-up lines (recal_tf.quiet_start)
+tf = import_quietly("tensorflow")  # without its start-up lines (recal_keras.quiet_start)
 
 tf_compat = tf.compat.v1
 

@@ -38,7 +38,7 @@ def child(model_name: str, recipe_name: str) -> dict:
     import keras
     import numpy as np
 
-    from recal_tf.keras import ScheduledModifierManager
+    from recal_keras import ScheduledModifierManager
 
     keras.utils.set_random_seed(0)
     model = getattr(keras.applications, model_name)(input_shape=(32, 32, 3), weights=None, classes=10)

@@ -31,7 +31,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras
 import numpy as np
 
-from recal_tf.keras import ScheduledModifierManager
+from recal_keras import ScheduledModifierManager
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.fit_timing import fit_step_times

@@ -4,7 +4,7 @@ model stays.
 Each model is built with ``weights=None`` (nothing downloaded) and a logits head at ``--size``, pruned 60% (every conv and
 dense kernel) and QAT-trained with ``fit`` (the zoo test's recipe, ``--steps`` per epoch; BatchNorm momentum 0.9, as
 Keras's 0.99 leaves the moving statistics near their start after a few dozen steps) on synthetic data it can learn
-(ten class templates plus noise), finalized, exported with ``recal_tf.keras.export_onnx`` (tf2onnx, jax2onnx or
+(ten class templates plus noise), finalized, exported with ``recal_keras.export_onnx`` (tf2onnx, jax2onnx or
 torch.onnx) and converted by ``quantize_qat_export``. One table: the layers recal's Keras QAT quantizes and those it
 leaves float, the integer ops of the int8 model (and the activations it looks up in tables of integers: hard-swish)
 and the float ops the converter names between them (``result.unconverted``; the classifier's bias Add after the last
@@ -72,7 +72,7 @@ def run(name: str, size: int, folder: Path, steps: int, bn_momentum: float = 0.9
     import keras
     import numpy as np
 
-    from recal_tf.keras import RecalWarning, ScheduledModifierManager, export_onnx
+    from recal_keras import RecalWarning, ScheduledModifierManager, export_onnx
     from tests.zoo.test_keras_applications import BATCH, RECIPE  # the zoo test's recipe
 
     keras.utils.set_random_seed(0)

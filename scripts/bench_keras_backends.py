@@ -39,7 +39,7 @@ def child(rounds: int, steps: int) -> dict:
     import numpy as np
 
     from bench_keras import BETWEEN, EVERY_STEP, WITH_LR, _cnn
-    from recal_tf.keras import ScheduledModifierManager
+    from recal_keras import ScheduledModifierManager
 
     class Clock(keras.callbacks.Callback):
         """When an epoch's first step ended, and when the epoch did (after JAX's state sync: every step has run)."""

@@ -75,7 +75,7 @@ def _keras_steps(variants: dict[str, str | None], rounds: int) -> dict[str, list
 
     from bench.fit_timing import fit_step_times
     from recal_app.keras_digits import digits_model
-    from recal_tf.keras import ScheduledModifierManager as KerasManager
+    from recal_keras import ScheduledModifierManager as KerasManager
 
     rng = np.random.default_rng(0)
     x, y = rng.random((1024, 8, 8, 1), dtype=np.float32), rng.integers(0, 10, 1024)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LIBRARIES = ("recal_core", "recal_torch", "recal_tf", "recal_onnx", "recal_app")
+LIBRARIES = ("recal_core", "recal_torch", "recal_keras", "recal_tf", "recal_onnx", "recal_app")
 
 
 def _summary(init: Path) -> str:

@@ -28,8 +28,8 @@ try:
     import keras  # noqa: F401
     import tensorflow  # noqa: F401
 
-    import recal_tf.graph  # recal_tf loads its graph API on first use
-    import recal_tf.keras  # noqa: F401
+    import recal_keras  # noqa: F401
+    import recal_tf  # noqa: F401
 except ImportError:  # the TensorFlow extra not installed: its tests skip
     pass
 

@@ -1,4 +1,4 @@
-"""Two recipes on the digits net with ``recal_tf.keras`` on whichever Keras backend this process runs, for
+"""Two recipes on the digits net with ``recal_keras`` on whichever Keras backend this process runs, for
 :mod:`tests.test_keras_backends`: pruning, LR and weight decay (what every step left: LR, decay, each pruned kernel's
 zeros), and prune + QAT (when QAT started and BatchNorm froze, the Keras QAT model's predictions, its int8 ONNX
 model's and a reloaded ``.keras`` file's), each written to an ``.npz``.
@@ -59,8 +59,8 @@ def run(out: str, onnx_path: str | None = None, resume: bool = True) -> None:
     import keras
 
     from recal_core.datasets import load_digits
-    from recal_tf.keras import ScheduledModifierManager, export_onnx
-    from recal_tf.keras.params import describe_model
+    from recal_keras import ScheduledModifierManager, export_onnx
+    from recal_keras.params import describe_model
 
     imported_tensorflow = "tensorflow" in sys.modules  # recal's own imports (keras.utils.set_random_seed seeds TF too)
 
@@ -129,7 +129,7 @@ def run_qat(out: str) -> None:
 
     from recal_core.datasets import load_digits
     from recal_onnx import quantize_qat_export
-    from recal_tf.keras import ScheduledModifierManager, export_onnx
+    from recal_keras import ScheduledModifierManager, export_onnx
 
     model, optimizer = _digits_net(), keras.optimizers.SGD(0.05, momentum=0.9)
     manager = ScheduledModifierManager.from_yaml(QAT_RECIPE)
@@ -200,7 +200,7 @@ def run_large_export(out: str) -> None:
     import keras
     import onnxruntime
 
-    from recal_tf.keras import export_onnx
+    from recal_keras import export_onnx
 
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(4096), keras.layers.Dense(10)])
     x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)

@@ -149,7 +149,7 @@ def block_to_int8(net: keras.Model, folder: Path, recipe: str = QAT) -> tuple:
     import onnx
 
     from recal_onnx import quantize_qat_export
-    from recal_tf.keras import ScheduledModifierManager, export_onnx
+    from recal_keras import ScheduledModifierManager, export_onnx
 
     manager = ScheduledModifierManager.from_yaml(recipe)
     optimizer = keras.optimizers.SGD(0.01, momentum=0.9)

@@ -23,7 +23,7 @@ def run(parallel: bool) -> dict[str, np.ndarray]:
     import jax
     import keras
 
-    from recal_tf.keras import ScheduledModifierManager
+    from recal_keras import ScheduledModifierManager
 
     if parallel:
         keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))

@@ -1,4 +1,4 @@
-"""Learned scales (``observer: lsq``) on the digits net with ``recal_tf.keras`` on whichever Keras backend this process
+"""Learned scales (``observer: lsq``) on the digits net with ``recal_keras`` on whichever Keras backend this process
 runs, for :mod:`tests.test_keras_backends`: the run through, the same run resumed from the ``.keras`` file
 ``ModelCheckpoint`` wrote during QAT, and the finalized model's int8 conversion, written to an ``.npz``.
 
@@ -31,7 +31,7 @@ def run(out: str) -> None:
 
     from recal_core.datasets import load_digits
     from recal_onnx import quantize_qat_export
-    from recal_tf.keras import ScheduledModifierManager, export_onnx
+    from recal_keras import ScheduledModifierManager, export_onnx
 
     digits = load_digits()
     x, y = digits.train_images[: STEPS_PER_EPOCH * BATCH, ..., None], digits.train_labels[: STEPS_PER_EPOCH * BATCH]

@@ -31,7 +31,7 @@ def main(index: int, ports: list[str], out: str) -> None:
     import numpy as np
     import tensorflow as tf
 
-    from recal_tf.keras import ScheduledModifierManager
+    from recal_keras import ScheduledModifierManager
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy() if workers > 1 else tf.distribute.get_strategy()
     with strategy.scope():

@@ -82,12 +82,14 @@ def test_core_imports_no_framework():
 
 def test_the_libraries_know_nothing_of_the_application():
     """recal_app (recal train and the command line) is built on the libraries; no library imports it, and no backend
-    imports another backend."""
+    imports another backend but for the one edge the layout names: the TensorFlow graph front end runs recal_keras's
+    tables and grids with TensorFlow's ops (as Keras does on its TensorFlow backend)."""
     import ast
 
     from .conftest import ROOT
 
-    backends = {"recal_torch", "recal_tf", "recal_onnx"}
+    backends = {"recal_torch", "recal_keras", "recal_tf", "recal_onnx"}
+    allowed = {"recal_tf": {"recal_keras"}}
     for package in ("recal_core", *sorted(backends)):
         for path in (ROOT / package).rglob("*.py"):
             tree = ast.parse(path.read_text())
@@ -96,7 +98,7 @@ def test_the_libraries_know_nothing_of_the_application():
                         and (not isinstance(n, ast.ImportFrom) or (n.level == 0 and n.module))
                         for a in (n.names if isinstance(n, ast.Import) else [None])}
             assert "recal_app" not in imported, path
-            assert not (imported & (backends - {package})), (path, imported & backends)
+            assert not (imported & (backends - {package} - allowed.get(package, set()))), (path, imported & backends)
 
 
 def test_no_module_is_over_500_lines_and_no_import_cycle():
@@ -106,7 +108,7 @@ def test_no_module_is_over_500_lines_and_no_import_cycle():
     from .conftest import ROOT
 
     graph: dict[str, set[str]] = {}
-    for package in ("recal_core", "recal_torch", "recal_tf", "recal_onnx", "recal_app"):
+    for package in ("recal_core", "recal_torch", "recal_keras", "recal_tf", "recal_onnx", "recal_app"):
         for path in (ROOT / package).rglob("*.py"):
             text = path.read_text()
             assert text.count("\n") <= 500, f"{path.relative_to(ROOT)} has {text.count(chr(10))} lines"
@@ -161,11 +163,11 @@ def test_a_subpackage_is_entered_through_its_init():
 
     from .conftest import ROOT
 
-    packages = {".".join(p.parent.relative_to(ROOT).parts) for lib in ("recal_core", "recal_torch", "recal_tf",
-                "recal_onnx", "recal_app") for p in (ROOT / lib).rglob("__init__.py")}
+    packages = {".".join(p.parent.relative_to(ROOT).parts) for lib in ("recal_core", "recal_torch", "recal_keras",
+                "recal_tf", "recal_onnx", "recal_app") for p in (ROOT / lib).rglob("__init__.py")}
     declared = {("recal_onnx.pipeline", "recal_onnx.passes")}  # the pipeline names each pass, in the order they run
     reached = []
-    for lib in ("recal_core", "recal_torch", "recal_tf", "recal_onnx", "recal_app"):
+    for lib in ("recal_core", "recal_torch", "recal_keras", "recal_tf", "recal_onnx", "recal_app"):
         for path in (ROOT / lib).rglob("*.py"):
             name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
             here = name if path.name == "__init__.py" else name.rpartition(".")[0]

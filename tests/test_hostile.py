@@ -427,7 +427,7 @@ def test_check_and_tf_tables_grow_with_the_recipe_not_its_epochs(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert time.perf_counter() - started < HANG_SECONDS  # the table itself is milliseconds
     assert "201 of 100001 epochs shown" in result.stdout and len(result.stdout.splitlines()) < 700
-    from recal_tf.recipe_support import check_table_size
+    from recal_keras.recipe_support import check_table_size
 
     with pytest.raises(ValueError, match="800 per-step tables; recal_tf tabulates .* at most 10,000,000 steps and "
                                          "20,000,000 entries"):

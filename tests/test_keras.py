@@ -1,4 +1,4 @@
-"""Keras 3: the recipe applied inside Keras's own train step (recal_tf.keras)."""
+"""Keras 3: the recipe applied inside Keras's own train step (recal_keras)."""
 
 import json
 import os
@@ -13,8 +13,8 @@ keras = pytest.importorskip("keras")
 
 from recal_core import RecipeError, load_recipe  # noqa: E402
 from recal_core.model_plan import plan_model  # noqa: E402
-from recal_tf.keras import RecalWarning, ScheduledModifierManager, export_onnx  # noqa: E402
-from recal_tf.keras.params import describe_model  # noqa: E402
+from recal_keras import RecalWarning, ScheduledModifierManager, export_onnx  # noqa: E402
+from recal_keras.params import describe_model  # noqa: E402
 
 from .conftest import ROOT  # noqa: E402
 from .forked import run_program  # noqa: E402
@@ -292,7 +292,7 @@ def test_mirrored_strategy_two_replicas_exact():
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
         import keras
         from tests.test_keras import PRUNE, SPE, _data, _expected, _net
-        from recal_tf.keras import ScheduledModifierManager
+        from recal_keras import ScheduledModifierManager
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
         with strategy.scope():
             model = _net()
@@ -536,7 +536,7 @@ def test_qat_under_mirrored_strategy_keeps_replicas_in_sync(tmp_path):
         import keras
         from recal_core.datasets import load_digits
         from recal_onnx import quantize_qat_export
-        from recal_tf.keras import ScheduledModifierManager, export_onnx
+        from recal_keras import ScheduledModifierManager, export_onnx
         from recal_app.keras_digits import digits_model
         from tests.keras_blocks import QAT
         digits = load_digits()

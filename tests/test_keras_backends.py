@@ -13,7 +13,7 @@ keras = pytest.importorskip("keras")
 pytest.importorskip("tensorflow")
 
 from recal_core import RecipeError  # noqa: E402
-from recal_tf.keras import ScheduledModifierManager  # noqa: E402
+from recal_keras import ScheduledModifierManager  # noqa: E402
 
 from . import keras_backend_run  # noqa: E402
 from .conftest import ROOT  # noqa: E402
@@ -159,7 +159,7 @@ def test_a_channels_last_pool_over_six_axes_becomes_a_2d_pool(tmp_path, op):
     import onnxruntime
     from onnx import TensorProto, helper, numpy_helper
 
-    from recal_tf.keras.export import _pools_channels_first
+    from recal_keras.export import _pools_channels_first
 
     axes = numpy_helper.from_array(np.array([0, 1], np.int64), "axes")
     if op == "window sum":
@@ -207,7 +207,7 @@ def test_the_jax_qdq_primitive_exports_as_a_quantize_dequantize_pair(tmp_path):
     import onnx
     import onnxruntime
 
-    from recal_tf.keras.jax_qdq import qdq
+    from recal_keras.jax_qdq import qdq
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((4, 6)).astype(np.float32)
@@ -231,7 +231,7 @@ def test_the_jax_qdq_primitive_exports_as_a_quantize_dequantize_pair(tmp_path):
 
 _NEVER_CALLED = """
 import warnings, keras, numpy as np, torch
-from recal_tf.keras import ScheduledModifierManager, export_onnx
+from recal_keras import ScheduledModifierManager, export_onnx
 model = keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=10)
 manager = ScheduledModifierManager.from_yaml("- !QuantizationModifier {start_epoch: 0.0}\\n")
 qat, _ = manager.modify(model, keras.optimizers.SGD(0.01), steps_per_epoch=4)
@@ -310,7 +310,7 @@ def test_learned_scales_refusals_are_located():
     """What Keras and the TensorFlow graph API cannot learn is refused, located: a learning rate of the scales' own
     (their optimizers have one for every variable) and a calibrated start."""
     from recal_core.recipe import load_recipe
-    from recal_tf.recipe_support import qat_problems
+    from recal_keras.recipe_support import qat_problems
 
     base = ("- !QuantizationModifier {start_epoch: 0, scheme: {input_activations: {symmetric: false, observer: lsq, "
             "observer_kwargs: %s}, weights: {}}}\n")

@@ -465,7 +465,7 @@ def test_importing_the_tf_front_ends_prints_no_tensorflow_start_up_lines():
     says; importing recal_tf's front ends drops them, in a fresh interpreter (not forked: TensorFlow must import)."""
     import subprocess
 
-    code = "import recal_tf.keras, recal_tf.graph, recal_tf.models"
+    code = "import recal_keras, recal_tf.graph, recal_tf.models"
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     bare = subprocess.run([sys.executable, "-c", "import tensorflow"], capture_output=True, text=True, env=env)
     ours = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
@@ -475,7 +475,7 @@ def test_importing_the_tf_front_ends_prints_no_tensorflow_start_up_lines():
 
 
 def test_a_real_message_during_a_quiet_import_still_shows(tmp_path, monkeypatch, capfd):
-    from recal_tf.quiet_start import import_quietly
+    from recal_keras.quiet_start import import_quietly
 
     (tmp_path / "noisy_module.py").write_text(
         "import os\nos.write(2, b'WARNING: All log messages before absl::InitializeLog() is called are written to "

@@ -142,7 +142,7 @@ def test_what_weight_only_cannot_do_is_a_located_error():
 
 def test_tensorflow_refuses_a_scheme_it_cannot_run():
     from recal_core.recipe import load_recipe
-    from recal_tf.recipe_support import qat_problems
+    from recal_keras.recipe_support import qat_problems
 
     recipe = load_recipe("- !QuantizationModifier {start_epoch: 0, scheme: W4A16}\n")
     problems = qat_problems(recipe.bind(10), "in TensorFlow")
@@ -304,7 +304,7 @@ def test_what_learned_scales_cannot_do_is_a_located_error():
         _manager("{input_activations: null, weights: {num_bits: 4, group_size: 16, observer_kwargs: "
                  "{lr_factor: 2}}}")
     from recal_core.recipe import load_recipe
-    from recal_tf.recipe_support import qat_problems
+    from recal_keras.recipe_support import qat_problems
 
     recipe = load_recipe("- !QuantizationModifier {start_epoch: 0, scheme: " + W4_LSQ + "}\n")
     assert qat_problems(recipe.bind(10), "in TensorFlow")

@@ -4,7 +4,7 @@
 :mod:`recal_tf` re-exports all of it, so the seed's ``from recal_tf import ScheduledModifierManager`` works.
 """
 
-from ..quiet_start import import_quietly
+from recal_keras.quiet_start import import_quietly
 
 import_quietly("tensorflow")  # without its start-up lines
 

@@ -25,10 +25,10 @@ from typing import Callable
 
 import tensorflow as tf
 
-from ..fake_quant import bias_on_int32_grid, fake_quant_activation, fake_quant_weight, moving_range, weight_scale
-from ..qat_tables import QATTables
-from ..lsq import LOG_RATIO, TINY, input_step, kernel_step, per_channel, per_tensor
-from ..tensor_ops import TensorFlowOps
+from recal_keras.fake_quant import bias_on_int32_grid, fake_quant_activation, fake_quant_weight, moving_range, weight_scale
+from recal_keras.qat_tables import QATTables
+from recal_keras.lsq import LOG_RATIO, TINY, input_step, kernel_step, per_channel, per_tensor
+from recal_keras.tensor_ops import TensorFlowOps
 from .params import KERNEL_INPUTS, _variable_op
 from ..utils import tf_compat
 
@@ -151,7 +151,7 @@ class GraphQAT:
         t.op._update_input(1, tf.where(enabled, quantized, w, name="weight"))
 
     def _learned_weight(self, t: _Target, w: tf.Tensor, levels: int) -> tf.Tensor:
-        """``w`` on its per-channel grid with learned scales (:mod:`recal_tf.lsq`): their variables, assigned by an
+        """``w`` on its per-channel grid with learned scales (:mod:`recal_keras.lsq`): their variables, assigned by an
         update op after the forward pass; the recorded scale is what the export quantizes with."""
         name, channels = f"{_scope(t.op)}_weight_scales", w.shape[t.axis]
         held = {n: self.make_variable(f"{name}/{n}", [channels], tf.float32, 0.0) for n in ("start", "current")}
@@ -213,7 +213,7 @@ class GraphQAT:
         return out
 
     def _learned_input(self, x: tf.Tensor, name: str, observe, out: tf.Tensor, seen):
-        """A layer input's learned scale (:mod:`recal_tf.lsq`, started from the first QAT step's batch range):
+        """A layer input's learned scale (:mod:`recal_keras.lsq`, started from the first QAT step's batch range):
         ``(x`` on its grid while the observers run, else ``out``; the range it records)."""
         held = {"start": self.make_variable(f"{name}/start_scale", [], tf.float32, 0.0),
                 "zero_point": self.make_variable(f"{name}/zero_point", [], tf.float32, 0.0)}

@@ -16,7 +16,7 @@ ort = pytest.importorskip("onnxruntime")
 import onnx  # noqa: E402
 
 from recal_onnx import quantize_qat_export, verify  # noqa: E402
-from recal_tf.keras import ScheduledModifierManager, export_onnx  # noqa: E402
+from recal_keras import ScheduledModifierManager, export_onnx  # noqa: E402
 
 from ..onnx_graphs import run  # noqa: E402
 

@@ -4,7 +4,7 @@
 - PyTorch: the same (eager train steps; ``keras.ops``, and ``torch.fake_quantize_*`` in a finalized QAT model,
   which torch.onnx writes as QuantizeLinear / DequantizeLinear).
 - JAX: pruning, LR, weight decay and QAT (a QDQ primitive jax2onnx writes as QuantizeLinear / DequantizeLinear:
-  :mod:`recal_tf.keras.jax_qdq`). A JAX train step hands the optimizer exactly the variables it was built with, so a
+  :mod:`recal_keras.jax_qdq`). A JAX train step hands the optimizer exactly the variables it was built with, so a
   trainable flag cannot change mid-fit with the same optimizer (Keras itself needs a new one).
 """
 
@@ -22,7 +22,7 @@ def current_backend() -> str:
     """This process's Keras backend; ``RuntimeError`` naming it when recal does not run there."""
     backend = keras.backend.backend()
     if backend not in BACKENDS:
-        raise RuntimeError(f"recal_tf.keras runs on Keras's TensorFlow, JAX and PyTorch backends; this process uses "
+        raise RuntimeError(f"recal_keras runs on Keras's TensorFlow, JAX and PyTorch backends; this process uses "
                            f"{backend!r}: set KERAS_BACKEND to one of them before importing keras")
     return backend
 

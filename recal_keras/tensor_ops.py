@@ -1,5 +1,5 @@
-"""The few tensor ops recal's in-graph pruning math (:mod:`recal_tf.mask_ops`) and learned quantization scales
-(:mod:`recal_tf.lsq`) need, per framework.
+"""The few tensor ops recal's in-graph pruning math (:mod:`recal_keras.mask_ops`) and learned quantization scales
+(:mod:`recal_keras.lsq`) need, per framework.
 
 The masks are computed by one piece of code in every front end; it calls these adapters, so the ``tf.compat.v1``
 graph API and Keras on TensorFlow run TensorFlow ops (``tf.argsort(stable=True)``, explicit control dependencies

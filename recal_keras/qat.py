@@ -1,4 +1,4 @@
-"""Quantization-aware training for Keras 3, with recal_torch's conventions (the math: :mod:`recal_tf.fake_quant`).
+"""Quantization-aware training for Keras 3, with recal_torch's conventions (the math: :mod:`recal_keras.fake_quant`).
 
 - ``Conv2D`` / ``DepthwiseConv2D`` / ``SeparableConv2D(-BatchNormalization)(-ReLU / ReLU6)`` and ``Dense(-ReLU /
   ReLU6)`` become one :class:`QuantizedLayer` simulating the BatchNorm-folded weights (batch statistics while
@@ -9,9 +9,9 @@
 - A residual ``Add``, a ``Multiply``, a ``Concatenate`` of quantized tensors (and the ReLU after an Add), an
   ``AveragePooling2D`` of one and a pre-activation ``BatchNormalization`` with its ReLU become a
   :class:`QuantizedMerge`: one observer on its output, so the int8 model computes it on the integers.
-- ``observer: lsq`` learns the weights' and inputs' scales (:mod:`recal_tf.keras.learned_scales`).
+- ``observer: lsq`` learns the weights' and inputs' scales (:mod:`recal_keras.learned_scales`).
 
-What each layer becomes is planned in :mod:`recal_tf.keras.qat_plan`; :mod:`recal_tf.keras.qat_model` builds the new
+What each layer becomes is planned in :mod:`recal_keras.qat_plan`; :mod:`recal_keras.qat_model` builds the new
 model around the original layers (their variables, masks and optimizer state) with ``keras.models.clone_model``.
 The layers are registered Keras serializables: ``model.save("x.keras")`` writes a QAT model, ``load_model`` gives one
 that computes what it computed (BatchNorm and observers frozen), and ``modify`` takes it on again to resume.
@@ -26,7 +26,7 @@ import numpy as np
 
 from recal_core.modifiers import REDUCED_WEIGHT_LEVELS, WEIGHT_LEVELS
 
-from ..qat_tables import QATTables
+from .qat_tables import QATTables
 from .qat_math import qat_math
 from .qat_plan import INTEGER_ACTIVATIONS, activation_relu
 

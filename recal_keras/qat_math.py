@@ -1,11 +1,11 @@
-"""The ops recal's Keras QAT layers (:mod:`recal_tf.keras.qat`) compute with, per backend.
+"""The ops recal's Keras QAT layers (:mod:`recal_keras.qat`) compute with, per backend.
 
-- TensorFlow: its own fake-quantization ops (:mod:`recal_tf.fake_quant`, shared with the graph API), which tf2onnx
+- TensorFlow: its own fake-quantization ops (:mod:`recal_keras.fake_quant`, shared with the graph API), which tf2onnx
   writes as QuantizeLinear / DequantizeLinear, and ``tf.distribute``'s all-reduce so replicas observe alike.
 - JAX and PyTorch: the same grids in ``keras.ops`` while training (a straight-through gradient inside the range,
   as TensorFlow's ops give), and once finalized the backend's own QDQ op with constant scales, which its exporter
   writes as the QuantizeLinear / DequantizeLinear pairs the int8 converter takes: ``torch.fake_quantize_per_*``
-  on PyTorch (torch.onnx), the primitive of :mod:`recal_tf.keras.jax_qdq` on JAX (jax2onnx).
+  on PyTorch (torch.onnx), the primitive of :mod:`recal_keras.jax_qdq` on JAX (jax2onnx).
 
 Both keep recal_torch's conventions: uint8 activations over a range that holds 0, int8 symmetric weights per output
 channel with scale ``max|w| / levels``, biases on the int32 grid of input scale x weight scale.
@@ -21,8 +21,8 @@ import numpy as np
 
 from recal_core.modifiers import WEIGHT_LEVELS
 
-from ..qat_tables import AVERAGING_CONSTANT
-from ..tensor_ops import KerasOps, TensorFlowOps
+from .qat_tables import AVERAGING_CONSTANT
+from .tensor_ops import KerasOps, TensorFlowOps
 
 
 class TensorFlowQATMath:
@@ -31,7 +31,7 @@ class TensorFlowQATMath:
     def __init__(self):
         import tensorflow as tf
 
-        from .. import fake_quant
+        from . import fake_quant
 
         self.tf, self.ops = tf, TensorFlowOps()
         self._activation, self._weight = fake_quant.fake_quant_activation, fake_quant.fake_quant_weight

@@ -1,5 +1,5 @@
 """Learned quantization scales (LSQ, ``observer: lsq``) for recal's Keras QAT layers, on every Keras backend: the
-variables of :mod:`recal_tf.lsq`'s rule. They are assigned in the forward pass, as observers are, but for
+variables of :mod:`recal_keras.lsq`'s rule. They are assigned in the forward pass, as observers are, but for
 ``log_ratio``, the one trainable variable (a JAX train step keeps only non-trainable variables assigned there).
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import keras
 
-from ..lsq import LOG_RATIO, TINY, input_step, kernel_step, per_channel, per_tensor
+from .lsq import LOG_RATIO, TINY, input_step, kernel_step, per_channel, per_tensor
 from .qat import ActivationQuantizer
 from .qat_math import qat_math
 

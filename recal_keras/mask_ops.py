@@ -1,10 +1,10 @@
 """recal's pruning masks as variables and ops, updated at step ``k`` inside the train step.
 
-Shared by the ``tf.compat.v1`` graph API (:mod:`recal_tf.graph`) and Keras (:mod:`recal_tf.keras`, on every
+Shared by the ``tf.compat.v1`` graph API (:mod:`recal_tf.graph`) and Keras (:mod:`recal_keras`, on every
 backend): every per-step value (mask update points, exact zero counts, whether a mask is in force) is tabulated
 from the core's :class:`~recal_core.model_plan.ModelPlan` and looked up with ``k``, so a graph, a
 ``tf.function``, an XLA-compiled or a JAX-jitted train step applies the same masks without a host call. The ops
-come from an adapter (:mod:`recal_tf.tensor_ops`): TensorFlow's, or ``keras.ops`` on JAX and PyTorch.
+come from an adapter (:mod:`recal_keras.tensor_ops`): TensorFlow's, or ``keras.ops`` on JAX and PyTorch.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class PruningMasks:
 
     ``by_name``: the core's parameter name -> its variable; ``make_variable(name, shape, dtype, initial)``:
     creates one of recal's own (non-trainable) variables; ``lookup(name)``: a variable by name (the per-channel
-    followers of a filter group); ``ops``: the tensor ops (:class:`recal_tf.tensor_ops.TensorFlowOps` by default).
+    followers of a filter group); ``ops``: the tensor ops (:class:`recal_keras.tensor_ops.TensorFlowOps` by default).
     """
 
     def __init__(self, plan: ModelPlan, by_name: dict, kernel_axes: dict, make_variable: Callable,

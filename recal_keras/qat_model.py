@@ -1,12 +1,12 @@
-"""A Keras model rewritten for QAT: the layers :func:`recal_tf.keras.qat_plan.plan_qat` chose become the QAT layers
-of :mod:`recal_tf.keras.qat`, in a new model that ``keras.models.clone_model`` builds around the original layers
+"""A Keras model rewritten for QAT: the layers :func:`recal_keras.qat_plan.plan_qat` chose become the QAT layers
+of :mod:`recal_keras.qat`, in a new model that ``keras.models.clone_model`` builds around the original layers
 (and so their variables, masks and optimizer state)."""
 
 from __future__ import annotations
 
 import keras
 
-from ..qat_tables import QATTables
+from .qat_tables import QATTables
 from .qat import Folded, QuantizedLayer, QuantizedMerge
 from .qat_plan import plan_qat
 

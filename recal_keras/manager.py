@@ -2,17 +2,17 @@
 
 Everything per step happens inside Keras's own train step, so ``jit_compile``, ``steps_per_execution`` and
 distribution strategies see it as ordinary graph code, with no host call per step, on each Keras backend
-(TensorFlow ops on TensorFlow, ``keras.ops`` on JAX and PyTorch: :mod:`recal_tf.tensor_ops`):
+(TensorFlow ops on TensorFlow, ``keras.ops`` on JAX and PyTorch: :mod:`recal_keras.tensor_ops`):
 
 - **masks**: Keras applies a variable's ``constraint`` right after every optimizer update. recal sets one on
   the model's first trainable variable that updates every mask at step ``k = optimizer.iterations + 1`` from
-  per-step tables (:class:`recal_tf.mask_ops.PruningMasks`, shared with the graph API), applies them, and
+  per-step tables (:class:`recal_keras.mask_ops.PruningMasks`, shared with the graph API), applies them, and
   zeroes the optimizer's per-weight state (momentum, Adam's moments) at pruned positions, so optimizer state
   never moves a pruned weight.
 - **learning rate**: the same constraint sets the optimizer's LR variable to the recipe's LR for the next step
   (from a per-step table), so ``optimizer.learning_rate`` stays an ordinary variable that Keras saves, loads
   and logs (a ``LearningRateSchedule`` set on a built optimizer makes TensorFlow unable to save it).
-- **weight decay**: the optimizer's ``weight_decay`` becomes the recipe's (:mod:`recal_tf.keras.optimizer_state`).
+- **weight decay**: the optimizer's ``weight_decay`` becomes the recipe's (:mod:`recal_keras.optimizer_state`).
 - **trainable flags**: set at each epoch's start by the callback, with the train function rebuilt.
 """
 
@@ -32,16 +32,16 @@ from recal_core.model_plan import ModelPlan, plan_model
 from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
-from ..lsq import LOG_RATIO
-from ..mask_ops import PruningMasks, per_step, zeroed
-from ..recipe_support import RecalWarning, check_table_size, learned_scales, qat_problems, torch_only_problems
-from ..tensor_ops import KerasOps, TensorFlowOps
+from .lsq import LOG_RATIO
+from .mask_ops import PruningMasks, per_step, zeroed
+from .recipe_support import RecalWarning, check_table_size, learned_scales, qat_problems, torch_only_problems
+from .tensor_ops import KerasOps, TensorFlowOps
 from .backends import backend_problems, current_backend
 from .optimizer_state import add_recal_variable, float_lr, install_weight_decay, slots_of
 from .params import describe_model
 
 if TYPE_CHECKING:
-    from ..qat_tables import QATTables
+    from .qat_tables import QATTables
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class ScheduledModifierManager(RecipeManager):
         """Apply the recipe to ``model`` trained by ``optimizer``; returns ``(model, callbacks)``.
 
         Call it once, after the model is built and before ``compile`` (inside a ``tf.distribute`` strategy's
-        scope when there is one), on Keras's TensorFlow, JAX or PyTorch backend (:mod:`recal_tf.keras.backends`
+        scope when there is one), on Keras's TensorFlow, JAX or PyTorch backend (:mod:`recal_keras.backends`
         says what each runs), then ``model.compile(optimizer=optimizer, ...)`` and
         ``model.fit(..., callbacks=callbacks)``. Pruning, LR and the rest change the model in place; a
         QuantizationModifier returns a new model (Sequential or functional) whose QAT layers reuse the
@@ -136,7 +136,7 @@ class ScheduledModifierManager(RecipeManager):
         if self._tf:
             self._check_strategy(model)
         schedule = self.recipe.bind(int(steps_per_epoch))
-        check_table_size(schedule, "recal_tf.keras")
+        check_table_size(schedule, "recal_keras")
         if backend_problems(schedule, backend):
             raise RecipeError(backend_problems(schedule, backend))
         if schedule.quantization:
@@ -160,10 +160,10 @@ class ScheduledModifierManager(RecipeManager):
         return model, [RecalCallback(self)]
 
     def _quantize(self, model: keras.Model, schedule: RecipeSchedule, optimizer) -> keras.Model:
-        """The model with its Conv2D(-BN)(-ReLU) and Dense(-ReLU) as QAT layers (:mod:`recal_tf.keras.qat`),
+        """The model with its Conv2D(-BN)(-ReLU) and Dense(-ReLU) as QAT layers (:mod:`recal_keras.qat`),
         switched on, BN-frozen and observer-frozen at the steps the recipe says."""
         index, _ = schedule.quantization[0]
-        from ..qat_tables import QATTables
+        from .qat_tables import QATTables
         from .qat import QuantizedLayer
         from .qat_model import quantize_model
 
@@ -412,7 +412,7 @@ class ScheduledModifierManager(RecipeManager):
     def _finalize_qat(self) -> None:
         """From now on the QAT layers trace as plain fake-quantized inference; or, when QAT never ran (no range
         observed), as the float model they compute with QAT off."""
-        from ..qat_tables import quantize_at_completion
+        from .qat_tables import quantize_at_completion
 
         unobserved = [o.name for o in self._observers if float(o.observed.numpy()) == 0]
         if quantize_at_completion(self.recipe, self.schedule.quantization[0][0], unobserved, len(self._observers),

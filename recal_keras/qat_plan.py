@@ -1,5 +1,5 @@
 """What each layer of a Keras model becomes under QAT (:func:`plan_qat`): the quantized layers with what folds into
-them, the merges of quantized tensors, and the layers left float. Read by :func:`recal_tf.keras.qat_model.quantize_model`,
+them, the merges of quantized tensors, and the layers left float. Read by :func:`recal_keras.qat_model.quantize_model`,
 which builds the QAT model from the plan."""
 
 from __future__ import annotations

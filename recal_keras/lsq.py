@@ -1,5 +1,5 @@
 """Learned quantization scales (LSQ, ``observer: lsq``) as both TensorFlow front ends train them, written once over
-the tensor-op adapters of :mod:`recal_tf.tensor_ops` (Keras on every backend: :mod:`recal_tf.keras.learned_scales`;
+the tensor-op adapters of :mod:`recal_keras.tensor_ops` (Keras on every backend: :mod:`recal_keras.learned_scales`;
 the graph API: :mod:`recal_tf.graph.qat`).
 
 A scale learns as ``start * exp(log_ratio)``. ``start`` is taken at the first QAT step (a kernel's ``max|w| /
