@@ -1,6 +1,6 @@
 """``quantize_qat_export``: a QAT (QuantizeLinear/DequantizeLinear) ONNX model to a fully quantized one.
 
-The passes rewrite an ``onnx_ir`` model (:mod:`recal_onnx.graph`), in the order :mod:`recal_onnx.pipeline`
+The passes rewrite an ``onnx_ir`` model (:mod:`recal_onnx.ir_edits`), in the order :mod:`recal_onnx.pipeline`
 declares; the driver then removes dead nodes and initializers, sorts the graph, and runs ``onnx.checker`` and shape
 inference. What the passes find beyond their rewrites (layers kept float and why, thinned channels, rounded biases)
 is a :class:`~recal_onnx.findings.Findings` record the result reports from.
@@ -37,7 +37,7 @@ from . import cpu
 from .findings import Findings
 from .float_reasons import display_name, float_reason
 from .float_report import QDQ_FUSIBLE, float_compute, float_islands, module_paths, qoperator_kernel
-from .graph import MS_DOMAIN, Graph
+from .ir_edits import MS_DOMAIN, Graph
 from .aimet_encodings import load_encodings
 from .input_checks import ModelError, check_input, nonfinite_initializers
 from .passes import CHANNEL_BLOCK, exact_on_this_cpu, float32_reference, saturating_layers
@@ -82,9 +82,9 @@ class ConversionResult:
     float_reasons: dict[str, str] = field(default_factory=dict)
     # attention (its Softmax's name) -> why its zero heads stay: the converter cannot follow its layout
     heads_kept: dict[str, str] = field(default_factory=dict)
-    # Where node name -> the softmax mask constant (Swin's -100) made -10000 (recal_onnx.passes.softmax_masks)
+    # Where node name -> the softmax mask constant (Swin's -100) made -10000 (recal_onnx.passes.masks_to_exact_zeros)
     masked_scores: dict[str, float] = field(default_factory=dict)
-    # node name -> the largest |q| of its float weight, read as int8 (recal_onnx.passes.float_weight_grids)
+    # node name -> the largest |q| of its float weight, read as int8 (recal_onnx.passes.weights_from_grids)
     grid_weights: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what the conversion changed in the model as a whole
     # target any, weights beyond +-64: the twin for x86 without VNNI (uint8 weights there), and where it was written
@@ -158,7 +158,7 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
             model's values; 4 with the input quantized to int8 per block, faster where the CPU has int8 dot
             products, verified with the same tolerance; 1-3 as onnxruntime defines them.
         keep_exporter_metadata: keep the torch exporter's per-node record (module path, stack trace), which is
-            dropped by default (:mod:`recal_onnx.passes.exporter_metadata`; ``rewrites["drop_exporter_metadata"]``:
+            dropped by default (:mod:`recal_onnx.passes.drop_exporter_metadata`; ``rewrites["drop_exporter_metadata"]``:
             bytes).
         input_shapes: per input name, the shape generated verification inputs take (its first dimension the
             batch) where the model leaves dimensions open; by default they get sizes that exercise the model

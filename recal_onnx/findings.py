@@ -31,7 +31,7 @@ class Findings:
     coarse_biases: dict[str, float] = field(default_factory=dict)
     # Where node name -> the mask constant (-10000 < c <= -64) masks_to_exact_zeros made -10000: its probabilities 0
     masked_scores: dict[str, float] = field(default_factory=dict)
-    # node name -> the largest |q| of its float weight, read back as int8 (float_weight_grids: a folded quantization)
+    # node name -> the largest |q| of its float weight, read back as int8 (weights_from_grids: a folded quantization)
     grid_weights: dict[str, int] = field(default_factory=dict)
     # integer pool output tensor -> the share of its window sums whose mean is an exact tie (pool_to_qlinear):
     # onnxruntime's pools round those otherwise than the QDQ model, whose own float noise decides them; verification

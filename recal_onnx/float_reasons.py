@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .graph import Graph, Node, input_of
+from .ir_edits import Graph, Node, input_of
 from .passes import OPSET_12, on_a_grid
 from .qdq import activation, output_axis, sixteen_bits, weight
 from .quantized_ops import output_tail

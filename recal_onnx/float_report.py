@@ -14,7 +14,7 @@ import onnxruntime as ort
 
 from recal_core.atomic import TEMP_PREFIX
 
-from .graph import EXTERNAL_DATA_BYTES, Graph, Node
+from .ir_edits import EXTERNAL_DATA_BYTES, Graph, Node
 from .qdq import activation, sixteen_bits, weight
 
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .graph import Graph, Node, Value, attr, input_of
+from .ir_edits import Graph, Node, Value, attr, input_of
 from .qdq import weight as weight_dq
 
 PLUMBING = {"Transpose", "Reshape", "Identity", "Cast"}

@@ -58,16 +58,20 @@ import onnx
 
 from .aimet_encodings import Encoding
 from .findings import Findings
-from .graph import Graph
+from .ir_edits import Graph
 from .input_checks import ModelError, is_qonnx_quantizer
 from .reading_judge import judge_aimet_reading, judge_qonnx_reading
-from .passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
+from .passes.activations_to_uint8 import activations_to_uint8
 from .passes.bias_apart import bias_apart
 from .passes.bias_to_int32 import bias_to_int32
 from .passes.binary_to_qlinear import binary_to_qlinear
 from .passes.concat_to_qlinear import concat_to_qlinear
-from .passes.constants import (constants_to_initializers, fold_constants, inputs_to_constants, remove_dead_nodes,
-                               remove_identities)
+from .passes.constants_to_initializers import constants_to_initializers
+from .passes.fold_constants import fold_constants
+from .passes.inputs_to_constants import inputs_to_constants
+from .passes.remove_dead_nodes import remove_dead_nodes
+from .passes.remove_identities import remove_identities
+from .passes.scalar_activation_qparams import scalar_activation_qparams
 from .passes.conv_to_qlinearconv import conv_to_qlinearconv
 from .passes.affine_to_batchnorm import affine_to_batchnorm
 from .passes.average_pool_windows import average_pool_windows
@@ -75,38 +79,38 @@ from .passes.batchnorm_to_conv import batchnorm_to_conv
 from .passes.encodings_to_qdq import encodings_to_qdq
 from .passes.fold_conv_affine import fold_conv_affine
 from .passes.finer_weight_grids import finer_weight_grids
-from .passes.float16_upcast import float16_to_float32
-from .passes.float_weight_grids import weights_from_grids
-from .passes.float_weight_shield import shield_float_weights
+from .passes.float16_to_float32 import float16_to_float32
+from .passes.weights_from_grids import weights_from_grids
+from .passes.shield_float_weights import shield_float_weights
 from .passes.fusible_qdq_pools import fusible_qdq_pools
-from .passes.gather_int4_table import gather_int4_tables
-from .passes.gather_int8_table import gather_int8_tables
+from .passes.gather_int4_tables import gather_int4_tables
+from .passes.gather_int8_tables import gather_int8_tables
 from .passes.gemm_to_qgemm import gemm_to_qgemm
-from .passes.int32_bias import fold_int32_biases
-from .passes.exporter_metadata import drop_exporter_metadata
+from .passes.fold_int32_biases import fold_int32_biases
+from .passes.drop_exporter_metadata import drop_exporter_metadata
 from .passes.int8_passthrough import int8_passthrough
-from .passes.matmul_nbits import matmul_to_nbits
-from .passes.misaligned_weight_scales import dequantize_misaligned_weights
+from .passes.matmul_to_nbits import matmul_to_nbits
+from .passes.dequantize_misaligned_weights import dequantize_misaligned_weights
 from .passes.minmax_to_clip import minmax_to_clip
-from .passes.noop_clamps import remove_noop_clamps
-from .passes.pad_into_conv import fold_pads_into_convs
+from .passes.remove_noop_clamps import remove_noop_clamps
+from .passes.fold_pads_into_convs import fold_pads_into_convs
 from .passes.per_channel_domain import per_channel_domain
 from .passes.pool_to_qlinear import pool_to_qlinear
 from .passes.qonnx_to_qcdq import qonnx_to_qcdq
-from .passes.redundant_qdq import remove_redundant_qdq
-from .passes.shape_of_integers import shapes_from_integers
+from .passes.remove_redundant_qdq import remove_redundant_qdq
+from .passes.shapes_from_integers import shapes_from_integers
 from .passes.sigmoid_to_qlinear import sigmoid_to_qlinear
 from .passes.standard_qdq import standard_qdq
-from .passes.softmax_masks import masks_to_exact_zeros
+from .passes.masks_to_exact_zeros import masks_to_exact_zeros
 from .passes.softmax_to_qlinear import softmax_to_qlinear
 from .passes.thin_channels import CHANNEL_BLOCK, thin_channels
 from .passes.thin_heads import thin_heads
-from .passes.twin_qdq import merge_twin_qdq
+from .passes.merge_twin_qdq import merge_twin_qdq
 from .passes.uint8_weights import uint8_weights
 from .passes.unary_to_table import unary_to_table
-from .passes.weight_reshape import fold_weight_reshapes
-from .passes.weight_transpose import fold_weight_transposes
-from .passes.weight_zero_points import weights_to_int8
+from .passes.fold_weight_reshapes import fold_weight_reshapes
+from .passes.fold_weight_transposes import fold_weight_transposes
+from .passes.weights_to_int8 import weights_to_int8
 from .passes.widen_weights import widen_weights
 from .passes.zero_channel_scales import zero_channel_scales
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .graph import Graph, Node, Value, attr, input_of
+from .ir_edits import Graph, Node, Value, attr, input_of
 
 
 EIGHT_BITS = (np.dtype(np.uint8), np.dtype(np.int8))  # the activations onnxruntime's integer kernels read

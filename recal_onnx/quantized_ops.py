@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .findings import Findings
-from .graph import Graph, Node, Value, attr, input_of
+from .ir_edits import Graph, Node, Value, attr, input_of
 from .qdq import QTensor, QWeight, quantize_node_of, scalar
 
 OFF_GRID = 1e-3  # a bias further than this from a whole int32 step (in steps) is reported as rounded

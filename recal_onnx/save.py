@@ -9,7 +9,7 @@ import onnx
 
 from recal_core.atomic import atomic_folder
 
-from .graph import EXTERNAL_DATA_BYTES
+from .ir_edits import EXTERNAL_DATA_BYTES
 from .twin import twin_path
 
 EXTERNAL_TENSOR_BYTES = 1024  # tensors of at least this size go to the external data file of a large model

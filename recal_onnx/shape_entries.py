@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .graph import Graph, Node, Value
+from .ir_edits import Graph, Node, Value
 
 
 def shape_entries(g: Graph, node: Node, index: int) -> list[int | None] | None:

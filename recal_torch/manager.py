@@ -31,7 +31,7 @@ from recal_core.manager import RecipeManager
 from recal_core.model_plan import ModelPlan, plan_groups, plan_model
 from recal_core.recipe import Recipe
 
-from .graph import model_graph, remember_example_inputs
+from .tracing import model_graph, remember_example_inputs
 from .model_params import describe_parameters, sparsity, unwrap
 from .pruning import MaskState
 from .qat import LogScaleSteps, QATControl, input_groups, layer_schemes, qat_roots, steps_in_log_space

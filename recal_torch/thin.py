@@ -21,7 +21,7 @@ from recal_core.channel_coupling import input_columns, live_channels
 from recal_core.errors import ThinningWarning
 from recal_core.head_coupling import Attention, live_heads, unit_rows
 
-from .graph import example_inputs_of, model_graph, trace_args
+from .tracing import example_inputs_of, model_graph, trace_args
 from .model_params import kernel_axes
 from .qat import QATModule, WeightFakeQuantize, WeightOnlyLinear
 

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recal_onnx import cpu, quantize_qat_export
-from recal_onnx.passes.exporter_metadata import is_exporter_key
+from recal_onnx.passes.drop_exporter_metadata import is_exporter_key
 from recal_onnx.verify import session
 from recal_torch import ScheduledModifierManager, export_onnx
 

@@ -79,7 +79,7 @@ def test_every_run_says_which_cpu_measured_it():
 
 def test_the_layout_table_lists_every_package_and_what_it_imports():
     table = layout_table()
-    for package in ("recal_torch.qat", "recal_torch.pruning", "recal_torch.graph", "recal_torch.export",
+    for package in ("recal_torch.qat", "recal_torch.pruning", "recal_torch.tracing", "recal_torch.export",
                     "recal_torch.training", "recal_keras", "recal_onnx.passes"):
         assert f"| `{package}` |" in table
     qat = next(line for line in table.splitlines() if line.startswith("| `recal_torch.qat` |"))

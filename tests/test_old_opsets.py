@@ -34,7 +34,7 @@ def test_a_qdq_file_before_opset_13_converts_and_loads(opset, tmp_path):
     """Per-tensor weights (NNCF's at these opsets): the passes' own per-channel scales (the BatchNorm folded into
     the float first conv's weight) are onnxruntime's DequantizeLinear; at 11, MaxPool, which has no 8-bit type
     before 12, stays float."""
-    from recal_onnx.graph import MS_DOMAIN
+    from recal_onnx.ir_edits import MS_DOMAIN
 
     model = _conv_bn_pool(opset, False)
     feeds = {"x": np.random.default_rng(1).normal(0, 1, (2, 3, 8, 8)).astype(np.float32)}

@@ -11,47 +11,51 @@ import pytest
 from recal_core.errors import ThinningWarning
 from recal_onnx import quantize_qat_export
 from recal_onnx.findings import Findings
-from recal_onnx.graph import Graph
-from recal_onnx.passes.activations_uint8 import activations_to_uint8, scalar_activation_qparams
+from recal_onnx.ir_edits import Graph
+from recal_onnx.passes.activations_to_uint8 import activations_to_uint8
+from recal_onnx.passes.scalar_activation_qparams import scalar_activation_qparams
 from recal_onnx.passes.affine_to_batchnorm import affine_to_batchnorm
 from recal_onnx.passes.bias_apart import bias_apart
 from recal_onnx.passes.batchnorm_to_conv import batchnorm_to_conv
 from recal_onnx.passes.bias_to_int32 import bias_to_int32
 from recal_onnx.passes.binary_to_qlinear import binary_to_qlinear
 from recal_onnx.passes.concat_to_qlinear import concat_to_qlinear
-from recal_onnx.passes.constants import constants_to_initializers, fold_constants, inputs_to_constants, remove_identities
+from recal_onnx.passes.constants_to_initializers import constants_to_initializers
+from recal_onnx.passes.fold_constants import fold_constants
+from recal_onnx.passes.inputs_to_constants import inputs_to_constants
+from recal_onnx.passes.remove_identities import remove_identities
 from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
-from recal_onnx.passes.float_weight_grids import grid_of, weights_from_grids
-from recal_onnx.passes.float_weight_shield import shield_float_weights
+from recal_onnx.passes.weights_from_grids import grid_of, weights_from_grids
+from recal_onnx.passes.shield_float_weights import shield_float_weights
 from recal_onnx.passes.finer_weight_grids import finer_weight_grids
-from recal_onnx.passes.float16_upcast import float16_to_float32
-from recal_onnx.passes.twin_qdq import merge_twin_qdq
+from recal_onnx.passes.float16_to_float32 import float16_to_float32
+from recal_onnx.passes.merge_twin_qdq import merge_twin_qdq
 from recal_onnx.passes.fold_conv_affine import fold_conv_affine
 from recal_onnx.passes.fusible_qdq_pools import fusible_qdq_pools
-from recal_onnx.passes.gather_int8_table import gather_int8_tables
+from recal_onnx.passes.gather_int8_tables import gather_int8_tables
 from recal_onnx.passes.gemm_to_qgemm import gemm_to_qgemm
 from recal_onnx.passes.int8_passthrough import int8_passthrough
 from recal_onnx.passes.minmax_to_clip import minmax_to_clip
-from recal_onnx.passes.misaligned_weight_scales import dequantize_misaligned_weights
-from recal_onnx.passes.noop_clamps import remove_noop_clamps
-from recal_onnx.passes.pad_into_conv import fold_pads_into_convs
+from recal_onnx.passes.dequantize_misaligned_weights import dequantize_misaligned_weights
+from recal_onnx.passes.remove_noop_clamps import remove_noop_clamps
+from recal_onnx.passes.fold_pads_into_convs import fold_pads_into_convs
 from recal_onnx.passes.pool_to_qlinear import pool_to_qlinear
 from recal_onnx.passes.qonnx_to_qcdq import qonnx_to_qcdq
 from recal_onnx.passes.encodings_to_qdq import encodings_to_qdq
 from recal_onnx.aimet_encodings import load_encodings
-from recal_onnx.passes.redundant_qdq import remove_redundant_qdq
+from recal_onnx.passes.remove_redundant_qdq import remove_redundant_qdq
 from recal_onnx.passes.sigmoid_to_qlinear import sigmoid_to_qlinear
-from recal_onnx.passes.softmax_masks import masks_to_exact_zeros
+from recal_onnx.passes.masks_to_exact_zeros import masks_to_exact_zeros
 from recal_onnx.passes.softmax_to_qlinear import softmax_to_qlinear
 from recal_onnx.passes.standard_qdq import standard_qdq
 from recal_onnx.passes.widen_weights import widen_weights
-from recal_onnx.passes.matmul_nbits import matmul_to_nbits
+from recal_onnx.passes.matmul_to_nbits import matmul_to_nbits
 from recal_onnx.passes.uint8_weights import uint8_weights
 from recal_onnx.passes.unary_to_table import unary_to_table
 from recal_onnx.passes.thin_channels import thin_channels
 from recal_onnx.passes.thin_heads import thin_heads
-from recal_onnx.passes.weight_reshape import fold_weight_reshapes
-from recal_onnx.passes.weight_transpose import fold_weight_transposes
+from recal_onnx.passes.fold_weight_reshapes import fold_weight_reshapes
+from recal_onnx.passes.fold_weight_transposes import fold_weight_transposes
 from recal_onnx.passes.zero_channel_scales import zero_channel_scales
 
 from .onnx_graphs import Builder, ops, qonnx_model, qonnx_quant, qonnx_reference, reference, run
@@ -1184,8 +1188,9 @@ def test_the_graph_layer_keeps_names_and_leaves_the_input_model_alone():
 
 
 def test_the_pipeline_declares_every_pass_module_once_in_order():
-    """recal_onnx.pipeline is the one place the converter's order is written: every module in passes/ contributes
-    a pass to it, the QOperator passes repeat together, and the format decides which steps run."""
+    """recal_onnx.pipeline is the one place the converter's order is written: every module in passes/ is one pass of
+    it, named as its module (the name the conversion's report counts rewrites under), the QOperator passes repeat
+    together, and the format decides which steps run."""
     import pkgutil
 
     import recal_onnx.passes as passes_package
@@ -1194,6 +1199,8 @@ def test_the_pipeline_declares_every_pass_module_once_in_order():
     declared = {p.__module__.rsplit(".", 1)[1] for step in PIPELINE for p in (*step.passes, *READERS)}
     modules = {m.name for m in pkgutil.iter_modules(passes_package.__path__)}
     assert modules - declared == set(), modules - declared
+    passes = {p for step in PIPELINE for p in step.passes} | set(READERS)
+    assert [p.__name__ for p in passes if p.__module__.rsplit(".", 1)[1] != p.__name__] == []
     qoperator = [s for s in PIPELINE if s.when(Options(format="qoperator")) and not s.when(Options(format="qdq"))]
     assert len(qoperator) == 1 and qoperator[0].repeat and conv_to_qlinearconv in qoperator[0].passes
     assert not any(bias_to_int32 in s.passes for s in PIPELINE if s.when(Options(format="qoperator")))
@@ -1224,7 +1231,7 @@ def _weight_only_graph(gemm: bool, group: int, n: int = 24, k: int = 64, bits: i
 def test_matmul_to_nbits(gemm, group, bits):
     """A weight-only layer becomes one MatMulNBits (its bias Add folded in) with the same values, run by a default
     and an unoptimized session; a MatMul whose input is a dequantized activation (W8A8) is not touched."""
-    from recal_onnx.passes.matmul_nbits import matmul_to_nbits
+    from recal_onnx.passes.matmul_to_nbits import matmul_to_nbits
 
     model = _weight_only_graph(gemm, group, bits=bits)
     feeds = _x([5, 3, 64] if not gemm else [5, 64])
@@ -1241,7 +1248,7 @@ def test_matmul_to_nbits(gemm, group, bits):
 
 
 def test_matmul_to_nbits_leaves_quantized_inputs_and_odd_groups():
-    from recal_onnx.passes.matmul_nbits import matmul_to_nbits
+    from recal_onnx.passes.matmul_to_nbits import matmul_to_nbits
 
     b = Builder()
     x = b.qdq("x", 0.05, 128)
@@ -1257,7 +1264,7 @@ def test_matmul_to_nbits_leaves_quantized_inputs_and_odd_groups():
 def test_gather_int4_tables(group):
     """An int4 table (recal's grouped rows, or one scale a row) is gathered packed by GatherBlockQuantized, the same
     rows; an int8 table is left to the int8 gather."""
-    from recal_onnx.passes.gather_int4_table import gather_int4_tables
+    from recal_onnx.passes.gather_int4_tables import gather_int4_tables
 
     for levels, expected in ((7, 1), (127, 0)):
         b = Builder()
@@ -1619,7 +1626,7 @@ def test_attention_matmuls_with_a_quantized_output_become_qlinearmatmul_and_a_bi
 
 def test_a_shape_of_a_dequantized_tensor_reads_its_integers():
     """ShuffleNet's ``x.size()``: a DequantizeLinear read only by a Shape is not computed; the shape is the same."""
-    from recal_onnx.passes.shape_of_integers import shapes_from_integers
+    from recal_onnx.passes.shapes_from_integers import shapes_from_integers
 
     b = Builder()
     x = b.qdq("x", 0.05, 128)
@@ -1634,7 +1641,7 @@ def test_a_shape_of_a_dequantized_tensor_reads_its_integers():
 
 def test_drop_exporter_metadata_keeps_other_keys():
     """The torch exporter's per-node record goes (its bytes counted); a user's own node metadata stays."""
-    from recal_onnx.passes.exporter_metadata import drop_exporter_metadata
+    from recal_onnx.passes.drop_exporter_metadata import drop_exporter_metadata
 
     b = Builder()
     y = b.node("Relu", ["x"])

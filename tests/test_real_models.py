@@ -88,7 +88,7 @@ def test_peers_quantizations_of_the_real_model_convert(tool, lines, tmp_path):
     scales the converter makes there (a BatchNorm folded into the float first conv) are onnxruntime's own
     DequantizeLinear, and MaxPool, with no 8-bit type before opset 12, stays float. Both leave most convs' outputs
     unquantized, so those convs compute in float, as in the file, each with its reason."""
-    from recal_onnx.graph import MS_DOMAIN
+    from recal_onnx.ir_edits import MS_DOMAIN
 
     images, _ = lines
     qdq = FIXTURES / f"rapidocr-cls-{tool}.onnx"

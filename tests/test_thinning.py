@@ -240,7 +240,7 @@ def _steps(model, optimizer, n, shape=(3, 16, 16), seed=3):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_torch_export_finds_the_spaces_torch_fx_finds(case):
-    from recal_torch.graph import model_graph
+    from recal_torch.tracing import model_graph
 
     build, _, _, shape = CASES[case]
     model = build()

@@ -578,7 +578,7 @@ def _config(name):
 
 def _one_shot_heads(model):
     """Half the heads of every attention recal traced, pruned at once: the masked model."""
-    from recal_torch.graph import exported_graph
+    from recal_torch.tracing import exported_graph
 
     attentions = exported_graph(model.eval()).attentions
     blocked = [a.blockers[0] for a in attentions if a.blockers]
@@ -599,7 +599,7 @@ def test_attention_code_of_many_architectures_is_followed_pruned_by_head_and_thi
     """(T5 and Swin add a relative position bias per head from a table of their own: the table loses the removed
     heads' entries; T5 is traced with its decoder's dummy inputs too; Whisper with one silent clip of its config's
     length, and its decoder's start token.)"""
-    from recal_torch.graph import example_inputs_of
+    from recal_torch.tracing import example_inputs_of
 
     torch.manual_seed(0)
     model = _config(name)

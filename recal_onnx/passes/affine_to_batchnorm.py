@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..graph import Graph, Node, Value
+from ..ir_edits import Graph, Node, Value
 from ..qdq import activation
 
 TO_CHANNELS_FIRST, TO_CHANNELS_LAST = [0, 3, 1, 2], [0, 2, 3, 1]

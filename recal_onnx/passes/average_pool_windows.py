@@ -17,7 +17,7 @@ After::   x -> AveragePool(kernel, ceil_mode=1, count_include_pad=0, pads=0)   (
 
 from __future__ import annotations
 
-from ..graph import Graph, attr, set_attr
+from ..ir_edits import Graph, attr, set_attr
 
 
 def average_pool_windows(g: Graph) -> int:

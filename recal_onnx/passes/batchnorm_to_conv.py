@@ -25,7 +25,7 @@ from recal_core.modifiers import REDUCED_WEIGHT_LEVELS
 
 from ..exact_affine import exact_affine, reference_table
 from ..findings import Findings
-from ..graph import Graph, attr, input_of
+from ..ir_edits import Graph, attr, input_of
 from ..qdq import EIGHT_BITS, activation
 
 LEVEL = REDUCED_WEIGHT_LEVELS  # the int8 weight every channel's factor is written as (its sign, times 64)

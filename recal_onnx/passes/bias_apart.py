@@ -12,7 +12,7 @@ the conv and the Add stay float, exact.
 from __future__ import annotations
 
 from ..findings import Findings
-from ..graph import Graph, input_of
+from ..ir_edits import Graph, input_of
 
 
 def bias_apart(g: Graph, findings: Findings | None = None) -> int:

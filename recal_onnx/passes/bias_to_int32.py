@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..findings import Findings
-from ..graph import Graph, input_of
+from ..ir_edits import Graph, input_of
 from ..qdq import activation, scalar, weight
 from ..quantized_ops import quantized_bias
 

@@ -14,7 +14,7 @@ computes. Both operands must have the same rank (the kernels broadcast dimension
 
 from __future__ import annotations
 
-from ..graph import MS_DOMAIN, Graph
+from ..ir_edits import MS_DOMAIN, Graph
 from ..qdq import activation, constant_operand
 from ..quantized_ops import output_tail, replace_with_quantized
 

@@ -11,7 +11,7 @@ quantized constant (ViT's class token under ``quantize_static``): its integers j
 
 from __future__ import annotations
 
-from ..graph import MS_DOMAIN, Graph, attr
+from ..ir_edits import MS_DOMAIN, Graph, attr
 from ..qdq import activation, constant_operand, quantize_node_of, same_qparams
 from ..quantized_ops import replace_with_quantized
 

@@ -10,7 +10,7 @@ it becomes ``Max(q, zp_y)`` on the integers.
 from __future__ import annotations
 
 from ..findings import Findings
-from ..graph import Graph
+from ..ir_edits import Graph
 from ..qdq import activation, weight
 from ..quantized_ops import output_tail, quantized_bias, replace_with_quantized, weight_inputs
 

@@ -24,7 +24,7 @@ import onnx_ir as ir
 
 from ..aimet_encodings import Encoding
 from ..findings import Findings
-from ..graph import MS_DOMAIN, Graph, Value, attr
+from ..ir_edits import MS_DOMAIN, Graph, Value, attr
 from ..input_checks import ModelError
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph, input_of
+from ..ir_edits import Graph, input_of
 from ..qdq import activation, weight
 from ..quantized_ops import bias_steps, on_grid
 

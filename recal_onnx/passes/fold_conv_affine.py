@@ -14,7 +14,7 @@ import logging
 
 import numpy as np
 
-from ..graph import Graph, Node, Value, attr, input_of, set_attr, set_input
+from ..ir_edits import Graph, Node, Value, attr, input_of, set_attr, set_input
 from ..qdq import weight as weight_dq
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ integer pools itself: :mod:`.pool_to_qlinear`.)
 
 from __future__ import annotations
 
-from ..graph import Graph
+from ..ir_edits import Graph
 from ..qdq import activation
 from .pool_to_qlinear import average_pool_kind, quantize_after
 

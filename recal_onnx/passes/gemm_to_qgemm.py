@@ -19,7 +19,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..findings import Findings
-from ..graph import MS_DOMAIN, Graph, Node, attr
+from ..ir_edits import MS_DOMAIN, Graph, Node, attr
 from ..qdq import activation, weight
 from ..quantized_ops import (bias_steps, on_grid, output_tail, quantized_bias, replace_with_quantized,
                              weight_inputs)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph, attr, input_of
+from ..ir_edits import Graph, attr, input_of
 from ..qdq import activation
 from ..quantized_ops import clamp_integers, integer_bounds
 

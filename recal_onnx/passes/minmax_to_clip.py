@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph, Node, Value
+from ..ir_edits import Graph, Node, Value
 
 
 def _scalar_bound(g: Graph, node: Node) -> tuple[Value, np.ndarray] | None:

@@ -12,7 +12,7 @@ After::   com.microsoft.DequantizeLinear(w, s[C], axis=0)
 
 from __future__ import annotations
 
-from ..graph import MS_DOMAIN, Graph
+from ..ir_edits import MS_DOMAIN, Graph
 
 PER_CHANNEL_OPSET = 13  # the default domain's QuantizeLinear / DequantizeLinear take an axis from this opset
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..findings import Findings
-from ..graph import MS_DOMAIN, SHAPE_READERS, Graph, Node, Value, attr, input_of
+from ..ir_edits import MS_DOMAIN, SHAPE_READERS, Graph, Node, Value, attr, input_of
 from ..input_checks import ModelError
 from ..qdq import QTensor, activation, quantizes, scalar
 

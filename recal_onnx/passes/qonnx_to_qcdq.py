@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..findings import Findings
-from ..graph import Graph, Node, attr
+from ..ir_edits import Graph, Node, attr
 from ..input_checks import QONNX_QUANTIZERS, ModelError, is_qonnx_domain, is_qonnx_quantizer
 
 ROUNDING = {  # QONNX's rounding modes (upper case; ROUND_TO_ZERO is an older name of DOWN)

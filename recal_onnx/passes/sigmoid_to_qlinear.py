@@ -10,7 +10,7 @@ numbers. recal's QAT quantizes a sigmoid's output (squeeze-excitation's gate, a 
 
 from __future__ import annotations
 
-from ..graph import MS_DOMAIN, Graph
+from ..ir_edits import MS_DOMAIN, Graph
 from ..qdq import activation, quantize_node_of
 from ..quantized_ops import replace_with_quantized
 

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 
 from ..findings import Findings
-from ..graph import MS_DOMAIN, Graph, Node, attr, set_input
+from ..ir_edits import MS_DOMAIN, Graph, Node, attr, set_input
 from ..qdq import QTensor, activation, quantize_node_of, scalar
 from ..quantized_ops import replace_with_quantized
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import MS_DOMAIN, Graph, attr, input_of
+from ..ir_edits import MS_DOMAIN, Graph, attr, input_of
 
 STANDARD_TYPES = {np.dtype(np.uint8), np.dtype(np.int8)}
 

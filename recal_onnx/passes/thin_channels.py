@@ -30,7 +30,7 @@ import numpy as np
 from recal_core.channel_coupling import Op, channel_spaces, input_columns, live_channels
 
 from ..findings import Findings
-from ..graph import Graph, Node, Value, attr, input_of, set_attr
+from ..ir_edits import Graph, Node, Value, attr, input_of, set_attr
 from ..qdq import weight as weight_dq
 
 log = logging.getLogger(__name__)

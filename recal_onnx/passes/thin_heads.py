@@ -34,11 +34,11 @@ import numpy as np
 from recal_core.head_coupling import Attention, live_heads, unit_rows
 
 from ..findings import Findings
-from ..graph import Graph, Node, Value, attr, input_of
+from ..ir_edits import Graph, Node, Value, attr, input_of
 from ..head_regions import PLUMBING, SCALAR_OPS, ends_region, head_local_region, region_keeps_heads, scalar_op
 from ..shape_entries import rewrite_shape, shape_entries
 from ..qdq import weight as weight_dq
-from .matmul_nbits import grouped_weight
+from .matmul_to_nbits import grouped_weight
 from .thin_channels import _is_zero, _slice_weight, _weight
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def thin_heads(g: Graph, findings: Findings | None = None) -> int:
 def _zero_value_outputs(g: Graph, values: Node) -> int:
     """How many outputs of the weight layer above the values ``values`` multiplies are zero: columns of its
     ``[in, out]`` (de)quantized weight, or rows of a weight quantized in groups that reaches it transposed
-    (:func:`~recal_onnx.passes.matmul_nbits.grouped_weight`); a computed or missing weight: 0."""
+    (:func:`~recal_onnx.passes.matmul_to_nbits.grouped_weight`); a computed or missing weight: 0."""
     value, node = values.inputs[1], None
     for _ in range(32):
         node = g.producer(value)

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 
 from ..cpu import int8_weights_exact_here
-from ..graph import Graph, Node, input_of, set_input
+from ..ir_edits import Graph, Node, input_of, set_input
 from ..qdq import weight
 
 log = logging.getLogger(__name__)

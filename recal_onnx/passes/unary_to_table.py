@@ -27,7 +27,7 @@ import onnx
 import onnx_ir as ir
 
 from ..findings import Findings
-from ..graph import Graph, Node, Value
+from ..ir_edits import Graph, Node, Value
 from ..qdq import activation
 
 TABLE_MAX = 1024  # values a sample, at most, for a table (above it the float ops are faster)

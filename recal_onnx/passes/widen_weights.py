@@ -10,7 +10,7 @@ After::   q8 -> DequantizeLinear(s, zp8[, axis])
 
 A weight quantized in blocks along its input axis (opset 21 ``block_size``: onnxruntime's ``MatMulNBitsQuantizer``
 in QDQ form, ModelOpt's INT4 export) read only as a MatMul's weight is the grouped weight recal's weight-only export
-writes: one row a group, zero point subtracted, which :mod:`~recal_onnx.passes.matmul_nbits` makes ``MatMulNBits``.
+writes: one row a group, zero point subtracted, which :mod:`~recal_onnx.passes.matmul_to_nbits` makes ``MatMulNBits``.
 
 Before::  q [K, N] -> DequantizeLinear(s [K/B, N], zp, axis=0, block_size=B) -> MatMul(x, .)
 After::   q - zp as int8 [N*K/B, B] -> DequantizeLinear(s [N*K/B], axis=0) -> Reshape [N, K] -> Transpose -> MatMul
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph, Node, attr, input_of
+from ..ir_edits import Graph, Node, attr, input_of
 from ..qdq import without_zero_point
 
 WIDER = {"int4": np.int8, "uint4": np.uint8}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph, Value, attr, input_of
+from ..ir_edits import Graph, Value, attr, input_of
 from ..qdq import QWeight, activation, scalar, weight
 
 SCALE_FLOOR = 1e-6  # below it, a zero channel without a readable bias takes its neighbours' scale

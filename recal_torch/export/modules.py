@@ -93,7 +93,7 @@ class WeightOnlyExport(nn.Module):
 
     The integers are written as ``[out * groups, group_size]`` rows, each row one group with its own scale (a
     per-channel DequantizeLinear on axis 0, which both exporters and every opset >= 13 write), reshaped to
-    ``[out, in]``: the form :mod:`recal_onnx.passes.matmul_nbits` turns into ``MatMulNBits``. Under TorchScript the
+    ``[out, in]``: the form :mod:`recal_onnx.passes.matmul_to_nbits` turns into ``MatMulNBits``. Under TorchScript the
     rows are the dequantized values behind ``fake_quantize`` on the int8 range (values on the int4 grid are
     unchanged by it), which that exporter writes as QuantizeLinear / DequantizeLinear.
     """

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..findings import Findings
-from ..graph import Graph, input_of
+from ..ir_edits import Graph, input_of
 from ..qdq import along_axis, output_axis, weight
 
 LAYERS = ("Conv", "ConvTranspose", "Gemm", "MatMul")  # the layers onnxruntime's QDQ fusions make integer

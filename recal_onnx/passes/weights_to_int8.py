@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph, input_of, set_input
+from ..ir_edits import Graph, input_of, set_input
 from ..qdq import along_axis, without_zero_point
 
 

@@ -6,7 +6,7 @@ After::   q -> ...                       (every reader of q2 reads q)
 
 from __future__ import annotations
 
-from ..graph import Graph
+from ..ir_edits import Graph
 from ..qdq import activation, same_qparams
 
 

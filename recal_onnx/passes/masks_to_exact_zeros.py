@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..findings import Findings
-from ..graph import SHAPE_READERS, Graph, Node, Value, set_input
+from ..ir_edits import SHAPE_READERS, Graph, Node, Value, set_input
 
 MASKED = -1.0e4  # exp(MASKED + span) is 0 in float32 for any span below ~9900; finite in float16 too (TensorRT fp16)
 MASK_BELOW = -64.0  # a constant this negative masks: exp(-64) = 1.6e-28 of the row's largest probability

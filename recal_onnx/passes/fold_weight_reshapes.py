@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph
+from ..ir_edits import Graph
 from ..qdq import replace_moved_weight, weight
 
 

@@ -10,7 +10,7 @@ After::   x -> QuantizeLinear(s, zp) -> DequantizeLinear(s, zp) -> Conv, Add
 
 from __future__ import annotations
 
-from ..graph import Graph, Node, input_of
+from ..ir_edits import Graph, Node, input_of
 from ..qdq import same_qparams
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph, Node, attr, input_of
+from ..ir_edits import Graph, Node, attr, input_of
 
 TOUCHED = ("Conv", "ConvTranspose", "Gemm")  # what onnxruntime's WeightBiasQuantization rewrites
 

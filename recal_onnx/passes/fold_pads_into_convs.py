@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph, Node, attr, input_of, set_attr
+from ..ir_edits import Graph, Node, attr, input_of, set_attr
 
 
 def _zero_pad(g: Graph, pad: Node, rank: int) -> list[int] | None:

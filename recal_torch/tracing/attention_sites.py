@@ -6,7 +6,7 @@ A written-out attention is found from its ``softmax`` over the last axis: above 
 and views of the scores, the one product of two computed tensors (``matmul``, ``bmm``, or ``baddbmm`` with a
 bias), the queries and the keys transposed; below it, through dropout and casts, the product of the weights
 with the values. What arrives there may have its heads merged into the batch (``[batch * heads, tokens, d]``),
-which :mod:`~recal_torch.graph.head_rows` reads.
+which :mod:`~recal_torch.tracing.head_rows` reads.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ onnxruntime's QDQ fusion then runs that conv in float.
 
 from __future__ import annotations
 
-from ..graph import Graph
+from ..ir_edits import Graph
 from ..qdq import activation
 from ..quantized_ops import integer_bounds
 

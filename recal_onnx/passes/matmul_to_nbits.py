@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..findings import Findings
-from ..graph import MS_DOMAIN, Graph, Node, Value, attr, input_of
+from ..ir_edits import MS_DOMAIN, Graph, Node, Value, attr, input_of
 from ..qdq import QWeight, activation, weight
 
 CHANNEL_BLOCK = 128  # a per-channel weight's block (onnxruntime's RTN default): the scale repeats in each

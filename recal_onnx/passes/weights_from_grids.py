@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..findings import Findings
-from ..graph import LAYOUT_OPS, Graph, Node, Value, input_of
+from ..ir_edits import LAYOUT_OPS, Graph, Node, Value, input_of
 from ..qdq import activation, output_axis
 
 TOLERANCE = 1e-4  # in steps: float32 rounding of q * step * a BatchNorm scale is ~1e-5 step; off-grid values 0.1+

@@ -3,9 +3,9 @@ cannot trace symbolically (Hugging Face transformers), given example inputs.
 
 The trace is ATen: ``linear`` (and FalconLinear's ``x @ W.T + b``) is a layer, zero-preserving elementwise ops
 keep channels, a product or sum of two same-shaped tensors (a gated MLP) joins their channels, anything else
-blocks them (:mod:`recal_core.channel_coupling`). Each attention (:mod:`~recal_torch.graph.attention_sites`)
+blocks them (:mod:`recal_core.channel_coupling`). Each attention (:mod:`~recal_torch.tracing.attention_sites`)
 becomes an :class:`~recal_core.head_coupling.Attention`: the ``linear`` behind each of its query, key and value
-inputs, the rows of it each head reads (:mod:`~recal_torch.graph.head_rows`, read into a layout by
+inputs, the rows of it each head reads (:mod:`~recal_torch.tracing.head_rows`, read into a layout by
 :func:`~recal_core.head_coupling.head_layout`), and the ``linear`` its merged output reaches; a tensor on the way
 that something else also reads blocks it.
 """

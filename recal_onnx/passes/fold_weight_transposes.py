@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph, attr
+from ..ir_edits import Graph, attr
 from ..qdq import replace_moved_weight, weight
 
 

@@ -21,8 +21,8 @@ import onnx
 import onnx_ir as ir
 
 from ..findings import Findings
-from ..graph import Graph, attr, set_attr
-from .constants import constants_to_initializers
+from ..ir_edits import Graph, attr, set_attr
+from .constants_to_initializers import constants_to_initializers
 
 FLOAT16 = ir.DataType.FLOAT16
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from ..graph import Graph
+from ..ir_edits import Graph
 
 def is_exporter_key(key: str) -> bool:
     """Whether a node's metadata ``key`` is the torch exporter's record."""

@@ -11,7 +11,7 @@ numbers (tv-shufflenet: six of them, 0.91x ``quantize_static`` on the VNNI/AMX X
 
 from __future__ import annotations
 
-from ..graph import SHAPE_READERS, Graph
+from ..ir_edits import SHAPE_READERS, Graph
 
 
 def shapes_from_integers(g: Graph) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from ..graph import Graph, attr
+from ..ir_edits import Graph, attr
 from ..qdq import weight
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph
+from ..ir_edits import Graph
 from ..qdq import dequantized
 
 BIASED = {"Conv", "ConvTranspose", "Gemm"}

@@ -1,10 +1,10 @@
 """An int4 embedding table is gathered packed: ``Gather(Reshape(DQ(rows)))`` becomes ``GatherBlockQuantized``.
 
-recal's export writes a weight-only table like a weight-only layer (:mod:`recal_onnx.passes.matmul_nbits`): rows of
+recal's export writes a weight-only table like a weight-only layer (:mod:`recal_onnx.passes.matmul_to_nbits`): rows of
 one group each behind a per-row DequantizeLinear, reshaped to ``[vocabulary, width]``. onnxruntime's
 ``GatherBlockQuantized`` keeps the table packed two values a byte (zero point 8, ``MatMulNBits``' convention) with one
 scale per block of a row, and dequantizes only the rows it gathers: half the bytes of an int8 table. A table whose
-integers need 8 bits is left to :mod:`recal_onnx.passes.gather_int8_table`.
+integers need 8 bits is left to :mod:`recal_onnx.passes.gather_int8_tables`.
 
 Before::  q [V*D/G, G] -> DequantizeLinear(s, axis=0) -> Reshape [V, D] -> Gather(ids, axis=0)
 After::   GatherBlockQuantized(packed [V, D/2], ids, s [V, D/G], gather_axis=0, quantize_axis=1, block_size=G, bits=4)
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import MS_DOMAIN, Graph, attr
-from .matmul_nbits import drop_unread, grouped_weight, pack
+from ..ir_edits import MS_DOMAIN, Graph, attr
+from .matmul_to_nbits import drop_unread, grouped_weight, pack
 
 
 def gather_int4_tables(g: Graph) -> int:
