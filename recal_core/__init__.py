@@ -5,13 +5,17 @@ Imports no ML framework; both backends call these functions and re-derive nothin
 
 from .errors import Location, Problem, RecipeError
 from .modifiers import (
+    ACDCPruningModifier,
     ConstantKSModifier,
     DistillationModifier,
     EpochRangeModifier,
+    GlobalMagnitudePruningModifier,
     GradualKSModifier,
     LearningRateFunctionModifier,
     LearningRateModifier,
+    MFACPruningModifier,
     Modifier,
+    OBSPruningModifier,
     QuantizationModifier,
     SetLearningRateModifier,
     SetWeightDecayModifier,
@@ -20,8 +24,10 @@ from .modifiers import (
 from .recipe import Recipe, load_recipe, recipe_json_schema
 
 __all__ = [
-    "ConstantKSModifier", "DistillationModifier", "EpochRangeModifier", "GradualKSModifier", "LearningRateFunctionModifier", "LearningRateModifier",
-    "Location", "Modifier", "Problem", "QuantizationModifier", "Recipe", "RecipeError",
+    "ACDCPruningModifier", "ConstantKSModifier", "DistillationModifier", "EpochRangeModifier",
+    "GlobalMagnitudePruningModifier", "GradualKSModifier", "LearningRateFunctionModifier", "LearningRateModifier",
+    "Location", "MFACPruningModifier", "Modifier", "OBSPruningModifier", "Problem", "QuantizationModifier", "Recipe",
+    "RecipeError",
     "SetLearningRateModifier", "SetWeightDecayModifier", "TrainableParamsModifier",
     "load_recipe", "recipe_json_schema",
 ]

@@ -15,7 +15,7 @@ from .quiet_start import import_quietly
 import_quietly("keras")  # on the TensorFlow backend, without its start-up lines
 
 # imported once Keras is
-from . import learned_scales  # noqa: E402 - registers the learned-scale layers QAT layers are built with
+from . import learned_scales, quantized_layer  # noqa: E402 - registers the QAT layers a saved model is loaded with
 from .export import export_onnx  # noqa: E402
 from .manager import RecalCallback, RecalWarning, ScheduledModifierManager  # noqa: E402
 from .params import describe_model  # noqa: E402 - recal train's

@@ -199,7 +199,8 @@ def _window_sum_average(node, attrs: dict, constants: dict, readers: dict):
 
 
 def _holds_qat(model: keras.Model) -> bool:
-    from .qat import QuantizedLayer, QuantizedMerge
+    from .qat import QuantizedMerge
+    from .quantized_layer import QuantizedLayer
 
     return any(isinstance(layer, (QuantizedLayer, QuantizedMerge)) for layer in _all_layers(model))
 

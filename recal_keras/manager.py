@@ -164,7 +164,7 @@ class ScheduledModifierManager(RecipeManager):
         switched on, BN-frozen and observer-frozen at the steps the recipe says."""
         index, _ = schedule.quantization[0]
         from .qat_tables import QATTables
-        from .qat import QuantizedLayer
+        from .quantized_layer import QuantizedLayer
         from .qat_model import quantize_model
 
         if not isinstance(model, (keras.Sequential, Functional)):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import keras
 
 from .qat_tables import QATTables
-from .qat import Folded, QuantizedLayer, QuantizedMerge
+from .qat import Folded, QuantizedMerge
+from .quantized_layer import QuantizedLayer
 from .qat_plan import plan_qat
 
 

@@ -2,7 +2,9 @@
 
 from recal_core.errors import ThinningWarning
 
-from .convert import ConversionResult, ModelError, UnconvertedOpsWarning, VerificationError, quantize_qat_export
+from .convert import quantize_qat_export
+from .errors import ModelError, UnconvertedOpsWarning, VerificationError
+from .result import ConversionResult
 from .save import save_model_atomically
 from .verify import Verification, verify_models
 

@@ -22,7 +22,7 @@ import pydantic
 
 from recal_core.input_gate import read_bounded
 
-from .input_checks import ModelError
+from .errors import ModelError
 
 MAX_BYTES = 256 * 1024 * 1024  # an LLM's per-channel encodings fit many times over
 SECTIONS = ("activation_encodings", "param_encodings")

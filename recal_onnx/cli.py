@@ -6,7 +6,8 @@ import argparse
 import math
 import warnings
 
-from .convert import UnconvertedOpsWarning, quantize_qat_export
+from .convert import quantize_qat_export
+from .errors import UnconvertedOpsWarning
 from .targets import DEFAULT_TARGET, TARGETS, WEIGHT_TYPES
 from .user_inputs import load_inputs, parse_shape
 

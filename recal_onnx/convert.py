@@ -24,28 +24,29 @@ import os
 import time
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
 
-from recal_core.errors import ThinningWarning, VerificationFailed
-from recal_core.input_gate import regular_file
+from recal_core.errors import ThinningWarning
 
 from . import cpu
 from .findings import Findings
 from .float_reasons import display_name, float_reason
 from .float_report import QDQ_FUSIBLE, float_compute, float_islands, module_paths, qoperator_kernel
-from .ir_edits import MS_DOMAIN, Graph
+from .ir_edits import Graph
 from .aimet_encodings import load_encodings
-from .input_checks import ModelError, check_input, nonfinite_initializers
+from .errors import ModelError, NonFiniteReferenceError, UnconvertedOpsWarning, VerificationError
+from .input_checks import check_input, nonfinite_initializers
+from .model_file import infer_shapes_in_place, load_model, refuse_overwriting
+from .result import ConversionResult
 from .passes import CHANNEL_BLOCK, exact_on_this_cpu, float32_reference, saturating_layers
 from .pipeline import Options, read_input, run_pipeline
 from .save import save_models_atomically
 from .targets import DEFAULT_TARGET, WeightChoice, choose_weights
 from .twin import INT8_CPUS, TWIN_SAMPLES, avx2_twin, mark, twin_differs, twin_path
-from .verify import NonFiniteReference, Verification, generated_inputs, runtime_refusal, verify_models
+from .verify import generated_inputs, runtime_refusal, verify_models
 from .verify_inputs import check_input_names, chosen_dimensions
 
 log = logging.getLogger(__name__)
@@ -54,79 +55,6 @@ FORMATS = ("qoperator", "qdq")
 MAX_LISTED = 20  # nodes the float warning names, one per line; result.float_nodes holds them all
 
 
-class UnconvertedOpsWarning(UserWarning):
-    """Some ops between a DequantizeLinear and a QuantizeLinear were left in float."""
-
-
-class VerificationError(VerificationFailed):
-    """The converted model's outputs differ from the input model's beyond tolerance."""
-
-
-@dataclass
-class ConversionResult:
-    model: onnx.ModelProto
-    path: Path | None
-    rewrites: dict[str, int] = field(default_factory=dict)
-    unconverted: list[tuple[str, str]] = field(default_factory=list)  # (op type, node name)
-    verification: Verification | None = None
-    seconds: float = 0.0
-    float_ops: dict[str, int] = field(default_factory=dict)  # op type -> nodes that compute in float (by design too)
-    weight_type: str = "int8"  # "uint8": some layers' weights (beyond +-64) written as uint8, zero point 128
-    target: str = DEFAULT_TARGET  # the CPUs the model is for (recal_onnx.targets)
-    weights_note: str = ""  # which weight form was written, and why, in one sentence
-    # node name -> how far (in int32 steps, <= 0.5) its float bias was from the grid the int8 layer holds it on
-    rounded_biases: dict[str, float] = field(default_factory=dict)
-    # node name -> its largest bias in int32 steps, where beyond 2^24 (no float32 bias lies on that grid)
-    coarse_biases: dict[str, float] = field(default_factory=dict)
-    # node name (op type and position where it has none) of each node left float -> why, in one clause
-    float_reasons: dict[str, str] = field(default_factory=dict)
-    # attention (its Softmax's name) -> why its zero heads stay: the converter cannot follow its layout
-    heads_kept: dict[str, str] = field(default_factory=dict)
-    # Where node name -> the softmax mask constant (Swin's -100) made -10000 (recal_onnx.passes.masks_to_exact_zeros)
-    masked_scores: dict[str, float] = field(default_factory=dict)
-    # node name -> the largest |q| of its float weight, read as int8 (recal_onnx.passes.weights_from_grids)
-    grid_weights: dict[str, int] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)  # what the conversion changed in the model as a whole
-    # target any, weights beyond +-64: the twin for x86 without VNNI (uint8 weights there), and where it was written
-    avx2_model: onnx.ModelProto | None = None
-    avx2_path: Path | None = None
-
-    @property
-    def rounded_biases_note(self) -> str:
-        """What rounding another exporter's float biases means, in one clause ('' when none were rounded)."""
-        if not self.rounded_biases:
-            return ""
-        note = (f"{len(self.rounded_biases)} float biases lay between the int32 steps their int8 layers hold (up to "
-                f"{max(self.rounded_biases.values()):.2f} step) and were rounded: values near a rounding boundary can "
-                "differ by one step from the QAT model (recal's exporters write biases on the grid)")
-        if self.coarse_biases:
-            note += (f"; {len(self.coarse_biases)} of them are beyond 2^24 steps (up to "
-                     f"{max(self.coarse_biases.values()):.3g}), where no float32 bias lies on the grid: those layers' "
-                     "inputs are nearly dead (a tiny input scale), in the QAT model itself: check its initialisation "
-                     "or training")
-        return note
-
-    @property
-    def masked_scores_note(self) -> str:
-        """What changing softmax masks means, in one clause ('' when none was changed)."""
-        if not self.masked_scores:
-            return ""
-        values = ", ".join(f"{v:g}" for v in sorted(set(self.masked_scores.values())))
-        return (f"{len(self.masked_scores)} softmax masks of {values} now mask with -10000: the probabilities they "
-                "left (float32 denormals, slow on Intel CPUs) are exactly 0, a change below float32's resolution of "
-                "the outputs (result.masked_scores names them)")
-
-    @property
-    def grid_weights_note(self) -> str:
-        """What reading float weights on int8 grids means, in one clause ('' when none was)."""
-        return (f"{len(self.grid_weights)} layers' float weights lie on int8 grids (their quantization folded into "
-                "floats, as tf2onnx writes a TF QAT model's) and were read as those integers, the same values "
-                "(result.grid_weights names them)") if self.grid_weights else ""
-
-    @property
-    def float_nodes(self) -> list[tuple[str, str]]:
-        """The ops left in float between a DequantizeLinear and a QuantizeLinear: ``(op type, node name)``."""
-        return self.unconverted
 
 
 def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, output_path: str | os.PathLike | None = None,
@@ -212,15 +140,15 @@ def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, outp
             raise ValueError(f"{name} must be a number in [0, {upper:g}], got {value!r}")
     started = time.perf_counter()
     given, from_path = inputs is not None, isinstance(model_or_path, (str, os.PathLike))
-    model, reads = _load(model_or_path)
+    model, reads = load_model(model_or_path)
     if encodings is not None:
         if not isinstance(encodings, dict):
             reads.add(Path(encodings))  # never the output either
         encodings = load_encodings(encodings)
     if output_path is not None:
-        _refuse_overwriting(Path(output_path), reads)
+        refuse_overwriting(Path(output_path), reads)
         if choice.twin:
-            _refuse_overwriting(twin_path(output_path), reads)
+            refuse_overwriting(twin_path(output_path), reads)
     label = str(model_or_path) if from_path else "the model"
     check_input(model, label, encodings=encodings is not None)
     for what, named in (("inputs", inputs), ("input_shapes", input_shapes)):
@@ -337,7 +265,7 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
             result.verification = verify_models(reference, run_here, inputs, thinned=findings.thinned,
                                                 output_steps=output_steps, noise=tolerance is None,
                                                 tied=findings.tied_pools, moves=findings.bias_moves)
-        except NonFiniteReference as exc:
+        except NonFiniteReferenceError as exc:
             raise ModelError(f"{exc}: the QAT model itself computes nothing finite"
                              f"{nonfinite_initializers(reference)}; nothing was written") from None
         problem = result.verification.problem(tolerance, min_agreement)
@@ -398,95 +326,6 @@ def _weights_note(choice: WeightChoice, saturating: int, shifted: int, twin: str
     return f"int8 weights, {saturating} layers beyond +-64 ({choice.why}; they saturate on x86 without VNNI)"
 
 
-def infer_shapes_in_place(model: onnx.ModelProto, check: bool = False) -> None:
-    """Shape inference (and ``onnx.checker`` with ``check``) on a weightless skeleton of ``model``, so
-    large initializers are never copied; the inferred value_info is written back into ``model``."""
-    from onnx import helper
-
-    graph = model.graph
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
-    small, big = [], []
-    for tensor in graph.initializer:
-        (big if tensor.ByteSize() > 4096 else small).append(tensor)
-    stand_ins = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in big]
-    given = {i.name for i in graph.input}
-    skeleton = helper.make_model(
-        helper.make_graph([_as_standard(n, opset) for n in graph.node], graph.name or "graph", list(graph.input) + [v for v in stand_ins
-                                                                                         if v.name not in given],
-                          list(graph.output), small),
-        opset_imports=list(model.opset_import), ir_version=model.ir_version)
-    inferred = onnx.shape_inference.infer_shapes(skeleton)
-    if check:
-        for output in inferred.graph.output:  # declared without a shape, after a contrib op shape inference does not
-            if output.type.HasField("tensor_type") and not output.type.tensor_type.HasField("shape"):  # know: the
-                output.type.tensor_type.shape.SetInParent()  # checker wants the field (this copy only is checked)
-        onnx.checker.check_model(inferred)
-    del graph.value_info[:]
-    graph.value_info.extend(inferred.graph.value_info)
-
-
-def _as_standard(node: onnx.NodeProto, opset: int) -> onnx.NodeProto:
-    """onnxruntime's ``com.microsoft`` QuantizeLinear / DequantizeLinear as the default domain's, whose output shapes
-    shape inference knows (the same shapes); any other node as it is."""
-    if node.domain != MS_DOMAIN or node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
-        return node
-    if opset < 13 and any(a.name == "axis" for a in node.attribute):  # per channel: the default domain's from 13
-        return node
-    copy = onnx.NodeProto()
-    copy.CopyFrom(node)
-    copy.domain = ""
-    return copy
-
-
-def _load(model_or_path) -> tuple[onnx.ModelProto, set[Path]]:
-    """The model, and the files it was read from (the model file and its external data), resolved."""
-    if isinstance(model_or_path, onnx.ModelProto):
-        return model_or_path, set()
-    if not isinstance(model_or_path, (str, os.PathLike)):
-        raise TypeError(f"expected an onnx.ModelProto or a path, not {type(model_or_path).__name__}")
-    path = Path(model_or_path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such ONNX file")
-    regular_file(path, "ONNX model")  # a FIFO or a device would block or never end the read
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as exc:  # noqa: BLE001 - protobuf raises several types for a bad file
-        raise ModelError(f"{path} is not a readable ONNX model ({type(exc).__name__}: {exc})") from None
-    reads = {path.resolve()}
-    for tensor in _tensors(model.graph):
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            location = next((e.value for e in tensor.external_data if e.key == "location"), "")
-            reads.add((path.parent / location).resolve())
-    for data in reads - {path.resolve()}:
-        if data.exists():
-            regular_file(data, "external data file of the ONNX model")
-    if len(reads) > 1:
-        try:
-            onnx.load_external_data_for_model(model, str(path.parent))
-        except Exception as exc:  # noqa: BLE001 - a missing, short or escaping data file
-            raise ModelError(f"{path}: cannot read its external data ({type(exc).__name__}: {exc})") from None
-    if not model.graph.node:
-        raise ModelError(f"{path} is not a readable ONNX model (no graph nodes; truncated or not ONNX?)")
-    return model, reads
-
-
-def _tensors(graph: onnx.GraphProto):
-    yield from graph.initializer
-    for node in graph.node:
-        for a in node.attribute:
-            if a.HasField("t"):
-                yield a.t
-            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                yield from _tensors(sub)
-
-
-def _refuse_overwriting(target: Path, reads: set[Path]) -> None:
-    """The output (and the external data file it may get) must be none of the files the input reads."""
-    for candidate in (target, target.with_name(target.name + ".data")):
-        if candidate.resolve() in reads or (candidate.exists() and any(
-                read.exists() and os.path.samefile(candidate, read) for read in reads)):  # a hard link too
-            raise ValueError(f"refusing to write {candidate}: the input model reads that file (the model or its "
-                             "external data); choose another output path")
 
 
 def _output_quanta(g: Graph) -> dict[str, float]:

@@ -8,11 +8,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
+from .errors import ModelError
 from .float_report import QDQ_OPS
-
-
-class ModelError(ValueError):
-    """The input is not an ONNX model this converter can read, run or convert; the message says why."""
 
 
 # onnxruntime runs the default domain's opsets in this range (QuantizeLinear needs 10, per-channel 13)

@@ -59,7 +59,8 @@ import onnx
 from .aimet_encodings import Encoding
 from .findings import Findings
 from .ir_edits import Graph
-from .input_checks import ModelError, is_qonnx_quantizer
+from .errors import ModelError
+from .input_checks import is_qonnx_quantizer
 from .reading_judge import judge_aimet_reading, judge_qonnx_reading
 from .passes.activations_to_uint8 import activations_to_uint8
 from .passes.bias_apart import bias_apart

@@ -18,7 +18,8 @@ import onnx
 import onnx_ir as ir
 from onnx import helper, numpy_helper
 
-from .input_checks import ModelError, is_qonnx_domain, is_qonnx_quantizer
+from .errors import ModelError
+from .input_checks import is_qonnx_domain, is_qonnx_quantizer
 
 TIES = 1e-3  # the share of an activation's values that may differ by one step (ties, see the module)
 SAMPLES = 4  # generated samples the activations are compared on

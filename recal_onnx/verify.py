@@ -26,7 +26,7 @@ import onnx
 
 from .output_diff import (CLASS_AGREEMENT, CLASS_ID_OPS, FLOAT_ONLY_SHARE, FLOAT_SHARE,  # noqa: F401 (re-exported)
                           STEPS, OutputDiff, OutputStats, float_gap)
-from .input_checks import ModelError
+from .errors import ModelError, NonFiniteReferenceError
 from .verify_inputs import batched_inputs, fixed_batch, generated_inputs, integer_ranges  # noqa: F401 (re-exported)
 from .op_by_op import (BOUNDARY, LOCAL_MAX_BYTES, LOCAL_SAMPLES, MEMORY, _copyable, _on_grid,  # noqa: F401
                        _with_outputs, fixed_parts, op_by_op)
@@ -165,16 +165,6 @@ class Verification:
                 f"{self.samples} samples{local}")
 
 
-class NonFiniteReference(ValueError):
-    """The model being verified against gives no finite value on some output: a defect of that model, not of a
-    conversion (nothing can be compared with it)."""
-
-    def __init__(self, outputs: list[str]):
-        self.outputs = outputs
-        super().__init__(f"the input model's output(s) {', '.join(map(repr, outputs))} are NaN or infinite on every "
-                         "verification input")
-
-
 def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
                   inputs: dict[str, np.ndarray] | None = None, output_step: float = 0.0,
                   thinned: dict[str, np.ndarray] | None = None,
@@ -227,7 +217,7 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
     del runners, alternative  # their memory (a float reference's dequantized weights) before the op-by-op sessions are made
     dead = [name for s, name in zip(stats, names) if s.count and s.nonfinite == s.count]
     if dead:
-        raise NonFiniteReference(dead)
+        raise NonFiniteReferenceError(dead)
     copy = _copyable(reference)  # loaded once for the checks below (None: too large to copy; end to end only)
     share = FLOAT_ONLY_SHARE if copy is not None and float_only(copy, candidate) else FLOAT_SHARE
     outputs = tuple(s.diff(name, producers.get(name, ""), steps.get(name, output_step), share)

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .input_checks import ModelError
+from .errors import ModelError
 
 TENSOR_BYTES = 512 * 2**20  # one tensor, for one sample of the verification inputs, at most
 SMALL_CONSTANT = 4096  # bytes: constants kept for shape inference (sizes, repeats, axes); larger ones become inputs

@@ -15,7 +15,7 @@ import warnings
 import numpy as np
 import onnx
 
-from .input_checks import ModelError
+from .errors import ModelError
 
 INPUT_BYTES = 256 * 2**20  # the generated verification inputs, all of them, at most
 SPATIAL = 32  # a dimension the model leaves open on an image's height or width (rank 4: axes 2 and 3)

@@ -1957,7 +1957,7 @@ def test_a_global_pool_on_grids_onnxruntimes_integer_pool_refuses_is_a_broken_qa
     """A global average pool whose output grid is ~1e9 times coarser or finer than its input's: onnxruntime's integer
     pool throws at run time (as its own session of the QDQ file does), so the converter refuses the model as broken,
     naming the pool, the scales and why, before anything runs."""
-    from recal_onnx.input_checks import ModelError
+    from recal_onnx import ModelError
 
     b = Builder()
     y = b.node("GlobalAveragePool", [b.qdq("x", 0.01, 128)])

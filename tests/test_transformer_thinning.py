@@ -425,7 +425,7 @@ def test_qkv_packed_per_head_is_pruned_and_thinned_per_head(name, tmp_path):
 
     from .torch_models import CausalLMLogits
 
-    from recal_onnx.convert import UnconvertedOpsWarning
+    from recal_onnx import UnconvertedOpsWarning
 
     build, units, ffn, qat = PACKED_PER_HEAD[name]
     torch.manual_seed(0)
@@ -740,7 +740,7 @@ def test_the_converter_thins_a_masked_export_as_thin_does(name, dynamo, tmp_path
     import onnxruntime as ort
 
     from recal_onnx import quantize_qat_export
-    from recal_onnx.convert import UnconvertedOpsWarning
+    from recal_onnx import UnconvertedOpsWarning
     from recal_torch import export_onnx
 
     build, heads, ffn, units, ffn_width = {**MODELS, "gpt2": (_gpt2, GPT2_HEADS, GPT2_FFN, 4, 256), "neox": (

@@ -202,7 +202,7 @@ def test_generated_inputs_are_bounded_before_anything_is_allocated():
     naming the input and its shape, at once."""
     import time
 
-    from recal_onnx.input_checks import ModelError
+    from recal_onnx import ModelError
     from recal_onnx.verify_inputs import INPUT_BYTES, generated_inputs
 
     with pytest.warns(UserWarning, match="verification on 64 generated samples, not 256"):

@@ -25,7 +25,7 @@ import onnx_ir as ir
 from ..aimet_encodings import Encoding
 from ..findings import Findings
 from ..ir_edits import MS_DOMAIN, Graph, Value, attr
-from ..input_checks import ModelError
+from ..errors import ModelError
 
 
 def encodings_to_qdq(g: Graph, findings: Findings, encodings: list[Encoding] | None = None) -> int:

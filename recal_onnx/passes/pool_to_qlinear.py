@@ -30,7 +30,7 @@ import numpy as np
 
 from ..findings import Findings
 from ..ir_edits import MS_DOMAIN, SHAPE_READERS, Graph, Node, Value, attr, input_of
-from ..input_checks import ModelError
+from ..errors import ModelError
 from ..qdq import QTensor, activation, quantizes, scalar
 
 AVERAGE_POOL_ATTRS = ("auto_pad", "ceil_mode", "count_include_pad", "kernel_shape", "pads", "strides")

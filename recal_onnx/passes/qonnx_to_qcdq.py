@@ -24,7 +24,8 @@ import numpy as np
 
 from ..findings import Findings
 from ..ir_edits import Graph, Node, attr
-from ..input_checks import QONNX_QUANTIZERS, ModelError, is_qonnx_domain, is_qonnx_quantizer
+from ..errors import ModelError
+from ..input_checks import QONNX_QUANTIZERS, is_qonnx_domain, is_qonnx_quantizer
 
 ROUNDING = {  # QONNX's rounding modes (upper case; ROUND_TO_ZERO is an older name of DOWN)
     "ROUND": np.round, "HALF_EVEN": np.round, "CEIL": np.ceil, "FLOOR": np.floor, "DOWN": np.trunc,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recal_onnx import quantize_qat_export, verify
-from recal_onnx.convert import UnconvertedOpsWarning
+from recal_onnx import UnconvertedOpsWarning
 from recal_torch import ScheduledModifierManager, export_onnx
 from recal_torch.qat import QATConv, QATLinear
 
