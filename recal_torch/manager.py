@@ -23,7 +23,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from recal_core import RecipeError, load_recipe
+from recal_core import RecipeError
 from recal_core import modifiers as M
 from recal_core.errors import RecipeWarning
 from recal_core.loggers import RecalLogger
@@ -33,15 +33,15 @@ from recal_core.recipe import Recipe
 
 from .tracing import model_graph, remember_example_inputs
 from .model_params import describe_parameters, sparsity, unwrap
+from .manager_state import STATE_VERSION, check_state
+from .optimizer_hooks import LoadStateDictHook, StateDictHook, StepPostHook, StepPreHook, average_gradients
 from .pruning import MaskState
 from .qat import LogScaleSteps, QATControl, input_groups, layer_schemes, qat_roots, steps_in_log_space
 from .training import (LR_FACTOR_KEY, ParamGroupSettings, Teacher, TrainableFlags, distillation_loss, follow_recipe,
-                       group_bases, join_learned_groups, schedule_added_group, split_learned_groups)
+                       group_bases, schedule_added_group)
 
-STATE_VERSION = 2
 # OBS / M-FAC curvature above this is refused at modify(), before any allocation
 MAX_CURVATURE_BYTES = int(float(os.environ.get("RECAL_MAX_CURVATURE_GB", "8")) * 2**30)
-RECAL_STATE_KEY = "recal"
 
 # models and optimizers under a manager now: applying a second recipe on top is an error
 _MODIFIED: "weakref.WeakKeyDictionary[Any, ScheduledModifierManager]" = weakref.WeakKeyDictionary()
@@ -196,10 +196,10 @@ class ScheduledModifierManager(RecipeManager):
         self.teacher = Teacher(teacher) if teacher is not None else None
         self.loggers = list(loggers)
         self._hooks = [
-            optimizer.register_step_pre_hook(_StepPreHook(self)),
-            optimizer.register_step_post_hook(_StepPostHook(self)),
-            optimizer.register_state_dict_post_hook(_StateDictHook(self)),
-            optimizer.register_load_state_dict_pre_hook(_LoadStateDictHook(self)),
+            optimizer.register_step_pre_hook(StepPreHook(self)),
+            optimizer.register_step_post_hook(StepPostHook(self)),
+            optimizer.register_state_dict_post_hook(StateDictHook(self)),
+            optimizer.register_load_state_dict_pre_hook(LoadStateDictHook(self)),
         ]
         _MODIFIED[unwrap(model)] = self
         _MODIFIED[optimizer] = self
@@ -345,21 +345,7 @@ class ScheduledModifierManager(RecipeManager):
             state: what :meth:`state_dict` returned, e.g. from a checkpoint.
         """
         self._require_modified("load_state_dict")
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            found = state.get("version") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"unsupported recal state version {found!r} (this recal writes {STATE_VERSION})")
-        missing = [k for k in ("recipe", "steps_per_epoch", "step", "group_bases", "original_trainable", "masks",
-                               "qat_prepared") if k not in state]
-        if missing:
-            raise ValueError(f"the recal state lacks {', '.join(missing)}")
-        if load_recipe(state["recipe"]) != self.recipe:
-            raise ValueError("the checkpoint was taken under a different recipe than this manager's")
-        if state["steps_per_epoch"] != self.plan.schedule.steps_per_epoch:
-            raise ValueError(f"the checkpoint used steps_per_epoch={state['steps_per_epoch']}, "
-                             f"this run {self.plan.schedule.steps_per_epoch}")
-        step = state["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"the checkpoint's step is {step!r}, not a step count")
+        step = check_state(state, self.recipe, self.plan.schedule.steps_per_epoch)
         self.masks.check_state_dict(state["masks"])
         unknown_qat = set(state["qat_prepared"]) - set(self.qat.roots)
         if unknown_qat:
@@ -425,73 +411,3 @@ class ScheduledModifierManager(RecipeManager):
         _MODIFIED.pop(self._optimizer, None)
         self._finalized = True
         return result
-
-
-# --- hooks: small picklable callables that call back into the manager ---------------------------
-
-
-class _Hook:
-    def __init__(self, manager: ScheduledModifierManager):
-        self.manager = manager
-
-
-class _StepPreHook(_Hook):
-    """Checks the LR and readies the gradients; with a closure (Lightning's, LBFGS's), once the closure computed
-    them: before it, they do not exist yet."""
-
-    def __call__(self, optimizer, args, kwargs):
-        manager = self.manager  # ``args``: the optimizer itself first, then step()'s own positional arguments
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        manager.param_groups.check_untouched(manager._step)
-        if closure is None:
-            manager._gradients_ready()
-            return None
-
-        def masked_closure():
-            with torch.enable_grad():
-                loss = closure()
-            manager._gradients_ready()
-            return loss
-
-        return args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": masked_closure}
-
-
-class _StepPostHook(_Hook):
-    def __call__(self, optimizer, args, kwargs):
-        self.manager._after_step()
-
-
-class _StateDictHook(_Hook):
-    """recal's part under ``"recal"``, its learned scales' param groups with it (the rest: the user's optimizer)."""
-
-    def __call__(self, optimizer, state_dict):
-        state_dict, learned = split_learned_groups(state_dict)
-        state_dict[RECAL_STATE_KEY] = self.manager.state_dict()
-        if learned is not None:
-            state_dict[RECAL_STATE_KEY]["learned_groups"] = learned
-        return state_dict
-
-
-def average_gradients(params: list[nn.Parameter]) -> None:
-    """Average ``params``' gradients over the ranks of a distributed run: recal's learned scales appear after the
-    model was wrapped (DDP reduces only the parameters it found), and every rank must take the same step."""
-    if not params or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
-    world = torch.distributed.get_world_size()
-    if world > 1:
-        for p in params:
-            if p.grad is not None:
-                torch.distributed.all_reduce(p.grad)
-                p.grad.div_(world)
-
-
-class _LoadStateDictHook(_Hook):
-    """Loads recal's part (first: it re-creates QAT modules) and hands the optimizer the rest."""
-
-    def __call__(self, optimizer, state_dict):
-        if RECAL_STATE_KEY not in state_dict:
-            return None
-        rest = {k: v for k, v in state_dict.items() if k != RECAL_STATE_KEY}
-        self.manager.load_state_dict(state_dict[RECAL_STATE_KEY])
-        learned = state_dict[RECAL_STATE_KEY].get("learned_groups")
-        return rest if learned is None else join_learned_groups(rest, learned)

@@ -23,7 +23,8 @@ from transformers import TrainerCallback
 from recal_core.atomic import atomic_path
 
 from ..checkpoint_file import read_checkpoint_file
-from ..manager import RECAL_STATE_KEY, ScheduledModifierManager
+from ..manager import ScheduledModifierManager
+from ..optimizer_hooks import RECAL_STATE_KEY
 from .session import (QUANTIZER_KEY, check_length, inner, load_model_state, manager_of, read_recal_part,
                       recal_part, restore_recal_part)
 

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
-from ..manager import RECAL_STATE_KEY, ScheduledModifierManager
+from ..manager import ScheduledModifierManager
+from ..optimizer_hooks import RECAL_STATE_KEY
 from .session import check_length, load_model_state, manager_of, recal_part, restore_recal_part
 
 

@@ -19,7 +19,8 @@ from torch import nn
 from recal_core.errors import RecipeWarning
 
 from ..checkpoint_file import read_checkpoint_file
-from ..manager import RECAL_STATE_KEY, ScheduledModifierManager
+from ..manager import ScheduledModifierManager
+from ..optimizer_hooks import RECAL_STATE_KEY
 from ..model_params import check_values, unwrap
 from ..qat import quantizer_tensors
 
