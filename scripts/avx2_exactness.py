@@ -1,4 +1,4 @@
-"""Exactness by CPU class: the AVX2 suite's models (``tests/avx2_emulated_run.py``) converted and verified here, on
+"""Exactness by CPU class: the AVX2 suite's models (``tests/support/avx2_emulated_run.py``) converted and verified here, on
 this CPU's own kernels, and under ``qemu-x86_64 -cpu Haswell`` (onnxruntime's AVX2 kernels, no VNNI). Exactness
 only: an emulated run is 20x slower and says nothing of speed, so no time is printed for it.
 
@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN = ROOT / "tests" / "avx2_emulated_run.py"
+RUN = ROOT / "tests" / "support" / "avx2_emulated_run.py"
 
 
 def _run(out: Path, emulate: bool) -> dict:

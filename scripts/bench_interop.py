@@ -69,7 +69,7 @@ def hf_mobilenet_v2() -> torch.nn.Module:
     BatchNorm scales near 0 and every activation of the random net vanishes (logits spanning 2e-22)."""
     import transformers
 
-    from tests.zoo.test_cnns import HF  # the zoo's logits wrapper
+    from tests.e2e.zoo.test_cnns import HF  # the zoo's logits wrapper
 
     return torch_init(HF(transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config())))
 

@@ -73,7 +73,7 @@ def run(name: str, size: int, folder: Path, steps: int, bn_momentum: float = 0.9
     import numpy as np
 
     from recal_keras import RecalWarning, ScheduledModifierManager, export_onnx
-    from tests.zoo.test_keras_applications import BATCH, RECIPE  # the zoo test's recipe
+    from tests.e2e.zoo.test_keras_applications import BATCH, RECIPE  # the zoo test's recipe
 
     keras.utils.set_random_seed(0)
     model = applications(keras)[name](size)

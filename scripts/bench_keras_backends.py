@@ -9,7 +9,7 @@ dispatches asynchronously, so a single step's callbacks would time its dispatch;
 has run), median over rounds: the cost inside the train step, without ``fit``'s start and recal's once-an-epoch
 work. The sparsity column is the share of pruned kernels' weights at zero
 after the run, the recipe's effect beside its cost (the three backends' masks are equal step for step on the
-same weights: ``tests/test_keras_backends.py``).
+same weights: ``tests/keras/test_keras_backends.py``).
 
     python scripts/bench_keras_backends.py [--rounds 5] [--steps 20] [--json docs/results/keras_backends.json]
 """

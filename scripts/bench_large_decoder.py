@@ -91,7 +91,7 @@ def stage_export(args, folder: Path) -> dict:
     from recal_torch import ScheduledModifierManager, export_onnx
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.torch_models import CausalLMLogits
+    from tests.support.torch_models import CausalLMLogits
 
     model = transformers.LlamaForCausalLM(_config(args))
     manager = ScheduledModifierManager.from_yaml(RECIPE)

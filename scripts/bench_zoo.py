@@ -1,7 +1,7 @@
 """The CNN zoo on onnxruntime: fp32 vs recal's int8 (``qoperator`` with int8 or uint8 weights, ``qdq``) vs
 onnxruntime's ``quantize_static``.
 
-The models of ``tests/zoo/test_cnns.py`` (Hugging Face ResNet, MobileNetV2, EfficientNet, ConvNeXt from small
+The models of ``tests/e2e/zoo/test_cnns.py`` (Hugging Face ResNet, MobileNetV2, EfficientNet, ConvNeXt from small
 configs; torchvision-style ResNet / MobileNetV2 / Inception blocks) and three full-width ones, ResNet-18
 (``scripts/zoo.py``), Hugging Face's default ResNet-50 and MobileViT-small; random weights, nothing downloaded. Each is pruned 80% and
 QAT-trained for a few steps on synthetic 32x32 data, exported at ``--size`` (QDQ) and converted by
@@ -42,7 +42,7 @@ from bench.results import load, machine, save  # noqa: E402
 from bench.timing import in_turns, repeated, spread  # noqa: E402
 from recal_onnx import cpu, quantize_qat_export  # noqa: E402
 from recal_torch import export_onnx  # noqa: E402
-from tests.zoo.test_cnns import CLASSES, HF, MODELS, prune_and_qat  # noqa: E402
+from tests.e2e.zoo.test_cnns import CLASSES, HF, MODELS, prune_and_qat  # noqa: E402
 from bench.models import ResNet18, torch_init  # noqa: E402
 
 

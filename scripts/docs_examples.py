@@ -1,6 +1,6 @@
 """Every example in README.md and docs/ (Python blocks and ``recal`` command lines), with the install it needs, for
 running them away from the checkout (scripts/check_wheel.sh, from an empty folder after installing the wheel) and in
-the suite (tests/test_readme.py).
+the suite (tests/e2e/test_readme.py).
 
     python scripts/docs_examples.py DIR   # writes DIR/<page>-<n>.<install>.py and DIR/<page>-cli-<n>.<install>.sh
 

@@ -4,7 +4,7 @@ from README.md: no figure in the docs is copied by hand.
 A generated table sits between two markers, ``<!-- table: NAME -->`` and ``<!-- /table -->``; NAME is one of
 :data:`TABLES`, each a function of the files in ``docs/results/`` (written by ``make demo``, copied there, and by
 ``scripts/bench_*.py --json``). ``--check`` changes nothing and exits 1 when a committed table or docs/index.md
-differs from what the JSON gives (CI runs it through ``tests/test_docs.py``).
+differs from what the JSON gives (CI runs it through ``tests/e2e/test_docs.py``).
 
     python scripts/render_docs.py [--check]
 """

@@ -8,8 +8,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # more threads sets them itself.
     for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
         os.environ.setdefault(_name, "1")
-    # A test that sets 2 threads (tests/zoo/test_cnns.py trains on 2) leaves its OpenMP threads spinning between
-    # parallel regions, on the core the other worker needs: idle threads sleep instead (tests/zoo/test_cnns.py on
+    # A test that sets 2 threads (tests/e2e/zoo/test_cnns.py trains on 2) leaves its OpenMP threads spinning between
+    # parallel regions, on the core the other worker needs: idle threads sleep instead (tests/e2e/zoo/test_cnns.py on
     # 2 workers: 84.3 s spinning, 51.7 s passive).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # TensorFlow fixes its thread count when it starts, and the count decides the order of its sums, so the weights a
@@ -17,14 +17,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # MobileNetV2 trained on 2 threads and on 1 differed enough to pass alone and fail under `make test`).
 for _name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
     os.environ.setdefault(_name, "1")
-from pathlib import Path  # noqa: E402 - after the thread settings: they must precede any torch or TensorFlow import
+import pytest  # noqa: E402 - after the thread settings: they must precede any torch or TensorFlow import
 
-import pytest  # noqa: E402
+from tests.support.paths import RECIPES  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-RECIPES = ROOT / "recal_core" / "recipes"
-# The compatibility corpus lives beside the checkout in shared/ (CI clones main with shared/ beside it).
-CORPUS = Path(os.environ.get("RECAL_COMPAT_CORPUS", ROOT.parent / "shared" / "compat" / "sparseml-recipes"))
 
 
 @pytest.fixture
@@ -40,11 +36,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def _one_onnxruntime_thread_per_worker():
-    """In workers only, an onnxruntime session given no thread count gets one (tests/one_thread_sessions.py)."""
+    """In workers only, an onnxruntime session given no thread count gets one (tests/support/one_thread_sessions.py)."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         yield
         return
-    from .one_thread_sessions import install
+    from tests.support.one_thread_sessions import install
 
     restore = install()
     try:
