@@ -16,7 +16,7 @@ import threading
 from typing import Sequence
 
 from recal_core.atomic import write_text_atomically
-from recal_core.errors import RecipeError, VerificationFailed
+from recal_core.errors import RecipeError, VerificationError
 from recal_core.input_gate import refuse_overwriting
 from recal_core.recipe import load_recipe, recipe_json_schema
 
@@ -212,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:  # one line; `recal check` lists them all
             _fail(args, f"invalid recipe: {exc.problems[0]} (and {len(exc.problems) - 1} more "
                         f"problems: run `recal check` on the recipe to list them)")
-    except VerificationFailed as exc:
+    except VerificationError as exc:
         _fail(args, str(exc))
         return EXIT_VERIFICATION_FAILED
     except KeyboardInterrupt as exc:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 import numpy as np
+from .errors import CouplingError
 
 OpKind = Literal["layer", "depthwise", "norm", "same", "add", "flatten", "input", "output", "other"]
 """``layer``: a conv or linear (weight ``[out, in, ...]``); ``depthwise``: a conv with one filter per
@@ -69,15 +70,6 @@ class ModelGraph:
 
     spaces: list[Space]
     attentions: list = field(default_factory=list)
-
-
-class CouplingError(ValueError):
-    """A layer whose channels cannot be pruned as asked; the message names it and what blocks it, and
-    ``modifier`` is the recipe index of the modifier that asked."""
-
-    def __init__(self, message: str, modifier: int | None = None):
-        super().__init__(message)
-        self.modifier = modifier
 
 
 class _Union:

@@ -82,8 +82,9 @@ class RecipeError(ValueError):
         return "\n".join([head] + [f"  - {p}" for p in self.problems])
 
 
-class VerificationFailed(ValueError):
-    """A produced model does not match the model it came from (the CLI exits with 1, not 2)."""
+class VerificationError(ValueError):
+    """A produced model does not match the model it came from beyond tolerance; nothing was written (the CLI exits
+    with 1, not 2). Raised by :func:`recal_onnx.quantize_qat_export` and re-exported there."""
 
 
 class ThinningWarning(UserWarning):
@@ -92,3 +93,36 @@ class ThinningWarning(UserWarning):
 
 class RecipeWarning(UserWarning):
     """A recipe field is accepted but does not act as written (the message says where and what happens)."""
+
+
+class ExpressionError(ValueError):
+    """An ``eval(...)`` value that cannot be computed; the message says why."""
+
+
+class BudgetSpentError(ExpressionError):
+    """The recipe's :class:`~recal_core.expressions.ExpressionBudget` ran out; reported once, at the expression where it did (``first``)."""
+
+    def __init__(self, message: str, first: bool):
+        super().__init__(message)
+        self.first = first
+
+
+class CouplingError(ValueError):
+    """A layer whose channels cannot be pruned as asked; the message names it and what blocks it, and
+    ``modifier`` is the recipe index of the modifier that asked."""
+
+    def __init__(self, message: str, modifier: int | None = None):
+        super().__init__(message)
+        self.modifier = modifier
+
+
+class InputFileError(OSError):
+    """The path is not a regular file, or is larger than its limit; the message says which and where."""
+
+
+class PatternTimeoutError(ValueError):
+    """A recipe's ``re:`` patterns took longer than their budget over a model's names."""
+
+
+class PlanError(ValueError):
+    """A budget the candidates cannot meet: the message gives the nearest budget that can be."""

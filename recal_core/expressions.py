@@ -15,6 +15,7 @@ import re
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
+from .errors import BudgetSpentError, ExpressionError
 
 _EVAL = re.compile(r"^\s*eval\((.*)\)\s*$", re.DOTALL)
 
@@ -40,10 +41,6 @@ MAX_RECIPE_WORK = 5_000_000  # operations plus the items they build, over all of
 _FORMAT_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d*))?")
 
 
-class ExpressionError(ValueError):
-    """An ``eval(...)`` value that cannot be computed; the message says why."""
-
-
 @dataclass
 class ExpressionBudget:
     """The work one recipe's expressions may do together (:data:`MAX_RECIPE_WORK`): an operation costs one,
@@ -54,21 +51,13 @@ class ExpressionBudget:
     def spend(self, units: int, source: str) -> None:
         self.left -= units
         if self.left < 0:
-            raise BudgetSpent(f"{source}: the recipe's eval() values together take more than "
+            raise BudgetSpentError(f"{source}: the recipe's eval() values together take more than "
                               f"{MAX_RECIPE_WORK:,} operations", first=self.left + units >= 0)
-
-
-class BudgetSpent(ExpressionError):
-    """The recipe's :class:`ExpressionBudget` ran out; reported once, at the expression where it did (``first``)."""
-
-    def __init__(self, message: str, first: bool):
-        super().__init__(message)
-        self.first = first
 
 
 def reported(exc: ExpressionError) -> bool:
     """Whether ``exc`` is worth a problem of its own: every error but a budget already reported as spent."""
-    return not isinstance(exc, BudgetSpent) or exc.first
+    return not isinstance(exc, BudgetSpentError) or exc.first
 
 
 def _shown(source: str) -> str:

@@ -8,10 +8,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-
-
-class InputFileError(OSError):
-    """The path is not a regular file, or is larger than its limit; the message says which and where."""
+from .errors import InputFileError
 
 
 def regular_file(path: str | os.PathLike, what: str = "file") -> Path:

@@ -16,7 +16,7 @@ from .modifier_base import (_NUMBER, ALL, ALL_PRUNABLE, INTER_FUNCS, LR_CLASSES,
                             _check_params, _unsupported, check_patterns)
 from .pruning_modifiers import (ACDCPruningModifier, ConstantKSModifier, GlobalMagnitudePruningModifier,
                                 GradualKSModifier, MFACPruningModifier, OBSPruningModifier)
-from .quantization_modifiers import (REDUCED_WEIGHT_LEVELS, WEIGHT_LEVELS, WEIGHT_ONLY_LEVELS,  # noqa: F401
+from .quantization_modifiers import (REDUCED_WEIGHT_LEVELS, SCHEME_PRESETS, WEIGHT_LEVELS, WEIGHT_ONLY_LEVELS,  # noqa: F401
                                      QuantizationArgs, QuantizationModifier, QuantizationScheme)
 from .training_modifiers import (DistillationModifier, EpochRangeModifier, SetWeightDecayModifier,
                                  TrainableParamsModifier)

@@ -21,7 +21,7 @@ from typing import Sequence
 
 from .errors import RecipeError
 from .modifiers import ALL, ALL_PRUNABLE, ParamSpec
-from .patterns import PATTERN_SECONDS, PatternBudget, PatternTimeout  # noqa: F401 (re-exported)
+from .patterns import PATTERN_SECONDS, PatternBudget, PatternTimeoutError  # noqa: F401 (re-exported)
 
 WRAPPER_PREFIX = "module."
 
@@ -79,7 +79,7 @@ def select(spec: ParamSpec, params: Sequence[ParamInfo], *, pruning: bool,
             if entry.startswith("re:"):
                 try:
                     matched = budget.fullmatches(entry, names)
-                except (PatternTimeout, ValueError) as exc:
+                except (PatternTimeoutError, ValueError) as exc:
                     failures.append(str(exc))
                     continue
             else:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import regex
+from .errors import PatternTimeoutError
 
 PATTERN_SECONDS = 1.0  # what all of one recipe's re: patterns may take over a model's names, together
 MAX_PATTERN_CHARS = 1_000
@@ -28,10 +29,6 @@ try:  # the stdlib parser gives the nesting of repeats; regex's own syntax exten
     from re import _parser as _sre_parse  # Python 3.11+
 except ImportError:  # pragma: no cover
     import sre_parse as _sre_parse  # type: ignore[no-redef]
-
-
-class PatternTimeout(ValueError):
-    """A recipe's ``re:`` patterns took longer than their budget over a model's names."""
 
 
 def _unrolled(parsed) -> int:
@@ -81,7 +78,7 @@ class PatternBudget:
 
     seconds: float = PATTERN_SECONDS
     deadline: float | None = None
-    outcomes: dict = field(default_factory=dict)  # (pattern, names) -> matched names, or the PatternTimeout
+    outcomes: dict = field(default_factory=dict)  # (pattern, names) -> matched names, or the PatternTimeoutError
 
     def left(self) -> float:
         if self.deadline is None:
@@ -89,11 +86,11 @@ class PatternBudget:
         return self.deadline - time.monotonic()
 
     def fullmatches(self, entry: str, candidates: tuple[str, ...]) -> frozenset[str]:
-        """The ``candidates`` that ``entry`` (``re:...``) matches in full; PatternTimeout past the budget."""
+        """The ``candidates`` that ``entry`` (``re:...``) matches in full; PatternTimeoutError past the budget."""
         key = (entry, candidates)
         if key in self.outcomes:
             outcome = self.outcomes[key]
-            if isinstance(outcome, PatternTimeout):
+            if isinstance(outcome, PatternTimeoutError):
                 raise outcome
             return outcome
         pattern = compile_pattern(entry[3:])
@@ -103,7 +100,7 @@ class PatternBudget:
                 if pattern.fullmatch(name, timeout=max(self.left(), 1e-3)):
                     matched.add(name)
             except TimeoutError:
-                self.outcomes[key] = PatternTimeout(
+                self.outcomes[key] = PatternTimeoutError(
                     f"pattern {entry!r} ran out of the recipe's {self.seconds:g} s for matching patterns to the "
                     f"model's names (at {name!r}); simplify it (nested quantifiers such as '(a+)+' take "
                     "exponential time)")

@@ -12,6 +12,7 @@ score and cost. ``recal check`` reads it like any other; training it is the usua
 from __future__ import annotations
 
 from dataclasses import dataclass
+from .errors import PlanError
 
 FLOAT = 32  # a candidate's bits for "left float"
 
@@ -30,10 +31,6 @@ class LayerCandidates:
     name: str
     params: int
     candidates: tuple[Candidate, ...]
-
-
-class PlanError(ValueError):
-    """A budget the candidates cannot meet: the message gives the nearest budget that can be."""
 
 
 def size_bounds(layers: list[LayerCandidates]) -> tuple[float, float]:

@@ -17,7 +17,8 @@ import_quietly("keras")  # on the TensorFlow backend, without its start-up lines
 # imported once Keras is
 from . import learned_scales, quantized_layer  # noqa: E402 - registers the QAT layers a saved model is loaded with
 from .export import export_onnx  # noqa: E402
-from .manager import RecalCallback, RecalWarning, ScheduledModifierManager  # noqa: E402
+from .errors import RecalWarning  # noqa: E402
+from .manager import RecalCallback, ScheduledModifierManager  # noqa: E402
 from .params import describe_model  # noqa: E402 - recal train's
 
 __all__ = ["RecalCallback", "RecalWarning", "ScheduledModifierManager", "export_onnx"]

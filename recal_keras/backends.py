@@ -37,3 +37,18 @@ def backend_problems(schedule: RecipeSchedule, backend: str) -> list[Problem]:
                 "exactly the variables its optimizer was built with)",
                 expected="KERAS_BACKEND=tensorflow or torch for this recipe, or no TrainableParamsModifier"))
     return problems
+
+
+def check_strategy(model: keras.Model) -> None:
+    """On TensorFlow under ``tf.distribute``: the model, its optimizer and ``modify`` are all in the strategy's scope
+    (recal's variables are created there too); a ``ValueError`` saying which is not otherwise."""
+    import tensorflow as tf
+
+    strategy = tf.distribute.get_strategy()
+    variable = model.weights[0].value
+    if not tf.distribute.has_strategy() and getattr(variable, "_distribute_strategy", None) is not None:
+        raise ValueError(f"model {model.name!r} was built inside a tf.distribute strategy's scope, but modify() "
+                         "was called outside it: call modify() inside `with strategy.scope():` too")
+    if tf.distribute.has_strategy() and not strategy.extended.variable_created_in_scope(variable):
+        raise ValueError(f"model {model.name!r} was built outside the current tf.distribute strategy's scope: "
+                         "build the model, its optimizer and call modify() all inside `with strategy.scope():`")

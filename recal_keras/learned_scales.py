@@ -5,11 +5,14 @@ variables of :mod:`recal_keras.lsq`'s rule. They are assigned in the forward pas
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 
 from .lsq import LOG_RATIO, TINY, input_step, kernel_step, per_channel, per_tensor
 from .qat import ActivationQuantizer
 from .qat_math import qat_math
+from .errors import RecalWarning
 
 
 @keras.saving.register_keras_serializable(package="recal")
@@ -87,3 +90,18 @@ class LearnedWeightScales(keras.layers.Layer):
 
     def call(self, w):
         return w
+
+
+def no_decay_on_scales(optimizer, model: keras.Model) -> None:
+    """Learned scales take no weight decay (recal_torch's param group of them has none). Keras's
+    ``exclude_from_weight_decay`` resets the exclusions and refuses a built optimizer (one loaded with its model from a
+    ``.keras`` file): the scales are added to the optimizer's own set, the user's exclusions kept, its cache cleared."""
+    if not optimizer.weight_decay:
+        return
+    if not hasattr(optimizer, "_var_key"):
+        warnings.warn(f"{type(optimizer).__name__} keeps no weight-decay exclusions recal knows: its weight decay also "
+                      "decays the learned quantization scales", RecalWarning, stacklevel=4)
+        return
+    keys = {optimizer._var_key(v) for v in model.trainable_weights if v.name == LOG_RATIO}
+    optimizer._exclude_from_weight_decay = set(getattr(optimizer, "_exclude_from_weight_decay", set())) | keys
+    optimizer._exclude_from_weight_decay_cache = {}

@@ -32,11 +32,14 @@ from recal_core.model_plan import ModelPlan, plan_model
 from recal_core.recipe import Recipe
 from recal_core.schedule import RecipeSchedule
 
-from .lsq import LOG_RATIO
 from .mask_ops import PruningMasks, per_step, zeroed
-from .recipe_support import RecalWarning, check_table_size, learned_scales, qat_problems, torch_only_problems
+from .errors import RecalWarning
+from .recipe_support import check_table_size, learned_scales, qat_problems, torch_only_problems
 from .tensor_ops import KerasOps, TensorFlowOps
-from .backends import backend_problems, current_backend
+from .backends import backend_problems, check_strategy, current_backend
+from .callback import RecalCallback
+from .learned_scales import no_decay_on_scales
+from .mask_constraint import ApplyMasks
 from .optimizer_state import add_recal_variable, float_lr, install_weight_decay, slots_of
 from .params import describe_model
 
@@ -44,23 +47,6 @@ if TYPE_CHECKING:
     from .qat_tables import QATTables
 
 log = logging.getLogger(__name__)
-
-
-class _ApplyMasks(keras.constraints.Constraint):
-    """The constraint Keras calls after each update: recal's mask step, then the user's own constraint."""
-
-    def __init__(self, manager: "ScheduledModifierManager", inner):
-        self.manager = manager
-        self.inner = inner
-        self._step = manager._step
-        if manager._tf:  # plain graph code: autograph's rewrite costs seconds, changes nothing
-            import tensorflow as tf
-
-            self._step = tf.autograph.experimental.do_not_convert(self._step)
-
-    def __call__(self, w):
-        value = self._step(self.manager._optimizer.iterations + 1)
-        return self.inner(value) if self.inner is not None else value
 
 
 class ScheduledModifierManager(RecipeManager):
@@ -134,7 +120,7 @@ class ScheduledModifierManager(RecipeManager):
         self._tf = backend == "tensorflow"
         self._ops = TensorFlowOps() if self._tf else KerasOps()
         if self._tf:
-            self._check_strategy(model)
+            check_strategy(model)
         schedule = self.recipe.bind(int(steps_per_epoch))
         check_table_size(schedule, "recal_keras")
         if backend_problems(schedule, backend):
@@ -186,20 +172,8 @@ class ScheduledModifierManager(RecipeManager):
         self.quantized_layers = [q.layer.name for q in made]
         self._observers = [o for q in made for o in q.quantizers]
         if any(learn):
-            _no_decay_on_scales(optimizer, quantized)
+            no_decay_on_scales(optimizer, quantized)
         return quantized
-
-    def _check_strategy(self, model: keras.Model) -> None:
-        import tensorflow as tf
-
-        strategy = tf.distribute.get_strategy()
-        variable = model.weights[0].value
-        if not tf.distribute.has_strategy() and getattr(variable, "_distribute_strategy", None) is not None:
-            raise ValueError(f"model {model.name!r} was built inside a tf.distribute strategy's scope, but modify() "
-                             "was called outside it: call modify() inside `with strategy.scope():` too")
-        if tf.distribute.has_strategy() and not strategy.extended.variable_created_in_scope(variable):
-            raise ValueError(f"model {model.name!r} was built outside the current tf.distribute strategy's scope: "
-                             "build the model, its optimizer and call modify() all inside `with strategy.scope():`")
 
     def _plan(self, schedule: RecipeSchedule, infos, by_name, base_lr, base_wd) -> ModelPlan:
         """The core's plan for this model; plus what Keras cannot do yet, every problem at once."""
@@ -275,7 +249,7 @@ class ScheduledModifierManager(RecipeManager):
         if driver is None:
             return
         self._driver, self._driver_inner = driver, driver.constraint
-        driver.constraint = _ApplyMasks(self, driver.constraint)
+        driver.constraint = ApplyMasks(self, driver.constraint)
 
     def _detach_driver(self) -> None:
         if self._driver is not None:
@@ -423,59 +397,3 @@ class ScheduledModifierManager(RecipeManager):
             self._qat.enabled = np.zeros_like(self._qat.enabled)  # off whatever the step
         for make in (self._model.make_predict_function, self._model.make_test_function):
             make(force=True)  # traced again with the switches as they are now
-
-
-class RecalCallback(keras.callbacks.Callback):
-    """Applies what is set per epoch or at start: masks in force on (re)start, trainable flags; checks that
-    an epoch has the steps the recipe was bound with."""
-
-    def __init__(self, manager: ScheduledModifierManager):
-        super().__init__()
-        self.manager = manager
-        self._epoch_start = 0
-
-    def on_train_begin(self, logs=None):
-        m = self.manager
-        if m._finalized:
-            raise RuntimeError("finalize() was called: the recipe is done; create a new manager to train again")
-        if self.model is not m._model:
-            raise ValueError("these callbacks belong to another model: pass the callbacks that modify() returned "
-                             "for this model")
-        compiled = getattr(self.model, "optimizer", None)  # None: a custom loop's model
-        # mixed precision: Keras wraps the optimizer in a LossScaleOptimizer at compile; recal drives the inner one
-        if getattr(compiled, "inner_optimizer", compiled) not in (None, m._optimizer):
-            raise ValueError("the model was compiled with another optimizer than the one passed to modify(): "
-                             "compile with the same optimizer object (or a LossScaleOptimizer around it)")
-        m._check_pruned_in_model()  # the state of the step is applied at on_epoch_begin, after every on_train_begin
-
-    def on_epoch_begin(self, epoch, logs=None):
-        m = self.manager
-        m._check_pruned_in_model()
-        m._apply_now()  # after every on_train_begin: BackupAndRestore may have restored another step's weights
-        self._epoch_start = m._current_step()
-        if m._apply_trainable(self.model):
-            self.model.make_train_function(force=True)
-
-    def on_epoch_end(self, epoch, logs=None):
-        m = self.manager
-        ran = m._current_step() - self._epoch_start
-        expected = m.schedule.steps_per_epoch
-        if ran != expected and not self.model.stop_training:  # a callback that stops fit cuts the epoch short
-            warnings.warn(f"epoch {epoch} ran {ran} steps, but the recipe was bound with steps_per_epoch={expected}: "
-                          f"the recipe's epochs are {expected} steps each, not this fit's epochs", RecalWarning,
-                          stacklevel=1)  # called by Keras: the user's line is not on the stack
-
-
-def _no_decay_on_scales(optimizer, model: keras.Model) -> None:
-    """Learned scales take no weight decay (recal_torch's param group of them has none). Keras's
-    ``exclude_from_weight_decay`` resets the exclusions and refuses a built optimizer (one loaded with its model from a
-    ``.keras`` file): the scales are added to the optimizer's own set, the user's exclusions kept, its cache cleared."""
-    if not optimizer.weight_decay:
-        return
-    if not hasattr(optimizer, "_var_key"):
-        warnings.warn(f"{type(optimizer).__name__} keeps no weight-decay exclusions recal knows: its weight decay also "
-                      "decays the learned quantization scales", RecalWarning, stacklevel=4)
-        return
-    keys = {optimizer._var_key(v) for v in model.trainable_weights if v.name == LOG_RATIO}
-    optimizer._exclude_from_weight_decay = set(getattr(optimizer, "_exclude_from_weight_decay", set())) | keys
-    optimizer._exclude_from_weight_decay_cache = {}

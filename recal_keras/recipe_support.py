@@ -1,5 +1,5 @@
 """What both TensorFlow front ends accept from a recipe: the features only recal_torch runs are refused the same
-way, one warning class, one limit on the per-step tables they build."""
+way (said with :class:`~recal_keras.errors.RecalWarning`), one limit on the per-step tables they build."""
 
 from __future__ import annotations
 
@@ -10,10 +10,6 @@ from recal_core.schedule import RecipeSchedule
 
 MAX_TABLE_STEPS = 10_000_000  # the graph holds per-step tables (mask update ids, LR, weight decay)
 MAX_TABLE_ENTRIES = 20_000_000  # all of them together: steps x tables, about 200 MB at most
-
-
-class RecalWarning(UserWarning):
-    """A recipe feature is set up in a way that will not have its effect."""
 
 
 def per_step_tables(schedule: RecipeSchedule) -> int:

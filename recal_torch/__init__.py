@@ -13,7 +13,9 @@ from .loggers import TensorBoardLogger
 from .manager import ScheduledModifierManager
 from .precision_plan import PrecisionPlan, plan_precision
 from .qat import QATConv, QATLinear, QATModule, fake_quantize_model
-from .thin import ThinningError, ThinningWarning, ThinReport, load_thinned, thin
+from .errors import ThinningError
+from .load_thinned import load_thinned
+from .thin import ThinningWarning, ThinReport, thin
 
 __all__ = [
     "ExportError", "ExportWarning", "PrecisionPlan", "PythonLogger", "QATConv", "QATLinear", "QATModule", "RecalLogger", "ScheduledModifierManager",

@@ -15,7 +15,6 @@ the core (:mod:`recal_core.model_plan`); the parts here apply them:
 
 from __future__ import annotations
 
-import os
 import warnings
 import weakref
 from typing import Any, Iterable
@@ -34,14 +33,13 @@ from recal_core.recipe import Recipe
 from .tracing import model_graph, remember_example_inputs
 from .model_params import describe_parameters, sparsity, unwrap
 from .manager_state import STATE_VERSION, check_state
+from .modify_checks import curvature_problems, warn_unused_fields
 from .optimizer_hooks import LoadStateDictHook, StateDictHook, StepPostHook, StepPreHook, average_gradients
 from .pruning import MaskState
 from .qat import LogScaleSteps, QATControl, input_groups, layer_schemes, qat_roots, steps_in_log_space
 from .training import (LR_FACTOR_KEY, ParamGroupSettings, Teacher, TrainableFlags, distillation_loss, follow_recipe,
                        group_bases, schedule_added_group)
 
-# OBS / M-FAC curvature above this is refused at modify(), before any allocation
-MAX_CURVATURE_BYTES = int(float(os.environ.get("RECAL_MAX_CURVATURE_GB", "8")) * 2**30)
 
 # models and optimizers under a manager now: applying a second recipe on top is an error
 _MODIFIED: "weakref.WeakKeyDictionary[Any, ScheduledModifierManager]" = weakref.WeakKeyDictionary()
@@ -143,14 +141,7 @@ class ScheduledModifierManager(RecipeManager):
             plan = plan_model(schedule, infos, sizes, groups=group_bases(optimizer),
                               channel_spaces=lambda: model_graph(unwrap(model), example_inputs),
                               input_groups=input_groups(schemes))
-            for ps, size in plan.curvature_bytes():
-                if size > MAX_CURVATURE_BYTES:
-                    field = "num_grads" if isinstance(ps.modifier, M.MFACPruningModifier) else "fisher_block_size"
-                    problems.append(self.recipe.problem(
-                        ps.index, field, f"its curvature would hold {size / 2**20:,.1f} MiB for "
-                        f"{len(plan.prune_targets[ps.index])} layers (the limit is {MAX_CURVATURE_BYTES / 2**20:,.1f} "
-                        "MiB; set RECAL_MAX_CURVATURE_GB to raise it)",
-                        expected=f"a smaller {field}, or fewer layers in params"))
+            problems += curvature_problems(self.recipe, plan)
         except RecipeError as err:
             problems += err.problems
         roots, qat_problems = qat_roots(self.recipe, unwrap(model))
@@ -162,14 +153,7 @@ class ScheduledModifierManager(RecipeManager):
                                                              "loss = manager.loss(loss, inputs, outputs)"))
         if problems:
             raise RecipeError(problems)
-        unused = {"grad_sampler_kwargs": "recal takes the gradients of the num_grads training steps before each update",
-                  "available_gpus": "recal keeps the Fisher on the device of the parameters it prunes"}
-        for ps in schedule.pruning:
-            for field, why in unused.items():
-                if getattr(ps.modifier, field, None):
-                    where = self.recipe.location(ps.index, field)
-                    warnings.warn(f"{where}: {self.recipe.describe(ps.index)}: {field} is not used: {why}",
-                                  RecipeWarning, stacklevel=2)
+        warn_unused_fields(self.recipe, schedule)
         for note in schemes.notes:
             warnings.warn(note, RecipeWarning, stacklevel=2)
         if any("initial_lr" in g for g in optimizer.param_groups) and schedule.controls_lr and lr_scheduler is None:

@@ -21,6 +21,7 @@ from recal_core.channel_coupling import input_columns, live_channels
 from recal_core.errors import ThinningWarning
 from recal_core.head_coupling import Attention, live_heads, unit_rows
 
+from .errors import ThinningError
 from .tracing import example_inputs_of, model_graph, trace_args
 from .model_params import kernel_axes
 from .qat import QATModule, WeightFakeQuantize, WeightOnlyLinear
@@ -45,10 +46,6 @@ class ThinReport:
         rows = [f"{name}: {b} -> {a} heads" for name, b, a in self.heads if a < b]
         rows += [f"{', '.join(p)}: {b} -> {a} channels" for p, b, a in self.spaces if a < b]
         return "\n".join(rows) or "no dead channels"
-
-
-class ThinningError(ValueError):
-    """The thinned model would not compute what the masked one did: nothing was removed."""
 
 
 @torch.no_grad()
@@ -109,7 +106,7 @@ def _head_count_values(heads: int, kv_heads: int | None, head_dim: int) -> dict[
 HEAD_COUNTS = (*_head_count_values(1, 1, 1), "split_size")
 
 
-def _count_attributes(m: nn.Module, heads: int, kv_heads: int | None, head_dim: int,
+def count_attributes(m: nn.Module, heads: int, kv_heads: int | None, head_dim: int,
                       packed_heads: int | None = None) -> list[tuple[str, int]]:
     """``(attribute, value)`` for the head counts ``m`` keeps as ints that differ from ``heads`` and ``kv_heads``;
     ``split_size`` too where it was ``packed_heads`` heads wide (GPT-2 splits its packed c_attn's output by it)."""
@@ -240,11 +237,11 @@ def _zeros(model: nn.Module, modules: dict[str, nn.Module]):
     def is_zero(name: str) -> np.ndarray:
         owner, _, attr = name.rpartition(".")
         zero = (tensors[name] == 0).cpu().numpy()
-        return zero.T if attr == "weight" and _stores_inputs_first(modules[owner]) else zero
+        return zero.T if attr == "weight" and stores_inputs_first(modules[owner]) else zero
     return is_zero
 
 
-def _stores_inputs_first(m: nn.Module) -> bool:
+def stores_inputs_first(m: nn.Module) -> bool:
     """A transformers Conv1D (or a QAT or weight-only layer made from one): its weight is ``[in, out]``."""
     return kernel_axes(m, m.weight)[:2] == (1, 0)
 
@@ -273,7 +270,7 @@ def _thin_heads(model: nn.Module, modules: dict[str, nn.Module], att: Attention)
             owner, _, attr = name.rpartition(".")
             _slice_attr(attention.get_submodule(owner) if owner else attention, attr, query_heads,
                         list(table.shape).index(att.heads))
-    for attr, value in _count_attributes(attention, heads, len(units), att.head_dim,
+    for attr, value in count_attributes(attention, heads, len(units), att.head_dim,
                                          att.heads if att.query == att.key else None):
         setattr(attention, attr, value)
     return (att.name, att.heads, heads)
@@ -303,7 +300,7 @@ def _slice_attr(m: nn.Module, attr: str, index: torch.Tensor, dim: int) -> None:
 
 def _slice_out(m: nn.Module, index: torch.Tensor) -> None:
     """A conv or linear (float or QAT; a transformers Conv1D) down to the output channels ``index``."""
-    _slice_attr(m, "weight", index, 1 if _stores_inputs_first(m) else 0)
+    _slice_attr(m, "weight", index, 1 if stores_inputs_first(m) else 0)
     _slice_attr(m, "bias", index, 0)
     for attr in ("out_channels", "out_features", "nf"):  # nf: a Conv1D's outputs
         if hasattr(m, attr):
@@ -317,13 +314,13 @@ def _slice_out(m: nn.Module, index: torch.Tensor) -> None:
 
 
 def _in_width(m: nn.Module) -> int:
-    return m.in_features if isinstance(m, WeightOnlyLinear) else m.weight.shape[0 if _stores_inputs_first(m) else 1]
+    return m.in_features if isinstance(m, WeightOnlyLinear) else m.weight.shape[0 if stores_inputs_first(m) else 1]
 
 
 def _slice_in(m: nn.Module, cols: torch.Tensor) -> None:
     """A conv or linear (float, QAT or weight-only) down to the input columns ``cols``; a weight-only layer in
     groups keeps its groups' scales (``cols`` are whole groups: :func:`_whole_groups`)."""
-    _slice_attr(m, "weight", cols, 0 if _stores_inputs_first(m) else 1)
+    _slice_attr(m, "weight", cols, 0 if stores_inputs_first(m) else 1)
     for attr in ("in_channels", "in_features", "nx"):  # nx: a Conv1D's inputs
         if hasattr(m, attr):
             setattr(m, attr, len(cols))
@@ -352,124 +349,3 @@ def _whole_groups(keep: np.ndarray, width: int, group: int) -> np.ndarray:
         if (widened == keep).all():
             return keep
         keep = widened
-
-
-@torch.no_grad()
-def load_thinned(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Load a thinned model's weights into ``model`` built dense (from the same config, or the same code):
-    every layer whose weights are smaller in ``state_dict`` is resized to them first, and each attention's
-    head counts follow its query projection. Strict: a name or shape that still differs is an error.
-
-    Args:
-        model: the model as built before thinning (a Hugging Face model from its config: ``from_pretrained``
-            cannot rebuild per-layer sizes).
-        state_dict: the thinned model's ``state_dict()`` (``save_pretrained``'s safetensors, loaded).
-    """
-    _check_thinning_only(model, state_dict)  # before anything changes
-    changed: list[tuple[nn.Module, str, object]] = []  # (module, attribute, value before): undone on a refusal
-
-    def change(m: nn.Module, attr: str, value) -> None:
-        changed.append((m, attr, getattr(m, attr)))
-        setattr(m, attr, value)
-
-    try:
-        for name, m in model.named_modules():
-            prefix = f"{name}." if name else ""
-            for attr in ("weight", "bias", "running_mean", "running_var"):
-                t, new = getattr(m, attr, None), state_dict.get(prefix + attr)
-                if isinstance(t, torch.Tensor) and isinstance(new, torch.Tensor) and t.shape != new.shape:
-                    empty = torch.empty(new.shape, dtype=t.dtype, device=t.device)
-                    change(m, attr, nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter)
-                           else empty)
-            weight = getattr(m, "weight", None)
-            if isinstance(weight, torch.Tensor) and weight.dim() >= 2:
-                out, into = (1, 0) if _stores_inputs_first(m) else (0, 1)
-                for attr, axis in (("out_features", out), ("out_channels", out), ("nf", out), ("in_features", into),
-                                   ("in_channels", into), ("nx", into)):
-                    if isinstance(getattr(m, attr, None), int):
-                        change(m, attr, weight.shape[axis] * (getattr(m, "groups", 1) if attr == "in_channels" else 1))
-                if getattr(m, "groups", 1) > 1 and weight.shape[1] == 1:  # depthwise: one filter per channel
-                    change(m, "groups", weight.shape[0])
-                    change(m, "in_channels", weight.shape[0])
-            elif isinstance(weight, torch.Tensor) and isinstance(getattr(m, "num_features", None), int):
-                change(m, "num_features", weight.shape[0])
-        for name, m in model.named_modules():
-            try:
-                counts = _head_counts(m)
-            except ValueError as exc:
-                raise ValueError(f"load_thinned: {name} ({type(m).__name__}): {exc}") from None
-            for attr, value in counts:
-                change(m, attr, value)
-        _check_loads_whole(model, state_dict)  # load_state_dict copies what fits before it refuses the rest
-        model.load_state_dict(state_dict)
-    except BaseException:  # all or nothing: the model as it was built, its tensors untouched
-        for m, attr, value in reversed(changed):
-            setattr(m, attr, value)
-        raise
-
-
-THINNED_AXES = {"weight": (0, 1), "bias": (0,), "running_mean": (0,), "running_var": (0,)}
-
-
-def _check_thinning_only(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Every tensor whose shape differs from the dense model's is that tensor thinned: the same rank, smaller only
-    along the axes thinning removes (a weight's output and input channels, a bias's or a norm's one axis), never
-    larger, so nothing bigger than the dense model is ever allocated. Raises ValueError naming the layer and axis."""
-    for name, m in model.named_modules():
-        prefix = f"{name}." if name else ""
-        for attr, axes in THINNED_AXES.items():
-            t, new = getattr(m, attr, None), state_dict.get(prefix + attr)
-            if not isinstance(t, torch.Tensor) or not isinstance(new, torch.Tensor) or t.shape == new.shape:
-                continue
-            where = f"{prefix + attr} ({type(m).__name__})"
-            if new.dim() != t.dim():
-                raise ValueError(f"load_thinned: {where} has rank {new.dim()} in the state dict, {t.dim()} in the "
-                                 "model: thinning removes channels, it does not reshape")
-            for axis, (was, now) in enumerate(zip(t.shape, new.shape)):
-                if now > was:
-                    raise ValueError(f"load_thinned: {where} is larger along axis {axis} in the state dict ({now}) "
-                                     f"than in the model ({was}): thinning only removes")
-                if now != was and axis not in axes:
-                    raise ValueError(f"load_thinned: {where} differs along axis {axis} ({was} -> {now}), which "
-                                     f"thinning does not remove (it removes along axes {list(axes)})")
-
-
-def _check_loads_whole(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Every name of the resized model's state dict in ``state_dict`` with its shape, and no other name: else a
-    ValueError naming them (``load_state_dict`` would have copied the tensors that fit before refusing)."""
-    own = model.state_dict()
-    missing, extra = sorted(own.keys() - state_dict.keys()), sorted(state_dict.keys() - own.keys())
-    if missing or extra:
-        raise ValueError(f"load_thinned: the state dict does not fit the model (missing {missing[:3]}, unexpected "
-                         f"{extra[:3]}); nothing was loaded")
-    for key, tensor in own.items():
-        new = state_dict[key]
-        if not isinstance(new, torch.Tensor) or new.shape != tensor.shape:
-            got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
-            raise ValueError(f"load_thinned: {key} is {got} in the state dict, {tuple(tensor.shape)} in the thinned "
-                             "model; nothing was loaded")
-
-
-def _head_counts(m: nn.Module) -> list[tuple[str, int]]:
-    """An attention module's head counts from its (resized) projections, where it keeps them as attributes:
-    ``(attribute, value)`` pairs that differ from what it holds."""
-    head_dim = next((getattr(m, a) for a in ("attention_head_size", "head_dim")
-                     if isinstance(getattr(m, a, None), int)), None)
-    children = dict(m.named_children())
-    query = next((children[n] for n in ("query", "q_proj") if n in children), None)
-    key = next((children[n] for n in ("key", "k_proj") if n in children), None)
-    fused = children.get("query_key_value")  # Falcon: each key/value head's queries, key and value together
-    if head_dim is not None and fused is not None and isinstance(getattr(m, "num_heads", None), int):
-        kv = getattr(m, "num_kv_heads", m.num_heads)
-        per_unit = m.num_heads // kv
-        units = fused.weight.shape[0] // ((per_unit + 2) * head_dim)
-        return _count_attributes(m, units * per_unit, units, head_dim, m.num_heads)
-    packed = children.get("c_attn")  # GPT-2: Q, K and V in one Conv1D, split by split_size
-    if head_dim is not None and packed is not None and isinstance(getattr(m, "split_size", None), int) \
-            and not getattr(m, "is_cross_attention", False):
-        heads = packed.weight.shape[-1 if _stores_inputs_first(packed) else 0] // 3 // head_dim
-        return _count_attributes(m, heads, heads, head_dim, m.split_size // head_dim)
-    if head_dim is None or not isinstance(query, nn.Linear):
-        return []
-    return _count_attributes(m, query.out_features // head_dim,
-                             key.out_features // head_dim if isinstance(key, nn.Linear) else None, head_dim)

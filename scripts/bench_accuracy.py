@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 from recal_core import load_recipe
 from recal_app.training import train
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.results import machine, save
 
 RECIPES = Path(__file__).resolve().parent.parent / "recal_core" / "recipes"

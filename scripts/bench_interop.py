@@ -41,17 +41,18 @@ import numpy as np
 import onnx
 import torch
 
+from bench.peers import matmul_nbits_qdq, quantize_static
+from bench.results import machine, save_run, sessions_clause
+from bench.suite import suite_module
+from bench.timing import interleaved_latency
+from recal_onnx import cpu, quantize_qat_export
+from recal_onnx.aimet_encodings import load_encodings
+from recal_onnx.pipeline import read_input
+from recal_onnx.verify import generated_inputs
+from bench.models import ResNet18, torch_init
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench.peers import matmul_nbits_qdq, quantize_static  # noqa: E402
-from bench.results import machine, save_run, sessions_clause  # noqa: E402
-from bench.timing import interleaved_latency  # noqa: E402
-from recal_onnx import cpu, quantize_qat_export  # noqa: E402
-from recal_onnx.aimet_encodings import load_encodings  # noqa: E402
-from recal_onnx.pipeline import read_input  # noqa: E402
-from recal_onnx.verify import generated_inputs  # noqa: E402
-from bench.models import ResNet18, torch_init  # noqa: E402
+
 
 FIXTURES = ROOT / "tests" / "fixtures" / "interop"
 WEIGHTED = {"Conv", "Gemm", "MatMul", "ConvTranspose"}
@@ -69,7 +70,7 @@ def hf_mobilenet_v2() -> torch.nn.Module:
     BatchNorm scales near 0 and every activation of the random net vanishes (logits spanning 2e-22)."""
     import transformers
 
-    from tests.e2e.zoo.test_cnns import HF  # the zoo's logits wrapper
+    HF = suite_module("tests.e2e.zoo.test_cnns").HF  # the zoo's logits wrapper
 
     return torch_init(HF(transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config())))
 

@@ -33,7 +33,6 @@ import numpy as np
 
 from recal_keras import ScheduledModifierManager
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.fit_timing import fit_step_times
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -29,8 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.results import load, save
+from bench.suite import suite_module
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("tensorflow", "jax", "torch")
@@ -73,7 +73,8 @@ def run(name: str, size: int, folder: Path, steps: int, bn_momentum: float = 0.9
     import numpy as np
 
     from recal_keras import RecalWarning, ScheduledModifierManager, export_onnx
-    from tests.e2e.zoo.test_keras_applications import BATCH, RECIPE  # the zoo test's recipe
+    zoo = suite_module("tests.e2e.zoo.test_keras_applications")  # the zoo test's recipe
+    BATCH, RECIPE = zoo.BATCH, zoo.RECIPE
 
     keras.utils.set_random_seed(0)
     model = applications(keras)[name](size)
@@ -252,13 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.rescore:
         if not args.json:
             parser.error("--rescore needs --json (the results to measure again)")
-        sys.path.insert(0, str(ROOT))
         data = rescored(load(args.json), args.rescore)
         save(args.json, data)
         print(table(data))
         return 0
     if args.child:
-        sys.path.insert(0, str(ROOT))
         print(json.dumps(child(args.models, args.size, args.steps, args.keep)))
         return 0
     saved = load(args.json) if args.update and args.json and args.json.exists() else None

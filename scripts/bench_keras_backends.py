@@ -25,7 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.results import save
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +33,6 @@ BACKENDS = ("tensorflow", "jax", "torch")
 
 def child(rounds: int, steps: int) -> dict:
     """This process's backend: per variant, the seconds per step of each round and the sparsity at the end."""
-    sys.path.insert(0, str(ROOT / "scripts"))
     import keras
     import numpy as np
 

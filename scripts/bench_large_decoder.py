@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.results import machine, save
+from bench.suite import suite_module
 
 RECIPE = """
 - !QuantizationModifier
@@ -62,7 +62,6 @@ def stage_train(args, folder: Path) -> dict:
 
     from recal_torch import ScheduledModifierManager
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(_config(args))
     params = sum(p.numel() for p in model.parameters())
@@ -90,8 +89,7 @@ def stage_export(args, folder: Path) -> dict:
 
     from recal_torch import ScheduledModifierManager, export_onnx
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.support.torch_models import CausalLMLogits
+    CausalLMLogits = suite_module("tests.support.torch_models").CausalLMLogits
 
     model = transformers.LlamaForCausalLM(_config(args))
     manager = ScheduledModifierManager.from_yaml(RECIPE)

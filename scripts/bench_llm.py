@@ -54,7 +54,6 @@ from recal_onnx.passes.drop_exporter_metadata import is_exporter_key
 from recal_onnx.verify import session
 from recal_torch import ScheduledModifierManager, export_onnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from examples.int4_decoder import Logits  # ids -> logits, no KV cache
 from bench.timing import interleaved_latency
 from bench.results import machine, save

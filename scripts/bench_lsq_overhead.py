@@ -25,7 +25,6 @@ from torch import nn
 
 from recal_torch import ScheduledModifierManager
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.results import machine, save_run
 from bench.timing import interleaved, medians
 from bench_torch_overhead import SmallResNet, _step

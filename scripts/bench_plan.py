@@ -26,16 +26,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bench.results import machine, report
+from bench.timing import interleaved_latency
+from bench_llm import SEQ, batches, build, corpus, perplexity, train
+from examples.int4_decoder import Logits
+from recal_core.precision_plan import FLOAT, recipe_text, solve
+from recal_onnx import quantize_qat_export
+from recal_torch import ScheduledModifierManager, export_onnx
+from recal_torch.precision_plan import measure
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
-from bench.results import machine, report  # noqa: E402
-from bench.timing import interleaved_latency  # noqa: E402
-from bench_llm import SEQ, batches, build, corpus, perplexity, train  # noqa: E402
-from examples.int4_decoder import Logits  # noqa: E402
-from recal_core.precision_plan import FLOAT, recipe_text, solve  # noqa: E402
-from recal_onnx import quantize_qat_export  # noqa: E402
-from recal_torch import ScheduledModifierManager, export_onnx  # noqa: E402
-from recal_torch.precision_plan import measure  # noqa: E402
 
 
 LR = "    - !LearningRateFunctionModifier {start_epoch: 0, end_epoch: 1, lr_func: cosine, init_lr: 0.0002, " \

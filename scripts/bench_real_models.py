@@ -31,15 +31,15 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.results import machine, report
+from bench.timing import interleaved_latency, repeated, spread
+from real_models.rapidocr_quantize import quantize_rendered, rendered_inputs
+from recal_onnx import VerificationError, quantize_qat_export
+from recal_onnx.output_diff import task_hits
+from recal_onnx.verify import session
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench.results import machine, report  # noqa: E402
-from bench.timing import interleaved_latency, repeated, spread  # noqa: E402
-from real_models.rapidocr_quantize import quantize_rendered, rendered_inputs  # noqa: E402
-from recal_onnx import VerificationError, quantize_qat_export  # noqa: E402
-from recal_onnx.output_diff import task_hits  # noqa: E402
-from recal_onnx.verify import session  # noqa: E402
+
 
 FIXTURES = ROOT / "tests" / "fixtures" / "real"
 SAMPLES = 32  # rendered lines each model is judged on

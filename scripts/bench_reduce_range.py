@@ -11,7 +11,6 @@ writes the runs' figures as JSON.
 from __future__ import annotations
 
 import argparse
-import sys
 import statistics
 import tempfile
 from pathlib import Path
@@ -19,7 +18,6 @@ from pathlib import Path
 from recal_core import load_recipe
 from recal_app.training import train
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.results import machine, save
 
 RECIPE = Path(__file__).resolve().parent.parent / "recal_core" / "recipes" / "prune_quant.yaml"

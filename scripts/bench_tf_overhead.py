@@ -10,8 +10,6 @@ mask updates (the common case), at steps where every mask is recomputed, and of 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import numpy as np
 
@@ -19,7 +17,6 @@ from recal_tf import ScheduledModifierManager
 from recal_tf.models import mnist_net
 from recal_tf.utils import batch_cross_entropy_loss, tf_compat
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.results import machine
 from bench.timing import interleaved, medians
 

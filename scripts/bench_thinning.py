@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
@@ -26,7 +25,6 @@ from recal_app.training import train
 from recal_onnx import cpu
 from recal_torch import count_macs, export_onnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.peers import quantize_static
 from bench.timing import interleaved_latency
 from speed import FILTERS_RECIPE, qat_int8

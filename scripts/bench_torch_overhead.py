@@ -8,8 +8,6 @@ A small ResNet-style CNN, batch 32, 32x32 inputs, CPU. Prints a table of median 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -17,7 +15,6 @@ from torch.nn.utils import prune
 
 from recal_torch import ScheduledModifierManager
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.results import machine
 from bench.timing import interleaved, medians
 

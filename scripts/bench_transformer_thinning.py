@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 import warnings
@@ -41,7 +40,6 @@ from recal_onnx import quantize_qat_export
 from recal_onnx.verify import session
 from recal_torch import ScheduledModifierManager, export_onnx, thin
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_transformers import Classifier, agreement, bert, feeds, ort_quantized, vit
 from bench.timing import interleaved_latency
 from bench.results import load, machine, save

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 import warnings
@@ -39,16 +38,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the checkout's packages, installed or not (as the other benches)
-sys.path.insert(0, str(ROOT / "scripts"))
-from recal_onnx.verify import reference_session, session  # noqa: E402
-from recal_torch import ScheduledModifierManager, export_onnx  # noqa: E402
+from recal_onnx.verify import reference_session, session
+from recal_torch import ScheduledModifierManager, export_onnx
 
-from bench_onnx import convert_measured  # noqa: E402
-from bench.peers import DYNAMIC, STATIC, quantize_dynamic, quantize_static  # noqa: E402
-from bench.results import machine, save_run  # noqa: E402
-from bench.timing import interleaved_latency  # noqa: E402
+from bench.peers import DYNAMIC, STATIC, quantize_dynamic, quantize_static
+from bench.results import machine, save_run
+from bench.timing import interleaved_latency
+from bench_onnx import convert_measured
+
+ROOT = Path(__file__).resolve().parent.parent
 
 QAT_ONLY = """
 - !EpochRangeModifier {start_epoch: 0, end_epoch: 1}

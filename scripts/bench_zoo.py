@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -34,16 +33,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.peers import STATIC, STATIC_REDUCED, fidelity, static_peers
+from bench.results import load, machine, save
+from bench.timing import in_turns, repeated, spread
+from recal_onnx import cpu, quantize_qat_export
+from recal_torch import export_onnx
+from bench.suite import suite_module
+from bench.models import ResNet18, torch_init
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench.peers import STATIC, STATIC_REDUCED, fidelity, static_peers  # noqa: E402
-from bench.results import load, machine, save  # noqa: E402
-from bench.timing import in_turns, repeated, spread  # noqa: E402
-from recal_onnx import cpu, quantize_qat_export  # noqa: E402
-from recal_torch import export_onnx  # noqa: E402
-from tests.e2e.zoo.test_cnns import CLASSES, HF, MODELS, prune_and_qat  # noqa: E402
-from bench.models import ResNet18, torch_init  # noqa: E402
+
+
+_zoo = suite_module("tests.e2e.zoo.test_cnns")  # the zoo test's models and recipe
+CLASSES, HF, MODELS, prune_and_qat = _zoo.CLASSES, _zoo.HF, _zoo.MODELS, _zoo.prune_and_qat
 
 
 def hf_resnet50() -> torch.nn.Module:

@@ -4,7 +4,7 @@
 Written by ``scripts/render_docs.py`` (the ``layout`` table), so a moved module or a new import shows in the docs
 and ``--check`` fails until they are rendered again. The rules the imports obey are checked by
 ``tests/app/test_cli_core.py``: the core imports no framework, no backend imports another or the application, no
-module imports a module inside another package (only that package's ``__init__``), no cycles, no module over 500
+module imports a module inside another package (only that package's ``__init__``), no cycles, no module over 400
 lines.
 """
 

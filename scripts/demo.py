@@ -35,7 +35,6 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from recal_app.demo import JOBS, print_jobs, run_jobs  # noqa: E402
 

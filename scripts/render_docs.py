@@ -18,10 +18,11 @@ import statistics
 import sys
 from pathlib import Path
 
+from bench.results import load, sessions_clause
+from code_layout import layout_table
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench.results import load, sessions_clause  # noqa: E402
-from code_layout import layout_table  # noqa: E402
+
 
 MARKER = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.DOTALL)
 
@@ -368,7 +369,6 @@ def thinning_transformers() -> str:
 
 def keras_backends() -> str:
     """recal's per-step cost on each Keras backend (scripts/bench_keras_backends.py)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
     from bench_keras_backends import table
 
     return table(load("keras_backends.json"))
@@ -392,7 +392,6 @@ def keras_backends_summary() -> str:
 
 def keras_applications() -> str:
     """keras.applications under recal's Keras QAT on each backend (scripts/bench_keras_applications.py)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
     from bench_keras_applications import table
 
     return table(load("keras_applications.json"))
@@ -400,7 +399,6 @@ def keras_applications() -> str:
 
 def interop() -> str:
     """Other tools' QDQ files converted, on each CPU measured (scripts/bench_interop.py)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
     from bench_interop import table
 
     return table(load("interop.json"))
@@ -422,8 +420,7 @@ def real_models() -> str:
 
 def real_model_qat() -> str:
     """QAT on RapidOCR's recognizer, beside quantize_static (scripts/real_models/rapidocr_qat.py)."""
-    sys.path.insert(0, str(ROOT / "scripts" / "real_models"))
-    from rapidocr_qat import table
+    from real_models.rapidocr_qat import table
 
     data = load("real_model_qat.json")
     return (table(data) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. {data['samples']} held-out "

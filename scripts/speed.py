@@ -29,7 +29,6 @@ import torch
 from recal_onnx import cpu, quantize_qat_export
 from recal_torch import ScheduledModifierManager, count_macs, export_onnx, thin
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.models import QAT_RECIPE, ResNet18, templates, train_steps
 from bench.results import machine, save
 from bench.peers import STATIC, STATIC_REDUCED, fidelity, static_peers

@@ -24,7 +24,8 @@ from recal_core.schedule import RecipeSchedule
 
 from recal_keras.qat_tables import QATTables, quantize_at_completion
 from recal_keras.mask_ops import PruningMasks, per_step as _per_step
-from recal_keras.recipe_support import RecalWarning, check_table_size, learned_scales, qat_problems, torch_only_problems
+from recal_keras.errors import RecalWarning
+from recal_keras.recipe_support import check_table_size, learned_scales, qat_problems, torch_only_problems
 from ..utils import tf_compat
 from .channel_graph import graph_spaces
 from .params import describe_variables

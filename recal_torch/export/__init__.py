@@ -5,6 +5,7 @@
 - :mod:`~recal_torch.export.bias_grid`: each bias put on the int32 grid its int8 layer holds it on.
 """
 
-from .to_onnx import ExportError, ExportWarning, export_onnx, to_export_model
+from ..errors import ExportError, ExportWarning
+from .to_onnx import export_onnx, to_export_model
 
 __all__ = ["ExportError", "ExportWarning", "export_onnx", "to_export_model"]

@@ -26,6 +26,7 @@ from torch import nn
 
 from recal_core.atomic import atomic_folder
 
+from ..errors import ExportError, ExportWarning
 from ..model_params import unwrap
 from ..sharding import is_sharded
 from ..qat import (CONTAINER, ActivationFakeQuantize, AttentionFakeQuantize, GroupWeightFakeQuantize, QATModule,
@@ -87,14 +88,6 @@ def to_export_model(model: nn.Module, dynamo: bool = True, sample_input: Sequenc
     if sample_input is not None:
         round_biases(exported, tuple(sample_input))
     return exported
-
-
-class ExportWarning(UserWarning):
-    """The exporter asked for could not export the model; the other one did (the message says why)."""
-
-
-class ExportError(RuntimeError):
-    """Neither of torch's exporters wrote a model that runs; the message gives both reasons."""
 
 
 def export_onnx(model: nn.Module, sample_input: torch.Tensor | Sequence[torch.Tensor], path: str | os.PathLike,

@@ -18,9 +18,11 @@ from recal_core.patterns import PatternBudget
 from recal_core.recipe import Recipe
 from recal_core.schedule import QATState
 
-from .layers import (QATModule, WeightOnlyEmbedding, WeightOnlyLinear, describe, fake_quantizers, features,
-                     is_linear_like, is_table, linears_left_float, qat_modules)
-from .plan import FLOAT_REASON, QATPlanWarning, fake_quantize_model, quantizable_layers, replace_layer
+from .inventory import describe, fake_quantizers, qat_modules
+from .layers import QATModule, features, is_linear_like, is_table, linears_left_float
+from .weight_only import WeightOnlyEmbedding, WeightOnlyLinear
+from ..errors import QATPlanWarning
+from .plan import FLOAT_REASON, fake_quantize_model, quantizable_layers, replace_layer
 from .attention import AttentionFakeQuantize, quantize_attention
 
 log = logging.getLogger(__name__)

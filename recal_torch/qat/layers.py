@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..sharding import gathered, unsharded_class
-from .quantizers import W_LEVELS, ActivationFakeQuantize, GroupWeightFakeQuantize, WeightFakeQuantize
+from .quantizers import W_LEVELS, ActivationFakeQuantize, WeightFakeQuantize
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -39,7 +39,7 @@ def is_linear_like(module: nn.Module) -> bool:
     kind = unsharded_class(module)
     if kind is nn.Linear or is_transposed_linear_type(kind):
         return True
-    if isinstance(module, (QATModule, WeightOnlyLinear)):  # recal's own, already quantized
+    if isinstance(module, AdoptsParameters):  # recal's own (a QAT or weight-only layer), already quantized
         return False
     return isinstance(module, nn.Linear) and (kind.forward is nn.Linear.forward or _computes_linear(module))
 
@@ -66,7 +66,7 @@ def linears_left_float(root: nn.Module) -> list[str]:
     """Subclasses of ``nn.Linear`` QAT does not replace (their ``forward`` computes something else): named in a
     warning, each with its class."""
     return [f"{n} ({type(m).__name__})" for n, m in root.named_modules()
-            if isinstance(m, nn.Linear) and not isinstance(m, (QATModule, WeightOnlyLinear)) and not is_linear_like(m)]
+            if isinstance(m, nn.Linear) and not isinstance(m, AdoptsParameters) and not is_linear_like(m)]
 
 
 NORMS = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.BatchNorm3d}
@@ -78,7 +78,6 @@ NORMS = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.Bat
 def clamp(y: torch.Tensor, relu: bool, relu6: bool) -> torch.Tensor:
     """The fused activation of a QAT layer (and of its export form): ReLU6, ReLU or none."""
     return F.relu6(y) if relu6 else F.relu(y) if relu else y
-
 
 
 class AdoptsParameters:
@@ -319,81 +318,6 @@ class QATEmbedding(QATModule, nn.Embedding):
         return f"Embedding, int8 per-row table {tuple(self.weight.shape)}"
 
 
-class WeightOnlyLinear(AdoptsParameters, nn.Module):
-    """A Linear (or transformers' ``Conv1D``) whose weight is fake-quantized and whose input and output stay float
-    (W4A16, W8A16): the weight-only layer onnxruntime runs as ``MatMulNBits``. Like a QAT module it adopts the float
-    module's Parameters, so the optimizer, masks and checkpoints carry on.
-
-    Args:
-        linear: the float layer.
-        bits: 2 (ternary), 4 or 8.
-        group_size: inputs per scale (``None``: one scale per output channel).
-        observer: ``"minmax"`` or ``"mse"`` (:class:`~recal_torch.qat.quantizers.GroupWeightFakeQuantize`).
-    """
-
-    def __new__(cls, *args, **kwargs):  # (copy and pickle call it with no arguments, on the subclass)
-        if cls is WeightOnlyLinear and isinstance(args[0] if args else kwargs.get("linear"), nn.Linear):
-            cls = WeightOnlyTorchLinear
-        return super().__new__(cls)
-
-    def __init__(self, linear: nn.Module, bits: int, group_size: int | None, observer: str = "minmax"):
-        nn.Module.__init__(self)  # not the layer class's own: the float module's Parameters are kept
-        self.float_type = unsharded_class(linear)
-        self.adopt_from(linear)
-        self.weight = linear.weight
-        self.register_parameter("bias", getattr(linear, "bias", None))
-        self.transposed = is_transposed_linear_type(unsharded_class(linear))
-        self.in_features, self.out_features = features(linear)
-        self.weight_fake_quant = GroupWeightFakeQuantize(self.out_features, self.in_features, bits, group_size,
-                                                         observer).to(self.weight.device)
-
-    def oriented_weight(self) -> torch.Tensor:
-        """The weight as ``[out, in]`` (a Conv1D's transposed)."""
-        weight = self.live("weight")
-        return weight.t() if self.transposed else weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The linear map of float ``x`` by the fake-quantized weight.
-
-        Args:
-            x: the layer's float input."""
-        return F.linear(x, self.weight_fake_quant(self.oriented_weight()), self.live("bias"))
-
-    def extra_repr(self) -> str:
-        return f"{self.float_type.__name__}, weight {tuple(self.weight.shape)} {self.weight_fake_quant.describe()}"
-
-
-class WeightOnlyTorchLinear(WeightOnlyLinear, nn.Linear):
-    """A :class:`WeightOnlyLinear` made from an ``nn.Linear``, an ``nn.Linear``."""
-
-
-class WeightOnlyEmbedding(WeightOnlyLinear, nn.Embedding):
-    """An embedding table read through symmetric 8- or 4-bit fake quantization per row or per group of a row (each
-    row an output channel): onnxruntime gathers its packed integers with ``GatherBlockQuantized``.
-
-    Args:
-        embedding: the float table (``nn.Embedding`` without ``max_norm``).
-        bits: 4 or 8.
-        group_size: columns per scale (``None``: one scale per row).
-        observer: ``"minmax"`` or ``"mse"``.
-    """
-
-    def __init__(self, embedding: nn.Embedding, bits: int, group_size: int | None, observer: str = "minmax"):
-        super().__init__(embedding, bits, group_size, observer)  # rows are its outputs, the width its inputs
-        self.padding_idx, self.scale_grad_by_freq, self.sparse = (embedding.padding_idx, embedding.scale_grad_by_freq,
-                                                                   embedding.sparse)
-        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
-        self.max_norm, self.norm_type = None, 2.0  # what nn.Embedding's readers find (is_table: no max_norm)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows of the fake-quantized table.
-
-        Args:
-            ids: the token ids."""
-        return F.embedding(ids, self.weight_fake_quant(self.live("weight")), self.padding_idx, None, 2.0,
-                           self.scale_grad_by_freq, self.sparse)
-
-
 class QuantizedReLU(nn.Module):
     """A ReLU after a residual sum ``a + b`` whose output is fake-quantized: runtimes then add in int8
     (the ReLU is the clamp of the add's uint8 output, whose zero point is 0).
@@ -409,7 +333,6 @@ class QuantizedReLU(nn.Module):
         return self.activation_post_process(F.relu(x))
 
 
-
 def is_table(module: nn.Module) -> bool:
     """An embedding table QAT stores in int8 (``max_norm`` rewrites rows during lookup: left float)."""
     return unsharded_class(module) is nn.Embedding and module.max_norm is None
@@ -419,39 +342,3 @@ def device_of(module: nn.Module) -> torch.device:
     return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
-def describe(module: QATModule | WeightOnlyLinear) -> str:
-    """What a QAT layer quantizes, e.g. ``Linear, weight (64, 64) int8 per channel, input uint8, output float``."""
-    if isinstance(module, WeightOnlyEmbedding):
-        return f"Embedding, table {tuple(module.weight.shape)} {module.weight_fake_quant.describe()}, rows float"
-    if isinstance(module, WeightOnlyLinear):
-        return (f"Linear, weight {(module.out_features, module.in_features)} "
-                f"{module.weight_fake_quant.describe()}, weight-only (input and output float)")
-    if isinstance(module, QATEmbedding):
-        return f"Embedding, table {tuple(module.weight.shape)} int8 per row, rows float"
-    fq_in, fq_out = module.input_fake_quant, module.activation_post_process
-    source = "uint8" if fq_in is not None and fq_in.active else "from a quantized layer"
-    if fq_in is not None and fq_in.active and fq_in.learned:
-        source += " (learned scale)"
-    output = "uint8" if fq_out is not None and fq_out.active else "float"
-    bits = "int8" if module.weight_fake_quant.levels == W_LEVELS else "7-bit int8 (reduce_range)"
-    learned = " (learned scales)" if module.weight_fake_quant.learned else ""
-    return (f"{module.extra_repr().split(',')[0]}, weight {tuple(module.weight.shape)} {bits} per channel{learned}, "
-            f"input {source}, output {output}")
-
-
-def qat_modules(model: nn.Module) -> list[QATModule]:
-    return [m for m in model.modules() if isinstance(m, QATModule)]
-
-
-def fake_quantizers(model: nn.Module) -> list[nn.Module]:
-    """Every activation and weight fake-quantizer in ``model`` (to freeze their observers)."""
-    return [m for m in model.modules()
-            if isinstance(m, (ActivationFakeQuantize, WeightFakeQuantize, GroupWeightFakeQuantize))]
-
-
-def quantizer_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What QAT added to ``model.state_dict()``, by name: its quantizers' scales, zero points and observed ranges
-    (the layers' own weights keep the float model's names)."""
-    kinds = (ActivationFakeQuantize, WeightFakeQuantize, GroupWeightFakeQuantize)
-    return {f"{name}.{key}": tensor for name, m in model.named_modules() if isinstance(m, kinds)
-            for key, tensor in m.state_dict().items()}

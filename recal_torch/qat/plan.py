@@ -16,41 +16,28 @@ from __future__ import annotations
 import logging
 import warnings
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..errors import QATPlanWarning
 from ..sharding import forward_to_trace, is_sharded_module, take_over
 from . import sites as qat_sites
 from .quantizers import REDUCED_W_LEVELS, W_LEVELS, ActivationFakeQuantize, SiLUFakeQuantize, WeightFakeQuantize
 from .attention import AttentionFakeQuantize
-from .layers import (CONVS, NORMS, AdoptsParameters, FoldedBatchNorm, QATConv, QATEmbedding, QATLinear, QATModule,
-                     QuantizedReLU, WeightOnlyLinear, device_of, is_linear_like, is_table)
-from .patterns import (AVG_POOL_FUNCTIONS, AVG_POOLS, CATS, clamping_activation, identity_at_eval,
-                           is_silu_module, norm_activation, preserves_quantization)
-from .trace import ADDS, MULS, evaluating, own_children, record_forward
+from .fusion_plan import FusionPlan, plan_graph, plan_sites, reaches, site_kind, unread_linears
+from .layers import (CONVS, AdoptsParameters, FoldedBatchNorm, QATConv, QATEmbedding, QATLinear, QATModule,
+                     QuantizedReLU, device_of, is_linear_like, is_table)
+from .weight_only import WeightOnlyLinear
+from .patterns import (identity_at_eval,
+                           norm_activation)
+from .trace import evaluating, record_forward
 
 log = logging.getLogger(__name__)
 
 
 FLOAT_REASON = "_recal_float_reason"  # on a conv / linear the planner left float: why (manager.quantized_layers)
 
-
-class QATPlanWarning(UserWarning):
-    """The QAT planner could not read the model's forward: the layers it names are quantized less than they could
-    be (the message says what stays float)."""
-
-# --- preparing a model ---------------------------------------------------------------------
-
-@dataclass
-class _Plan:
-    target: str
-    bn: str | None = None
-    fused_module: str | None = None  # the activation module fused (it becomes nn.Identity)
-    quantize_input: bool = True
-    activation: str | None = None  # "relu" or "relu6": clamped before the output is quantized
 
 
 
@@ -103,7 +90,7 @@ def fake_quantize_model(root: nn.Module, skip: frozenset[str] | set[str] = froze
                           + (f" (submodules: [{children[0]}])" if children else ""), QATPlanWarning, stacklevel=3)
         log.info("QAT: torch.fx cannot trace %s (%s: %s); the plan is made from its first forward instead",
                  type(root).__name__, type(exc).__name__, " ".join(str(exc).split())[:200])
-        plans, residual_relus = [_Plan(name) for name in quantizable_layers(root, skip)], []
+        plans, residual_relus = [FusionPlan(name) for name in quantizable_layers(root, skip)], []
     for name in residual_relus:
         replace_layer(root, name, QuantizedReLU().to(device_of(root)))
     created = []
@@ -127,7 +114,7 @@ def fake_quantize_model(root: nn.Module, skip: frozenset[str] | set[str] = froze
     return created
 
 
-def _fuse(root: nn.Module, qat: QATModule, plan: _Plan, modules: dict[str, nn.Module]) -> None:
+def _fuse(root: nn.Module, qat: QATModule, plan: FusionPlan, modules: dict[str, nn.Module]) -> None:
     """Fold the plan's BatchNorm and activation into ``qat``."""
     if plan.bn is not None:
         bn = FoldedBatchNorm(modules[plan.bn])
@@ -189,20 +176,20 @@ def _plan_on_first_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
                       "inputs and outputs are quantized as planned before it, and the adds, products and pools around "
                       "them stay float", QATPlanWarning, stacklevel=2)
     if not traced:
-        plans, _ = _plan_graph(graph, modules, layers)
+        plans, _ = plan_graph(graph, modules, layers)
         for plan in plans:
             _fuse(root, modules[plan.target], plan, modules)
         modules = dict(root.named_modules())
-    sites, quantized = _plan_sites(graph, modules)
+    sites, quantized = plan_sites(graph, modules)
     if sites:
         qat_sites.install(root, [node.meta["site"] for node in sites])
     if not traced:  # the int8 model's matmul returns float where no quantized layer or add reads its output
-        for linear in _unread_linears(graph, modules, set(sites)):
+        for linear in unread_linears(graph, modules, set(sites)):
             linear.activation_post_process.set_active(False)
     for node in graph.nodes:
         layer = modules.get(node.target) if node.op == "call_module" else None
         if isinstance(layer, QATModule) and not isinstance(layer, QATEmbedding) and layer.input_fake_quant is not None \
-                and node.args and _reaches(node.args[0], quantized, modules):
+                and node.args and reaches(node.args[0], quantized, modules):
             layer.input_fake_quant.set_active(False)
     fused = sum(isinstance(modules[n], QATConv) and modules[n].folded_bn is not None for n in layers)
     inputs = sum(modules[n].input_fake_quant is not None and modules[n].input_fake_quant.active for n in layers)
@@ -210,7 +197,7 @@ def _plan_on_first_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
                   for n in layers)
     log.info("QAT plan from the first forward of %s: %d layers (%d with BatchNorm folded), %d inputs and %d outputs "
              "quantized, %s", type(root).__name__, len(layers), fused, inputs, outputs,
-             ", ".join(f"{n} {kind}s" for kind, n in Counter(_site_kind(s, modules) for s in sites).items())
+             ", ".join(f"{n} {kind}s" for kind, n in Counter(site_kind(s, modules) for s in sites).items())
              or "no call sites")
 
 
@@ -242,7 +229,7 @@ def replace_layer(root: nn.Module, target: str, new: nn.Module) -> nn.Module:
 
 
 def _plan_from_trace(root: nn.Module, modules: dict[str, nn.Module],
-                     skip: frozenset[str] | set[str]) -> tuple[list[_Plan], list[str]]:
+                     skip: frozenset[str] | set[str]) -> tuple[list[FusionPlan], list[str]]:
     """The fusion plans read off a ``torch.fx`` trace, and the ReLU modules that follow a residual addition."""
     quantizable = set(quantizable_layers(root, skip))
     graph = _LayerTracer(set(quantizable_layers(root))).trace(root)
@@ -254,7 +241,7 @@ def _plan_from_trace(root: nn.Module, modules: dict[str, nn.Module],
                       "give each call its own module", QATPlanWarning, stacklevel=3)
         for target in shared:
             modules[target].__dict__[FLOAT_REASON] = f"called {calls[target]} times in one forward"
-    return _plan_graph(graph, modules, quantizable)
+    return plan_graph(graph, modules, quantizable)
 
 
 class _LayerTracer(torch.fx.Tracer):
@@ -275,223 +262,3 @@ class _LayerTracer(torch.fx.Tracer):
         return super().call_module(m, forward, args, kwargs)
 
 
-def _float_type(module: nn.Module | None) -> type | None:
-    """The torch.nn layer class of a (QAT) layer: a subclass of ``nn.Conv2d`` counts as ``nn.Conv2d``."""
-    kind = module.float_type if isinstance(module, QATModule) else type(module) if module is not None else None
-    return next((c for c in NORMS if kind is not None and issubclass(kind, c)), kind)
-
-
-def _plan_graph(graph: torch.fx.Graph, modules: dict[str, nn.Module],
-                quantizable: set[str]) -> tuple[list[_Plan], list[str]]:
-    """The fusion plans of the layers named in ``quantizable`` (float or QAT modules), and the ReLU modules
-    that alone follow a residual addition, from a symbolic or a recorded trace."""
-    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
-
-    def module_of(node: torch.fx.Node) -> nn.Module | None:
-        return modules.get(node.target) if node.op == "call_module" else None
-
-    plans: dict[torch.fx.Node, _Plan] = {}
-    ends: dict[torch.fx.Node, _Plan] = {}
-    tables = []
-    for node in graph.nodes:
-        layer = module_of(node)
-        if layer is None or node.target not in quantizable or calls[node.target] != 1:
-            continue
-        if is_table(layer) or isinstance(layer, QATEmbedding):
-            tables.append(_Plan(node.target, quantize_input=False))
-            continue
-        plan = _Plan(node.target)
-        end = node
-        nxt = _only_user(node)
-        kind = _float_type(layer)
-        folded_act = None
-        if kind in NORMS and nxt is not None and nxt.op == "call_module" and calls[nxt.target] == 1 \
-                and len(nxt.args) == 1 and isinstance(module_of(nxt), NORMS[kind]):
-            folded_act = "bn" if type(module_of(nxt)) is NORMS[kind] else norm_activation(module_of(nxt))
-        if folded_act == "bn":
-            plan.bn, end, nxt = nxt.target, nxt, _only_user(nxt)
-        elif folded_act is not None:  # a BatchNorm with its own activation: both fold, nothing follows to fuse
-            plan.bn, end = nxt.target, nxt
-            plan.activation = None if folded_act == "none" else folded_act
-            plans[node] = plan
-            ends[end] = plan
-            continue
-        activation = clamping_activation(nxt, module_of(nxt)) if nxt is not None and nxt.args \
-            and nxt.args[0] is end else None
-        if activation is not None:
-            plan.activation, end = activation, nxt
-            # a shared module or a function stays (idempotent on the clamped output); a module called once goes
-            plan.fused_module = nxt.target if nxt.op == "call_module" and calls[nxt.target] == 1 else None
-        plans[node] = plan
-        ends[end] = plan
-    fused_relus = {p.fused_module for p in plans.values() if p.fused_module is not None}
-    residual_relus = []
-    for node in graph.nodes:
-        if _is_residual_add(node):
-            relu = _only_user(node)
-            if relu is not None and type(module_of(relu)) is nn.ReLU and calls[relu.target] == 1 \
-                    and relu.target not in fused_relus:
-                residual_relus.append(relu.target)
-                ends[relu] = None
-    for node, plan in plans.items():
-        plan.quantize_input = not (node.args and _reaches(node.args[0], set(ends), modules))
-    return tables + list(plans.values()), residual_relus
-
-
-def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
-
-
-def _is_residual_add(node: torch.fx.Node) -> bool:
-    return _is_binary(node, ADDS)
-
-
-def _is_binary(node: torch.fx.Node, functions: set) -> bool:
-    """``node`` is one of ``functions`` applied to two tensors the model computed (not an input, not a constant)."""
-    return node.op == "call_function" and node.target in functions and len(node.args) == 2 \
-        and all(isinstance(a, torch.fx.Node) and a.op != "placeholder" for a in node.args)
-
-
-_SITE_WORDS = {"add": "residual add", "mul": "product", "sigmoid": "sigmoid", "silu": "SiLU", "cat": "concatenation",
-               "pool": "average pool", "norm": "BatchNorm"}
-
-
-def _site_kind(node: torch.fx.Node, modules: dict[str, nn.Module]) -> str | None:
-    """What a call site's observer would quantize: ``"add"`` / ``"mul"`` (of two computed tensors), ``"cat"`` (of
-    several), ``"pool"`` (an average pool), ``"norm"`` (a BatchNorm not folded), ``"sigmoid"``, ``"silu"``, or
-    ``"clamp"`` (a ReLU / ReLU6 after one of the first two); None for any other call."""
-    module = modules.get(node.target) if node.op == "call_module" else None
-    if _is_binary(node, ADDS):
-        return "add"
-    if _is_binary(node, MULS):
-        return "mul"
-    if isinstance(module, AVG_POOLS) or (node.op == "call_function" and node.target in AVG_POOL_FUNCTIONS):
-        return "pool"
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        return "norm"  # one not folded into a conv before it: a pre-activation BatchNorm
-    if node.op == "call_function" and node.target in CATS and node.args and isinstance(node.args[0], (list, tuple)) \
-            and len(node.args[0]) > 1:
-        return "cat"
-    function = node.target if node.op == "call_function" else None
-    if type(module) is nn.Sigmoid or function is torch.sigmoid:
-        return "sigmoid"
-    if is_silu_module(module) or function is F.silu:
-        return "silu"
-    return "clamp" if clamping_activation(node, module) is not None else None
-
-
-def _reaches(node: object, quantized: set, modules: dict[str, nn.Module]) -> bool:
-    """``node`` is one of ``quantized``, or reads one through quantization-preserving ops only."""
-    while isinstance(node, torch.fx.Node):
-        if node in quantized:
-            return True
-        module = modules.get(node.target) if node.op == "call_module" else None
-        if not preserves_quantization(node, module) or not node.args:
-            return False
-        node = node.args[0]
-    return False
-
-
-def _plan_sites(graph: torch.fx.Graph, modules: dict[str, nn.Module]) -> tuple[list[torch.fx.Node], set]:
-    """The nodes of the recorded trace whose call site needs its own observer, and every node whose output is
-    then quantized.
-
-    - A residual add or a product whose operands are both quantized gets one: on its output, or on the ReLU /
-      ReLU6 that alone reads it (the runtime adds or multiplies in int8 and clamps on the integers).
-    - So does a BatchNorm of a quantized tensor that no conv before it took in (DenseNet's pre-activation), on its
-      output or on the ReLU that alone reads it: the converter runs it as a depthwise 1x1 QLinearConv.
-    - So does an average pool of a quantized tensor (the runtime pools the integers and rounds the mean to the
-      grid the QAT model rounded it to; a pool the model returns stays float).
-    - So does a concatenation of quantized tensors (the runtime joins them on one grid, and a channel split or
-      shuffle after it moves integers).
-    - So does a sigmoid or a SiLU whose input is quantized (a SiLU's site also quantizes its sigmoid:
-      :class:`SiLUFakeQuantize`), unless the model returns it: squeeze-excitation and SiLU then run on the integers.
-    """
-    quantized = set()
-    for node in graph.nodes:
-        module = modules.get(node.target) if node.op == "call_module" else None
-        fq = getattr(module, "activation_post_process", None)
-        if isinstance(fq, ActivationFakeQuantize) and fq.active and not isinstance(module, QATEmbedding):
-            quantized.add(node)
-    strangers: dict[str, set[str]] = {}  # module -> the modules it calls that are not its own children
-    children: dict[str, set[str]] = {}
-    for caller, called in getattr(graph, "module_calls", ()):
-        if caller not in children:
-            prefix = caller + "." if caller else ""
-            children[caller] = {prefix + path for path, _ in own_children(modules[caller])}
-        if called not in children[caller]:
-            strangers.setdefault(caller, set()).add(called)
-    sites = []
-    for node in graph.nodes:
-        kind = _site_kind(node, modules)
-        if kind in (None, "clamp") or "site" not in node.meta:
-            continue
-        operands = node.args if kind in ("add", "mul") else node.args[0] if kind == "cat" else node.args[:1]
-        if not operands or not all(_reaches(a, quantized, modules) for a in operands):
-            continue
-        user = _only_user(node)
-        module = modules.get(user.target) if user is not None and user.op == "call_module" else None
-        if isinstance(module, QuantizedReLU):
-            continue  # the fx plan quantizes this sum already
-        if kind == "pool" and _read_only_by_layers(node, modules):
-            continue  # the layer's own input quantizer quantizes it (GAP -> flatten -> classifier), as before
-        if kind in ("sigmoid", "silu", "pool") and any(u.op == "output" for u in node.users):
-            continue  # a probability or feature the model returns keeps its float precision
-        if kind in ("add", "mul", "norm") and user is not None and user.args and user.args[0] is node \
-                and "site" in user.meta and clamping_activation(user, module) is not None:
-            node = user
-        if node.op != "call_module" and node.meta["site"][0] in strangers:
-            warnings.warn(f"QAT: the {_SITE_WORDS[kind]} in {node.meta['site'][0]!r} stays float: that module calls "
-                          f"modules that are not its own children ({', '.join(sorted(strangers[node.meta['site'][0]])[:3])}"
-                          "), so its own calls cannot be counted apart from theirs", QATPlanWarning, stacklevel=2)
-            continue
-        sites.append(node)
-        quantized.add(node)
-    return sites, quantized
-
-
-def _read_only_by_layers(node: torch.fx.Node, modules: dict[str, nn.Module]) -> bool:
-    """Every path from ``node`` through quantization-preserving ops ends at a QAT layer's input."""
-    stack, seen = list(node.users), set()
-    while stack:
-        user = stack.pop()
-        if user in seen:
-            continue
-        seen.add(user)
-        module = modules.get(user.target) if user.op == "call_module" else None
-        if isinstance(module, QATModule):
-            continue
-        if user.op == "output" or not preserves_quantization(user, module):
-            return False
-        stack.extend(user.users)
-    return True
-
-
-def _unread_linears(graph: torch.fx.Graph, modules: dict[str, nn.Module], sites: set) -> list[QATLinear]:
-    """The QAT linears with an output observer whose output no quantized layer or quantized add reads (through
-    quantization-preserving ops)."""
-    read = set()
-    for node in graph.nodes:
-        module = modules.get(node.target) if node.op == "call_module" else None
-        if isinstance(module, QATModule) and not isinstance(module, QATEmbedding):
-            sources = node.args[:1]
-        elif _site_kind(node, modules) in ("add", "mul") and (node in sites or any(u in sites for u in node.users)):
-            sources = node.args
-        elif node in sites:  # a sigmoid or a SiLU
-            sources = node.args[:1]
-        else:
-            continue
-        for arg in sources:
-            while isinstance(arg, torch.fx.Node):
-                read.add(arg)
-                inner = modules.get(arg.target) if arg.op == "call_module" else None
-                if not preserves_quantization(arg, inner) or not arg.args:
-                    break
-                arg = arg.args[0]
-    linears = []
-    for node in graph.nodes:
-        layer = modules.get(node.target) if node.op == "call_module" else None
-        if isinstance(layer, QATLinear) and node not in read and layer.activation_post_process is not None:
-            linears.append(layer)
-    return linears

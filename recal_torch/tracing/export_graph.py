@@ -12,7 +12,6 @@ that something else also reads blocks it.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from typing import Any
 
@@ -20,35 +19,17 @@ import torch
 from torch import nn
 
 from recal_core.channel_coupling import ModelGraph, Op, channel_spaces
-from recal_core.head_coupling import Attention, HeadLayout, head_layout
+from recal_core.head_coupling import Attention
 
-from .attention_sites import Site, attention_sites, readers
-from .head_rows import NotFollowed, head_rows
+from .aten_nodes import (CONVS, ELEMENTWISE, FAKE_QUANTS, JOIN, SAME, TRANSPOSES, VIEWS, aten, bias_add_of, is_spatial,
+                         is_tensor, matmul_on_weight, position_of, projection_of, same_shape, shape_of, where_of)
+from .exported_attention import attention_of
+from .attention_sites import attention_sites
 
-_aten = torch.ops.aten
-_SAME = {_aten.gelu.default, _aten.relu.default, _aten.relu_.default, _aten.silu.default, _aten.tanh.default,
-         _aten.dropout.default, _aten.clone.default, _aten.contiguous.default, _aten.alias.default,
-         _aten.hardtanh.default, _aten.leaky_relu.default, _aten.hardswish.default, _aten.detach.default,
-         _aten._to_copy.default, _aten.to.dtype, _aten.type_as.default, _aten.native_dropout.default}
-_SAME |= {_aten.max_pool1d.default, _aten.max_pool2d.default, _aten.max_pool3d.default, _aten.avg_pool1d.default,
-          _aten.avg_pool2d.default, _aten.avg_pool3d.default, _aten.adaptive_avg_pool1d.default,
-          _aten.adaptive_avg_pool2d.default, _aten.adaptive_avg_pool3d.default, _aten.adaptive_max_pool2d.default}
-# a QAT model's fake quantizers: a weight's (per channel) is the weight to the graph; an activation's (per
-# tensor) keeps every channel and head where it is
-_FAKE_QUANTS = {_aten.fake_quantize_per_channel_affine.default, _aten.fake_quantize_per_tensor_affine.default,
-                _aten.fake_quantize_per_tensor_affine.tensor_qparams}
-_SAME |= _FAKE_QUANTS
-_CONVS = {_aten.conv1d.default, _aten.conv2d.default, _aten.conv3d.default}
-_JOIN = {_aten.add.Tensor, _aten.mul.Tensor}
-# ops that compute an elementwise function of one tensor (and numbers): a gate such as GELU's ``1 + tanh(...)``
-_ELEMENTWISE = {_aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor, _aten.pow.Tensor_Scalar,
-                _aten.tanh.default, _aten.sigmoid.default, _aten.erf.default, _aten.exp.default, _aten.neg.default,
-                _aten.rsub.Scalar, _aten.add.Scalar, _aten.mul.Scalar}
-# a weight transposed for ``x @ w.T`` (transformers' FalconLinear): the weight
-_TRANSPOSES = {_aten.t.default, _aten.transpose.int, _aten.permute.default, _aten.numpy_T.default}
-_VIEWS = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
-_MERGE = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.transpose.int,
-          _aten.permute.default, _aten.contiguous.default, _aten.clone.default, _aten.alias.default, *_FAKE_QUANTS}
+SAME |= {aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default, aten.avg_pool1d.default,
+          aten.avg_pool2d.default, aten.avg_pool3d.default, aten.adaptive_avg_pool1d.default,
+          aten.adaptive_avg_pool2d.default, aten.adaptive_avg_pool3d.default, aten.adaptive_max_pool2d.default}
+SAME |= FAKE_QUANTS
 
 
 EXAMPLE_INPUTS = "_recal_example_inputs"  # where modify(..., example_inputs=) keeps them on the model
@@ -145,18 +126,18 @@ def _ops(program: torch.export.ExportedProgram) -> tuple[list[Op], list[Attentio
     lifted = {node: program.constants[name] for node, name in sig.inputs_to_lifted_tensor_constants.items()
               if isinstance(program.constants.get(name), torch.Tensor)}
     for node in graph.nodes:  # a QAT layer's weight, fake-quantized (and BatchNorm-scaled), is its parameter
-        source = node.args[0] if node.target in _FAKE_QUANTS else None
-        if isinstance(source, torch.fx.Node) and source.target is _aten.mul.Tensor and source.name not in params:
+        source = node.args[0] if node.target in FAKE_QUANTS else None
+        if isinstance(source, torch.fx.Node) and source.target is aten.mul.Tensor and source.name not in params:
             weight = next((a for a in source.args if isinstance(a, torch.fx.Node) and a.name in params), None)
             if weight is not None and all(a.name in constant for a in source.all_input_nodes):
                 params[source.name] = params[weight.name]  # conv weight x BatchNorm factor (a folded QAT conv)
         if isinstance(source, torch.fx.Node) and source.name in params:
             params[node.name] = params[source.name]
-        source = node.args[0] if node.target in _TRANSPOSES else None
-        if isinstance(source, torch.fx.Node) and source.name in params and len(_shape(node) or ()) == 2:
+        source = node.args[0] if node.target in TRANSPOSES else None
+        if isinstance(source, torch.fx.Node) and source.name in params and len(shape_of(node) or ()) == 2:
             params[node.name] = params[source.name]  # a weight transposed for x @ w.T
     for node in graph.nodes:  # a weight computed from one parameter of its shape and constants (a group-wise or
-        if node.target is _aten.linear.default or node.target in _CONVS:  # learned-scale fake quantizer): that one
+        if node.target is aten.linear.default or node.target in CONVS:  # learned-scale fake quantizer): that one
             weight = node.args[1]
             if isinstance(weight, torch.fx.Node) and weight.name not in params and weight.name in constant:
                 source = _weight_source(weight, constant[weight.name], sig.inputs_to_parameters, graph)
@@ -167,97 +148,64 @@ def _ops(program: torch.export.ExportedProgram) -> tuple[list[Op], list[Attentio
     for node in graph.nodes:
         tensors = tuple(a.name for a in node.all_input_nodes if a.name not in params)
         if node.name in params and node.op != "placeholder" or node in inside or \
-                _matmul_on_weight(node, params) and _bias_add(node, params) is not None:
+                matmul_on_weight(node, params) and bias_add_of(node, params) is not None:
             continue  # a weight's fake quantizer (the weight itself); a gate's own ops (the gate is one op); a
             # matmul whose bias add is the layer
         if node in gates:
-            ops.append(Op(_where(node), "same", (gates[node].name,), node.name))
+            ops.append(Op(where_of(node), "same", (gates[node].name,), node.name))
             continue
         if _flattens_for_conv1d(node, params):
-            ops.append(Op(_where(node), "same", tensors[:1], node.name))
+            ops.append(Op(where_of(node), "same", tensors[:1], node.name))
             continue
         if _undoes_batchnorm_factor(node, constant):
-            ops.append(Op(_where(node), "same", (node.args[0].name,), node.name))
+            ops.append(Op(where_of(node), "same", (node.args[0].name,), node.name))
             continue
         if node.op == "placeholder":
             if node.name not in params:
                 ops.append(Op(node.name, "input", (), node.name))
         elif node.op == "output":
             ops.append(Op("the model's output", "output", tensors))
-        elif (projection := _projection(node, params)) is not None:  # (a linear on a computed weight: "other")
+        elif (projection := projection_of(node, params)) is not None:  # (a linear on a computed weight: "other")
             x, weight, bias = projection
             weight, bias = params[weight.name], params.get(bias.name) if isinstance(bias, torch.fx.Node) else None
             ops.append(Op(weight.rsplit(".", 1)[0], "layer", (x.name,), node.name, weight, bias))
-        elif node.target in _CONVS and node.args[1].name in params:
+        elif node.target in CONVS and node.args[1].name in params:
             ops.append(_conv(node, params, tensors))
-        elif node.target is _aten.batch_norm.default and node.args[1] is not None and node.args[3] is not None:
+        elif node.target is aten.batch_norm.default and node.args[1] is not None and node.args[3] is not None:
             weight, bias, mean = (params.get(a.name) if a is not None else None for a in node.args[1:4])
             ops.append(Op(weight.rsplit(".", 1)[0], "norm", tensors[:1], node.name, weight, bias, (mean,)))
-        elif node.target is _aten.flatten.using_ints and tuple(node.args[1:]) in ((1,), (1, -1)):
-            ops.append(Op(_where(node), "flatten", tensors, node.name))
-        elif node.target is _aten.mean.dim and len(tensors) == 1 and _spatial(node):
-            ops.append(Op(_where(node), "same", tensors, node.name))  # a global average pool written out
-        elif node.target in _SAME and len(tensors) == 1:
-            ops.append(Op(_where(node), "same", tensors, node.name))
-        elif node.target in _JOIN and len(tensors) == 2 and _same_shape(node, *node.all_input_nodes):
-            ops.append(Op(_where(node), "add", tensors, node.name))
-        elif node.target is _aten.mul.Tensor and len(tensors) == 1 and not _is_tensor(node.args[1 - _pos(node)]):
-            ops.append(Op(_where(node), "same", tensors, node.name))  # times a scalar
+        elif node.target is aten.flatten.using_ints and tuple(node.args[1:]) in ((1,), (1, -1)):
+            ops.append(Op(where_of(node), "flatten", tensors, node.name))
+        elif node.target is aten.mean.dim and len(tensors) == 1 and is_spatial(node):
+            ops.append(Op(where_of(node), "same", tensors, node.name))  # a global average pool written out
+        elif node.target in SAME and len(tensors) == 1:
+            ops.append(Op(where_of(node), "same", tensors, node.name))
+        elif node.target in JOIN and len(tensors) == 2 and same_shape(node, *node.all_input_nodes):
+            ops.append(Op(where_of(node), "add", tensors, node.name))
+        elif node.target is aten.mul.Tensor and len(tensors) == 1 and not is_tensor(node.args[1 - position_of(node)]):
+            ops.append(Op(where_of(node), "same", tensors, node.name))  # times a scalar
         elif node.op == "call_function":
-            ops.append(Op(_where(node), "other", tensors, node.name))
+            ops.append(Op(where_of(node), "other", tensors, node.name))
     order = {n: i for i, n in enumerate(graph.nodes)}  # (the ops on a projection's way, sorted as the graph runs)
-    attentions = [_attention(site, params, order, lifted) for site in attention_sites(graph, params)]
+    attentions = [attention_of(site, params, order, lifted) for site in attention_sites(graph, params)]
     return ops, attentions
-
-
-def _projection(node: torch.fx.Node, params: dict[str, str]) -> tuple[torch.fx.Node, torch.fx.Node, Any] | None:
-    """``(input, weight, bias)`` of a ``linear`` or a transformers Conv1D's ``addmm(bias, x, weight)`` on a
-    parameter (None for anything else)."""
-    if node.target is _aten.linear.default and node.args[1].name in params:
-        return node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else None
-    if node.target is _aten.addmm.default and isinstance(node.args[2], torch.fx.Node) \
-            and node.args[2].name in params and not node.kwargs:
-        return node.args[1], node.args[2], node.args[0]
-    if _matmul_on_weight(node, params) and _bias_add(node, params) is None:
-        return node.args[0], node.args[1], None
-    if node.target is _aten.add.Tensor and len(node.args) == 2 and isinstance(node.args[0], torch.fx.Node) \
-            and _matmul_on_weight(node.args[0], params) and _bias_add(node.args[0], params) is node:
-        return node.args[0].args[0], node.args[0].args[1], node.args[1]
-    return None
-
-
-def _matmul_on_weight(node: torch.fx.Node, params: dict[str, str]) -> bool:
-    """``x @ w.T`` on a parameter ``w`` (a FalconLinear)."""
-    weight = node.args[1] if node.target is _aten.matmul.default and len(node.args) == 2 else None
-    return isinstance(weight, torch.fx.Node) and weight.target in _TRANSPOSES and weight.name in params
-
-
-def _bias_add(matmul: torch.fx.Node, params: dict[str, str]) -> torch.fx.Node | None:
-    """The ``+ bias`` (a one-axis parameter) that alone reads a matmul's output: part of the layer."""
-    users = list(matmul.users)
-    if len(users) != 1 or users[0].target is not _aten.add.Tensor or len(users[0].args) != 2 \
-            or users[0].args[0] is not matmul:
-        return None
-    bias = users[0].args[1]
-    return users[0] if isinstance(bias, torch.fx.Node) and bias.name in params and len(_shape(bias) or ()) == 1 \
-        else None
 
 
 def _flattens_for_conv1d(node: torch.fx.Node, params: dict[str, str]) -> bool:
     """A view that keeps the last axis (the channels) on the way into or out of a Conv1D's ``addmm``: the
     ``[-1, in]`` it multiplies, or the ``[..., out]`` it returns."""
-    if node.target not in _VIEWS or not isinstance(node.args[0], torch.fx.Node):
+    if node.target not in VIEWS or not isinstance(node.args[0], torch.fx.Node):
         return False
-    into, out = _shape(node.args[0]), _shape(node)
+    into, out = shape_of(node.args[0]), shape_of(node)
     if not into or not out or into[-1] != out[-1]:
         return False
     users = list(node.users)
     return _is_conv1d(node.args[0], params) or len(users) == 1 and _is_conv1d(users[0], params) \
-        and _projection(users[0], params)[0] is node
+        and projection_of(users[0], params)[0] is node
 
 
 def _is_conv1d(node: torch.fx.Node, params: dict[str, str]) -> bool:
-    return node.target is _aten.addmm.default and _projection(node, params) is not None
+    return node.target is aten.addmm.default and projection_of(node, params) is not None
 
 
 def _self_gates(graph: torch.fx.Graph, params: dict[str, str]):
@@ -267,13 +215,13 @@ def _self_gates(graph: torch.fx.Graph, params: dict[str, str]):
     gates: dict[torch.fx.Node, torch.fx.Node] = {}
     inside: set[torch.fx.Node] = set()
     for node in graph.nodes:
-        if node.target is not _aten.mul.Tensor or len(node.all_input_nodes) != 2 or \
+        if node.target is not aten.mul.Tensor or len(node.all_input_nodes) != 2 or \
                 any(a.name in params for a in node.all_input_nodes):
             continue
         for a, g in (node.args[:2], node.args[1::-1]):
             if not isinstance(a, torch.fx.Node) or not isinstance(g, torch.fx.Node):
                 continue
-            root = a.args[0] if a.target is _aten.mul.Tensor and len(a.all_input_nodes) == 1 \
+            root = a.args[0] if a.target is aten.mul.Tensor and len(a.all_input_nodes) == 1 \
                 and isinstance(a.args[0], torch.fx.Node) else a
             ops = _function_of(g, root)
             if ops and all(set(n.users) <= ops | {node} for n in ops):
@@ -292,7 +240,7 @@ def _function_of(node: torch.fx.Node, root: torch.fx.Node) -> set[torch.fx.Node]
         n = stack.pop()
         if n is root or n in ops:
             continue
-        if n.op != "call_function" or n.target not in _ELEMENTWISE or len(ops) >= 32 or \
+        if n.op != "call_function" or n.target not in ELEMENTWISE or len(ops) >= 32 or \
                 not all(isinstance(a, (torch.fx.Node, int, float)) for a in n.args) or n.kwargs:
             return None  # (a gate is a few ops: a residual stream of adds is not walked to its start)
         ops.add(n)
@@ -314,24 +262,24 @@ def _weight_source(weight: torch.fx.Node, sources: frozenset[str], parameters: d
                    graph: torch.fx.Graph) -> str | None:
     """The one parameter among ``sources`` with ``weight``'s shape (or, a Conv1D's, its transpose): the weight a
     fake quantizer computed from it and its scales."""
-    shape = _shape(weight)
+    shape = shape_of(weight)
     if shape is None:
         return None
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     found = {parameters[s] for s in sources if s in parameters and s in placeholders
-             and _shape(placeholders[s]) in (shape, shape[::-1])}
+             and shape_of(placeholders[s]) in (shape, shape[::-1])}
     return found.pop() if len(found) == 1 else None
 
 
 def _undoes_batchnorm_factor(node: torch.fx.Node, constant: dict[str, frozenset[str]]) -> bool:
     """A folded QAT conv's ``conv / factor`` before its BatchNorm, the factor computed from that BatchNorm's own
     tensors alone: it scales each channel (zeros stay zeros), and thinning slices the BatchNorm, so the factor."""
-    if node.target is not _aten.div.Tensor or len(node.args) != 2 or not isinstance(node.args[1], torch.fx.Node):
+    if node.target is not aten.div.Tensor or len(node.args) != 2 or not isinstance(node.args[1], torch.fx.Node):
         return False
     x, factor = node.args
     users = list(node.users)
     if not isinstance(x, torch.fx.Node) or x.name in constant or factor.name not in constant or len(users) != 1 \
-            or users[0].target is not _aten.batch_norm.default:
+            or users[0].target is not aten.batch_norm.default:
         return False
     norm = {a.name for a in users[0].all_input_nodes[1:]}
     return bool(constant[factor.name]) and constant[factor.name] <= norm
@@ -341,7 +289,7 @@ def _conv(node: torch.fx.Node, params: dict[str, str], tensors: tuple[str, ...])
     weight = params[node.args[1].name]
     bias = params.get(node.args[2].name) if len(node.args) > 2 and node.args[2] is not None else None
     groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
-    shape = _shape(node.args[1])
+    shape = shape_of(node.args[1])
     name = weight.rsplit(".", 1)[0]
     if groups == 1:
         return Op(name, "layer", tensors[:1], node.name, weight, bias)
@@ -350,132 +298,3 @@ def _conv(node: torch.fx.Node, params: dict[str, str], tensors: tuple[str, ...])
     return Op(f"{name} (grouped conv)", "other", tensors, node.name)
 
 
-def _spatial(node: torch.fx.Node) -> bool:
-    dims, rank = node.args[1] if len(node.args) > 1 else None, len(_shape(node.args[0]) or ())
-    return isinstance(dims, (list, tuple)) and bool(dims) and all(2 <= (d + rank if d < 0 else d) < rank
-                                                                   for d in dims)
-
-
-def _where(node: torch.fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    module = list(stack.values())[-1][0] if stack else ""
-    return f"{module} ({node.target})" if module else str(node.target)
-
-
-def _shape(node: Any) -> tuple[int, ...] | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
-def _same_shape(node: torch.fx.Node, *inputs: torch.fx.Node) -> bool:
-    out = _shape(node)
-    return out is not None and all(_shape(i) == out for i in inputs)
-
-
-def _is_tensor(arg: Any) -> bool:
-    return isinstance(arg, torch.fx.Node)
-
-
-def _pos(node: torch.fx.Node) -> int:
-    return 0 if _is_tensor(node.args[0]) else 1
-
-
-def _attention(site: Site, params: dict[str, str], order: dict[torch.fx.Node, int],
-               constants: dict[str, torch.Tensor]) -> Attention:
-    """The projections of one attention, its head counts, and what blocks removing its heads (``order``: each node's
-    position in the graph; ``constants``: lifted tensor constants by placeholder name)."""
-    name = _where(site.node).split(" (")[0]
-    blockers: list[str] = []
-    found = []
-    targets = (site.query, site.key, site.value)
-    for arg in targets:
-        linear, path = _producer(arg, params)
-        path.sort(key=order.__getitem__)
-        found.append((linear, path))
-        if linear is None:
-            blockers.append(f"{_where(arg)} (its query, key and value must each come from one linear)")
-    output, merge_path = _consumer(site.output, params)
-    if output is None:
-        blockers.append(merge_path or f"whatever reads {name}'s output (not one linear)")
-    inside = {n for linear, path in found for n in (linear, *path) if n is not None}
-    rows = []
-    for role, ((linear, path), arg) in enumerate(zip(found, targets)):
-        if linear is None:
-            continue
-        for n in [linear, *path]:
-            for user in readers(n):
-                if user is not site.node and user not in site.products and user not in inside:
-                    blockers.append(f"{_where(user)}, which also reads {n.name}")
-        try:
-            rows.append(head_rows(linear, path, arg, constants, transposed=role == 1 and site.key_transposed))
-        except NotFollowed as exc:
-            blockers.append(f"{_where(exc.node)} (not an op recal follows a head through{exc.why})")
-    weights = [params[_projection(n, params)[1].name] if n is not None else f"{name}.?" for n, _ in found]
-    layout = head_layout(tuple(weights), tuple(rows)) if len(rows) == 3 else None
-    if isinstance(layout, str):
-        blockers.append(f"{name}: {layout}")
-    if not isinstance(layout, HeadLayout):  # (counts for messages only: nothing is removed)
-        shape = _shape(site.query) or (1, 1, 1, 1)
-        layout = HeadLayout(shape[-3], shape[-3], shape[-1], (0, 0, 0), False)
-    projections = (_projection(n, params) for n, _ in found if n is not None)
-    biases = tuple(dict.fromkeys((params[w.name], params[b.name]) for _, w, b in projections
-                                 if isinstance(b, torch.fx.Node) and b.name in params))
-    att = Attention(name, *weights, params[_projection(output, params)[1].name] if output is not None else
-                    f"{name}.?", layout.heads, layout.kv_heads, layout.head_dim, biases, offsets=layout.offsets,
-                    interleaved=layout.interleaved)
-    if not blockers:
-        blockers += filter(None, [att.packing_problem({w: _shape(n)[-1] for w, (n, _) in zip(weights, found)})])
-    return dataclasses.replace(att, blockers=tuple(dict.fromkeys(blockers)))
-
-
-def _producer(node: torch.fx.Node, params: dict[str, str]) -> tuple[torch.fx.Node | None, list[torch.fx.Node]]:
-    """The one ``linear`` (or Conv1D ``addmm``) on a parameter whose output reaches ``node``, and the ops on the
-    way (head splits, rotary embeddings): inputs that no linear reaches (cos and sin tables) are not followed."""
-    path: list[torch.fx.Node] = []
-    linears: set[torch.fx.Node] = set()
-    seen: set[torch.fx.Node] = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n in seen or not isinstance(n, torch.fx.Node):
-            continue
-        seen.add(n)
-        if _projection(n, params):
-            linears.add(n)
-            continue
-        if n.op != "call_function" or not _reaches_linear(n, params):
-            continue
-        path.append(n)
-        stack.extend(n.all_input_nodes)
-    if len(linears) != 1:
-        return None, path
-    return linears.pop(), path[::-1]
-
-
-def _reaches_linear(node: torch.fx.Node, params: dict[str, str]) -> bool:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if _projection(n, params):
-            return True
-        stack.extend(n.all_input_nodes)
-    return False
-
-
-def _consumer(heads: torch.fx.Node, params: dict[str, str]) -> tuple[torch.fx.Node | None, str | None]:
-    """The ``linear`` that reads the attention's ``heads`` merged back (through transposes and reshapes only)."""
-    n = heads
-    while True:
-        users = readers(n)
-        if len(users) != 1:
-            return None, f"{len(users)} readers of {n.name}" if users else None
-        user = users[0]
-        user = _bias_add(user, params) or user if _matmul_on_weight(user, params) else user
-        if (projection := _projection(user, params)) is not None and projection[0] is n:
-            return user, None
-        if user.target not in _MERGE:
-            return None, f"{_where(user)} (reads {heads.name}'s output; recal follows only reshapes to a linear)"
-        n = user

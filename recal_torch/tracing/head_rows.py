@@ -45,7 +45,7 @@ _CONSTANT_COPIES = {_aten.lift_fresh_copy.default, _aten.clone.default, _aten.de
 _MISSING = object()
 
 
-class NotFollowed(Exception):
+class NotFollowedError(Exception):
     """An op on the way whose effect on the rows recal cannot run: ``node``, and ``why`` (empty, or ``": ..."``)."""
 
     def __init__(self, node: torch.fx.Node, why: str = ""):
@@ -58,11 +58,11 @@ def head_rows(linear: torch.fx.Node, path: list[torch.fx.Node], target: torch.fx
     """``[heads, head_dim]``: the rows of ``linear``'s weight that each head of ``target`` (an attention's
     input, ``[batch, heads, tokens, head_dim]``, or ``[batch * heads, tokens, head_dim]``; ``transposed``: its last
     two axes swapped, a key as ``kᵀ``) is computed from, running ``path`` (the ops between them, in graph order).
-    ``constants``: the values of lifted tensor constants (index tensors). Raises :class:`NotFollowed` for an op
+    ``constants``: the values of lifted tensor constants (index tensors). Raises :class:`NotFollowedError` for an op
     that mixes rows in a way that is not a head's own."""
     shape = _shape(linear)
     if shape is None:
-        raise NotFollowed(linear, ": it has no recorded shape")
+        raise NotFollowedError(linear, ": it has no recorded shape")
     values: dict[torch.fx.Node, Any] = {linear: torch.arange(shape[-1], dtype=torch.float64).expand(shape)}
     mixed: list[tuple[torch.fx.Node, torch.Tensor]] = []  # (a reduction, the rows it mixes along its last axis)
     for node in path:
@@ -77,13 +77,13 @@ def head_rows(linear: torch.fx.Node, path: list[torch.fx.Node], target: torch.fx
     if isinstance(rows, torch.Tensor) and rows.dim() == 3:
         rows = _heads_of_merged_batch(rows)
     if not isinstance(rows, torch.Tensor) or rows.dim() != 4:
-        raise NotFollowed(target, ": not reached as one [batch, heads, tokens, head size] tensor")
+        raise NotFollowedError(target, ": not reached as one [batch, heads, tokens, head size] tensor")
     if not (rows == rows[:1, :, :1]).all():
-        raise NotFollowed(target, ": its heads read different rows at different tokens")
+        raise NotFollowedError(target, ": its heads read different rows at different tokens")
     heads = rows[0, :, 0]
     for node, reduced in mixed:
         if not _within_heads(reduced, heads):
-            raise NotFollowed(node, ": it mixes the rows of more than one head")
+            raise NotFollowedError(node, ": it mixes the rows of more than one head")
     return heads.numpy().astype(np.int64)
 
 
@@ -93,7 +93,7 @@ def _reduce(node: torch.fx.Node, rows: torch.Tensor) -> torch.Tensor:
     keep = node.args[2] if len(node.args) > 2 and isinstance(node.args[2], bool) else node.kwargs.get("keepdim", False)
     dims = [dims] if isinstance(dims, int) else list(dims or ())
     if [d % rows.dim() for d in dims] != [rows.dim() - 1] or not keep:
-        raise NotFollowed(node, ": a reduction recal follows only over the last axis, kept")
+        raise NotFollowedError(node, ": a reduction recal follows only over the last axis, kept")
     return rows[..., :1]
 
 
@@ -135,22 +135,22 @@ def _run(node: torch.fx.Node, values: dict, constants: dict[str, torch.Tensor]):
     args, kwargs = value(node.args), {k: value(v) for k, v in node.kwargs.items()}
     if node.target in _MOVES:
         if _holes(args) or _holes(kwargs):
-            raise NotFollowed(node, ": it moves a tensor that is not from the projection with it")
+            raise NotFollowedError(node, ": it moves a tensor that is not from the projection with it")
         return node.target(*args, **kwargs)
     if node.target in _KEEPS:
         rows = [values[a] for a in node.all_input_nodes if a in values]
         out = _shape(node)
         if not rows or out is None:
-            raise NotFollowed(node)
+            raise NotFollowedError(node)
         first = max(rows, key=lambda t: t.shape[-1])
         for other in rows:  # q * cos + rotate_half(q) * sin: the same rows of each head, in another order; x times
             if other.shape[-1] == 1 and first.shape[-1] > 1:  # its norm: one row of each position's vector
                 if not (first == other).any(-1).all():
-                    raise NotFollowed(node, ": it combines different rows")
+                    raise NotFollowedError(node, ": it combines different rows")
             elif other.shape != first.shape or not torch.equal(other.sort(-1).values, first.sort(-1).values):
-                raise NotFollowed(node, ": it combines different rows")
+                raise NotFollowedError(node, ": it combines different rows")
         return first.expand(out) if tuple(first.shape) != out else first
-    raise NotFollowed(node)
+    raise NotFollowedError(node)
 
 
 def _holes(args) -> bool:

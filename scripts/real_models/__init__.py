@@ -1,0 +1,1 @@
+"""The real pretrained model benchmarks (RapidOCR): QAT beside onnxruntime's and the peers' quantizers."""
