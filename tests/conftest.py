@@ -3,7 +3,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # One compute thread per worker (`make test` runs a worker per core): several workers' thread pools on the same
-    # cores spin against each other (test_torch_qat + test_tf_qat on 2 workers: 43.1 s pinned, 47.6 s on 2 threads).
+    # cores spin against each other (the PyTorch and TensorFlow QAT tests on 2 workers: 43.1 s pinned, 47.6 s on 2 threads).
     # Set before torch or TensorFlow is imported; the CLI and example subprocesses inherit it. A test that needs
     # more threads sets them itself.
     for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):

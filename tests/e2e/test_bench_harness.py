@@ -2,15 +2,12 @@
 layout table drawn from the tree."""
 
 import json
-import sys
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from tests.support.paths import ROOT
 
-sys.path.insert(0, str(ROOT / "scripts"))
 from bench import results, timing
 from code_layout import layout_table
 

@@ -10,7 +10,6 @@ import pytest
 
 from tests.support.paths import ROOT
 
-sys.path.insert(0, str(ROOT / "scripts"))
 import render_docs
 
 PUBLIC = ["recal_core", "recal_torch", "recal_onnx", "recal_tf", "recal_tf.graph", "recal_keras"]

@@ -9,7 +9,6 @@ import pytest
 from tests.support.paths import ROOT
 from tests.support.forked import run_program
 
-sys.path.insert(0, str(ROOT / "scripts"))
 # the examples found once, as check-wheel runs them from the installed wheel (docs/index.md is the README itself)
 from docs_examples import pages, python_blocks, recal_lines, short
 

@@ -62,7 +62,7 @@ def test_the_same_recipes_prune_alike_and_quantize_to_int8_on_every_keras_backen
         np.testing.assert_allclose(other["fc"], tf_run["fc"], atol=1e-5)  # the same training, decay included
         assert other["onnx_error"] < 1e-5 and other["onnx_zeros"] == tf_run["onnx_zeros"]  # its exporter's ONNX
         assert other["resume_error"] == 0  # resumed from a .keras file of epoch 2: bit for bit
-    assert tf_run["onnx_error"] < 1e-5  # TensorFlow's resume from .keras: tests/keras/test_keras.py
+    assert tf_run["onnx_error"] < 1e-5  # TensorFlow's resume from .keras: tests/keras/test_keras_qat.py
     assert tf_run["onnx_zeros"] >= sum(z[-1] for z in zeros.values())
     _check_qat({b: np.load(tmp_path / f"{b}_qat.npz") for b in ("tensorflow", "jax", "torch")})
     _check_blocks({b: np.load(tmp_path / f"{b}_qat_blocks.npz") for b in ("jax", "torch")})
@@ -230,8 +230,8 @@ def test_the_jax_qdq_primitive_exports_as_a_quantize_dequantize_pair(tmp_path):
 
 
 _NEVER_CALLED = """
-import warnings, keras, numpy as np, torch
-from recal_keras import ScheduledModifierManager, export_onnx
+import warnings, keras, numpy as np, torch  # noqa: E402
+from recal_keras import ScheduledModifierManager, export_onnx  # noqa: E402
 model = keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=10)
 manager = ScheduledModifierManager.from_yaml("- !QuantizationModifier {start_epoch: 0.0}\\n")
 qat, _ = manager.modify(model, keras.optimizers.SGD(0.01), steps_per_epoch=4)

@@ -337,7 +337,7 @@ def test_sparsity_follows_float_weights_through_quantize_and_dequantize():
 def test_a_model_whose_every_activation_is_16_bit_is_refused_at_the_start(tmp_path, dtype):
     """Int16 / uint16 activations have no QLinear kernel: a model with no 8-bit activation would convert nothing, so
     one error says so, naming the type and the first node, before any work, and nothing is written. (Among 8-bit
-    ones, a 16-bit tensor leaves only its layers float: test_interop_forms.)"""
+    ones, a 16-bit tensor leaves only its layers float: tests/onnx/test_onnxruntime_exports.py.)"""
     from recal_onnx import ModelError
 
     b = Builder()

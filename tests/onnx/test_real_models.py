@@ -2,7 +2,6 @@
 onnxruntime's quantize_static as a user would, and by NNCF's and ModelOpt's ONNX quantizers, converted and judged on
 rendered text (scripts/real_models)."""
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,11 +9,10 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from real_models.rapidocr_quantize import text_lines
 from recal_onnx import quantize_qat_export
 
 ROOT = Path(__file__).parents[2]
-sys.path.insert(0, str(ROOT / "scripts" / "real_models"))
-from rapidocr_quantize import text_lines  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "real"
 QDQ, FP32 = FIXTURES / "rapidocr-cls-quantize-static.onnx", FIXTURES / "rapidocr-cls-fp32.onnx"

@@ -18,7 +18,6 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 from recal_onnx import VerificationError, cpu, quantize_qat_export  # noqa: E402
 from recal_onnx.verify import verify_models  # noqa: E402

@@ -106,9 +106,9 @@ def test_mfac_equals_obs_on_the_same_gradients():
 
 def test_curvature_beyond_the_memory_limit_is_refused_before_allocation(monkeypatch):
     from recal_core import RecipeError
-    from recal_torch import manager as manager_module
+    from recal_torch import modify_checks
 
-    monkeypatch.setattr(manager_module, "MAX_CURVATURE_BYTES", 1000)
+    monkeypatch.setattr(modify_checks, "MAX_CURVATURE_BYTES", 1000)
     model = _two_layers()  # fc: 128 weights x 32 gradients x 4 bytes = 16 KB
     manager = ScheduledModifierManager.from_yaml(MFAC.format(params="[fc]", start=1, m=32, block=16, damp=1e-5,
                                                              glob="false"))

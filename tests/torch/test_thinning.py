@@ -3,8 +3,6 @@ masked one did, with fewer multiply-adds, on residual, depthwise and flatten-lin
 
 import copy
 import io
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +13,6 @@ from recal_torch import ScheduledModifierManager, count_macs, fake_quantize_mode
 
 from tests.support.torch_models import SmallCNN
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from bench.models import BasicBlock, Bottleneck
 
 

@@ -1,7 +1,6 @@
 """Two CPU processes under DistributedDataParallel (gloo): identical masks, exact final sparsity."""
 
 import os
-import sys
 
 import pytest
 import torch
@@ -25,7 +24,6 @@ LSQ_RECIPE = """
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, recipe: str = RECIPE, width: int = 8) -> None:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from recal_torch import ScheduledModifierManager
     from tests.support.torch_models import SmallCNN, batches, train_steps
 

@@ -3,7 +3,6 @@ single-process run of the same recipe on the same batches; a sharded checkpoint 
 it holds whole masks, so it also resumes a single-process run."""
 
 import os
-import sys
 
 import pytest
 import torch
@@ -70,7 +69,6 @@ def _whole(model) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     batches = _batches()
     model, optimizer, manager = _setup(shard=True)
@@ -197,7 +195,6 @@ def _qat_setup(shard: bool, adamw: bool = False):
 
 
 def _qat_worker(rank: int, world: int, port: int, out: str, adamw: bool = False) -> None:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     batches = _batches()
     model, optimizer, _ = _qat_setup(shard=True, adamw=adamw)

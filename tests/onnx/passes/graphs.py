@@ -2,6 +2,7 @@
 
 import numpy as np
 import onnx
+
 from recal_onnx.ir_edits import Graph
 from recal_onnx.passes.thin_channels import thin_channels
 from tests.support.onnx_graphs import Builder, reference, run

@@ -1,12 +1,14 @@
 """``activations_to_uint8`` on tiny graphs: its rewrites, the op types after, the numbers in onnxruntime."""
 
 import warnings
+
 import numpy as np
 import onnx
+
 from recal_onnx import quantize_qat_export
 from recal_onnx.passes.activations_to_uint8 import activations_to_uint8
-from tests.support.onnx_graphs import Builder, ops, reference, run
 from tests.onnx.passes.graphs import _apply, _x
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 def test_activations_to_uint8_follows_integers_through_data_movement():

@@ -2,11 +2,12 @@
 
 import numpy as np
 import pytest
+
 from recal_onnx.passes.affine_to_batchnorm import affine_to_batchnorm
 from recal_onnx.passes.batchnorm_to_conv import batchnorm_to_conv
 from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
-from tests.support.onnx_graphs import Builder, ops, reference, run
 from tests.onnx.passes.graphs import _apply, _x
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 @pytest.mark.parametrize("layout", ["channels last", "channels first"])

@@ -1,10 +1,11 @@
 """``batchnorm_to_conv`` on tiny graphs: its rewrites, the op types after, the numbers in onnxruntime."""
 
 import numpy as np
+
 from recal_onnx.passes.batchnorm_to_conv import batchnorm_to_conv
 from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
-from tests.support.onnx_graphs import Builder, ops, reference, run
 from tests.onnx.passes.graphs import _apply, _x
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 def test_batchnorm_on_a_quantized_activation_becomes_an_exact_depthwise_conv():

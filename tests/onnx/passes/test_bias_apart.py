@@ -2,11 +2,12 @@
 
 import numpy as np
 import onnx
+
 from recal_onnx.findings import Findings
 from recal_onnx.ir_edits import Graph
 from recal_onnx.passes.bias_apart import bias_apart
-from tests.support.onnx_graphs import ops, reference
 from tests.onnx.passes.graphs import _conv_graph, _x
+from tests.support.onnx_graphs import ops, reference
 
 
 def test_bias_apart():

@@ -1,16 +1,18 @@
 """``bias_to_int32`` on tiny graphs: its rewrites, the op types after, the numbers in onnxruntime."""
 
 import warnings
+
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+
 from recal_onnx import quantize_qat_export
 from recal_onnx.passes.bias_to_int32 import bias_to_int32
 from recal_onnx.passes.shield_float_weights import shield_float_weights
 from recal_onnx.passes.uint8_weights import uint8_weights
-from tests.support.onnx_graphs import Builder, ops, reference, run
 from tests.onnx.passes.graphs import _apply, _conv_graph, _folded_weight_graph, _x
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 def test_bias_to_int32_for_qdq_format():

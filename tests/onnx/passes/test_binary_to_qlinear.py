@@ -1,9 +1,10 @@
 """``binary_to_qlinear`` on tiny graphs: its rewrites, the op types after, the numbers in onnxruntime."""
 
 import numpy as np
+
 from recal_onnx.passes.binary_to_qlinear import binary_to_qlinear
-from tests.support.onnx_graphs import Builder, ops, reference, run
 from tests.onnx.passes.graphs import _apply, _x
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 def test_add_to_qlinearadd_and_zero_case():

@@ -2,9 +2,10 @@
 
 import numpy as np
 import pytest
+
 from recal_onnx.passes.concat_to_qlinear import concat_to_qlinear
-from tests.support.onnx_graphs import Builder, ops, reference, run
 from tests.onnx.passes.graphs import _apply
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 @pytest.mark.parametrize("scales, zp, expected_op", [((0.05, 0.05), 128, "Concat"), ((0.03, 0.08), 0, "QLinearConcat"),

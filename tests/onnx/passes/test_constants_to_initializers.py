@@ -2,12 +2,13 @@
 
 import numpy as np
 import pytest
+
 from recal_onnx.passes.constants_to_initializers import constants_to_initializers
-from recal_onnx.passes.fold_constants import fold_constants
 from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
+from recal_onnx.passes.fold_constants import fold_constants
 from recal_onnx.passes.fold_pads_into_convs import fold_pads_into_convs
-from tests.support.onnx_graphs import Builder, ops, reference, run
 from tests.onnx.passes.graphs import _apply, _x
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 @pytest.mark.parametrize("pads, value, folds", [

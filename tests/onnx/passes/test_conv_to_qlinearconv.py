@@ -3,10 +3,11 @@
 import numpy as np
 import onnx
 import pytest
+
 from recal_onnx.ir_edits import Graph
 from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
-from tests.support.onnx_graphs import Builder, ops, reference, run
 from tests.onnx.passes.graphs import _apply, _conv_graph, _x
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 @pytest.mark.parametrize("relu, out_zp", [(False, 100), (True, 0), (True, 40)])

@@ -3,11 +3,12 @@
 import numpy as np
 import onnxruntime as ort
 import pytest
+
 from recal_onnx.findings import Findings
-from recal_onnx.passes.shield_float_weights import shield_float_weights
 from recal_onnx.passes.dequantize_misaligned_weights import dequantize_misaligned_weights
-from tests.support.onnx_graphs import Builder, reference, run
+from recal_onnx.passes.shield_float_weights import shield_float_weights
 from tests.onnx.passes.graphs import _apply, _x
+from tests.support.onnx_graphs import Builder, reference, run
 
 
 def test_a_weight_scaled_per_input_channel_is_written_as_its_float_values():

@@ -2,11 +2,12 @@
 
 import numpy as np
 import onnx
+
+from recal_onnx.aimet_encodings import load_encodings
 from recal_onnx.findings import Findings
 from recal_onnx.passes.encodings_to_qdq import encodings_to_qdq
-from recal_onnx.aimet_encodings import load_encodings
-from tests.support.onnx_graphs import Builder, ops, reference
 from tests.onnx.passes.graphs import _apply
+from tests.support.onnx_graphs import Builder, ops, reference
 
 
 def test_encodings_to_qdq_quantizes_what_aimets_encodings_name():

@@ -3,9 +3,10 @@
 import numpy as np
 import onnx
 import pytest
+
 from recal_onnx.passes.finer_weight_grids import finer_weight_grids
-from tests.support.onnx_graphs import Builder, reference, run
 from tests.onnx.passes.graphs import _apply, _x
+from tests.support.onnx_graphs import Builder, reference, run
 
 
 @pytest.mark.parametrize("largest, factor", [(8, 8), (30, 2), (100, 1)])

@@ -2,10 +2,11 @@
 
 import numpy as np
 import onnx
+
 from recal_onnx.findings import Findings
 from recal_onnx.passes.float16_to_float32 import float16_to_float32
-from tests.support.onnx_graphs import Builder, reference, run
 from tests.onnx.passes.graphs import _apply, _x
+from tests.support.onnx_graphs import Builder, reference, run
 
 
 def test_float16_to_float32_computes_a_float16_qdq_model_in_float32():

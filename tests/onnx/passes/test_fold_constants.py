@@ -1,12 +1,13 @@
 """``fold_constants`` on tiny graphs: its rewrites, the op types after, the numbers in onnxruntime."""
 
 import numpy as np
+
 from recal_onnx.ir_edits import Graph
 from recal_onnx.passes.constants_to_initializers import constants_to_initializers
 from recal_onnx.passes.fold_constants import fold_constants
 from recal_onnx.passes.remove_identities import remove_identities
-from tests.support.onnx_graphs import Builder, ops, reference, run
 from tests.onnx.passes.graphs import _apply, _x
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 def test_fold_constants_turns_weight_quantize_into_int8():

@@ -2,10 +2,11 @@
 
 import numpy as np
 import pytest
+
 from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
 from recal_onnx.passes.fold_conv_affine import fold_conv_affine
-from tests.support.onnx_graphs import ops, reference, run
 from tests.onnx.passes.graphs import _apply, _conv_graph, _x
+from tests.support.onnx_graphs import ops, reference, run
 
 
 def test_fold_conv_affine_div_add_batchnorm():

@@ -1,8 +1,8 @@
 """``fold_weight_reshapes`` on tiny graphs: its rewrites, the op types after, the numbers in onnxruntime."""
 
 from recal_onnx.passes.fold_weight_reshapes import fold_weight_reshapes
-from tests.support.onnx_graphs import ops
 from tests.onnx.passes.graphs import _apply, _depthwise_as_tf2onnx_writes_it
+from tests.support.onnx_graphs import ops
 
 
 def test_fold_weight_reshapes_zero_case_a_reshape_that_mixes_channels_stays():

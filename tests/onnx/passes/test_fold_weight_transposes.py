@@ -1,11 +1,12 @@
 """``fold_weight_transposes`` on tiny graphs: its rewrites, the op types after, the numbers in onnxruntime."""
 
 import numpy as np
+
 from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
 from recal_onnx.passes.fold_weight_reshapes import fold_weight_reshapes
 from recal_onnx.passes.fold_weight_transposes import fold_weight_transposes
-from tests.support.onnx_graphs import Builder, ops, reference, run
 from tests.onnx.passes.graphs import _apply, _depthwise_as_tf2onnx_writes_it, _x
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 def test_fold_weight_transposes_zero_case_an_activation_transpose_stays():

@@ -4,9 +4,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+
 from recal_onnx.passes.fusible_qdq_pools import fusible_qdq_pools
-from tests.support.onnx_graphs import Builder, ops, reference, run
 from tests.onnx.passes.graphs import _apply, _x
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 @pytest.mark.parametrize("pool, rewritten", [("ReduceMean", True), ("channel mean", False),

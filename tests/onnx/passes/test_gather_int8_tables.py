@@ -3,9 +3,10 @@
 import numpy as np
 import onnx
 import pytest
+
 from recal_onnx.passes.gather_int8_tables import gather_int8_tables
-from tests.support.onnx_graphs import Builder, reference, run
 from tests.onnx.passes.graphs import _apply
+from tests.support.onnx_graphs import Builder, reference, run
 
 
 @pytest.mark.parametrize("axis, per_channel", [(0, True), (1, True), (0, False)])

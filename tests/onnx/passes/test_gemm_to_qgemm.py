@@ -3,10 +3,11 @@
 import numpy as np
 import onnx
 import pytest
-from recal_onnx.passes.gemm_to_qgemm import gemm_to_qgemm
+
 from recal_onnx.passes.fold_weight_transposes import fold_weight_transposes
-from tests.support.onnx_graphs import Builder, ops, reference, run
+from recal_onnx.passes.gemm_to_qgemm import gemm_to_qgemm
 from tests.onnx.passes.graphs import _apply, _x
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 def test_gemm_to_qgemm_quantized_and_float_outputs():

@@ -2,10 +2,11 @@
 
 import numpy as np
 import onnx
+
 from recal_onnx.findings import Findings
 from recal_onnx.passes.inputs_to_constants import inputs_to_constants
-from tests.support.onnx_graphs import Builder, reference, run
 from tests.onnx.passes.graphs import _apply, _x
+from tests.support.onnx_graphs import Builder, reference, run
 
 
 def test_inputs_to_constants_holds_initializers_listed_as_inputs_as_constants_only():

@@ -3,10 +3,11 @@
 import numpy as np
 import onnx
 import pytest
+
 from recal_onnx.passes.int8_passthrough import int8_passthrough
 from recal_onnx.passes.pool_to_qlinear import pool_to_qlinear
-from tests.support.onnx_graphs import Builder, ops, reference, run
 from tests.onnx.passes.graphs import _apply, _x
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 @pytest.mark.parametrize("shape_op", ["Squeeze", "Flatten", "Squeeze Reshape"])

@@ -2,10 +2,11 @@
 
 import numpy as np
 import pytest
+
 from recal_onnx.findings import Findings
 from recal_onnx.passes.masks_to_exact_zeros import masks_to_exact_zeros
-from tests.support.onnx_graphs import reference, run
 from tests.onnx.passes.graphs import _apply, _masked_attention
+from tests.support.onnx_graphs import reference, run
 
 
 @pytest.mark.parametrize("value, also_read_by, tensor, whole_row, rewritten", [

@@ -4,11 +4,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+
 from recal_onnx.findings import Findings
 from recal_onnx.ir_edits import Graph
 from recal_onnx.passes.matmul_to_nbits import matmul_to_nbits
-from tests.support.onnx_graphs import Builder, ops, reference, run
 from tests.onnx.passes.graphs import _apply, _weight_only_graph, _x
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 @pytest.mark.parametrize("gemm, group, bits", [(False, 32, 4), (True, 16, 4), (False, 64, 8), (False, 16, 2),

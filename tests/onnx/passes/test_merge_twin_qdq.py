@@ -1,9 +1,10 @@
 """``merge_twin_qdq`` on tiny graphs: its rewrites, the op types after, the numbers in onnxruntime."""
 
 import numpy as np
+
 from recal_onnx.passes.merge_twin_qdq import merge_twin_qdq
-from tests.support.onnx_graphs import Builder, ops, reference, run
 from tests.onnx.passes.graphs import _apply, _x
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 def test_merge_twin_qdq_keeps_one_quantizer_per_tensor_and_grid():

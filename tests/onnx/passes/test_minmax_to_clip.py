@@ -2,10 +2,11 @@
 
 import numpy as np
 import pytest
+
 from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
 from recal_onnx.passes.minmax_to_clip import minmax_to_clip
-from tests.support.onnx_graphs import Builder, ops, reference, run
 from tests.onnx.passes.graphs import _apply
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 @pytest.mark.parametrize("form", ["max-min", "min-max", "max", "min", "scalar-first", "crossed"])

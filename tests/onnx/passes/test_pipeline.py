@@ -1,17 +1,19 @@
 """Each rewrite pass on a tiny graph: how many rewrites, the op types after, numbers in onnxruntime."""
 
-from recal_onnx.passes.bias_to_int32 import bias_to_int32
-from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
 import warnings
+
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+
 from recal_core.errors import ThinningWarning
 from recal_onnx import quantize_qat_export
 from recal_onnx.ir_edits import Graph
-from tests.support.onnx_graphs import Builder, ops, reference, run
+from recal_onnx.passes.bias_to_int32 import bias_to_int32
+from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
 from tests.onnx.passes.graphs import _apply, _attention_graph, _x
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 @pytest.mark.parametrize("group", [16, 48], ids=["groups-of-16", "per-row"])

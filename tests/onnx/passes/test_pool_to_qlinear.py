@@ -1,14 +1,16 @@
 """``pool_to_qlinear`` on tiny graphs: its rewrites, the op types after, the numbers in onnxruntime."""
 
 import re
+
 import numpy as np
 import pytest
+
 from recal_onnx.passes.binary_to_qlinear import binary_to_qlinear
 from recal_onnx.passes.pool_to_qlinear import pool_to_qlinear
 from recal_onnx.passes.remove_redundant_qdq import remove_redundant_qdq
 from recal_onnx.passes.sigmoid_to_qlinear import sigmoid_to_qlinear
-from tests.support.onnx_graphs import Builder, ops, reference, run
 from tests.onnx.passes.graphs import _apply, _x
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 def test_squeeze_excitation_gate_is_qlinearsigmoid_then_qlinearmul():

@@ -3,10 +3,11 @@
 import numpy as np
 import onnx
 import pytest
+
 from recal_onnx.findings import Findings
 from recal_onnx.passes.qonnx_to_qcdq import qonnx_to_qcdq
-from tests.support.onnx_graphs import Builder, ops, qonnx_model, qonnx_quant, qonnx_reference, reference
 from tests.onnx.passes.graphs import NEGATIVE, ROUNDED, _apply, _x
+from tests.support.onnx_graphs import Builder, ops, qonnx_model, qonnx_quant, qonnx_reference, reference
 
 
 def test_qonnx_to_qcdq_computes_what_qonnx_defines():

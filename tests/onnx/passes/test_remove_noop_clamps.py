@@ -2,9 +2,10 @@
 
 import numpy as np
 import pytest
+
 from recal_onnx.passes.remove_noop_clamps import remove_noop_clamps
-from tests.support.onnx_graphs import Builder, ops, reference, run
 from tests.onnx.passes.graphs import _apply
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 @pytest.mark.parametrize("zp, clip_max, removed", [(0, None, True), (128, None, False), (0, 6.0, True),

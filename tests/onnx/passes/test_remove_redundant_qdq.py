@@ -1,9 +1,10 @@
 """``remove_redundant_qdq`` on tiny graphs: its rewrites, the op types after, the numbers in onnxruntime."""
 
 import numpy as np
+
 from recal_onnx.passes.remove_redundant_qdq import remove_redundant_qdq
-from tests.support.onnx_graphs import Builder, ops
 from tests.onnx.passes.graphs import _apply
+from tests.support.onnx_graphs import Builder, ops
 
 
 def test_remove_redundant_qdq():

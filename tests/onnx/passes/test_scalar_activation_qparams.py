@@ -2,10 +2,11 @@
 
 import numpy as np
 import onnx
+
 from recal_onnx.passes.activations_to_uint8 import activations_to_uint8
 from recal_onnx.passes.scalar_activation_qparams import scalar_activation_qparams
-from tests.support.onnx_graphs import Builder, reference, run
 from tests.onnx.passes.graphs import _apply, _x
+from tests.support.onnx_graphs import Builder, reference, run
 
 
 def test_activations_to_uint8_keeps_values():

@@ -1,8 +1,8 @@
 """``sigmoid_to_qlinear`` on tiny graphs: its rewrites, the op types after, the numbers in onnxruntime."""
 
 from recal_onnx.passes.sigmoid_to_qlinear import sigmoid_to_qlinear
-from tests.support.onnx_graphs import Builder
 from tests.onnx.passes.graphs import _apply
+from tests.support.onnx_graphs import Builder
 
 
 def test_a_sigmoid_without_a_quantized_output_stays_float():

@@ -2,10 +2,11 @@
 
 import numpy as np
 import pytest
+
 from recal_onnx.findings import Findings
 from recal_onnx.passes.softmax_to_qlinear import softmax_to_qlinear
-from tests.support.onnx_graphs import ops
 from tests.onnx.passes.graphs import _apply, _softmax_graph, _steps_apart
+from tests.support.onnx_graphs import ops
 
 
 @pytest.mark.parametrize("out_scale, kernel", [(np.float32(1 / 255), "QLinearSoftmax"), (np.float32(1 / 256),

@@ -2,10 +2,11 @@
 
 import numpy as np
 import onnx
+
 from recal_onnx.ir_edits import Graph
 from recal_onnx.passes.standard_qdq import standard_qdq
-from tests.support.onnx_graphs import reference, run
 from tests.onnx.passes.graphs import _opset21, _x
+from tests.support.onnx_graphs import reference, run
 
 
 def test_standard_qdq_reads_onnxruntimes_own_qdq_where_the_opset_defines_it():

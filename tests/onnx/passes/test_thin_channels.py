@@ -4,9 +4,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+
 from recal_onnx.passes.thin_channels import thin_channels
-from tests.support.onnx_graphs import Builder, reference, run
 from tests.onnx.passes.graphs import _apply, _thin_every_channel, _two_convs, _x
+from tests.support.onnx_graphs import Builder, reference, run
 
 
 def test_thin_channels_removes_dead_filters_and_the_inputs_that_read_them():

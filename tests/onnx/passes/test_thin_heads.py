@@ -4,10 +4,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+
 from recal_onnx.findings import Findings
 from recal_onnx.passes.thin_heads import thin_heads
-from tests.support.onnx_graphs import reference, run
 from tests.onnx.passes.graphs import _apply, _attention_graph, _gqa_graph, _packed_attention_graph, _x
+from tests.support.onnx_graphs import reference, run
 
 
 @pytest.mark.parametrize("heads_const", [True, False], ids=["head count in the reshape", "-1"])

@@ -3,11 +3,12 @@
 import numpy as np
 import onnx
 import pytest
+
 from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
 from recal_onnx.passes.gemm_to_qgemm import gemm_to_qgemm
 from recal_onnx.passes.uint8_weights import uint8_weights
-from tests.support.onnx_graphs import Builder, reference, run
 from tests.onnx.passes.graphs import _apply, _conv_graph, _gemm_graph, _integer_weights, _matmul_graph, _x
+from tests.support.onnx_graphs import Builder, reference, run
 
 
 @pytest.mark.parametrize("graph, convert, step", [

@@ -4,11 +4,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+
 from recal_onnx.findings import Findings
 from recal_onnx.ir_edits import Graph
 from recal_onnx.passes.unary_to_table import unary_to_table
-from tests.support.onnx_graphs import Builder, ops, reference, run
 from tests.onnx.passes.graphs import _apply
+from tests.support.onnx_graphs import Builder, ops, reference, run
 
 
 @pytest.mark.parametrize("form", ["hard-swish ops", "HardSwish", "hard-sigmoid, int8", "padded", "nodes unsorted",

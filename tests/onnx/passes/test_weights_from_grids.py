@@ -1,14 +1,16 @@
 """``weights_from_grids`` on tiny graphs: its rewrites, the op types after, the numbers in onnxruntime."""
 
 import warnings
+
 import numpy as np
 import onnx
 import pytest
+
 from recal_onnx import quantize_qat_export
 from recal_onnx.findings import Findings
 from recal_onnx.passes.weights_from_grids import grid_of, weights_from_grids
-from tests.support.onnx_graphs import ops
 from tests.onnx.passes.graphs import _apply, _folded_weight_graph
+from tests.support.onnx_graphs import ops
 
 
 @pytest.mark.parametrize("op, channels_last", [("Conv", False), ("Conv", True), ("Gemm", False), ("MatMul", False)])

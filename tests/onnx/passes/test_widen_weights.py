@@ -3,11 +3,12 @@
 import numpy as np
 import onnx
 import pytest
+
 from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
-from recal_onnx.passes.widen_weights import widen_weights
 from recal_onnx.passes.matmul_to_nbits import matmul_to_nbits
-from tests.support.onnx_graphs import ops, reference, run
+from recal_onnx.passes.widen_weights import widen_weights
 from tests.onnx.passes.graphs import _apply, _int4, _opset21, _x
+from tests.support.onnx_graphs import ops, reference, run
 
 
 def test_widen_weights_reads_a_4bit_conv_weight_as_the_int8_it_holds():

@@ -3,11 +3,12 @@
 import numpy as np
 import onnx
 import pytest
+
 from recal_onnx.passes.bias_to_int32 import bias_to_int32
 from recal_onnx.passes.conv_to_qlinearconv import conv_to_qlinearconv
 from recal_onnx.passes.zero_channel_scales import zero_channel_scales
-from tests.support.onnx_graphs import Builder, reference, run
 from tests.onnx.passes.graphs import _apply, _x
+from tests.support.onnx_graphs import Builder, reference, run
 
 
 @pytest.mark.parametrize("fmt_passes", [(conv_to_qlinearconv,), (bias_to_int32,)], ids=["qoperator", "qdq"])
