@@ -3,7 +3,8 @@
 Each :class:`Step` names its passes and what they need from the conversion's :class:`Options` (the format, the
 target's weight storage, thinning); a pass whose signature takes ``findings`` reads or adds to the conversion's
 :class:`~recal_onnx.findings.Findings`.
-:func:`run_pipeline` runs the steps in order and returns every pass's rewrite count; a repeated step runs its
+:func:`run_pipeline` runs the steps in order, each an onnx_ir ``PassManager`` of its passes
+(:mod:`recal_onnx.conversion_pass`), and returns every pass's rewrite count; a repeated step runs its
 passes in turn until none rewrites (a QLinear op made by one pass is what the next one matches).
 
 0. :data:`READERS`, on the input (:func:`read_input`, before shape inference): ``encodings_to_qdq`` (a float model
@@ -57,6 +58,7 @@ from dataclasses import dataclass
 import onnx
 
 from .aimet_encodings import Encoding
+from .conversion_pass import ConversionPass, run_passes, takes
 from .findings import Findings
 from .ir_edits import Graph
 from .errors import ModelError
@@ -115,7 +117,7 @@ from .passes.weights_to_int8 import weights_to_int8
 from .passes.widen_weights import widen_weights
 from .passes.zero_channel_scales import zero_channel_scales
 
-Pass = Callable[..., int]
+Pass = Callable[..., int]  # a rewrite: (graph, *args[, findings]) -> how many rewrites
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,8 @@ PIPELINE: tuple[Step, ...] = (
 
 
 def run_pipeline(g: Graph, options: Options, findings: Findings) -> dict[str, int]:
-    """Run :data:`PIPELINE` on ``g``; return each pass's rewrites (by name, summed over repeats).
+    """Run :data:`PIPELINE` on ``g``, each step an onnx_ir ``PassManager`` of its passes
+    (:mod:`recal_onnx.conversion_pass`); return each pass's rewrites (by name, summed over repeats and steps).
 
     Args:
         g: the graph being converted (changed in place).
@@ -178,27 +181,14 @@ def run_pipeline(g: Graph, options: Options, findings: Findings) -> dict[str, in
         findings: the record the passes add to.
     """
     rewrites: dict[str, int] = {}
-
-    def run(step: Step, pass_fn: Pass) -> int:
-        extra = {"findings": findings} if _takes(pass_fn, "findings") else {}
-        n = pass_fn(g, *step.args(options), **extra)
-        rewrites[pass_fn.__name__] = rewrites.get(pass_fn.__name__, 0) + n
-        return n
-
     for step in PIPELINE:
         if not step.when(options):
             continue
-        if step.repeat:
-            while sum(run(step, p) for p in step.passes):
-                pass
-        else:
-            for pass_fn in step.passes:
-                run(step, pass_fn)
+        passes = [ConversionPass(rewrite, g, findings, step.args(options)) for rewrite in step.passes]
+        run_passes(passes, repeat=step.repeat)
+        for done in passes:
+            rewrites[done.name] = rewrites.get(done.name, 0) + done.rewrites
     return rewrites
-
-
-def _takes(pass_fn: Pass, name: str) -> bool:
-    return name in pass_fn.__code__.co_varnames[:pass_fn.__code__.co_argcount]
 
 
 def read_input(model: onnx.ModelProto, reference, name: str, encodings: list[Encoding] | None = None,
@@ -216,9 +206,10 @@ def read_input(model: onnx.ModelProto, reference, name: str, encodings: list[Enc
     g = Graph(onnx.shape_inference.infer_shapes(model))  # an activation's rank, for one quantized per channel
     constants_to_initializers(g)
     findings = Findings()
+    readers = [ConversionPass(reader, g, findings, keywords={"encodings": encodings} if takes(reader, "encodings") else {})
+               for reader in READERS]  # each reads what is its own and leaves the rest
     try:
-        for reader in READERS:  # each reads what is its own and leaves the rest
-            reader(g, findings, **({"encodings": encodings} if _takes(reader, "encodings") else {}))
+        run_passes(readers)
     except ModelError as exc:
         raise ModelError(f"{name}: {exc}") from None
     read = g.commit()

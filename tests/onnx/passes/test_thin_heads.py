@@ -1,10 +1,14 @@
 """``thin_heads`` on tiny graphs: its rewrites, the op types after, the numbers in onnxruntime."""
 
+import warnings
+
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 
+from recal_core.errors import ThinningWarning
+from recal_onnx import quantize_qat_export
 from recal_onnx.findings import Findings
 from recal_onnx.passes.thin_heads import thin_heads
 from tests.onnx.passes.graphs import _apply, _attention_graph, _gqa_graph, _packed_attention_graph, _x
@@ -111,3 +115,15 @@ def test_thin_heads_removes_a_dead_key_value_head_with_its_query_heads_through_r
     np.testing.assert_allclose(run(thinned, feeds, level=off)[0], run(model, feeds, level=off)[0], atol=1e-6)
     _, (n,) = _apply(_gqa_graph(dead_unit=None), thin_heads)
     assert n == 0
+
+
+def test_a_conversion_names_the_attentions_whose_zero_heads_it_cannot_remove():
+    """Nothing silent: an attention the converter cannot follow keeps its zero heads with a ThinningWarning that
+    names it and why; one whose heads are all alive is not mentioned."""
+    with pytest.warns(ThinningWarning, match=r"1 attention keeps heads that look pruned .*\n  '.*': 4 outputs of "
+                                             r"the layer making its values are zero, but its queries do not come"):
+        result = quantize_qat_export(_attention_graph(norm="all heads"))
+    assert len(result.heads_kept) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ThinningWarning)
+        assert quantize_qat_export(_attention_graph(dead_head=None, norm="all heads")).heads_kept == {}
