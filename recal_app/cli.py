@@ -198,6 +198,12 @@ def _positive_int(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``recal`` command: run it on ``argv``; return its exit status (0, 1 for a failed verification, 2 for
+    input it cannot take, 130 when interrupted).
+
+    Args:
+        argv: the command line after ``recal`` (``sys.argv[1:]`` when None).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # other libraries: warnings only

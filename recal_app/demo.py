@@ -38,7 +38,14 @@ JOBS = (Job("torch", "dense baseline", "recal:dense", "torch-dense"),
 def run_jobs(output: str | Path, seed: int = 0, progress: bool = True,
              frameworks: tuple[str, ...] = ("torch", "tf")) -> list[dict]:
     """Train :data:`JOBS` of ``frameworks`` into ``output``; one row per artefact (accuracy on the digits test set,
-    sparsity, size, latency). A framework not installed is skipped with a line that names its extra."""
+    sparsity, size, latency). A framework not installed is skipped with a line that names its extra.
+
+    Args:
+        output: the folder every run writes into.
+        seed: the runs' seed.
+        progress: show progress bars.
+        frameworks: which of the demo's frameworks to run.
+    """
     from .training import train
 
     out = Path(output)
@@ -62,6 +69,11 @@ def run_jobs(output: str | Path, seed: int = 0, progress: bool = True,
 
 
 def print_jobs(rows: list[dict]) -> None:
+    """Print the demo's accuracy table.
+
+    Args:
+        rows: what :func:`run_jobs` returned.
+    """
     print("\n1. accuracy on real data: the digits test set (360 images)\n")
     header = (f"{'framework':9s} {'run':32s} {'artefact':38s} {'accuracy':>8s} {'sparsity':>8s} {'size':>10s} "
               f"{'latency':>10s}")
@@ -77,7 +89,14 @@ def print_jobs(rows: list[dict]) -> None:
 
 def demo(output: str | Path = "demo_out", seed: int = 0, progress: bool = True,
          frameworks: tuple[str, ...] = ("torch", "tf")) -> Path:
-    """Run, print the table and the outputs, and write every figure to ``<output>/demo.json``; return its path."""
+    """Run, print the table and the outputs, and write every figure to ``<output>/demo.json``; return its path.
+
+    Args:
+        output: the folder every run writes into.
+        seed: the runs' seed.
+        progress: show progress bars.
+        frameworks: which of the demo's frameworks to run.
+    """
     started = time.perf_counter()
     rows = run_jobs(output, seed, progress, frameworks)
     if not rows:

@@ -7,7 +7,11 @@ import keras
 
 def digits_model(seed: int) -> keras.Model:
     """Conv-BN-ReLU x2, max-pool, Conv-BN-ReLU, global average pool, dense: the network the torch and graph
-    trainers use, for ``[N, 8, 8, 1]`` digits."""
+    trainers use, for ``[N, 8, 8, 1]`` digits.
+
+    Args:
+        seed: Keras's random seed for the initial weights.
+    """
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((8, 8, 1), name="inputs")
     x = inputs

@@ -167,6 +167,16 @@ def train(recipe: Recipe, framework: str, out_dir: str | os.PathLike, *, epochs:
     Everything that can be checked is checked before the folder is touched. While the run writes,
     ``out_dir`` is locked (a second run there fails at once); a fresh run refuses a folder that holds
     another run's checkpoints, and a resume refuses checkpoints of another framework, seed or recipe.
+
+    Args:
+        recipe: the recipe.
+        framework: ``"torch"``, ``"tf"`` or ``"keras"``.
+        out_dir: the run's folder.
+        epochs: epochs to train (the recipe's when None).
+        seed: the run's seed.
+        resume: continue from the folder's last checkpoint.
+        progress: show a progress bar.
+        quantize: convert a QAT run's export to int8.
     """
     out = Path(out_dir)
     trainer = _trainer(framework)

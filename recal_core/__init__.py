@@ -3,6 +3,9 @@
 Imports no ML framework; both backends call these functions and re-derive nothing.
 """
 
+from . import precision_plan
+from .atomic import atomic_path, write_text_atomically
+from .datasets import load_digits
 from .errors import Location, Problem, RecipeError
 from .modifiers import (
     ACDCPruningModifier,
@@ -29,5 +32,5 @@ __all__ = [
     "Location", "MFACPruningModifier", "Modifier", "OBSPruningModifier", "Problem", "QuantizationModifier", "Recipe",
     "RecipeError",
     "SetLearningRateModifier", "SetWeightDecayModifier", "TrainableParamsModifier",
-    "load_recipe", "recipe_json_schema",
+    "atomic_path", "load_digits", "load_recipe", "precision_plan", "recipe_json_schema", "write_text_atomically",
 ]

@@ -135,8 +135,9 @@ def _fsync(path: Path) -> None:
 def atomic_path(target: str | os.PathLike, *, protect: tuple[str | os.PathLike, ...] = ()) -> Iterator[Path]:
     """Yield a temporary path in ``target``'s folder; on success rename it to ``target``.
 
-    ``protect`` lists input paths that must never be overwritten (``ValueError`` if ``target``
-    is one of them).
+    Args:
+        target: the file to write.
+        protect: input paths that must never be overwritten (``ValueError`` if ``target`` is one of them).
 
     >>> import tempfile, pathlib
     >>> d = pathlib.Path(tempfile.mkdtemp())
@@ -221,6 +222,12 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
 
 
 def write_text_atomically(target: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``target`` whole or not at all; return its path.
+
+    Args:
+        target: the file to write.
+        text: its content.
+    """
     with atomic_path(target) as tmp:
         tmp.write_text(text, encoding="utf-8")
     return Path(target)

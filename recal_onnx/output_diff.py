@@ -206,7 +206,13 @@ class OutputStats:
 
 def task_hits(ref: np.ndarray, got: np.ndarray) -> np.ndarray | None:
     """Where ``got`` reads as ``ref`` does for the task: top-1 per position where the last axis holds classes, a
-    map of probabilities thresholded at 0.5; None for another float output (or shapes apart)."""
+    map of probabilities thresholded at 0.5; None for another float output (or shapes apart). This is the agreement
+    verification's ``min_agreement`` counts.
+
+    Args:
+        ref: the reference model's output.
+        got: the converted model's output.
+    """
     if ref.shape != got.shape or ref.ndim < 1 or not np.issubdtype(ref.dtype, np.floating):
         return None
     if ref.ndim >= 2 and ref.shape[-1] > 1:

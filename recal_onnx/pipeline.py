@@ -52,12 +52,13 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import onnx
 
-from .aimet_encodings import Encoding
+from .aimet_encodings import Encoding, load_encodings
 from .conversion_pass import ConversionPass, run_passes, takes
 from .findings import Findings
 from .ir_edits import Graph
@@ -189,6 +190,21 @@ def run_pipeline(g: Graph, options: Options, findings: Findings) -> dict[str, in
         for done in passes:
             rewrites[done.name] = rewrites.get(done.name, 0) + done.rewrites
     return rewrites
+
+
+def read_as_qdq(model: onnx.ModelProto | str | os.PathLike, encodings: str | os.PathLike | None = None) -> onnx.ModelProto:
+    """The QDQ model a file onnxruntime cannot run as it is meant stands for: a QONNX model (Brevitas's
+    ``export_qonnx``), or a float model with AIMET's ``.encodings``; any other model as it is. What the converter
+    converts and verification runs as the input.
+
+    Args:
+        model: the model, or its path.
+        encodings: the path of AIMET's encodings for a float ``model``.
+    """
+    name = str(model) if isinstance(model, (str, os.PathLike)) else "the model"
+    proto = onnx.load(str(model)) if isinstance(model, (str, os.PathLike)) else model
+    _, read, _ = read_input(proto, proto, name, load_encodings(encodings) if encodings is not None else None)
+    return read
 
 
 def read_input(model: onnx.ModelProto, reference, name: str, encodings: list[Encoding] | None = None,

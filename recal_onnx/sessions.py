@@ -3,10 +3,25 @@ default (what a user runs today), and the converted model."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import onnx
 
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
-def session(model: onnx.ModelProto | str, threads: int | None = None, level=None, order=None, quiet: bool = False):
+
+def session(model: onnx.ModelProto | str, threads: int | None = None, level: ort.GraphOptimizationLevel | None = None,
+            order: ort.ExecutionOrder | None = None, quiet: bool = False) -> ort.InferenceSession:
+    """An onnxruntime CPU session on ``model``, as recal's verification and benchmarks make them.
+
+    Args:
+        model: the model, or its path.
+        threads: intra-op threads (onnxruntime's default when None).
+        level: a ``GraphOptimizationLevel`` (the default session's when None).
+        order: an ``ExecutionOrder``.
+        quiet: drop onnxruntime's errors from the log too (its warnings always are).
+    """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -51,7 +66,7 @@ class Tolerant:
             return []
 
 
-def reference_session(model: onnx.ModelProto | str):
+def reference_session(model: onnx.ModelProto | str) -> ort.InferenceSession:
     """A session that runs an input QDQ model as written, in float (optimizations disabled).
 
     That is the model's meaning. At its default level onnxruntime fuses QDQ into integer kernels,
@@ -61,6 +76,9 @@ def reference_session(model: onnx.ModelProto | str):
     Its ops run in priority order: by default onnxruntime starts with every op that reads only initializers, so
     a weight-only decoder dequantized all its weights to float before its first layer (2.4 GB at once for a 0.6 B
     model); in priority order each weight is dequantized near its use (1.1 GB).
+
+    Args:
+        model: the QDQ model, or its path.
     """
     import onnxruntime as ort
 

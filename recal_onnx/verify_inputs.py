@@ -66,7 +66,14 @@ def generated_inputs(model: onnx.ModelProto, batch: int = 256, seed: int = 0,
     its name; ``shapes`` (the user's ``--input-shape``) gives an input's whole shape, its first dimension the
     batch. Integer inputs: uniform over the table
     they index (a ``Gather``'s size: token ids cover the vocabulary), ones for an input named like a mask
-    (attention masks), otherwise {0, 1}."""
+    (attention masks), otherwise {0, 1}.
+
+    Args:
+        model: the model whose inputs are made.
+        batch: samples where the batch is open.
+        seed: the generator's seed.
+        shapes: an input's whole shape by name (its first dimension the batch).
+    """
     rng = np.random.default_rng(seed)
     ranges = integer_ranges(model)
     fixed = fixed_batch(model)

@@ -11,14 +11,15 @@ from .export import ExportError, ExportWarning, export_onnx, to_export_model
 from .flops import count_macs
 from .loggers import TensorBoardLogger
 from .manager import ScheduledModifierManager
-from .precision_plan import PrecisionPlan, plan_precision
+from .precision_plan import PrecisionPlan, measure_precision, plan_precision
 from .qat import QATConv, QATLinear, QATModule, fake_quantize_model
-from .errors import ThinningError
+from .errors import QATPlanWarning, ThinningError
 from .load_thinned import load_thinned
 from .thin import ThinningWarning, ThinReport, thin
 
 __all__ = [
-    "ExportError", "ExportWarning", "PrecisionPlan", "PythonLogger", "QATConv", "QATLinear", "QATModule", "RecalLogger", "ScheduledModifierManager",
+    "ExportError", "ExportWarning", "PrecisionPlan", "PythonLogger", "QATConv", "QATLinear", "QATModule", "QATPlanWarning",
+    "RecalLogger", "ScheduledModifierManager",
     "TensorBoardLogger", "ThinReport", "ThinningError", "ThinningWarning", "count_macs", "export_onnx",
-    "fake_quantize_model", "load_thinned", "plan_precision", "thin", "to_export_model",
+    "fake_quantize_model", "load_thinned", "measure_precision", "plan_precision", "thin", "to_export_model",
 ]

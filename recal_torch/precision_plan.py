@@ -53,11 +53,22 @@ def _cost(layer: nn.Linear, bits: int, group_size: int) -> float:
     return weights * bits / 8 + groups * SCALE_BYTES + bias
 
 
-def measure(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, object], torch.Tensor], *,
-            score: str = "measured", bits: tuple[int, ...] = BITS, group_size: int = 32,
-            progress: bool = False) -> tuple[list[LayerCandidates], dict[str, str]]:
-    """Every Linear layer's candidates (float and ``bits``) with costs and scores on ``batches``
-    (``loss_fn(model, batch)`` gives the loss of one). ``model`` is left as it was."""
+def measure_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, object], torch.Tensor], *,
+                      score: str = "measured", bits: tuple[int, ...] = BITS, group_size: int = 32,
+                      progress: bool = False) -> tuple[list[LayerCandidates], dict[str, str]]:
+    """Every Linear layer's candidates (float and ``bits``) with costs and scores on ``batches``, and the layers
+    left out with why: what :func:`plan_precision` solves over, for a caller that solves several budgets itself
+    (:func:`recal_core.precision_plan.solve`). ``model`` is left as it was.
+
+    Args:
+        model: the float model.
+        batches: calibration batches.
+        loss_fn: ``loss_fn(model, batch)``, the loss of one batch.
+        score: ``"measured"`` (each candidate's loss increase, measured) or ``"fisher"`` (estimated).
+        bits: the weight bit widths to score.
+        group_size: the weights' group size (a layer whose inputs do not split into groups is left out).
+        progress: show a progress bar.
+    """
     if score not in ("measured", "fisher"):
         raise ValueError(f"score must be 'measured' or 'fisher', got {score!r}")
     batches = list(batches)
@@ -175,7 +186,7 @@ def plan_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Mo
     """
     if (budget is None) == (bits_budget is None):
         raise ValueError("give one budget: budget (bytes) or bits_budget (bits per weight)")
-    layers, left_out = measure(model, batches, loss_fn, score=score, group_size=group_size, progress=progress)
+    layers, left_out = measure_precision(model, batches, loss_fn, score=score, group_size=group_size, progress=progress)
     if not layers:
         raise ValueError("no Linear layer to plan: " + "; ".join(f"{k}: {v}" for k, v in left_out.items()))
     if bits_budget is not None:

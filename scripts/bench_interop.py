@@ -45,10 +45,8 @@ from bench.peers import matmul_nbits_qdq, quantize_static
 from bench.results import machine, save_run, sessions_clause
 from bench.suite import suite_module
 from bench.timing import interleaved_latency
-from recal_onnx import cpu, quantize_qat_export
-from recal_onnx.aimet_encodings import load_encodings
-from recal_onnx.pipeline import read_input
-from recal_onnx.verify import generated_inputs
+from recal_onnx import cpu, quantize_qat_export, read_as_qdq
+from recal_onnx import generated_inputs
 from bench.models import ResNet18, torch_init
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,8 +177,8 @@ def row(label: str, qdq: Path, folder: Path, rounds: int) -> dict:
         warnings.simplefilter("ignore")
         result = quantize_qat_export(str(qdq), out, encodings=encodings, **OPTIONS.get(label, {}))
     model = onnx.load(str(qdq))
-    _, read, _ = read_input(model, qdq, label, load_encodings(encodings) if encodings else None)
-    if read is not qdq:  # QONNX, AIMET's float model and encodings: the QDQ file timed is the one they mean
+    read = read_as_qdq(model, encodings)
+    if read is not model:  # QONNX, AIMET's float model and encodings: the QDQ file timed is the one they mean
         model, qdq = read, folder / f"{qdq.stem}.qdq.onnx"
         onnx.save(model, qdq)
     feed = generated_inputs(model, batch=1, seed=1)

@@ -112,7 +112,7 @@ def overhead(rounds: int, steps: int, peer: bool, jit: bool = False) -> None:
 
 def accuracy(seeds: int, frameworks: tuple[str, ...] = ("keras", "tf", "torch")) -> None:
     from recal_core import load_recipe
-    from recal_app.training import train
+    from recal_app import train
 
     recipes = {"dense": ROOT / "recal_core/recipes/dense.yaml", "pruned 90%": ROOT / "recal_core/recipes/prune90.yaml",
                "pruned 90% + QAT, int8": ROOT / "recal_core/recipes/prune90_quant.yaml",

@@ -134,7 +134,7 @@ def compared(folder: Path, name: str) -> dict:
     import numpy as np
     import onnxruntime as ort
 
-    from recal_onnx.verify import reference_session
+    from recal_onnx import reference_session
 
     kept = np.load(folder / f"{name}.npz")
     test, expected, labels = kept["test"], kept["expected"], kept["labels"]

@@ -50,8 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recal_onnx import cpu, quantize_qat_export
-from recal_onnx.passes.drop_exporter_metadata import is_exporter_key
-from recal_onnx.verify import session
+from recal_onnx import session
 from recal_torch import ScheduledModifierManager, export_onnx
 
 from examples.int4_decoder import Logits  # ids -> logits, no KV cache
@@ -120,10 +119,8 @@ def drop_exporter_record(path: Path) -> Path:
     """The fp32 file without the torch exporter's per-node record, as recal's converter writes its own: onnxruntime's
     quantizers copy it into theirs, and the files' sizes then compare the models, not the record."""
     model = onnx.load(str(path))
-    for node in model.graph.node:
-        kept = [p for p in node.metadata_props if not is_exporter_key(p.key)]
+    for node in model.graph.node:  # the exporter's is the only per-node record in an fp32 export
         del node.metadata_props[:]
-        node.metadata_props.extend(kept)
     onnx.save(model, str(path))
     return path
 

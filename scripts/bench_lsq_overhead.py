@@ -73,7 +73,7 @@ def _keras_steps(variants: dict[str, str | None], rounds: int) -> dict[str, list
     import numpy as np
 
     from bench.fit_timing import fit_step_times
-    from recal_app.keras_digits import digits_model
+    from recal_app import digits_model
     from recal_keras import ScheduledModifierManager as KerasManager
 
     rng = np.random.default_rng(0)

@@ -30,10 +30,9 @@ from bench.results import machine, report
 from bench.timing import interleaved_latency
 from bench_llm import SEQ, batches, build, corpus, perplexity, train
 from examples.int4_decoder import Logits
-from recal_core.precision_plan import FLOAT, recipe_text, solve
+from recal_core import precision_plan
 from recal_onnx import quantize_qat_export
-from recal_torch import ScheduledModifierManager, export_onnx
-from recal_torch.precision_plan import measure
+from recal_torch import ScheduledModifierManager, export_onnx, measure_precision
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,15 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     plans, seconds = {}, {}
     for score in ("measured", "fisher"):
         t0 = time.perf_counter()
-        layers, _ = measure(model, calibration, loss_fn, score=score, progress=True)
+        layers, _ = measure_precision(model, calibration, loss_fn, score=score, progress=True)
         seconds[score] = time.perf_counter() - t0
         plans[score] = layers
     layers = plans["measured"]
     int2, int4 = (sum(c.cost for c in _uniform(layers, b).values()) for b in (2, 4))
     budget = int2 + (int4 - int2) * args.between  # between uniform int2 and int4: where a plan has choices to make
     choices = {"uniform int2 (smaller)": _uniform(layers, 2), "uniform int4 (larger)": _uniform(layers, 4),
-               "recal plan (measured)": solve(plans["measured"], budget),
-               "recal plan (fisher estimate)": solve(plans["fisher"], budget),
+               "recal plan (measured)": precision_plan.solve(plans["measured"], budget),
+               "recal plan (fisher estimate)": precision_plan.solve(plans["fisher"], budget),
                "random plan": _random(layers, budget, random.Random(args.seed))}
     sample = torch.from_numpy(windows[:2, :SEQ].astype(np.int64))
     rows = []
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = {}
         for label, choice in choices.items():
             print(f"{label}: QAT {args.qat_steps} steps", flush=True)
-            recipe = recipe_text(layers, choice) + LR
+            recipe = precision_plan.recipe_text(layers, choice) + LR
             student = copy.deepcopy(model)
             train(student, train_data, args.qat_steps, 2e-4, args.batch, seed=10 * args.seed + 1,
                   manager=ScheduledModifierManager.from_yaml(recipe))
@@ -131,7 +130,7 @@ def table(data: dict) -> str:
     lines = ["| plan | weights at 8 / 4 / 2 bits / float | planned kB | file kB | perplexity | token ms |",
              "|---" * 6 + "|"]
     for r in data["rows"]:
-        counts = " / ".join(str(r["bits"].get(str(b), 0)) for b in (8, 4, 2, FLOAT))
+        counts = " / ".join(str(r["bits"].get(str(b), 0)) for b in (8, 4, 2, precision_plan.FLOAT))
         lines.append(f"| {r['plan']} | {counts} | {r['planned_bytes'] / 1e3:.1f} | {r['file_bytes'] / 1e3:.1f} | "
                      f"{r['ppl']:.4f} | {r['ms_token']:.3f} |")
     return "\n".join(lines)

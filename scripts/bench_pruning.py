@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from recal_core import load_recipe
-from recal_app.training import train
+from recal_app import train
 
 RECIPES = Path(__file__).resolve().parent.parent / "recal_core" / "recipes"
 GMP = RECIPES / "prune90.yaml"

@@ -35,8 +35,8 @@ from bench.results import machine, report
 from bench.timing import interleaved_latency, repeated, spread
 from real_models.rapidocr_quantize import quantize_rendered, rendered_inputs
 from recal_onnx import VerificationError, quantize_qat_export
-from recal_onnx.output_diff import task_hits
-from recal_onnx.verify import session
+from recal_onnx import task_hits
+from recal_onnx import session
 
 ROOT = Path(__file__).resolve().parent.parent
 

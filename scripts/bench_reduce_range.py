@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from recal_core import load_recipe
-from recal_app.training import train
+from recal_app import train
 
 from bench.results import machine, save
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from recal_core import load_recipe
-from recal_app.training import train
+from recal_app import train
 from recal_onnx import cpu
 from recal_torch import count_macs, export_onnx
 

@@ -35,9 +35,9 @@ import onnxruntime as ort
 import torch
 import torch.nn.functional as F
 
-from recal_core.datasets import load_digits
+from recal_core import load_digits
 from recal_onnx import quantize_qat_export
-from recal_onnx.verify import session
+from recal_onnx import session
 from recal_torch import ScheduledModifierManager, export_onnx, thin
 
 from bench_transformers import Classifier, agreement, bert, feeds, ort_quantized, vit

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recal_onnx.verify import reference_session, session
+from recal_onnx import reference_session, session
 from recal_torch import ScheduledModifierManager, export_onnx
 
 from bench.peers import DYNAMIC, STATIC, quantize_dynamic, quantize_static

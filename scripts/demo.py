@@ -36,7 +36,7 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
 
-from recal_app.demo import JOBS, print_jobs, run_jobs  # noqa: E402
+from recal_app import JOBS, print_jobs, run_jobs  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
               "interleaved medians; fidelity on 64 inputs in a default session\n")
         print(speed.format_table(speed_rows))
         print("\n" + speed.measured_line(speed_rows))
-    from recal_core.atomic import write_text_atomically
+    from recal_core import write_text_atomically
     from recal_onnx import cpu
 
     results = {"seconds": round(time.perf_counter() - started), "seed": args.seed, "cpu": cpu.describe(),

@@ -1,5 +1,8 @@
 """Graph rewrite passes; each takes a :class:`~recal_onnx.ir_edits.Graph` (an ``onnx_ir`` model) and returns how many
-rewrites it made."""
+rewrites it made.
+
+An internal room: it declares no ``__all__``; what a user imports is :mod:`recal_onnx`'s.
+"""
 
 # The pipeline (recal_onnx.pipeline) names each pass module, in its declared order. What the rest of recal_onnx
 # reads from a pass (the channel block thinning keeps, the uint8 weight form and its CPU check, whether a float
@@ -9,5 +12,3 @@ from .weights_from_grids import on_a_grid
 from .int8_passthrough import OPSET_12
 from .thin_channels import CHANNEL_BLOCK
 from .uint8_weights import exact_on_this_cpu, saturating_layers, uint8_twin
-
-__all__: list[str] = []  # internal: none of this is a user's API

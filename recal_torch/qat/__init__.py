@@ -15,6 +15,8 @@ other packages.
 
 The model is changed in place by :func:`fake_quantize_model`; the recipe's QuantizationModifier calls it at its
 start. The rest of recal_torch imports from here, never from a module of this package.
+
+An internal room: it declares no ``__all__``; what a user imports is :mod:`recal_torch`'s.
 """
 
 from .attention import SLOTS, AttentionFakeQuantize, quantize_attention
@@ -30,14 +32,3 @@ from .quantizers import (ACT_QMAX, ACT_QMIN, EPS, REDUCED_W_LEVELS, W_LEVELS, W_
                          weight_qparams)
 from .sites import CONTAINER, adopt
 from .weight_only import WeightOnlyEmbedding, WeightOnlyLinear, WeightOnlyTorchLinear
-
-__all__ = ["ACT_QMAX", "ACT_QMIN", "REDUCED_W_LEVELS", "W_LEVELS", "W_QMAX", "W_QMIN", "ActivationFakeQuantize",
-           "SiLUFakeQuantize", "WeightFakeQuantize", "GroupWeightFakeQuantize", "WeightOnlyLinear",
-           "WeightOnlyEmbedding", "activation_qparams", "weight_qparams", "CONVS", "AttentionFakeQuantize",
-           "FoldedBatchNorm", "QATConv", "QATConv1d", "QATConv2d", "QATConv3d", "QATEmbedding", "QATLinear",
-           "QATTorchLinear", "WeightOnlyTorchLinear", "QATModule", "QATPlanWarning", "QuantizedReLU",
-           "describe", "fake_quantizers", "is_table", "qat_modules", "fake_quantize_model", "plan_pending",
-           "quantizable_layers", "quantize_attention"]
-# for recal_torch's other packages (export, graph, the manager), not a user's API
-_INTERNAL = ["CONTAINER", "EPS", "SLOTS", "LogScaleSteps", "QATControl", "adopt", "clamp", "input_groups", "is_transposed_linear_type",
-             "layer_schemes", "qat_roots", "quantizer_tensors", "steps_in_log_space"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from recal_onnx.verify import reference_session, session
+from recal_onnx import reference_session, session
 
 STATIC = "ort quantize_static"
 STATIC_REDUCED = "ort quantize_static reduce_range"

@@ -13,7 +13,7 @@ import platform
 import sys
 from pathlib import Path
 
-from recal_core.atomic import atomic_path
+from recal_core import atomic_path
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"

@@ -65,7 +65,7 @@ def interleaved_latency(paths: Mapping[str, Path], feed: dict[str, np.ndarray], 
     runs in that many sessions of its own, every one taking its turn each round, and its median is over all their
     samples: sessions of one file differ by up to 8% (four sessions of a 0.2 ms model, interleaved, AMD EPYC), a
     bias that interleaving alone cannot remove."""
-    from recal_onnx.verify import session
+    from recal_onnx import session
 
     built = {(k, j): session(str(p), threads) for k, p in paths.items() for j in range(sessions)}
     calls, repeat = _runs(built, feed, min_seconds)
@@ -79,7 +79,7 @@ def in_turns(groups: Mapping[str, tuple[Mapping[str, Path], dict[str, np.ndarray
     turns round after round and each round in fresh sessions: a burst of noise on a shared machine then hits one
     round of one group rather than all of its rounds (timed one group after another, a 10-second burst moved
     identical small graphs by 30%, AMD EPYC), and no model keeps one session's memory layout throughout."""
-    from recal_onnx.verify import session
+    from recal_onnx import session
 
     times: dict[str, dict[str, list[float]]] = {g: {k: [] for k in paths} for g, (paths, _) in groups.items()}
     for r in range(rounds):

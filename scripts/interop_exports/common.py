@@ -198,19 +198,17 @@ def export_aimet_classic(sim, example: torch.Tensor, path: Path, inputs: list[to
 
 
 def check_aimet_reading(sim, path: Path, inputs: list[torch.Tensor]) -> None:
-    """recal's reading of AIMET's float model at ``path`` and its ``.encodings`` (``recal_onnx.pipeline.read_input``),
+    """recal's reading of AIMET's float model at ``path`` and its ``.encodings`` (``recal_onnx.read_as_qdq``),
     run in onnxruntime as written (optimizations off), against AIMET's simulation ``sim`` itself on ``inputs``, in
     steps of the output's quantizer; printed. Needs onnxruntime, onnx_ir and pydantic beside the tool."""
     import numpy as np
-    import onnx
     import onnxruntime as ort
 
     sys.path.insert(0, str(ROOT))
-    from recal_onnx.aimet_encodings import load_encodings
-    from recal_onnx.pipeline import read_input
+    from recal_onnx import read_as_qdq
 
-    encodings = load_encodings(path.with_suffix(".encodings"))
-    _, read, _ = read_input(onnx.load(path), str(path), str(path), encodings)
+    encodings = path.with_suffix(".encodings")
+    read = read_as_qdq(path, encodings)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     session = ort.InferenceSession(read.SerializeToString(), options, providers=["CPUExecutionProvider"])

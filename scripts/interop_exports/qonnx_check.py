@@ -1,4 +1,4 @@
-"""recal's reading of QONNX (``recal_onnx.passes.qonnx_to_qcdq``, run by ``recal_onnx.pipeline.read_input``) against
+"""recal's reading of QONNX (``recal_onnx.passes.qonnx_to_qcdq``, run by ``recal_onnx.read_as_qdq``) against
 qonnx's own executor, on the QONNX fixtures Brevitas wrote (``brevitas_export.py``, ``brevitas_bert_export.py``):
 every ``Quant`` node's output, as ``qonnx.core.onnx_exec`` computes it, against the same tensor of the QCDQ reading
 run in onnxruntime with its optimizations off (float, no fusion).
@@ -20,14 +20,14 @@ from qonnx.transformation.infer_shapes import InferShapes
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from recal_onnx.pipeline import read_input  # noqa: E402
+from recal_onnx import read_as_qdq  # noqa: E402
 
 SAMPLES = 16
 
 for path in sorted((ROOT / "tests" / "fixtures" / "interop").glob("*qonnx*.onnx")):
     theirs = ModelWrapper(str(path)).transform(InferShapes())
     quantized = [n.output[0] for n in theirs.graph.node if n.op_type in ("Quant", "IntQuant")]
-    _, ours, _ = read_input(onnx.load(path), str(path), path.name)
+    ours = read_as_qdq(path)
     del ours.graph.output[:]
     ours.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in quantized)
     options = ort.SessionOptions()

@@ -37,7 +37,7 @@ from bench.timing import interleaved_latency, spread  # noqa: E402
 from onnx_to_torch import torch_model  # noqa: E402
 from rapidocr_quantize import TRAINING_SOURCES, quantize_rendered, text_lines  # noqa: E402
 from recal_onnx import quantize_qat_export  # noqa: E402
-from recal_onnx.verify import session  # noqa: E402
+from recal_onnx import session  # noqa: E402
 from recal_torch import ScheduledModifierManager, export_onnx  # noqa: E402
 
 RECIPE = """

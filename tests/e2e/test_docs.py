@@ -12,7 +12,7 @@ from tests.support.paths import ROOT
 
 import render_docs
 
-PUBLIC = ["recal_core", "recal_torch", "recal_onnx", "recal_tf", "recal_tf.graph", "recal_keras"]
+PUBLIC = ["recal_core", "recal_torch", "recal_onnx", "recal_tf", "recal_tf.graph", "recal_keras", "recal_app"]
 
 
 def test_generated_tables_and_index_equal_what_the_json_gives():
@@ -60,23 +60,28 @@ def test_the_manual_builds_strict(tmp_path):
     assert "quantize_qat_export" in api and "choose_weights" in api
 
 
-def test_every_package_declares_what_is_public():
-    """The public API is each package's ``__all__`` (the API reference documents exactly that); every other module
-    is internal. Every package declares one, every name in it exists, and every module says what it is for."""
+def test_public_faces_declare_what_is_public_and_internal_rooms_do_not():
+    """The public API is each public package's ``__all__`` (the API reference documents exactly that); an internal
+    room (``recal_torch.qat``, ``recal_onnx.passes``, ...) declares none, so the line is in the tree. Every name
+    declared exists, and every module says what it is for."""
     import pkgutil
 
+    faces = {*PUBLIC, "recal_torch.integrations"}
     for top in ("recal_core", "recal_torch", "recal_onnx", "recal_keras", "recal_tf", "recal_app"):
         package = importlib.import_module(top)
-        for info in pkgutil.walk_packages(package.__path__, top + "."):
-            if info.name.endswith((".__main__",)):
+        for info in [None, *pkgutil.walk_packages(package.__path__, top + ".")]:
+            name = top if info is None else info.name
+            if name.endswith(".__main__"):
                 continue
-            module = importlib.import_module(info.name)
-            assert (module.__doc__ or "").strip(), f"{info.name} has no docstring"
-            if info.ispkg:
-                assert hasattr(module, "__all__"), f"package {info.name} declares no __all__"
-        for name in [top, *(i.name for i in pkgutil.walk_packages(package.__path__, top + ".") if i.ispkg)]:
             module = importlib.import_module(name)
-            assert all(hasattr(module, n) for n in module.__all__), name
+            assert (module.__doc__ or "").strip(), f"{name} has no docstring"
+            if info is not None and not info.ispkg:
+                continue
+            if name in faces:
+                assert hasattr(module, "__all__"), f"public package {name} declares no __all__"
+                assert all(hasattr(module, n) for n in module.__all__), name
+            else:
+                assert not hasattr(module, "__all__"), f"{name} is an internal room but declares __all__"
 
 
 def _public_functions():
@@ -109,3 +114,31 @@ def test_public_functions_document_their_arguments(name, function):
         section = doc.split("Args:", 1)[1]
         missing = [p for p in params if f"{p}:" not in section and f"{p} (" not in section]
         assert not missing, f"{name}: arguments not documented: {missing}"
+
+
+# the seed document's helper modules: public as modules (its examples import from them)
+PUBLIC_MODULES = {"recal_tf.models", "recal_tf.utils", "recal_tf.input_data"}
+
+
+def test_docs_examples_and_scripts_import_only_the_public_api():
+    """What the README, the docs' examples and scripts/ import of recal is what a user may: a package's ``__all__``,
+    or one of the seed's helper modules. A name they need is made public, not reached for inside a package."""
+    import ast
+
+    from docs_examples import python_blocks
+
+    sources = [*python_blocks(), *((str(p.relative_to(ROOT)), p.read_text()) for p in (ROOT / "scripts").rglob("*.py"))]
+    reached = []
+    for where, code in sources:
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("recal_"):
+                if node.module in PUBLIC_MODULES:
+                    continue
+                module = importlib.import_module(node.module)
+                public = set(getattr(module, "__all__", ())) if hasattr(module, "__path__") else set()
+                reached += [f"{where}: from {node.module} import {a.name}" for a in node.names
+                            if a.name not in public and f"{node.module}.{a.name}" not in PUBLIC_MODULES]
+            elif isinstance(node, ast.Import):
+                reached += [f"{where}: import {a.name}" for a in node.names if a.name.startswith("recal_")
+                            and a.name not in PUBLIC_MODULES and not hasattr(importlib.import_module(a.name), "__path__")]
+    assert not reached, "\n".join(reached)
