@@ -4,21 +4,16 @@ trainable flags), and the checks that the model, its optimizer and its epochs ar
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
-
 import keras
 
 from .errors import RecalWarning
-
-if TYPE_CHECKING:
-    from .manager import ScheduledModifierManager
 
 
 class RecalCallback(keras.callbacks.Callback):
     """Applies what is set per epoch or at start: masks in force on (re)start, trainable flags; checks that
     an epoch has the steps the recipe was bound with."""
 
-    def __init__(self, manager: ScheduledModifierManager):
+    def __init__(self, manager):
         super().__init__()
         self.manager = manager
         self._epoch_start = 0

@@ -3,18 +3,13 @@ Keras calls after each optimizer update, wrapping the user's constraint."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import keras
-
-if TYPE_CHECKING:
-    from .manager import ScheduledModifierManager
 
 
 class ApplyMasks(keras.constraints.Constraint):
     """The constraint Keras calls after each update: recal's mask step, then the user's own constraint."""
 
-    def __init__(self, manager: "ScheduledModifierManager", inner):
+    def __init__(self, manager, inner):
         self.manager = manager
         self.inner = inner
         self._step = manager._step

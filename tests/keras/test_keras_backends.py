@@ -97,7 +97,7 @@ def _check_blocks(ran: dict) -> None:
     """keras.applications' pieces (depthwise and separable convs, ReLU6, zero padding, swish, squeeze-excitation,
     residual Adds, concatenation, average pooling, pre-activation BatchNorms, hard-swish) QAT-trained on JAX and PyTorch and
     exported by their exporters: the int8 model holds the integer ops TensorFlow's export gives
-    (:mod:`tests.keras.test_keras`), nothing float between them, and computes the Keras QAT model's outputs within one
+    (:mod:`tests.keras.test_keras_qat_blocks`), nothing float between them, and computes the Keras QAT model's outputs within one
     output step with the same classes, in a default session and with optimizations off."""
     from tests.support.keras_blocks import INTEGER_OPS, TABLES
 

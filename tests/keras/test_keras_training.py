@@ -216,7 +216,7 @@ def test_mirrored_strategy_two_replicas_exact():
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
         import keras
-        from tests.keras.test_keras import PRUNE, SPE, _data, _expected, _net
+        from tests.keras.keras_models import PRUNE, SPE, _data, _expected, _net
         from recal_keras import ScheduledModifierManager
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
         with strategy.scope():

@@ -4,7 +4,7 @@ zeros), and prune + QAT (when QAT started and BatchNorm froze, the Keras QAT mod
 model's and a reloaded ``.keras`` file's), each written to an ``.npz``.
 
 ``KERAS_BACKEND=jax python -m tests.support.keras_backend_run OUT.npz [MODEL.onnx [QAT.npz]]`` (the blocks' run:
-``QAT_blocks.npz``); the test runs TensorFlow's in its own process (its blocks: :mod:`tests.keras.test_keras`).
+``QAT_blocks.npz``); the test runs TensorFlow's in its own process (its blocks: :mod:`tests.keras.test_keras_qat_blocks`).
 The initial weights come from NumPy (each backend's random initializers differ), so every backend starts alike.
 """
 

@@ -1,5 +1,5 @@
 """keras.applications' pieces as small functional models, on whichever Keras backend this process runs, and their
-run to an int8 model: the blocks :mod:`tests.keras.test_keras` converts on TensorFlow and :mod:`tests.support.keras_backend_run`
+run to an int8 model: the blocks :mod:`tests.keras.test_keras_qat_blocks` converts on TensorFlow and :mod:`tests.support.keras_backend_run`
 on JAX and PyTorch."""
 
 from __future__ import annotations

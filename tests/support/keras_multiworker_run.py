@@ -1,5 +1,5 @@
 """A recipe (pruning, LR, QAT) on a Keras model under TensorFlow's ``MultiWorkerMirroredStrategy``, for
-:mod:`tests.keras.test_keras`: ``python -m tests.support.keras_multiworker_run INDEX PORTS OUT`` on each worker (``PORTS``: the
+:mod:`tests.keras.test_keras_training`: ``python -m tests.support.keras_multiworker_run INDEX PORTS OUT`` on each worker (``PORTS``: the
 workers' ports, comma-separated; one port: the same run in one process, no strategy). Keras 3's ``fit`` fails
 under this strategy whatever the model (it cannot convert the distributed batch: a Keras issue, recal or not),
 so the run is the custom training loop TensorFlow's multi-worker guide writes, ``strategy.run`` of a step that
