@@ -26,6 +26,7 @@ import numpy as np
 
 from recal_core.atomic import TEMP_PREFIX, remove_stale_temporaries, write_text_atomically
 from recal_core.recipe import Recipe
+from .errors import DivergedError
 from .measures import median_latency_ms, overall_sparsity  # noqa: F401 - re-exported for the trainers
 from .report import plot_schedule
 from .run_lock import LOCK_NAME, RUN_FILE, check_fresh, check_resume, locked, run_identity
@@ -114,10 +115,6 @@ def _trainer(framework: str) -> Trainer:
     return importlib.import_module(TRAINERS[framework]).train
 
 
-class Diverged(RuntimeError):
-    """Training produced a non-finite loss or weight: the run stops, keeping its last complete checkpoint."""
-
-
 def check_finite(framework: str, step: int, loss: float | None = None, weights=()) -> None:
     """Stop a run whose loss or weights stopped being finite, with one line naming the step (before anything of
     that step is saved: the last complete checkpoint stays the one to resume from, and nothing is exported).
@@ -135,7 +132,7 @@ def check_finite(framework: str, step: int, loss: float | None = None, weights=(
         bad = next((f"a weight is {value}" for w in weights
                     for value in [_first_non_finite(w)] if value is not None), None)
     if bad is not None:
-        raise Diverged(f"{framework} training diverged at step {step}: {bad} (a learning rate too high for this "
+        raise DivergedError(f"{framework} training diverged at step {step}: {bad} (a learning rate too high for this "
                        "model?); stopped: the last complete checkpoint is kept and no model was exported")
 
 

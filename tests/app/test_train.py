@@ -268,10 +268,10 @@ DIVERGING = """
 def test_a_diverging_run_stops_at_the_step_keeps_its_checkpoint_and_exports_nothing(tmp_path, framework):
     """A recipe LR of 1e12 from epoch 1: the loss or the weights stop being finite during epoch 2. The run stops with
     one line naming the step, epoch 1's checkpoint stays, and no model is written."""
-    from recal_app.training import Diverged
+    from recal_app.errors import DivergedError
 
     out = tmp_path / "out"
-    with pytest.raises(Diverged, match=rf"^{framework} training diverged at step \d+: (the loss|a weight) is"):
+    with pytest.raises(DivergedError, match=rf"^{framework} training diverged at step \d+: (the loss|a weight) is"):
         train(_recipe(tmp_path, DIVERGING), framework, out, progress=False)
     assert not list(out.glob("model*")), list(out.iterdir())
     history = out / "checkpoints" / ("epoch-1.pt" if framework == "torch" else "history.json")

@@ -425,7 +425,8 @@ def test_training_that_goes_non_finite_keeps_pruned_weights_zero_and_is_stopped(
     stops the run at the first step whose loss or weights are not finite."""
     import torch
 
-    from recal_app.training import Diverged, check_finite
+    from recal_app.errors import DivergedError
+    from recal_app.training import check_finite
     from recal_torch import ScheduledModifierManager
 
     from tests.support.torch_models import SmallCNN, batches
@@ -453,7 +454,7 @@ def test_training_that_goes_non_finite_keeps_pruned_weights_zero_and_is_stopped(
                 assert torch.all(weight.detach()[mask == 0] == 0), (name, step)
         try:
             check_finite("torch", step, float(loss.detach()), [p.detach().numpy() for p in model.parameters()])
-        except Diverged as exc:
+        except DivergedError as exc:
             stopped = step
             assert f"diverged at step {step}" in str(exc)
             break
