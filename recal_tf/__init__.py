@@ -16,20 +16,7 @@ _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ sta
 
 from recal_keras import RecalWarning  # after the log level: importing it imports TensorFlow
 
-from .graph import (
-    EXTRAS_KEY_LEARNING_RATE,
-    EXTRAS_KEY_SUMMARIES,
-    EXTRAS_KEY_UPDATE_OPS,
-    EXTRAS_KEY_VAR_LIST,
-    EXTRAS_KEY_WEIGHT_DECAY,
-    EXTRAS_KEY_WEIGHT_DECAY_RATE,
-    ModifierSessionRunHook,
-    ScheduledModifierManager,
-    export_onnx,
-)
+from . import graph
+from .graph import *  # noqa: F403 - the seed's graph API, as the seed imports it: from recal_tf import ...
 
-__all__ = [
-    "EXTRAS_KEY_LEARNING_RATE", "EXTRAS_KEY_SUMMARIES", "EXTRAS_KEY_UPDATE_OPS", "EXTRAS_KEY_VAR_LIST",
-    "EXTRAS_KEY_WEIGHT_DECAY", "EXTRAS_KEY_WEIGHT_DECAY_RATE", "ModifierSessionRunHook", "RecalWarning",
-    "ScheduledModifierManager", "export_onnx",
-]
+__all__ = [*graph.__all__, "RecalWarning"]
