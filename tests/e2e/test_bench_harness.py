@@ -38,20 +38,20 @@ def test_interleaved_latency_times_onnx_models(tmp_path, monkeypatch):
     path = _relu(tmp_path)
     ms = timing.interleaved_latency({"a": path, "b": path}, {"x": np.ones((1, 4), np.float32)}, rounds=2)
     assert set(ms) == {"a", "b"} and all(0 < v < 1e3 for v in ms.values())
-    from recal_onnx import verify
+    import recal_onnx
 
-    made, real = [], verify.session
-    monkeypatch.setattr(verify, "session", lambda p, t: made.append(p) or real(p, t))
+    made, real = [], recal_onnx.session
+    monkeypatch.setattr(recal_onnx, "session", lambda p, t: made.append(p) or real(p, t))
     ms = timing.interleaved_latency({"a": path, "b": path}, {"x": np.ones((1, 4), np.float32)}, rounds=2, sessions=3)
     assert set(ms) == {"a", "b"} and len(made) == 6  # three sessions of each, their samples pooled
 
 
 def test_groups_take_turns_each_round_in_fresh_sessions(tmp_path, monkeypatch):
-    from recal_onnx import verify
+    import recal_onnx
 
     path = _relu(tmp_path)
-    made, real = [], verify.session
-    monkeypatch.setattr(verify, "session", lambda p, t: made.append(p) or real(p, t))
+    made, real = [], recal_onnx.session
+    monkeypatch.setattr(recal_onnx, "session", lambda p, t: made.append(p) or real(p, t))
     feed = {"x": np.ones((1, 4), np.float32)}
     ms = timing.in_turns({"m1": ({"a": path, "b": path}, feed), "m2": ({"c": path}, feed)}, rounds=3, per_round=2)
     assert {g: set(v) for g, v in ms.items()} == {"m1": {"a", "b"}, "m2": {"c"}}
