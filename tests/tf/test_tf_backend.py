@@ -486,3 +486,12 @@ def test_a_real_message_during_a_quiet_import_still_shows(tmp_path, monkeypatch,
     import_quietly("noisy_module")
     err = capfd.readouterr().err
     assert "something the user must see" in err and "oneDNN" not in err and "absl" not in err
+
+
+def test_the_old_name_of_keras_support_is_the_new_package():
+    """``recal_tf.keras`` was Keras support's home before ``recal_keras``: code written against it keeps working."""
+    import recal_keras
+    import recal_tf.keras
+    from recal_tf.keras import ScheduledModifierManager as Old
+
+    assert recal_tf.keras is recal_keras and Old is recal_keras.ScheduledModifierManager
