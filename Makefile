@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/speed.py --size 64 --rounds 3 --output $(BENCH_TMP)/speed
 	$(BIN)/python scripts/bench_torch_overhead.py --steps 20
 	$(BIN)/python scripts/bench_lsq_overhead.py --steps 3
+	$(BIN)/python scripts/bench_export.py --rounds 1 --models resnet18
 	$(BIN)/python scripts/bench_tf_overhead.py --steps 20
 	$(BIN)/python scripts/bench_onnx.py --quick --repeat 5
 	$(BIN)/python scripts/bench_accuracy.py --seeds 0

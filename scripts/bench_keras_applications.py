@@ -15,7 +15,7 @@ output step of each other (a one-step difference can flip their argmax), and wha
 
 Each backend runs in an interpreter of its own (``KERAS_BACKEND`` is read once, at import)::
 
-    python scripts/bench_keras_applications.py [--backends tensorflow jax torch] [--size 32] [--steps 48]
+    python scripts/bench_keras_applications.py [--backends tensorflow jax torch] [--size 32] [--steps 48] [--seed 0]
         [--models mobilenet_v2 resnet50 ...] [--json docs/results/keras_applications.json] [--update] [--keep DIR]
     python scripts/bench_keras_applications.py --json docs/results/keras_applications.json --rescore DIR
 """
@@ -65,8 +65,9 @@ def templates(size: int, seed: int = 0):
     return sample
 
 
-def run(name: str, size: int, folder: Path, steps: int, bn_momentum: float = 0.9) -> dict:
-    """One model's row, on this process's Keras backend."""
+def run(name: str, size: int, folder: Path, steps: int, bn_momentum: float = 0.9, seed: int = 0) -> dict:
+    """One model's row, on this process's Keras backend; ``seed``: the initial weights, the class templates and
+    the data drawn from them."""
     import warnings
 
     import keras
@@ -76,7 +77,7 @@ def run(name: str, size: int, folder: Path, steps: int, bn_momentum: float = 0.9
     zoo = suite_module("tests.e2e.zoo.test_keras_applications")  # the zoo test's recipe
     BATCH, RECIPE = zoo.BATCH, zoo.RECIPE
 
-    keras.utils.set_random_seed(0)
+    keras.utils.set_random_seed(seed)
     model = applications(keras)[name](size)
     for layer in model.layers:  # Keras's 0.99 leaves the moving statistics near their initial values after a few
         if isinstance(layer, keras.layers.BatchNormalization):  # dozen steps, and the model then predicts
@@ -87,7 +88,7 @@ def run(name: str, size: int, folder: Path, steps: int, bn_momentum: float = 0.9
         warnings.simplefilter("always", RecalWarning)
         qat, callbacks = manager.modify(model, optimizer, steps_per_epoch=steps)
     float_layers = [str(w.message).rpartition("): ")[2] for w in caught if "stay float" in str(w.message)]
-    sample = templates(size)
+    sample = templates(size, seed)
     x, y = sample(steps * BATCH)
     qat.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     qat.fit(x, y, batch_size=BATCH, epochs=2, callbacks=callbacks, verbose=0)
@@ -96,7 +97,7 @@ def run(name: str, size: int, folder: Path, steps: int, bn_momentum: float = 0.9
     expected = qat.predict(test, verbose=0)
     np.savez(folder / f"{name}.npz", test=test, expected=expected, labels=labels)  # kept with --keep
     export_onnx(qat, folder / f"{name}.onnx")
-    return {"model": name, "size": size, "quantized": len(manager.quantized_layers),
+    return {"model": name, "size": size, "seed": seed, "quantized": len(manager.quantized_layers),
             "float_layers": ", ".join(float_layers) or "none", "steps": steps, **converted(folder, name),
             **compared(folder, name)}
 
@@ -164,7 +165,7 @@ def rescored(data: dict, keep: Path) -> dict:
     return data
 
 
-def child(models: list[str], size: int, steps: int, keep: Path | None = None) -> dict:
+def child(models: list[str], size: int, steps: int, keep: Path | None = None, seed: int = 0) -> dict:
     """Every model's row on this process's backend (a model that fails is a row that says why); ``keep``: a folder
     that keeps each model's QDQ and int8 exports and its test inputs with the Keras outputs (``.npz``)."""
     import contextlib
@@ -177,7 +178,7 @@ def child(models: list[str], size: int, steps: int, keep: Path | None = None) ->
     with (contextlib.nullcontext(str(keep)) if keep else tempfile.TemporaryDirectory()) as tmp:
         for name in models:
             try:
-                rows.append(run(name, size, Path(tmp), steps))
+                rows.append(run(name, size, Path(tmp), steps, seed=seed))
             except Exception as exc:  # noqa: BLE001 - a model that fails is a row that says why
                 error = f"{type(exc).__name__}: {exc}".replace(f"{tmp}/", "")  # no temporary folder in the table
                 rows.append({"model": name, "size": size, "error": error[:300]})
@@ -240,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=48, help="steps per epoch (two epochs: pruning, then QAT)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--seed", type=int, default=0, help="initial weights, class templates and data")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--update", action="store_true",
                         help="with --json: replace only the rows of the backends and models run in that file's results")
@@ -258,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(data))
         return 0
     if args.child:
-        print(json.dumps(child(args.models, args.size, args.steps, args.keep)))
+        print(json.dumps(child(args.models, args.size, args.steps, args.keep, args.seed)))
         return 0
     saved = load(args.json) if args.update and args.json and args.json.exists() else None
     results = []
@@ -269,10 +271,10 @@ def main(argv: list[str] | None = None) -> int:
             (args.keep / backend).mkdir(parents=True, exist_ok=True)
             keep = ["--keep", str((args.keep / backend).resolve())]
         out = subprocess.run([sys.executable, __file__, "--child", "--size", str(args.size), "--steps",
-                              str(args.steps), "--models", *args.models, *keep], env=env, check=True, cwd=ROOT,
+                              str(args.steps), "--seed", str(args.seed), "--models", *args.models, *keep], env=env, check=True, cwd=ROOT,
                              stdout=subprocess.PIPE, text=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
-        data = {"size": args.size, "steps": args.steps, "backends": results}
+        data = {"size": args.size, "steps": args.steps, "seed": args.seed, "backends": results}
         if saved is not None:
             data = _updated(json.loads(json.dumps(saved)), data)
         if args.json:  # after each backend: a run cut short keeps what it measured
@@ -283,9 +285,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _updated(saved: dict, new: dict) -> dict:
     """``saved`` with each of ``new``'s rows in place of the row of the same backend and model (same settings)."""
-    if (saved["size"], saved["steps"]) != (new["size"], new["steps"]):
-        raise SystemExit(f"--update: {saved['size']}px / {saved['steps']} steps saved, {new['size']}px / "
-                         f"{new['steps']} steps run; run every model again instead")
+    if (saved["size"], saved["steps"], saved.get("seed", 0)) != (new["size"], new["steps"], new["seed"]):
+        raise SystemExit(f"--update: {saved['size']}px / {saved['steps']} steps / seed {saved.get('seed', 0)} saved, "
+                         f"{new['size']}px / {new['steps']} steps / seed {new['seed']} run; run every model again "
+                         "instead")
     for result in new["backends"]:
         old = next((b for b in saved["backends"] if b["backend"] == result["backend"]), None)
         if old is None:

@@ -447,6 +447,13 @@ def plan() -> str:
             "docs/results/plan.json`).")
 
 
+def export() -> str:
+    """export_onnx's time against torch.onnx's export of the float model (scripts/bench_export.py)."""
+    from bench_export import table
+
+    return table(load("export.json"))
+
+
 def avx2_exactness() -> str:
     """The AVX2 suite's models verified on this CPU's kernels and under an emulated Haswell
     (scripts/avx2_exactness.py)."""
@@ -467,7 +474,7 @@ TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo
           "thinning-decoder-neox": lambda: thinning_decoder("gpt-neox"),
           "jax-compile": jax_compile, "gpu-check": gpu_check,
           "lsq-overhead": lsq_overhead, "avx2-exactness": avx2_exactness, "real-models": real_models,
-          "real-model-qat": real_model_qat, "plan": plan}
+          "real-model-qat": real_model_qat, "plan": plan, "export": export}
 
 
 def render(text: str) -> str:
