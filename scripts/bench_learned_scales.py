@@ -92,7 +92,7 @@ def run(lr: float, steps: int, seed: int, batch: int = 8) -> dict:
 
 def table(data: dict) -> str:
     """The floored scales of each run (one per CPU in the saved file)."""
-    lines = ["| CPU | AdamW LR | seeds | learned scales | at the floor | warned | held-out perplexity |",
+    lines = ["| CPU | AdamW LR | seeds | learned scales | at the floor | warned | held-out perplexity, median |",
              "|---|---:|---:|---:|---:|---|---:|"]
     for cpu_run in data["runs"]:
         cpu = cpu_run["cpu"].split(",")[0].removeprefix("CPU: ")

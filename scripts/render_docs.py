@@ -454,6 +454,18 @@ def export() -> str:
     return table(load("export.json"))
 
 
+def learned_scales() -> str:
+    """Learned scales at float32's floor after a Trainer run under AdamW (scripts/bench_learned_scales.py)."""
+    from bench_learned_scales import table
+
+    data = load("learned_scales.json")
+    run = data["runs"][0]
+    return (table(data) + f"\n\n{run['cpu']}; {run['threads']} threads; {run['rows'][0]['steps']} steps each; "
+            "at the floor: the scales at or below float32's eps at the end, one figure per seed; warned: whether "
+            "recal's floor warning was raised during any run (`python scripts/bench_learned_scales.py --lrs 1e-2 "
+            "1e-3 --seeds 0 1 2 --json docs/results/learned_scales.json`).")
+
+
 def avx2_exactness() -> str:
     """The AVX2 suite's models verified on this CPU's kernels and under an emulated Haswell
     (scripts/avx2_exactness.py)."""
@@ -474,7 +486,8 @@ TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo
           "thinning-decoder-neox": lambda: thinning_decoder("gpt-neox"),
           "jax-compile": jax_compile, "gpu-check": gpu_check,
           "lsq-overhead": lsq_overhead, "avx2-exactness": avx2_exactness, "real-models": real_models,
-          "real-model-qat": real_model_qat, "plan": plan, "export": export}
+          "real-model-qat": real_model_qat, "plan": plan, "export": export,
+          "learned-scales": learned_scales}
 
 
 def render(text: str) -> str:

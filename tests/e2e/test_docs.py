@@ -36,11 +36,11 @@ def test_every_table_marker_names_a_table_and_every_json_is_used():
     from bench.results import RESULTS
 
     assert {p.name for p in RESULTS.glob("*.json")} == {
-        "avx2_exactness.json", "real_models.json", "real_model_qat.json", "plan.json", "demo.json",
-        "gpu_check.json", "interop.json", "jax_compile.json", "keras_applications.json", "keras_backends.json",
-        "large_decoder.json", "digits_int8.json", "llm.json", "llm_ternary.json", "llm_ternary_h128.json", "llm_ternary_h96.json", "lsq_overhead.json", "export.json",
-        "reduce_range.json", "thinning_transformers.json",
-        "transformers.json", "zoo.json", "zoo_vnni.json", "zoo_vnni_amd.json"}
+        "avx2_exactness.json", "demo.json", "digits_int8.json", "export.json", "gpu_check.json", "interop.json",
+        "jax_compile.json", "keras_applications.json", "keras_backends.json", "large_decoder.json",
+        "learned_scales.json", "llm.json", "llm_ternary.json", "llm_ternary_h128.json", "llm_ternary_h96.json",
+        "lsq_overhead.json", "plan.json", "real_model_qat.json", "real_models.json", "reduce_range.json",
+        "thinning_transformers.json", "transformers.json", "zoo.json", "zoo_vnni.json", "zoo_vnni_amd.json"}
 
 
 def test_readme_is_short_and_links_only_pages_that_exist():
