@@ -89,12 +89,13 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
         if "/" in state["checkpoint"] or not (ckpt_dir / (state["checkpoint"] + ".index")).is_file():
             raise FileNotFoundError(f"--resume: {ckpt_dir / 'history.json'} names checkpoint "
                                     f"{state['checkpoint']!r}, which is not in {ckpt_dir}")
-        restore_checkpoint(lambda: checkpoint.read(str(ckpt_dir / state["checkpoint"])).assert_existing_objects_matched(),
-                           ckpt_dir / state["checkpoint"])
+        saved = ckpt_dir / state["checkpoint"]
+        restore_checkpoint(lambda: checkpoint.read(str(saved)).assert_existing_objects_matched(), saved)
         run.history = [EpochRecord(**h) for h in state["history"]]
         start = state["epoch"]
     diverged = _FirstNonFinite()
-    callbacks += [diverged, keras.callbacks.TensorBoard(str(out_dir / "tensorboard"), write_graph=False),  # QAT: no JSON
+    callbacks += [diverged,
+                  keras.callbacks.TensorBoard(str(out_dir / "tensorboard"), write_graph=False),  # QAT: no JSON graph
                   _Scalars(manager, out_dir / "tensorboard")]
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     for epoch in range(start, epochs):

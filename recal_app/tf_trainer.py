@@ -24,8 +24,8 @@ from .run_lock import read_resume_record, restore_checkpoint
 from .training import (BATCH_SIZE, LEARNING_RATE, Artefact, EpochRecord, TrainingRun, check_finite, epoch_line,
                         epoch_order, median_latency_ms, overall_sparsity, progress_bar)
 
-from recal_tf.graph import (EXTRAS_KEY_LEARNING_RATE, EXTRAS_KEY_WEIGHT_DECAY, ScheduledModifierManager, describe_variables,
-                            frozen_graph_def, graph_def_to_onnx)
+from recal_tf.graph import (EXTRAS_KEY_LEARNING_RATE, EXTRAS_KEY_WEIGHT_DECAY, ScheduledModifierManager,
+                            describe_variables, frozen_graph_def, graph_def_to_onnx)
 from recal_tf.models import digits_net
 from recal_tf.utils import batch_cross_entropy_loss, tf_compat
 
@@ -40,7 +40,8 @@ def _read_history(ckpt_dir: Path) -> dict:
     path = ckpt_dir / "history.json"
     state = read_resume_record(path, ("epoch", "checkpoint", "history"))
     if not (ckpt_dir / (state["checkpoint"] + ".index")).is_file() or "/" in state["checkpoint"]:
-        raise FileNotFoundError(f"--resume: {path} names checkpoint {state['checkpoint']!r}, which is not in {ckpt_dir}")
+        raise FileNotFoundError(f"--resume: {path} names checkpoint {state['checkpoint']!r}, which is not in "
+                                f"{ckpt_dir}")
     return state
 
 
@@ -100,8 +101,8 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
                 for b in bar:
                     index = order[b * BATCH_SIZE:(b + 1) * BATCH_SIZE]
                     feed = {inputs: x_train[index], labels: y_train[index], training: True}
-                    _, batch_loss, batch_logits, summary, step = sess.run([step_op, loss, logits, summaries, global_step],
-                                                                          feed)
+                    fetches = [step_op, loss, logits, summaries, global_step]
+                    _, batch_loss, batch_logits, summary, step = sess.run(fetches, feed)
                     writer.add_summary(summary, step)
                     losses.append(float(batch_loss))
                     check_finite("tf", int(step), losses[-1])

@@ -39,8 +39,10 @@ class DigitsNet(nn.Module):
 
     def __init__(self, width: int = 32, classes: int = 10):
         super().__init__()
-        self.conv1, self.bn1, self.relu1 = nn.Conv2d(1, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
-        self.conv2, self.bn2, self.relu2 = nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
+        self.conv1, self.bn1, self.relu1 = (nn.Conv2d(1, width, 3, padding=1, bias=False), nn.BatchNorm2d(width),
+                                            nn.ReLU())
+        self.conv2, self.bn2, self.relu2 = (nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width),
+                                            nn.ReLU())
         self.pool = nn.MaxPool2d(2)
         self.conv3, self.bn3, self.relu3 = (nn.Conv2d(width, 2 * width, 3, padding=1, bias=False),
                                             nn.BatchNorm2d(2 * width), nn.ReLU())
@@ -147,7 +149,8 @@ def train(recipe: Recipe, out_dir: Path, *, epochs: int, seed: int, resume: bool
             record = EpochRecord(epoch + 1, statistics.fmean(losses), correct / len(x_train),
                                  _accuracy(model, x_test, y_test), _kernel_sparsity(kernels)[0],
                                  float(optimizer.param_groups[0]["lr"]))
-            check_finite("torch", (epoch + 1) * steps_per_epoch, weights=[p.detach().numpy() for p in model.parameters()])
+            check_finite("torch", (epoch + 1) * steps_per_epoch,
+                         weights=[p.detach().numpy() for p in model.parameters()])
             run.history.append(record)
             for key in ("loss", "train_accuracy", "test_accuracy", "sparsity"):
                 tensorboard.writer.add_scalar(f"epoch/{key}", getattr(record, key), record.epoch)

@@ -251,7 +251,8 @@ def write_report(run: TrainingRun, recipe: Recipe) -> None:
         if a.layer_sparsity:
             lines.append(f"**{a.name}**: " + ", ".join(f"`{k}` {v:.3f}" for k, v in a.layer_sparsity.items()))
             lines.append("")
-    lines += ["## Per epoch", "", "| epoch | loss | train acc | test acc | sparsity | lr |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += ["## Per epoch", "", "| epoch | loss | train acc | test acc | sparsity | lr |",
+              "| --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {h.epoch} | {h.loss:.4f} | {h.train_accuracy:.4f} | {h.test_accuracy:.4f} | {h.sparsity:.4f} | "
               f"{'-' if h.lr is None else f'{h.lr:.4g}'} |" for h in run.history]
     write_text_atomically(out / "report.md", "\n".join(lines) + "\n")

@@ -100,7 +100,8 @@ class ExpressionError(ValueError):
 
 
 class BudgetSpentError(ExpressionError):
-    """The recipe's :class:`~recal_core.expressions.ExpressionBudget` ran out; reported once, at the expression where it did (``first``)."""
+    """The recipe's :class:`~recal_core.expressions.ExpressionBudget` ran out; reported once, at the expression
+    where it did (``first``)."""
 
     def __init__(self, message: str, first: bool):
         super().__init__(message)

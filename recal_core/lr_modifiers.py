@@ -6,8 +6,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import StrictBool, ValidationError, ValidationInfo, field_validator
 
-from .modifier_base import (_NUMBER, LR_CLASSES, MAX_EPOCH, Epoch, Modifier, NonNegativeNumber, ParamGroups, PositiveNumber,
-                            _unsupported)
+from .modifier_base import (_NUMBER, LR_CLASSES, MAX_EPOCH, Epoch, Modifier, NonNegativeNumber, ParamGroups,
+                            PositiveNumber, _unsupported)
 
 
 

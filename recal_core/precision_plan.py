@@ -84,8 +84,9 @@ def recipe_text(layers: list[LayerCandidates], choice: dict[str, Candidate], *, 
     total = sum(c.cost for c in choice.values())
     lines = [f"# Planned by recal: each layer's weight precision chosen to least {estimate} loss increase"
              + (f" under {budget:,.0f} bytes" if budget is not None else "") + f"; the plan holds {total:,.0f} bytes.",
-             "# layer: bits (score: " + ("the loss increase measured with this layer alone quantized"
-                                          if estimate == "measured" else f"the {estimate} estimate of the loss increase")
+             "# layer: bits (score: "
+             + ("the loss increase measured with this layer alone quantized" if estimate == "measured"
+                else f"the {estimate} estimate of the loss increase")
              + "; bytes)"]
     for layer in layers:
         c = choice[layer.name]

@@ -15,7 +15,8 @@ class QuantizationArgs(BaseModel):
     """How one tensor is quantized (SparseML's / compressed-tensors' ``QuantizationArgs``).
 
     recal quantizes activations to 8 bits, and weights to 8 bits or, weight-only (``input_activations: null``), to
-    4 or 2 (ternary: -1, 0, 1); ``strategy: group`` gives every ``group_size`` consecutive inputs of an output channel their own scale."""
+    4 or 2 (ternary: -1, 0, 1); ``strategy: group`` gives every ``group_size`` consecutive inputs of an output channel
+    their own scale."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     num_bits: Annotated[int, Field(strict=True)] = 8
@@ -25,8 +26,9 @@ class QuantizationArgs(BaseModel):
     observer: Literal["minmax", "mse", "lsq"] = Field(
         "minmax", description="how a weight's scale is chosen: its largest magnitude (minmax), the clipping of it "
                               "that quantizes the weight with the least squared error (mse; weight-only layers), or "
-                              "learned by gradient descent (lsq, LSQ's scaled gradient; PyTorch, and Keras / TF for W8A8; "
-                              "from the mse fit for weight-only layers, from minmax for W8A8 weights and inputs)")
+                              "learned by gradient descent (lsq, LSQ's scaled gradient; PyTorch, and Keras / TF for "
+                              "W8A8; from the mse fit for weight-only layers, from minmax for W8A8 weights and "
+                              "inputs)")
     observer_kwargs: dict[str, float] | None = Field(
         None, description="lsq: {lr_factor: f}, the scales' learning rate as a multiple of the first param group's "
                           "(default 1.0); input activations also {calibration_steps: n}, the range averaged over "

@@ -51,7 +51,8 @@ class RecipeBuilder:
         if isinstance(data, list):
             lists.append(("modifiers", data))
         elif isinstance(data, dict):
-            stages = [k for k, v in data.items() if isinstance(v, dict) and any(str(x).endswith("modifiers") for x in v)]
+            stages = [k for k, v in data.items()
+                      if isinstance(v, dict) and any(str(x).endswith("modifiers") for x in v)]
             if stages:
                 names = ", ".join(repr(str(k)) for k in stages)
                 raise RecipeError(Problem(

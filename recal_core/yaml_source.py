@@ -89,7 +89,8 @@ class _RecipeLoader(yaml.SafeLoader):
                     continue  # an unhashable key: SafeConstructor reports it
                 if first is not None:
                     raise yaml.constructor.ConstructorError(
-                        None, None, f"key {key!r} given twice (first at line {first.line + 1 + self.recipe_text.line_offset})",
+                        None, None,
+                        f"key {key!r} given twice (first at line {first.line + 1 + self.recipe_text.line_offset})",
                         key_node.start_mark)
                 seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)

@@ -152,8 +152,9 @@ def _pools_channels_first(path: str) -> None:
         if window_sum:
             pooled.append(helper.make_node("Transpose", [f"{x}_pooled"], [y_out], name=f"{x}_nhwc", perm=[0, 2, 3, 1]))
         else:
-            pooled += [helper.make_node("Transpose", [f"{x}_pooled"], [f"{x}_out"], name=f"{x}_nhwc", perm=[0, 2, 3, 1]),
-                       helper.make_node("Unsqueeze", [f"{x}_out", "recal_pool_axes"], [y_out], name=f"{x}_unsqueeze")]
+            pooled += [
+                helper.make_node("Transpose", [f"{x}_pooled"], [f"{x}_out"], name=f"{x}_nhwc", perm=[0, 2, 3, 1]),
+                helper.make_node("Unsqueeze", [f"{x}_out", "recal_pool_axes"], [y_out], name=f"{x}_unsqueeze")]
         nodes += pooled
     if changed:
         del model.graph.node[:]

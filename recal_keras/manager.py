@@ -162,11 +162,13 @@ class ScheduledModifierManager(RecipeManager):
         learn = learned_scales(schedule.recipe.modifiers[index])
         quantized, made, floating = quantize_model(model, self._qat, learn)
         if not made:
-            raise RecipeError(self.recipe.problem(index, None, f"model {model.name!r} has no Conv2D, DepthwiseConv2D or Dense layer "
-                                                  "to quantize", expected="a model with Conv2D, DepthwiseConv2D or Dense layers"))
+            raise RecipeError(self.recipe.problem(
+                index, None, f"model {model.name!r} has no Conv2D, DepthwiseConv2D or Dense layer to quantize",
+                expected="a model with Conv2D, DepthwiseConv2D or Dense layers"))
         if floating:
             warnings.warn(f"{self.recipe.describe(index)}: these layers with weights stay float (recal's Keras QAT "
-                          f"quantizes Conv2D, DepthwiseConv2D and Dense): {', '.join(floating)}", RecalWarning, stacklevel=4)
+                          f"quantizes Conv2D, DepthwiseConv2D and Dense): {', '.join(floating)}", RecalWarning,
+                          stacklevel=4)
         if keras.backend.backend() == "jax":  # a JAX forward pass reads the model's variables only
             next(q for q in made if isinstance(q, QuantizedLayer)).count_steps(self._qat, optimizer.iterations)
         self.quantized_layers = [q.layer.name for q in made]

@@ -2,10 +2,11 @@
 
 - ``Conv2D`` / ``DepthwiseConv2D`` / ``SeparableConv2D(-BatchNormalization)(-ReLU / ReLU6)`` and ``Dense(-ReLU /
   ReLU6)`` become one :class:`~recal_keras.quantized_layer.QuantizedLayer` simulating the BatchNorm-folded weights
-  (batch statistics while training, the moving ones once frozen), weights per output channel; it quantizes its output (the ReLU folded into
-  the range) and its input unless another quantized layer made it (through pooling, padding, flatten, reshape or
-  dropout). A sigmoid or swish after it runs on the integers too (QLinearSigmoid, QLinearMul); a hard-swish or
-  hard-sigmoid is quantized before and after as a whole (a table of its input's integers).
+  (batch statistics while training, the moving ones once frozen), weights per output channel; it quantizes its
+  output (the ReLU folded into the range) and its input unless another quantized layer made it (through pooling,
+  padding, flatten, reshape or dropout). A sigmoid or swish after it runs on the integers too (QLinearSigmoid,
+  QLinearMul); a hard-swish or hard-sigmoid is quantized before and after as a whole (a table of its input's
+  integers).
 - A residual ``Add``, a ``Multiply``, a ``Concatenate`` of quantized tensors (and the ReLU after an Add), an
   ``AveragePooling2D`` of one and a pre-activation ``BatchNormalization`` with its ReLU become a
   :class:`QuantizedMerge`: one observer on its output, so the int8 model computes it on the integers.

@@ -28,7 +28,8 @@ class QATTables:
     export: bool = False  # inference graph for export: always quantized, no switches
     weight_levels: int = WEIGHT_LEVELS  # 64 with the modifier's reduce_range
     ops: object = None  # the tensor ops adapter that reads them (TensorFlow's when None)
-    counter: object = None  # JAX: the model's own step variable (see recal_keras.quantized_layer.QuantizedLayer.count_steps)
+    # JAX: the model's own step variable (see recal_keras.quantized_layer.QuantizedLayer.count_steps)
+    counter: object = None
     current: object = None  # JAX: the step this forward pass reads, set by the counter's layer as it runs first
 
     @classmethod

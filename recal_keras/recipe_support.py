@@ -39,11 +39,13 @@ def torch_only_problems(schedule: RecipeSchedule, where: str) -> list[Problem]:
     for ps in schedule.pruning:
         if is_second_order(ps):
             tag = ps.modifier.tag
-            problems.append(recipe.problem(ps.index, None, f"second-order pruning ({tag}) is not available {where}",
-                                           expected=f"run this recipe's {tag} with recal_torch, or use GradualKSModifier"))
+            problems.append(recipe.problem(
+                ps.index, None, f"second-order pruning ({tag}) is not available {where}",
+                expected=f"run this recipe's {tag} with recal_torch, or use GradualKSModifier"))
     for index, _, _ in schedule.distillation:
-        problems.append(recipe.problem(index, None, f"knowledge distillation is not available {where}",
-                                       expected="run this recipe's DistillationModifier with recal_torch, or remove it"))
+        problems.append(recipe.problem(
+            index, None, f"knowledge distillation is not available {where}",
+            expected="run this recipe's DistillationModifier with recal_torch, or remove it"))
     return problems
 
 

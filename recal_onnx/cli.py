@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("qoperator", "qdq"), default="qoperator",
                         help="qoperator: QLinearConv/QGemm/... (default); qdq: folded, cleaned QDQ")
     parser.add_argument("--encodings", metavar="FILE",
-                        help="AIMET's .encodings file, with the float model QuantizationSimModel.export wrote beside it")
+                        help="AIMET's .encodings file, with the float model QuantizationSimModel.export wrote "
+                             "beside it")
     parser.add_argument("--inputs", metavar="FILE.npz",
                         help="verify on your own data: an .npz of arrays by input name (np.savez('in.npz', x=batch)); "
                              "by default inputs are generated (normal floats, token ids over the vocabulary)")

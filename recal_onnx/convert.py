@@ -57,8 +57,9 @@ MAX_LISTED = 20  # nodes the float warning names, one per line; result.float_nod
 
 
 
-def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto, output_path: str | os.PathLike | None = None,
-                        format: str = "qoperator", verify: bool = True, inputs: dict[str, np.ndarray] | None = None,
+def quantize_qat_export(model_or_path: str | os.PathLike | onnx.ModelProto,
+                        output_path: str | os.PathLike | None = None, format: str = "qoperator", verify: bool = True,
+                        inputs: dict[str, np.ndarray] | None = None,
                         tolerance: float | None = None, min_agreement: float | None = None,
                         thin: bool = True, verify_inputs: dict[str, np.ndarray] | None = None,
                         weight_type: str = "auto", channel_block: int = CHANNEL_BLOCK,
@@ -220,7 +221,8 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
     model = g.commit()
     infer_shapes_in_place(model, check=True)
     if unconverted:
-        lines = [f"  {op} {name!r}{modules.get(name, '')}{reasons.get(name, '')}" for op, name in unconverted[:MAX_LISTED]]
+        lines = [f"  {op} {name!r}{modules.get(name, '')}{reasons.get(name, '')}"
+                 for op, name in unconverted[:MAX_LISTED]]
         if len(unconverted) > MAX_LISTED:
             lines.append(f"  and {len(unconverted) - MAX_LISTED} more (result.float_nodes lists them all)")
         kinds = ", ".join(f"{op} x{n}" for op, n in Counter(op for op, _ in unconverted).most_common())
@@ -284,7 +286,8 @@ def _convert(model, reference, output_path, format, verify, inputs, tolerance, m
                                         f"model on output {differs!r}; nothing was written")
         if result.verification.compared_nothing:
             warnings.warn("the verification compared nothing end to end: every output is constant over its inputs "
-                          f"({result.verification}); give inputs= that make the outputs vary", UserWarning, stacklevel=3)
+                          f"({result.verification}); give inputs= that make the outputs vary", UserWarning,
+                          stacklevel=3)
         why = "as close to the input model as onnxruntime's own session of it" if result.verification.within_runtime \
             else "within the QAT model's own rounding noise" if result.verification.within_noise else None
         if why:

@@ -1,10 +1,10 @@
 """The converter's graph: an ``onnx_ir`` model, and the few lookups and edits every rewrite pass shares.
 
-``onnx_ir`` keeps each value's producer and uses up to date as nodes change, so a pass reads
-``value.producer()`` and rewires with ``replace_input_with``; what this module adds is constants as numpy (cached: a weight is read by
-several passes), fresh names, and the rule that a node standing in for another keeps its output's name and
-shape (verification and the zoo compare tensors by name). Initializers stay the ``TensorProto`` they were
-read from until a pass replaces one, so a large model is not copied into numpy wholesale.
+``onnx_ir`` keeps each value's producer and uses up to date as nodes change, so a pass reads ``value.producer()``
+and rewires with ``replace_input_with``; what this module adds is constants as numpy (cached: a weight is read by
+several passes), fresh names, and the rule that a node standing in for another keeps its output's name and shape
+(verification and the zoo compare tensors by name). Initializers stay the ``TensorProto`` they were read from until
+a pass replaces one, so a large model is not copied into numpy wholesale.
 """
 
 from __future__ import annotations

@@ -27,9 +27,8 @@ def infer_shapes_in_place(model: onnx.ModelProto, check: bool = False) -> None:
     stand_ins = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in big]
     given = {i.name for i in graph.input}
     skeleton = helper.make_model(
-        helper.make_graph([_as_standard(n, opset) for n in graph.node], graph.name or "graph", list(graph.input) + [v for v in stand_ins
-                                                                                         if v.name not in given],
-                          list(graph.output), small),
+        helper.make_graph([_as_standard(n, opset) for n in graph.node], graph.name or "graph",
+                          list(graph.input) + [v for v in stand_ins if v.name not in given], list(graph.output), small),
         opset_imports=list(model.opset_import), ir_version=model.ir_version)
     inferred = onnx.shape_inference.infer_shapes(skeleton)
     if check:

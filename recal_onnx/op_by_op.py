@@ -180,7 +180,8 @@ def _on_grid(mine: np.ndarray, theirs: np.ndarray) -> np.ndarray | None:
     uint8: +128); None where ``mine`` is no 8-bit tensor or the values leave its type (another grid)."""
     if mine.dtype not in (np.uint8, np.int8) or mine.shape != theirs.shape:
         return None
-    value = np.asarray(theirs.astype(np.int16) + signedness_shift(theirs.dtype, mine.dtype))  # (a 0-d tensor stays an array, as onnxruntime takes)
+    # (a 0-d tensor stays an array, as onnxruntime takes)
+    value = np.asarray(theirs.astype(np.int16) + signedness_shift(theirs.dtype, mine.dtype))
     if value.size and (value.min() < np.iinfo(mine.dtype).min or value.max() > np.iinfo(mine.dtype).max):
         return None
     return np.asarray(value.astype(mine.dtype))

@@ -34,7 +34,8 @@ class OutputDiff:
     noise: float | None = None  # the QAT model's own max abs difference under 8-ulp nudges (rounding_noise)
     share: float = FLOAT_SHARE  # a float output's tolerance, as a share of its range
     magnitude: float = 0.0  # the reference's largest |value|: two float32 outputs so large are apart by a ulp of it
-    typical: tuple[float, float] | None = None  # per sample max abs difference: (median, 90th percentile), shares of range
+    # per sample max abs difference: (median, 90th percentile), as shares of the range
+    typical: tuple[float, float] | None = None
     task: float | None = None  # the task's agreement: top-1 per position (last axis), or a 0.5-thresholded [0, 1] map
     # the same figures for onnxruntime's own default session of the input file against it as written: what the user
     # runs today, whose distance from the file's meaning a conversion may match (:meth:`as_close_as_runtime`)
@@ -48,7 +49,8 @@ class OutputDiff:
         median and 90th percentile of the per-sample difference and by the task's agreement, within the sampling
         noise of a few dozen samples (:data:`RUNTIME_MARGIN`, :data:`RUNTIME_TASK`)."""
         rt = self.runtime
-        if not self.explained or rt is None or self.typical is None or rt.typical is None or not np.isfinite(self.max_abs_diff):
+        if (not self.explained or rt is None or self.typical is None or rt.typical is None
+                or not np.isfinite(self.max_abs_diff)):
             return False
         close = all(mine <= theirs * (1 + RUNTIME_MARGIN) + 1e-6 for mine, theirs in zip(self.typical, rt.typical))
         return close and (self.task is None or rt.task is None or self.task >= rt.task - RUNTIME_TASK
@@ -190,7 +192,8 @@ class OutputStats:
             return OutputDiff(name, "class ids", self.max_diff, 0.0,
                               agreement=self.equal / self.count if self.count else 1.0)
         if dtype == np.bool_:
-            return OutputDiff(name, "bool", self.max_diff, 1.0, agreement=self.equal / self.count if self.count else 1.0)
+            return OutputDiff(name, "bool", self.max_diff, 1.0,
+                              agreement=self.equal / self.count if self.count else 1.0)
         if integer:
             return OutputDiff(name, "integer", self.max_diff, span, step=1.0)
         magnitude = max(abs(self.low), abs(self.high))  # inf where no value was finite
@@ -201,7 +204,8 @@ class OutputStats:
         return OutputDiff(name, "float", self.max_diff, span, step=step, share=share,
                           magnitude=magnitude if math.isfinite(magnitude) else 0.0, typical=typical,
                           task=self.task_agree / self.task_count if self.task_count else None,
-                          task_paired=(self.task_worse, self.task_better) if self.task_worse + self.task_better else None)
+                          task_paired=((self.task_worse, self.task_better) if self.task_worse + self.task_better
+                                       else None))
 
 
 def task_hits(ref: np.ndarray, got: np.ndarray) -> np.ndarray | None:

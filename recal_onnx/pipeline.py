@@ -12,7 +12,8 @@ passes in turn until none rewrites (a QLinear op made by one pass is what the ne
    ``Quant``, Brevitas's ``export_qonnx``: the QuantizeLinear / Clip / DequantizeLinear it defines). Verification runs
    the model so read as the input, since onnxruntime cannot run the file as it is meant;
 1. constants and folds: ``remove_dead_nodes`` (what no output reads), ``constants_to_initializers``,
-   ``inputs_to_constants`` (initializers a file also lists as graph inputs: constants only, as the converter reads them),
+   ``inputs_to_constants`` (initializers a file also lists as graph inputs: constants only, as the converter reads
+   them),
    ``float16_to_float32`` (a model computing in float16, ModelOpt's ONNX default: float32), ``widen_weights``
    (4-bit weights as the int8 they hold; blocked MatMul weights as grouped rows), ``standard_qdq`` (onnxruntime's
    ``com.microsoft`` Q/DQ as the default domain's), ``remove_identities``, ``merge_twin_qdq`` (a Q/DQ pair per reader,
@@ -148,17 +149,17 @@ class Step:
 READERS: tuple[Pass, ...] = (encodings_to_qdq, qonnx_to_qcdq)
 
 PIPELINE: tuple[Step, ...] = (
-    Step((remove_dead_nodes, constants_to_initializers, inputs_to_constants, float16_to_float32, widen_weights, standard_qdq,
-          remove_identities, merge_twin_qdq, fold_constants, widen_weights, fold_int32_biases, weights_to_int8,
-          minmax_to_clip, average_pool_windows, fold_weight_reshapes, fold_weight_transposes, fold_pads_into_convs,
-          weights_from_grids, gather_int4_tables, gather_int8_tables, fold_conv_affine, batchnorm_to_conv,
-          zero_channel_scales, finer_weight_grids)),
+    Step((remove_dead_nodes, constants_to_initializers, inputs_to_constants, float16_to_float32, widen_weights,
+          standard_qdq, remove_identities, merge_twin_qdq, fold_constants, widen_weights, fold_int32_biases,
+          weights_to_int8, minmax_to_clip, average_pool_windows, fold_weight_reshapes, fold_weight_transposes,
+          fold_pads_into_convs, weights_from_grids, gather_int4_tables, gather_int8_tables, fold_conv_affine,
+          batchnorm_to_conv, zero_channel_scales, finer_weight_grids)),
     Step((thin_heads,), when=lambda o: o.thin),
     Step((thin_channels,), when=lambda o: o.thin, args=lambda o: (o.channel_block,)),
     Step((scalar_activation_qparams, activations_to_uint8, remove_redundant_qdq, remove_noop_clamps)),
-    Step((int8_passthrough, affine_to_batchnorm, batchnorm_to_conv, conv_to_qlinearconv, gemm_to_qgemm, binary_to_qlinear, sigmoid_to_qlinear,
-          softmax_to_qlinear, concat_to_qlinear, pool_to_qlinear, unary_to_table, remove_redundant_qdq), when=lambda o: o.format == "qoperator",
-         repeat=True),
+    Step((int8_passthrough, affine_to_batchnorm, batchnorm_to_conv, conv_to_qlinearconv, gemm_to_qgemm,
+          binary_to_qlinear, sigmoid_to_qlinear, softmax_to_qlinear, concat_to_qlinear, pool_to_qlinear, unary_to_table,
+          remove_redundant_qdq), when=lambda o: o.format == "qoperator", repeat=True),
     Step((int8_passthrough,), when=lambda o: o.format == "qdq", args=lambda o: (False,)),
     Step((affine_to_batchnorm, batchnorm_to_conv, bias_to_int32, fusible_qdq_pools), when=lambda o: o.format == "qdq"),
     Step((softmax_to_qlinear,), when=lambda o: o.format == "qdq", args=lambda o: (False,)),
@@ -192,7 +193,8 @@ def run_pipeline(g: Graph, options: Options, findings: Findings) -> dict[str, in
     return rewrites
 
 
-def read_as_qdq(model: onnx.ModelProto | str | os.PathLike, encodings: str | os.PathLike | None = None) -> onnx.ModelProto:
+def read_as_qdq(model: onnx.ModelProto | str | os.PathLike,
+                encodings: str | os.PathLike | None = None) -> onnx.ModelProto:
     """The QDQ model a file onnxruntime cannot run as it is meant stands for: a QONNX model (Brevitas's
     ``export_qonnx``), or a float model with AIMET's ``.encodings``; any other model as it is. What the converter
     converts and verification runs as the input.
@@ -222,7 +224,8 @@ def read_input(model: onnx.ModelProto, reference, name: str, encodings: list[Enc
     g = Graph(onnx.shape_inference.infer_shapes(model))  # an activation's rank, for one quantized per channel
     constants_to_initializers(g)
     findings = Findings()
-    readers = [ConversionPass(reader, g, findings, keywords={"encodings": encodings} if takes(reader, "encodings") else {})
+    readers = [ConversionPass(reader, g, findings,
+                              keywords={"encodings": encodings} if takes(reader, "encodings") else {})
                for reader in READERS]  # each reads what is its own and leaves the rest
     try:
         run_passes(readers)

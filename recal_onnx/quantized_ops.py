@@ -32,7 +32,8 @@ def quantized_bias(g: Graph, node: Node, x: QTensor, w: QWeight, index: int | No
     if not np.isfinite(bias).all():
         findings.kept_float[node.name] = (node.op_type, "its bias holds NaN or inf")
         return None
-    if w.scale.size not in (1, np.size(bias)):  # scales along another axis (a QONNX scale of shape [3] on [64, 3, 3, 3])
+    # scales along another axis (a QONNX scale of shape [3] on [64, 3, 3, 3])
+    if w.scale.size not in (1, np.size(bias)):
         findings.kept_float[node.name] = (node.op_type, f"its weight's {w.scale.size} scales do not run along its "
                                                         f"{np.size(bias)} output channels")
         return None
@@ -47,8 +48,8 @@ def quantized_bias(g: Graph, node: Node, x: QTensor, w: QWeight, index: int | No
         if np.abs(steps).max() >= FLOAT32_EXACT:  # no float32 bias lies on a grid this fine
             findings.coarse_biases[node.name] = float(np.abs(steps).max())
     if np.abs(values).max(initial=0) > np.iinfo(np.int32).max:
-        findings.kept_float[node.name] = (node.op_type, f"its bias is beyond int32 in steps of input scale x weight scale "
-                                                 f"(input scale {scalar(g, x.scale):.3g})")
+        findings.kept_float[node.name] = (node.op_type, "its bias is beyond int32 in steps of input scale x weight "
+                                                 f"scale (input scale {scalar(g, x.scale):.3g})")
         return None
     return g.add_const(node.inputs[index].name + "_int32", values.astype(np.int32))
 

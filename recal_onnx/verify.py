@@ -124,8 +124,8 @@ class Verification:
                          f"(most in tensor {self.local_share_tensor!r}), and {self.local_unexplained} of them are not "
                          f"values on a rounding boundary: the QAT model's own unrounded value lay up to "
                          f"{self.local_margin:.3g} step(s) from the boundary between the two integers in tensor "
-                         f"{self.local_margin_tensor!r} (rounding explains {BOUNDARY:g}, and what a rounded bias moves): "
-                         "a misread weight, scale or sign, not rounding")
+                         f"{self.local_margin_tensor!r} (rounding explains {BOUNDARY:g}, and what a rounded bias "
+                         "moves): a misread weight, scale or sign, not rounding")
         if self.local_float is not None and not self.local_float <= LOCAL_FLOAT:
             parts.append(f"op by op, a float output differs by {100 * self.local_float:.2f}% of its range "
                          f"(at most {100 * LOCAL_FLOAT:g}%)")
@@ -214,7 +214,8 @@ def verify_models(reference: onnx.ModelProto | str, candidate: onnx.ModelProto,
             stat.pair(hits, stat_rt.add(r, t))  # each side's task hits computed once, by add
     if alternative is not None and alternative.refused:  # no alternative to compare with: said in the result
         refused, stats_rt = alternative.refused, None
-    del runners, alternative  # their memory (a float reference's dequantized weights) before the op-by-op sessions are made
+    # their memory (a float reference's dequantized weights) goes before the op-by-op sessions are made
+    del runners, alternative
     dead = [name for s, name in zip(stats, names) if s.count and s.nonfinite == s.count]
     if dead:
         raise NonFiniteReferenceError(dead)

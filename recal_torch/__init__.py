@@ -18,7 +18,8 @@ from .load_thinned import load_thinned
 from .thin import ThinningWarning, ThinReport, thin
 
 __all__ = [
-    "ExportError", "ExportWarning", "PrecisionPlan", "PythonLogger", "QATConv", "QATLinear", "QATModule", "QATPlanWarning",
+    "ExportError", "ExportWarning", "PrecisionPlan", "PythonLogger", "QATConv", "QATLinear", "QATModule",
+    "QATPlanWarning",
     "RecalLogger", "ScheduledModifierManager",
     "TensorBoardLogger", "ThinReport", "ThinningError", "ThinningWarning", "count_macs", "export_onnx",
     "fake_quantize_model", "load_thinned", "measure_precision", "plan_precision", "thin", "to_export_model",

@@ -333,7 +333,8 @@ class ScheduledModifierManager(RecipeManager):
         self.masks.check_state_dict(state["masks"])
         unknown_qat = set(state["qat_prepared"]) - set(self.qat.roots)
         if unknown_qat:
-            raise ValueError(f"the checkpoint has QAT state for modifiers {sorted(unknown_qat)}, which this recipe lacks")
+            raise ValueError(f"the checkpoint has QAT state for modifiers {sorted(unknown_qat)}, which this recipe "
+                             "lacks")
         bases = [tuple(b) for b in state["group_bases"]]
         # the user's groups (a QAT that starts at step 0 has made recal's groups of learned scales already)
         users = [g for g in self._optimizer.param_groups if LR_FACTOR_KEY not in g]

@@ -7,7 +7,8 @@ from torch import nn
 
 from recal_core.params import ParamInfo
 
-from .qat import QATModule, WeightOnlyLinear, is_transposed_linear_type  # a QAT module keeps the kernel (or table) of the layer it was built from
+# a QAT module keeps the kernel (or table) of the layer it was built from
+from .qat import QATModule, WeightOnlyLinear, is_transposed_linear_type
 from .sharding import unsharded_class, whole
 
 PRUNABLE_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,

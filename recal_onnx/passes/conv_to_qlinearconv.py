@@ -32,7 +32,8 @@ def conv_to_qlinearconv(g: Graph, findings: Findings | None = None) -> int:
         if bias is None:
             continue
         attrs = {k: a for k, a in node.attributes.items() if k in CONV_ATTRS}
-        inputs = [x.q, x.scale, x.zero_point, *w_inputs, q.inputs[1], q.inputs[2]] + ([bias] if bias is not False else [])
+        inputs = [x.q, x.scale, x.zero_point, *w_inputs, q.inputs[1], q.inputs[2]]
+        inputs += [bias] if bias is not False else []
         replace_with_quantized(g, [node], relu, q, "QLinearConv", inputs, name=node.name + "_quant", **attrs)
         count += 1
     return count

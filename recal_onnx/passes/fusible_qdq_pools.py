@@ -1,7 +1,7 @@
 """Average pools in a ``qdq`` model written as onnxruntime's QDQ fusion finds them: ``DQ -> pool -> Q``.
 
-Before::  DQ -> ReduceMean(axes=[2, 3], keepdims=1) -> Q        DQ -> GlobalAveragePool -> Flatten -> Q(s, zp)
-After::   DQ -> GlobalAveragePool -> Q                          DQ -> GlobalAveragePool -> Q(s, zp) -> DQ -> Flatten -> Q
+Before::  DQ -> ReduceMean(axes=[2, 3], keepdims=1) -> Q       DQ -> GlobalAveragePool -> Flatten -> Q(s, zp)
+After::   DQ -> GlobalAveragePool -> Q                         DQ -> GlobalAveragePool -> Q(s, zp) -> DQ -> Flatten -> Q
 
 onnxruntime fuses ``DQ -> GlobalAveragePool | AveragePool -> Q`` into its integer pools, and nothing else: the
 dynamo exporter writes ``adaptive_avg_pool2d(x, 1)`` as a ReduceMean (the same mean), and a classifier flattens

@@ -3,17 +3,17 @@
 Before::  q -> DequantizeLinear(s, zp) -> MaxPool -> y
 After::   q -> MaxPool -> q' -> DequantizeLinear(s, zp) -> y
 
-For MaxPool, Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Identity, Slice, Gather, GatherElements, Expand,
-Tile (the values of input 0 moved: a BERT pooler's first token, say), a nearest-neighbour Resize (a detector's
+For MaxPool, Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Identity, Slice, Gather, GatherElements, Expand, Tile
+(the values of input 0 moved: a BERT pooler's first token, say), a nearest-neighbour Resize (a detector's
 upsampling: each output is one of its inputs; not tf_crop_and_resize, whose extrapolated 0.0 is no input), Split
 (each of its outputs dequantized on its own: a channel split or shuffle moves integers), and a constant-mode Pad of
-zeros (Keras's ZeroPadding2D before a pool): it pads with the zero point, the integer of 0. A ``Relu`` or constant-bound ``Clip``
-(:func:`~recal_onnx.quantized_ops.integer_bounds`) becomes nothing where its bounds lie beyond the integers'
-range (a ReLU on a lowest zero point, a ReLU6 after an op whose range already stops at 6), ``Max`` / ``Min``
-where they lie on the grid; a bound between grid points would round differently, and the op stays float.
-An average pool is not among them: its mean falls between grid points, and rounding it to its input's grid
-would invent a quantization the QAT model never had (logits off by several output steps); one that a
-QuantizeLinear follows becomes QLinear*Pool (:mod:`.pool_to_qlinear`), one that none follows stays float, exact.
+zeros (Keras's ZeroPadding2D before a pool): it pads with the zero point, the integer of 0. A ``Relu`` or
+constant-bound ``Clip`` (:func:`~recal_onnx.quantized_ops.integer_bounds`) becomes nothing where its bounds lie
+beyond the integers' range (a ReLU on a lowest zero point, a ReLU6 after an op whose range already stops at 6),
+``Max`` / ``Min`` where they lie on the grid; a bound between grid points would round differently, and the op stays
+float. An average pool is not among them: its mean falls between grid points, and rounding it to its input's grid
+would invent a quantization the QAT model never had (logits off by several output steps); one that a QuantizeLinear
+follows becomes QLinear*Pool (:mod:`.pool_to_qlinear`), one that none follows stays float, exact.
 """
 
 from __future__ import annotations

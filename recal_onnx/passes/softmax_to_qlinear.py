@@ -99,4 +99,5 @@ def _why_float(s2: float, kernel_grid: int, on_grid: bool, dtype: np.dtype) -> s
     if on_grid:
         return "its output is int8, and onnxruntime's int8 QLinearSoftmax wraps a probability that rounds past 127"
     return (f"its output scale {s2:.7g} is not 1/K for an integer K, and onnxruntime's QLinearSoftmax computes on "
-            f"the grid 1/floor(1/scale) = 1/{kernel_grid}: it stays float (dequantized so onnxruntime does not fuse it)")
+            f"the grid 1/floor(1/scale) = 1/{kernel_grid}: it stays float (dequantized so onnxruntime does not "
+            "fuse it)")

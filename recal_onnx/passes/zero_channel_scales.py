@@ -1,4 +1,5 @@
-"""A weight channel that is all zeros (a filter pruned whole: its integers all its zero point) gets the scale that holds its layer's bias best.
+"""A weight channel that is all zeros (a filter pruned whole: its integers all its zero point) gets the scale that
+holds its layer's bias best.
 
 Its weights stay 0 whatever the scale, so the scale only sets the grid of that channel's int32 bias,
 ``round(bias / (s_x * s_w))``, which is then all that channel outputs. QAT exporters floor such a scale at a

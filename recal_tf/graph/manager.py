@@ -4,7 +4,8 @@ Schedules are not re-derived here: every per-step value (mask update points and 
 counts, whether a mask is in force, the LR, the weight decay) is tabulated from the core's
 bound schedule and looked up in the graph with the global step ``k``. Run the returned ops once
 per training step, after the optimizer: they recompute a mask whenever the schedule's last
-update point ``<= k`` changed since the mask was computed, and set ``w <- 0`` where the mask is 0 (a select: exactly 0, NaN or not).
+update point ``<= k`` changed since the mask was computed, and set ``w <- 0`` where the mask is 0 (a select: exactly
+0, NaN or not).
 """
 
 from __future__ import annotations
@@ -128,8 +129,8 @@ class ScheduledModifierManager(RecipeManager):
         """The core's plan for this graph's variables; plus TensorFlow's own limits, every problem at once."""
         problems = qat_problems(schedule, "in the TensorFlow graph API", learns=True)
         problems += torch_only_problems(schedule, "in the TensorFlow graph API")
-        gradients = [op.name for op in tf_compat.get_default_graph().get_operations()
-                     if op.name.startswith("gradients") or op.type.endswith("Grad")][:3] if schedule.quantization else []
+        operations = tf_compat.get_default_graph().get_operations() if schedule.quantization else []
+        gradients = [op.name for op in operations if op.name.startswith("gradients") or op.type.endswith("Grad")][:3]
         if gradients:
             problems.append(self.recipe.problem(
                 schedule.quantization[0][0], None, f"the graph already has gradient ops ({', '.join(gradients)}): "
@@ -200,8 +201,9 @@ class ScheduledModifierManager(RecipeManager):
         ``create_ops`` trains with the model's; no weight decay, which reads the model's variables)."""
         collections = [tf_compat.GraphKeys.GLOBAL_VARIABLES, RECAL_VARIABLES]
         collections += [tf_compat.GraphKeys.TRAINABLE_VARIABLES] if trainable else []
-        var = tf_compat.get_variable(name, shape=shape, dtype=dtype, initializer=tf_compat.constant_initializer(initial),
-                                     trainable=trainable, use_resource=True, collections=collections)
+        var = tf_compat.get_variable(name, shape=shape, dtype=dtype,
+                                     initializer=tf_compat.constant_initializer(initial), trainable=trainable,
+                                     use_resource=True, collections=collections)
         self._variables.append(var)
         return var
 
@@ -219,7 +221,8 @@ class ScheduledModifierManager(RecipeManager):
             ops.append(self._qat.check_observed(k))
         return [tf.group(*ops, name="modifier_ops")] if ops else []
 
-    def mask_gradients(self, grads_and_vars: list[tuple[tf.Tensor, tf.Variable]]) -> list[tuple[tf.Tensor, tf.Variable]]:
+    def mask_gradients(self, grads_and_vars: list[tuple[tf.Tensor, tf.Variable]]
+                       ) -> list[tuple[tf.Tensor, tf.Variable]]:
         """Multiply each pruned variable's gradient by its mask in force, so pruned weights get no
         update and no momentum (``opt.apply_gradients(manager.mask_gradients(opt.compute_gradients(loss)))``).
 

@@ -25,7 +25,8 @@ from typing import Callable
 
 import tensorflow as tf
 
-from recal_keras.fake_quant import bias_on_int32_grid, fake_quant_activation, fake_quant_weight, moving_range, weight_scale
+from recal_keras.fake_quant import (bias_on_int32_grid, fake_quant_activation, fake_quant_weight, moving_range,
+                                    weight_scale)
 from recal_keras.qat_tables import QATTables
 from recal_keras.lsq import LOG_RATIO, TINY, input_step, kernel_step, per_channel, per_tensor
 from recal_keras.tensor_ops import TensorFlowOps

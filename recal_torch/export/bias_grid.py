@@ -4,8 +4,8 @@ An int8 runtime adds the bias to the integer accumulator, as ``round(bias / (s_x
 scale times the weight scale. A float bias off that grid moves the layer's output by up to half a step of
 ``s_x * s_w``: a tiny shift, but it moves every value that sat near a rounding boundary of the output, and on a
 deep net those one-step flips travel (measured on Hugging Face's MobileNetV2 at 32x32: argmax agreement between
-the QAT export and its int8 model 0.91 with float biases, 1.00 with biases on the grid, 256 inputs). So the export writes the bias the
-int8 model will hold; the change is at most half a step of ``s_x * s_w`` per channel.
+the QAT export and its int8 model 0.91 with float biases, 1.00 with biases on the grid, 256 inputs). So the export
+writes the bias the int8 model will hold; the change is at most half a step of ``s_x * s_w`` per channel.
 
 ``s_x`` is read off one forward of the export model on the sample input: every quantize-dequantize tags its
 output with its scale, and ops that keep values on their input's grid (zero padding, ReLU, max pooling,

@@ -135,7 +135,8 @@ def layer_schemes(recipe: Recipe, model: nn.Module) -> LayerSchemes:
 
 def _apply_scheme(recipe: Recipe, index: int, source: str, entry: str | None, scheme: M.QuantizationScheme,
                   names: list[str], modules: dict[str, nn.Module], out: LayerSchemes) -> None:
-    """Sort the layers one scheme (``scheme``, or one ``scheme_overrides`` entry) covers; refuse what recal cannot do."""
+    """Sort the layers one scheme (``scheme``, or one ``scheme_overrides`` entry) covers; refuse what recal cannot
+    do."""
     label = f"{entry!r} " if entry is not None else ""
     tables = [n for n in names if is_table(modules[n])]
     others = [n for n in names if n not in tables]

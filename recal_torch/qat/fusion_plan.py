@@ -16,7 +16,8 @@ from ..errors import QATPlanWarning
 from .quantizers import ActivationFakeQuantize
 from .layers import (NORMS, QATEmbedding, QATLinear, QATModule,
                      QuantizedReLU, is_table)
-from .patterns import (AVG_POOL_FUNCTIONS, AVG_POOLS, CATS, clamping_activation, is_silu_module, norm_activation, preserves_quantization)
+from .patterns import (AVG_POOL_FUNCTIONS, AVG_POOLS, CATS, clamping_activation, is_silu_module, norm_activation,
+                       preserves_quantization)
 from .trace import ADDS, MULS, own_children
 
 log = logging.getLogger(__name__)
@@ -201,8 +202,9 @@ def plan_sites(graph: torch.fx.Graph, modules: dict[str, nn.Module]) -> tuple[li
                 and "site" in user.meta and clamping_activation(user, module) is not None:
             node = user
         if node.op != "call_module" and node.meta["site"][0] in strangers:
-            warnings.warn(f"QAT: the {_SITE_WORDS[kind]} in {node.meta['site'][0]!r} stays float: that module calls "
-                          f"modules that are not its own children ({', '.join(sorted(strangers[node.meta['site'][0]])[:3])}"
+            site = node.meta['site'][0]
+            warnings.warn(f"QAT: the {_SITE_WORDS[kind]} in {site!r} stays float: that module calls "
+                          f"modules that are not its own children ({', '.join(sorted(strangers[site])[:3])}"
                           "), so its own calls cannot be counted apart from theirs", QATPlanWarning, stacklevel=2)
             continue
         sites.append(node)

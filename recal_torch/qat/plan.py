@@ -128,8 +128,8 @@ def _fuse(root: nn.Module, qat: QATModule, plan: FusionPlan, modules: dict[str, 
 def is_leaf(module: nn.Module) -> bool:
     """A module the plan treats as one op (what runs inside it is not planned)."""
     return isinstance(module, (QATModule, WeightOnlyLinear, QuantizedReLU, FoldedBatchNorm, ActivationFakeQuantize,
-                               WeightFakeQuantize, SiLUFakeQuantize, AttentionFakeQuantize)) or norm_activation(module) is not None \
-        or not any(True for _ in module.children())
+                               WeightFakeQuantize, SiLUFakeQuantize, AttentionFakeQuantize)) \
+        or norm_activation(module) is not None or not any(True for _ in module.children())
 
 
 def plan_pending(root: nn.Module, args: tuple, kwargs: dict | None = None) -> None:

@@ -105,7 +105,8 @@ def follow_recipe(scheduler, plans: list[GroupPlan], step: Callable[[], int]) ->
         raise ValueError(f"the scheduler has {len(scheduler.lr_lambdas)} LR factors for {len(plans)} param groups")
     for g, (plan, own, base) in enumerate(zip(plans, list(scheduler.lr_lambdas), scheduler.base_lrs)):
         if not base:
-            raise ValueError(f"param group {g}'s scheduler starts from LR {base}: no factor of it gives the recipe's LR")
+            raise ValueError(f"param group {g}'s scheduler starts from LR {base}: no factor of it gives the "
+                             "recipe's LR")
 
         def factor(k: int, plan=plan, own=own, base=base) -> float:
             lr = plan.lr(step())
