@@ -8,7 +8,7 @@ layers moved to fewer bits until the plan fits); with uniform int2 (smaller) and
 trained ``--qat-steps`` steps under its recipe, exported, converted by ``quantize_qat_export``, and
 judged by perplexity on held-out files in onnxruntime, with its size and one token's latency.
 
-    python scripts/bench_plan.py [--seed 0] [--json docs/results/plan.json]
+    python scripts/bench_plan.py [--seeds 0 1 2] [--json docs/results/plan.json]
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import argparse
 import copy
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -50,33 +51,23 @@ def _random(layers, budget, rng):
     choice = {layer.name: rng.choice(layer.candidates) for layer in layers}
     by_name = {layer.name: layer for layer in layers}
     while sum(c.cost for c in choice.values()) > budget:
-        name = max(choice, key=lambda n: choice[n].cost)
+        movable = [n for n in choice if any(c.cost < choice[n].cost for c in by_name[n].candidates)]
+        name = max(movable, key=lambda n: choice[n].cost)  # the costliest layer that can still go down a step
         cheaper = [c for c in by_name[name].candidates if c.cost < choice[name].cost]
         choice[name] = max(cheaper, key=lambda c: c.cost)
     return choice
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=400, help="fp32 training steps")
-    parser.add_argument("--qat-steps", type=int, default=100)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--calibration", type=int, default=4, help="batches the plan is measured on")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--between", type=float, default=0.5,
-                        help="the budget, as a point between uniform int2's size (0) and uniform int4's (1)")
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
-    torch.manual_seed(args.seed)
+def run_seed(args, seed: int) -> dict:
+    """One seed: the fp32 model trained, each plan made, QAT-trained, converted and judged."""
+    torch.manual_seed(seed)
     train_data, test_data, _ = corpus(4_000_000, 129 * (SEQ + 1))
     windows = np.stack([test_data[i * (SEQ + 1):(i + 1) * (SEQ + 1)] for i in range(128)])
     model = build(args.layers, args.hidden)
-    print(f"fp32: {args.steps} steps", flush=True)
-    train(model, train_data, args.steps, 2e-3, args.batch, seed=10 * args.seed)
+    print(f"seed {seed}, fp32: {args.steps} steps", flush=True)
+    train(model, train_data, args.steps, 2e-3, args.batch, seed=10 * seed)
     model.eval()
-    calibration = [b for _, b in zip(range(args.calibration), batches(train_data, args.batch, 10 * args.seed + 7))]
+    calibration = [b for _, b in zip(range(args.calibration), batches(train_data, args.batch, 10 * seed + 7))]
 
     def loss_fn(m, b):
         logits = m(input_ids=b[0], use_cache=False).logits
@@ -94,16 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     choices = {"uniform int2 (smaller)": _uniform(layers, 2), "uniform int4 (larger)": _uniform(layers, 4),
                "recal plan (measured)": precision_plan.solve(plans["measured"], budget),
                "recal plan (fisher estimate)": precision_plan.solve(plans["fisher"], budget),
-               "random plan": _random(layers, budget, random.Random(args.seed))}
+               "random plan": _random(layers, budget, random.Random(seed))}
     sample = torch.from_numpy(windows[:2, :SEQ].astype(np.int64))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         paths = {}
         for label, choice in choices.items():
-            print(f"{label}: QAT {args.qat_steps} steps", flush=True)
+            print(f"seed {seed}, {label}: QAT {args.qat_steps} steps", flush=True)
             recipe = precision_plan.recipe_text(layers, choice) + LR
             student = copy.deepcopy(model)
-            train(student, train_data, args.qat_steps, 2e-4, args.batch, seed=10 * args.seed + 1,
+            train(student, train_data, args.qat_steps, 2e-4, args.batch, seed=10 * seed + 1,
                   manager=ScheduledModifierManager.from_yaml(recipe))
             qat = Path(tmp) / f"{len(paths)}.qat.onnx"
             export_onnx(Logits(student).eval(), sample, qat, input_names=["ids"], output_names=["logits"],
@@ -120,20 +111,51 @@ def main(argv: list[str] | None = None) -> int:
         row["ms_token"] = latency[row["plan"]]
     measured, fisher = choices["recal plan (measured)"], choices["recal plan (fisher estimate)"]
     agree = sum(measured[name].bits == fisher[name].bits for name in measured)
-    data = {**machine(), "seed": args.seed, "hidden": args.hidden, "layers": args.layers, "steps": args.steps,
-            "qat_steps": args.qat_steps, "budget_bytes": budget, "between": args.between, "planning_seconds": seconds,
-            "layers_planned": len(layers), "plans_agree_on": agree, "rows": rows}
+    return {"seed": seed, "budget_bytes": budget, "planning_seconds": seconds, "layers_planned": len(layers),
+            "plans_agree_on": agree, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=400, help="fp32 training steps")
+    parser.add_argument("--qat-steps", type=int, default=100)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--calibration", type=int, default=4, help="batches the plan is measured on")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="each seed: the fp32 model's initial weights and data order, the calibration batches, "
+                             "the random plan")
+    parser.add_argument("--between", type=float, default=0.5,
+                        help="the budget, as a point between uniform int2's size (0) and uniform int4's (1)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    runs = [run_seed(args, seed) for seed in args.seeds]
+    data = {**machine(), "seeds": args.seeds, "hidden": args.hidden, "layers": args.layers, "steps": args.steps,
+            "qat_steps": args.qat_steps, "between": args.between, "runs": runs}
     return report(data, table(data), args.json)
 
 
 def table(data: dict) -> str:
+    """Each plan over the seeds: its bits (the first seed's), sizes, perplexity (median, least-most) and latency."""
+    runs = data["runs"]
     lines = ["| plan | weights at 8 / 4 / 2 bits / float | planned kB | file kB | perplexity | token ms |",
              "|---" * 6 + "|"]
-    for r in data["rows"]:
-        counts = " / ".join(str(r["bits"].get(str(b), 0)) for b in (8, 4, 2, precision_plan.FLOAT))
-        lines.append(f"| {r['plan']} | {counts} | {r['planned_bytes'] / 1e3:.1f} | {r['file_bytes'] / 1e3:.1f} | "
-                     f"{r['ppl']:.4f} | {r['ms_token']:.3f} |")
+    for i, first in enumerate(runs[0]["rows"]):
+        rows = [run["rows"][i] for run in runs]
+        counts = " / ".join(str(first["bits"].get(str(b), 0)) for b in (8, 4, 2, precision_plan.FLOAT))
+        ppl = [r["ppl"] for r in rows]
+        spread = f" ({min(ppl):.4f}-{max(ppl):.4f})" if len(rows) > 1 else ""
+        lines.append(f"| {first['plan']} | {counts} | {statistics.median(r['planned_bytes'] for r in rows) / 1e3:.1f} | "
+                     f"{statistics.median(r['file_bytes'] for r in rows) / 1e3:.1f} | {statistics.median(ppl):.4f}"
+                     f"{spread} | {statistics.median(r['ms_token'] for r in rows):.3f} |")
     return "\n".join(lines)
+
+
+def wins(data: dict, plan: str, other: str) -> int:
+    """In how many seeds ``plan``'s perplexity is below ``other``'s."""
+    ppl = [{r["plan"]: r["ppl"] for r in run["rows"]} for run in data["runs"]]
+    return sum(p[plan] < p[other] for p in ppl)
 
 
 if __name__ == "__main__":

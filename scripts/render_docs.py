@@ -431,20 +431,29 @@ def real_model_qat() -> str:
 
 
 def plan() -> str:
-    """Planned recipes against uniform int4 and a random plan, each after the same QAT (scripts/bench_plan.py)."""
-    from bench_plan import table
+    """Planned recipes against uniform int4 and a random plan, each after the same QAT, over seeds
+    (scripts/bench_plan.py)."""
+    from bench_plan import table, wins
 
     data = load("plan.json")
+    runs, n = data["runs"], len(data["runs"])
+    first = runs[0]
+    agree = ", ".join(str(r["plans_agree_on"]) for r in runs)
+    measured, fisher = "recal plan (measured)", "recal plan (fisher estimate)"
     return (table(data) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. A Llama-shaped decoder over bytes "
-            f"({data['layers']} layers, hidden {data['hidden']}; {data['layers_planned']} Linear layers planned), "
+            f"({data['layers']} layers, hidden {data['hidden']}; {first['layers_planned']} Linear layers planned), "
             f"{data['steps']} fp32 steps on the standard library's source, then {data['qat_steps']} QAT steps under "
-            f"each plan; the plans within {data['budget_bytes'] / 1e3:.1f} kB of weights and scales, "
-            f"{data['between']:.0%} of the way from uniform int2's size to int4's; the two recal plans agree on "
-            f"{data['plans_agree_on']} of "
-            f"{data['layers_planned']} layers. "
-            "Perplexity on 128 held-out windows of 128 bytes; one token's latency, 1 thread, median of 9 "
-            f"interleaved rounds; seed {data['seed']}, one run (`python scripts/bench_plan.py --json "
-            "docs/results/plan.json`).")
+            f"each plan; the plans within {first['budget_bytes'] / 1e3:.1f} kB of weights and scales, "
+            f"{data['between']:.0%} of the way from uniform int2's size to int4's. Over seeds "
+            f"{', '.join(map(str, data['seeds']))} (each: the fp32 model's weights and data order, the calibration "
+            f"batches, the random plan): the measured plan's perplexity is below uniform int2's in "
+            f"{wins(data, measured, 'uniform int2 (smaller)')} of {n}, below the random plan's in "
+            f"{wins(data, measured, 'random plan')} of {n}, and below the Fisher estimate's plan's in "
+            f"{wins(data, measured, fisher)} of {n}; the Fisher plan is below the random plan's in "
+            f"{wins(data, fisher, 'random plan')} of {n}; the two recal plans agree on {agree} of "
+            f"{first['layers_planned']} layers. Bits: the first seed's plan. Perplexity (median, least-most) on 128 "
+            "held-out windows of 128 bytes; one token's latency, 1 thread, median of 9 interleaved rounds "
+            "(`python scripts/bench_plan.py --seeds 0 1 2 --json docs/results/plan.json`).")
 
 
 def export() -> str:
