@@ -18,9 +18,7 @@ distribution strategies see it as ordinary graph code, with no host call per ste
 
 from __future__ import annotations
 
-import logging
 import warnings
-from typing import TYPE_CHECKING
 
 import keras
 import numpy as np
@@ -42,11 +40,7 @@ from .learned_scales import no_decay_on_scales
 from .mask_constraint import ApplyMasks
 from .optimizer_state import add_recal_variable, float_lr, install_weight_decay, slots_of
 from .params import describe_model
-
-if TYPE_CHECKING:
-    from .qat_tables import QATTables
-
-log = logging.getLogger(__name__)
+from .qat_tables import QATTables
 
 
 class ScheduledModifierManager(RecipeManager):
@@ -149,7 +143,6 @@ class ScheduledModifierManager(RecipeManager):
         """The model with its Conv2D(-BN)(-ReLU) and Dense(-ReLU) as QAT layers (:mod:`recal_keras.qat`),
         switched on, BN-frozen and observer-frozen at the steps the recipe says."""
         index, _ = schedule.quantization[0]
-        from .qat_tables import QATTables
         from .quantized_layer import QuantizedLayer
         from .qat_model import quantize_model
 
