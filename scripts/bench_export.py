@@ -31,21 +31,11 @@ from recal_torch import ScheduledModifierManager, export_onnx
 
 from bench.models import ResNet18, torch_init
 from bench.results import machine, save_run
+from examples.int4_decoder import Logits
 
 DECODER_QAT = ("- !QuantizationModifier {start_epoch: 0, scheme: {input_activations: null, weights: {num_bits: 4, "
                "group_size: 32, observer: minmax}}}")
 CNN_QAT = "- !QuantizationModifier {start_epoch: 0}"
-
-
-class _Logits(torch.nn.Module):
-    """A causal LM's logits from token ids (the form the decoder benchmarks export)."""
-
-    def __init__(self, lm: torch.nn.Module):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=ids, use_cache=False).logits
 
 
 def _qat(model: torch.nn.Module, recipe: str, sample: torch.Tensor, loss) -> torch.nn.Module:
@@ -66,7 +56,7 @@ def _decoder():
     lm = bench_llm.build(6, 256).eval()
     sample = torch.randint(0, 256, (2, 128))
     qat = _qat(lm, DECODER_QAT, sample, lambda m, x: m(input_ids=x, labels=x).loss)
-    return _Logits(lm).eval(), _Logits(qat).eval(), sample, ("ids", "logits"), (0, 1)
+    return Logits(lm).eval(), Logits(qat).eval(), sample, ("ids", "logits"), (0, 1)
 
 
 def _resnet18():
@@ -145,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--json", type=Path, help="also keep this CPU's run here")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1 (round 0 is the warm-up, not kept)")
     torch.set_num_threads(args.threads)
     rows = []
     with tempfile.TemporaryDirectory() as folder:

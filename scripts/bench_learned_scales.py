@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from bench.results import machine, save_run
+from bench_llm import SEQ, build, corpus
 
 RECIPE = """
 modifiers:
@@ -33,7 +34,6 @@ modifiers:
     input_activations: null
     weights: {num_bits: 4, symmetric: true, strategy: group, group_size: 32, observer: lsq}
 """
-SEQ = 128
 
 
 class _ByteLM(torch.nn.Module):
@@ -47,28 +47,23 @@ class _ByteLM(torch.nn.Module):
         return {"loss": self.lm(input_ids=input_ids, labels=input_ids, use_cache=False).loss}
 
 
-def _windows(seed: int, count: int, held_out: bool = False) -> np.ndarray:
-    """``count`` windows of ``SEQ`` bytes of the standard library's source (``bench_llm.corpus``: train and
-    held-out files apart)."""
-    import bench_llm
-
-    train, test, _ = bench_llm.corpus(4_000_000, 500_000)
-    data = test if held_out else train
+def _windows(data: np.ndarray, seed: int, count: int) -> np.ndarray:
+    """``count`` windows of ``SEQ`` bytes of ``data``, drawn with ``seed``."""
     starts = np.random.default_rng(seed).integers(0, len(data) - SEQ - 1, count)
     return np.stack([data[s:s + SEQ] for s in starts]).astype(np.int64)
 
 
-def run(lr: float, steps: int, seed: int, batch: int = 8) -> dict:
-    """One Trainer run; the floored scales at its end."""
+def run(lr: float, steps: int, seed: int, data: tuple[np.ndarray, np.ndarray], batch: int = 8) -> dict:
+    """One Trainer run on ``data`` (train and held-out bytes, ``bench_llm.corpus``); the floored scales at its
+    end."""
     import transformers
 
-    import bench_llm
     from recal_torch.integrations import RecalTrainerCallback
 
     torch.manual_seed(seed)
-    model = _ByteLM(bench_llm.build(6, 256))
-    train = [{"input_ids": torch.from_numpy(w)} for w in _windows(seed, steps * batch)]
-    held = torch.from_numpy(_windows(seed, 64, held_out=True))
+    model = _ByteLM(build(6, 256))
+    train = [{"input_ids": torch.from_numpy(w)} for w in _windows(data[0], seed, steps * batch)]
+    held = torch.from_numpy(_windows(data[1], seed, 64))
     callback = RecalTrainerCallback(RECIPE)
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
@@ -114,10 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also keep this CPU's run here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    train, test, _ = corpus(4_000_000, 500_000)  # read once: the same bytes for every run
     rows = []
     for lr in args.lrs:
         for seed in args.seeds:
-            rows.append(run(lr, args.steps, seed))
+            rows.append(run(lr, args.steps, seed, (train, test)))
             print(rows[-1], flush=True)
     result = {**machine(), "threads": args.threads, "rows": rows}
     print(table({"runs": [result]}))

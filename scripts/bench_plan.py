@@ -58,10 +58,9 @@ def _random(layers, budget, rng):
     return choice
 
 
-def run_seed(args, seed: int) -> dict:
+def run_seed(args, seed: int, train_data: np.ndarray, test_data: np.ndarray) -> dict:
     """One seed: the fp32 model trained, each plan made, QAT-trained, converted and judged."""
     torch.manual_seed(seed)
-    train_data, test_data, _ = corpus(4_000_000, 129 * (SEQ + 1))
     windows = np.stack([test_data[i * (SEQ + 1):(i + 1) * (SEQ + 1)] for i in range(128)])
     model = build(args.layers, args.hidden)
     print(f"seed {seed}, fp32: {args.steps} steps", flush=True)
@@ -130,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the budget, as a point between uniform int2's size (0) and uniform int4's (1)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    runs = [run_seed(args, seed) for seed in args.seeds]
+    train_data, test_data, _ = corpus(4_000_000, 129 * (SEQ + 1))  # read once: the same bytes for every seed
+    runs = [run_seed(args, seed, train_data, test_data) for seed in args.seeds]
     data = {**machine(), "seeds": args.seeds, "hidden": args.hidden, "layers": args.layers, "steps": args.steps,
             "qat_steps": args.qat_steps, "between": args.between, "runs": runs}
     return report(data, table(data), args.json)
