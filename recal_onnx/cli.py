@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "quantized output, 10%% of a float output's range, or as far as onnxruntime's own session "
                              "of the input, or the QAT model's own rounding noise, where op by op every difference is "
                              "a value on a rounding boundary")
+    parser.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=0,
+                        help="how MatMulNBits (weight-only layers) computes: 0 (default) in float, exactly the QAT "
+                             "model; 4 on int8-quantized inputs (onnxruntime's fast kernels, not exact)")
     parser.add_argument("--keep-exporter-metadata", action="store_true",
                         help="keep the torch exporter's per-node module paths and stack traces (dropped by default)")
 
@@ -82,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
                                      inputs=inputs, input_shapes=shapes,
                                      tolerance=args.tolerance, thin=not args.no_thin,
                                      weight_type=args.weight_type, target=args.target,
+                                     accuracy_level=args.accuracy_level,
                                      keep_exporter_metadata=args.keep_exporter_metadata, encodings=args.encodings)
     for w in caught:
         print(f"warning: {w.message}")

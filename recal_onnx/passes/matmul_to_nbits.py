@@ -32,6 +32,7 @@ from ..findings import Findings
 from ..ir_edits import MS_DOMAIN, Graph, Node, Value, attr, input_of
 from ..qdq import QWeight, activation, weight
 
+DEAD_CHANNELS = 16  # all-zero rows (or columns) that say a layer was pruned: the channels thinning removes at once
 CHANNEL_BLOCK = 128  # a per-channel weight's block (onnxruntime's RTN default): the scale repeats in each
 
 
@@ -86,7 +87,7 @@ def _per_channel(w: QWeight, axis: int) -> QWeight:
 
 def matmul_to_nbits(g: Graph, accuracy_level: int = 0, findings: Findings | None = None) -> int:
     """Rewrite every MatMul / Gemm of a float input by a grouped weight as ``MatMulNBits``; return how many."""
-    count = 0
+    count, dead, slow = 0, [], 0
     for node in g.each("MatMul", "Gemm"):
         x, b = node.inputs[0], input_of(node, 1)
         if activation(g, x) is not None:
@@ -126,13 +127,28 @@ def matmul_to_nbits(g: Graph, accuracy_level: int = 0, findings: Findings | None
         add = _bias_add(g, node, w.q.shape[0]) if bias is None else None
         if add is not None:  # MatMul + Add(b): the bias becomes MatMulNBits' own input
             bias = next(v for v in add.inputs if g.is_const(v))
-        _rewrite(g, node, x, w, block, bias, accuracy_level, add)
+        bits = _rewrite(g, node, x, w, block, bias, accuracy_level, add)
+        if findings is not None:
+            dead.extend(_dead_channels(node.name, w.q))
+            slow += accuracy_level == 0 and bits != 4
         for value in (b, *([transposed.outputs[0]] if transposed is not None else [])):
             producer = g.producer(value)
             if producer is not None and not g.uses(value):
                 g.remove(producer)
         drop_unread(g, w)
         count += 1
+    if slow:
+        findings.notes.append(f"{slow} weight-only layers are MatMulNBits at 2 or 8 bits with accuracy_level 0 (float "
+                              "arithmetic, exact): onnxruntime's kernels for those widths ran many times slower than "
+                              "its 4-bit one, and than float, at one row on the CPUs measured (docs/pytorch.md, 'What "
+                              "a layer costs in time'); time them on yours (recal_onnx.timed_candidates) or convert "
+                              "with accuracy_level=4 (int8 inputs: fast, not exact)")
+    if dead:
+        listed = ", ".join(dead[:3]) + (f" and {len(dead) - 3} more" if len(dead) > 3 else "")
+        layers = len({said.rsplit(": ", 1)[0] for said in dead})
+        findings.notes.append(f"{layers} weight-only layers keep all-zero channels ({listed}), pruned most likely: "
+                              "MatMulNBits still stores and computes them; thin the model before its export "
+                              "(recal_torch.thin) for the smaller, faster layers")
     return count
 
 
@@ -161,6 +177,16 @@ def _block_size(w: GroupedWeight) -> int | None:
     if w.scale.shape[1] == 1:  # per channel: any block, the channel's scale repeated
         return max(16, min(CHANNEL_BLOCK, 1 << (k - 1).bit_length()))
     return w.group if w.group >= 16 and not w.group & (w.group - 1) else None
+
+
+def _dead_channels(name: str, q: np.ndarray) -> list[str]:
+    """``name: k of n outputs`` (or inputs) where a block's worth or more of its weight's rows (columns) are zero."""
+    said = []
+    for axis, what in ((1, "outputs"), (0, "inputs")):
+        zero = int((q == 0).all(axis=axis).sum())
+        if zero >= DEAD_CHANNELS:
+            said.append(f"{name!r}: {zero} of {q.shape[1 - axis]} {what}")
+    return said
 
 
 def pack(q: np.ndarray, bits: int, block: int, zero_points: np.ndarray | None = None) -> np.ndarray:
@@ -207,7 +233,7 @@ def block_zero_points(q: np.ndarray, block: int, bits: int = 4) -> np.ndarray | 
 
 
 def _rewrite(g: Graph, node: Node, x: Value, w: GroupedWeight, block: int, bias: Value | None,
-             accuracy_level: int, add: Node | None) -> None:
+             accuracy_level: int, add: Node | None) -> int:
     n, k = w.q.shape
     low, high = int(w.q.min()), int(w.q.max())
     bits = 2 if low >= -1 and high <= 1 else 4 if low >= -8 and high <= 7 else 8
@@ -227,3 +253,4 @@ def _rewrite(g: Graph, node: Node, x: Value, w: GroupedWeight, block: int, bias:
     g.add_node("MatMulNBits", inputs, name=(node.name or "matmul") + "_nbits", domain=MS_DOMAIN,
                replaces=(add or node).outputs[0], K=k, N=n, bits=bits, block_size=block, accuracy_level=accuracy_level)
     g.remove(*([add] if add is not None else []), node)
+    return bits

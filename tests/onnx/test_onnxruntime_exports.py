@@ -193,3 +193,11 @@ def test_onnxruntimes_blocked_int4_weights_become_matmulnbits_exactly(symmetric,
     assert (len(nbits[0].input) > 3 and nbits[0].input[3] != "") == (not symmetric)  # zero points, a block each
     feeds = {"x": np.random.default_rng(1).standard_normal((4, 8, 128)).astype(np.float32)}
     np.testing.assert_array_equal(run(result.model, feeds)[0], reference(onnx.load(tmp_path / "qdq.onnx"), feeds)[0])
+    if symmetric:  # the CLI's --accuracy-level: onnxruntime's int8-input kernels, verified as an inexact model is
+        from recal_app.cli import main
+
+        assert main(["quantize-qat-export", str(tmp_path / "qdq.onnx"), str(tmp_path / "fast.onnx"),
+                     "--accuracy-level", "4"]) == 0
+        levels = [a.i for n in onnx.load(tmp_path / "fast.onnx").graph.node if n.op_type == "MatMulNBits"
+                  for a in n.attribute if a.name == "accuracy_level"]
+        assert levels == [4, 4]

@@ -121,12 +121,14 @@ def _depthwise_as_tf2onnx_writes_it(new_shape=(3, 3, 1, 4)):
     return b.model([("x", [2, 4, 6, 6])], [b.qdq(conv, 0.05, 128)])
 
 
-def _weight_only_graph(gemm: bool, group: int, n: int = 24, k: int = 64, bits: int = 4):
+def _weight_only_graph(gemm: bool, group: int, n: int = 24, k: int = 64, bits: int = 4, dead_rows: int = 0):
     """``x -> MatMul(Transpose(Reshape(DQ(q [n*k/group, group], s, axis 0))))`` + bias: recal's weight-only export
-    (``Gemm(transB=1)`` for a 2-D input); integers within +-1 (2 bits: ternary), +-7 (4 bits) or +-127."""
+    (``Gemm(transB=1)`` for a 2-D input); integers within +-1 (2 bits: ternary), +-7 (4 bits) or +-127; the first
+    ``dead_rows`` output channels all zero (pruned)."""
     b = Builder()
     levels = {2: 1, 4: 7, 8: 127}[bits]
     q = b.rng.integers(-levels, levels + 1, (n * k // group, group)).astype(np.int8)
+    q[:dead_rows * k // group] = 0
     scale = b.rng.uniform(0.01, 0.05, n * k // group).astype(np.float32)
     dq = b.node("DequantizeLinear", [b.const(q, "w"), b.const(scale, "ws"), b.const(np.zeros(scale.size, np.int8))],
                 axis=0)

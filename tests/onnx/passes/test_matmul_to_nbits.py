@@ -44,3 +44,24 @@ def test_matmul_to_nbits_leaves_quantized_inputs_and_odd_groups():
     findings = Findings()
     g = Graph(onnx.shape_inference.infer_shapes(_weight_only_graph(False, 8, k=64)))  # groups of 8: no block size
     assert matmul_to_nbits(g, findings=findings) == 0 and list(findings.kept_float.values())[0][0] == "MatMul"
+
+
+def test_matmul_to_nbits_says_where_pruned_channels_stay():
+    """A weight-only layer whose weight holds 16 or more all-zero output channels (pruned, not thinned) is noted,
+    with what to do; one with a few zero rows is not."""
+    for dead, said in ((16, True), (3, False)):
+        findings = Findings()
+        g = Graph(onnx.shape_inference.infer_shapes(_weight_only_graph(False, 32, dead_rows=dead)))
+        assert matmul_to_nbits(g, findings=findings) == 1
+        notes = " ".join(findings.notes)
+        assert ("16 of 24 outputs" in notes and "recal_torch.thin" in notes) == said, notes
+
+
+def test_matmul_to_nbits_notes_the_slow_widths_at_accuracy_level_0():
+    """2- and 8-bit MatMulNBits at accuracy_level 0 are noted (onnxruntime runs them far slower than 4 bits on the
+    CPUs measured); 4 bits, or accuracy_level 4, are not."""
+    for bits, level, said in ((2, 0, True), (8, 0, True), (4, 0, False), (2, 4, False)):
+        findings = Findings()
+        g = Graph(onnx.shape_inference.infer_shapes(_weight_only_graph(False, 32, bits=bits)))
+        assert matmul_to_nbits(g, level, findings=findings) == 1
+        assert ("at 2 or 8 bits with accuracy_level 0" in " ".join(findings.notes)) == said, (bits, level)
