@@ -48,6 +48,8 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_export.py --rounds 1 --models resnet18
 	$(BIN)/python scripts/bench_learned_scales.py --steps 5 --lrs 1e-3
 	$(BIN)/python scripts/bench_plan.py --seeds 0 --hidden 64 --layers 1 --steps 20 --qat-steps 5 --calibration 1
+	$(BIN)/python scripts/bench_plan_time.py --layers 1 --hidden 128
+	$(BIN)/python scripts/bench_layer_latency.py
 	$(BIN)/python scripts/bench_tf_overhead.py --steps 20
 	$(BIN)/python scripts/bench_onnx.py --quick --repeat 5
 	$(BIN)/python scripts/bench_accuracy.py --seeds 0

@@ -64,6 +64,17 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shares(text: str) -> tuple[float, ...]:
+    try:
+        shares = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        shares = ()
+    if not shares or not all(0 < share < 1 for share in shares):
+        raise argparse.ArgumentTypeError(f"expected shares above 0 and below 1, comma-separated (e.g. 0.25,0.5), "
+                                         f"got {text!r}")
+    return shares
+
+
 def _plan(args: argparse.Namespace) -> int:
     from .plan import plan
 
@@ -150,9 +161,21 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--data", required=True, metavar="DATA.npz",
                          help="calibration data: 'inputs' and 'labels' (a classifier), or 'inputs' alone as token ids "
                               "(a decoder LM); read without pickles")
-    planner.add_argument("--budget", required=True,
-                         help="size=<bytes of the planned layers> (e.g. size=2.5MB) or bits=<bits per weight> "
-                              "(e.g. bits=4.5)")
+    planner.add_argument("--budget", required=True, action="append",
+                         help="size=<bytes of the planned layers> (e.g. size=2.5MB), bits=<bits per weight> "
+                              "(e.g. bits=4.5), latency=<the planned layers' time in onnxruntime on this CPU> "
+                              "(e.g. latency=2ms) or loss=<summed loss increase> (e.g. loss=0.05: the smallest plan "
+                              "within it); latency and a size (or bits) may be given together, twice --budget")
+    planner.add_argument("--rows", type=_positive_int, default=None,
+                         help="with latency=: time each layer at this many input rows (1: a decoder's one-token "
+                              "step; default: one sample of --data)")
+    planner.add_argument("--prune-levels", type=_shares, default=(), metavar="S1,S2,...",
+                         help="also plan pruning: the shares of each prunable channel space (a gated MLP's hidden "
+                              "channels) its layers may lose, e.g. 0.25,0.5; the recipe prunes them (mask_type: "
+                              "filter) and recal_torch.thin removes them after training")
+    planner.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=0,
+                         help="with latency=: time MatMulNBits at this accuracy level, the one you will convert with "
+                              "(recal quantize-qat-export --accuracy-level; default 0: float arithmetic, exact)")
     planner.add_argument("--score", choices=("measured", "fisher"), default="measured",
                          help="measured: each layer alone quantized, the loss increase (default); fisher: the "
                               "cheap estimate, one backward pass per batch")

@@ -1,5 +1,6 @@
-"""``recal plan``: a PyTorch model's per-layer weight precision planned from measurement under a budget, written as an
-ordinary recipe (and the Pareto curve it was chosen on, as a plot).
+"""``recal plan``: a PyTorch model's per-layer weight precision planned from measurement under a budget (bytes, bits
+per weight, milliseconds in onnxruntime on this CPU, or a loss), written as an ordinary recipe (and the Pareto curve
+it was chosen on, as a plot).
 
 The model comes from the user's own code, named as ``module:function`` (as ``uvicorn`` and ``gunicorn`` name an
 app): the function is called with no arguments and returns the trained float ``nn.Module``. The calibration data is
@@ -25,27 +26,32 @@ _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "
 
 
 def parse_budget(text: str) -> tuple[str, float]:
-    """``size=2.5MB`` (bytes of the planned layers: weights, scales, biases) or ``bits=4.5`` (bits per weight on
-    average, scales counted) as ``("size", bytes)`` or ``("bits", bits)``; a ValueError saying what is expected."""
+    """``size=2.5MB`` (bytes of the planned layers: weights, scales, biases), ``bits=4.5`` (bits per weight on
+    average, scales counted), ``latency=2ms`` (the planned layers' summed time in onnxruntime) or ``loss=0.05`` (the
+    summed loss increase: the smallest plan within it) as ``(kind, amount)``, amounts in bytes, bits, milliseconds
+    or loss; a ValueError saying what is expected."""
     kind, _, value = text.partition("=")
     kind = kind.strip().lower()
-    if kind == "latency":
-        raise ValueError("--budget latency=...: recal plans against size or bits per weight; onnxruntime latency "
-                         "per layer is not measured yet (MatMulNBits at 2 and 8 bits runs slower than at 4 here, so "
-                         "fewer bytes is not less time): give size=... or bits=...")
-    if kind == "bits":
-        try:
-            bits = float(value)
-        except ValueError:
-            bits = float("nan")
-        if not 2 <= bits <= 32:
+    number = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-zµ]*)\s*", value.lower())
+    if kind in ("bits", "loss"):
+        amount = float(number.group(1)) if number and not number.group(2) else float("nan")
+        if kind == "bits" and not 2 <= amount <= 32:
             raise ValueError(f"--budget bits={value}: expected bits per weight from 2 to 32, e.g. bits=4.5")
-        return "bits", bits
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", value.lower())
-    if kind != "size" or not match or (match.group(2) or "b") not in _UNITS:
+        if kind == "loss" and not amount >= 0:
+            raise ValueError(f"--budget loss={value}: expected a summed loss increase of 0 or more, e.g. loss=0.05")
+        return kind, amount
+    if kind == "latency":
+        unit = number.group(2) if number else ""
+        scale = {"ms": 1.0, "s": 1e3, "us": 1e-3, "µs": 1e-3}.get(unit)
+        if scale is None or float(number.group(1)) <= 0:
+            raise ValueError(f"--budget {text!r}: expected latency=<time> with its unit (ms, us or s), e.g. "
+                             "latency=2ms")
+        return "latency", float(number.group(1)) * scale
+    if kind != "size" or not number or (number.group(2) or "b") not in _UNITS:
         raise ValueError(f"--budget {text!r}: expected size=<bytes> (units B, kB, MB, GB, KiB, MiB, GiB; e.g. "
-                         "size=2.5MB) or bits=<bits per weight> (e.g. bits=4.5)")
-    return "size", float(match.group(1)) * _UNITS[match.group(2) or "b"]
+                         "size=2.5MB), bits=<bits per weight> (e.g. bits=4.5), latency=<time> (e.g. latency=2ms) "
+                         "or loss=<summed loss increase> (e.g. loss=0.05)")
+    return "size", float(number.group(1)) * _UNITS[number.group(2) or "b"]
 
 
 def load_factory(spec: str):
@@ -68,9 +74,13 @@ def load_factory(spec: str):
 
     model = factory()
     if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"--model {spec!r}: {attr}() returned a {type(model).__name__}, not a torch.nn.Module "
-                         "(recal plan measures PyTorch models; Keras models and TensorFlow graphs are not planned "
-                         "yet: write their QuantizationModifier by hand)")
+        kind = type(model)
+        keras = any(c.__module__.split(".")[0] in ("keras", "tensorflow", "tf_keras") for c in kind.__mro__)
+        why = ("a plan's weight-only 8/4/2-bit layers and per-layer scheme_overrides are not trained by recal_keras "
+               "or recal_tf (they take W8A8 for every conv and dense layer), so a mixed plan could not be trained "
+               "there" if keras else "recal plan measures PyTorch models")
+        raise ValueError(f"--model {spec!r}: {attr}() returned a {kind.__name__}, not a torch.nn.Module ({why}; "
+                         "Keras models and TensorFlow graphs are not planned)")
     return model
 
 
@@ -115,18 +125,22 @@ def load_batches(path: str, batch_size: int):
 
 
 def plot_curve(plan, path: str | os.PathLike) -> Path:
-    """The Pareto curve (least summed score at each size) and the chosen plan on it, as a PNG (atomically)."""
+    """The Pareto curve (least summed score at each size, or at each latency) and the chosen plan on it, as a PNG
+    (atomically)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    timed = plan.cost == "latency"
+    scale, unit = (1.0, "ms, summed, each layer timed alone in onnxruntime") if timed else (1e-6, "MB")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     costs, scores = zip(*plan.curve)
-    ax.plot([c / 1e6 for c in costs], scores, "o-", label="best plan at each size")
-    chosen = sum(c.cost for c in plan.choice.values()), sum(c.score for c in plan.choice.values())
-    ax.plot([chosen[0] / 1e6], [chosen[1]], "r*", markersize=14, label="the plan written")
-    ax.set_xlabel("planned layers, MB")
+    ax.plot([c * scale for c in costs], scores, "o-", label=f"best plan at each {'latency' if timed else 'size'}")
+    spent = plan.latency if timed else plan.size
+    ax.plot([spent * scale], [sum(c.score for c in plan.choice.values())], "r*", markersize=14,
+            label="the plan written")
+    ax.set_xlabel(f"planned layers, {unit}")
     ax.set_ylabel("summed score (estimated loss increase)")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -138,15 +152,30 @@ def plan(args) -> int:
     """The ``recal plan`` command."""
     from recal_torch import plan_precision
 
-    kind, amount = parse_budget(args.budget)
+    budgets = dict(parse_budget(text) for text in args.budget)
+    if len(budgets) != len(args.budget) or len(budgets) > 2 or (len(budgets) == 2 and (
+            "latency" not in budgets or "loss" in budgets)):
+        raise ValueError(f"--budget {' --budget '.join(args.budget)}: give one budget, or latency=... with one of "
+                         "size=... or bits=...")
     refuse_overwriting(args.output, [args.data], "recipe")
     if args.plot:
         refuse_overwriting(args.plot, [args.data, args.output], "plot")
+    if (args.rows or args.accuracy_level) and "latency" not in budgets:
+        raise ValueError("--rows / --accuracy-level: how a layer is timed counts only with --budget latency=...")
     batches, loss_fn = load_batches(args.data, args.batch_size)
     model = load_factory(args.model)
-    budget = {"budget": amount} if kind == "size" else {"bits_budget": amount}
+    names = {"size": "budget", "bits": "bits_budget", "latency": "latency_budget", "loss": "loss_budget"}
+    timer = None
+    if "latency" in budgets:
+        from functools import partial
+
+        from recal_onnx import timed_candidates
+
+        timer = partial(timed_candidates, rows=args.rows, accuracy_level=args.accuracy_level)
     result = plan_precision(model, batches, loss_fn, score=args.score, group_size=args.group_size,
-                            epochs=args.epochs, progress=not args.no_progress, **budget)
+                            prune_levels=args.prune_levels, epochs=args.epochs, progress=not args.no_progress,
+                            timer=timer,
+                            **{names[kind]: amount for kind, amount in budgets.items()})
     write_text_atomically(args.output, result.recipe)
     for name, why in result.left_out.items():
         print(f"left out: {name}: {why}")
@@ -154,8 +183,10 @@ def plan(args) -> int:
     for candidate in result.choice.values():
         held[candidate.bits] = held.get(candidate.bits, 0) + 1
     said = ", ".join(f"{n} {'float' if b == 32 else f'at {b} bits'}" for b, n in sorted(held.items()))
-    print(f"planned {len(result.choice)} layers ({said}), "
-          f"{sum(c.cost for c in result.choice.values()) / 1e6:.3f} MB; wrote {args.output} "
+    thinned = sum(1 for c in result.choice.values() if c.sparsity)
+    said += f"; {thinned} thinned (recal_torch.thin after training)" if thinned else ""
+    took = "" if result.latency is None else f", {result.latency:.4g} ms in onnxruntime here"
+    print(f"planned {len(result.choice)} layers ({said}), {result.size / 1e6:.3f} MB{took}; wrote {args.output} "
           f"(check it: recal check {args.output})")
     if args.plot:
         print(f"wrote {plot_curve(result, args.plot)}")

@@ -1,9 +1,12 @@
-"""A recipe planned from measurement: each layer's precision chosen under a size budget, written as a recipe.
+"""A recipe planned from measurement: each layer's precision chosen under a budget, written as a recipe.
 
 A front end measures, per layer and per candidate (float, or weights in 8, 4 or 2 bits), what the candidate costs
-(bytes) and how much it hurts (a score: the loss increase measured with that layer alone quantized, or a cheap
-estimate of it). :func:`solve` picks one candidate per layer minimising the summed score under the budget, exactly,
-as an integer program (``scipy.optimize.milp``: the knapsack is small, and the solver proves its answer optimal).
+(bytes; and, timed in onnxruntime on this CPU by :func:`recal_onnx.timed_candidates`, milliseconds) and how much it
+hurts (a score: the loss increase measured with that layer alone quantized, or a cheap estimate of it).
+:func:`solve` picks one candidate per layer minimising the summed score under a budget of bytes or milliseconds (or
+the least cost under a summed-score budget), exactly, as an integer program (``scipy.optimize.milp``: the knapsack
+is small, and the solver proves its answer optimal). A latency budget is the planned layers' summed time, each
+layer timed alone: the rest of the model is the same in every plan.
 :func:`recipe_text` writes the choice as an ordinary recipe: one weight-only ``QuantizationModifier`` whose
 ``scheme_overrides`` name each layer's bits and whose ``ignore`` lists the float ones, a comment per layer with its
 score and cost. ``recal check`` reads it like any other; training it is the usual loop.
@@ -11,87 +14,241 @@ score and cost. ``recal check`` reads it like any other; training it is the usua
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from .errors import PlanError
 
 FLOAT = 32  # a candidate's bits for "left float"
+PRUNE_SHARE = 0.5  # a planned pruning runs over the first half of the QAT epochs; the rest recovers
+COSTS = ("bytes", "latency", "score")  # what a budget bounds: bytes, milliseconds, or the summed score
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One way to hold one layer: ``bits`` (32: float), its ``cost`` in bytes and its ``score`` (loss increase)."""
+    """One way to hold one layer: ``bits`` (32: float), its ``cost`` in bytes, its ``score`` (loss increase) and,
+    once timed, its ``latency`` in milliseconds; with its pruning group's channels thinned by ``sparsity``, the
+    ``kept`` channels."""
 
     bits: int
     cost: float
     score: float
+    latency: float | None = None
+    sparsity: float = 0.0  # the share of its pruning group's channels removed (its group's score shared in)
+    kept: int | None = None  # then the channels it keeps along its pruned axis
 
 
 @dataclass(frozen=True)
 class LayerCandidates:
+    """One layer's candidates, and its shape as a matmul (what a timer needs): ``rows`` of ``in_features`` in, for
+    one sample of the calibration data, ``out_features`` out. A layer in a pruning ``group`` (layers sharing one
+    channel space: a gated MLP's gate, up and down projections) thins its ``"outputs"`` (the group's producers,
+    named in its pruning modifier) or its ``"inputs"``; every layer of a group takes one sparsity."""
+
     name: str
     params: int
     candidates: tuple[Candidate, ...]
+    in_features: int = 0
+    out_features: int = 0
+    rows: int = 1
+    bias: bool = False
+    group: str = ""
+    pruned: str = ""  # "outputs" | "inputs" (in a group)
 
 
-def size_bounds(layers: list[LayerCandidates]) -> tuple[float, float]:
-    """The bytes of the smallest plan (each layer at its cheapest candidate) and of the largest."""
-    return (sum(min(c.cost for c in layer.candidates) for layer in layers),
-            sum(max(c.cost for c in layer.candidates) for layer in layers))
+def matmul_shape(layer: LayerCandidates, candidate: Candidate) -> tuple[int, int, int]:
+    """``(rows, inputs, outputs)`` of ``layer`` held as ``candidate``: thinned along its pruned axis."""
+    k, n = layer.in_features, layer.out_features
+    if candidate.kept is not None:
+        k, n = (k, candidate.kept) if layer.pruned == "outputs" else (candidate.kept, n)
+    return layer.rows, k, n
 
 
-def solve(layers: list[LayerCandidates], budget: float) -> dict[str, Candidate]:
-    """One candidate per layer, least summed score with summed cost <= ``budget`` bytes (exact: an integer
-    program); :class:`PlanError` naming the smallest possible size where none fits."""
+_UNIT = {"bytes": "bytes", "latency": "ms", "score": "of summed score"}
+
+
+def _value(c: Candidate, cost: str) -> float:
+    if cost == "bytes":
+        return c.cost
+    if cost == "score":
+        return c.score
+    if c.latency is None:
+        raise PlanError("a latency budget needs each candidate timed: recal_onnx.timed_candidates(layers) times them "
+                        "in onnxruntime on this CPU")
+    return c.latency
+
+
+def total(choice: dict[str, Candidate], cost: str = "bytes") -> float:
+    """A plan's summed ``cost``: bytes, milliseconds (``"latency"``) or score."""
+    return sum(_value(c, cost) for c in choice.values())
+
+
+def size_bounds(layers: list[LayerCandidates], cost: str = "bytes") -> tuple[float, float]:
+    """The summed ``cost`` of the cheapest plan (each layer at its cheapest candidate) and of the costliest."""
+    return (sum(min(_value(c, cost) for c in layer.candidates) for layer in layers),
+            sum(max(_value(c, cost) for c in layer.candidates) for layer in layers))
+
+
+def _says(amount: float, cost: str) -> str:
+    return f"{amount:,.0f} bytes" if cost == "bytes" else f"{amount:.4g} {_UNIT[cost]}"
+
+
+def solve(layers: list[LayerCandidates], budget: float, cost: str = "bytes", *,
+          within: Mapping[str, float] | None = None) -> dict[str, Candidate]:
+    """One candidate per layer under a budget, exactly (an integer program): the least summed score with summed
+    bytes or milliseconds (``cost="latency"``) <= ``budget``; or, with ``cost="score"``, the fewest bytes with
+    summed score <= ``budget``. ``within`` adds caps on other costs (a latency budget within a size). A
+    :class:`PlanError` names the nearest plan there is where none fits.
+
+    Args:
+        layers: each layer's candidates (latency: timed by :func:`recal_onnx.timed_candidates`).
+        budget: the most the plan may cost, in the unit of ``cost``.
+        cost: ``"bytes"``, ``"latency"`` or ``"score"``.
+        within: more caps, ``{cost: most}`` (e.g. ``{"bytes": 2e6}`` beside a latency budget).
+    """
+    import numpy as np
+
+    caps = {cost: budget, **(within or {})}
+    for name in caps:
+        if name not in COSTS:
+            raise PlanError(f"cost must be one of {', '.join(COSTS)}, got {name!r}")
+    for name, most in caps.items():
+        least = sum(min(_value(c, name) for c in layer.candidates) for layer in layers)
+        if most < least - 1e-12:
+            nearest = {"bytes": f"the smallest plan, every layer at its fewest bits, is {_says(least, name)}",
+                       "latency": f"the fastest plan, every layer at its fastest candidate, takes {_says(least, name)}",
+                       "score": f"the least summed score is {_says(least, name)}"}[name]
+            raise PlanError(f"a {name} budget of {_says(most, name)} cannot be met: {nearest}; give at least that")
+    flat = [(i, c) for i, layer in enumerate(layers) for c in layer.candidates]
+    # scores shifted to be >= 0 per layer (a candidate may measure below float by noise): the same argmin
+    shift = np.array([min(c.score for c in layers[i].candidates) for i, _ in flat])
+    objective = np.array([c.cost for _, c in flat]) if cost == "score" else np.array([c.score for _, c in flat]) - shift
+    x = _milp(layers, flat, objective, caps)
+    if x is None:  # each cap alone can be met, not all together: say the best the other caps leave for this one
+        others = dict(within or {})
+        best = _milp(layers, flat, np.array([_value(c, cost) for _, c in flat]), others)
+        least = None if best is None else sum(_value(flat[j][1], cost) for j in best)
+        raise PlanError(f"no plan meets a {cost} budget of {_says(budget, cost)} together with "
+                        + ", ".join(f"{k} <= {_says(v, k)}" for k, v in others.items())
+                        + ("" if least is None else f"; within those, the least {cost} is {_says(least, cost)}"))
+    return {layers[flat[j][0]].name: flat[j][1] for j in x}
+
+
+def cheapest(layers: list[LayerCandidates], cost: str = "latency",
+             within: Mapping[str, float] | None = None) -> dict[str, Candidate]:
+    """The plan of least summed ``cost`` (e.g. the fastest) within the caps ``within`` (e.g. ``{"bytes": 2e6}``),
+    whatever its score: the near end of a budget's range. :class:`PlanError` where no plan meets the caps.
+
+    Args:
+        layers: each layer's candidates.
+        cost: what to least: ``"bytes"``, ``"latency"`` or ``"score"``.
+        within: caps on the other costs.
+    """
+    import numpy as np
+
+    flat = [(i, c) for i, layer in enumerate(layers) for c in layer.candidates]
+    x = _milp(layers, flat, np.array([_value(c, cost) for _, c in flat]), dict(within or {}))
+    if x is None:
+        raise PlanError("no plan meets " + ", ".join(f"{k} <= {_says(v, k)}" for k, v in (within or {}).items()))
+    return {layers[flat[j][0]].name: flat[j][1] for j in x}
+
+
+def _milp(layers, flat, objective, caps: Mapping[str, float]):
+    """The chosen candidates' indices into ``flat`` minimising ``objective``, one per layer, under ``caps``; None
+    where no plan meets them."""
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
 
-    smallest = size_bounds(layers)[0]
-    if budget < smallest:
-        raise PlanError(f"a size budget of {budget:,.0f} bytes cannot be met: the smallest plan, every layer at its "
-                        f"fewest bits, is {smallest:,.0f} bytes; give at least that")
-    flat = [(i, c) for i, layer in enumerate(layers) for c in layer.candidates]
-    scores = np.array([c.score for _, c in flat])
-    costs = np.array([c.cost for _, c in flat])
     one_each = np.zeros((len(layers), len(flat)))
     for j, (i, _) in enumerate(flat):
         one_each[i, j] = 1.0
-    # scores shifted to be >= 0 per layer (a candidate may measure below float by noise): the same argmin
-    shift = np.array([min(c.score for c in layers[i].candidates) for i, _ in flat])
-    result = milp(scores - shift, integrality=np.ones(len(flat)), bounds=Bounds(0, 1),
-                  constraints=[LinearConstraint(one_each, 1, 1), LinearConstraint(costs[None, :], -np.inf, budget)])
-    if not result.success:
-        raise PlanError(f"no plan found for a size budget of {budget:,.0f} bytes: {result.message}")
-    chosen = np.flatnonzero(result.x > 0.5)
-    return {layers[flat[j][0]].name: flat[j][1] for j in chosen}
+    lines = [LinearConstraint(one_each, 1, 1)]
+    same = _one_sparsity_a_group(layers, flat)
+    if len(same):
+        lines.append(LinearConstraint(same, 0, 0))
+    lines += [
+        LinearConstraint(np.array([_value(c, name) for _, c in flat])[None, :], -np.inf, most)
+        for name, most in caps.items()]
+    result = milp(objective, integrality=np.ones(len(flat)), bounds=Bounds(0, 1), constraints=lines)
+    return np.flatnonzero(result.x > 0.5) if result.success else None
 
 
-def pareto(layers: list[LayerCandidates], points: int = 12) -> list[tuple[float, float, dict[str, Candidate]]]:
-    """``(cost, score, choice)`` of the best plan at ``points`` budgets spread from the smallest plan to all float:
-    the curve a budget is chosen on."""
-    low, high = size_bounds(layers)
+def _one_sparsity_a_group(layers, flat):
+    """Rows saying each layer of a pruning group takes the sparsity its first layer takes."""
+    import numpy as np
+
+    first: dict[str, int] = {}
+    rows = []
+    for i, layer in enumerate(layers):
+        if not layer.group:
+            continue
+        lead = first.setdefault(layer.group, i)
+        if lead == i:
+            continue
+        for level in {c.sparsity for c in layer.candidates} | {c.sparsity for c in layers[lead].candidates}:
+            row = np.zeros(len(flat))
+            for j, (k, c) in enumerate(flat):
+                if c.sparsity == level and k in (i, lead):
+                    row[j] = 1.0 if k == i else -1.0
+            rows.append(row)
+    return np.array(rows)
+
+
+def pareto(layers: list[LayerCandidates], points: int = 12, cost: str = "bytes",
+           within: Mapping[str, float] | None = None) -> list[tuple[float, float, dict[str, Candidate]]]:
+    """``(cost, score, choice)`` of the best plan at ``points`` budgets spread from the cheapest plan to the
+    costliest, in bytes or milliseconds (``cost="latency"``), under the caps ``within``: the curve a budget is
+    chosen on (budgets no plan meets within those caps left out)."""
+    low, high = size_bounds(layers, cost)
     curve = []
     for k in range(points):
-        choice = solve(layers, low + (high - low) * k / max(1, points - 1))
-        curve.append((sum(c.cost for c in choice.values()), sum(c.score for c in choice.values()), choice))
+        try:
+            choice = solve(layers, low + (high - low) * k / max(1, points - 1), cost, within=within)
+        except PlanError:
+            continue
+        point = (total(choice, cost), total(choice, "score"), choice)
+        if not curve or point[:2] != curve[-1][:2]:  # a larger budget the best plan does not use: one point
+            curve.append(point)
     return curve
 
 
 def recipe_text(layers: list[LayerCandidates], choice: dict[str, Candidate], *, group_size: int = 32,
                 observer: str = "mse", epochs: float = 1.0, budget: float | None = None,
-                estimate: str = "measured") -> str:
+                estimate: str = "measured", cost: str = "bytes", within: Mapping[str, float] | None = None) -> str:
     """The plan as a recipe: QAT for ``epochs`` with each layer's weights at its chosen bits (weight-only, groups of
-    ``group_size``) or float, a comment per layer."""
-    total = sum(c.cost for c in choice.values())
-    lines = [f"# Planned by recal: each layer's weight precision chosen to least {estimate} loss increase"
-             + (f" under {budget:,.0f} bytes" if budget is not None else "") + f"; the plan holds {total:,.0f} bytes.",
+    ``group_size``) or float, each pruning group's channels pruned (``mask_type: filter`` on its producers, over the
+    first half of the epochs) to its sparsity, a comment per layer with its score, bytes and (when timed)
+    milliseconds.
+
+    Args:
+        layers: each layer's candidates.
+        choice: the candidate chosen for each layer (:func:`solve`).
+        group_size: weights per scale (0: one per output channel).
+        observer: the weights' observer in the recipe.
+        epochs: the QAT epochs the recipe schedules.
+        budget: the budget the plan was solved under, for the header.
+        estimate: how the scores were had (``"measured"`` or ``"fisher"``).
+        cost: the unit of ``budget`` (``"bytes"``, ``"latency"``, ``"score"``).
+        within: the other caps the plan was solved under.
+    """
+    timed = all(c.latency is not None for c in choice.values())
+    under = "" if budget is None else f" under {_says(budget, cost)}" if cost != "score" else ""
+    under += "".join(f" within {_says(most, name)}" for name, most in (within or {}).items())
+    aim = (f"least {estimate} loss increase{under}" if cost != "score"
+           else f"fewest bytes at a summed {estimate} loss increase of at most {budget:.4g}")
+    what = "weight precision and pruning" if any(c.sparsity for c in choice.values()) else "weight precision"
+    lines = [f"# Planned by recal: each layer's {what} chosen to {aim}; the plan holds "
+             f"{total(choice):,.0f} bytes" + (f" and its layers take {total(choice, 'latency'):.4g} ms, each timed "
+                                              "alone in onnxruntime on this CPU" if timed else "") + ".",
              "# layer: bits (score: "
              + ("the loss increase measured with this layer alone quantized" if estimate == "measured"
                 else f"the {estimate} estimate of the loss increase")
-             + "; bytes)"]
+             + "; bytes" + ("; ms" if timed else "") + ")"]
     for layer in layers:
         c = choice[layer.name]
-        held = "float" if c.bits == FLOAT else f"{c.bits} bits"
-        lines.append(f"#   {layer.name}: {held} (score {c.score:.4g}, {c.cost:,.0f} bytes)")
+        held = ("float" if c.bits == FLOAT else f"{c.bits} bits") + (
+            f", {c.sparsity:.0%} of its {layer.pruned} pruned ({c.kept} kept)" if c.sparsity else "")
+        lines.append(f"#   {layer.name}: {held} (score {c.score:.4g}, {c.cost:,.0f} bytes"
+                     + (f", {c.latency:.4g} ms" if timed else "") + ")")
     floats = [layer.name for layer in layers if choice[layer.name].bits == FLOAT]
     grouping = f"strategy: group, group_size: {group_size}" if group_size else "strategy: channel"
     lines += ["version: 1.0.0", "", "modifiers:",
@@ -108,6 +265,17 @@ def recipe_text(layers: list[LayerCandidates], choice: dict[str, Candidate], *, 
                          f"symmetric: true, {grouping}, observer: {observer}}}}}")
     if floats:
         lines.append("        ignore: [" + ", ".join(_quoted(name) for name in floats) + "]")
+    by_level: dict[float, list[str]] = {}
+    for layer in layers:  # a group's producers name its channels: one modifier for the groups of one sparsity
+        if layer.pruned == "outputs" and choice[layer.name].sparsity:
+            by_level.setdefault(choice[layer.name].sparsity, []).append(f"{layer.name}.weight")
+    end = float(epochs) * PRUNE_SHARE
+    for level, weights in sorted(by_level.items()):
+        lines += ["", "    - !GradualKSModifier",
+                  "        params: [" + ", ".join(_quoted(w) for w in weights) + "]",
+                  f"        init_sparsity: 0.0\n        final_sparsity: {level}",
+                  f"        start_epoch: 0.0\n        end_epoch: {end}\n        update_frequency: {end / 10}",
+                  "        mask_type: filter"]
     return "\n".join(lines) + "\n"
 
 

@@ -4,6 +4,7 @@ from recal_core.errors import ThinningWarning
 
 from . import cpu
 from .convert import quantize_qat_export
+from .layer_latency import timed_candidates
 from .errors import ModelError, UnconvertedOpsWarning, VerificationError
 from .output_diff import task_hits
 from .pipeline import read_as_qdq
@@ -16,4 +17,4 @@ from .verify_inputs import generated_inputs
 # ``cpu``: the CPU class a model runs on and what it makes exact (a public module)
 __all__ = ["ConversionResult", "ModelError", "ThinningWarning", "UnconvertedOpsWarning", "Verification",
            "VerificationError", "cpu", "generated_inputs", "quantize_qat_export", "read_as_qdq", "reference_session",
-           "save_model_atomically", "session", "task_hits", "verify_models"]
+           "save_model_atomically", "session", "task_hits", "timed_candidates", "verify_models"]

@@ -431,8 +431,8 @@ def real_model_qat() -> str:
 
 
 def plan() -> str:
-    """Planned recipes against uniform int4 and a random plan, each after the same QAT, over seeds
-    (scripts/bench_plan.py)."""
+    """Planned recipes against uniform precision and a random plan, at equal size, at equal summed layer time, and
+    within both, each after the same QAT, over seeds (scripts/bench_plan.py)."""
     from bench_plan import table, wins
 
     data = load("plan.json")
@@ -440,20 +440,82 @@ def plan() -> str:
     first = runs[0]
     agree = ", ".join(str(r["plans_agree_on"]) for r in runs)
     measured, fisher = "recal plan (measured)", "recal plan (fisher estimate)"
+    fast, pruning = "recal plan at int4's ms (measured)", "recal plan, pruning too (measured)"
+    fast_random = "random plan at int4's ms"
+    both, both_fisher = "recal plan within size and ms (measured)", "recal plan within size and ms (fisher estimate)"
+    ms = ", ".join(f"{r['budget_ms']:.3f}" for r in runs)
+    both_ms = ", ".join(f"{r['both_ms']:.3f}" for r in runs)
     return (table(data) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. A Llama-shaped decoder over bytes "
             f"({data['layers']} layers, hidden {data['hidden']}; {first['layers_planned']} Linear layers planned), "
             f"{data['steps']} fp32 steps on the standard library's source, then {data['qat_steps']} QAT steps under "
-            f"each plan; the plans within {first['budget_bytes'] / 1e3:.1f} kB of weights and scales, "
-            f"{data['between']:.0%} of the way from uniform int2's size to int4's. Over seeds "
-            f"{', '.join(map(str, data['seeds']))} (each: the fp32 model's weights and data order, the calibration "
-            f"batches, the random plan): the measured plan's perplexity is below uniform int2's in "
-            f"{wins(data, measured, 'uniform int2 (smaller)')} of {n}, below the random plan's in "
-            f"{wins(data, measured, 'random plan')} of {n}, and below the Fisher estimate's plan's in "
-            f"{wins(data, measured, fisher)} of {n}; the Fisher plan is below the random plan's in "
+            f"each plan. Equal size: within {first['budget_bytes'] / 1e3:.1f} kB of weights and scales, "
+            f"{data['between']:.0%} of the way from uniform int2's size to int4's. Equal time: within uniform int4's "
+            f"summed layer time ({ms} ms by seed), each layer's candidates timed alone in onnxruntime "
+            "(`recal_onnx.timed_candidates`, one token, one thread). Size and time: within that size and a time "
+            f"halfway between the size plan's and the fastest plan's of that size ({both_ms} ms), which no uniform "
+            f"precision meets. Over seeds {', '.join(map(str, data['seeds']))} (each: the fp32 model's weights and "
+            "data order, the calibration batches, the random plans), perplexity below, seed by seed: at equal size, "
+            f"the measured plan's below uniform int2's in {wins(data, measured, 'uniform int2 (smaller)')} of {n}, "
+            f"below the random plan's in {wins(data, measured, 'random plan')} of {n}, below the Fisher estimate's "
+            f"plan's in {wins(data, measured, fisher)} of {n}; the Fisher plan's below the random plan's in "
             f"{wins(data, fisher, 'random plan')} of {n}; the two recal plans agree on {agree} of "
-            f"{first['layers_planned']} layers. Bits: the first seed's plan. Perplexity (median, least-most) on 128 "
-            "held-out windows of 128 bytes; one token's latency, 1 thread, median of 9 interleaved rounds "
+            f"{first['layers_planned']} layers. Within size and time, the measured plan's below the random plan's "
+            f"in {wins(data, both, 'random plan within size and ms')} of {n}, the Fisher plan's in "
+            f"{wins(data, both_fisher, 'random plan within size and ms')} of {n}. At equal time, the measured plan's "
+            f"below uniform int4's in {wins(data, fast, 'uniform int4 (larger)')} of {n} and below the random "
+            f"plan's in {wins(data, fast, fast_random)} of {n}. With pruning candidates too (each "
+            "MLP's hidden channels by 25% or 50%, thinned after QAT), the size plan's below the precision-only "
+            f"plan's in {wins(data, pruning, measured)} of {n}. Bits: the first seed's plan. Perplexity (median, "
+            "least-most) on 128 held-out windows of 128 bytes; planned ms: the plan's layers' summed time as timed "
+            "alone; token ms: the whole converted model's, one token, 1 thread, median of 9 interleaved rounds "
             "(`python scripts/bench_plan.py --seeds 0 1 2 --json docs/results/plan.json`).")
+
+
+def plan_curve() -> str:
+    """The best plan (measured score) at budgets across the range of sizes and of summed times: the Pareto curves a
+    budget is chosen on, the first seed's (scripts/bench_plan.py)."""
+    data = load("plan.json")
+    run = data["runs"][0]
+    lines = ["| budget over | planned kB | planned ms | summed score | weights at 8 / 4 / 2 bits / float |",
+             "|---|---|---|---|---|"]
+    for cost, label in (("bytes", "size"), ("latency", "time")):
+        for point in run["curves"][cost]:
+            counts = " / ".join(str(point["bits"].get(str(b), 0)) for b in (8, 4, 2, 32))
+            lines.append(f"| {label} | {point['bytes'] / 1e3:.1f} | {point['ms']:.3f} | {point['score']:.4f} | "
+                         f"{counts} |")
+    return ("\n".join(lines) + f"\n\nSeed {run['seed']}'s decoder above; each row the least summed score (the measured "
+            "loss increase of each layer alone quantized, summed) within a budget, at budgets spread from the "
+            "smallest (or fastest) plan to the largest (or slowest); a budget the best plan does not use up gives "
+            "the row before it again, and is left out. `recal plan --plot` draws the same curve for your model.")
+
+
+def layer_latency() -> str:
+    """One Linear layer's time at each weight width in onnxruntime (scripts/bench_layer_latency.py)."""
+    from bench_layer_latency import table
+
+    data = load("layer_latency.json")
+    spans = []
+    for level in (0, 4):
+        one = [r["ms"] for r in data["rows"] if r["rows"] == 1 and r["accuracy_level"] == level]
+        ratios = {b: [ms[b] / ms["32"] for ms in one] for b in ("8", "4", "2")}
+        spans.append(f"at accuracy_level {level}, " + ", ".join(
+            f"{b} bits {min(r):.2f}-{max(r):.2f}x float's time" for b, r in ratios.items()))
+    return (table(data) + "\n\nOne row (a decoder's one-token step): " + "; ".join(spans)
+            + f". {data['cpu']}; onnxruntime {data['onnxruntime']}; {data['threads']} thread, groups "
+            f"of {data['group']}; each shape's candidates timed together in interleaved rounds, the medians "
+            "(`python scripts/bench_layer_latency.py --json docs/results/layer_latency.json`).")
+
+
+def plan_time() -> str:
+    """``recal plan`` itself on a ~100M-parameter decoder, timed (scripts/bench_plan_time.py)."""
+    from bench_plan_time import table
+
+    data = load("plan_time.json")
+    return (table(data) + f"\n\n{data['cpu']}; {data['threads']} cores. A Llama-shaped decoder over bytes, "
+            f"{data['params'] / 1e6:.1f} M parameters ({data['layers']} layers, hidden {data['hidden']}, "
+            f"feed-forward {data['ffn']}), {data['samples']} calibration windows of 128 bytes in batches of "
+            f"{data['batch_size']}; minutes from the command's start to its end, the model's build included "
+            "(`python scripts/bench_plan_time.py --json docs/results/plan_time.json`).")
 
 
 def export() -> str:
@@ -488,6 +550,7 @@ def avx2_exactness() -> str:
 TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo_speed, "reduce-range": reduce_range, "zoo": zoo,
           "zoo-vnni": lambda: zoo("zoo_vnni.json"), "zoo-vnni-amd": lambda: zoo("zoo_vnni_amd.json"),
           "transformers": transformers, "llm": llm, "llm-ternary": lambda: llm("llm_ternary.json"), "llm-variants": llm_variants,
+          "plan-curve": plan_curve, "layer-latency": layer_latency, "plan-time": plan_time,
           "digits-int8": digits_int8,
           "thinning-transformers": thinning_transformers, "keras-applications": keras_applications,
           "keras-backends": keras_backends, "keras-backends-summary": keras_backends_summary, "layout": layout_table,

@@ -17,6 +17,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # MobileNetV2 trained on 2 threads and on 1 differed enough to pass alone and fail under `make test`).
 for _name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
     os.environ.setdefault(_name, "1")
+# Layer latencies a plan times (recal_onnx.timed_candidates) are kept in the run's own folder, not the user's cache.
+if "RECAL_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["RECAL_CACHE"] = os.path.join(tempfile.gettempdir(), f"recal-test-cache-{os.getuid()}")
 import pytest  # noqa: E402 - after the thread settings: they must precede any torch or TensorFlow import
 
 from tests.support.paths import RECIPES  # noqa: E402
