@@ -87,6 +87,27 @@ def test_a_latency_budget_within_a_size_is_exact_and_an_impossible_pair_names_th
             min(sum(c.score for c in combo) for combo in combos), abs=1e-9)
 
 
+def test_a_search_cut_by_its_time_limit_says_so(monkeypatch):
+    """The integer program has a time limit: past it, the best plan found is written with a warning saying it is not
+    proven the best, or, with none found, a PlanError says the limit (never a claim that no plan exists)."""
+    from recal_core import precision_plan
+
+    monkeypatch.setattr(precision_plan, "SEARCH_SECONDS", 1e-9)
+    layers = _random_layers(np.random.default_rng(5), 60)
+    low, high = size_bounds(layers)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            choice = solve(layers, (low + high) / 2)
+        except PlanError as exc:
+            assert "found no plan within its 0 s limit" in str(exc)
+            return
+    assert any("stopped at its 0 s limit before proving" in str(w.message) for w in caught)
+    assert sum(c.cost for c in choice.values()) <= (low + high) / 2
+
+
 def test_a_budget_below_every_plan_names_the_smallest():
     layers = _random_layers(np.random.default_rng(1), 3)
     smallest = size_bounds(layers)[0]
