@@ -226,8 +226,9 @@ def test_recal_plan_writes_the_recipe_the_api_plans_and_its_pareto_plot(tmp_path
     refused = run_recal(*args, "--budget", "size=1kB", "--output", "small.yaml")
     assert refused.returncode == 2 and "the smallest plan, every layer at its fewest bits, is" in refused.stderr
     assert not (tmp_path / "small.yaml").exists()
-    latency = run_recal(*args, "--budget", "latency=5ms", "--rows", "1", "--output", "fast.yaml")
+    latency = run_recal(*args, "--budget", "latency=5ms", "--rows", "1", "--output", "fast.yaml", "--plot", "fast.png")
     assert latency.returncode == 0, latency.stderr
+    assert (tmp_path / "fast.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the curve over milliseconds
     assert "ms in onnxruntime here" in latency.stdout and (tmp_path / "cache" / "layer_latency.json").is_file()
     text = (tmp_path / "fast.yaml").read_text()
     assert "each timed alone in onnxruntime on this CPU" in text and run_recal("check", "fast.yaml").returncode == 0
@@ -361,3 +362,27 @@ def test_pruning_asked_where_no_channel_space_can_be_pruned_is_said():
     with pytest.warns(UserWarning, match="nothing is pruned: no channel space"):
         plan = plan_precision(nn.Sequential(nn.Linear(32, 8)), [(x, y)], loss, bits_budget=8, prune_levels=(0.5,))
     assert "GradualKSModifier" not in plan.recipe
+
+
+class _Branchy(nn.Module):
+    """An MLP whose forward branches on its input's rank: torch.fx cannot trace it, torch.export can."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 8)
+
+    def forward(self, x):
+        if x.dim() == 3:
+            x = x.flatten(0, 1)
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_pruning_traced_on_the_calibration_batch_says_to_give_modify_the_same():
+    from recal_torch.precision_plan import plan_precision
+
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 32), torch.randint(0, 8, (32,))
+    loss = lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    with pytest.warns(UserWarning, match=r"train the planned recipe with modify\(\.\.\., example_inputs=<a batch>\)"):
+        plan = plan_precision(_Branchy(), [(x, y)], loss, bits_budget=3, prune_levels=(0.5,))
+    assert {layer.group for layer in plan.layers} == {"up"}  # up makes the channels, down reads them
