@@ -151,6 +151,10 @@ NO_RECORD = ("; MB without the torch exporter's per-node record, which recal's c
              "file before onnxruntime quantizes it)")
 
 
+UNDEFINED = (" (on a seed where RTN's model is no worse than the baseline there is nothing to win back: its figure "
+             "is left out, and the row says over how many seeds)")
+
+
 def _per_seed(value) -> list:
     """A figure of one seed or a list of one a seed, as a list (older JSON holds one run)."""
     return value if isinstance(value, list) else [value]
@@ -161,7 +165,10 @@ def _shares(values: list) -> str:
     pct = [round(100 * v) or 0 for v in values if v is not None]  # `or 0`: no "-0%"
     if not pct:
         return ""
-    return f"{round(statistics.median(pct))}%" + (f" ({min(pct)}%-{max(pct)}%)" if len(pct) > 1 else "")
+    some = f"{len(pct)} of {len(values)} seeds" if len(pct) < len(values) else ""  # the others: none to win back
+    spread = f"{min(pct)}%-{max(pct)}%" if len(pct) > 1 else ""
+    return f"{round(statistics.median(pct))}%" + (f" ({'; '.join(filter(None, (spread, some)))})" if spread or some
+                                                   else "")
 
 
 def _spread(values: list[float], fmt: str) -> str:
@@ -188,7 +195,10 @@ def llm_rankings(data: dict) -> str:
             said.append(f"{a.replace(f'recal {grid} ', 'recal ')} below {b.replace(f'recal {grid} ', 'recal ')} on "
                         f"{wins} of {len(ppl[a])}")
     seeds = data.get("seeds", [data.get("seed", 0)])
-    return f"Lower perplexity, seed by seed (seeds {', '.join(map(str, seeds))}): " + "; ".join(said) + "."
+    every = sum(1 for a, b in pairs if a in ppl and b in ppl and all(x < y for x, y in zip(ppl[a], ppl[b])))
+    tally = (f" {every} of these {len(said)} hold on every seed." if len(seeds) > 1 else
+             " One seed: these say nothing of another.")
+    return f"Lower perplexity, seed by seed (seeds {', '.join(map(str, seeds))}): " + "; ".join(said) + "." + tally
 
 
 def llm(name: str = "llm.json") -> str:
@@ -222,7 +232,8 @@ def llm(name: str = "llm.json") -> str:
             f"quantized row has the training of the baseline ({data['baseline']}): onnxruntime's quantizers and "
             f"recal's no-QAT row quantize it; recal's QAT trains "
             f"the last {data['qat_steps']} steps on {grid}. Recovered: the share of the perplexity onnxruntime's "
-            f"default RTN loses against the baseline that the row wins back. `{data['command']}`; MB = 10^6 bytes.\n\n"
+            f"default RTN loses against the baseline that the row wins back{UNDEFINED if several else ''}. "
+            f"`{data['command']}`; MB = 10^6 bytes.\n\n"
             + llm_rankings(data))
 
 
