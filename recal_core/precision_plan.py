@@ -113,24 +113,24 @@ def solve(layers: list[LayerCandidates], budget: float, cost: str = "bytes", *,
         if name not in COSTS:
             raise PlanError(f"cost must be one of {', '.join(COSTS)}, got {name!r}")
     for name, most in caps.items():
-        least = sum(min(_value(c, name) for c in layer.candidates) for layer in layers)
+        least = size_bounds(layers, name)[0]
         if most < least - 1e-12:
             nearest = {"bytes": f"the smallest plan, every layer at its fewest bits, is {_says(least, name)}",
                        "latency": f"the fastest plan, every layer at its fastest candidate, takes {_says(least, name)}",
                        "score": f"the least summed score is {_says(least, name)}"}[name]
             raise PlanError(f"a {name} budget of {_says(most, name)} cannot be met: {nearest}; give at least that")
-    flat = [(i, c) for i, layer in enumerate(layers) for c in layer.candidates]
+    flat = _flat(layers)
     # scores shifted to be >= 0 per layer (a candidate may measure below float by noise): the same argmin
     shift = np.array([min(c.score for c in layers[i].candidates) for i, _ in flat])
     objective = np.array([c.cost for _, c in flat]) if cost == "score" else np.array([c.score for _, c in flat]) - shift
     x = _milp(layers, flat, objective, caps)
     if x is None:  # each cap alone can be met, not all together: say the best the other caps leave for this one
-        others = dict(within or {})
-        best = _milp(layers, flat, np.array([_value(c, cost) for _, c in flat]), others)
-        least = None if best is None else sum(_value(flat[j][1], cost) for j in best)
+        try:
+            nearest = f"; within those, the least {cost} is {_says(total(cheapest(layers, cost, within), cost), cost)}"
+        except PlanError:
+            nearest = ""
         raise PlanError(f"no plan meets a {cost} budget of {_says(budget, cost)} together with "
-                        + ", ".join(f"{k} <= {_says(v, k)}" for k, v in others.items())
-                        + ("" if least is None else f"; within those, the least {cost} is {_says(least, cost)}"))
+                        + ", ".join(f"{k} <= {_says(v, k)}" for k, v in (within or {}).items()) + nearest)
     return {layers[flat[j][0]].name: flat[j][1] for j in x}
 
 
@@ -146,11 +146,16 @@ def cheapest(layers: list[LayerCandidates], cost: str = "latency",
     """
     import numpy as np
 
-    flat = [(i, c) for i, layer in enumerate(layers) for c in layer.candidates]
+    flat = _flat(layers)
     x = _milp(layers, flat, np.array([_value(c, cost) for _, c in flat]), dict(within or {}))
     if x is None:
         raise PlanError("no plan meets " + ", ".join(f"{k} <= {_says(v, k)}" for k, v in (within or {}).items()))
     return {layers[flat[j][0]].name: flat[j][1] for j in x}
+
+
+def _flat(layers: list[LayerCandidates]) -> list[tuple[int, Candidate]]:
+    """Every candidate with its layer's index: the integer program's columns."""
+    return [(i, c) for i, layer in enumerate(layers) for c in layer.candidates]
 
 
 def _milp(layers, flat, objective, caps: Mapping[str, float]):

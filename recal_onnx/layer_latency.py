@@ -26,10 +26,10 @@ from recal_core.atomic import write_text_atomically
 from recal_core.precision_plan import FLOAT, LayerCandidates, matmul_shape
 
 from .cpu import describe
+from .passes import nbits_block
 
 CACHE_NAME = "layer_latency.json"
 MAX_CACHE_BYTES = 16 << 20  # a cache grown past this is started again, not read
-CHANNEL_BLOCK = 128  # a per-channel weight's block, as the converter writes it
 
 
 def cache_path() -> Path:
@@ -76,7 +76,7 @@ def time_candidates(rows: int, in_features: int, out_features: int, bits: tuple[
         in_features: the layer's inputs.
         out_features: the layer's outputs.
         bits: the candidates: 2, 4, 8 (``MatMulNBits``) and 32 (float ``MatMul``).
-        group_size: weights per scale (0: one per output channel, run in blocks of 128).
+        group_size: weights per scale (0: one per output channel), run in the block the converter writes.
         bias: the layer adds a bias.
         accuracy_level: ``MatMulNBits``' accuracy level, as ``quantize_qat_export(accuracy_level=...)`` writes it.
         threads: intra-op threads (onnxruntime's default session when None).
@@ -85,7 +85,7 @@ def time_candidates(rows: int, in_features: int, out_features: int, bits: tuple[
     from .sessions import session
 
     rng = np.random.default_rng(0)
-    block = group_size or CHANNEL_BLOCK
+    block = _block(in_features, group_size)
     x = {"x": rng.standard_normal((rows, in_features)).astype(np.float32)}
     runs = {}
     for b in bits:
@@ -104,6 +104,16 @@ def time_candidates(rows: int, in_features: int, out_features: int, bits: tuple[
                 s.run(None, x)
             times[b].append((time.perf_counter() - start) / repeat * 1e3)
     return {b: statistics.median(t) for b, t in times.items()}
+
+
+def _block(in_features: int, group_size: int) -> int:
+    """The block the converter writes such a layer in (:func:`recal_onnx.passes.nbits_block`); a ValueError where it
+    leaves the layer float."""
+    block = nbits_block(in_features, group_size)
+    if block is None:
+        raise ValueError(f"group_size {group_size}: MatMulNBits runs blocks of a power of two from 16, so the "
+                         "converter leaves such layers float; plan with group_size 16, 32, 64, 128 or 0")
+    return block
 
 
 def _read_cache(path: Path) -> dict[str, float]:
@@ -141,9 +151,7 @@ def timed_candidates(layers: list[LayerCandidates], *, group_size: int = 32, row
     """
     import onnxruntime as ort
 
-    if group_size and (group_size < 16 or group_size & (group_size - 1)):
-        raise ValueError(f"group_size {group_size}: MatMulNBits runs blocks of a power of two from 16, so the "
-                         "converter leaves such layers float; plan with group_size 16, 32, 64, 128 or 0")
+    _block(1, group_size)  # refused before any timing
     missing = [layer.name for layer in layers if not layer.in_features or not layer.out_features]
     if missing:
         raise ValueError(f"{', '.join(missing[:5])}: no shape to time (in_features / out_features unset); measure the "
@@ -177,13 +185,9 @@ def timed_candidates(layers: list[LayerCandidates], *, group_size: int = 32, row
                                      accuracy_level=accuracy_level, threads=threads).items():
             fresh[key(at, b)] = ms
     if cache and fresh:
-        write_text_atomically(path if path.parent.is_dir() else _made(path), json.dumps({**kept, **fresh}, indent=0))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomically(path, json.dumps({**kept, **fresh}, indent=0))
     kept.update(fresh)
     return [dataclasses.replace(layer, candidates=tuple(
         dataclasses.replace(c, latency=kept[key(shape(layer, c), c.bits)]) for c in layer.candidates))
         for layer in layers]
-
-
-def _made(path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path

@@ -34,6 +34,7 @@ from .qat import GroupWeightFakeQuantize
 
 BITS = (8, 4, 2)
 SCALE_BYTES = 4  # a group's float32 scale
+UNPRUNED = {0.0: (None, 0.0)}  # a layer's one pruning level outside a group: (channels kept, its score share)
 
 
 @dataclass
@@ -47,7 +48,7 @@ class PrecisionPlan:
 
     @property
     def size(self) -> float:
-        return sum(c.cost for c in self.choice.values())
+        return total(self.choice)
 
     @property
     def latency(self) -> float | None:
@@ -105,9 +106,9 @@ def measure_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn
     was_training = model.training
     model.eval()
     try:
-        rows, example = _rows_per_sample(model, linears, batches[0], loss_fn)
+        rows, example, first = _rows_per_sample(model, linears, batches[0], loss_fn)
         with torch.no_grad():
-            base = sum(float(loss_fn(model, b)) for b in batches) / len(batches)
+            base = (first + sum(float(loss_fn(model, b)) for b in batches[1:])) / len(batches)
         shares = _pruning(model, linears, example, tuple(prune_levels), group_size, batches, loss_fn, base)
         grids = {name: {b: _quantized(layer.weight, b, group_size) for b in bits} for name, layer in linears.items()}
         if score == "fisher":
@@ -123,7 +124,7 @@ def measure_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn
             for b in bits:
                 quantized[b] = (_measured(model, layer, grids[name][b], batches, loss_fn) - base if score == "measured"
                                 else estimates[name, b])
-            group, along, levels = shares.get(name, ("", "", {0.0: (None, 0.0)}))
+            group, along, levels = shares.get(name, ("", "", UNPRUNED))
             candidates = []
             for level, (kept, share) in levels.items():
                 k, n = (None, kept) if along == "outputs" else (kept, None)
@@ -148,8 +149,8 @@ def _pruning(model, linears, example, levels, group_size, batches, loss_fn, base
     for group in groups:
         scores = group_scores(model, group, linears, levels, batches, loss_fn, base)
         members = group.producers + group.readers
-        by_level = {0.0: (None, 0.0)} | {level: (group.channels - group.pruned(level), scores[level] / len(members))
-                                         for level in levels if group.pruned(level)}
+        by_level = UNPRUNED | {level: (group.channels - group.pruned(level), scores[level] / len(members))
+                               for level in levels if 0 < group.pruned(level) < group.channels}
         for name in members:
             shares[name] = (group.name, "outputs" if name in group.producers else "inputs", by_level)
     return shares
@@ -163,9 +164,10 @@ def _leading(batch) -> int | None:
     return next((n for n in map(_leading, items) if n), None)
 
 
-def _rows_per_sample(model, linears: dict[str, nn.Linear], batch, loss_fn) -> tuple[dict[str, int], tuple]:
+def _rows_per_sample(model, linears: dict[str, nn.Linear], batch, loss_fn) -> tuple[dict[str, int], tuple, float]:
     """Each layer's input rows for one sample of ``batch`` (tokens of a sequence, 1 for a vector): the matmul a
-    latency timer times; and the model's own call on ``batch``, ``(args, kwargs)``, to trace its channels with."""
+    latency timer times; the model's own call on ``batch``, ``(args, kwargs)``, to trace its channels with; and
+    the batch's loss (the float loss's first term)."""
     seen, samples, call = {}, _leading(batch) or 1, []
 
     def keep(name):
@@ -178,11 +180,11 @@ def _rows_per_sample(model, linears: dict[str, nn.Linear], batch, loss_fn) -> tu
                                                  else None, with_kwargs=True))
     try:
         with torch.no_grad():
-            loss_fn(model, batch)
+            loss = float(loss_fn(model, batch))
     finally:
         for h in hooks:
             h.remove()
-    return seen, (call[0] if call else ((), {}))
+    return seen, (call[0] if call else ((), {})), loss
 
 
 def _quantized(weight: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:

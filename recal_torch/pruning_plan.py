@@ -5,20 +5,26 @@ reads them), and the loss increase of each space pruned alone at each level.
 Spaces come from recal's channel tracing, the graph ``mask_type: filter`` prunes and ``thin`` removes, traced as
 ``modify`` traces it (on the calibration batch's own call where only that works). A space is a candidate when
 every layer making it and every layer reading it is a planned Linear, its readers read one feature a channel, and
-nothing else (a norm, a scale) holds its channels. Its channels are ranked as a pruning modifier ranks a channel
-group: in blocks of the readers' quantization group, by the summed squared norms of the producers' rows and the
-readers' columns; a level prunes the lowest whole blocks.
+nothing else (a norm, a scale) holds its channels. A level is scored with the masks the recipe's ``mask_type:
+filter`` modifier will compute (:func:`recal_torch.pruning.group_masks` on the core's
+:class:`~recal_core.model_plan.ChannelGroup`, the count by :func:`recal_core.schedules.pruned_count`): whole blocks of
+the readers' quantization group, the weakest by the producers' summed squared norms.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-CHANNEL_BLOCK = 16  # channels pruned together where no quantization group sets it: the converter thins in 16s
+from recal_core.model_plan import ChannelGroup
+from recal_core.schedules import pruned_count
+
+from .pruning import group_masks
+
 
 
 @dataclass(frozen=True)
@@ -29,19 +35,22 @@ class PlanGroup:
     producers: tuple[str, ...]  # layers making the channels (rows), named in the pruning modifier
     readers: tuple[str, ...]  # layers reading them (columns)
     channels: int
-    block: int  # channels pruned together
+    block: int  # channels pruned together: the readers' quantization group (their planned bits in groups)
 
     def pruned(self, level: float) -> int:
-        """Channels a ``level`` (share of the channels) prunes: whole blocks, at least one block kept."""
-        return min(int(level * self.channels) // self.block * self.block, self.channels - self.block)
+        """Channels a modifier at ``level`` prunes (:meth:`recal_core.model_plan.ModelPlan.channel_count`'s rule)."""
+        return pruned_count(level, self.channels // self.block) * self.block
+
+    def channel_group(self) -> ChannelGroup:
+        """The core's form of it, as a ``mask_type: filter`` modifier on its producers ranks it."""
+        return ChannelGroup(0, "filter", {f"{p}.weight": 1 for p in self.producers}, (), self.channels,
+                            block=self.block)
 
 
 def plan_groups(model: nn.Module, linears: dict[str, nn.Linear], example: tuple[tuple, dict],
                 group_size: int) -> tuple[list[PlanGroup], str]:
     """The prunable channel spaces of ``linears`` in ``model`` traced on ``example`` (``(args, kwargs)`` of one
     call), and why none were found ('' when some were)."""
-    import warnings
-
     from .tracing import model_graph
 
     try:  # the graph modify() and thin() trace by default, so that the recipe prunes what the plan measured
@@ -66,41 +75,32 @@ def plan_groups(model: nn.Module, linears: dict[str, nn.Linear], example: tuple[
                                              if t not in {f"{p}.bias" for p in producers})):
             continue
         channels = linears[producers[0]].out_features
-        block = group_size or CHANNEL_BLOCK
-        if channels >= 2 * block:
+        block = group_size or 1
+        if channels % block == 0 and channels >= 2 * block:
             groups.append(PlanGroup(producers[0], tuple(producers), tuple(readers), channels, block))
     return groups, "" if groups else "no channel space of the planned layers is made and read by them alone"
 
 
-def _ranked_blocks(group: PlanGroup, linears: dict[str, nn.Linear]) -> torch.Tensor:
-    """The group's channel blocks, weakest first (summed squared norms of its producers' rows, readers' columns)."""
-    norms = sum(linears[p].weight.detach().float().pow(2).sum(1) for p in group.producers)
-    norms = norms + sum(linears[r].weight.detach().float().pow(2).sum(0) for r in group.readers)
-    return torch.argsort(norms.reshape(-1, group.block).sum(1), stable=True)
-
-
 def group_scores(model: nn.Module, group: PlanGroup, linears: dict[str, nn.Linear], levels: tuple[float, ...],
                  batches: list, loss_fn, base: float) -> dict[float, float]:
-    """The loss increase on ``batches`` with the group's weakest channels pruned (its producers' rows and biases,
-    its readers' columns zeroed) at each level, every other layer as it is."""
-    order = _ranked_blocks(group, linears)
-    saved = {name: (linears[name].weight.detach().clone(),
-                    None if linears[name].bias is None else linears[name].bias.detach().clone())
-             for name in group.producers + group.readers}
+    """The loss increase on ``batches`` with the group's weakest channels pruned at each level (its producers' rows
+    and biases zeroed: the channels then carry nothing to their readers), every other layer as it is."""
+    weights = {f"{p}.weight": linears[p].weight for p in group.producers}
+    saved = {p: (linears[p].weight.detach().clone(),
+                 None if linears[p].bias is None else linears[p].bias.detach().clone()) for p in group.producers}
     scores = {}
     try:
         for level in levels:
-            blocks = order[:group.pruned(level) // group.block]
-            channels = (blocks[:, None] * group.block + torch.arange(group.block)).reshape(-1)
+            masks = group_masks(group.channel_group(), {n: w.detach() for n, w in weights.items()},
+                                group.pruned(level))
             with torch.no_grad():
-                for name in group.producers:
-                    linears[name].weight[channels] = 0
-                    if linears[name].bias is not None:
-                        linears[name].bias[channels] = 0
-                for name in group.readers:
-                    linears[name].weight[:, channels] = 0
+                for p in group.producers:
+                    mask = masks[f"{p}.weight"]
+                    linears[p].weight.mul_(mask)
+                    if linears[p].bias is not None:
+                        linears[p].bias.mul_(mask[:, 0])
                 scores[level] = sum(float(loss_fn(model, b)) for b in batches) / len(batches) - base
-                _restore(linears, saved)
+            _restore(linears, saved)
     finally:
         _restore(linears, saved)
     return scores

@@ -173,10 +173,15 @@ def _bias_add(g: Graph, node: Node, n: int) -> Node | None:
 
 
 def _block_size(w: GroupedWeight) -> int | None:
-    k = w.q.shape[1]
-    if w.scale.shape[1] == 1:  # per channel: any block, the channel's scale repeated
+    return nbits_block(w.q.shape[1], 0 if w.scale.shape[1] == 1 else w.group)
+
+
+def nbits_block(k: int, group: int) -> int | None:
+    """The ``block_size`` a weight of ``k`` inputs in groups of ``group`` (0: one scale per output channel) runs
+    with in ``MatMulNBits``; None where none can (a group not a power of two from 16: the layer stays float)."""
+    if not group:  # per channel: any block, the channel's scale repeated
         return max(16, min(CHANNEL_BLOCK, 1 << (k - 1).bit_length()))
-    return w.group if w.group >= 16 and not w.group & (w.group - 1) else None
+    return group if group >= 16 and not group & (group - 1) else None
 
 
 def _dead_channels(name: str, q: np.ndarray) -> list[str]:
