@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     demo.set_defaults(func=_demo, framework=None)
 
-    planner = sub.add_parser("plan", help="plan each Linear layer's weight precision of a PyTorch model under a "
+    planner = sub.add_parser("plan", help="plan each layer's precision (and pruning) of a PyTorch model under a "
                                           "budget, from measurement on your data, and write it as a recipe")
     planner.add_argument("--model", required=True, metavar="MODULE:FUNCTION",
                          help="your code: FUNCTION() returns the trained float torch.nn.Module (MODULE importable "
@@ -179,7 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--score", choices=("measured", "fisher"), default="measured",
                          help="measured: each layer alone quantized, the loss increase (default); fisher: the "
                               "cheap estimate, one backward pass per batch")
-    planner.add_argument("--group-size", type=int, default=32, help="weights per scale (default 32; 0: per channel)")
+    planner.add_argument("--scheme", choices=("weight-only", "w8a8"), default="weight-only",
+                         help="weight-only (default): each Linear's weights at 8, 4 or 2 bits or float; w8a8 (a CNN): "
+                              "each Conv1d, Conv2d and Linear in int8, weights and inputs, or float")
+    planner.add_argument("--group-size", type=int, default=32,
+                         help="weights per scale (default 32; 0: per channel; w8a8: per channel)")
     planner.add_argument("--epochs", type=float, default=1.0, help="QAT epochs the recipe schedules (default 1)")
     planner.add_argument("--batch-size", type=_positive_int, default=8, help="calibration batch size (default 8)")
     planner.add_argument("--output", "-o", default="plan.yaml", help="the recipe written (default plan.yaml)")

@@ -1,6 +1,6 @@
-"""``recal plan``: a PyTorch model's per-layer weight precision planned from measurement under a budget (bytes, bits
-per weight, milliseconds in onnxruntime on this CPU, or a loss), written as an ordinary recipe (and the Pareto curve
-it was chosen on, as a plot).
+"""``recal plan``: a PyTorch model's per-layer weight precision (``--scheme w8a8``: a CNN's int8 or float layers)
+and pruning planned from measurement under a budget (bytes, bits per weight, milliseconds in onnxruntime on this CPU,
+or a loss), written as an ordinary recipe (and the Pareto curve it was chosen on, as a plot).
 
 The model comes from the user's own code, named as ``module:function`` (as ``uvicorn`` and ``gunicorn`` name an
 app): the function is called with no arguments and returns the trained float ``nn.Module``. The calibration data is
@@ -77,8 +77,9 @@ def load_factory(spec: str):
         kind = type(model)
         keras = any(c.__module__.split(".")[0] in ("keras", "tensorflow", "tf_keras") for c in kind.__mro__)
         why = ("a plan's weight-only 8/4/2-bit layers and per-layer scheme_overrides are not trained by recal_keras "
-               "or recal_tf (they take W8A8 for every conv and dense layer), so a mixed plan could not be trained "
-               "there" if keras else "recal plan measures PyTorch models")
+               "or recal_tf (they take W8A8 for every conv and dense layer, with no ignore list, and rank each "
+               "layer's filters alone), so neither a mixed plan nor a w8a8 plan's float layers and coupled filter "
+               "pruning could be trained there" if keras else "recal plan measures PyTorch models")
         raise ValueError(f"--model {spec!r}: {attr}() returned a {kind.__name__}, not a torch.nn.Module ({why}; "
                          "Keras models and TensorFlow graphs are not planned)")
     return model
@@ -173,8 +174,8 @@ def plan(args) -> int:
 
         timer = partial(timed_candidates, rows=args.rows, accuracy_level=args.accuracy_level)
     result = plan_precision(model, batches, loss_fn, score=args.score, group_size=args.group_size,
-                            prune_levels=args.prune_levels, epochs=args.epochs, progress=not args.no_progress,
-                            timer=timer,
+                            prune_levels=args.prune_levels, scheme=args.scheme, epochs=args.epochs,
+                            progress=not args.no_progress, timer=timer,
                             **{names[kind]: amount for kind, amount in budgets.items()})
     write_text_atomically(args.output, result.recipe)
     for name, why in result.left_out.items():
@@ -182,8 +183,10 @@ def plan(args) -> int:
     held = {}
     for candidate in result.choice.values():
         held[candidate.bits] = held.get(candidate.bits, 0) + 1
-    said = ", ".join(f"{n} {'float' if b == 32 else f'at {b} bits'}" for b, n in sorted(held.items()))
-    thinned = sum(1 for c in result.choice.values() if c.sparsity)
+    int8 = args.scheme == "w8a8"
+    said = ", ".join(f"{n} {'float' if b == 32 else 'int8' if int8 else f'at {b} bits'}"
+                     for b, n in sorted(held.items()))
+    thinned = sum(1 for c in result.choice.values() if c.sparsity or c.in_sparsity)
     said += f"; {thinned} thinned (recal_torch.thin after training)" if thinned else ""
     took = "" if result.latency is None else f", {result.latency:.4g} ms in onnxruntime here"
     print(f"planned {len(result.choice)} layers ({said}), {result.size / 1e6:.3f} MB{took}; wrote {args.output} "

@@ -1,15 +1,20 @@
-"""A recipe planned from measurement: each layer's precision chosen under a budget, written as a recipe.
+"""A recipe planned from measurement: each layer's precision (and its channels' pruning) chosen under a budget,
+written as a recipe.
 
-A front end measures, per layer and per candidate (float, or weights in 8, 4 or 2 bits), what the candidate costs
-(bytes; and, timed in onnxruntime on this CPU by :func:`recal_onnx.timed_candidates`, milliseconds) and how much it
-hurts (a score: the loss increase measured with that layer alone quantized, or a cheap estimate of it).
+A front end measures, per layer and per candidate, what the candidate costs (bytes; and, timed in onnxruntime on
+this CPU by :func:`recal_onnx.timed_candidates`, milliseconds) and how much it hurts (a score: the loss increase
+measured with that layer alone quantized, or a cheap estimate of it). A candidate is a precision (``"weight-only"``:
+float, or weights in 8, 4 or 2 bits; ``"w8a8"``, a CNN's: int8 weights and inputs, or float) at one pruning level
+of each channel space the layer makes or reads (a convolution reading one pruned space and making another pairs a
+level of each: its cost is their product, so the pairs are candidates and the program stays linear).
 :func:`solve` picks one candidate per layer minimising the summed score under a budget of bytes or milliseconds (or
-the least cost under a summed-score budget), exactly, as an integer program (``scipy.optimize.milp``: the knapsack
-is small, and the solver proves its answer optimal). A latency budget is the planned layers' summed time, each
-layer timed alone: the rest of the model is the same in every plan.
-:func:`recipe_text` writes the choice as an ordinary recipe: one weight-only ``QuantizationModifier`` whose
-``scheme_overrides`` name each layer's bits and whose ``ignore`` lists the float ones, a comment per layer with its
-score and cost. ``recal check`` reads it like any other; training it is the usual loop.
+the least cost under a summed-score budget), every layer of a space at one level, exactly, as an integer program
+(``scipy.optimize.milp``: the knapsack is small, and the solver proves its answer optimal). A latency budget is the
+planned layers' summed time, each layer timed alone: the rest of the model is the same in every plan.
+:func:`recipe_text` writes the choice as an ordinary recipe: one ``QuantizationModifier`` (weight-only: its
+``scheme_overrides`` name each layer's bits) whose ``ignore`` lists the float layers, a filter-pruning modifier per
+level, a comment per layer with its score and cost. ``recal check`` reads it like any other; training it is the
+usual loop.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ FLOAT = 32  # a candidate's bits for "left float"
 SEARCH_SECONDS = 120.0  # the integer program's time limit (a 99-layer plan with pruning: seconds)
 PRUNE_SHARE = 0.5  # a planned pruning runs over the first half of the QAT epochs; the rest recovers
 COSTS = ("bytes", "latency", "score")  # what a budget bounds: bytes, milliseconds, or the summed score
+SCHEMES = ("weight-only", "w8a8")  # a plan's layers: weights alone at 8/4/2 bits, or weights and inputs in int8
 
 
 @dataclass(frozen=True)
@@ -36,14 +42,33 @@ class Candidate:
     latency: float | None = None
     sparsity: float = 0.0  # the share of its pruning group's channels removed (its group's score shared in)
     kept: int | None = None  # then the channels it keeps along its pruned axis
+    in_sparsity: float = 0.0  # a layer reading one group and making another: the share of the one it reads
+    in_kept: int | None = None  # then the input channels it keeps
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """What a convolution's time depends on beyond its channels: kernel, stride, padding, dilation, groups and
+    the spatial size of one sample's input (``(H, W)``, or ``(L,)``)."""
+
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int
+    spatial: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class LayerCandidates:
     """One layer's candidates, and its shape as a matmul (what a timer needs): ``rows`` of ``in_features`` in, for
-    one sample of the calibration data, ``out_features`` out. A layer in a pruning ``group`` (layers sharing one
-    channel space: a gated MLP's gate, up and down projections) thins its ``"outputs"`` (the group's producers,
-    named in its pruning modifier) or its ``"inputs"``; every layer of a group takes one sparsity."""
+    one sample of the calibration data, ``out_features`` out; a convolution (``in_features``, ``out_features``:
+    its channels) also has its ``conv`` geometry. A layer in a pruning ``group`` (layers sharing one channel
+    space: a gated MLP's gate, up and down projections; a convolution and the one reading its filters) thins its
+    ``"outputs"`` (the group's producers, named in its pruning modifier), its ``"inputs"``, or both
+    (``"through"``: a depthwise convolution between them); every layer of a group takes one sparsity. A layer
+    making ``group``'s channels may read another's, ``in_group`` (a chain of convolutions): its candidates then
+    pair a level of each."""
 
     name: str
     params: int
@@ -53,14 +78,26 @@ class LayerCandidates:
     rows: int = 1
     bias: bool = False
     group: str = ""
-    pruned: str = ""  # "outputs" | "inputs" (in a group)
+    pruned: str = ""  # "outputs" | "inputs" | "through" (in a group)
+    in_group: str = ""  # with pruned "outputs": the group whose channels it reads
+    conv: ConvGeometry | None = None
+    scheme: str = "weight-only"  # or "w8a8": its inputs quantized with its weights (SCHEMES)
+
+    def levels(self, c: Candidate) -> dict[str, float]:
+        """``{group: sparsity}`` of each group ``c`` holds a level of."""
+        return {**({self.group: c.sparsity} if self.group else {}),
+                **({self.in_group: c.in_sparsity} if self.in_group else {})}
 
 
 def matmul_shape(layer: LayerCandidates, candidate: Candidate) -> tuple[int, int, int]:
-    """``(rows, inputs, outputs)`` of ``layer`` held as ``candidate``: thinned along its pruned axis."""
+    """``(rows, inputs, outputs)`` of ``layer`` held as ``candidate``: thinned along its pruned axes (a
+    convolution's: its input and output channels)."""
     k, n = layer.in_features, layer.out_features
     if candidate.kept is not None:
-        k, n = (k, candidate.kept) if layer.pruned == "outputs" else (candidate.kept, n)
+        k = candidate.kept if layer.pruned in ("inputs", "through") else k
+        n = candidate.kept if layer.pruned in ("outputs", "through") else n
+    if candidate.in_kept is not None:
+        k = candidate.in_kept
     return layer.rows, k, n
 
 
@@ -189,23 +226,24 @@ def _milp(layers, flat, objective, caps: Mapping[str, float]):
 
 
 def _one_sparsity_a_group(layers, flat):
-    """Rows saying each layer of a pruning group takes the sparsity its first layer takes."""
+    """Rows saying each layer of a pruning group takes the sparsity its first layer takes (a layer in two groups,
+    the one it reads and the one it makes, once for each)."""
     import numpy as np
 
     first: dict[str, int] = {}
     rows = []
     for i, layer in enumerate(layers):
-        if not layer.group:
-            continue
-        lead = first.setdefault(layer.group, i)
-        if lead == i:
-            continue
-        for level in {c.sparsity for c in layer.candidates} | {c.sparsity for c in layers[lead].candidates}:
-            row = np.zeros(len(flat))
-            for j, (k, c) in enumerate(flat):
-                if c.sparsity == level and k in (i, lead):
-                    row[j] = 1.0 if k == i else -1.0
-            rows.append(row)
+        for group in filter(None, (layer.group, layer.in_group)):
+            lead = first.setdefault(group, i)
+            if lead == i:
+                continue
+            held = {layers[lead].levels(c)[group] for c in layers[lead].candidates}
+            for level in held | {layer.levels(c)[group] for c in layer.candidates}:
+                row = np.zeros(len(flat))
+                for j, (k, c) in enumerate(flat):
+                    if k in (i, lead) and layers[k].levels(c)[group] == level:
+                        row[j] = 1.0 if k == i else -1.0
+                rows.append(row)
     return np.array(rows)
 
 
@@ -229,11 +267,12 @@ def pareto(layers: list[LayerCandidates], points: int = 12, cost: str = "bytes",
 
 def recipe_text(layers: list[LayerCandidates], choice: dict[str, Candidate], *, group_size: int = 32,
                 observer: str = "mse", epochs: float = 1.0, budget: float | None = None,
-                estimate: str = "measured", cost: str = "bytes", within: Mapping[str, float] | None = None) -> str:
+                estimate: str = "measured", cost: str = "bytes", within: Mapping[str, float] | None = None,
+                scheme: str | None = None) -> str:
     """The plan as a recipe: QAT for ``epochs`` with each layer's weights at its chosen bits (weight-only, groups of
-    ``group_size``) or float, each pruning group's channels pruned (``mask_type: filter`` on its producers, over the
-    first half of the epochs) to its sparsity, a comment per layer with its score, bytes and (when timed)
-    milliseconds.
+    ``group_size``; or, ``scheme="w8a8"``, weights and inputs in int8, the default scheme) or float, each pruning
+    group's channels pruned (``mask_type: filter`` on its producers, over the first half of the epochs) to its
+    sparsity, a comment per layer with its score, bytes and (when timed) milliseconds.
 
     Args:
         layers: each layer's candidates.
@@ -245,13 +284,19 @@ def recipe_text(layers: list[LayerCandidates], choice: dict[str, Candidate], *, 
         estimate: how the scores were had (``"measured"`` or ``"fisher"``).
         cost: the unit of ``budget`` (``"bytes"``, ``"latency"``, ``"score"``).
         within: the other caps the plan was solved under.
+        scheme: ``"weight-only"`` (the chosen bits on weights alone) or ``"w8a8"`` (each layer's weights and inputs
+            in int8, or float); None: the layers' own.
     """
+    scheme = scheme or (layers[0].scheme if layers else "weight-only")
+    if scheme not in SCHEMES:
+        raise PlanError(f"scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
     timed = all(c.latency is not None for c in choice.values())
     under = "" if budget is None else f" under {_says(budget, cost)}" if cost != "score" else ""
     under += "".join(f" within {_says(most, name)}" for name, most in (within or {}).items())
     aim = (f"least {estimate} loss increase{under}" if cost != "score"
            else f"fewest bytes at a summed {estimate} loss increase of at most {budget:.4g}")
-    what = "weight precision and pruning" if any(c.sparsity for c in choice.values()) else "weight precision"
+    what = "weight precision" if scheme == "weight-only" else "int8 or float (weights and inputs)"
+    what += " and pruning" if any(c.sparsity or c.in_sparsity for c in choice.values()) else ""
     lines = [f"# Planned by recal: each layer's {what} chosen to {aim}; the plan holds "
              f"{total(choice):,.0f} bytes" + (f" and its layers take {total(choice, 'latency'):.4g} ms, each timed "
                                               "alone in onnxruntime on this CPU" if timed else "") + ".",
@@ -261,18 +306,23 @@ def recipe_text(layers: list[LayerCandidates], choice: dict[str, Candidate], *, 
              + "; bytes" + ("; ms" if timed else "") + ")"]
     for layer in layers:
         c = choice[layer.name]
-        held = ("float" if c.bits == FLOAT else f"{c.bits} bits") + (
-            f", {c.sparsity:.0%} of its {layer.pruned} pruned ({c.kept} kept)" if c.sparsity else "")
+        held = ("float" if c.bits == FLOAT else "int8" if scheme == "w8a8" else f"{c.bits} bits") + (
+            f", {c.sparsity:.0%} of its {layer.pruned} pruned ({c.kept} kept)" if c.sparsity else "") + (
+            f", {c.in_sparsity:.0%} of its inputs pruned ({c.in_kept} kept)" if c.in_sparsity else "")
         lines.append(f"#   {layer.name}: {held} (score {c.score:.4g}, {c.cost:,.0f} bytes"
                      + (f", {c.latency:.4g} ms" if timed else "") + ")")
     floats = [layer.name for layer in layers if choice[layer.name].bits == FLOAT]
     grouping = f"strategy: group, group_size: {group_size}" if group_size else "strategy: channel"
     lines += ["version: 1.0.0", "", "modifiers:",
               f"    - !EpochRangeModifier {{start_epoch: 0.0, end_epoch: {float(epochs)}}}",
-              "", "    - !QuantizationModifier", "        start_epoch: 0.0",
-              "        scheme:", "            input_activations: null",
-              f"            weights: {{num_bits: 8, symmetric: true, {grouping}, observer: {observer}}}"]
+              "", "    - !QuantizationModifier", "        start_epoch: 0.0"]
+    if scheme == "weight-only":
+        lines += ["        scheme:", "            input_activations: null",
+                  f"            weights: {{num_bits: 8, symmetric: true, {grouping}, observer: {observer}}}"]
     overrides = [layer.name for layer in layers if choice[layer.name].bits not in (8, FLOAT)]
+    if scheme == "w8a8" and overrides:
+        raise PlanError(f"{overrides[0]}: {choice[overrides[0]].bits} bits in a w8a8 plan, whose layers are int8 or "
+                        "float")
     if overrides:
         lines.append("        scheme_overrides:")
         for name in overrides:

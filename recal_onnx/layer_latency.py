@@ -1,6 +1,9 @@
-"""What a Linear layer's weight precision costs in time, on this CPU: each candidate of a planned layer
-(:mod:`recal_core.precision_plan`) timed alone in onnxruntime as the converted model runs it, a ``MatMulNBits`` of
-the layer's shape at 2, 4 or 8 bits (``quantize_qat_export``'s weight-only form) or its float ``MatMul``.
+"""What a layer's precision costs in time, on this CPU: each candidate of a planned layer
+(:mod:`recal_core.precision_plan`) timed alone in onnxruntime as the converted model runs it: a weight-only
+Linear's ``MatMulNBits`` at 2, 4 or 8 bits (``quantize_qat_export``'s weight-only form) or its float ``MatMul``;
+under the ``w8a8`` scheme a convolution's ``QLinearConv`` or float ``Conv`` at its geometry and one sample's input,
+a Linear's ``QGemm`` or float ``MatMul``. A plan that mixes int8 and float layers also pays a Quantize or a
+Dequantize where they meet; that is not in a layer's time.
 
 Fewer bytes is not less time: ``MatMulNBits`` at 2 and 8 bits runs slower than at 4 on x86 today, and a small
 layer's float ``MatMul`` can beat all three. So a latency budget is planned from times, not sizes. Each shape's
@@ -23,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from recal_core.atomic import write_text_atomically
-from recal_core.precision_plan import FLOAT, LayerCandidates, matmul_shape
+from recal_core.precision_plan import FLOAT, ConvGeometry, LayerCandidates, matmul_shape
 
 from .cpu import describe
 from .passes import nbits_block
@@ -82,28 +85,80 @@ def time_candidates(rows: int, in_features: int, out_features: int, bits: tuple[
         threads: intra-op threads (onnxruntime's default session when None).
         rounds: interleaved rounds; each times every candidate for about 2 ms.
     """
-    from .sessions import session
-
     rng = np.random.default_rng(0)
     block = _block(in_features, group_size)
-    x = {"x": rng.standard_normal((rows, in_features)).astype(np.float32)}
+    models = {b: _model(rows, in_features, out_features, b, block, bias, accuracy_level, rng) for b in bits}
+    return _timed(models, {"x": rng.standard_normal((rows, in_features)).astype(np.float32)}, threads, rounds)
+
+
+def _timed(models: dict, feed: dict, threads: int | None, rounds: int = 9) -> dict[int, float]:
+    """Each model's median milliseconds a run on ``feed`` (uint8 where the model's input is), interleaved."""
+    from .sessions import session
+
     runs = {}
-    for b in bits:
-        s = session(_model(rows, in_features, out_features, b, block, bias, accuracy_level, rng), threads=threads)
+    for b, model in models.items():
+        s = session(model, threads=threads)
+        x = {k: (v if s.get_inputs()[0].type == "tensor(float)" else np.clip(v * 40 + 128, 0, 255).astype(np.uint8))
+             for k, v in feed.items()}
         for _ in range(3):
             s.run(None, x)
         start = time.perf_counter()
         s.run(None, x)
         once = max(time.perf_counter() - start, 1e-6)
-        runs[b] = (s, max(1, min(1000, int(0.002 / once))))
-    times = {b: [] for b in bits}
+        runs[b] = (s, x, max(1, min(1000, int(0.002 / once))))
+    times = {b: [] for b in models}
     for _ in range(rounds):
-        for b, (s, repeat) in runs.items():
+        for b, (s, x, repeat) in runs.items():
             start = time.perf_counter()
             for _ in range(repeat):
                 s.run(None, x)
             times[b].append((time.perf_counter() - start) / repeat * 1e3)
     return {b: statistics.median(t) for b, t in times.items()}
+
+
+def _int8_model(rows: int, k: int, n: int, bits: int, bias: bool, conv: ConvGeometry | None, groups: int,
+                rng: np.random.Generator):
+    """A ``w8a8`` layer as the converter writes it: ``QLinearConv`` / ``QGemm`` (uint8 in and out, int8 weights
+    per channel), or its float ``Conv`` / ``MatMul`` (``bits`` 32)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    shape = [rows, k] if conv is None else [1, k, *conv.spatial]
+    wshape = [n, k] if conv is None else [n, k // groups, *conv.kernel]
+    attrs = {} if conv is None else {"kernel_shape": list(conv.kernel), "strides": list(conv.stride),
+                                     "pads": list(conv.padding) * 2, "dilations": list(conv.dilation), "group": groups}
+    if conv is not None:
+        out_spatial = [(size + 2 * p - d * (kk - 1) - 1) // st + 1 for size, kk, st, p, d in
+                       zip(conv.spatial, conv.kernel, conv.stride, conv.padding, conv.dilation)]
+    out = [rows, n] if conv is None else [1, n, *out_spatial]
+    w = rng.standard_normal(wshape).astype(np.float32)
+    if bits == FLOAT:
+        inits = [numpy_helper.from_array(w if conv is not None else w.T.copy(), "w")]
+        names = ["x", "w"] + (["b"] if bias and conv is not None else [])
+        if bias:
+            inits.append(numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "b"))
+        nodes = [helper.make_node("Conv", names, ["y"], **attrs) if conv is not None else
+                 helper.make_node("MatMul", ["x", "w"], ["y" if not bias else "m"])]
+        if bias and conv is None:
+            nodes.append(helper.make_node("Add", ["m", "b"], ["y"]))
+        dtype = TensorProto.FLOAT
+    else:
+        inits = [numpy_helper.from_array(v, name) for name, v in [
+            ("xs", np.array(0.02, np.float32)), ("xz", np.array(128, np.uint8)),
+            ("w", rng.integers(-127, 128, wshape, dtype=np.int8)), ("ws", np.full(n, 0.01, np.float32)),
+            ("wz", np.zeros(n, np.int8)), ("ys", np.array(0.05, np.float32)),
+            ("yz", np.array(128, np.uint8)), ("b", rng.integers(-1000, 1000, n, dtype=np.int32))]]
+        if conv is not None:
+            nodes = [helper.make_node("QLinearConv", ["x", "xs", "xz", "w", "ws", "wz", "ys", "yz"]
+                                      + (["b"] if bias else []), ["y"], **attrs)]
+        else:
+            nodes = [helper.make_node("QGemm", ["x", "xs", "xz", "w", "ws", "wz", "b" if bias else "", "ys", "yz"],
+                                      ["y"], domain="com.microsoft", transB=1)]
+        dtype = TensorProto.UINT8
+    graph = helper.make_graph(nodes, "layer", [helper.make_tensor_value_info("x", dtype, shape)],
+                              [helper.make_tensor_value_info("y", dtype, out)], inits)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets), np.random.default_rng(1).standard_normal(shape).astype(
+        np.float32)
 
 
 def _block(in_features: int, group_size: int) -> int:
@@ -139,8 +194,10 @@ def timed_candidates(layers: list[LayerCandidates], *, group_size: int = 32, row
     :func:`recal_core.precision_plan.solve` plans a latency budget with. Layers of one shape are timed once.
 
     Args:
-        layers: the measured layers (:func:`recal_torch.measure_precision`), each with its shape.
-        group_size: weights per scale, as the layers were measured.
+        layers: the measured layers (:func:`recal_torch.measure_precision`), each with its shape (under
+            ``scheme="w8a8"`` a convolution's geometry: timed as ``QLinearConv`` or ``Conv``; a Linear's
+            ``QGemm`` or ``MatMul``).
+        group_size: weights per scale, as the layers were measured (weight-only layers).
         rows: input rows to time each layer at (1: a decoder's one-token step); None: each layer's rows for one
             sample of the calibration data.
         accuracy_level: ``MatMulNBits``' accuracy level, as the model will be converted (4: int8 inputs, faster on
@@ -151,7 +208,8 @@ def timed_candidates(layers: list[LayerCandidates], *, group_size: int = 32, row
     """
     import onnxruntime as ort
 
-    _block(1, group_size)  # refused before any timing
+    if any(layer.scheme != "w8a8" for layer in layers):
+        _block(1, group_size)  # refused before any timing
     missing = [layer.name for layer in layers if not layer.in_features or not layer.out_features]
     if missing:
         raise ValueError(f"{', '.join(missing[:5])}: no shape to time (in_features / out_features unset); measure the "
@@ -161,12 +219,23 @@ def timed_candidates(layers: list[LayerCandidates], *, group_size: int = 32, row
     where = (f"{describe()}|onnxruntime {ort.__version__}|threads {threads or 'default'}|group {group_size}"
              f"|level {accuracy_level}")
 
-    def shape(layer: LayerCandidates, c) -> tuple[int, int, int, bool]:
+    def shape(layer: LayerCandidates, c) -> tuple:
         r, k, n = matmul_shape(layer, c)
-        return rows or r, k, n, layer.bias
+        if layer.scheme != "w8a8":
+            return rows or r, k, n, layer.bias
+        conv, groups = layer.conv, 1
+        if conv is not None:  # a depthwise convolution thins its groups with its channels
+            groups = k if conv.groups == layer.in_features else conv.groups
+        return "w8a8", rows or r, k, n, layer.bias, conv, groups
 
-    def key(at: tuple[int, int, int, bool], b: int) -> str:
-        return f"{where}|{at[0]}x{at[1]}x{at[2]}|bias {at[3]}|bits {b}"
+    def key(at: tuple, b: int) -> str:
+        if at[0] != "w8a8":
+            return f"{where}|{at[0]}x{at[1]}x{at[2]}|bias {at[3]}|bits {b}"
+        _, r, k, n, bias, conv, groups = at
+        what = f"qgemm {r}x{k}x{n}" if conv is None else (
+            f"conv {k}x{n} kernel {conv.kernel} stride {conv.stride} pads {conv.padding} dilation {conv.dilation} "
+            f"groups {groups} at {conv.spatial}")
+        return f"{describe()}|onnxruntime {ort.__version__}|threads {threads or 'default'}|{what}|bias {bias}|bits {b}"
 
     shapes: dict[tuple, set[int]] = {}
     for layer in layers:
@@ -179,10 +248,17 @@ def timed_candidates(layers: list[LayerCandidates], *, group_size: int = 32, row
 
         items = tqdm(items, desc="timing layers", unit="shape")
     fresh = {}
+    rng = np.random.default_rng(0)
     for at, bits in items:
-        r, k, n, bias = at
-        for b, ms in time_candidates(r, k, n, tuple(sorted(bits)), group_size=group_size, bias=bias,
-                                     accuracy_level=accuracy_level, threads=threads).items():
+        if at[0] == "w8a8":
+            _, r, k, n, bias, conv, groups = at
+            built = {b: _int8_model(r, k, n, b, bias, conv, groups, rng) for b in sorted(bits)}
+            times = _timed({b: m for b, (m, _) in built.items()}, {"x": next(iter(built.values()))[1]}, threads)
+        else:
+            r, k, n, bias = at
+            times = time_candidates(r, k, n, tuple(sorted(bits)), group_size=group_size, bias=bias,
+                                    accuracy_level=accuracy_level, threads=threads)
+        for b, ms in times.items():
             fresh[key(at, b)] = ms
     if cache and fresh:
         path.parent.mkdir(parents=True, exist_ok=True)

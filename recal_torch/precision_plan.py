@@ -14,8 +14,10 @@ Two scores, compared in docs/pytorch.md:
 Each layer also carries its shape as a matmul (inputs, outputs, and the rows one calibration sample feeds it), so
 a timer (:func:`recal_onnx.timed_candidates`) can time its candidates in onnxruntime for a latency budget.
 
-Only ``nn.Linear`` (and recal's QAT Linear) layers are candidates: the weight-only grid onnxruntime runs
-(``MatMulNBits``) is a matmul's. Convolutions and embeddings are left out, named in :attr:`PrecisionPlan.left_out`.
+Under the default ``scheme="weight-only"`` only ``nn.Linear`` (and recal's QAT Linear) layers are candidates: the
+weight-only grid onnxruntime runs (``MatMulNBits``) is a matmul's. ``scheme="w8a8"`` plans a CNN instead: each
+Conv1d, Conv2d and Linear in int8 (weights and input, :mod:`recal_torch.int8_plan`) or float, its convolutions'
+filters pruned with it (``prune_levels``). What is left out is named in :attr:`PrecisionPlan.left_out`.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from recal_core.precision_plan import FLOAT, Candidate, LayerCandidates, pareto, recipe_text, solve, total
+from recal_core.precision_plan import (FLOAT, SCHEMES, Candidate, LayerCandidates, pareto, recipe_text, solve,
+                                      total)
 
+from .int8_plan import geometry, input_spans, int8_cost, int8_input, int8_weight, is_planned_conv, measured_int8, \
+    output_of
 from .pruning_plan import group_scores, plan_groups
 from .qat import GroupWeightFakeQuantize
 
@@ -68,10 +73,10 @@ def _cost(layer: nn.Linear, bits: int, group_size: int, k: int | None = None, n:
 
 
 def measure_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, object], torch.Tensor], *,
-                      score: str = "measured", bits: tuple[int, ...] = BITS, group_size: int = 32,
-                      prune_levels: tuple[float, ...] = (),
+                      score: str = "measured", bits: tuple[int, ...] | None = None, group_size: int = 32,
+                      prune_levels: tuple[float, ...] = (), scheme: str = "weight-only",
                       progress: bool = False) -> tuple[list[LayerCandidates], dict[str, str]]:
-    """Every Linear layer's candidates (float and ``bits``) with costs and scores on ``batches``, and the layers
+    """Every planned layer's candidates (float and ``bits``) with costs and scores on ``batches``, and the layers
     left out with why: what :func:`plan_precision` solves over, for a caller that solves several budgets itself
     (:func:`recal_core.precision_plan.solve`). ``model`` is left as it was.
 
@@ -80,39 +85,42 @@ def measure_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn
         batches: calibration batches.
         loss_fn: ``loss_fn(model, batch)``, the loss of one batch.
         score: ``"measured"`` (each candidate's loss increase, measured) or ``"fisher"`` (estimated).
-        bits: the weight bit widths to score.
+        bits: the weight bit widths to score (None: 8, 4 and 2 weight-only; 8 under ``"w8a8"``).
         group_size: the weights' group size (a layer whose inputs do not split into groups is left out).
         prune_levels: shares of a channel space's channels its layers may be pruned by (e.g. ``(0.25, 0.5)``),
             planned with the precision (:mod:`recal_torch.pruning_plan`); each level's score, the loss increase
             with the space alone pruned, is measured with either ``score``.
+        scheme: ``"weight-only"`` (Linear layers, weights alone at ``bits``) or ``"w8a8"`` (Conv1d, Conv2d and
+            Linear layers, int8 weights and inputs or float: a CNN's plan, :mod:`recal_torch.int8_plan`).
         progress: show a progress bar.
     """
     if score not in ("measured", "fisher"):
         raise ValueError(f"score must be 'measured' or 'fisher', got {score!r}")
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    int8 = scheme == "w8a8"
+    bits = tuple(bits or ((8,) if int8 else BITS))
+    if int8 and bits != (8,):
+        raise ValueError(f"bits {bits}: a w8a8 plan holds each layer in int8 or float; give bits=(8,) or leave it")
     if not all(0 < level < 1 for level in prune_levels):
         raise ValueError(f"prune_levels {tuple(prune_levels)}: each a share of the channels, above 0 and below 1")
     batches = list(batches)
     if not batches:
         raise ValueError("planning needs at least one calibration batch")
-    linears, left_out = {}, {}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            if group_size and module.in_features % group_size:
-                left_out[name] = f"its {module.in_features} inputs do not split into groups of {group_size}"
-            else:
-                linears[name] = module
-        elif isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)):
-            left_out[name] = f"a {type(module).__name__}: weight-only grids are planned for Linear layers only"
+    group_size = 0 if int8 else group_size
+    linears, left_out = _planned(model, group_size, int8)
     was_training = model.training
     model.eval()
     try:
-        rows, example, first = _rows_per_sample(model, linears, batches[0], loss_fn)
+        rows, example, first, shapes = _rows_per_sample(model, linears, batches[0], loss_fn)
         with torch.no_grad():
             base = (first + sum(float(loss_fn(model, b)) for b in batches[1:])) / len(batches)
         shares = _pruning(model, linears, example, tuple(prune_levels), group_size, batches, loss_fn, base)
-        grids = {name: {b: _quantized(layer.weight, b, group_size) for b in bits} for name, layer in linears.items()}
+        spans = input_spans(model, linears, batches, loss_fn) if int8 and score == "fisher" else {}
+        grids = {name: ({8: int8_weight(layer.weight)} if int8 else
+                        {b: _quantized(layer.weight, b, group_size) for b in bits}) for name, layer in linears.items()}
         if score == "fisher":
-            estimates = _output_fisher(model, linears, grids, batches, loss_fn)
+            estimates = _output_fisher(model, linears, grids, spans, batches, loss_fn)
         layers = []
         items = linears.items()
         if progress:
@@ -122,37 +130,82 @@ def measure_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn
         for name, layer in items:
             quantized = {FLOAT: 0.0}
             for b in bits:
-                quantized[b] = (_measured(model, layer, grids[name][b], batches, loss_fn) - base if score == "measured"
-                                else estimates[name, b])
-            group, along, levels = shares.get(name, ("", "", UNPRUNED))
-            candidates = []
-            for level, (kept, share) in levels.items():
-                k, n = (None, kept) if along == "outputs" else (kept, None)
-                candidates += [Candidate(b, _cost(layer, b, group_size, k, n), value + share, sparsity=level, kept=kept)
-                               for b, value in quantized.items()]
-            layers.append(LayerCandidates(name, layer.weight.numel(), tuple(candidates), layer.in_features,
-                                          layer.out_features, rows.get(name, 1), layer.bias is not None, group, along))
+                if score == "fisher":
+                    quantized[b] = estimates[name, b]
+                elif int8:
+                    quantized[b] = measured_int8(model, name, batches, loss_fn) - base
+                else:
+                    quantized[b] = _measured(model, layer, grids[name][b], batches, loss_fn) - base
+            layers.append(_candidates(name, layer, quantized, shares.get(name, []), group_size, int8,
+                                      rows.get(name, 1), shapes.get(name)))
     finally:
         model.train(was_training)
     return layers, left_out
 
 
-def _pruning(model, linears, example, levels, group_size, batches, loss_fn, base) -> dict[str, tuple]:
-    """Each pruned layer's ``(group, "outputs" | "inputs", {level: (channels kept, its share of the group's
-    score)})``, level 0 included (:mod:`recal_torch.pruning_plan`); a warning where no space can be pruned."""
+def _planned(model: nn.Module, group_size: int, int8: bool) -> tuple[dict[str, nn.Module], dict[str, str]]:
+    """The layers a plan chooses for, and those it leaves out with why."""
+    planned, left_out = {}, {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) or (int8 and is_planned_conv(module)):
+            if group_size and module.in_features % group_size:
+                left_out[name] = f"its {module.in_features} inputs do not split into groups of {group_size}"
+            else:
+                planned[name] = module
+        elif isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            left_out[name] = (f"a {type(module).__name__}: weight-only grids are planned for Linear layers only; "
+                              "scheme='w8a8' plans int8 or float for convolutions" if not int8 else
+                              f"a {type(module).__name__}: 1-D and 2-D convolutions with zero padding are planned")
+        elif isinstance(module, nn.Embedding):
+            left_out[name] = "an Embedding: tables are not planned"
+    return planned, left_out
+
+
+def _candidates(name, layer, quantized: dict[int, float], roles: list, group_size: int, int8: bool, rows: int,
+                shape) -> LayerCandidates:
+    """One layer's candidates: each precision at each level of each pruning group it belongs to (``roles``:
+    ``(group, "outputs" | "inputs" | "through", {level: (channels kept, score share)})``, the group it makes
+    first, then the one it reads)."""
+    main, read = (list(roles) + [("", "", UNPRUNED)] * 2)[:2]
+    cost = (lambda b, k, n: int8_cost(layer, b, k, n)) if int8 else (lambda b, k, n: _cost(layer, b, group_size, k, n))
+    candidates = []
+    for level, (kept, share) in main[2].items():
+        for in_level, (in_kept, in_share) in read[2].items():
+            k = in_kept if read[0] else kept if main[1] in ("inputs", "through") else None
+            n = kept if main[1] in ("outputs", "through") else None
+            candidates += [Candidate(b, cost(b, k, n), value + share + in_share, sparsity=level, kept=kept,
+                                     in_sparsity=in_level, in_kept=in_kept) for b, value in quantized.items()]
+    in_f, out_f = ((layer.in_features, layer.out_features) if isinstance(layer, nn.Linear)
+                   else (layer.in_channels, layer.out_channels))
+    return LayerCandidates(name, layer.weight.numel(), tuple(candidates), in_f, out_f, rows, layer.bias is not None,
+                           main[0], main[1], read[0], None if shape is None else geometry(layer, shape),
+                           "w8a8" if int8 else "weight-only")
+
+
+def _pruning(model, linears, example, levels, group_size, batches, loss_fn, base) -> dict[str, list[tuple]]:
+    """Each pruned layer's ``[(group, "outputs" | "inputs" | "through", {level: (channels kept, its share of the
+    group's score)})]``, level 0 included (:mod:`recal_torch.pruning_plan`), the group it makes first; a warning
+    where no space can be pruned."""
     if not levels:
         return {}
     groups, why = plan_groups(model, linears, example, group_size)
     if not groups:
         warnings.warn(f"prune_levels {levels}: nothing is pruned: {why}; the plan is precision only", stacklevel=4)
-    shares = {}
+    shares: dict[str, list[tuple]] = {}
     for group in groups:
         scores = group_scores(model, group, linears, levels, batches, loss_fn, base)
-        members = group.producers + group.readers
+        members = group.producers + group.readers + group.through
         by_level = UNPRUNED | {level: (group.channels - group.pruned(level), scores[level] / len(members))
                                for level in levels if 0 < group.pruned(level) < group.channels}
         for name in members:
-            shares[name] = (group.name, "outputs" if name in group.producers else "inputs", by_level)
+            role = ("outputs" if name in group.producers else "through" if name in group.through else "inputs")
+            shares.setdefault(name, []).append((group.name, role, by_level))
+    for name, roles in shares.items():
+        roles.sort(key=lambda r: r[1] == "inputs")
+        if len(roles) > 2 or (len(roles) == 2 and [r[1] for r in roles] != ["outputs", "inputs"]):
+            warnings.warn(f"{name}: in pruning groups {[r[0] for r in roles]}; it is planned in the first two only, "
+                          "one it makes and one it reads", stacklevel=4)
+            del roles[2:]
     return shares
 
 
@@ -164,15 +217,19 @@ def _leading(batch) -> int | None:
     return next((n for n in map(_leading, items) if n), None)
 
 
-def _rows_per_sample(model, linears: dict[str, nn.Linear], batch, loss_fn) -> tuple[dict[str, int], tuple, float]:
-    """Each layer's input rows for one sample of ``batch`` (tokens of a sequence, 1 for a vector): the matmul a
-    latency timer times; the model's own call on ``batch``, ``(args, kwargs)``, to trace its channels with; and
-    the batch's loss (the float loss's first term)."""
-    seen, samples, call = {}, _leading(batch) or 1, []
+def _rows_per_sample(model, linears: dict[str, nn.Module], batch, loss_fn) -> tuple[dict[str, int], tuple, float,
+                                                                                   dict[str, torch.Tensor]]:
+    """Each Linear's input rows for one sample of ``batch`` (tokens of a sequence, 1 for a vector): the matmul a
+    latency timer times; the model's own call on ``batch``, ``(args, kwargs)``, to trace its channels with; the
+    batch's loss (the float loss's first term); and each convolution's input for one sample (its geometry)."""
+    seen, samples, call, shapes = {}, _leading(batch) or 1, [], {}
 
     def keep(name):
         def hook(module, args):
-            seen.setdefault(name, max(1, args[0].numel() // args[0].shape[-1] // samples))
+            if isinstance(module, nn.Linear):
+                seen.setdefault(name, max(1, args[0].numel() // args[0].shape[-1] // samples))
+            else:
+                shapes.setdefault(name, args[0][:1].detach())
         return hook
 
     hooks = [layer.register_forward_pre_hook(keep(name)) for name, layer in linears.items()]
@@ -184,7 +241,7 @@ def _rows_per_sample(model, linears: dict[str, nn.Linear], batch, loss_fn) -> tu
     finally:
         for h in hooks:
             h.remove()
-    return seen, (call[0] if call else ((), {})), loss
+    return seen, (call[0] if call else ((), {})), loss, shapes
 
 
 def _quantized(weight: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
@@ -204,8 +261,10 @@ def _measured(model, layer: nn.Linear, quantized: torch.Tensor, batches, loss_fn
             layer.weight.copy_(original)
 
 
-def _output_fisher(model, linears: dict[str, nn.Linear], grids, batches, loss_fn) -> dict[tuple[str, int], float]:
-    """The ``"fisher"`` score of every layer and candidate (module docstring), averaged over ``batches``."""
+def _output_fisher(model, linears: dict[str, nn.Module], grids, spans, batches,
+                   loss_fn) -> dict[tuple[str, int], float]:
+    """The ``"fisher"`` score of every layer and candidate (module docstring), averaged over ``batches``; under
+    ``w8a8`` (``spans``, each layer's input range) the input quantized with the weights."""
     scores = {(name, b): 0.0 for name, by_bits in grids.items() for b in by_bits}
     for batch in batches:
         inputs, grads, hooks = {}, {}, []
@@ -227,9 +286,13 @@ def _output_fisher(model, linears: dict[str, nn.Linear], grids, batches, loss_fn
             for name, layer in linears.items():
                 if name not in grads:
                     continue  # not on the loss's path for this batch
-                g, rows = grads[name], grads[name].numel() // grads[name].shape[-1]
+                g, x = grads[name], inputs[name]
+                # the rows the loss averages over: tokens (a Linear's rows), or samples (a convolution's)
+                rows = g.numel() // g.shape[-1] if isinstance(layer, nn.Linear) else g.shape[0]
+                y = output_of(layer, x, layer.weight)
+                xq = int8_input(x, spans[name]) if name in spans else x
                 for b, quantized in grids[name].items():
-                    dy = nn.functional.linear(inputs[name], quantized - layer.weight)
+                    dy = output_of(layer, xq, quantized) - y
                     scores[name, b] += 0.5 * rows * float((g ** 2 * dy ** 2).sum()) / len(batches)
     model.zero_grad(set_to_none=True)
     return scores
@@ -239,7 +302,8 @@ def plan_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Mo
                    budget: float | None = None, bits_budget: float | None = None,
                    latency_budget: float | None = None, loss_budget: float | None = None,
                    timer: Callable | None = None, score: str = "measured", group_size: int = 32,
-                   prune_levels: tuple[float, ...] = (), epochs: float = 1.0, progress: bool = False) -> PrecisionPlan:
+                   prune_levels: tuple[float, ...] = (), scheme: str = "weight-only", epochs: float = 1.0,
+                   progress: bool = False) -> PrecisionPlan:
     """Measure, then choose each Linear's weight precision under ``budget`` bytes (or ``bits_budget`` bits per
     weight on average, counting its scales; or ``latency_budget`` milliseconds, the planned layers timed in
     onnxruntime by ``timer``; or the fewest bytes within ``loss_budget`` of summed score), and write the recipe.
@@ -260,6 +324,9 @@ def plan_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Mo
         prune_levels: shares of each prunable channel space (a gated MLP's hidden channels) its layers may be
             pruned by, planned with the precision (:func:`measure_precision`); the recipe prunes them
             (``mask_type: filter``) over the first half of the epochs.
+        scheme: ``"weight-only"`` (Linear weights at 8, 4 or 2 bits) or ``"w8a8"`` (a CNN: each Conv1d, Conv2d and
+            Linear in int8, weights and inputs, or float; the recipe the default ``QuantizationModifier`` scheme
+            with the float layers in ``ignore``).
         epochs: the QAT epochs the recipe schedules.
         progress: a progress bar over the layers.
 
@@ -283,9 +350,9 @@ def plan_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Mo
         raise ValueError("latency_budget needs timer=recal_onnx.timed_candidates: the layers are timed in "
                          "onnxruntime on this CPU")
     layers, left_out = measure_precision(model, batches, loss_fn, score=score, group_size=group_size,
-                                         prune_levels=prune_levels, progress=progress)
+                                         prune_levels=prune_levels, scheme=scheme, progress=progress)
     if not layers:
-        raise ValueError("no Linear layer to plan: " + "; ".join(f"{k}: {v}" for k, v in left_out.items()))
+        raise ValueError("no layer to plan: " + "; ".join(f"{k}: {v}" for k, v in left_out.items()))
     cost, within = "bytes", {}
     if bits_budget is not None:
         biases = sum(next(c.cost for c in layer.candidates if c.bits == FLOAT) - FLOAT / 8 * layer.params

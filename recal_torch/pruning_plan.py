@@ -4,8 +4,9 @@ reads them), and the loss increase of each space pruned alone at each level.
 
 Spaces come from recal's channel tracing, the graph ``mask_type: filter`` prunes and ``thin`` removes, traced as
 ``modify`` traces it (on the calibration batch's own call where only that works). A space is a candidate when
-every layer making it and every layer reading it is a planned Linear, its readers read one feature a channel, and
-nothing else (a norm, a scale) holds its channels. A level is scored with the masks the recipe's ``mask_type:
+every layer making it and every layer reading it is a planned layer and its readers read one feature a channel;
+what follows its channels between them (a BatchNorm, a depthwise convolution: planned too, thinned on both sides)
+is zeroed with a pruned channel, as the modifier zeroes it. A level is scored with the masks the recipe's ``mask_type:
 filter`` modifier will compute (:func:`recal_torch.pruning.group_masks` on the core's
 :class:`~recal_core.model_plan.ChannelGroup`, the count by :func:`recal_core.schedules.pruned_count`): whole blocks of
 the readers' quantization group, the weakest by the producers' summed squared norms.
@@ -15,11 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import warnings
-from typing import Any
 
 import torch
 from torch import nn
 
+from recal_core.channel_coupling import followers_of
 from recal_core.model_plan import ChannelGroup
 from recal_core.schedules import pruned_count
 
@@ -36,6 +37,8 @@ class PlanGroup:
     readers: tuple[str, ...]  # layers reading them (columns)
     channels: int
     block: int  # channels pruned together: the readers' quantization group (their planned bits in groups)
+    through: tuple[str, ...] = ()  # planned layers between them, one filter a channel (depthwise convolutions)
+    followers: tuple[str, ...] = ()  # zeroed with a pruned channel: biases, BatchNorm shifts, depthwise filters
 
     def pruned(self, level: float) -> int:
         """Channels a modifier at ``level`` prunes (:meth:`recal_core.model_plan.ModelPlan.channel_count`'s rule)."""
@@ -43,7 +46,7 @@ class PlanGroup:
 
     def channel_group(self) -> ChannelGroup:
         """The core's form of it, as a ``mask_type: filter`` modifier on its producers ranks it."""
-        return ChannelGroup(0, "filter", {f"{p}.weight": 1 for p in self.producers}, (), self.channels,
+        return ChannelGroup(0, "filter", {f"{p}.weight": 1 for p in self.producers}, self.followers, self.channels,
                             block=self.block)
 
 
@@ -69,46 +72,43 @@ def plan_groups(model: nn.Module, linears: dict[str, nn.Linear], example: tuple[
         producers = [layer_of.get(op.weight) for op in space.producers]
         readers = [layer_of.get(op.weight) for op, _ in space.consumers]
         per_channel = {features for _, features in space.consumers}
-        holders = [tensors for _, tensors in space.followers if tensors]
-        if (not space.thinnable or not producers or not readers or None in producers + readers
-                or per_channel != {1} or any(t for tensors in holders for t in tensors
-                                             if t not in {f"{p}.bias" for p in producers})):
+        if not space.thinnable or not producers or not readers or None in producers + readers or per_channel != {1}:
             continue
-        channels = linears[producers[0]].out_features
+        through = tuple(layer_of[op.weight] for op, _ in space.followers if op.weight in layer_of)
+        channels = linears[producers[0]].weight.shape[0]
         block = group_size or 1
         if channels % block == 0 and channels >= 2 * block:
-            groups.append(PlanGroup(producers[0], tuple(producers), tuple(readers), channels, block))
+            groups.append(PlanGroup(producers[0], tuple(producers), tuple(readers), channels, block, through,
+                                    tuple(followers_of(space))))
     return groups, "" if groups else "no channel space of the planned layers is made and read by them alone"
 
 
-def group_scores(model: nn.Module, group: PlanGroup, linears: dict[str, nn.Linear], levels: tuple[float, ...],
+def group_scores(model: nn.Module, group: PlanGroup, linears: dict[str, nn.Module], levels: tuple[float, ...],
                  batches: list, loss_fn, base: float) -> dict[float, float]:
     """The loss increase on ``batches`` with the group's weakest channels pruned at each level (its producers' rows
-    and biases zeroed: the channels then carry nothing to their readers), every other layer as it is."""
+    and its followers zeroed there: the channels then carry nothing to their readers), every other layer as it is."""
     weights = {f"{p}.weight": linears[p].weight for p in group.producers}
-    saved = {p: (linears[p].weight.detach().clone(),
-                 None if linears[p].bias is None else linears[p].bias.detach().clone()) for p in group.producers}
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    zeroed = {name: tensors[name] for name in [*weights, *group.followers] if name in tensors}
+    saved = {name: t.detach().clone() for name, t in zeroed.items()}
     scores = {}
     try:
         for level in levels:
             masks = group_masks(group.channel_group(), {n: w.detach() for n, w in weights.items()},
                                 group.pruned(level))
+            keep = next(iter(masks.values())).reshape(group.channels, -1)[:, 0]
             with torch.no_grad():
-                for p in group.producers:
-                    mask = masks[f"{p}.weight"]
-                    linears[p].weight.mul_(mask)
-                    if linears[p].bias is not None:
-                        linears[p].bias.mul_(mask[:, 0])
+                for name, tensor in zeroed.items():  # a follower may hold several elements a channel (widths)
+                    per = keep.repeat_interleave(tensor.shape[0] // group.channels).to(tensor.dtype)
+                    tensor.mul_(per.reshape(-1, *([1] * (tensor.dim() - 1))))
                 scores[level] = sum(float(loss_fn(model, b)) for b in batches) / len(batches) - base
-            _restore(linears, saved)
+            _restore(zeroed, saved)
     finally:
-        _restore(linears, saved)
+        _restore(zeroed, saved)
     return scores
 
 
-def _restore(linears: dict[str, nn.Linear], saved: dict[str, Any]) -> None:
+def _restore(tensors: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
-        for name, (weight, bias) in saved.items():
-            linears[name].weight.copy_(weight)
-            if bias is not None:
-                linears[name].bias.copy_(bias)
+        for name, value in saved.items():
+            tensors[name].copy_(value)
