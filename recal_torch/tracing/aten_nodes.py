@@ -15,7 +15,8 @@ aten = torch.ops.aten
 
 SAME = {aten.gelu.default, aten.relu.default, aten.relu_.default, aten.silu.default, aten.tanh.default,
          aten.dropout.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
-         aten.hardtanh.default, aten.leaky_relu.default, aten.hardswish.default, aten.detach.default,
+         aten.hardtanh.default, aten.relu6.default, aten.leaky_relu.default, aten.hardswish.default,
+         aten.detach.default,
          aten._to_copy.default, aten.to.dtype, aten.type_as.default, aten.native_dropout.default}
 
 
@@ -96,6 +97,21 @@ def where_of(node: torch.fx.Node) -> str:
 def shape_of(node: Any) -> tuple[int, ...] | None:
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+PADS = {aten.constant_pad_nd.default, aten.pad.default}
+
+
+def pads_only_space(node: torch.fx.Node) -> bool:
+    """A pad of an image's borders alone, with zeros (or by reflection or replication): a channel of zeros stays
+    zeros, and the channel axis is not padded (TensorFlow-style "same" padding, written before a convolution)."""
+    pad, rank = node.args[1], len(shape_of(node.args[0]) or ())
+    if node.target is aten.pad.default:
+        mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+        value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value")
+    else:
+        mode, value = "constant", node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    return rank > 2 and len(pad) <= 2 * (rank - 2) and (mode != "constant" or not value)
 
 
 def same_shape(node: torch.fx.Node, *inputs: torch.fx.Node) -> bool:

@@ -21,8 +21,9 @@ from torch import nn
 from recal_core.channel_coupling import ModelGraph, Op, channel_spaces
 from recal_core.head_coupling import Attention
 
-from .aten_nodes import (CONVS, ELEMENTWISE, FAKE_QUANTS, JOIN, SAME, TRANSPOSES, VIEWS, aten, bias_add_of, is_spatial,
-                         is_tensor, matmul_on_weight, position_of, projection_of, same_shape, shape_of, where_of)
+from .aten_nodes import (CONVS, ELEMENTWISE, FAKE_QUANTS, JOIN, PADS, SAME, TRANSPOSES, VIEWS, aten, bias_add_of,
+                         is_spatial, is_tensor, matmul_on_weight, pads_only_space, position_of, projection_of,
+                         same_shape, shape_of, where_of)
 from .exported_attention import attention_of
 from .attention_sites import attention_sites
 
@@ -178,7 +179,7 @@ def _ops(program: torch.export.ExportedProgram) -> tuple[list[Op], list[Attentio
             ops.append(Op(where_of(node), "flatten", tensors, node.name))
         elif node.target is aten.mean.dim and len(tensors) == 1 and is_spatial(node):
             ops.append(Op(where_of(node), "same", tensors, node.name))  # a global average pool written out
-        elif node.target in SAME and len(tensors) == 1:
+        elif (node.target in SAME or (node.target in PADS and pads_only_space(node))) and len(tensors) == 1:
             ops.append(Op(where_of(node), "same", tensors, node.name))
         elif node.target in JOIN and len(tensors) == 2 and same_shape(node, *node.all_input_nodes):
             ops.append(Op(where_of(node), "add", tensors, node.name))

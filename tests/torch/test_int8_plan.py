@@ -208,3 +208,58 @@ def test_recal_plan_scheme_w8a8_writes_the_cnn_recipe_the_api_plans(tmp_path, mo
     assert (tmp_path / "plan.yaml").read_text() == expected
     assert run_recal("check", "plan.yaml").returncode == 0
     assert "int8" in result.stdout and "thinned" in result.stdout and "mask_type: filter" in expected
+
+
+@pytest.mark.slow
+def test_a_hugging_face_mobilenet_v2_is_planned_trained_thinned_to_the_plan_and_converted(tmp_path):
+    """transformers' MobileNetV2 (TensorFlow-style padding written as pads, ReLU6, depthwise convolutions, residual
+    streams): its spaces are found through the pads and depthwise convolutions, a plan at 60% of int8's bytes prunes
+    them, and after QAT ``thin`` leaves every convolution with the channels the plan counted."""
+    transformers = pytest.importorskip("transformers")
+    import onnx
+
+    from recal_onnx import quantize_qat_export
+    from recal_torch import ScheduledModifierManager, export_onnx, plan_precision, thin
+
+    class Logits(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            return self.model(pixel_values=x).logits
+
+    torch.manual_seed(0)
+    model = Logits(transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config(
+        image_size=32, depth_multiplier=0.35, num_labels=3))).eval()
+    batches = [(torch.randn(8, 3, 32, 32), torch.randint(0, 3, (8,)))]
+    loss = lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    with pytest.warns(UserWarning, match="traced on the calibration batch"):
+        full = plan_precision(model, batches, loss, scheme="w8a8", loss_budget=1e9, score="fisher")
+        plan = plan_precision(model, batches, loss, scheme="w8a8", budget=0.6 * full.size, prune_levels=(0.5,),
+                              score="fisher")
+    roles = [layer.pruned for layer in plan.layers]
+    assert roles.count("through") >= 10 and sum(bool(layer.in_group) for layer in plan.layers) >= 10
+    kept = {name: matmul_shape(layer, plan.choice[name])[1:] for name, layer in zip(plan.choice, plan.layers)}
+    example = (batches[0][0][:2],)
+    manager = ScheduledModifierManager(load_recipe(plan.recipe))
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=1e-3), steps_per_epoch=2,
+                               example_inputs=example)
+    model.train()
+    for _ in range(2):
+        optimizer.zero_grad()
+        loss(model, batches[0]).backward()
+        optimizer.step()
+    manager.finalize(model)
+    thin(model.eval(), example_inputs=example)
+    modules = dict(model.named_modules())
+    convs = {name: (modules[name].in_channels, modules[name].out_channels) for name in kept
+             if isinstance(modules[name], nn.Conv2d)}
+    assert convs == {name: kept[name] for name in convs}
+    assert sum(a != b for a, b in zip(convs.values(), (full_shape[1:] for full_shape in (
+        matmul_shape(layer, next(c for c in layer.candidates if not c.sparsity and not c.in_sparsity))
+        for layer in plan.layers if layer.name in convs)))) >= 10  # and it did thin them
+    export_onnx(model, batches[0][0][:1], tmp_path / "mobilenet.onnx")
+    quantize_qat_export(tmp_path / "mobilenet.onnx", tmp_path / "mobilenet.int8.onnx")
+    ops = [n.op_type for n in onnx.load(tmp_path / "mobilenet.int8.onnx").graph.node]
+    assert ops.count("QLinearConv") == len(convs)

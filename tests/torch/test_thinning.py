@@ -325,3 +325,58 @@ def test_filter_pruning_and_qat_in_one_recipe_thin_whichever_trace(traced_by):
     assert [after for _, _, after in report.spaces] == [4, 4], str(report)
     with torch.no_grad():
         torch.testing.assert_close(model(x), before, atol=1e-6, rtol=0)
+
+
+class _PaddedDepthwise(nn.Module):
+    """TensorFlow-style padding written as a pad before each convolution (transformers' MobileNetV2), ReLU6 as
+    torch.export writes it, a depthwise convolution between two others; ``channel_pad`` pads the channel axis too."""
+
+    def __init__(self, channel_pad=False):
+        super().__init__()
+        self.a, self.bn = nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8)  # a conv before a BatchNorm
+        self.dw, self.b = nn.Conv2d(8, 8, 3, groups=8), nn.Conv2d(8 + 2 * channel_pad, 4, 1)
+        self.pad = (0, 0, 0, 0, 1, 1) if channel_pad else (0, 0, 0, 0)
+
+    def forward(self, x):
+        x = nn.functional.relu6(self.bn(self.a(nn.functional.pad(x, (1, 1, 1, 1)))))
+        return self.b(nn.functional.pad(self.dw(nn.functional.pad(x, (1, 1, 1, 1))), self.pad))
+
+
+def test_a_space_through_image_pads_and_relu6_thins_and_a_channel_pad_does_not():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    for channel_pad in (False, True):
+        model = _PaddedDepthwise(channel_pad).eval()
+        with torch.no_grad():  # channels 0-3 dead: the filters and what follows them zero, as a filter mask leaves them
+            for tensor in (model.a.weight, model.bn.bias, model.bn.running_mean, model.dw.weight, model.dw.bias):
+                tensor[:4] = 0
+            before = model(x)
+        thin(model, example_inputs=(x,))
+        expected = 8 if channel_pad else 4  # zeros padded into the channels: the channels shift, nothing thins
+        assert (model.a.out_channels, model.dw.out_channels) == (expected, expected), channel_pad
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), before, atol=1e-5, rtol=0)
+
+
+def test_a_qat_model_thins_through_image_pads_relu6_and_a_depthwise_convolution():
+    """Under QAT the ReLU6 is fused into the convolution's forward (``aten.relu6`` in torch.export's graph, not the
+    ``hardtanh`` a float ReLU6 becomes): the space still runs through it."""
+    torch.manual_seed(0)
+    model, x = _PaddedDepthwise(), torch.randn(4, 3, 8, 8)
+    manager = ScheduledModifierManager.from_yaml(
+        "- !GradualKSModifier {params: [a.weight], init_sparsity: 0.5, final_sparsity: 0.5, start_epoch: 0, "
+        "end_epoch: 1, update_frequency: 1, mask_type: filter}\n- !QuantizationModifier {start_epoch: 0}\n")
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.01), steps_per_epoch=2,
+                               example_inputs=(x,))
+    for _ in range(4):
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+    manager.finalize(model)
+    model.eval()
+    with torch.no_grad():
+        before = model(x)
+    thin(model)
+    assert (model.a.out_channels, model.dw.out_channels, model.b.in_channels) == (4, 4, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, atol=1e-5, rtol=0)
