@@ -182,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--scheme", choices=("weight-only", "w8a8"), default="weight-only",
                          help="weight-only (default): each Linear's weights at 8, 4 or 2 bits or float; w8a8 (a CNN): "
                               "each Conv1d, Conv2d and Linear in int8, weights and inputs, or float")
+    planner.add_argument("--reduce-range", action="store_true",
+                         help="with --scheme w8a8: 7-bit weights, exact on every x86 CPU with or without VNNI")
     planner.add_argument("--group-size", type=int, default=32,
                          help="weights per scale (default 32; 0: per channel; w8a8: per channel)")
     planner.add_argument("--epochs", type=float, default=1.0, help="QAT epochs the recipe schedules (default 1)")

@@ -174,7 +174,8 @@ def plan(args) -> int:
 
         timer = partial(timed_candidates, rows=args.rows, accuracy_level=args.accuracy_level)
     result = plan_precision(model, batches, loss_fn, score=args.score, group_size=args.group_size,
-                            prune_levels=args.prune_levels, scheme=args.scheme, epochs=args.epochs,
+                            prune_levels=args.prune_levels, scheme=args.scheme, reduce_range=args.reduce_range,
+                            epochs=args.epochs,
                             progress=not args.no_progress, timer=timer,
                             **{names[kind]: amount for kind, amount in budgets.items()})
     write_text_atomically(args.output, result.recipe)

@@ -306,7 +306,8 @@ def recipe_text(layers: list[LayerCandidates], choice: dict[str, Candidate], *, 
              + "; bytes" + ("; ms" if timed else "") + ")"]
     for layer in layers:
         c = choice[layer.name]
-        held = ("float" if c.bits == FLOAT else "int8" if scheme == "w8a8" else f"{c.bits} bits") + (
+        grid = "int8" + (", 7-bit weights" if c.bits == 7 else "") if scheme == "w8a8" else f"{c.bits} bits"
+        held = ("float" if c.bits == FLOAT else grid) + (
             f", {c.sparsity:.0%} of its {layer.pruned} pruned ({c.kept} kept)" if c.sparsity else "") + (
             f", {c.in_sparsity:.0%} of its inputs pruned ({c.in_kept} kept)" if c.in_sparsity else "")
         lines.append(f"#   {layer.name}: {held} (score {c.score:.4g}, {c.cost:,.0f} bytes"
@@ -320,9 +321,13 @@ def recipe_text(layers: list[LayerCandidates], choice: dict[str, Candidate], *, 
         lines += ["        scheme:", "            input_activations: null",
                   f"            weights: {{num_bits: 8, symmetric: true, {grouping}, observer: {observer}}}"]
     overrides = [layer.name for layer in layers if choice[layer.name].bits not in (8, FLOAT)]
-    if scheme == "w8a8" and overrides:
-        raise PlanError(f"{overrides[0]}: {choice[overrides[0]].bits} bits in a w8a8 plan, whose layers are int8 or "
-                        "float")
+    reduced = {c.bits for c in choice.values()} - {FLOAT} == {7}  # 7-bit weights: the whole model's grid
+    if scheme == "w8a8" and overrides and not reduced:
+        raise PlanError(f"{overrides[0]}: {choice[overrides[0]].bits} bits in a w8a8 plan, whose layers are int8 "
+                        "(8-bit weights, or 7-bit in every layer) or float")
+    if scheme == "w8a8" and reduced:
+        lines.append("        reduce_range: true")
+        overrides = []
     if overrides:
         lines.append("        scheme_overrides:")
         for name in overrides:

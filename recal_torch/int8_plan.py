@@ -70,14 +70,14 @@ def input_spans(model: nn.Module, layers: dict[str, nn.Module], batches, loss_fn
     return spans
 
 
-def measured_int8(model: nn.Module, name: str, batches, loss_fn) -> float:
+def measured_int8(model: nn.Module, name: str, batches, loss_fn, reduce_range: bool = False) -> float:
     """The mean loss on ``batches`` of ``model`` with ``name`` alone in int8, as recal's QAT holds it at its start: a
     copy QAT-prepared with every other layer left float (its input, weights and fused output on their grids,
     BatchNorm folded), its observers calibrated on ``batches`` (eval mode otherwise), then frozen."""
     qat = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the planner's notes on the layers left float: all but one, on purpose
-        fake_quantize_model(qat, skip=set(quantizable_layers(qat, skip={name})))
+        fake_quantize_model(qat, skip=set(quantizable_layers(qat, skip={name})), reduce_range=reduce_range)
     qat.eval()
     observers = [q for q in fake_quantizers(qat) if isinstance(q, ActivationFakeQuantize)]
     with torch.no_grad():

@@ -85,7 +85,8 @@ def measure_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn
         batches: calibration batches.
         loss_fn: ``loss_fn(model, batch)``, the loss of one batch.
         score: ``"measured"`` (each candidate's loss increase, measured) or ``"fisher"`` (estimated).
-        bits: the weight bit widths to score (None: 8, 4 and 2 weight-only; 8 under ``"w8a8"``).
+        bits: the weight bit widths to score (None: 8, 4 and 2 weight-only; 8 under ``"w8a8"``, or ``(7,)``: 7-bit
+            weights, ``reduce_range``, the AVX2 twin's grid, which is the whole model's or none).
         group_size: the weights' group size (a layer whose inputs do not split into groups is left out).
         prune_levels: shares of a channel space's channels its layers may be pruned by (e.g. ``(0.25, 0.5)``),
             planned with the precision (:mod:`recal_torch.pruning_plan`); each level's score, the loss increase
@@ -100,8 +101,9 @@ def measure_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn
         raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
     int8 = scheme == "w8a8"
     bits = tuple(bits or ((8,) if int8 else BITS))
-    if int8 and bits != (8,):
-        raise ValueError(f"bits {bits}: a w8a8 plan holds each layer in int8 or float; give bits=(8,) or leave it")
+    if int8 and bits not in ((8,), (7,)):
+        raise ValueError(f"bits {bits}: a w8a8 plan holds each layer in int8 or float: bits=(8,), or (7,) for 7-bit "
+                         "weights (reduce_range: exact on every x86 CPU, with or without VNNI)")
     if not all(0 < level < 1 for level in prune_levels):
         raise ValueError(f"prune_levels {tuple(prune_levels)}: each a share of the channels, above 0 and below 1")
     batches = list(batches)
@@ -117,7 +119,7 @@ def measure_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn
             base = (first + sum(float(loss_fn(model, b)) for b in batches[1:])) / len(batches)
         shares = _pruning(model, linears, example, tuple(prune_levels), group_size, batches, loss_fn, base)
         spans = input_spans(model, linears, batches, loss_fn) if int8 and score == "fisher" else {}
-        grids = {name: ({8: int8_weight(layer.weight)} if int8 else
+        grids = {name: ({b: int8_weight(layer.weight, b == 7) for b in bits} if int8 else
                         {b: _quantized(layer.weight, b, group_size) for b in bits}) for name, layer in linears.items()}
         if score == "fisher":
             estimates = _output_fisher(model, linears, grids, spans, batches, loss_fn)
@@ -133,7 +135,7 @@ def measure_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn
                 if score == "fisher":
                     quantized[b] = estimates[name, b]
                 elif int8:
-                    quantized[b] = measured_int8(model, name, batches, loss_fn) - base
+                    quantized[b] = measured_int8(model, name, batches, loss_fn, reduce_range=b == 7) - base
                 else:
                     quantized[b] = _measured(model, layer, grids[name][b], batches, loss_fn) - base
             layers.append(_candidates(name, layer, quantized, shares.get(name, []), group_size, int8,
@@ -302,8 +304,8 @@ def plan_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Mo
                    budget: float | None = None, bits_budget: float | None = None,
                    latency_budget: float | None = None, loss_budget: float | None = None,
                    timer: Callable | None = None, score: str = "measured", group_size: int = 32,
-                   prune_levels: tuple[float, ...] = (), scheme: str = "weight-only", epochs: float = 1.0,
-                   progress: bool = False) -> PrecisionPlan:
+                   prune_levels: tuple[float, ...] = (), scheme: str = "weight-only", reduce_range: bool = False,
+                   epochs: float = 1.0, progress: bool = False) -> PrecisionPlan:
     """Measure, then choose each Linear's weight precision under ``budget`` bytes (or ``bits_budget`` bits per
     weight on average, counting its scales; or ``latency_budget`` milliseconds, the planned layers timed in
     onnxruntime by ``timer``; or the fewest bytes within ``loss_budget`` of summed score), and write the recipe.
@@ -327,6 +329,8 @@ def plan_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Mo
         scheme: ``"weight-only"`` (Linear weights at 8, 4 or 2 bits) or ``"w8a8"`` (a CNN: each Conv1d, Conv2d and
             Linear in int8, weights and inputs, or float; the recipe the default ``QuantizationModifier`` scheme
             with the float layers in ``ignore``).
+        reduce_range: with ``"w8a8"``, 7-bit weights (``|q| <= 64``) scored and written (``reduce_range: true``):
+            exact on every x86 CPU, with or without VNNI.
         epochs: the QAT epochs the recipe schedules.
         progress: a progress bar over the layers.
 
@@ -346,11 +350,15 @@ def plan_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Mo
     if not sized and latency_budget is None and loss_budget is None:
         raise ValueError("give a budget: budget (bytes), bits_budget (bits per weight), latency_budget (ms, alone "
                          "or with a size) or loss_budget (summed score)")
+    if reduce_range and scheme != "w8a8":
+        raise ValueError("reduce_range: 7-bit weights are a w8a8 plan's (scheme='w8a8'); weight-only plans choose "
+                         "8, 4 or 2 bits")
     if latency_budget is not None and timer is None:
         raise ValueError("latency_budget needs timer=recal_onnx.timed_candidates: the layers are timed in "
                          "onnxruntime on this CPU")
     layers, left_out = measure_precision(model, batches, loss_fn, score=score, group_size=group_size,
-                                         prune_levels=prune_levels, scheme=scheme, progress=progress)
+                                         prune_levels=prune_levels, scheme=scheme, progress=progress,
+                                         bits=(7,) if reduce_range else None)
     if not layers:
         raise ValueError("no layer to plan: " + "; ".join(f"{k}: {v}" for k, v in left_out.items()))
     cost, within = "bytes", {}

@@ -1,7 +1,8 @@
 """A CNN's recipe planned from measurement (``scheme="w8a8"``) against uniform pruning and a random plan of the same
-size, each after the same QAT: Hugging Face's ResNet (basic blocks, a small config, random initial weights) trained on
-scikit-learn's digits (8x8 upscaled to 32x32), each convolution and the classifier in int8 (weights and inputs) or
-float, each block's inner channels pruned by 25%, 50% or 75% or not.
+size, each after the same QAT: Hugging Face's ResNet (basic blocks, a small config) or MobileNetV2
+(``--model mobilenet``), random initial weights, trained on scikit-learn's digits (8x8 upscaled to 32x32), each
+convolution and the classifier in int8 (weights and inputs) or float, each channel space between them (a block's
+inner channels; MobileNetV2's residual streams too) pruned by 25%, 50% or 75% or not.
 
 Plans, within ``--share`` of uniform int8's bytes: recal's plan from the measured loss increase (each layer alone in
 recal's QAT, each space alone pruned); from the cheap (Fisher) estimate; uniform pruning (every space at the least
@@ -12,7 +13,7 @@ within uniform pruning's summed time. Each is QAT-trained ``--qat-steps`` steps 
 exported, converted by ``quantize_qat_export``, and judged in onnxruntime on the 360 held-out digits (accuracy and
 cross-entropy), with its size, its layers' summed time as planned and the whole model's measured time for one image.
 
-    python scripts/bench_plan_cnn.py [--seeds 0 1 2] [--json docs/results/plan_cnn.json]
+    python scripts/bench_plan_cnn.py [--model resnet|mobilenet] [--seeds 0 1 2] [--json docs/results/plan_cnn.json]
 """
 
 from __future__ import annotations
@@ -53,11 +54,20 @@ class Logits(torch.nn.Module):
         return self.model(pixel_values=x).logits
 
 
-def build() -> torch.nn.Module:
+def build(name: str = "resnet") -> torch.nn.Module:
+    """transformers' ResNet (basic blocks, hidden sizes 16-128) or MobileNetV2 (width 0.35: depthwise blocks,
+    TensorFlow-style padding), 10 classes, random initial weights."""
     import transformers
 
+    if name == "mobilenet":
+        return Logits(transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config(
+            image_size=SIZE, depth_multiplier=0.35, num_labels=10)))
     return Logits(transformers.ResNetForImageClassification(transformers.ResNetConfig(
         embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1], layer_type="basic", num_labels=10)))
+
+
+MODELS = {"resnet": "transformers' ResNet (basic blocks, hidden sizes 16-128",
+          "mobilenet": "transformers' MobileNetV2 (width 0.35, depthwise blocks"}
 
 
 def images(x: np.ndarray) -> torch.Tensor:
@@ -122,7 +132,7 @@ def run_seed(args, seed: int, data) -> dict:
     torch.manual_seed(seed)
     x, y = images(data.train_images), torch.from_numpy(data.train_labels)
     tx, ty = images(data.test_images), torch.from_numpy(data.test_labels)
-    model = build()
+    model = build(args.model)
     print(f"seed {seed}, fp32: {args.steps} steps", flush=True)
     train(model, x, y, args.steps, 2e-3, 10 * seed)
     g = torch.Generator().manual_seed(10 * seed + 7)
@@ -147,7 +157,7 @@ def run_seed(args, seed: int, data) -> dict:
     uniform = _uniform(layers, level)
     uniform_ms = precision_plan.total(uniform, "latency")
     choices = {"uniform int8, unpruned (larger)": _uniform(layers, 0.0),
-               f"uniform int8, every block {level:.0%} pruned": uniform,
+               f"uniform int8, every space {level:.0%} pruned": uniform,
                "recal plan (measured)": precision_plan.solve(layers, budget),
                "recal plan (fisher estimate)": precision_plan.solve(timed["fisher"], budget),
                "random plan": _random(layers, budget, random.Random(seed)),
@@ -190,12 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration", type=int, default=8, help="batches of 64 the plan is measured on")
     parser.add_argument("--share", type=float, default=0.6, help="the size budget, a share of uniform int8's bytes")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--model", choices=tuple(MODELS), default="resnet")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     data = load_digits()
     runs = [run_seed(args, seed, data) for seed in args.seeds]
     out = {**machine(), "seeds": args.seeds, "steps": args.steps, "qat_steps": args.qat_steps, "share": args.share,
-           "calibration": args.calibration, "runs": runs}
+           "calibration": args.calibration, "model": args.model, "runs": runs}
     return report(out, table(out), args.json)
 
 
@@ -210,7 +221,7 @@ def table(data: dict) -> str:
         acc, ce = [r["accuracy"] for r in rows], [r["cross_entropy"] for r in rows]
         pruned = [s for s in first["pruned"].values() if s]
         counts = f"{first['int8']} of {first['layers']}" + (
-            f"; {len(pruned)} of {len(first['pruned'])} blocks pruned" if pruned else "")
+            f"; {len(pruned)} of {len(first['pruned'])} spaces pruned" if pruned else "")
         lines.append(f"| {first['plan']} | {counts} | {statistics.median(r['planned_bytes'] for r in rows) / 1e3:.1f} | "
                      f"{statistics.median(r['file_bytes'] for r in rows) / 1e3:.1f} | {statistics.median(acc):.3f} "
                      f"({min(acc):.3f}-{max(acc):.3f}) | {statistics.median(ce):.4f} ({min(ce):.4f}-{max(ce):.4f}) | "

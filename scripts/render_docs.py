@@ -500,12 +500,13 @@ def plan_curve() -> str:
             "the row before it again, and is left out. `recal plan --plot` draws the same curve for your model.")
 
 
-def plan_cnn() -> str:
+def plan_cnn(name: str = "plan_cnn.json") -> str:
     """A CNN's planned recipes (each layer int8 or float, filters pruned) against uniform pruning and a random plan,
     each after the same QAT, over seeds (scripts/bench_plan_cnn.py)."""
-    from bench_plan_cnn import table
+    from bench_plan_cnn import MODELS, table
 
-    data = load("plan_cnn.json")
+    data = load(name)
+    model = data.get("model", "resnet")
     runs, n = data["runs"], len(data["runs"])
     first = runs[0]
     rows = [{r["plan"]: i for i, r in enumerate(run["rows"])} for run in runs]
@@ -521,12 +522,12 @@ def plan_cnn() -> str:
     fast, fast_random = at["recal plan at uniform's ms (measured)"], at["random plan at uniform's ms"]
     levels = ", ".join(dict.fromkeys(f"{run['uniform_level']:.0%}" for run in runs))  # by seed, where they differ
     budget = ", ".join(dict.fromkeys(f"{run['budget_bytes'] / 1e3:.1f}" for run in runs))
-    return (table(data) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. Hugging Face's ResNet (basic "
-            f"blocks, hidden sizes 16-128, random initial weights; {first['layers_planned']} layers planned: its "
-            f"convolutions and classifier) on scikit-learn's digits upscaled to 32x32, {data['steps']} fp32 steps "
+    return (table(data) + f"\n\n{data['cpu']}; onnxruntime {data['onnxruntime']}. {MODELS[model]}, random "
+            f"initial weights; {first['layers_planned']} layers planned: its convolutions and classifier) on "
+            f"scikit-learn's digits upscaled to 32x32, {data['steps']} fp32 steps "
             f"(batch 64), planned on {data['calibration']} training batches of 64, then {data['qat_steps']} QAT "
             f"steps under each plan. Equal size: within {data['share']:.0%} of uniform int8's bytes ({budget} kB), "
-            f"met uniformly by pruning every block's inner channels by {levels}. Over seeds "
+            f"met uniformly by pruning every channel space by {levels}. Over seeds "
             f"{', '.join(map(str, data['seeds']))}, held-out cross-entropy, seed by seed: the measured plan's below "
             f"uniform pruning's in {wins(measured, uniform)} of {n}, below the random plan's in "
             f"{wins(measured, rand)} of {n}, below the Fisher plan's in {wins(measured, fisher)} of {n}; the Fisher "
@@ -534,11 +535,15 @@ def plan_cnn() -> str:
             f"{wins(fisher, rand)} of {n}. Accuracy, the measured plan's above uniform pruning's in "
             f"{wins(uniform, measured, 'accuracy')} of {n}. At uniform pruning's summed layer time, the measured "
             f"plan's cross-entropy below uniform pruning's in {wins(fast, uniform)} of {n} and below the random "
-            f"plan's in {wins(fast, fast_random)} of {n}. int8 layers and blocks pruned: the first seed's plan. "
+            f"plan's in {wins(fast, fast_random)} of {n}; as a whole converted model it took "
+            f"{statistics.median(run['rows'][fast]['ms_image'] for run in runs):.3f} ms an image against uniform pruning's "
+            f"{statistics.median(run['rows'][uniform]['ms_image'] for run in runs):.3f} (the Quantize and Dequantize between "
+            "its int8 and float layers are in no layer's time). int8 layers and spaces pruned: the first seed's plan. "
             "Accuracy and cross-entropy (median, least-most) of the converted model in onnxruntime on the 360 "
             "held-out digits; planned ms: the plan's layers' summed time, each timed alone (one image, one "
             "thread); image ms: the whole converted model's, 1 thread, median of 9 interleaved rounds "
-            "(`python scripts/bench_plan_cnn.py --seeds 0 1 2 --json docs/results/plan_cnn.json`).")
+            f"(`python scripts/bench_plan_cnn.py{' --model mobilenet' if model == 'mobilenet' else ''} --seeds 0 1 2 "
+            f"--json docs/results/{name}`).")
 
 
 def layer_latency() -> str:
@@ -610,7 +615,8 @@ TABLES = {"interop": interop, "demo-accuracy": demo_accuracy, "demo-speed": demo
           "thinning-decoder-neox": lambda: thinning_decoder("gpt-neox"),
           "jax-compile": jax_compile, "gpu-check": gpu_check,
           "lsq-overhead": lsq_overhead, "avx2-exactness": avx2_exactness, "real-models": real_models,
-          "real-model-qat": real_model_qat, "plan": plan, "plan-cnn": plan_cnn, "export": export,
+          "real-model-qat": real_model_qat, "plan": plan, "plan-cnn": plan_cnn,
+          "plan-cnn-mobilenet": lambda: plan_cnn("plan_cnn_mobilenet.json"), "export": export,
           "learned-scales": learned_scales}
 
 

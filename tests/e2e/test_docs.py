@@ -39,7 +39,8 @@ def test_every_table_marker_names_a_table_and_every_json_is_used():
         "avx2_exactness.json", "demo.json", "digits_int8.json", "export.json", "gpu_check.json", "interop.json",
         "jax_compile.json", "keras_applications.json", "keras_backends.json", "large_decoder.json", "layer_latency.json",
         "learned_scales.json", "llm.json", "llm_ternary.json", "llm_ternary_h128.json", "llm_ternary_h96.json",
-        "lsq_overhead.json", "plan.json", "plan_cnn.json", "plan_time.json", "real_model_qat.json", "real_models.json", "reduce_range.json",
+        "lsq_overhead.json", "plan.json", "plan_cnn.json", "plan_cnn_mobilenet.json", "plan_time.json",
+        "real_model_qat.json", "real_models.json", "reduce_range.json",
         "thinning_transformers.json", "transformers.json", "zoo.json", "zoo_vnni.json", "zoo_vnni_amd.json"}
 
 

@@ -263,3 +263,23 @@ def test_a_hugging_face_mobilenet_v2_is_planned_trained_thinned_to_the_plan_and_
     quantize_qat_export(tmp_path / "mobilenet.onnx", tmp_path / "mobilenet.int8.onnx")
     ops = [n.op_type for n in onnx.load(tmp_path / "mobilenet.int8.onnx").graph.node]
     assert ops.count("QLinearConv") == len(convs)
+
+
+def test_a_reduce_range_plan_scores_and_writes_7_bit_weights_for_every_layer():
+    """``reduce_range=True``: the AVX2 twin's grid (|q| <= 64), the whole model's or none: each int8 layer scored on
+    it (a coarser grid: a larger loss increase than 8 bits'), and the recipe trains it (``reduce_range: true``)."""
+    from recal_torch import plan_precision
+
+    model, batches, _ = _data(4)
+    with torch.no_grad():
+        batches = [(b[0], model(b[0])) for b in batches]
+    loss = lambda m, b: nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    eight = plan_precision(model, batches, loss, scheme="w8a8", loss_budget=1e9)
+    seven = plan_precision(model, batches, loss, scheme="w8a8", loss_budget=1e9, reduce_range=True)
+    assert {c.bits for c in seven.choice.values()} == {7} and seven.size == eight.size
+    assert sum(c.score for c in seven.choice.values()) > 2 * sum(c.score for c in eight.choice.values()) > 0
+    assert "reduce_range: true" in seven.recipe and "reduce_range" not in eight.recipe
+    assert "int8, 7-bit weights" in seven.recipe
+    assert load_recipe(seven.recipe).modifiers[1].reduce_range
+    with pytest.raises(ValueError, match="7-bit weights are a w8a8 plan's"):
+        plan_precision(model, batches, loss, loss_budget=1e9, reduce_range=True)
