@@ -190,7 +190,11 @@ def plan(args) -> int:
     thinned = sum(1 for c in result.choice.values() if c.sparsity or c.in_sparsity)
     said += f"; {thinned} thinned (recal_torch.thin after training)" if thinned else ""
     took = "" if result.latency is None else f", {result.latency:.4g} ms in onnxruntime here"
-    print(f"planned {len(result.choice)} layers ({said}), {result.size / 1e6:.3f} MB{took}; wrote {args.output} "
+    from recal_core.precision_plan import macs
+
+    work = sum(macs(layer, result.choice[layer.name]) for layer in result.layers) / 1e6
+    print(f"planned {len(result.choice)} layers ({said}), {result.size / 1e6:.3f} MB, {work:.4g} M multiply-adds a "
+          f"sample{took}; wrote {args.output} "
           f"(check it: recal check {args.output})")
     if args.plot:
         print(f"wrote {plot_curve(result, args.plot)}")

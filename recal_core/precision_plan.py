@@ -19,6 +19,7 @@ usual loop.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from .errors import PlanError
@@ -99,6 +100,21 @@ def matmul_shape(layer: LayerCandidates, candidate: Candidate) -> tuple[int, int
     if candidate.in_kept is not None:
         k = candidate.in_kept
     return layer.rows, k, n
+
+
+def macs(layer: LayerCandidates, candidate: Candidate) -> int:
+    """Multiply-adds of ``layer`` held as ``candidate``, for one sample: a Linear's rows x inputs x outputs; a
+    convolution's output positions x outputs x its filter's inputs (thinned as :func:`matmul_shape` thins)."""
+    rows, k, n = matmul_shape(layer, candidate)
+    conv = layer.conv
+    if conv is None:
+        return rows * k * n
+    per_filter = 1 if conv.groups == layer.in_features else k // conv.groups
+    positions = 1
+    for size, kernel, stride, pad, dilation in zip(conv.spatial, conv.kernel, conv.stride, conv.padding,
+                                                   conv.dilation):
+        positions *= (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
+    return positions * n * per_filter * math.prod(conv.kernel)
 
 
 _UNIT = {"bytes": "bytes", "latency": "ms", "score": "of summed score"}
@@ -303,15 +319,15 @@ def recipe_text(layers: list[LayerCandidates], choice: dict[str, Candidate], *, 
              "# layer: bits (score: "
              + ("the loss increase measured with this layer alone quantized" if estimate == "measured"
                 else f"the {estimate} estimate of the loss increase")
-             + "; bytes" + ("; ms" if timed else "") + ")"]
+             + "; bytes; multiply-adds a sample" + ("; ms" if timed else "") + ")"]
     for layer in layers:
         c = choice[layer.name]
         grid = "int8" + (", 7-bit weights" if c.bits == 7 else "") if scheme == "w8a8" else f"{c.bits} bits"
         held = ("float" if c.bits == FLOAT else grid) + (
             f", {c.sparsity:.0%} of its {layer.pruned} pruned ({c.kept} kept)" if c.sparsity else "") + (
             f", {c.in_sparsity:.0%} of its inputs pruned ({c.in_kept} kept)" if c.in_sparsity else "")
-        lines.append(f"#   {layer.name}: {held} (score {c.score:.4g}, {c.cost:,.0f} bytes"
-                     + (f", {c.latency:.4g} ms" if timed else "") + ")")
+        lines.append(f"#   {layer.name}: {held} (score {c.score:.4g}, {c.cost:,.0f} bytes, "
+                     f"{macs(layer, c) / 1e6:.4g} M multiply-adds" + (f", {c.latency:.4g} ms" if timed else "") + ")")
     floats = [layer.name for layer in layers if choice[layer.name].bits == FLOAT]
     grouping = f"strategy: group, group_size: {group_size}" if group_size else "strategy: channel"
     lines += ["version: 1.0.0", "", "modifiers:",

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from recal_core import load_recipe
-from recal_core.precision_plan import FLOAT, Candidate, LayerCandidates, matmul_shape, size_bounds, solve
+from recal_core.precision_plan import FLOAT, Candidate, LayerCandidates, macs, matmul_shape, size_bounds, solve
 
 
 class Chain(nn.Module):
@@ -136,7 +136,7 @@ def test_the_planned_cnn_recipe_trains_thins_to_the_plan_and_converts_with_its_f
     import onnx
 
     from recal_onnx import quantize_qat_export, timed_candidates
-    from recal_torch import ScheduledModifierManager, export_onnx, plan_precision, thin
+    from recal_torch import ScheduledModifierManager, count_macs, export_onnx, plan_precision, thin
 
     model, batches, loss = _data(2)
     full = plan_precision(model, batches, loss, scheme="w8a8", loss_budget=1e9)  # the smallest unpruned plan
@@ -159,6 +159,10 @@ def test_the_planned_cnn_recipe_trains_thins_to_the_plan_and_converts_with_its_f
     for name in ("c1", "c2", "c3"):
         conv = getattr(model, name)
         assert (conv.in_channels, conv.out_channels) == kept[name], (name, plan.recipe)
+    # the multiply-adds the plan counts (and writes in its comments) are the thinned model's
+    planned_macs = sum(macs(layer, plan.choice[layer.name]) for layer in plan.layers)
+    assert planned_macs == count_macs(model, torch.randn(2, 3, 12, 12))[0]
+    assert "M multiply-adds" in plan.recipe
     path = tmp_path / "planned.onnx"
     export_onnx(model, torch.randn(1, 3, 12, 12), path)
     out = tmp_path / "planned.int8.onnx"
