@@ -373,6 +373,13 @@ def plan_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Mo
     if loss_budget is not None:
         budget, cost = loss_budget, "score"
     choice = solve(layers, budget, cost, within=within)
+    floats = [name for name, c in choice.items() if c.bits == FLOAT]
+    if scheme == "w8a8" and cost == "latency" and 0 < len(floats) < len(choice):
+        warnings.warn(f"the plan keeps {len(floats)} of {len(choice)} layers float ({', '.join(floats[:3])}"
+                      f"{', ...' if len(floats) > 3 else ''}) between int8 ones: the Quantize and Dequantize where "
+                      "they meet are in no layer's time, so the converted model may run slower than the summed "
+                      f"{total(choice, 'latency'):.4g} ms; time it, or plan a CNN under a size budget",
+                      RuntimeWarning, stacklevel=2)
     curve = [(spent, summed) for spent, summed, _ in pareto(layers, cost="bytes" if cost == "score" else cost,
                                                             within=within)]
     text = recipe_text(layers, choice, group_size=group_size, epochs=epochs, budget=budget, estimate=score, cost=cost,

@@ -5,6 +5,7 @@ between them thins on both sides; and the recipe written trains, thins to the pl
 the float layers left float."""
 
 import itertools
+import warnings
 
 import numpy as np
 import pytest
@@ -141,8 +142,12 @@ def test_the_planned_cnn_recipe_trains_thins_to_the_plan_and_converts_with_its_f
     model, batches, loss = _data(2)
     full = plan_precision(model, batches, loss, scheme="w8a8", loss_budget=1e9)  # the smallest unpruned plan
     assert all(c.bits == 8 for c in full.choice.values())
-    plan = plan_precision(model, batches, loss, scheme="w8a8", budget=0.6 * full.size, prune_levels=(0.5,),
-                          timer=timed_candidates, latency_budget=1e3)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", RuntimeWarning)
+        plan = plan_precision(model, batches, loss, scheme="w8a8", budget=0.6 * full.size, prune_levels=(0.5,),
+                              timer=timed_candidates, latency_budget=1e3)
+    mixed = 0 < sum(c.bits == FLOAT for c in plan.choice.values()) < len(plan.choice)
+    assert any("in no layer's time" in str(w.message) for w in said) == mixed  # whichever this CPU's times chose
     assert plan.size <= 0.6 * full.size and plan.latency is not None
     assert "scheme:" not in plan.recipe and "mask_type: filter" in plan.recipe
     load_recipe(plan.recipe)  # what `recal check` reads
@@ -287,3 +292,20 @@ def test_a_reduce_range_plan_scores_and_writes_7_bit_weights_for_every_layer():
     assert load_recipe(seven.recipe).modifiers[1].reduce_range
     with pytest.raises(ValueError, match="7-bit weights are a w8a8 plan's"):
         plan_precision(model, batches, loss, loss_budget=1e9, reduce_range=True)
+
+
+def test_a_cnn_latency_plan_that_mixes_int8_and_float_says_its_time_leaves_out_the_conversions():
+    import dataclasses
+
+    from recal_torch import plan_precision
+
+    model, batches, loss = _data(5)
+
+    def timer(layers, **_):  # c1 faster in float; every other layer faster in int8
+        return [dataclasses.replace(la, candidates=tuple(dataclasses.replace(
+            c, latency=(0.1 if la.name == "c1" else 1.0) if c.bits == FLOAT else 0.5) for c in la.candidates))
+            for la in layers]
+
+    with pytest.warns(RuntimeWarning, match=r"keeps 1 of 5 layers float \(c1\) between int8 ones: the Quantize"):
+        plan = plan_precision(model, batches, loss, scheme="w8a8", latency_budget=2.1, timer=timer)
+    assert plan.choice["c1"].bits == FLOAT and plan.latency <= 2.1
