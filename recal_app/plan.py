@@ -175,8 +175,7 @@ def plan(args) -> int:
         timer = partial(timed_candidates, rows=args.rows, accuracy_level=args.accuracy_level)
     result = plan_precision(model, batches, loss_fn, score=args.score, group_size=args.group_size,
                             prune_levels=args.prune_levels, scheme=args.scheme, reduce_range=args.reduce_range,
-                            epochs=args.epochs,
-                            progress=not args.no_progress, timer=timer,
+                            epochs=args.epochs, progress=not args.no_progress, timer=timer,
                             **{names[kind]: amount for kind, amount in budgets.items()})
     write_text_atomically(args.output, result.recipe)
     for name, why in result.left_out.items():
@@ -190,12 +189,8 @@ def plan(args) -> int:
     thinned = sum(1 for c in result.choice.values() if c.sparsity or c.in_sparsity)
     said += f"; {thinned} thinned (recal_torch.thin after training)" if thinned else ""
     took = "" if result.latency is None else f", {result.latency:.4g} ms in onnxruntime here"
-    from recal_core.precision_plan import macs
-
-    work = sum(macs(layer, result.choice[layer.name]) for layer in result.layers) / 1e6
-    print(f"planned {len(result.choice)} layers ({said}), {result.size / 1e6:.3f} MB, {work:.4g} M multiply-adds a "
-          f"sample{took}; wrote {args.output} "
-          f"(check it: recal check {args.output})")
+    print(f"planned {len(result.choice)} layers ({said}), {result.size / 1e6:.3f} MB, {result.macs / 1e6:.4g} M "
+          f"multiply-adds a sample{took}; wrote {args.output} (check it: recal check {args.output})")
     if args.plot:
         print(f"wrote {plot_curve(result, args.plot)}")
     return 0

@@ -59,6 +59,12 @@ class ConvGeometry:
     groups: int
     spatial: tuple[int, ...]
 
+    def output(self) -> tuple[int, ...]:
+        """The spatial size of its output."""
+        sides = zip(self.spatial, self.kernel, self.stride, self.padding, self.dilation)
+        return tuple((size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
+                     for size, kernel, stride, pad, dilation in sides)
+
 
 @dataclass(frozen=True)
 class LayerCandidates:
@@ -84,6 +90,10 @@ class LayerCandidates:
     conv: ConvGeometry | None = None
     scheme: str = "weight-only"  # or "w8a8": its inputs quantized with its weights (SCHEMES)
 
+    def conv_groups(self, inputs: int) -> int:
+        """Its convolution's groups at ``inputs`` channels: a depthwise convolution's thin with them."""
+        return inputs if self.conv.groups == self.in_features else self.conv.groups
+
     def levels(self, c: Candidate) -> dict[str, float]:
         """``{group: sparsity}`` of each group ``c`` holds a level of."""
         return {**({self.group: c.sparsity} if self.group else {}),
@@ -102,19 +112,20 @@ def matmul_shape(layer: LayerCandidates, candidate: Candidate) -> tuple[int, int
     return layer.rows, k, n
 
 
+def weight_count(layer: LayerCandidates, candidate: Candidate) -> int:
+    """Weights of ``layer`` held as ``candidate`` (thinned as :func:`matmul_shape` thins): a Linear's inputs x
+    outputs, a convolution's outputs x its filter's inputs x its kernel."""
+    _, k, n = matmul_shape(layer, candidate)
+    if layer.conv is None:
+        return k * n
+    return n * (k // layer.conv_groups(k)) * math.prod(layer.conv.kernel)
+
+
 def macs(layer: LayerCandidates, candidate: Candidate) -> int:
-    """Multiply-adds of ``layer`` held as ``candidate``, for one sample: a Linear's rows x inputs x outputs; a
-    convolution's output positions x outputs x its filter's inputs (thinned as :func:`matmul_shape` thins)."""
-    rows, k, n = matmul_shape(layer, candidate)
-    conv = layer.conv
-    if conv is None:
-        return rows * k * n
-    per_filter = 1 if conv.groups == layer.in_features else k // conv.groups
-    positions = 1
-    for size, kernel, stride, pad, dilation in zip(conv.spatial, conv.kernel, conv.stride, conv.padding,
-                                                   conv.dilation):
-        positions *= (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
-    return positions * n * per_filter * math.prod(conv.kernel)
+    """Multiply-adds of ``layer`` held as ``candidate``, for one sample: each weight once a row (a Linear) or an
+    output position (a convolution)."""
+    uses = layer.rows if layer.conv is None else math.prod(layer.conv.output())
+    return uses * weight_count(layer, candidate)
 
 
 _UNIT = {"bytes": "bytes", "latency": "ms", "score": "of summed score"}
@@ -337,12 +348,12 @@ def recipe_text(layers: list[LayerCandidates], choice: dict[str, Candidate], *, 
         lines += ["        scheme:", "            input_activations: null",
                   f"            weights: {{num_bits: 8, symmetric: true, {grouping}, observer: {observer}}}"]
     overrides = [layer.name for layer in layers if choice[layer.name].bits not in (8, FLOAT)]
-    reduced = {c.bits for c in choice.values()} - {FLOAT} == {7}  # 7-bit weights: the whole model's grid
-    if scheme == "w8a8" and overrides and not reduced:
-        raise PlanError(f"{overrides[0]}: {choice[overrides[0]].bits} bits in a w8a8 plan, whose layers are int8 "
-                        "(8-bit weights, or 7-bit in every layer) or float")
-    if scheme == "w8a8" and reduced:
-        lines.append("        reduce_range: true")
+    if scheme == "w8a8":  # one grid for every int8 layer: 8-bit weights, or 7-bit (reduce_range) in all of them
+        held = {c.bits for c in choice.values()} - {FLOAT}
+        if held not in (set(), {8}, {7}):
+            raise PlanError(f"{overrides[0]}: {choice[overrides[0]].bits} bits in a w8a8 plan, whose layers are int8 "
+                            "(8-bit weights, or 7-bit in every layer) or float")
+        lines += ["        reduce_range: true"] if held == {7} else []
         overrides = []
     if overrides:
         lines.append("        scheme_overrides:")

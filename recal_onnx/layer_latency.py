@@ -122,14 +122,11 @@ def _int8_model(rows: int, k: int, n: int, bits: int, bias: bool, conv: ConvGeom
     per channel), or its float ``Conv`` / ``MatMul`` (``bits`` 32)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    shape = [rows, k] if conv is None else [1, k, *conv.spatial]
+    shape = _input_shape(rows, k, conv)
     wshape = [n, k] if conv is None else [n, k // groups, *conv.kernel]
     attrs = {} if conv is None else {"kernel_shape": list(conv.kernel), "strides": list(conv.stride),
                                      "pads": list(conv.padding) * 2, "dilations": list(conv.dilation), "group": groups}
-    if conv is not None:
-        out_spatial = [(size + 2 * p - d * (kk - 1) - 1) // st + 1 for size, kk, st, p, d in
-                       zip(conv.spatial, conv.kernel, conv.stride, conv.padding, conv.dilation)]
-    out = [rows, n] if conv is None else [1, n, *out_spatial]
+    out = [rows, n] if conv is None else [1, n, *conv.output()]
     w = rng.standard_normal(wshape).astype(np.float32)
     if bits == FLOAT:
         inits = [numpy_helper.from_array(w if conv is not None else w.T.copy(), "w")]
@@ -157,8 +154,12 @@ def _int8_model(rows: int, k: int, n: int, bits: int, bias: bool, conv: ConvGeom
     graph = helper.make_graph(nodes, "layer", [helper.make_tensor_value_info("x", dtype, shape)],
                               [helper.make_tensor_value_info("y", dtype, out)], inits)
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-    return helper.make_model(graph, opset_imports=opsets), np.random.default_rng(1).standard_normal(shape).astype(
-        np.float32)
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def _input_shape(rows: int, k: int, conv: ConvGeometry | None) -> list[int]:
+    """A ``w8a8`` layer's input: ``rows`` of ``k`` (a Linear), or one sample of ``k`` channels (a convolution)."""
+    return [rows, k] if conv is None else [1, k, *conv.spatial]
 
 
 def _block(in_features: int, group_size: int) -> int:
@@ -216,17 +217,15 @@ def timed_candidates(layers: list[LayerCandidates], *, group_size: int = 32, row
                          "layers with a front end's measure_precision")
     path = cache_path()
     kept = _read_cache(path) if cache else {}
-    where = (f"{describe()}|onnxruntime {ort.__version__}|threads {threads or 'default'}|group {group_size}"
-             f"|level {accuracy_level}")
+    machine = f"{describe()}|onnxruntime {ort.__version__}|threads {threads or 'default'}"
+    where = f"{machine}|group {group_size}|level {accuracy_level}"
 
     def shape(layer: LayerCandidates, c) -> tuple:
         r, k, n = matmul_shape(layer, c)
         if layer.scheme != "w8a8":
             return rows or r, k, n, layer.bias
-        conv, groups = layer.conv, 1
-        if conv is not None:  # a depthwise convolution thins its groups with its channels
-            groups = k if conv.groups == layer.in_features else conv.groups
-        return "w8a8", rows or r, k, n, layer.bias, conv, groups
+        groups = 1 if layer.conv is None else layer.conv_groups(k)
+        return "w8a8", rows or r, k, n, layer.bias, layer.conv, groups
 
     def key(at: tuple, b: int) -> str:
         if at[0] != "w8a8":
@@ -235,7 +234,7 @@ def timed_candidates(layers: list[LayerCandidates], *, group_size: int = 32, row
         what = f"qgemm {r}x{k}x{n}" if conv is None else (
             f"conv {k}x{n} kernel {conv.kernel} stride {conv.stride} pads {conv.padding} dilation {conv.dilation} "
             f"groups {groups} at {conv.spatial}")
-        return f"{describe()}|onnxruntime {ort.__version__}|threads {threads or 'default'}|{what}|bias {bias}|bits {b}"
+        return f"{machine}|{what}|bias {bias}|bits {b}"
 
     shapes: dict[tuple, set[int]] = {}
     for layer in layers:
@@ -252,8 +251,8 @@ def timed_candidates(layers: list[LayerCandidates], *, group_size: int = 32, row
     for at, bits in items:
         if at[0] == "w8a8":
             _, r, k, n, bias, conv, groups = at
-            built = {b: _int8_model(r, k, n, b, bias, conv, groups, rng) for b in sorted(bits)}
-            times = _timed({b: m for b, (m, _) in built.items()}, {"x": next(iter(built.values()))[1]}, threads)
+            feed = {"x": rng.standard_normal(_input_shape(r, k, conv)).astype(np.float32)}
+            times = _timed({b: _int8_model(r, k, n, b, bias, conv, groups, rng) for b in sorted(bits)}, feed, threads)
         else:
             r, k, n, bias = at
             times = time_candidates(r, k, n, tuple(sorted(bits)), group_size=group_size, bias=bias,

@@ -19,19 +19,17 @@ import warnings
 import torch
 from torch import nn
 
-from recal_core.precision_plan import FLOAT, ConvGeometry
+from recal_core.precision_plan import ConvGeometry
 
 from .qat import (CONVS, REDUCED_W_LEVELS, W_LEVELS, ActivationFakeQuantize, activation_qparams,
                   fake_quantize_model, fake_quantizers, quantizable_layers, weight_qparams)
 
 PLANNED_CONVS = CONVS[:2]  # 1-D and 2-D convolutions (the timer builds those)
-SCALE_BYTES = 4  # a channel's float32 scale
 
 
 def is_planned_conv(module: nn.Module) -> bool:
-    """A 1-D or 2-D convolution recal's QAT quantizes (zero padding, not transposed)."""
-    return (isinstance(module, PLANNED_CONVS) and not isinstance(module, nn.modules.conv._ConvTransposeNd)
-            and module.padding_mode == "zeros")
+    """A 1-D or 2-D convolution recal's QAT quantizes (zero padding)."""
+    return isinstance(module, PLANNED_CONVS) and module.padding_mode == "zeros"
 
 
 def int8_weight(weight: torch.Tensor, reduce_range: bool = False) -> torch.Tensor:
@@ -97,23 +95,12 @@ def output_of(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.
     return layer._conv_forward(x, weight, layer.bias)
 
 
-def geometry(layer: nn.Module, x: torch.Tensor) -> ConvGeometry:
-    """A convolution's geometry at its input ``x`` (one sample's spatial size)."""
-    padding = layer.padding if not isinstance(layer.padding, str) else tuple(
-        (d * (k - 1)) // 2 for k, d in zip(layer.kernel_size, layer.dilation))  # "same" (stride 1) or "valid" (0)
-    if layer.padding == "valid":
+def geometry(layer: nn.Module, spatial: tuple[int, ...]) -> ConvGeometry:
+    """A convolution's geometry at an input of ``spatial`` size (one sample's)."""
+    padding = layer.padding
+    if padding == "valid":
         padding = (0,) * len(layer.kernel_size)
+    elif padding == "same":  # stride 1: half the dilated kernel on each side
+        padding = tuple(d * (k - 1) // 2 for k, d in zip(layer.kernel_size, layer.dilation))
     return ConvGeometry(tuple(layer.kernel_size), tuple(layer.stride), tuple(padding), tuple(layer.dilation),
-                        layer.groups, tuple(x.shape[2:]))
-
-
-def int8_cost(layer: nn.Module, bits: int, k: int | None = None, n: int | None = None) -> float:
-    """Bytes of ``layer`` in int8 (weights, a scale per channel, an int32 bias) or float (``bits`` 32), thinned to
-    ``k`` input and ``n`` output channels when given."""
-    cin, cout = (layer.in_features, layer.out_features) if isinstance(layer, nn.Linear) else (
-        layer.in_channels, layer.out_channels)
-    k, n = k or cin, n or cout
-    per_filter = 1 if not isinstance(layer, nn.Linear) and layer.groups == cin else k // getattr(layer, "groups", 1)
-    weights = n * per_filter * math.prod(getattr(layer, "kernel_size", (1,)))
-    bias = 4 * n if layer.bias is not None else 0
-    return 4.0 * weights + bias if bits == FLOAT else weights + n * SCALE_BYTES + bias
+                        layer.groups, tuple(spatial))

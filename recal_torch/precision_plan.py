@@ -22,6 +22,7 @@ filters pruned with it (``prune_levels``). What is left out is named in :attr:`P
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -29,16 +30,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from recal_core.precision_plan import (FLOAT, SCHEMES, Candidate, LayerCandidates, pareto, recipe_text, solve,
-                                      total)
+from recal_core.precision_plan import (FLOAT, SCHEMES, Candidate, LayerCandidates, macs, matmul_shape, pareto,
+                                      recipe_text, solve, total, weight_count)
 
-from .int8_plan import geometry, input_spans, int8_cost, int8_input, int8_weight, is_planned_conv, measured_int8, \
-    output_of
+from .int8_plan import geometry, input_spans, int8_input, int8_weight, is_planned_conv, measured_int8, output_of
 from .pruning_plan import group_scores, plan_groups
 from .qat import GroupWeightFakeQuantize
 
 BITS = (8, 4, 2)
-SCALE_BYTES = 4  # a group's float32 scale
+SCALE_BYTES = 4  # a group's (or a channel's) float32 scale
 UNPRUNED = {0.0: (None, 0.0)}  # a layer's one pruning level outside a group: (channels kept, its score share)
 
 
@@ -56,20 +56,27 @@ class PrecisionPlan:
         return total(self.choice)
 
     @property
+    def macs(self) -> int:
+        """The planned layers' multiply-adds for one sample."""
+        return sum(macs(layer, self.choice[layer.name]) for layer in self.layers)
+
+    @property
     def latency(self) -> float | None:
         """The planned layers' summed milliseconds, each timed alone (None: not timed)."""
         return None if any(c.latency is None for c in self.choice.values()) else total(self.choice, "latency")
 
 
-def _cost(layer: nn.Linear, bits: int, group_size: int, k: int | None = None, n: int | None = None) -> float:
-    """Bytes of ``layer`` held at ``bits``, thinned to ``k`` inputs and ``n`` outputs when given."""
-    k, n = k or layer.in_features, n or layer.out_features
-    weights = k * n
-    bias = 4 * n if layer.bias is not None else 0
-    if bits == FLOAT:
+def _bytes(layer: LayerCandidates, c: Candidate, group_size: int) -> float:
+    """Bytes of ``layer`` held as ``c``: its weights (thinned as ``c`` thins them) at ``c``'s bits with their scales
+    (one a group of ``group_size``, or a channel), its bias in float32 (int32 under ``w8a8``: as many bytes)."""
+    _, _, n = matmul_shape(layer, c)
+    weights = weight_count(layer, c)
+    bias = 4 * n if layer.bias else 0
+    if c.bits == FLOAT:
         return 4.0 * weights + bias
     groups = weights // group_size if group_size else n
-    return weights * bits / 8 + groups * SCALE_BYTES + bias
+    stored = 8 if layer.scheme == "w8a8" else c.bits  # 7-bit weights (reduce_range) are held as int8
+    return weights * stored / 8 + groups * SCALE_BYTES + bias
 
 
 def measure_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, object], torch.Tensor], *,
@@ -114,7 +121,7 @@ def measure_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn
     was_training = model.training
     model.eval()
     try:
-        rows, example, first, shapes = _rows_per_sample(model, linears, batches[0], loss_fn)
+        rows, example, first, spatial = _rows_per_sample(model, linears, batches[0], loss_fn)
         with torch.no_grad():
             base = (first + sum(float(loss_fn(model, b)) for b in batches[1:])) / len(batches)
         shares = _pruning(model, linears, example, tuple(prune_levels), group_size, batches, loss_fn, base)
@@ -139,7 +146,7 @@ def measure_precision(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn
                 else:
                     quantized[b] = _measured(model, layer, grids[name][b], batches, loss_fn) - base
             layers.append(_candidates(name, layer, quantized, shares.get(name, []), group_size, int8,
-                                      rows.get(name, 1), shapes.get(name)))
+                                      rows.get(name, 1), spatial.get(name)))
     finally:
         model.train(was_training)
     return layers, left_out
@@ -164,24 +171,22 @@ def _planned(model: nn.Module, group_size: int, int8: bool) -> tuple[dict[str, n
 
 
 def _candidates(name, layer, quantized: dict[int, float], roles: list, group_size: int, int8: bool, rows: int,
-                shape) -> LayerCandidates:
+                spatial) -> LayerCandidates:
     """One layer's candidates: each precision at each level of each pruning group it belongs to (``roles``:
     ``(group, "outputs" | "inputs" | "through", {level: (channels kept, score share)})``, the group it makes
-    first, then the one it reads)."""
+    first, then the one it reads), each costed by the core's count of what it holds."""
     main, read = (list(roles) + [("", "", UNPRUNED)] * 2)[:2]
-    cost = (lambda b, k, n: int8_cost(layer, b, k, n)) if int8 else (lambda b, k, n: _cost(layer, b, group_size, k, n))
-    candidates = []
-    for level, (kept, share) in main[2].items():
-        for in_level, (in_kept, in_share) in read[2].items():
-            k = in_kept if read[0] else kept if main[1] in ("inputs", "through") else None
-            n = kept if main[1] in ("outputs", "through") else None
-            candidates += [Candidate(b, cost(b, k, n), value + share + in_share, sparsity=level, kept=kept,
-                                     in_sparsity=in_level, in_kept=in_kept) for b, value in quantized.items()]
     in_f, out_f = ((layer.in_features, layer.out_features) if isinstance(layer, nn.Linear)
                    else (layer.in_channels, layer.out_channels))
-    return LayerCandidates(name, layer.weight.numel(), tuple(candidates), in_f, out_f, rows, layer.bias is not None,
-                           main[0], main[1], read[0], None if shape is None else geometry(layer, shape),
-                           "w8a8" if int8 else "weight-only")
+    shell = LayerCandidates(name, layer.weight.numel(), (), in_f, out_f, rows, layer.bias is not None, main[0],
+                            main[1], read[0], None if spatial is None else geometry(layer, spatial),
+                            "w8a8" if int8 else "weight-only")
+    candidates = [Candidate(b, 0.0, value + share + in_share, sparsity=level, kept=kept, in_sparsity=in_level,
+                            in_kept=in_kept)
+                  for level, (kept, share) in main[2].items() for in_level, (in_kept, in_share) in read[2].items()
+                  for b, value in quantized.items()]
+    return dataclasses.replace(shell, candidates=tuple(
+        dataclasses.replace(c, cost=_bytes(shell, c, 0 if int8 else group_size)) for c in candidates))
 
 
 def _pruning(model, linears, example, levels, group_size, batches, loss_fn, base) -> dict[str, list[tuple]]:
@@ -220,18 +225,18 @@ def _leading(batch) -> int | None:
 
 
 def _rows_per_sample(model, linears: dict[str, nn.Module], batch, loss_fn) -> tuple[dict[str, int], tuple, float,
-                                                                                   dict[str, torch.Tensor]]:
+                                                                                   dict[str, tuple[int, ...]]]:
     """Each Linear's input rows for one sample of ``batch`` (tokens of a sequence, 1 for a vector): the matmul a
     latency timer times; the model's own call on ``batch``, ``(args, kwargs)``, to trace its channels with; the
-    batch's loss (the float loss's first term); and each convolution's input for one sample (its geometry)."""
-    seen, samples, call, shapes = {}, _leading(batch) or 1, [], {}
+    batch's loss (the float loss's first term); and each convolution's input size (its spatial axes)."""
+    seen, samples, call, spatial = {}, _leading(batch) or 1, [], {}
 
     def keep(name):
         def hook(module, args):
             if isinstance(module, nn.Linear):
                 seen.setdefault(name, max(1, args[0].numel() // args[0].shape[-1] // samples))
             else:
-                shapes.setdefault(name, args[0][:1].detach())
+                spatial.setdefault(name, tuple(args[0].shape[2:]))
         return hook
 
     hooks = [layer.register_forward_pre_hook(keep(name)) for name, layer in linears.items()]
@@ -243,7 +248,7 @@ def _rows_per_sample(model, linears: dict[str, nn.Module], batch, loss_fn) -> tu
     finally:
         for h in hooks:
             h.remove()
-    return seen, (call[0] if call else ((), {})), loss, shapes
+    return seen, (call[0] if call else ((), {})), loss, spatial
 
 
 def _quantized(weight: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ from recal_core.channel_coupling import followers_of
 from recal_core.model_plan import ChannelGroup
 from recal_core.schedules import pruned_count
 
-from .pruning import group_masks
+from .pruning import expand, group_masks
 
 
 
@@ -98,9 +98,8 @@ def group_scores(model: nn.Module, group: PlanGroup, linears: dict[str, nn.Modul
                                 group.pruned(level))
             keep = next(iter(masks.values())).reshape(group.channels, -1)[:, 0]
             with torch.no_grad():
-                for name, tensor in zeroed.items():  # a follower may hold several elements a channel (widths)
-                    per = keep.repeat_interleave(tensor.shape[0] // group.channels).to(tensor.dtype)
-                    tensor.mul_(per.reshape(-1, *([1] * (tensor.dim() - 1))))
+                for tensor in zeroed.values():  # as MaskState zeroes them: a channel's rows (its width of them)
+                    tensor.mul_(expand(keep, tensor, False, tensor.shape[0] // group.channels))
                 scores[level] = sum(float(loss_fn(model, b)) for b in batches) / len(batches) - base
             _restore(zeroed, saved)
     finally:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.results import machine, report
+from bench.suite import suite_module
 from bench.timing import interleaved_latency
 from recal_core import load_digits, precision_plan
 from recal_onnx import UnconvertedOpsWarning, quantize_qat_export, timed_candidates
@@ -41,17 +42,9 @@ from recal_torch import ScheduledModifierManager, export_onnx, measure_precision
 
 PRUNE_LEVELS = (0.25, 0.5, 0.75)
 SIZE = 32
+HF = suite_module("tests.e2e.zoo.test_cnns").HF  # a transformers classifier called on images, its logits out
 LR = "    - !LearningRateFunctionModifier {start_epoch: 0, end_epoch: 1, lr_func: cosine, init_lr: 0.0005, " \
      "final_lr: 0.00005}\n"  # the QAT's LR, the same for every plan
-
-
-class Logits(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        return self.model(pixel_values=x).logits
 
 
 def build(name: str = "resnet") -> torch.nn.Module:
@@ -60,9 +53,9 @@ def build(name: str = "resnet") -> torch.nn.Module:
     import transformers
 
     if name == "mobilenet":
-        return Logits(transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config(
+        return HF(transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config(
             image_size=SIZE, depth_multiplier=0.35, num_labels=10)))
-    return Logits(transformers.ResNetForImageClassification(transformers.ResNetConfig(
+    return HF(transformers.ResNetForImageClassification(transformers.ResNetConfig(
         embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1], layer_type="basic", num_labels=10)))
 
 

@@ -9,6 +9,6 @@ the second-order steps (OBS, M-FAC), and :class:`MaskState`, which keeps a model
 An internal room: it declares no ``__all__``; what a user imports is :mod:`recal_torch`'s.
 """
 
-from .channels import group_masks
+from .channels import expand, group_masks
 from .magnitude import joint_magnitude_masks, magnitude_mask, nonzero_mask, structured_mask
 from .masks import MaskState

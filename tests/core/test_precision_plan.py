@@ -331,8 +331,9 @@ def test_pruning_is_planned_with_the_precision_and_the_recipe_prunes_and_thins_i
     """``prune_levels``: each MLP's hidden channels (half of them nearly dead) are pruned by the plan where a size
     budget needs room, written as a filter-pruning modifier on the layers making them, which recal trains and
     ``thin`` removes: the recipe does what the plan says."""
-    from recal_torch import ScheduledModifierManager, thin
     from recal_torch.precision_plan import plan_precision
+
+    from tests.support.torch_models import train_planned
 
     model, batches, loss = _llama_with_weak_mlp_channels()
     full = plan_precision(model, batches, loss, bits_budget=8.5)
@@ -342,14 +343,7 @@ def test_pruning_is_planned_with_the_precision_and_the_recipe_prunes_and_thins_i
     assert set(levels.values()) == {0.5}, plan.recipe  # gate, up and down of both blocks: one share each
     assert plan.size <= 0.5 * full.size
     assert "mask_type: filter" in plan.recipe and "'model.layers.0.mlp.gate_proj.weight'" in plan.recipe
-    manager = ScheduledModifierManager(load_recipe(plan.recipe))
-    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=1e-4), steps_per_epoch=2)
-    for b in batches:
-        optimizer.zero_grad()
-        loss(model, b).backward()
-        optimizer.step()
-    manager.finalize(model)
-    thin(model.eval())
+    train_planned(model, plan.recipe, batches, loss, lr=1e-4, steps=len(batches))
     mlp = model.model.layers[0].mlp
     assert mlp.gate_proj.out_features == mlp.up_proj.out_features == mlp.down_proj.in_features == 64
 

@@ -83,3 +83,21 @@ def assert_same_state(a, b) -> None:
     """Two models hold the same state dict, key for key and bit for bit."""
     for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items()):
         assert na == nb and torch.equal(pa, pb), na
+
+
+def train_planned(model, recipe: str, batches, loss, lr: float, steps: int, example_inputs=None):
+    """``steps`` SGD steps of ``loss`` over ``batches`` (cycled) under a planned ``recipe`` (two steps an epoch),
+    finalized and thinned, in eval mode: what the plan's recipe makes of ``model``."""
+    from recal_core import load_recipe
+    from recal_torch import ScheduledModifierManager, thin
+
+    manager = ScheduledModifierManager(load_recipe(recipe))
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=lr), steps_per_epoch=2,
+                               example_inputs=example_inputs)
+    model.train()
+    for k in range(steps):
+        optimizer.zero_grad()
+        loss(model, batches[k % len(batches)]).backward()
+        optimizer.step()
+    manager.finalize(model)
+    thin(model.eval())

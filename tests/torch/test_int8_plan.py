@@ -15,6 +15,8 @@ from torch import nn
 from recal_core import load_recipe
 from recal_core.precision_plan import FLOAT, Candidate, LayerCandidates, macs, matmul_shape, size_bounds, solve
 
+from tests.support.torch_models import train_planned
+
 
 class Chain(nn.Module):
     """conv-BN-ReLU twice in a chain (c2 reads c1's channels and makes its own), a depthwise conv, a 1x1 conv, a
@@ -137,7 +139,7 @@ def test_the_planned_cnn_recipe_trains_thins_to_the_plan_and_converts_with_its_f
     import onnx
 
     from recal_onnx import quantize_qat_export, timed_candidates
-    from recal_torch import ScheduledModifierManager, count_macs, export_onnx, plan_precision, thin
+    from recal_torch import count_macs, export_onnx, plan_precision
 
     model, batches, loss = _data(2)
     full = plan_precision(model, batches, loss, scheme="w8a8", loss_budget=1e9)  # the smallest unpruned plan
@@ -152,15 +154,7 @@ def test_the_planned_cnn_recipe_trains_thins_to_the_plan_and_converts_with_its_f
     assert "scheme:" not in plan.recipe and "mask_type: filter" in plan.recipe
     load_recipe(plan.recipe)  # what `recal check` reads
     kept = {name: matmul_shape(la, plan.choice[name])[1:] for name, la in zip(plan.choice, plan.layers)}
-    manager = ScheduledModifierManager(load_recipe(plan.recipe))
-    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=1e-3), steps_per_epoch=2)
-    model.train()
-    for b in batches:
-        optimizer.zero_grad()
-        loss(model, b).backward()
-        optimizer.step()
-    manager.finalize(model)
-    thin(model.eval())
+    train_planned(model, plan.recipe, batches, loss, lr=1e-3, steps=len(batches))
     for name in ("c1", "c2", "c3"):
         conv = getattr(model, name)
         assert (conv.in_channels, conv.out_channels) == kept[name], (name, plan.recipe)
@@ -224,23 +218,16 @@ def test_a_hugging_face_mobilenet_v2_is_planned_trained_thinned_to_the_plan_and_
     """transformers' MobileNetV2 (TensorFlow-style padding written as pads, ReLU6, depthwise convolutions, residual
     streams): its spaces are found through the pads and depthwise convolutions, a plan at 60% of int8's bytes prunes
     them, and after QAT ``thin`` leaves every convolution with the channels the plan counted."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     import onnx
 
     from recal_onnx import quantize_qat_export
-    from recal_torch import ScheduledModifierManager, export_onnx, plan_precision, thin
+    from recal_torch import export_onnx, plan_precision
 
-    class Logits(nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, x):
-            return self.model(pixel_values=x).logits
+    from tests.e2e.zoo.test_cnns import hf_mobilenet_v2  # the zoo's: 32x32 images, width 0.35, 3 classes
 
     torch.manual_seed(0)
-    model = Logits(transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config(
-        image_size=32, depth_multiplier=0.35, num_labels=3))).eval()
+    model = hf_mobilenet_v2().eval()
     batches = [(torch.randn(8, 3, 32, 32), torch.randint(0, 3, (8,)))]
     loss = lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
     with pytest.warns(UserWarning, match="traced on the calibration batch"):
@@ -250,17 +237,7 @@ def test_a_hugging_face_mobilenet_v2_is_planned_trained_thinned_to_the_plan_and_
     roles = [layer.pruned for layer in plan.layers]
     assert roles.count("through") >= 10 and sum(bool(layer.in_group) for layer in plan.layers) >= 10
     kept = {name: matmul_shape(layer, plan.choice[name])[1:] for name, layer in zip(plan.choice, plan.layers)}
-    example = (batches[0][0][:2],)
-    manager = ScheduledModifierManager(load_recipe(plan.recipe))
-    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=1e-3), steps_per_epoch=2,
-                               example_inputs=example)
-    model.train()
-    for _ in range(2):
-        optimizer.zero_grad()
-        loss(model, batches[0]).backward()
-        optimizer.step()
-    manager.finalize(model)
-    thin(model.eval(), example_inputs=example)
+    train_planned(model, plan.recipe, batches, loss, lr=1e-3, steps=2, example_inputs=(batches[0][0][:2],))
     modules = dict(model.named_modules())
     convs = {name: (modules[name].in_channels, modules[name].out_channels) for name in kept
              if isinstance(modules[name], nn.Conv2d)}

@@ -307,24 +307,28 @@ def test_filter_pruning_and_qat_in_one_recipe_thin_whichever_trace(traced_by):
 
     torch.manual_seed(0)
     model, x = Net(), torch.randn(4, 1, 8, 8)
-    manager = ScheduledModifierManager.from_yaml(
-        "- !GradualKSModifier {params: [c1.weight, c2.weight], init_sparsity: 0.5, final_sparsity: 0.5, "
-        "start_epoch: 0, end_epoch: 1, update_frequency: 1, mask_type: filter}\n"
-        "- !QuantizationModifier {start_epoch: 0}\n")
-    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.01), steps_per_epoch=2,
-                               example_inputs=x if traced_by == "export" else None)
-    for _ in range(4):
-        optimizer.zero_grad()
-        model(x).sum().backward()
-        optimizer.step()
-    manager.finalize(model)
-    model.eval()
+    _filters_and_qat_trained(model, "[c1.weight, c2.weight]", x, example_inputs=x if traced_by == "export" else None)
     with torch.no_grad():
         before = model(x)
     report = thin(model)
     assert [after for _, _, after in report.spaces] == [4, 4], str(report)
     with torch.no_grad():
         torch.testing.assert_close(model(x), before, atol=1e-6, rtol=0)
+
+
+def _filters_and_qat_trained(model, params: str, x, example_inputs=None) -> None:
+    """Four steps under half of ``params``' filters pruned and QAT from the start, finalized, in eval mode."""
+    manager = ScheduledModifierManager.from_yaml(
+        f"- !GradualKSModifier {{params: {params}, init_sparsity: 0.5, final_sparsity: 0.5, start_epoch: 0, "
+        "end_epoch: 1, update_frequency: 1, mask_type: filter}\n- !QuantizationModifier {start_epoch: 0}\n")
+    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.01), steps_per_epoch=2,
+                               example_inputs=example_inputs)
+    for _ in range(4):
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+    manager.finalize(model)
+    model.eval()
 
 
 class _PaddedDepthwise(nn.Module):
@@ -363,17 +367,7 @@ def test_a_qat_model_thins_through_image_pads_relu6_and_a_depthwise_convolution(
     ``hardtanh`` a float ReLU6 becomes): the space still runs through it."""
     torch.manual_seed(0)
     model, x = _PaddedDepthwise(), torch.randn(4, 3, 8, 8)
-    manager = ScheduledModifierManager.from_yaml(
-        "- !GradualKSModifier {params: [a.weight], init_sparsity: 0.5, final_sparsity: 0.5, start_epoch: 0, "
-        "end_epoch: 1, update_frequency: 1, mask_type: filter}\n- !QuantizationModifier {start_epoch: 0}\n")
-    optimizer = manager.modify(model, torch.optim.SGD(model.parameters(), lr=0.01), steps_per_epoch=2,
-                               example_inputs=(x,))
-    for _ in range(4):
-        optimizer.zero_grad()
-        model(x).sum().backward()
-        optimizer.step()
-    manager.finalize(model)
-    model.eval()
+    _filters_and_qat_trained(model, "[a.weight]", x, example_inputs=(x,))
     with torch.no_grad():
         before = model(x)
     thin(model)
